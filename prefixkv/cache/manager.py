@@ -1,0 +1,202 @@
+"""KVCacheManager: the scheduler's view of the KV cache - lookups, allocation, freeing."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .block import KVCacheBlock
+from .events import BlockStored, KVCacheEvent
+from .identity import ROOT_UID, BlockChain, HashFunction, get_hash_function, none_hash
+from .policies import EvictionPolicy, get_policy
+from .pool import BlockPool
+from .protocol import CacheRequest
+from .stats import PrefixCacheStats
+
+
+@dataclass
+class _RequestBlocks:
+    chain: BlockChain
+    blocks: list[KVCacheBlock] = field(default_factory=list)  # the block table, append-only
+    num_cached_blocks: int = 0  # leading blocks already entered in the table
+
+
+class KVCacheManager:
+    """Prefix-cached block allocation for requests (see SPEC.md, "Lookup" to "Free and eviction").
+
+    Keyword options beyond the acceptance surface:
+      hash_algo     content hash for external identity: "sha256_cbor" (default), "sha256",
+                    "xxhash_cbor", or a callable(obj) -> bytes. It never decides a local hit.
+      hash_seed     seed of NONE_HASH (and of xxhash), fixed so hashes agree across processes.
+      eviction_policy  name or EvictionPolicy subclass (default "lru", the seed's policy).
+      enable_kv_cache_events  record BlockStored / BlockRemoved / AllBlocksCleared.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, *,
+                 hash_algo: str | HashFunction = "sha256_cbor", hash_seed: int | None = None,
+                 eviction_policy: str | type[EvictionPolicy] = "lru",
+                 enable_kv_cache_events: bool = False) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_fn = get_hash_function(hash_algo, hash_seed)
+        self.none_hash = none_hash(self.hash_fn, 0 if hash_seed is None else hash_seed)
+        self.block_pool = BlockPool(num_blocks, enable_caching, get_policy(eviction_policy),
+                                    enable_kv_cache_events)
+        self.stats = PrefixCacheStats()
+        self._requests: dict[str, _RequestBlocks] = {}
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached free blocks count as free)."""
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        state = self._requests.get(request_id)
+        return [b.block_id for b in state.blocks] if state is not None else []
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        state = self._requests.get(request_id)
+        return list(state.blocks) if state is not None else []
+
+    def get_block_hashes(self, request: CacheRequest) -> list[bytes]:
+        """Content hashes of the request's full blocks (computed incrementally, once each)."""
+        state = self._state(request)
+        n = state.chain.extend(request)
+        return list(state.chain.hashes_upto(n, self.hash_fn, self.none_hash))
+
+    def _state(self, request: CacheRequest) -> _RequestBlocks:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _RequestBlocks(BlockChain(self.block_size, request))
+            self._requests[request.request_id] = state
+        return state
+
+    # -- lookup --------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of whole blocks, at most num_tokens - 1 tokens (the last token
+        must be computed to produce logits). Changes nothing but the statistics."""
+        if not self.enable_caching or request.num_computed_tokens > 0:
+            return [], 0
+        state = self._state(request)
+        num_full = state.chain.extend(request)
+        max_blocks = min(num_full, (request.num_tokens - 1) // self.block_size)
+        tokens, chain = state.chain.tokens, state.chain
+        cached = self.block_pool.cached_blocks
+        hits: list[KVCacheBlock] = []
+        parent = ROOT_UID
+        for i in range(max_blocks):
+            entry = cached.get((parent, tokens[i], chain.extra(i)))
+            if entry is None:
+                break
+            block = entry if type(entry) is KVCacheBlock else next(iter(entry.values()))
+            hits.append(block)
+            parent = block.uid
+        num_hit_tokens = len(hits) * self.block_size
+        self.stats.record(request.num_tokens, num_hit_tokens)
+        return hits, num_hit_tokens
+
+    # -- allocation ----------------------------------------------------------------------------
+    def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_new_computed_tokens: int | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Give the request room for `num_new_tokens` more tokens after its computed ones (plus
+        the cache hits in `new_computed_blocks`). Returns the newly allocated blocks, or None -
+        changing nothing - when the pool cannot supply them. Blocks that will be full after this
+        step are entered in the cache table at once."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        new_computed_blocks = new_computed_blocks or []
+        if num_new_computed_tokens is None:
+            num_new_computed_tokens = len(new_computed_blocks) * self.block_size
+        state = self._state(request)
+        if new_computed_blocks and state.blocks:
+            raise ValueError(f"request {request.request_id} already holds blocks; cache hits "
+                             "are only taken by a request that holds none")
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_after = num_computed + num_new_tokens
+        bs = self.block_size
+        num_required = -(-(num_tokens_after + num_lookahead_tokens) // bs)
+        num_new_blocks = num_required - len(state.blocks) - len(new_computed_blocks)
+        num_new_blocks = max(num_new_blocks, 0)
+        num_evictable_hits = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0:
+                num_evictable_hits += 1
+        pool = self.block_pool
+        if num_new_blocks + num_evictable_hits > pool.num_free_blocks:
+            if not state.blocks:
+                del self._requests[request.request_id]  # nothing held: leave no trace
+            return None
+
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            state.blocks.extend(new_computed_blocks)
+            state.num_cached_blocks = len(new_computed_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        state.blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            self._cache_full_blocks(request, state, min(num_tokens_after, request.num_tokens) // bs)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: CacheRequest, state: _RequestBlocks, num_full: int) -> None:
+        start = state.num_cached_blocks
+        if num_full <= start:
+            return
+        chain = state.chain
+        chain.extend(request)
+        pool = self.block_pool
+        blocks, tokens = state.blocks, chain.tokens
+        parent = blocks[start - 1].uid if start else ROOT_UID
+        for i in range(start, num_full):
+            block = blocks[i]
+            pool.cache_block(block, (parent, tokens[i], chain.extra(i)))
+            parent = block.uid
+        state.num_cached_blocks = num_full
+        if pool.events is not None:
+            self._record_stored(request, state, start, num_full)
+
+    def _record_stored(self, request: CacheRequest, state: _RequestBlocks, start: int, end: int) -> None:
+        hashes = state.chain.hashes_upto(end, self.hash_fn, self.none_hash)
+        for i in range(start, end):
+            state.blocks[i].content_hash = hashes[i]
+        lora = request.lora_request
+        token_ids = [t for block_tokens in state.chain.tokens[start:end] for t in block_tokens]
+        self.block_pool.events.append(BlockStored(
+            block_hashes=hashes[start:end], parent_block_hash=hashes[start - 1] if start else None,
+            token_ids=token_ids, block_size=self.block_size,
+            lora_name=lora.lora_name if lora is not None else None))
+
+    # -- release -------------------------------------------------------------------------------
+    def free(self, request: CacheRequest) -> None:
+        """Release the request's blocks, tail first: its last blocks carry the longest prefixes
+        and are least likely to be shared, so they are evicted first."""
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self.block_pool.free_blocks(reversed(state.blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached identities. Only when idle: returns False while any block is held."""
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
+        """Leading blocks of this request held by every running request (for cascade attention)."""
+        n = 0
+        for block in self._requests[request_id].blocks:
+            if block.ref_cnt != num_running_requests:
+                break
+            n += 1
+        return n

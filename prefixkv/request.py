@@ -1,0 +1,101 @@
+"""A generation request: its tokens, where it stands, and what sets its cache identity apart."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
+@dataclass(frozen=True)
+class MultiModalItem:
+    """A multimodal input occupying prompt positions [offset, offset + length) with placeholders;
+    `identifier` is a hash of its content, so equal images share cache blocks."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """Satisfies prefixkv.cache.CacheRequest. Token lists only grow; the cache manager extends
+    the request's block identities incrementally from `all_token_ids`."""
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *,
+                 sampling_params: Any = None, lora_request: LoRARequest | None = None,
+                 mm_items: Iterable[MultiModalItem] = (), cache_salt: str | None = None,
+                 prompt: str | None = None, arrival_time: float | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.sampling_params = sampling_params
+        self.lora_request = lora_request
+        self.mm_items = tuple(mm_items)
+        for item in self.mm_items:
+            if item.offset < 0 or item.length < 1 or item.offset + item.length > len(self.prompt_token_ids):
+                raise ValueError(f"request {request_id!r}: multimodal item {item} lies outside the prompt")
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.num_cached_tokens = -1  # prompt tokens served from the cache at first admission
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        for tok in token_ids:
+            self.output_token_ids.append(tok)
+            self._all_token_ids.append(tok)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")
