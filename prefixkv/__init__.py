@@ -1,0 +1,21 @@
+"""prefixkv: an LLM inference engine built around exact automatic prefix caching."""
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .request import LoRARequest, MultiModalItem
+from .sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; the cache package alone should not have to.
+    if name == "LLM":
+        from .llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from .engine.llm_engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "LoRARequest", "MultiModalItem"]

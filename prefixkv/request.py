@@ -63,6 +63,7 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.num_cached_tokens = -1  # prompt tokens served from the cache at first admission

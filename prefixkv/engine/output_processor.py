@@ -1,0 +1,87 @@
+"""Per-request output state: detokenized text, stop strings and stop tokens, finish reasons."""
+from __future__ import annotations
+
+from ..outputs import CompletionOutput, Logprob
+from ..request import Request, RequestStatus
+from ..sampling_params import SamplingParams
+
+
+class OutputState:
+    """Text for one sequence. While the sequence runs, `text` withholds what may still change:
+    a tail that could begin a stop string, or an incomplete UTF-8 character - so streamed text
+    only ever grows."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer) -> None:
+        self.index = index
+        self.params = params
+        self.tokenizer = tokenizer
+        self.full_text = ""
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    def update(self, req: Request, token: int, eos_ids: set[int], max_model_len: int,
+               logprob: float | None = None, top: list[tuple[int, float]] | None = None,
+               rank: int | None = None) -> bool:
+        """Account for the token just appended to `req`. Returns True when the sequence ends."""
+        p = self.params
+        if self.logprobs is not None:
+            entry = {tid: Logprob(lp, r + 1, self._piece(tid)) for r, (tid, lp) in enumerate(top or [])}
+            entry.setdefault(token, Logprob(logprob, rank, self._piece(token)))
+            self.logprobs.append(entry)
+            self.cumulative_logprob += logprob
+        n_out = req.num_output_tokens
+        if p.detokenize:
+            self.full_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in eos_ids:
+                return self._finish("stop", None, strip_last_token=True, req=req)
+            if token in p.stop_token_ids:
+                return self._finish("stop", token, strip_last_token=True, req=req)
+            if p.stop and p.detokenize:
+                start = max(0, len(self.text) - self._holdback - 1)
+                for stop in p.stop:
+                    at = self.full_text.find(stop, start)
+                    if at != -1:
+                        end = at + len(stop) if p.include_stop_str_in_output else at
+                        self.full_text = self.full_text[:end]
+                        return self._finish("stop", stop)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= max_model_len:
+            return self._finish("length", None)
+        stable = self.full_text
+        if stable.endswith("\ufffd"):
+            stable = stable.rstrip("\ufffd")
+        if p.stop:
+            stable = stable[: max(len(self.text), len(stable) - self._holdback)]
+        self.text = stable
+        return False
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _finish(self, reason: str, stop_reason, strip_last_token: bool = False, req: Request | None = None) -> bool:
+        if strip_last_token and req is not None and self.params.detokenize:
+            # the EOS / stop token stays in token_ids (as in vLLM) but not in the text
+            self.full_text = self.tokenizer.decode(req.output_token_ids[:-1],
+                                                   skip_special_tokens=self.params.skip_special_tokens)
+        self.text = self.full_text
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        return True
+
+    def abort(self) -> None:
+        self.finish_reason = "abort"
+        self.text = self.full_text
+
+    def completion(self, req: Request) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(req.output_token_ids), self.cumulative_logprob,
+                                list(self.logprobs) if self.logprobs is not None else None,
+                                self.finish_reason, self.stop_reason)
+
+
+def status_for(reason: str) -> RequestStatus:
+    return {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+            "abort": RequestStatus.FINISHED_ABORTED}[reason]

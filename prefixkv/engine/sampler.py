@@ -1,0 +1,82 @@
+"""Token sampling for one step's batch: penalties, temperature, top-k, top-p, min-p, per-request
+seeds, and log-probabilities of the raw distribution."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # logprob of each sampled token (None when nobody asked)
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row: (token, logprob), best first
+
+
+def _apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                     output_ids: list[int]) -> None:
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+
+
+def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Scaled, filtered logits of one row (−inf where a token may not be drawn)."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first token always
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           prompt_ids: list[list[int]], output_ids: list[list[int]],
+           eos_ids: list[set[int] | None] | None = None) -> SampleResult:
+    """Sample one token per row of `logits` [N, vocab] (float32)."""
+    logits = logits.float()
+    want_logprobs = any(p.logprobs is not None for p in params)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    all_greedy_plain = all(p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty
+                           and not p.frequency_penalty for p in params) and not eos_ids
+    if all_greedy_plain:
+        tokens = logits.argmax(dim=-1).tolist()
+    else:
+        tokens = []
+        for row, p in enumerate(params):
+            x = logits[row].clone()
+            _apply_penalties(x, p, prompt_ids[row], output_ids[row])
+            if eos_ids and eos_ids[row]:  # min_tokens not reached: EOS may not be drawn
+                x[list(eos_ids[row])] = float("-inf")
+            if p.greedy:
+                tokens.append(int(x.argmax()))
+                continue
+            probs = torch.softmax(_filter(x, p), dim=-1)
+            tokens.append(int(torch.multinomial(probs, 1, generator=generators[row])))
+    if raw_logprobs is None:
+        return SampleResult(tokens, None, None)
+    chosen = raw_logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    top: list[list[tuple[int, float]]] = []
+    for row, p in enumerate(params):
+        k = p.logprobs or 0
+        if k:
+            vals, idx = torch.topk(raw_logprobs[row], k)
+            top.append(list(zip(idx.tolist(), vals.tolist())))
+        else:
+            top.append([])
+    return SampleResult(tokens, chosen, top)
