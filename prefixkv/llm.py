@@ -80,6 +80,13 @@ class LLM:
             seed=seed)
         self.llm_engine = LLMEngine(config)
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an existing engine (e.g. one sharing already loaded weights)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -1,0 +1,296 @@
+"""Serving benchmark: streaming /v1/completions requests at a given rate against an OpenAI-compatible
+server, reporting TTFT and time-per-output-token percentiles, throughput and prefix-cache hit rate.
+
+Workloads (same text for every server, so the same tokenizer sees the same prompts):
+  shared     every prompt = one long common prefix + a short unique question
+  unique     prompts of the same length with nothing in common (no-sharing baseline)
+
+By default it starts `prefixkv serve` on a free 127.0.0.1 port (or use --base-url for a running
+server). --peer-vllm also starts `vllm serve` (the vLLM CPU build, /work/peers/vllm) on the same
+model and runs the identical workload against it. Both expose vLLM's metric names, so the hit
+rate is read the same way from both /metrics endpoints.
+
+    .venv/bin/python bench/serve.py --num-requests 24 --request-rate 2 --peer-vllm
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PY = "/work/peers/vllm/bin/python"
+VLLM_MODEL = "/work/peers/smollm2-135m-hf"
+WORDS = ("river mountain quiet engine paper lantern violet harbor copper signal garden winter orbit marble "
+         "thunder canvas meadow silver anchor falcon ember willow summit prism cedar glacier hollow beacon "
+         "saddle quartz ribbon tundra velvet bramble cobalt dune fjord granite ivory jasper kettle").split()
+
+
+def text_of(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def make_prompts(kind: str, n: int, prefix_words: int, suffix_words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    if kind == "shared":
+        prefix = text_of(rng, prefix_words)
+        return [f"{prefix}\nQuestion {i}: {text_of(rng, suffix_words)}?" for i in range(n)]
+    if kind == "unique":
+        return [f"{text_of(rng, prefix_words)}\nQuestion {i}: {text_of(rng, suffix_words)}?" for i in range(n)]
+    raise ValueError(kind)
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    tpot: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+async def one_request(http: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    try:
+        async with http.stream("POST", base + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return Result(False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("choices") and obj["choices"][0].get("text") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                if obj.get("usage"):
+                    usage = obj["usage"]
+    except httpx.HTTPError as e:
+        return Result(False, error=repr(e))
+    e2e = time.perf_counter() - t0
+    if usage is None or ttft is None:
+        return Result(False, error="no usage / no token")
+    n = usage["completion_tokens"]
+    cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+    return Result(True, ttft, e2e, (e2e - ttft) / max(1, n - 1), usage["prompt_tokens"], n, cached)
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def scrape(base: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(base + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+async def run_workload(base: str, model: str, prompts: list[str], rate: float, max_tokens: int,
+                       seed: int) -> tuple[list[Result], float]:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        tasks = []
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            tasks.append(asyncio.create_task(one_request(http, base, model, p, max_tokens)))
+            if rate != float("inf") and i + 1 < len(prompts):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - t0
+
+
+@dataclass
+class Summary:
+    server: str
+    workload: str
+    num_requests: int
+    failed: int
+    duration_s: float
+    request_throughput: float
+    output_throughput: float
+    ttft_ms: dict = field(default_factory=dict)
+    tpot_ms: dict = field(default_factory=dict)
+    e2e_ms: dict = field(default_factory=dict)
+    mean_prompt_tokens: float = 0.0
+    usage_hit_rate: float = 0.0  # cached_tokens / prompt_tokens from the responses
+    metrics_hit_rate: float | None = None  # vllm:prefix_cache_hits / queries deltas from /metrics
+
+
+def summarize(server: str, workload: str, results: list[Result], duration: float,
+              before: dict, after: dict) -> Summary:
+    ok = [r for r in results if r.ok]
+    ms = lambda xs: {f"p{p}": round(1000 * pct(xs, p), 1) for p in (50, 90, 99)} | \
+        {"mean": round(1000 * statistics.fmean(xs), 1) if xs else float("nan")}
+    prompt = sum(r.prompt_tokens for r in ok)
+    q = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
+    h = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+    return Summary(server, workload, len(results), len(results) - len(ok), round(duration, 2),
+                   round(len(ok) / duration, 3), round(sum(r.completion_tokens for r in ok) / duration, 2),
+                   ms([r.ttft for r in ok]), ms([r.tpot for r in ok]), ms([r.e2e for r in ok]),
+                   round(prompt / max(1, len(ok)), 1), round(sum(r.cached_tokens for r in ok) / max(1, prompt), 4),
+                   round(h / q, 4) if q else None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Managed:
+    """A server subprocess on 127.0.0.1, waited on via /health, terminated on exit."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict | None = None, timeout: float = 600) -> None:
+        self.name, self.base = name, f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({self.proc.returncode}); log: {self.log.name}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() - t0 > timeout:
+                self.close()
+                raise RuntimeError(f"{name} not healthy after {timeout}s; log: {self.log.name}")
+            time.sleep(0.5)
+        self.startup_s = time.time() - t0
+        print(f"[{name}] up on {self.base} after {self.startup_s:.1f}s (log {self.log.name})", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def model_name(base: str) -> str:
+    return httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def bench_server(label: str, base: str, args) -> list[Summary]:
+    model = model_name(base)
+    out = []
+    # warm-up (not measured): first-request overheads, with text unrelated to the workloads
+    asyncio.run(run_workload(base, model, make_prompts("unique", 2, 20, 5, seed=999), float("inf"), 4, 0))
+    for i, kind in enumerate(args.workloads):
+        prompts = make_prompts(kind, args.num_requests, args.prefix_words, args.suffix_words, seed=args.seed + i)
+        before = scrape(base)
+        results, duration = asyncio.run(run_workload(base, model, prompts, args.request_rate, args.max_tokens,
+                                                     args.seed))
+        s = summarize(label, kind, results, duration, before, scrape(base))
+        errors = [r.error for r in results if not r.ok]
+        if errors:
+            print(f"[{label}] {len(errors)} failed, e.g. {errors[0]}", file=sys.stderr)
+        print_summary(s)
+        out.append(s)
+    return out
+
+
+def print_summary(s: Summary) -> None:
+    hr = f"{s.metrics_hit_rate:.3f}" if s.metrics_hit_rate is not None else "n/a"
+    print(f"{s.server:9s} {s.workload:7s} n={s.num_requests:<3d} fail={s.failed:<2d} {s.duration_s:7.1f}s "
+          f"{s.request_throughput:6.2f} req/s {s.output_throughput:7.1f} tok/s | "
+          f"TTFT p50/p90/p99 {s.ttft_ms['p50']:7.0f}/{s.ttft_ms['p90']:7.0f}/{s.ttft_ms['p99']:7.0f} ms | "
+          f"TPOT p50/p90/p99 {s.tpot_ms['p50']:6.0f}/{s.tpot_ms['p90']:6.0f}/{s.tpot_ms['p99']:6.0f} ms | "
+          f"hit rate {s.usage_hit_rate:.3f} (metrics {hr}) | prompt {s.mean_prompt_tokens:.0f} tok", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default=None, help="benchmark a running server instead of starting prefixkv")
+    ap.add_argument("--model", default=None, help="model for the started prefixkv server (default: embedded)")
+    ap.add_argument("--workloads", nargs="+", default=["shared", "unique"], choices=["shared", "unique"])
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--request-rate", type=float, default=2.0, help="requests/s, Poisson; inf = all at once")
+    ap.add_argument("--prefix-words", type=int, default=400, help="~1.2 tokens per word (default 400 = ~500 tokens)")
+    ap.add_argument("--suffix-words", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-memory-bytes", default="1G", help="for the started prefixkv server")
+    ap.add_argument("--no-prefixkv", action="store_true", help="only run the peer")
+    ap.add_argument("--peer-vllm", action="store_true", help=f"also run `vllm serve` from {VLLM_PY}")
+    ap.add_argument("--vllm-python", default=VLLM_PY)
+    ap.add_argument("--vllm-model", default=VLLM_MODEL)
+    ap.add_argument("--json", default=None, help="write all summaries to this file")
+    args = ap.parse_args(argv)
+    summaries: list[Summary] = []
+
+    if args.base_url:
+        summaries += bench_server("server", args.base_url.rstrip("/"), args)
+    elif not args.no_prefixkv:
+        port = free_port()
+        cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--kv-cache-memory-bytes", args.kv_cache_memory_bytes, "--max-model-len", "2048",
+               "--disable-uvicorn-access-log"] + ([args.model] if args.model else [])
+        srv = Managed("prefixkv", cmd, port, timeout=300)
+        try:
+            summaries += bench_server("prefixkv", srv.base, args)
+        finally:
+            srv.close()
+
+    if args.peer_vllm:
+        if not os.path.exists(args.vllm_python) or not os.path.isdir(args.vllm_model):
+            print(f"--peer-vllm: {args.vllm_python} or {args.vllm_model} missing; skipped", file=sys.stderr)
+        else:
+            port = free_port()
+            cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
+                   "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
+                   "--enable-prompt-tokens-details", "--max-model-len", "2048", "--dtype", "float32",
+                   "--disable-uvicorn-access-log"]
+            env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+            try:
+                srv = Managed("vllm", cmd, port, env=env, timeout=600)
+            except RuntimeError as e:
+                print(f"--peer-vllm: {e}", file=sys.stderr)
+            else:
+                try:
+                    summaries += bench_server("vllm", srv.base, args)
+                finally:
+                    srv.close()
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": [asdict(s) for s in summaries]}, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

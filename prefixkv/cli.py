@@ -1,0 +1,321 @@
+"""The `prefixkv` command: serve an OpenAI-compatible API, or generate / chat in a terminal.
+
+    prefixkv serve [MODEL] [--port 8000] ...      OpenAI-compatible server, vLLM's flag names
+    prefixkv generate "PROMPT" [--max-tokens 64]  one completion (prompt argument or stdin)
+    prefixkv chat                                 interactive chat keeping history (/exit to quit)
+    prefixkv replay ...                           replay a request trace through the KV cache manager
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from typing import Sequence
+
+MODEL_HELP = ("model to load: an HF model folder (config.json, tokenizer.json, *.safetensors) or a .gguf "
+              "file; omitted: the embedded SmolLM2-135M-Instruct")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '2GiB', '1.5G' -> bytes (binary units: K = 1024)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2GiB)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    value = int(float(m.group(1)) * scale)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    g = p.add_argument_group("model and engine (vLLM's flag names)")
+    if positional_model:
+        g.add_argument("model_tag", nargs="?", metavar="MODEL", default=None, help=MODEL_HELP)
+    g.add_argument("--model", dest="model_flag", default=None, help="same as the MODEL argument")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                   help="weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: auto)")
+    g.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + output) in tokens; default: the model's, capped by the KV budget")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
+    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   help="KV cache budget in bytes, e.g. 536870912, 512M, 2GiB (default: 1GiB)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache budget in blocks; overrides --kv-cache-memory-bytes")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of identical prompt prefixes across requests (default: on)")
+    g.add_argument("--prefix-caching-hash-algo", default="sha256_cbor",
+                   choices=["sha256_cbor", "sha256", "xxhash_cbor"],
+                   help="content hash naming cached blocks (default: sha256_cbor, as vLLM)")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences in one batch (default: 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the default sampling generator (default: 0)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens_default: int | None) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens_default,
+                   help=f"most tokens to generate (default: {max_tokens_default or 'the rest of the context'})")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--cache-salt", default=None, help="isolate this request's prefix cache entries")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixkv",
+        description="prefixkv: an LLM inference engine with exact automatic prefix caching. "
+                    "Serve an OpenAI-compatible API with vLLM's flags and metrics, or generate in a terminal.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  prefixkv serve --port 8000                  # embedded SmolLM2-135M-Instruct\n"
+               "  prefixkv serve ~/models/SmolLM2-135M --api-key sk-local --served-model-name smol\n"
+               "  prefixkv generate 'The capital of France is' --max-tokens 16\n"
+               "  echo 'Tell me a joke' | prefixkv generate --stream\n"
+               "  prefixkv chat --system 'You are terse.'\n"
+               "run 'prefixkv COMMAND --help' for a command's flags.")
+    parser.add_argument("-V", "--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server (like `vllm serve`)",
+        description="Run an OpenAI-compatible HTTP server: POST /v1/completions, /v1/chat/completions, "
+                    "GET /v1/models, /health, /metrics (Prometheus, vLLM's metric names), "
+                    "POST /reset_prefix_cache. Flags follow `vllm serve`.")
+    _add_engine_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1; use 0.0.0.0 to listen on all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("PREFIXKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY, else none)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model'; the first is reported (default: MODEL, or "
+                        "HuggingFaceTB/SmolLM2-135M-Instruct for the embedded model)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
+    g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
+    g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
+
+    gen = sub.add_parser("generate", help="generate one completion in the terminal",
+                         description="Complete one prompt (argument, or stdin when omitted) and print the text.")
+    gen.add_argument("prompt", nargs="?", default=None, help="prompt text; read from stdin when omitted")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.add_argument("-n", type=int, default=1, help="completions to sample (default: 1)")
+    _add_engine_args(gen, positional_model=False)
+    _add_sampling_args(gen, 64)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal (keeps history; /exit to quit)",
+                          description="Chat with the model, one line per turn read from stdin. "
+                                      "Commands: /exit (or EOF) quits, /reset clears the history.")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--no-stream", dest="stream", action="store_false", help="print each reply when complete")
+    _add_engine_args(chat, positional_model=False)
+    _add_sampling_args(chat, 256)
+
+    sub.add_parser("replay", help="replay a request trace through the KV cache manager (see docs/replay.md)",
+                   add_help=False, description="run 'prefixkv replay --help' for its flags")
+    return parser
+
+
+def engine_config(args: argparse.Namespace):
+    from .config import EngineConfig
+    model = getattr(args, "model_tag", None) or args.model_flag
+    return EngineConfig(
+        model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_blocks=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo, seed=args.seed)
+
+
+def sampling_params(args: argparse.Namespace, n: int = 1):
+    from .sampling_params import SamplingParams
+    return SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
+                          max_tokens=args.max_tokens)
+
+
+def _load_engine(args: argparse.Namespace):
+    from .engine.llm_engine import LLMEngine
+    return LLMEngine(engine_config(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .server.app import DEFAULT_MODEL_NAME, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    log = logging.getLogger("prefixkv.server")
+    config = engine_config(args)
+    from .engine.llm_engine import LLMEngine
+    log.info("loading %s", config.model or "the embedded SmolLM2-135M-Instruct")
+    engine = LLMEngine(config)
+    names = args.served_model_name or [config.model or DEFAULT_MODEL_NAME]
+    log.info("model %s: max_model_len=%d, %d KV blocks of %d tokens, prefix caching %s",
+             names[0], engine.max_model_len, engine.num_blocks, config.block_size,
+             "on" if config.enable_prefix_caching else "off")
+    app = create_app(engine, served_model_names=names, api_key=args.api_key, model_root=config.model or names[0])
+    log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if args.api_key else "off")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def _run_stream(engine, prompt_ids: list[int], params, cache_salt: str | None, out=None,
+                stream: bool = True) -> list[str]:
+    """Drive the engine for one request, printing text as it grows; returns the final texts."""
+    out = out or sys.stdout
+    rid = engine.add_request(prompt_ids, params, cache_salt=cache_salt)
+    printed = 0
+    final = None
+    try:
+        while final is None:
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                if stream and params.n == 1:
+                    text = o.outputs[0].text
+                    out.write(text[printed:])
+                    out.flush()
+                    printed = len(text)
+                if o.finished:
+                    final = o
+    except BaseException:
+        engine.abort_request(rid)
+        raise
+    texts = [c.text for c in final.outputs]
+    if stream and params.n == 1:
+        out.write("\n")
+    return texts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        print("prefixkv generate: empty prompt (pass it as an argument or on stdin)", file=sys.stderr)
+        return 2
+    try:
+        params = sampling_params(args, n=args.n)
+    except ValueError as e:
+        print(f"prefixkv generate: {e}", file=sys.stderr)
+        return 2
+    engine = _load_engine(args)
+    tok = engine.tokenizer
+    if args.chat:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                 tokenize=False), add_special_tokens=False)
+    else:
+        ids = engine.tokenize(prompt)
+    if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
+        params = params.clone(max_tokens=max(1, engine.max_model_len - len(ids)))
+    try:
+        texts = _run_stream(engine, ids, params, args.cache_salt, stream=args.stream)
+    except ValueError as e:
+        print(f"prefixkv generate: {e}", file=sys.stderr)
+        return 2
+    if not args.stream or params.n > 1:
+        for i, t in enumerate(texts):
+            if params.n > 1:
+                print(f"--- {i}")
+            print(t)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    try:
+        params = sampling_params(args)
+    except ValueError as e:
+        print(f"prefixkv chat: {e}", file=sys.stderr)
+        return 2
+    engine = _load_engine(args)
+    tok = engine.tokenizer
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("prefixkv chat: type a message; /reset clears the history, /exit quits.", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True, file=sys.stderr)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = list(base)
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)
+        room = engine.max_model_len - len(ids)
+        if room < 1:
+            print("prefixkv chat: the conversation no longer fits the context; /reset to start over",
+                  file=sys.stderr)
+            history.pop()
+            continue
+        p = params.clone(max_tokens=min(params.max_tokens or room, room))
+        text = _run_stream(engine, ids, p, args.cache_salt, stream=args.stream)[0]
+        if not args.stream:
+            print(text)
+        history.append({"role": "assistant", "content": text})
+    return 0
+
+
+def cmd_replay(argv: Sequence[str]) -> int:
+    try:
+        from .replay import cli as replay_cli  # lazy: owned by the replay package
+    except ImportError as e:
+        print(f"prefixkv replay is not available: {e}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="prefixkv replay",
+                                     description="Replay a request trace through the KV cache manager.")
+    replay_cli.add_arguments(parser)
+    return int(replay_cli.run(parser.parse_args(list(argv))) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "replay":
+        return cmd_replay(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from . import __version__
+        print(f"prefixkv {__version__}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError) as e:
+        print(f"prefixkv {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

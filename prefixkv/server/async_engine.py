@@ -1,0 +1,203 @@
+"""Run the (not thread-safe) LLMEngine in one background thread beside the asyncio event loop.
+
+Every engine call happens on the engine thread. The event loop talks to it through a command
+queue that the thread drains between steps (add, abort, reset-prefix-cache), and outputs come
+back through per-request asyncio queues fed with `loop.call_soon_threadsafe`. The thread waits on
+a condition variable when it has nothing to do, so an idle server burns no CPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from ..engine.llm_engine import LLMEngine
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+logger = logging.getLogger("prefixkv.server")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    finished: bool = False
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """`generate()` is an async iterator of cumulative RequestOutputs for one request; leaving
+    it early (client gone, task cancelled) aborts the request, which frees its blocks at once."""
+
+    def __init__(self, engine: LLMEngine,
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_aborted: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.on_finished = on_finished
+        self.on_aborted = on_aborted
+        self._cv = threading.Condition()
+        self._commands: deque[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None] | None]] = deque()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.errored: BaseException | None = None
+        self.last_step_time = 0.0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="prefixkv-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.errored is None
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._stop and not self._commands and not engine.has_unfinished_requests():
+                    self._cv.wait()
+                if self._stop:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, done in commands:
+                try:
+                    result, exc = fn(), None
+                except BaseException as e:  # reported to the caller
+                    result, exc = None, e
+                if done is not None:
+                    done(result, exc)
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # the engine aborted the failing batch; fail everything else too
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            self.last_step_time = time.time()
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+                    if self.on_finished is not None:
+                        try:
+                            self.on_finished(out)
+                        except Exception:
+                            logger.exception("metrics callback failed")
+                if stream is not None:
+                    stream.put(out)
+        # shutting down: abort what is left so no client waits forever
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        ids = list(self._streams)
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("abort after failure failed")
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(exc)
+
+    def _submit(self, fn: Callable[[], Any], done=None) -> None:
+        with self._cv:
+            if self._stop:
+                raise EngineDeadError("the engine is shut down")
+            self._commands.append((fn, done))
+            self._cv.notify()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(result, exc):
+            def settle():
+                if fut.done():
+                    return
+                if exc is not None:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(result)
+            loop.call_soon_threadsafe(settle)
+
+        self._submit(lambda: fn(self.engine), done)
+        return await fut
+
+    # -- event loop side --------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
+                       prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(asyncio.Queue(), loop)
+        arrival = time.time()
+        added = loop.create_future()
+
+        def add() -> None:
+            self.engine.add_request(prompt_token_ids, params, request_id=request_id,
+                                    cache_salt=cache_salt, arrival_time=arrival)
+            self._streams[request_id] = stream
+
+        def done(_result, exc):
+            loop.call_soon_threadsafe(lambda: added.done() or (
+                added.set_exception(exc) if exc is not None else added.set_result(None)))
+
+        self._submit(add, done)
+        try:
+            await added  # ValueError from the engine surfaces here, before anything was queued
+        except ValueError:
+            raise
+        except BaseException:  # cancelled while the add was in flight: make sure it goes away
+            self.abort(request_id)
+            raise
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.finished = True
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        def do() -> None:
+            if self._streams.pop(request_id, None) is not None and self.on_aborted is not None:
+                self.on_aborted()
+            self.engine.abort_request(request_id)
+        try:
+            self._submit(do)
+        except EngineDeadError:
+            pass
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(lambda e: e.reset_prefix_cache())

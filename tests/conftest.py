@@ -1,0 +1,45 @@
+"""Session-wide fixtures: the embedded model (ours) and its transformers reference, loaded once."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def default_lm():
+    from prefixkv.model import load_model
+
+    return load_model(None, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path():
+    from prefixkv.model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_ref_model(default_gguf_path):
+    """transformers' own dequantization of the same GGUF: the oracle for model outputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_gguf_path), gguf_file=os.path.basename(default_gguf_path),
+        dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding with transformers' KV cache, ignoring EOS (so lengths always match)."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    past, tokens = out.past_key_values, []
+    for _ in range(max_new_tokens):
+        tok = int(out.logits[0, -1].argmax())
+        tokens.append(tok)
+        out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    return tokens

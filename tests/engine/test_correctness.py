@@ -1,0 +1,98 @@
+"""Greedy outputs equal transformers' for the default model in float32 - with caching off, with
+caching on and shared prefixes, with chunked prefill, under preemption, and with a degenerate
+content hash. Prefix caching never changes outputs."""
+from __future__ import annotations
+
+import pytest
+
+from prefixkv import SamplingParams
+from prefixkv.config import EngineConfig
+from prefixkv.engine.llm_engine import LLMEngine
+
+from ..conftest import hf_greedy
+
+MAX_NEW = 12
+DOC = ("Prefix caching keeps the key and value tensors of a shared prompt so that later requests "
+       "skip recomputing them. " * 6)
+QUESTIONS = ["Summarize this in one line:", "What is kept?", "Translate to French:",
+             "Who benefits? Answer:", "1, 2, 3, 4,"]
+
+
+def engine_for(loaded, **overrides) -> LLMEngine:
+    cfg = dict(dtype="float32", device="cpu", num_blocks=256, block_size=16)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg), loaded=loaded)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "blocks leaked"
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_lm):
+    tok = default_lm.tokenizer
+    mixed = ["Hello", "The capital of France is", "def fibonacci(n):\n   ",
+             "Once upon a time, in a land far away, there lived a dragon who loved numbers like 12345 and"]
+    shared = [DOC + q for q in QUESTIONS]
+    return [tok.encode(p) for p in mixed], [tok.encode(p) for p in shared]
+
+
+@pytest.fixture(scope="module")
+def expected(prompts, hf_ref_model):
+    mixed, shared = prompts
+    return ([hf_greedy(hf_ref_model, p, MAX_NEW) for p in mixed],
+            [hf_greedy(hf_ref_model, p, MAX_NEW) for p in shared])
+
+
+def test_mixed_batch_caching_off_equals_transformers(default_lm, prompts, expected):
+    engine = engine_for(default_lm, enable_prefix_caching=False)
+    assert run(engine, prompts[0]) == expected[0]
+
+
+def test_shared_prefixes_caching_on_equals_transformers(default_lm, prompts, expected):
+    engine = engine_for(default_lm, enable_prefix_caching=True)
+    assert run(engine, prompts[1]) == expected[1]  # one batch: later prompts hit in-flight blocks
+    assert run(engine, prompts[1]) == expected[1]  # again: everything but the tails is cached
+    assert engine.prefix_cache_stats.hits > 0.5 * engine.prefix_cache_stats.queries
+
+
+def test_chunked_prefill_tiny_token_budget_equals_transformers(default_lm, prompts, expected):
+    engine = engine_for(default_lm, max_num_batched_tokens=7)
+    assert run(engine, prompts[0] + prompts[1][:2]) == expected[0] + expected[1][:2]
+
+
+def test_preemption_tiny_kv_budget_equals_transformers(default_lm, prompts, expected):
+    longest = max(len(p) for p in prompts[1]) + MAX_NEW
+    engine = engine_for(default_lm, num_blocks=-(-longest // 8) + 3, block_size=8, max_model_len=longest + 8)
+    assert run(engine, prompts[1][:3]) == expected[1][:3]
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_degenerate_content_hash_changes_nothing(default_lm, prompts, expected):
+    engine = engine_for(default_lm, prefix_caching_hash_algo=lambda obj: b"\0" * 32,
+                        enable_kv_cache_events=True)
+    assert run(engine, prompts[1]) == expected[1]
+    assert run(engine, prompts[1][::-1]) == expected[1][::-1]
+
+
+def test_caching_on_equals_caching_off_on_multi_turn(default_lm):
+    """A follow-up turn re-sends prompt + answer: it hits blocks completed by generated tokens."""
+    tok = default_lm.tokenizer
+    first = tok.encode("<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n")
+    outs = {}
+    for caching in (False, True):
+        engine = engine_for(default_lm, enable_prefix_caching=caching, block_size=4)
+        answer = run(engine, [first], 20)[0]
+        follow = first + answer + tok.encode("<|im_end|>\n<|im_start|>user\nAnd three more?<|im_end|>\n")
+        outs[caching] = (answer, run(engine, [follow], 20)[0])
+        if caching:
+            assert engine.prefix_cache_stats.hits >= len(first) + 16  # generated blocks hit too
+    assert outs[True] == outs[False]

@@ -1,0 +1,180 @@
+"""The offline API as a vLLM user drives it: prompts in every accepted shape, sampling options,
+stop conditions, n > 1, errors that leave the engine serving, and no block left held."""
+from __future__ import annotations
+
+import pytest
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.config import EngineConfig
+from prefixkv.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def llm(default_lm):
+    return LLM.from_engine(LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=128,
+                                                  max_model_len=512), loaded=default_lm))
+
+
+@pytest.fixture(autouse=True)
+def no_blocks_held_after(llm):
+    yield
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    assert engine.kv_cache_usage == 0.0
+
+
+def test_prompt_shapes_give_the_same_answer(llm):
+    tok = llm.get_tokenizer()
+    text = "The capital of France is"
+    ids = tok.encode(text)
+    by_text = llm.generate(text, GREEDY)[0]
+    assert by_text.prompt == text and by_text.prompt_token_ids == ids
+    variants = [llm.generate(ids, GREEDY)[0], llm.generate({"prompt": text}, GREEDY)[0],
+                llm.generate({"prompt_token_ids": ids}, GREEDY)[0],
+                llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0]]
+    for out in variants:
+        assert out.outputs[0].token_ids == by_text.outputs[0].token_ids
+        assert out.outputs[0].text == by_text.outputs[0].text
+    batch = llm.generate([text, "Hello", ids], GREEDY, use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in batch][::2] == [by_text.outputs[0].token_ids] * 2
+
+
+def test_request_output_fields(llm):
+    out = llm.generate("Tell me a story about a cat", SamplingParams(temperature=0, max_tokens=5))[0]
+    c = out.outputs[0]
+    assert out.finished and c.finish_reason == "length" and len(c.token_ids) == 5
+    assert c.text == llm.get_tokenizer().decode(c.token_ids)
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_second_request_reuses_the_prefix(llm):
+    doc = "Here is a long shared document about caching. " * 20
+    first = llm.generate(doc + "Question one?", GREEDY)[0]
+    second = llm.generate(doc + "Question two?", GREEDY)[0]
+    assert second.num_cached_tokens >= len(second.prompt_token_ids) - 32 > 0
+    assert first.num_cached_tokens < second.num_cached_tokens
+    stats = llm.get_prefix_cache_stats()
+    assert stats.hits > 0 and 0 < stats.hit_rate <= 1
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is 2+2?"}], GREEDY)[0]
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids, skip_special_tokens=False).startswith("<|im_start|>")
+    assert out.outputs[0].text
+
+
+def test_stop_strings_and_tokens(llm):
+    prompt = "Count: 1, 2, 3,"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert ", 5" in free.text
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=", 5"))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == ", 5"
+    assert stopped.text == free.text[: free.text.index(", 5")]
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[", 5"],
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text.endswith(", 5")
+    tok_stop = free.token_ids[2]
+    by_token = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tok_stop]))[0].outputs[0]
+    assert by_token.token_ids == free.token_ids[:3] and by_token.stop_reason == tok_stop
+
+
+def test_eos_stops_unless_ignored(llm):
+    tok = llm.get_tokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in tok.eos_token_ids
+    assert "<|im_end|>" not in out.text
+    longer = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 3,
+                                                 ignore_eos=True))[0].outputs[0]
+    assert longer.finish_reason == "length" and longer.token_ids[: len(out.token_ids)] == out.token_ids
+
+
+def test_logprobs(llm):
+    out = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0].outputs[0]
+    assert len(out.logprobs) == 3
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert tok in entry and entry[tok].rank == 1
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_sampling_seed_is_reproducible_and_n_shares_the_prompt(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=7, max_tokens=10)
+    a = llm.generate("Once upon a time", params)[0]
+    b = llm.generate("Once upon a time", params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    many = llm.generate("Once upon a time there was a long prompt that fills some blocks " * 3,
+                        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=10))[0]
+    assert len(many.outputs) == 4 and [c.index for c in many.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in many.outputs}) > 1
+    assert llm.llm_engine.prefix_cache_stats.hits >= 3 * 16  # children 1-3 hit child 0's blocks
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(n=0), "n must"), (dict(logprobs=-1), "logprobs"),
+])
+def test_bad_sampling_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
+
+
+def test_bad_prompts_are_clear_errors_and_the_engine_keeps_serving(llm):
+    vocab = llm.llm_engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, GREEDY)
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        llm.generate([1, 2, vocab], GREEDY)
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        llm.generate([[5, -1]], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([7] * 600, GREEDY)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([{"text": "x"}], GREEDY)
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate(["a", "b"], [GREEDY])
+    # a bad prompt in a batch rejects the batch before anything runs
+    with pytest.raises(ValueError):
+        llm.generate(["fine", ""], GREEDY)
+    assert llm.generate("Still serving?", GREEDY)[0].outputs[0].token_ids
+
+
+def test_kv_budget_and_context_errors(default_lm):
+    with pytest.raises(ValueError, match="does not fit in the KV budget"):
+        LLMEngine(EngineConfig(device="cpu", num_blocks=4, block_size=16, max_model_len=128), loaded=default_lm)
+    engine = LLMEngine(EngineConfig(device="cpu", num_blocks=4, block_size=16), loaded=default_lm)
+    assert engine.max_model_len == 64  # the whole budget, not the model's 8k
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request([1] * 64)
+    with pytest.raises(TypeError, match="unexpected"):
+        LLM(not_an_argument=1)
+
+
+def test_generation_stops_at_max_model_len(default_lm):
+    engine = LLMEngine(EngineConfig(device="cpu", num_blocks=4, block_size=8), loaded=default_lm)
+    out = LLM.from_engine(engine).generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 32 - 3
+    assert engine.kv_cache_manager.num_free_blocks == 4
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    rid = engine.add_request("A prompt that will be aborted " * 5, SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.kv_cache_usage > 0
+    engine.abort_request(rid)
+    assert engine.kv_cache_usage == 0 and not engine.has_unfinished_requests()
+
+
+def test_reset_prefix_cache(llm):
+    llm.generate("Some text to cache " * 10, GREEDY)
+    assert llm.reset_prefix_cache()
+    out = llm.generate("Some text to cache " * 10, GREEDY)[0]
+    assert out.num_cached_tokens == 0

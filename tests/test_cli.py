@@ -1,0 +1,118 @@
+"""The `prefixkv` command line: help, flag names, generate and chat (model loaded once)."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from prefixkv import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_SERVE_FLAGS = ["--host", "--port", "--enable-prefix-caching", "--no-enable-prefix-caching", "--block-size",
+                    "--prefix-caching-hash-algo", "--kv-cache-memory-bytes", "--max-num-seqs",
+                    "--max-num-batched-tokens", "--max-model-len", "--dtype", "--api-key", "--served-model-name"]
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefixkv.cli", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_top_level_help_lists_commands():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for cmd in ("serve", "generate", "chat", "replay"):
+        assert cmd in r.stdout
+    assert run_cli().returncode == 2  # no command: help on stdout, usage error
+
+
+def test_serve_help_has_vllm_flags():
+    r = run_cli("serve", "--help")
+    assert r.returncode == 0
+    for flag in VLLM_SERVE_FLAGS:
+        assert flag in r.stdout, flag
+    assert "127.0.0.1" in r.stdout
+
+
+def test_serve_args_map_to_engine_config():
+    args = cli.build_parser().parse_args(
+        ["serve", "/models/x", "--no-enable-prefix-caching", "--block-size", "32", "--kv-cache-memory-bytes", "256M",
+         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "900", "--dtype", "float32",
+         "--prefix-caching-hash-algo", "xxhash_cbor", "--api-key", "k", "--served-model-name", "a", "b"])
+    cfg = cli.engine_config(args)
+    assert (cfg.model, cfg.enable_prefix_caching, cfg.block_size, cfg.kv_cache_memory_bytes) == \
+        ("/models/x", False, 32, 256 << 20)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.dtype) == (8, 512, 900, "float32")
+    assert cfg.prefix_caching_hash_algo == "xxhash_cbor"
+    assert args.api_key == "k" and args.served_model_name == ["a", "b"] and args.host == "127.0.0.1"
+    default = cli.build_parser().parse_args(["serve"])
+    assert cli.engine_config(default).model is None and default.port == 8000
+    assert cli.engine_config(default).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("text,value", [("1024", 1024), ("512M", 512 << 20), ("2GiB", 2 << 30), ("1.5k", 1536)])
+def test_parse_bytes(text, value):
+    assert cli.parse_bytes(text) == value
+
+
+def test_replay_is_wired_lazily():
+    r = run_cli("replay", "--help")
+    if r.returncode == 0:
+        assert "usage: prefixkv replay" in r.stdout
+    else:
+        assert r.returncode == 2 and "not available" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from prefixkv.config import EngineConfig
+    from prefixkv.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig(kv_cache_memory_bytes=64 << 20, max_model_len=1024))
+
+
+@pytest.fixture
+def shared_engine(engine, monkeypatch):
+    monkeypatch.setattr(cli, "_load_engine", lambda args: engine)
+    return engine
+
+
+def _reference(engine, ids, max_tokens):
+    from prefixkv.sampling_params import SamplingParams
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+    while True:
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                return o.outputs[0].text
+
+
+def test_generate_prints_greedy_text(shared_engine, capsys, monkeypatch):
+    assert cli.main(["generate", "The capital of France is", "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    expected = _reference(shared_engine, shared_engine.tokenize("The capital of France is"), 6)
+    assert out == expected + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The capital of France is"))
+    assert cli.main(["generate", "--stream", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert shared_engine.kv_cache_usage == 0
+
+
+def test_generate_rejects_bad_sampling(capsys):
+    assert cli.main(["generate", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_chat_keeps_history(shared_engine, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nWhat did I just say?\n/exit\nnever read\n"))
+    assert cli.main(["chat", "--max-tokens", "5", "--no-stream"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    tok = shared_engine.tokenizer
+    first = _reference(shared_engine, tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]),
+                                                 add_special_tokens=False), 5)
+    assert lines[0] == first
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "What did I just say?"}]
+    second = _reference(shared_engine, tok.encode(tok.apply_chat_template(history), add_special_tokens=False), 5)
+    assert "\n".join(lines[1:]) == second.strip() or lines[1] == second.splitlines()[0]
