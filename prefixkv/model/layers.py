@@ -1,0 +1,105 @@
+"""Basic layers: RMSNorm, rotary embedding, gated SiLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        # Normalize in float32, scale in the model dtype (as transformers does).
+        return self.weight * F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float32, with optional linear / llama3 scaling."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    rtype = rs["rope_type"]
+    factor = float(rs["factor"])
+    if rtype == "linear":
+        return inv_freq / factor
+    if rtype == "llama3":
+        low = float(rs["low_freq_factor"])
+        high = float(rs["high_freq_factor"])
+        old_ctx = float(rs["original_max_position_embeddings"])
+        low_wavelen = old_ctx / low
+        high_wavelen = old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        inv_l = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, inv_l)
+    raise ValueError(f"Unsupported rope type {rtype!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox/HF-style rotary embedding (rotate_half) with a precomputed cos/sin cache."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.max_positions = max(config.max_position_embeddings, 1)
+        self.inv_freq = rope_inv_freq(config)
+        self._dtype = dtype
+        self._build(self.max_positions, device)
+
+    def _build(self, n: int, device) -> None:
+        t = torch.arange(n, dtype=torch.int64).float()
+        freqs = torch.outer(t, self.inv_freq)  # [n, d/2] float32
+        # computed in float32 and cast, like transformers
+        self.register_buffer("cos_cache", freqs.cos().to(self._dtype).to(device), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().to(self._dtype).to(device), persistent=False)
+        self.max_positions = n
+
+    def cos_sin(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim/2] for positions [T].
+
+        `max_position` (an upper bound of positions, known from the metadata) avoids a
+        device sync; without it the max is read from the tensor."""
+        if positions.numel():
+            top = int(positions.max()) if max_position is None else max_position
+            if top >= self.max_positions:
+                self._build(max(top + 1, 2 * self.max_positions), self.cos_cache.device)
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; cos/sin: [T, 1, D/2]."""
+        half = x.shape[-1] // 2
+        x1 = x[..., :half]
+        x2 = x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        g, u = gu.split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(g) * u)

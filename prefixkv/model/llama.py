@@ -1,0 +1,197 @@
+"""One decoder covering Llama / SmolLM / Mistral / Qwen2 (qkv bias) / Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h, cos, sin, kv_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class LlamaModel(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, H]."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            if not config.tie_word_embeddings:
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.to_empty(device=device)
+        self.to(dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        self.rotary = RotaryEmbedding(config, dtype, device)
+        self.dtype = dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    # ------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} kv caches, got {len(kv_caches)}")
+        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"input_ids ({input_ids.shape[0]}) / positions ({positions.shape[0]}) must match "
+                f"the {meta.num_tokens} new tokens of the metadata"
+            )
+        dev = self.device
+        input_ids = input_ids.to(dev)
+        positions = positions.to(dev)
+        # positions are < the longest context of the step (no device sync needed)
+        cos, sin = self.rotary.cos_sin(positions, max(meta.seq_lens, default=0))
+        h = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, cache, meta)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w)
+
+    # ------------------------------------------------------------ weights
+    def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing
+        q/k/v and gate/up. Raises ValueError on unknown names, shape mismatches or
+        missing tensors."""
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        I = cfg.intermediate_size
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(target: str, t: torch.Tensor, rows: tuple[int, int] | None = None, src: str = "") -> None:
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {src!r} has no place in {cfg.architecture}")
+            p = params[target]
+            dst = p.data if rows is None else p.data[rows[0]:rows[1]]
+            if tuple(dst.shape) != tuple(t.shape):
+                raise ValueError(f"shape mismatch for {src!r}: checkpoint {tuple(t.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(t.to(dtype=dst.dtype))
+            loaded.add(f"{target}[{rows}]")
+
+        for name, t in weights:
+            if name.startswith("model.") and not name.startswith("model.layers."):
+                sub = name[len("model."):]
+                if sub in ("embed_tokens.weight", "norm.weight"):
+                    put(sub, t, src=name)
+                    continue
+            if name == "lm_head.weight":
+                if cfg.tie_word_embeddings:
+                    continue  # tied: the embedding is used
+                put("lm_head.weight", t, src=name)
+                continue
+            m = _LAYER_RE.match(name)
+            if not m:
+                if "rotary_emb" in name:
+                    continue
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            i, rest = m.group(1), m.group(2)
+            pre = f"layers.{i}."
+            kind = rest.rsplit(".", 1)[-1]  # weight / bias
+            if rest.startswith("self_attn.q_proj."):
+                put(pre + "self_attn.qkv_proj." + kind, t, (0, q), name)
+            elif rest.startswith("self_attn.k_proj."):
+                put(pre + "self_attn.qkv_proj." + kind, t, (q, q + kv), name)
+            elif rest.startswith("self_attn.v_proj."):
+                put(pre + "self_attn.qkv_proj." + kind, t, (q + kv, q + 2 * kv), name)
+            elif rest == "mlp.gate_proj.weight":
+                put(pre + "mlp.gate_up_proj.weight", t, (0, I), name)
+            elif rest == "mlp.up_proj.weight":
+                put(pre + "mlp.gate_up_proj.weight", t, (I, 2 * I), name)
+            else:
+                put(pre + rest, t, src=name)
+
+        expected: set[str] = set()
+        for n in params:
+            if n.endswith("qkv_proj.weight") or n.endswith("qkv_proj.bias"):
+                expected |= {f"{n}[{r}]" for r in [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]}
+            elif n.endswith("gate_up_proj.weight"):
+                expected |= {f"{n}[{r}]" for r in [(0, I), (I, 2 * I)]}
+            else:
+                expected.add(f"{n}[None]")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu", seed: int = 0) -> LlamaModel:
+    """A randomly initialised model (for tests)."""
+    model = LlamaModel(config, dtype=dtype, device=device)
+    model.init_random_weights(seed)
+    return model.eval()

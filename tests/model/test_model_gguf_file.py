@@ -1,0 +1,132 @@
+"""Single-file GGUF loading: a tiny model written with gguf.GGUFWriter (Q8_0 matrices, llama.cpp
+Q/K row permutation for llama), loaded by us and by transformers from the same file."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from prefixkv.model import allocate_kv_cache, load_model
+from prefixkv.model.tokenizer import _bytes_to_unicode
+
+from .model_helpers import run_logits
+
+VOCAB = 288
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, kind):
+    import gguf
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, bos_token_id=256, eos_token_id=257)
+    if kind == "llama":
+        hf = tf.LlamaForCausalLM(tf.LlamaConfig(rope_theta=10000.0, **common))
+    else:
+        hf = tf.Qwen2ForCausalLM(tf.Qwen2Config(rope_theta=10000.0, **common))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in n else 0.08 * torch.randn_like(p))
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), kind)
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    toks = sorted(_bytes_to_unicode().values()) + ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(VOCAB - 258)]
+    w.add_token_list(toks)
+    w.add_token_types([1] * 256 + [3] * (VOCAB - 256))
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+    w.add_add_bos_token(False)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+           "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+           "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+           "self_attn.v_proj.bias": "attn_v.bias",
+           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+           "mlp.down_proj.weight": "ffn_down.weight"}
+    for n, t in hf.state_dict().items():
+        if n.startswith("model.layers."):
+            i, rest = n[len("model.layers."):].split(".", 1)
+            g = f"blk.{i}.{per[rest]}"
+        else:
+            g = names[n]
+        a = t.float().numpy()
+        if kind == "llama" and g.endswith("attn_q.weight"):
+            a = _llamacpp_permute(a, cfg.num_attention_heads)
+        if kind == "llama" and g.endswith("attn_k.weight"):
+            a = _llamacpp_permute(a, cfg.num_key_value_heads)
+        if a.ndim == 2:
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(g, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(g, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_gguf_file_matches_transformers_gguf(tmp_path, kind):
+    pytest.importorskip("accelerate", reason="transformers needs `accelerate` to load a GGUF model")
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"tiny-{kind}.gguf"
+    src = _write_gguf(path, kind)
+    lm = load_model(str(path))
+    assert lm.config.architecture == ("LlamaForCausalLM" if kind == "llama" else "Qwen2ForCausalLM")
+    assert lm.config.attention_bias == (kind == "qwen2") and not lm.config.tie_word_embeddings
+    assert lm.tokenizer.eos_token_ids == {257} and lm.tokenizer.decode(lm.tokenizer.encode("héllo")) == "héllo"
+    ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+        src_logits = src(torch.tensor([ids])).logits[0]
+    caches = allocate_kv_cache(lm.config, 16, 4)
+    blocks = [9, 2, 14, 0, 7, 5, 11, 3]
+    a, _ = run_logits(lm.model, caches, [(ids[:13], blocks, 0)], 4)
+    b, _ = run_logits(lm.model, caches, [(ids, blocks, 13)], 4)
+    ours = torch.cat([a, b])
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # and close to the unquantized source model (Q8_0 error only): the permutation is undone
+    assert (ours - src_logits).abs().max() < 0.05 * src_logits.abs().max()
+
+
+def test_bf16_runs_close_to_fp32(tmp_path):
+    path = tmp_path / "tiny-llama.gguf"
+    _write_gguf(path, "llama")
+    f32 = load_model(str(path))
+    b16 = load_model(str(path), dtype=torch.bfloat16)
+    assert b16.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = list(range(40, 60))
+    out = []
+    for lm, dt in ((f32, torch.float32), (b16, torch.bfloat16)):
+        caches = allocate_kv_cache(lm.config, 8, 8, dtype=dt)
+        lg, _ = run_logits(lm.model, caches, [(ids, [3, 1, 6], 0)], 8)
+        out.append(lg.float())
+    assert (out[0] - out[1]).abs().max() < 0.05 * out[0].abs().max()
+
+
+def test_default_model_file_found(default_gguf_path):
+    assert os.path.basename(default_gguf_path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert os.path.isfile(default_gguf_path)

@@ -1,0 +1,175 @@
+"""Tiny random Llama / Mistral / Qwen2 / Qwen3 saved as HF folders, loaded by our loader,
+compared with transformers' forward."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTok
+from tokenizers import decoders, models, pre_tokenizers
+
+from prefixkv.model import ModelConfig, allocate_kv_cache, build_model, load_model
+from prefixkv.model.tokenizer import _bytes_to_unicode
+
+from .model_helpers import run_logits
+
+BS = 8
+POOL = 32
+VOCAB = 300
+
+
+def _write_tokenizer(folder):
+    vocab = {ch: i for i, ch in enumerate(sorted(_bytes_to_unicode().values()))}
+    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+
+
+def _common(**kw):
+    d = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2,
+             # < the 45-token test sequences: exercises the rotary cache growing on demand
+             max_position_embeddings=32,
+             bos_token_id=256, eos_token_id=257)
+    d.update(kw)
+    return d
+
+
+def _make(kind, **extra):
+    import transformers as tf
+
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**_common(rope_theta=5000.0, **extra))
+        cls = tf.LlamaForCausalLM
+    elif kind == "llama3-rope-tied":
+        cfg = tf.LlamaConfig(**_common(tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}))
+        cls = tf.LlamaForCausalLM
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**_common(head_dim=32, sliding_window=None))
+        cls = tf.MistralForCausalLM
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**_common(num_key_value_heads=1))
+        cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**_common(head_dim=24))
+        cls = tf.Qwen3ForCausalLM
+    else:
+        raise AssertionError(kind)
+    torch.manual_seed(0)
+    m = cls(cfg).eval()
+    with torch.no_grad():  # randomize everything, incl. biases and norm weights
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return m
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"])
+def test_hf_folder_matches_transformers(tmp_path, kind):
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True,
+                       **({"max_shard_size": "60KB"} if kind == "llama" else {}))
+    _write_tokenizer(tmp_path)
+    if kind == "llama":
+        assert (tmp_path / "model.safetensors.index.json").exists()  # sharded
+    lm = load_model(str(tmp_path))
+    cfg = lm.config
+    if kind == "qwen2":
+        assert cfg.attention_bias and hf.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    if kind == "qwen3":
+        assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 24
+    if kind == "llama3-rope-tied":
+        assert cfg.tie_word_embeddings and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.eos_token_id == [257] and lm.tokenizer.eos_token_ids == {257}
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (45,), generator=g).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    caches = allocate_kv_cache(cfg, POOL, BS)
+    blocks = torch.randperm(POOL, generator=g)[:6].tolist()
+    # two chunks (second attends to the first's cached blocks) + 3 decode steps
+    l1, _ = run_logits(lm.model, caches, [(ids[:19], blocks, 0)], BS)
+    l2, _ = run_logits(lm.model, caches, [(ids[:42], blocks, 19)], BS)
+    dec = [run_logits(lm.model, caches, [(ids[:n], blocks, n - 1)], BS)[0] for n in (43, 44, 45)]
+    ours = torch.cat([l1, l2] + dec)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_build_model_random_init():
+    cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, qk_norm=True)
+    m = build_model(cfg, torch.float32, "cpu")
+    caches = allocate_kv_cache(cfg, 4, 4)
+    logits, _ = run_logits(m, caches, [([1, 2, 3, 4, 5], [2, 0], 0)], 4)
+    assert logits.shape == (5, 50) and torch.isfinite(logits).all() and logits.abs().sum() > 0
+    # the cache really holds the K/V written through slot_mapping: block 2 full, block 0 slot 0
+    assert caches[0][:, 2].abs().sum() > 0 and caches[0][:, 0, 0].abs().sum() > 0
+    assert caches[0][:, 0, 1:].abs().sum() == 0 and caches[0][:, 1].abs().sum() == 0
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "vocab_size": 10, "hidden_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16}))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(str(tmp_path))
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        load_model(str(tmp_path / "does-not-exist"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+    hf = _make("llama")
+    hf.config.save_pretrained(tmp_path)
+    _write_tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(str(tmp_path))
+    bad = tmp_path / "x.bin"
+    bad.write_bytes(b"nope")
+    with pytest.raises(ValueError, match="x.bin"):
+        load_model(str(bad))
+
+
+def test_config_old_style_rope_and_eos_list():
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,
+        "rope_theta": 500000.0, "eos_token_id": [5, 6], "bos_token_id": 4,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+    assert cfg.rope_theta == 500000.0 and cfg.eos_token_id == [5, 6] and cfg.head_dim == 4
+    assert cfg.rope_scaling["rope_type"] == "llama3"
+    new = ModelConfig.from_hf_dict({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "intermediate_size": 16, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    assert new.rope_theta == 1e6 and new.rope_scaling is None and new.attention_bias
+    with pytest.raises(ValueError, match="rope"):
+        ModelConfig.from_hf_dict({
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 16, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_matches_cpu(tmp_path):
+    hf = _make("qwen3")
+    hf.save_pretrained(tmp_path)
+    _write_tokenizer(tmp_path)
+    cpu = load_model(str(tmp_path))
+    gpu = load_model(str(tmp_path), device="cuda")
+    ids = list(range(20))
+    out = []
+    for lm, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        caches = allocate_kv_cache(lm.config, 8, 4, device=dev)
+        a, _ = run_logits(lm.model, caches, [(ids[:9], [5, 1, 3, 7, 0], 0)], 4)
+        b, _ = run_logits(lm.model, caches, [(ids, [5, 1, 3, 7, 0], 9)], 4)
+        out.append(torch.cat([a, b]).cpu())
+    torch.testing.assert_close(out[0], out[1], atol=1e-3, rtol=1e-3)
