@@ -81,9 +81,12 @@ class KVCacheManager:
         return state
 
     # -- lookup --------------------------------------------------------------------------------
-    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: CacheRequest,
+                            record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of whole blocks, at most num_tokens - 1 tokens (the last token
-        must be computed to produce logits). Changes nothing but the statistics."""
+        must be computed to produce logits). Changes nothing but the statistics; a scheduler
+        that may look a waiting request up again passes record_stats=False and calls
+        `stats.record` once the request is admitted, so retries are not counted twice."""
         if not self.enable_caching or request.num_computed_tokens > 0:
             return [], 0
         state = self._state(request)
@@ -101,7 +104,8 @@ class KVCacheManager:
             hits.append(block)
             parent = block.uid
         num_hit_tokens = len(hits) * self.block_size
-        self.stats.record(request.num_tokens, num_hit_tokens)
+        if record_stats:
+            self.stats.record(request.num_tokens, num_hit_tokens)
         return hits, num_hit_tokens
 
     # -- allocation ----------------------------------------------------------------------------

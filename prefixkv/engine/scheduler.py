@@ -73,11 +73,13 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            hits, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
+            if self.kv.enable_caching:
+                self.kv.stats.record(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit

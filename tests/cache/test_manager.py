@@ -175,3 +175,9 @@ def test_bad_arguments_are_clear_errors():
     mgr = KVCacheManager(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="num_new_tokens"):
         mgr.allocate_slots(Request("x", [1]), -1)
+
+
+def test_lookup_without_recording_leaves_stats_alone(mgr10):
+    prefill(mgr10, Request("a", toks(9)))
+    mgr10.get_computed_blocks(Request("b", toks(9)), record_stats=False)
+    assert (mgr10.stats.requests, mgr10.stats.queries) == (1, 9)
