@@ -1,0 +1,93 @@
+"""The demo's scenario, repeated: a ~1,500-token table, then two questions about it.
+
+    .venv/bin/python bench/seed_scenario.py [--repeats 3] [--max-tokens 100 32] [--peers]
+
+Each repeat starts from an empty prefix cache, so question 1 is cold and question 2 reuses the
+table. Prints medians of time to first token and total time per question, cached tokens, and
+the ratio TTFT(question 2) / TTFT(question 1). With --peers, runs vLLM-CPU and llama.cpp on the
+same prompts (bench/peers/, each in its own venv; see docs/benchmarks.md) and prints them side
+by side.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.peer_runner import (DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON,  # noqa: E402
+                               available, run_peer)
+from prefixkv import LLM, SamplingParams  # noqa: E402
+from prefixkv.model.loader import default_model_path  # noqa: E402
+from prefixkv.scenarios import seed_prompts  # noqa: E402
+
+QUESTIONS = ["John Doe", "Zack Blue"]
+
+
+def run_prefixkv(repeats: int, max_tokens: int, llm: LLM) -> list[dict]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    runs = []
+    for _ in range(repeats):
+        assert llm.reset_prefix_cache()
+        qs = []
+        for prompt in seed_prompts():
+            t0 = time.perf_counter()
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            qs.append({"ttft_s": out.metrics.time_to_first_token, "total_s": time.perf_counter() - t0,
+                       "cached_tokens": out.num_cached_tokens, "prompt_tokens": len(out.prompt_token_ids),
+                       "output_tokens": len(out.outputs[0].token_ids), "text": out.outputs[0].text})
+        runs.append(qs)
+    return [{"question": QUESTIONS[i],
+             "ttft_s_median": statistics.median(r[i]["ttft_s"] for r in runs),
+             "total_s_median": statistics.median(r[i]["total_s"] for r in runs),
+             "cached_tokens": runs[0][i]["cached_tokens"], "prompt_tokens": runs[0][i]["prompt_tokens"],
+             "output_tokens": runs[0][i]["output_tokens"], "text": runs[0][i]["text"]}
+            for i in range(2)]
+
+
+def show(engine: str, summary: list[dict], startup: float | None) -> None:
+    q1, q2 = summary
+    for q in summary:
+        print(f"  {engine:<10} {q['question']:<10} TTFT {q['ttft_s_median']:7.3f} s  total {q['total_s_median']:7.2f} s"
+              f"  cached {str(q['cached_tokens']):>6}/{q['prompt_tokens']}  out {q['output_tokens']:>3}"
+              f"  {q['text'][:40]!r}")
+    extra = f", start-up {startup:.1f} s" if startup is not None else ""
+    print(f"  {engine:<10} TTFT(q2)/TTFT(q1) = {q2['ttft_s_median'] / q1['ttft_s_median']:.1%}{extra}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[100, 32])
+    ap.add_argument("--peers", action="store_true", help="also run vLLM-CPU and llama.cpp where installed")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    llm = LLM(enable_prefix_caching=True)
+    startup = time.perf_counter() - t0
+    llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    print(f"seed scenario, medians of {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}")
+    peers = {}
+    if args.peers:
+        mt = [str(m) for m in args.max_tokens]
+        if available(DEFAULT_VLLM_PYTHON):
+            peers["vllm"] = run_peer(DEFAULT_VLLM_PYTHON, "vllm_generate.py",
+                                     ["--model", DEFAULT_VLLM_MODEL, "--scenario", "seed",
+                                      "--repeats", str(args.repeats), "--max-tokens", *mt])
+        if available(DEFAULT_LLAMACPP_PYTHON):
+            peers["llama.cpp"] = run_peer(DEFAULT_LLAMACPP_PYTHON, "llamacpp_generate.py",
+                                          ["--model", default_model_path(), "--scenario", "seed",
+                                           "--repeats", str(args.repeats), "--max-tokens", *mt])
+    for max_tokens in args.max_tokens:
+        print(f"max_tokens {max_tokens}:")
+        show("prefixkv", run_prefixkv(args.repeats, max_tokens, llm), startup)
+        for name, res in peers.items():
+            if res is not None:
+                show(name, res["max_tokens"][str(max_tokens)], res.get("startup_s"))
+
+
+if __name__ == "__main__":
+    main()
