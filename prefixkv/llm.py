@@ -110,9 +110,9 @@ class LLM:
             engine.validate_prompt(ids)
         ids_in_order = []
         for item, ids, params in zip(items, tokenized, params_list):
-            rid = engine.add_request(ids, params, lora_request=lora_request, cache_salt=cache_salt)
-            engine._groups[rid].prompt = item if isinstance(item, str) else None
-            ids_in_order.append(rid)
+            ids_in_order.append(engine.add_request(
+                ids, params, lora_request=lora_request, cache_salt=cache_salt,
+                prompt_text=item if isinstance(item, str) else None))
         return self._run(ids_in_order, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

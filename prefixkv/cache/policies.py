@@ -7,6 +7,7 @@ first) and when a free block is taken back by a cache hit (`remove`), and asks i
 """
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from typing import Iterable
 
@@ -140,7 +141,156 @@ class LRUPolicy(EvictionPolicy):
 # The seed's name for the default policy's structure.
 FreeKVCacheBlockQueue = LRUPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+
+class HeapPolicy(EvictionPolicy):
+    """Base for policies that rank free blocks by a key computed when the block becomes free:
+    the victim is the free block with the smallest `(key, seq)`, where `seq` counts appends, so
+    equal keys fall back to the seed's order (least recently freed first, tail of a request
+    first). A binary heap with lazy deletion: O(log n) append and pop, O(1) remove; stale entries
+    are dropped as they surface and the heap is rebuilt when they outnumber live ones.
+
+    Subclasses define `key(block)` and may use `hits[block_id]`: hits on the block's current
+    identity, counted both while it is free (`remove`) and while it is held (`on_hit`, which the
+    pool calls only for policies that define it)."""
+
+    name = "heap"
+    counts_hits = False
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        n = len(blocks)
+        self._blocks = blocks
+        self._live = [0] * n  # block id -> seq of its live heap entry, 0 when not free
+        self.hits = [0] * n
+        self._heap: list[tuple] = [(-1, i + 1, b.block_id) for i, b in enumerate(blocks)]
+        self._seq = n
+        self._batch = 0  # counts frees (append or append_n calls), for keys that rank batches
+        for i, block in enumerate(blocks):
+            self._live[block.block_id] = i + 1
+        self._num_free = n
+        if self.counts_hits:
+            self.on_hit = self._on_hit
+
+    def key(self, block: KVCacheBlock):  # pragma: no cover - abstract in spirit
+        return 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_free
+
+    def _on_hit(self, block: KVCacheBlock) -> None:
+        self.hits[block.block_id] += 1
+
+    def popleft(self) -> KVCacheBlock:
+        heap, live = self._heap, self._live
+        while heap:
+            _, seq, bid = heapq.heappop(heap)
+            if live[bid] == seq:
+                live[bid] = 0
+                self._num_free -= 1
+                self.hits[bid] = 0  # the block will get a new identity
+                return self._blocks[bid]
+        raise ValueError("no free block to pop")
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self._num_free:
+            raise ValueError(f"asked for {n} free blocks, {self._num_free} free")
+        return [self.popleft() for _ in range(n)]
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._batch += 1
+        for block in blocks:
+            self._append(block)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        bid = block.block_id
+        if not self._live[bid]:
+            raise ValueError(f"block {bid} is not in the free queue")
+        self._live[bid] = 0
+        self._num_free -= 1
+        self.hits[bid] += 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        self._batch += 1
+        self._append(block)
+
+    def _append(self, block: KVCacheBlock) -> None:
+        bid = block.block_id
+        if self._live[bid]:
+            raise ValueError(f"block {bid} is already free")
+        self._seq += 1
+        self._live[bid] = self._seq
+        self._num_free += 1
+        heapq.heappush(self._heap, (self.key(block), self._seq, bid))
+        if len(self._heap) > 2 * len(self._blocks) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self._live
+        self._heap = [e for e in self._heap if live[e[2]] == e[1]]
+        heapq.heapify(self._heap)
+
+    def block_ids(self) -> list[int]:
+        live = self._live
+        return [bid for _, _, bid in sorted(e for e in self._heap if live[e[2]] == e[1])]
+
+
+class UnhashedFirstPolicy(HeapPolicy):
+    """Free blocks without a cached identity (partial blocks, reserved decode room, evicted
+    leftovers) are reused before any cached block; among each group, the seed's LRU order."""
+
+    name = "unhashed-first"
+
+    def key(self, block: KVCacheBlock) -> int:
+        return 0 if block.block_hash is None else 1
+
+
+class LFUPolicy(HeapPolicy):
+    """Least frequently used: the free block whose identity was hit the fewest times goes first
+    (blocks without identity before all), LRU among equals. Counts restart when a block is
+    reused for a new identity."""
+
+    name = "lfu"
+    counts_hits = True
+
+    def key(self, block: KVCacheBlock) -> int:
+        return -1 if block.block_hash is None else self.hits[block.block_id]
+
+
+class ReuseCreditPolicy(HeapPolicy):
+    """prefixkv's own: LRU in which reuse buys time. Blocks without identity go first; a cached
+    block is ranked by when it was freed (the append counter) plus `credit * num_blocks` for each
+    hit its identity has had (both while free and while held), at most `max_credits` of them.
+    A block that proved reusable thus survives a flood of one-off blocks about `credit` cache
+    turnovers longer per reuse, while stale popular blocks still age out (unlike LFU). Within a
+    request, tail-first freeing keeps children ahead of parents, as in the seed's order."""
+
+    name = "reuse-credit"
+    counts_hits = True
+    credit = 1.0
+    max_credits = 4
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        super().__init__(blocks)
+        self._step = self.credit * len(blocks)
+
+    def key(self, block: KVCacheBlock) -> float:
+        if block.block_hash is None:
+            return -1
+        return self._seq + self._step * min(self.hits[block.block_id], self.max_credits)
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "unhashed-first": UnhashedFirstPolicy,
+    "lfu": LFUPolicy,
+    "reuse-credit": ReuseCreditPolicy,
+}
+
+
+def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    """Class decorator: make a policy available by its `name` (e.g. to KVCacheManager)."""
+    POLICIES[cls.name] = cls
+    return cls
 
 
 def get_policy(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:

@@ -19,6 +19,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue: EvictionPolicy = policy(self.blocks)
+        # A policy that wants hits on held blocks defines on_hit (hits on free blocks reach it
+        # as remove); the default policy does not, and its touch() path stays as it was.
+        if getattr(self.free_block_queue, "on_hit", None) is not None:
+            self.touch = self._touch_notify  # type: ignore[method-assign]
         # Exact identity -> the block holding it, or {block_id: block} when several do: block
         # tables are append-only, so two requests that computed the same block both keep theirs.
         self.cached_blocks: dict[BlockKey, KVCacheBlock | dict[int, KVCacheBlock]] = {}
@@ -88,6 +92,16 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 queue.remove(block)
+            block.ref_cnt += 1
+
+    def _touch_notify(self, blocks: Iterable[KVCacheBlock]) -> None:
+        queue = self.free_block_queue
+        on_hit = queue.on_hit  # type: ignore[attr-defined]
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            else:
+                on_hit(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:

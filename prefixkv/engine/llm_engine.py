@@ -111,13 +111,15 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue one prompt (text or token ids). Raises ValueError, changing nothing, on bad input."""
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    prompt_text: str | None = None) -> str:
+        """Queue one prompt (text or token ids; `prompt_text` names the text that token ids came
+        from). Raises ValueError, changing nothing, on bad input."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
         else:
-            text, ids = None, list(prompt)
+            text, ids = prompt_text, list(prompt)
         self.validate_prompt(ids)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:

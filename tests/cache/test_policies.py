@@ -46,3 +46,114 @@ def test_unknown_policy_is_a_clear_error():
     assert get_policy("lru") is LRUPolicy
     with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
         get_policy("nope")
+
+
+# -- the replay's alternative policies ---------------------------------------------------------
+from prefixkv.cache import KVCacheManager  # noqa: E402
+from prefixkv.cache.policies import (  # noqa: E402
+    POLICIES, HeapPolicy, LFUPolicy, ReuseCreditPolicy, UnhashedFirstPolicy, register_policy)
+from prefixkv.request import Request  # noqa: E402
+
+
+def cached(block, key=("k",)):
+    block.block_hash = key
+    return block
+
+
+@pytest.mark.parametrize("cls", [UnhashedFirstPolicy, LFUPolicy, ReuseCreditPolicy])
+def test_heap_policies_share_the_queue_contract(cls):
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = cls(blocks)
+    assert q.block_ids() == [0, 1, 2, 3, 4] and q.num_free_blocks == 5
+    assert [b.block_id for b in q.popleft_n(2)] == [0, 1]
+    q.remove(blocks[3])
+    assert q.block_ids() == [2, 4] and q.num_free_blocks == 2
+    q.append_n([blocks[1], blocks[0]])  # uncached, freed together: in the given order
+    q.append(blocks[3])
+    assert q.block_ids() == [2, 4, 1, 0, 3]
+    q.remove(blocks[3])
+    with pytest.raises(ValueError):
+        q.remove(blocks[3])
+    q.append(blocks[3])
+    with pytest.raises(ValueError):
+        q.append(blocks[2])
+    assert len(q.popleft_n(5)) == 5 and q.num_free_blocks == 0
+    with pytest.raises(ValueError):
+        q.popleft()
+    with pytest.raises(ValueError):
+        q.popleft_n(1)
+
+
+def test_heap_policy_compacts_stale_entries():
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    q = UnhashedFirstPolicy(blocks)
+    for _ in range(100):
+        q.remove(blocks[1])
+        q.append(blocks[1])
+    assert len(q._heap) <= 2 * 3 + 64 + 1 and q.block_ids() == [0, 2, 1]
+
+
+def test_unhashed_first_takes_blocks_without_identity_first():
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    q = UnhashedFirstPolicy(blocks)
+    taken = q.popleft_n(4)
+    q.append_n([cached(taken[0]), taken[1], cached(taken[2]), taken[3]])
+    assert q.block_ids() == [1, 3, 0, 2]  # plain blocks, then cached ones in LRU order
+
+
+def test_lfu_counts_hits_on_free_and_held_blocks():
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    q = LFUPolicy(blocks)
+    b0, b1, b2 = q.popleft_n(3)
+    q.on_hit(b0)  # held hits arrive through on_hit
+    q.on_hit(b0)
+    q.append_n([cached(b0), cached(b1), b2])
+    assert q.block_ids() == [2, 1, 0]
+    q.remove(b1)  # a hit on a free block counts too
+    q.append(b1)
+    assert q.block_ids() == [2, 1, 0]  # b1 has 1 hit, b0 has 2
+    assert q.popleft() is b2 and q.popleft() is b1
+    assert q.hits[1] == 0  # counts restart with the next identity
+
+
+def test_reuse_credit_lets_reused_blocks_outlive_newer_one_off_blocks():
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    q = ReuseCreditPolicy(blocks)
+    old, a, b, c = q.popleft_n(4)
+    q.on_hit(old)
+    q.append(cached(old))  # freed first, but reused once: a credit of num_blocks appends
+    q.append_n([cached(a), cached(b)])
+    q.append(c)  # no identity: always first
+    assert q.block_ids() == [3, 1, 2, 0]
+
+
+def test_policies_are_registered_and_only_reuse_aware_ones_hook_the_pool():
+    assert set(POLICIES) >= {"lru", "unhashed-first", "lfu", "reuse-credit"}
+    mgr = KVCacheManager(8, 2, eviction_policy="lru")
+    assert "touch" not in vars(mgr.block_pool)  # the default path is untouched
+    mgr = KVCacheManager(8, 2, eviction_policy="lfu")
+    a, b = Request("a", [1, 2, 3, 4, 5]), Request("b", [1, 2, 3, 4, 6])
+    for req in (a, b):  # b hits a's two blocks while a still holds them
+        hits, n = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, req.num_tokens - n, hits) is not None
+        req.num_computed_tokens = req.num_tokens
+    held = mgr.get_blocks("b")[:2]
+    assert [mgr.block_pool.free_block_queue.hits[blk.block_id] for blk in held] == [1, 1]
+    mgr.free(a)
+    mgr.free(b)
+    assert mgr.num_free_blocks == 8
+
+
+def test_a_new_policy_is_one_small_class():
+    @register_policy
+    class MRU(HeapPolicy):
+        name = "test-mru"
+
+        def key(self, block):
+            return -self._seq
+
+    try:
+        mgr = KVCacheManager(4, 2, eviction_policy="test-mru")
+        assert isinstance(mgr.block_pool.free_block_queue, MRU)
+    finally:
+        del POLICIES["test-mru"]

@@ -1,0 +1,244 @@
+"""Sweep cache sizes x eviction policies (plus Belady's offline optimum) over the Mooncake traces.
+
+    .venv/bin/python bench/replay.py [--traces-dir ../shared/traces] [--conversation-limit 6000]
+        [--sizes 1000,2000,4000,8000,16000,32000] [--block-size 512] [--jobs 2] [--out docs]
+
+Replays each trace through the real KVCacheManager (prefixkv/replay), prints the table, and writes
+docs/replay.md (table, command, model notes) and docs/replay_<trace>.png (hit rate vs cache size,
+one line per policy plus the optimum).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from prefixkv.cache.policies import POLICIES  # noqa: E402
+from prefixkv.replay import TimeModel, load_mooncake, replay, replay_optimum  # noqa: E402
+from prefixkv.replay.optimum import BlockIndex, infinite_cache_hit_rate  # noqa: E402
+
+TRACES = ("conversation", "synthetic")
+_STATE: dict = {}
+
+
+def _load(path: str, limit: int | None, block_size: int):
+    key = (path, limit, block_size)
+    if _STATE.get("key") != key:
+        trace = load_mooncake(path, limit)
+        _STATE.update(key=key, trace=trace, index=None)
+    return _STATE["trace"]
+
+
+def _job(task):
+    path, limit, block_size, num_blocks, policy = task
+    trace = _load(path, limit, block_size)
+    tm = TimeModel()
+    if policy == "optimum":
+        if _STATE["index"] is None:
+            _STATE["index"] = BlockIndex(trace, block_size)
+        r = replay_optimum(trace, num_blocks, block_size, tm, _STATE["index"])
+    else:
+        r = replay(trace, num_blocks, block_size, policy, tm)
+    return path, num_blocks, policy, r.as_dict()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces-dir", default=str(HERE.parent.parent / "shared" / "traces"))
+    ap.add_argument("--conversation-limit", type=int, default=6000,
+                    help="replay the first N requests of the conversation trace (0 = all)")
+    ap.add_argument("--synthetic-limit", type=int, default=0, help="0 = all")
+    ap.add_argument("--sizes", default="1000,2000,4000,8000,16000,32000")
+    ap.add_argument("--block-size", type=int, default=512)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default=str(HERE.parent / "docs"))
+    ap.add_argument("--no-docs", action="store_true", help="print the table only")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    policies = args.policies.split(",")
+    limits = {"conversation": args.conversation_limit or None, "synthetic": args.synthetic_limit or None}
+    paths = {name: os.path.join(args.traces_dir, f"{name}_trace.jsonl") for name in TRACES}
+    missing = [p for p in paths.values() if not os.path.exists(p)]
+    if missing:
+        print(f"trace(s) not found: {', '.join(missing)} (pass --traces-dir)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    # one trace per worker process at a time, so each loads its trace and index once
+    tasks = [(paths[name], limits[name], args.block_size, nb, pol)
+             for name in TRACES for pol in ["optimum", *policies] for nb in sizes]
+    results: dict[tuple[str, int, str], dict] = {}
+    with ProcessPoolExecutor(args.jobs) as ex:
+        for path, nb, pol, row in ex.map(_job, tasks, chunksize=len(sizes)):
+            results[path, nb, pol] = row
+    elapsed = time.time() - t0
+    info = {}
+    for name in TRACES:
+        trace = load_mooncake(paths[name], limits[name])
+        info[name] = (len(trace), infinite_cache_hit_rate(trace, args.block_size))
+    md = render(args, sizes, policies, paths, limits, results, info, elapsed)
+    print(md)
+    if not args.no_docs:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in TRACES:
+            plot(out / f"replay_{name}.png", name, sizes, policies, paths[name], results, info[name])
+        (out / "replay.md").write_text(md_header() + md + md_notes())
+        print(f"wrote {out / 'replay.md'} and {', '.join(str(out / f'replay_{n}.png') for n in TRACES)}")
+    return 0
+
+
+def command_line() -> str:
+    return " ".join([".venv/bin/python", "bench/replay.py", *sys.argv[1:]])
+
+
+def render(args, sizes, policies, paths, limits, results, info, elapsed) -> str:
+    lines = [f"Command: `{command_line()}` ({elapsed:.0f} s wall, {args.jobs} processes)", ""]
+    for name in TRACES:
+        n, ceiling = info[name]
+        scope = f"first {limits[name]} requests" if limits[name] else "all requests"
+        lines += [f"### {name} ({scope}: {n}; block size {args.block_size}; "
+                  f"infinite-cache ceiling {ceiling:.1%})", "",
+                  "| blocks | optimum | " + " | ".join(policies) + " |",
+                  "| ---: | ---: | " + " | ".join("---:" for _ in policies) + " |"]
+        for nb in sizes:
+            opt = results[paths[name], nb, "optimum"]
+            cells = []
+            for pol in policies:
+                r = results[paths[name], nb, pol]
+                frac = r["hit_rate"] / opt["hit_rate"] if opt["hit_rate"] else float("nan")
+                cells.append(f"{r['hit_rate']:.1%} ({frac:.0%})")
+            lines.append(f"| {nb} | {opt['hit_rate']:.1%} | " + " | ".join(cells) + " |")
+        lines += ["", "Evictions / peak blocks in use / requests that waited:", "",
+                  "| blocks | " + " | ".join(["optimum", *policies]) + " |",
+                  "| ---: | " + " | ".join("---:" for _ in range(len(policies) + 1)) + " |"]
+        for nb in sizes:
+            cells = []
+            for pol in ["optimum", *policies]:
+                r = results[paths[name], nb, pol]
+                cells.append(f"{r['evictions']} / {r['peak_blocks_in_use']} / {r['waited']}")
+            lines.append(f"| {nb} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["### Target: a policy of ours within 95% of the optimum where the seed's (lru) is below 90%", ""]
+    for name in TRACES:
+        for nb in sizes:
+            opt = results[paths[name], nb, "optimum"]["hit_rate"]
+            if not opt:
+                continue
+            lru = results[paths[name], nb, "lru"]["hit_rate"] / opt if "lru" in policies else 1.0
+            if lru >= 0.9:
+                continue
+            best = max((p for p in policies if p != "lru"),
+                       key=lambda p: results[paths[name], nb, p]["hit_rate"], default=None)
+            if best is None:
+                continue
+            frac = results[paths[name], nb, best]["hit_rate"] / opt
+            lines.append(f"- {name}, {nb} blocks: lru {lru:.0%} of optimum; best {best} {frac:.0%} - "
+                         + ("met" if frac >= 0.95 else "NOT met"))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def md_header() -> str:
+    return """# Cache-policy replay: which eviction policy and cache size a trace needs
+
+`prefixkv replay TRACE` (module `prefixkv.replay`, CLI `prefixkv/replay/cli.py`) replays a request
+trace through the real `KVCacheManager` - real `Request` objects, real exact-key hashing, real ref
+counts - at a chosen cache size, block size and eviction policy, and reports the token-weighted hit
+rate, evictions, peak blocks in use and queueing. `--optimum` adds Belady's offline optimum over the
+same schedule and capacity, and each policy's fraction of it. `bench/replay.py` sweeps both
+Mooncake traces and regenerates this page and the plots:
+
+    .venv/bin/python bench/replay.py                      # this page, ~5 min on 2 idle cores
+    prefixkv replay ../shared/traces/synthetic_trace.jsonl --num-blocks 2000,8000 --policy all --optimum
+
+![conversation](replay_conversation.png)
+![synthetic](replay_synthetic.png)
+
+## Choices
+
+* **Block size 512** (`--block-size`), the traces' own granularity: one Mooncake id is one block,
+  so a replay of 12k requests makes ~290k block lookups instead of ~9M at block size 16. Each id `h`
+  is expanded into the token run `h*512 .. h*512+511` (cut to `input_length`), so the manager's
+  exact keys see exactly the sharing the trace records; other block sizes work (ids are split or
+  straddled) and only cost time.
+* **Conversation trace: the first 6,000 of 12,031 requests** (the first ~30 minutes), to keep the
+  full sweep (6 sizes x 4 policies + optimum, both traces) within ~10 minutes on 2 cores; pass
+  `--conversation-limit 0` for all of it. The synthetic trace is replayed whole.
+* **Policies** (`prefixkv/cache/policies.py`, each a small class registered in `POLICIES`;
+  `KVCacheManager(..., eviction_policy=name)`):
+  * `lru` - the seed's (default): least recently freed first, a request's tail first.
+  * `unhashed-first` - free blocks without an identity (partial blocks, reserved decode room)
+    before any cached block, LRU within each group.
+  * `lfu` - fewest hits on the block's current identity first (hits while held included), LRU among
+    equals.
+  * `reuse-credit` (ours) - LRU where every past hit (up to 4) buys `num_blocks` appends of
+    extra life: proven-reusable blocks survive floods of one-off blocks, yet stale popular blocks
+    still age out (LFU's failure), and blocks without identity go first.
+  The non-default policies are heaps with lazy deletion (O(log n)); the pool calls an optional
+  `on_hit` only for policies that define it, so the default path is unchanged.
+
+Each cell below: token-weighted hit rate (fraction of the offline optimum).
+
+"""
+
+
+FINDINGS = """
+## Findings (from the sweep above; the target is not met)
+
+* The seed's `lru` is below 90% of the optimum at every size except the largest on both traces,
+  and no online policy here gets within 95% of the optimum at those sizes. `reuse-credit` is the
+  best or near-best online policy in most rows (up to +6 points of the optimum over `lru`), and
+  `unhashed-first` takes most of the rest; `lfu` loses at mid sizes (stale popular blocks).
+* Why the gap is so large: reuse distances in both traces are far longer than the cache. Blocks
+  are reused on average hundreds of requests later (synthetic: median ~570 requests, ~17k blocks
+  of traffic, before a block's first reuse), and a block that has not been reused yet is reused
+  only ~39% of the time, while one reused once is reused again ~85% of the time. Belady keeps a
+  fixed subset of the future-reused blocks through the flood; an online policy cannot tell, at a
+  block's first use, which 39% will come back, and by the time a hit proves it the block is long
+  evicted. Frequency signals (lfu, reuse-credit) only help once a block has survived one reuse.
+* Closing the gap needs a predictor of first reuse (e.g. learning from past Belady decisions per
+  prefix/session, as Hawkeye-style policies do, or admission control of one-off tails), which is
+  future work; the replay, optimum and plots are in place to measure such a policy.
+* The optimum is a strong heuristic bound, not a theorem (see below); it was >= every policy in
+  every cell of this sweep and in the randomized tests.
+"""
+
+
+def md_notes() -> str:
+    from prefixkv.replay import optimum, simulator
+    return (FINDINGS + "\n## Model\n\n```\n" + (simulator.__doc__ or "").strip() + "\n```\n\n## The optimum\n\n```\n"
+            + (optimum.__doc__ or "").strip() + "\n```\n")
+
+
+def plot(path, name, sizes, policies, trace_path, results, info) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    opt = [results[trace_path, nb, "optimum"]["hit_rate"] for nb in sizes]
+    ax.plot(sizes, opt, "k--", marker="o", label="optimum (Belady, offline)")
+    for pol in policies:
+        ax.plot(sizes, [results[trace_path, nb, pol]["hit_rate"] for nb in sizes], marker=".", label=pol)
+    ax.axhline(info[1], color="grey", lw=0.8, ls=":", label="infinite cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("cache size (blocks of 512 tokens)")
+    ax.set_ylabel("token hit rate")
+    ax.set_title(f"{name} trace ({info[0]} requests)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Belady's offline optimum for prefix caching, over the same schedule and capacity as the replay.
+
+What it computes. The run uses `simulator.run_schedule` - the same FCFS admission, hold times,
+output reservation, lookup rule (whole blocks, at most input_length - 1 tokens) and block
+accounting as the real manager (a cache hit on an unheld block uses one free block; blocks held
+by running requests are shared and cannot be evicted). Only the choice of victim differs, and it
+uses the future: a free block without identity is always taken first (costs nothing); otherwise
+the free cached block whose next use is farthest in the future is evicted, ties broken deepest
+prefix first. The "next use" of a block is the next request, in admission order (= trace order,
+since admission is FCFS), whose lookup range contains that exact prefix block. A block is only
+useful with its whole prefix, and every request that can use a block can use its parent, so the
+parent's next use is never later than the child's; with the depth tie-break the cache therefore
+stays prefix-closed (a child is always evicted before its parent) and no block is orphaned.
+
+Why it is a bound, and where it is not exact. With unit-size blocks, one reference at a time and
+fixed free capacity, farthest-next-use is optimal (Belady/Mattson). Here a request references a
+chain of blocks at once, the free capacity varies with the blocks running requests hold, and the
+admission times can shift with the memory that sharing saves; under those conditions the rule is
+not proven optimal, so call it a strong heuristic bound, not a theorem. It is checked to be >=
+every online policy on random small traces (tests/replay) and in every sweep. The hard ceiling,
+independent of capacity, is `infinite_cache_hit_rate` (only compulsory misses).
+"""
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from typing import Sequence
+
+from .simulator import ReplayResult, TimeModel, run_schedule
+from .trace import TraceRequest
+
+
+class BlockIndex:
+    """Every full prompt block of the trace as a node of the prefix trie (node = exact prefix,
+    keyed by (parent node, block tokens) like the manager's exact keys), with each node's uses:
+    the request indices whose lookup range (first (input_length - 1) // block_size blocks)
+    contains it."""
+
+    def __init__(self, trace: Sequence[TraceRequest], block_size: int) -> None:
+        self.block_size = block_size
+        keys: dict[tuple, int] = {}
+        self.nodes: list[list[int]] = []
+        self.caps: list[int] = []
+        uses: list[list[int]] = []
+        bs = block_size
+        for idx, req in enumerate(trace):
+            tokens = req.prompt_token_ids()
+            num_full = len(tokens) // bs
+            cap = (len(tokens) - 1) // bs
+            chain = []
+            parent = -1
+            for b in range(num_full):
+                key = (parent, tuple(tokens[b * bs:(b + 1) * bs]))
+                node = keys.get(key)
+                if node is None:
+                    node = keys[key] = len(uses)
+                    uses.append([])
+                if b < cap:
+                    uses[node].append(idx)
+                chain.append(node)
+                parent = node
+            self.nodes.append(chain)
+            self.caps.append(cap)
+        self.uses = uses
+
+    def infinite_cache_hits(self) -> tuple[int, int]:
+        """(hit tokens, prompt tokens) with a cache that never evicts: compulsory misses only."""
+        seen: set[int] = set()
+        hits = 0
+        for chain, cap in zip(self.nodes, self.caps):
+            h = 0
+            while h < cap and chain[h] in seen:
+                h += 1
+            hits += h * self.block_size
+            seen.update(chain)
+        return hits, 0
+
+
+class BeladyBackend:
+    def __init__(self, index: BlockIndex, num_blocks: int, skipped: Sequence[bool]) -> None:
+        self.num_blocks = num_blocks
+        self.ix = index
+        self.skipped = skipped  # requests larger than the pool never run: they use nothing
+        self.ref: dict[int, int] = {}  # cached node -> holders (> 0)
+        self.free_cached: dict[int, int] = {}  # cached node nobody holds -> its heap stamp
+        self.heap: list[tuple[int, int, int, int]] = []  # (-next use, -depth, stamp, node)
+        self.free_plain = num_blocks  # free blocks without identity
+        self.live: dict[int, tuple[list[int], int]] = {}
+        self.last_admitted = -1
+        self._stamp = 0
+        self._evictions = 0
+
+    def admit(self, index: int, req: TraceRequest, lookahead: int) -> int | None:
+        ix = self.ix
+        chain, cap = ix.nodes[index], ix.caps[index]
+        ref, free_cached = self.ref, self.free_cached
+        h = 0
+        while h < cap and (chain[h] in ref or chain[h] in free_cached):
+            h += 1
+        bs = ix.block_size
+        required = -(-(req.input_length + lookahead) // bs)
+        num_new = required - h
+        evictable_hits = sum(1 for node in chain[:h] if node in free_cached)
+        if num_new + evictable_hits > self.free_plain + len(free_cached):
+            return None
+        self.last_admitted = index
+        for node in chain[:h]:
+            if node in free_cached:
+                del free_cached[node]  # its heap entry goes stale
+            ref[node] = ref.get(node, 0) + 1
+        take_plain = min(num_new, self.free_plain)
+        self.free_plain -= take_plain
+        for _ in range(num_new - take_plain):
+            self._evict_one()
+        held = list(chain[:h])
+        plain = required - h
+        for node in chain[h:]:
+            if node in ref or node in free_cached:
+                continue  # a duplicate of a cached block (lookup cap): holds no new identity
+            ref[node] = 1
+            held.append(node)
+            plain -= 1
+        self.live[index] = (held, plain)
+        return h * bs
+
+    def _evict_one(self) -> None:
+        heap, free_cached = self.heap, self.free_cached
+        while True:
+            _, _, stamp, node = heapq.heappop(heap)
+            if free_cached.get(node) == stamp:
+                del free_cached[node]
+                self._evictions += 1
+                return
+
+    def release(self, index: int) -> None:
+        held, plain = self.live.pop(index)
+        ref, free_cached, uses = self.ref, self.free_cached, self.ix.uses
+        horizon = len(self.ix.nodes)
+        skipped = self.skipped
+        self.free_plain += plain
+        for depth in range(len(held) - 1, -1, -1):
+            node = held[depth]
+            r = ref[node] - 1
+            if r:
+                ref[node] = r
+                continue
+            del ref[node]
+            u = uses[node]
+            k = bisect_right(u, self.last_admitted)
+            while k < len(u) and skipped[u[k]]:
+                k += 1
+            next_use = u[k] if k < len(u) else horizon
+            self._stamp += 1
+            free_cached[node] = self._stamp
+            heapq.heappush(self.heap, (-next_use, -depth, self._stamp, node))
+
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - self.free_plain - len(self.free_cached)
+
+    def evictions(self) -> int:
+        return self._evictions
+
+
+def replay_optimum(trace: Sequence[TraceRequest], num_blocks: int, block_size: int = 512,
+                   time_model: TimeModel | None = None,
+                   index: BlockIndex | None = None) -> ReplayResult:
+    """Belady's offline optimum over the replay's schedule and capacity (see module docstring).
+    Pass a prebuilt `index` to reuse it across cache sizes."""
+    time_model = time_model or TimeModel()
+    if index is None or index.block_size != block_size:
+        index = BlockIndex(trace, block_size)
+    skipped = [-(-time_model.footprint_tokens(r) // block_size) > num_blocks for r in trace]
+    backend = BeladyBackend(index, num_blocks, skipped)
+    result = ReplayResult("optimum", num_blocks, block_size)
+    run_schedule(trace, backend, block_size, time_model, result)
+    if backend.blocks_in_use() != 0 or backend.ref:
+        raise AssertionError("optimum replay leaked blocks")
+    return result
+
+
+def infinite_cache_hit_rate(trace: Sequence[TraceRequest], block_size: int = 512,
+                            index: BlockIndex | None = None) -> float:
+    """Hit rate with unlimited capacity (only first uses miss): the ceiling of every policy."""
+    if index is None or index.block_size != block_size:
+        index = BlockIndex(trace, block_size)
+    hits, _ = index.infinite_cache_hits()
+    total = sum(r.input_length for r in trace)
+    return hits / total if total else 0.0

@@ -1,0 +1,206 @@
+"""Replay a trace through the real KVCacheManager at a chosen cache size, block size and eviction
+policy.
+
+Time model (TimeModel; see docs/replay.md):
+  * A request arrives at its trace timestamp and joins one FCFS queue. The head of the queue is
+    admitted as soon as the pool can supply its blocks: one cache lookup (get_computed_blocks),
+    then allocate_slots for the whole prompt plus, by default, `output_length` lookahead slots -
+    the request holds its peak footprint (prompt + output) from admission to completion. If the
+    head does not fit it waits (and so does everyone behind it) until a completion frees blocks.
+  * It holds its blocks for `prefill_ms_per_token * input_length + decode_ms_per_token *
+    output_length` (defaults 0.05 ms and 20 ms), then frees them (tail first, as the engine does).
+    The hold time does not depend on the hit count, so every policy faces the same work; only
+    memory (sharing of held blocks) can shift admissions between policies.
+  * Generated tokens are not appended: the trace carries no output content, so their blocks are
+    reserved (uncached, like the partial last prompt block) but never hashed.
+  * A request whose footprint exceeds the whole pool can never run; it is skipped and counted.
+
+Hit rate is token-weighted: prompt tokens served from the cache at admission / prompt tokens, over
+admitted requests. The lookup rule is the engine's: whole blocks, at most input_length - 1 tokens.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, Sequence
+
+from prefixkv.cache import KVCacheManager
+from prefixkv.cache.policies import EvictionPolicy, get_policy
+from prefixkv.request import Request
+
+from .trace import TraceRequest
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    prefill_ms_per_token: float = 0.05
+    decode_ms_per_token: float = 20.0
+    reserve_output: bool = True  # hold slots for output_length generated tokens
+
+    def hold_ms(self, req: TraceRequest) -> float:
+        return (self.prefill_ms_per_token * req.input_length
+                + self.decode_ms_per_token * req.output_length)
+
+    def footprint_tokens(self, req: TraceRequest) -> int:
+        return req.input_length + (req.output_length if self.reserve_output else 0)
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    num_blocks: int
+    block_size: int
+    requests: int = 0  # admitted
+    skipped: int = 0  # larger than the whole pool
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    peak_blocks_in_use: int = 0
+    waited: int = 0  # requests admitted later than their arrival
+    mean_wait_ms: float = 0.0
+    max_queue: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def peak_usage(self) -> float:
+        return self.peak_blocks_in_use / self.num_blocks
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(hit_rate=self.hit_rate, peak_usage=self.peak_usage)
+        return d
+
+
+class Backend(Protocol):
+    """What the shared schedule needs of a cache: admit (returns hit tokens, or None when the
+    request does not fit now - changing nothing), release, and blocks in use."""
+
+    num_blocks: int
+
+    def admit(self, index: int, req: TraceRequest, lookahead: int) -> int | None: ...
+
+    def release(self, index: int) -> None: ...
+
+    def blocks_in_use(self) -> int: ...
+
+    def evictions(self) -> int: ...
+
+
+def run_schedule(trace: Sequence[TraceRequest], backend: Backend, block_size: int,
+                 time_model: TimeModel, result: ReplayResult) -> ReplayResult:
+    """The admission/hold schedule shared by the real-manager replay and the offline optimum.
+    `trace` must be sorted by timestamp; admission is FCFS in trace order."""
+    t0 = time.perf_counter()
+    n = len(trace)
+    waiting: deque[int] = deque()
+    running: list[tuple[float, int]] = []
+    num_blocks = backend.num_blocks
+    total_wait = 0.0
+    i = 0
+
+    def try_admit(now: float) -> None:
+        nonlocal total_wait
+        while waiting:
+            idx = waiting[0]
+            req = trace[idx]
+            foot = time_model.footprint_tokens(req)
+            if -(-foot // block_size) > num_blocks:
+                waiting.popleft()
+                result.skipped += 1
+                continue
+            lookahead = foot - req.input_length
+            hit = backend.admit(idx, req, lookahead)
+            if hit is None:
+                return
+            waiting.popleft()
+            result.requests += 1
+            result.prompt_tokens += req.input_length
+            result.hit_tokens += hit
+            wait = now - req.timestamp_ms
+            if wait > 0:
+                result.waited += 1
+                total_wait += wait
+            heapq.heappush(running, (now + time_model.hold_ms(req), idx))
+            used = backend.blocks_in_use()
+            if used > result.peak_blocks_in_use:
+                result.peak_blocks_in_use = used
+
+    while i < n or running:
+        t_arrive = trace[i].timestamp_ms if i < n else float("inf")
+        if running and running[0][0] <= t_arrive:
+            now, idx = heapq.heappop(running)
+            backend.release(idx)
+            try_admit(now)
+        else:
+            waiting.append(i)
+            i += 1
+            if len(waiting) > result.max_queue:
+                result.max_queue = len(waiting)
+            if len(waiting) == 1:  # otherwise the head is blocked and FCFS keeps this one waiting
+                try_admit(t_arrive)
+    if waiting:  # cannot happen: with nothing running the head always fits or is skipped
+        raise RuntimeError(f"{len(waiting)} requests left waiting with nothing running")
+    result.evictions = backend.evictions()
+    result.mean_wait_ms = total_wait / result.requests if result.requests else 0.0
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+class ManagerBackend:
+    """The real thing: prefixkv.cache.KVCacheManager driven with prefixkv.request.Request."""
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 policy: str | type[EvictionPolicy] = "lru") -> None:
+        self.num_blocks = num_blocks
+        self.mgr = KVCacheManager(num_blocks, block_size, enable_caching=True,
+                                  eviction_policy=policy)
+        self._live: dict[int, Request] = {}
+        self._head: tuple[int, Request] | None = None  # a request that did not fit yet
+
+    def admit(self, index: int, req: TraceRequest, lookahead: int) -> int | None:
+        if self._head is not None and self._head[0] == index:
+            request = self._head[1]
+        else:
+            request = Request(str(index), req.prompt_token_ids(), arrival_time=req.timestamp_ms / 1e3)
+        mgr = self.mgr
+        hits, num_hit = mgr.get_computed_blocks(request)
+        if mgr.allocate_slots(request, request.num_tokens - num_hit, hits,
+                              num_lookahead_tokens=lookahead) is None:
+            self._head = (index, request)
+            return None
+        self._head = None
+        request.num_computed_tokens = request.num_tokens
+        request.num_cached_tokens = num_hit
+        self._live[index] = request
+        return num_hit
+
+    def release(self, index: int) -> None:
+        self.mgr.free(self._live.pop(index))
+
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - self.mgr.num_free_blocks
+
+    def evictions(self) -> int:
+        return self.mgr.block_pool.num_evictions
+
+
+def replay(trace: Sequence[TraceRequest], num_blocks: int, block_size: int = 512,
+           policy: str | type[EvictionPolicy] = "lru",
+           time_model: TimeModel | None = None) -> ReplayResult:
+    """Replay `trace` (sorted by timestamp) through a fresh KVCacheManager; at the end every
+    block is free again (checked)."""
+    time_model = time_model or TimeModel()
+    policy_cls = get_policy(policy)
+    backend = ManagerBackend(num_blocks, block_size, policy_cls)
+    result = ReplayResult(policy_cls.name, num_blocks, block_size)
+    run_schedule(trace, backend, block_size, time_model, result)
+    if backend.mgr.num_free_blocks != num_blocks:
+        raise AssertionError(f"{num_blocks - backend.mgr.num_free_blocks} blocks still held after replay")
+    return result

@@ -1,0 +1,85 @@
+"""The replay simulator and the offline optimum on hand-made traces."""
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixkv.cache.policies import POLICIES
+from prefixkv.replay import TimeModel, TraceRequest, replay, replay_optimum
+from prefixkv.replay.optimum import infinite_cache_hit_rate
+
+SPACED = 10_000_000  # ms between requests: nothing overlaps
+
+
+def tok(ts, tokens, out=0):
+    return TraceRequest(ts, len(tokens), out, token_ids=tuple(tokens))
+
+
+def test_known_hit_rate_sequential():
+    trace = [tok(0, range(9)), tok(SPACED, range(9)),
+             tok(2 * SPACED, [0, 1, 2, 3, 100, 101, 102, 103, 104])]
+    for policy in POLICIES:
+        r = replay(trace, num_blocks=16, block_size=4, policy=policy)
+        # r1 hits 2 blocks (8 of 9 tokens; the last token is always computed); r2 hits 1 block
+        assert (r.hit_tokens, r.prompt_tokens, r.requests) == (12, 27, 3)
+        assert r.evictions == 0 and r.waited == 0
+    assert replay_optimum(trace, 16, 4).hit_tokens == 12
+    assert abs(infinite_cache_hit_rate(trace, 4) - 12 / 27) < 1e-12
+
+
+def test_mooncake_ids_exercise_the_real_hash_path():
+    trace = [TraceRequest(0, 1000, 10, hash_ids=(1, 2)),
+             TraceRequest(SPACED, 1100, 10, hash_ids=(1, 2, 3)),
+             TraceRequest(2 * SPACED, 1100, 10, hash_ids=(1, 4, 5))]
+    r = replay(trace, num_blocks=64, block_size=512)
+    assert r.hit_tokens == 512 + 512  # r0 cached only id 1 (its id 2 is partial); r2 shares id 1
+    r128 = replay(trace, num_blocks=64, block_size=128)
+    assert r128.hit_tokens == (1000 // 128) * 128 + 512  # r1 hits r0's 7 full blocks
+
+
+def test_capacity_pressure_fcfs_wait_and_skip():
+    tm = TimeModel(prefill_ms_per_token=0.0, decode_ms_per_token=1.0, reserve_output=True)
+    # 4 blocks of 4 tokens; each request needs 3 blocks (8 prompt + 4 output tokens)
+    trace = [tok(0, range(8), out=4), tok(0, range(50, 58), out=4),
+             tok(1, range(200, 300), out=1), tok(2, range(8), out=4)]
+    r = replay(trace, num_blocks=4, block_size=4, time_model=tm)
+    assert r.skipped == 1 and r.requests == 3  # the 100-token prompt never fits
+    assert r.waited == 2 and r.peak_blocks_in_use == 3 and r.max_queue >= 2
+    assert r.evictions >= 1
+    o = replay_optimum(trace, 4, 4, tm)
+    assert (o.skipped, o.requests, o.peak_blocks_in_use) == (1, 3, 3)
+
+
+def test_held_blocks_are_shared():
+    tm = TimeModel(0.0, 1000.0)
+    trace = [tok(0, range(13), out=1), tok(1, range(13), out=1)]  # each holds 4 blocks
+    r = replay(trace, num_blocks=8, block_size=4, time_model=tm)
+    assert r.hit_tokens == 12 and r.peak_blocks_in_use == 5 and r.waited == 0
+
+
+blocks = st.lists(st.integers(0, 3), min_size=1, max_size=4)  # token "words" -> shared prefixes
+
+
+@st.composite
+def traces(draw):
+    n = draw(st.integers(2, 25))
+    out, t = [], 0
+    for _ in range(n):
+        t += draw(st.integers(0, 40))
+        prefix = draw(st.lists(st.integers(0, 4), min_size=1, max_size=5))
+        tokens = [x for w in prefix for x in (w, w + 10)]  # blocks of 2 tokens per word
+        tokens += draw(st.lists(st.integers(20, 22), max_size=2))
+        out.append(tok(t, tokens, out=draw(st.integers(0, 3))))
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces(), num_blocks=st.integers(3, 12), reserve=st.booleans())
+def test_optimum_bounds_every_policy_and_nothing_leaks(trace, num_blocks, reserve):
+    tm = TimeModel(0.0, 10.0, reserve)
+    opt = replay_optimum(trace, num_blocks, 2, tm)
+    ceiling = infinite_cache_hit_rate(trace, 2)
+    for policy in POLICIES:
+        r = replay(trace, num_blocks, 2, policy, tm)  # raises if any block is still held
+        assert r.requests + r.skipped == len(trace)
+        assert r.hit_tokens <= opt.hit_tokens, (policy, r.hit_tokens, opt.hit_tokens)
+    if opt.skipped == 0:  # the ceiling counts every request
+        assert opt.hit_rate <= ceiling + 1e-12
