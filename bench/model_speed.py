@@ -79,14 +79,17 @@ def main() -> None:
         with torch.inference_mode():
             return hf(ids[None].to(dev), use_cache=True, logits_to_keep=1).logits
 
-    res = {}
-    for name, fn in (("ours", ours_prefill), ("transformers", hf_prefill)):
-        if name == "transformers" and hf is None:
-            continue
+    # ours and transformers alternate rep by rep so load drift on a shared machine hits both
+    fns = [("ours", ours_prefill)] + ([("transformers", hf_prefill)] if hf is not None else [])
+    times = {name: [] for name, _ in fns}
+    for name, fn in fns:
         fn()  # warm-up
-        ts = [timed(fn, dev)[0] for _ in range(args.reps)]
-        res[name] = statistics.median(ts)
-        print(f"prefill {n} tok  {name:12s}: median {res[name]*1000:8.1f} ms  = {n/res[name]:8.1f} tok/s")
+    for _ in range(args.reps):
+        for name, fn in fns:
+            times[name].append(timed(fn, dev)[0])
+    for name, _ in fns:
+        med = statistics.median(times[name])
+        print(f"prefill {n} tok  {name:12s}: median {med*1000:8.1f} ms  = {n/med:8.1f} tok/s")
 
     # ------------------------------------------------------------ decode
     for B in (1, 8):
@@ -105,12 +108,17 @@ def main() -> None:
             return AttentionMetadata(torch.tensor(slot_list), qsl, list(lens), tables)
 
         with torch.inference_mode():
-            # prefill all B sequences (one batch), then decode
+            # prefill all B sequences (one batch) on both sides, then decode step by step,
+            # alternating ours / transformers
             meta = step_meta([C] * B, C)
             h = model(prompts.reshape(-1), torch.arange(C).repeat(B), caches, meta)
             nxt = model.compute_logits(h.view(B, C, -1)[:, -1]).argmax(-1)
             lens = [C] * B
-            ts = []
+            if hf is not None:
+                out = hf(prompts.to(dev), use_cache=True, logits_to_keep=1)
+                past = out.past_key_values
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            ts, ts_hf = [], []
             for s in range(args.steps):
                 lens = [x + 1 for x in lens]
                 meta = step_meta(lens, 1)
@@ -118,23 +126,17 @@ def main() -> None:
                 dt, logits = timed(lambda: model.compute_logits(model(nxt, positions, caches, meta)), dev)
                 nxt = logits.argmax(-1)
                 ts.append(dt)
-        ours = statistics.median(ts[2:])
-        line = f"decode batch {B} ctx {C}  ours: {ours*1000:7.1f} ms/step"
-        if hf is not None:
-            with torch.inference_mode():
-                out = hf(prompts.to(dev), use_cache=True, logits_to_keep=1)
-                past = out.past_key_values
-                tok = out.logits[:, -1].argmax(-1, keepdim=True)
-                ts = []
-                for s in range(args.steps):
+                if hf is not None:
                     dt, out = timed(lambda: hf(tok, past_key_values=past, use_cache=True), dev)
                     past = out.past_key_values
                     tok = out.logits[:, -1].argmax(-1, keepdim=True)
-                    ts.append(dt)
-            ref = statistics.median(ts[2:])
+                    ts_hf.append(dt)
+        ours = statistics.median(ts[2:])
+        line = f"decode batch {B} ctx {C}  ours: {ours*1000:7.1f} ms/step"
+        if hf is not None:
+            ref = statistics.median(ts_hf[2:])
             line += f"   transformers: {ref*1000:7.1f} ms/step   (speedup x{ref/ours:.2f})"
         print(line)
-
 
 if __name__ == "__main__":
     main()
