@@ -42,10 +42,12 @@ class PrefixKVAdapter:
     def lookup(self, req: Request):
         if self.content_hashes:  # pay for every block's external hash, as vLLM does
             self.mgr.get_block_hashes(req)
-        return self.mgr.get_computed_blocks(req)
+        return self.mgr.get_computed_blocks(req, record_stats=False)
 
     def allocate(self, req: Request, num_new: int, computed, num_hit: int) -> bool:
         ok = self.mgr.allocate_slots(req, num_new, computed) is not None
+        if ok and computed is not None:  # admitted: count its lookup once, as the scheduler does
+            self.mgr.stats.record(req.num_tokens, num_hit)
         if ok and self.content_hashes and num_new == 1:
             self.mgr.get_block_hashes(req)
         return ok
