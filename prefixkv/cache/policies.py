@@ -8,6 +8,7 @@ first) and when a free block is taken back by a cache hit (`remove`), and asks i
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from typing import Iterable
 
@@ -180,6 +181,10 @@ class HeapPolicy(EvictionPolicy):
     def _on_hit(self, block: KVCacheBlock) -> None:
         self.hits[block.block_id] += 1
 
+    def _forget(self, block: KVCacheBlock) -> None:
+        """The block is being evicted (it still carries its old identity)."""
+        self.hits[block.block_id] = 0
+
     def popleft(self) -> KVCacheBlock:
         heap, live = self._heap, self._live
         while heap:
@@ -187,8 +192,9 @@ class HeapPolicy(EvictionPolicy):
             if live[bid] == seq:
                 live[bid] = 0
                 self._num_free -= 1
-                self.hits[bid] = 0  # the block will get a new identity
-                return self._blocks[bid]
+                block = self._blocks[bid]
+                self._forget(block)  # the block will get a new identity
+                return block
         raise ValueError("no free block to pop")
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
@@ -279,11 +285,65 @@ class ReuseCreditPolicy(HeapPolicy):
         return self._seq + self._step * min(self.hits[block.block_id], self.max_credits)
 
 
+class GhostCreditPolicy(ReuseCreditPolicy):
+    """prefixkv's own: `reuse-credit` that also remembers what it evicted. A bounded ghost table
+    (`ghost_factor * num_blocks` entries, FIFO; 16 by default, since reuse distances in the
+    Mooncake traces are many cache turnovers long) keeps, for each evicted identity, the credits it
+    had; when the same content is computed and cached again, the block starts with those credits
+    plus one for the reuse the cache missed. So a block that proved reusable once - even if the
+    reuse came after it was evicted, the common case when reuse distances exceed the cache - is
+    protected from the next flood of one-off blocks. Ghosts are keyed by the block's content (its
+    token tuple and extra keys; the parent is left out because its identity number changes when
+    it is re-cached), so a ghost can only mis-rank a block, never serve a hit."""
+
+    name = "ghost-credit"
+    ghost_factor = 16.0
+    ghost_credit = 1
+    horizon = 0  # if > 0: appends of extra life per credit, instead of credit * num_blocks
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        super().__init__(blocks)
+        n = len(blocks)
+        self._ghosts: OrderedDict[int, int] = OrderedDict()
+        self._ghost_cap = max(1, int(self.ghost_factor * n))
+        self._bonus: list[int | None] = [None] * n  # credits inherited by the current identity
+        if self.horizon:
+            self._step = self.horizon
+
+    @staticmethod
+    def ghost_key(block: KVCacheBlock) -> int:
+        key = block.block_hash
+        return hash(key[1:])  # (tokens, extra keys) of an exact key
+
+    def _score(self, block: KVCacheBlock) -> int:
+        bid = block.block_id
+        bonus = self._bonus[bid]
+        if bonus is None:
+            prior = self._ghosts.pop(self.ghost_key(block), None)
+            bonus = self._bonus[bid] = 0 if prior is None else prior + self.ghost_credit
+        return self.hits[bid] + bonus
+
+    def key(self, block: KVCacheBlock) -> float:
+        if block.block_hash is None:
+            return -1
+        return self._seq + self._step * min(self._score(block), self.max_credits)
+
+    def _forget(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            ghosts = self._ghosts
+            ghosts[self.ghost_key(block)] = self._score(block)
+            if len(ghosts) > self._ghost_cap:
+                ghosts.popitem(last=False)
+        self._bonus[block.block_id] = None
+        self.hits[block.block_id] = 0
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "unhashed-first": UnhashedFirstPolicy,
     "lfu": LFUPolicy,
     "reuse-credit": ReuseCreditPolicy,
+    "ghost-credit": GhostCreditPolicy,
 }
 
 

@@ -7,7 +7,16 @@ by running requests are shared and cannot be evicted). Only the choice of victim
 uses the future: a free block without identity is always taken first (costs nothing); otherwise
 the free cached block whose next use is farthest in the future is evicted, ties broken deepest
 prefix first. The "next use" of a block is the next request, in admission order (= trace order,
-since admission is FCFS), whose lookup range contains that exact prefix block. A block is only
+since admission is FCFS), that references that exact prefix block, if the block lies in that
+request's lookup range; if it lies beyond it (e.g. the last full block of a prompt whose length
+is a multiple of the block size), that request recomputes the block whatever is cached, so a copy
+kept until then is worthless and the block counts as never used again; and when a request
+recomputes a block of which a free cached copy exists, that copy becomes a plain free block (the
+new copy carries the identity on). A request's own copy of a block that another running request
+holds is cached too, as in the manager: redundant while another copy lives, it carries the
+identity on when it is the last. Without these three rules the bound was beaten by LFU and by
+ghost-credit on randomized small traces (a block re-created by a request that cannot look it up
+was kept at the expense of one that was later hit). A block is only
 useful with its whole prefix, and every request that can use a block can use its parent, so the
 parent's next use is never later than the child's; with the depth tie-break the cache therefore
 stays prefix-closed (a child is always evicted before its parent) and no block is orphaned.
@@ -42,6 +51,7 @@ class BlockIndex:
         self.nodes: list[list[int]] = []
         self.caps: list[int] = []
         uses: list[list[int]] = []
+        refs: list[list[int]] = []  # every request that computes or looks up the node
         bs = block_size
         for idx, req in enumerate(trace):
             tokens = req.prompt_token_ids()
@@ -55,13 +65,16 @@ class BlockIndex:
                 if node is None:
                     node = keys[key] = len(uses)
                     uses.append([])
+                    refs.append([])
                 if b < cap:
                     uses[node].append(idx)
+                refs[node].append(idx)
                 chain.append(node)
                 parent = node
             self.nodes.append(chain)
             self.caps.append(cap)
         self.uses = uses
+        self.refs = refs
 
     def infinite_cache_hits(self) -> tuple[int, int]:
         """(hit tokens, prompt tokens) with a cache that never evicts: compulsory misses only."""
@@ -108,19 +121,31 @@ class BeladyBackend:
             if node in free_cached:
                 del free_cached[node]  # its heap entry goes stale
             ref[node] = ref.get(node, 0) + 1
+        for node in chain[h:]:
+            if node in free_cached:
+                # Recomputed by this request (beyond its hit prefix): the free copy is worth
+                # nothing from now on, since this request's copy takes over the identity, so it
+                # is the first victim (as a plain block). The manager keeps both copies; keeping
+                # a worthless one can only cost the optimum.
+                del free_cached[node]
+                self.free_plain += 1
+                self._evictions += 1
         take_plain = min(num_new, self.free_plain)
         self.free_plain -= take_plain
         for _ in range(num_new - take_plain):
             self._evict_one()
-        held = list(chain[:h])
+        held = list(enumerate(chain[:h]))  # (depth, node) of every identity it holds
+        dups = []  # (depth, node): its own copy of a block another running request holds
         plain = required - h
-        for node in chain[h:]:
-            if node in ref or node in free_cached:
-                continue  # a duplicate of a cached block (lookup cap): holds no new identity
+        for depth in range(h, len(chain)):
+            node = chain[depth]
+            if node in ref:
+                dups.append((depth, node))
+                continue
             ref[node] = 1
-            held.append(node)
+            held.append((depth, node))
             plain -= 1
-        self.live[index] = (held, plain)
+        self.live[index] = (held, plain, dups)
         return h * bs
 
     def _evict_one(self) -> None:
@@ -133,26 +158,42 @@ class BeladyBackend:
                 return
 
     def release(self, index: int) -> None:
-        held, plain = self.live.pop(index)
-        ref, free_cached, uses = self.ref, self.free_cached, self.ix.uses
-        horizon = len(self.ix.nodes)
-        skipped = self.skipped
+        held, plain, dups = self.live.pop(index)
+        ref, free_cached = self.ref, self.free_cached
         self.free_plain += plain
-        for depth in range(len(held) - 1, -1, -1):
-            node = held[depth]
+        for depth, node in reversed(held):
             r = ref[node] - 1
             if r:
                 ref[node] = r
-                continue
-            del ref[node]
-            u = uses[node]
-            k = bisect_right(u, self.last_admitted)
-            while k < len(u) and skipped[u[k]]:
-                k += 1
-            next_use = u[k] if k < len(u) else horizon
-            self._stamp += 1
-            free_cached[node] = self._stamp
-            heapq.heappush(self.heap, (-next_use, -depth, self._stamp, node))
+            else:
+                del ref[node]
+                self._free_node(node, depth)
+        # A duplicate copy is cached too (the manager keeps every copy): it is redundant while
+        # another copy lives, and carries the identity on when none does.
+        for depth, node in reversed(dups):
+            if node not in ref and node not in free_cached:
+                self.free_plain -= 1
+                self._free_node(node, depth)
+
+    def _free_node(self, node: int, depth: int) -> None:
+        # The next request that references the node: if it can look the node up, that is the
+        # next use; if not (the node lies beyond its lookup range) it recomputes the node
+        # anyway, so the copy kept until then is worth nothing: never used.
+        refs, uses, skipped = self.ix.refs[node], self.ix.uses[node], self.skipped
+        last = self.last_admitted
+        next_use = len(self.ix.nodes)
+        k = bisect_right(refs, last)
+        while k < len(refs) and skipped[refs[k]]:
+            k += 1
+        if k < len(refs):
+            j = bisect_right(uses, last)
+            while j < len(uses) and skipped[uses[j]]:
+                j += 1
+            if j < len(uses) and uses[j] == refs[k]:
+                next_use = refs[k]
+        self._stamp += 1
+        self.free_cached[node] = self._stamp
+        heapq.heappush(self.heap, (-next_use, -depth, self._stamp, node))
 
     def blocks_in_use(self) -> int:
         return self.num_blocks - self.free_plain - len(self.free_cached)

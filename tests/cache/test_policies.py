@@ -51,7 +51,8 @@ def test_unknown_policy_is_a_clear_error():
 # -- the replay's alternative policies ---------------------------------------------------------
 from prefixkv.cache import KVCacheManager  # noqa: E402
 from prefixkv.cache.policies import (  # noqa: E402
-    POLICIES, HeapPolicy, LFUPolicy, ReuseCreditPolicy, UnhashedFirstPolicy, register_policy)
+    POLICIES, GhostCreditPolicy, HeapPolicy, LFUPolicy, ReuseCreditPolicy, UnhashedFirstPolicy,
+    register_policy)
 from prefixkv.request import Request  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def cached(block, key=("k",)):
     return block
 
 
-@pytest.mark.parametrize("cls", [UnhashedFirstPolicy, LFUPolicy, ReuseCreditPolicy])
+@pytest.mark.parametrize("cls", [UnhashedFirstPolicy, LFUPolicy, ReuseCreditPolicy, GhostCreditPolicy])
 def test_heap_policies_share_the_queue_contract(cls):
     blocks = [KVCacheBlock(i) for i in range(5)]
     q = cls(blocks)
@@ -127,8 +128,35 @@ def test_reuse_credit_lets_reused_blocks_outlive_newer_one_off_blocks():
     assert q.block_ids() == [3, 1, 2, 0]
 
 
+def test_ghost_credit_remembers_evicted_content_that_comes_back():
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    q = GhostCreditPolicy(blocks)
+    a, b, c, d = q.popleft_n(4)
+    q.append_n([cached(a, (0, (1, 2), None)), cached(b, (0, (3, 4), None))])
+    assert q.popleft() is a  # evicted with its identity: remembered as a ghost
+    a.block_hash = None
+    q.append_n([cached(c, (0, (5, 6), None))])  # new content, freed later than b
+    # the same content as the evicted `a`, re-cached under a new parent identity
+    q.append(cached(a, (7, (1, 2), None)))
+    q.append(d)  # no identity: always first
+    assert q.block_ids() == [3, 1, 2, 0]  # a's missed reuse buys it a credit
+    assert q.popleft() is d and q.popleft() is b
+    assert q.popleft() is c and q.popleft() is a
+    assert len(q._ghosts) == 3  # b, c and a (again, with its credit)
+
+
+def test_ghost_table_is_bounded():
+    blocks = [KVCacheBlock(i) for i in range(2)]
+    q = GhostCreditPolicy(blocks)
+    for i in range(200):
+        b = q.popleft()
+        b.block_hash = None
+        q.append(cached(b, (0, (i,), None)))
+    assert len(q._ghosts) <= q._ghost_cap == 32
+
+
 def test_policies_are_registered_and_only_reuse_aware_ones_hook_the_pool():
-    assert set(POLICIES) >= {"lru", "unhashed-first", "lfu", "reuse-credit"}
+    assert set(POLICIES) >= {"lru", "unhashed-first", "lfu", "reuse-credit", "ghost-credit"}
     mgr = KVCacheManager(8, 2, eviction_policy="lru")
     assert "touch" not in vars(mgr.block_pool)  # the default path is untouched
     mgr = KVCacheManager(8, 2, eviction_policy="lfu")

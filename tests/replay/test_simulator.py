@@ -83,3 +83,26 @@ def test_optimum_bounds_every_policy_and_nothing_leaks(trace, num_blocks, reserv
         assert r.hit_tokens <= opt.hit_tokens, (policy, r.hit_tokens, opt.hit_tokens)
     if opt.skipped == 0:  # the ceiling counts every request
         assert opt.hit_rate <= ceiling + 1e-12
+
+
+def test_optimum_lets_blocks_be_recomputed_by_requests_that_cannot_look_them_up():
+    # Found by the randomized test above: B = (0, 10) is computed again by every request that
+    # is exactly one block long (lookup range 0) before r10 looks it up, so keeping it through
+    # r6 is worth nothing, while A = (2, 12) is only ever computed once: keep A.
+    b = (0, 10)
+    trace = [tok(0, (2, 12)), tok(0, (2, 12, 20)), tok(0, b), tok(0, b), tok(0, b), tok(0, b),
+             tok(0, (1, 11, 20)), tok(0, b), tok(0, b), tok(0, b), tok(0, (0, 10, 20)),
+             tok(0, (2, 12, 20))]
+    tm = TimeModel(0.0, 10.0, False)
+    assert replay(trace, 3, 2, "lfu", tm).hit_tokens == 6
+    assert replay_optimum(trace, 3, 2, tm).hit_tokens == 6
+
+
+def test_optimum_keeps_duplicate_copies_of_a_held_block():
+    # r1..r3 run together, each with its own copy of B; r4 evicts the copy r1 freed, and the
+    # copies r2 and r3 free afterwards still carry B to r5 (as in the manager).
+    trace = [tok(0, (0, 10, 0, 10, 20), 1), tok(0, (0, 10)), tok(0, (0, 10)), tok(0, (0, 10)),
+             tok(0, (1, 11)), tok(0, (0, 10, 20))]
+    tm = TimeModel(0.0, 10.0, False)
+    assert replay(trace, 3, 2, "lru", tm).hit_tokens == 2
+    assert replay_optimum(trace, 3, 2, tm).hit_tokens == 2
