@@ -55,6 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peers", action="store_true")
+    ap.add_argument("--peer-repeats", type=int, default=None,
+                    help="repeats for the peers (default: --repeats); llama.cpp without a cache is slow")
     args = ap.parse_args()
     print(f"shared prefix: 32 prompts, {SHARED_MAX_TOKENS} tokens each; medians of {args.repeats}; "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -66,9 +68,10 @@ def main() -> None:
           f"outputs identical: {on['texts'] == off['texts']}")
     if not args.peers:
         return
+    peer_repeats = str(args.peer_repeats or args.repeats)
     if available(DEFAULT_VLLM_PYTHON):
         v = run_peer(DEFAULT_VLLM_PYTHON, "vllm_generate.py", ["--model", DEFAULT_VLLM_MODEL, "--scenario",
-                                                                "shared_prefix", "--repeats", str(args.repeats)])
+                                                                "shared_prefix", "--repeats", peer_repeats])
         if v:
             show("vLLM caching on", v["prefix_caching_on"])
             show("vLLM caching off", v["prefix_caching_off"])
@@ -76,7 +79,7 @@ def main() -> None:
                   f" (below 1 = prefixkv faster); same texts as prefixkv: {v['prefix_caching_on']['texts'] == on['texts']}")
     if available(DEFAULT_LLAMACPP_PYTHON):
         ll = run_peer(DEFAULT_LLAMACPP_PYTHON, "llamacpp_generate.py",
-                      ["--model", default_model_path(), "--scenario", "shared_prefix", "--repeats", str(args.repeats)])
+                      ["--model", default_model_path(), "--scenario", "shared_prefix", "--repeats", peer_repeats])
         if ll:
             for key, label in (("prefix_caching_on", "llama.cpp cache on"), ("prefix_caching_off", "llama.cpp cache off")):
                 if key in ll:
