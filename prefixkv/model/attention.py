@@ -100,8 +100,7 @@ class _Plan:
             )
         self.slot_mapping = meta.slot_mapping.to(device=device, dtype=torch.long)
         self.fresh: list[tuple[int, int]] = []        # (start, end): prefill without cached context
-        self.chunked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (start, end, slots, mask)
-        decode: list[int] = []
+        others: list[int] = []  # sequences that read cached context: chunked prefills and decodes
         for i, s in enumerate(seq_lens):
             a, b = qsl[i], qsl[i + 1]
             n = b - a
@@ -109,34 +108,106 @@ class _Plan:
                 continue
             if n == s and n > 1:
                 self.fresh.append((a, b))
-            elif n == 1:
-                decode.append(i)
             else:
-                pos = torch.arange(s, device=device)
-                slots = bt[i, pos // block_size] * block_size + pos % block_size
-                qpos = torch.arange(s - n, s, device=device)
-                mask = pos[None, :] <= qpos[:, None]  # [n, s]
-                self.chunked.append((a, b, slots, mask))
-        # Decode group: one new token each, batched into a single padded SDPA.
+                others.append(i)
+        # Cascade: when several such sequences share leading blocks (a system prompt, a document,
+        # n > 1 samples), their queries attend to that prefix together - one gather, one matmul -
+        # and each attends alone only to the rest; the two parts merge by log-sum-exp.
+        P = self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
+        self.prefix_slots: torch.Tensor | None = None
+        if P:
+            pos = torch.arange(P, device=device)
+            self.prefix_slots = bt[others[0], pos // block_size] * block_size + pos % block_size
+        self.chunked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (start, end, slots, mask)
+        decode: list[int] = []
+        for i in others:
+            a, b = qsl[i], qsl[i + 1]
+            s, n = seq_lens[i], b - a
+            if n == 1:
+                decode.append(i)
+                continue
+            pos = torch.arange(P, s, device=device)
+            slots = bt[i, pos // block_size] * block_size + pos % block_size
+            qpos = torch.arange(s - n, s, device=device)
+            self.chunked.append((a, b, slots, pos[None, :] <= qpos[:, None]))  # mask [n, s - P]
+        # Decode group: one new token each, batched into a single padded attention.
         self.decode_rows: torch.Tensor | None = None
         self.decode_all = False
+        self.decode_mask = None
         if decode:
-            lens_list = [seq_lens[i] for i in decode]
+            lens_list = [seq_lens[i] - P for i in decode]
             lens = torch.tensor(lens_list, device=device)
             L = max(lens_list)
-            pos = torch.arange(L, device=device)
+            pos = torch.arange(L, device=device) + P
             rows = bt[decode][:, pos // block_size]  # [Bd, L]
             self.decode_slots = rows * block_size + pos % block_size
-            if min(lens_list) == L:
-                self.decode_mask = None
-            else:
-                self.decode_mask = (pos[None, :] < lens[:, None]).view(len(decode), 1, 1, L)
+            if min(lens_list) != L or P:
+                self.decode_mask = (pos[None, :] - P < lens[:, None]).view(len(decode), 1, 1, L)
                 # padded slots point at valid memory; they are masked out
                 self.decode_slots = torch.where(
                     self.decode_mask.view(len(decode), L), self.decode_slots, self.decode_slots[:, :1]
                 )
             self.decode_all = len(decode) == meta.num_tokens
             self.decode_rows = torch.tensor([qsl[i] for i in decode], device=device)
+        if P:
+            chunk_rows = [r for a, b, _, _ in self.chunked for r in range(a, b)]
+            self.group_rows = torch.tensor([qsl[i] for i in decode] + chunk_rows, device=device)
+
+    @staticmethod
+    def _common_prefix_tokens(others: list[int], qsl: list[int], seq_lens: list[int],
+                              bt: torch.Tensor, block_size: int) -> int:
+        """Tokens in the leading blocks that every sequence of `others` holds and none of them
+        computes in this step; 0 when a cascade would not pay."""
+        if len(others) < 2:
+            return 0
+        first_new = min(seq_lens[i] - (qsl[i + 1] - qsl[i]) for i in others)
+        limit = first_new // block_size
+        if limit * block_size < CASCADE_MIN_TOKENS:
+            return 0
+        tables = bt[others, :limit]
+        same = (tables == tables[:1]).all(dim=0).tolist()
+        common = same.index(False) if False in same else limit
+        return common * block_size if common * block_size >= CASCADE_MIN_TOKENS else 0
+
+
+CASCADE_MIN_TOKENS = 64
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp, for merging partial results. q [M, Hq, D] against
+    k, v [L, Hkv, D] (mask [M, L], True = visible); returns o [M, Hq, D], lse [M, Hq] (float32)."""
+    M, Hq, D = q.shape
+    L, Hkv, _ = k.shape
+    G = Hq // Hkv
+    qh = q.view(M, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, M * G, D)
+    scores = torch.bmm(qh, k.permute(1, 2, 0).to(q.dtype)).float() * scale  # [Hkv, M*G, L]
+    if mask is not None:
+        scores = scores.view(Hkv, M, G, L).masked_fill(~mask[None, :, None, :], float("-inf")).view(Hkv, M * G, L)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    o = torch.bmm(torch.exp(scores - lse).to(q.dtype), v.permute(1, 0, 2).to(q.dtype))  # [Hkv, M*G, D]
+    o = o.view(Hkv, M, G, D).permute(1, 0, 2, 3).reshape(M, Hq, D)
+    return o, lse.view(Hkv, M, G).permute(1, 0, 2).reshape(M, Hq)
+
+
+def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per sequence: q [B, Hq, D] against k, v [B, Hkv, L, D] (mask [B, 1, 1, L])."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qh = q.view(B, Hkv, Hq // Hkv, D)
+    scores = torch.matmul(qh, k.transpose(-1, -2).to(q.dtype)).float() * scale  # [B, Hkv, G, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    o = torch.matmul(torch.exp(scores - lse).to(q.dtype), v.to(q.dtype))
+    return o.reshape(B, Hq, D), lse.reshape(B, Hq)
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    lse = torch.logaddexp(lse1, lse2)
+    return (o1 * torch.exp(lse1 - lse).unsqueeze(-1).to(o1.dtype)
+            + o2 * torch.exp(lse2 - lse).unsqueeze(-1).to(o2.dtype))
 
 
 def paged_attention(
@@ -179,10 +250,15 @@ def paged_attention(
         )
         out[a:b] = o[0].transpose(0, 1)
 
+    if scale is None:
+        scale = D ** -0.5
+    if plan.prefix_slots is not None:
+        return _cascade(q, k_flat, v_flat, plan, out, scale)
+
     # 2b) chunks after cached context: gather context through the block table
     for a, b, slots, mask in plan.chunked:
-        kc = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        vc = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        kc = k_flat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vc = v_flat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1).unsqueeze(0), kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
@@ -192,10 +268,8 @@ def paged_attention(
     if plan.decode_rows is not None:
         slots = plan.decode_slots  # [Bd, L]
         Bd, L = slots.shape
-        # one gather for K and V: [2, Bd*L, Hkv, D]
-        kv = kv_cache.view(2, -1, Hkv, D).index_select(1, slots.reshape(-1)).view(2, Bd, L, Hkv, D)
-        kc = kv[0].transpose(1, 2)  # [Bd, Hkv, L, D]
-        vc = kv[1].transpose(1, 2)
+        kc = k_flat[slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+        vc = v_flat[slots].transpose(1, 2)
         qd = q if plan.decode_all else q[plan.decode_rows]
         # GQA without expanding K/V: the G query heads of a group become G "query rows".
         qd = qd.view(Bd, Hkv, Hq // Hkv, D)
@@ -205,4 +279,27 @@ def paged_attention(
         if plan.decode_all:
             return o
         out[plan.decode_rows] = o
+    return out
+
+
+def _cascade(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: "_Plan",
+             out: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Shared prefix once for every reading sequence, then each one's own suffix, merged."""
+    rows = plan.group_rows
+    o_pre, lse_pre = _attend(q[rows], k_flat[plan.prefix_slots], v_flat[plan.prefix_slots], None, scale)
+    if out is None:
+        out = torch.empty_like(q)
+    done = 0
+    if plan.decode_rows is not None:
+        Bd = plan.decode_rows.numel()
+        slots = plan.decode_slots
+        o, lse = _attend_batched(q[plan.decode_rows], k_flat[slots].transpose(1, 2),
+                                 v_flat[slots].transpose(1, 2), plan.decode_mask, scale)
+        out[plan.decode_rows] = _merge(o_pre[:Bd], lse_pre[:Bd], o, lse)
+        done = Bd
+    for a, b, slots, mask in plan.chunked:
+        o, lse = _attend(q[a:b], k_flat[slots], v_flat[slots], mask, scale)
+        n = b - a
+        out[a:b] = _merge(o_pre[done:done + n], lse_pre[done:done + n], o, lse)
+        done += n
     return out

@@ -141,3 +141,35 @@ def test_batched_decode_equals_single(default_lm):
     for i, (s, bl) in enumerate(zip(seqs, blocks)):
         single, _ = run_logits(model, caches, [(s, bl, len(s) - 1)], BS)
         _close(batched[i:i + 1], single, 1e-4)
+
+
+def test_shared_prefix_cascade_equals_each_alone(default_lm):
+    """Sequences whose block tables share leading blocks (a cached system prompt) take the
+    cascade path - the prefix attended once for all of them, merged by log-sum-exp - and must
+    give the logits each gets alone. Covers decodes and a chunked prefill reading the prefix."""
+    from prefixkv.model.attention import CASCADE_MIN_TOKENS
+
+    m, cfg = default_lm.model, default_lm.config
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, cfg.vocab_size, (5 * BS,), generator=g).tolist()  # 80 shared tokens
+    assert len(prefix) >= CASCADE_MIN_TOKENS
+    tails = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 21, 3, 12)]
+    shared_blocks = [40, 3, 17, 9, 28]
+    own = [[50, 51], [52, 53], [54], [55, 56]]
+
+    def fill(caches):  # compute the shared prefix once, then each tail's context but its last token(s)
+        run_logits(m, caches, [(prefix, shared_blocks, 0)], BS)
+        for tail, blocks in zip(tails, own):
+            run_logits(m, caches, [(prefix + tail[:-1], shared_blocks + blocks, len(prefix))], BS)
+
+    # batch: three decodes and one 4-token chunk (the last sequence), all reading the shared prefix
+    seqs = [(prefix + t, shared_blocks + b, len(prefix) + len(t) - 1) for t, b in zip(tails[:3], own[:3])]
+    seqs.append((prefix + tails[3], shared_blocks + own[3], len(prefix) + len(tails[3]) - 4))
+    caches = allocate_kv_cache(cfg, POOL, BS)
+    fill(caches)
+    batch_logits, qsl = run_logits(m, caches, seqs, BS)
+    for i, seq in enumerate(seqs):
+        alone = allocate_kv_cache(cfg, POOL, BS)
+        fill(alone)
+        logits, _ = run_logits(m, alone, [seq], BS)
+        _close(batch_logits[qsl[i]:qsl[i + 1]], logits)
