@@ -173,19 +173,40 @@ class _Plan:
 CASCADE_MIN_TOKENS = 64
 
 
+def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns its log-sum-exp (float32), for merging partial results.
+    q [B, H, M, D], k, v [B, H, L, D], mask broadcastable to [B, H, M, L] (True = visible).
+    On CPU this is PyTorch's fused flash kernel; elsewhere the explicit softmax."""
+    B, H, M, _ = q.shape
+    L = k.shape[2]
+    if q.device.type == "cpu":
+        add = None
+        if mask is not None:
+            add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            add = add.expand(B, H, M, L)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=add, scale=scale)
+        return o, lse.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(q.dtype), v), lse
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with its log-sum-exp, for merging partial results. q [M, Hq, D] against
-    k, v [L, Hkv, D] (mask [M, L], True = visible); returns o [M, Hq, D], lse [M, Hq] (float32)."""
+    """q [M, Hq, D] against k, v [L, Hkv, D] (mask [M, L]); returns o [M, Hq, D], lse [M, Hq]."""
     M, Hq, D = q.shape
-    L, Hkv, _ = k.shape
+    Hkv = k.shape[1]
     G = Hq // Hkv
-    qh = q.view(M, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, M * G, D)
-    scores = torch.bmm(qh, k.permute(1, 2, 0).to(q.dtype)).float() * scale  # [Hkv, M*G, L]
+    # GQA without expanding K/V: the G query heads sharing a KV head become G x M query rows.
+    qh = q.view(M, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, M * G, D)
     if mask is not None:
-        scores = scores.view(Hkv, M, G, L).masked_fill(~mask[None, :, None, :], float("-inf")).view(Hkv, M * G, L)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    o = torch.bmm(torch.exp(scores - lse).to(q.dtype), v.permute(1, 0, 2).to(q.dtype))  # [Hkv, M*G, D]
+        mask = mask[:, None, :].expand(M, G, mask.shape[1]).reshape(1, 1, M * G, mask.shape[1])
+    o, lse = _sdpa_lse(qh, k.permute(1, 0, 2)[None].to(q.dtype), v.permute(1, 0, 2)[None].to(q.dtype),
+                       mask, scale)
     o = o.view(Hkv, M, G, D).permute(1, 0, 2, 3).reshape(M, Hq, D)
     return o, lse.view(Hkv, M, G).permute(1, 0, 2).reshape(M, Hq)
 
@@ -195,12 +216,7 @@ def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     """One query per sequence: q [B, Hq, D] against k, v [B, Hkv, L, D] (mask [B, 1, 1, L])."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
-    qh = q.view(B, Hkv, Hq // Hkv, D)
-    scores = torch.matmul(qh, k.transpose(-1, -2).to(q.dtype)).float() * scale  # [B, Hkv, G, L]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    o = torch.matmul(torch.exp(scores - lse).to(q.dtype), v.to(q.dtype))
+    o, lse = _sdpa_lse(q.view(B, Hkv, Hq // Hkv, D), k.to(q.dtype), v.to(q.dtype), mask, scale)
     return o.reshape(B, Hq, D), lse.reshape(B, Hq)
 
 
