@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,10 +22,7 @@ from bench.peer_runner import (DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFA
                                available, run_peer)
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.model.loader import default_model_path  # noqa: E402
-from prefixkv.scenarios import seed_prompts  # noqa: E402
-
-QUESTIONS = ["John Doe", "Zack Blue"]
-
+from prefixkv.scenarios import seed_prompts, summarize_seed_runs  # noqa: E402
 
 def run_prefixkv(repeats: int, max_tokens: int, llm: LLM) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -41,12 +37,7 @@ def run_prefixkv(repeats: int, max_tokens: int, llm: LLM) -> list[dict]:
                        "cached_tokens": out.num_cached_tokens, "prompt_tokens": len(out.prompt_token_ids),
                        "output_tokens": len(out.outputs[0].token_ids), "text": out.outputs[0].text})
         runs.append(qs)
-    return [{"question": QUESTIONS[i],
-             "ttft_s_median": statistics.median(r[i]["ttft_s"] for r in runs),
-             "total_s_median": statistics.median(r[i]["total_s"] for r in runs),
-             "cached_tokens": runs[0][i]["cached_tokens"], "prompt_tokens": runs[0][i]["prompt_tokens"],
-             "output_tokens": runs[0][i]["output_tokens"], "text": runs[0][i]["text"]}
-            for i in range(2)]
+    return summarize_seed_runs(runs)
 
 
 def show(engine: str, summary: list[dict], startup: float | None) -> None:

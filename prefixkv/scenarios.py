@@ -16,6 +16,7 @@ Scenarios (all greedy, temperature 0):
 from __future__ import annotations
 
 import random
+import statistics
 
 # --- seed: the vLLM docs' example, verbatim (/work/shared/seeds/000_17320b958c02bc94.txt) ------
 
@@ -71,6 +72,36 @@ SEED_MAX_TOKENS_SHORT = 32
 
 def age_question(name: str) -> str:
     return f"Question: what is the age of {name}? Your answer: The age of {name} is "
+
+
+SEED_QUESTIONS = ["John Doe", "Zack Blue"]
+
+
+def summarize_seed_runs(runs: list[list[dict]]) -> list[dict]:
+    """Medians per question over repeats. Each run is one dict per question with ttft_s, total_s,
+    prompt_tokens, cached_tokens, output_tokens and text; every engine's driver reports this way."""
+    def median(xs):
+        return round(statistics.median(xs), 6) if xs else None
+
+    summary = []
+    for qi in range(len(SEED_QUESTIONS)):
+        per = [run[qi] for run in runs]
+        summary.append({
+            "question": SEED_QUESTIONS[qi],
+            "ttft_s_median": median([p["ttft_s"] for p in per]),
+            "total_s_median": median([p["total_s"] for p in per]),
+            "decode_tok_per_s_median": median([
+                (p["output_tokens"] - 1) / (p["total_s"] - p["ttft_s"])
+                for p in per if p["output_tokens"] > 1 and p["total_s"] > p["ttft_s"]]),
+            "prompt_tokens": per[0]["prompt_tokens"],
+            "cached_tokens": [p["cached_tokens"] for p in per],
+            "output_tokens": per[0]["output_tokens"],
+            "text": per[0]["text"],
+            "texts_identical_across_repeats": len({p["text"] for p in per}) == 1,
+            "ttft_s": [round(p["ttft_s"], 6) for p in per],
+            "total_s": [round(p["total_s"], 6) for p in per],
+        })
+    return summary
 
 
 def seed_prompts() -> list[str]:

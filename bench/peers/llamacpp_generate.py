@@ -116,24 +116,7 @@ def run_seed(r: Runner, repeats: int, max_tokens_list: list[int]) -> dict:
         for _ in range(repeats):
             r.llm.reset()  # cold: question 1 computes the table
             runs.append([r.complete(p, max_tokens, reuse=True) for p in prompts])
-        summary = []
-        for qi in range(len(prompts)):
-            per = [run[qi] for run in runs]
-            summary.append({
-                "question": ["John Doe", "Zack Blue"][qi],
-                "ttft_s_median": _median([p["ttft_s"] for p in per]),
-                "total_s_median": _median([p["total_s"] for p in per]),
-                "decode_tok_per_s_median": _median([
-                    (p["output_tokens"] - 1) / (p["total_s"] - p["ttft_s"])
-                    for p in per if p["output_tokens"] > 1 and p["total_s"] > p["ttft_s"]]),
-                "prompt_tokens": per[0]["prompt_tokens"],
-                "cached_tokens": [p["cached_tokens"] for p in per],
-                "output_tokens": per[0]["output_tokens"],
-                "text": per[0]["text"],
-                "texts_identical_across_repeats": len({p["text"] for p in per}) == 1,
-                "ttft_s": [round(p["ttft_s"], 6) for p in per],
-                "total_s": [round(p["total_s"], 6) for p in per],
-            })
+        summary = scenarios.summarize_seed_runs(runs)
         results[str(max_tokens)] = summary
     return {"scenario": "seed", "repeats": repeats, "max_tokens": results}
 

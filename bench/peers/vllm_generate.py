@@ -128,24 +128,7 @@ def run_seed(llm, repeats: int, max_tokens_list: list[int]) -> dict:
                     "text": out.outputs[0].text,
                 })
             runs.append(qs)
-        summary = []
-        for qi in range(len(prompts)):
-            per = [r[qi] for r in runs]
-            summary.append({
-                "question": ["John Doe", "Zack Blue"][qi],
-                "ttft_s_median": _median([p["ttft_s"] for p in per]),
-                "total_s_median": _median([p["total_s"] for p in per]),
-                "decode_tok_per_s_median": _median([
-                    (p["output_tokens"] - 1) / (p["total_s"] - p["ttft_s"])
-                    for p in per if p["output_tokens"] > 1 and p["total_s"] > p["ttft_s"]]),
-                "prompt_tokens": per[0]["prompt_tokens"],
-                "cached_tokens": [p["cached_tokens"] for p in per],
-                "output_tokens": per[0]["output_tokens"],
-                "text": per[0]["text"],
-                "texts_identical_across_repeats": len({p["text"] for p in per}) == 1,
-                "ttft_s": [p["ttft_s"] for p in per],
-                "total_s": [p["total_s"] for p in per],
-            })
+        summary = scenarios.summarize_seed_runs(runs)
         results[str(max_tokens)] = summary
     return {"scenario": "seed", "repeats": repeats,
             "ttft_source": "RequestOutput.metrics.first_token_latency", "max_tokens": results}

@@ -338,12 +338,68 @@ class GhostCreditPolicy(ReuseCreditPolicy):
         self.hits[block.block_id] = 0
 
 
+class ChainCreditPolicy(GhostCreditPolicy):
+    """prefixkv's own: `ghost-credit` with chain-level decisions. The blocks a request frees
+    together form one prefix chain; a block of that chain that was never reused yet (the new tail
+    of a conversation turn) inherits, up to `inherit_cap`, the credits of the deepest block above
+    it in the chain that was reused (its own, or a ghost's): the request was a continuation, so
+    its conversation is alive and its next turn will re-send this whole chain - the tail included,
+    which `ghost-credit` and LRU evict first. With `monotone`, no block ranks above its parent in
+    the chain (leaves go first), so an eviction never strands cached descendants of the chain."""
+
+    name = "chain-credit"
+    inherit_cap = 4
+    monotone = True
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        blocks = list(blocks)
+        self._batch += 1
+        n = len(blocks)
+        if not n:
+            return
+        eff = [-1.0] * n
+        inherit = 0
+        cap = self.max_credits
+        prev = None
+        for i in range(n - 1, -1, -1):  # root-most first (blocks come tail first)
+            block = blocks[i]
+            if block.block_hash is None:
+                continue
+            s = self._score(block)
+            if s > 0:
+                inherit = s
+            e = min(max(s, min(inherit, self.inherit_cap)), cap)
+            if self.monotone and prev is not None and e > prev:
+                e = prev
+            eff[i] = prev = e
+        base = self._seq
+        step = self._step
+        for i, block in enumerate(blocks):
+            e = eff[i]
+            self._push(block, -1 if e < 0 else base + step * e)
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n((block,))
+
+    def _push(self, block: KVCacheBlock, key) -> None:
+        bid = block.block_id
+        if self._live[bid]:
+            raise ValueError(f"block {bid} is already free")
+        self._seq += 1
+        self._live[bid] = self._seq
+        self._num_free += 1
+        heapq.heappush(self._heap, (key, self._seq, bid))
+        if len(self._heap) > 2 * len(self._blocks) + 64:
+            self._compact()
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "unhashed-first": UnhashedFirstPolicy,
     "lfu": LFUPolicy,
     "reuse-credit": ReuseCreditPolicy,
     "ghost-credit": GhostCreditPolicy,
+    "chain-credit": ChainCreditPolicy,
 }
 
 

@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 from http import HTTPStatus
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
