@@ -24,6 +24,21 @@ class MultiModalItem:
     length: int
 
 
+def _as_mm_item(item: Any) -> MultiModalItem:
+    """Accept a MultiModalItem, an (identifier, offset, length) tuple or a dict naming them."""
+    if isinstance(item, MultiModalItem):
+        return item
+    if isinstance(item, dict):
+        ident = item.get("identifier", item.get("mm_hash", item.get("hash")))
+        offset = item.get("offset", item.get("start"))
+        if ident is None or offset is None or "length" not in item:
+            raise ValueError(f"a multimodal item needs identifier, offset and length: {item!r}")
+        return MultiModalItem(str(ident), int(offset), int(item["length"]))
+    if isinstance(item, (tuple, list)) and len(item) == 3:
+        return MultiModalItem(str(item[0]), int(item[1]), int(item[2]))
+    raise ValueError(f"cannot read a multimodal item from {item!r}")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -43,8 +58,8 @@ class Request:
     the request's block identities incrementally from `all_token_ids`."""
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *,
-                 sampling_params: Any = None, lora_request: LoRARequest | None = None,
-                 mm_items: Iterable[MultiModalItem] = (), cache_salt: str | None = None,
+                 sampling_params: Any = None, lora_request: LoRARequest | str | None = None,
+                 mm_items: Iterable[MultiModalItem | tuple | dict] = (), cache_salt: str | None = None,
                  prompt: str | None = None, arrival_time: float | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -55,8 +70,10 @@ class Request:
         self._all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.sampling_params = sampling_params
+        if isinstance(lora_request, str):
+            lora_request = LoRARequest(lora_request)
         self.lora_request = lora_request
-        self.mm_items = tuple(mm_items)
+        self.mm_items = tuple(_as_mm_item(item) for item in mm_items)
         for item in self.mm_items:
             if item.offset < 0 or item.length < 1 or item.offset + item.length > len(self.prompt_token_ids):
                 raise ValueError(f"request {request_id!r}: multimodal item {item} lies outside the prompt")

@@ -157,3 +157,14 @@ def test_degenerate_hash_is_still_exact(seed):
     events_normal, events_broken = normal.take_events(), broken.take_events()
     assert [type(e) for e in events_normal] == [type(e) for e in events_broken]
     assert all(h == b"\x00" * 32 for e in events_broken if isinstance(e, BlockStored) for h in e.block_hashes)
+
+
+def test_multimodal_items_and_lora_in_plain_forms():
+    as_tuple = Request("t", [0] * 8, mm_items=[("img", 2, 4)])
+    as_dict = Request("d", [0] * 8, mm_items=[{"identifier": "img", "offset": 2, "length": 4}])
+    assert as_tuple.mm_items == as_dict.mm_items == (MultiModalItem("img", 2, 4),)
+    assert Request("l", [1], lora_request="adapter").lora_request.lora_name == "adapter"
+    with pytest.raises(ValueError, match="outside the prompt"):
+        Request("bad", [0] * 4, mm_items=[("img", 2, 4)])
+    with pytest.raises(ValueError, match="multimodal item"):
+        Request("bad", [0] * 4, mm_items=[{"offset": 0}])
