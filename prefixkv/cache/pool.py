@@ -38,6 +38,17 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
 
+    # vLLM's names, for code and tests written against its BlockPool
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return self.usage
+
+    @property
+    def cached_block_hash_to_block(self) -> dict:
+        return self.cached_blocks
+
     def get_cached_block(self, key: BlockKey) -> KVCacheBlock | None:
         entry = self.cached_blocks.get(key)
         if entry is None or type(entry) is KVCacheBlock:
