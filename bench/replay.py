@@ -169,7 +169,7 @@ Mooncake traces and regenerates this page and the plots:
   exact keys see exactly the sharing the trace records; other block sizes work (ids are split or
   straddled) and only cost time.
 * **Conversation trace: the first 6,000 of 12,031 requests** (the first ~30 minutes), to keep the
-  full sweep (6 sizes x 5 policies + optimum, both traces) within ~15 minutes on 2 cores; pass
+  full sweep (6 sizes x 6 policies + optimum, both traces) within ~15 minutes on 2 cores; pass
   `--conversation-limit 0` for all of it. The synthetic trace is replayed whole.
 * **Policies** (`prefixkv/cache/policies.py`, each a small class registered in `POLICIES`;
   `KVCacheManager(..., eviction_policy=name)`):
@@ -186,6 +186,13 @@ Mooncake traces and regenerates this page and the plots:
     content comes back after eviction starts with those credits plus one for the missed reuse,
     so a block that proved reusable is protected even when its reuse came after its eviction -
     the usual case here, where reuse distances are many cache turnovers.
+  * `adaptive-credit` (ours) - `ghost-credit` that switches unproven chains (blocks a request
+    freed with no hit and no ghost credit) from oldest-first to newest-first while most observed
+    reuses (hits on free blocks, and ghost returns, whose distance is the true one) come more
+    than `num_blocks` frees after the block was freed. LRU then churns every chain out just
+    before it returns; newest-first keeps a stable subset of chains long enough to be reused,
+    and those earn credits as in `ghost-credit`. With near reuses (a big cache) it is
+    `ghost-credit`.
   The non-default policies are heaps with lazy deletion (O(log n)); the pool calls an optional
   `on_hit` only for policies that define it, so the default path is unchanged.
 
@@ -198,11 +205,11 @@ FINDINGS = """
 ## Findings (from the sweep above; the target is not met)
 
 * The seed's `lru` is below 90% of the optimum at every size except the largest on both traces,
-  and no online policy here gets within 95% of the optimum at those sizes. `ghost-credit` is the
-  best online policy in 8 of those 10 cells (conversation: 44% / 43% / 58% of the optimum at
-  2000 / 4000 / 8000 blocks, against lru's 27% / 29% / 50% and reuse-credit's 30% / 35% / 55%);
-  on the synthetic trace every policy stays within a few points of the others (39-52% of the
-  optimum at 1000-4000 blocks).
+  and no online policy here gets within 95% of the optimum at those sizes. `adaptive-credit` is
+  the best online policy in 7 of those 10 cells and within a point of the best in the other three
+  (conversation: 47% / 48% / 60% of the optimum at 2000 / 4000 / 8000 blocks, against
+  ghost-credit's 44% / 43% / 58% and lru's 27% / 29% / 50%; synthetic: 46% / 53% / 67% at
+  2000 / 4000 / 8000, against ghost-credit's 45% / 52% / 65%).
 * Why the gap is so large: reuse distances in both traces are far longer than the cache. A block
   is first reused a median ~450 (conversation) / ~570 (synthetic) requests after its first use,
   ~11-17k blocks of traffic; kept exactly K requests after its last use, with no capacity limit,
@@ -211,9 +218,28 @@ FINDINGS = """
   a few blocks chosen from a window several times the cache. A block not yet reused comes back
   ~39% of the time, once reused ~85%: ghosts let a policy see the second case even when the reuse
   came after eviction (which is what `ghost-credit` adds to `reuse-credit`), but nothing online
-  tells which new blocks are in the 39%.
-* Tried and not kept (hit rate, fraction of the optimum; synthetic 2000 / 8000, conversation
-  2000 / 8000 blocks): ghost table 64 x num_blocks: 15.5 / 39.1 / 8.2 / 20.5%; with 16 credits
+  tells which new blocks are in the 39%. In the conversation trace's first 6000 requests a
+  request that continued a conversation (hit beyond its first block) has a later request reuse
+  at least half its chain 41% of the time, a first turn 26%; the next turn comes a median 117 s
+  later (10% / 90%: 39 s / 426 s). When that is longer than the cache holds, keeping a fixed
+  subset of new chains (newest-first eviction) beats LRU's churn, which is what
+  `adaptive-credit` does; its gain is 1-5 points of the optimum, not the 40-50 missing.
+* Tried in this round and not kept (hit rate, fraction of the optimum; conversation first 3000
+  requests 2000 / 8000 blocks - ghost-credit 7.38% (41.1%) / 20.38% (63.8%) - and synthetic
+  2000 / 8000 - ghost-credit 15.52% (44.5%) / 39.14% (65.0%)):
+  chain-level credits (blocks a request freed together share the credit of the deepest reused
+  block of the chain, so a continuation's new tail is protected), with or without leaves-only
+  (no block ranked above its parent): 40.9 / 60.5 / 44.5 / 64.6%, capped at 1 credit 40.9 /
+  60.9 / 44.6 / 64.8% (leaves-only changed nothing: stranding a chain's children is rare with
+  tail-first freeing); newest-first for every unproven chain, always: 44.6 / 50.5 / 45.4 / 63.4%
+  (the gain at small caches, the loss at large ones, is what `adaptive-credit` switches between);
+  keeping a hashed 25-75% of unproven chains LRU and the rest newest-first: 41.8-43.9 /
+  55.8-63.5 / 44.4-44.6 / 64.4-65.2%; set dueling between LRU and newest-first leader chains in
+  the shared heap: within +-0.6 points of ghost-credit, and sensitive to which chains lead; an
+  LHD-style hit density per (credit class, power-of-two age bin), estimated online from hits and
+  ghost returns: 38.0 / 59.8 / 36.5 / 64.0% at best (37.4 / 65.0% on synthetic with slower decay).
+* Tried before and not kept (synthetic 2000 / 8000, conversation 2000 / 8000 blocks, full
+  sweep): ghost table 64 x num_blocks: 15.5 / 39.1 / 8.2 / 20.5%; with 16 credits
   max: 15.5 / 39.1 / 8.5 / 20.5%; credit worth 4 x num_blocks appends: 15.7 / 38.0 / 9.0 / 19.8%;
   a fixed life per credit of 6k / 12k / 24k appends instead of num_blocks: 15.7-15.9 /
   37.9-39.8 / 8.8-9.1 / 20.0-20.6%; two segments (a block with no history is always evicted

@@ -338,59 +338,100 @@ class GhostCreditPolicy(ReuseCreditPolicy):
         self.hits[block.block_id] = 0
 
 
-class ChainCreditPolicy(GhostCreditPolicy):
-    """prefixkv's own: `ghost-credit` with chain-level decisions. The blocks a request frees
-    together form one prefix chain; a block of that chain that was never reused yet (the new tail
-    of a conversation turn) inherits, up to `inherit_cap`, the credits of the deepest block above
-    it in the chain that was reused (its own, or a ghost's): the request was a continuation, so
-    its conversation is alive and its next turn will re-send this whole chain - the tail included,
-    which `ghost-credit` and LRU evict first. With `monotone`, no block ranks above its parent in
-    the chain (leaves go first), so an eviction never strands cached descendants of the chain."""
+class AdaptiveCreditPolicy(GhostCreditPolicy):
+    """prefixkv's own: `ghost-credit` that switches unproven chains between oldest-first (LRU)
+    and newest-first (MRU) by the reuse distances it observes. A request frees its blocks as one
+    chain; a block of it with no credit (no hit on its identity, no ghost) is unproven. When most
+    reuses come after more than `far_factor * num_blocks` frees - the conversation trace's next
+    turn comes minutes later - LRU churns every chain out just before it returns, so unproven
+    chains go newest first: the cache keeps a stable subset of chains long enough to be reused
+    (they then earn credits as in `ghost-credit`). Otherwise the order is `ghost-credit`'s. Reuse
+    distances are measured in frees, on hits on free blocks and on ghost returns (content
+    evicted, then needed again: its distance is the true one, whatever the policy did), in
+    exponentially decayed counts (`decay` per reuse). Unproven MRU blocks rank below every
+    credited block; blocks without identity go first."""
 
-    name = "chain-credit"
-    inherit_cap = 4
-    monotone = True
+    name = "adaptive-credit"
+    far_factor = 1.0  # a reuse is far when its distance exceeds far_factor * num_blocks frees
+    far_frac = 0.5  # MRU for unproven chains while far reuses are more than this fraction
+    decay = 0.999
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        super().__init__(blocks)
+        self._fseq = [0] * len(blocks)  # seq at which the block was last freed
+        self._far_limit = self.far_factor * len(blocks)
+        self._far = self._near = 0.0
+
+    @property
+    def mru(self) -> bool:
+        """Whether unproven chains currently go newest first."""
+        return self._far > self.far_frac * (self._far + self._near)
+
+    def _reuse(self, distance: int) -> None:
+        d = self.decay
+        if distance > self._far_limit:
+            self._far = self._far * d + 1.0
+            self._near *= d
+        else:
+            self._near = self._near * d + 1.0
+            self._far *= d
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        blocks = list(blocks)
         self._batch += 1
-        n = len(blocks)
-        if not n:
-            return
-        eff = [-1.0] * n
-        inherit = 0
-        cap = self.max_credits
-        prev = None
-        for i in range(n - 1, -1, -1):  # root-most first (blocks come tail first)
-            block = blocks[i]
-            if block.block_hash is None:
-                continue
-            s = self._score(block)
-            if s > 0:
-                inherit = s
-            e = min(max(s, min(inherit, self.inherit_cap)), cap)
-            if self.monotone and prev is not None and e > prev:
-                e = prev
-            eff[i] = prev = e
+        mru = self.mru
         base = self._seq
-        step = self._step
-        for i, block in enumerate(blocks):
-            e = eff[i]
-            self._push(block, -1 if e < 0 else base + step * e)
+        step, cap = self._step, self.max_credits
+        for block in blocks:
+            if block.block_hash is None:
+                key = -1e18
+            else:
+                score = min(self._score(block), cap)
+                key = -base if (mru and score == 0) else base + step * score
+            self._push(block, key)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n((block,))
 
-    def _push(self, block: KVCacheBlock, key) -> None:
+    def _push(self, block: KVCacheBlock, key: float) -> None:
         bid = block.block_id
         if self._live[bid]:
             raise ValueError(f"block {bid} is already free")
         self._seq += 1
-        self._live[bid] = self._seq
+        self._live[bid] = self._fseq[bid] = self._seq
         self._num_free += 1
         heapq.heappush(self._heap, (key, self._seq, bid))
         if len(self._heap) > 2 * len(self._blocks) + 64:
             self._compact()
+
+    def remove(self, block: KVCacheBlock) -> None:
+        bid = block.block_id
+        if self._live[bid] and block.block_hash is not None:
+            self._reuse(self._seq - self._fseq[bid])
+        super().remove(block)
+
+    def _score(self, block: KVCacheBlock) -> int:
+        bid = block.block_id
+        bonus = self._bonus[bid]
+        if bonus is None:
+            prior = self._ghosts.pop(self.ghost_key(block), None)
+            if prior is None:
+                bonus = 0
+            else:
+                score, fseq = prior
+                self._reuse(self._seq - fseq)
+                bonus = score + self.ghost_credit
+            self._bonus[bid] = bonus
+        return self.hits[bid] + bonus
+
+    def _forget(self, block: KVCacheBlock) -> None:
+        bid = block.block_id
+        if block.block_hash is not None:
+            ghosts = self._ghosts
+            ghosts[self.ghost_key(block)] = (self._score(block), self._fseq[bid])
+            if len(ghosts) > self._ghost_cap:
+                ghosts.popitem(last=False)
+        self._bonus[bid] = None
+        self.hits[bid] = 0
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
@@ -399,7 +440,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "lfu": LFUPolicy,
     "reuse-credit": ReuseCreditPolicy,
     "ghost-credit": GhostCreditPolicy,
-    "chain-credit": ChainCreditPolicy,
+    "adaptive-credit": AdaptiveCreditPolicy,
 }
 
 

@@ -185,3 +185,43 @@ def test_a_new_policy_is_one_small_class():
         assert isinstance(mgr.block_pool.free_block_queue, MRU)
     finally:
         del POLICIES["test-mru"]
+
+
+def test_adaptive_credit_switches_unproven_chains_to_newest_first_when_reuses_are_far():
+    from prefixkv.cache.policies import AdaptiveCreditPolicy
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = AdaptiveCreditPolicy(blocks)
+    a, b, c, d, e = q.popleft_n(5)
+    assert not q.mru  # no reuse seen yet: ghost-credit's order (oldest first)
+    q.append_n([cached(a, (0, (1,), None))])
+    q.append_n([cached(b, (0, (2,), None))])
+    assert q.block_ids() == [0, 1]
+    q.remove(a)  # reused 2 frees after it was freed: near (<= num_blocks)
+    q.remove(b)
+    assert not q.mru
+    for _ in range(3):  # three far reuses outweigh the two near ones
+        q._reuse(10 * len(blocks))
+    assert q.mru
+    q.append_n([c])  # no identity: always first
+    q.append_n([a, b])  # credited by their hits: after every unproven block, oldest first
+    q.append_n([cached(e, (0, (3,), None))])  # unproven
+    q.append_n([cached(d, (0, (4,), None))])  # unproven, freed last: first of them under MRU
+    assert q.block_ids() == [2, 3, 4, 0, 1]
+    # a ghost return far away counts as a far reuse
+    assert q.popleft() is c and q.popleft() is d
+    far = q._far
+    d.block_hash = None
+    q._seq += 10 * len(blocks)
+    q.append(cached(d, (5, (4,), None)))  # d's evicted content comes back
+    assert q._far > far and q.block_ids()[-1] == 3  # with its ghost credit, freed last
+
+
+def test_adaptive_credit_replays_like_the_others():
+    mgr = KVCacheManager(8, 2, eviction_policy="adaptive-credit")
+    for i in range(6):
+        req = Request(str(i), [1, 2, 3, 4, 10 + i])
+        hits, n = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, req.num_tokens - n, hits) is not None
+        req.num_computed_tokens = req.num_tokens
+        mgr.free(req)
+    assert mgr.num_free_blocks == 8
