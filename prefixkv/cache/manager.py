@@ -195,12 +195,3 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
-
-    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
-        """Leading blocks of this request held by every running request (for cascade attention)."""
-        n = 0
-        for block in self._requests[request_id].blocks:
-            if block.ref_cnt != num_running_requests:
-                break
-            n += 1
-        return n

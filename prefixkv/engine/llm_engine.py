@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass
 
@@ -18,9 +17,6 @@ from .model_runner import ModelRunner
 from .output_processor import OutputState, status_for
 from .sampler import sample
 from .scheduler import Scheduler
-
-logger = logging.getLogger("prefixkv")
-
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -52,8 +48,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, torch.get_num_threads()))
         self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
@@ -161,10 +155,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._groups)
-
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns an output for every request that produced a token
@@ -211,13 +201,12 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             group, idx = self._child_of[req.request_id]
-            rank = None
-            if result.logprobs is not None and req.sampling_params.logprobs is not None:
-                rank = int((logits[row].log_softmax(-1) > result.logprobs[row]).sum()) + 1
+            wants = result.logprobs is not None and req.sampling_params.logprobs is not None
             done = group.states[idx].update(
                 req, token, self.eos_ids, self.max_model_len,
-                result.logprobs[row] if result.logprobs is not None else None,
-                result.top_logprobs[row] if result.top_logprobs is not None else None, rank)
+                result.logprobs[row] if wants else None,
+                result.top_logprobs[row] if wants else None,
+                result.ranks[row] if wants else None)
             if done:
                 req.finished_time = now
                 self.scheduler.finish(req, status_for(group.states[idx].finish_reason))

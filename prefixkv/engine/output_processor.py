@@ -22,6 +22,7 @@ class OutputState:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._prefix_offset = self._read_offset = 0  # incremental detokenizer state
 
     def update(self, req: Request, token: int, eos_ids: set[int], max_model_len: int,
                logprob: float | None = None, top: list[tuple[int, float]] | None = None,
@@ -34,8 +35,10 @@ class OutputState:
             self.logprobs.append(entry)
             self.cumulative_logprob += logprob
         n_out = req.num_output_tokens
-        if p.detokenize:
-            self.full_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        if p.detokenize:  # a few tokens decoded per step; incomplete characters wait their turn
+            piece, self._prefix_offset, self._read_offset = self.tokenizer.decode_incremental(
+                req.output_token_ids, self._prefix_offset, self._read_offset, p.skip_special_tokens)
+            self.full_text += piece
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in eos_ids:
                 return self._finish("stop", None, strip_last_token=True, req=req)
@@ -50,10 +53,8 @@ class OutputState:
                         self.full_text = self.full_text[:end]
                         return self._finish("stop", stop)
         if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= max_model_len:
-            return self._finish("length", None)
+            return self._finish("length", None, req=req)
         stable = self.full_text
-        if stable.endswith("\ufffd"):
-            stable = stable.rstrip("\ufffd")
         if p.stop:
             stable = stable[: max(len(self.text), len(stable) - self._holdback)]
         self.text = stable
@@ -63,10 +64,11 @@ class OutputState:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _finish(self, reason: str, stop_reason, strip_last_token: bool = False, req: Request | None = None) -> bool:
-        if strip_last_token and req is not None and self.params.detokenize:
-            # the EOS / stop token stays in token_ids (as in vLLM) but not in the text
-            self.full_text = self.tokenizer.decode(req.output_token_ids[:-1],
-                                                   skip_special_tokens=self.params.skip_special_tokens)
+        if req is not None and self.params.detokenize:
+            # the final text is one full decode: characters still held back are flushed, and an
+            # EOS / stop token stays in token_ids (as in vLLM) but not in the text
+            ids = req.output_token_ids[:-1] if strip_last_token else req.output_token_ids
+            self.full_text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         self.text = self.full_text
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -14,6 +14,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # logprob of each sampled token (None when nobody asked)
     top_logprobs: list[list[tuple[int, float]]] | None  # per row: (token, logprob), best first
+    ranks: list[int] | None = None  # rank of each sampled token in the raw distribution (1 = best)
 
 
 def _apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -70,7 +71,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             tokens.append(int(torch.multinomial(probs, 1, generator=generators[row])))
     if raw_logprobs is None:
         return SampleResult(tokens, None, None)
-    chosen = raw_logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    chosen_t = raw_logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    ranks = ((raw_logprobs > chosen_t[:, None]).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t.tolist()
     top: list[list[tuple[int, float]]] = []
     for row, p in enumerate(params):
         k = p.logprobs or 0
@@ -79,4 +82,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             top.append(list(zip(idx.tolist(), vals.tolist())))
         else:
             top.append([])
-    return SampleResult(tokens, chosen, top)
+    return SampleResult(tokens, chosen, top, ranks)
