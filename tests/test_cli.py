@@ -116,3 +116,23 @@ def test_chat_keeps_history(shared_engine, capsys, monkeypatch):
                {"role": "user", "content": "What did I just say?"}]
     second = _reference(shared_engine, tok.encode(tok.apply_chat_template(history), add_special_tokens=False), 5)
     assert "\n".join(lines[1:]) == second.strip() or lines[1] == second.splitlines()[0]
+
+
+def test_replay_runs_a_trace_with_every_policy_and_both_oracles(tmp_path):
+    import json
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 1000 * i, "prompt_token_ids": [i % 3] * 40 + [7] * (8 * (i % 4)) + [i],
+             "output_length": 4} for i in range(30)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    r = run_cli("replay", str(trace), "--block-size", "8", "--num-blocks", "12,64", "--policy", "all",
+                "--optimum", "--reuse-oracle", "--json")
+    assert r.returncode == 0, r.stderr
+    results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    from prefixkv.cache.policies import POLICIES
+    assert len(results) == 2 * (len(POLICIES) + 2)
+    assert {x["policy"] for x in results} == {*POLICIES, "optimum", "reuse-oracle"}
+    for x in results:
+        assert x["requests"] == 30 and 0 <= x["fraction_of_optimum"] <= 1 + 1e-9
+    assert max(x["hit_rate"] for x in results if x["num_blocks"] == 64) > 0.5
+    bad = run_cli("replay", str(trace), "--policy", "nope")
+    assert bad.returncode == 2 and "unknown eviction policy" in bad.stderr

@@ -44,6 +44,8 @@ class KVCacheManager:
                                     enable_kv_cache_events)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
+        # A policy that learns from finished requests defines on_request_free; the default does not.
+        self._on_request_free = getattr(self.block_pool.free_block_queue, "on_request_free", None)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -187,6 +189,8 @@ class KVCacheManager:
         and are least likely to be shared, so they are evicted first."""
         state = self._requests.pop(request.request_id, None)
         if state is not None:
+            if self._on_request_free is not None:
+                self._on_request_free(request.num_prompt_tokens, request.num_output_tokens)
             self.block_pool.free_blocks(reversed(state.blocks))
 
     def reset_prefix_cache(self) -> bool:

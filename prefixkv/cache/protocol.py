@@ -31,3 +31,11 @@ class CacheRequest(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+    # Read only when a request is freed, and only by eviction policies that learn from finished
+    # requests (those defining on_request_free): the default path never touches them.
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"eviction policies: {', '.join(POLICIES)}, or all (default lru)")
     parser.add_argument("--optimum", action="store_true",
                         help="also run Belady's offline optimum and report each policy's fraction of it")
+    parser.add_argument("--reuse-oracle", action="store_true",
+                        help="also run the offline reuse oracle (knows whether a block returns, "
+                        "not when): what a perfect reuse predictor would reach")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--prefill-ms-per-token", type=float, default=TimeModel.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=TimeModel.decode_ms_per_token)
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tm = TimeModel(args.prefill_ms_per_token, args.decode_ms_per_token, not args.no_reserve_output)
-    index = BlockIndex(trace, args.block_size) if args.optimum else None
+    index = BlockIndex(trace, args.block_size) if args.optimum or args.reuse_oracle else None
     print(f"{args.trace}: {len(trace)} requests, block size {args.block_size}, "
           f"{sum(r.input_length for r in trace)} prompt tokens")
     if index is not None:
@@ -75,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(header)
     for num_blocks in args.num_blocks:
-        opt = replay_optimum(trace, num_blocks, args.block_size, tm, index) if index is not None else None
+        opt = replay_optimum(trace, num_blocks, args.block_size, tm, index) if args.optimum else None
         rows = [replay(trace, num_blocks, args.block_size, name, tm) for name in args.policy]
+        if args.reuse_oracle:
+            rows.append(replay_optimum(trace, num_blocks, args.block_size, tm, index, reuse_oracle=True))
         if opt is not None:
             rows.append(opt)
         for r in rows:

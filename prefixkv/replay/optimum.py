@@ -96,7 +96,7 @@ class BeladyBackend:
         self.skipped = skipped  # requests larger than the pool never run: they use nothing
         self.ref: dict[int, int] = {}  # cached node -> holders (> 0)
         self.free_cached: dict[int, int] = {}  # cached node nobody holds -> its heap stamp
-        self.heap: list[tuple[int, int, int, int]] = []  # (-next use, -depth, stamp, node)
+        self.heap: list[tuple] = []  # (rank, -depth, stamp, node); rank = -next use here
         self.free_plain = num_blocks  # free blocks without identity
         self.live: dict[int, tuple[list[int], int]] = {}
         self.last_admitted = -1
@@ -176,12 +176,16 @@ class BeladyBackend:
                 self._free_node(node, depth)
 
     def _free_node(self, node: int, depth: int) -> None:
-        # The next request that references the node: if it can look the node up, that is the
-        # next use; if not (the node lies beyond its lookup range) it recomputes the node
-        # anyway, so the copy kept until then is worth nothing: never used.
+        self._stamp += 1
+        self.free_cached[node] = self._stamp
+        heapq.heappush(self.heap, (self._rank(self._next_use(node)), -depth, self._stamp, node))
+
+    def _next_use(self, node: int) -> int:
+        """The next request that references the node: if it can look the node up, that is the
+        next use; if not (the node lies beyond its lookup range) it recomputes the node anyway,
+        so the copy kept until then is worth nothing: never used (= number of requests)."""
         refs, uses, skipped = self.ix.refs[node], self.ix.uses[node], self.skipped
         last = self.last_admitted
-        next_use = len(self.ix.nodes)
         k = bisect_right(refs, last)
         while k < len(refs) and skipped[refs[k]]:
             k += 1
@@ -190,10 +194,12 @@ class BeladyBackend:
             while j < len(uses) and skipped[uses[j]]:
                 j += 1
             if j < len(uses) and uses[j] == refs[k]:
-                next_use = refs[k]
-        self._stamp += 1
-        self.free_cached[node] = self._stamp
-        heapq.heappush(self.heap, (-next_use, -depth, self._stamp, node))
+                return refs[k]
+        return len(self.ix.nodes)
+
+    def _rank(self, next_use: int) -> float:
+        """Heap order of a freed block (smallest evicted first): farthest next use first."""
+        return -next_use
 
     def blocks_in_use(self) -> int:
         return self.num_blocks - self.free_plain - len(self.free_cached)
@@ -202,17 +208,28 @@ class BeladyBackend:
         return self._evictions
 
 
+class ReuseOracleBackend(BeladyBackend):
+    """Not a bound, a yardstick for online policies: it knows only whether a freed block will
+    ever be used again, not when. Dead blocks are evicted first, then the seed's LRU order. Any
+    policy that predicts reuse (as `predicted-reuse` does) can at best match a perfect
+    predictor's ranking; the gap between this and the optimum is what knowing *when* is worth."""
+
+    def _rank(self, next_use: int) -> float:
+        return (0 if next_use == len(self.ix.nodes) else 1, self._stamp)
+
+
 def replay_optimum(trace: Sequence[TraceRequest], num_blocks: int, block_size: int = 512,
                    time_model: TimeModel | None = None,
-                   index: BlockIndex | None = None) -> ReplayResult:
+                   index: BlockIndex | None = None, reuse_oracle: bool = False) -> ReplayResult:
     """Belady's offline optimum over the replay's schedule and capacity (see module docstring).
-    Pass a prebuilt `index` to reuse it across cache sizes."""
+    Pass a prebuilt `index` to reuse it across cache sizes. `reuse_oracle=True` runs
+    ReuseOracleBackend instead (knows whether, not when, a block returns)."""
     time_model = time_model or TimeModel()
     if index is None or index.block_size != block_size:
         index = BlockIndex(trace, block_size)
     skipped = [-(-time_model.footprint_tokens(r) // block_size) > num_blocks for r in trace]
-    backend = BeladyBackend(index, num_blocks, skipped)
-    result = ReplayResult("optimum", num_blocks, block_size)
+    backend = (ReuseOracleBackend if reuse_oracle else BeladyBackend)(index, num_blocks, skipped)
+    result = ReplayResult("reuse-oracle" if reuse_oracle else "optimum", num_blocks, block_size)
     run_schedule(trace, backend, block_size, time_model, result)
     if backend.blocks_in_use() != 0 or backend.ref:
         raise AssertionError("optimum replay leaked blocks")

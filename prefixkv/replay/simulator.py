@@ -153,6 +153,17 @@ def run_schedule(trace: Sequence[TraceRequest], backend: Backend, block_size: in
     return result
 
 
+class _TraceRequest(Request):
+    """A replayed request: its generated tokens are counted (policies that learn from finished
+    requests see the output length) but not stored, since the trace has no output content."""
+
+    num_generated = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_generated
+
+
 class ManagerBackend:
     """The real thing: prefixkv.cache.KVCacheManager driven with prefixkv.request.Request."""
 
@@ -168,7 +179,9 @@ class ManagerBackend:
         if self._head is not None and self._head[0] == index:
             request = self._head[1]
         else:
-            request = Request(str(index), req.prompt_token_ids(), arrival_time=req.timestamp_ms / 1e3)
+            request = _TraceRequest(str(index), req.prompt_token_ids(),
+                                    arrival_time=req.timestamp_ms / 1e3)
+            request.num_generated = req.output_length
         mgr = self.mgr
         hits, num_hit = mgr.get_computed_blocks(request)
         if mgr.allocate_slots(request, request.num_tokens - num_hit, hits,

@@ -51,8 +51,8 @@ def test_unknown_policy_is_a_clear_error():
 # -- the replay's alternative policies ---------------------------------------------------------
 from prefixkv.cache import KVCacheManager  # noqa: E402
 from prefixkv.cache.policies import (  # noqa: E402
-    POLICIES, GhostCreditPolicy, HeapPolicy, LFUPolicy, ReuseCreditPolicy, UnhashedFirstPolicy,
-    register_policy)
+    POLICIES, GhostCreditPolicy, HeapPolicy, LFUPolicy, PredictedReusePolicy, ReuseCreditPolicy,
+    UnhashedFirstPolicy, register_policy)
 from prefixkv.request import Request  # noqa: E402
 
 
@@ -225,3 +225,62 @@ def test_adaptive_credit_replays_like_the_others():
         req.num_computed_tokens = req.num_tokens
         mgr.free(req)
     assert mgr.num_free_blocks == 8
+
+
+def test_predicted_reuse_learns_which_finished_requests_come_back():
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    q = PredictedReusePolicy(blocks)
+    for i in range(30):  # short answers come back, long ones never do
+        a, b = q.popleft_n(2)
+        q.on_request_free(100, 10)
+        q.append_n([cached(a, (0, (i, 1), None))])
+        q.on_request_free(100, 2000)
+        q.append_n([cached(b, (0, (i, 2), None))])
+        short_cls, long_cls = q._cls[a.block_id], q._cls[b.block_id]
+        q.remove(a)
+        a.block_hash = None
+        q.append(a)
+    assert q._rate(short_cls) > 0.8 > 0.2 > q._rate(long_cls)
+    c, d = q.popleft_n(2)
+    q.on_request_free(100, 10)
+    q.append_n([cached(c, (0, (99, 1), None))])
+    q.on_request_free(100, 2000)  # freed later, but from the class that never returns
+    q.append_n([cached(d, (0, (99, 2), None))])
+    assert q.popleft() is not None  # whatever is left of the loop (no identity) goes first
+    rest = [bid for bid in q.block_ids()]
+    assert rest.index(d.block_id) < rest.index(c.block_id)
+
+
+def test_predicted_reuse_never_ranks_a_block_above_its_parent():
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    q = PredictedReusePolicy(blocks)
+    root, mid, leaf = q.popleft_n(3)
+    q._reused[:] = [float(i % 7) for i in range(len(q._reused))]  # rates rising with tail distance
+    q._freed[:] = [7.0] * len(q._freed)
+    q.on_request_free(30, 1)
+    q.append_n([cached(leaf, (2, (3,), None)), cached(mid, (1, (2,), None)), cached(root, (0, (1,), None))])
+    assert q.block_ids() == [leaf.block_id, mid.block_id, root.block_id]
+
+
+def test_the_manager_tells_learning_policies_what_a_finished_request_produced():
+    seen = []
+
+    @register_policy
+    class Recorder(HeapPolicy):
+        name = "test-recorder"
+
+        def on_request_free(self, num_prompt_tokens, num_output_tokens):
+            seen.append((num_prompt_tokens, num_output_tokens))
+
+    try:
+        mgr = KVCacheManager(8, 2, eviction_policy="test-recorder")
+        req = Request("a", [1, 2, 3, 4, 5])
+        hits, n = mgr.get_computed_blocks(req)
+        mgr.allocate_slots(req, req.num_tokens - n, hits)
+        req.num_computed_tokens = req.num_tokens
+        req.append_output_token_ids([7, 8])
+        mgr.allocate_slots(req, 2)
+        mgr.free(req)
+        assert seen == [(5, 2)] and mgr.num_free_blocks == 8
+    finally:
+        del POLICIES["test-recorder"]

@@ -77,6 +77,8 @@ def test_optimum_bounds_every_policy_and_nothing_leaks(trace, num_blocks, reserv
     tm = TimeModel(0.0, 10.0, reserve)
     opt = replay_optimum(trace, num_blocks, 2, tm)
     ceiling = infinite_cache_hit_rate(trace, 2)
+    oracle = replay_optimum(trace, num_blocks, 2, tm, reuse_oracle=True)
+    assert oracle.hit_tokens <= opt.hit_tokens
     for policy in POLICIES:
         r = replay(trace, num_blocks, 2, policy, tm)  # raises if any block is still held
         assert r.requests + r.skipped == len(trace)
@@ -105,4 +107,15 @@ def test_optimum_keeps_duplicate_copies_of_a_held_block():
              tok(0, (1, 11)), tok(0, (0, 10, 20))]
     tm = TimeModel(0.0, 10.0, False)
     assert replay(trace, 3, 2, "lru", tm).hit_tokens == 2
+    assert replay_optimum(trace, 3, 2, tm).hit_tokens == 2
+
+
+def test_reuse_oracle_evicts_blocks_that_never_return_first():
+    # r2 must evict one of A (from r0) and C (from r1): LRU drops the older A, the oracle knows
+    # C never returns and keeps A, which r3 hits.
+    tm = TimeModel(0.0, 10.0, False)
+    trace = [tok(0, (0, 10, 20)), tok(SPACED, (5, 15, 20)), tok(2 * SPACED, (7, 17, 20)),
+             tok(3 * SPACED, (0, 10, 21))]
+    assert replay(trace, 3, 2, "lru", tm).hit_tokens == 0
+    assert replay_optimum(trace, 3, 2, tm, reuse_oracle=True).hit_tokens == 2
     assert replay_optimum(trace, 3, 2, tm).hit_tokens == 2
