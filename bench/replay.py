@@ -159,8 +159,8 @@ rate, evictions, peak blocks in use and queueing. `--optimum` adds Belady's offl
 same schedule and capacity, and each policy's fraction of it. `bench/replay.py` sweeps both
 Mooncake traces and regenerates this page and the plots:
 
-    .venv/bin/python bench/replay.py                      # this page, ~7 min CPU on 2 cores
-    prefixkv replay ../shared/traces/synthetic_trace.jsonl --num-blocks 2000,8000 --policy all --optimum
+    .venv/bin/python bench/replay.py                      # this page, ~4 min on 2 cores
+    prefixkv replay ../shared/traces/synthetic_trace.jsonl --num-blocks 2000,8000 --policy all --optimum --reuse-oracle
 
 ![conversation](replay_conversation.png)
 ![synthetic](replay_synthetic.png)
@@ -173,7 +173,7 @@ Mooncake traces and regenerates this page and the plots:
   exact keys see exactly the sharing the trace records; other block sizes work (ids are split or
   straddled) and only cost time.
 * **Conversation trace: the first 6,000 of 12,031 requests** (the first ~30 minutes), to keep the
-  full sweep (6 sizes x 6 policies + optimum, both traces) within ~15 minutes on 2 cores; pass
+  full sweep (6 sizes x 7 policies + 2 oracles, both traces) within ~4 minutes on 2 cores; pass
   `--conversation-limit 0` for all of it. The synthetic trace is replayed whole.
 * **Policies** (`prefixkv/cache/policies.py`, each a small class registered in `POLICIES`;
   `KVCacheManager(..., eviction_policy=name)`):
@@ -197,8 +197,23 @@ Mooncake traces and regenerates this page and the plots:
     before it returns; newest-first keeps a stable subset of chains long enough to be reused,
     and those earn credits as in `ghost-credit`. With near reuses (a big cache) it is
     `ghost-credit`.
+  * `predicted-reuse` (ours) - learns online which freed blocks come back. Each freed block
+    falls in a class - unproven blocks by what the engine knows when their request finishes
+    (output length, how many of the request's blocks were new, distance from the chain's tail,
+    whether the request hit at all; the manager passes the first two through the policy's
+    optional `on_request_free` hook), proven ones by credit count and output length - and the
+    policy counts per class how many freed blocks were reused later (hits while free, ghost
+    returns). A block's extra life is `8 x num_blocks` appends times its class's reuse rate; no
+    block ranks above its parent; unproven chains go newest first while reuses are far, as in
+    `adaptive-credit`.
   The non-default policies are heaps with lazy deletion (O(log n)); the pool calls an optional
   `on_hit` only for policies that define it, so the default path is unchanged.
+
+Two offline references read the future (`prefixkv/replay/optimum.py`): `optimum`, Belady's
+farthest-next-use over the same schedule (the bound the target is stated against), and
+`reuse-oracle`, which knows only *whether* a freed block will ever be used again, not when: it
+evicts dead blocks first and is LRU otherwise. It is the best a perfect reuse classifier could do
+with LRU order, and it shows where the optimum's lead comes from knowing *when*.
 
 Each cell below: token-weighted hit rate (fraction of the offline optimum).
 
@@ -206,29 +221,42 @@ Each cell below: token-weighted hit rate (fraction of the offline optimum).
 
 
 FINDINGS = """
-## Findings (from the sweep above; the target is not met)
+## Findings (from the sweep above; the target is not met, and is out of reach online)
 
-* The seed's `lru` is below 90% of the optimum at every size except the largest on both traces,
-  and no online policy here gets within 95% of the optimum at those sizes. `adaptive-credit` is
-  the best online policy in 7 of those 10 cells and within a point of the best in the other three
-  (conversation: 47% / 48% / 60% of the optimum at 2000 / 4000 / 8000 blocks, against
-  ghost-credit's 44% / 43% / 58% and lru's 27% / 29% / 50%; synthetic: 46% / 53% / 67% at
-  2000 / 4000 / 8000, against ghost-credit's 45% / 52% / 65%).
-* Why the gap is so large: reuse distances in both traces are far longer than the cache. A block
-  is first reused a median ~450 (conversation) / ~570 (synthetic) requests after its first use,
-  ~11-17k blocks of traffic; kept exactly K requests after its last use, with no capacity limit,
-  a block would give conversation 6.0% / 16.3% / 28.8% and synthetic 19.1% / 36.1% / 57.0% hit
-  rate for K = 100 / 300 / 1000, so the hits the optimum takes at 2000-8000 blocks are hits on
-  a few blocks chosen from a window several times the cache. A block not yet reused comes back
-  ~39% of the time, once reused ~85%: ghosts let a policy see the second case even when the reuse
-  came after eviction (which is what `ghost-credit` adds to `reuse-credit`), but nothing online
-  tells which new blocks are in the 39%. In the conversation trace's first 6000 requests a
-  request that continued a conversation (hit beyond its first block) has a later request reuse
-  at least half its chain 41% of the time, a first turn 26%; the next turn comes a median 117 s
-  later (10% / 90%: 39 s / 426 s). When that is longer than the cache holds, keeping a fixed
-  subset of new chains (newest-first eviction) beats LRU's churn, which is what
-  `adaptive-credit` does; its gain is 1-5 points of the optimum, not the 40-50 missing.
-* Tried in this round and not kept (hit rate, fraction of the optimum; conversation first 3000
+* The seed's `lru` is below 90% of the optimum at every size but the largest on both traces.
+  Our best online policy there reaches 47-90% of the optimum: `predicted-reuse` on the synthetic
+  trace (48 / 46 / 56 / 71 / 90% at 1000-16000 blocks, against lru's 45 / 41 / 49 / 62 / 82%),
+  `adaptive-credit` or `ghost-credit` on the conversation trace (87 / 47 / 48 / 60 / 78%, lru
+  83 / 27 / 29 / 50 / 73%). `predicted-reuse` is within 1-4 points of the best on conversation.
+* **Why 95% is out of reach for an online policy:** `reuse-oracle`, told exactly which freed
+  blocks will ever be used again - information no online policy has - reaches only 87 / 55 / 82%
+  of the optimum on conversation at 1000 / 2000 / 4000 blocks and 57 / 54 / 70 / 90% on synthetic
+  at 1000-8000: in 7 of the 10 cells the optimum's lead comes from knowing *when* a block
+  returns, not whether. In the other three (conversation 8000 / 16000, synthetic 16000) the
+  oracle reaches 100%: there the cache holds every block that returns once the dead ones go, and
+  the question is how well reuse can be predicted. On synthetic it can be, from the finished
+  request (new blocks of requests with answers <= 20 tokens return ~90% of the time, of answers
+  of 300-1000 tokens 3-9%), and `predicted-reuse` gains 3-4 points of the optimum over
+  `adaptive-credit` there; on conversation no feature the engine has separates them well (the
+  best class returns 41% of the time against 25% for all new blocks), so it gains nothing.
+* Reuse distances in both traces are far longer than the cache. A block is first reused a
+  median ~450 (conversation) / ~570 (synthetic) requests after its first use, ~11-17k blocks of
+  traffic; kept exactly K requests after its last use, with no capacity limit, a block would
+  give conversation 6.0% / 16.3% / 28.8% and synthetic 19.1% / 36.1% / 57.0% hit rate for
+  K = 100 / 300 / 1000. In the conversation trace's first 6000 requests the next turn of a
+  conversation comes a median 117 s later (10% / 90%: 39 s / 426 s), while new content arrives
+  at ~3,200 blocks a minute (8000 blocks hold 2.5 minutes of it). When reuses are that far,
+  keeping a fixed subset of new chains (newest-first eviction) beats LRU's churn, which is what
+  `adaptive-credit` does.
+* `predicted-reuse` variants tried (hit rate; synthetic 2000 / 8000 / 16000 blocks, conversation
+  2000 / 8000): without the `adaptive-credit` newest-first switch 15.0 / 41.6 / 57.7 and 6.4 /
+  20.8% (the switch is what conversation at 2000 needs); proven blocks classed also by tail
+  distance 13.3-13.9 / 37.2-40.1%, 14.9 / 41.0% once no block may rank above its parent (ranking
+  by class alone had stranded children); odds or r^4..r^8 instead of the rate itself 13.4-14.7 /
+  39.0-40.8%; life 1 / 2 / 16 x num_blocks 14.5-15.2 / 39.5-42.2 / 55.6-59.4%; proven blocks ranked by
+  `adaptive-credit`'s credits instead of a learned rate 15.8 / 41.2% and conversation 8.75%
+  (equal to `adaptive-credit`).
+* Tried in the first round and not kept (hit rate, fraction of the optimum; conversation first 3000
   requests 2000 / 8000 blocks - ghost-credit 7.38% (41.1%) / 20.38% (63.8%) - and synthetic
   2000 / 8000 - ghost-credit 15.52% (44.5%) / 39.14% (65.0%)):
   chain-level credits (blocks a request freed together share the credit of the deepest reused
@@ -271,7 +299,7 @@ def plot(path, name, sizes, policies, trace_path, results, info) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     opt = [results[trace_path, nb, "optimum"]["hit_rate"] for nb in sizes]
     ax.plot(sizes, opt, "k--", marker="o", label="optimum (Belady, offline)")
     ax.plot(sizes, [results[trace_path, nb, "reuse-oracle"]["hit_rate"] for nb in sizes], ":",
@@ -285,7 +313,7 @@ def plot(path, name, sizes, policies, trace_path, results, info) -> None:
     ax.set_ylabel("token hit rate")
     ax.set_title(f"{name} trace ({info[0]} requests)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -456,14 +456,18 @@ class PredictedReusePolicy(AdaptiveCreditPolicy):
     name = "predicted-reuse"
     life = 8.0  # extra life, in num_blocks appends, of a block whose class always returns
     prior_weight = 4.0
-    OUTPUT_EDGES = (5, 20, 100, 300, 1000)
-    NEW_EDGES = (1, 2, 4, 8, 16, 64)
-    TAIL_EDGES = (0, 1, 3, 7, 15, 63)
-    _UNPROVEN = 2 * len(OUTPUT_EDGES + (0,)) * 7 * 7  # classes of unproven blocks; proven after
+    # Bucket edges (bisect_left: bucket i holds values <= edges[i]; one more bucket above).
+    OUTPUT_EDGES = (5, 20, 100, 300, 1000)  # output tokens of the request
+    NEW_EDGES = (1, 2, 4, 8, 16, 64)  # blocks the request computed (no hit, no ghost credit)
+    TAIL_EDGES = (0, 1, 3, 7, 15, 63)  # the block's distance from the chain's tail
+    N_OUT, N_NEW, N_TAIL = len(OUTPUT_EDGES) + 1, len(NEW_EDGES) + 1, len(TAIL_EDGES) + 1
+    # Unproven classes are (request hit anything, output, new blocks, tail distance); proven
+    # ones (credits, output) come after them.
+    _UNPROVEN = 2 * N_OUT * N_NEW * N_TAIL
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         super().__init__(blocks)
-        n_classes = self._UNPROVEN + self.max_credits * (len(self.OUTPUT_EDGES) + 1)
+        n_classes = self._UNPROVEN + self.max_credits * self.N_OUT
         self._freed = [0.0] * n_classes
         self._reused = [0.0] * n_classes
         self._all_freed = self._all_reused = 0
@@ -490,9 +494,10 @@ class PredictedReusePolicy(AdaptiveCreditPolicy):
         cap = self.max_credits
         scores = [-1 if b.block_hash is None else min(self._score(b), cap) for b in blocks]
         num_new = scores.count(0)
+        hit_any = 1 if num_new < len(scores) - scores.count(-1) else 0
         out = self._output_bucket
-        unproven = ((1 if num_new < len(scores) - scores.count(-1) else 0) * (len(self.OUTPUT_EDGES) + 1)
-                    + out) * 7 + bisect_left(self.NEW_EDGES, num_new)
+        unproven = ((hit_any * self.N_OUT + out) * self.N_NEW
+                    + bisect_left(self.NEW_EDGES, num_new)) * self.N_TAIL
         mru, base = self.mru, self._seq
         keys = []
         j = 0
@@ -503,9 +508,9 @@ class PredictedReusePolicy(AdaptiveCreditPolicy):
                 keys.append(-1e18)
                 continue
             if score == 0:
-                cls = unproven * 7 + bisect_left(self.TAIL_EDGES, j)
+                cls = unproven + bisect_left(self.TAIL_EDGES, j)
             else:
-                cls = self._UNPROVEN + (score - 1) * (len(self.OUTPUT_EDGES) + 1) + out
+                cls = self._UNPROVEN + (score - 1) * self.N_OUT + out
             j += 1
             self._cls[bid] = cls
             self._freed[cls] += 1
