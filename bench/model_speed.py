@@ -1,10 +1,11 @@
 """Model forward speed: prefixkv's paged model vs transformers, same weights, same process.
 
     .venv/bin/python bench/model_speed.py [--prompt 1024] [--context 256] [--steps 20] [--reps 3]
+        [--dtype float32|bfloat16] [--device cpu|cuda]
 
 Reports medians: prefill tok/s for one --prompt-token prompt, and decode ms/step at batch 1
-and batch 8 with --context tokens of context per sequence. Both sides use float32 on CPU
-(or --device cuda). transformers loads the same GGUF (needs `accelerate`).
+and batch 8 with --context tokens of context per sequence. Both sides use --dtype (float32 by
+default). transformers loads the same GGUF (needs `accelerate`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers side")
     args = ap.parse_args()
@@ -47,7 +49,8 @@ def main() -> None:
     from prefixkv.model import AttentionMetadata, allocate_kv_cache, default_model_path, load_model
 
     dev = args.device
-    lm = load_model(None, dtype=torch.float32, device=dev)
+    dtype = getattr(torch, args.dtype)
+    lm = load_model(None, dtype=dtype, device=dev)
     model, cfg = lm.model, lm.config
     bs = args.block_size
     g = torch.Generator().manual_seed(0)
@@ -58,14 +61,14 @@ def main() -> None:
 
         path = default_model_path()
         hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=torch.float32).to(dev).eval()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}")
+                                                  dtype=dtype).to(dev).eval()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}, {args.dtype}")
 
     # ------------------------------------------------------------ prefill
     n = args.prompt
     ids = torch.randint(100, vocab, (n,), generator=g)
     nblocks = (n + bs - 1) // bs
-    caches = allocate_kv_cache(cfg, nblocks + 8, bs, device=dev)
+    caches = allocate_kv_cache(cfg, nblocks + 8, bs, dtype=dtype, device=dev)
     blocks = torch.randperm(nblocks + 8, generator=g)[:nblocks]
     pos = torch.arange(n)
     slots = blocks[pos // bs] * bs + pos % bs
@@ -96,7 +99,7 @@ def main() -> None:
         C = args.context
         prompts = torch.randint(100, vocab, (B, C), generator=g)
         per = (C + args.steps + 2 + bs - 1) // bs
-        caches = allocate_kv_cache(cfg, B * per + 4, bs, device=dev)
+        caches = allocate_kv_cache(cfg, B * per + 4, bs, dtype=dtype, device=dev)
         tables = torch.randperm(B * per + 4, generator=g)[:B * per].view(B, per)
 
         def step_meta(lens, new):

@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-memory-bytes", default="1G", help="for the started prefixkv server")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="model dtype of both started servers (default float32)")
     ap.add_argument("--no-prefixkv", action="store_true", help="only run the peer")
     ap.add_argument("--peer-vllm", action="store_true", help=f"also run `vllm serve` from {VLLM_PY}")
     ap.add_argument("--vllm-python", default=VLLM_PY)
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--kv-cache-memory-bytes", args.kv_cache_memory_bytes, "--max-model-len", "2048",
-               "--disable-uvicorn-access-log"] + ([args.model] if args.model else [])
+               "--dtype", args.dtype, "--disable-uvicorn-access-log"] + ([args.model] if args.model else [])
         srv = Managed("prefixkv", cmd, port, timeout=300)
         try:
             summaries += bench_server("prefixkv", srv.base, args)
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
                    "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
-                   "--enable-prompt-tokens-details", "--max-model-len", "2048", "--dtype", "float32",
+                   "--enable-prompt-tokens-details", "--max-model-len", "2048", "--dtype", args.dtype,
                    "--disable-uvicorn-access-log"]
             env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
             try:
