@@ -51,4 +51,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None, repr=False)
+    # vLLM's shape: None for the first prompt token, then {token id: Logprob} per position
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)

@@ -86,6 +86,9 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens served from the cache at first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Prompt logprobs need logits at every prompt position, so such a request computes its
+        # whole prompt (it still caches its blocks for others).
+        self.skip_prefix_cache_read = False
 
     @property
     def all_token_ids(self) -> list[int]:

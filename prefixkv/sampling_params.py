@@ -19,6 +19,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k per prompt position (plus the prompt token itself)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -55,6 +56,10 @@ class SamplingParams:
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or self.prompt_logprobs < 0):
+            bad(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

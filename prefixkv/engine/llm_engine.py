@@ -14,8 +14,8 @@ from ..outputs import RequestMetrics, RequestOutput
 from ..request import LoRARequest, Request, RequestStatus
 from ..sampling_params import SamplingParams
 from .model_runner import ModelRunner
-from .output_processor import OutputState, status_for
-from .sampler import sample
+from .output_processor import OutputState, logprob_entry, status_for
+from .sampler import sample, score_tokens
 from .scheduler import Scheduler
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -42,6 +42,8 @@ class _Group:
     states: list[OutputState]
     arrival_time: float
     finished: bool = False
+    # [None, entry for prompt token 1, ...] while prompt logprobs are wanted (filled by child 0)
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -127,6 +129,9 @@ class LLMEngine:
             children.append(child)
             states.append(OutputState(i, params, self.tokenizer))
         group = _Group(request_id, text, ids, children, states, arrival)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+            children[0].skip_prefix_cache_read = True
         self._groups[request_id] = group
         for i, child in enumerate(children):
             self._child_of[child.request_id] = (group, i)
@@ -165,7 +170,7 @@ class LLMEngine:
                 raise RuntimeError("no request could be scheduled although some are waiting")
             return []
         self.num_steps += 1
-        chunks, starts, tables, sample_rows = [], [], [], []
+        chunks, starts, tables, sample_rows, hidden_rows = [], [], [], [], []
         kv = self.kv_cache_manager
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
@@ -173,8 +178,13 @@ class LLMEngine:
             starts.append(start)
             tables.append(kv.get_block_ids(req.request_id))
             sample_rows.append(start + n == req.num_tokens)
+            hidden_rows.append(self._wants_prompt_logprobs(req, start))
         try:
-            logits = self.runner.execute(chunks, starts, tables, sample_rows)
+            logits, hidden = self.runner.execute(chunks, starts, tables, sample_rows,
+                                                 hidden_rows if any(hidden_rows) else None)
+            for req, start, h in zip(batch.requests, starts, hidden):
+                if h is not None:
+                    self._score_prompt(req, start, h)
         except Exception:
             self._fail_batch(batch.requests)
             raise
@@ -221,6 +231,31 @@ class LLMEngine:
                     self._forget(child)
         return outputs
 
+    def _wants_prompt_logprobs(self, req: Request, start: int) -> bool:
+        """Child 0 of a group that asked for prompt logprobs, on a chunk that still has prompt
+        positions to score (positions already scored before a preemption are not redone)."""
+        if not req.skip_prefix_cache_read:
+            return False
+        group = self._child_of[req.request_id][0]
+        return len(group.prompt_logprobs) < req.num_prompt_tokens
+
+    PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once
+
+    def _score_prompt(self, req: Request, start: int, hidden) -> None:
+        """Row r of `hidden` (position start + r) predicts prompt token start + r + 1."""
+        group = self._child_of[req.request_id][0]
+        out = group.prompt_logprobs
+        prompt = req.prompt_token_ids
+        k = req.sampling_params.prompt_logprobs
+        first = len(out) - 1 - start  # first row not scored yet
+        last = min(len(hidden), len(prompt) - 1 - start)  # rows that predict a prompt token
+        for a in range(max(first, 0), last, self.PROMPT_LOGITS_SLICE):
+            b = min(last, a + self.PROMPT_LOGITS_SLICE)
+            targets = prompt[start + a + 1:start + b + 1]
+            lps, ranks, tops = score_tokens(self.runner.compute_logits(hidden[a:b]), targets, k)
+            for tok, lp, rank, top in zip(targets, lps, ranks, tops):
+                out.append(logprob_entry(self.tokenizer, tok, lp, rank, top))
+
     def _fail_batch(self, requests: list[Request]) -> None:
         """The model failed mid-step: the batch's new blocks were entered in the cache table but
         hold no valid KV. Abort the batch and forget identities so no later request hits them."""
@@ -246,7 +281,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=[s.completion(c) for s, c in zip(group.states, group.children)],
-            finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
+            finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics,
+            prompt_logprobs=group.prompt_logprobs)
 
     # -- cache control and statistics ----------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

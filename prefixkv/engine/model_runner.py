@@ -18,10 +18,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, token_chunks: list[list[int]], starts: list[int],
-                block_tables: list[list[int]], sample_rows: list[bool]) -> torch.Tensor:
+                block_tables: list[list[int]], sample_rows: list[bool],
+                hidden_rows: list[bool] | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Compute tokens token_chunks[i] at positions starts[i]... of sequence i, whose KV
         blocks are block_tables[i]. Returns float32 logits [sum(sample_rows), vocab] for the
-        last token of each sequence with sample_rows[i] set."""
+        last token of each sequence with sample_rows[i] set, and for each sequence with
+        hidden_rows[i] set the final hidden states of all its tokens (turn them into logits a
+        slice at a time with `compute_logits`: a whole chunk's logits can be large)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -53,8 +56,16 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_caches, meta)
+        full: list[torch.Tensor | None] = [
+            hidden[query_start_loc[i]:query_start_loc[i + 1]] if want else None
+            for i, want in enumerate(hidden_rows or ())]
         rows = [query_start_loc[i + 1] - 1 for i, s in enumerate(sample_rows) if s]
         if not rows:
-            return torch.empty(0, self.config.vocab_size)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
+            return torch.empty(0, self.config.vocab_size), full
+        return self.compute_logits(hidden[torch.tensor(rows, device=dev)]), full
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits on the CPU for final hidden states."""
+        logits = self.model.compute_logits(hidden)
         return logits.float().cpu() if logits.device.type != "cpu" else logits.float()

@@ -6,6 +6,17 @@ from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
 
 
+def logprob_entry(tokenizer, token: int, logprob: float, rank: int,
+                  top: list[tuple[int, float]]) -> dict[int, Logprob]:
+    """vLLM's per-position logprobs: the top tokens (ranked 1..k) plus the actual token."""
+    def piece(tid: int) -> str:
+        return tokenizer.decode([tid], skip_special_tokens=False)
+
+    entry = {tid: Logprob(lp, r + 1, piece(tid)) for r, (tid, lp) in enumerate(top)}
+    entry.setdefault(token, Logprob(logprob, rank, piece(token)))
+    return entry
+
+
 class OutputState:
     """Text for one sequence. While the sequence runs, `text` withholds what may still change:
     a tail that could begin a stop string, or an incomplete UTF-8 character - so streamed text
@@ -30,9 +41,7 @@ class OutputState:
         """Account for the token just appended to `req`. Returns True when the sequence ends."""
         p = self.params
         if self.logprobs is not None:
-            entry = {tid: Logprob(lp, r + 1, self._piece(tid)) for r, (tid, lp) in enumerate(top or [])}
-            entry.setdefault(token, Logprob(logprob, rank, self._piece(token)))
-            self.logprobs.append(entry)
+            self.logprobs.append(logprob_entry(self.tokenizer, token, logprob, rank, top or []))
             self.cumulative_logprob += logprob
         n_out = req.num_output_tokens
         if p.detokenize:  # a few tokens decoded per step; incomplete characters wait their turn
@@ -59,9 +68,6 @@ class OutputState:
             stable = stable[: max(len(self.text), len(stable) - self._holdback)]
         self.text = stable
         return False
-
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _finish(self, reason: str, stop_reason, strip_last_token: bool = False, req: Request | None = None) -> bool:
         if req is not None and self.params.detokenize:

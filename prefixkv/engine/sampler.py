@@ -46,6 +46,20 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def score_tokens(logits: torch.Tensor, targets: list[int], k: int
+                 ) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+    """Log-probabilities of given next tokens under the raw distribution of each row of `logits`
+    [N, vocab]: each target's logprob and rank (1 = best), and the row's top `k` (token, logprob)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
+    ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if k:
+        vals, idx = torch.topk(logprobs, k, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    return chosen.tolist(), ranks, top
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            prompt_ids: list[list[int]], output_ids: list[list[int]],
            eos_ids: list[set[int] | None] | None = None) -> SampleResult:

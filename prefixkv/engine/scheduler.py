@@ -73,12 +73,15 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
+            if req.skip_prefix_cache_read:
+                hits, num_hit = [], 0
+            else:
+                hits, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
-            if self.kv.enable_caching:
+            if self.kv.enable_caching and not req.skip_prefix_cache_read:
                 self.kv.stats.record(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:

@@ -181,6 +181,16 @@ class OpenAIServing:
                            "or completion.", 400, param="max_tokens")
         return max_tokens
 
+    @staticmethod
+    def check_prompt_logprobs(req) -> None:
+        if req.prompt_logprobs is None:
+            return
+        if not 0 <= req.prompt_logprobs <= 20:
+            raise APIError(f"prompt_logprobs must be in [0, 20], got {req.prompt_logprobs}", 400,
+                           param="prompt_logprobs")
+        if req.stream:
+            raise APIError("prompt_logprobs is not supported with stream=true", 400, param="prompt_logprobs")
+
     def params(self, req, max_tokens: int | None) -> SamplingParams:
         try:
             return req.to_sampling_params(max_tokens)
@@ -258,6 +268,7 @@ class OpenAIServing:
             raise APIError("suffix is not supported", 400, param="suffix")
         if req.logprobs is not None and req.logprobs > 20:
             raise APIError(f"logprobs must be at most 20, got {req.logprobs}", 400, param="logprobs")
+        self.check_prompt_logprobs(req)
         prompts, texts = self.completion_prompts(req)
         max_tokens = req.max_tokens
         for ids in prompts:
@@ -281,9 +292,18 @@ class OpenAIServing:
             for o in out.outputs:
                 lp = None
                 if req.logprobs is not None and o.logprobs is not None:
-                    lp = completion_logprobs(o.logprobs, o.token_ids, k, len(echo[i]))
-                choices.append(CompletionResponseChoice(index=i * n + o.index, text=echo[i] + o.text, logprobs=lp,
-                                                        finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                    if req.echo and out.prompt_logprobs is not None:
+                        lp = completion_logprobs([{}] + out.prompt_logprobs[1:] + o.logprobs,
+                                                 prompts[i] + o.token_ids, k, 0)
+                        # the first prompt token has no logprob; its text still counts
+                        lp.tokens[0] = self.tokenizer.decode(prompts[i][:1])
+                        lp.text_offset[1:] = [x + len(lp.tokens[0]) for x in lp.text_offset[1:]]
+                    else:
+                        lp = completion_logprobs(o.logprobs, o.token_ids, k, len(echo[i]))
+                choices.append(CompletionResponseChoice(
+                    index=i * n + o.index, text=echo[i] + o.text, logprobs=lp, finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason,
+                    prompt_logprobs=out.prompt_logprobs if req.prompt_logprobs is not None else None))
         return CompletionResponse(id=rid, created=created, model=model, choices=choices,
                                   usage=self.usage(prompts, finals))
 
@@ -371,6 +391,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", 400, param="top_logprobs")
+        self.check_prompt_logprobs(req)
         ids = self.chat_prompt(req)
         max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
         params = self.params(req, max_tokens)
@@ -387,7 +408,7 @@ class OpenAIServing:
             logprobs=chat_logprobs(o.logprobs, o.token_ids, k) if req.logprobs and o.logprobs is not None else None,
             finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
         return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                      usage=self.usage([ids], finals))
+                                      usage=self.usage([ids], finals), prompt_logprobs=out.prompt_logprobs)
 
     def _stream_chat(self, req, gens, prompts, rid, created, model, n, k):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

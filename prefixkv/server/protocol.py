@@ -60,8 +60,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     request_id: str | None = None
+    prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) on bad values."""
         return SamplingParams(
             n=self.n,
@@ -72,6 +74,7 @@ class _SamplingFields(BaseModel):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens)
@@ -87,7 +90,10 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._params(max_tokens, self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # echoed prompt tokens get logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -135,12 +141,24 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # built from prefixkv.outputs.Logprob
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # vLLM's: None, then one entry a position
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -186,6 +204,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -4,6 +4,7 @@ content hash. Prefix caching never changes outputs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from prefixkv import SamplingParams
 from prefixkv.config import EngineConfig
@@ -108,3 +109,70 @@ def test_preempted_request_re_hits_its_own_blocks_on_resume(default_lm):
     run(engine, prompts, 40)
     assert engine.scheduler.num_preemptions > 0
     assert engine.prefix_cache_stats.hits > 0
+
+
+# -- prompt logprobs ----------------------------------------------------------------------------
+def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def run_prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], k: int, n: int = 1,
+                        max_tokens: int = 2) -> list:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=k, n=n, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "blocks leaked"
+    return [done[i] for i in ids]
+
+
+def check_prompt_logprobs(out, ref: torch.Tensor, k: int) -> None:
+    ids = out.prompt_token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        row = ref[pos - 1]
+        assert entry[ids[pos]].logprob == pytest.approx(row[ids[pos]].item(), abs=1e-4)
+        assert entry[ids[pos]].rank == int((row > row[ids[pos]]).sum()) + 1
+        top = torch.topk(row, k).indices.tolist() if k else []
+        assert [t for t, lp in entry.items() if lp.rank <= k] == top or set(entry) >= set(top)
+        assert len(entry) in (k, k + 1)
+
+
+def test_prompt_logprobs_equal_transformers_and_bypass_cache_reads(default_lm, prompts, hf_ref_model):
+    """Prompt logprobs need logits at every prompt position, so the request computes its whole
+    prompt even when the prefix is cached (as vLLM does), in chunks of a tiny token budget."""
+    shared = prompts[1][:2]
+    engine = engine_for(default_lm, max_num_batched_tokens=24)
+    run(engine, shared[:1])  # the document is now cached
+    hits_before = engine.prefix_cache_stats.hits
+    outs = run_prompt_logprobs(engine, shared, k=3)
+    for out, ids in zip(outs, shared):
+        assert out.num_cached_tokens == 0
+        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 3)
+    assert engine.prefix_cache_stats.hits == hits_before  # not looked up, not counted
+    # ...but written: a plain request afterwards hits what they computed
+    again = run_prompt_logprobs(engine, shared[:1], k=0)[0]
+    assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == len(shared[0])
+    out = engine_for(default_lm)
+    assert run(out, shared[:1]) == run(engine, shared[:1])
+
+
+def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, prompts, hf_ref_model):
+    two = prompts[1][:2]
+    per_prompt = -(-max(len(p) for p in two) // 8)
+    # both prompts fit at admission, their answers do not: one is preempted and recomputed,
+    # and the positions it had scored are not scored twice
+    engine = engine_for(default_lm, num_blocks=2 * per_prompt + 1, block_size=8,
+                        max_model_len=8 * per_prompt + MAX_NEW + 8)
+    outs = run_prompt_logprobs(engine, two, k=1, max_tokens=MAX_NEW)
+    assert engine.scheduler.num_preemptions > 0
+    for out, ids in zip(outs, two):
+        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 1)
+    out = run_prompt_logprobs(engine_for(default_lm), two[:1], k=1, n=2)[0]
+    assert len(out.outputs) == 2
+    check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, two[0]), 1)

@@ -118,6 +118,7 @@ def test_sampling_seed_is_reproducible_and_n_shares_the_prompt(llm):
 @pytest.mark.parametrize("bad, match", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
     (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(n=0), "n must"), (dict(logprobs=-1), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
 ])
 def test_bad_sampling_values(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -167,6 +167,42 @@ def test_sampling_extras_n_logprobs_stop(client):
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_prompt_logprobs_and_echo_logprobs(client, server, llm):
+    """vLLM's `prompt_logprobs` extra: the same values LLM.generate returns (the request reads
+    nothing from the prefix cache, which would skip the positions it needs)."""
+    prompt = "Prompt logprobs score every token of: the quick brown fox"
+    ref = llm.generate(prompt, greedy(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    res = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    got = res.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+    for pos in range(1, len(got)):
+        want = ref.prompt_logprobs[pos]
+        assert {int(t) for t in got[pos]} == set(want)
+        for t, lp in got[pos].items():
+            assert lp["logprob"] == pytest.approx(want[int(t)].logprob, abs=1e-5)
+            assert lp["rank"] == want[int(t)].rank and lp["decoded_token"] == want[int(t)].decoded_token
+    assert res.usage.prompt_tokens_details.cached_tokens == 0
+    # OpenAI's echo + logprobs: the prompt's tokens come first, the first without a logprob
+    echo = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    lp = echo.choices[0].logprobs
+    n = len(ref.prompt_token_ids)
+    assert echo.choices[0].text.startswith(prompt) and len(lp.tokens) == n + 2
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(
+        [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ref.prompt_token_ids) if i], abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    url = server.base + "/v1/completions"
+    _assert_error(server, httpx.post(url, json={"prompt": "x", "prompt_logprobs": 21}, headers=h), 400, "prompt_logprobs")
+    _assert_error(server, httpx.post(url, json={"prompt": "x", "prompt_logprobs": 1, "stream": True}, headers=h),
+                  400, "stream")
+    assert server.wait_idle()["vllm:kv_cache_usage_perc"] == 0
+
+
 def test_stop_token_ids(client, llm):
     tok = llm.get_tokenizer()
     prompt = "The capital of France is"
