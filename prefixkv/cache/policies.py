@@ -418,17 +418,25 @@ class AdaptiveCreditPolicy(GhostCreditPolicy):
             if prior is None:
                 bonus = 0
             else:
-                score, fseq = prior
+                score, fseq, *extra = prior
                 self._reuse(self._seq - fseq)
+                self._ghost_returned(extra)
                 bonus = score + self.ghost_credit
             self._bonus[bid] = bonus
         return self.hits[bid] + bonus
+
+    def _ghost_extra(self, bid: int) -> tuple:
+        """What a subclass keeps in a ghost beside its credits and free time."""
+        return ()
+
+    def _ghost_returned(self, extra: list) -> None:
+        """The content of a ghost was cached again; `extra` is what _ghost_extra kept."""
 
     def _forget(self, block: KVCacheBlock) -> None:
         bid = block.block_id
         if block.block_hash is not None:
             ghosts = self._ghosts
-            ghosts[self.ghost_key(block)] = (self._score(block), self._fseq[bid])
+            ghosts[self.ghost_key(block)] = (self._score(block), self._fseq[bid], *self._ghost_extra(bid))
             if len(ghosts) > self._ghost_cap:
                 ghosts.popitem(last=False)
         self._bonus[bid] = None
@@ -529,31 +537,16 @@ class PredictedReusePolicy(AdaptiveCreditPolicy):
             self._count_reuse(self._cls[block.block_id])
         super().remove(block)
 
-    def _score(self, block: KVCacheBlock) -> int:
-        bid = block.block_id
-        bonus = self._bonus[bid]
-        if bonus is None:
-            prior = self._ghosts.pop(self.ghost_key(block), None)
-            if prior is None:
-                bonus = 0
-            else:
-                score, fseq, cls = prior
-                self._reuse(self._seq - fseq)
-                self._count_reuse(cls)
-                bonus = score + self.ghost_credit
-            self._bonus[bid] = bonus
-        return self.hits[bid] + bonus
+    def _ghost_extra(self, bid: int) -> tuple:
+        return (self._cls[bid],)
+
+    def _ghost_returned(self, extra: list) -> None:
+        self._count_reuse(extra[0])
 
     def _forget(self, block: KVCacheBlock) -> None:
-        bid = block.block_id
-        if block.block_hash is not None:
-            ghosts = self._ghosts
-            ghosts[self.ghost_key(block)] = (self._score(block), self._fseq[bid], self._cls[bid])
-            if len(ghosts) > self._ghost_cap:
-                ghosts.popitem(last=False)
-        self._bonus[bid] = None
-        self.hits[bid] = 0
-        self._cls[bid] = -1
+        super()._forget(block)
+        self._cls[block.block_id] = -1
+
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
