@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers side")
+    ap.add_argument("--no-pack", action="store_true", help="bfloat16 on CPU: plain F.linear weights")
     args = ap.parse_args()
 
     if args.threads:
@@ -52,6 +53,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     lm = load_model(None, dtype=dtype, device=dev)
     model, cfg = lm.model, lm.config
+    if dev == "cpu" and dtype == torch.bfloat16 and not args.no_pack:
+        print(f"oneDNN-packed weights (as the engine runs bfloat16 on CPU): {model.pack_for_cpu()}")
     bs = args.block_size
     g = torch.Generator().manual_seed(0)
     vocab = cfg.vocab_size

@@ -11,7 +11,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, pack_linears, packed_linear_works
 
 
 class Attention(nn.Module):
@@ -81,6 +81,7 @@ class LlamaModel(nn.Module):
             self.lm_head = None
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.dtype = dtype
+        self.packed_head: PackedLinear | None = None  # set by pack_for_cpu
 
     @property
     def device(self) -> torch.device:
@@ -109,8 +110,24 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w)
+
+    def pack_for_cpu(self) -> bool:
+        """bfloat16 on CPU: pre-pack every matmul weight for oneDNN (PackedLinear). Returns whether
+        it did; a no-op elsewhere, when already packed, or where this torch/CPU cannot."""
+        if (self.device.type != "cpu" or self.dtype != torch.bfloat16 or self.packed_head is not None
+                or not packed_linear_works(self.dtype)):
+            return False
+        pack_linears(self.layers)
+        if self.lm_head is None:  # tied: the embedding keeps its own (gather) layout
+            self.packed_head = PackedLinear(self.embed_tokens.weight)
+        else:
+            self.packed_head = PackedLinear(self.lm_head.weight)
+            self.lm_head = None  # its only use is compute_logits, which now takes packed_head
+        return True
 
     # ------------------------------------------------------------ weights
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:

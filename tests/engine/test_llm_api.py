@@ -179,3 +179,20 @@ def test_reset_prefix_cache(llm):
     assert llm.reset_prefix_cache()
     out = llm.generate("Some text to cache " * 10, GREEDY)[0]
     assert out.num_cached_tokens == 0
+
+
+def test_bfloat16_on_cpu_packs_weights_and_serves(llm):
+    """dtype="bfloat16" on CPU: oneDNN-packed weights where the CPU supports them; the engine
+    generates, caches and frees like the float32 one (whose outputs the exactness tests check)."""
+    from prefixkv.model.layers import PackedLinear, packed_linear_works
+    b16 = LLM(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    engine = b16.llm_engine
+    assert (engine.runner.model.packed_head is not None) == packed_linear_works()
+    if packed_linear_works():
+        assert isinstance(engine.runner.model.layers[0].mlp.down_proj, PackedLinear)
+    doc = "A shared document about prefix caching. " * 8
+    outs = b16.generate([doc + "First question?", doc + "Second question?"], GREEDY)
+    assert all(len(o.outputs[0].token_ids) > 0 and o.outputs[0].text for o in outs)
+    again = b16.generate(doc + "Third question?", GREEDY)[0]
+    assert again.num_cached_tokens >= 48
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks

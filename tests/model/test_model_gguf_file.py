@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from prefixkv.model import allocate_kv_cache, load_model
+from prefixkv.model.layers import packed_linear_works
 from prefixkv.model.tokenizer import _bytes_to_unicode
 
 from .model_helpers import run_logits
@@ -130,3 +131,23 @@ def test_bf16_runs_close_to_fp32(tmp_path):
 def test_default_model_file_found(default_gguf_path):
     assert os.path.basename(default_gguf_path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert os.path.isfile(default_gguf_path)
+
+
+@pytest.mark.skipif(not packed_linear_works(), reason="no oneDNN bfloat16 linear on this CPU/torch")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through the packed path
+def test_bf16_packed_weights_match_plain_bf16(tmp_path, kind):
+    """ModelRunner packs bfloat16 CPU weights for oneDNN: same logits as plain F.linear (up to
+    bfloat16 rounding), the head packed too, and packing twice is a no-op."""
+    path = tmp_path / f"tiny-{kind}.gguf"
+    _write_gguf(path, kind)
+    plain, packed = load_model(str(path), dtype=torch.bfloat16), load_model(str(path), dtype=torch.bfloat16)
+    assert packed.model.pack_for_cpu() and not packed.model.pack_for_cpu()
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
+    assert load_model(str(path)).model.pack_for_cpu() is False  # float32 stays exact
+    ids = list(range(40, 60))
+    out = []
+    for lm in (plain, packed):
+        caches = allocate_kv_cache(lm.config, 8, 8, dtype=torch.bfloat16)
+        lg, _ = run_logits(lm.model, caches, [(ids, [3, 1, 6], 0)], 8)
+        out.append(lg.float())
+    assert (out[0] - out[1]).abs().max() < 0.03 * out[0].abs().max()
