@@ -11,7 +11,9 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from typing import Sequence
 
 MODEL_HELP = ("model to load: an HF model folder (config.json, tokenizer.json, *.safetensors) or a .gguf "
@@ -170,12 +172,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("model %s: max_model_len=%d, %d KV blocks of %d tokens, prefix caching %s",
              names[0], engine.max_model_len, engine.num_blocks, config.block_size,
              "on" if config.enable_prefix_caching else "off")
-    app = create_app(engine, served_model_names=names, api_key=args.api_key, model_root=config.model or names[0])
+    app = create_app(engine, served_model_names=names, api_key=args.api_key, model_root=config.model or names[0],
+                     engine_thread=False)
     log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if args.api_key else "off")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
-                timeout_graceful_shutdown=5)
-    return 0
+    # The engine loop stays on the main thread (torch runs slower from threads started later, see
+    # server/async_engine.py); HTTP runs in a thread, and signals reach it through should_exit.
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5, timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="prefixkv-http", daemon=True)
+
+    def stop(signum, _frame) -> None:
+        log.info("signal %d: shutting down", signum)
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    http.start()
+    app.state.async_engine.run(keep_going=http.is_alive)
+    http.join(timeout=15)
+    return 0 if server.should_exit else 1  # the HTTP server ended by itself: it failed to start
 
 
 def _run_stream(engine, prompt_ids: list[int], params, cache_salt: str | None, out=None,

@@ -136,3 +136,16 @@ def test_replay_runs_a_trace_with_every_policy_and_both_oracles(tmp_path):
     assert max(x["hit_rate"] for x in results if x["num_blocks"] == 64) > 0.5
     bad = run_cli("replay", str(trace), "--policy", "nope")
     assert bad.returncode == 2 and "unknown eviction policy" in bad.stderr
+
+
+def test_serve_exits_with_an_error_when_the_port_is_taken():
+    """The HTTP server runs in a thread beside the engine loop on the main thread: if it cannot
+    start, the process must end (exit 1) instead of serving nothing forever."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("serve", "--port", str(port), "--kv-cache-memory-bytes", "64M", "--max-model-len", "512")
+    assert r.returncode == 1
+    assert "address already in use" in r.stderr

@@ -482,8 +482,10 @@ class APIKeyMiddleware:
 
 
 def create_app(engine: LLMEngine, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-               model_root: str | None = None) -> FastAPI:
-    """Build the app around a loaded engine. The engine thread starts with the app (lifespan)."""
+               model_root: str | None = None, engine_thread: bool = True) -> FastAPI:
+    """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
+    background thread with the app (lifespan); without, the caller runs
+    `app.state.async_engine.run()` itself (`prefixkv serve` does, on the main thread)."""
     names = list(served_model_names or [model_root or DEFAULT_MODEL_NAME])
     metrics = ServerMetrics(engine, names[0])
     async_engine = AsyncEngine(engine, on_finished=metrics.on_finished, on_aborted=metrics.aborted.inc)
@@ -491,7 +493,8 @@ def create_app(engine: LLMEngine, *, served_model_names: list[str] | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine.start()
+        if engine_thread:
+            async_engine.start()
         try:
             yield
         finally:

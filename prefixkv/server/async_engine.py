@@ -1,4 +1,10 @@
-"""Run the (not thread-safe) LLMEngine in one background thread beside the asyncio event loop.
+"""Run the (not thread-safe) LLMEngine in one thread beside the asyncio event loop.
+
+`prefixkv serve` runs the engine loop on the main thread (`run()`) and the HTTP server in a
+second thread: with torch's OpenMP pool, ops issued from a thread created after the main thread
+has used torch run up to 2-7x slower here (a 4-sequence decode step: 67 ms against 35 ms; see
+docs/serving.md). `start()` runs the loop in a background thread instead, for embedding the app
+in another server.
 
 Every engine call happens on the engine thread. The event loop talks to it through a command
 queue that the thread drains between steps (add, abort, reset-prefix-cache), and outputs come
@@ -53,12 +59,24 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None
         self.last_step_time = 0.0
+        self._running = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="prefixkv-engine", daemon=True)
+        """Run the engine loop in a background thread."""
+        if self._thread is None and not self._running:
+            self._running = True
+            self._thread = threading.Thread(target=self.run, name="prefixkv-engine", daemon=True)
             self._thread.start()
+
+    def run(self, keep_going: Callable[[], bool] | None = None) -> None:
+        """Run the engine loop in the calling thread until shutdown() - or, if given, until
+        keep_going() turns false (checked at least every half second while idle)."""
+        self._running = True
+        try:
+            self._run(keep_going)
+        finally:
+            self._running = False
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -70,15 +88,18 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.errored is None
+        return self._running and self.errored is None
 
     # -- engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, keep_going: Callable[[], bool] | None) -> None:
         engine = self.engine
         while True:
             with self._cv:
                 while not self._stop and not self._commands and not engine.has_unfinished_requests():
-                    self._cv.wait()
+                    if keep_going is not None and not keep_going():
+                        self._stop = True
+                        break
+                    self._cv.wait(0.5)
                 if self._stop:
                     break
                 commands = list(self._commands)
