@@ -80,18 +80,23 @@ class AttentionMetadata:
         return self.query_start_loc[-1]
 
     # ------------------------------------------------------------------
-    def plan(self, block_size: int, device: torch.device) -> "_Plan":
+    def plan(self, block_size: int, device: torch.device, window: int | None = None) -> "_Plan":
         """Index tensors shared by all layers of one step (built once per step)."""
-        if self._plan is None or self._plan.block_size != block_size or self._plan.device != device:
-            self._plan = _Plan(self, block_size, device)
+        p = self._plan
+        if p is None or p.block_size != block_size or p.device != device or p.window != window:
+            self._plan = _Plan(self, block_size, device, window)
         return self._plan
 
 
 class _Plan:
-    def __init__(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> None:
+    def __init__(self, meta: AttentionMetadata, block_size: int, device: torch.device,
+                 window: int | None = None) -> None:
         self.block_size = block_size
         self.device = device
         qsl, seq_lens = meta.query_start_loc, meta.seq_lens
+        # A sliding window only changes anything for sequences longer than it.
+        self.window = window if window is not None and max(seq_lens, default=0) > window else None
+        W = self.window
         bt = meta.block_tables.to(device=device, dtype=torch.long)
         needed_blocks = [(s + block_size - 1) // block_size for s in seq_lens]
         if needed_blocks and max(needed_blocks) > bt.shape[1]:
@@ -99,7 +104,8 @@ class _Plan:
                 f"block_tables has {bt.shape[1]} columns but a sequence needs {max(needed_blocks)} blocks"
             )
         self.slot_mapping = meta.slot_mapping.to(device=device, dtype=torch.long)
-        self.fresh: list[tuple[int, int]] = []        # (start, end): prefill without cached context
+        # (start, end, mask): prefill without cached context; mask None = plain causal
+        self.fresh: list[tuple[int, int, torch.Tensor | None]] = []
         others: list[int] = []  # sequences that read cached context: chunked prefills and decodes
         for i, s in enumerate(seq_lens):
             a, b = qsl[i], qsl[i + 1]
@@ -107,13 +113,19 @@ class _Plan:
             if n == 0:
                 continue
             if n == s and n > 1:
-                self.fresh.append((a, b))
+                mask = None
+                if W is not None and n > W:
+                    qpos = torch.arange(n, device=device)
+                    diff = qpos[:, None] - qpos[None, :]
+                    mask = (diff >= 0) & (diff < W)
+                self.fresh.append((a, b, mask))
             else:
                 others.append(i)
         # Cascade: when several such sequences share leading blocks (a system prompt, a document,
         # n > 1 samples), their queries attend to that prefix together - one gather, one matmul -
-        # and each attends alone only to the rest; the two parts merge by log-sum-exp.
-        P = self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
+        # and each attends alone only to the rest; the two parts merge by log-sum-exp. Not with
+        # a sliding window in play: the shared prefix would not be the same for every query.
+        P = 0 if W is not None else self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
         self.prefix_slots: torch.Tensor | None = None
         if P:
             pos = torch.arange(P, device=device)
@@ -126,23 +138,36 @@ class _Plan:
             if n == 1:
                 decode.append(i)
                 continue
-            pos = torch.arange(P, s, device=device)
+            # keys from the first one any query of the chunk can see (P, or the window's start)
+            lo = P if W is None else max(0, s - n - W + 1)
+            pos = torch.arange(lo, s, device=device)
             slots = bt[i, pos // block_size] * block_size + pos % block_size
             qpos = torch.arange(s - n, s, device=device)
-            self.chunked.append((a, b, slots, pos[None, :] <= qpos[:, None]))  # mask [n, s - P]
+            mask = pos[None, :] <= qpos[:, None]  # [n, s - lo]
+            if W is not None:
+                mask &= qpos[:, None] - pos[None, :] < W
+            self.chunked.append((a, b, slots, mask))
         # Decode group: one new token each, batched into a single padded attention.
         self.decode_rows: torch.Tensor | None = None
         self.decode_all = False
         self.decode_mask = None
         if decode:
-            lens_list = [seq_lens[i] - P for i in decode]
+            # each decode reads its keys from `starts` on: P, or where its window begins
+            starts_list = [P] * len(decode) if W is None else [max(0, seq_lens[i] - W) for i in decode]
+            lens_list = [seq_lens[i] - lo for i, lo in zip(decode, starts_list)]
             lens = torch.tensor(lens_list, device=device)
             L = max(lens_list)
-            pos = torch.arange(L, device=device) + P
-            rows = bt[decode][:, pos // block_size]  # [Bd, L]
+            if W is None:
+                pos = torch.arange(L, device=device) + P
+                rows = bt[decode][:, pos // block_size]  # [Bd, L]
+            else:  # per-row starts; positions past a row's end are clamped (and masked below)
+                pos = torch.arange(L, device=device)[None, :] + torch.tensor(starts_list, device=device)[:, None]
+                pos = torch.minimum(pos, torch.tensor([seq_lens[i] - 1 for i in decode], device=device)[:, None])
+                rows = bt[decode].gather(1, pos // block_size)
             self.decode_slots = rows * block_size + pos % block_size
             if min(lens_list) != L or P:
-                self.decode_mask = (pos[None, :] - P < lens[:, None]).view(len(decode), 1, 1, L)
+                offs = torch.arange(L, device=device)
+                self.decode_mask = (offs[None, :] < lens[:, None]).view(len(decode), 1, 1, L)
                 # padded slots point at valid memory; they are masked out
                 self.decode_slots = torch.where(
                     self.decode_mask.view(len(decode), L), self.decode_slots, self.decode_slots[:, :1]
@@ -233,16 +258,18 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens, already rotated).
 
     Writes k/v into ``kv_cache`` at ``meta.slot_mapping`` and returns attention output
-    [T, Hq, D] with causal masking over each sequence's full (cached + new) context.
+    [T, Hq, D] with causal masking over each sequence's full (cached + new) context - or, with
+    a sliding `window`, over its last `window` positions up to each query (Mistral's rule).
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     block_size = kv_cache.shape[2]
-    plan = meta.plan(block_size, q.device)
+    plan = meta.plan(block_size, q.device, window)
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)
     # 1) write this step's K/V
@@ -257,12 +284,12 @@ def paged_attention(
         out = torch.empty_like(q)
 
     # 2a) prefills without cached context: attend to the local K/V (same values as cached)
-    for a, b in plan.fresh:
+    for a, b, mask in plan.fresh:
         o = F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1).unsqueeze(0),
             k[a:b].transpose(0, 1).unsqueeze(0),
             v[a:b].transpose(0, 1).unsqueeze(0),
-            is_causal=True, scale=scale, enable_gqa=gqa,
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
         )
         out[a:b] = o[0].transpose(0, 1)
 

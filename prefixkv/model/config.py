@@ -56,9 +56,13 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    sliding_window: int | None = None  # every layer attends to at most this many latest tokens
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -108,6 +112,12 @@ class ModelConfig:
             scaling = None
         n_heads = d["num_attention_heads"]
         qk_norm = arch == "Qwen3ForCausalLM"
+        window = d.get("sliding_window") if arch == "MistralForCausalLM" else None
+        layer_types = d.get("layer_types") or []
+        if ((d.get("use_sliding_window") and arch != "MistralForCausalLM")
+                or len(set(layer_types)) > 1):
+            raise ValueError("sliding-window attention on some layers only (use_sliding_window / mixed "
+                             "layer_types) is not supported; every layer must attend the same way")
         if arch == "Qwen2ForCausalLM":
             attention_bias = True
         else:
@@ -130,6 +140,7 @@ class ModelConfig:
             qk_norm=qk_norm,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            sliding_window=window,
         )
 
     @classmethod

@@ -29,6 +29,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
+        self.window = config.sliding_window
 
     def forward(self, x, cos, sin, kv_cache, meta):
         T = x.shape[0]
@@ -42,7 +43,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale)
+        o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window)
         return self.o_proj(o.reshape(T, self.q_size))
 
 

@@ -52,6 +52,9 @@ def _make(kind, **extra):
     elif kind == "mistral":
         cfg = tf.MistralConfig(**_common(head_dim=32, sliding_window=None))
         cls = tf.MistralForCausalLM
+    elif kind == "mistral-swa":  # a sliding window shorter than every step below
+        cfg = tf.MistralConfig(**_common(head_dim=32, sliding_window=7))
+        cls = tf.MistralForCausalLM
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**_common(num_key_value_heads=1))
         cls = tf.Qwen2ForCausalLM
@@ -71,7 +74,7 @@ def _make(kind, **extra):
     return m
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope-tied", "mistral", "mistral-swa", "qwen2", "qwen3"])
 def test_hf_folder_matches_transformers(tmp_path, kind):
     hf = _make(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True,
@@ -87,6 +90,7 @@ def test_hf_folder_matches_transformers(tmp_path, kind):
         assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 24
     if kind == "llama3-rope-tied":
         assert cfg.tie_word_embeddings and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.sliding_window == (7 if kind == "mistral-swa" else None)
     assert cfg.eos_token_id == [257] and lm.tokenizer.eos_token_ids == {257}
 
     g = torch.Generator().manual_seed(1)
@@ -101,6 +105,36 @@ def test_hf_folder_matches_transformers(tmp_path, kind):
     dec = [run_logits(lm.model, caches, [(ids[:n], blocks, n - 1)], BS)[0] for n in (43, 44, 45)]
     ours = torch.cat([l1, l2] + dec)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_batched_steps_match_transformers(tmp_path):
+    """Window 7: a decode batch of sequences of different lengths (each reads only its last 7
+    positions) and a chunk after cached context, in one step, equal transformers per sequence."""
+    hf = _make("mistral-swa")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    lm = load_model(str(tmp_path))
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (30, 12, 5, 21)]
+    with torch.no_grad():
+        refs = [hf(torch.tensor([s])).logits[0] for s in seqs]
+    caches = allocate_kv_cache(lm.config, POOL, BS)
+    tables = torch.randperm(POOL, generator=g)[:16].view(4, 4).tolist()
+    # step 1: prefill all but the last token (or the last 9 for sequence 3, as a later chunk)
+    cut = [len(s) - 1 for s in seqs[:3]] + [12]
+    run_logits(lm.model, caches, [(s[:c], t, 0) for s, t, c in zip(seqs, tables, cut)], BS)
+    # step 2: three decodes and one 9-token chunk after 12 cached tokens, together
+    out, rows = run_logits(lm.model, caches, [(s, t, c) for s, t, c in zip(seqs, tables, cut)], BS)
+    for ref, a, b, s, c in zip(refs, rows[:-1], rows[1:], seqs, cut):
+        torch.testing.assert_close(out[a:b], ref[c:len(s)], atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_sliding_window_layers_are_refused():
+    base = dict(architectures=["Qwen2ForCausalLM"], vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                num_attention_heads=4, intermediate_size=48)
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_hf_dict(dict(base, use_sliding_window=True, sliding_window=8, max_window_layers=1))
+    assert ModelConfig.from_hf_dict(dict(base, use_sliding_window=False, sliding_window=8)).sliding_window is None
 
 
 def test_build_model_random_init():
