@@ -99,7 +99,7 @@ class AsyncEngine:
                     if keep_going is not None and not keep_going():
                         self._stop = True
                         break
-                    self._cv.wait(0.5)
+                    self._cv.wait(0.5 if keep_going is not None else None)
                 if self._stop:
                     break
                 commands = list(self._commands)
