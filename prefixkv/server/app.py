@@ -130,6 +130,16 @@ def completion_logprobs(entries: list[dict], token_ids: list[int], k: int, offse
     return res
 
 
+def echo_logprobs(tokenizer, prompt_ids: list[int], prompt_entries: list, entries: list[dict],
+                  token_ids: list[int], k: int) -> CompletionLogProbs:
+    """OpenAI's echo + logprobs: the prompt's tokens first (the first one without a logprob),
+    then the generated ones; text offsets run over the echoed prompt and the completion."""
+    lp = completion_logprobs([{}] + prompt_entries[1:] + entries, prompt_ids + token_ids, k, 0)
+    lp.tokens[0] = tokenizer.decode(prompt_ids[:1])  # no entry, but its text counts
+    lp.text_offset[1:] = [x + len(lp.tokens[0]) for x in lp.text_offset[1:]]
+    return lp
+
+
 def chat_logprobs(entries: list[dict], token_ids: list[int], k: int) -> ChatChoiceLogProbs:
     content = []
     for tid, entry in zip(token_ids, entries):
@@ -188,8 +198,8 @@ class OpenAIServing:
         if not 0 <= req.prompt_logprobs <= 20:
             raise APIError(f"prompt_logprobs must be in [0, 20], got {req.prompt_logprobs}", 400,
                            param="prompt_logprobs")
-        if req.stream:
-            raise APIError("prompt_logprobs is not supported with stream=true", 400, param="prompt_logprobs")
+        if req.stream and isinstance(req, ChatCompletionRequest):
+            raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
 
     def params(self, req, max_tokens: int | None) -> SamplingParams:
         try:
@@ -293,11 +303,8 @@ class OpenAIServing:
                 lp = None
                 if req.logprobs is not None and o.logprobs is not None:
                     if req.echo and out.prompt_logprobs is not None:
-                        lp = completion_logprobs([{}] + out.prompt_logprobs[1:] + o.logprobs,
-                                                 prompts[i] + o.token_ids, k, 0)
-                        # the first prompt token has no logprob; its text still counts
-                        lp.tokens[0] = self.tokenizer.decode(prompts[i][:1])
-                        lp.text_offset[1:] = [x + len(lp.tokens[0]) for x in lp.text_offset[1:]]
+                        lp = echo_logprobs(self.tokenizer, prompts[i], out.prompt_logprobs, o.logprobs,
+                                           o.token_ids, k)
                     else:
                         lp = completion_logprobs(o.logprobs, o.token_ids, k, len(echo[i]))
                 choices.append(CompletionResponseChoice(
@@ -336,12 +343,20 @@ class OpenAIServing:
                         if req.logprobs is not None and o.logprobs is not None:
                             t0 = sent_toks.get(idx, 0)
                             t1 = len(o.token_ids) if o.finish_reason else min(len(o.token_ids), len(o.logprobs))
-                            lp = completion_logprobs(o.logprobs[t0:t1], o.token_ids[t0:t1], k, start)
+                            if first and echo[i] and out.prompt_logprobs is not None:
+                                lp = echo_logprobs(self.tokenizer, prompts[i], out.prompt_logprobs,
+                                                   o.logprobs[t0:t1], o.token_ids[t0:t1], k)
+                            else:
+                                lp = completion_logprobs(o.logprobs[t0:t1], o.token_ids[t0:t1], k,
+                                                         start + len(echo[i]))
                             sent_toks[idx] = t1
                         sent_text[idx] = -1 if o.finish_reason else len(o.text)
                         chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
-                            CompletionResponseChoice(index=idx, text=delta, logprobs=lp,
-                                                     finish_reason=o.finish_reason, stop_reason=o.stop_reason)])
+                            CompletionResponseChoice(
+                                index=idx, text=delta, logprobs=lp, finish_reason=o.finish_reason,
+                                stop_reason=o.stop_reason,
+                                prompt_logprobs=out.prompt_logprobs if first and req.prompt_logprobs is not None
+                                else None)])
                         if continuous:
                             chunk.usage = self.usage(prompts, latest)
                         yield _sse(_chunk_dict(chunk))

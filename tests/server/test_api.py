@@ -198,8 +198,23 @@ def test_prompt_logprobs_and_echo_logprobs(client, server, llm):
     h = {"Authorization": f"Bearer {API_KEY}"}
     url = server.base + "/v1/completions"
     _assert_error(server, httpx.post(url, json={"prompt": "x", "prompt_logprobs": 21}, headers=h), 400, "prompt_logprobs")
-    _assert_error(server, httpx.post(url, json={"prompt": "x", "prompt_logprobs": 1, "stream": True}, headers=h),
-                  400, "stream")
+    # streamed: the first chunk carries them; echo + logprobs streams the same tokens and offsets
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                            extra_body={"prompt_logprobs": 2}))
+    assert chunks[0].choices[0].model_extra["prompt_logprobs"] == got
+    assert all(c.choices[0].model_extra.get("prompt_logprobs") is None for c in chunks[1:] if c.choices)
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                         logprobs=1, stream=True)
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+    streamed_lps = [x for p in parts for x in p.token_logprobs]
+    assert streamed_lps[0] is None
+    assert streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    chat_url = server.base + "/v1/chat/completions"
+    _assert_error(server, httpx.post(chat_url, json={"messages": [{"role": "user", "content": "x"}],
+                                                     "prompt_logprobs": 1, "stream": True}, headers=h),
+                  400, "streaming chat")
     assert server.wait_idle()["vllm:kv_cache_usage_perc"] == 0
 
 
