@@ -165,7 +165,6 @@ class HeapPolicy(EvictionPolicy):
         self.hits = [0] * n
         self._heap: list[tuple] = [(-1, i + 1, b.block_id) for i, b in enumerate(blocks)]
         self._seq = n
-        self._batch = 0  # counts frees (append or append_n calls), for keys that rank batches
         for i, block in enumerate(blocks):
             self._live[block.block_id] = i + 1
         self._num_free = n
@@ -204,9 +203,8 @@ class HeapPolicy(EvictionPolicy):
         return [self.popleft() for _ in range(n)]
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._batch += 1
         for block in blocks:
-            self._append(block)
+            self._push(block, self.key(block))
 
     def remove(self, block: KVCacheBlock) -> None:
         bid = block.block_id
@@ -217,17 +215,16 @@ class HeapPolicy(EvictionPolicy):
         self.hits[bid] += 1
 
     def append(self, block: KVCacheBlock) -> None:
-        self._batch += 1
-        self._append(block)
+        self._push(block, self.key(block))
 
-    def _append(self, block: KVCacheBlock) -> None:
+    def _push(self, block: KVCacheBlock, key) -> None:
         bid = block.block_id
         if self._live[bid]:
             raise ValueError(f"block {bid} is already free")
         self._seq += 1
         self._live[bid] = self._seq
         self._num_free += 1
-        heapq.heappush(self._heap, (self.key(block), self._seq, bid))
+        heapq.heappush(self._heap, (key, self._seq, bid))
         if len(self._heap) > 2 * len(self._blocks) + 64:
             self._compact()
 
@@ -378,7 +375,6 @@ class AdaptiveCreditPolicy(GhostCreditPolicy):
             self._far *= d
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._batch += 1
         mru = self.mru
         base = self._seq
         step, cap = self._step, self.max_credits
@@ -393,16 +389,9 @@ class AdaptiveCreditPolicy(GhostCreditPolicy):
     def append(self, block: KVCacheBlock) -> None:
         self.append_n((block,))
 
-    def _push(self, block: KVCacheBlock, key: float) -> None:
-        bid = block.block_id
-        if self._live[bid]:
-            raise ValueError(f"block {bid} is already free")
-        self._seq += 1
-        self._live[bid] = self._fseq[bid] = self._seq
-        self._num_free += 1
-        heapq.heappush(self._heap, (key, self._seq, bid))
-        if len(self._heap) > 2 * len(self._blocks) + 64:
-            self._compact()
+    def _push(self, block: KVCacheBlock, key) -> None:
+        super()._push(block, key)
+        self._fseq[block.block_id] = self._seq
 
     def remove(self, block: KVCacheBlock) -> None:
         bid = block.block_id
@@ -497,7 +486,6 @@ class PredictedReusePolicy(AdaptiveCreditPolicy):
             self._all_reused += 1
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._batch += 1
         blocks = list(blocks)  # tail first: the parent of blocks[i] is blocks[i + 1]
         cap = self.max_credits
         scores = [-1 if b.block_hash is None else min(self._score(b), cap) for b in blocks]

@@ -197,7 +197,7 @@ class BeladyBackend:
                 return refs[k]
         return len(self.ix.nodes)
 
-    def _rank(self, next_use: int) -> float:
+    def _rank(self, next_use: int) -> int | tuple[int, int]:
         """Heap order of a freed block (smallest evicted first): farthest next use first."""
         return -next_use
 
@@ -214,7 +214,7 @@ class ReuseOracleBackend(BeladyBackend):
     policy that predicts reuse (as `predicted-reuse` does) can at best match a perfect
     predictor's ranking; the gap between this and the optimum is what knowing *when* is worth."""
 
-    def _rank(self, next_use: int) -> float:
+    def _rank(self, next_use: int) -> tuple[int, int]:
         return (0 if next_use == len(self.ix.nodes) else 1, self._stamp)
 
 
