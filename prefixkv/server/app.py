@@ -130,16 +130,6 @@ def completion_logprobs(entries: list[dict], token_ids: list[int], k: int, offse
     return res
 
 
-def echo_logprobs(tokenizer, prompt_ids: list[int], prompt_entries: list, entries: list[dict],
-                  token_ids: list[int], k: int) -> CompletionLogProbs:
-    """OpenAI's echo + logprobs: the prompt's tokens first (the first one without a logprob),
-    then the generated ones; text offsets run over the echoed prompt and the completion."""
-    lp = completion_logprobs([{}] + prompt_entries[1:] + entries, prompt_ids + token_ids, k, 0)
-    lp.tokens[0] = tokenizer.decode(prompt_ids[:1])  # no entry, but its text counts
-    lp.text_offset[1:] = [x + len(lp.tokens[0]) for x in lp.text_offset[1:]]
-    return lp
-
-
 def chat_logprobs(entries: list[dict], token_ids: list[int], k: int) -> ChatChoiceLogProbs:
     content = []
     for tid, entry in zip(token_ids, entries):
@@ -190,6 +180,19 @@ class OpenAIServing:
                            f"{max_tokens} in the completion). Please reduce the length of the {what} "
                            "or completion.", 400, param="max_tokens")
         return max_tokens
+
+    def choice_logprobs(self, out: RequestOutput, prompt_ids: list[int], echo: str, entries: list[dict],
+                        token_ids: list[int], k: int, offset: int) -> CompletionLogProbs:
+        """Logprobs of generated tokens whose text starts at `offset` of the choice's text; when
+        `echo` (the echoed prompt text) goes out with them, the prompt's tokens come first and
+        offsets start at 0 (OpenAI's echo + logprobs; the first prompt token has no logprob, its
+        text still counts)."""
+        if not echo or out.prompt_logprobs is None:
+            return completion_logprobs(entries, token_ids, k, offset)
+        lp = completion_logprobs([{}] + out.prompt_logprobs[1:] + entries, prompt_ids + token_ids, k, 0)
+        lp.tokens[0] = self.tokenizer.decode(prompt_ids[:1])
+        lp.text_offset[1:] = [x + len(lp.tokens[0]) for x in lp.text_offset[1:]]
+        return lp
 
     @staticmethod
     def check_prompt_logprobs(req) -> None:
@@ -302,11 +305,7 @@ class OpenAIServing:
             for o in out.outputs:
                 lp = None
                 if req.logprobs is not None and o.logprobs is not None:
-                    if req.echo and out.prompt_logprobs is not None:
-                        lp = echo_logprobs(self.tokenizer, prompts[i], out.prompt_logprobs, o.logprobs,
-                                           o.token_ids, k)
-                    else:
-                        lp = completion_logprobs(o.logprobs, o.token_ids, k, len(echo[i]))
+                    lp = self.choice_logprobs(out, prompts[i], echo[i], o.logprobs, o.token_ids, k, 0)
                 choices.append(CompletionResponseChoice(
                     index=i * n + o.index, text=echo[i] + o.text, logprobs=lp, finish_reason=o.finish_reason,
                     stop_reason=o.stop_reason,
@@ -343,12 +342,9 @@ class OpenAIServing:
                         if req.logprobs is not None and o.logprobs is not None:
                             t0 = sent_toks.get(idx, 0)
                             t1 = len(o.token_ids) if o.finish_reason else min(len(o.token_ids), len(o.logprobs))
-                            if first and echo[i] and out.prompt_logprobs is not None:
-                                lp = echo_logprobs(self.tokenizer, prompts[i], out.prompt_logprobs,
-                                                   o.logprobs[t0:t1], o.token_ids[t0:t1], k)
-                            else:
-                                lp = completion_logprobs(o.logprobs[t0:t1], o.token_ids[t0:t1], k,
-                                                         start + len(echo[i]))
+                            lp = self.choice_logprobs(out, prompts[i], echo[i] if first else "",
+                                                      o.logprobs[t0:t1], o.token_ids[t0:t1], k,
+                                                      start + (0 if first else len(echo[i])))
                             sent_toks[idx] = t1
                         sent_text[idx] = -1 if o.finish_reason else len(o.text)
                         chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
