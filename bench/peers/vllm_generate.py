@@ -33,13 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import scenarios  # noqa: E402
+from peer_common import add_scenario_arguments, timed_repeats  # noqa: E402
 
 DEFAULT_MODEL = "/work/peers/smollm2-135m-hf"
 ENV_DEFAULTS = {
@@ -48,10 +48,6 @@ ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # keep stdout for the JSON line
 }
-
-
-def _median(xs):
-    return round(statistics.median(xs), 6) if xs else None
 
 
 def _build(model: str, prefix_caching: bool, block_size: int | None):
@@ -138,35 +134,18 @@ def run_shared(llm, repeats: int, max_tokens: int, num_prompts: int) -> dict:
     from vllm import SamplingParams
     prompts = scenarios.shared_prefix_prompts(num_prompts)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    times, texts, cached, out_toks, ttfts = [], None, [], [], []
-    for _ in range(repeats):
+
+    def reset() -> None:
         assert llm.reset_prefix_cache(), "reset_prefix_cache failed"
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
-        out_toks.append(sum(len(o.outputs[0].token_ids) for o in outs))
-        cached.append(sum(o.num_cached_tokens or 0 for o in outs))
-        ttfts.append([o.metrics.first_token_latency for o in outs if o.metrics is not None])
-        t = [o.outputs[0].text for o in outs]
-        assert texts is None or texts == t, "outputs differ between repeats"
-        texts = t
-    med = statistics.median(times)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    return {
-        "scenario": "shared_prefix",
-        "repeats": repeats,
-        "num_prompts": len(prompts),
-        "max_tokens": max_tokens,
-        "prompt_tokens_total": prompt_tokens,
-        "seconds_median": round(med, 6),
-        "output_tokens": out_toks[0],
-        "output_tok_per_s": round(out_toks[0] / med, 3),
-        "total_tok_per_s": round((out_toks[0] + prompt_tokens) / med, 3),
-        "cached_tokens_total": cached,
-        "ttft_s_median_of_request_medians": _median([statistics.median(x) for x in ttfts if x]),
-        "seconds": [round(t, 6) for t in times],
-        "texts": texts,
-    }
+
+    def run_once() -> list[dict]:
+        return [{"text": o.outputs[0].text, "prompt_tokens": len(o.prompt_token_ids),
+                 "output_tokens": len(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0,
+                 "ttft_s": o.metrics.first_token_latency if o.metrics is not None else None}
+                for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+    return {"scenario": "shared_prefix", "repeats": repeats, "num_prompts": len(prompts),
+            "max_tokens": max_tokens, **timed_repeats(repeats, reset, run_once)}
 
 
 def child(args) -> dict:
@@ -184,14 +163,7 @@ def child(args) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description="vLLM end-to-end peer benchmark")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="HF model folder")
-    ap.add_argument("--scenario", choices=["seed", "shared_prefix"], default="seed")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=scenarios.SHARED_NUM_PROMPTS,
-                    help="shared_prefix: how many of the scenario's prompts (default 32; fewer = smoke test)")
-    ap.add_argument("--max-tokens", type=int, nargs="*", default=None,
-                    help="seed: list (default 100 32); shared_prefix: one value (default 16)")
-    ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default=None,
-                    help="default: on for seed, both for shared_prefix (each mode in a child process)")
+    add_scenario_arguments(ap, "default: on for seed, both for shared_prefix (each mode in a child process)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="KV block size (default: vLLM's CPU default, 128)")
     args = ap.parse_args(argv)
