@@ -1,5 +1,5 @@
 """How far bfloat16 greedy outputs depend on batching and on the prefix cache (float32 ones do
-not: the tests check that). 10 prompts of prefixkv.scenarios (8 sharing a document, the seed's
+not: the tests check that). 10 prompts of bench/scenarios.py (8 sharing a document, the seed's
 2), 24 greedy tokens each, through LLM.generate one at a time and as one batch, with prefix
 caching on and off.
 
@@ -14,7 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from prefixkv import LLM, SamplingParams  # noqa: E402
-from prefixkv.scenarios import seed_prompts, shared_prefix_prompts  # noqa: E402
+from bench.scenarios import seed_prompts, shared_prefix_prompts  # noqa: E402
 
 
 def main() -> None:

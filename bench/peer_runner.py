@@ -1,4 +1,8 @@
-"""Runs a peer driver (bench/peers/*.py) in the peer's own Python and returns its JSON line."""
+"""Runs a peer driver (bench/peers/*.py) in the peer's own Python and returns its JSON line.
+
+The peers' venvs and model live in `peers/` at the repo root (git-ignored; bench/peers/README.md
+says how to build them), or wherever $PREFIXKV_PEERS points; $VLLM_PYTHON, $LLAMACPP_PYTHON and
+$VLLM_MODEL override single paths. A peer that is not installed is skipped."""
 from __future__ import annotations
 
 import json
@@ -8,9 +12,10 @@ import sys
 from pathlib import Path
 
 PEERS = Path(__file__).resolve().parent / "peers"
-DEFAULT_VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/peers/vllm/bin/python")
-DEFAULT_LLAMACPP_PYTHON = os.environ.get("LLAMACPP_PYTHON", "/work/peers/llama/bin/python")
-DEFAULT_VLLM_MODEL = os.environ.get("VLLM_MODEL", "/work/peers/smollm2-135m-hf")
+PEERS_DIR = Path(os.environ.get("PREFIXKV_PEERS", Path(__file__).resolve().parent.parent / "peers"))
+DEFAULT_VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(PEERS_DIR / "vllm" / "bin" / "python"))
+DEFAULT_LLAMACPP_PYTHON = os.environ.get("LLAMACPP_PYTHON", str(PEERS_DIR / "llama" / "bin" / "python"))
+DEFAULT_VLLM_MODEL = os.environ.get("VLLM_MODEL", str(PEERS_DIR / "smollm2-135m-hf"))
 
 
 def available(python: str | None) -> bool:

@@ -22,7 +22,7 @@ from bench.peer_runner import (DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFA
                                available, run_peer)
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.model.loader import default_model_path  # noqa: E402
-from prefixkv.scenarios import seed_prompts, summarize_seed_runs  # noqa: E402
+from bench.scenarios import seed_prompts, summarize_seed_runs  # noqa: E402
 
 def run_prefixkv(repeats: int, max_tokens: int, llm: LLM) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)

@@ -6,7 +6,7 @@ Workloads (same text for every server, so the same tokenizer sees the same promp
   unique     prompts of the same length with nothing in common (no-sharing baseline)
 
 By default it starts `prefixkv serve` on a free 127.0.0.1 port (or use --base-url for a running
-server). --peer-vllm also starts `vllm serve` (the vLLM CPU build, /work/peers/vllm) on the same
+server). --peer-vllm also starts `vllm serve` (the vLLM CPU build, bench/peer_runner.py's peers) on the same
 model and runs the identical workload against it. Both expose vLLM's metric names, so the hit
 rate is read the same way from both /metrics endpoints.
 
@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VLLM_PY = "/work/peers/vllm/bin/python"
-VLLM_MODEL = "/work/peers/smollm2-135m-hf"
+sys.path.insert(0, ROOT)
+from bench.peer_runner import DEFAULT_VLLM_MODEL as VLLM_MODEL  # noqa: E402
+from bench.peer_runner import DEFAULT_VLLM_PYTHON as VLLM_PY  # noqa: E402
 WORDS = ("river mountain quiet engine paper lantern violet harbor copper signal garden winter orbit marble "
          "thunder canvas meadow silver anchor falcon ember willow summit prism cedar glacier hollow beacon "
          "saddle quartz ribbon tundra velvet bramble cobalt dune fjord granite ivory jasper kettle").split()

