@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
-import signal
 import sys
-import threading
 from typing import Sequence
+
+from .server.launch import add_server_args
 
 MODEL_HELP = ("model to load: an HF model folder (config.json, tokenizer.json, *.safetensors) or a .gguf "
               "file; omitted: the embedded SmolLM2-135M-Instruct")
@@ -97,20 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "GET /v1/models, /health, /metrics (Prometheus, vLLM's metric names), "
                     "POST /reset_prefix_cache. Flags follow `vllm serve`.")
     _add_engine_args(serve)
-    g = serve.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: 127.0.0.1; use 0.0.0.0 to listen on all interfaces)")
-    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("PREFIXKV_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY, else none)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in 'model'; the first is reported (default: MODEL, or "
-                        "HuggingFaceTB/SmolLM2-135M-Instruct for the embedded model)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
-    g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
-    g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
+    add_server_args(serve)
 
     gen = sub.add_parser("generate", help="generate one completion in the terminal",
                          description="Complete one prompt (argument, or stdin when omitted) and print the text.")
@@ -158,40 +144,18 @@ def _load_engine(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .server.app import DEFAULT_MODEL_NAME, create_app
+    from .engine.llm_engine import LLMEngine
+    from .server.app import DEFAULT_MODEL_NAME
+    from .server.launch import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("prefixkv.server")
     config = engine_config(args)
-    from .engine.llm_engine import LLMEngine
     log.info("loading %s", config.model or "the embedded SmolLM2-135M-Instruct")
     engine = LLMEngine(config)
-    names = args.served_model_name or [config.model or DEFAULT_MODEL_NAME]
-    log.info("model %s: max_model_len=%d, %d KV blocks of %d tokens, prefix caching %s",
-             names[0], engine.max_model_len, engine.num_blocks, config.block_size,
-             "on" if config.enable_prefix_caching else "off")
-    app = create_app(engine, served_model_names=names, api_key=args.api_key, model_root=config.model or names[0],
-                     engine_thread=False)
-    log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if args.api_key else "off")
-    # The engine loop stays on the main thread (torch runs slower from threads started later, see
-    # server/async_engine.py); HTTP runs in a thread, and signals reach it through should_exit.
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5, timeout_graceful_shutdown=5))
-    http = threading.Thread(target=server.run, name="prefixkv-http", daemon=True)
-
-    def stop(signum, _frame) -> None:
-        log.info("signal %d: shutting down", signum)
-        server.should_exit = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
-    http.start()
-    app.state.async_engine.run(keep_going=http.is_alive)
-    http.join(timeout=15)
-    return 0 if server.should_exit else 1  # the HTTP server ended by itself: it failed to start
+    log.info("max_model_len=%d, %d KV blocks of %d tokens, prefix caching %s", engine.max_model_len,
+             engine.num_blocks, config.block_size, "on" if config.enable_prefix_caching else "off")
+    return run_server(args, engine, config.model or DEFAULT_MODEL_NAME)
 
 
 def _run_stream(engine, prompt_ids: list[int], params, cache_salt: str | None, out=None,

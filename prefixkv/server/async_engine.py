@@ -24,12 +24,11 @@ from typing import Any, AsyncIterator, Callable
 from ..engine.llm_engine import LLMEngine
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from .errors import EngineDeadError
 
 logger = logging.getLogger("prefixkv.server")
 
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 @dataclass
@@ -39,7 +38,10 @@ class _Stream:
     finished: bool = False
 
     def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
 
 
 class AsyncEngine:
@@ -60,6 +62,7 @@ class AsyncEngine:
         self.errored: BaseException | None = None
         self.last_step_time = 0.0
         self._running = False
+        self._drain_deadline: float | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -86,6 +89,18 @@ class AsyncEngine:
             self._thread.join(timeout)
             self._thread = None
 
+    def begin_drain(self, timeout: float) -> None:
+        """Graceful shutdown: requests in flight may finish for `timeout` seconds; those still
+        running then end with EngineDeadError (an error event in their stream, a 503 otherwise)."""
+        with self._cv:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.time() + timeout
+            self._cv.notify_all()
+
+    @property
+    def is_draining(self) -> bool:
+        return self._drain_deadline is not None
+
     @property
     def is_running(self) -> bool:
         return self._running and self.errored is None
@@ -104,6 +119,9 @@ class AsyncEngine:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+            if self._drain_deadline is not None and time.time() > self._drain_deadline and self._streams:
+                logger.warning("shutdown timeout: ending %d request(s) still in flight", len(self._streams))
+                self._fail_all(EngineDeadError("the server is shutting down; the request did not finish in time"))
             for fn, done in commands:
                 try:
                     result, exc = fn(), None

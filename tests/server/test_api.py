@@ -289,9 +289,12 @@ def test_api_key(server):
     bad = openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    # health and metrics stay open for probes and scrapers
-    assert httpx.get(server.base + "/metrics").status_code == 200
-    assert httpx.get(server.base + "/health").status_code == 200
+    # probes and scrapers stay open, as in vLLM; the OpenAPI docs do not
+    for path in ("/metrics", "/health", "/ping", "/version"):
+        assert httpx.get(server.base + path).status_code == 200, path
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        _assert_error(server, httpx.get(server.base + path), 401)
+        assert httpx.get(server.base + path, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
 
 
 def test_reset_prefix_cache(client, server):
@@ -299,7 +302,9 @@ def test_reset_prefix_cache(client, server):
     client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
     hit = client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
     assert hit.usage.prompt_tokens_details.cached_tokens > 0
-    r = httpx.post(server.base + "/reset_prefix_cache")
+    # flushing every tenant's cache is an admin action: behind the key
+    _assert_error(server, httpx.post(server.base + "/reset_prefix_cache"), 401)
+    r = httpx.post(server.base + "/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 200 and r.json()["success"] is True
     miss = client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
     assert miss.usage.prompt_tokens_details.cached_tokens == 0

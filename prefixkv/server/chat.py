@@ -1,0 +1,157 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+
+from .errors import APIError
+from .logprobs import chat_logprobs
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    random_id,
+)
+from .serving import OpenAIServing
+from .streaming import ChoiceDelta, StreamState, chunk_dict, sse_stream
+
+
+class OpenAIServingChat(OpenAIServing):
+    def message_text(self, content: object, at: str) -> str:
+        """A message's content as text: a string, or a list of text parts (joined by newlines)."""
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            self.check_text(content, "messages")
+            return content
+        parts = []
+        for j, part in enumerate(content):  # type: ignore[attr-defined]
+            where = f"{at}.content[{j}]"
+            if not isinstance(part, dict):
+                raise APIError(f"{where} must be an object with a type, got {type(part).__name__}", 400,
+                               param="messages")
+            kind = part.get("type", "text")
+            if kind != "text":
+                raise APIError(f"{where}: content part type {kind!r} is not supported (text only)", 400,
+                               param="messages")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise APIError(f"{where}.text must be a string, got {type(text).__name__}", 400, param="messages")
+            self.check_text(text, "messages")
+            parts.append(text)
+        return "\n".join(parts)
+
+    async def prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            d = m.model_dump(exclude_none=True)
+            d["content"] = self.message_text(m.content, f"messages[{i}]")
+            messages.append(d)
+        if not messages:
+            raise APIError("messages must not be empty", 400, param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                tokenize=False,
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # template errors (e.g. raise_exception in the template) are the caller's
+            raise APIError(f"chat template failed: {e}", 400, param="messages") from e
+        if req.continue_final_message:
+            end = self.tokenizer.eos_token or ""
+            text = text.rstrip()
+            if end and text.endswith(end):
+                text = text[: -len(end)]
+        self.check_text(text, "messages")
+        return await self.tokenize(text, req.add_special_tokens)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        model = self.check_model(req.model)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= self.limits.max_logprobs:
+            raise APIError(
+                f"top_logprobs must be in [0, {self.limits.max_logprobs}], got {req.top_logprobs}",
+                400,
+                param="top_logprobs",
+            )
+        self.check_common(req)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
+        ids = await self.prompt(req)
+        max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
+        params = self.params(req, max_tokens)
+        rid = req.request_id or random_id("chatcmpl")
+        created = int(time.time())
+        k = req.top_logprobs or 0
+        gens = self.start([ids], [None], params, rid, req.cache_salt)
+        if req.stream:
+            return self.stream(req, gens, [ids], rid, created, model, params.n, k)
+        finals = await self.collect(raw, gens)
+        out = finals[0]
+        choices = [
+            ChatCompletionResponseChoice(
+                index=o.index,
+                message=ChatResponseMessage(content=o.text),
+                logprobs=chat_logprobs(o.logprobs, o.token_ids, k) if req.logprobs and o.logprobs is not None else None,
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+            )
+            for o in out.outputs
+        ]
+        return ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=self.usage([ids], finals),
+            prompt_logprobs=out.prompt_logprobs,
+        )
+
+    def stream(self, req, gens, prompts, rid, created, model, n, k):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+        def response(choices, usage=None) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+        def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
+            lp = None
+            if req.logprobs and d.logprobs is not None:
+                lp = chat_logprobs(d.logprobs, d.token_ids, k)
+            choice = ChatCompletionStreamChoice(
+                index=d.index,
+                delta=DeltaMessage(content=d.text),
+                logprobs=lp,
+                finish_reason=d.choice.finish_reason,
+                stop_reason=d.choice.stop_reason,
+            )
+            return chunk_dict(response([choice], self.usage(prompts, state.latest) if continuous else None))
+
+        # the role comes first, one chunk per choice, as OpenAI streams it
+        prelude = [
+            chunk_dict(
+                response(
+                    [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    self.usage(prompts, {}) if continuous else None,
+                )
+            )
+            for i in range(n)
+        ]
+
+        def usage_chunk(state: StreamState) -> dict:
+            return response([], self.usage(prompts, state.finals)).model_dump()
+
+        return sse_stream(
+            gens,
+            n,
+            make_chunk,
+            prelude=prelude,
+            usage_chunk=usage_chunk if include_usage else None,
+            on_error=self.count_error,
+        )

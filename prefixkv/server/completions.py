@@ -1,0 +1,143 @@
+"""POST /v1/completions: one or several prompts (text or token ids), streamed or not, with echo,
+logprobs and vLLM's prompt_logprobs."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+
+from ..outputs import RequestOutput
+from .errors import APIError
+from .logprobs import completion_logprobs, echoed_completion_logprobs
+from .protocol import CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, random_id
+from .serving import OpenAIServing
+from .streaming import ChoiceDelta, StreamState, chunk_dict, sse_stream
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+        p = req.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        if not items:
+            raise APIError("prompt must not be empty", 400, param="prompt")
+        if len(items) > self.limits.max_prompts:
+            raise APIError(
+                f"at most {self.limits.max_prompts} prompts per request, got {len(items)}", 400, param="prompt"
+            )
+        for it in items:
+            if isinstance(it, str):
+                self.check_text(it, "prompt")
+        ids, texts = [], []
+        for it in items:
+            if isinstance(it, str):
+                ids.append(await self.tokenize(it, req.add_special_tokens))
+                texts.append(it)
+            else:
+                ids.append(list(it))
+                texts.append(None)
+        return ids, texts
+
+    def logprobs(
+        self, out: RequestOutput, prompt_ids: list[int], echo: str, entries: list, token_ids: list[int], k: int,
+        offset: int,
+    ) -> CompletionLogProbs:
+        """Logprobs of generated tokens whose text starts at `offset` of the choice's text, with
+        the echoed prompt's tokens first when `echo` goes out with them."""
+        if not echo or out.prompt_logprobs is None:
+            return completion_logprobs(entries, token_ids, k, offset)
+        first = self.tokenizer.decode(prompt_ids[:1])
+        return echoed_completion_logprobs(out.prompt_logprobs, first, prompt_ids, entries, token_ids, k)
+
+    async def create(self, req: CompletionRequest, raw: Request):
+        model = self.check_model(req.model)
+        if req.suffix is not None:
+            raise APIError("suffix is not supported", 400, param="suffix")
+        if req.logprobs is not None and not 0 <= req.logprobs <= self.limits.max_logprobs:
+            raise APIError(
+                f"logprobs must be in [0, {self.limits.max_logprobs}], got {req.logprobs}", 400, param="logprobs"
+            )
+        self.check_common(req)
+        prompts, texts = await self.prompts(req)
+        max_tokens = req.max_tokens
+        for ids in prompts:
+            max_tokens = self.check_length(ids, req.max_tokens, "prompt")
+        if len(prompts) > 1 and req.max_tokens is None:
+            max_tokens = self.max_model_len - max(len(p) for p in prompts)
+        params = self.params(req, max_tokens)
+        rid = req.request_id or random_id("cmpl")
+        created = int(time.time())
+        n = params.n
+        k = req.logprobs or 0
+        echo = [
+            (t if t is not None else self.tokenizer.decode(ids)) if req.echo else "" for ids, t in zip(prompts, texts)
+        ]
+        gens = self.start(prompts, texts, params, rid, req.cache_salt)
+        if req.stream:
+            return self.stream(req, gens, prompts, echo, rid, created, model, n, k)
+        finals = await self.collect(raw, gens)
+        choices = []
+        for i in range(len(prompts)):
+            out = finals[i]
+            for o in out.outputs:
+                lp = None
+                if req.logprobs is not None and o.logprobs is not None:
+                    lp = self.logprobs(out, prompts[i], echo[i], o.logprobs, o.token_ids, k, 0)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * n + o.index,
+                        text=echo[i] + o.text,
+                        logprobs=lp,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                        prompt_logprobs=out.prompt_logprobs if req.prompt_logprobs is not None else None,
+                    )
+                )
+        return CompletionResponse(
+            id=rid, created=created, model=model, choices=choices, usage=self.usage(prompts, finals)
+        )
+
+    def stream(self, req, gens, prompts, echo, rid, created, model, n, k):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+        def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
+            i = d.prompt_index
+            text = (echo[i] + d.text) if d.first and echo[i] else d.text
+            lp = None
+            if req.logprobs is not None and d.logprobs is not None:
+                offset = d.text_start + (0 if d.first else len(echo[i]))
+                lp = self.logprobs(d.output, prompts[i], echo[i] if d.first else "", d.logprobs, d.token_ids, k, offset)
+            want_prompt_lp = d.first and req.prompt_logprobs is not None
+            chunk = CompletionResponse(
+                id=rid,
+                created=created,
+                model=model,
+                choices=[
+                    CompletionResponseChoice(
+                        index=d.index,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=d.choice.finish_reason,
+                        stop_reason=d.choice.stop_reason,
+                        prompt_logprobs=d.output.prompt_logprobs if want_prompt_lp else None,
+                    )
+                ],
+            )
+            if continuous:
+                chunk.usage = self.usage(prompts, state.latest)
+            return chunk_dict(chunk)
+
+        def usage_chunk(state: StreamState) -> dict:
+            return CompletionResponse(
+                id=rid, created=created, model=model, choices=[], usage=self.usage(prompts, state.finals)
+            ).model_dump()
+
+        return sse_stream(
+            gens, n, make_chunk, usage_chunk=usage_chunk if include_usage else None, on_error=self.count_error
+        )

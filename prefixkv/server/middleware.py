@@ -1,0 +1,96 @@
+"""Pure ASGI middleware (not BaseHTTPMiddleware, so client disconnects still reach the routes):
+the API key, the request body cap, and refusing new work while the server drains."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Callable
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_response
+
+# Open without a key, as in vLLM: probes and scrapes. Everything else - the API, the admin
+# route that flushes every tenant's cache, the OpenAPI docs - needs it.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+
+
+class APIKeyMiddleware:
+    """Require `Authorization: Bearer KEY` on every path but OPEN_PATHS."""
+
+    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[], Any] | None = None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_PATHS:
+            header = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not secrets.compare_digest(header, self.expected):
+                if self.on_reject is not None:
+                    self.on_reject()
+                resp = error_response(
+                    "Unauthorized: a valid API key is required (Authorization: Bearer <key>)", 401,
+                    "AuthenticationError",
+                )
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over `max_bytes` with 413 before reading them: by Content-Length
+    when it is sent, and while reading otherwise (chunked uploads)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], Any] | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_reject = on_reject
+
+    def _message(self) -> str:
+        return f"the request body is larger than this server's limit of {self.max_bytes} bytes (--max-request-body-bytes)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None:
+            try:
+                too_large = int(length) > self.max_bytes
+            except ValueError:
+                too_large = False  # the server rejects a malformed length itself
+            if too_large:
+                if self.on_reject is not None:
+                    self.on_reject()
+                await error_response(self._message(), 413)(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # raised inside the route's body read: the app's handler answers 413
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class DrainMiddleware:
+    """While the server shuts down gracefully, new API requests get 503 (in-flight ones finish)."""
+
+    def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.is_draining = is_draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] == "POST" \
+                and self.is_draining():
+            await error_response("the server is shutting down", 503)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

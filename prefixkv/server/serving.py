@@ -1,0 +1,181 @@
+"""What every OpenAI route shares: model names, prompt checks, request limits, sampling
+parameters, starting the engine requests of one HTTP request, and waiting for them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+
+from ..engine.llm_engine import LLMEngine
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncEngine
+from .errors import APIError
+from .limits import RequestLimits
+from .protocol import PromptTokensDetails, UsageInfo
+from .streaming import merge, raise_if_failed
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        async_engine: AsyncEngine,
+        served_model_names: list[str],
+        limits: RequestLimits,
+        count_error: Callable[[int], Any],
+    ) -> None:
+        self.engine = engine
+        self.async_engine = async_engine
+        self.names = served_model_names
+        self.limits = limits
+        self.count_error = count_error
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        # The longest text one token can stand for: a prompt longer than the context times this
+        # cannot fit, so it is refused before it is tokenized (a 50 MB prompt costs nothing).
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        self.max_chars_per_token = max((len(t) for t in vocab), default=1)
+
+    # -- checks ----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+        return self.names[0]
+
+    def check_common(self, req: Any) -> None:
+        """Limits and policies every route applies before any work is done."""
+        if isinstance(req.n, bool) or not 1 <= req.n <= self.limits.max_n:
+            raise APIError(f"n must be an integer in [1, {self.limits.max_n}], got {req.n!r}", 400, param="n")
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= self.limits.max_logprobs:
+            raise APIError(
+                f"prompt_logprobs must be in [0, {self.limits.max_logprobs}], got {req.prompt_logprobs}",
+                400,
+                param="prompt_logprobs",
+            )
+        if self.limits.require_cache_salt and not req.cache_salt:
+            raise APIError(
+                "this server requires a cache_salt on every request (--require-cache-salt): "
+                "requests without one could observe other tenants' cached prompts through timing",
+                400,
+                param="cache_salt",
+            )
+
+    def check_text(self, text: str, param: str) -> None:
+        """Text a tokenizer can take, and short enough to possibly fit the context."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                f"{param} is not valid Unicode text: {e.reason} at character {e.start}", 400, param=param
+            ) from None
+        limit = self.max_model_len * self.max_chars_per_token
+        if len(text) > limit:
+            raise APIError(
+                f"{param} has {len(text)} characters; this model's context of {self.max_model_len} tokens "
+                f"holds at most {limit} characters. Please reduce the length of the {param}.",
+                400,
+                param=param,
+            )
+
+    def check_length(self, ids: list[int], max_tokens: int | None, what: str) -> int:
+        """Validate a tokenized prompt; return the effective max_tokens."""
+        try:
+            self.engine.validate_prompt(ids)
+        except ValueError as e:
+            if len(ids) >= self.max_model_len:
+                raise APIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your request has {len(ids)} input tokens ({len(ids)} in the "
+                    f"{what}), which leaves no room for the completion. Please reduce the "
+                    f"length of the {what}.",
+                    400,
+                    param="prompt",
+                ) from e
+            raise APIError(str(e), 400, param="prompt") from e
+        if max_tokens is None:
+            return self.max_model_len - len(ids)
+        if isinstance(max_tokens, int) and max_tokens >= 1 and len(ids) + max_tokens > self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the {what}, "
+                f"{max_tokens} in the completion). Please reduce the length of the {what} "
+                "or completion.",
+                400,
+                param="max_tokens",
+            )
+        return max_tokens
+
+    @staticmethod
+    def params(req: Any, max_tokens: int | None) -> SamplingParams:
+        try:
+            return req.to_sampling_params(max_tokens)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise APIError(str(e), 400) from e
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize in a worker thread: a long prompt never stalls other clients' streams."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    # -- running ---------------------------------------------------------------------------
+    @staticmethod
+    def usage(prompts: list[list[int]], outs: dict[int, RequestOutput]) -> UsageInfo:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(o.token_ids) for out in outs.values() for o in out.outputs)
+        cached = sum(out.num_cached_tokens for out in outs.values())
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+    def start(
+        self,
+        prompts: list[list[int]],
+        texts: list[str | None],
+        params: SamplingParams,
+        response_id: str,
+        cache_salt: str | None,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """One engine request per prompt. The engine's ids are the response id (the client's
+        `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
+        name - and so collide with - another request's id, even by sending the same one twice."""
+        suffix = secrets.token_hex(8)
+        ids = [f"{response_id}-{i}-{suffix}" for i in range(len(prompts))]
+        return [
+            self.async_engine.generate(p, params, rid, prompt=t, cache_salt=cache_salt)
+            for p, t, rid in zip(prompts, texts, ids)
+        ]
+
+    async def collect(self, raw: Request, gens: list[AsyncIterator[RequestOutput]]) -> dict[int, RequestOutput]:
+        """Run to completion; a client that goes away aborts the requests."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def run() -> None:
+            async for i, out in merge(gens):
+                raise_if_failed(out)
+                if out.finished:
+                    finals[i] = out
+
+        task = asyncio.create_task(run())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    task.result()
+                    return finals
+                if await raw.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise APIError("client disconnected", 499)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
