@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from prefixkv.cache.policies import POLICIES  # noqa: E402
+from prefixkv.cache import POLICIES  # noqa: E402
 from prefixkv.replay import TimeModel, load_mooncake, replay, replay_optimum  # noqa: E402
 from prefixkv.replay.optimum import BlockIndex, infinite_cache_hit_rate  # noqa: E402
 

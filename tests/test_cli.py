@@ -128,7 +128,7 @@ def test_replay_runs_a_trace_with_every_policy_and_both_oracles(tmp_path):
                 "--optimum", "--reuse-oracle", "--json")
     assert r.returncode == 0, r.stderr
     results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    from prefixkv.cache.policies import POLICIES
+    from prefixkv.cache import POLICIES
     assert len(results) == 2 * (len(POLICIES) + 2)
     assert {x["policy"] for x in results} == {*POLICIES, "optimum", "reuse-oracle"}
     for x in results:

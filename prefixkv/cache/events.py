@@ -1,6 +1,7 @@
 """KV-cache events for external indexes and routers, in the order they happened."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -24,3 +25,33 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBuffer:
+    """Events not yet taken, bounded: when `max_pending` are waiting, the oldest is dropped for
+    the newest and counted in `num_dropped` (a consumer that falls behind loses the oldest
+    events, never the process's memory)."""
+
+    __slots__ = ("_events", "max_pending", "num_dropped")
+
+    def __init__(self, max_pending: int) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending_kv_events must be at least 1, got {max_pending}")
+        self._events: deque[KVCacheEvent] = deque(maxlen=max_pending)
+        self.max_pending = max_pending
+        self.num_dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def append(self, event: KVCacheEvent) -> None:
+        events = self._events
+        if len(events) == self.max_pending:
+            self.num_dropped += 1  # the deque drops the oldest
+        events.append(event)
+
+    def drain(self) -> list[KVCacheEvent]:
+        """Every pending event, oldest first; the buffer is empty afterwards."""
+        events = list(self._events)
+        self._events.clear()
+        return events

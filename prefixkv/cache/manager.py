@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .block import KVCacheBlock
+from .eviction import EvictionPolicy, get_policy, overrides
 from .events import BlockStored, KVCacheEvent
 from .identity import ROOT_UID, BlockChain, HashFunction, get_hash_function, none_hash
-from .policies import EvictionPolicy, get_policy
 from .pool import BlockPool
 from .protocol import CacheRequest
 from .stats import PrefixCacheStats
@@ -20,20 +20,24 @@ class _RequestBlocks:
 
 
 class KVCacheManager:
-    """Prefix-cached block allocation for requests (see SPEC.md, "Lookup" to "Free and eviction").
+    """Prefix-cached block allocation for requests (docs/design.md, "Lookup, allocation, free").
 
     Keyword options beyond the acceptance surface:
       hash_algo     content hash for external identity: "sha256_cbor" (default), "sha256",
                     "xxhash_cbor", or a callable(obj) -> bytes. It never decides a local hit.
       hash_seed     seed of NONE_HASH (and of xxhash), fixed so hashes agree across processes.
-      eviction_policy  name or EvictionPolicy subclass (default "lru", the seed's policy).
-      enable_kv_cache_events  record BlockStored / BlockRemoved / AllBlocksCleared.
+      eviction_policy  name or EvictionPolicy subclass (default "lru", the seed's policy; the
+                    names are prefixkv.cache.POLICIES).
+      enable_kv_cache_events  record BlockStored / BlockRemoved / AllBlocksCleared, to be drained
+                    with take_events().
+      max_pending_kv_events  bound on events not yet taken: beyond it the oldest is dropped and
+                    counted in num_dropped_kv_events.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, *,
                  hash_algo: str | HashFunction = "sha256_cbor", hash_seed: int | None = None,
                  eviction_policy: str | type[EvictionPolicy] = "lru",
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False, max_pending_kv_events: int = 10_000) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
@@ -41,11 +45,13 @@ class KVCacheManager:
         self.hash_fn = get_hash_function(hash_algo, hash_seed)
         self.none_hash = none_hash(self.hash_fn, 0 if hash_seed is None else hash_seed)
         self.block_pool = BlockPool(num_blocks, enable_caching, get_policy(eviction_policy),
-                                    enable_kv_cache_events)
+                                    enable_kv_cache_events, max_pending_kv_events)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
-        # A policy that learns from finished requests defines on_request_free; the default does not.
-        self._on_request_free = getattr(self.block_pool.free_block_queue, "on_request_free", None)
+        # Only a policy that learns from finished requests overrides on_request_free; for the
+        # others (the default among them) free() does not even read the request's token counts.
+        policy = self.block_pool.eviction_policy
+        self._on_request_free = policy.on_request_free if overrides(policy, "on_request_free") else None
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -95,14 +101,13 @@ class KVCacheManager:
         num_full = state.chain.extend(request)
         max_blocks = min(num_full, (request.num_tokens - 1) // self.block_size)
         tokens, chain = state.chain.tokens, state.chain
-        cached = self.block_pool.cached_blocks
+        get_one_block = self.block_pool.cached_blocks.get_one_block
         hits: list[KVCacheBlock] = []
         parent = ROOT_UID
         for i in range(max_blocks):
-            entry = cached.get((parent, tokens[i], chain.extra(i)))
-            if entry is None:
+            block = get_one_block((parent, tokens[i], chain.extra(i)))
+            if block is None:
                 break
-            block = entry if type(entry) is KVCacheBlock else next(iter(entry.values()))
             hits.append(block)
             parent = block.uid
         num_hit_tokens = len(hits) * self.block_size
@@ -161,27 +166,28 @@ class KVCacheManager:
             return
         chain = state.chain
         chain.extend(request)
-        pool = self.block_pool
+        events = self.block_pool.events
+        insert = self.block_pool.cached_blocks.insert
         blocks, tokens = state.blocks, chain.tokens
         parent = blocks[start - 1].uid if start else ROOT_UID
         for i in range(start, num_full):
             block = blocks[i]
-            pool.cache_block(block, (parent, tokens[i], chain.extra(i)))
+            insert((parent, tokens[i], chain.extra(i)), block)
             parent = block.uid
         state.num_cached_blocks = num_full
-        if pool.events is not None:
-            self._record_stored(request, state, start, num_full)
+        if events is not None:
+            events.append(self._stored_event(request, state, start, num_full))
 
-    def _record_stored(self, request: CacheRequest, state: _RequestBlocks, start: int, end: int) -> None:
+    def _stored_event(self, request: CacheRequest, state: _RequestBlocks, start: int, end: int) -> BlockStored:
         hashes = state.chain.hashes_upto(end, self.hash_fn, self.none_hash)
         for i in range(start, end):
             state.blocks[i].content_hash = hashes[i]
         lora = request.lora_request
         token_ids = [t for block_tokens in state.chain.tokens[start:end] for t in block_tokens]
-        self.block_pool.events.append(BlockStored(
+        return BlockStored(
             block_hashes=hashes[start:end], parent_block_hash=hashes[start - 1] if start else None,
             token_ids=token_ids, block_size=self.block_size,
-            lora_name=lora.lora_name if lora is not None else None))
+            lora_name=lora.lora_name if lora is not None else None)
 
     # -- release -------------------------------------------------------------------------------
     def free(self, request: CacheRequest) -> None:
@@ -197,5 +203,13 @@ class KVCacheManager:
         """Forget all cached identities. Only when idle: returns False while any block is held."""
         return self.block_pool.reset_prefix_cache()
 
+    # -- KV events -----------------------------------------------------------------------------
     def take_events(self) -> list[KVCacheEvent]:
+        """Drain the pending KV events, oldest first ([] when enable_kv_cache_events is off). The
+        engine takes them every step; at most max_pending_kv_events wait in between."""
         return self.block_pool.take_events()
+
+    @property
+    def num_dropped_kv_events(self) -> int:
+        """Events dropped (oldest first) because more than max_pending_kv_events were pending."""
+        return self.block_pool.num_dropped_events

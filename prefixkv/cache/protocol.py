@@ -33,7 +33,7 @@ class CacheRequest(Protocol):
     def num_tokens(self) -> int: ...
 
     # Read only when a request is freed, and only by eviction policies that learn from finished
-    # requests (those defining on_request_free): the default path never touches them.
+    # requests (those overriding on_request_free): the default path never touches them.
     @property
     def num_prompt_tokens(self) -> int: ...
 

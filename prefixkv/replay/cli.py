@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from prefixkv.cache.policies import POLICIES
+from prefixkv.cache import POLICIES
 
 from .optimum import BlockIndex, infinite_cache_hit_rate, replay_optimum
 from .simulator import TimeModel, replay

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol, Sequence
 
 from prefixkv.cache import KVCacheManager
-from prefixkv.cache.policies import EvictionPolicy, get_policy
+from prefixkv.cache import EvictionPolicy, get_policy
 from prefixkv.request import Request
 
 from .trace import TraceRequest

@@ -28,7 +28,7 @@ def decode(mgr: KVCacheManager, req: Request, token: int) -> list[int] | None:
 
 
 def cached_ids(mgr: KVCacheManager) -> set[int]:
-    return {b.block_id for b in mgr.block_pool.blocks if b.block_hash is not None}
+    return {b.block_id for b in mgr.block_pool.blocks if b.block_key is not None}
 
 
 @pytest.fixture

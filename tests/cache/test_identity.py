@@ -143,7 +143,7 @@ def run_script(mgr, seed):
             if new is not None:
                 req.num_computed_tokens = req.num_tokens
                 live.append(req)
-        observed.append(tuple(mgr.block_pool.free_block_queue.block_ids()))
+        observed.append(tuple(mgr.block_pool.eviction_policy.block_ids()))
     return observed
 
 

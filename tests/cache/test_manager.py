@@ -43,9 +43,9 @@ def test_lookup_changes_nothing(mgr10):
     r = Request("a", toks(13))
     prefill(mgr10, r)
     mgr10.free(r)
-    before = (mgr10.block_pool.free_block_queue.block_ids(), [b.ref_cnt for b in mgr10.block_pool.blocks])
+    before = (mgr10.block_pool.eviction_policy.block_ids(), [b.ref_cnt for b in mgr10.block_pool.blocks])
     mgr10.get_computed_blocks(Request("b", toks(13)))
-    after = (mgr10.block_pool.free_block_queue.block_ids(), [b.ref_cnt for b in mgr10.block_pool.blocks])
+    after = (mgr10.block_pool.eviction_policy.block_ids(), [b.ref_cnt for b in mgr10.block_pool.blocks])
     assert before == after
 
 
@@ -57,7 +57,7 @@ def test_hit_on_running_blocks_shares_them(mgr10):
     assert mgr10.get_block_ids("b")[:2] == [0, 1]
     assert [blk.ref_cnt for blk in mgr10.block_pool.blocks[:3]] == [2, 2, 1]
     mgr10.free(a)
-    assert mgr10.block_pool.free_block_queue.block_ids()[-1] == 2  # only a's tail block is free
+    assert mgr10.block_pool.eviction_policy.block_ids()[-1] == 2  # only a's tail block is free
     mgr10.free(b)
     assert mgr10.num_free_blocks == 10
 
@@ -83,13 +83,13 @@ def test_failed_allocation_changes_nothing():
     a = Request("a", toks(8))
     prefill(mgr, a)
     mgr.free(a)
-    snapshot = (mgr.block_pool.free_block_queue.block_ids(), cached_ids(mgr),
-                [b.ref_cnt for b in mgr.block_pool.blocks], dict(mgr.block_pool.cached_blocks))
+    snapshot = (mgr.block_pool.eviction_policy.block_ids(), cached_ids(mgr),
+                [b.ref_cnt for b in mgr.block_pool.blocks], dict(mgr.block_pool.cached_blocks.items()))
     big = Request("big", toks(20))
     hits, n = mgr.get_computed_blocks(big)
     assert mgr.allocate_slots(big, 20 - n, hits) is None
-    assert snapshot == (mgr.block_pool.free_block_queue.block_ids(), cached_ids(mgr),
-                        [b.ref_cnt for b in mgr.block_pool.blocks], dict(mgr.block_pool.cached_blocks))
+    assert snapshot == (mgr.block_pool.eviction_policy.block_ids(), cached_ids(mgr),
+                        [b.ref_cnt for b in mgr.block_pool.blocks], dict(mgr.block_pool.cached_blocks.items()))
     assert mgr.get_block_ids("big") == []
 
 
@@ -114,15 +114,15 @@ def test_evicting_one_of_two_duplicates_keeps_the_other():
     prefill(mgr, r2)
     for t in (7, 8, 9):
         decode(mgr, r2, t)
-    key = mgr.block_pool.blocks[1].block_hash
-    assert len(mgr.block_pool.cached_blocks[key]) == 2  # blocks 1 and 3: both EFGH
+    key = mgr.block_pool.blocks[1].block_key
+    assert len(mgr.block_pool.cached_blocks.get_blocks(key)) == 2  # blocks 1 and 3: both EFGH
     mgr.free(r2)  # r2 frees 4, 3 then 0 is still held by r1
     mgr.free(r1)
-    queue = mgr.block_pool.free_block_queue.block_ids()
+    queue = mgr.block_pool.eviction_policy.block_ids()
     victim_order = [b for b in queue if b in (1, 3)]
     hog = Request("hog", list(range(100, 100 + 4 * (queue.index(victim_order[0]) + 1))))
     prefill(mgr, hog)  # evicts up to and including the first EFGH copy
-    assert mgr.block_pool.blocks[victim_order[0]].block_hash != key
+    assert mgr.block_pool.blocks[victim_order[0]].block_key != key
     assert mgr.block_pool.get_cached_block(key).block_id == victim_order[1]
     hits, n = mgr.get_computed_blocks(Request("again", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert [b.block_id for b in hits] == [0, victim_order[1]] and n == 8
@@ -135,7 +135,7 @@ def test_reset_refused_while_busy_then_forgets_everything(mgr10):
     assert cached_ids(mgr10) == {0, 1}
     mgr10.free(r)
     assert mgr10.reset_prefix_cache() is True
-    assert cached_ids(mgr10) == set() and mgr10.block_pool.cached_blocks == {}
+    assert cached_ids(mgr10) == set() and len(mgr10.block_pool.cached_blocks) == 0
     assert mgr10.get_computed_blocks(Request("b", toks(9))) == ([], 0)
 
 
@@ -146,7 +146,7 @@ def test_caching_disabled_never_hits():
     assert cached_ids(mgr) == set()
     mgr.free(r)
     assert mgr.get_computed_blocks(Request("b", toks(9))) == ([], 0)
-    assert mgr.block_pool.free_block_queue.block_ids() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert mgr.block_pool.eviction_policy.block_ids() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
 
 
 def test_stats_count_queries_and_hits(mgr10):

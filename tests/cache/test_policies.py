@@ -50,14 +50,14 @@ def test_unknown_policy_is_a_clear_error():
 
 # -- the replay's alternative policies ---------------------------------------------------------
 from prefixkv.cache import KVCacheManager  # noqa: E402
-from prefixkv.cache.policies import (  # noqa: E402
-    POLICIES, GhostCreditPolicy, HeapPolicy, LFUPolicy, PredictedReusePolicy, ReuseCreditPolicy,
-    UnhashedFirstPolicy, register_policy)
+from prefixkv.cache.eviction import (  # noqa: E402
+    POLICIES, AdaptiveCreditPolicy, GhostCreditPolicy, HeapPolicy, LFUPolicy, PredictedReusePolicy,
+    ReuseCreditPolicy, UnhashedFirstPolicy, register_policy)
 from prefixkv.request import Request  # noqa: E402
 
 
 def cached(block, key=("k",)):
-    block.block_hash = key
+    block.block_key = key
     return block
 
 
@@ -134,7 +134,7 @@ def test_ghost_credit_remembers_evicted_content_that_comes_back():
     a, b, c, d = q.popleft_n(4)
     q.append_n([cached(a, (0, (1, 2), None)), cached(b, (0, (3, 4), None))])
     assert q.popleft() is a  # evicted with its identity: remembered as a ghost
-    a.block_hash = None
+    a.block_key = None
     q.append_n([cached(c, (0, (5, 6), None))])  # new content, freed later than b
     # the same content as the evicted `a`, re-cached under a new parent identity
     q.append(cached(a, (7, (1, 2), None)))
@@ -142,7 +142,7 @@ def test_ghost_credit_remembers_evicted_content_that_comes_back():
     assert q.block_ids() == [3, 1, 2, 0]  # a's missed reuse buys it a credit
     assert q.popleft() is d and q.popleft() is b
     assert q.popleft() is c and q.popleft() is a
-    assert len(q._ghosts) == 3  # b, c and a (again, with its credit)
+    assert len(q.credits) == 3  # b, c and a (again, with its credit)
 
 
 def test_ghost_table_is_bounded():
@@ -150,15 +150,15 @@ def test_ghost_table_is_bounded():
     q = GhostCreditPolicy(blocks)
     for i in range(200):
         b = q.popleft()
-        b.block_hash = None
+        b.block_key = None
         q.append(cached(b, (0, (i,), None)))
-    assert len(q._ghosts) <= q._ghost_cap == 32
+    assert len(q.credits) <= q.credits.capacity == 32
 
 
 def test_policies_are_registered_and_only_reuse_aware_ones_hook_the_pool():
     assert set(POLICIES) >= {"lru", "unhashed-first", "lfu", "reuse-credit", "ghost-credit"}
     mgr = KVCacheManager(8, 2, eviction_policy="lru")
-    assert "touch" not in vars(mgr.block_pool)  # the default path is untouched
+    assert not mgr.block_pool.notifies_hits and mgr._on_request_free is None  # the default path calls no hook
     mgr = KVCacheManager(8, 2, eviction_policy="lfu")
     a, b = Request("a", [1, 2, 3, 4, 5]), Request("b", [1, 2, 3, 4, 6])
     for req in (a, b):  # b hits a's two blocks while a still holds them
@@ -166,7 +166,7 @@ def test_policies_are_registered_and_only_reuse_aware_ones_hook_the_pool():
         assert mgr.allocate_slots(req, req.num_tokens - n, hits) is not None
         req.num_computed_tokens = req.num_tokens
     held = mgr.get_blocks("b")[:2]
-    assert [mgr.block_pool.free_block_queue.hits[blk.block_id] for blk in held] == [1, 1]
+    assert [mgr.block_pool.eviction_policy.hits[blk.block_id] for blk in held] == [1, 1]
     mgr.free(a)
     mgr.free(b)
     assert mgr.num_free_blocks == 8
@@ -182,13 +182,12 @@ def test_a_new_policy_is_one_small_class():
 
     try:
         mgr = KVCacheManager(4, 2, eviction_policy="test-mru")
-        assert isinstance(mgr.block_pool.free_block_queue, MRU)
+        assert isinstance(mgr.block_pool.eviction_policy, MRU)
     finally:
         del POLICIES["test-mru"]
 
 
 def test_adaptive_credit_switches_unproven_chains_to_newest_first_when_reuses_are_far():
-    from prefixkv.cache.policies import AdaptiveCreditPolicy
     blocks = [KVCacheBlock(i) for i in range(5)]
     q = AdaptiveCreditPolicy(blocks)
     a, b, c, d, e = q.popleft_n(5)
@@ -200,7 +199,7 @@ def test_adaptive_credit_switches_unproven_chains_to_newest_first_when_reuses_ar
     q.remove(b)
     assert not q.mru
     for _ in range(3):  # three far reuses outweigh the two near ones
-        q._reuse(10 * len(blocks))
+        q.distances.observe(10 * len(blocks))
     assert q.mru
     q.append_n([c])  # no identity: always first
     q.append_n([a, b])  # credited by their hits: after every unproven block, oldest first
@@ -209,11 +208,11 @@ def test_adaptive_credit_switches_unproven_chains_to_newest_first_when_reuses_ar
     assert q.block_ids() == [2, 3, 4, 0, 1]
     # a ghost return far away counts as a far reuse
     assert q.popleft() is c and q.popleft() is d
-    far = q._far
-    d.block_hash = None
+    far = q.distances.far
+    d.block_key = None
     q._seq += 10 * len(blocks)
     q.append(cached(d, (5, (4,), None)))  # d's evicted content comes back
-    assert q._far > far and q.block_ids()[-1] == 3  # with its ghost credit, freed last
+    assert q.distances.far > far and q.block_ids()[-1] == 3  # with its ghost credit, freed last
 
 
 def test_adaptive_credit_replays_like_the_others():
@@ -238,9 +237,9 @@ def test_predicted_reuse_learns_which_finished_requests_come_back():
         q.append_n([cached(b, (0, (i, 2), None))])
         short_cls, long_cls = q._cls[a.block_id], q._cls[b.block_id]
         q.remove(a)
-        a.block_hash = None
+        a.block_key = None
         q.append(a)
-    assert q._rate(short_cls) > 0.8 > 0.2 > q._rate(long_cls)
+    assert q.rates.rate(short_cls) > 0.8 > 0.2 > q.rates.rate(long_cls)
     c, d = q.popleft_n(2)
     q.on_request_free(100, 10)
     q.append_n([cached(c, (0, (99, 1), None))])
@@ -255,8 +254,8 @@ def test_predicted_reuse_never_ranks_a_block_above_its_parent():
     blocks = [KVCacheBlock(i) for i in range(3)]
     q = PredictedReusePolicy(blocks)
     root, mid, leaf = q.popleft_n(3)
-    q._reused[:] = [float(i % 7) for i in range(len(q._reused))]  # rates rising with tail distance
-    q._freed[:] = [7.0] * len(q._freed)
+    q.rates.reused[:] = [float(i % 7) for i in range(len(q.rates.reused))]  # rates rising with tail distance
+    q.rates.freed[:] = [7.0] * len(q.rates.freed)
     q.on_request_free(30, 1)
     q.append_n([cached(leaf, (2, (3,), None)), cached(mid, (1, (2,), None)), cached(root, (0, (1,), None))])
     assert q.block_ids() == [leaf.block_id, mid.block_id, root.block_id]

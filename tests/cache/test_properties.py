@@ -27,7 +27,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _record_content(self, req):
         bs = self.mgr.block_size
         for i, block in enumerate(self.mgr.get_blocks(req.request_id)):
-            if block.block_hash is not None:
+            if block.block_key is not None:
                 self.content[block.block_id] = (tuple(req.all_token_ids[: (i + 1) * bs]),)
 
     @rule(prompt=st.lists(VOCAB, min_size=1, max_size=24))
@@ -76,7 +76,7 @@ class CacheMachine(RuleBasedStateMachine):
     def blocks_are_free_xor_held(self):
         pool = self.mgr.block_pool
         holders = Counter(b for r in self.live.values() for b in self.mgr.get_block_ids(r.request_id))
-        free_ids = pool.free_block_queue.block_ids()
+        free_ids = pool.eviction_policy.block_ids()
         assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
         free = set(free_ids)
         for block in pool.blocks:
@@ -90,14 +90,13 @@ class CacheMachine(RuleBasedStateMachine):
     def table_entries_match_their_blocks(self):
         pool = self.mgr.block_pool
         in_table = 0
-        for key, entry in pool.cached_blocks.items():
-            blocks = [entry] if not isinstance(entry, dict) else list(entry.values())
-            assert blocks
+        for key, blocks in pool.cached_blocks.items():
+            assert blocks and pool.get_cached_block(key) is blocks[0]
             assert len({b.uid for b in blocks}) == 1
             for block in blocks:
-                assert block.block_hash == key
+                assert block.block_key == key
                 in_table += 1
-        assert in_table == sum(b.block_hash is not None for b in pool.blocks)
+        assert in_table == sum(b.block_key is not None for b in pool.blocks)
         if not self.mgr.enable_caching:
             assert in_table == 0
 

@@ -34,7 +34,7 @@ def test_duplicated_blocks():
     decode(mgr, r2, I)  # computes H: EFGH full again, in block 3
     assert mgr.get_block_ids("r2") == [0, 3]  # append-only: 3 is not swapped for 1
     assert cached_ids(mgr) == {0, 1, 3}  # time 1: both copies of EFGH cached
-    assert mgr.block_pool.blocks[1].block_hash == mgr.block_pool.blocks[3].block_hash
+    assert mgr.block_pool.blocks[1].block_key == mgr.block_pool.blocks[3].block_key
     mgr.free(r2)
     assert mgr.num_free_blocks == 10
 
@@ -58,21 +58,21 @@ def test_ten_block_walkthrough(mgr10):
     r1.num_computed_tokens = 14
 
     mgr.free(r0)
-    assert mgr.block_pool.free_block_queue.block_ids() == [7, 8, 9, 4, 3, 2]
+    assert mgr.block_pool.eviction_policy.block_ids() == [7, 8, 9, 4, 3, 2]
     mgr.free(r1)
-    assert mgr.block_pool.free_block_queue.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
+    assert mgr.block_pool.eviction_policy.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
 
     # Request 2: 33 tokens, the first 12 equal request 0's (its block 3 holds generated tokens).
     r2 = Request("r2", p0[:12] + list(range(400, 421)))
     hits, n = mgr.get_computed_blocks(r2)
     assert [b.block_id for b in hits] == [0, 1, 2] and n == 12
-    assert mgr.block_pool.free_block_queue.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]  # lookup changed nothing
-    block3_key = mgr.block_pool.blocks[3].block_hash
+    assert mgr.block_pool.eviction_policy.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]  # lookup changed nothing
+    block3_key = mgr.block_pool.blocks[3].block_key
     assert block3_key is not None
     new = mgr.allocate_slots(r2, 33 - n, hits)
     assert [b.block_id for b in new] == [7, 8, 9, 4, 3, 6]
     assert mgr.get_block_ids("r2") == [0, 1, 2, 7, 8, 9, 4, 3, 6]
-    assert mgr.block_pool.free_block_queue.block_ids() == [5]
+    assert mgr.block_pool.eviction_policy.block_ids() == [5]
     assert block3_key not in mgr.block_pool.cached_blocks  # evicted on the way
     r2.num_computed_tokens = 33
     mgr.free(r2)

@@ -2,7 +2,7 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixkv.cache.policies import POLICIES
+from prefixkv.cache import POLICIES
 from prefixkv.replay import TimeModel, TraceRequest, replay, replay_optimum
 from prefixkv.replay.optimum import infinite_cache_hit_rate
 
