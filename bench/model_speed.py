@@ -88,6 +88,7 @@ def main() -> None:
     # ours and transformers alternate rep by rep so load drift on a shared machine hits both
     fns = [("ours", ours_prefill)] + ([("transformers", hf_prefill)] if hf is not None else [])
     times = {name: [] for name, _ in fns}
+    print(f"  ... prefill, {n} tokens: warm-up and {args.reps} reps", flush=True)
     for name, fn in fns:
         fn()  # warm-up
     for _ in range(args.reps):
@@ -99,6 +100,7 @@ def main() -> None:
 
     # ------------------------------------------------------------ decode
     for B in (1, 8):
+        print(f"  ... decode, batch {B}: {args.steps} steps", flush=True)
         C = args.context
         prompts = torch.randint(100, vocab, (B, C), generator=g)
         per = (C + args.steps + 2 + bs - 1) // bs

