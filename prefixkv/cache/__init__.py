@@ -7,8 +7,15 @@ policy), pool.py (blocks, table, policy, events), manager.py (lookup, allocation
 """
 from .block import KVCacheBlock
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBuffer
-from .eviction import (POLICIES, EvictionPolicy, FreeKVCacheBlockQueue, HeapPolicy, LRUPolicy, get_policy,
-                       register_policy)
+from .eviction import (
+    POLICIES,
+    EvictionPolicy,
+    FreeKVCacheBlockQueue,
+    HeapPolicy,
+    LRUPolicy,
+    get_policy,
+    register_policy,
+)
 from .identity import HASH_ALGOS, BlockChain, BlockKey, block_extra_keys, get_hash_function, none_hash
 from .manager import KVCacheManager
 from .pool import BlockPool

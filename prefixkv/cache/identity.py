@@ -12,14 +12,17 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import cbor2
 
 from .protocol import CacheRequest
 
+# Extra keys of a block: tagged tuples such as ("lora", name, path), ("mm", identifier, offset)
+ExtraKeys = tuple[tuple[Any, ...], ...]
 # (parent identity uid or ROOT_UID, tokens of the block, extra keys or None)
-BlockKey = tuple[int, tuple[int, ...], tuple | None]
+BlockKey = tuple[int, tuple[int, ...], ExtraKeys | None]
 ROOT_UID = 0
 
 HashFunction = Callable[[Any], bytes]
@@ -67,11 +70,11 @@ def none_hash(hash_fn: HashFunction, seed: str | int = 0) -> bytes:
     return hash_fn(("prefixkv.NONE_HASH", seed))
 
 
-def block_extra_keys(request: CacheRequest, start: int, end: int, block_index: int) -> tuple | None:
+def block_extra_keys(request: CacheRequest, start: int, end: int, block_index: int) -> ExtraKeys | None:
     """Tagged extra keys of the block covering tokens [start, end), in the order LoRA, multimodal
     items overlapping the block (with their offset relative to the block start), cache salt (block
     0 only - the chain carries it to every later block). None when there are none."""
-    keys: list[tuple] = []
+    keys: list[tuple[Any, ...]] = []
     lora = request.lora_request
     if lora is not None:
         keys.append(("lora", lora.lora_name, lora.lora_path))
@@ -97,7 +100,7 @@ class BlockChain:
     def __init__(self, block_size: int, request: CacheRequest) -> None:
         self.block_size = block_size
         self.tokens: list[tuple[int, ...]] = []
-        self.extras: list[tuple | None] = []
+        self.extras: list[ExtraKeys | None] = []
         self.content_hashes: list[bytes] = []
         self._with_extras = has_extra_keys(request)
 
@@ -116,7 +119,7 @@ class BlockChain:
                                    for i in range(done, num_full))
         return num_full
 
-    def extra(self, index: int) -> tuple | None:
+    def extra(self, index: int) -> ExtraKeys | None:
         return self.extras[index] if self._with_extras else None
 
     def hashes_upto(self, n: int, hash_fn: HashFunction, root: bytes) -> list[bytes]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .block import KVCacheBlock
-from .eviction import EvictionPolicy, get_policy, overrides
 from .events import BlockStored, KVCacheEvent
+from .eviction import EvictionPolicy, get_policy, overrides
 from .identity import ROOT_UID, BlockChain, HashFunction, get_hash_function, none_hash
 from .pool import BlockPool
 from .protocol import CacheRequest

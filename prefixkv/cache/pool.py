@@ -2,11 +2,11 @@
 exact identity to cached block(s), and the pending KV events."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .block import KVCacheBlock
-from .eviction import EvictionPolicy, LRUPolicy, overrides
 from .events import AllBlocksCleared, BlockRemoved, KVCacheEvent, KVEventBuffer
+from .eviction import EvictionPolicy, LRUPolicy, overrides
 from .identity import BlockKey
 from .table import CachedBlockTable
 

@@ -1,30 +1,50 @@
 """What the cache needs of a request - and nothing more.
 
 The cache package imports nothing else of prefixkv; `prefixkv.request.Request` satisfies these
-protocols, and so can any object a benchmark or another engine brings.
+protocols, and so can any object a benchmark or another engine brings. Every member is read-only
+here (the cache never writes a request), so an attribute, a property or a frozen dataclass field
+all satisfy it.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 
 class LoRAKey(Protocol):
-    lora_name: str
-    lora_path: str
+    @property
+    def lora_name(self) -> str: ...
+
+    @property
+    def lora_path(self) -> str: ...
 
 
 class MultiModalKey(Protocol):
-    identifier: str  # content hash of the item, computed by whoever preprocesses it
-    offset: int  # index of the item's first placeholder token in the prompt
-    length: int  # number of placeholder tokens
+    @property
+    def identifier(self) -> str: ...  # content hash of the item, computed by whoever preprocesses it
+
+    @property
+    def offset(self) -> int: ...  # index of the item's first placeholder token in the prompt
+
+    @property
+    def length(self) -> int: ...  # number of placeholder tokens
 
 
 class CacheRequest(Protocol):
-    request_id: str
-    num_computed_tokens: int
-    lora_request: LoRAKey | None
-    mm_items: Sequence[MultiModalKey]
-    cache_salt: str | None
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def lora_request(self) -> LoRAKey | None: ...
+
+    @property
+    def mm_items(self) -> Sequence[MultiModalKey]: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...

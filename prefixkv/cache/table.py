@@ -1,7 +1,7 @@
 """The cached-block table: exact identity -> the cached block(s) holding it."""
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from .block import KVCacheBlock
 from .identity import ROOT_UID, BlockKey

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from typing import Sequence
+from collections.abc import Sequence
 
 from .simulator import ReplayResult, TimeModel, run_schedule
 from .trace import TraceRequest
@@ -98,7 +98,8 @@ class BeladyBackend:
         self.free_cached: dict[int, int] = {}  # cached node nobody holds -> its heap stamp
         self.heap: list[tuple] = []  # (rank, -depth, stamp, node); rank = -next use here
         self.free_plain = num_blocks  # free blocks without identity
-        self.live: dict[int, tuple[list[int], int]] = {}
+        # request -> ((depth, node) it holds, plain blocks it holds, (depth, node) of its duplicates)
+        self.live: dict[int, tuple[list[tuple[int, int]], int, list[tuple[int, int]]]] = {}
         self.last_admitted = -1
         self._stamp = 0
         self._evictions = 0
@@ -135,7 +136,7 @@ class BeladyBackend:
         for _ in range(num_new - take_plain):
             self._evict_one()
         held = list(enumerate(chain[:h]))  # (depth, node) of every identity it holds
-        dups = []  # (depth, node): its own copy of a block another running request holds
+        dups: list[tuple[int, int]] = []  # (depth, node): its own copy of a block another running request holds
         plain = required - h
         for depth in range(h, len(chain)):
             node = chain[depth]

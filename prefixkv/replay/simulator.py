@@ -23,11 +23,11 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
-from prefixkv.cache import KVCacheManager
-from prefixkv.cache import EvictionPolicy, get_policy
+from prefixkv.cache import EvictionPolicy, KVCacheManager, get_policy
 from prefixkv.request import Request
 
 from .trace import TraceRequest

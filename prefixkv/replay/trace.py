@@ -17,9 +17,9 @@ optional `timestamp` (ms, default: the line number x 1000) and `output_length` (
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_OUTPUT_LENGTH = 128
@@ -39,6 +39,8 @@ class TraceRequest:
     def prompt_token_ids(self) -> list[int]:
         if self.token_ids is not None:
             return list(self.token_ids)
+        if self.hash_ids is None:
+            raise ValueError("a trace request needs hash_ids or token_ids")
         return expand_hash_ids(self.hash_ids, self.input_length)
 
 
@@ -91,7 +93,7 @@ def parse_mooncake(obj: dict, where: str = "") -> TraceRequest:
 
 def parse_simple(obj: dict, index: int, where: str = "") -> TraceRequest:
     if "prompt_token_ids" in obj or "token_ids" in obj:
-        tokens = tuple(int(t) for t in obj.get("prompt_token_ids", obj.get("token_ids")))
+        tokens = tuple(int(t) for t in obj.get("prompt_token_ids", obj.get("token_ids")) or ())
     elif "prompt" in obj:
         tokens = tuple(str(obj["prompt"]).encode("utf-8"))
     else:

@@ -3,8 +3,14 @@ import random
 
 import pytest
 
-from prefixkv.cache import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager,
-                            block_extra_keys, get_hash_function)
+from prefixkv.cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheManager,
+    block_extra_keys,
+    get_hash_function,
+)
 from prefixkv.request import LoRARequest, MultiModalItem, Request
 
 from .conftest import decode, prefill

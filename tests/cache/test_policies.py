@@ -51,8 +51,16 @@ def test_unknown_policy_is_a_clear_error():
 # -- the replay's alternative policies ---------------------------------------------------------
 from prefixkv.cache import KVCacheManager  # noqa: E402
 from prefixkv.cache.eviction import (  # noqa: E402
-    POLICIES, AdaptiveCreditPolicy, GhostCreditPolicy, HeapPolicy, LFUPolicy, PredictedReusePolicy,
-    ReuseCreditPolicy, UnhashedFirstPolicy, register_policy)
+    POLICIES,
+    AdaptiveCreditPolicy,
+    GhostCreditPolicy,
+    HeapPolicy,
+    LFUPolicy,
+    PredictedReusePolicy,
+    ReuseCreditPolicy,
+    UnhashedFirstPolicy,
+    register_policy,
+)
 from prefixkv.request import Request  # noqa: E402
 
 

@@ -38,7 +38,7 @@ def get_policy(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
     if isinstance(name, type) and issubclass(name, EvictionPolicy):
         return name
     try:
-        return POLICIES[name]  # type: ignore[index]
+        return POLICIES[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}") from None
 

@@ -3,7 +3,8 @@ credits (the memory of evicted identities) and near/far reuse-distance counts.""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from ..block import KVCacheBlock
 from .heap import HeapPolicy

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import heapq
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..block import KVCacheBlock
 from .base import EvictionPolicy

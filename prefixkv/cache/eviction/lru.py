@@ -1,7 +1,7 @@
 """The default policy: the seed's LRU free queue, an intrusive doubly linked list (the hot path)."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..block import KVCacheBlock
 from .base import EvictionPolicy
@@ -33,7 +33,7 @@ class LRUPolicy(EvictionPolicy):
         return self._num_free
 
     def popleft(self) -> KVCacheBlock:
-        block = self._head.next_free_block
+        block: KVCacheBlock = self._head.next_free_block
         if block is self._tail:
             raise ValueError("no free block to pop")
         nxt = block.next_free_block
@@ -41,7 +41,7 @@ class LRUPolicy(EvictionPolicy):
         nxt.prev_free_block = self._head
         block.prev_free_block = block.next_free_block = None
         self._num_free -= 1
-        return block  # type: ignore[no-any-return]
+        return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self._num_free:

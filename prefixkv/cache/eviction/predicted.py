@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..block import KVCacheBlock
 from .credit import Ghost, GhostCredits, ReuseDistances
