@@ -1,4 +1,8 @@
-"""prefixkv: an LLM inference engine built around exact automatic prefix caching."""
+"""prefixkv: an LLM inference engine built around exact automatic prefix caching.
+
+vLLM's interface (`LLM`, `SamplingParams`, an OpenAI-compatible server); the layers, the exact
+block identity and where to add a model, a policy or a route: docs/design.md.
+"""
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .request import LoRARequest, MultiModalItem
 from .sampling_params import SamplingParams

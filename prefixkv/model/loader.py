@@ -1,4 +1,8 @@
-"""Loading models: the embedded default GGUF, an HF folder, or a single .gguf file."""
+"""Loading models: the embedded default GGUF, an HF folder, or a single .gguf file.
+
+Only local files are read; nothing is downloaded. The formats and the conversions applied to
+them: docs/design.md, "Model".
+"""
 
 from __future__ import annotations
 
