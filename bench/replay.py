@@ -175,8 +175,8 @@ Mooncake traces and regenerates this page and the plots:
 * **Conversation trace: the first 6,000 of 12,031 requests** (the first ~30 minutes), to keep the
   full sweep (6 sizes x 7 policies + 2 oracles, both traces) within ~4 minutes on 2 cores; pass
   `--conversation-limit 0` for all of it. The synthetic trace is replayed whole.
-* **Policies** (`prefixkv/cache/policies.py`, each a small class registered in `POLICIES`;
-  `KVCacheManager(..., eviction_policy=name)`):
+* **Policies** (`prefixkv/cache/eviction/`, one file per family, each policy a small class
+  registered in `POLICIES`; `KVCacheManager(..., eviction_policy=name)`):
   * `lru` - the seed's (default): least recently freed first, a request's tail first.
   * `unhashed-first` - free blocks without an identity (partial blocks, reserved decode room)
     before any cached block, LRU within each group.
@@ -201,13 +201,14 @@ Mooncake traces and regenerates this page and the plots:
     falls in a class - unproven blocks by what the engine knows when their request finishes
     (output length, how many of the request's blocks were new, distance from the chain's tail,
     whether the request hit at all; the manager passes the first two through the policy's
-    optional `on_request_free` hook), proven ones by credit count and output length - and the
+    `on_request_free` hook), proven ones by credit count and output length - and the
     policy counts per class how many freed blocks were reused later (hits while free, ghost
     returns). A block's extra life is `8 x num_blocks` appends times its class's reuse rate; no
     block ranks above its parent; unproven chains go newest first while reuses are far, as in
     `adaptive-credit`.
-  The non-default policies are heaps with lazy deletion (O(log n)); the pool calls an optional
-  `on_hit` only for policies that define it, so the default path is unchanged.
+  The non-default policies are heaps with lazy deletion (O(log n)); the hooks `on_hit` and
+  `on_request_free` are declared on `EvictionPolicy` with no-op defaults, and the pool and manager
+  call them only for policies that override them, so the default path is unchanged.
 
 Two offline references read the future (`prefixkv/replay/optimum.py`): `optimum`, Belady's
 farthest-next-use over the same schedule (the bound the target is stated against), and

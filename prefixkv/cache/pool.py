@@ -65,19 +65,23 @@ class BlockPool:
         if n > self.eviction_policy.num_free_blocks:
             raise ValueError(f"cannot get {n} free blocks from the pool")
         blocks = self.eviction_policy.popleft_n(n)
+        evict = self.cached_blocks.remove
+        num_evicted = 0
         for block in blocks:
-            if block.block_key is not None:
-                self._evict(block)
+            if block.block_key is not None:  # evicted: it leaves the table, losing its identity
+                evict(block)
+                num_evicted += 1
+                if block.content_hash is not None:
+                    self._removed(block)
             block.ref_cnt = 1
+        self.num_evictions += num_evicted
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        self.cached_blocks.remove(block)
-        if block.content_hash is not None:
-            if self.events is not None:
-                self.events.append(BlockRemoved([block.content_hash]))
-            block.content_hash = None
-        self.num_evictions += 1
+    def _removed(self, block: KVCacheBlock) -> None:
+        """An evicted block's content hash leaves with it (a BlockRemoved event when events are on)."""
+        if self.events is not None and block.content_hash is not None:
+            self.events.append(BlockRemoved([block.content_hash]))
+        block.content_hash = None
 
     def _touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Cache hits: one more holder each; a block nobody held leaves the free set."""
