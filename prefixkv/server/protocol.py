@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response models, with vLLM's extra sampling fields.
 
-Unknown fields are ignored (as vLLM does) so clients that send newer OpenAI fields keep working.
-"""
+Fields prefixkv does not implement are refused by name (400), as OpenAI refuses an unrecognized
+argument: a request never gets a 200 that silently behaves differently from what it asked
+(`unsupported_fields`)."""
 from __future__ import annotations
 
 import time
@@ -33,10 +34,56 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+# Known OpenAI / vLLM request fields that prefixkv does not implement yet, with what to do instead.
+UNSUPPORTED_FIELDS = {
+    "response_format": "structured outputs are not implemented yet",
+    "structured_outputs": "structured outputs are not implemented yet",
+    "guided_json": "guided decoding is not implemented yet",
+    "guided_regex": "guided decoding is not implemented yet",
+    "guided_choice": "guided decoding is not implemented yet",
+    "guided_grammar": "guided decoding is not implemented yet",
+    "guided_decoding_backend": "guided decoding is not implemented yet",
+    "tools": "tool calling is not implemented yet",
+    "tool_choice": "tool calling is not implemented yet",
+    "parallel_tool_calls": "tool calling is not implemented yet",
+    "functions": "function calling is not implemented yet",
+    "function_call": "function calling is not implemented yet",
+    "logit_bias": "logit_bias is not implemented yet",
+    "use_beam_search": "beam search is not implemented",
+    "length_penalty": "beam search is not implemented",
+    "bad_words": "bad_words is not implemented yet",
+    "allowed_token_ids": "allowed_token_ids is not implemented yet",
+    "truncate_prompt_tokens": "prompt truncation is not implemented yet",
+    "prompt_embeds": "prompt embeddings are not supported",
+    "lora_request": "LoRA adapters are not applied yet",
+    "mm_processor_kwargs": "multimodal inputs are not supported yet",
+    "priority": "priority scheduling is not implemented (first come, first served)",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning models' options are not supported",
+    "documents": "documents for the chat template are not supported",
+    "chat_template": "a per-request chat template is not supported (the model's own is used)",
+    "tool_call_id": "tool calling is not implemented yet",
+}
 
-    model_config = ConfigDict(extra="ignore")
+
+def unsupported_fields(extra: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """(field, why) for every field of a request body that prefixkv does not implement. A field
+    sent as null is the same as not sent (clients often send their defaults as null)."""
+    out = []
+    for name, value in (extra or {}).items():
+        if value is None:
+            continue
+        out.append((name, UNSUPPORTED_FIELDS.get(name, "unrecognized request argument")))
+    return out
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. Undeclared fields are kept in
+    `model_extra` so that the route can refuse them by name."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1

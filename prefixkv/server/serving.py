@@ -16,7 +16,7 @@ from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .errors import APIError
 from .limits import RequestLimits
-from .protocol import PromptTokensDetails, UsageInfo
+from .protocol import PromptTokensDetails, UsageInfo, unsupported_fields
 from .streaming import merge, raise_if_failed
 
 
@@ -49,6 +49,13 @@ class OpenAIServing:
 
     def check_common(self, req: Any) -> None:
         """Limits and policies every route applies before any work is done."""
+        refused = unsupported_fields(req.model_extra)
+        if refused:
+            name, why = refused[0]
+            others = f" (also: {', '.join(n for n, _ in refused[1:])})" if len(refused) > 1 else ""
+            raise APIError(f"unsupported field {name!r}: {why}{others}", 400, param=name)
+        if getattr(req, "best_of", None) not in (None, 1):
+            raise APIError("best_of is not supported (vLLM v1 dropped it too); use n", 400, param="best_of")
         if isinstance(req.n, bool) or not 1 <= req.n <= self.limits.max_n:
             raise APIError(f"n must be an integer in [1, {self.limits.max_n}], got {req.n!r}", 400, param="n")
         if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= self.limits.max_logprobs:

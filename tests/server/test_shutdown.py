@@ -1,0 +1,77 @@
+"""Serving options that change the process: an empty API key, --require-cache-salt, and a
+graceful SIGTERM with requests in flight (the last test: it stops this module's server)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def server(make_server):
+    return make_server("--api-key", "", "--require-cache-salt", "--shutdown-timeout", "4")
+
+
+def test_empty_api_key_means_no_key(server):
+    assert httpx.get(server.base + "/v1/models", timeout=10).status_code == 200
+
+
+def test_require_cache_salt(server):
+    body = {"prompt": "Hello there", "max_tokens": 2}
+    r = httpx.post(server.base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(server.base + "/v1/chat/completions", json=chat, timeout=60).status_code == 400
+    r = httpx.post(server.base + "/v1/completions", json={**body, "cache_salt": "tenant-a"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_sigterm_drains_then_ends_what_is_left_and_exits_0(server):
+    long = {"prompt": "Tell me a long story.", "max_tokens": 900, "ignore_eos": True, "cache_salt": "t"}
+    short = {"prompt": "Say hi.", "max_tokens": 8, "ignore_eos": True, "cache_salt": "t"}
+    results: dict = {"events": [], "done": False}
+
+    def stream() -> None:
+        with httpx.stream("POST", server.base + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+            results["stream_status"] = r.status_code
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    results["done"] = True
+                elif line.startswith("data: "):
+                    results["events"].append(json.loads(line[6:]))
+
+    def plain(key: str, body: dict) -> None:
+        results[key] = httpx.post(server.base + "/v1/completions", json=body, timeout=120)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain, args=("long", long))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while not results["events"] and time.time() < deadline:  # the stream is generating
+        time.sleep(0.05)
+    short_thread = threading.Thread(target=plain, args=("short", short))
+    short_thread.start()
+    time.sleep(0.2)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    try:  # while draining, new work is refused (or the listener is already closed)
+        late = httpx.post(server.base + "/v1/completions", json=short, timeout=10)
+        assert late.status_code == 503, late.text
+    except httpx.TransportError:
+        pass
+    for t in [*threads, short_thread]:
+        t.join(60)
+    assert server.proc.wait(30) == 0, server.output()
+    assert results["short"].status_code == 200  # finished within the drain time
+    assert len(results["short"].json()["choices"][0]["text"]) > 0
+    assert results["long"].status_code == 503 and "shutting down" in results["long"].text
+    assert results["stream_status"] == 200 and results["done"]
+    errors = [e["error"] for e in results["events"] if "error" in e]
+    texts = [e for e in results["events"] if "choices" in e]
+    assert texts and len(errors) == 1 and errors[0]["code"] == 503, results["events"][-3:]
+    assert "Event loop is closed" not in server.output()
