@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: the load when the benchmark started (this module is imported at the top of the scripts)
+START_LOAD = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 #: one colour per engine, the same in every chart
 COLORS = {"prefixkv": "#1f77b4", "vLLM-CPU": "#ff7f0e", "llama.cpp": "#2ca02c"}
 
@@ -33,8 +35,7 @@ def command_line() -> str:
 
 
 def footnote(extra: str = "") -> str:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    text = f"{command_line()}  ({os.cpu_count()} CPUs, load average {load:.1f} at the start)"
+    text = f"{command_line()}  ({os.cpu_count()} CPUs, load average {START_LOAD:.1f} at the start)"
     return f"{text}\n{extra}" if extra else text
 
 
@@ -63,7 +64,9 @@ def bar_chart(path: str | Path, title: str, panels: list[Panel], note: str = "")
     plt = _pyplot()
     if plt is None:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    widths = [max(1.5, len(p.categories)) for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * sum(widths) + 1, 4.2), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
     for ax, panel in zip(axes[0], panels):
         names = [n for n, vals in panel.series.items() if any(v is not None for v in vals)]
         width = 0.8 / max(1, len(names))
