@@ -47,9 +47,8 @@ class CachedBlockTable:
     def insert(self, key: BlockKey, block: KVCacheBlock) -> None:
         """Enter a full block under its exact identity: a new identity gets a new number, a
         duplicate shares the number of the blocks already holding it."""
-        first = self._first.get(key)
-        if first is None:
-            self._first[key] = block
+        first = self._first.setdefault(key, block)  # one hash of the key
+        if first is block:
             block.uid = self._next_uid
             self._next_uid += 1
         else:
@@ -65,18 +64,14 @@ class CachedBlockTable:
         """A cached block is evicted: it leaves the table and loses its identity."""
         key = block.block_key
         assert key is not None, f"block {block.block_id} is not cached"
-        if self._first[key] is block:
-            others = self._others.get(key)
-            if others is None:
-                del self._first[key]
-            else:  # the oldest duplicate takes its place
-                bid = next(iter(others))
-                self._first[key] = others.pop(bid)
-                if not others:
-                    del self._others[key]
-        else:
-            others = self._others[key]
-            del others[block.block_id]
+        first = self._first.pop(key)  # one hash of the key when it has no duplicate
+        others = self._others.get(key) if self._others else None
+        if others is not None:
+            if first is block:  # the oldest duplicate takes its place
+                first = others.pop(next(iter(others)))
+            else:
+                del others[block.block_id]
+            self._first[key] = first
             if not others:
                 del self._others[key]
         block.block_key = None
