@@ -23,22 +23,55 @@ scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=20), st.sampled_from(["\ud800", "", "<|im_end|>", "\x00"]),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-                      max_leaves=6)
-prompts = st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 60000), max_size=8),
-                    st.lists(st.text(max_size=20), max_size=3), st.lists(st.lists(st.integers(0, 500), max_size=5),
-                                                                          max_size=3), values)
-SAMPLING = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-            "skip_special_tokens", "cache_salt", "request_id", "prompt_logprobs", "stream", "stream_options",
-            "user", "model", "response_format", "tools", "unknown_field"]
-field_values = st.dictionaries(st.sampled_from(SAMPLING), values, max_size=5)
-contents = st.one_of(st.text(max_size=30), values,
-                     st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", 3]),
-                                                     "text": values}), max_size=2))
-messages = st.one_of(values, st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x", 5]),
-                                                             "content": contents}), max_size=3))
+junk = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                    max_leaves=6)
+
+
+def strategies(wild: bool) -> dict[str, st.SearchStrategy]:
+    """Typed bodies pass the schema, so the engine's own checks and the engine itself are reached
+    (values of each field's type, edge values included); wild ones have anything in any field."""
+
+    def mostly(typed: st.SearchStrategy) -> st.SearchStrategy:
+        return st.one_of(typed, junk) if wild else typed
+
+    edge_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 2),
+                            st.sampled_from([0.0, 1.0, 1e-9, 1e308, -0.0]))
+    edge_ints = st.one_of(st.integers(-3, 30), st.sampled_from([2 ** 31, 2 ** 63, 2 ** 64 - 1, 2 ** 64, -(2 ** 64)]))
+    texts = st.one_of(st.text(max_size=30), st.sampled_from(["\ud800", "<|im_end|>", "\x00", "Hello world"]))
+    token_ids = st.lists(st.one_of(st.integers(0, 49151), st.integers(-5, 10 ** 6)), max_size=6)
+    fields = {
+        "n": mostly(st.integers(-1, 6)), "temperature": mostly(edge_floats), "top_p": mostly(edge_floats),
+        "top_k": mostly(edge_ints), "min_p": mostly(edge_floats), "seed": mostly(edge_ints),
+        "stop": mostly(st.one_of(texts, st.lists(texts, max_size=3))), "stop_token_ids": mostly(token_ids),
+        "presence_penalty": mostly(edge_floats), "frequency_penalty": mostly(edge_floats),
+        "repetition_penalty": mostly(edge_floats), "min_tokens": mostly(st.integers(-1, 6)),
+        "ignore_eos": mostly(st.booleans()), "include_stop_str_in_output": mostly(st.booleans()),
+        "skip_special_tokens": mostly(st.booleans()), "cache_salt": mostly(texts), "request_id": mostly(texts),
+        "prompt_logprobs": mostly(edge_ints), "stream": mostly(st.booleans()),
+        "stream_options": mostly(st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                                     "continuous_usage_stats": st.booleans()})),
+        "user": mostly(texts), "model": mostly(st.sampled_from([None, "nope", "HuggingFaceTB/SmolLM2-135M-Instruct"])),
+    }
+    if wild:
+        fields.update(response_format=junk, tools=junk, unknown_field=junk)
+    field_values = st.lists(st.sampled_from(sorted(fields)), max_size=5, unique=True).flatmap(
+        lambda keys: st.fixed_dictionaries({k: fields[k] for k in keys}))
+    words = st.text(min_size=1, max_size=30)
+    ids = st.lists(st.integers(0, 49151), min_size=1, max_size=6)
+    prompts = mostly(st.one_of(words, ids, texts, token_ids, st.lists(words, min_size=1, max_size=3),
+                               st.lists(ids, min_size=1, max_size=3)))
+    parts = st.lists(st.fixed_dictionaries({"type": mostly(st.just("text")), "text": mostly(texts)}), max_size=2)
+    messages = mostly(st.lists(st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "system", "assistant"])),
+                                                      "content": mostly(st.one_of(texts, parts))}), min_size=1,
+                                max_size=3))
+    small = st.one_of(st.none(), st.integers(0, 5), edge_ints)  # mostly valid lengths and counts
+    return {"fields": field_values, "prompts": prompts, "messages": messages, "ints": mostly(small),
+            "bools": mostly(st.booleans())}
+
+
+TYPED = strategies(wild=False)
+ANY = strategies(wild=True)
 
 
 def _bounded(body: dict, length_keys: tuple[str, ...]) -> dict:
@@ -70,18 +103,24 @@ def _check(server, path: str, body: dict) -> None:
             assert json.loads(line[6:])["error"]["code"] < 500, (line, content[:500])
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(fields=field_values, prompt=prompts, max_tokens=values, logprobs=values, echo=st.booleans())
-def test_fuzz_completions(server, fields, prompt, max_tokens, logprobs, echo):
-    body = {**fields, "prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs, "echo": echo}
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.parametrize("kind", ["typed", "wild"])
+@given(data=st.data())
+def test_fuzz_completions(server, kind, data):
+    s = TYPED if kind == "typed" else ANY
+    body = {**data.draw(s["fields"]), "prompt": data.draw(s["prompts"]), "max_tokens": data.draw(s["ints"]),
+            "logprobs": data.draw(s["ints"]), "echo": data.draw(st.booleans())}
     _check(server, "/v1/completions", _bounded(body, ("max_tokens",)))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(fields=field_values, msgs=messages, max_tokens=values, top_logprobs=values, logprobs=values)
-def test_fuzz_chat(server, fields, msgs, max_tokens, top_logprobs, logprobs):
-    body = {**fields, "messages": msgs, "max_completion_tokens": max_tokens, "top_logprobs": top_logprobs,
-            "logprobs": logprobs}
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.parametrize("kind", ["typed", "wild"])
+@given(data=st.data())
+def test_fuzz_chat(server, kind, data):
+    s = TYPED if kind == "typed" else ANY
+    body = {**data.draw(s["fields"]), "messages": data.draw(s["messages"]),
+            "max_completion_tokens": data.draw(s["ints"]), "top_logprobs": data.draw(s["ints"]),
+            "logprobs": data.draw(s["bools"])}
     _check(server, "/v1/chat/completions", _bounded(body, ("max_completion_tokens",)))
 
 
