@@ -35,7 +35,9 @@ def command_line() -> str:
 
 
 def footnote(extra: str = "") -> str:
-    text = f"{command_line()}  ({os.cpu_count()} CPUs, load average {START_LOAD:.1f} at the start)"
+    now = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    text = (f"{command_line()}  ({os.cpu_count()} CPUs; 1-minute load average {START_LOAD:.1f} at the start, "
+            f"{now:.1f} at the end)")
     return f"{text}\n{extra}" if extra else text
 
 
