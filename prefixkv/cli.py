@@ -9,55 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from typing import Sequence
 
+from .engine_args import MODEL_HELP, EngineArgs, parse_bytes  # noqa: F401  (parse_bytes: part of this CLI's API)
 from .server.launch import add_server_args
-
-MODEL_HELP = ("model to load: an HF model folder (config.json, tokenizer.json, *.safetensors) or a .gguf "
-              "file; omitted: the embedded SmolLM2-135M-Instruct")
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '2GiB', '1.5G' -> bytes (binary units: K = 1024)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2GiB)")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    value = int(float(m.group(1)) * scale)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
-    g = p.add_argument_group("model and engine (vLLM's flag names)")
-    if positional_model:
-        g.add_argument("model_tag", nargs="?", metavar="MODEL", default=None, help=MODEL_HELP)
-    g.add_argument("--model", dest="model_flag", default=None, help="same as the MODEL argument")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-                   help="weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: auto)")
-    g.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest sequence (prompt + output) in tokens; default: the model's, capped by the KV budget")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
-    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
-                   help="KV cache budget in bytes, e.g. 536870912, 512M, 2GiB (default: 1GiB)")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="KV cache budget in blocks; overrides --kv-cache-memory-bytes")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of identical prompt prefixes across requests (default: on)")
-    g.add_argument("--prefix-caching-hash-algo", default="sha256_cbor",
-                   choices=["sha256_cbor", "sha256", "xxhash_cbor"],
-                   help="content hash naming cached blocks (default: sha256_cbor, as vLLM)")
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="most sequences in one batch (default: 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the default sampling generator (default: 0)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens_default: int | None) -> None:
@@ -95,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run an OpenAI-compatible HTTP server: POST /v1/completions, /v1/chat/completions, "
                     "GET /v1/models, /health, /metrics (Prometheus, vLLM's metric names), "
                     "POST /reset_prefix_cache. Flags follow `vllm serve`.")
-    _add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)  # the engine's flags: one source, prefixkv/engine_args.py
     add_server_args(serve)
 
     gen = sub.add_parser("generate", help="generate one completion in the terminal",
@@ -104,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("-n", type=int, default=1, help="completions to sample (default: 1)")
-    _add_engine_args(gen, positional_model=False)
+    EngineArgs.add_cli_args(gen, positional_model=False)
     _add_sampling_args(gen, 64)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (keeps history; /exit to quit)",
@@ -112,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "Commands: /exit (or EOF) quits, /reset clears the history.")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--no-stream", dest="stream", action="store_false", help="print each reply when complete")
-    _add_engine_args(chat, positional_model=False)
+    EngineArgs.add_cli_args(chat, positional_model=False)
     _add_sampling_args(chat, 256)
 
     sub.add_parser("replay", help="replay a request trace through the KV cache manager (see docs/replay.md)",
@@ -120,15 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_config(args: argparse.Namespace):
-    from .config import EngineConfig
-    model = getattr(args, "model_tag", None) or args.model_flag
-    return EngineConfig(
-        model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        block_size=args.block_size, num_blocks=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo, seed=args.seed)
+def engine_config(args: argparse.Namespace) -> EngineArgs:
+    """The parsed flags as EngineArgs (refuses vLLM options prefixkv does not implement)."""
+    return EngineArgs.from_cli_args(args)
 
 
 def sampling_params(args: argparse.Namespace, n: int = 1):

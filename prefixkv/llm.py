@@ -1,28 +1,61 @@
-"""The offline API, shaped like vLLM's: a script written for vLLM runs by changing the import."""
+"""The offline API, shaped like vLLM's: a script written for vLLM runs by changing the import.
+
+`LLM(...)` takes `EngineArgs`' keywords (prefixkv/engine_args.py: vLLM's names and defaults,
+written once). Anything vLLM accepts that prefixkv does not implement - an engine option, a
+prompt field, a generate() or chat() argument - is refused with a ValueError naming it, unless
+its value changes nothing here."""
 from __future__ import annotations
 
-import logging
 from typing import Any, Sequence
 
-from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
+from .engine_args import EngineArgs
 from .outputs import RequestOutput
 from .request import LoRARequest
 from .sampling_params import SamplingParams
 
-logger = logging.getLogger("prefixkv")
-
-# vLLM arguments accepted for compatibility that have no meaning here.
-_IGNORED_VLLM_ARGS = {
-    "tokenizer_mode", "trust_remote_code", "tensor_parallel_size", "pipeline_parallel_size",
-    "gpu_memory_utilization", "swap_space", "cpu_offload_gb", "enforce_eager", "quantization",
-    "revision", "tokenizer_revision", "disable_custom_all_reduce", "disable_log_stats",
-    "max_seq_len_to_capture", "compilation_config", "distributed_executor_backend",
-    "enable_chunked_prefill", "download_dir", "load_format", "hf_overrides", "max_logprobs",
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+# vLLM prompt-dict fields prefixkv does not implement
+_UNSUPPORTED_PROMPT_KEYS = {
+    "multi_modal_data": "multimodal inputs are not implemented",
+    "mm_processor_kwargs": "multimodal inputs are not implemented",
+    "multi_modal_uuids": "multimodal inputs are not implemented",
+    "prompt_embeds": "prompt embeddings are not implemented",
+    "token_type_ids": "token type ids are not implemented",
+}
+# vLLM generate() / chat() arguments prefixkv does not implement: accepted only when None
+_UNSUPPORTED_CALL_ARGS = {
+    "guided_options_request": "guided decoding is not implemented",
+    "prompt_adapter_request": "prompt adapters are not implemented",
+    "tokenization_kwargs": "tokenization options are not implemented",
+    "truncate_prompt_tokens": "prompt truncation is not implemented",
+    "chat_template": "the model's own chat template is used",
+    "tools": "tool calling is not implemented",
+    "documents": "documents are not implemented",
+    "chat_template_kwargs": "chat template options are not implemented",
+    "mm_processor_kwargs": "multimodal inputs are not implemented",
 }
 
 
-def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[str | list[int]]:
+def _refuse_call_args(where: str, kwargs: dict[str, Any]) -> None:
+    unknown = sorted(set(kwargs) - set(_UNSUPPORTED_CALL_ARGS))
+    if unknown:
+        raise TypeError(f"{where}() got unexpected arguments: {', '.join(unknown)}")
+    for name, value in kwargs.items():
+        if value is not None and value != {}:
+            raise ValueError(f"{where}({name}=...) is not supported by prefixkv: {_UNSUPPORTED_CALL_ARGS[name]}")
+
+
+def _refuse_lora(lora_request: Any) -> None:
+    items = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+    named = [r for r in items if r is not None]
+    if named:
+        name = getattr(named[0], "lora_name", named[0])
+        raise ValueError(f"LoRA weights are not applied yet: prefixkv cannot serve a LoRARequest ({name!r})")
+
+
+def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None]]:
+    """Each prompt as (text or token ids, its own cache_salt)."""
     if prompt_token_ids is not None:
         prompts = prompt_token_ids
     if prompts is None:
@@ -31,9 +64,16 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[str | list[int]
         prompts = [prompts]
     elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         prompts = [list(prompts)]  # one prompt of token ids
-    out: list[str | list[int]] = []
+    out: list[tuple[str | list[int], str | None]] = []
     for p in prompts:
+        salt = None
         if isinstance(p, dict):
+            for key in p:
+                if key in _UNSUPPORTED_PROMPT_KEYS:
+                    raise ValueError(f"prompt field {key!r} is not supported by prefixkv: {_UNSUPPORTED_PROMPT_KEYS[key]}")
+                if key not in _PROMPT_KEYS:
+                    raise ValueError(f"unknown prompt field {key!r}; a prompt dict takes {', '.join(sorted(_PROMPT_KEYS))}")
+            salt = p.get("cache_salt")
             if "prompt_token_ids" in p:
                 p = list(p["prompt_token_ids"])
             elif "prompt" in p:
@@ -41,9 +81,9 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[str | list[int]
             else:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {sorted(p)}")
         if isinstance(p, str):
-            out.append(p)
+            out.append((p, salt))
         elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
-            out.append(list(p))
+            out.append((list(p), salt))
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}")
     if not out:
@@ -54,31 +94,11 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[str | list[int]
 class LLM:
     """LLM(model=None, enable_prefix_caching=True, ...): None loads the embedded SmolLM2-135M-Instruct.
 
-    The KV budget is `kv_cache_memory_bytes` (or `num_blocks`, or vLLM's
-    `num_gpu_blocks_override`), not the model's maximum length."""
+    Keywords are `EngineArgs` fields. The KV budget is `kv_cache_memory_bytes` (or `num_blocks`,
+    or vLLM's `num_gpu_blocks_override`), not the model's maximum length."""
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16, seed: int = 0,
-                 enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
-                 num_blocks: int | None = None, num_gpu_blocks_override: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 prefix_caching_hash_algo: str = "sha256_cbor", device: str | None = None,
-                 **kwargs: Any) -> None:
-        unknown = set(kwargs) - _IGNORED_VLLM_ARGS
-        if unknown:
-            raise TypeError(f"LLM() got unexpected arguments: {', '.join(sorted(unknown))}")
-        if kwargs:
-            logger.info("ignoring vLLM arguments with no meaning here: %s", ", ".join(sorted(kwargs)))
-        if tokenizer is not None and tokenizer != model:
-            raise ValueError("a separate tokenizer is not supported: the tokenizer comes with the model")
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
-            num_blocks=num_blocks if num_blocks is not None else num_gpu_blocks_override,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or 2048,
-            enable_prefix_caching=enable_prefix_caching, prefix_caching_hash_algo=prefix_caching_hash_algo,
-            seed=seed)
-        self.llm_engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
@@ -91,10 +111,17 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | None = None, *,
-                 prompt_token_ids: Any = None, cache_salt: str | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+                 prompt_token_ids: Any = None, cache_salt: str | None = None,
+                 priority: list[int] | None = None, **kwargs: Any) -> list[RequestOutput]:
         """Generate for one prompt or a batch (strings, token-id lists, or {"prompt": ...} /
-        {"prompt_token_ids": ...} dicts). Everything is validated before anything runs."""
+        {"prompt_token_ids": ...} dicts, each with an optional "cache_salt"). Everything is
+        validated before anything runs. A request that fails alone comes back finished with
+        `error` set; the others are unharmed."""
+        _refuse_call_args("generate", kwargs)
+        _refuse_lora(lora_request)
+        if priority is not None and any(p != 0 for p in priority):
+            raise ValueError("generate(priority=...) is not supported by prefixkv: scheduling is first come first served")
         items = _as_prompt_list(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -105,19 +132,33 @@ class LLM:
             if len(params_list) != len(items):
                 raise ValueError(f"{len(params_list)} sampling params for {len(items)} prompts")
         engine = self.llm_engine
-        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p in items]
-        for ids in tokenized:
+        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _ in items]
+        for ids, params in zip(tokenized, params_list):
             engine.validate_prompt(ids)
-        ids_in_order = []
-        for item, ids, params in zip(items, tokenized, params_list):
-            ids_in_order.append(engine.add_request(
-                ids, params, lora_request=lora_request, cache_salt=cache_salt,
-                prompt_text=item if isinstance(item, str) else None))
+            engine.validate_params(params)
+        ids_in_order: list[str] = []
+        try:
+            for (item, salt), ids, params in zip(items, tokenized, params_list):
+                ids_in_order.append(engine.add_request(
+                    ids, params, cache_salt=salt if salt is not None else cache_salt,
+                    prompt_text=item if isinstance(item, str) else None))
+        except BaseException:
+            engine.abort_request(ids_in_order)  # all or nothing
+            raise
         return self._run(ids_in_order, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, **kwargs: Any) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoRARequest | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             **kwargs: Any) -> list[RequestOutput]:
         """Chat completion for one conversation or a batch, through the model's chat template."""
+        _refuse_call_args("chat", kwargs)
+        _refuse_lora(lora_request)
+        if continue_final_message:
+            raise ValueError("chat(continue_final_message=True) is not supported by prefixkv")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat(chat_template_content_format={chat_template_content_format!r}) is not "
+                             "supported by prefixkv: message contents are strings")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = [tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -155,5 +196,3 @@ class LLM:
     def get_prefix_cache_stats(self):
         """Requests, queried tokens, hit tokens and hit rate since start."""
         return self.llm_engine.prefix_cache_stats
-
-

@@ -18,7 +18,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (also on error) | None while running
     stop_reason: int | str | None = None  # the stop string or token that ended it
 
     def finished(self) -> bool:
@@ -53,3 +53,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # vLLM's shape: None for the first prompt token, then {token id: Logprob} per position
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
+    # Set when the request failed alone (finished=True, finish_reason "abort", as vLLM v1 reports
+    # errored requests): the message says why. The other requests of the step are unharmed.
+    error: str | None = None

@@ -46,21 +46,29 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed alone (e.g. in sampling); reported as finish_reason "abort"
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR))
 
 
 class Request:
     """Satisfies prefixkv.cache.CacheRequest. Token lists only grow; the cache manager extends
-    the request's block identities incrementally from `all_token_ids`."""
+    the request's block identities incrementally from `all_token_ids`.
+
+    In the engine `request_id` is engine-private and unique by construction (the scheduler and
+    the cache manager key by it); the client's id belongs to the request group."""
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *,
                  sampling_params: Any = None, lora_request: LoRARequest | str | None = None,
                  mm_items: Iterable[MultiModalItem | tuple | dict] = (), cache_salt: str | None = None,
-                 prompt: str | None = None, arrival_time: float | None = None) -> None:
+                 prompt: str | None = None, arrival_time: float | None = None,
+                 generator: Any = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
@@ -89,6 +97,10 @@ class Request:
         # Prompt logprobs need logits at every prompt position, so such a request computes its
         # whole prompt (it still caches its blocks for others).
         self.skip_prefix_cache_read = False
+        # Prompt tokens whose logprob is known (token 0 has none); read while skip_prefix_cache_read.
+        self.prompt_logprobs_upto = 1
+        self.generator = generator  # seeded torch.Generator, or None for the engine's default
+        self.error: str | None = None  # why the request failed, when status is FINISHED_ERROR
 
     @property
     def all_token_ids(self) -> list[int]:

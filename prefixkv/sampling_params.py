@@ -1,7 +1,27 @@
-"""SamplingParams with vLLM's field names, validated up front so bad values never reach the engine."""
+"""SamplingParams with vLLM's field names, validated up front so bad values never reach the engine.
+
+Every number must be finite and in its range (a NaN or an overflowing value would otherwise
+surface mid-step); vLLM fields prefixkv does not implement are refused by name unless they have
+their default value. The engine checks what depends on it (logprobs against max_logprobs) when a
+request is added."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TEMPERATURE = 1e4  # beyond it sampling is uniform anyway; float('inf') or 1e308 would overflow
+PENALTY_RANGE = (1e-4, 1e4)  # repetition_penalty: outside it the scaled logits overflow float32
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes (negative wraps)
+
+# vLLM fields prefixkv does not implement: accepted only with the value that changes nothing.
+_UNSUPPORTED: dict[str, Any] = {
+    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+    "logits_processors": None, "guided_decoding": None, "structured_outputs": None, "logit_bias": None,
+    "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None, "extra_args": None,
+    "spaces_between_special_tokens": True, "output_kind": None, "flat_logprobs": False,
+}
 
 
 @dataclass
@@ -25,59 +45,91 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._verify()
+        self.verify()
 
-    def _verify(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(msg)
-
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not 0.0 <= self.temperature:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool)
-                                                 or self.prompt_logprobs < 0):
-            bad(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not 0.0 < self.repetition_penalty:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+    def verify(self) -> None:
+        """Raise ValueError naming the first bad field. The engine calls it again when a request
+        is added: the dataclass is mutable."""
+        _int("n", self.n, 1)
+        _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _number("min_p", self.min_p, 0.0, 1.0)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, 1)
+        _int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, what="a non-negative integer")
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, what="a non-negative integer")
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number("repetition_penalty", self.repetition_penalty, *PENALTY_RANGE)
+        if any(not isinstance(s, str) or not s for s in self.stop):  # type: ignore[union-attr]
+            raise ValueError("stop strings must be non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes: Any) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(name: str, value: Any, low: int, what: str | None = None) -> None:
+    if not _is_int(value) or value < low:
+        raise ValueError(f"{name} must be {what or f'an integer >= {low}'}, got {value!r}")
+
+
+def _number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (low < value if low_open else low <= value) and value <= high)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number in {'(' if low_open else '['}{low:g}, {high:g}], "
+                         f"got {value!r}")
+
+
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    # vLLM fields we do not implement: refused by name (a ValueError, not a silent no-op)
+    for name in [k for k in kwargs if k in _UNSUPPORTED]:
+        value = kwargs.pop(name)
+        default = _UNSUPPORTED[name]
+        if value is None or value == default or (name == "best_of" and value == kwargs.get("n", 1)):
+            continue
+        raise ValueError(f"SamplingParams {name}={value!r} is not supported by prefixkv")
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init  # type: ignore[method-assign]

@@ -1,68 +1,80 @@
-"""The engine loop: admit requests, schedule a step, run the model, sample, emit outputs."""
+"""The engine loop: admit requests, then per step schedule -> execute -> update -> emit outputs.
+
+The scheduler owns the KV cache manager and the request bookkeeping; the model runner owns the
+model and sampling; this class owns what the client sees: request groups (n sequences of one
+prompt), detokenized outputs and stop conditions (output_processor.py), errors, KV events and
+the stats snapshot.
+"""
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCacheManager
-from ..config import DEFAULT_KV_CACHE_BYTES, EngineConfig
-from ..model import LoadedModel, kv_cache_bytes_per_block, load_model
+from ..cache import KVCacheEvent, KVEventBuffer
+from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
+from ..model import LoadedModel, load_model
 from ..outputs import RequestMetrics, RequestOutput
 from ..request import LoRARequest, Request, RequestStatus
 from ..sampling_params import SamplingParams
+from .block_tensors import BlockTensors, kv_cache_specs
 from .model_runner import ModelRunner
+from .model_runner_output import ModelRunnerOutput
 from .output_processor import OutputState, logprob_entry, status_for
-from .sampler import sample, score_tokens
 from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
+from .stats import EngineStats
 
-def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+logger = logging.getLogger("prefixkv")
+
+MAX_PENDING_KV_EVENTS = 10_000  # engine-level buffer for the publisher: beyond it the oldest are dropped
+
+
+def resolve_device_dtype(config: EngineArgs) -> tuple[torch.device, torch.dtype]:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
-    if config.dtype == "auto":
-        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    elif config.dtype in names:
-        dtype = names[config.dtype]
-    else:
-        raise ValueError(f"unknown dtype {config.dtype!r}; choose auto, {', '.join(names)}")
-    return device, dtype
+    if config.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {config.dtype!r}; choose {', '.join(DTYPES)}")
+    name = DTYPES[config.dtype] or ("float32" if device.type == "cpu" else "bfloat16")
+    return device, getattr(torch, name)
 
 
 @dataclass
 class _Group:
     """A user request: n sequences sampled from one prompt (they share its cached blocks)."""
 
-    request_id: str
+    request_id: str  # the client's id (unique among live groups)
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
     states: list[OutputState]
     arrival_time: float
-    finished: bool = False
     # [None, entry for prompt token 1, ...] while prompt logprobs are wanted (filled by child 0)
     prompt_logprobs: list | None = None
+    error: str | None = None
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         bs = config.block_size
+        # Every per-block tensor is registered before the budget is divided among them.
+        self.block_tensors = BlockTensors(kv_cache_specs(self.model_config, bs, self.dtype))
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
             budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
-            num_blocks = budget // kv_cache_bytes_per_block(self.model_config, bs, self.dtype)
+            num_blocks = self.block_tensors.num_blocks_for(budget)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {bs} tokens")
         capacity = num_blocks * bs
-        model_max = self.model_config.max_position_embeddings
         if config.max_model_len is not None:
             if config.max_model_len > capacity:
                 raise ValueError(f"max_model_len={config.max_model_len} does not fit in the KV budget "
@@ -70,24 +82,29 @@ class LLMEngine:
                                  "kv_cache_memory_bytes / num_blocks or lower max_model_len")
             self.max_model_len = config.max_model_len
         else:
-            self.max_model_len = min(model_max, capacity)
+            self.max_model_len = min(self.model_config.max_position_embeddings, capacity)
         self.num_blocks = num_blocks
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks=num_blocks, block_size=bs, enable_caching=config.enable_prefix_caching,
-            hash_algo=config.prefix_caching_hash_algo, hash_seed=None,
+        self.scheduler = Scheduler(
+            num_blocks=num_blocks, block_size=bs, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, enable_caching=config.enable_prefix_caching,
+            hash_algo=config.prefix_caching_hash_algo, eviction_policy=config.eviction_policy,
             enable_kv_cache_events=config.enable_kv_cache_events)
-        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded, num_blocks, bs, self.dtype, self.device)
+        self.block_tensors.allocate(num_blocks, self.device)
+        self.runner = ModelRunner(self.loaded, self.block_tensors, self.dtype, self.device,
+                                  torch.Generator().manual_seed(config.seed % 2 ** 64))
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
-        self._child_of: dict[str, tuple[_Group, int]] = {}
-        self._generators: dict[str, torch.Generator] = {}
-        self._default_generator = torch.Generator().manual_seed(config.seed)
-        self._ids = itertools.count()
+        self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
+        self._group_ids = itertools.count()  # ids for requests that bring none
+        self._seq_ids = itertools.count()  # engine-private sequence ids: never derived from a client's string
+        self._kv_events = KVEventBuffer(MAX_PENDING_KV_EVENTS)
         # counters for metrics
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_requests_errored = 0
         self.num_steps = 0
+        self._stats = EngineStats()
+        self._update_stats()
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -97,7 +114,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -105,174 +122,215 @@ class LLMEngine:
                              f"(max_model_len) is {self.max_model_len} tokens, which must also hold "
                              "at least one generated token")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What depends on this engine, beyond SamplingParams' own checks (run again here: the
+        dataclass is mutable)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()
+        limit = min(self.config.max_logprobs, self.model_config.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name}={value} is more than this engine allows (max_logprobs={limit})")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, lora_request: LoRARequest | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_text: str | None = None) -> str:
         """Queue one prompt (text or token ids; `prompt_text` names the text that token ids came
-        from). Raises ValueError, changing nothing, on bad input."""
-        params = params or SamplingParams()
+        from). Returns the request id. Atomic: everything that can fail - validation,
+        tokenization, seeded generators - happens before any state changes, so on an exception
+        nothing is registered."""
+        params = params if params is not None else SamplingParams()
+        self.validate_params(params)
+        if lora_request is not None:
+            raise ValueError("LoRA weights are not applied yet: prefixkv cannot serve a LoRARequest "
+                             f"({getattr(lora_request, 'lora_name', lora_request)!r})")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = prompt_text, list(prompt)
         self.validate_prompt(ids)
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._groups:
+        if request_id is None:
+            request_id = str(next(self._group_ids))
+            while request_id in self._groups:  # a client may have taken it
+                request_id = str(next(self._group_ids))
+        elif not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        elif request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        arrival = time.time() if arrival_time is None else arrival_time
+        if arrival_time is None:
+            arrival = time.time()
+        elif isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time):
+            arrival = float(arrival_time)
+        else:
+            raise ValueError(f"arrival_time must be a finite number, got {arrival_time!r}")
         children, states = [], []
         for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            child = Request(child_id, ids, sampling_params=params, lora_request=lora_request,
-                            cache_salt=cache_salt, prompt=text, arrival_time=arrival)
-            children.append(child)
+            # seed + i wraps modulo 2**64 (what torch takes): any valid seed works for any n
+            gen = torch.Generator().manual_seed((params.seed + i) % 2 ** 64) if params.seed is not None else None
+            children.append(Request(f"seq-{next(self._seq_ids)}", ids, sampling_params=params, cache_salt=cache_salt,
+                                    prompt=text, arrival_time=arrival, generator=gen))
             states.append(OutputState(i, params, self.tokenizer))
         group = _Group(request_id, text, ids, children, states, arrival)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
             children[0].skip_prefix_cache_read = True
+        # -- commit: nothing below can fail --
         self._groups[request_id] = group
         for i, child in enumerate(children):
             self._child_of[child.request_id] = (group, i)
-            if params.seed is not None:
-                self._generators[child.request_id] = torch.Generator().manual_seed(params.seed + i)
             self.scheduler.add_request(child)
         self.num_prompt_tokens += len(ids) * params.n
+        self._update_stats()
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        """Stop requests wherever they are; their blocks are freed at once."""
+        """Stop requests wherever they are; their blocks are freed at once. Unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            group = self._groups.pop(rid, None)
-            if group is None:
-                continue
-            for child, state in zip(group.children, group.states):
-                if not child.is_finished:
-                    state.abort()
-                    self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
-                self._forget(child)
+            group = self._groups.get(rid)
+            if group is not None:
+                self._end_group(group, RequestStatus.FINISHED_ABORTED)
+        self._update_stats()
 
-    def _forget(self, child: Request) -> None:
-        self._child_of.pop(child.request_id, None)
-        self._generators.pop(child.request_id, None)
+    def _end_group(self, group: _Group, status: RequestStatus) -> None:
+        """Finish every unfinished sequence of a group with `status` and forget the group."""
+        for child, state in zip(group.children, group.states):
+            if not child.is_finished:
+                state.abort()
+                self.scheduler.finish_request(child, status)
+        self._forget(group)
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for child in group.children:
+            self._child_of.pop(child.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step. Returns an output for every request that produced a token
-        (cumulative text and tokens) or finished in this step."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.scheduler.num_unfinished:
-                raise RuntimeError("no request could be scheduled although some are waiting")
-            return []
-        self.num_steps += 1
-        chunks, starts, tables, sample_rows, hidden_rows = [], [], [], [], []
-        kv = self.kv_cache_manager
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens
-            chunks.append(req.all_token_ids[start:start + n])
-            starts.append(start)
-            tables.append(kv.get_block_ids(req.request_id))
-            sample_rows.append(start + n == req.num_tokens)
-            hidden_rows.append(self._wants_prompt_logprobs(req, start))
-        try:
-            logits, hidden = self.runner.execute(chunks, starts, tables, sample_rows,
-                                                 hidden_rows if any(hidden_rows) else None)
-            for req, start, h in zip(batch.requests, starts, hidden):
-                if h is not None:
-                    self._score_prompt(req, start, h)
-        except Exception:
-            self._fail_batch(batch.requests)
-            raise
-        sampled: list[Request] = []
-        for req, n, s in zip(batch.requests, batch.num_new_tokens, sample_rows):
-            req.num_computed_tokens += n
-            if s:
-                sampled.append(req)
-        if not sampled:
-            return []
-        params = [r.sampling_params for r in sampled]
-        gens = [self._generators.get(r.request_id, self._default_generator) for r in sampled]
-        eos_block = [self.eos_ids if r.num_output_tokens < r.sampling_params.min_tokens else None
-                     for r in sampled]
-        result = sample(logits, params, gens, [r.prompt_token_ids for r in sampled],
-                        [r.output_token_ids for r in sampled],
-                        eos_block if any(e is not None for e in eos_block) else None)
-        now = time.time()
+        """Run one step: schedule -> execute -> update -> emit. Returns an output for every
+        request that produced a token (cumulative text and tokens), finished or failed in this
+        step. Per-request failures finish that request with `RequestOutput.error`; a failing
+        forward pass fails the batch's requests the same way. Neither raises."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output:
+            stuck = self.scheduler.waiting and not scheduler_output.preempted_req_ids
+            outputs = self._fail_unschedulable() if stuck else []
+        else:
+            self.num_steps += 1
+            try:
+                runner_output = self.runner.execute(scheduler_output)
+            except Exception as e:
+                outputs = self._fail_step(scheduler_output, e)
+            else:
+                sampled, failed = self.scheduler.update_from_output(scheduler_output, runner_output)
+                outputs = self._process_outputs(runner_output, sampled, failed)
+        self._drain_kv_events()
+        self._update_stats()
+        return outputs
+
+    def _process_outputs(self, runner_output: ModelRunnerOutput, sampled: list[Request],
+                         failed: list[Request]) -> list[RequestOutput]:
+        """The output processor's half of the step: prompt logprobs, detokenized text, stop
+        conditions (a stopped sequence is finished in the scheduler), failed groups."""
+        for req_id, scored in runner_output.prompt_logprobs.items():
+            group = self._child_of[req_id][0]
+            entries = group.prompt_logprobs
+            prompt = group.prompt_token_ids
+            for pos, lp, rank, top in zip(itertools.count(scored.first), scored.logprobs, scored.ranks, scored.top):
+                entries.append(logprob_entry(self.tokenizer, prompt[pos], lp, rank, top))
         touched: dict[str, _Group] = {}
+        now = time.time()
+        lps, tops, ranks = runner_output.logprobs, runner_output.top_logprobs, runner_output.ranks
         for row, req in enumerate(sampled):
-            token = result.token_ids[row]
-            req.append_output_token_ids(token)
             self.num_generation_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
             group, idx = self._child_of[req.request_id]
-            wants = result.logprobs is not None and req.sampling_params.logprobs is not None
-            done = group.states[idx].update(
-                req, token, self.eos_ids, self.max_model_len,
-                result.logprobs[row] if wants else None,
-                result.top_logprobs[row] if wants else None,
-                result.ranks[row] if wants else None)
+            touched[group.request_id] = group
+            token = runner_output.sampled_token_ids[row]
+            wants = lps is not None and req.sampling_params.logprobs is not None
+            try:
+                done = group.states[idx].update(req, token, self.eos_ids, self.max_model_len,
+                                                lps[row] if wants else None, tops[row] if wants else None,
+                                                ranks[row] if wants else None)
+            except Exception as e:  # e.g. detokenizing: this request fails alone
+                req.error = f"processing the output failed: {type(e).__name__}: {e}"
+                failed.append(req)
+                continue
             if done:
                 req.finished_time = now
-                self.scheduler.finish(req, status_for(group.states[idx].finish_reason))
-            touched[group.request_id] = group
+                self.scheduler.finish_request(req, status_for(group.states[idx].finish_reason))
+        for req in failed:
+            entry = self._child_of.get(req.request_id)
+            if entry is not None:
+                self._fail_group(entry[0], req.error or "the request failed")
+                touched[entry[0].request_id] = entry[0]
         outputs = []
         for group in touched.values():
             out = self._output(group)
             outputs.append(out)
             if out.finished:
-                del self._groups[group.request_id]
-                for child in group.children:
-                    self._forget(child)
+                self._forget(group)
         return outputs
 
-    def _wants_prompt_logprobs(self, req: Request, start: int) -> bool:
-        """Child 0 of a group that asked for prompt logprobs, on a chunk that still has prompt
-        positions to score (positions already scored before a preemption are not redone)."""
-        if not req.skip_prefix_cache_read:
-            return False
-        group = self._child_of[req.request_id][0]
-        return len(group.prompt_logprobs) < req.num_prompt_tokens
+    def _fail_group(self, group: _Group, message: str) -> None:
+        if group.error is None:
+            group.error = message
+            self.num_requests_errored += 1
+            logger.warning("request %s failed: %s", group.request_id, message)
+        for child, state in zip(group.children, group.states):
+            if child.request_id in self.scheduler.requests:
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
+            if child.status is RequestStatus.FINISHED_ERROR or state.finish_reason is None:
+                state.abort()
 
-    PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The forward pass failed: the batch's new blocks were entered in the cache table but
+        hold no valid KV. Fail the batch's requests and forget every cached identity so no later
+        request hits them; if other requests hold blocks the table cannot be reset under them,
+        so they fail too. The engine keeps serving."""
+        logger.exception("the model failed in a step of %d requests", len(scheduler_output.scheduled))
+        message = f"the model failed: {type(exc).__name__}: {exc}"
+        groups = self._groups_of([sr.req_id for sr in scheduler_output.scheduled])
+        for group in groups:
+            self._fail_group(group, message)
+        if not self.scheduler.reset_prefix_cache():
+            others = self._groups_of([r.request_id for r in self.scheduler.running])
+            for group in others:
+                self._fail_group(group, message)
+            groups += others
+            self.scheduler.reset_prefix_cache()
+        outputs = [self._output(g) for g in groups]
+        for group in groups:
+            self._forget(group)
+        return outputs
 
-    def _score_prompt(self, req: Request, start: int, hidden) -> None:
-        """Row r of `hidden` (position start + r) predicts prompt token start + r + 1."""
-        group = self._child_of[req.request_id][0]
-        out = group.prompt_logprobs
-        prompt = req.prompt_token_ids
-        k = req.sampling_params.prompt_logprobs
-        first = len(out) - 1 - start  # first row not scored yet
-        last = min(len(hidden), len(prompt) - 1 - start)  # rows that predict a prompt token
-        for a in range(max(first, 0), last, self.PROMPT_LOGITS_SLICE):
-            b = min(last, a + self.PROMPT_LOGITS_SLICE)
-            targets = prompt[start + a + 1:start + b + 1]
-            lps, ranks, tops = score_tokens(self.runner.compute_logits(hidden[a:b]), targets, k)
-            for tok, lp, rank, top in zip(targets, lps, ranks, tops):
-                out.append(logprob_entry(self.tokenizer, tok, lp, rank, top))
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing could be scheduled although requests wait (a request that can never fit):
+        fail the head of the queue rather than spin."""
+        head = self.scheduler.waiting[0]
+        group = self._child_of[head.request_id][0]
+        self._fail_group(group, "the request cannot be scheduled: it does not fit in the KV cache")
+        out = self._output(group)
+        self._forget(group)
+        return [out]
 
-    def _fail_batch(self, requests: list[Request]) -> None:
-        """The model failed mid-step: the batch's new blocks were entered in the cache table but
-        hold no valid KV. Abort the batch and forget identities so no later request hits them."""
-        for req in requests:
-            group = self._child_of.get(req.request_id, (None, 0))[0]
-            if group is not None:
-                self.abort_request(group.request_id)
-        if not self.kv_cache_manager.reset_prefix_cache():
-            for req in list(self.scheduler.running):  # others hold blocks: drop everything
-                group = self._child_of.get(req.request_id, (None, 0))[0]
-                if group is not None:
-                    self.abort_request(group.request_id)
-            self.kv_cache_manager.reset_prefix_cache()
+    def _groups_of(self, req_ids: list[str]) -> list[_Group]:
+        seen: dict[str, _Group] = {}
+        for rid in req_ids:
+            entry = self._child_of.get(rid)
+            if entry is not None:
+                seen.setdefault(entry[0].request_id, entry[0])
+        return list(seen.values())
 
     def _output(self, group: _Group) -> RequestOutput:
         first = group.children[0]
-        finished = all(c.is_finished for c in group.children)
+        finished = group.error is not None or all(c.is_finished for c in group.children)
         first_token = min((c.first_token_time for c in group.children if c.first_token_time), default=None)
         metrics = RequestMetrics(
             arrival_time=group.arrival_time, first_scheduled_time=first.first_scheduled_time,
@@ -282,16 +340,54 @@ class LLMEngine:
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=[s.completion(c) for s, c in zip(group.states, group.children)],
             finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics,
-            prompt_logprobs=group.prompt_logprobs)
+            prompt_logprobs=group.prompt_logprobs, error=group.error)
+
+    # -- KV events -----------------------------------------------------------------------------
+    def _drain_kv_events(self) -> None:
+        events = self.scheduler.take_kv_events()
+        if events:
+            buffer = self._kv_events
+            for event in events:
+                buffer.append(event)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """Every KV event not taken yet, oldest first (for a publisher). At most
+        MAX_PENDING_KV_EVENTS wait between calls; older ones are dropped and counted in
+        `get_stats().num_kv_events_dropped`."""
+        self._drain_kv_events()
+        return self._kv_events.drain()
 
     # -- cache control and statistics ----------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        ok = self.scheduler.reset_prefix_cache()
+        self._drain_kv_events()
+        self._update_stats()
+        return ok
+
+    def get_stats(self) -> EngineStats:
+        """The latest snapshot; safe to call from any thread."""
+        return self._stats
+
+    def _update_stats(self) -> None:
+        s = self.scheduler
+        cache = s.prefix_cache_stats
+        self._stats = EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_requests=cache.requests, prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
+            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+            num_preemptions=s.num_preemptions, num_requests_errored=self.num_requests_errored,
+            num_kv_events_dropped=self._kv_events.num_dropped + s.num_dropped_kv_events,
+            num_blocks=self.num_blocks, block_size=self.config.block_size, max_model_len=self.max_model_len)
+
+    # Read-through accessors kept for callers written before the scheduler owned the cache.
+    @property
+    def kv_cache_manager(self):
+        return self.scheduler.kv_cache_manager
 
     @property
     def prefix_cache_stats(self):
-        return self.kv_cache_manager.stats
+        return self.scheduler.prefix_cache_stats
 
     @property
     def kv_cache_usage(self) -> float:
-        return self.kv_cache_manager.usage
+        return self.scheduler.kv_cache_usage

@@ -1,41 +1,56 @@
-"""Turns a scheduled batch into tensors - token ids, positions, slot mapping, block tables - runs
-the model on them and returns logits for the rows that sample. Knows nothing of hashing."""
+"""Turns a `SchedulerOutput` into tensors - token ids, positions, slot mapping, block tables - runs
+the model, samples the next tokens and scores prompt logprobs, and returns a `ModelRunnerOutput`.
+Knows nothing of hashing; the per-block tensors it reads are the `BlockTensors` registry's.
+
+Sampling lives here (as in vLLM): the logits never leave the runner. A request whose sampling
+fails (or whose logits are not finite) is reported in `errors` and the rest of the batch samples
+as if it were not there.
+"""
 from __future__ import annotations
 
 import torch
 
-from ..model import AttentionMetadata, LoadedModel, allocate_kv_cache
+from ..model import AttentionMetadata, LoadedModel
+from .block_tensors import BlockTensors
+from .model_runner_output import ModelRunnerOutput, PromptLogprobs
+from .sampler import SampleResult, sample, score_tokens
+from .scheduler_output import ScheduledRequest, SchedulerOutput
+
+PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scoring a prompt
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, loaded: LoadedModel, block_tensors: BlockTensors, dtype: torch.dtype,
+                 device: torch.device, default_generator: torch.Generator | None = None) -> None:
         self.model = loaded.model
         if device.type == "cpu" and dtype == torch.bfloat16:
             self.model.pack_for_cpu()  # oneDNN-packed weights: faster bfloat16 matmuls
         self.config = loaded.config
-        self.block_size = block_size
+        self.block_tensors = block_tensors
+        self.kv_caches = block_tensors.kv_caches
+        if not self.kv_caches:
+            raise ValueError("allocate the block tensors before building the runner")
+        self.block_size = self.kv_caches[0].shape[2]
         self.device = device
-        self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, dtype, device)
+        self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
+        self.default_generator = default_generator or torch.Generator().manual_seed(0)
 
     @torch.inference_mode()
-    def execute(self, token_chunks: list[list[int]], starts: list[int],
-                block_tables: list[list[int]], sample_rows: list[bool],
-                hidden_rows: list[bool] | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Compute tokens token_chunks[i] at positions starts[i]... of sequence i, whose KV
-        blocks are block_tables[i]. Returns float32 logits [sum(sample_rows), vocab] for the
-        last token of each sequence with sample_rows[i] set, and for each sequence with
-        hidden_rows[i] set the final hidden states of all its tokens (turn them into logits a
-        slice at a time with `compute_logits`: a whole chunk's logits can be large)."""
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute every scheduled chunk; sample for the requests with `sample` set and score the
+        prompt positions of those with `want_hidden_states`. Raises only when the forward pass
+        itself fails (then no KV written in this step can be trusted)."""
+        scheduled = scheduler_output.scheduled
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        for chunk, start, table in zip(token_chunks, starts, block_tables):
-            end = start + len(chunk)
-            input_ids.extend(chunk)
+        for sr in scheduled:
+            start, table = sr.start, sr.block_table
+            end = start + len(sr.token_ids)
+            input_ids.extend(sr.token_ids)
             positions.extend(range(start, end))
             # slots of consecutive positions: whole runs per block, not one lookup per token
             pos = start
@@ -46,8 +61,8 @@ class ModelRunner:
                 pos = block_end
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
-        max_blocks = max(len(t) for t in block_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        max_blocks = max(len(sr.block_table) for sr in scheduled)
+        padded = [sr.block_table + [0] * (max_blocks - len(sr.block_table)) for sr in scheduled]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -58,16 +73,99 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_caches, meta)
-        full: list[torch.Tensor | None] = [
-            hidden[query_start_loc[i]:query_start_loc[i + 1]] if want else None
-            for i, want in enumerate(hidden_rows or ())]
-        rows = [query_start_loc[i + 1] - 1 for i, s in enumerate(sample_rows) if s]
-        if not rows:
-            return torch.empty(0, self.config.vocab_size), full
-        return self.compute_logits(hidden[torch.tensor(rows, device=dev)]), full
+
+        out = ModelRunnerOutput()
+        for i, sr in enumerate(scheduled):
+            if sr.want_hidden_states:
+                try:
+                    scored = self._score_prompt(sr, hidden[query_start_loc[i]:query_start_loc[i + 1]])
+                except Exception as e:  # this request fails alone
+                    out.errors[sr.req_id] = f"scoring prompt logprobs failed: {e}"
+                    continue
+                if scored is not None:
+                    out.prompt_logprobs[sr.req_id] = scored
+        rows = [query_start_loc[i + 1] - 1 for i, sr in enumerate(scheduled)
+                if sr.sample and sr.req_id not in out.errors]
+        if rows:
+            to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
+            self._sample(self.compute_logits(hidden[torch.tensor(rows, device=dev)]), to_sample, out)
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits on the CPU for final hidden states."""
         logits = self.model.compute_logits(hidden)
         return logits.float().cpu() if logits.device.type != "cpu" else logits.float()
+
+    # -- sampling ------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+        finite = torch.isfinite(logits).all(dim=-1)
+        if not bool(finite.all()):  # a broken row fails its request, not the batch
+            keep = finite.tolist()
+            for sr, ok in zip(reqs, keep):
+                if not ok:
+                    out.errors[sr.req_id] = "the model produced non-finite logits"
+            reqs = [sr for sr, ok in zip(reqs, keep) if ok]
+            if not reqs:
+                return
+            logits = logits[torch.tensor(keep)]
+        gens = [sr.generator or self.default_generator for sr in reqs]
+        states = None
+        try:
+            if not all(sr.sampling_params.greedy for sr in reqs):
+                # a failed batch is redone row by row from the same generator states
+                states = [g.get_state() for g in gens]
+            result = self._sample_rows(logits, reqs, gens)
+        except Exception:
+            if states is not None:
+                for g, s in zip(gens, states):
+                    g.set_state(s)
+            result = self._sample_one_by_one(logits, reqs, gens, out)
+            reqs = [sr for sr in reqs if sr.req_id not in out.errors]
+        out.req_ids = [sr.req_id for sr in reqs]
+        out.sampled_token_ids = result.token_ids
+        out.logprobs, out.ranks, out.top_logprobs = result.logprobs, result.ranks, result.top_logprobs
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[ScheduledRequest],
+                     gens: list[torch.Generator]) -> SampleResult:
+        eos = self.eos_token_ids
+        eos_block = [eos if sr.block_eos else None for sr in reqs]
+        return sample(logits, [sr.sampling_params for sr in reqs], gens,  # type: ignore[arg-type]
+                      [sr.prompt_token_ids for sr in reqs], [sr.output_token_ids for sr in reqs],
+                      eos_block if any(e is not None for e in eos_block) else None)
+
+    def _sample_one_by_one(self, logits: torch.Tensor, reqs: list[ScheduledRequest], gens: list[torch.Generator],
+                           out: ModelRunnerOutput) -> SampleResult:
+        """Find the rows that fail; the others keep what they sample."""
+        results: list[SampleResult] = []
+        for row, sr in enumerate(reqs):
+            try:
+                results.append(self._sample_rows(logits[row:row + 1], [sr], gens[row:row + 1]))
+            except Exception as e:
+                out.errors[sr.req_id] = f"sampling failed: {type(e).__name__}: {e}"
+        merged = SampleResult([r.token_ids[0] for r in results], None, None)
+        if any(r.logprobs is not None for r in results):
+            # rows that asked for none still get their sampled token's logprob (as in a batch)
+            merged.logprobs = [r.logprobs[0] if r.logprobs else 0.0 for r in results]
+            merged.ranks = [r.ranks[0] if r.ranks else 1 for r in results]
+            merged.top_logprobs = [r.top_logprobs[0] if r.top_logprobs else [] for r in results]
+        return merged
+
+    # -- prompt logprobs -----------------------------------------------------------------------
+    def _score_prompt(self, sr: ScheduledRequest, hidden: torch.Tensor) -> PromptLogprobs | None:
+        """Row r of `hidden` (position sr.start + r) predicts prompt token sr.start + r + 1; rows
+        whose target was scored before (a preemption recomputes them) are skipped."""
+        start, prompt = sr.start, sr.prompt_token_ids
+        k = sr.sampling_params.prompt_logprobs or 0
+        first = max(sr.prompt_logprobs_from - 1 - start, 0)  # first row not scored yet
+        last = min(len(hidden), len(prompt) - 1 - start)  # rows that predict a prompt token
+        if first >= last:
+            return None
+        scored = PromptLogprobs(start + first + 1, [], [], [])
+        for a in range(first, last, PROMPT_LOGITS_SLICE):
+            b = min(last, a + PROMPT_LOGITS_SLICE)
+            lps, ranks, tops = score_tokens(self.compute_logits(hidden[a:b]), prompt[start + a + 1:start + b + 1], k)
+            scored.logprobs.extend(lps)
+            scored.ranks.extend(ranks)
+            scored.top.extend(tops)
+        return scored

@@ -1,54 +1,72 @@
 """Continuous batching with a token budget, chunked prefill, prefix-cache lookup and
-preemption by recompute, first come first served."""
+preemption by recompute, first come first served.
+
+The scheduler owns the KV cache manager (as in vLLM v1 and nano-vllm): it alone allocates and
+frees blocks and writes `Request.num_computed_tokens`. Each step it hands the model runner a
+`SchedulerOutput` and takes the `ModelRunnerOutput` back in `update_from_output`.
+"""
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Any
 
-from ..cache import KVCacheManager
+from ..cache import KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work: requests in batch order with the number of new tokens each computes.
-    Block tables are read from the cache manager when the batch is built."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __bool__(self) -> bool:
-        return bool(self.requests)
+from .model_runner_output import ModelRunnerOutput
+from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_caching: bool = True, hash_algo: Any = "sha256_cbor", eviction_policy: Any = "lru",
+                 enable_kv_cache_events: bool = False) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.kv = kv_cache_manager
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks, block_size=block_size, enable_caching=enable_caching, hash_algo=hash_algo,
+            hash_seed=None, eviction_policy=eviction_policy, enable_kv_cache_events=enable_kv_cache_events)
+        self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, Request] = {}  # every unfinished request, by its engine-private id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # left since the last schedule()
 
+    # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:  # ids are engine-private: this is a bug, not input
+            raise RuntimeError(f"request id {request.request_id!r} is already scheduled")
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request (finished, aborted or failed) wherever it is and release its blocks."""
+        if self.requests.pop(req.request_id, None) is None:
+            return
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv_cache_manager.free(req)
+        self._finished_ids.append(req.request_id)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
         now = time.time()
 
@@ -57,58 +75,114 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, num_new) is None:
+            while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                batch.preempted.append(victim)
+                out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                batch.requests.append(req)
-                batch.num_new_tokens.append(num_new)
+                out.scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
                 i += 1
 
         # Then waiting ones, in arrival order, unless this step had to preempt.
-        while (self.waiting and budget > 0 and not batch.preempted
+        while (self.waiting and budget > 0 and not out.preempted_req_ids
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             if req.skip_prefix_cache_read:
                 hits, num_hit = [], 0
             else:
-                hits, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
+                hits, num_hit = kv.get_computed_blocks(req, record_stats=False)
             num_new = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, num_new, hits) is None:
+            if kv.allocate_slots(req, num_new, hits) is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
-            if self.kv.enable_caching and not req.skip_prefix_cache_read:
-                self.kv.stats.record(req.num_tokens, num_hit)
+            if kv.enable_caching and not req.skip_prefix_cache_read:
+                kv.stats.record(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.requests.append(req)
-            batch.num_new_tokens.append(num_new)
+            out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
-        return batch
+        out.num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        params = req.sampling_params
+        return ScheduledRequest(
+            req_id=req.request_id, token_ids=req.all_token_ids[start:start + num_new], start=start,
+            block_table=self.kv_cache_manager.get_block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens, sampling_params=params, generator=req.generator,
+            prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+            block_eos=req.num_output_tokens < params.min_tokens,
+            # prompt logprobs: positions already scored before a preemption are not redone
+            want_hidden_states=req.skip_prefix_cache_read and req.prompt_logprobs_upto < req.num_prompt_tokens,
+            prompt_logprobs_from=req.prompt_logprobs_upto)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks (they keep their identity, so the request re-hits
         whatever survives) and put the request back at the front of the queue."""
-        self.kv.free(req)
+        self.kv_cache_manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Remove a request (finished or aborted) wherever it is and release its blocks."""
-        req.status = status
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self.kv.free(req)
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+                           ) -> tuple[list[Request], list[Request]]:
+        """Book a step's results: computed tokens, sampled tokens, prompt logprob progress, and
+        requests that failed alone (finished with FINISHED_ERROR, blocks freed). Returns the
+        requests that got a token (row i of the runner output) and the failed ones. Stop
+        conditions are the engine's output processor's (they need the detokenized text)."""
+        requests = self.requests
+        for sr in scheduler_output.scheduled:
+            req = requests.get(sr.req_id)
+            if req is not None:
+                req.num_computed_tokens += len(sr.token_ids)
+        for req_id, scored in runner_output.prompt_logprobs.items():
+            req = requests.get(req_id)
+            if req is not None:
+                req.prompt_logprobs_upto = scored.first + len(scored.logprobs)
+        sampled: list[Request] = []
+        now = time.time()
+        for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            req = requests[req_id]
+            req.append_output_token_ids(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            sampled.append(req)
+        failed: list[Request] = []
+        for req_id, message in runner_output.errors.items():
+            req = requests.get(req_id)
+            if req is not None:
+                req.error = message
+                req.finished_time = now
+                self.finish_request(req, RequestStatus.FINISHED_ERROR)
+                failed.append(req)
+        return sampled, failed
+
+    # -- the cache, through its owner ----------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached identity; refused (False) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache_manager.stats
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv_cache_manager.take_events()
+
+    @property
+    def num_dropped_kv_events(self) -> int:
+        return self.kv_cache_manager.num_dropped_kv_events

@@ -17,27 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
 
-
-def allocate_kv_cache(
-    config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> list[torch.Tensor]:
-    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
-    if num_blocks <= 0 or block_size <= 0:
-        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-
-
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes one block id costs across ALL layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * block_size * config.num_key_value_heads * config.head_dim * elem * config.num_hidden_layers
+def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], int]:
+    """The layout `paged_attention` reads: a layer's cache is ``[2, num_blocks, block_size,
+    num_kv_heads, head_dim]``. Returns the shape without the block axis, and where that axis goes
+    (the engine's per-block tensor registry sizes and allocates the caches)."""
+    return (2, block_size, num_kv_heads, head_dim), 1
 
 
 @dataclass

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from prefixkv.model import allocate_kv_cache, load_model
+from prefixkv.engine.block_tensors import allocate_kv_cache
+from prefixkv.model import load_model
 from prefixkv.model.layers import packed_linear_works
 from prefixkv.model.tokenizer import _bytes_to_unicode
 

@@ -1,0 +1,108 @@
+"""The one owner of every per-block tensor on the worker side, and of the memory budget that
+sizes them.
+
+A block id names a slot in every per-block tensor at once: today the K/V cache of each layer;
+later hidden-state / stage-output caches, multimodal encoder outputs, offload staging buffers.
+Each registers a `BlockTensorSpec`; `num_blocks_for(kv_cache_memory_bytes)` divides ONE budget
+by the bytes a block costs across all of them, and `allocate` creates them together. The model
+only declares its KV layout (`model.attention.kv_cache_block_shape`) and does the math.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model import ModelConfig, kv_cache_block_shape
+
+
+@dataclass(frozen=True)
+class BlockTensorSpec:
+    """A tensor with one slot per block id: its shape without the block axis, where that axis
+    goes, and its dtype."""
+
+    name: str
+    shape_per_block: tuple[int, ...]
+    dtype: torch.dtype
+    block_dim: int = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        n = 1
+        for d in self.shape_per_block:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        s = self.shape_per_block
+        return (*s[:self.block_dim], num_blocks, *s[self.block_dim:])
+
+
+class BlockTensors:
+    """Registry of per-block tensors; `tensors[name]` once allocated."""
+
+    def __init__(self, specs: list[BlockTensorSpec] | None = None) -> None:
+        self.specs: dict[str, BlockTensorSpec] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.num_blocks = 0
+        for spec in specs or ():
+            self.register(spec)
+
+    def register(self, spec: BlockTensorSpec) -> None:
+        if self.tensors:
+            raise RuntimeError("register every per-block tensor before allocating: the budget counts them all")
+        if spec.name in self.specs:
+            raise ValueError(f"per-block tensor {spec.name!r} is registered twice")
+        self.specs[spec.name] = spec
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block id costs across every registered tensor."""
+        return sum(s.bytes_per_block for s in self.specs.values())
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        per_block = self.bytes_per_block
+        return budget_bytes // per_block if per_block else 0
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.tensors = {name: torch.zeros(s.shape(num_blocks), dtype=s.dtype, device=device)
+                        for name, s in self.specs.items()}
+
+    def group(self, prefix: str) -> list[torch.Tensor]:
+        """The allocated tensors whose names start with `prefix`, in registration order."""
+        return [t for name, t in self.tensors.items() if name.startswith(prefix)]
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """One K/V tensor per layer, as the model's forward takes them."""
+        return self.group(KV_PREFIX)
+
+
+KV_PREFIX = "kv."
+
+
+def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
+    """One spec per attention layer, in the layout the model's paged attention reads."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, config.head_dim)
+    return [BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim)
+            for layer in range(config.num_hidden_layers)]
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one block id costs in the K/V caches of all layers."""
+    return BlockTensors(kv_cache_specs(config, block_size, dtype)).bytes_per_block
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Zeroed K/V caches for every layer (for code that runs the model without an engine)."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+    tensors = BlockTensors(kv_cache_specs(config, block_size, dtype))
+    tensors.allocate(num_blocks, device)
+    return tensors.kv_caches

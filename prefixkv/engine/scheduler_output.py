@@ -1,0 +1,51 @@
+"""What the scheduler hands the model runner for one step (one class per concept: this file is
+the scheduler -> runner boundary)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions `start`, `start + 1`, ...
+    into the KV blocks of `block_table`, then (when `sample` is set) sample its next token.
+
+    The token lists are the request's own (not copies): the runner only reads them."""
+
+    req_id: str  # engine-private, unique by construction (never a client's string)
+    token_ids: list[int]  # this step's chunk
+    start: int  # position of token_ids[0]; tokens before it are in the KV cache already
+    block_table: list[int]
+    sample: bool  # the chunk ends at the last known token: sample the next one
+    sampling_params: "SamplingParams"
+    generator: "torch.Generator | None"  # the request's seeded generator, None: the engine's default
+    prompt_token_ids: list[int]  # penalties and prompt logprobs read them
+    output_token_ids: list[int]
+    block_eos: bool = False  # min_tokens not reached: EOS may not be drawn
+    # The runner needs this chunk's final hidden states (today: to score prompt logprobs).
+    want_hidden_states: bool = False
+    prompt_logprobs_from: int = 0  # the first prompt token whose logprob is still unknown
+    # Room for features that attach per-request inputs to a step (declared, empty until they land).
+    lora_id: int = 0  # 0: the base model
+    mm_inputs: tuple[Any, ...] = ()  # multimodal encoder inputs placed in this chunk
+    stage_output_reads: tuple[Any, ...] = ()  # cached per-block stage outputs to read
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step: the scheduled requests in batch order, and the requests that left since the
+    previous step (so a runner that keeps per-request state can drop it)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)

@@ -1,0 +1,30 @@
+"""EngineStats: a frozen snapshot of the engine's gauges and counters.
+
+The engine replaces its snapshot (one attribute assignment, atomic in CPython) after every step,
+add, abort and reset, so another thread - the server's /metrics - reads a consistent view
+without touching the scheduler's lists while the engine thread changes them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int = 0  # requests (sequences) in the running set
+    num_waiting: int = 0  # waiting or preempted
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests
+    prefix_cache_requests: int = 0  # admissions looked up in the prefix cache
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_requests_errored: int = 0  # finished with an error (RequestOutput.error set)
+    num_kv_events_dropped: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

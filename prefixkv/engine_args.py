@@ -1,0 +1,249 @@
+"""EngineArgs: every engine option in one place, with vLLM's names and defaults.
+
+The same dataclass generates the command line flags (`EngineArgs.add_cli_args(parser)` and
+`EngineArgs.from_cli_args(namespace)`) and is what `LLM(...)` keywords are checked against, so a
+default or a list of choices is written once. vLLM options that prefixkv does not implement are
+fields too, with vLLM's defaults: a value that would change behaviour is refused with a ValueError
+naming it; a value that changes nothing here is accepted and logged once (`_COMPAT`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+from .cache import HASH_ALGOS, POLICIES
+
+logger = logging.getLogger("prefixkv")
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB, like vLLM-CPU's VLLM_CPU_KVCACHE_SPACE default scale
+# dtype name -> torch dtype attribute name; "auto" is float32 on CPU, bfloat16 on CUDA
+DTYPES: dict[str, str | None] = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                                 "float16": "float16", "half": "float16"}
+DEVICES = ("cpu", "cuda")
+MODEL_HELP = ("model to load: an HF model folder (config.json, tokenizer.json, *.safetensors) or a .gguf "
+              "file; omitted: the embedded SmolLM2-135M-Instruct")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '2GiB', '1.5G' -> bytes (binary units: K = 1024)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2GiB)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    value = int(float(m.group(1)) * scale)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def _opt(default: Any, help: str | None = None, *, type: Callable[[str], Any] | None = None,
+         choices: Any = None, flag: str | None = None, cli: bool = True) -> Any:
+    """A field with what its CLI flag needs (help None: no flag)."""
+    meta = {"help": help, "type": type, "choices": choices, "flag": flag, "cli": cli and help is not None}
+    return field(default=default, metadata=meta)
+
+
+def _compat(default: Any, accepts: Callable[[Any], bool], why: str, *, type: Callable[[str], Any] | None = None,
+            cli: bool = True) -> Any:
+    """A vLLM option prefixkv does not implement: `accepts(value)` says whether the value changes
+    nothing here (accepted, logged); `why` is said either way."""
+    meta = {"help": f"vLLM option; {why}" if cli else None, "type": type, "choices": None, "flag": None,
+            "cli": cli, "compat": (accepts, why)}
+    return field(default=default, metadata=meta)
+
+
+def _is_default(default: Any) -> Callable[[Any], bool]:
+    return lambda v: v == default or (default is None and v in ({}, "", ()))
+
+
+def _anything(_v: Any) -> bool:
+    return True
+
+
+@dataclass
+class EngineArgs:
+    """Engine options, with vLLM's names and defaults. `EngineConfig` is the same class."""
+
+    model: str | None = _opt(None, cli=False)  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = _opt("auto", "weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: auto)",
+                      choices=list(DTYPES))
+    device: str | None = _opt(None, "default: cuda if available, else cpu", choices=list(DEVICES))
+    max_model_len: int | None = _opt(
+        None, "longest sequence (prompt + output) in tokens; default: the model's, capped by the KV budget", type=int)
+    block_size: int = _opt(16, "tokens per KV cache block (default: 16)", type=int)
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "KV cache budget in bytes, e.g. 536870912, 512M, 2GiB (default: 1GiB)", type=parse_bytes)
+    num_gpu_blocks_override: int | None = _opt(
+        None, "KV cache budget in blocks; overrides --kv-cache-memory-bytes", type=int)
+    num_blocks: int | None = _opt(None, cli=False)  # prefixkv's name for num_gpu_blocks_override
+    enable_prefix_caching: bool = _opt(
+        True, "reuse the KV blocks of identical prompt prefixes across requests (default: on)")
+    prefix_caching_hash_algo: Any = _opt(
+        "sha256_cbor", "content hash naming cached blocks (default: sha256_cbor, as vLLM)", choices=list(HASH_ALGOS))
+    eviction_policy: str = _opt(
+        "lru", "which free cached block is reused first (default: lru, as vLLM; see docs/replay.md)",
+        choices=list(POLICIES))
+    enable_kv_cache_events: bool = _opt(
+        False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)")
+    max_num_seqs: int = _opt(256, "most sequences in one batch (default: 256)", type=int)
+    max_num_batched_tokens: int = _opt(
+        2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int)
+    max_logprobs: int = _opt(20, "most logprobs / prompt_logprobs a request may ask for (default: 20, as vLLM)",
+                             type=int)
+    seed: int = _opt(0, "seed of the default sampling generator (default: 0)", type=int)
+
+    # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
+    tokenizer: str | None = _opt(None, cli=False)  # must be None or the model: the tokenizer comes with it
+    tokenizer_mode: str = _compat("auto", _is_default("auto"), "only 'auto': the model's own tokenizer", cli=False)
+    trust_remote_code: bool = _compat(False, _anything, "no model code is ever downloaded or run")
+    download_dir: str | None = _compat(None, _anything, "models are read from local files only", cli=False)
+    load_format: str = _compat("auto", _is_default("auto"), "weights are read from safetensors or GGUF",
+                               cli=False)
+    revision: str | None = _compat(None, _is_default(None), "models are read from local files only", cli=False)
+    tokenizer_revision: str | None = _compat(None, _is_default(None), "models are read from local files only",
+                                             cli=False)
+    code_revision: str | None = _compat(None, _is_default(None), "no model code is ever run", cli=False)
+    hf_overrides: Any = _compat(None, _is_default(None), "model configs are used as written", cli=False)
+    quantization: str | None = _compat(None, _is_default(None), "weights are not quantized (not implemented)")
+    kv_cache_dtype: str = _compat("auto", _is_default("auto"), "the KV cache uses the model dtype")
+    tensor_parallel_size: int = _compat(1, _is_default(1), "one device only (no tensor parallelism)", type=int)
+    pipeline_parallel_size: int = _compat(1, _is_default(1), "one device only (no pipeline parallelism)",
+                                          type=int)
+    data_parallel_size: int = _compat(1, _is_default(1), "one engine per process (no data parallelism)",
+                                      type=int)
+    distributed_executor_backend: str | None = _compat(None, _anything, "one process, no executor", cli=False)
+    disable_custom_all_reduce: bool = _compat(False, _anything, "one device, no all-reduce", cli=False)
+    gpu_memory_utilization: float = _compat(0.9, lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
+                                            "the KV budget is --kv-cache-memory-bytes", type=float)
+    swap_space: float = _compat(4, _anything, "preemption recomputes, nothing is swapped", type=float)
+    cpu_offload_gb: float = _compat(0, _is_default(0), "weights are not offloaded (not implemented)",
+                                    type=float)
+    enforce_eager: bool = _compat(False, _anything, "no CUDA graphs are captured")
+    max_seq_len_to_capture: int = _compat(8192, _anything, "no CUDA graphs are captured", cli=False)
+    compilation_config: Any = _compat(None, _anything, "nothing is compiled", cli=False)
+    disable_log_stats: bool = _compat(False, _anything, "no periodic stats are logged", cli=False)
+    disable_async_output_proc: bool = _compat(False, _anything, "outputs are processed in the step", cli=False)
+    enable_chunked_prefill: bool | None = _compat(
+        None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)")
+    scheduling_policy: str = _compat("fcfs", _is_default("fcfs"), "first come first served only", cli=False)
+    enable_lora: bool = _compat(False, _is_default(False), "LoRA weights are not applied yet")
+    max_loras: int = _compat(1, _anything, "LoRA is not implemented", cli=False)
+    max_lora_rank: int = _compat(16, _anything, "LoRA is not implemented", cli=False)
+    speculative_config: Any = _compat(None, _is_default(None), "no speculative decoding", cli=False)
+    limit_mm_per_prompt: Any = _compat(None, _is_default(None), "multimodal inputs are not implemented",
+                                       cli=False)
+    mm_processor_kwargs: Any = _compat(None, _is_default(None), "multimodal inputs are not implemented",
+                                       cli=False)
+    disable_sliding_window: bool = _compat(False, _is_default(False), "sliding windows are applied as the "
+                                           "model config says", cli=False)
+    task: str = _compat("auto", lambda v: v in ("auto", "generate"), "text generation only", cli=False)
+
+    def __post_init__(self) -> None:
+        self._check_compat()
+        if self.max_num_batched_tokens is None:  # vLLM's None: the default
+            self.max_num_batched_tokens = 2048
+        if self.num_gpu_blocks_override is not None:
+            if self.num_blocks is not None and self.num_blocks != self.num_gpu_blocks_override:
+                raise ValueError(f"num_blocks={self.num_blocks} and num_gpu_blocks_override="
+                                 f"{self.num_gpu_blocks_override} disagree; give one")
+            self.num_blocks = self.num_gpu_blocks_override
+        if self.tokenizer is not None and self.tokenizer != self.model:
+            raise ValueError("a separate tokenizer is not supported: the tokenizer comes with the model")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            raise ValueError(f"unknown device {self.device!r}; choose cpu or cuda")
+        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_logprobs", 0),
+                          ("num_blocks", 1), ("kv_cache_memory_bytes", 1), ("max_model_len", 2)):
+            value = getattr(self, name)
+            if value is None and name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
+                continue
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.prefix_caching_hash_algo, str) and self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}; "
+                             f"choose one of {', '.join(HASH_ALGOS)}")
+        if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
+            raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
+
+    def _check_compat(self) -> None:
+        accepted = []
+        for f in fields(self):
+            compat = f.metadata.get("compat")
+            if compat is None:
+                continue
+            value = getattr(self, f.name)
+            if value is f.default or (type(value) is type(f.default) and value == f.default):
+                continue
+            accepts, why = compat
+            if not accepts(value):
+                raise ValueError(f"{f.name}={value!r} is not supported by prefixkv: {why}")
+            accepted.append(f"{f.name}={value!r} ({why})")
+        if accepted:
+            _log_once("accepted vLLM options that change nothing here: " + "; ".join(accepted))
+
+    # -- the two front ends ----------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+        """The engine's flags, vLLM's names: `--block-size` for block_size, and so on."""
+        g = parser.add_argument_group("model and engine (vLLM's flag names)")
+        if positional_model:
+            g.add_argument("model_tag", nargs="?", metavar="MODEL", default=None, help=MODEL_HELP)
+        g.add_argument("--model", dest="model_flag", default=None, help="same as the MODEL argument")
+        compat = parser.add_argument_group("vLLM options accepted only where they change nothing here")
+        for f in fields(cls):
+            meta = f.metadata
+            if not meta.get("cli"):
+                continue
+            group = compat if "compat" in meta else g
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+            if isinstance(f.default, bool) or f.name == "enable_chunked_prefill":
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                if meta["type"] is not None:
+                    kwargs["type"] = meta["type"]
+                if meta["choices"] is not None:
+                    kwargs["choices"] = meta["choices"]
+            group.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.metadata.get("cli") and hasattr(args, f.name):
+                values[f.name] = getattr(args, f.name)
+        values["model"] = getattr(args, "model_tag", None) or getattr(args, "model_flag", None)
+        return cls(**values)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineArgs":
+        """`LLM(model, **kwargs)`: unknown names are a TypeError, as a Python call's would be."""
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise TypeError(f"LLM() got unexpected arguments: {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
