@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .engine_args import MODEL_HELP, EngineArgs, parse_bytes  # noqa: F401  (parse_bytes: part of this CLI's API)
 from .server.launch import add_server_args

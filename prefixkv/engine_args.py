@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 from .cache import HASH_ALGOS, POLICIES
 
@@ -83,7 +84,7 @@ class EngineArgs:
     num_blocks: int | None = _opt(None, cli=False)  # prefixkv's name for num_gpu_blocks_override
     enable_prefix_caching: bool = _opt(
         True, "reuse the KV blocks of identical prompt prefixes across requests (default: on)")
-    prefix_caching_hash_algo: Any = _opt(
+    prefix_caching_hash_algo: str | Callable[[Any], bytes] = _opt(  # noqa: RUF009 (it returns a field)
         "sha256_cbor", "content hash naming cached blocks (default: sha256_cbor, as vLLM)", choices=list(HASH_ALGOS))
     eviction_policy: str = _opt(
         "lru", "which free cached block is reused first (default: lru, as vLLM; see docs/replay.md)",
@@ -108,7 +109,8 @@ class EngineArgs:
     tokenizer_revision: str | None = _compat(None, _is_default(None), "models are read from local files only",
                                              cli=False)
     code_revision: str | None = _compat(None, _is_default(None), "no model code is ever run", cli=False)
-    hf_overrides: Any = _compat(None, _is_default(None), "model configs are used as written", cli=False)
+    hf_overrides: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
+        None, _is_default(None), "model configs are used as written", cli=False)
     quantization: str | None = _compat(None, _is_default(None), "weights are not quantized (not implemented)")
     kv_cache_dtype: str = _compat("auto", _is_default("auto"), "the KV cache uses the model dtype")
     tensor_parallel_size: int = _compat(1, _is_default(1), "one device only (no tensor parallelism)", type=int)
@@ -125,7 +127,8 @@ class EngineArgs:
                                     type=float)
     enforce_eager: bool = _compat(False, _anything, "no CUDA graphs are captured")
     max_seq_len_to_capture: int = _compat(8192, _anything, "no CUDA graphs are captured", cli=False)
-    compilation_config: Any = _compat(None, _anything, "nothing is compiled", cli=False)
+    compilation_config: dict[str, Any] | int | None = _compat(  # noqa: RUF009 (it returns a field)
+        None, _anything, "nothing is compiled", cli=False)
     disable_log_stats: bool = _compat(False, _anything, "no periodic stats are logged", cli=False)
     disable_async_output_proc: bool = _compat(False, _anything, "outputs are processed in the step", cli=False)
     enable_chunked_prefill: bool | None = _compat(
@@ -134,11 +137,12 @@ class EngineArgs:
     enable_lora: bool = _compat(False, _is_default(False), "LoRA weights are not applied yet")
     max_loras: int = _compat(1, _anything, "LoRA is not implemented", cli=False)
     max_lora_rank: int = _compat(16, _anything, "LoRA is not implemented", cli=False)
-    speculative_config: Any = _compat(None, _is_default(None), "no speculative decoding", cli=False)
-    limit_mm_per_prompt: Any = _compat(None, _is_default(None), "multimodal inputs are not implemented",
-                                       cli=False)
-    mm_processor_kwargs: Any = _compat(None, _is_default(None), "multimodal inputs are not implemented",
-                                       cli=False)
+    speculative_config: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
+        None, _is_default(None), "no speculative decoding", cli=False)
+    limit_mm_per_prompt: dict[str, int] | None = _compat(  # noqa: RUF009 (it returns a field)
+        None, _is_default(None), "multimodal inputs are not implemented", cli=False)
+    mm_processor_kwargs: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
+        None, _is_default(None), "multimodal inputs are not implemented", cli=False)
     disable_sliding_window: bool = _compat(False, _is_default(False), "sliding windows are applied as the "
                                            "model config says", cli=False)
     task: str = _compat("auto", lambda v: v in ("auto", "generate"), "text generation only", cli=False)
@@ -219,7 +223,7 @@ class EngineArgs:
             group.add_argument(flag, **kwargs)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.metadata.get("cli") and hasattr(args, f.name):
@@ -228,7 +232,7 @@ class EngineArgs:
         return cls(**values)
 
     @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineArgs":
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
         """`LLM(model, **kwargs)`: unknown names are a TypeError, as a Python call's would be."""
         unknown = sorted(set(kwargs) - cls.field_names())
         if unknown:

@@ -6,7 +6,8 @@ prompt field, a generate() or chat() argument - is refused with a ValueError nam
 its value changes nothing here."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
@@ -70,9 +71,11 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
         if isinstance(p, dict):
             for key in p:
                 if key in _UNSUPPORTED_PROMPT_KEYS:
-                    raise ValueError(f"prompt field {key!r} is not supported by prefixkv: {_UNSUPPORTED_PROMPT_KEYS[key]}")
+                    why = _UNSUPPORTED_PROMPT_KEYS[key]
+                    raise ValueError(f"prompt field {key!r} is not supported by prefixkv: {why}")
                 if key not in _PROMPT_KEYS:
-                    raise ValueError(f"unknown prompt field {key!r}; a prompt dict takes {', '.join(sorted(_PROMPT_KEYS))}")
+                    takes = ", ".join(sorted(_PROMPT_KEYS))
+                    raise ValueError(f"unknown prompt field {key!r}; a prompt dict takes {takes}")
             salt = p.get("cache_salt")
             if "prompt_token_ids" in p:
                 p = list(p["prompt_token_ids"])
@@ -101,7 +104,7 @@ class LLM:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an existing engine (e.g. one sharing already loaded weights)."""
         llm = cls.__new__(cls)
         llm.llm_engine = engine
@@ -121,7 +124,8 @@ class LLM:
         _refuse_call_args("generate", kwargs)
         _refuse_lora(lora_request)
         if priority is not None and any(p != 0 for p in priority):
-            raise ValueError("generate(priority=...) is not supported by prefixkv: scheduling is first come first served")
+            raise ValueError("generate(priority=...) is not supported by prefixkv: "
+                             "scheduling is first come first served")
         items = _as_prompt_list(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -88,13 +88,13 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)

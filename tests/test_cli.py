@@ -53,6 +53,24 @@ def test_serve_args_map_to_engine_config():
     assert cli.engine_config(default).enable_prefix_caching is True
 
 
+def test_engine_flags_come_from_engine_args():
+    from prefixkv.cache import POLICIES
+    from prefixkv.engine_args import EngineArgs
+    args = cli.build_parser().parse_args(["generate", "x", "--eviction-policy", "lfu", "--max-logprobs", "7"])
+    cfg = cli.engine_config(args)
+    assert isinstance(cfg, EngineArgs) and (cfg.eviction_policy, cfg.max_logprobs) == ("lfu", 7)
+    assert cli.engine_config(cli.build_parser().parse_args(["chat"])) == EngineArgs()
+    r = run_cli("serve", "--help")
+    assert "--eviction-policy" in r.stdout and all(name in r.stdout for name in POLICIES)
+
+
+def test_unimplemented_vllm_flags_are_refused_by_name(capsys):
+    assert cli.main(["generate", "x", "--tensor-parallel-size", "2"]) == 1
+    assert "tensor_parallel_size=2 is not supported" in capsys.readouterr().err
+    assert cli.main(["generate", "x", "--no-enable-chunked-prefill"]) == 1
+    assert "enable_chunked_prefill" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text,value", [("1024", 1024), ("512M", 512 << 20), ("2GiB", 2 << 30), ("1.5k", 1536)])
 def test_parse_bytes(text, value):
     assert cli.parse_bytes(text) == value

@@ -88,7 +88,8 @@ def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     """One spec per attention layer, in the layout the model's paged attention reads."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, config.head_dim)
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim)
     return [BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim)
             for layer in range(config.num_hidden_layers)]
 

@@ -126,7 +126,7 @@ class LLMEngine:
         """What depends on this engine, beyond SamplingParams' own checks (run again here: the
         dataclass is mutable)."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")  # noqa: TRY004
         params.verify()
         limit = min(self.config.max_logprobs, self.model_config.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
@@ -149,6 +149,7 @@ class LLMEngine:
                              f"({getattr(lora_request, 'lora_name', lora_request)!r})")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        text: str | None
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
         else:
@@ -226,7 +227,7 @@ class LLMEngine:
             self.num_steps += 1
             try:
                 runner_output = self.runner.execute(scheduler_output)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)
                 outputs = self._fail_step(scheduler_output, e)
             else:
                 sampled, failed = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -242,9 +243,12 @@ class LLMEngine:
         for req_id, scored in runner_output.prompt_logprobs.items():
             group = self._child_of[req_id][0]
             entries = group.prompt_logprobs
+            if entries is None:  # only groups that asked are scored
+                continue
             prompt = group.prompt_token_ids
-            for pos, lp, rank, top in zip(itertools.count(scored.first), scored.logprobs, scored.ranks, scored.top):
-                entries.append(logprob_entry(self.tokenizer, prompt[pos], lp, rank, top))
+            for pos, p_lp, p_rank, p_top in zip(itertools.count(scored.first), scored.logprobs, scored.ranks,
+                                                scored.top):
+                entries.append(logprob_entry(self.tokenizer, prompt[pos], p_lp, p_rank, p_top))
         touched: dict[str, _Group] = {}
         now = time.time()
         lps, tops, ranks = runner_output.logprobs, runner_output.top_logprobs, runner_output.ranks
@@ -253,18 +257,20 @@ class LLMEngine:
             group, idx = self._child_of[req.request_id]
             touched[group.request_id] = group
             token = runner_output.sampled_token_ids[row]
-            wants = lps is not None and req.sampling_params.logprobs is not None
+            lp: float | None = None
+            top: list[tuple[int, float]] | None = None
+            rank: int | None = None
+            if lps is not None and tops is not None and ranks is not None and req.sampling_params.logprobs is not None:
+                lp, top, rank = lps[row], tops[row], ranks[row]
             try:
-                done = group.states[idx].update(req, token, self.eos_ids, self.max_model_len,
-                                                lps[row] if wants else None, tops[row] if wants else None,
-                                                ranks[row] if wants else None)
-            except Exception as e:  # e.g. detokenizing: this request fails alone
+                done = group.states[idx].update(req, token, self.eos_ids, self.max_model_len, lp, top, rank)
+            except Exception as e:  # noqa: BLE001 (e.g. detokenizing: this request fails alone)
                 req.error = f"processing the output failed: {type(e).__name__}: {e}"
                 failed.append(req)
                 continue
             if done:
                 req.finished_time = now
-                self.scheduler.finish_request(req, status_for(group.states[idx].finish_reason))
+                self.scheduler.finish_request(req, status_for(group.states[idx].finish_reason or "stop"))
         for req in failed:
             entry = self._child_of.get(req.request_id)
             if entry is not None:

@@ -79,7 +79,7 @@ class ModelRunner:
             if sr.want_hidden_states:
                 try:
                     scored = self._score_prompt(sr, hidden[query_start_loc[i]:query_start_loc[i + 1]])
-                except Exception as e:  # this request fails alone
+                except Exception as e:  # noqa: BLE001 (this request fails alone)
                     out.errors[sr.req_id] = f"scoring prompt logprobs failed: {e}"
                     continue
                 if scored is not None:
@@ -110,16 +110,15 @@ class ModelRunner:
                 return
             logits = logits[torch.tensor(keep)]
         gens = [sr.generator or self.default_generator for sr in reqs]
-        states = None
+        states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         try:
             if not all(sr.sampling_params.greedy for sr in reqs):
                 # a failed batch is redone row by row from the same generator states
-                states = [g.get_state() for g in gens]
+                states = {id(g): (g, g.get_state()) for g in gens}
             result = self._sample_rows(logits, reqs, gens)
-        except Exception:
-            if states is not None:
-                for g, s in zip(gens, states):
-                    g.set_state(s)
+        except Exception:  # noqa: BLE001 (find the failing rows one by one)
+            for g, state in states.values():
+                g.set_state(state)
             result = self._sample_one_by_one(logits, reqs, gens, out)
             reqs = [sr for sr in reqs if sr.req_id not in out.errors]
         out.req_ids = [sr.req_id for sr in reqs]
@@ -141,7 +140,7 @@ class ModelRunner:
         for row, sr in enumerate(reqs):
             try:
                 results.append(self._sample_rows(logits[row:row + 1], [sr], gens[row:row + 1]))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (this request fails alone)
                 out.errors[sr.req_id] = f"sampling failed: {type(e).__name__}: {e}"
         merged = SampleResult([r.token_ids[0] for r in results], None, None)
         if any(r.logprobs is not None for r in results):

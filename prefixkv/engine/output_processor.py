@@ -32,7 +32,7 @@ class OutputState:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
-        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._holdback = max((len(s) for s in params.stop or ()), default=1) - 1
         self._prefix_offset = self._read_offset = 0  # incremental detokenizer state
 
     def update(self, req: Request, token: int, eos_ids: set[int], max_model_len: int,
@@ -40,9 +40,9 @@ class OutputState:
                rank: int | None = None) -> bool:
         """Account for the token just appended to `req`. Returns True when the sequence ends."""
         p = self.params
-        if self.logprobs is not None:
+        if self.logprobs is not None and logprob is not None and rank is not None:
             self.logprobs.append(logprob_entry(self.tokenizer, token, logprob, rank, top or []))
-            self.cumulative_logprob += logprob
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob
         n_out = req.num_output_tokens
         if p.detokenize:  # a few tokens decoded per step; incomplete characters wait their turn
             piece, self._prefix_offset, self._read_offset = self.tokenizer.decode_incremental(
@@ -51,7 +51,7 @@ class OutputState:
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in eos_ids:
                 return self._finish("stop", None, strip_last_token=True, req=req)
-            if token in p.stop_token_ids:
+            if token in (p.stop_token_ids or ()):
                 return self._finish("stop", token, strip_last_token=True, req=req)
             if p.stop and p.detokenize:
                 start = max(0, len(self.text) - self._holdback - 1)

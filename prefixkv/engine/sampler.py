@@ -76,8 +76,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for row, p in enumerate(params):
             x = logits[row].clone()
             _apply_penalties(x, p, prompt_ids[row], output_ids[row])
-            if eos_ids and eos_ids[row]:  # min_tokens not reached: EOS may not be drawn
-                x[list(eos_ids[row])] = float("-inf")
+            blocked = eos_ids[row] if eos_ids else None
+            if blocked:  # min_tokens not reached: EOS may not be drawn
+                x[list(blocked)] = float("-inf")
             if p.greedy:
                 tokens.append(int(x.argmax()))
                 continue

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ..cache import KVCacheEvent, KVCacheManager, PrefixCacheStats
+from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..request import Request, RequestStatus
 from .model_runner_output import ModelRunnerOutput
 from .scheduler_output import ScheduledRequest, SchedulerOutput
@@ -90,6 +90,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted_req_ids
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
+            hits: list[KVCacheBlock]
             if req.skip_prefix_cache_read:
                 hits, num_hit = [], 0
             else:

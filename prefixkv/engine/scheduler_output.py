@@ -23,8 +23,8 @@ class ScheduledRequest:
     start: int  # position of token_ids[0]; tokens before it are in the KV cache already
     block_table: list[int]
     sample: bool  # the chunk ends at the last known token: sample the next one
-    sampling_params: "SamplingParams"
-    generator: "torch.Generator | None"  # the request's seeded generator, None: the engine's default
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # the request's seeded generator, None: the engine's default
     prompt_token_ids: list[int]  # penalties and prompt logprobs read them
     output_token_ids: list[int]
     block_eos: bool = False  # min_tokens not reached: EOS may not be drawn

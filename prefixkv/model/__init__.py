@@ -7,11 +7,11 @@ from .loader import LoadedModel, default_model_path, load_model
 from .tokenizer import Tokenizer
 
 __all__ = [
+    "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
     "LlamaModel",
     "LoadedModel",
     "ModelConfig",
-    "SUPPORTED_ARCHITECTURES",
     "Tokenizer",
     "build_model",
     "default_model_path",

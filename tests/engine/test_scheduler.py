@@ -1,0 +1,77 @@
+"""The scheduler without a model: what crosses the scheduler -> runner boundary each step
+(SchedulerOutput) and how a ModelRunnerOutput is booked. The runner's side is written by hand
+here - it is the typed contract itself, not a stand-in for the model."""
+from __future__ import annotations
+
+from prefixkv.engine.block_tensors import BlockTensors, BlockTensorSpec
+from prefixkv.engine.model_runner_output import ModelRunnerOutput
+from prefixkv.engine.scheduler import Scheduler
+from prefixkv.request import Request, RequestStatus
+from prefixkv.sampling_params import SamplingParams
+
+
+def make(num_blocks: int = 8, budget: int = 10) -> Scheduler:
+    return Scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=budget)
+
+
+def req(rid: str, n: int, **params) -> Request:
+    first = 1000 * (ord(rid) - ord("a") + 1)  # distinct prompts: no prefix-cache hits between them
+    return Request(rid, list(range(first, first + n)), sampling_params=SamplingParams(**params))
+
+
+def test_chunked_prefill_then_decode_crosses_as_typed_steps():
+    s = make()
+    a, b = req("a", 7), req("b", 6, min_tokens=2)
+    s.add_request(a)
+    s.add_request(b)
+    step = s.schedule()
+    assert [(x.req_id, x.start, len(x.token_ids), x.sample) for x in step.scheduled] == \
+        [("a", 0, 7, True), ("b", 0, 3, False)]  # b's prompt is chunked by the token budget
+    assert step.num_scheduled_tokens == 10 and step.scheduled[0].block_table == [0, 1]
+    assert step.scheduled[1].block_eos  # min_tokens not reached
+    sampled, failed = s.update_from_output(step, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[5]))
+    assert sampled == [a] and not failed
+    assert (a.num_computed_tokens, a.output_token_ids, b.num_computed_tokens) == (7, [5], 3)
+    step = s.schedule()
+    assert [(x.req_id, x.start, x.token_ids, x.sample) for x in step.scheduled] == \
+        [("a", 7, [5], True), ("b", 3, [2003, 2004, 2005], True)]
+
+
+def test_a_failed_request_is_finished_and_its_blocks_freed():
+    s = make()
+    a, b = req("a", 5), req("b", 5)
+    s.add_request(a)
+    s.add_request(b)
+    step = s.schedule()
+    _, failed = s.update_from_output(step, ModelRunnerOutput(req_ids=["b"], sampled_token_ids=[1],
+                                                             errors={"a": "boom"}))
+    assert failed == [a] and a.status is RequestStatus.FINISHED_ERROR and a.error == "boom"
+    assert "a" not in s.requests and s.running == [b]
+    assert s.schedule().finished_req_ids == ["a"]  # the runner hears who left
+    s.finish_request(b, RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache_manager.num_free_blocks == 8 and s.num_unfinished == 0
+
+
+def test_preemption_is_reported_and_the_victim_recomputes():
+    s = make(num_blocks=4, budget=64)
+    a, b = req("a", 8), req("b", 7)
+    s.add_request(a)
+    s.add_request(b)
+    step = s.schedule()  # a takes 2 blocks (+ room), b 2
+    s.update_from_output(step, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[1, 2]))
+    step = s.schedule()  # a needs a third block: b, the newest, is preempted
+    assert step.preempted_req_ids == ["b"] and [x.req_id for x in step.scheduled] == ["a"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and s.num_preemptions == 1
+
+
+def test_one_budget_counts_every_per_block_tensor():
+    import torch
+    kv = BlockTensorSpec("kv.0", (2, 4, 1, 8), torch.float32, block_dim=1)
+    extra = BlockTensorSpec("hidden.0", (4, 16), torch.float32)
+    alone, both = BlockTensors([kv]), BlockTensors([kv, extra])
+    assert alone.bytes_per_block == 2 * 4 * 8 * 4 and both.bytes_per_block == alone.bytes_per_block + 4 * 16 * 4
+    budget = 10 * both.bytes_per_block
+    assert both.num_blocks_for(budget) == 10 < alone.num_blocks_for(budget)
+    both.allocate(10, "cpu")
+    assert both.tensors["kv.0"].shape == (2, 10, 4, 1, 8) and both.tensors["hidden.0"].shape == (10, 4, 16)
+    assert both.kv_caches == [both.tensors["kv.0"]]
