@@ -204,7 +204,7 @@ def help_argv(cmd: str) -> tuple[tuple[str, ...], list[str]] | None:
 DOC_COMMANDS = [(path.name, cmd) for path in [README, *DOCS] for cmd in commands(path)]
 
 
-@pytest.mark.parametrize(("doc", "cmd"), DOC_COMMANDS)
+@pytest.mark.parametrize(("doc", "cmd"), DOC_COMMANDS, ids=[f"{doc}: {cmd}" for doc, cmd in DOC_COMMANDS])
 def test_doc_command_names_real_scripts_and_flags(doc, cmd):
     tokens = shlex.split(cmd)
     if tokens[0] == "make":
