@@ -50,31 +50,35 @@ class _EngineCollector:
             c.add_metric(values, float(value))
             return c
 
-        stats = e.prefix_cache_stats
-        sched = e.scheduler
+        # one snapshot, published by the engine thread: never the scheduler's live lists
+        stats = e.get_stats()
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    len(sched.running))
+                    stats.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    len(sched.waiting))
+                    stats.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    e.kv_cache_usage)
+                    stats.kv_cache_usage)
         yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.", stats.queries)
+                      "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.", stats.hits)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", e.num_prompt_tokens)
+                      "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      e.num_generation_tokens)
+                      stats.num_generation_tokens)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                      sched.num_preemptions)
+                      stats.num_preemptions)
         yield gauge("prefixkv:prefix_cache_hit_rate",
-                    "Cumulative prefix cache hit rate (hit tokens / queried tokens).", stats.hit_rate)
+                    "Cumulative prefix cache hit rate (hit tokens / queried tokens).", stats.prefix_cache_hit_rate)
         yield counter("prefixkv:prefix_cache_requests", "Requests looked up in the prefix cache.",
-                      stats.requests)
-        yield gauge("prefixkv:num_kv_blocks", "KV cache blocks in the pool.", e.num_blocks)
-        yield gauge("prefixkv:block_size", "Tokens per KV cache block.", e.config.block_size)
+                      stats.prefix_cache_requests)
+        yield counter("prefixkv:requests_errored", "Requests the engine failed on their own (the rest went on).",
+                      stats.num_requests_errored)
+        yield counter("prefixkv:kv_events_dropped", "KV cache events dropped because nobody drained them.",
+                      stats.num_kv_events_dropped)
+        yield gauge("prefixkv:num_kv_blocks", "KV cache blocks in the pool.", stats.num_blocks)
+        yield gauge("prefixkv:block_size", "Tokens per KV cache block.", stats.block_size)
         yield gauge("prefixkv:max_model_len", "Longest sequence (prompt + output) accepted.",
-                    e.max_model_len)
+                    stats.max_model_len)
 
 
 class ServerMetrics:
