@@ -96,7 +96,7 @@ class EngineArgs:
         2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int)
     max_logprobs: int = _opt(20, "most logprobs / prompt_logprobs a request may ask for (default: 20, as vLLM)",
                              type=int)
-    seed: int = _opt(0, "seed of the default sampling generator (default: 0)", type=int)
+    seed: int | None = _opt(0, "seed of the default sampling generator (default: 0)", type=int)
 
     # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
     tokenizer: str | None = _opt(None, cli=False)  # must be None or the model: the tokenizer comes with it
@@ -169,8 +169,8 @@ class EngineArgs:
                 continue
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not _is_int(self.seed):  # None: a random seed, as in vLLM
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.prefix_caching_hash_algo, str) and self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}; "
                              f"choose one of {', '.join(HASH_ALGOS)}")

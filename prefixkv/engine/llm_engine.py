@@ -90,8 +90,12 @@ class LLMEngine:
             hash_algo=config.prefix_caching_hash_algo, eviction_policy=config.eviction_policy,
             enable_kv_cache_events=config.enable_kv_cache_events)
         self.block_tensors.allocate(num_blocks, self.device)
-        self.runner = ModelRunner(self.loaded, self.block_tensors, self.dtype, self.device,
-                                  torch.Generator().manual_seed(config.seed % 2 ** 64))
+        default_generator = torch.Generator()
+        if config.seed is None:
+            default_generator.seed()  # a random seed, as vLLM's seed=None
+        else:
+            default_generator.manual_seed(config.seed % 2 ** 64)
+        self.runner = ModelRunner(self.loaded, self.block_tensors, self.dtype, self.device, default_generator)
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
