@@ -1,6 +1,6 @@
 """Sweep cache sizes x eviction policies (plus Belady's offline optimum) over the Mooncake traces.
 
-    .venv/bin/python bench/replay.py [--traces-dir ../shared/traces] [--conversation-limit 6000]
+    .venv/bin/python bench/replay.py --traces-dir DIR [--conversation-limit 6000]
         [--sizes 1000,2000,4000,8000,16000,32000] [--block-size 512] [--jobs 2] [--out docs]
 
 Replays each trace through the real KVCacheManager (prefixkv/replay), prints the table, and writes
@@ -52,7 +52,9 @@ def _job(task):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces-dir", default=str(HERE.parent.parent / "shared" / "traces"))
+    ap.add_argument("--traces-dir", default=os.environ.get("PREFIXKV_TRACES", "traces"),
+                    help="folder with the Mooncake conversation_trace.jsonl and synthetic_trace.jsonl "
+                         "(default: $PREFIXKV_TRACES, else ./traces; see examples/traces/README.md)")
     ap.add_argument("--conversation-limit", type=int, default=6000,
                     help="replay the first N requests of the conversation trace (0 = all)")
     ap.add_argument("--synthetic-limit", type=int, default=0, help="0 = all")
@@ -160,7 +162,12 @@ same schedule and capacity, and each policy's fraction of it. `bench/replay.py` 
 Mooncake traces and regenerates this page and the plots:
 
     .venv/bin/python bench/replay.py                      # this page, ~4 min on 2 cores
-    prefixkv replay ../shared/traces/synthetic_trace.jsonl --num-blocks 2000,8000 --policy all --optimum --reuse-oracle
+    prefixkv replay examples/traces/conversation_sample.jsonl --num-blocks 2000,4000 --policy all --optimum --reuse-oracle
+
+The full traces (kvcache-ai/Mooncake, `FAST25-release/traces`, Apache-2.0) are not in the repo:
+download `conversation_trace.jsonl` and `synthetic_trace.jsonl` from there (examples/traces/README.md)
+and point `prefixkv replay` or `bench/replay.py --traces-dir` at them; `examples/traces/` holds a
+500-request sample.
 
 ![conversation](replay_conversation.png)
 ![synthetic](replay_synthetic.png)
