@@ -51,15 +51,13 @@ def test_simple_jsonl(tmp_path):
         load_jsonl(write(tmp_path / "e.jsonl", [{"nothing": 1}]))
 
 
-def test_real_trace_head_if_present():
+def test_real_trace_head():
     import os
 
     from prefixkv.replay import replay, replay_optimum
 
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "..", "shared", "traces", "conversation_trace.jsonl")
-    if not os.path.exists(path):
-        pytest.skip("Mooncake trace not present (../shared/traces)")
+    path = os.path.join(here, "..", "..", "examples", "traces", "conversation_sample.jsonl")  # shipped
     reqs = load_mooncake(path, limit=200)
     assert len(reqs) == 200
     lru = replay(reqs, 1024, 512, "lru")
