@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo lint format test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +16,17 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m prefixkv.demo
+
+# ruff (lint + format, line length 120) over the repo; mypy on prefixkv/cache and prefixkv/engine
+# (settings in pyproject.toml)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

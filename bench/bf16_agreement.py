@@ -5,6 +5,7 @@ caching on and off.
 
     .venv/bin/python bench/bf16_agreement.py [--dtype bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prefixkv import LLM, SamplingParams  # noqa: E402
 from bench.scenarios import seed_prompts, shared_prefix_prompts  # noqa: E402
+from prefixkv import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:

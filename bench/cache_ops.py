@@ -9,6 +9,7 @@ external consumers) and exact keys plus sha256_cbor content hashes of every bloc
 always pays) - and, when a Python with vLLM is given (or found at $VLLM_PYTHON), runs
 bench/peers/vllm_cache_ops.py there on the same trace and prints the ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ from prefixkv.request import Request  # noqa: E402
 
 class PrefixKVAdapter:
     def __init__(self, trace: Trace, content_hashes: bool, hash_algo: str) -> None:
-        self.mgr = KVCacheManager(num_blocks=trace.num_blocks, block_size=trace.block_size,
-                                  enable_caching=True, hash_algo=hash_algo)
+        self.mgr = KVCacheManager(
+            num_blocks=trace.num_blocks, block_size=trace.block_size, enable_caching=True, hash_algo=hash_algo
+        )
         self.content_hashes = content_hashes
 
     def start(self, treq: TraceRequest) -> Request:
@@ -77,18 +79,25 @@ def run_prefixkv(trace: Trace, repeats: int, content_hashes: bool, hash_algo: st
 
 def summarize(engine: str, trace: Trace, times: list[float], result) -> dict:
     med = statistics.median(times)
-    return {"engine": engine, "trace": trace.name, "requests": result.requests,
-            "seconds_median": med, "requests_per_s": result.requests / med,
-            "us_per_prompt_block": med / result.prompt_blocks * 1e6,
-            "hit_rate": result.hit_rate, "rejected_allocations": result.rejected_allocations,
-            "repeats": times}
+    return {
+        "engine": engine,
+        "trace": trace.name,
+        "requests": result.requests,
+        "seconds_median": med,
+        "requests_per_s": result.requests / med,
+        "us_per_prompt_block": med / result.prompt_blocks * 1e6,
+        "hit_rate": result.hit_rate,
+        "rejected_allocations": result.rejected_allocations,
+        "repeats": times,
+    }
 
 
 def run_vllm(python: str, trace_name: str, repeats: int) -> dict | None:
     script = HERE / "peers" / "vllm_cache_ops.py"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
-    proc = subprocess.run([python, str(script), "--trace", trace_name, "--repeats", str(repeats)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [python, str(script), "--trace", trace_name, "--repeats", str(repeats)], capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
         print(f"  vLLM run failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -96,8 +105,10 @@ def run_vllm(python: str, trace_name: str, repeats: int) -> dict | None:
 
 
 def show(row: dict, label: str) -> None:
-    print(f"  {label:<34} {row['requests_per_s']:>9.0f} req/s  {row['us_per_prompt_block']:>6.2f} us/prompt block"
-          f"  hit rate {row['hit_rate']:.2%}  rejected {row['rejected_allocations']}")
+    print(
+        f"  {label:<34} {row['requests_per_s']:>9.0f} req/s  {row['us_per_prompt_block']:>6.2f} us/prompt block"
+        f"  hit rate {row['hit_rate']:.2%}  rejected {row['rejected_allocations']}"
+    )
 
 
 def main() -> None:
@@ -107,10 +118,12 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
     ap.add_argument("--json", action="store_true", help="also print one JSON line per result")
     args = ap.parse_args()
-    for name in (TRACES if args.trace == "all" else [args.trace]):
+    for name in TRACES if args.trace == "all" else [args.trace]:
         trace = TRACES[name]()
-        print(f"trace {name}: {len(trace.requests)} requests, block size {trace.block_size}, "
-              f"{trace.num_blocks} blocks, {trace.max_running} in flight; medians of {args.repeats}")
+        print(
+            f"trace {name}: {len(trace.requests)} requests, block size {trace.block_size}, "
+            f"{trace.num_blocks} blocks, {trace.max_running} in flight; medians of {args.repeats}"
+        )
         rows = {
             "exact": run_prefixkv(trace, args.repeats, False, "sha256_cbor"),
             "exact+sha256": run_prefixkv(trace, args.repeats, True, "sha256_cbor"),
@@ -124,8 +137,10 @@ def main() -> None:
                 show(vrow, f"vLLM {vrow.get('version', '')} (sha256)")
                 for key, row in rows.items():
                     if key != "vllm":
-                        print(f"  ratio prefixkv ({key}) / vLLM: {row['requests_per_s'] / vrow['requests_per_s']:.2f}x"
-                              f"  (hit rates {row['hit_rate']:.2%} vs {vrow['hit_rate']:.2%})")
+                        print(
+                            f"  ratio prefixkv ({key}) / vLLM: {row['requests_per_s'] / vrow['requests_per_s']:.2f}x"
+                            f"  (hit rates {row['hit_rate']:.2%} vs {vrow['hit_rate']:.2%})"
+                        )
         else:
             print("  vLLM: not measured (pass --vllm-python or set VLLM_PYTHON to a Python with vllm installed)")
         if args.json:

@@ -9,6 +9,7 @@ DIR/hit_rate_vs_cache_size.png. The default trace is the 500-request Mooncake sa
 examples/traces/ (seconds); the full traces (examples/traces/README.md says where they come from)
 take minutes: bench/replay.py sweeps them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,25 @@ DEFAULT_TRACE = "examples/traces/conversation_sample.jsonl"
 
 def replay(trace: str, num_blocks: int, policies: str) -> tuple[dict[str, float], float | None]:
     """Hit rate per policy (and 'optimum') at one cache size, and the infinite-cache ceiling."""
-    proc = subprocess.run([sys.executable, "-m", "prefixkv.cli", "replay", trace, "--num-blocks", str(num_blocks),
-                           "--policy", policies, "--optimum", "--json"],
-                          cwd=ROOT, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefixkv.cli",
+            "replay",
+            trace,
+            "--num-blocks",
+            str(num_blocks),
+            "--policy",
+            policies,
+            "--optimum",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rates, ceiling = {}, None
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -65,10 +82,16 @@ def main() -> None:
         print(f"  infinite-cache ceiling {ceiling:.2%}")
         series["infinite cache"] = [ceiling] * len(sizes)
     if args.plot_dir:
-        line_chart(Path(args.plot_dir) / "hit_rate_vs_cache_size.png",
-                   f"Prefix-cache hit rate vs cache size: {Path(args.trace).name}", sizes, series,
-                   "cache size (blocks of 512 tokens)", "token hit rate", percent=True,
-                   note="prefixkv replay: the real KVCacheManager; optimum = Belady's offline bound")
+        line_chart(
+            Path(args.plot_dir) / "hit_rate_vs_cache_size.png",
+            f"Prefix-cache hit rate vs cache size: {Path(args.trace).name}",
+            sizes,
+            series,
+            "cache size (blocks of 512 tokens)",
+            "token hit rate",
+            percent=True,
+            note="prefixkv replay: the real KVCacheManager; optimum = Belady's offline bound",
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,11 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         path = default_model_path()
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=dtype).to(dev).eval()
+        hf = (
+            AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+            .to(dev)
+            .eval()
+        )
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}, {args.dtype}")
 
     # ------------------------------------------------------------ prefill
@@ -89,14 +92,14 @@ def main() -> None:
     fns = [("ours", ours_prefill)] + ([("transformers", hf_prefill)] if hf is not None else [])
     times = {name: [] for name, _ in fns}
     print(f"  ... prefill, {n} tokens: warm-up and {args.reps} reps", flush=True)
-    for name, fn in fns:
+    for _name, fn in fns:
         fn()  # warm-up
     for _ in range(args.reps):
         for name, fn in fns:
             times[name].append(timed(fn, dev)[0])
     for name, _ in fns:
         med = statistics.median(times[name])
-        print(f"prefill {n} tok  {name:12s}: median {med*1000:8.1f} ms  = {n/med:8.1f} tok/s")
+        print(f"prefill {n} tok  {name:12s}: median {med * 1000:8.1f} ms  = {n / med:8.1f} tok/s")
 
     # ------------------------------------------------------------ decode
     for B in (1, 8):
@@ -105,7 +108,7 @@ def main() -> None:
         prompts = torch.randint(100, vocab, (B, C), generator=g)
         per = (C + args.steps + 2 + bs - 1) // bs
         caches = allocate_kv_cache(cfg, B * per + 4, bs, dtype=dtype, device=dev)
-        tables = torch.randperm(B * per + 4, generator=g)[:B * per].view(B, per)
+        tables = torch.randperm(B * per + 4, generator=g)[: B * per].view(B, per)
 
         def step_meta(lens, new):
             slot_list, qsl = [], [0]
@@ -127,7 +130,7 @@ def main() -> None:
                 past = out.past_key_values
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
             ts, ts_hf = [], []
-            for s in range(args.steps):
+            for _ in range(args.steps):
                 lens = [x + 1 for x in lens]
                 meta = step_meta(lens, 1)
                 positions = torch.tensor([x - 1 for x in lens])
@@ -140,11 +143,12 @@ def main() -> None:
                     tok = out.logits[:, -1].argmax(-1, keepdim=True)
                     ts_hf.append(dt)
         ours = statistics.median(ts[2:])
-        line = f"decode batch {B} ctx {C}  ours: {ours*1000:7.1f} ms/step"
+        line = f"decode batch {B} ctx {C}  ours: {ours * 1000:7.1f} ms/step"
         if hf is not None:
             ref = statistics.median(ts_hf[2:])
-            line += f"   transformers: {ref*1000:7.1f} ms/step   (speedup x{ref/ours:.2f})"
+            line += f"   transformers: {ref * 1000:7.1f} ms/step   (speedup x{ref / ours:.2f})"
         print(line)
+
 
 if __name__ == "__main__":
     main()

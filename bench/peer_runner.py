@@ -3,6 +3,7 @@
 The peers' venvs and model live in `peers/` at the repo root (git-ignored; bench/peers/README.md
 says how to build them), or wherever $PREFIXKV_PEERS points; $VLLM_PYTHON, $LLAMACPP_PYTHON and
 $VLLM_MODEL override single paths. A peer that is not installed is skipped."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def available(python: str | None) -> bool:
 
 def run_peer(python: str, script: str, args: list[str], timeout: float = 3600) -> dict | None:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
-    proc = subprocess.run([python, str(PEERS / script), *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    proc = subprocess.run(
+        [python, str(PEERS / script), *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
     if proc.returncode != 0:
         print(f"  {script} failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}", file=sys.stderr)
         return None

@@ -5,6 +5,7 @@ where its numbers come from. Engines that were not run (a peer whose venv is abs
 not in the chart. matplotlib comes with the test extra (`make install`); without it the scripts
 print their tables and skip the charts.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ COLORS = {"prefixkv": "#1f77b4", "vLLM-CPU": "#ff7f0e", "llama.cpp": "#2ca02c"}
 @dataclass
 class Panel:
     """One bar chart: a group of bars per category, one bar per series (engine)."""
+
     ylabel: str
     categories: list[str]
     series: dict[str, list[float | None]] = field(default_factory=dict)
@@ -36,8 +38,10 @@ def command_line() -> str:
 
 def footnote(extra: str = "") -> str:
     now = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    text = (f"{command_line()}  ({os.cpu_count()} CPUs; 1-minute load average {START_LOAD:.1f} at the start, "
-            f"{now:.1f} at the end)")
+    text = (
+        f"{command_line()}  ({os.cpu_count()} CPUs; 1-minute load average {START_LOAD:.1f} at the start, "
+        f"{now:.1f} at the end)"
+    )
     return f"{text}\n{extra}" if extra else text
 
 
@@ -67,8 +71,9 @@ def bar_chart(path: str | Path, title: str, panels: list[Panel], note: str = "")
     if plt is None:
         return None
     widths = [max(1.5, len(p.categories)) for p in panels]
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * sum(widths) + 1, 4.2), squeeze=False,
-                             gridspec_kw={"width_ratios": widths})
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(2.6 * sum(widths) + 1, 4.2), squeeze=False, gridspec_kw={"width_ratios": widths}
+    )
     for ax, panel in zip(axes[0], panels):
         names = [n for n, vals in panel.series.items() if any(v is not None for v in vals)]
         width = 0.8 / max(1, len(names))
@@ -89,16 +94,26 @@ def bar_chart(path: str | Path, title: str, panels: list[Panel], note: str = "")
     return _save(fig, plt, Path(path))
 
 
-def line_chart(path: str | Path, title: str, x: list[float], series: dict[str, list[float]], xlabel: str,
-               ylabel: str, note: str = "", percent: bool = False) -> Path | None:
+def line_chart(
+    path: str | Path,
+    title: str,
+    x: list[float],
+    series: dict[str, list[float]],
+    xlabel: str,
+    ylabel: str,
+    note: str = "",
+    percent: bool = False,
+) -> Path | None:
     """One line per series over x (e.g. hit rate per policy over cache sizes), log-scaled x."""
     plt = _pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.4))
     for name, ys in series.items():
-        style = {"optimum": {"linestyle": "--", "color": "black", "marker": "o"},
-                 "infinite cache": {"linestyle": ":", "color": "gray"}}.get(name, {"marker": "o"})
+        style = {
+            "optimum": {"linestyle": "--", "color": "black", "marker": "o"},
+            "infinite cache": {"linestyle": ":", "color": "gray"},
+        }.get(name, {"marker": "o"})
         ax.plot(x, [y * 100 if percent else y for y in ys], label=name, **style)
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [f"{v:,}" for v in x])

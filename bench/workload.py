@@ -4,6 +4,7 @@ Pure Python on purpose: the same file is imported by prefixkv's benchmark and by
 scripts that run inside another engine's virtual environment (bench/peers/), so both
 managers see exactly the same requests in exactly the same order.
 """
+
 from __future__ import annotations
 
 import random

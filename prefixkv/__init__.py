@@ -3,6 +3,7 @@
 vLLM's interface (`LLM`, `SamplingParams`, an OpenAI-compatible server); the layers, the exact
 block identity and where to add a model, a policy or a route: docs/design.md.
 """
+
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .request import LoRARequest, MultiModalItem
 from .sampling_params import SamplingParams
@@ -14,12 +15,22 @@ def __getattr__(name: str):
     # LLM pulls in torch and the model code; the cache package alone should not have to.
     if name == "LLM":
         from .llm import LLM
+
         return LLM
     if name == "LLMEngine":
         from .engine.llm_engine import LLMEngine
+
         return LLMEngine
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "LoRARequest", "MultiModalItem"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "LoRARequest",
+    "MultiModalItem",
+]

@@ -1,10 +1,11 @@
 """The `prefixkv` command: serve an OpenAI-compatible API, or generate / chat in a terminal.
 
-    prefixkv serve [MODEL] [--port 8000] ...      OpenAI-compatible server, vLLM's flag names
-    prefixkv generate "PROMPT" [--max-tokens 64]  one completion (prompt argument or stdin)
-    prefixkv chat                                 interactive chat keeping history (/exit to quit)
-    prefixkv replay ...                           replay a request trace through the KV cache manager
+prefixkv serve [MODEL] [--port 8000] ...      OpenAI-compatible server, vLLM's flag names
+prefixkv generate "PROMPT" [--max-tokens 64]  one completion (prompt argument or stdin)
+prefixkv chat                                 interactive chat keeping history (/exit to quit)
+prefixkv replay ...                           replay a request trace through the KV cache manager
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,12 @@ from .server.launch import add_server_args
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens_default: int | None) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens_default,
-                   help=f"most tokens to generate (default: {max_tokens_default or 'the rest of the context'})")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens_default,
+        help=f"most tokens to generate (default: {max_tokens_default or 'the rest of the context'})",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
@@ -34,28 +39,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefixkv",
         description="prefixkv: an LLM inference engine with exact automatic prefix caching. "
-                    "Serve an OpenAI-compatible API with vLLM's flags and metrics, or generate in a terminal.",
+        "Serve an OpenAI-compatible API with vLLM's flags and metrics, or generate in a terminal.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
-               "  prefixkv serve --port 8000                  # embedded SmolLM2-135M-Instruct\n"
-               "  prefixkv serve ~/models/SmolLM2-135M --api-key sk-local --served-model-name smol\n"
-               "  prefixkv generate 'The capital of France is' --max-tokens 16\n"
-               "  echo 'Tell me a joke' | prefixkv generate --stream\n"
-               "  prefixkv chat --system 'You are terse.'\n"
-               "run 'prefixkv COMMAND --help' for a command's flags.")
+        "  prefixkv serve --port 8000                  # embedded SmolLM2-135M-Instruct\n"
+        "  prefixkv serve ~/models/SmolLM2-135M --api-key sk-local --served-model-name smol\n"
+        "  prefixkv generate 'The capital of France is' --max-tokens 16\n"
+        "  echo 'Tell me a joke' | prefixkv generate --stream\n"
+        "  prefixkv chat --system 'You are terse.'\n"
+        "run 'prefixkv COMMAND --help' for a command's flags.",
+    )
     parser.add_argument("-V", "--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server (like `vllm serve`)",
+        "serve",
+        help="run the OpenAI-compatible HTTP server (like `vllm serve`)",
         description="Run an OpenAI-compatible HTTP server: POST /v1/completions, /v1/chat/completions, "
-                    "GET /v1/models, /health, /metrics (Prometheus, vLLM's metric names), "
-                    "POST /reset_prefix_cache. Flags follow `vllm serve`.")
+        "GET /v1/models, /health, /metrics (Prometheus, vLLM's metric names), "
+        "POST /reset_prefix_cache. Flags follow `vllm serve`.",
+    )
     EngineArgs.add_cli_args(serve)  # the engine's flags: one source, prefixkv/engine_args.py
     add_server_args(serve)
 
-    gen = sub.add_parser("generate", help="generate one completion in the terminal",
-                         description="Complete one prompt (argument, or stdin when omitted) and print the text.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate one completion in the terminal",
+        description="Complete one prompt (argument, or stdin when omitted) and print the text.",
+    )
     gen.add_argument("prompt", nargs="?", default=None, help="prompt text; read from stdin when omitted")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
@@ -63,16 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen, positional_model=False)
     _add_sampling_args(gen, 64)
 
-    chat = sub.add_parser("chat", help="interactive chat in the terminal (keeps history; /exit to quit)",
-                          description="Chat with the model, one line per turn read from stdin. "
-                                      "Commands: /exit (or EOF) quits, /reset clears the history.")
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat in the terminal (keeps history; /exit to quit)",
+        description="Chat with the model, one line per turn read from stdin. "
+        "Commands: /exit (or EOF) quits, /reset clears the history.",
+    )
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--no-stream", dest="stream", action="store_false", help="print each reply when complete")
     EngineArgs.add_cli_args(chat, positional_model=False)
     _add_sampling_args(chat, 256)
 
-    sub.add_parser("replay", help="replay a request trace through the KV cache manager (see docs/replay.md)",
-                   add_help=False, description="run 'prefixkv replay --help' for its flags")
+    sub.add_parser(
+        "replay",
+        help="replay a request trace through the KV cache manager (see docs/replay.md)",
+        add_help=False,
+        description="run 'prefixkv replay --help' for its flags",
+    )
     return parser
 
 
@@ -83,13 +101,23 @@ def engine_config(args: argparse.Namespace) -> EngineArgs:
 
 def sampling_params(args: argparse.Namespace, n: int = 1):
     from .sampling_params import SamplingParams
-    return SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
-                          max_tokens=args.max_tokens)
+
+    return SamplingParams(
+        n=n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        max_tokens=args.max_tokens,
+    )
 
 
 def _load_engine(args: argparse.Namespace):
     from .engine.llm_engine import LLMEngine
+
     return LLMEngine(engine_config(args))
 
 
@@ -103,13 +131,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     log.info("loading %s", config.model or "the embedded SmolLM2-135M-Instruct")
     engine = LLMEngine(config)
-    log.info("max_model_len=%d, %d KV blocks of %d tokens, prefix caching %s", engine.max_model_len,
-             engine.num_blocks, config.block_size, "on" if config.enable_prefix_caching else "off")
+    log.info(
+        "max_model_len=%d, %d KV blocks of %d tokens, prefix caching %s",
+        engine.max_model_len,
+        engine.num_blocks,
+        config.block_size,
+        "on" if config.enable_prefix_caching else "off",
+    )
     return run_server(args, engine, config.model or DEFAULT_MODEL_NAME)
 
 
-def _run_stream(engine, prompt_ids: list[int], params, cache_salt: str | None, out=None,
-                stream: bool = True) -> list[str]:
+def _run_stream(
+    engine, prompt_ids: list[int], params, cache_salt: str | None, out=None, stream: bool = True
+) -> list[str]:
     """Drive the engine for one request, printing text as it grows; returns the final texts."""
     out = out or sys.stdout
     rid = engine.add_request(prompt_ids, params, cache_salt=cache_salt)
@@ -149,8 +183,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     tok = engine.tokenizer
     if args.chat:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                 tokenize=False), add_special_tokens=False)
+        ids = tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
     else:
         ids = engine.tokenize(prompt)
     if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
@@ -196,12 +232,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history = list(base)
             continue
         history.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False),
-                         add_special_tokens=False)
+        ids = tok.encode(
+            tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )
         room = engine.max_model_len - len(ids)
         if room < 1:
-            print("prefixkv chat: the conversation no longer fits the context; /reset to start over",
-                  file=sys.stderr)
+            print("prefixkv chat: the conversation no longer fits the context; /reset to start over", file=sys.stderr)
             history.pop()
             continue
         p = params.clone(max_tokens=min(params.max_tokens or room, room))
@@ -218,8 +254,9 @@ def cmd_replay(argv: Sequence[str]) -> int:
     except ImportError as e:
         print(f"prefixkv replay is not available: {e}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="prefixkv replay",
-                                     description="Replay a request trace through the KV cache manager.")
+    parser = argparse.ArgumentParser(
+        prog="prefixkv replay", description="Replay a request trace through the KV cache manager."
+    )
     replay_cli.add_arguments(parser)
     return int(replay_cli.run(parser.parse_args(list(argv))) or 0)
 
@@ -232,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.version:
         from . import __version__
+
         print(f"prefixkv {__version__}")
         return 0
     if args.command is None:

@@ -6,6 +6,7 @@ in the prefix cache and computes only its own tokens, so its time to first token
 of the first's. `bench/seed_scenario.py` times the same prompts over repeats (docs/benchmarks.md).
 The design: docs/design.md.
 """
+
 from __future__ import annotations
 
 import time
@@ -67,9 +68,11 @@ def question(name: str) -> str:
 
 
 def main() -> None:
-    print("What this shows: the prefix cache at work - the second question reuses the document's KV "
-          "blocks (see the time to first token and the cached tokens). The answers come from a 135M-parameter "
-          "model and are not the point.\n")
+    print(
+        "What this shows: the prefix cache at work - the second question reuses the document's KV "
+        "blocks (see the time to first token and the cached tokens). The answers come from a 135M-parameter "
+        "model and are not the point.\n"
+    )
     t0 = time.perf_counter()
     llm = LLM(enable_prefix_caching=True)
     print(f"loaded the embedded SmolLM2-135M-Instruct in {time.perf_counter() - t0:.1f} s")
@@ -85,9 +88,11 @@ def main() -> None:
         ttfts.append(ttft)
         print(f"Q: what is the age of {name}?")
         print(f"A: {out.outputs[0].text.strip()!r}")
-        print(f"   time to first token {ttft:.3f} s, total {total:.2f} s, "
-              f"{len(out.outputs[0].token_ids)} tokens, {out.num_cached_tokens} of "
-              f"{len(out.prompt_token_ids)} prompt tokens from the cache\n")
+        print(
+            f"   time to first token {ttft:.3f} s, total {total:.2f} s, "
+            f"{len(out.outputs[0].token_ids)} tokens, {out.num_cached_tokens} of "
+            f"{len(out.prompt_token_ids)} prompt tokens from the cache\n"
+        )
     stats = llm.get_prefix_cache_stats()
     print(f"prefix cache: {stats.hits} of {stats.queries} queried tokens hit ({stats.hit_rate:.1%})")
     print(f"second question's time to first token = {ttfts[1] / ttfts[0]:.1%} of the first's")

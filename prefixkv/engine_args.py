@@ -6,6 +6,7 @@ default or a list of choices is written once. vLLM options that prefixkv does no
 fields too, with vLLM's defaults: a value that would change behaviour is refused with a ValueError
 naming it; a value that changes nothing here is accepted and logged once (`_COMPAT`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,19 @@ logger = logging.getLogger("prefixkv")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB, like vLLM-CPU's VLLM_CPU_KVCACHE_SPACE default scale
 # dtype name -> torch dtype attribute name; "auto" is float32 on CPU, bfloat16 on CUDA
-DTYPES: dict[str, str | None] = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
-                                 "float16": "float16", "half": "float16"}
+DTYPES: dict[str, str | None] = {
+    "auto": None,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 DEVICES = ("cpu", "cuda")
-MODEL_HELP = ("model to load: an HF model folder (config.json, tokenizer.json, *.safetensors) or a .gguf "
-              "file; omitted: the embedded SmolLM2-135M-Instruct")
+MODEL_HELP = (
+    "model to load: an HF model folder (config.json, tokenizer.json, *.safetensors) or a .gguf "
+    "file; omitted: the embedded SmolLM2-135M-Instruct"
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 
@@ -42,19 +51,38 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _opt(default: Any, help: str | None = None, *, type: Callable[[str], Any] | None = None,
-         choices: Any = None, flag: str | None = None, cli: bool = True) -> Any:
+def _opt(
+    default: Any,
+    help: str | None = None,
+    *,
+    type: Callable[[str], Any] | None = None,
+    choices: Any = None,
+    flag: str | None = None,
+    cli: bool = True,
+) -> Any:
     """A field with what its CLI flag needs (help None: no flag)."""
     meta = {"help": help, "type": type, "choices": choices, "flag": flag, "cli": cli and help is not None}
     return field(default=default, metadata=meta)
 
 
-def _compat(default: Any, accepts: Callable[[Any], bool], why: str, *, type: Callable[[str], Any] | None = None,
-            cli: bool = True) -> Any:
+def _compat(
+    default: Any,
+    accepts: Callable[[Any], bool],
+    why: str,
+    *,
+    type: Callable[[str], Any] | None = None,
+    cli: bool = True,
+) -> Any:
     """A vLLM option prefixkv does not implement: `accepts(value)` says whether the value changes
     nothing here (accepted, logged); `why` is said either way."""
-    meta = {"help": f"vLLM option; {why}" if cli else None, "type": type, "choices": None, "flag": None,
-            "cli": cli, "compat": (accepts, why)}
+    meta = {
+        "help": f"vLLM option; {why}" if cli else None,
+        "type": type,
+        "choices": None,
+        "flag": None,
+        "cli": cli,
+        "compat": (accepts, why),
+    }
     return field(default=default, metadata=meta)
 
 
@@ -71,31 +99,44 @@ class EngineArgs:
     """Engine options, with vLLM's names and defaults. `EngineConfig` is the same class."""
 
     model: str | None = _opt(None, cli=False)  # None: the embedded SmolLM2-135M-Instruct GGUF
-    dtype: str = _opt("auto", "weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: auto)",
-                      choices=list(DTYPES))
+    dtype: str = _opt(
+        "auto",
+        "weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: auto)",
+        choices=list(DTYPES),
+    )
     device: str | None = _opt(None, "default: cuda if available, else cpu", choices=list(DEVICES))
     max_model_len: int | None = _opt(
-        None, "longest sequence (prompt + output) in tokens; default: the model's, capped by the KV budget", type=int)
+        None, "longest sequence (prompt + output) in tokens; default: the model's, capped by the KV budget", type=int
+    )
     block_size: int = _opt(16, "tokens per KV cache block (default: 16)", type=int)
     kv_cache_memory_bytes: int | None = _opt(
-        None, "KV cache budget in bytes, e.g. 536870912, 512M, 2GiB (default: 1GiB)", type=parse_bytes)
+        None, "KV cache budget in bytes, e.g. 536870912, 512M, 2GiB (default: 1GiB)", type=parse_bytes
+    )
     num_gpu_blocks_override: int | None = _opt(
-        None, "KV cache budget in blocks; overrides --kv-cache-memory-bytes", type=int)
+        None, "KV cache budget in blocks; overrides --kv-cache-memory-bytes", type=int
+    )
     num_blocks: int | None = _opt(None, cli=False)  # prefixkv's name for num_gpu_blocks_override
     enable_prefix_caching: bool = _opt(
-        True, "reuse the KV blocks of identical prompt prefixes across requests (default: on)")
+        True, "reuse the KV blocks of identical prompt prefixes across requests (default: on)"
+    )
     prefix_caching_hash_algo: str | Callable[[Any], bytes] = _opt(  # noqa: RUF009 (it returns a field)
-        "sha256_cbor", "content hash naming cached blocks (default: sha256_cbor, as vLLM)", choices=list(HASH_ALGOS))
+        "sha256_cbor", "content hash naming cached blocks (default: sha256_cbor, as vLLM)", choices=list(HASH_ALGOS)
+    )
     eviction_policy: str = _opt(
-        "lru", "which free cached block is reused first (default: lru, as vLLM; see docs/replay.md)",
-        choices=list(POLICIES))
+        "lru",
+        "which free cached block is reused first (default: lru, as vLLM; see docs/replay.md)",
+        choices=list(POLICIES),
+    )
     enable_kv_cache_events: bool = _opt(
-        False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)")
+        False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)"
+    )
     max_num_seqs: int = _opt(256, "most sequences in one batch (default: 256)", type=int)
     max_num_batched_tokens: int = _opt(
-        2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int)
-    max_logprobs: int = _opt(20, "most logprobs / prompt_logprobs a request may ask for (default: 20, as vLLM)",
-                             type=int)
+        2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int
+    )
+    max_logprobs: int = _opt(
+        20, "most logprobs / prompt_logprobs a request may ask for (default: 20, as vLLM)", type=int
+    )
     seed: int | None = _opt(0, "seed of the default sampling generator (default: 0)", type=int)
 
     # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
@@ -103,48 +144,56 @@ class EngineArgs:
     tokenizer_mode: str = _compat("auto", _is_default("auto"), "only 'auto': the model's own tokenizer", cli=False)
     trust_remote_code: bool = _compat(False, _anything, "no model code is ever downloaded or run")
     download_dir: str | None = _compat(None, _anything, "models are read from local files only", cli=False)
-    load_format: str = _compat("auto", _is_default("auto"), "weights are read from safetensors or GGUF",
-                               cli=False)
+    load_format: str = _compat("auto", _is_default("auto"), "weights are read from safetensors or GGUF", cli=False)
     revision: str | None = _compat(None, _is_default(None), "models are read from local files only", cli=False)
-    tokenizer_revision: str | None = _compat(None, _is_default(None), "models are read from local files only",
-                                             cli=False)
+    tokenizer_revision: str | None = _compat(
+        None, _is_default(None), "models are read from local files only", cli=False
+    )
     code_revision: str | None = _compat(None, _is_default(None), "no model code is ever run", cli=False)
     hf_overrides: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "model configs are used as written", cli=False)
+        None, _is_default(None), "model configs are used as written", cli=False
+    )
     quantization: str | None = _compat(None, _is_default(None), "weights are not quantized (not implemented)")
     kv_cache_dtype: str = _compat("auto", _is_default("auto"), "the KV cache uses the model dtype")
     tensor_parallel_size: int = _compat(1, _is_default(1), "one device only (no tensor parallelism)", type=int)
-    pipeline_parallel_size: int = _compat(1, _is_default(1), "one device only (no pipeline parallelism)",
-                                          type=int)
-    data_parallel_size: int = _compat(1, _is_default(1), "one engine per process (no data parallelism)",
-                                      type=int)
+    pipeline_parallel_size: int = _compat(1, _is_default(1), "one device only (no pipeline parallelism)", type=int)
+    data_parallel_size: int = _compat(1, _is_default(1), "one engine per process (no data parallelism)", type=int)
     distributed_executor_backend: str | None = _compat(None, _anything, "one process, no executor", cli=False)
     disable_custom_all_reduce: bool = _compat(False, _anything, "one device, no all-reduce", cli=False)
-    gpu_memory_utilization: float = _compat(0.9, lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
-                                            "the KV budget is --kv-cache-memory-bytes", type=float)
+    gpu_memory_utilization: float = _compat(
+        0.9,
+        lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
+        "the KV budget is --kv-cache-memory-bytes",
+        type=float,
+    )
     swap_space: float = _compat(4, _anything, "preemption recomputes, nothing is swapped", type=float)
-    cpu_offload_gb: float = _compat(0, _is_default(0), "weights are not offloaded (not implemented)",
-                                    type=float)
+    cpu_offload_gb: float = _compat(0, _is_default(0), "weights are not offloaded (not implemented)", type=float)
     enforce_eager: bool = _compat(False, _anything, "no CUDA graphs are captured")
     max_seq_len_to_capture: int = _compat(8192, _anything, "no CUDA graphs are captured", cli=False)
     compilation_config: dict[str, Any] | int | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _anything, "nothing is compiled", cli=False)
+        None, _anything, "nothing is compiled", cli=False
+    )
     disable_log_stats: bool = _compat(False, _anything, "no periodic stats are logged", cli=False)
     disable_async_output_proc: bool = _compat(False, _anything, "outputs are processed in the step", cli=False)
     enable_chunked_prefill: bool | None = _compat(
-        None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)")
+        None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)"
+    )
     scheduling_policy: str = _compat("fcfs", _is_default("fcfs"), "first come first served only", cli=False)
     enable_lora: bool = _compat(False, _is_default(False), "LoRA weights are not applied yet")
     max_loras: int = _compat(1, _anything, "LoRA is not implemented", cli=False)
     max_lora_rank: int = _compat(16, _anything, "LoRA is not implemented", cli=False)
     speculative_config: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "no speculative decoding", cli=False)
+        None, _is_default(None), "no speculative decoding", cli=False
+    )
     limit_mm_per_prompt: dict[str, int] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "multimodal inputs are not implemented", cli=False)
+        None, _is_default(None), "multimodal inputs are not implemented", cli=False
+    )
     mm_processor_kwargs: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "multimodal inputs are not implemented", cli=False)
-    disable_sliding_window: bool = _compat(False, _is_default(False), "sliding windows are applied as the "
-                                           "model config says", cli=False)
+        None, _is_default(None), "multimodal inputs are not implemented", cli=False
+    )
+    disable_sliding_window: bool = _compat(
+        False, _is_default(False), "sliding windows are applied as the model config says", cli=False
+    )
     task: str = _compat("auto", lambda v: v in ("auto", "generate"), "text generation only", cli=False)
 
     def __post_init__(self) -> None:
@@ -153,8 +202,10 @@ class EngineArgs:
             self.max_num_batched_tokens = 2048
         if self.num_gpu_blocks_override is not None:
             if self.num_blocks is not None and self.num_blocks != self.num_gpu_blocks_override:
-                raise ValueError(f"num_blocks={self.num_blocks} and num_gpu_blocks_override="
-                                 f"{self.num_gpu_blocks_override} disagree; give one")
+                raise ValueError(
+                    f"num_blocks={self.num_blocks} and num_gpu_blocks_override="
+                    f"{self.num_gpu_blocks_override} disagree; give one"
+                )
             self.num_blocks = self.num_gpu_blocks_override
         if self.tokenizer is not None and self.tokenizer != self.model:
             raise ValueError("a separate tokenizer is not supported: the tokenizer comes with the model")
@@ -162,8 +213,15 @@ class EngineArgs:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
             raise ValueError(f"unknown device {self.device!r}; choose cpu or cuda")
-        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_logprobs", 0),
-                          ("num_blocks", 1), ("kv_cache_memory_bytes", 1), ("max_model_len", 2)):
+        for name, low in (
+            ("block_size", 1),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("max_logprobs", 0),
+            ("num_blocks", 1),
+            ("kv_cache_memory_bytes", 1),
+            ("max_model_len", 2),
+        ):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
                 continue
@@ -172,8 +230,10 @@ class EngineArgs:
         if self.seed is not None and not _is_int(self.seed):  # None: a random seed, as in vLLM
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.prefix_caching_hash_algo, str) and self.prefix_caching_hash_algo not in HASH_ALGOS:
-            raise ValueError(f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}; "
-                             f"choose one of {', '.join(HASH_ALGOS)}")
+            raise ValueError(
+                f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}; "
+                f"choose one of {', '.join(HASH_ALGOS)}"
+            )
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
 

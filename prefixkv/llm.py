@@ -4,6 +4,7 @@
 written once). Anything vLLM accepts that prefixkv does not implement - an engine option, a
 prompt field, a generate() or chat() argument - is refused with a ValueError naming it, unless
 its value changes nothing here."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -113,10 +114,18 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
-                 prompt_token_ids: Any = None, cache_salt: str | None = None,
-                 priority: list[int] | None = None, **kwargs: Any) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Any = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
+        prompt_token_ids: Any = None,
+        cache_salt: str | None = None,
+        priority: list[int] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
         """Generate for one prompt or a batch (strings, token-id lists, or {"prompt": ...} /
         {"prompt_token_ids": ...} dicts, each with an optional "cache_salt"). Everything is
         validated before anything runs. A request that fails alone comes back finished with
@@ -124,8 +133,9 @@ class LLM:
         _refuse_call_args("generate", kwargs)
         _refuse_lora(lora_request)
         if priority is not None and any(p != 0 for p in priority):
-            raise ValueError("generate(priority=...) is not supported by prefixkv: "
-                             "scheduling is first come first served")
+            raise ValueError(
+                "generate(priority=...) is not supported by prefixkv: scheduling is first come first served"
+            )
         items = _as_prompt_list(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -143,32 +153,51 @@ class LLM:
         ids_in_order: list[str] = []
         try:
             for (item, salt), ids, params in zip(items, tokenized, params_list):
-                ids_in_order.append(engine.add_request(
-                    ids, params, cache_salt=salt if salt is not None else cache_salt,
-                    prompt_text=item if isinstance(item, str) else None))
+                ids_in_order.append(
+                    engine.add_request(
+                        ids,
+                        params,
+                        cache_salt=salt if salt is not None else cache_salt,
+                        prompt_text=item if isinstance(item, str) else None,
+                    )
+                )
         except BaseException:
             engine.abort_request(ids_in_order)  # all or nothing
             raise
         return self._run(ids_in_order, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, lora_request: LoRARequest | None = None, chat_template_content_format: str = "auto",
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             **kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
         """Chat completion for one conversation or a batch, through the model's chat template."""
         _refuse_call_args("chat", kwargs)
         _refuse_lora(lora_request)
         if continue_final_message:
             raise ValueError("chat(continue_final_message=True) is not supported by prefixkv")
         if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(f"chat(chat_template_content_format={chat_template_content_format!r}) is not "
-                             "supported by prefixkv: message contents are strings")
+            raise ValueError(
+                f"chat(chat_template_content_format={chat_template_content_format!r}) is not "
+                "supported by prefixkv: message contents are strings"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
-        prompts = [tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
-                   for conv in conversations]
-        return self.generate([{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
-                             sampling_params, use_tqdm=use_tqdm)
+        prompts = [
+            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+            for conv in conversations
+        ]
+        return self.generate(
+            [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
+            sampling_params,
+            use_tqdm=use_tqdm,
+        )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -177,6 +206,7 @@ class LLM:
         bar = None
         if use_tqdm and len(request_ids) > 1:
             from tqdm import tqdm
+
             bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while pending:

@@ -1,4 +1,5 @@
 """A generation request: its tokens, where it stands, and what sets its cache identity apart."""
+
 from __future__ import annotations
 
 import enum
@@ -54,8 +55,14 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR))
+_FINISHED = frozenset(
+    (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
+)
 
 
 class Request:
@@ -65,11 +72,19 @@ class Request:
     In the engine `request_id` is engine-private and unique by construction (the scheduler and
     the cache manager key by it); the client's id belongs to the request group."""
 
-    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *,
-                 sampling_params: Any = None, lora_request: LoRARequest | str | None = None,
-                 mm_items: Iterable[MultiModalItem | tuple | dict] = (), cache_salt: str | None = None,
-                 prompt: str | None = None, arrival_time: float | None = None,
-                 generator: Any = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        sampling_params: Any = None,
+        lora_request: LoRARequest | str | None = None,
+        mm_items: Iterable[MultiModalItem | tuple | dict] = (),
+        cache_salt: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        generator: Any = None,
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
@@ -131,5 +146,7 @@ class Request:
         return self.status.is_finished
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, status={self.status.value})")
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.value})"
+        )

@@ -4,6 +4,7 @@ Every number must be finite and in its range (a NaN or an overflowing value woul
 surface mid-step); vLLM fields prefixkv does not implement are refused by name unless they have
 their default value. The engine checks what depends on it (logprobs against max_logprobs) when a
 request is added."""
+
 from __future__ import annotations
 
 import functools
@@ -13,14 +14,25 @@ from typing import Any
 
 MAX_TEMPERATURE = 1e4  # beyond it sampling is uniform anyway; float('inf') or 1e308 would overflow
 PENALTY_RANGE = (1e-4, 1e4)  # repetition_penalty: outside it the scaled logits overflow float32
-SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes (negative wraps)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (negative wraps)
 
 # vLLM fields prefixkv does not implement: accepted only with the value that changes nothing.
 _UNSUPPORTED: dict[str, Any] = {
-    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-    "logits_processors": None, "guided_decoding": None, "structured_outputs": None, "logit_bias": None,
-    "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None, "extra_args": None,
-    "spaces_between_special_tokens": True, "output_kind": None, "flat_logprobs": False,
+    "best_of": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+    "logits_processors": None,
+    "guided_decoding": None,
+    "structured_outputs": None,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "truncate_prompt_tokens": None,
+    "extra_args": None,
+    "spaces_between_special_tokens": True,
+    "output_kind": None,
+    "flat_logprobs": False,
 }
 
 
@@ -110,11 +122,17 @@ def _int(name: str, value: Any, low: int, what: str | None = None) -> None:
 
 
 def _number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-          and (low < value if low_open else low <= value) and value <= high)
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (low < value if low_open else low <= value)
+        and value <= high
+    )
     if not ok:
-        raise ValueError(f"{name} must be a finite number in {'(' if low_open else '['}{low:g}, {high:g}], "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be a finite number in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}"
+        )
 
 
 _dataclass_init = SamplingParams.__init__

@@ -1,4 +1,5 @@
 """Session-wide fixtures: the embedded model (ours) and its transformers reference, loaded once."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,8 @@ def hf_ref_model(default_gguf_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_gguf_path), gguf_file=os.path.basename(default_gguf_path),
-        dtype=torch.float32)
+        os.path.dirname(default_gguf_path), gguf_file=os.path.basename(default_gguf_path), dtype=torch.float32
+    )
     return model.eval()
 
 

@@ -1,4 +1,5 @@
 """The `prefixkv` command line: help, flag names, generate and chat (model loaded once)."""
+
 from __future__ import annotations
 
 import io
@@ -11,14 +12,32 @@ import pytest
 from prefixkv import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VLLM_SERVE_FLAGS = ["--host", "--port", "--enable-prefix-caching", "--no-enable-prefix-caching", "--block-size",
-                    "--prefix-caching-hash-algo", "--kv-cache-memory-bytes", "--max-num-seqs",
-                    "--max-num-batched-tokens", "--max-model-len", "--dtype", "--api-key", "--served-model-name"]
+VLLM_SERVE_FLAGS = [
+    "--host",
+    "--port",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--block-size",
+    "--prefix-caching-hash-algo",
+    "--kv-cache-memory-bytes",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--max-model-len",
+    "--dtype",
+    "--api-key",
+    "--served-model-name",
+]
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "prefixkv.cli", *args], cwd=ROOT, input=stdin,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "prefixkv.cli", *args],
+        cwd=ROOT,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_top_level_help_lists_commands():
@@ -39,12 +58,38 @@ def test_serve_help_has_vllm_flags():
 
 def test_serve_args_map_to_engine_config():
     args = cli.build_parser().parse_args(
-        ["serve", "/models/x", "--no-enable-prefix-caching", "--block-size", "32", "--kv-cache-memory-bytes", "256M",
-         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "900", "--dtype", "float32",
-         "--prefix-caching-hash-algo", "xxhash_cbor", "--api-key", "k", "--served-model-name", "a", "b"])
+        [
+            "serve",
+            "/models/x",
+            "--no-enable-prefix-caching",
+            "--block-size",
+            "32",
+            "--kv-cache-memory-bytes",
+            "256M",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-model-len",
+            "900",
+            "--dtype",
+            "float32",
+            "--prefix-caching-hash-algo",
+            "xxhash_cbor",
+            "--api-key",
+            "k",
+            "--served-model-name",
+            "a",
+            "b",
+        ]
+    )
     cfg = cli.engine_config(args)
-    assert (cfg.model, cfg.enable_prefix_caching, cfg.block_size, cfg.kv_cache_memory_bytes) == \
-        ("/models/x", False, 32, 256 << 20)
+    assert (cfg.model, cfg.enable_prefix_caching, cfg.block_size, cfg.kv_cache_memory_bytes) == (
+        "/models/x",
+        False,
+        32,
+        256 << 20,
+    )
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.dtype) == (8, 512, 900, "float32")
     assert cfg.prefix_caching_hash_algo == "xxhash_cbor"
     assert args.api_key == "k" and args.served_model_name == ["a", "b"] and args.host == "127.0.0.1"
@@ -56,6 +101,7 @@ def test_serve_args_map_to_engine_config():
 def test_engine_flags_come_from_engine_args():
     from prefixkv.cache import POLICIES
     from prefixkv.engine_args import EngineArgs
+
     args = cli.build_parser().parse_args(["generate", "x", "--eviction-policy", "lfu", "--max-logprobs", "7"])
     cfg = cli.engine_config(args)
     assert isinstance(cfg, EngineArgs) and (cfg.eviction_policy, cfg.max_logprobs) == ("lfu", 7)
@@ -88,6 +134,7 @@ def test_replay_is_wired_lazily():
 def engine():
     from prefixkv.config import EngineConfig
     from prefixkv.engine.llm_engine import LLMEngine
+
     return LLMEngine(EngineConfig(kv_cache_memory_bytes=64 << 20, max_model_len=1024))
 
 
@@ -99,6 +146,7 @@ def shared_engine(engine, monkeypatch):
 
 def _reference(engine, ids, max_tokens):
     from prefixkv.sampling_params import SamplingParams
+
     rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens))
     while True:
         for o in engine.step():
@@ -127,26 +175,47 @@ def test_chat_keeps_history(shared_engine, capsys, monkeypatch):
     assert cli.main(["chat", "--max-tokens", "5", "--no-stream"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     tok = shared_engine.tokenizer
-    first = _reference(shared_engine, tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]),
-                                                 add_special_tokens=False), 5)
+    first = _reference(
+        shared_engine,
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False),
+        5,
+    )
     assert lines[0] == first
-    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
-               {"role": "user", "content": "What did I just say?"}]
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "What did I just say?"},
+    ]
     second = _reference(shared_engine, tok.encode(tok.apply_chat_template(history), add_special_tokens=False), 5)
     assert "\n".join(lines[1:]) == second.strip() or lines[1] == second.splitlines()[0]
 
 
 def test_replay_runs_a_trace_with_every_policy_and_both_oracles(tmp_path):
     import json
+
     trace = tmp_path / "t.jsonl"
-    rows = [{"timestamp": 1000 * i, "prompt_token_ids": [i % 3] * 40 + [7] * (8 * (i % 4)) + [i],
-             "output_length": 4} for i in range(30)]
+    rows = [
+        {"timestamp": 1000 * i, "prompt_token_ids": [i % 3] * 40 + [7] * (8 * (i % 4)) + [i], "output_length": 4}
+        for i in range(30)
+    ]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
-    r = run_cli("replay", str(trace), "--block-size", "8", "--num-blocks", "12,64", "--policy", "all",
-                "--optimum", "--reuse-oracle", "--json")
+    r = run_cli(
+        "replay",
+        str(trace),
+        "--block-size",
+        "8",
+        "--num-blocks",
+        "12,64",
+        "--policy",
+        "all",
+        "--optimum",
+        "--reuse-oracle",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     from prefixkv.cache import POLICIES
+
     assert len(results) == 2 * (len(POLICIES) + 2)
     assert {x["policy"] for x in results} == {*POLICIES, "optimum", "reuse-oracle"}
     for x in results:
@@ -160,6 +229,7 @@ def test_serve_exits_with_an_error_when_the_port_is_taken():
     """The HTTP server runs in a thread beside the engine loop on the main thread: if it cannot
     start, the process must end (exit 1) instead of serving nothing forever."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -20,6 +20,7 @@ What runs and how (choices, so that the suite stays lean and never recurses):
 Everything that loads the model is marked slow (run by `make test` and CI; `make test-fast`
 deselects it).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ import socket
 import subprocess
 import sys
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,9 @@ def free_port() -> int:
 
 
 def run(cmd, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout,
-                          shell=isinstance(cmd, str), **kw)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str), **kw
+    )
     assert proc.returncode == 0, f"{cmd!r} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -83,8 +85,11 @@ class Server:
     def __enter__(self):
         import httpx
 
-        self.log = open(ROOT / ".pytest_cache" / f"readme_serve_{os.getpid()}.log", "w+") \
-            if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
+        self.log = (
+            open(ROOT / ".pytest_cache" / f"readme_serve_{os.getpid()}.log", "w+")
+            if (ROOT / ".pytest_cache").is_dir()
+            else subprocess.DEVNULL
+        )
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env(), stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -141,10 +146,15 @@ def test_readme_python_example_runs(index):
         assert int(m.group(1)) > 0.8 * int(m.group(2)), proc.stdout
 
 
-@pytest.mark.parametrize("cmd", [
-    # only the replay needs no model: everything else is slow
-    pytest.param(c, marks=() if "replay" in shlex.split(c) else pytest.mark.slow, id=c)
-    for c in README_COMMANDS if readme_kind(c) in ("run", "make")])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        # only the replay needs no model: everything else is slow
+        pytest.param(c, marks=() if "replay" in shlex.split(c) else pytest.mark.slow, id=c)
+        for c in README_COMMANDS
+        if readme_kind(c) in ("run", "make")
+    ],
+)
 def test_readme_command_runs(cmd):
     tokens = shlex.split(cmd)
     if tokens[0] == "make":
@@ -167,8 +177,11 @@ def test_readme_serve_command_serves(cmd):
     else:
         tokens += ["--port", str(port)]
     with Server(tokens, port) as server:
-        r = httpx.post(server.base + "/v1/completions", timeout=120,
-                       json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        r = httpx.post(
+            server.base + "/v1/completions",
+            timeout=120,
+            json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] > 0
@@ -177,7 +190,8 @@ def test_readme_serve_command_serves(cmd):
 
 # ------------------------------------------------------------------------------ docs
 
-@lru_cache(maxsize=None)
+
+@cache
 def help_text(argv: tuple[str, ...]) -> str:
     return run([*argv, "--help"], timeout=300).stdout
 
@@ -220,8 +234,11 @@ def test_doc_command_names_real_scripts_and_flags(doc, cmd):
 
 
 def test_every_doc_command_is_checked_or_deliberately_skipped():
-    unknown = [(doc, c) for doc, c in DOC_COMMANDS
-               if shlex.split(c)[0] != "make" and help_argv(c) is None and "pytest" not in c]
+    unknown = [
+        (doc, c)
+        for doc, c in DOC_COMMANDS
+        if shlex.split(c)[0] != "make" and help_argv(c) is None and "pytest" not in c
+    ]
     assert not unknown, f"doc commands this test does not know how to check: {unknown}"
 
 
@@ -232,8 +249,18 @@ def test_serving_doc_openai_snippet_runs():
     assert 'api_key="sk-local"' in snippet and 'model="smol"' in snippet
     port = free_port()
     snippet = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-    argv = [str(BIN / "prefixkv"), "serve", "--port", str(port), "--api-key", "sk-local",
-            "--served-model-name", "smol", "--kv-cache-memory-bytes", "256M"]
+    argv = [
+        str(BIN / "prefixkv"),
+        "serve",
+        "--port",
+        str(port),
+        "--api-key",
+        "sk-local",
+        "--served-model-name",
+        "smol",
+        "--kv-cache-memory-bytes",
+        "256M",
+    ]
     with Server(argv, port):
         proc = run([PY, "-c", snippet], timeout=300)
     assert proc.stdout.strip()
@@ -252,6 +279,10 @@ def test_demo_document_is_the_benchmarks_seed_prompt():
 def test_no_machine_paths_or_outside_references_in_code():
     pattern = re.compile(r"/work/|/root/|\.\./shared|shared/seeds|SPEC\.md")
     files = [*sorted((ROOT / "prefixkv").rglob("*.py")), *sorted((ROOT / "bench").rglob("*.py"))]
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files
-            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in files
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, hits

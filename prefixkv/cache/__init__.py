@@ -5,6 +5,7 @@ Layout: identity.py (exact block keys, extra keys, content hashes), block.py, ta
 identity -> cached block(s)), eviction/ (the free set and eviction order; `POLICIES` names every
 policy), pool.py (blocks, table, policy, events), manager.py (lookup, allocation, free).
 """
+
 from .block import KVCacheBlock
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBuffer
 from .eviction import (
@@ -24,8 +25,28 @@ from .stats import PrefixCacheStats
 from .table import CachedBlockTable
 
 __all__ = [
-    "AllBlocksCleared", "BlockChain", "BlockKey", "BlockPool", "BlockRemoved", "BlockStored", "CacheRequest",
-    "CachedBlockTable", "EvictionPolicy", "FreeKVCacheBlockQueue", "HASH_ALGOS", "HeapPolicy", "KVCacheBlock",
-    "KVCacheEvent", "KVCacheManager", "KVEventBuffer", "LRUPolicy", "POLICIES", "PrefixCacheStats",
-    "block_extra_keys", "get_hash_function", "get_policy", "none_hash", "register_policy",
+    "AllBlocksCleared",
+    "BlockChain",
+    "BlockKey",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheRequest",
+    "CachedBlockTable",
+    "EvictionPolicy",
+    "FreeKVCacheBlockQueue",
+    "HASH_ALGOS",
+    "HeapPolicy",
+    "KVCacheBlock",
+    "KVCacheEvent",
+    "KVCacheManager",
+    "KVEventBuffer",
+    "LRUPolicy",
+    "POLICIES",
+    "PrefixCacheStats",
+    "block_extra_keys",
+    "get_hash_function",
+    "get_policy",
+    "none_hash",
+    "register_policy",
 ]

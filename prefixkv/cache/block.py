@@ -17,8 +17,16 @@ class KVCacheBlock:
     removal from the middle.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_key", "uid", "content_hash",
-                 "prev_free_block", "next_free_block", "policy_data")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_key",
+        "uid",
+        "content_hash",
+        "prev_free_block",
+        "next_free_block",
+        "policy_data",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -37,5 +45,4 @@ class KVCacheBlock:
         return self.block_key is not None
 
     def __repr__(self) -> str:
-        return (f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, "
-                f"cached={self.block_key is not None})")
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_key is not None})"

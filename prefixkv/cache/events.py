@@ -1,4 +1,5 @@
 """KV-cache events for external indexes and routers, in the order they happened."""
+
 from __future__ import annotations
 
 from collections import deque

@@ -7,6 +7,7 @@ are never reused, so two different prefixes can never share an entry, whatever a
 returns. Content hashes (sha256 over CBOR by default) name blocks to other processes - events,
 routers, offload - and are computed only for those consumers; they never decide a local hit.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -113,10 +114,9 @@ class BlockChain:
             ids: Sequence[int] = request.all_token_ids
             tokens = self.tokens
             for i in range(done, num_full):
-                tokens.append(tuple(ids[i * bs:(i + 1) * bs]))
+                tokens.append(tuple(ids[i * bs : (i + 1) * bs]))
             if self._with_extras:
-                self.extras.extend(block_extra_keys(request, i * bs, (i + 1) * bs, i)
-                                   for i in range(done, num_full))
+                self.extras.extend(block_extra_keys(request, i * bs, (i + 1) * bs, i) for i in range(done, num_full))
         return num_full
 
     def extra(self, index: int) -> ExtraKeys | None:

@@ -1,4 +1,5 @@
 """KVCacheManager: the scheduler's view of the KV cache - lookups, allocation, freeing."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,18 +35,27 @@ class KVCacheManager:
                     counted in num_dropped_kv_events.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, *,
-                 hash_algo: str | HashFunction = "sha256_cbor", hash_seed: int | None = None,
-                 eviction_policy: str | type[EvictionPolicy] = "lru",
-                 enable_kv_cache_events: bool = False, max_pending_kv_events: int = 10_000) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        *,
+        hash_algo: str | HashFunction = "sha256_cbor",
+        hash_seed: int | None = None,
+        eviction_policy: str | type[EvictionPolicy] = "lru",
+        enable_kv_cache_events: bool = False,
+        max_pending_kv_events: int = 10_000,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_function(hash_algo, hash_seed)
         self.none_hash = none_hash(self.hash_fn, 0 if hash_seed is None else hash_seed)
-        self.block_pool = BlockPool(num_blocks, enable_caching, get_policy(eviction_policy),
-                                    enable_kv_cache_events, max_pending_kv_events)
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching, get_policy(eviction_policy), enable_kv_cache_events, max_pending_kv_events
+        )
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
         # Only a policy that learns from finished requests overrides on_request_free; for the
@@ -89,8 +99,7 @@ class KVCacheManager:
         return state
 
     # -- lookup --------------------------------------------------------------------------------
-    def get_computed_blocks(self, request: CacheRequest,
-                            record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: CacheRequest, record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of whole blocks, at most num_tokens - 1 tokens (the last token
         must be computed to produce logits). Changes nothing but the statistics; a scheduler
         that may look a waiting request up again passes record_stats=False and calls
@@ -116,10 +125,14 @@ class KVCacheManager:
         return hits, num_hit_tokens
 
     # -- allocation ----------------------------------------------------------------------------
-    def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_new_computed_tokens: int | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
         """Give the request room for `num_new_tokens` more tokens after its computed ones (plus
         the cache hits in `new_computed_blocks`). Returns the newly allocated blocks, or None -
         changing nothing - when the pool cannot supply them. Blocks that will be full after this
@@ -131,8 +144,10 @@ class KVCacheManager:
             num_new_computed_tokens = len(new_computed_blocks) * self.block_size
         state = self._state(request)
         if new_computed_blocks and state.blocks:
-            raise ValueError(f"request {request.request_id} already holds blocks; cache hits "
-                             "are only taken by a request that holds none")
+            raise ValueError(
+                f"request {request.request_id} already holds blocks; cache hits "
+                "are only taken by a request that holds none"
+            )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after = num_computed + num_new_tokens
         bs = self.block_size
@@ -185,9 +200,12 @@ class KVCacheManager:
         lora = request.lora_request
         token_ids = [t for block_tokens in state.chain.tokens[start:end] for t in block_tokens]
         return BlockStored(
-            block_hashes=hashes[start:end], parent_block_hash=hashes[start - 1] if start else None,
-            token_ids=token_ids, block_size=self.block_size,
-            lora_name=lora.lora_name if lora is not None else None)
+            block_hashes=hashes[start:end],
+            parent_block_hash=hashes[start - 1] if start else None,
+            token_ids=token_ids,
+            block_size=self.block_size,
+            lora_name=lora.lora_name if lora is not None else None,
+        )
 
     # -- release -------------------------------------------------------------------------------
     def free(self, request: CacheRequest) -> None:

@@ -1,5 +1,6 @@
 """The block pool: every KVCacheBlock, the free set (owned by an eviction policy), the table from
 exact identity to cached block(s), and the pending KV events."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -12,9 +13,14 @@ from .table import CachedBlockTable
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 policy: type[EvictionPolicy] = LRUPolicy, enable_events: bool = False,
-                 max_pending_events: int = 10_000) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        policy: type[EvictionPolicy] = LRUPolicy,
+        enable_events: bool = False,
+        max_pending_events: int = 10_000,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -24,8 +30,7 @@ class BlockPool:
         # Hits on held blocks reach a policy that overrides on_hit (hits on free blocks reach
         # every policy as remove); the default one does not, and its touch path stays plain.
         self.notifies_hits = overrides(self.eviction_policy, "on_hit")
-        self.touch: Callable[[Iterable[KVCacheBlock]], None] = (
-            self._touch_notify if self.notifies_hits else self._touch)
+        self.touch: Callable[[Iterable[KVCacheBlock]], None] = self._touch_notify if self.notifies_hits else self._touch
         self.cached_blocks = CachedBlockTable()
         self.events: KVEventBuffer | None = KVEventBuffer(max_pending_events) if enable_events else None
         self.num_evictions = 0

@@ -5,6 +5,7 @@ protocols, and so can any object a benchmark or another engine brings. Every mem
 here (the cache never writes a request), so an attribute, a property or a frozen dataclass field
 all satisfy it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,4 +1,5 @@
 """The cached-block table: exact identity -> the cached block(s) holding it."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

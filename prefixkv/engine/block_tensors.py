@@ -7,6 +7,7 @@ Each registers a `BlockTensorSpec`; `num_blocks_for(kv_cache_memory_bytes)` divi
 by the bytes a block costs across all of them, and `allocate` creates them together. The model
 only declares its KV layout (`model.attention.kv_cache_block_shape`) and does the math.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class BlockTensorSpec:
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         s = self.shape_per_block
-        return (*s[:self.block_dim], num_blocks, *s[self.block_dim:])
+        return (*s[: self.block_dim], num_blocks, *s[self.block_dim :])
 
 
 class BlockTensors:
@@ -68,8 +69,9 @@ class BlockTensors:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.tensors = {name: torch.zeros(s.shape(num_blocks), dtype=s.dtype, device=device)
-                        for name, s in self.specs.items()}
+        self.tensors = {
+            name: torch.zeros(s.shape(num_blocks), dtype=s.dtype, device=device) for name, s in self.specs.items()
+        }
 
     def group(self, prefix: str) -> list[torch.Tensor]:
         """The allocated tensors whose names start with `prefix`, in registration order."""
@@ -90,8 +92,9 @@ def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
         raise ValueError(f"block_size must be positive, got {block_size}")
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
     shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim)
-    return [BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim)
-            for layer in range(config.num_hidden_layers)]
+    return [
+        BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim) for layer in range(config.num_hidden_layers)
+    ]
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
@@ -99,8 +102,13 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     return BlockTensors(kv_cache_specs(config, block_size, dtype)).bytes_per_block
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu") -> list[torch.Tensor]:
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
     """Zeroed K/V caches for every layer (for code that runs the model without an engine)."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")

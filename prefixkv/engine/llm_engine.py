@@ -5,6 +5,7 @@ model and sampling; this class owns what the client sees: request groups (n sequ
 prompt), detokenized outputs and stop conditions (output_processor.py), errors, KV events and
 the stats snapshot.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCacheEvent, KVEventBuffer
+from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats
 from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
 from ..model import LoadedModel, load_model
-from ..outputs import RequestMetrics, RequestOutput
+from ..outputs import Logprob, RequestMetrics, RequestOutput
 from ..request import LoRARequest, Request, RequestStatus
 from ..sampling_params import SamplingParams
 from .block_tensors import BlockTensors, kv_cache_specs
@@ -53,7 +54,7 @@ class _Group:
     states: list[OutputState]
     arrival_time: float
     # [None, entry for prompt token 1, ...] while prompt logprobs are wanted (filled by child 0)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
 
 
@@ -77,24 +78,31 @@ class LLMEngine:
         capacity = num_blocks * bs
         if config.max_model_len is not None:
             if config.max_model_len > capacity:
-                raise ValueError(f"max_model_len={config.max_model_len} does not fit in the KV budget "
-                                 f"of {num_blocks} blocks x {bs} = {capacity} tokens; raise "
-                                 "kv_cache_memory_bytes / num_blocks or lower max_model_len")
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} does not fit in the KV budget "
+                    f"of {num_blocks} blocks x {bs} = {capacity} tokens; raise "
+                    "kv_cache_memory_bytes / num_blocks or lower max_model_len"
+                )
             self.max_model_len = config.max_model_len
         else:
             self.max_model_len = min(self.model_config.max_position_embeddings, capacity)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(
-            num_blocks=num_blocks, block_size=bs, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, enable_caching=config.enable_prefix_caching,
-            hash_algo=config.prefix_caching_hash_algo, eviction_policy=config.eviction_policy,
-            enable_kv_cache_events=config.enable_kv_cache_events)
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_caching=config.enable_prefix_caching,
+            hash_algo=config.prefix_caching_hash_algo,
+            eviction_policy=config.eviction_policy,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+        )
         self.block_tensors.allocate(num_blocks, self.device)
         default_generator = torch.Generator()
         if config.seed is None:
             default_generator.seed()  # a random seed, as vLLM's seed=None
         else:
-            default_generator.manual_seed(config.seed % 2 ** 64)
+            default_generator.manual_seed(config.seed % 2**64)
         self.runner = ModelRunner(self.loaded, self.block_tensors, self.dtype, self.device, default_generator)
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
@@ -122,9 +130,11 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
-                             f"(max_model_len) is {self.max_model_len} tokens, which must also hold "
-                             "at least one generated token")
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
+                f"(max_model_len) is {self.max_model_len} tokens, which must also hold "
+                "at least one generated token"
+            )
 
     def validate_params(self, params: SamplingParams) -> None:
         """What depends on this engine, beyond SamplingParams' own checks (run again here: the
@@ -138,10 +148,17 @@ class LLMEngine:
             if value is not None and value > limit:
                 raise ValueError(f"{name}={value} is more than this engine allows (max_logprobs={limit})")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_text: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
         """Queue one prompt (text or token ids; `prompt_text` names the text that token ids came
         from). Returns the request id. Atomic: everything that can fail - validation,
         tokenization, seeded generators - happens before any state changes, so on an exception
@@ -149,8 +166,10 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         self.validate_params(params)
         if lora_request is not None:
-            raise ValueError("LoRA weights are not applied yet: prefixkv cannot serve a LoRARequest "
-                             f"({getattr(lora_request, 'lora_name', lora_request)!r})")
+            raise ValueError(
+                "LoRA weights are not applied yet: prefixkv cannot serve a LoRARequest "
+                f"({getattr(lora_request, 'lora_name', lora_request)!r})"
+            )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         text: str | None
@@ -176,9 +195,18 @@ class LLMEngine:
         children, states = [], []
         for i in range(params.n):
             # seed + i wraps modulo 2**64 (what torch takes): any valid seed works for any n
-            gen = torch.Generator().manual_seed((params.seed + i) % 2 ** 64) if params.seed is not None else None
-            children.append(Request(f"seq-{next(self._seq_ids)}", ids, sampling_params=params, cache_salt=cache_salt,
-                                    prompt=text, arrival_time=arrival, generator=gen))
+            gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else None
+            children.append(
+                Request(
+                    f"seq-{next(self._seq_ids)}",
+                    ids,
+                    sampling_params=params,
+                    cache_salt=cache_salt,
+                    prompt=text,
+                    arrival_time=arrival,
+                    generator=gen,
+                )
+            )
             states.append(OutputState(i, params, self.tokenizer))
         group = _Group(request_id, text, ids, children, states, arrival)
         if params.prompt_logprobs is not None:
@@ -240,8 +268,9 @@ class LLMEngine:
         self._update_stats()
         return outputs
 
-    def _process_outputs(self, runner_output: ModelRunnerOutput, sampled: list[Request],
-                         failed: list[Request]) -> list[RequestOutput]:
+    def _process_outputs(
+        self, runner_output: ModelRunnerOutput, sampled: list[Request], failed: list[Request]
+    ) -> list[RequestOutput]:
         """The output processor's half of the step: prompt logprobs, detokenized text, stop
         conditions (a stopped sequence is finished in the scheduler), failed groups."""
         for req_id, scored in runner_output.prompt_logprobs.items():
@@ -250,8 +279,9 @@ class LLMEngine:
             if entries is None:  # only groups that asked are scored
                 continue
             prompt = group.prompt_token_ids
-            for pos, p_lp, p_rank, p_top in zip(itertools.count(scored.first), scored.logprobs, scored.ranks,
-                                                scored.top):
+            for pos, p_lp, p_rank, p_top in zip(
+                itertools.count(scored.first), scored.logprobs, scored.ranks, scored.top
+            ):
                 entries.append(logprob_entry(self.tokenizer, prompt[pos], p_lp, p_rank, p_top))
         touched: dict[str, _Group] = {}
         now = time.time()
@@ -343,14 +373,23 @@ class LLMEngine:
         finished = group.error is not None or all(c.is_finished for c in group.children)
         first_token = min((c.first_token_time for c in group.children if c.first_token_time), default=None)
         metrics = RequestMetrics(
-            arrival_time=group.arrival_time, first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first_token, last_token_time=time.time(),
-            finished_time=max((c.finished_time or 0.0) for c in group.children) if finished else None)
+            arrival_time=group.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first_token,
+            last_token_time=time.time(),
+            finished_time=max((c.finished_time or 0.0) for c in group.children) if finished else None,
+        )
         return RequestOutput(
-            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
             outputs=[s.completion(c) for s, c in zip(group.states, group.children)],
-            finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics,
-            prompt_logprobs=group.prompt_logprobs, error=group.error)
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=metrics,
+            prompt_logprobs=group.prompt_logprobs,
+            error=group.error,
+        )
 
     # -- KV events -----------------------------------------------------------------------------
     def _drain_kv_events(self) -> None:
@@ -382,20 +421,29 @@ class LLMEngine:
         s = self.scheduler
         cache = s.prefix_cache_stats
         self._stats = EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_requests=cache.requests, prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
-            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
-            num_preemptions=s.num_preemptions, num_requests_errored=self.num_requests_errored,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_requests=cache.requests,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_preemptions=s.num_preemptions,
+            num_requests_errored=self.num_requests_errored,
             num_kv_events_dropped=self._kv_events.num_dropped + s.num_dropped_kv_events,
-            num_blocks=self.num_blocks, block_size=self.config.block_size, max_model_len=self.max_model_len)
+            num_blocks=self.num_blocks,
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+        )
 
     # Read-through accessors kept for callers written before the scheduler owned the cache.
     @property
-    def kv_cache_manager(self):
+    def kv_cache_manager(self) -> KVCacheManager:
         return self.scheduler.kv_cache_manager
 
     @property
-    def prefix_cache_stats(self):
+    def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.scheduler.prefix_cache_stats
 
     @property

@@ -6,6 +6,7 @@ Sampling lives here (as in vLLM): the logits never leave the runner. A request w
 fails (or whose logits are not finite) is reported in `errors` and the rest of the batch samples
 as if it were not there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,14 @@ PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scori
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, block_tensors: BlockTensors, dtype: torch.dtype,
-                 device: torch.device, default_generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        block_tensors: BlockTensors,
+        dtype: torch.dtype,
+        device: torch.device,
+        default_generator: torch.Generator | None = None,
+    ) -> None:
         self.model = loaded.model
         if device.type == "cpu" and dtype == torch.bfloat16:
             self.model.pack_for_cpu()  # oneDNN-packed weights: faster bfloat16 matmuls
@@ -70,22 +77,26 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
         )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev),
-                            self.kv_caches, meta)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
 
         out = ModelRunnerOutput()
         for i, sr in enumerate(scheduled):
             if sr.want_hidden_states:
                 try:
-                    scored = self._score_prompt(sr, hidden[query_start_loc[i]:query_start_loc[i + 1]])
+                    scored = self._score_prompt(sr, hidden[query_start_loc[i] : query_start_loc[i + 1]])
                 except Exception as e:  # noqa: BLE001 (this request fails alone)
                     out.errors[sr.req_id] = f"scoring prompt logprobs failed: {e}"
                     continue
                 if scored is not None:
                     out.prompt_logprobs[sr.req_id] = scored
-        rows = [query_start_loc[i + 1] - 1 for i, sr in enumerate(scheduled)
-                if sr.sample and sr.req_id not in out.errors]
+        rows = [
+            query_start_loc[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in out.errors
+        ]
         if rows:
             to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
             self._sample(self.compute_logits(hidden[torch.tensor(rows, device=dev)]), to_sample, out)
@@ -127,21 +138,28 @@ class ModelRunner:
         out.sampled_token_ids = result.token_ids
         out.logprobs, out.ranks, out.top_logprobs = result.logprobs, result.ranks, result.top_logprobs
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[ScheduledRequest],
-                     gens: list[torch.Generator]) -> SampleResult:
+    def _sample_rows(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], gens: list[torch.Generator]
+    ) -> SampleResult:
         eos = self.eos_token_ids
         eos_block = [eos if sr.block_eos else None for sr in reqs]
-        return sample(logits, [sr.sampling_params for sr in reqs], gens,  # type: ignore[arg-type]
-                      [sr.prompt_token_ids for sr in reqs], [sr.output_token_ids for sr in reqs],
-                      eos_block if any(e is not None for e in eos_block) else None)
+        return sample(
+            logits,
+            [sr.sampling_params for sr in reqs],
+            gens,  # type: ignore[arg-type]
+            [sr.prompt_token_ids for sr in reqs],
+            [sr.output_token_ids for sr in reqs],
+            eos_block if any(e is not None for e in eos_block) else None,
+        )
 
-    def _sample_one_by_one(self, logits: torch.Tensor, reqs: list[ScheduledRequest], gens: list[torch.Generator],
-                           out: ModelRunnerOutput) -> SampleResult:
+    def _sample_one_by_one(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], gens: list[torch.Generator], out: ModelRunnerOutput
+    ) -> SampleResult:
         """Find the rows that fail; the others keep what they sample."""
         results: list[SampleResult] = []
         for row, sr in enumerate(reqs):
             try:
-                results.append(self._sample_rows(logits[row:row + 1], [sr], gens[row:row + 1]))
+                results.append(self._sample_rows(logits[row : row + 1], [sr], gens[row : row + 1]))
             except Exception as e:  # noqa: BLE001 (this request fails alone)
                 out.errors[sr.req_id] = f"sampling failed: {type(e).__name__}: {e}"
         merged = SampleResult([r.token_ids[0] for r in results], None, None)
@@ -165,7 +183,7 @@ class ModelRunner:
         scored = PromptLogprobs(start + first + 1, [], [], [])
         for a in range(first, last, PROMPT_LOGITS_SLICE):
             b = min(last, a + PROMPT_LOGITS_SLICE)
-            lps, ranks, tops = score_tokens(self.compute_logits(hidden[a:b]), prompt[start + a + 1:start + b + 1], k)
+            lps, ranks, tops = score_tokens(self.compute_logits(hidden[a:b]), prompt[start + a + 1 : start + b + 1], k)
             scored.logprobs.extend(lps)
             scored.ranks.extend(ranks)
             scored.top.extend(tops)

@@ -1,4 +1,5 @@
 """What the model runner returns for one step (the runner -> scheduler boundary)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

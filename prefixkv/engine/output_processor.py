@@ -1,14 +1,18 @@
 """Per-request output state: detokenized text, stop strings and stop tokens, finish reasons."""
+
 from __future__ import annotations
 
+from ..model import Tokenizer
 from ..outputs import CompletionOutput, Logprob
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
 
 
-def logprob_entry(tokenizer, token: int, logprob: float, rank: int,
-                  top: list[tuple[int, float]]) -> dict[int, Logprob]:
+def logprob_entry(
+    tokenizer: Tokenizer, token: int, logprob: float, rank: int, top: list[tuple[int, float]]
+) -> dict[int, Logprob]:
     """vLLM's per-position logprobs: the top tokens (ranked 1..k) plus the actual token."""
+
     def piece(tid: int) -> str:
         return tokenizer.decode([tid], skip_special_tokens=False)
 
@@ -22,7 +26,7 @@ class OutputState:
     a tail that could begin a stop string, or an incomplete UTF-8 character - so streamed text
     only ever grows."""
 
-    def __init__(self, index: int, params: SamplingParams, tokenizer) -> None:
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer) -> None:
         self.index = index
         self.params = params
         self.tokenizer = tokenizer
@@ -35,9 +39,16 @@ class OutputState:
         self._holdback = max((len(s) for s in params.stop or ()), default=1) - 1
         self._prefix_offset = self._read_offset = 0  # incremental detokenizer state
 
-    def update(self, req: Request, token: int, eos_ids: set[int], max_model_len: int,
-               logprob: float | None = None, top: list[tuple[int, float]] | None = None,
-               rank: int | None = None) -> bool:
+    def update(
+        self,
+        req: Request,
+        token: int,
+        eos_ids: set[int],
+        max_model_len: int,
+        logprob: float | None = None,
+        top: list[tuple[int, float]] | None = None,
+        rank: int | None = None,
+    ) -> bool:
         """Account for the token just appended to `req`. Returns True when the sequence ends."""
         p = self.params
         if self.logprobs is not None and logprob is not None and rank is not None:
@@ -46,7 +57,8 @@ class OutputState:
         n_out = req.num_output_tokens
         if p.detokenize:  # a few tokens decoded per step; incomplete characters wait their turn
             piece, self._prefix_offset, self._read_offset = self.tokenizer.decode_incremental(
-                req.output_token_ids, self._prefix_offset, self._read_offset, p.skip_special_tokens)
+                req.output_token_ids, self._prefix_offset, self._read_offset, p.skip_special_tokens
+            )
             self.full_text += piece
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in eos_ids:
@@ -69,7 +81,9 @@ class OutputState:
         self.text = stable
         return False
 
-    def _finish(self, reason: str, stop_reason, strip_last_token: bool = False, req: Request | None = None) -> bool:
+    def _finish(
+        self, reason: str, stop_reason: int | str | None, strip_last_token: bool = False, req: Request | None = None
+    ) -> bool:
         if req is not None and self.params.detokenize:
             # the final text is one full decode: characters still held back are flushed, and an
             # EOS / stop token stays in token_ids (as in vLLM) but not in the text
@@ -85,11 +99,20 @@ class OutputState:
         self.text = self.full_text
 
     def completion(self, req: Request) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(req.output_token_ids), self.cumulative_logprob,
-                                list(self.logprobs) if self.logprobs is not None else None,
-                                self.finish_reason, self.stop_reason)
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(req.output_token_ids),
+            self.cumulative_logprob,
+            list(self.logprobs) if self.logprobs is not None else None,
+            self.finish_reason,
+            self.stop_reason,
+        )
 
 
 def status_for(reason: str) -> RequestStatus:
-    return {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
-            "abort": RequestStatus.FINISHED_ABORTED}[reason]
+    return {
+        "stop": RequestStatus.FINISHED_STOPPED,
+        "length": RequestStatus.FINISHED_LENGTH,
+        "abort": RequestStatus.FINISHED_ABORTED,
+    }[reason]

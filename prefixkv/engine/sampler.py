@@ -1,5 +1,6 @@
 """Token sampling for one step's batch: penalties, temperature, top-k, top-p, min-p, per-request
 seeds, and log-probabilities of the raw distribution."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,14 +18,15 @@ class SampleResult:
     ranks: list[int] | None = None  # rank of each sampled token in the raw distribution (1 = best)
 
 
-def _apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                     output_ids: list[int]) -> None:
+def _apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> None:
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and output_ids:
-        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        ids, counts = torch.unique(torch.tensor(output_ids, device=logits.device), return_counts=True)
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
 
 
@@ -46,8 +48,9 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def score_tokens(logits: torch.Tensor, targets: list[int], k: int
-                 ) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+def score_tokens(
+    logits: torch.Tensor, targets: list[int], k: int
+) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
     """Log-probabilities of given next tokens under the raw distribution of each row of `logits`
     [N, vocab]: each target's logprob and rank (1 = best), and the row's top `k` (token, logprob)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -60,15 +63,25 @@ def score_tokens(logits: torch.Tensor, targets: list[int], k: int
     return chosen.tolist(), ranks, top
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           prompt_ids: list[list[int]], output_ids: list[list[int]],
-           eos_ids: list[set[int] | None] | None = None) -> SampleResult:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    eos_ids: list[set[int] | None] | None = None,
+) -> SampleResult:
     """Sample one token per row of `logits` [N, vocab] (float32)."""
     logits = logits.float()
     want_logprobs = any(p.logprobs is not None for p in params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    all_greedy_plain = all(p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty
-                           and not p.frequency_penalty for p in params) and not eos_ids
+    all_greedy_plain = (
+        all(
+            p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            for p in params
+        )
+        and not eos_ids
+    )
     if all_greedy_plain:
         tokens = logits.argmax(dim=-1).tolist()
     else:

@@ -5,6 +5,7 @@ The scheduler owns the KV cache manager (as in vLLM v1 and nano-vllm): it alone 
 frees blocks and writes `Request.num_computed_tokens`. Each step it hands the model runner a
 `SchedulerOutput` and takes the `ModelRunnerOutput` back in `update_from_output`.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,14 +19,29 @@ from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_caching: bool = True, hash_algo: Any = "sha256_cbor", eviction_policy: Any = "lru",
-                 enable_kv_cache_events: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_caching: bool = True,
+        hash_algo: Any = "sha256_cbor",
+        eviction_policy: Any = "lru",
+        enable_kv_cache_events: bool = False,
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv_cache_manager = KVCacheManager(
-            num_blocks=num_blocks, block_size=block_size, enable_caching=enable_caching, hash_algo=hash_algo,
-            hash_seed=None, eviction_policy=eviction_policy, enable_kv_cache_events=enable_kv_cache_events)
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_caching=enable_caching,
+            hash_algo=hash_algo,
+            hash_seed=None,
+            eviction_policy=eviction_policy,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -87,8 +103,7 @@ class Scheduler:
                 i += 1
 
         # Then waiting ones, in arrival order, unless this step had to preempt.
-        while (self.waiting and budget > 0 and not out.preempted_req_ids
-               and len(self.running) < self.max_num_seqs):
+        while self.waiting and budget > 0 and not out.preempted_req_ids and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits: list[KVCacheBlock]
             if req.skip_prefix_cache_read:
@@ -116,14 +131,20 @@ class Scheduler:
         start = req.num_computed_tokens
         params = req.sampling_params
         return ScheduledRequest(
-            req_id=req.request_id, token_ids=req.all_token_ids[start:start + num_new], start=start,
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + num_new],
+            start=start,
             block_table=self.kv_cache_manager.get_block_ids(req.request_id),
-            sample=start + num_new == req.num_tokens, sampling_params=params, generator=req.generator,
-            prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+            sample=start + num_new == req.num_tokens,
+            sampling_params=params,
+            generator=req.generator,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
             block_eos=req.num_output_tokens < params.min_tokens,
             # prompt logprobs: positions already scored before a preemption are not redone
             want_hidden_states=req.skip_prefix_cache_read and req.prompt_logprobs_upto < req.num_prompt_tokens,
-            prompt_logprobs_from=req.prompt_logprobs_upto)
+            prompt_logprobs_from=req.prompt_logprobs_upto,
+        )
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks (they keep their identity, so the request re-hits
@@ -135,8 +156,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-                           ) -> tuple[list[Request], list[Request]]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> tuple[list[Request], list[Request]]:
         """Book a step's results: computed tokens, sampled tokens, prompt logprob progress, and
         requests that failed alone (finished with FINISHED_ERROR, blocks freed). Returns the
         requests that got a token (row i of the runner output) and the failed ones. Stop

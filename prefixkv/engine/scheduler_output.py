@@ -1,5 +1,6 @@
 """What the scheduler hands the model runner for one step (one class per concept: this file is
 the scheduler -> runner boundary)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -3,6 +3,7 @@
 The engine replaces its snapshot (one attribute assignment, atomic in CPython) after every step,
 add, abort and reset, so another thread - the server's /metrics - reads a consistent view
 without touching the scheduler's lists while the engine thread changes them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

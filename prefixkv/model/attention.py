@@ -65,7 +65,7 @@ class AttentionMetadata:
         return self.query_start_loc[-1]
 
     # ------------------------------------------------------------------
-    def plan(self, block_size: int, device: torch.device, window: int | None = None) -> "_Plan":
+    def plan(self, block_size: int, device: torch.device, window: int | None = None) -> _Plan:
         """Index tensors shared by all layers of one step (built once per step)."""
         p = self._plan
         if p is None or p.block_size != block_size or p.device != device or p.window != window:
@@ -74,8 +74,9 @@ class AttentionMetadata:
 
 
 class _Plan:
-    def __init__(self, meta: AttentionMetadata, block_size: int, device: torch.device,
-                 window: int | None = None) -> None:
+    def __init__(
+        self, meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.device = device
         qsl, seq_lens = meta.query_start_loc, meta.seq_lens
@@ -85,9 +86,7 @@ class _Plan:
         bt = meta.block_tables.to(device=device, dtype=torch.long)
         needed_blocks = [(s + block_size - 1) // block_size for s in seq_lens]
         if needed_blocks and max(needed_blocks) > bt.shape[1]:
-            raise ValueError(
-                f"block_tables has {bt.shape[1]} columns but a sequence needs {max(needed_blocks)} blocks"
-            )
+            raise ValueError(f"block_tables has {bt.shape[1]} columns but a sequence needs {max(needed_blocks)} blocks")
         self.slot_mapping = meta.slot_mapping.to(device=device, dtype=torch.long)
         # (start, end, mask): prefill without cached context; mask None = plain causal
         self.fresh: list[tuple[int, int, torch.Tensor | None]] = []
@@ -164,8 +163,9 @@ class _Plan:
             self.group_rows = torch.tensor([qsl[i] for i in decode] + chunk_rows, device=device)
 
     @staticmethod
-    def _common_prefix_tokens(others: list[int], qsl: list[int], seq_lens: list[int],
-                              bt: torch.Tensor, block_size: int) -> int:
+    def _common_prefix_tokens(
+        others: list[int], qsl: list[int], seq_lens: list[int], bt: torch.Tensor, block_size: int
+    ) -> int:
         """Tokens in the leading blocks that every sequence of `others` holds and none of them
         computes in this step; 0 when a cascade would not pay."""
         if len(others) < 2:
@@ -183,8 +183,9 @@ class _Plan:
 CASCADE_MIN_TOKENS = 64
 
 
-def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _sdpa_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that also returns its log-sum-exp (float32), for merging partial results.
     q [B, H, M, D], k, v [B, H, L, D], mask broadcastable to [B, H, M, L] (True = visible).
     On CPU this is PyTorch's fused flash kernel; elsewhere the explicit softmax."""
@@ -196,7 +197,8 @@ def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
             add = add.expand(B, H, M, L)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=add, scale=scale)
+            q, k, v, 0.0, False, attn_mask=add, scale=scale
+        )
         return o, lse.float()
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if mask is not None:
@@ -205,8 +207,9 @@ def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(q.dtype), v), lse
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [M, Hq, D] against k, v [L, Hkv, D] (mask [M, L]); returns o [M, Hq, D], lse [M, Hq]."""
     M, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -215,14 +218,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     qh = q.view(M, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, M * G, D)
     if mask is not None:
         mask = mask[:, None, :].expand(M, G, mask.shape[1]).reshape(1, 1, M * G, mask.shape[1])
-    o, lse = _sdpa_lse(qh, k.permute(1, 0, 2)[None].to(q.dtype), v.permute(1, 0, 2)[None].to(q.dtype),
-                       mask, scale)
+    o, lse = _sdpa_lse(qh, k.permute(1, 0, 2)[None].to(q.dtype), v.permute(1, 0, 2)[None].to(q.dtype), mask, scale)
     o = o.view(Hkv, M, G, D).permute(1, 0, 2, 3).reshape(M, Hq, D)
     return o, lse.view(Hkv, M, G).permute(1, 0, 2).reshape(M, Hq)
 
 
-def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_batched(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence: q [B, Hq, D] against k, v [B, Hkv, L, D] (mask [B, 1, 1, L])."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -232,8 +235,7 @@ def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
     lse = torch.logaddexp(lse1, lse2)
-    return (o1 * torch.exp(lse1 - lse).unsqueeze(-1).to(o1.dtype)
-            + o2 * torch.exp(lse2 - lse).unsqueeze(-1).to(o2.dtype))
+    return o1 * torch.exp(lse1 - lse).unsqueeze(-1).to(o1.dtype) + o2 * torch.exp(lse2 - lse).unsqueeze(-1).to(o2.dtype)
 
 
 def paged_attention(
@@ -274,12 +276,15 @@ def paged_attention(
             q[a:b].transpose(0, 1).unsqueeze(0),
             k[a:b].transpose(0, 1).unsqueeze(0),
             v[a:b].transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=gqa,
         )
         out[a:b] = o[0].transpose(0, 1)
 
     if scale is None:
-        scale = D ** -0.5
+        scale = D**-0.5
     if plan.prefix_slots is not None:
         return _cascade(q, k_flat, v_flat, plan, out, scale)
 
@@ -301,8 +306,7 @@ def paged_attention(
         qd = q if plan.decode_all else q[plan.decode_rows]
         # GQA without expanding K/V: the G query heads of a group become G "query rows".
         qd = qd.view(Bd, Hkv, Hq // Hkv, D)
-        o = F.scaled_dot_product_attention(qd, kc.to(q.dtype), vc.to(q.dtype),
-                                           attn_mask=plan.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(qd, kc.to(q.dtype), vc.to(q.dtype), attn_mask=plan.decode_mask, scale=scale)
         o = o.reshape(Bd, Hq, D)
         if plan.decode_all:
             return o
@@ -310,8 +314,9 @@ def paged_attention(
     return out
 
 
-def _cascade(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: "_Plan",
-             out: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _cascade(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan, out: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Shared prefix once for every reading sequence, then each one's own suffix, merged."""
     rows = plan.group_rows
     o_pre, lse_pre = _attend(q[rows], k_flat[plan.prefix_slots], v_flat[plan.prefix_slots], None, scale)
@@ -321,13 +326,14 @@ def _cascade(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: 
     if plan.decode_rows is not None:
         Bd = plan.decode_rows.numel()
         slots = plan.decode_slots
-        o, lse = _attend_batched(q[plan.decode_rows], k_flat[slots].transpose(1, 2),
-                                 v_flat[slots].transpose(1, 2), plan.decode_mask, scale)
+        o, lse = _attend_batched(
+            q[plan.decode_rows], k_flat[slots].transpose(1, 2), v_flat[slots].transpose(1, 2), plan.decode_mask, scale
+        )
         out[plan.decode_rows] = _merge(o_pre[:Bd], lse_pre[:Bd], o, lse)
         done = Bd
     for a, b, slots, mask in plan.chunked:
         o, lse = _attend(q[a:b], k_flat[slots], v_flat[slots], mask, scale)
         n = b - a
-        out[a:b] = _merge(o_pre[done:done + n], lse_pre[done:done + n], o, lse)
+        out[a:b] = _merge(o_pre[done : done + n], lse_pre[done : done + n], o, lse)
         done += n
     return out

@@ -28,8 +28,7 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 def check_architecture(name: str) -> str:
     if name not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"Unsupported model architecture {name!r}; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"Unsupported model architecture {name!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return name
 
@@ -60,8 +59,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
-                                                or self.sliding_window < 1):
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
@@ -80,9 +78,7 @@ class ModelConfig:
         if rs is not None:
             rtype = rs.get("rope_type", rs.get("type", "default"))
             if rtype not in _SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"Unsupported rope scaling type {rtype!r}; supported: {_SUPPORTED_ROPE_TYPES}"
-                )
+                raise ValueError(f"Unsupported rope scaling type {rtype!r}; supported: {_SUPPORTED_ROPE_TYPES}")
             if rtype == "default":
                 self.rope_scaling = None
             else:
@@ -94,12 +90,18 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ HF
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
             mt = d.get("model_type")
-            archs = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(mt, f"<model_type {mt!r}>")]
+            archs = [
+                {
+                    "llama": "LlamaForCausalLM",
+                    "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM",
+                }.get(mt, f"<model_type {mt!r}>")
+            ]
         arch = check_architecture(archs[0])
         # transformers >= 5 keeps rope_theta (and scaling) in `rope_parameters`;
         # older configs have top-level `rope_theta` and `rope_scaling`.
@@ -114,10 +116,11 @@ class ModelConfig:
         qk_norm = arch == "Qwen3ForCausalLM"
         window = d.get("sliding_window") if arch == "MistralForCausalLM" else None
         layer_types = d.get("layer_types") or []
-        if ((d.get("use_sliding_window") and arch != "MistralForCausalLM")
-                or len(set(layer_types)) > 1):
-            raise ValueError("sliding-window attention on some layers only (use_sliding_window / mixed "
-                             "layer_types) is not supported; every layer must attend the same way")
+        if (d.get("use_sliding_window") and arch != "MistralForCausalLM") or len(set(layer_types)) > 1:
+            raise ValueError(
+                "sliding-window attention on some layers only (use_sliding_window / mixed "
+                "layer_types) is not supported; every layer must attend the same way"
+            )
         if arch == "Qwen2ForCausalLM":
             attention_bias = True
         else:
@@ -144,7 +147,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_folder(cls, folder: str) -> "ModelConfig":
+    def from_hf_folder(cls, folder: str) -> ModelConfig:
         path = os.path.join(folder, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"No config.json in model folder {folder!r}")
@@ -153,7 +156,7 @@ class ModelConfig:
 
     # ---------------------------------------------------------------- GGUF
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
         g_arch = meta.get("general.architecture")
         if g_arch not in GGUF_ARCHITECTURES:
             raise ValueError(

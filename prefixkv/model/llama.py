@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.window = config.sliding_window
 
     def forward(self, x, cos, sin, kv_cache, meta):
@@ -66,8 +66,9 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, H]."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
         super().__init__()
         self.config = config
         with torch.device("meta"):
@@ -90,8 +91,9 @@ class LlamaModel(nn.Module):
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv caches, got {len(kv_caches)}")
         if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
@@ -119,8 +121,12 @@ class LlamaModel(nn.Module):
     def pack_for_cpu(self) -> bool:
         """bfloat16 on CPU: pre-pack every matmul weight for oneDNN (PackedLinear). Returns whether
         it did; a no-op elsewhere, when already packed, or where this torch/CPU cannot."""
-        if (self.device.type != "cpu" or self.dtype != torch.bfloat16 or self.packed_head is not None
-                or not packed_linear_works(self.dtype)):
+        if (
+            self.device.type != "cpu"
+            or self.dtype != torch.bfloat16
+            or self.packed_head is not None
+            or not packed_linear_works(self.dtype)
+        ):
             return False
         pack_linears(self.layers)
         if self.lm_head is None:  # tied: the embedding keeps its own (gather) layout
@@ -156,15 +162,17 @@ class LlamaModel(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {src!r} has no place in {cfg.architecture}")
             p = params[target]
-            dst = p.data if rows is None else p.data[rows[0]:rows[1]]
+            dst = p.data if rows is None else p.data[rows[0] : rows[1]]
             if tuple(dst.shape) != tuple(t.shape):
-                raise ValueError(f"shape mismatch for {src!r}: checkpoint {tuple(t.shape)}, expected {tuple(dst.shape)}")
+                raise ValueError(
+                    f"shape mismatch for {src!r}: checkpoint {tuple(t.shape)}, expected {tuple(dst.shape)}"
+                )
             dst.copy_(t.to(dtype=dst.dtype))
             loaded.add(f"{target}[{rows}]")
 
         for name, t in weights:
             if name.startswith("model.") and not name.startswith("model.layers."):
-                sub = name[len("model."):]
+                sub = name[len("model.") :]
                 if sub in ("embed_tokens.weight", "norm.weight"):
                     put(sub, t, src=name)
                     continue
@@ -207,8 +215,9 @@ class LlamaModel(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", seed: int = 0) -> LlamaModel:
+def build_model(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
+) -> LlamaModel:
     """A randomly initialised model (for tests)."""
     model = LlamaModel(config, dtype=dtype, device=device)
     model.init_random_weights(seed)

@@ -11,8 +11,9 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,18 +49,23 @@ def default_model_path() -> str:
 
 def _missing_model_message(model: str, path: str) -> str:
     """The error for a model argument that names nothing on disk, with what prefixkv does read."""
-    msg = (f"Model path does not exist: {path!r}. prefixkv reads only local files: an HF model folder "
-           "(config.json, *.safetensors, tokenizer.json) or a single .gguf file; it downloads nothing. "
-           "Pass a local path, e.g. LLM(model='/path/to/SmolLM2-135M-Instruct') or "
-           "`prefixkv serve ./model.gguf`, or model=None for the embedded SmolLM2-135M-Instruct.")
+    msg = (
+        f"Model path does not exist: {path!r}. prefixkv reads only local files: an HF model folder "
+        "(config.json, *.safetensors, tokenizer.json) or a single .gguf file; it downloads nothing. "
+        "Pass a local path, e.g. LLM(model='/path/to/SmolLM2-135M-Instruct') or "
+        "`prefixkv serve ./model.gguf`, or model=None for the embedded SmolLM2-135M-Instruct."
+    )
     if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not model.startswith((".", "/")):
-        msg += (f" {model!r} looks like a Hugging Face Hub id: download it first (for example "
-                f"`huggingface-cli download {model} --local-dir ./{model.split('/')[-1]}`) and pass that folder.")
+        msg += (
+            f" {model!r} looks like a Hugging Face Hub id: download it first (for example "
+            f"`huggingface-cli download {model} --local-dir ./{model.split('/')[-1]}`) and pass that folder."
+        )
     return msg
 
 
-def load_model(model: str | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LoadedModel:
+def load_model(
+    model: str | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LoadedModel:
     """Load `model`: None (embedded default), an HF folder, or a .gguf file."""
     path = default_model_path() if model is None else os.path.expanduser(str(model))
     if os.path.isdir(path):

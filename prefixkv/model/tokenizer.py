@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -35,9 +36,7 @@ _QWEN2_LIKE = {"qwen2", "deepseek-r1-qwen", "megrez"}
 
 @lru_cache(maxsize=1)
 def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -159,7 +158,7 @@ class Tokenizer:
         prefix_text = self.decode(all_ids[prefix_offset:read_offset], skip_special_tokens)
         new_text = self.decode(all_ids[prefix_offset:], skip_special_tokens)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            return new_text[len(prefix_text):], read_offset, len(all_ids)
+            return new_text[len(prefix_text) :], read_offset, len(all_ids)
         return "", prefix_offset, read_offset
 
     # ---------------------------------------------------- chat template
@@ -174,11 +173,11 @@ class Tokenizer:
                 raise ValueError(f"Chat template error: {message}")
 
             def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                                  separators=separators, sort_keys=sort_keys)
+                return json.dumps(
+                    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+                )
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[loopcontrols])
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
             env.filters["tojson"] = tojson
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -205,7 +204,7 @@ class Tokenizer:
 
     # ---------------------------------------------------- constructors
     @classmethod
-    def from_hf_folder(cls, folder: str, extra_eos_ids: Iterable[int] = ()) -> "Tokenizer":
+    def from_hf_folder(cls, folder: str, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"No tokenizer.json in model folder {folder!r}")
@@ -243,11 +242,17 @@ class Tokenizer:
         if tok.post_processor is not None and bos is not None:
             probe = tok.encode("a", add_special_tokens=True).ids
             add_bos = add_bos or (len(probe) > 0 and probe[0] == bos)
-        return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template,
-                   add_bos_token=add_bos, add_eos_token=bool(cfg.get("add_eos_token", False)))
+        return cls(
+            tok,
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            chat_template=template,
+            add_bos_token=add_bos,
+            add_eos_token=bool(cfg.get("add_eos_token", False)),
+        )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         model_type = meta.get("tokenizer.ggml.model")
         if model_type != "gpt2":
             raise ValueError(
@@ -266,12 +271,18 @@ class Tokenizer:
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         tok.pre_tokenizer = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         tok.decoder = decoders.ByteLevel()
-        control = [AddedToken(t, normalized=False, special=True)
-                   for t, ty in zip(tokens, token_types) if ty == _TT_CONTROL and set(t) <= alphabet]
+        control = [
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, token_types)
+            if ty == _TT_CONTROL and set(t) <= alphabet
+        ]
         if control:
             tok.add_special_tokens(control)
-        user = [AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, token_types) if ty == _TT_USER_DEFINED and spell(t) in vocab]
+        user = [
+            AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, token_types)
+            if ty == _TT_USER_DEFINED and spell(t) in vocab
+        ]
         if user:
             tok.add_tokens(user)
         eos = meta.get("tokenizer.ggml.eos_token_id")

@@ -2,6 +2,7 @@
 
 Wiring: the `prefixkv` command calls `add_arguments(subparser)` and `run(args)`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,31 +32,49 @@ def _policies(text: str) -> list[str]:
         return list(POLICIES)
     for name in names:
         if name not in POLICIES:
-            raise argparse.ArgumentTypeError(f"unknown eviction policy {name!r}; choose from "
-                                             f"{', '.join(POLICIES)} or all")
+            raise argparse.ArgumentTypeError(
+                f"unknown eviction policy {name!r}; choose from {', '.join(POLICIES)} or all"
+            )
     return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="JSONL trace: Mooncake records (hash_ids) or simple records "
-                        "(prompt / prompt_token_ids, optional timestamp ms and output_length)")
+    parser.add_argument(
+        "trace",
+        help="JSONL trace: Mooncake records (hash_ids) or simple records "
+        "(prompt / prompt_token_ids, optional timestamp ms and output_length)",
+    )
     parser.add_argument("--format", default="auto", choices=["auto", "mooncake", "jsonl"])
-    parser.add_argument("--num-blocks", type=_sizes, default=[4096], metavar="N[,N...]",
-                        help="cache size(s) in blocks (default 4096)")
-    parser.add_argument("--block-size", type=int, default=512,
-                        help="tokens per block (default 512, the Mooncake trace's granularity)")
-    parser.add_argument("--policy", type=_policies, default=["lru"], metavar="NAME[,NAME...]",
-                        help=f"eviction policies: {', '.join(POLICIES)}, or all (default lru)")
-    parser.add_argument("--optimum", action="store_true",
-                        help="also run Belady's offline optimum and report each policy's fraction of it")
-    parser.add_argument("--reuse-oracle", action="store_true",
-                        help="also run the offline reuse oracle (knows whether a block returns, "
-                        "not when): what a perfect reuse predictor would reach")
+    parser.add_argument(
+        "--num-blocks", type=_sizes, default=[4096], metavar="N[,N...]", help="cache size(s) in blocks (default 4096)"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=512, help="tokens per block (default 512, the Mooncake trace's granularity)"
+    )
+    parser.add_argument(
+        "--policy",
+        type=_policies,
+        default=["lru"],
+        metavar="NAME[,NAME...]",
+        help=f"eviction policies: {', '.join(POLICIES)}, or all (default lru)",
+    )
+    parser.add_argument(
+        "--optimum",
+        action="store_true",
+        help="also run Belady's offline optimum and report each policy's fraction of it",
+    )
+    parser.add_argument(
+        "--reuse-oracle",
+        action="store_true",
+        help="also run the offline reuse oracle (knows whether a block returns, "
+        "not when): what a perfect reuse predictor would reach",
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--prefill-ms-per-token", type=float, default=TimeModel.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=TimeModel.decode_ms_per_token)
-    parser.add_argument("--no-reserve-output", action="store_true",
-                        help="do not hold blocks for the output tokens (prompt only)")
+    parser.add_argument(
+        "--no-reserve-output", action="store_true", help="do not hold blocks for the output tokens (prompt only)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object per result")
 
 
@@ -70,11 +89,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tm = TimeModel(args.prefill_ms_per_token, args.decode_ms_per_token, not args.no_reserve_output)
     index = BlockIndex(trace, args.block_size) if args.optimum or args.reuse_oracle else None
-    print(f"{args.trace}: {len(trace)} requests, block size {args.block_size}, "
-          f"{sum(r.input_length for r in trace)} prompt tokens")
+    print(
+        f"{args.trace}: {len(trace)} requests, block size {args.block_size}, "
+        f"{sum(r.input_length for r in trace)} prompt tokens"
+    )
     if index is not None:
         print(f"infinite-cache ceiling: {infinite_cache_hit_rate(trace, args.block_size, index):.2%}")
-    header = f"{'blocks':>8} {'policy':<16} {'hit rate':>9} {'of opt':>7} {'evictions':>10} {'peak use':>9} {'waited':>7} {'skipped':>7}"
+    header = (
+        f"{'blocks':>8} {'policy':<16} {'hit rate':>9} {'of opt':>7} {'evictions':>10} {'peak use':>9} "
+        f"{'waited':>7} {'skipped':>7}"
+    )
     if not args.json:
         print(header)
     for num_blocks in args.num_blocks:
@@ -89,9 +113,11 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({**r.as_dict(), "fraction_of_optimum": frac}))
             else:
-                print(f"{num_blocks:>8} {r.policy:<16} {r.hit_rate:>9.2%} "
-                      f"{'' if frac is None else f'{frac:.1%}':>7} {r.evictions:>10} "
-                      f"{r.peak_usage:>9.1%} {r.waited:>7} {r.skipped:>7}")
+                print(
+                    f"{num_blocks:>8} {r.policy:<16} {r.hit_rate:>9.2%} "
+                    f"{'' if frac is None else f'{frac:.1%}':>7} {r.evictions:>10} "
+                    f"{r.peak_usage:>9.1%} {r.waited:>7} {r.skipped:>7}"
+                )
     return 0
 
 

@@ -29,6 +29,7 @@ not proven optimal, so call it a strong heuristic bound, not a theorem. It is ch
 every online policy on random small traces (tests/replay) and in every sweep. The hard ceiling,
 independent of capacity, is `infinite_cache_hit_rate` (only compulsory misses).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -60,7 +61,7 @@ class BlockIndex:
             chain = []
             parent = -1
             for b in range(num_full):
-                key = (parent, tuple(tokens[b * bs:(b + 1) * bs]))
+                key = (parent, tuple(tokens[b * bs : (b + 1) * bs]))
                 node = keys.get(key)
                 if node is None:
                     node = keys[key] = len(uses)
@@ -219,9 +220,14 @@ class ReuseOracleBackend(BeladyBackend):
         return (0 if next_use == len(self.ix.nodes) else 1, self._stamp)
 
 
-def replay_optimum(trace: Sequence[TraceRequest], num_blocks: int, block_size: int = 512,
-                   time_model: TimeModel | None = None,
-                   index: BlockIndex | None = None, reuse_oracle: bool = False) -> ReplayResult:
+def replay_optimum(
+    trace: Sequence[TraceRequest],
+    num_blocks: int,
+    block_size: int = 512,
+    time_model: TimeModel | None = None,
+    index: BlockIndex | None = None,
+    reuse_oracle: bool = False,
+) -> ReplayResult:
     """Belady's offline optimum over the replay's schedule and capacity (see module docstring).
     Pass a prebuilt `index` to reuse it across cache sizes. `reuse_oracle=True` runs
     ReuseOracleBackend instead (knows whether, not when, a block returns)."""
@@ -237,8 +243,9 @@ def replay_optimum(trace: Sequence[TraceRequest], num_blocks: int, block_size: i
     return result
 
 
-def infinite_cache_hit_rate(trace: Sequence[TraceRequest], block_size: int = 512,
-                            index: BlockIndex | None = None) -> float:
+def infinite_cache_hit_rate(
+    trace: Sequence[TraceRequest], block_size: int = 512, index: BlockIndex | None = None
+) -> float:
     """Hit rate with unlimited capacity (only first uses miss): the ceiling of every policy."""
     if index is None or index.block_size != block_size:
         index = BlockIndex(trace, block_size)

@@ -18,6 +18,7 @@ Time model (TimeModel; see docs/replay.md):
 Hit rate is token-weighted: prompt tokens served from the cache at admission / prompt tokens, over
 admitted requests. The lookup rule is the engine's: whole blocks, at most input_length - 1 tokens.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -40,8 +41,7 @@ class TimeModel:
     reserve_output: bool = True  # hold slots for output_length generated tokens
 
     def hold_ms(self, req: TraceRequest) -> float:
-        return (self.prefill_ms_per_token * req.input_length
-                + self.decode_ms_per_token * req.output_length)
+        return self.prefill_ms_per_token * req.input_length + self.decode_ms_per_token * req.output_length
 
     def footprint_tokens(self, req: TraceRequest) -> int:
         return req.input_length + (req.output_length if self.reserve_output else 0)
@@ -93,8 +93,9 @@ class Backend(Protocol):
     def evictions(self) -> int: ...
 
 
-def run_schedule(trace: Sequence[TraceRequest], backend: Backend, block_size: int,
-                 time_model: TimeModel, result: ReplayResult) -> ReplayResult:
+def run_schedule(
+    trace: Sequence[TraceRequest], backend: Backend, block_size: int, time_model: TimeModel, result: ReplayResult
+) -> ReplayResult:
     """The admission/hold schedule shared by the real-manager replay and the offline optimum.
     `trace` must be sorted by timestamp; admission is FCFS in trace order."""
     t0 = time.perf_counter()
@@ -167,11 +168,9 @@ class _TraceRequest(Request):
 class ManagerBackend:
     """The real thing: prefixkv.cache.KVCacheManager driven with prefixkv.request.Request."""
 
-    def __init__(self, num_blocks: int, block_size: int,
-                 policy: str | type[EvictionPolicy] = "lru") -> None:
+    def __init__(self, num_blocks: int, block_size: int, policy: str | type[EvictionPolicy] = "lru") -> None:
         self.num_blocks = num_blocks
-        self.mgr = KVCacheManager(num_blocks, block_size, enable_caching=True,
-                                  eviction_policy=policy)
+        self.mgr = KVCacheManager(num_blocks, block_size, enable_caching=True, eviction_policy=policy)
         self._live: dict[int, Request] = {}
         self._head: tuple[int, Request] | None = None  # a request that did not fit yet
 
@@ -179,13 +178,11 @@ class ManagerBackend:
         if self._head is not None and self._head[0] == index:
             request = self._head[1]
         else:
-            request = _TraceRequest(str(index), req.prompt_token_ids(),
-                                    arrival_time=req.timestamp_ms / 1e3)
+            request = _TraceRequest(str(index), req.prompt_token_ids(), arrival_time=req.timestamp_ms / 1e3)
             request.num_generated = req.output_length
         mgr = self.mgr
         hits, num_hit = mgr.get_computed_blocks(request)
-        if mgr.allocate_slots(request, request.num_tokens - num_hit, hits,
-                              num_lookahead_tokens=lookahead) is None:
+        if mgr.allocate_slots(request, request.num_tokens - num_hit, hits, num_lookahead_tokens=lookahead) is None:
             self._head = (index, request)
             return None
         self._head = None
@@ -204,9 +201,13 @@ class ManagerBackend:
         return self.mgr.block_pool.num_evictions
 
 
-def replay(trace: Sequence[TraceRequest], num_blocks: int, block_size: int = 512,
-           policy: str | type[EvictionPolicy] = "lru",
-           time_model: TimeModel | None = None) -> ReplayResult:
+def replay(
+    trace: Sequence[TraceRequest],
+    num_blocks: int,
+    block_size: int = 512,
+    policy: str | type[EvictionPolicy] = "lru",
+    time_model: TimeModel | None = None,
+) -> ReplayResult:
     """Replay `trace` (sorted by timestamp) through a fresh KVCacheManager; at the end every
     block is free again (checked)."""
     time_model = time_model or TimeModel()

@@ -14,6 +14,7 @@ Simple JSONL: one object per line with either `prompt_token_ids` (or `token_ids`
 or `prompt` (text, tokenized as its UTF-8 bytes - enough to replay sharing, no model needed);
 optional `timestamp` (ms, default: the line number x 1000) and `output_length` (default 128).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ class TraceRequest:
         return expand_hash_ids(self.hash_ids, self.input_length)
 
 
-def expand_hash_ids(hash_ids: Iterable[int], input_length: int,
-                    tokens_per_id: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
+def expand_hash_ids(
+    hash_ids: Iterable[int], input_length: int, tokens_per_id: int = MOONCAKE_BLOCK_TOKENS
+) -> list[int]:
     """The deterministic token run of a Mooncake prompt: id h -> h*tokens_per_id + j, cut to
     input_length (the last id may be partial)."""
     out: list[int] = []
@@ -78,16 +80,17 @@ def parse_mooncake(obj: dict, where: str = "") -> TraceRequest:
     try:
         hash_ids = tuple(int(h) for h in obj["hash_ids"])
         input_length = int(obj["input_length"])
-        req = TraceRequest(float(obj["timestamp"]), input_length, int(obj["output_length"]),
-                           hash_ids=hash_ids)
+        req = TraceRequest(float(obj["timestamp"]), input_length, int(obj["output_length"]), hash_ids=hash_ids)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: not a Mooncake record ({e!r})") from None
     if input_length < 1 or req.output_length < 0:
         raise ValueError(f"{where}: input_length must be >= 1 and output_length >= 0")
     need = -(-input_length // MOONCAKE_BLOCK_TOKENS)
     if len(hash_ids) < need:
-        raise ValueError(f"{where}: {len(hash_ids)} hash ids for {input_length} tokens "
-                         f"(need {need} of {MOONCAKE_BLOCK_TOKENS} tokens each)")
+        raise ValueError(
+            f"{where}: {len(hash_ids)} hash ids for {input_length} tokens "
+            f"(need {need} of {MOONCAKE_BLOCK_TOKENS} tokens each)"
+        )
     return req
 
 
@@ -101,8 +104,7 @@ def parse_simple(obj: dict, index: int, where: str = "") -> TraceRequest:
     if not tokens:
         raise ValueError(f"{where}: empty prompt")
     ts = float(obj.get("timestamp", index * 1000.0))
-    return TraceRequest(ts, len(tokens), int(obj.get("output_length", DEFAULT_OUTPUT_LENGTH)),
-                        token_ids=tokens)
+    return TraceRequest(ts, len(tokens), int(obj.get("output_length", DEFAULT_OUTPUT_LENGTH)), token_ids=tokens)
 
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -110,8 +112,7 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceReque
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    return _sorted([parse_simple(obj, i, f"{path}:{n}")
-                    for i, (n, obj) in enumerate(_lines(path, limit))])
+    return _sorted([parse_simple(obj, i, f"{path}:{n}") for i, (n, obj) in enumerate(_lines(path, limit))])
 
 
 def load_trace(path: str | Path, limit: int | None = None, fmt: str = "auto") -> list[TraceRequest]:

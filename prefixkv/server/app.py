@@ -20,10 +20,10 @@ from .async_engine import AsyncEngine
 from .chat import OpenAIServingChat
 from .completions import OpenAIServingCompletion
 from .errors import APIError, error_response, install_error_handlers
+from .limits import RequestLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from .limits import RequestLimits
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far above any prompt that fits a context

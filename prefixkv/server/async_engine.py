@@ -11,6 +11,7 @@ queue that the thread drains between steps (add, abort, reset-prefix-cache), and
 back through per-request asyncio queues fed with `loop.call_soon_threadsafe`. The thread waits on
 a condition variable when it has nothing to do, so an idle server burns no CPU.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from ..engine.llm_engine import LLMEngine
 from ..outputs import RequestOutput
@@ -48,9 +50,12 @@ class AsyncEngine:
     """`generate()` is an async iterator of cumulative RequestOutputs for one request; leaving
     it early (client gone, task cancelled) aborts the request, which frees its blocks at once."""
 
-    def __init__(self, engine: LLMEngine,
-                 on_finished: Callable[[RequestOutput], None] | None = None,
-                 on_aborted: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_finished: Callable[[RequestOutput], None] | None = None,
+        on_aborted: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.on_finished = on_finished
         self.on_aborted = on_aborted
@@ -183,14 +188,22 @@ class AsyncEngine:
                     fut.set_exception(exc)
                 else:
                     fut.set_result(result)
+
             loop.call_soon_threadsafe(settle)
 
         self._submit(lambda: fn(self.engine), done)
         return await fut
 
     # -- event loop side --------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                       prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -199,13 +212,15 @@ class AsyncEngine:
         added = loop.create_future()
 
         def add() -> None:
-            self.engine.add_request(prompt_token_ids, params, request_id=request_id,
-                                    cache_salt=cache_salt, arrival_time=arrival)
+            self.engine.add_request(
+                prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, arrival_time=arrival
+            )
             self._streams[request_id] = stream
 
         def done(_result, exc):
-            loop.call_soon_threadsafe(lambda: added.done() or (
-                added.set_exception(exc) if exc is not None else added.set_result(None)))
+            loop.call_soon_threadsafe(
+                lambda: added.done() or (added.set_exception(exc) if exc is not None else added.set_result(None))
+            )
 
         self._submit(add, done)
         try:
@@ -233,6 +248,7 @@ class AsyncEngine:
             if self._streams.pop(request_id, None) is not None and self.on_aborted is not None:
                 self.on_aborted()
             self.engine.abort_request(request_id)
+
         try:
             self._submit(do)
         except EngineDeadError:

@@ -34,12 +34,14 @@ class OpenAIServingChat(OpenAIServing):
         for j, part in enumerate(content):  # type: ignore[attr-defined]
             where = f"{at}.content[{j}]"
             if not isinstance(part, dict):
-                raise APIError(f"{where} must be an object with a type, got {type(part).__name__}", 400,
-                               param="messages")
+                raise APIError(
+                    f"{where} must be an object with a type, got {type(part).__name__}", 400, param="messages"
+                )
             kind = part.get("type", "text")
             if kind != "text":
-                raise APIError(f"{where}: content part type {kind!r} is not supported (text only)", 400,
-                               param="messages")
+                raise APIError(
+                    f"{where}: content part type {kind!r} is not supported (text only)", 400, param="messages"
+                )
             text = part.get("text")
             if not isinstance(text, str):
                 raise APIError(f"{where}.text must be a string, got {type(text).__name__}", 400, param="messages")

@@ -44,7 +44,13 @@ class OpenAIServingCompletion(OpenAIServing):
         return ids, texts
 
     def logprobs(
-        self, out: RequestOutput, prompt_ids: list[int], echo: str, entries: list, token_ids: list[int], k: int,
+        self,
+        out: RequestOutput,
+        prompt_ids: list[int],
+        echo: str,
+        entries: list,
+        token_ids: list[int],
+        k: int,
         offset: int,
     ) -> CompletionLogProbs:
         """Logprobs of generated tokens whose text starts at `offset` of the choice's text, with

@@ -5,8 +5,8 @@ the right status, counted in `prefixkv:http_request_errors_total`."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -17,34 +17,70 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: 127.0.0.1; use 0.0.0.0 to listen on all interfaces)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1; use 0.0.0.0 to listen on all interfaces)",
+    )
     g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("PREFIXKV_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
-                        "/version; an empty key means none (default: $VLLM_API_KEY, else none)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in 'model'; the first is reported (default: MODEL, or "
-                        "HuggingFaceTB/SmolLM2-135M-Instruct for the embedded model)")
-    g.add_argument("--require-cache-salt", action="store_true",
-                   help="refuse requests without a cache_salt (multi-tenant deployments: without a salt, a "
-                        "client can tell from the time to first token whether someone sent a prompt before)")
-    g.add_argument("--max-request-body-bytes", type=_positive_int, default=32 << 20,
-                   help="larger request bodies get 413 before they are read (default: 32 MiB)")
-    g.add_argument("--max-n", type=_positive_int, default=RequestLimits.max_n,
-                   help=f"most sequences per prompt, 'n' (default: {RequestLimits.max_n})")
-    g.add_argument("--max-prompts-per-request", type=_positive_int, default=RequestLimits.max_prompts,
-                   help=f"most prompts in one /v1/completions request (default: {RequestLimits.max_prompts})")
-    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
-                   help="on SIGTERM/SIGINT, seconds in-flight requests may still run before they end with an "
-                        f"error; new requests get 503 meanwhile (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY") or os.environ.get("PREFIXKV_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
+        "/version; an empty key means none (default: $VLLM_API_KEY, else none)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is reported (default: MODEL, or "
+        "HuggingFaceTB/SmolLM2-135M-Instruct for the embedded model)",
+    )
+    g.add_argument(
+        "--require-cache-salt",
+        action="store_true",
+        help="refuse requests without a cache_salt (multi-tenant deployments: without a salt, a "
+        "client can tell from the time to first token whether someone sent a prompt before)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=32 << 20,
+        help="larger request bodies get 413 before they are read (default: 32 MiB)",
+    )
+    g.add_argument(
+        "--max-n",
+        type=_positive_int,
+        default=RequestLimits.max_n,
+        help=f"most sequences per prompt, 'n' (default: {RequestLimits.max_n})",
+    )
+    g.add_argument(
+        "--max-prompts-per-request",
+        type=_positive_int,
+        default=RequestLimits.max_prompts,
+        help=f"most prompts in one /v1/completions request (default: {RequestLimits.max_prompts})",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may still run before they end with an "
+        f"error; new requests get 503 meanwhile (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
+    g.add_argument(
+        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
-    g.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted for vLLM compatibility (prefixkv does not log request contents)")
-    g.add_argument("--disable-log-stats", action="store_true",
-                   help="accepted for vLLM compatibility (prefixkv logs no periodic stats)")
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM compatibility (prefixkv does not log request contents)",
+    )
+    g.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM compatibility (prefixkv logs no periodic stats)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -61,22 +97,39 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
     from .app import create_app
 
     log = logging.getLogger("prefixkv.server")
-    limits = RequestLimits(max_n=args.max_n, max_prompts=args.max_prompts_per_request,
-                           max_logprobs=getattr(engine.config, "max_logprobs", RequestLimits.max_logprobs),
-                           require_cache_salt=args.require_cache_salt)
+    limits = RequestLimits(
+        max_n=args.max_n,
+        max_prompts=args.max_prompts_per_request,
+        max_logprobs=getattr(engine.config, "max_logprobs", RequestLimits.max_logprobs),
+        require_cache_salt=args.require_cache_salt,
+    )
     names = args.served_model_name or [model_name]
-    app = create_app(engine, served_model_names=names, api_key=args.api_key or None, model_root=model_name,
-                     engine_thread=False, limits=limits, max_request_body_bytes=args.max_request_body_bytes)
+    app = create_app(
+        engine,
+        served_model_names=names,
+        api_key=args.api_key or None,
+        model_root=model_name,
+        engine_thread=False,
+        limits=limits,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
     log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if args.api_key else "off")
     async_engine = app.state.async_engine
     # The engine loop stays on the main thread (torch runs slower from threads started later, see
     # server/async_engine.py); HTTP runs in a thread, and signals reach it through should_exit.
     # uvicorn waits a little longer than the engine, so the requests the engine ends at the
     # deadline still get their error event or 503 out before connections are closed.
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
-        timeout_graceful_shutdown=int(args.shutdown_timeout) + 5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
+        )
+    )
     http = threading.Thread(target=server.run, name="prefixkv-http", daemon=True)
 
     def stop(signum: int, _frame: Any) -> None:
@@ -85,8 +138,9 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
             server.force_exit = True
             async_engine.begin_drain(0.0)
             return
-        log.info("signal %d: draining (in-flight requests may run %gs more), then exiting", signum,
-                 args.shutdown_timeout)
+        log.info(
+            "signal %d: draining (in-flight requests may run %gs more), then exiting", signum, args.shutdown_timeout
+        )
         async_engine.begin_drain(args.shutdown_timeout)
         server.should_exit = True
 

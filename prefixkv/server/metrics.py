@@ -4,6 +4,7 @@ Counters and gauges that mirror engine state are read from the engine on each sc
 collector), so they always agree with the engine's own statistics; latency histograms are
 observed by the engine thread when a request finishes. Each app gets its own CollectorRegistry.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,17 +20,79 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's buckets
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0]
-LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+TPOT_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
 
 
 class _EngineCollector:
-    def __init__(self, engine: "LLMEngine", labels: dict[str, str]) -> None:
+    def __init__(self, engine: LLMEngine, labels: dict[str, str]) -> None:
         self.engine = engine
         self.labels = labels
 
@@ -52,62 +115,101 @@ class _EngineCollector:
 
         # one snapshot, published by the engine thread: never the scheduler's live lists
         stats = e.get_stats()
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    stats.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    stats.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    stats.kv_cache_usage)
-        yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries)
-        yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits)
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits
+        )
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      stats.num_generation_tokens)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                      stats.num_preemptions)
-        yield gauge("prefixkv:prefix_cache_hit_rate",
-                    "Cumulative prefix cache hit rate (hit tokens / queried tokens).", stats.prefix_cache_hit_rate)
-        yield counter("prefixkv:prefix_cache_requests", "Requests looked up in the prefix cache.",
-                      stats.prefix_cache_requests)
-        yield counter("prefixkv:requests_errored", "Requests the engine failed on their own (the rest went on).",
-                      stats.num_requests_errored)
-        yield counter("prefixkv:kv_events_dropped", "KV cache events dropped because nobody drained them.",
-                      stats.num_kv_events_dropped)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions)
+        yield gauge(
+            "prefixkv:prefix_cache_hit_rate",
+            "Cumulative prefix cache hit rate (hit tokens / queried tokens).",
+            stats.prefix_cache_hit_rate,
+        )
+        yield counter(
+            "prefixkv:prefix_cache_requests", "Requests looked up in the prefix cache.", stats.prefix_cache_requests
+        )
+        yield counter(
+            "prefixkv:requests_errored",
+            "Requests the engine failed on their own (the rest went on).",
+            stats.num_requests_errored,
+        )
+        yield counter(
+            "prefixkv:kv_events_dropped",
+            "KV cache events dropped because nobody drained them.",
+            stats.num_kv_events_dropped,
+        )
         yield gauge("prefixkv:num_kv_blocks", "KV cache blocks in the pool.", stats.num_blocks)
         yield gauge("prefixkv:block_size", "Tokens per KV cache block.", stats.block_size)
-        yield gauge("prefixkv:max_model_len", "Longest sequence (prompt + output) accepted.",
-                    stats.max_model_len)
+        yield gauge("prefixkv:max_model_len", "Longest sequence (prompt + output) accepted.", stats.max_model_len)
 
 
 class ServerMetrics:
-    def __init__(self, engine: "LLMEngine", model_name: str) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "engine": "0"}
         self.registry.register(_EngineCollector(engine, self.labels))
         names = list(self.labels)
         r = self.registry
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              names, buckets=TTFT_BUCKETS, registry=r).labels(**self.labels)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             names, buckets=LATENCY_BUCKETS, registry=r).labels(**self.labels)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds.", names,
-                              buckets=TPOT_BUCKETS, registry=r).labels(**self.labels)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", names,
-                                    buckets=LATENCY_BUCKETS, registry=r).labels(**self.labels)
-        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                       names, buckets=TOKEN_BUCKETS, registry=r).labels(**self.labels)
-        self.gen_tokens = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                                    names, buckets=TOKEN_BUCKETS, registry=r).labels(**self.labels)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               names + ["finished_reason"], registry=r)
-        self.aborted = Counter("prefixkv:request_aborted", "Requests aborted (client gone or cancelled).",
-                               names, registry=r).labels(**self.labels)
-        self.http_errors = Counter("prefixkv:http_request_errors", "Requests answered with an error status.",
-                                   names + ["status"], registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            names,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(**self.labels)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**self.labels)
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            names,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        ).labels(**self.labels)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**self.labels)
+        self.prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            names,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        ).labels(**self.labels)
+        self.gen_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            names,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        ).labels(**self.labels)
+        self.success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", names + ["finished_reason"], registry=r
+        )
+        self.aborted = Counter(
+            "prefixkv:request_aborted", "Requests aborted (client gone or cancelled).", names, registry=r
+        ).labels(**self.labels)
+        self.http_errors = Counter(
+            "prefixkv:http_request_errors", "Requests answered with an error status.", names + ["status"], registry=r
+        )
 
     def on_finished(self, out: RequestOutput) -> None:
         """Called on the engine thread when a request finishes."""
@@ -119,8 +221,9 @@ class ServerMetrics:
             if m.finished_time is not None:
                 self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
                 if m.first_token_time is not None and n_out > len(out.outputs):
-                    self.tpot.observe(max(0.0, (m.finished_time - m.first_token_time)
-                                          / max(1, n_out // len(out.outputs) - 1)))
+                    self.tpot.observe(
+                        max(0.0, (m.finished_time - m.first_token_time) / max(1, n_out // len(out.outputs) - 1))
+                    )
             if m.first_scheduled_time is not None:
                 self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         self.prompt_tokens.observe(len(out.prompt_token_ids))

@@ -4,7 +4,8 @@ the API key, the request body cap, and refusing new work while the server drains
 from __future__ import annotations
 
 import secrets
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,7 +32,8 @@ class APIKeyMiddleware:
                 if self.on_reject is not None:
                     self.on_reject()
                 resp = error_response(
-                    "Unauthorized: a valid API key is required (Authorization: Bearer <key>)", 401,
+                    "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
+                    401,
                     "AuthenticationError",
                 )
                 await resp(scope, receive, send)
@@ -49,7 +51,9 @@ class BodyLimitMiddleware:
         self.on_reject = on_reject
 
     def _message(self) -> str:
-        return f"the request body is larger than this server's limit of {self.max_bytes} bytes (--max-request-body-bytes)"
+        return (
+            f"the request body is larger than this server's limit of {self.max_bytes} bytes (--max-request-body-bytes)"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,8 +93,12 @@ class DrainMiddleware:
         self.is_draining = is_draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] == "POST" \
-                and self.is_draining():
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith("/v1/")
+            and scope["method"] == "POST"
+            and self.is_draining()
+        ):
             await error_response("the server is shutting down", 503)(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -3,11 +3,12 @@
 Fields prefixkv does not implement are refused by name (400), as OpenAI refuses an unrecognized
 argument: a request never gets a 200 that silently behaves differently from what it asked
 (`unsupported_fields`)."""
+
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -109,8 +110,9 @@ class _SamplingFields(BaseModel):
     request_id: str | None = None
     prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
 
-    def _params(self, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+    def _params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) on bad values."""
         return SamplingParams(
             n=self.n,
@@ -118,17 +120,24 @@ class _SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
-            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

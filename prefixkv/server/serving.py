@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 

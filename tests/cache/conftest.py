@@ -1,4 +1,5 @@
 """Helpers that play the scheduler's part against the manager, as the engine does."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The bounded KV-event buffer, the cached-block table, the pool's vLLM names and the package's
 import boundary."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -102,12 +103,16 @@ def test_policies_are_exported_by_name():
 
 
 def test_cache_package_imports_nothing_else_of_prefixkv():
-    code = ("import sys, prefixkv.cache, prefixkv.cache.eviction; "
-            "print(sorted(m for m in sys.modules if m.startswith('prefixkv')))")
+    code = (
+        "import sys, prefixkv.cache, prefixkv.cache.eviction; "
+        "print(sorted(m for m in sys.modules if m.startswith('prefixkv')))"
+    )
     root = Path(__file__).resolve().parents[2]
     # import the package without prefixkv/__init__ (which loads the engine): a stub parent
-    stub = ("import sys, types; m = types.ModuleType('prefixkv'); "
-            f"m.__path__ = [{str(root / 'prefixkv')!r}]; sys.modules['prefixkv'] = m; ")
+    stub = (
+        "import sys, types; m = types.ModuleType('prefixkv'); "
+        f"m.__path__ = [{str(root / 'prefixkv')!r}]; sys.modules['prefixkv'] = m; "
+    )
     out = subprocess.run([sys.executable, "-c", stub + code], capture_output=True, text=True, check=True).stdout
     loaded = eval(out)
     assert loaded and all(m == "prefixkv" or m.startswith("prefixkv.cache") for m in loaded), loaded

@@ -1,4 +1,5 @@
 """Block identity: extra keys, content hashes, and exactness under a degenerate hash."""
+
 import random
 
 import pytest
@@ -145,7 +146,9 @@ def run_script(mgr, seed):
             req = Request(f"r{step}", [rng.randrange(3) for _ in range(rng.randrange(1, 20))])
             hits, n = mgr.get_computed_blocks(req)
             new = mgr.allocate_slots(req, req.num_tokens - n, hits)
-            observed.append(("new", req.request_id, [b.block_id for b in hits], None if new is None else [b.block_id for b in new]))
+            observed.append(
+                ("new", req.request_id, [b.block_id for b in hits], None if new is None else [b.block_id for b in new])
+            )
             if new is not None:
                 req.num_computed_tokens = req.num_tokens
                 live.append(req)

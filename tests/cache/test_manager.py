@@ -1,4 +1,5 @@
 """Edge cases of lookup, allocation, freeing and reset."""
+
 import pytest
 
 from prefixkv.cache import KVCacheManager
@@ -83,13 +84,21 @@ def test_failed_allocation_changes_nothing():
     a = Request("a", toks(8))
     prefill(mgr, a)
     mgr.free(a)
-    snapshot = (mgr.block_pool.eviction_policy.block_ids(), cached_ids(mgr),
-                [b.ref_cnt for b in mgr.block_pool.blocks], dict(mgr.block_pool.cached_blocks.items()))
+    snapshot = (
+        mgr.block_pool.eviction_policy.block_ids(),
+        cached_ids(mgr),
+        [b.ref_cnt for b in mgr.block_pool.blocks],
+        dict(mgr.block_pool.cached_blocks.items()),
+    )
     big = Request("big", toks(20))
     hits, n = mgr.get_computed_blocks(big)
     assert mgr.allocate_slots(big, 20 - n, hits) is None
-    assert snapshot == (mgr.block_pool.eviction_policy.block_ids(), cached_ids(mgr),
-                        [b.ref_cnt for b in mgr.block_pool.blocks], dict(mgr.block_pool.cached_blocks.items()))
+    assert snapshot == (
+        mgr.block_pool.eviction_policy.block_ids(),
+        cached_ids(mgr),
+        [b.ref_cnt for b in mgr.block_pool.blocks],
+        dict(mgr.block_pool.cached_blocks.items()),
+    )
     assert mgr.get_block_ids("big") == []
 
 

@@ -1,4 +1,5 @@
 """The default policy's intrusive free queue."""
+
 import pytest
 
 from prefixkv.cache import KVCacheBlock, LRUPolicy, get_policy

@@ -1,4 +1,5 @@
 """Invariants under random sequences of allocate / append / free / reset (hypothesis)."""
+
 from collections import Counter
 
 from hypothesis import settings
@@ -12,13 +13,21 @@ VOCAB = st.integers(min_value=0, max_value=2)  # tiny vocabulary: prefixes repea
 
 
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(4, 16), block_size=st.sampled_from([1, 2, 4]),
-                caching=st.booleans(), algo=st.sampled_from(["sha256_cbor", "degenerate"]))
+    @initialize(
+        num_blocks=st.integers(4, 16),
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.booleans(),
+        algo=st.sampled_from(["sha256_cbor", "degenerate"]),
+    )
     def setup(self, num_blocks, block_size, caching, algo):
         hash_algo = (lambda obj: b"x") if algo == "degenerate" else algo
-        self.mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size,
-                                  enable_caching=caching, hash_algo=hash_algo,
-                                  enable_kv_cache_events=True)
+        self.mgr = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_caching=caching,
+            hash_algo=hash_algo,
+            enable_kv_cache_events=True,
+        )
         self.live: dict[str, Request] = {}
         self.n = 0
         # ground truth: the token prefix each cached block stands for, kept outside the manager

@@ -1,6 +1,7 @@
 """Each supported architecture, as a tiny random checkpoint written in the test, served through
 the whole engine: greedy outputs equal transformers' with caching off, with shared prefixes
 cached, with chunked prefill, and under preemption."""
+
 from __future__ import annotations
 
 import random
@@ -26,11 +27,14 @@ def test_engine_matches_transformers(tmp_path, kind):
     prompts.append([rng.randrange(256) for _ in range(7)])
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    settings = [dict(enable_prefix_caching=False), dict(enable_prefix_caching=True),
-                dict(max_num_batched_tokens=9), dict(num_blocks=12, block_size=8, max_model_len=96)]
+    settings = [
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True),
+        dict(max_num_batched_tokens=9),
+        dict(num_blocks=12, block_size=8, max_model_len=96),
+    ]
     for kwargs in settings:
-        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": 8,
-                  "max_model_len": 96, **kwargs}
+        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": 8, "max_model_len": 96, **kwargs}
         llm = LLM(str(tmp_path), **kwargs)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, kwargs

@@ -1,6 +1,7 @@
 """Greedy outputs equal transformers' for the default model in float32 - with caching off, with
 caching on and shared prefixes, with chunked prefill, under preemption, and with a degenerate
 content hash. Prefix caching never changes outputs."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,10 +14,17 @@ from prefixkv.engine.llm_engine import LLMEngine
 from ..conftest import hf_greedy
 
 MAX_NEW = 12
-DOC = ("Prefix caching keeps the key and value tensors of a shared prompt so that later requests "
-       "skip recomputing them. " * 6)
-QUESTIONS = ["Summarize this in one line:", "What is kept?", "Translate to French:",
-             "Who benefits? Answer:", "1, 2, 3, 4,"]
+DOC = (
+    "Prefix caching keeps the key and value tensors of a shared prompt so that later requests "
+    "skip recomputing them. " * 6
+)
+QUESTIONS = [
+    "Summarize this in one line:",
+    "What is kept?",
+    "Translate to French:",
+    "Who benefits? Answer:",
+    "1, 2, 3, 4,",
+]
 
 
 def engine_for(loaded, **overrides) -> LLMEngine:
@@ -40,8 +48,12 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = MAX_NEW) 
 @pytest.fixture(scope="module")
 def prompts(default_lm):
     tok = default_lm.tokenizer
-    mixed = ["Hello", "The capital of France is", "def fibonacci(n):\n   ",
-             "Once upon a time, in a land far away, there lived a dragon who loved numbers like 12345 and"]
+    mixed = [
+        "Hello",
+        "The capital of France is",
+        "def fibonacci(n):\n   ",
+        "Once upon a time, in a land far away, there lived a dragon who loved numbers like 12345 and",
+    ]
     shared = [DOC + q for q in QUESTIONS]
     return [tok.encode(p) for p in mixed], [tok.encode(p) for p in shared]
 
@@ -49,8 +61,7 @@ def prompts(default_lm):
 @pytest.fixture(scope="module")
 def expected(prompts, hf_ref_model):
     mixed, shared = prompts
-    return ([hf_greedy(hf_ref_model, p, MAX_NEW) for p in mixed],
-            [hf_greedy(hf_ref_model, p, MAX_NEW) for p in shared])
+    return ([hf_greedy(hf_ref_model, p, MAX_NEW) for p in mixed], [hf_greedy(hf_ref_model, p, MAX_NEW) for p in shared])
 
 
 def test_mixed_batch_caching_off_equals_transformers(default_lm, prompts, expected):
@@ -78,8 +89,7 @@ def test_preemption_tiny_kv_budget_equals_transformers(default_lm, prompts, expe
 
 
 def test_degenerate_content_hash_changes_nothing(default_lm, prompts, expected):
-    engine = engine_for(default_lm, prefix_caching_hash_algo=lambda obj: b"\0" * 32,
-                        enable_kv_cache_events=True)
+    engine = engine_for(default_lm, prefix_caching_hash_algo=lambda obj: b"\0" * 32, enable_kv_cache_events=True)
     assert run(engine, prompts[1]) == expected[1]
     assert run(engine, prompts[1][::-1]) == expected[1][::-1]
 
@@ -117,8 +127,7 @@ def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-def run_prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], k: int, n: int = 1,
-                        max_tokens: int = 2) -> list:
+def run_prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], k: int, n: int = 1, max_tokens: int = 2) -> list:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=k, n=n, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
@@ -167,8 +176,9 @@ def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, p
     per_prompt = -(-max(len(p) for p in two) // 8)
     # both prompts fit at admission, their answers do not: one is preempted and recomputed,
     # and the positions it had scored are not scored twice
-    engine = engine_for(default_lm, num_blocks=2 * per_prompt + 1, block_size=8,
-                        max_model_len=8 * per_prompt + MAX_NEW + 8)
+    engine = engine_for(
+        default_lm, num_blocks=2 * per_prompt + 1, block_size=8, max_model_len=8 * per_prompt + MAX_NEW + 8
+    )
     outs = run_prompt_logprobs(engine, two, k=1, max_tokens=MAX_NEW)
     assert engine.scheduler.num_preemptions > 0
     for out, ids in zip(outs, two):

@@ -1,5 +1,6 @@
 """The offline API as a vLLM user drives it: prompts in every accepted shape, sampling options,
 stop conditions, n > 1, errors that leave the engine serving, and no block left held."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def llm(default_lm):
-    return LLM.from_engine(LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=128,
-                                                  max_model_len=512), loaded=default_lm))
+    return LLM.from_engine(
+        LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=128, max_model_len=512), loaded=default_lm)
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -32,9 +34,12 @@ def test_prompt_shapes_give_the_same_answer(llm):
     ids = tok.encode(text)
     by_text = llm.generate(text, GREEDY)[0]
     assert by_text.prompt == text and by_text.prompt_token_ids == ids
-    variants = [llm.generate(ids, GREEDY)[0], llm.generate({"prompt": text}, GREEDY)[0],
-                llm.generate({"prompt_token_ids": ids}, GREEDY)[0],
-                llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0]]
+    variants = [
+        llm.generate(ids, GREEDY)[0],
+        llm.generate({"prompt": text}, GREEDY)[0],
+        llm.generate({"prompt_token_ids": ids}, GREEDY)[0],
+        llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0],
+    ]
     for out in variants:
         assert out.outputs[0].token_ids == by_text.outputs[0].token_ids
         assert out.outputs[0].text == by_text.outputs[0].text
@@ -75,11 +80,14 @@ def test_stop_strings_and_tokens(llm):
     stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=", 5"))[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == ", 5"
     assert stopped.text == free.text[: free.text.index(", 5")]
-    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[", 5"],
-                                               include_stop_str_in_output=True))[0].outputs[0]
+    kept = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, stop=[", 5"], include_stop_str_in_output=True)
+    )[0].outputs[0]
     assert kept.text.endswith(", 5")
     tok_stop = free.token_ids[2]
-    by_token = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tok_stop]))[0].outputs[0]
+    by_token = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tok_stop]))[0].outputs[
+        0
+    ]
     assert by_token.token_ids == free.token_ids[:3] and by_token.stop_reason == tok_stop
 
 
@@ -89,8 +97,9 @@ def test_eos_stops_unless_ignored(llm):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in tok.eos_token_ids
     assert "<|im_end|>" not in out.text
-    longer = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 3,
-                                                 ignore_eos=True))[0].outputs[0]
+    longer = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 3, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert longer.finish_reason == "length" and longer.token_ids[: len(out.token_ids)] == out.token_ids
 
 
@@ -108,18 +117,29 @@ def test_sampling_seed_is_reproducible_and_n_shares_the_prompt(llm):
     a = llm.generate("Once upon a time", params)[0]
     b = llm.generate("Once upon a time", params)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    many = llm.generate("Once upon a time there was a long prompt that fills some blocks " * 3,
-                        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=10))[0]
+    many = llm.generate(
+        "Once upon a time there was a long prompt that fills some blocks " * 3,
+        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=10),
+    )[0]
     assert len(many.outputs) == 4 and [c.index for c in many.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in many.outputs}) > 1
     assert llm.llm_engine.prefix_cache_stats.hits >= 3 * 16  # children 1-3 hit child 0's blocks
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
-    (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(n=0), "n must"), (dict(logprobs=-1), "logprobs"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-5), "top_k"),
+        (dict(min_p=2), "min_p"),
+        (dict(n=0), "n must"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(prompt_logprobs=True), "prompt_logprobs"),
+    ],
+)
 def test_bad_sampling_values(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**bad)
@@ -185,6 +205,7 @@ def test_bfloat16_on_cpu_packs_weights_and_serves(llm):
     """dtype="bfloat16" on CPU: oneDNN-packed weights where the CPU supports them; the engine
     generates, caches and frees like the float32 one (whose outputs the exactness tests check)."""
     from prefixkv.model.layers import PackedLinear, packed_linear_works
+
     b16 = LLM(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=512)
     engine = b16.llm_engine
     assert (engine.runner.model.packed_head is not None) == packed_linear_works()

@@ -1,6 +1,7 @@
 """Refuse, never ignore: every vLLM argument or field prefixkv does not implement gets a clear
 ValueError naming it (each of these was once accepted and did nothing); arguments that change
 nothing here are accepted. One EngineArgs generates both the CLI flags and the LLM keywords."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,17 +17,28 @@ from prefixkv.engine_args import EngineArgs
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"), (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
-    (dict(cpu_offload_gb=4), "cpu_offload_gb"), (dict(quantization="awq"), "quantization"),
-    (dict(enable_chunked_prefill=False), "enable_chunked_prefill"), (dict(enable_lora=True), "enable_lora"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"), (dict(revision="main"), "revision"),
-    (dict(speculative_config={"method": "ngram"}), "speculative_config"),
-    (dict(limit_mm_per_prompt={"image": 1}), "limit_mm_per_prompt"), (dict(hf_overrides={"x": 1}), "hf_overrides"),
-    (dict(scheduling_policy="priority"), "scheduling_policy"), (dict(tokenizer="other/tokenizer"), "tokenizer"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(max_logprobs=-1), "max_logprobs"),
-    (dict(eviction_policy="nope"), "eviction_policy"), (dict(dtype="int4"), "dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
+        (dict(cpu_offload_gb=4), "cpu_offload_gb"),
+        (dict(quantization="awq"), "quantization"),
+        (dict(enable_chunked_prefill=False), "enable_chunked_prefill"),
+        (dict(enable_lora=True), "enable_lora"),
+        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+        (dict(revision="main"), "revision"),
+        (dict(speculative_config={"method": "ngram"}), "speculative_config"),
+        (dict(limit_mm_per_prompt={"image": 1}), "limit_mm_per_prompt"),
+        (dict(hf_overrides={"x": 1}), "hf_overrides"),
+        (dict(scheduling_policy="priority"), "scheduling_policy"),
+        (dict(tokenizer="other/tokenizer"), "tokenizer"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(max_logprobs=-1), "max_logprobs"),
+        (dict(eviction_policy="nope"), "eviction_policy"),
+        (dict(dtype="int4"), "dtype"),
+    ],
+)
 def test_llm_refuses_what_it_would_ignore(kwargs, name):
     with pytest.raises(ValueError, match=name):
         LLM(**kwargs)  # refused before any model is loaded
@@ -38,18 +50,33 @@ def test_llm_unknown_keyword_is_a_type_error():
 
 
 def test_arguments_that_change_nothing_are_accepted():
-    args = EngineArgs(trust_remote_code=True, enforce_eager=True, gpu_memory_utilization=0.5, swap_space=0,
-                      disable_log_stats=True, enable_chunked_prefill=True, tensor_parallel_size=1, seed=3)
+    args = EngineArgs(
+        trust_remote_code=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        swap_space=0,
+        disable_log_stats=True,
+        enable_chunked_prefill=True,
+        tensor_parallel_size=1,
+        seed=3,
+    )
     assert args.enable_chunked_prefill is True and args.seed == 3
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(use_beam_search=True), "use_beam_search"), (dict(best_of=3), "best_of"),
-    (dict(logit_bias={1: 5.0}), "logit_bias"), (dict(guided_decoding={"json": {}}), "guided_decoding"),
-    (dict(allowed_token_ids=[1, 2]), "allowed_token_ids"), (dict(bad_words=["x"]), "bad_words"),
-    (dict(logits_processors=[print]), "logits_processors"), (dict(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
-    (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(use_beam_search=True), "use_beam_search"),
+        (dict(best_of=3), "best_of"),
+        (dict(logit_bias={1: 5.0}), "logit_bias"),
+        (dict(guided_decoding={"json": {}}), "guided_decoding"),
+        (dict(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+        (dict(bad_words=["x"]), "bad_words"),
+        (dict(logits_processors=[print]), "logits_processors"),
+        (dict(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
+        (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+    ],
+)
 def test_sampling_params_refuse_unimplemented_vllm_fields(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
@@ -64,22 +91,29 @@ def test_sampling_params_unknown_field_is_a_type_error():
 
 @pytest.fixture(scope="module")
 def llm(default_lm):
-    return LLM.from_engine(LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=32, max_model_len=256),
-                                     loaded=default_lm))
+    return LLM.from_engine(
+        LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=32, max_model_len=256), loaded=default_lm)
+    )
 
 
-@pytest.mark.parametrize("call, name", [
-    (lambda llm: llm.generate({"prompt": "x", "multi_modal_data": {"image": object()}}, GREEDY), "multi_modal_data"),
-    (lambda llm: llm.generate({"prompt": "x", "prompt_embeds": [0.1]}, GREEDY), "prompt_embeds"),
-    (lambda llm: llm.generate({"prompt": "x", "whatever": 1}, GREEDY), "whatever"),
-    (lambda llm: llm.generate("x", GREEDY, lora_request=LoRARequest("a", 1, "/no/such/path")), "LoRA"),
-    (lambda llm: llm.generate("x", GREEDY, lora_request=LoRARequest("a", 1, ".")), "not applied yet"),
-    (lambda llm: llm.generate("x", GREEDY, guided_options_request={"guided_json": {}}), "guided"),
-    (lambda llm: llm.generate("x", GREEDY, priority=[1]), "priority"),
-    (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, tools=[{"type": "function"}]), "tools"),
-    (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, chat_template="{{ x }}"), "chat_template"),
-    (lambda llm: llm.llm_engine.add_request("x", GREEDY, lora_request=LoRARequest("a", 1, ".")), "LoRA"),
-])
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (
+            lambda llm: llm.generate({"prompt": "x", "multi_modal_data": {"image": object()}}, GREEDY),
+            "multi_modal_data",
+        ),
+        (lambda llm: llm.generate({"prompt": "x", "prompt_embeds": [0.1]}, GREEDY), "prompt_embeds"),
+        (lambda llm: llm.generate({"prompt": "x", "whatever": 1}, GREEDY), "whatever"),
+        (lambda llm: llm.generate("x", GREEDY, lora_request=LoRARequest("a", 1, "/no/such/path")), "LoRA"),
+        (lambda llm: llm.generate("x", GREEDY, lora_request=LoRARequest("a", 1, ".")), "not applied yet"),
+        (lambda llm: llm.generate("x", GREEDY, guided_options_request={"guided_json": {}}), "guided"),
+        (lambda llm: llm.generate("x", GREEDY, priority=[1]), "priority"),
+        (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, tools=[{"type": "function"}]), "tools"),
+        (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, chat_template="{{ x }}"), "chat_template"),
+        (lambda llm: llm.llm_engine.add_request("x", GREEDY, lora_request=LoRARequest("a", 1, ".")), "LoRA"),
+    ],
+)
 def test_generate_refuses_unimplemented_inputs(llm, call, name):
     with pytest.raises(ValueError, match=name):
         call(llm)
@@ -104,8 +138,11 @@ def test_cli_flags_and_llm_keywords_come_from_one_dataclass():
     EngineArgs.add_cli_args(parser)
     default = EngineArgs.from_cli_args(parser.parse_args([]))
     assert default == EngineArgs()  # the CLI's defaults are the dataclass's
-    args = EngineArgs.from_cli_args(parser.parse_args(
-        ["m", "--eviction-policy", "lfu", "--max-logprobs", "5", "--enable-kv-cache-events", "--trust-remote-code"]))
+    args = EngineArgs.from_cli_args(
+        parser.parse_args(
+            ["m", "--eviction-policy", "lfu", "--max-logprobs", "5", "--enable-kv-cache-events", "--trust-remote-code"]
+        )
+    )
     assert (args.model, args.eviction_policy, args.max_logprobs, args.enable_kv_cache_events) == ("m", "lfu", 5, True)
     assert set(POLICIES) <= set(next(a.choices for a in parser._actions if a.dest == "eviction_policy"))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -113,8 +150,10 @@ def test_cli_flags_and_llm_keywords_come_from_one_dataclass():
 
 
 def test_eviction_policy_reaches_the_cache_manager(default_lm):
-    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=16, max_model_len=128,
-                                    eviction_policy="lfu"), loaded=default_lm)
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", device="cpu", num_blocks=16, max_model_len=128, eviction_policy="lfu"),
+        loaded=default_lm,
+    )
     assert type(engine.kv_cache_manager.block_pool.eviction_policy) is POLICIES["lfu"]
     out = LLM.from_engine(engine).generate("Hello", GREEDY)[0]
     assert out.outputs[0].token_ids

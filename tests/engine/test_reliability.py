@@ -1,6 +1,7 @@
 """What a hostile or careless client must not be able to do to the engine: leave a ghost request
 behind, collide with another request's internal ids, poison the shared cache, crash a step with
 a value that overflows, or take the rest of a batch down with its own failure."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ DOC = "A popular shared prefix about the history of caches and memory hierarchie
 
 @pytest.fixture(scope="module")
 def engine(default_lm):
-    return LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=160, block_size=16,
-                                  max_model_len=512), loaded=default_lm)
+    return LLMEngine(
+        EngineConfig(dtype="float32", device="cpu", num_blocks=160, block_size=16, max_model_len=512), loaded=default_lm
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +47,12 @@ def alone(engine: LLMEngine, prompt, params: SamplingParams) -> list[list[int]]:
 def test_seed_out_of_range_leaves_no_ghost(engine):
     llm = LLM.from_engine(engine)
     with pytest.raises(ValueError, match="seed"):
-        llm.generate("Hello", SamplingParams(seed=2 ** 64, max_tokens=4))
+        llm.generate("Hello", SamplingParams(seed=2**64, max_tokens=4))
     assert not engine.has_unfinished_requests()
     assert llm.generate("Hello", GREEDY)[0].outputs[0].token_ids  # the next generate works
     assert not engine.has_unfinished_requests()
     params = SamplingParams(max_tokens=4)
-    params.seed = 2 ** 64  # set after construction: the engine checks again before registering
+    params.seed = 2**64  # set after construction: the engine checks again before registering
     with pytest.raises(ValueError, match="seed"):
         llm.generate(["Hello", "World"], params)
     assert not engine.has_unfinished_requests()
@@ -58,7 +60,7 @@ def test_seed_out_of_range_leaves_no_ghost(engine):
 
 
 def test_largest_seed_with_n_wraps_instead_of_overflowing(engine):
-    params = SamplingParams(seed=2 ** 64 - 1, n=3, max_tokens=4, temperature=1.0)
+    params = SamplingParams(seed=2**64 - 1, n=3, max_tokens=4, temperature=1.0)
     first = alone(engine, "Once upon a time", params)
     again = alone(engine, "Once upon a time", params)
     assert first == again and len(first) == 3
@@ -67,7 +69,7 @@ def test_largest_seed_with_n_wraps_instead_of_overflowing(engine):
 def test_a_failing_add_in_a_batch_registers_nothing(engine):
     llm = LLM.from_engine(engine)
     with pytest.raises(ValueError, match="logprobs"):
-        llm.generate(["fine", "also fine"], [GREEDY, SamplingParams(logprobs=10 ** 6)])
+        llm.generate(["fine", "also fine"], [GREEDY, SamplingParams(logprobs=10**6)])
     assert not engine.has_unfinished_requests()
 
 
@@ -79,26 +81,44 @@ def test_mutated_params_are_checked_again_at_admission(engine):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(temperature=float("inf")), "temperature"), (dict(temperature=1e308), "temperature"),
-    (dict(temperature=float("nan")), "temperature"), (dict(top_p=float("nan")), "top_p"),
-    (dict(top_k=True), "top_k"), (dict(top_k=2.5), "top_k"), (dict(min_p=float("inf")), "min_p"),
-    (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(frequency_penalty=3), "frequency_penalty"),
-    (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    (dict(repetition_penalty=1e-300), "repetition_penalty"), (dict(seed=2 ** 64), "seed"),
-    (dict(seed=-(2 ** 63) - 1), "seed"), (dict(seed=1.5), "seed"), (dict(seed=True), "seed"),
-    (dict(n=True), "n must"), (dict(n=2.0), "n must"), (dict(max_tokens=True), "max_tokens"),
-    (dict(max_tokens=1.5), "max_tokens"), (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=2.5), "min_tokens"),
-    (dict(logprobs=True), "logprobs"), (dict(stop_token_ids=[True]), "stop_token_ids"),
-    (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop=5), "stop"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1e308), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_k=True), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_p=float("inf")), "min_p"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(frequency_penalty=3), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed=True), "seed"),
+        (dict(n=True), "n must"),
+        (dict(n=2.0), "n must"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(max_tokens=1.5), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=2.5), "min_tokens"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(stop_token_ids=[True]), "stop_token_ids"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(stop=5), "stop"),
+    ],
+)
 def test_sampling_values_out_of_range_are_refused_by_name(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
 
 
 def test_logprob_counts_are_capped_by_the_engine_up_front(engine):
-    for params in (SamplingParams(logprobs=10 ** 6), SamplingParams(prompt_logprobs=21)):
+    for params in (SamplingParams(logprobs=10**6), SamplingParams(prompt_logprobs=21)):
         with pytest.raises(ValueError, match="max_logprobs"):
             engine.add_request("Hello", params)
     assert not engine.has_unfinished_requests()
@@ -197,8 +217,11 @@ def test_stats_snapshot_follows_every_change(engine):
     assert added.num_waiting == 1 and added.num_prompt_tokens > before.num_prompt_tokens
     engine.step()
     stepped = engine.get_stats()
-    assert stepped.num_running == 1 and stepped.kv_cache_usage > 0 and stepped.num_generation_tokens == \
-        before.num_generation_tokens + 1
+    assert (
+        stepped.num_running == 1
+        and stepped.kv_cache_usage > 0
+        and stepped.num_generation_tokens == before.num_generation_tokens + 1
+    )
     engine.abort_request(rid)
     aborted = engine.get_stats()
     assert aborted.num_running == 0 and aborted.kv_cache_usage == 0
@@ -209,9 +232,14 @@ def test_stats_snapshot_follows_every_change(engine):
 
 def test_kv_events_are_drained_into_a_bounded_buffer(default_lm, monkeypatch):
     from prefixkv.engine import llm_engine
+
     monkeypatch.setattr(llm_engine, "MAX_PENDING_KV_EVENTS", 8)
-    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=24, block_size=4, max_model_len=96,
-                                    enable_kv_cache_events=True), loaded=default_lm)
+    engine = LLMEngine(
+        EngineConfig(
+            dtype="float32", device="cpu", num_blocks=24, block_size=4, max_model_len=96, enable_kv_cache_events=True
+        ),
+        loaded=default_lm,
+    )
     for i in range(6):  # enough distinct prompts to store and evict far more than 8 events
         alone(engine, f"Prompt number {i} says something different about topic {i * 7}", GREEDY)
     assert len(engine._kv_events) <= 8  # the buffer never grows past its bound

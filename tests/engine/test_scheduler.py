@@ -1,6 +1,7 @@
 """The scheduler without a model: what crosses the scheduler -> runner boundary each step
 (SchedulerOutput) and how a ModelRunnerOutput is booked. The runner's side is written by hand
 here - it is the typed contract itself, not a stand-in for the model."""
+
 from __future__ import annotations
 
 from prefixkv.engine.block_tensors import BlockTensors, BlockTensorSpec
@@ -25,16 +26,20 @@ def test_chunked_prefill_then_decode_crosses_as_typed_steps():
     s.add_request(a)
     s.add_request(b)
     step = s.schedule()
-    assert [(x.req_id, x.start, len(x.token_ids), x.sample) for x in step.scheduled] == \
-        [("a", 0, 7, True), ("b", 0, 3, False)]  # b's prompt is chunked by the token budget
+    assert [(x.req_id, x.start, len(x.token_ids), x.sample) for x in step.scheduled] == [
+        ("a", 0, 7, True),
+        ("b", 0, 3, False),
+    ]  # b's prompt is chunked by the token budget
     assert step.num_scheduled_tokens == 10 and step.scheduled[0].block_table == [0, 1]
     assert step.scheduled[1].block_eos  # min_tokens not reached
     sampled, failed = s.update_from_output(step, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[5]))
     assert sampled == [a] and not failed
     assert (a.num_computed_tokens, a.output_token_ids, b.num_computed_tokens) == (7, [5], 3)
     step = s.schedule()
-    assert [(x.req_id, x.start, x.token_ids, x.sample) for x in step.scheduled] == \
-        [("a", 7, [5], True), ("b", 3, [2003, 2004, 2005], True)]
+    assert [(x.req_id, x.start, x.token_ids, x.sample) for x in step.scheduled] == [
+        ("a", 7, [5], True),
+        ("b", 3, [2003, 2004, 2005], True),
+    ]
 
 
 def test_a_failed_request_is_finished_and_its_blocks_freed():
@@ -43,8 +48,9 @@ def test_a_failed_request_is_finished_and_its_blocks_freed():
     s.add_request(a)
     s.add_request(b)
     step = s.schedule()
-    _, failed = s.update_from_output(step, ModelRunnerOutput(req_ids=["b"], sampled_token_ids=[1],
-                                                             errors={"a": "boom"}))
+    _, failed = s.update_from_output(
+        step, ModelRunnerOutput(req_ids=["b"], sampled_token_ids=[1], errors={"a": "boom"})
+    )
     assert failed == [a] and a.status is RequestStatus.FINISHED_ERROR and a.error == "boom"
     assert "a" not in s.requests and s.running == [b]
     assert s.schedule().finished_req_ids == ["a"]  # the runner hears who left
@@ -66,6 +72,7 @@ def test_preemption_is_reported_and_the_victim_recomputes():
 
 def test_one_budget_counts_every_per_block_tensor():
     import torch
+
     kv = BlockTensorSpec("kv.0", (2, 4, 1, 8), torch.float32, block_dim=1)
     extra = BlockTensorSpec("hidden.0", (4, 16), torch.float32)
     alone, both = BlockTensors([kv]), BlockTensors([kv, extra])

@@ -76,10 +76,10 @@ def test_decode_steps_match_transformers_greedy(default_lm, hf_ref_model, prompt
         logits, _ = run_logits(model, caches, [(ids, blocks, len(ids) - 1)], BS)
         step_logits.append(logits[-1])
     with torch.no_grad():
-        ref = hf_ref_model(torch.tensor([ids])).logits[0, len(prompt_ids) - 1:]
+        ref = hf_ref_model(torch.tensor([ids])).logits[0, len(prompt_ids) - 1 :]
     ours = torch.stack(step_logits)
     _close(ours, ref)
-    assert ours.argmax(-1)[:-1].tolist() == ids[len(prompt_ids):]
+    assert ours.argmax(-1)[:-1].tolist() == ids[len(prompt_ids) :]
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
@@ -118,21 +118,22 @@ def test_mixed_batch_equals_each_alone(default_lm):
     run_logits(model, caches, [(b[:-1], blk["b"], 0), (c[:-1], blk["c"], 0)], BS)
     run_logits(model, caches, [(d[:10], blk["d"], 0)], BS)
     blk_e = [blk["a"][0]] + take(len(e) - BS)
-    step = [(a, blk["a"], 0), (b, blk["b"], len(b) - 1), (c, blk["c"], len(c) - 1),
-            (d, blk["d"], 10), (e, blk_e, BS)]
+    step = [(a, blk["a"], 0), (b, blk["b"], len(b) - 1), (c, blk["c"], len(c) - 1), (d, blk["d"], 10), (e, blk_e, BS)]
     logits, qsl = run_logits(model, caches, step, BS)
-    _close(logits[qsl[0]:qsl[1]], ref[0], 1e-4)
-    _close(logits[qsl[1]:qsl[2]], ref[1][-1:], 1e-4)
-    _close(logits[qsl[2]:qsl[3]], ref[2][-1:], 1e-4)
-    _close(logits[qsl[3]:qsl[4]], ref[3][10:], 1e-4)
-    _close(logits[qsl[4]:qsl[5]], ref_e[BS:], 1e-4)
+    _close(logits[qsl[0] : qsl[1]], ref[0], 1e-4)
+    _close(logits[qsl[1] : qsl[2]], ref[1][-1:], 1e-4)
+    _close(logits[qsl[2] : qsl[3]], ref[2][-1:], 1e-4)
+    _close(logits[qsl[3] : qsl[4]], ref[3][10:], 1e-4)
+    _close(logits[qsl[4] : qsl[5]], ref_e[BS:], 1e-4)
 
 
 def test_batched_decode_equals_single(default_lm):
     """A pure decode batch (padded, one SDPA) equals each decode alone."""
     model, cfg, tok = default_lm.model, default_lm.config, default_lm.tokenizer
-    seqs = [tok.encode(t) for t in ["Hello there, my name is", "One two three four five six seven eight nine ten",
-                                    "Why is the sky blue?"]]
+    seqs = [
+        tok.encode(t)
+        for t in ["Hello there, my name is", "One two three four five six seven eight nine ten", "Why is the sky blue?"]
+    ]
     caches = allocate_kv_cache(cfg, POOL, BS)
     pool = torch.randperm(POOL, generator=torch.Generator().manual_seed(9)).tolist()
     blocks = [[pool.pop() for _ in range((len(s) + BS - 1) // BS)] for s in seqs]
@@ -140,7 +141,7 @@ def test_batched_decode_equals_single(default_lm):
     batched, _ = run_logits(model, caches, [(s, bl, len(s) - 1) for s, bl in zip(seqs, blocks)], BS)
     for i, (s, bl) in enumerate(zip(seqs, blocks)):
         single, _ = run_logits(model, caches, [(s, bl, len(s) - 1)], BS)
-        _close(batched[i:i + 1], single, 1e-4)
+        _close(batched[i : i + 1], single, 1e-4)
 
 
 def test_shared_prefix_cascade_equals_each_alone(default_lm):
@@ -172,4 +173,4 @@ def test_shared_prefix_cascade_equals_each_alone(default_lm):
         alone = allocate_kv_cache(cfg, POOL, BS)
         fill(alone)
         logits, _ = run_logits(m, alone, [seq], BS)
-        _close(batch_logits[qsl[i]:qsl[i + 1]], logits)
+        _close(batch_logits[qsl[i] : qsl[i + 1]], logits)

@@ -30,11 +30,18 @@ def _write_tokenizer(folder):
 
 
 def _common(**kw):
-    d = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2,
-             # < the 45-token test sequences: exercises the rotary cache growing on demand
-             max_position_embeddings=32,
-             bos_token_id=256, eos_token_id=257)
+    d = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        # < the 45-token test sequences: exercises the rotary cache growing on demand
+        max_position_embeddings=32,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     d.update(kw)
     return d
 
@@ -46,9 +53,19 @@ def _make(kind, **extra):
         cfg = tf.LlamaConfig(**_common(rope_theta=5000.0, **extra))
         cls = tf.LlamaForCausalLM
     elif kind == "llama3-rope-tied":
-        cfg = tf.LlamaConfig(**_common(tie_word_embeddings=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}))
+        cfg = tf.LlamaConfig(
+            **_common(
+                tie_word_embeddings=True,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                },
+            )
+        )
         cls = tf.LlamaForCausalLM
     elif kind == "mistral":
         cfg = tf.MistralConfig(**_common(head_dim=32, sliding_window=None))
@@ -78,8 +95,7 @@ def _make(kind, **extra):
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope-tied", "mistral", "mistral-swa", "qwen2", "qwen3"])
 def test_hf_folder_matches_transformers(tmp_path, kind):
     hf = _make(kind)
-    hf.save_pretrained(tmp_path, safe_serialization=True,
-                       **({"max_shard_size": "60KB"} if kind == "llama" else {}))
+    hf.save_pretrained(tmp_path, safe_serialization=True, **({"max_shard_size": "60KB"} if kind == "llama" else {}))
     _write_tokenizer(tmp_path)
     if kind == "llama":
         assert (tmp_path / "model.safetensors.index.json").exists()  # sharded
@@ -127,20 +143,34 @@ def test_sliding_window_batched_steps_match_transformers(tmp_path):
     # step 2: three decodes and one 9-token chunk after 12 cached tokens, together
     out, rows = run_logits(lm.model, caches, [(s, t, c) for s, t, c in zip(seqs, tables, cut)], BS)
     for ref, a, b, s, c in zip(refs, rows[:-1], rows[1:], seqs, cut):
-        torch.testing.assert_close(out[a:b], ref[c:len(s)], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[a:b], ref[c : len(s)], atol=1e-4, rtol=1e-4)
 
 
 def test_mixed_sliding_window_layers_are_refused():
-    base = dict(architectures=["Qwen2ForCausalLM"], vocab_size=50, hidden_size=32, num_hidden_layers=2,
-                num_attention_heads=4, intermediate_size=48)
+    base = dict(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+    )
     with pytest.raises(ValueError, match="sliding-window"):
         ModelConfig.from_hf_dict(dict(base, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     assert ModelConfig.from_hf_dict(dict(base, use_sliding_window=False, sliding_window=8)).sliding_window is None
 
 
 def test_build_model_random_init():
-    cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=50, hidden_size=32, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, qk_norm=True)
+    cfg = ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        qk_norm=True,
+    )
     m = build_model(cfg, torch.float32, "cpu")
     caches = allocate_kv_cache(cfg, 4, 4)
     logits, _ = run_logits(m, caches, [([1, 2, 3, 4, 5], [2, 0], 0)], 4)
@@ -151,9 +181,18 @@ def test_build_model_random_init():
 
 
 def test_unknown_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["GPT2LMHeadModel"], "vocab_size": 10, "hidden_size": 8,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 16,
+            }
+        )
+    )
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         load_model(str(tmp_path))
 
@@ -175,22 +214,53 @@ def test_missing_paths(tmp_path):
 
 
 def test_config_old_style_rope_and_eos_list():
-    cfg = ModelConfig.from_hf_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,
-        "rope_theta": 500000.0, "eos_token_id": [5, 6], "bos_token_id": 4,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "intermediate_size": 16,
+            "rope_theta": 500000.0,
+            "eos_token_id": [5, 6],
+            "bos_token_id": 4,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
     assert cfg.rope_theta == 500000.0 and cfg.eos_token_id == [5, 6] and cfg.head_dim == 4
     assert cfg.rope_scaling["rope_type"] == "llama3"
-    new = ModelConfig.from_hf_dict({
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "intermediate_size": 16, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    new = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 16,
+            "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+        }
+    )
     assert new.rope_theta == 1e6 and new.rope_scaling is None and new.attention_bias
     with pytest.raises(ValueError, match="rope"):
-        ModelConfig.from_hf_dict({
-            "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "intermediate_size": 16, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+        ModelConfig.from_hf_dict(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 16,
+                "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+            }
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -1,4 +1,5 @@
 """A model argument that names nothing on disk fails with a hint: local files only, nothing downloaded."""
+
 import pytest
 
 from prefixkv.model.loader import load_model

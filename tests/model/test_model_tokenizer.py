@@ -51,8 +51,10 @@ def test_matches_documented_smollm_pretokenizer(default_lm, hf_gguf_tokenizer):
     saved = backend.pre_tokenizer
     try:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
         for s in PLAIN + DIGIT_SENSITIVE:
             assert tok.encode(s) == hf_gguf_tokenizer.encode(s, add_special_tokens=False), s
@@ -88,8 +90,12 @@ def test_chat_template(default_lm, hf_gguf_tokenizer):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
-    msgs2 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    msgs2 = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
     for m, gen in ((msgs, True), (msgs2, False), (msgs2, True)):
         ours = tok.apply_chat_template(m, add_generation_prompt=gen)
         ref = hf_gguf_tokenizer.apply_chat_template(m, add_generation_prompt=gen, tokenize=False)
@@ -132,11 +138,15 @@ def test_incremental_decode_equals_full(default_lm):
 def test_hf_folder_tokenizer(tmp_path, default_lm):
     src = default_lm.tokenizer
     src.backend.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>",
-        "eos_token": {"content": "<|im_end|>", "special": True},
-        "chat_template": src.chat_template,
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": {"content": "<|im_end|>", "special": True},
+                "chat_template": src.chat_template,
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     tok = Tokenizer.from_hf_folder(str(tmp_path))
     assert tok.bos_token_id == 1 and tok.eos_token_id == 2 and tok.eos_token_ids == {0, 2}

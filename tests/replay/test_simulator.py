@@ -1,4 +1,5 @@
 """The replay simulator and the offline optimum on hand-made traces."""
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,8 +15,7 @@ def tok(ts, tokens, out=0):
 
 
 def test_known_hit_rate_sequential():
-    trace = [tok(0, range(9)), tok(SPACED, range(9)),
-             tok(2 * SPACED, [0, 1, 2, 3, 100, 101, 102, 103, 104])]
+    trace = [tok(0, range(9)), tok(SPACED, range(9)), tok(2 * SPACED, [0, 1, 2, 3, 100, 101, 102, 103, 104])]
     for policy in POLICIES:
         r = replay(trace, num_blocks=16, block_size=4, policy=policy)
         # r1 hits 2 blocks (8 of 9 tokens; the last token is always computed); r2 hits 1 block
@@ -26,9 +26,11 @@ def test_known_hit_rate_sequential():
 
 
 def test_mooncake_ids_exercise_the_real_hash_path():
-    trace = [TraceRequest(0, 1000, 10, hash_ids=(1, 2)),
-             TraceRequest(SPACED, 1100, 10, hash_ids=(1, 2, 3)),
-             TraceRequest(2 * SPACED, 1100, 10, hash_ids=(1, 4, 5))]
+    trace = [
+        TraceRequest(0, 1000, 10, hash_ids=(1, 2)),
+        TraceRequest(SPACED, 1100, 10, hash_ids=(1, 2, 3)),
+        TraceRequest(2 * SPACED, 1100, 10, hash_ids=(1, 4, 5)),
+    ]
     r = replay(trace, num_blocks=64, block_size=512)
     assert r.hit_tokens == 512 + 512  # r0 cached only id 1 (its id 2 is partial); r2 shares id 1
     r128 = replay(trace, num_blocks=64, block_size=128)
@@ -38,8 +40,12 @@ def test_mooncake_ids_exercise_the_real_hash_path():
 def test_capacity_pressure_fcfs_wait_and_skip():
     tm = TimeModel(prefill_ms_per_token=0.0, decode_ms_per_token=1.0, reserve_output=True)
     # 4 blocks of 4 tokens; each request needs 3 blocks (8 prompt + 4 output tokens)
-    trace = [tok(0, range(8), out=4), tok(0, range(50, 58), out=4),
-             tok(1, range(200, 300), out=1), tok(2, range(8), out=4)]
+    trace = [
+        tok(0, range(8), out=4),
+        tok(0, range(50, 58), out=4),
+        tok(1, range(200, 300), out=1),
+        tok(2, range(8), out=4),
+    ]
     r = replay(trace, num_blocks=4, block_size=4, time_model=tm)
     assert r.skipped == 1 and r.requests == 3  # the 100-token prompt never fits
     assert r.waited == 2 and r.peak_blocks_in_use == 3 and r.max_queue >= 2
@@ -92,9 +98,20 @@ def test_optimum_lets_blocks_be_recomputed_by_requests_that_cannot_look_them_up(
     # is exactly one block long (lookup range 0) before r10 looks it up, so keeping it through
     # r6 is worth nothing, while A = (2, 12) is only ever computed once: keep A.
     b = (0, 10)
-    trace = [tok(0, (2, 12)), tok(0, (2, 12, 20)), tok(0, b), tok(0, b), tok(0, b), tok(0, b),
-             tok(0, (1, 11, 20)), tok(0, b), tok(0, b), tok(0, b), tok(0, (0, 10, 20)),
-             tok(0, (2, 12, 20))]
+    trace = [
+        tok(0, (2, 12)),
+        tok(0, (2, 12, 20)),
+        tok(0, b),
+        tok(0, b),
+        tok(0, b),
+        tok(0, b),
+        tok(0, (1, 11, 20)),
+        tok(0, b),
+        tok(0, b),
+        tok(0, b),
+        tok(0, (0, 10, 20)),
+        tok(0, (2, 12, 20)),
+    ]
     tm = TimeModel(0.0, 10.0, False)
     assert replay(trace, 3, 2, "lfu", tm).hit_tokens == 6
     assert replay_optimum(trace, 3, 2, tm).hit_tokens == 6
@@ -103,8 +120,14 @@ def test_optimum_lets_blocks_be_recomputed_by_requests_that_cannot_look_them_up(
 def test_optimum_keeps_duplicate_copies_of_a_held_block():
     # r1..r3 run together, each with its own copy of B; r4 evicts the copy r1 freed, and the
     # copies r2 and r3 free afterwards still carry B to r5 (as in the manager).
-    trace = [tok(0, (0, 10, 0, 10, 20), 1), tok(0, (0, 10)), tok(0, (0, 10)), tok(0, (0, 10)),
-             tok(0, (1, 11)), tok(0, (0, 10, 20))]
+    trace = [
+        tok(0, (0, 10, 0, 10, 20), 1),
+        tok(0, (0, 10)),
+        tok(0, (0, 10)),
+        tok(0, (0, 10)),
+        tok(0, (1, 11)),
+        tok(0, (0, 10, 20)),
+    ]
     tm = TimeModel(0.0, 10.0, False)
     assert replay(trace, 3, 2, "lru", tm).hit_tokens == 2
     assert replay_optimum(trace, 3, 2, tm).hit_tokens == 2
@@ -114,8 +137,7 @@ def test_reuse_oracle_evicts_blocks_that_never_return_first():
     # r2 must evict one of A (from r0) and C (from r1): LRU drops the older A, the oracle knows
     # C never returns and keeps A, which r3 hits.
     tm = TimeModel(0.0, 10.0, False)
-    trace = [tok(0, (0, 10, 20)), tok(SPACED, (5, 15, 20)), tok(2 * SPACED, (7, 17, 20)),
-             tok(3 * SPACED, (0, 10, 21))]
+    trace = [tok(0, (0, 10, 20)), tok(SPACED, (5, 15, 20)), tok(2 * SPACED, (7, 17, 20)), tok(3 * SPACED, (0, 10, 21))]
     assert replay(trace, 3, 2, "lru", tm).hit_tokens == 0
     assert replay_optimum(trace, 3, 2, tm, reuse_oracle=True).hit_tokens == 2
     assert replay_optimum(trace, 3, 2, tm).hit_tokens == 2

@@ -1,4 +1,5 @@
 """Trace parsing: Mooncake records, deterministic id expansion, the simple JSONL format."""
+
 import json
 
 import pytest
@@ -22,18 +23,22 @@ def test_expansion_is_deterministic_distinct_and_cut():
 
 
 def test_mooncake_parsing_sorts_stably_and_checks(tmp_path):
-    p = write(tmp_path / "t.jsonl", [
-        {"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]},
-        {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [2]},
-        {"timestamp": 5, "input_length": 512, "output_length": 0, "hash_ids": [0]},
-    ])
+    p = write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]},
+            {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [2]},
+            {"timestamp": 5, "input_length": 512, "output_length": 0, "hash_ids": [0]},
+        ],
+    )
     reqs = load_mooncake(p)
     assert [r.timestamp_ms for r in reqs] == [0, 5, 5]
     assert reqs[1].hash_ids == (0, 1) and reqs[2].hash_ids == (0,)  # equal times keep file order
     assert reqs[1].prompt_token_ids()[:512] == reqs[2].prompt_token_ids()
     assert load_trace(p)[1].hash_ids == (0, 1) and len(load_mooncake(p, limit=1)) == 1
-    bad = write(tmp_path / "bad.jsonl", [{"timestamp": 0, "input_length": 1025, "output_length": 1,
-                                          "hash_ids": [0, 1]}])
+    bad = write(
+        tmp_path / "bad.jsonl", [{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [0, 1]}]
+    )
     with pytest.raises(ValueError, match="need 3"):
         load_mooncake(bad)
     with pytest.raises(ValueError, match="not a Mooncake record"):
@@ -41,8 +46,10 @@ def test_mooncake_parsing_sorts_stably_and_checks(tmp_path):
 
 
 def test_simple_jsonl(tmp_path):
-    p = write(tmp_path / "s.jsonl", [{"prompt": "héllo"}, {"prompt_token_ids": [1, 2, 3],
-                                                          "timestamp": 10, "output_length": 4}])
+    p = write(
+        tmp_path / "s.jsonl",
+        [{"prompt": "héllo"}, {"prompt_token_ids": [1, 2, 3], "timestamp": 10, "output_length": 4}],
+    )
     reqs = load_jsonl(p)
     assert reqs[0].prompt_token_ids() == list("héllo".encode()) and reqs[0].timestamp_ms == 0
     assert reqs[1].prompt_token_ids() == [1, 2, 3] and reqs[1].output_length == 4

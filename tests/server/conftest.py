@@ -1,4 +1,5 @@
 """A real `prefixkv serve` subprocess on a free 127.0.0.1 port, one per test module."""
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,22 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="prefixkv-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--kv-cache-memory-bytes", "128M", "--max-model-len", "1024", "--disable-uvicorn-access-log",
-               *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefixkv.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--kv-cache-memory-bytes",
+            "128M",
+            "--max-model-len",
+            "1024",
+            "--disable-uvicorn-access-log",
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + STARTUP_TIMEOUT
         while True:
@@ -82,8 +96,11 @@ class Server:
         deadline = time.time() + timeout
         while True:
             m = self.metrics()
-            if (m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
-                    and m["vllm:num_requests_waiting"] == 0):
+            if (
+                m["vllm:kv_cache_usage_perc"] == 0
+                and m["vllm:num_requests_running"] == 0
+                and m["vllm:num_requests_waiting"] == 0
+            ):
                 return m
             if time.time() > deadline:
                 raise AssertionError(f"server not idle after {timeout}s: {m}")
@@ -107,7 +124,10 @@ def make_server():
 def long_text(seed: int, words: int = 300) -> str:
     """Deterministic filler text, distinct per seed (about 1.3 tokens per word)."""
     import random
+
     rng = random.Random(seed)
-    vocab = ("river mountain quiet engine paper lantern violet harbor copper signal garden winter "
-             "orbit marble thunder canvas meadow silver anchor falcon ember willow summit prism").split()
+    vocab = (
+        "river mountain quiet engine paper lantern violet harbor copper signal garden winter "
+        "orbit marble thunder canvas meadow silver anchor falcon ember willow summit prism"
+    ).split()
     return " ".join(rng.choice(vocab) for _ in range(words))

@@ -1,4 +1,5 @@
 """The OpenAI-compatible API against a real `prefixkv serve`, driven by the official openai client."""
+
 from __future__ import annotations
 
 import httpx
@@ -24,11 +25,13 @@ def client(server):
 @pytest.fixture(scope="module")
 def llm():
     from prefixkv import LLM
+
     return LLM(kv_cache_memory_bytes=64 << 20, max_model_len=1024)
 
 
 def greedy(**kw):
     from prefixkv import SamplingParams
+
     return SamplingParams(temperature=0.0, **kw)
 
 
@@ -53,8 +56,16 @@ def test_completion_matches_llm_generate(client, llm):
 def test_completion_stream_equals_nonstream(client):
     prompt = "A short list of fruits:"
     full = client.completions.create(model="smol", prompt=prompt, max_tokens=10, temperature=0)
-    chunks = list(client.completions.create(model="smol", prompt=prompt, max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="smol",
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -65,8 +76,7 @@ def test_completion_stream_equals_nonstream(client):
 
 
 def test_chat_matches_llm_chat(client, llm):
-    messages = [{"role": "system", "content": "You are brief."},
-                {"role": "user", "content": "Name a planet."}]
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a planet."}]
     res = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
     ref = llm.chat(messages, greedy(max_tokens=12), use_tqdm=False)[0]
     assert res.choices[0].message.content == ref.outputs[0].text
@@ -80,8 +90,16 @@ def test_chat_matches_llm_chat(client, llm):
 def test_chat_stream(client):
     messages = [{"role": "user", "content": "Say hello."}]
     full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -93,8 +111,9 @@ def test_chat_stream(client):
 
 
 def test_chat_default_max_tokens_is_rest_of_context(client):
-    res = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Count: 1 2 3"}],
-                                         temperature=0, extra_body={"stop": ["4"]})
+    res = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Count: 1 2 3"}], temperature=0, extra_body={"stop": ["4"]}
+    )
     assert res.choices[0].finish_reason in ("stop", "length")
 
 
@@ -115,15 +134,17 @@ def test_prefix_cache_hit_and_metrics(client, server):
     assert d["vllm:generation_tokens_total"] == 16
     assert d["vllm:time_to_first_token_seconds_count"] == 2
     assert d["vllm:e2e_request_latency_seconds_count"] == 2
-    assert d['vllm:request_success_total'] == 2
+    assert d["vllm:request_success_total"] == 2
     assert 0 < after["prefixkv:prefix_cache_hit_rate"] <= 1
     assert after["vllm:kv_cache_usage_perc"] == 0
     # chat over a long shared system prompt hits too
     sys_msg = {"role": "system", "content": long_text(2, 300)}
-    c1 = client.chat.completions.create(model=NAME, max_tokens=4, temperature=0,
-                                        messages=[sys_msg, {"role": "user", "content": "Hi"}])
-    c2 = client.chat.completions.create(model=NAME, max_tokens=4, temperature=0,
-                                        messages=[sys_msg, {"role": "user", "content": "Hello there"}])
+    c1 = client.chat.completions.create(
+        model=NAME, max_tokens=4, temperature=0, messages=[sys_msg, {"role": "user", "content": "Hi"}]
+    )
+    c2 = client.chat.completions.create(
+        model=NAME, max_tokens=4, temperature=0, messages=[sys_msg, {"role": "user", "content": "Hello there"}]
+    )
     assert c1.usage.prompt_tokens_details.cached_tokens == 0
     assert c2.usage.prompt_tokens_details.cached_tokens >= 300
 
@@ -144,25 +165,47 @@ def test_cache_salt_isolates_tenants(client):
 
 
 def test_sampling_extras_n_logprobs_stop(client):
-    r = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=6, n=2, temperature=0.8,
-                                  seed=7, extra_body={"top_k": 20, "min_p": 0.05}, logprobs=2)
+    r = client.completions.create(
+        model=NAME,
+        prompt="Once upon a time",
+        max_tokens=6,
+        n=2,
+        temperature=0.8,
+        seed=7,
+        extra_body={"top_k": 20, "min_p": 0.05},
+        logprobs=2,
+    )
     assert sorted(c.index for c in r.choices) == [0, 1]
     for c in r.choices:
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 6
         assert all(len(t) >= 2 for t in c.logprobs.top_logprobs)
     assert r.usage.completion_tokens == 12
-    again = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=6, n=2, temperature=0.8,
-                                      seed=7, extra_body={"top_k": 20, "min_p": 0.05})
+    again = client.completions.create(
+        model=NAME,
+        prompt="Once upon a time",
+        max_tokens=6,
+        n=2,
+        temperature=0.8,
+        seed=7,
+        extra_body={"top_k": 20, "min_p": 0.05},
+    )
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
-    s = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=12, temperature=0,
-                                  stop=["."])
+    s = client.completions.create(
+        model=NAME, prompt="The capital of France is", max_tokens=12, temperature=0, stop=["."]
+    )
     assert s.choices[0].finish_reason == "stop" and "." not in s.choices[0].text
     # stop_token_ids: stop on whatever greedy produces first
     first = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=1, temperature=0, logprobs=0)
     tok_text = first.choices[0].logprobs.tokens[0]
     assert tok_text
-    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
@@ -172,8 +215,9 @@ def test_prompt_logprobs_and_echo_logprobs(client, server, llm):
     nothing from the prefix cache, which would skip the positions it needs)."""
     prompt = "Prompt logprobs score every token of: the quick brown fox"
     ref = llm.generate(prompt, greedy(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
-    res = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0,
-                                    extra_body={"prompt_logprobs": 2})
+    res = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
     got = res.choices[0].model_extra["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ref.prompt_token_ids)
     for pos in range(1, len(got)):
@@ -190,21 +234,29 @@ def test_prompt_logprobs_and_echo_logprobs(client, server, llm):
     assert echo.choices[0].text.startswith(prompt) and len(lp.tokens) == n + 2
     assert lp.token_logprobs[0] is None
     assert lp.token_logprobs[1:n] == pytest.approx(
-        [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ref.prompt_token_ids) if i], abs=1e-5)
+        [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ref.prompt_token_ids) if i], abs=1e-5
+    )
     assert lp.text_offset == sorted(lp.text_offset)
-    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
-                                          extra_body={"prompt_logprobs": 0})
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
     h = {"Authorization": f"Bearer {API_KEY}"}
     url = server.base + "/v1/completions"
-    _assert_error(server, httpx.post(url, json={"prompt": "x", "prompt_logprobs": 21}, headers=h), 400, "prompt_logprobs")
+    _assert_error(
+        server, httpx.post(url, json={"prompt": "x", "prompt_logprobs": 21}, headers=h), 400, "prompt_logprobs"
+    )
     # streamed: the first chunk carries them; echo + logprobs streams the same tokens and offsets
-    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0, stream=True,
-                                            extra_body={"prompt_logprobs": 2}))
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 2}
+        )
+    )
     assert chunks[0].choices[0].model_extra["prompt_logprobs"] == got
     assert all(c.choices[0].model_extra.get("prompt_logprobs") is None for c in chunks[1:] if c.choices)
-    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0, echo=True,
-                                         logprobs=1, stream=True)
+    streamed = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1, stream=True
+    )
     parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
     assert sum((p.tokens for p in parts), []) == lp.tokens
     assert sum((p.text_offset for p in parts), []) == lp.text_offset
@@ -212,9 +264,16 @@ def test_prompt_logprobs_and_echo_logprobs(client, server, llm):
     assert streamed_lps[0] is None
     assert streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     chat_url = server.base + "/v1/chat/completions"
-    _assert_error(server, httpx.post(chat_url, json={"messages": [{"role": "user", "content": "x"}],
-                                                     "prompt_logprobs": 1, "stream": True}, headers=h),
-                  400, "streaming chat")
+    _assert_error(
+        server,
+        httpx.post(
+            chat_url,
+            json={"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True},
+            headers=h,
+        ),
+        400,
+        "streaming chat",
+    )
     assert server.wait_idle()["vllm:kv_cache_usage_perc"] == 0
 
 
@@ -222,8 +281,9 @@ def test_stop_token_ids(client, llm):
     tok = llm.get_tokenizer()
     prompt = "The capital of France is"
     ids = llm.generate(prompt, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
-    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
-                                  extra_body={"stop_token_ids": [ids[1]]})
+    r = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=8, temperature=0, extra_body={"stop_token_ids": [ids[1]]}
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].stop_reason == ids[1]
     assert r.choices[0].text == tok.decode(ids[:1])
@@ -249,8 +309,12 @@ def _assert_error(server, resp: httpx.Response, status: int, needle: str = "") -
 def test_errors_are_openai_shaped_and_server_survives(server, client):
     h = {"Authorization": f"Bearer {API_KEY}"}
     url = server.base + "/v1/completions"
-    _assert_error(server, httpx.post(url, content=b'{"prompt": "x", ', headers={**h, "content-type": "application/json"}),
-                  400, "json")
+    _assert_error(
+        server,
+        httpx.post(url, content=b'{"prompt": "x", ', headers={**h, "content-type": "application/json"}),
+        400,
+        "json",
+    )
     _assert_error(server, httpx.post(url, json={"model": "nope", "prompt": "x"}, headers=h), 404, "nope")
     _assert_error(server, httpx.post(url, json={"prompt": "x", "temperature": -1}, headers=h), 400, "temperature")
     _assert_error(server, httpx.post(url, json={"prompt": "x", "temperature": "hot"}, headers=h), 400, "temperature")
@@ -258,12 +322,15 @@ def test_errors_are_openai_shaped_and_server_survives(server, client):
     _assert_error(server, httpx.post(url, json={"prompt": "x", "max_tokens": 0}, headers=h), 400, "max_tokens")
     _assert_error(server, httpx.post(url, json={"prompt": "word " * 1100}, headers=h), 400, "context length")
     _assert_error(server, httpx.post(url, json={"prompt": "x", "max_tokens": 1024}, headers=h), 400, "context length")
-    _assert_error(server, httpx.post(url, json={"prompt": [10 ** 9]}, headers=h), 400, "vocabulary")
+    _assert_error(server, httpx.post(url, json={"prompt": [10**9]}, headers=h), 400, "vocabulary")
     _assert_error(server, httpx.post(url, json={}, headers=h), 400, "prompt")
     chat = server.base + "/v1/chat/completions"
     _assert_error(server, httpx.post(chat, json={"messages": "hi"}, headers=h), 400)
-    _assert_error(server, httpx.post(chat, json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
-                                     headers=h), 404)
+    _assert_error(
+        server,
+        httpx.post(chat, json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, headers=h),
+        404,
+    )
     # the official client maps them to its exception classes
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
@@ -312,10 +379,18 @@ def test_reset_prefix_cache(client, server):
 
 def test_metrics_names(server):
     text = httpx.get(server.base + "/metrics").text
-    for name in ["vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:kv_cache_usage_perc",
-                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
-                 "vllm:request_success_total"]:
+    for name in [
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:request_success_total",
+    ]:
         assert f"\n{name}{{" in text, name
     assert 'model_name="HuggingFaceTB/SmolLM2-135M-Instruct"' in text

@@ -14,14 +14,17 @@ import pytest
 
 from .conftest import long_text
 
+pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make test-fast
+
 KEY = "hostile-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server("--api-key", KEY, "--max-request-body-bytes", "1000000", "--max-n", "8",
-                       "--max-prompts-per-request", "4")
+    return make_server(
+        "--api-key", KEY, "--max-request-body-bytes", "1000000", "--max-n", "8", "--max-prompts-per-request", "4"
+    )
 
 
 def post(server, path: str, body: dict | str | bytes, timeout: float = 120, **kw) -> httpx.Response:
@@ -39,8 +42,9 @@ def complete(server, body: dict) -> dict:
 def stream(server, body: dict, result: dict) -> None:
     """Collect a streamed completion into result: text per choice, error events, [DONE] seen."""
     result.update(text={}, errors=[], done=False)
-    with httpx.stream("POST", server.base + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
-                      timeout=120) as r:
+    with httpx.stream(
+        "POST", server.base + "/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=120
+    ) as r:
         result["status"] = r.status_code
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -87,8 +91,11 @@ def test_colliding_request_ids_never_mix_requests(server):
     ]
     for first, second in cases:
         results: dict[str, httpx.Response] = {}
-        threads = [threading.Thread(target=lambda k, body: results.__setitem__(k, post(server, "/v1/completions", body)),
-                                    args=(k, body)) for k, body in (("a", first), ("b", second))]
+
+        def send(key: str, body: dict, results: dict = results) -> None:
+            results[key] = post(server, "/v1/completions", body)
+
+        threads = [threading.Thread(target=send, args=(k, body)) for k, body in (("a", first), ("b", second))]
         for t in threads:
             t.start()
         for t in threads:
@@ -110,27 +117,48 @@ def test_colliding_request_ids_never_mix_requests(server):
 # Values no engine can sample with: each is a 400 naming the field, and the batch it would have
 # joined goes on.
 INVALID = [
-    ("temperature", "Infinity"), ("temperature", "NaN"), ("temperature", "-1"),
-    ("top_p", "NaN"), ("top_p", "Infinity"), ("top_p", "1.5"),
+    ("temperature", "Infinity"),
+    ("temperature", "NaN"),
+    ("temperature", "-1"),
+    ("top_p", "NaN"),
+    ("top_p", "Infinity"),
+    ("top_p", "1.5"),
     ("top_k", "-5"),
-    ("min_p", "Infinity"), ("min_p", "NaN"),
-    ("presence_penalty", "Infinity"), ("frequency_penalty", "-Infinity"), ("presence_penalty", "NaN"),
-    ("repetition_penalty", "Infinity"), ("repetition_penalty", "0"), ("repetition_penalty", "NaN"),
-    ("seed", str(2 ** 64)), ("seed", str(-(2 ** 64))),
-    ("logprobs", str(10 ** 6)), ("logprobs", "-1"),
-    ("prompt_logprobs", str(10 ** 6)),
-    ("max_tokens", str(2 ** 70)), ("max_tokens", "0"),
-    ("min_tokens", str(2 ** 70)), ("min_tokens", "-1"),
-    ("n", str(10 ** 9)), ("n", "0"), ("n", "9"),  # the server caps n at --max-n 8
+    ("min_p", "Infinity"),
+    ("min_p", "NaN"),
+    ("presence_penalty", "Infinity"),
+    ("frequency_penalty", "-Infinity"),
+    ("presence_penalty", "NaN"),
+    ("repetition_penalty", "Infinity"),
+    ("repetition_penalty", "0"),
+    ("repetition_penalty", "NaN"),
+    ("seed", str(2**64)),
+    ("seed", str(-(2**64))),
+    ("logprobs", str(10**6)),
+    ("logprobs", "-1"),
+    ("prompt_logprobs", str(10**6)),
+    ("max_tokens", str(2**70)),
+    ("max_tokens", "0"),
+    ("min_tokens", str(2**70)),
+    ("min_tokens", "-1"),
+    ("n", str(10**9)),
+    ("n", "0"),
+    ("n", "9"),  # the server caps n at --max-n 8
     ("repetition_penalty", "2.2e-309"),  # positive, but logits divided by it overflow
 ]
 # Legal but extreme: sampled or refused, never a 5xx.
-EXTREME = [("temperature", "1e308"), ("seed", str(2 ** 64 - 1)), ("top_k", str(2 ** 70)), ("seed", "0"),
-           ("stop_token_ids", f"[{2 ** 70}]"), ("temperature", "1e-300")]
+EXTREME = [
+    ("temperature", "1e308"),
+    ("seed", str(2**64 - 1)),
+    ("top_k", str(2**70)),
+    ("seed", "0"),
+    ("stop_token_ids", f"[{2**70}]"),
+    ("temperature", "1e-300"),
+]
 
 
 def _body(field: str, value: str, extra: str = "") -> str:
-    return '{"prompt": "Count: one, two,", "max_tokens": 4, %s"%s": %s}' % (extra, field, value)
+    return '{"prompt": "Count: one, two,", "max_tokens": 4, ' + f'{extra}"{field}": {value}}}'
 
 
 def test_bad_numbers_are_400_and_never_hurt_a_running_request(server):
@@ -145,7 +173,7 @@ def test_bad_numbers_are_400_and_never_hurt_a_running_request(server):
             r = post(server, "/v1/completions", _body(field, value, extra))
             assert r.status_code in (200, 400), (field, value, r.status_code, r.text)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    for field, value in [("temperature", "Infinity"), ("top_logprobs", "100"), ("seed", str(2 ** 64))]:
+    for field, value in [("temperature", "Infinity"), ("top_logprobs", "100"), ("seed", str(2**64))]:
         r = post(server, "/v1/chat/completions", json.dumps(chat)[:-1] + f', "logprobs": true, "{field}": {value}}}')
         assert r.status_code == 400, (field, r.text)
     victim.check()
@@ -168,9 +196,13 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_idle_server_uses_no_cpu_after_refusals(server):
     refusals = [
-        _body("seed", str(2 ** 64)), _body("temperature", "Infinity"), '{"prompt": "x", "max_tokens": ',
-        '{"prompt": "\\ud800 lone surrogate"}', json.dumps({"prompt": "x", "tools": [{"type": "function"}]}),
-        json.dumps({"prompt": [[10 ** 9]]}), json.dumps({"prompt": "x" * 999_000}),
+        _body("seed", str(2**64)),
+        _body("temperature", "Infinity"),
+        '{"prompt": "x", "max_tokens": ',
+        '{"prompt": "\\ud800 lone surrogate"}',
+        json.dumps({"prompt": "x", "tools": [{"type": "function"}]}),
+        json.dumps({"prompt": [[10**9]]}),
+        json.dumps({"prompt": "x" * 999_000}),
     ]
     for body in refusals:
         r = post(server, "/v1/completions", body)
@@ -206,13 +238,22 @@ def test_malformed_text_is_a_400_not_a_500(server):
 
 def test_unimplemented_fields_are_refused_by_name(server):
     base = {"prompt": "x", "max_tokens": 2}
-    for field, value in [("response_format", {"type": "json_object"}), ("tools", []), ("use_beam_search", True),
-                         ("logit_bias", {"1": 5}), ("guided_json", {"type": "object"}), ("no_such_field", 1),
-                         ("best_of", 2)]:
+    for field, value in [
+        ("response_format", {"type": "json_object"}),
+        ("tools", []),
+        ("use_beam_search", True),
+        ("logit_bias", {"1": 5}),
+        ("guided_json", {"type": "object"}),
+        ("no_such_field", 1),
+        ("best_of", 2),
+    ]:
         r = post(server, "/v1/completions", {**base, field: value})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
-    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-                                              "tool_choice": "auto"})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tool_choice": "auto"},
+    )
     assert r.status_code == 400 and "tool_choice" in r.text
     # fields a client sends as null, and OpenAI's `user`, are fine
     assert post(server, "/v1/completions", {**base, "tools": None, "user": "me"}).status_code == 200
@@ -231,8 +272,12 @@ def test_limits_on_size_and_count(server):
             yield b"word " * 1000
         yield b'"}'
 
-    r = httpx.post(server.base + "/v1/completions", content=chunks(), headers={**AUTH, "Content-Type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        server.base + "/v1/completions",
+        content=chunks(),
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 413, r.text
     # under the cap but far over the context: refused before tokenizing, health answers meanwhile
     big = json.dumps({"prompt": "word " * 190_000})

@@ -1,4 +1,5 @@
 """Disconnects and a bounded load test against a real `prefixkv serve` (no API key)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,8 @@ import openai
 import pytest
 
 from .conftest import long_text
+
+pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make test-fast
 
 NUM_CLIENTS = 32
 LOAD_TIMEOUT = 240.0  # hard bound on the whole load test
@@ -23,9 +26,11 @@ def server(make_server):
 def test_stream_disconnect_aborts_and_frees_blocks(server):
     before = server.metrics()
     with httpx.Client(timeout=60) as c:
-        with c.stream("POST", server.base + "/v1/completions",
-                      json={"prompt": long_text(10, 150), "max_tokens": 400, "stream": True,
-                            "ignore_eos": True}) as r:
+        with c.stream(
+            "POST",
+            server.base + "/v1/completions",
+            json={"prompt": long_text(10, 150), "max_tokens": 400, "stream": True, "ignore_eos": True},
+        ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()  # keep the iterator: dropping it closes the connection
             seen = 0
@@ -45,8 +50,11 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
 def test_nonstream_disconnect_aborts(server):
     before = server.metrics()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base + "/v1/completions", timeout=httpx.Timeout(60, read=1.5),
-                   json={"prompt": "Tell me a story.", "max_tokens": 600, "ignore_eos": True})
+        httpx.post(
+            server.base + "/v1/completions",
+            timeout=httpx.Timeout(60, read=1.5),
+            json={"prompt": "Tell me a story.", "max_tokens": 600, "ignore_eos": True},
+        )
     after = server.wait_idle(timeout=20)
     assert after["prefixkv:request_aborted_total"] - before.get("prefixkv:request_aborted_total", 0) == 1
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 600
@@ -54,9 +62,13 @@ def test_nonstream_disconnect_aborts(server):
 
 def test_chat_stream_disconnect_via_openai_client(server):
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
-    stream = client.chat.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", stream=True,
-                                            messages=[{"role": "user", "content": "Write a long poem."}],
-                                            max_tokens=500, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        stream=True,
+        messages=[{"role": "user", "content": "Write a long poem."}],
+        max_tokens=500,
+        extra_body={"ignore_eos": True},
+    )
     for i, _ in enumerate(stream):
         if i >= 2:
             break
@@ -65,8 +77,15 @@ def test_chat_stream_disconnect_via_openai_client(server):
 
 
 async def _client(http: httpx.AsyncClient, base: str, i: int, prompt: str, disconnect: bool) -> dict:
-    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.7, "seed": i, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0.7,
+        "seed": i,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     text, finish, usage, chunks = "", None, None, 0
     async with http.stream("POST", base + "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -99,11 +118,13 @@ def test_bounded_load_with_early_disconnects(server):
         limits = httpx.Limits(max_connections=NUM_CLIENTS + 4, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=httpx.Timeout(LOAD_TIMEOUT), limits=limits) as http:
             tasks = [_client(http, server.base, i, p, d) for i, (p, d) in enumerate(zip(prompts, disconnect))]
+
             # health stays responsive while the engine is busy
             async def probe():
                 await asyncio.sleep(1.0)
                 r = await http.get(server.base + "/health")
                 return r.status_code
+
             return await asyncio.wait_for(asyncio.gather(probe(), *tasks), LOAD_TIMEOUT)
 
     t0 = time.time()

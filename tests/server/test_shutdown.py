@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make test-fast
+
 
 @pytest.fixture(scope="module")
 def server(make_server):

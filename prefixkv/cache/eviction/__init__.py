@@ -7,6 +7,7 @@ and the hot path), `heap` (the lazy-deletion heap the ranked policies share), `f
 reuse-distance helpers), `predicted` (predicted-reuse). `POLICIES` maps each name to its class;
 `register_policy` adds one, `get_policy` resolves a name (or passes a class through).
 """
+
 from __future__ import annotations
 
 from typing import TypeVar
@@ -20,8 +21,15 @@ from .predicted import PredictedReusePolicy, ReuseRates
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
-    for cls in (LRUPolicy, UnhashedFirstPolicy, LFUPolicy, ReuseCreditPolicy, GhostCreditPolicy,
-                AdaptiveCreditPolicy, PredictedReusePolicy)
+    for cls in (
+        LRUPolicy,
+        UnhashedFirstPolicy,
+        LFUPolicy,
+        ReuseCreditPolicy,
+        GhostCreditPolicy,
+        AdaptiveCreditPolicy,
+        PredictedReusePolicy,
+    )
 }
 
 P = TypeVar("P", bound=type[EvictionPolicy])
@@ -44,7 +52,22 @@ def get_policy(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
 
 
 __all__ = [
-    "POLICIES", "AdaptiveCreditPolicy", "EvictionPolicy", "FreeKVCacheBlockQueue", "Ghost", "GhostCreditPolicy",
-    "GhostCredits", "HeapPolicy", "LFUPolicy", "LRUPolicy", "PredictedReusePolicy", "ReuseCreditPolicy",
-    "ReuseDistances", "ReuseRates", "UnhashedFirstPolicy", "get_policy", "overrides", "register_policy",
+    "POLICIES",
+    "AdaptiveCreditPolicy",
+    "EvictionPolicy",
+    "FreeKVCacheBlockQueue",
+    "Ghost",
+    "GhostCreditPolicy",
+    "GhostCredits",
+    "HeapPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "PredictedReusePolicy",
+    "ReuseCreditPolicy",
+    "ReuseDistances",
+    "ReuseRates",
+    "UnhashedFirstPolicy",
+    "get_policy",
+    "overrides",
+    "register_policy",
 ]

@@ -1,4 +1,5 @@
 """The interface every eviction policy implements, and the hooks the pool and manager call."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

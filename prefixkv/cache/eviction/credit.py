@@ -1,5 +1,6 @@
 """prefixkv's credit policies - LRU in which reuse buys time - and the pieces they share: ghost
 credits (the memory of evicted identities) and near/far reuse-distance counts."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -27,8 +28,9 @@ class GhostCredits:
     identity number changes when it is re-cached), hashed: so a ghost can only mis-rank a block,
     never serve a hit. `on_return` is told of every ghost that comes back."""
 
-    def __init__(self, hits: list[int], capacity: int, ghost_credit: int,
-                 on_return: Callable[[Ghost], None] | None = None) -> None:
+    def __init__(
+        self, hits: list[int], capacity: int, ghost_credit: int, on_return: Callable[[Ghost], None] | None = None
+    ) -> None:
         self.hits = hits
         self.capacity = capacity
         self.ghost_credit = ghost_credit
@@ -178,8 +180,9 @@ class AdaptiveCreditPolicy(HeapPolicy):
         n = len(blocks)
         self._step = self.horizon or self.credit * n
         self.distances = ReuseDistances(self.far_factor * n, self.far_frac, self.decay)
-        self.credits = GhostCredits(self.hits, max(1, int(self.ghost_factor * n)), self.ghost_credit,
-                                    on_return=self._ghost_returned)
+        self.credits = GhostCredits(
+            self.hits, max(1, int(self.ghost_factor * n)), self.ghost_credit, on_return=self._ghost_returned
+        )
 
     @property
     def mru(self) -> bool:

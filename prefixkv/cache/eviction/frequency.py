@@ -1,4 +1,5 @@
 """Ranked policies that need no memory beyond the current identity: unhashed-first and LFU."""
+
 from __future__ import annotations
 
 from ..block import KVCacheBlock

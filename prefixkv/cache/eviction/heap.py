@@ -1,4 +1,5 @@
 """The machinery shared by the ranked policies: a lazy-deletion heap of free blocks."""
+
 from __future__ import annotations
 
 import heapq

@@ -1,4 +1,5 @@
 """The default policy: the seed's LRU free queue, an intrusive doubly linked list (the hot path)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable

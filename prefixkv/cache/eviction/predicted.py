@@ -1,4 +1,5 @@
 """prefixkv's predicted-reuse policy: learns online which freed blocks come back."""
+
 from __future__ import annotations
 
 from bisect import bisect_left
@@ -74,8 +75,9 @@ class PredictedReusePolicy(HeapPolicy):
         super().__init__(blocks)
         n = len(blocks)
         self.distances = ReuseDistances(self.far_factor * n, self.far_frac, self.decay)
-        self.credits = GhostCredits(self.hits, max(1, int(self.ghost_factor * n)), self.ghost_credit,
-                                    on_return=self._ghost_returned)
+        self.credits = GhostCredits(
+            self.hits, max(1, int(self.ghost_factor * n)), self.ghost_credit, on_return=self._ghost_returned
+        )
         self.rates = ReuseRates(self._UNPROVEN + self.max_credits * self.N_OUT, self.prior_weight)
         self._cls = [-1] * n  # class of the block's last free; -1 if none
         self._life = self.life * n
@@ -101,8 +103,7 @@ class PredictedReusePolicy(HeapPolicy):
         num_new = scores.count(0)
         hit_any = 1 if num_new < len(scores) - scores.count(-1) else 0
         out = self._output_bucket
-        unproven = ((hit_any * self.N_OUT + out) * self.N_NEW
-                    + bisect_left(self.NEW_EDGES, num_new)) * self.N_TAIL
+        unproven = ((hit_any * self.N_OUT + out) * self.N_NEW + bisect_left(self.NEW_EDGES, num_new)) * self.N_TAIL
         mru, base = self.mru, self._seq
         rates = self.rates
         keys: list[float] = []
