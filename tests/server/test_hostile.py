@@ -293,3 +293,28 @@ def test_limits_on_size_and_count(server):
     m = server.metrics()
     assert m["prefixkv:http_request_errors_total"] >= 4
     server.wait_idle()
+
+
+def test_salts_isolate_tenants_in_chat_prompt_logprobs_and_after_reset(server):
+    def cached(path: str, body: dict, salt: str | None) -> int:
+        body = {**body, **({"cache_salt": salt} if salt is not None else {})}
+        r = post(server, path, body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    chat = {"messages": [{"role": "user", "content": long_text(21, 150)}], "max_tokens": 2, "temperature": 0}
+    assert cached("/v1/chat/completions", chat, "chat-a") == 0
+    assert cached("/v1/chat/completions", chat, "chat-b") == 0
+    assert cached("/v1/chat/completions", chat, "chat-a") > 0
+    # a prompt_logprobs request computes its whole prompt but still caches it - in its tenant only
+    scored = {"prompt": long_text(22, 150), "max_tokens": 2, "prompt_logprobs": 1}
+    assert cached("/v1/completions", scored, "lp-a") == 0
+    plain = {"prompt": scored["prompt"], "max_tokens": 2}
+    assert cached("/v1/completions", plain, "lp-b") == 0
+    assert cached("/v1/completions", plain, "lp-a") > 0
+    server.wait_idle()
+    assert post(server, "/reset_prefix_cache", {}).status_code == 200
+    assert cached("/v1/completions", plain, "lp-b") == 0  # nothing survives a reset
+    assert cached("/v1/completions", plain, "lp-a") == 0
+    assert cached("/v1/completions", plain, "lp-b") > 0 and cached("/v1/completions", plain, "lp-c") == 0
+    server.wait_idle()
