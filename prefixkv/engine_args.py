@@ -138,6 +138,9 @@ class EngineArgs:
         20, "most logprobs / prompt_logprobs a request may ask for (default: 20, as vLLM)", type=int
     )
     seed: int | None = _opt(0, "seed of the default sampling generator (default: 0)", type=int)
+    enable_lora: bool = _opt(False, "serve PEFT LoRA adapters (LoRARequest / --lora-modules) (default: off)")
+    max_loras: int = _opt(1, "most LoRA adapters in one batch, resident on the device (default: 1)", type=int)
+    max_lora_rank: int = _opt(16, "highest LoRA rank accepted (default: 16)", type=int)
 
     # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
     tokenizer: str | None = _opt(None, cli=False)  # must be None or the model: the tokenizer comes with it
@@ -179,9 +182,6 @@ class EngineArgs:
         None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)"
     )
     scheduling_policy: str = _compat("fcfs", _is_default("fcfs"), "first come first served only", cli=False)
-    enable_lora: bool = _compat(False, _is_default(False), "LoRA weights are not applied yet")
-    max_loras: int = _compat(1, _anything, "LoRA is not implemented", cli=False)
-    max_lora_rank: int = _compat(16, _anything, "LoRA is not implemented", cli=False)
     speculative_config: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
         None, _is_default(None), "no speculative decoding", cli=False
     )
@@ -221,6 +221,8 @@ class EngineArgs:
             ("num_blocks", 1),
             ("kv_cache_memory_bytes", 1),
             ("max_model_len", 2),
+            ("max_loras", 1),
+            ("max_lora_rank", 1),
         ):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):

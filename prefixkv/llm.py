@@ -48,12 +48,13 @@ def _refuse_call_args(where: str, kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{where}({name}=...) is not supported by prefixkv: {_UNSUPPORTED_CALL_ARGS[name]}")
 
 
-def _refuse_lora(lora_request: Any) -> None:
-    items = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
-    named = [r for r in items if r is not None]
-    if named:
-        name = getattr(named[0], "lora_name", named[0])
-        raise ValueError(f"LoRA weights are not applied yet: prefixkv cannot serve a LoRARequest ({name!r})")
+def _lora_list(lora_request: Any, n: int) -> list[Any]:
+    """One LoRARequest (or None) per prompt: a single one applies to all, a list names each."""
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != n:
+            raise ValueError(f"{len(lora_request)} lora requests for {n} prompts")
+        return list(lora_request)
+    return [lora_request] * n
 
 
 def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None]]:
@@ -131,7 +132,6 @@ class LLM:
         validated before anything runs. A request that fails alone comes back finished with
         `error` set; the others are unharmed."""
         _refuse_call_args("generate", kwargs)
-        _refuse_lora(lora_request)
         if priority is not None and any(p != 0 for p in priority):
             raise ValueError(
                 "generate(priority=...) is not supported by prefixkv: scheduling is first come first served"
@@ -146,17 +146,22 @@ class LLM:
             if len(params_list) != len(items):
                 raise ValueError(f"{len(params_list)} sampling params for {len(items)} prompts")
         engine = self.llm_engine
+        loras = _lora_list(lora_request, len(items))
+        for lora in loras:
+            if lora is not None:
+                engine.resolve_lora(lora)  # every adapter validated before anything runs
         tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _ in items]
         for ids, params in zip(tokenized, params_list):
             engine.validate_prompt(ids)
             engine.validate_params(params)
         ids_in_order: list[str] = []
         try:
-            for (item, salt), ids, params in zip(items, tokenized, params_list):
+            for (item, salt), ids, params, lora in zip(items, tokenized, params_list, loras):
                 ids_in_order.append(
                     engine.add_request(
                         ids,
                         params,
+                        lora_request=lora,
                         cache_salt=salt if salt is not None else cache_salt,
                         prompt_text=item if isinstance(item, str) else None,
                     )
@@ -179,7 +184,6 @@ class LLM:
     ) -> list[RequestOutput]:
         """Chat completion for one conversation or a batch, through the model's chat template."""
         _refuse_call_args("chat", kwargs)
-        _refuse_lora(lora_request)
         if continue_final_message:
             raise ValueError("chat(continue_final_message=True) is not supported by prefixkv")
         if chat_template_content_format not in ("auto", "string"):
@@ -197,6 +201,7 @@ class LLM:
             [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
             sampling_params,
             use_tqdm=use_tqdm,
+            lora_request=lora_request,
         )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

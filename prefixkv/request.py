@@ -8,12 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class LoRARequest:
-    lora_name: str
-    lora_int_id: int = 0
-    lora_path: str = ""
+from .lora.request import LoRARequest as LoRARequest  # re-exported: its old home
 
 
 @dataclass(frozen=True)
@@ -97,6 +92,7 @@ class Request:
         if isinstance(lora_request, str):
             lora_request = LoRARequest(lora_request)
         self.lora_request = lora_request
+        self.lora_id = 0  # the engine's id of the loaded adapter (prefixkv.lora.LoRAManager), 0: base
         self.mm_items = tuple(_as_mm_item(item) for item in mm_items)
         for item in self.mm_items:
             if item.offset < 0 or item.length < 1 or item.offset + item.length > len(self.prompt_token_ids):

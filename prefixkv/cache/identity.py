@@ -20,7 +20,8 @@ import cbor2
 
 from .protocol import CacheRequest
 
-# Extra keys of a block: tagged tuples such as ("lora", name, path), ("mm", identifier, offset)
+# Extra keys of a block: tagged tuples such as ("lora", name, path, weights digest), ("mm", identifier,
+# offset), ("cache_salt", salt): the tag keeps a LoRA named X apart from a salt X
 ExtraKeys = tuple[tuple[Any, ...], ...]
 # (parent identity uid or ROOT_UID, tokens of the block, extra keys or None)
 BlockKey = tuple[int, tuple[int, ...], ExtraKeys | None]
@@ -78,7 +79,7 @@ def block_extra_keys(request: CacheRequest, start: int, end: int, block_index: i
     keys: list[tuple[Any, ...]] = []
     lora = request.lora_request
     if lora is not None:
-        keys.append(("lora", lora.lora_name, lora.lora_path))
+        keys.append(("lora", lora.lora_name, lora.lora_path, lora.weights_digest))
     for item in request.mm_items:
         if item.offset < end and item.offset + item.length > start:
             keys.append(("mm", item.identifier, item.offset - start))

@@ -19,6 +19,9 @@ class LoRAKey(Protocol):
     @property
     def lora_path(self) -> str: ...
 
+    @property
+    def weights_digest(self) -> str: ...  # names the adapter's weights: new weights, new identity
+
 
 class MultiModalKey(Protocol):
     @property

@@ -18,9 +18,11 @@ import torch
 
 from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats
 from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
+from ..lora.manager import LoRAManager
+from ..lora.request import LoRARequest
 from ..model import LoadedModel, load_model
 from ..outputs import Logprob, RequestMetrics, RequestOutput
-from ..request import LoRARequest, Request, RequestStatus
+from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
 from .block_tensors import BlockTensors, kv_cache_specs
 from .model_runner import ModelRunner
@@ -96,14 +98,26 @@ class LLMEngine:
             hash_algo=config.prefix_caching_hash_algo,
             eviction_policy=config.eviction_policy,
             enable_kv_cache_events=config.enable_kv_cache_events,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        self.lora_manager: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora_manager = LoRAManager(
+                self.model_config,
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.block_tensors.allocate(num_blocks, self.device)
         default_generator = torch.Generator()
         if config.seed is None:
             default_generator.seed()  # a random seed, as vLLM's seed=None
         else:
             default_generator.manual_seed(config.seed % 2**64)
-        self.runner = ModelRunner(self.loaded, self.block_tensors, self.dtype, self.device, default_generator)
+        self.runner = ModelRunner(
+            self.loaded, self.block_tensors, self.dtype, self.device, default_generator, self.lora_manager
+        )
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
@@ -165,11 +179,9 @@ class LLMEngine:
         nothing is registered."""
         params = params if params is not None else SamplingParams()
         self.validate_params(params)
+        lora_id = 0
         if lora_request is not None:
-            raise ValueError(
-                "LoRA weights are not applied yet: prefixkv cannot serve a LoRARequest "
-                f"({getattr(lora_request, 'lora_name', lora_request)!r})"
-            )
+            lora_request, lora_id = self.resolve_lora(lora_request)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         text: str | None
@@ -201,12 +213,14 @@ class LLMEngine:
                     f"seq-{next(self._seq_ids)}",
                     ids,
                     sampling_params=params,
+                    lora_request=lora_request,
                     cache_salt=cache_salt,
                     prompt=text,
                     arrival_time=arrival,
                     generator=gen,
                 )
             )
+            children[-1].lora_id = lora_id
             states.append(OutputState(i, params, self.tokenizer))
         group = _Group(request_id, text, ids, children, states, arrival)
         if params.prompt_logprobs is not None:
@@ -220,6 +234,19 @@ class LLMEngine:
         self.num_prompt_tokens += len(ids) * params.n
         self._update_stats()
         return request_id
+
+    def resolve_lora(self, lora_request: LoRARequest) -> tuple[LoRARequest, int]:
+        """Load (once) and validate the adapter of `lora_request`; returns the request with its
+        weights digest filled in (the cache identity) and the engine's adapter id. ValueError when
+        LoRA is off or the adapter cannot be served."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")  # noqa: TRY004
+        if self.lora_manager is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is off: start the engine with "
+                "enable_lora=True (--enable-lora)"
+            )
+        return self.lora_manager.resolve(lora_request)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks are freed at once. Unknown ids are ignored."""

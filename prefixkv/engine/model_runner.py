@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..lora.manager import LoRAManager
 from ..model import AttentionMetadata, LoadedModel
 from .block_tensors import BlockTensors
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
@@ -28,6 +29,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         default_generator: torch.Generator | None = None,
+        lora_manager: LoRAManager | None = None,
     ) -> None:
         self.model = loaded.model
         if device.type == "cpu" and dtype == torch.bfloat16:
@@ -41,6 +43,9 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
+        self.lora_manager = lora_manager
+        if lora_manager is not None:
+            lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -77,11 +82,16 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
         )
+        lora = {}
+        if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
+            # the per-token adapter index, grouped by adapter (base-only steps skip this entirely)
+            lora["lora_mapping"] = self.lora_manager.prepare([(sr.lora_id, len(sr.token_ids)) for sr in scheduled])
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
+            **lora,
         )
 
         out = ModelRunnerOutput()

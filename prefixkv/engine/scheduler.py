@@ -30,6 +30,7 @@ class Scheduler:
         hash_algo: Any = "sha256_cbor",
         eviction_policy: Any = "lru",
         enable_kv_cache_events: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -45,6 +46,9 @@ class Scheduler:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Most distinct LoRA adapters among running requests (None: LoRA off); a request whose
+        # adapter would exceed it waits, and requests behind it may go first.
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # every unfinished request, by its engine-private id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -103,8 +107,14 @@ class Scheduler:
                 i += 1
 
         # Then waiting ones, in arrival order, unless this step had to preempt.
+        loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras else None
+        skipped: list[Request] = []  # waiting for an adapter slot: back at the front afterwards
         while self.waiting and budget > 0 and not out.preempted_req_ids and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if loras is not None and req.lora_id and req.lora_id not in loras:
+                if len(loras) >= self.max_loras:  # type: ignore[operator]
+                    skipped.append(self.waiting.popleft())
+                    continue
             hits: list[KVCacheBlock]
             if req.skip_prefix_cache_read:
                 hits, num_hit = [], 0
@@ -124,6 +134,9 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+            if loras is not None and req.lora_id:
+                loras.add(req.lora_id)
+        self.waiting.extendleft(reversed(skipped))
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
 
@@ -144,6 +157,7 @@ class Scheduler:
             # prompt logprobs: positions already scored before a preemption are not redone
             want_hidden_states=req.skip_prefix_cache_read and req.prompt_logprobs_upto < req.num_prompt_tokens,
             prompt_logprobs_from=req.prompt_logprobs_upto,
+            lora_id=req.lora_id,
         )
 
     def _preempt(self, req: Request) -> None:

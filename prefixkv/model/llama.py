@@ -84,6 +84,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.dtype = dtype
         self.packed_head: PackedLinear | None = None  # set by pack_for_cpu
+        self.lora_context = None  # set by prefixkv.lora.layers.attach_lora: where a step's LoRA mapping goes
 
     @property
     def device(self) -> torch.device:
@@ -92,8 +93,14 @@ class LlamaModel(nn.Module):
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        lora_mapping: object | None = None,
     ) -> torch.Tensor:
+        """`lora_mapping`: the step's per-token adapter index (prefixkv.lora.LoRAMapping), None: base."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv caches, got {len(kv_caches)}")
         if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
@@ -101,6 +108,10 @@ class LlamaModel(nn.Module):
                 f"input_ids ({input_ids.shape[0]}) / positions ({positions.shape[0]}) must match "
                 f"the {meta.num_tokens} new tokens of the metadata"
             )
+        if self.lora_context is not None:
+            self.lora_context.mapping = lora_mapping
+        elif lora_mapping is not None:
+            raise ValueError("a LoRA mapping was passed but no LoRA is attached to this model")
         dev = self.device
         input_ids = input_ids.to(dev)
         positions = positions.to(dev)

@@ -1,0 +1,142 @@
+"""The adapters an engine knows and the ones resident on the device.
+
+`register` loads and validates an adapter folder once (again when its files change: new weights
+mean a new id and a new digest, so the cache never serves the old adapter's KV under the new
+weights). At most `max_loras` adapters are resident, in device slots, least recently used first
+out; the scheduler never runs more than `max_loras` distinct adapters in one step, so `prepare`
+always finds room. Requests name adapters by the engine id (`LoRAAdapter.id`, >= 1; 0 = base).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from ..model.config import ModelConfig
+from .adapter import TARGETS, LoRAAdapter, file_stamp, load_adapter, target_shapes
+from .layers import FUSED, LoRALinear, LoRAMapping, attach_lora
+from .request import LoRARequest
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        if max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
+        self.config = config
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.shapes = target_shapes(config)
+        self._ids = itertools.count(1)
+        self.adapters: dict[int, LoRAAdapter] = {}  # every live adapter by engine id
+        self._by_key: dict[tuple[str, str], LoRAAdapter] = {}  # (name, path) -> latest version
+        self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
+        self._layers: list[dict[str, LoRALinear]] = []
+        self.num_loads = 0  # adapters written into a device slot (for tests and metrics)
+
+    def attach(self, model: nn.Module) -> None:
+        self._layers = attach_lora(model, self.shapes, self.max_loras, self.max_lora_rank, self.dtype, self.device)
+
+    # -- the adapters known --------------------------------------------------------------------
+    def register(self, request: LoRARequest) -> LoRAAdapter:
+        """The loaded adapter of `request` (loaded now if new or if its files changed). Raises
+        ValueError on anything it cannot serve exactly."""
+        name, path = getattr(request, "lora_name", None), getattr(request, "lora_path", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a LoRARequest needs a non-empty lora_name, got {request!r}")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"LoRA adapter {name!r}: lora_path is empty")
+        known = self._by_key.get((name, path))
+        if known is not None and known.stamp == file_stamp(path):
+            return known
+        adapter = load_adapter(name, path, self.config, self.max_lora_rank)
+        if known is not None and known.digest == adapter.digest:
+            known.stamp = adapter.stamp  # touched, same content
+            return known
+        adapter.id = next(self._ids)
+        self.adapters[adapter.id] = adapter
+        self._by_key[(name, path)] = adapter
+        return adapter
+
+    def remove(self, name: str) -> bool:
+        """Forget every adapter named `name` (requests already running keep theirs until they end:
+        their slot is only reused once no scheduled request names it). Returns whether any was known."""
+        keys = [k for k in self._by_key if k[0] == name]
+        for k in keys:
+            del self._by_key[k]
+        return bool(keys)
+
+    def forget_unused(self, in_use: set[int]) -> None:
+        """Drop the host copies of adapters that are neither registered nor used by a request."""
+        current = {a.id for a in self._by_key.values()}
+        for aid in [a for a in self.adapters if a not in current and a not in in_use]:
+            del self.adapters[aid]
+            self._resident.pop(aid, None)
+
+    def resolve(self, request: LoRARequest) -> tuple[LoRARequest, int]:
+        """Register `request` and return it with its weights digest filled in, and the engine id."""
+        from dataclasses import replace
+
+        adapter = self.register(request)
+        return replace(request, weights_digest=adapter.digest), adapter.id
+
+    # -- the adapters resident -----------------------------------------------------------------
+    def prepare(self, segments: list[tuple[int, int]]) -> LoRAMapping | None:
+        """segments: (adapter id or 0, number of tokens) in batch order -> the step's mapping, with
+        every adapter named made resident (least recently used ones out)."""
+        ids = {aid for aid, _ in segments if aid}
+        if not ids:
+            return None
+        if len(ids) > self.max_loras:
+            raise RuntimeError(f"{len(ids)} adapters in one step, max_loras={self.max_loras}")
+        slot_of = {aid: self._make_resident(aid, ids) for aid in ids}
+        return LoRAMapping.from_segments([(slot_of[a] if a else -1, n) for a, n in segments], self.device)
+
+    def _make_resident(self, aid: int, needed: set[int]) -> int:
+        slot = self._resident.get(aid)
+        if slot is not None:
+            self._resident.move_to_end(aid)
+            return slot
+        used = set(self._resident.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(a for a in self._resident if a not in needed)
+            slot = self._resident.pop(victim)
+        self._load_slot(self.adapters[aid], slot)
+        self._resident[aid] = slot
+        return slot
+
+    def _load_slot(self, adapter: LoRAAdapter, slot: int) -> None:
+        for layer_index, layer in enumerate(self._layers):
+            for fused, (targets, _) in FUSED.items():
+                pieces = []
+                for t in targets:
+                    w = adapter.weights.get((layer_index, t))
+                    pieces.append(
+                        None if w is None else (w[0].to(self.device, self.dtype), w[1].to(self.device, self.dtype))
+                    )
+                layer[fused].set_slot(slot, pieces)
+        self.num_loads += 1
+
+    @property
+    def resident_ids(self) -> list[int]:
+        return list(self._resident)
+
+
+__all__ = ["TARGETS", "LoRAManager"]

@@ -1,0 +1,89 @@
+"""Greedy float32 tokens through prefixkv equal transformers + peft's, for each adapter alone and
+for all of them in one mixed batch with the base model; caching on and off, chunked prefill, and
+more adapters in flight than max_loras (requests wait, all finish). Every KV block free after."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.lora import LoRARequest
+
+from .conftest import MAX_NEW
+
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+BASE = dict(dtype="float32", device="cpu", num_blocks=96, block_size=8, max_model_len=64, enable_lora=True)
+
+
+def _lora(fx, name):
+    if name is None:
+        return None
+    return LoRARequest(name, list(fx.adapters).index(name) + 1, fx.adapters[name])
+
+
+def _run(llm, fx, names):
+    """Every prompt of the fixture once per adapter name (None = base), all in one generate call."""
+    prompts, loras = [], []
+    for name in names:
+        for p in fx.prompts:
+            prompts.append(p)
+            loras.append(_lora(fx, name))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False, lora_request=loras)
+    got: dict = {}
+    for name, out in zip([n for n in names for _ in fx.prompts], outs):
+        assert out.outputs[0].finish_reason == "length", out
+        got.setdefault(name, []).append(list(out.outputs[0].token_ids))
+    return got
+
+
+def _all_free(llm):
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_adapters_change_the_output(lora_fixture):
+    fx = lora_fixture
+    for name in fx.adapters:
+        assert fx.expected[name] != fx.expected[None], f"adapter {name} does not change greedy tokens"
+
+
+def test_each_adapter_alone(lora_fixture):
+    fx = lora_fixture
+    llm = LLM(str(fx.base), **BASE, max_loras=1, max_lora_rank=8)
+    for name in [None, *fx.adapters]:
+        got = _run(llm, fx, [name])
+        assert got[name] == fx.expected[name], name
+    _all_free(llm)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(enable_prefix_caching=False, max_loras=3),
+        dict(enable_prefix_caching=True, max_loras=3),
+        dict(enable_prefix_caching=True, max_loras=3, max_num_batched_tokens=7),  # chunked prefill
+        dict(enable_prefix_caching=True, max_loras=2),  # more adapters in flight than slots: they wait
+        dict(enable_prefix_caching=True, max_loras=1, max_num_batched_tokens=11),
+    ],
+)
+def test_mixed_batch(lora_fixture, settings):
+    fx = lora_fixture
+    llm = LLM(str(fx.base), **BASE, max_lora_rank=8, **settings)
+    names = [None, *fx.adapters, "qv", None]
+    for _ in range(2):  # the second round runs on whatever the first left cached
+        got = _run(llm, fx, names)
+        for name in set(names):
+            assert got[name] == fx.expected[name] * names.count(name), (name, settings)
+    _all_free(llm)
+    if settings["max_loras"] < len(fx.adapters):
+        assert llm.llm_engine.lora_manager.num_loads > len(fx.adapters)  # slots were reused
+
+
+def test_preemption_with_adapters(lora_fixture):
+    fx = lora_fixture
+    llm = LLM(str(fx.base), **{**BASE, "num_blocks": 8}, max_loras=2, max_lora_rank=8)
+    got = _run(llm, fx, [None, *fx.adapters])
+    for name in [None, *fx.adapters]:
+        assert got[name] == fx.expected[name], name
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    _all_free(llm)
