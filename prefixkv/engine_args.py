@@ -130,6 +130,11 @@ class EngineArgs:
     enable_kv_cache_events: bool = _opt(
         False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)"
     )
+    enable_stage_output_cache: bool = _opt(
+        False,
+        "keep the final hidden states of cached blocks (CPU, in the same budget as the KV), so prompt logprobs "
+        "and embeddings (MEAN / ALL pooling included) reuse a cached prefix (default: off)",
+    )
     max_num_seqs: int = _opt(256, "most sequences in one batch (default: 256)", type=int)
     max_num_batched_tokens: int = _opt(
         2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int
@@ -194,7 +199,12 @@ class EngineArgs:
     disable_sliding_window: bool = _compat(
         False, _is_default(False), "sliding windows are applied as the model config says", cli=False
     )
-    task: str = _compat("auto", lambda v: v in ("auto", "generate"), "text generation only", cli=False)
+    task: str = _compat(
+        "auto",
+        lambda v: v in ("auto", "generate", "embed"),
+        "one engine both generates and embeds (LLM.embed / LLM.encode); no other task",
+        cli=False,
+    )
 
     def __post_init__(self) -> None:
         self._check_compat()

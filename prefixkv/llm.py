@@ -15,6 +15,7 @@ from .engine_args import EngineArgs
 from .outputs import RequestOutput
 from .request import LoRARequest
 from .sampling_params import SamplingParams
+from .stage import EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput, pool
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 # vLLM prompt-dict fields prefixkv does not implement
@@ -55,6 +56,15 @@ def _lora_list(lora_request: Any, n: int) -> list[Any]:
             raise ValueError(f"{len(lora_request)} lora requests for {n} prompts")
         return list(lora_request)
     return [lora_request] * n
+
+
+def _pooling_params(params: PoolingParams | None, pooling: str | None, normalize: bool | None) -> PoolingParams:
+    """`pooling_params`, or the `pooling=` / `normalize=` shortcuts (not both)."""
+    if params is not None:
+        if pooling is not None or normalize is not None:
+            raise ValueError("give pooling_params or pooling= / normalize=, not both")
+        return params
+    return PoolingParams(pooling or "last", True if normalize is None else normalize)
 
 
 def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None]]:
@@ -235,3 +245,93 @@ class LLM:
     def get_prefix_cache_stats(self):
         """Requests, queried tokens, hit tokens and hit rate since start."""
         return self.llm_engine.prefix_cache_stats
+
+    # -- pooling (vLLM's LLM.embed / LLM.encode) ---------------------------------------------------
+    def embed(
+        self,
+        prompts: Any,
+        *,
+        pooling_params: PoolingParams | None = None,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: the final hidden states pooled LAST (the default for decoder
+        models, as vLLM), MEAN, CLS or ALL (one vector per token), L2-normalized unless
+        `normalize=False`. With `enable_stage_output_cache=True` a prompt that shares cached
+        blocks with an earlier one reuses their hidden states (MEAN and ALL included)."""
+        params = _pooling_params(pooling_params, pooling, normalize)
+        outs = self.encode(
+            prompts,
+            params,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            tokenization_kwargs=tokenization_kwargs,
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def encode(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pooled final hidden states as tensors (`outputs.data`); `pooling_task="token_embed"`
+        is ALL pooling, "embed" (or None) follows `pooling_params`."""
+        if lora_request is not None:
+            raise ValueError("embed()/encode() with a LoRA adapter is not supported by prefixkv yet")
+        for name, value in (
+            ("truncate_prompt_tokens", truncate_prompt_tokens),
+            ("tokenization_kwargs", tokenization_kwargs),
+        ):
+            if value is not None and value != {}:
+                raise ValueError(f"encode({name}=...) is not supported by prefixkv: {_UNSUPPORTED_CALL_ARGS[name]}")
+        params = pooling_params or PoolingParams()
+        if pooling_task == "token_embed":
+            params = PoolingParams("all", params.normalize)
+        elif pooling_task not in (None, "embed"):
+            raise ValueError(
+                f"pooling_task={pooling_task!r} is not supported by prefixkv: only 'embed' and 'token_embed'"
+            )
+        items = _as_prompt_list(prompts, None)
+        engine = self.llm_engine
+        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _ in items]
+        for ids in tokenized:
+            engine.validate_prompt(ids)
+        # one greedy token is drawn and dropped: the prompt's last position is computed like any prefill
+        sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+        request_ids: list[str] = []
+        try:
+            for (item, salt), ids in zip(items, tokenized):
+                request_ids.append(
+                    engine.add_request(
+                        ids,
+                        sampling,
+                        cache_salt=salt,
+                        prompt_text=item if isinstance(item, str) else None,
+                        hidden_states_from=params.first_position,
+                    )
+                )
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        results = []
+        for out in self._run(request_ids, use_tqdm):
+            if out.error is not None or out.hidden_states is None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error or 'no hidden states'}")
+            data = pool(out.hidden_states, params)
+            results.append(
+                PoolingRequestOutput(
+                    out.request_id, PoolingOutput(data), out.prompt_token_ids, True, out.num_cached_tokens
+                )
+            )
+        return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -57,3 +58,6 @@ class RequestOutput:
     # Set when the request failed alone (finished=True, finish_reason "abort", as vLLM v1 reports
     # errored requests): the message says why. The other requests of the step are unharmed.
     error: str | None = None
+    # When asked (`hidden_states_from`): the prompt's final hidden states from that position to its
+    # end, (num_rows, hidden_size) on the CPU in the model dtype; set once the request is finished.
+    hidden_states: Any = field(default=None, repr=False)

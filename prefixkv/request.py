@@ -111,6 +111,11 @@ class Request:
         self.skip_prefix_cache_read = False
         # Prompt tokens whose logprob is known (token 0 has none); read while skip_prefix_cache_read.
         self.prompt_logprobs_upto = 1
+        # With the stage-output cache: cache hits must have valid cached outputs, and their hidden
+        # states are read back for the prompt positions this request still needs.
+        self.reads_stage_outputs = False
+        # Prompt positions whose final hidden state has been delivered (None: none are wanted).
+        self.prompt_hidden_upto: int | None = None
         self.generator = generator  # seeded torch.Generator, or None for the engine's default
         self.error: str | None = None  # why the request failed, when status is FINISHED_ERROR
 

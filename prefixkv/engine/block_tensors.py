@@ -26,6 +26,12 @@ class BlockTensorSpec:
     shape_per_block: tuple[int, ...]
     dtype: torch.dtype
     block_dim: int = 0
+    # Where it lives: None = the device `allocate` is given; "cpu" for caches kept off the device
+    # (pinned when the model runs on CUDA).
+    device: str | None = None
+    # Counted in the budget from the start but allocated on first use (`ensure`): a cache that an
+    # engine may never fill costs no memory until it does.
+    lazy: bool = False
 
     @property
     def bytes_per_block(self) -> int:
@@ -46,11 +52,12 @@ class BlockTensors:
         self.specs: dict[str, BlockTensorSpec] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
+        self.device = torch.device("cpu")
         for spec in specs or ():
             self.register(spec)
 
     def register(self, spec: BlockTensorSpec) -> None:
-        if self.tensors:
+        if self.num_blocks:
             raise RuntimeError("register every per-block tensor before allocating: the budget counts them all")
         if spec.name in self.specs:
             raise ValueError(f"per-block tensor {spec.name!r} is registered twice")
@@ -69,9 +76,22 @@ class BlockTensors:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.tensors = {
-            name: torch.zeros(s.shape(num_blocks), dtype=s.dtype, device=device) for name, s in self.specs.items()
-        }
+        self.device = torch.device(device)
+        self.tensors = {name: self._new(s) for name, s in self.specs.items() if not s.lazy}
+
+    def _new(self, spec: BlockTensorSpec) -> torch.Tensor:
+        device = torch.device(spec.device) if spec.device is not None else self.device
+        pin = device.type == "cpu" and self.device.type == "cuda"
+        return torch.zeros(spec.shape(self.num_blocks), dtype=spec.dtype, device=device, pin_memory=pin)
+
+    def ensure(self, name: str) -> torch.Tensor:
+        """The tensor `name`, allocated now if it is a lazy one used for the first time."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            if not self.num_blocks:
+                raise RuntimeError("allocate the block tensors before using them")
+            tensor = self.tensors[name] = self._new(self.specs[name])  # KeyError: never registered
+        return tensor
 
     def group(self, prefix: str) -> list[torch.Tensor]:
         """The allocated tensors whose names start with `prefix`, in registration order."""

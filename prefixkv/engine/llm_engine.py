@@ -24,6 +24,7 @@ from ..model import LoadedModel, load_model
 from ..outputs import Logprob, RequestMetrics, RequestOutput
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
+from ..stage import StageOutputCache, stage_output_specs
 from .block_tensors import BlockTensors, kv_cache_specs
 from .model_runner import ModelRunner
 from .model_runner_output import ModelRunnerOutput
@@ -58,6 +59,7 @@ class _Group:
     # [None, entry for prompt token 1, ...] while prompt logprobs are wanted (filled by child 0)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
+    hidden_states: list[torch.Tensor] | None = None  # prompt hidden states as they arrive, when asked
 
 
 class LLMEngine:
@@ -70,6 +72,9 @@ class LLMEngine:
         bs = config.block_size
         # Every per-block tensor is registered before the budget is divided among them.
         self.block_tensors = BlockTensors(kv_cache_specs(self.model_config, bs, self.dtype))
+        if config.enable_stage_output_cache:  # the hidden states of cached blocks, in the same budget
+            for spec in stage_output_specs(self.model_config, bs, self.dtype):
+                self.block_tensors.register(spec)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
@@ -118,6 +123,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded, self.block_tensors, self.dtype, self.device, default_generator, self.lora_manager
         )
+        self.stage_outputs: StageOutputCache | None = None
+        if config.enable_stage_output_cache:
+            blocks = self.scheduler.kv_cache_manager.block_pool.blocks
+            self.stage_outputs = StageOutputCache(self.block_tensors, blocks, bs)
+            self.scheduler.stage_outputs = self.runner.stage_outputs = self.stage_outputs
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
@@ -172,6 +182,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         prompt_text: str | None = None,
+        hidden_states_from: int | None = None,
     ) -> str:
         """Queue one prompt (text or token ids; `prompt_text` names the text that token ids came
         from). Returns the request id. Atomic: everything that can fail - validation,
@@ -190,6 +201,10 @@ class LLMEngine:
         else:
             text, ids = prompt_text, list(prompt)
         self.validate_prompt(ids)
+        if hidden_states_from is not None:  # the prompt's final hidden states from this position on
+            if not isinstance(hidden_states_from, int) or not -len(ids) <= hidden_states_from < len(ids):
+                raise ValueError(f"hidden_states_from={hidden_states_from!r} is not a position of the prompt")
+            hidden_states_from %= len(ids)
         if request_id is None:
             request_id = str(next(self._group_ids))
             while request_id in self._groups:  # a client may have taken it
@@ -225,7 +240,18 @@ class LLMEngine:
         group = _Group(request_id, text, ids, children, states, arrival)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
-            children[0].skip_prefix_cache_read = True
+            if self.stage_outputs is not None:  # cache hits give their hidden states back
+                children[0].reads_stage_outputs = True
+            else:
+                children[0].skip_prefix_cache_read = True
+        if hidden_states_from is not None:
+            group.hidden_states = []
+            children[0].prompt_hidden_upto = hidden_states_from
+            if hidden_states_from < len(ids) - 1:  # the last position is always computed, others may be hits
+                if self.stage_outputs is not None:
+                    children[0].reads_stage_outputs = True
+                else:
+                    children[0].skip_prefix_cache_read = True
         # -- commit: nothing below can fail --
         self._groups[request_id] = group
         for i, child in enumerate(children):
@@ -310,6 +336,10 @@ class LLMEngine:
                 itertools.count(scored.first), scored.logprobs, scored.ranks, scored.top
             ):
                 entries.append(logprob_entry(self.tokenizer, prompt[pos], p_lp, p_rank, p_top))
+        for req_id, (_, rows) in runner_output.hidden_states.items():
+            hidden = self._child_of[req_id][0].hidden_states
+            if hidden is not None:
+                hidden.append(rows)
         touched: dict[str, _Group] = {}
         now = time.time()
         lps, tops, ranks = runner_output.logprobs, runner_output.top_logprobs, runner_output.ranks
@@ -416,6 +446,7 @@ class LLMEngine:
             metrics=metrics,
             prompt_logprobs=group.prompt_logprobs,
             error=group.error,
+            hidden_states=torch.cat(group.hidden_states) if finished and group.hidden_states else None,
         )
 
     # -- KV events -----------------------------------------------------------------------------

@@ -9,14 +9,20 @@ as if it were not there.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..lora.manager import LoRAManager
 from ..model import AttentionMetadata, LoadedModel
+from ..stage.specs import per_token_outputs
 from .block_tensors import BlockTensors
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .sampler import SampleResult, sample, score_tokens
 from .scheduler_output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from ..stage import StageOutputCache
 
 PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scoring a prompt
 
@@ -43,6 +49,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
+        self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
         self.lora_manager = lora_manager
         if lora_manager is not None:
             lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers
@@ -94,16 +101,20 @@ class ModelRunner:
             **lora,
         )
 
+        stage = self.stage_outputs
+        if stage is not None:  # every computed row, through the KV slot mapping; full blocks become readable
+            stage.write(per_token_outputs(hidden, len(input_ids)), meta.slot_mapping)
+            stage.commit(self._full_blocks(scheduled))
         out = ModelRunnerOutput()
         for i, sr in enumerate(scheduled):
             if sr.want_hidden_states:
                 try:
-                    scored = self._score_prompt(sr, hidden[query_start_loc[i] : query_start_loc[i + 1]])
+                    self._prompt_outputs(sr, hidden[query_start_loc[i] : query_start_loc[i + 1]], out)
                 except Exception as e:  # noqa: BLE001 (this request fails alone)
-                    out.errors[sr.req_id] = f"scoring prompt logprobs failed: {e}"
-                    continue
-                if scored is not None:
-                    out.prompt_logprobs[sr.req_id] = scored
+                    what = (
+                        "scoring prompt logprobs" if sr.sampling_params.prompt_logprobs is not None else "hidden states"
+                    )
+                    out.errors[sr.req_id] = f"{what} failed: {e}"
         rows = [
             query_start_loc[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in out.errors
         ]
@@ -180,11 +191,40 @@ class ModelRunner:
             merged.top_logprobs = [r.top_logprobs[0] if r.top_logprobs else [] for r in results]
         return merged
 
-    # -- prompt logprobs -----------------------------------------------------------------------
-    def _score_prompt(self, sr: ScheduledRequest, hidden: torch.Tensor) -> PromptLogprobs | None:
-        """Row r of `hidden` (position sr.start + r) predicts prompt token sr.start + r + 1; rows
+    # -- prompt outputs: logprobs and hidden states ----------------------------------------------
+    def _full_blocks(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        """Blocks whose last row was computed in this step (every earlier row was computed by the
+        same request, in this step or before)."""
+        bs = self.block_size
+        ids: list[int] = []
+        for sr in scheduled:
+            ids.extend(sr.block_table[sr.start // bs : (sr.start + len(sr.token_ids)) // bs])
+        return ids
+
+    def _prompt_outputs(self, sr: ScheduledRequest, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Prompt logprobs and prompt hidden states of one chunk, preceded by the cached hidden
+        states of the hit blocks in `sr.stage_output_reads` (stage-output cache)."""
+        start = sr.start
+        if sr.stage_output_reads:
+            if self.stage_outputs is None:
+                raise RuntimeError("stage-output reads scheduled but the stage-output cache is off")
+            cached = self.stage_outputs.read(sr.stage_output_reads, hidden.dtype)
+            start -= len(cached)
+            hidden = torch.cat([cached.to(hidden.device), hidden])
+        if sr.sampling_params.prompt_logprobs is not None:
+            scored = self._score_prompt(sr, start, hidden)
+            if scored is not None:
+                out.prompt_logprobs[sr.req_id] = scored
+        if sr.prompt_hidden_from is not None:
+            a = max(sr.prompt_hidden_from, start)
+            b = min(start + len(hidden), len(sr.prompt_token_ids))
+            if a < b:
+                out.hidden_states[sr.req_id] = (a, hidden[a - start : b - start].to("cpu", copy=True))
+
+    def _score_prompt(self, sr: ScheduledRequest, start: int, hidden: torch.Tensor) -> PromptLogprobs | None:
+        """Row r of `hidden` (position start + r) predicts prompt token start + r + 1; rows
         whose target was scored before (a preemption recomputes them) are skipped."""
-        start, prompt = sr.start, sr.prompt_token_ids
+        prompt = sr.prompt_token_ids
         k = sr.sampling_params.prompt_logprobs or 0
         first = max(sr.prompt_logprobs_from - 1 - start, 0)  # first row not scored yet
         last = min(len(hidden), len(prompt) - 1 - start)  # rows that predict a prompt token

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -27,4 +31,6 @@ class ModelRunnerOutput:
     ranks: list[int] | None = None  # rank of each sampled token (1 = best)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), best first
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # prompt hidden states, for requests that asked: (first position, rows (n, D) on the CPU)
+    hidden_states: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)

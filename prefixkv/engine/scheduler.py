@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..request import Request, RequestStatus
 from .model_runner_output import ModelRunnerOutput
 from .scheduler_output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from ..stage import StageOutputCache
 
 
 class Scheduler:
@@ -54,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # left since the last schedule()
+        self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -120,6 +124,11 @@ class Scheduler:
                 hits, num_hit = [], 0
             else:
                 hits, num_hit = kv.get_computed_blocks(req, record_stats=False)
+                if req.reads_stage_outputs and hits and self.stage_outputs is not None:
+                    if self.stage_outputs.num_valid_prefix(hits) < len(hits):
+                        # hits cached in this very step have no outputs yet: wait one step for them
+                        # rather than recompute them (FCFS: nothing behind it goes first)
+                        break
             num_new = min(req.num_tokens - num_hit, budget)
             if kv.allocate_slots(req, num_new, hits) is None:
                 break  # FCFS: nothing behind it jumps the queue
@@ -143,6 +152,22 @@ class Scheduler:
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         params = req.sampling_params
+        n_prompt = req.num_prompt_tokens
+        want_logprobs = req.prompt_logprobs_upto < n_prompt and (
+            req.skip_prefix_cache_read or (req.reads_stage_outputs and params.prompt_logprobs is not None)
+        )
+        hidden_upto = req.prompt_hidden_upto
+        want_hidden = hidden_upto is not None and hidden_upto < n_prompt
+        reads: tuple[int, ...] = ()
+        if req.reads_stage_outputs and start and (want_logprobs or want_hidden):
+            # cache hits hold positions this request still needs: their cached outputs are read back
+            need = min(
+                req.prompt_logprobs_upto - 1 if want_logprobs else n_prompt,
+                hidden_upto if hidden_upto is not None and want_hidden else n_prompt,
+            )
+            bs = self.block_size
+            if need < start and start % bs == 0:
+                reads = tuple(self.kv_cache_manager.get_block_ids(req.request_id)[need // bs : start // bs])
         return ScheduledRequest(
             req_id=req.request_id,
             token_ids=req.all_token_ids[start : start + num_new],
@@ -155,8 +180,10 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             block_eos=req.num_output_tokens < params.min_tokens,
             # prompt logprobs: positions already scored before a preemption are not redone
-            want_hidden_states=req.skip_prefix_cache_read and req.prompt_logprobs_upto < req.num_prompt_tokens,
+            want_hidden_states=want_logprobs or want_hidden,
             prompt_logprobs_from=req.prompt_logprobs_upto,
+            prompt_hidden_from=hidden_upto if want_hidden else None,
+            stage_output_reads=reads,
             lora_id=req.lora_id,
         )
 
@@ -186,6 +213,10 @@ class Scheduler:
             req = requests.get(req_id)
             if req is not None:
                 req.prompt_logprobs_upto = scored.first + len(scored.logprobs)
+        for req_id, (first, rows) in runner_output.hidden_states.items():
+            req = requests.get(req_id)
+            if req is not None:
+                req.prompt_hidden_upto = first + len(rows)
         sampled: list[Request] = []
         now = time.time()
         for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):

@@ -32,10 +32,12 @@ class ScheduledRequest:
     # The runner needs this chunk's final hidden states (today: to score prompt logprobs).
     want_hidden_states: bool = False
     prompt_logprobs_from: int = 0  # the first prompt token whose logprob is still unknown
+    prompt_hidden_from: int | None = None  # return the prompt's hidden states from this position (None: not wanted)
     # Room for features that attach per-request inputs to a step (declared, empty until they land).
     lora_id: int = 0  # 0: the base model
     mm_inputs: tuple[Any, ...] = ()  # multimodal encoder inputs placed in this chunk
-    stage_output_reads: tuple[Any, ...] = ()  # cached per-block stage outputs to read
+    # block ids whose cached stage outputs (hidden states) are read back: whole blocks ending at `start`
+    stage_output_reads: tuple[Any, ...] = ()
 
 
 @dataclass(slots=True)

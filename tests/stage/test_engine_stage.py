@@ -1,0 +1,179 @@
+"""The stage-output cache in the engine: prompt logprobs and embeddings with prefix hits equal
+transformers and equal the engine without the cache; hit rows are read back bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixkv import SamplingParams
+from prefixkv.config import EngineConfig
+from prefixkv.engine.llm_engine import LLMEngine
+from prefixkv.engine_args import EngineArgs
+from prefixkv.llm import LLM
+from prefixkv.stage import PoolingParams
+
+from ..engine.test_correctness import check_prompt_logprobs, hf_prompt_logprobs, run_prompt_logprobs
+
+DOC = (
+    "Prefix caching keeps the key and value tensors of a shared prompt so that later requests "
+    "skip recomputing them. " * 6
+)
+QUESTIONS = ["What is kept?", "Translate to French:", "Who benefits? Answer:"]
+
+
+def engine_for(loaded, **overrides) -> LLMEngine:
+    cfg = dict(dtype="float32", device="cpu", num_blocks=256, block_size=16, enable_stage_output_cache=True)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg), loaded=loaded)
+
+
+@pytest.fixture(scope="module")
+def docs(default_lm):
+    return [default_lm.tokenizer.encode(DOC + q) for q in QUESTIONS]
+
+
+@torch.inference_mode()
+def hf_hidden(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].float()
+
+
+def hf_pool(h: torch.Tensor, pooling: str, normalize: bool) -> torch.Tensor:
+    out = {"last": h[-1], "cls": h[0], "mean": h.mean(0), "all": h}[pooling]
+    return torch.nn.functional.normalize(out, dim=-1) if normalize else out
+
+
+# -- the cache in the budget -----------------------------------------------------------------------
+def test_flag_and_budget(default_lm):
+    args = EngineArgs.from_kwargs(None, enable_stage_output_cache=True)
+    assert args.enable_stage_output_cache
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--enable-stage-output-cache"])).enable_stage_output_cache
+    budget = 64 << 20
+    off = engine_for(default_lm, num_blocks=None, kv_cache_memory_bytes=budget, enable_stage_output_cache=False)
+    on = engine_for(default_lm, num_blocks=None, kv_cache_memory_bytes=budget)
+    hidden_bytes = 16 * default_lm.config.hidden_size * 4
+    assert on.block_tensors.bytes_per_block == off.block_tensors.bytes_per_block + hidden_bytes
+    assert on.num_blocks == budget // on.block_tensors.bytes_per_block < off.num_blocks
+    assert off.stage_outputs is None and on.stage_outputs is not None
+
+
+# -- unlock 1: prompt logprobs with prefix hits ----------------------------------------------------
+@pytest.mark.parametrize("budget", [2048, 24])  # one-shot prefill and chunked prefill
+def test_prompt_logprobs_read_hits(default_lm, docs, hf_ref_model, budget):
+    engine = engine_for(default_lm, max_num_batched_tokens=budget)
+    run_prompt_logprobs(engine, docs[:1], k=2)  # caches the document (and writes its hidden states)
+    outs = run_prompt_logprobs(engine, docs[1:], k=2)
+    for out, ids in zip(outs, docs[1:]):
+        assert out.num_cached_tokens == 128  # no longer recomputed
+        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 2)
+    assert engine.stage_outputs.num_rows_read >= 2 * 128
+    # the engine without the cache: the same tokens and ranks; logprobs within 1e-4 (float32 rounding:
+    # rows after a hit take the paged-context attention path, as KV prefix caching does)
+    off = engine_for(default_lm, enable_stage_output_cache=False, enable_prefix_caching=False)
+    ref = run_prompt_logprobs(off, docs[1:2], k=2)[0]
+    for got, want in zip(outs[0].prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert list(got) == list(want) and [g.rank for g in got.values()] == [w.rank for w in want.values()]
+        assert [g.logprob for g in got.values()] == pytest.approx([w.logprob for w in want.values()], abs=1e-4)
+
+
+def test_prompt_logprobs_with_preemption_and_n(default_lm, docs, hf_ref_model):
+    two = [docs[0], default_lm.tokenizer.encode("An unrelated prompt about gardens and rain. " * 30)[: len(docs[0])]]
+    per_prompt = -(-max(len(p) for p in two) // 8)
+    engine = engine_for(default_lm, num_blocks=2 * per_prompt + 1, block_size=8, max_model_len=8 * per_prompt + 20)
+    outs = run_prompt_logprobs(engine, two, k=1, max_tokens=12)
+    assert engine.scheduler.num_preemptions > 0
+    for out, ids in zip(outs, two):
+        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 1)
+    out = run_prompt_logprobs(engine_for(default_lm), docs[:1], k=1, n=2)[0]
+    check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, docs[0]), 1)
+
+
+# -- unlock 2: embeddings ------------------------------------------------------------------------
+@pytest.mark.parametrize("pooling", ["mean", "last", "cls", "all"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_embed_equals_transformers_and_cache_off(default_lm, docs, hf_ref_model, pooling, normalize):
+    on = LLM.from_engine(engine_for(default_lm))
+    outs = on.embed([{"prompt_token_ids": d} for d in docs], pooling=pooling, normalize=normalize, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 128, 128]  # the batch waits one step for the prefix rows
+    off = LLM.from_engine(engine_for(default_lm, enable_stage_output_cache=False, enable_prefix_caching=False))
+    ref = off.embed([{"prompt_token_ids": d} for d in docs], pooling=pooling, normalize=normalize, use_tqdm=False)
+    for out, r, ids in zip(outs, ref, docs):
+        got = torch.tensor(out.outputs.embedding)
+        want = hf_pool(hf_hidden(hf_ref_model, ids), pooling, normalize)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got, torch.tensor(r.outputs.embedding), atol=1e-4, rtol=1e-4)  # batch shapes differ
+
+
+def test_embed_hit_rows_are_bit_exact_and_aligned_chunks_equal_exactly(default_lm, docs):
+    all_rows = PoolingParams("all", normalize=False)
+    on = LLM.from_engine(engine_for(default_lm))
+    outs = on.encode(docs, all_rows, use_tqdm=False)
+    for out in outs[1:]:
+        assert out.num_cached_tokens == 128
+        assert torch.equal(out.outputs.data[:128], outs[0].outputs.data[:128])  # read from the cache
+    # one document at a time, so both engines run the same batches: caching off, prefilled in the
+    # same chunks (the prefix, then the rest), gives the same float32 values bit for bit
+    off = LLM.from_engine(
+        engine_for(default_lm, enable_stage_output_cache=False, enable_prefix_caching=False, max_num_batched_tokens=128)
+    )
+    one_by_one = LLM.from_engine(engine_for(default_lm))
+    one_by_one.encode([docs[0]], all_rows, use_tqdm=False)
+    got = one_by_one.encode([docs[1]], all_rows, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 128
+    assert torch.equal(got.outputs.data, off.encode([docs[1]], all_rows, use_tqdm=False)[0].outputs.data)
+
+
+def test_embed_after_eviction_recomputes_never_reads_stale(default_lm, docs, hf_ref_model):
+    tok = default_lm.tokenizer
+    # 12 blocks of 16: one document at a time; the others' blocks evict and reuse the first's
+    engine = engine_for(default_lm, num_blocks=12, max_model_len=180)
+    llm = LLM.from_engine(engine)
+    first = llm.embed([{"prompt_token_ids": docs[0]}], pooling="mean", use_tqdm=False)[0]
+    others = [tok.encode(f"Unrelated text number {i}: " + "lorem ipsum dolor " * 40)[:170] for i in range(2)]
+    llm.embed([{"prompt_token_ids": o} for o in others], pooling="mean", use_tqdm=False)
+    assert engine.kv_cache_manager.block_pool.num_evictions > 0
+    again = llm.embed([{"prompt_token_ids": docs[1]}], pooling="mean", use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0  # the prefix was evicted with its rows
+    want = hf_pool(hf_hidden(hf_ref_model, docs[1]), "mean", True)
+    torch.testing.assert_close(torch.tensor(again.outputs.embedding), want, atol=2e-5, rtol=1e-4)
+    assert first.outputs.hidden_size == default_lm.config.hidden_size
+
+
+def test_embed_refusals(default_lm):
+    llm = LLM.from_engine(engine_for(default_lm))
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        llm.embed("hi", pooling="max")
+    with pytest.raises(ValueError, match="dimensions"):
+        PoolingParams("mean", dimensions=64)
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.embed("hi", lora_request=object())
+    with pytest.raises(ValueError, match="pooling_task"):
+        llm.encode("hi", pooling_task="classify")
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.embed("hi", truncate_prompt_tokens=4)
+    with pytest.raises(ValueError, match="not both"):
+        llm.embed("hi", pooling_params=PoolingParams(), pooling="mean")
+
+
+def test_hidden_states_from_default_engine_without_the_cache(default_lm, docs, hf_ref_model):
+    """Without the stage cache a request that wants hidden states before its last position
+    computes its whole prompt (it skips prefix reads), so the values are the same."""
+    engine = engine_for(default_lm, enable_stage_output_cache=False)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    engine.add_request(docs[0], params)
+    rid = engine.add_request(docs[1], params, hidden_states_from=5)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    h = done[rid].hidden_states
+    assert h.shape == (len(docs[1]) - 5, default_lm.config.hidden_size)
+    torch.testing.assert_close(h, hf_hidden(hf_ref_model, docs[1])[5:], atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="not a position"):
+        engine.add_request(docs[1], params, hidden_states_from=len(docs[1]))
