@@ -12,7 +12,9 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -493,6 +495,21 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
+            **self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.lora_manager is None:
+            return {}
+        s = self.scheduler
+
+        def names(reqs: Iterable[Request]) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in reqs if r.lora_request is not None}))
+
+        return dict(
+            running_lora_adapters=names(s.running),
+            waiting_lora_adapters=names(s.waiting),
+            max_loras=self.lora_manager.max_loras,
         )
 
     # Read-through accessors kept for callers written before the scheduler owned the cache.

@@ -25,6 +25,10 @@ class EngineStats:
     num_blocks: int = 0
     block_size: int = 0
     max_model_len: int = 0
+    # LoRA (enable_lora): names of the adapters of running / waiting requests, and max_loras (0: off)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

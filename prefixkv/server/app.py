@@ -16,11 +16,13 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
 from ..engine.llm_engine import LLMEngine
+from ..lora.request import LoRARequest
 from .async_engine import AsyncEngine
 from .chat import OpenAIServingChat
 from .completions import OpenAIServingCompletion
 from .errors import APIError, error_response, install_error_handlers
 from .limits import RequestLimits
+from .lora import LoRARegistry, add_lora_routes, load_startup_adapters
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -40,6 +42,7 @@ def create_app(
     engine_thread: bool = True,
     limits: RequestLimits | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    lora_modules: list[LoRARequest] | None = None,
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
@@ -55,6 +58,11 @@ def create_app(
 
     completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error)
     chat = OpenAIServingChat(engine, async_engine, names, limits, count_error)
+    loras: LoRARegistry | None = None
+    if getattr(engine.config, "enable_lora", False) or lora_modules:
+        loras = LoRARegistry(names)
+        load_startup_adapters(engine, loras, list(lora_modules or []))
+        completions.loras = chat.loras = loras
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,11 +92,13 @@ def create_app(
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
 
+    if loras is not None:
+        add_lora_routes(app, loras, async_engine)
+
     @app.get("/v1/models")
     async def models():
-        return ModelList(
-            data=[ModelCard(id=n, root=model_root or n, max_model_len=engine.max_model_len) for n in names]
-        )
+        cards = [ModelCard(id=n, root=model_root or n, max_model_len=engine.max_model_len) for n in names]
+        return ModelList(data=cards + (loras.cards(engine.max_model_len) if loras is not None else []))
 
     @app.get("/health")
     async def health():

@@ -203,6 +203,7 @@ class AsyncEngine:
         *,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -213,7 +214,12 @@ class AsyncEngine:
 
         def add() -> None:
             self.engine.add_request(
-                prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, arrival_time=arrival
+                prompt_token_ids,
+                params,
+                request_id=request_id,
+                cache_salt=cache_salt,
+                arrival_time=arrival,
+                lora_request=lora_request,
             )
             self._streams[request_id] = stream
 

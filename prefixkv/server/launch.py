@@ -30,6 +30,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "/version; an empty key means none (default: $VLLM_API_KEY, else none)",
     )
     g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help='LoRA adapters (PEFT folders) served as models: name=path or {"name": ..., "path": ...}; needs '
+        '--enable-lora; requests pick one with "model": name',
+    )
+    g.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -83,6 +92,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _lora_module(text: str) -> Any:
+    from .lora import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -112,6 +130,7 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
         engine_thread=False,
         limits=limits,
         max_request_body_bytes=args.max_request_body_bytes,
+        lora_modules=getattr(args, "lora_modules", None),
     )
     log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if args.api_key else "off")
     async_engine = app.state.async_engine

@@ -7,6 +7,7 @@ observed by the engine thread when a request finishes. Each app gets its own Col
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -117,6 +118,21 @@ class _EngineCollector:
         stats = e.get_stats()
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
+        if stats.max_loras:  # vLLM's info gauge: the labels carry the adapters, the value a timestamp
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            info.add_metric(
+                [
+                    str(stats.max_loras),
+                    ",".join(stats.running_lora_adapters),
+                    ",".join(stats.waiting_lora_adapters),
+                ],
+                time.time(),
+            )
+            yield info
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)
         yield counter(
             "vllm:prefix_cache_queries",

@@ -56,7 +56,7 @@ UNSUPPORTED_FIELDS = {
     "allowed_token_ids": "allowed_token_ids is not implemented yet",
     "truncate_prompt_tokens": "prompt truncation is not implemented yet",
     "prompt_embeds": "prompt embeddings are not supported",
-    "lora_request": "LoRA adapters are not applied yet",
+    "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
     "mm_processor_kwargs": "multimodal inputs are not supported yet",
     "priority": "priority scheduling is not implemented (first come, first served)",
     "audio": "audio output is not supported",
@@ -299,3 +299,19 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter, as vLLM."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter, as vLLM (lora_int_id is accepted and not needed)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

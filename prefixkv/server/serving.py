@@ -12,11 +12,13 @@ from typing import Any
 from fastapi import Request
 
 from ..engine.llm_engine import LLMEngine
+from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .errors import APIError
 from .limits import RequestLimits
+from .lora import LoRARegistry
 from .protocol import PromptTokensDetails, UsageInfo, unsupported_fields
 from .streaming import merge, raise_if_failed
 
@@ -35,6 +37,7 @@ class OpenAIServing:
         self.names = served_model_names
         self.limits = limits
         self.count_error = count_error
+        self.loras: LoRARegistry | None = None  # set by create_app when LoRA is on
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         # The longest text one token can stand for: a prompt longer than the context times this
@@ -44,9 +47,16 @@ class OpenAIServing:
 
     # -- checks ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
+        """The name to answer with: a served model name, or a LoRA adapter's (see lora_for)."""
+        if self.loras is not None and self.loras.get(model) is not None:
+            return model  # type: ignore[return-value]
         if model is not None and model not in self.names:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
         return self.names[0]
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return self.loras.get(model) if self.loras is not None else None
 
     def check_common(self, req: Any) -> None:
         """Limits and policies every route applies before any work is done."""
@@ -149,6 +159,7 @@ class OpenAIServing:
         params: SamplingParams,
         response_id: str,
         cache_salt: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
@@ -156,7 +167,7 @@ class OpenAIServing:
         suffix = secrets.token_hex(8)
         ids = [f"{response_id}-{i}-{suffix}" for i in range(len(prompts))]
         return [
-            self.async_engine.generate(p, params, rid, prompt=t, cache_salt=cache_salt)
+            self.async_engine.generate(p, params, rid, prompt=t, cache_salt=cache_salt, lora_request=lora_request)
             for p, t, rid in zip(prompts, texts, ids)
         ]
 
