@@ -47,7 +47,8 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from prefixkv.model import AttentionMetadata, allocate_kv_cache, default_model_path, load_model
+    from prefixkv.engine.block_tensors import allocate_kv_cache
+    from prefixkv.model import AttentionMetadata, default_model_path, load_model
 
     dev = args.device
     dtype = getattr(torch, args.dtype)

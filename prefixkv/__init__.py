@@ -21,12 +21,17 @@ def __getattr__(name: str):
         from .engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name == "EngineArgs":
+        from .engine_args import EngineArgs
+
+        return EngineArgs
     raise AttributeError(name)
 
 
 __all__ = [
     "LLM",
     "LLMEngine",
+    "EngineArgs",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
