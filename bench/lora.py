@@ -93,7 +93,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     counts = [int(x) for x in args.adapters.split(",")]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     common = dict(dtype=args.dtype, device=args.device, kv_cache_memory_bytes=256 << 20)

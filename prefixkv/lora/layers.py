@@ -5,8 +5,9 @@ Weights are stacked per layer and per fused linear, one slot per resident adapte
 A [max_loras, in, R] and B [max_loras, R, out], R = slices x max_lora_rank (q/k/v share the fused
 qkv linear: each slice owns R/3 columns of A and writes only its own rows of B; unused rank columns
 are zero). The step's `LoRAMapping` groups the tokens by slot once; every wrapped linear then runs
-one shrink (x @ A) and one expand (@ B) per adapter present - punica / S-LoRA's shrink/expand, with
-the loop over the few distinct adapters of the batch, never over requests. A step with no adapter
+punica / S-LoRA's shrink (x @ A) and expand (@ B): one pair per adapter present when few adapters
+share the step (prefill), or - many adapters with few tokens each (decode) - one bmm pair over all
+slots on a padded [max_loras, rows, in] layout. Never a loop over requests. A step with no adapter
 (mapping None) runs the base linear alone.
 """
 
@@ -15,20 +16,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass
+class Padded:
+    """Many adapters with few tokens each (decode): the LoRA tokens laid out as [max_loras,
+    rows, in] (row r of slot s: token `gather[s * rows + r]`, or the zero row T past the end) so
+    one bmm per side serves every adapter at once; `valid` picks the real rows back out, in the
+    order of `tokens`."""
+
+    rows: int
+    gather: torch.Tensor  # [max_loras * rows] token index, or T for padding
+    valid: torch.Tensor  # [n] positions in the padded layout that hold real tokens
+    tokens: torch.Tensor  # [n] their token indices
 
 
 @dataclass
 class LoRAMapping:
     """One step's per-token adapter index (`token_slots`, -1 = base) and the same grouped by slot:
-    (slot, rows) with rows a slice for one contiguous run or an index tensor."""
+    (slot, rows) with rows a slice for one contiguous run or an index tensor. `padded` is set when
+    the grouped bmm layout is cheaper than one shrink/expand per adapter."""
 
     token_slots: torch.Tensor
     groups: list[tuple[int, slice | torch.Tensor]]
+    padded: Padded | None = None
 
     @classmethod
-    def from_segments(cls, segments: list[tuple[int, int]], device: torch.device | str) -> LoRAMapping | None:
-        """segments: (slot or -1, number of tokens) in batch order. None when every token is base."""
+    def from_segments(
+        cls, segments: list[tuple[int, int]], device: torch.device | str, num_slots: int = 0
+    ) -> LoRAMapping | None:
+        """segments: (slot or -1, number of tokens) in batch order. None when every token is base.
+        With `num_slots` (the stacked tensors' first dimension), several adapters with few tokens
+        each get the padded one-bmm layout."""
         rows: dict[int, list[int]] = {}
         slots: list[int] = []
         pos = 0
@@ -45,7 +66,24 @@ class LoRAMapping:
                 groups.append((slot, slice(r[0], r[-1] + 1)))
             else:
                 groups.append((slot, torch.tensor(r, dtype=torch.long, device=device)))
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), groups)
+        padded = None
+        most = max(len(r) for r in rows.values())
+        n = sum(len(r) for r in rows.values())
+        if num_slots and len(rows) > 2 and num_slots * most <= 2 * n:
+            gather = [pos] * (num_slots * most)  # pos == T: the zero row
+            valid: list[int] = []
+            tokens: list[int] = []
+            for slot, r in rows.items():
+                for k, t in enumerate(r):
+                    gather[slot * most + k] = t
+                    valid.append(slot * most + k)
+                    tokens.append(t)
+
+            def as_tensor(v: list[int]) -> torch.Tensor:
+                return torch.tensor(v, dtype=torch.long, device=device)
+
+            padded = Padded(most, as_tensor(gather), as_tensor(valid), as_tensor(tokens))
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), groups, padded)
 
 
 class LoRAContext:
@@ -101,6 +139,12 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         mapping = self.context.mapping
         if mapping is None:
+            return y
+        p = mapping.padded
+        if p is not None:  # every adapter in one shrink bmm and one expand bmm
+            x_pad = F.pad(x, (0, 0, 0, 1)).index_select(0, p.gather).view(self.lora_a.shape[0], p.rows, -1)
+            delta = torch.bmm(torch.bmm(x_pad, self.lora_a), self.lora_b)
+            y.index_add_(0, p.tokens, delta.view(-1, y.shape[-1]).index_select(0, p.valid))
             return y
         for slot, rows in mapping.groups:
             if isinstance(rows, slice):

@@ -104,7 +104,9 @@ class LoRAManager:
         if len(ids) > self.max_loras:
             raise RuntimeError(f"{len(ids)} adapters in one step, max_loras={self.max_loras}")
         slot_of = {aid: self._make_resident(aid, ids) for aid in ids}
-        return LoRAMapping.from_segments([(slot_of[a] if a else -1, n) for a, n in segments], self.device)
+        return LoRAMapping.from_segments(
+            [(slot_of[a] if a else -1, n) for a, n in segments], self.device, self.max_loras
+        )
 
     def _make_resident(self, aid: int, needed: set[int]) -> int:
         slot = self._resident.get(aid)

@@ -87,3 +87,28 @@ def test_preemption_with_adapters(lora_fixture):
         assert got[name] == fx.expected[name], name
     assert llm.llm_engine.scheduler.num_preemptions > 0
     _all_free(llm)
+
+
+def test_padded_layout_equals_one_adapter_at_a_time():
+    """The one-bmm layout (many adapters, few tokens each) computes what the per-adapter loop does."""
+    import torch
+
+    from prefixkv.lora.layers import LoRAContext, LoRALinear, LoRAMapping
+
+    g = torch.Generator().manual_seed(0)
+    ctx = LoRAContext()
+    lin = LoRALinear(torch.nn.Linear(6, 5, bias=False), 6, [2, 3], ctx, 4, 3, torch.float32, "cpu")
+    for slot in range(4):
+        lin.set_slot(
+            slot, [(torch.randn(r, 6, generator=g), torch.randn(w, r, generator=g)) for r, w in ((3, 2), (2, 3))]
+        )
+    segments = [(2, 1), (-1, 2), (0, 1), (3, 1), (2, 1), (1, 1)]
+    x = torch.randn(7, 6, generator=g)
+    padded = LoRAMapping.from_segments(segments, "cpu", num_slots=4)
+    loop = LoRAMapping.from_segments(segments, "cpu")
+    assert padded.padded is not None and loop.padded is None
+    ctx.mapping = padded
+    a = lin(x)
+    ctx.mapping = loop
+    b = lin(x)
+    torch.testing.assert_close(a, b)
