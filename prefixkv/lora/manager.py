@@ -45,6 +45,7 @@ class LoRAManager:
         self.adapters: dict[int, LoRAAdapter] = {}  # every live adapter by engine id
         self._by_key: dict[tuple[str, str], LoRAAdapter] = {}  # (name, path) -> latest version
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
+        self._unloads: dict[str, int] = {}  # name -> times removed: a reload starts a new cache identity
         self._layers: list[dict[str, LoRALinear]] = []
         self.num_loads = 0  # adapters written into a device slot (for tests and metrics)
 
@@ -74,10 +75,14 @@ class LoRAManager:
 
     def remove(self, name: str) -> bool:
         """Forget every adapter named `name` (requests already running keep theirs until they end:
-        their slot is only reused once no scheduled request names it). Returns whether any was known."""
+        their slot is only reused once no scheduled request names it), and make the blocks cached
+        under it unreachable (a later load of the same name gets a new cache identity; the old
+        blocks age out of the free list). Returns whether any was known."""
         keys = [k for k in self._by_key if k[0] == name]
         for k in keys:
             del self._by_key[k]
+        if keys:  # blocks cached under the removed adapter are never hit again, even by a reload
+            self._unloads[name] = self._unloads.get(name, 0) + 1
         return bool(keys)
 
     def forget_unused(self, in_use: set[int]) -> None:
@@ -92,7 +97,9 @@ class LoRAManager:
         from dataclasses import replace
 
         adapter = self.register(request)
-        return replace(request, weights_digest=adapter.digest), adapter.id
+        unloads = self._unloads.get(adapter.name, 0)
+        digest = adapter.digest if not unloads else f"{adapter.digest}/unloaded-{unloads}"
+        return replace(request, weights_digest=digest), adapter.id
 
     # -- the adapters resident -----------------------------------------------------------------
     def prepare(self, segments: list[tuple[int, int]]) -> LoRAMapping | None:

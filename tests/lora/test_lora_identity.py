@@ -60,3 +60,16 @@ def test_lora_name_never_collides_with_cache_salt():
     assert block_extra_keys(lora, 0, 8, 0) == (("lora", "X", "/p", "d"),)
     other_digest = Request("c", list(range(8)), lora_request=LoRARequest("X", 1, "/p", "e"))
     assert block_extra_keys(lora, 0, 8, 0) != block_extra_keys(other_digest, 0, 8, 0)
+
+
+def test_removed_adapter_blocks_are_unreachable(lora_fixture):
+    fx = lora_fixture
+    llm = LLM(str(fx.base), **ARGS, max_loras=1, max_lora_rank=8)
+    lora = LoRARequest("qv", 1, fx.adapters["qv"])
+    prompt = fx.prompts[2]
+    _, first = _gen(llm, prompt, lora)
+    assert _gen(llm, prompt, lora)[0] > 0
+    assert llm.llm_engine.lora_manager.remove("qv")
+    cached, tokens = _gen(llm, prompt, lora)  # loaded again: same weights, fresh identity
+    assert cached == 0 and tokens == first
+    assert _gen(llm, prompt, lora)[0] > 0
