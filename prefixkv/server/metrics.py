@@ -8,7 +8,7 @@ observed by the engine thread when a request finishes. Each app gets its own Col
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -175,48 +175,30 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine, self.labels))
         names = list(self.labels)
         r = self.registry
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            names,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            names,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.tpot = Histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds.",
-            names,
-            buckets=TPOT_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.queue_time = Histogram(
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**self.labels)
+
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS
+        )
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", TPOT_BUCKETS
+        )
+        self.queue_time = histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
-            names,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.prompt_tokens = Histogram(
-            "vllm:request_prompt_tokens",
-            "Number of prefill tokens processed.",
-            names,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.gen_tokens = Histogram(
-            "vllm:request_generation_tokens",
-            "Number of generation tokens processed.",
-            names,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
+            LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS
+        )
+        self.gen_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS
+        )
         self.success = Counter(
             "vllm:request_success", "Count of successfully processed requests.", names + ["finished_reason"], registry=r
         )
