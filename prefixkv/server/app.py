@@ -20,12 +20,13 @@ from ..lora.request import LoRARequest
 from .async_engine import AsyncEngine
 from .chat import OpenAIServingChat
 from .completions import OpenAIServingCompletion
+from .embeddings import OpenAIServingEmbedding
 from .errors import APIError, error_response, install_error_handlers
 from .limits import RequestLimits
 from .lora import LoRARegistry, add_lora_routes, load_startup_adapters
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelCard, ModelList
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far above any prompt that fits a context
@@ -58,6 +59,7 @@ def create_app(
 
     completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error)
     chat = OpenAIServingChat(engine, async_engine, names, limits, count_error)
+    embeddings = OpenAIServingEmbedding(engine, async_engine, names, limits, count_error)
     loras: LoRARegistry | None = None
     if getattr(engine.config, "enable_lora", False) or lora_modules:
         loras = LoRARegistry(names)
@@ -91,6 +93,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw: Request):
+        return await embeddings.create(req, raw)
 
     if loras is not None:
         add_lora_routes(app, loras, async_engine)

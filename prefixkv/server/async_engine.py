@@ -204,6 +204,7 @@ class AsyncEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         lora_request: Any = None,
+        hidden_states_from: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -220,6 +221,7 @@ class AsyncEngine:
                 cache_salt=cache_salt,
                 arrival_time=arrival,
                 lora_request=lora_request,
+                **({} if hidden_states_from is None else {"hidden_states_from": hidden_states_from}),
             )
             self._streams[request_id] = stream
 

@@ -17,31 +17,7 @@ from .streaming import ChoiceDelta, StreamState, chunk_dict, sse_stream
 
 class OpenAIServingCompletion(OpenAIServing):
     async def prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
-        p = req.prompt
-        if isinstance(p, str):
-            items: list = [p]
-        elif p and all(isinstance(t, int) for t in p):
-            items = [list(p)]
-        else:
-            items = list(p)
-        if not items:
-            raise APIError("prompt must not be empty", 400, param="prompt")
-        if len(items) > self.limits.max_prompts:
-            raise APIError(
-                f"at most {self.limits.max_prompts} prompts per request, got {len(items)}", 400, param="prompt"
-            )
-        for it in items:
-            if isinstance(it, str):
-                self.check_text(it, "prompt")
-        ids, texts = [], []
-        for it in items:
-            if isinstance(it, str):
-                ids.append(await self.tokenize(it, req.add_special_tokens))
-                texts.append(it)
-            else:
-                ids.append(list(it))
-                texts.append(None)
-        return ids, texts
+        return await self.prompt_inputs(req.prompt, req.add_special_tokens, "prompt")
 
     def logprobs(
         self,

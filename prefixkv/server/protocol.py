@@ -315,3 +315,40 @@ class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's shape; vLLM's `normalize`, `add_special_tokens`, `cache_salt`
+    and `request_id` extras). Undeclared fields are refused by name, as for the other routes."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+    normalize: bool = True
+    add_special_tokens: bool = True
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

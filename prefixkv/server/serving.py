@@ -58,13 +58,25 @@ class OpenAIServing:
         """The adapter a request's `model` names (None: the base model)."""
         return self.loras.get(model) if self.loras is not None else None
 
-    def check_common(self, req: Any) -> None:
-        """Limits and policies every route applies before any work is done."""
+    def check_fields(self, req: Any) -> None:
+        """What every route refuses before any work: fields prefixkv does not implement, and a
+        missing salt where the server requires one."""
         refused = unsupported_fields(req.model_extra)
         if refused:
             name, why = refused[0]
             others = f" (also: {', '.join(n for n, _ in refused[1:])})" if len(refused) > 1 else ""
             raise APIError(f"unsupported field {name!r}: {why}{others}", 400, param=name)
+        if self.limits.require_cache_salt and not req.cache_salt:
+            raise APIError(
+                "this server requires a cache_salt on every request (--require-cache-salt): "
+                "requests without one could observe other tenants' cached prompts through timing",
+                400,
+                param="cache_salt",
+            )
+
+    def check_common(self, req: Any) -> None:
+        """The generation routes' limits, after `check_fields`."""
+        self.check_fields(req)
         if getattr(req, "best_of", None) not in (None, 1):
             raise APIError("best_of is not supported (vLLM v1 dropped it too); use n", 400, param="best_of")
         if isinstance(req.n, bool) or not 1 <= req.n <= self.limits.max_n:
@@ -74,13 +86,6 @@ class OpenAIServing:
                 f"prompt_logprobs must be in [0, {self.limits.max_logprobs}], got {req.prompt_logprobs}",
                 400,
                 param="prompt_logprobs",
-            )
-        if self.limits.require_cache_salt and not req.cache_salt:
-            raise APIError(
-                "this server requires a cache_salt on every request (--require-cache-salt): "
-                "requests without one could observe other tenants' cached prompts through timing",
-                400,
-                param="cache_salt",
             )
 
     def check_text(self, text: str, param: str) -> None:
@@ -128,6 +133,34 @@ class OpenAIServing:
             )
         return max_tokens
 
+    async def prompt_inputs(
+        self, p: Any, add_special_tokens: bool, param: str
+    ) -> tuple[list[list[int]], list[str | None]]:
+        """A string, a list of strings, token ids or a list of token-id lists -> token ids per
+        prompt (and the text of those given as text), checked and tokenized off the event loop."""
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        if not items:
+            raise APIError(f"{param} must not be empty", 400, param=param)
+        if len(items) > self.limits.max_prompts:
+            raise APIError(f"at most {self.limits.max_prompts} prompts per request, got {len(items)}", 400, param=param)
+        for it in items:
+            if isinstance(it, str):
+                self.check_text(it, param)
+        ids, texts = [], []
+        for it in items:
+            if isinstance(it, str):
+                ids.append(await self.tokenize(it, add_special_tokens))
+                texts.append(it)
+            else:
+                ids.append(list(it))
+                texts.append(None)
+        return ids, texts
+
     @staticmethod
     def params(req: Any, max_tokens: int | None) -> SamplingParams:
         try:
@@ -160,6 +193,7 @@ class OpenAIServing:
         response_id: str,
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
+        hidden_states_from: int | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
@@ -167,7 +201,15 @@ class OpenAIServing:
         suffix = secrets.token_hex(8)
         ids = [f"{response_id}-{i}-{suffix}" for i in range(len(prompts))]
         return [
-            self.async_engine.generate(p, params, rid, prompt=t, cache_salt=cache_salt, lora_request=lora_request)
+            self.async_engine.generate(
+                p,
+                params,
+                rid,
+                prompt=t,
+                cache_salt=cache_salt,
+                lora_request=lora_request,
+                hidden_states_from=hidden_states_from,
+            )
             for p, t, rid in zip(prompts, texts, ids)
         ]
 

@@ -1,0 +1,62 @@
+"""POST /v1/embeddings against a real server with the official openai client: equal to
+LLM.embed (LAST pooling, normalized), floats and base64, prefix hits, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from .conftest import long_text
+
+pytestmark = pytest.mark.slow  # a real server subprocess
+
+
+@pytest.fixture(scope="module")
+def server(make_server):
+    return make_server()
+
+
+def test_embeddings_equal_llm_embed(server):
+    from prefixkv import LLM
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
+    docs = [long_text(31, 120) + " First question?", long_text(31, 120) + " Second question?", "Hello"]
+    res = client.embeddings.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", input=docs)  # base64 on the wire
+    got = torch.tensor([d.embedding for d in res.data])
+    ref = torch.stack([torch.as_tensor(o.outputs.embedding) for o in LLM(max_model_len=1024).embed(docs)])
+    assert got.shape == ref.shape and torch.allclose(got, ref.float(), atol=1e-4)
+    assert torch.allclose(got.norm(dim=-1), torch.ones(3), atol=1e-4)
+    assert [d.index for d in res.data] == [0, 1, 2]
+    assert res.usage.prompt_tokens > 0
+    # as floats, unnormalized; the shared prefix is a hit
+    r = httpx.post(
+        server.base + "/v1/embeddings",
+        json={"input": docs[:2], "encoding_format": "float", "normalize": False},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    raw = torch.tensor([d["embedding"] for d in body["data"]])
+    assert torch.allclose(torch.nn.functional.normalize(raw, dim=-1), got[:2], atol=1e-4)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    server.wait_idle()
+
+
+def test_embedding_refusals(server):
+    url = server.base + "/v1/embeddings"
+    for body, needle in [
+        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": []}, "input"),
+        ({"input": "x", "model": "nope"}, "nope"),
+        ({"input": [10**9]}, "vocabulary"),
+        ('{"input": "\\ud800"}', "Unicode"),  # a lone surrogate, as JSON text
+        ({"input": "word " * 1100}, "context"),
+    ]:
+        content = body if isinstance(body, str) else json.dumps(body)
+        r = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+        assert 400 <= r.status_code < 500 and needle.lower() in r.text.lower(), (body, r.text)
+    server.wait_idle()
