@@ -14,7 +14,7 @@ from fastapi import Request
 from ..sampling_params import SamplingParams
 from ..stage.pooling import PoolingParams, pool
 from .errors import APIError
-from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, PromptTokensDetails, random_id
+from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, PromptTokensDetails, UsageInfo, random_id
 from .serving import OpenAIServing
 
 # one greedy token is drawn and dropped: the prompt's last position is computed like any prefill
@@ -50,7 +50,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             created=int(time.time()),
             model=model,
             data=data,
-            usage=EmbeddingUsage(
+            usage=UsageInfo(
                 prompt_tokens=num_tokens,
                 total_tokens=num_tokens,
                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),

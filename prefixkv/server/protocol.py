@@ -339,16 +339,10 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str
 
 
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
 class EmbeddingResponse(BaseModel):
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[EmbeddingData]
-    usage: EmbeddingUsage
+    usage: UsageInfo  # as vLLM: completion_tokens stays 0
