@@ -93,6 +93,9 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        tiers = getattr(self.engine, "tiers", None)
+        if tiers is not None:  # queued saves reach the disk / Redis tier: a restart finds them
+            tiers.flush()
 
     def begin_drain(self, timeout: float) -> None:
         """Graceful shutdown: requests in flight may finish for `timeout` seconds; those still
