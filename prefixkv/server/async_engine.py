@@ -85,6 +85,9 @@ class AsyncEngine:
             self._run(keep_going)
         finally:
             self._running = False
+            tiers = getattr(self.engine, "tiers", None)
+            if tiers is not None:  # queued saves reach the disk / Redis tier: a restart finds them
+                tiers.flush()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -93,9 +96,6 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        tiers = getattr(self.engine, "tiers", None)
-        if tiers is not None:  # queued saves reach the disk / Redis tier: a restart finds them
-            tiers.flush()
 
     def begin_drain(self, timeout: float) -> None:
         """Graceful shutdown: requests in flight may finish for `timeout` seconds; those still

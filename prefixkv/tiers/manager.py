@@ -290,6 +290,11 @@ class TierManager:
                 tier.add(saves_dropped=1)
 
     # -- life ----------------------------------------------------------------------------------
+    def retry_now(self) -> None:
+        """Forget the backoff of failed tiers: the next lookup or save tries them again."""
+        for tier in self.tiers:
+            tier.down_until = 0.0
+
     def flush(self) -> None:
         """Wait until every queued save reached its store (or was dropped)."""
         for tier in self.tiers:
