@@ -16,7 +16,8 @@ Scenarios (SmolLM2-135M, float32, greedy; the pool is sized so that it thrashes)
   the disk or Redis tier a previous engine filled, asked question 1 first: TTFT vs a cold start
   (question 1 of the long-document runs).
 * per block - reading + checking + copying one block in from each tier, vs the prefill time per
-  block of the cold question 1.
+  block of the cold question 1; and what a write-through save costs the engine thread (copy out,
+  checksum, and the CPU tier's put or the slow tiers' enqueue).
 
 Without --redis, a redis-server (Debian's package) is started on a free local port and stopped
 at the end. Prints medians; the numbers depend on the machine's load (printed).
@@ -217,11 +218,20 @@ def per_block(loaded, redis_url: str, repeats: int, cold_ttft: float) -> None:
                 found = tiers.lookup(hashes, r["ids"], extras, eng.config.block_size, 0, n)
                 eng.runner.kv_transfer.load(tiers.load_plan(list(range(len(found))), found))
                 times.append((time.perf_counter() - t0) / max(1, len(found)))
+            # the write-through cost on the engine thread: copy out + seal + put (CPU) or enqueue
+            saves = [tiers.plan_save(b, bytes([b]) * 32, r["ids"], extras, eng.config.block_size, 0) for b in range(n)]
+            t0 = time.perf_counter()
+            eng.runner.kv_transfer.save([sv for sv in saves if sv is not None])
+            save_s = (time.perf_counter() - t0) / n
             kv.free(req)
             assert len(found) == n, (name, len(found), n)
             tiers.close()
             del sched
-            print(f"  {name:<6} {med(times) * 1e3:7.3f} ms per block ({n} blocks)", flush=True)
+            print(
+                f"  {name:<6} load {med(times) * 1e3:7.3f} ms per block ({n} blocks); save on the engine thread"
+                f" {save_s * 1e3:.3f} ms per block",
+                flush=True,
+            )
         bs = 16
         print(f"  recompute {cold_ttft / (len(r['ids']) / bs) * 1e3:7.3f} ms per block (cold prefill / blocks)")
     finally:
