@@ -22,7 +22,7 @@ def split_specs(value: str | Sequence[str] | None) -> list[str]:
     if value is None:
         return []
     items = [value] if isinstance(value, str) else list(value)
-    out = []
+    out: list[str] = []
     for item in items:
         if not isinstance(item, str):
             raise ValueError(f"kv_tier entries must be strings, got {type(item).__name__}")

@@ -60,5 +60,5 @@ class BlockTransfer:
         for save in saves:
             for cache, dst in self._layers():
                 dst.copy_(cache.select(self.block_dim, save.block_id))
-            data = memoryview(self._pinned.numpy()) if self._pinned is not None else memoryview(self._stage)
+            data = self._pinned.numpy().data if self._pinned is not None else memoryview(self._stage)
             self.tiers.store(save, data)
