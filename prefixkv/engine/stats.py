@@ -29,6 +29,18 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # vision-language models: the encoder cache (prefixkv/multimodal/encoder_cache.py)
+    multimodal: bool = False
+    mm_encoder_cache_queries: int = 0  # items looked up, once per item per step that needs it
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_runs: int = 0  # images encoded
+    mm_encoder_cache_bytes: int = 0
+    mm_encoder_cache_budget_bytes: int = 0
+
+    @property
+    def mm_encoder_cache_hit_rate(self) -> float:
+        q = self.mm_encoder_cache_queries
+        return self.mm_encoder_cache_hits / q if q else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
