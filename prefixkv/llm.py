@@ -12,6 +12,7 @@ from typing import Any
 
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
+from .multimodal.chat import chat_prompt_with_images, has_image_parts
 from .outputs import RequestOutput
 from .request import LoRARequest
 from .sampling_params import SamplingParams
@@ -206,12 +207,23 @@ class LLM:
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
-        prompts = [
-            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
-            for conv in conversations
-        ]
+        engine = self.llm_engine
+
+        def render(conv: list[dict]) -> str:
+            return tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+        prompts: list[dict[str, Any]] = []
+        for conv in conversations:
+            if has_image_parts(conv):  # image_url / image_pil parts (prefixkv/multimodal/chat.py)
+                text, images = chat_prompt_with_images(
+                    conv, render, engine.image_token, engine.config.allowed_local_media_path
+                )
+                ids = tok.encode(text, add_special_tokens=False)
+                prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+            else:
+                prompts.append({"prompt_token_ids": tok.encode(render(conv), add_special_tokens=False)})
         return self.generate(
-            [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
+            prompts,
             sampling_params,
             use_tqdm=use_tqdm,
             lora_request=lora_request,

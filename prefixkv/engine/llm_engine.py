@@ -150,9 +150,11 @@ class LLMEngine:
         the runner-side encoder with its cache (prefixkv/multimodal/)."""
         self.mm_processor: Any = None
         self.encoder_cache: Any = None
+        self.image_token: str | None = None  # the prompt's image token as text ("<image>"); None: text-only
         mm = self.loaded.multimodal
         if mm is None:
             return
+        self.image_token = self.tokenizer.id_to_token(mm.image_token_id)
         from ..multimodal import EncoderCache, MultiModalEmbedder, MultiModalInputProcessor
 
         config = self.config
