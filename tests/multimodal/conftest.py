@@ -26,3 +26,18 @@ def make_image(seed: int, size: tuple[int, int] = (40, 48), mode: str = "RGB") -
     noise = rng.integers(-6, 7, size=(h, w, 3))
     arr = np.clip(np.asarray(img).astype(int) + noise, 0, 255).astype(np.uint8)
     return Image.fromarray(arr, "RGB").convert(mode)
+
+
+def make_shapes_image(seed: int, size: tuple[int, int] = (128, 96)) -> Image.Image:
+    """Flat shapes on a background: structure a perceptual hash keeps through JPEG re-compression."""
+    from PIL import ImageDraw
+
+    rng = np.random.default_rng(seed)
+    img = Image.new("RGB", size, tuple(int(x) for x in rng.integers(0, 256, 3)))
+    draw = ImageDraw.Draw(img)
+    for _ in range(6):
+        x0, y0 = rng.integers(0, size[0] - 20), rng.integers(0, size[1] - 20)
+        w, h = rng.integers(15, 60, 2)
+        color = tuple(int(x) for x in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x0 + w, y0 + h], fill=color)
+    return img
