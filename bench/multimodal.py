@@ -1,0 +1,117 @@
+"""Multimodal caching: time to first token and encoder calls for questions about images, with the
+prefix cache on / off and the encoder cache on / off.
+
+No vision weights can be downloaded here, so the model is a random LLaVA 1.5 written by
+transformers (a CLIP ViT at 224 px / patch 16 -> 196 image tokens, 6 layers of width 384; a
+4-layer Llama decoder of width 512): the timings are real, the answers are noise. Two workloads,
+each request sent alone (so its TTFT is its own prefill):
+
+- same image: `--questions` different questions about one image;
+- image set:  `--images` images, questions round-robin over them.
+
+Each question follows the image ("USER: <image>\\nquestion ASSISTANT:"), so with the prefix cache
+the image's blocks hit and only the block holding the image's tail and the question is computed -
+its image rows come from the encoder cache, or from running the encoder again when it is off.
+
+    .venv/bin/python bench/multimodal.py [--questions 12] [--images 4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from PIL import Image, ImageDraw  # noqa: E402
+
+from prefixkv import LLM, SamplingParams  # noqa: E402
+
+CONFIGS = [
+    ("prefix cache on,  encoder cache on ", dict(enable_prefix_caching=True, enable_mm_encoder_cache=True)),
+    ("prefix cache on,  encoder cache off", dict(enable_prefix_caching=True, enable_mm_encoder_cache=False)),
+    ("prefix cache off, encoder cache on ", dict(enable_prefix_caching=False, enable_mm_encoder_cache=True)),
+    ("prefix cache off, encoder cache off", dict(enable_prefix_caching=False, enable_mm_encoder_cache=False)),
+]
+
+
+def picture(seed: int, size: int = 320) -> Image.Image:
+    import random
+
+    rng = random.Random(seed)
+    img = Image.new("RGB", (size, size * 3 // 4), tuple(rng.randrange(256) for _ in range(3)))
+    draw = ImageDraw.Draw(img)
+    for _ in range(12):
+        x, y = rng.randrange(size), rng.randrange(size * 3 // 4)
+        w, h = rng.randrange(20, 120), rng.randrange(20, 120)
+        draw.ellipse([x, y, x + w, y + h], fill=tuple(rng.randrange(256) for _ in range(3)))
+    return img
+
+
+def questions(n: int) -> list[str]:
+    """Questions that differ from their first word: the block holding the image's tail differs too."""
+    first = "What Which How Where Why Is Are Does Can Describe List Count Name Tell Compare Explain".split()
+    return [f"{first[i % len(first)]} {i}: what about the shapes and colors in this image?" for i in range(n)]
+
+
+def run(folder: str, kwargs: dict, work: list[tuple[str, Image.Image]], repeats: int) -> tuple[float, float, int]:
+    """(median TTFT of the first request, median TTFT of the later ones, encoder runs per pass)."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    firsts, laters, runs = [], [], 0
+    for _ in range(repeats):
+        llm = LLM(folder, device="cpu", dtype="float32", num_blocks=512, **kwargs)  # a fresh engine: empty caches
+        llm.generate({"prompt": "warm up", "multi_modal_data": {}}, params, use_tqdm=False)
+        for i, (q, img) in enumerate(work):
+            prompt = {"prompt": f"USER: <image>\n{q} ASSISTANT:", "multi_modal_data": {"image": img}}
+            t0 = time.perf_counter()
+            llm.generate(prompt, params, use_tqdm=False)
+            (firsts if i == 0 else laters).append(time.perf_counter() - t0)
+        runs = llm.llm_engine.get_stats().mm_encoder_runs
+    return statistics.median(firsts), statistics.median(laters), runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--questions", type=int, default=12)
+    ap.add_argument("--images", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    import torch
+
+    from tests.multimodal.llava_builder import build_llava
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory() as folder:
+        build_llava(
+            folder,
+            image_size=224,
+            patch_size=16,
+            vision_hidden=384,
+            vision_layers=6,
+            text_hidden=512,
+            text_layers=4,
+            text_intermediate=1536,
+            max_position_embeddings=2048,
+            randomize=False,
+        )
+        qs = questions(args.questions)
+        workloads = {
+            "same image": [(q, picture(0)) for q in qs],
+            f"{args.images} images": [(q, picture(i % args.images)) for i, q in enumerate(qs)],
+        }
+        print(f"{args.questions} questions, 1 token each, each request alone; median of {args.repeats} passes")
+        print(
+            f"{'workload':<12} {'configuration':<36} {'TTFT 1st (ms)':>13} {'TTFT later (ms)':>15} {'encoder runs':>12}"
+        )
+        for name, work in workloads.items():
+            for label, kwargs in CONFIGS:
+                first, later, runs = run(folder, kwargs, work, args.repeats)
+                print(f"{name:<12} {label:<36} {first * 1e3:>13.1f} {later * 1e3:>15.1f} {runs:>12}")
+
+
+if __name__ == "__main__":
+    main()
