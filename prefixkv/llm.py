@@ -216,7 +216,7 @@ class LLM:
         for conv in conversations:
             if has_image_parts(conv):  # image_url / image_pil parts (prefixkv/multimodal/chat.py)
                 text, images = chat_prompt_with_images(
-                    conv, render, engine.image_token, engine.config.allowed_local_media_path
+                    conv, render, engine.image_token, engine.config.allowed_local_media_path, engine.max_images
                 )
                 ids = tok.encode(text, add_special_tokens=False)
                 prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})

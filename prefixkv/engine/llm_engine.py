@@ -151,6 +151,7 @@ class LLMEngine:
         self.mm_processor: Any = None
         self.encoder_cache: Any = None
         self.image_token: str | None = None  # the prompt's image token as text ("<image>"); None: text-only
+        self.max_images: int | None = None  # limit_mm_per_prompt["image"]
         mm = self.loaded.multimodal
         if mm is None:
             return
@@ -158,7 +159,7 @@ class LLMEngine:
         from ..multimodal import EncoderCache, MultiModalEmbedder, MultiModalInputProcessor
 
         config = self.config
-        limit = (config.limit_mm_per_prompt or {}).get("image")
+        self.max_images = limit = (config.limit_mm_per_prompt or {}).get("image")
         self.mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
         self.encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
         self.runner.mm = MultiModalEmbedder(mm.encoder, self.encoder_cache)

@@ -29,7 +29,9 @@ def has_image_parts(messages: list[dict[str, Any]]) -> bool:
     )
 
 
-def _check_part_types(messages: list[dict[str, Any]]) -> None:
+def _check_part_types(messages: list[dict[str, Any]]) -> int:
+    """Refuse unknown part types; returns the number of image parts."""
+    count = 0
     for i, m in enumerate(messages):
         content = m.get("content")
         for j, part in enumerate(content if isinstance(content, list) else ()):
@@ -38,6 +40,8 @@ def _check_part_types(messages: list[dict[str, Any]]) -> None:
                 raise ValueError(
                     f"messages[{i}].content[{j}]: content part type {kind!r} is not supported (text, image_url)"
                 )
+            count += kind in IMAGE_PART_TYPES
+    return count
 
 
 def split_image_parts(
@@ -109,11 +113,18 @@ def chat_prompt_with_images(
     render: Callable[[list[dict[str, Any]]], str],
     image_token: str | None,
     allowed_local_media_path: str | None,
+    max_images: int | None = None,
 ) -> tuple[str, list[Image.Image]]:
     """(the prompt text, its images) of one conversation with image parts. `image_token` None: the
-    model is text-only, which is refused."""
-    _check_part_types(messages)
+    model is text-only, which is refused. The part count is checked against `max_images` before
+    any image is decoded."""
+    count = _check_part_types(messages)
     if image_token is None:
         raise ValueError("image inputs (image_url parts) were given but this model is text-only: it takes no images")
+    if max_images is not None and count > max_images:
+        raise ValueError(
+            f"{count} images in one prompt; this engine takes at most {max_images} "
+            "(limit_mm_per_prompt / --limit-mm-per-prompt)"
+        )
     templated, images = split_image_parts(messages, allowed_local_media_path)
     return render_with_images(templated, render, image_token, len(images)), images

@@ -98,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def build() -> tuple[list[int], tuple]:
             text, images = chat_prompt_with_images(
-                messages, render, engine.image_token, engine.config.allowed_local_media_path
+                messages, render, engine.image_token, engine.config.allowed_local_media_path, engine.max_images
             )
             ids = self.tokenizer.encode(text, req.add_special_tokens)
             return engine.process_multimodal(ids, {"image": images})
