@@ -117,6 +117,12 @@ def test_caching_on_equals_off_for_many_requests(llava, reference):
     assert stats.mm_encoder_runs == 3  # each image once, however many requests and chunks use it
     assert stats.prefix_cache_hits > 0
     assert _free(llm)
+    # too few blocks for the batch: requests are preempted and recomputed, images included
+    small = _llm(llava[0], num_blocks=12, max_model_len=96)
+    outs = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference(p) for p in prompts]
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert _free(small)
 
 
 def test_encoder_cache_lru_and_budget():
