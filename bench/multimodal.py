@@ -108,9 +108,10 @@ def main() -> None:
             "same image": [(q, 0) for q in qs],
             f"{args.images} images": [(q, i % args.images) for i, q in enumerate(qs)],
         }
-        print(f"{args.questions} questions, 1 token each, each request alone; median of {args.repeats} passes")
+        print(f"{args.questions} questions, 1 token each, each request alone; {args.repeats} passes, medians")
         print(
-            f"{'workload':<12} {'configuration':<36} {'TTFT 1st (ms)':>13} {'TTFT later (ms)':>15} {'encoder runs':>12}"
+            f"{'workload':<12} {'configuration':<36} {'TTFT new image (ms)':>19} {'TTFT seen image (ms)':>20} "
+            f"{'encoder runs':>12}"
         )
         for name, work in workloads.items():
             for label, kwargs in CONFIGS:
