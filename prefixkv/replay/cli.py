@@ -26,6 +26,16 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _tier_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of block counts: {text!r}") from None
+    if not sizes or min(sizes) < 0:
+        raise argparse.ArgumentTypeError("CPU tier sizes are block counts >= 0 (0: no tier)")
+    return sizes
+
+
 def _policies(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     if names == ["all"]:
@@ -69,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run the offline reuse oracle (knows whether a block returns, "
         "not when): what a perfect reuse predictor would reach",
     )
+    parser.add_argument(
+        "--cpu-tier-blocks",
+        type=_tier_sizes,
+        default=[0],
+        metavar="N[,N...]",
+        help="a CPU tier of N blocks below the pool, LRU, filled by the pool's evictions and read where the pool's "
+        "hits end; 0 = none; several sizes are swept (default 0; see docs/replay.md)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--prefill-ms-per-token", type=float, default=TimeModel.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=TimeModel.decode_ms_per_token)
@@ -95,15 +113,21 @@ def run(args: argparse.Namespace) -> int:
     )
     if index is not None:
         print(f"infinite-cache ceiling: {infinite_cache_hit_rate(trace, args.block_size, index):.2%}")
+    tiers = args.cpu_tier_blocks
+    with_tier = tiers != [0]
     header = (
         f"{'blocks':>8} {'policy':<16} {'hit rate':>9} {'of opt':>7} {'evictions':>10} {'peak use':>9} "
         f"{'waited':>7} {'skipped':>7}"
-    )
+    ) + (f" {'cpu tier':>9} {'tier hit':>9} {'total hit':>9}" if with_tier else "")
     if not args.json:
         print(header)
     for num_blocks in args.num_blocks:
         opt = replay_optimum(trace, num_blocks, args.block_size, tm, index) if args.optimum else None
-        rows = [replay(trace, num_blocks, args.block_size, name, tm) for name in args.policy]
+        rows = [
+            replay(trace, num_blocks, args.block_size, name, tm, cpu_tier_blocks=tier)
+            for name in args.policy
+            for tier in tiers
+        ]
         if args.reuse_oracle:
             rows.append(replay_optimum(trace, num_blocks, args.block_size, tm, index, reuse_oracle=True))
         if opt is not None:
@@ -117,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
                     f"{num_blocks:>8} {r.policy:<16} {r.hit_rate:>9.2%} "
                     f"{'' if frac is None else f'{frac:.1%}':>7} {r.evictions:>10} "
                     f"{r.peak_usage:>9.1%} {r.waited:>7} {r.skipped:>7}"
+                    + (
+                        f" {r.cpu_tier_blocks:>9} {r.tier_hit_rate:>9.2%} {r.total_hit_rate:>9.2%}"
+                        if with_tier
+                        else ""
+                    )
                 )
     return 0
 
