@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -104,7 +105,12 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         for name in TRACES:
             plot(out / f"replay_{name}.png", name, sizes, policies, paths[name], results, info[name])
-        (out / "replay.md").write_text(md_header() + md + md_notes())
+        page = out / "replay.md"
+        # sections written by bench/replay_scale.py (CPU tier, replicas) are kept, at the end
+        old = page.read_text() if page.exists() else ""
+        pattern = r"<!-- replay_scale:(\w+) -->.*?<!-- /replay_scale:\1 -->"
+        sections = [m.group(0) for m in re.finditer(pattern, old, re.S)]
+        page.write_text(md_header() + md + md_notes() + "".join("\n" + s + "\n" for s in sections))
         print(f"wrote {out / 'replay.md'} and {', '.join(str(out / f'replay_{n}.png') for n in TRACES)}")
     return 0
 

@@ -190,13 +190,19 @@ class ManagerBackend:
     """The real thing: prefixkv.cache.KVCacheManager driven with prefixkv.request.Request."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, policy: str | type[EvictionPolicy] = "lru", cpu_tier_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        policy: str | type[EvictionPolicy] = "lru",
+        cpu_tier_blocks: int = 0,
+        record_events: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.tier = CPUTier(cpu_tier_blocks) if cpu_tier_blocks else None
         self.last_tier_hit = 0
-        if self.tier is None:
+        self.record_events = record_events  # the caller drains mgr.take_events() (a router's index)
+        if self.tier is None and not record_events:
             self.mgr = KVCacheManager(num_blocks, block_size, enable_caching=True, eviction_policy=policy)
         else:  # the tier learns the pool's evictions from its KV events, keyed by content hash
             self.mgr = KVCacheManager(
@@ -232,7 +238,8 @@ class ManagerBackend:
         self._head = None
         if tier is not None:
             self.last_tier_hit = tier_blocks * self.block_size
-            tier.on_events(mgr.take_events())
+            if not self.record_events:
+                tier.on_events(mgr.take_events())
         request.num_computed_tokens = request.num_tokens
         request.num_cached_tokens = num_hit
         self._live[index] = request
