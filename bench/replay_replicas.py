@@ -59,7 +59,9 @@ def run_replicas(args, rest: list[str], paths: dict, limits: dict, command: str)
         f"Command: `{command}` ({elapsed:.0f} s wall, {args.jobs} processes, on a shared 2-core machine",
         "under heavy load; the figures are simulated, so load changes only the wall time)",
         "",
-        "    prefixkv replay examples/traces/conversation_sample.jsonl --replicas 8,16 --router all --num-blocks 1000",
+        "```bash",
+        "prefixkv replay examples/traces/conversation_sample.jsonl --replicas 8,16 --router all --num-blocks 1000",
+        "```",
         "",
     ]
     for name in TRACES:

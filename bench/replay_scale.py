@@ -82,7 +82,9 @@ def run_tiers(args, paths, limits) -> str:
         "",
         f"Command: `{command_line()}` ({elapsed:.0f} s wall, {args.jobs} processes, on a shared 2-core machine)",
         "",
-        "    prefixkv replay examples/traces/conversation_sample.jsonl --num-blocks 1000 --cpu-tier-blocks 0,8000",
+        "```bash",
+        "prefixkv replay examples/traces/conversation_sample.jsonl --num-blocks 1000 --cpu-tier-blocks 0,8000",
+        "```",
         "",
     ]
     for name in TRACES:

@@ -249,3 +249,21 @@ def test_cli_flag_and_null_publisher(default_lm):
     assert engine.kv_event_publisher is None  # null: events stay in the process for take_kv_events()
     _run(engine, [list(range(1, 10))], max_tokens=1)
     assert [type(e).__name__ for e in engine.take_kv_events()] == ["BlockStored"]
+
+
+def test_endpoint_in_use_is_refused_at_startup():
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{_free_port()}")
+    first = ZmqEventPublisher(config)
+    try:
+        with pytest.raises(ValueError, match="cannot open"):
+            ZmqEventPublisher(config)
+    finally:
+        first.shutdown()
+    deadline = time.time() + 10
+    while True:  # released (ZeroMQ closes sockets in its I/O thread, a moment later): bound again
+        try:
+            ZmqEventPublisher(config).shutdown()
+            break
+        except ValueError:
+            assert time.time() < deadline, "the endpoint was never released"
+            time.sleep(0.05)
