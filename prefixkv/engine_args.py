@@ -142,6 +142,11 @@ class EngineArgs:
         "keep the final hidden states of cached blocks (CPU, in the same budget as the KV), so prompt logprobs "
         "and embeddings (MEAN / ALL pooling included) reuse a cached prefix (default: off)",
     )
+    pooler_config: dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
+        None,
+        'default pooling of embeddings, as vLLM: \'{"pooling_type": "MEAN", "normalize": false}\' '
+        "(pooling_type LAST, MEAN, CLS or ALL; default: LAST, normalized)",
+    )
     max_num_seqs: int = _opt(256, "most sequences in one batch (default: 256)", type=int)
     max_num_batched_tokens: int = _opt(
         2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int
@@ -256,6 +261,9 @@ class EngineArgs:
                 f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}; "
                 f"choose one of {', '.join(HASH_ALGOS)}"
             )
+        from .stage.pooling import parse_pooler_config  # here: the stage package imports the engine's
+
+        self.default_pooling = parse_pooler_config(self.pooler_config)
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
 

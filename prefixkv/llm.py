@@ -58,13 +58,16 @@ def _lora_list(lora_request: Any, n: int) -> list[Any]:
     return [lora_request] * n
 
 
-def _pooling_params(params: PoolingParams | None, pooling: str | None, normalize: bool | None) -> PoolingParams:
-    """`pooling_params`, or the `pooling=` / `normalize=` shortcuts (not both)."""
+def _pooling_params(
+    params: PoolingParams | None, pooling: str | None, normalize: bool | None, default: PoolingParams
+) -> PoolingParams:
+    """`pooling_params`, or the `pooling=` / `normalize=` shortcuts (not both) over the engine's
+    default (`pooler_config`)."""
     if params is not None:
         if pooling is not None or normalize is not None:
             raise ValueError("give pooling_params or pooling= / normalize=, not both")
         return params
-    return PoolingParams(pooling or "last", True if normalize is None else normalize)
+    return PoolingParams(pooling or default.pooling, default.normalize if normalize is None else normalize)
 
 
 def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None]]:
@@ -261,9 +264,10 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt: the final hidden states pooled LAST (the default for decoder
         models, as vLLM), MEAN, CLS or ALL (one vector per token), L2-normalized unless
-        `normalize=False`. With `enable_stage_output_cache=True` a prompt that shares cached
-        blocks with an earlier one reuses their hidden states (MEAN and ALL included)."""
-        params = _pooling_params(pooling_params, pooling, normalize)
+        `normalize=False`; the defaults come from the engine's `pooler_config`. With
+        `enable_stage_output_cache=True` a prompt that shares cached blocks with an earlier one
+        reuses their hidden states (MEAN and ALL included)."""
+        params = _pooling_params(pooling_params, pooling, normalize, self.llm_engine.config.default_pooling)
         outs = self.encode(
             prompts,
             params,
@@ -286,7 +290,8 @@ class LLM:
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Pooled final hidden states as tensors (`outputs.data`); `pooling_task="token_embed"`
-        is ALL pooling, "embed" (or None) follows `pooling_params`."""
+        is ALL pooling, "embed" (or None) follows `pooling_params` (default: the engine's
+        `pooler_config`)."""
         if lora_request is not None:
             raise ValueError("embed()/encode() with a LoRA adapter is not supported by prefixkv yet")
         for name, value in (
@@ -295,7 +300,7 @@ class LLM:
         ):
             if value is not None and value != {}:
                 raise ValueError(f"encode({name}=...) is not supported by prefixkv: {_UNSUPPORTED_CALL_ARGS[name]}")
-        params = pooling_params or PoolingParams()
+        params = pooling_params or self.llm_engine.config.default_pooling
         if pooling_task == "token_embed":
             params = PoolingParams("all", params.normalize)
         elif pooling_task not in (None, "embed"):

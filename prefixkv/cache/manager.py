@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block import KVCacheBlock
 from .events import BlockStored, KVCacheEvent
 from .eviction import EvictionPolicy, get_policy, overrides
-from .identity import ROOT_UID, BlockChain, HashFunction, get_hash_function, none_hash
+from .identity import ROOT_UID, BlockChain, ExtraKeys, HashFunction, get_hash_function, none_hash
 from .pool import BlockPool
 from .protocol import CacheRequest
 from .stats import PrefixCacheStats
@@ -220,6 +221,11 @@ class KVCacheManager:
             if self._on_request_free is not None:
                 self._on_request_free(request.num_prompt_tokens, request.num_output_tokens)
             self.block_pool.free_blocks(reversed(state.blocks))
+
+    def evict_where(self, match: Callable[[ExtraKeys], bool]) -> tuple[int, int]:
+        """Evict, first, the free cached blocks whose extra keys satisfy `match` (content that can
+        never be hit again); returns (evicted, matching blocks still held by requests)."""
+        return self.block_pool.evict_where(match)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached identities. Only when idle: returns False while any block is held."""

@@ -280,7 +280,32 @@ class LLMEngine:
                 f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is off: start the engine with "
                 "enable_lora=True (--enable-lora)"
             )
-        return self.lora_manager.resolve(lora_request)
+        resolved = self.lora_manager.resolve(lora_request)
+        if self.lora_manager.retired:  # a reload with new weights retired the old version
+            self._evict_retired_loras()
+        return resolved
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget every adapter version named `name` (vLLM's `remove_lora`, by name). Requests
+        already running finish with it; its cached blocks can never be hit again and are evicted
+        first (those still held, once their requests end). Returns whether it was known."""
+        if self.lora_manager is None:
+            return False
+        known = self.lora_manager.remove(name)
+        self._evict_retired_loras()
+        return known
+
+    def _evict_retired_loras(self) -> None:
+        """Evict the blocks cached under retired adapter versions; keep the list while running
+        requests still hold some, and drop the host copies of versions nobody uses."""
+        manager = self.lora_manager
+        assert manager is not None
+        retired = manager.retired
+        _, held = self.kv_cache_manager.evict_where(lambda extras: any(k in retired for k in extras))
+        if not held:
+            retired.clear()
+        in_use = {c.lora_id for g in self._groups.values() for c in g.children if not c.is_finished}
+        manager.forget_unused(in_use)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks are freed at once. Unknown ids are ignored."""
@@ -288,6 +313,8 @@ class LLMEngine:
             group = self._groups.get(rid)
             if group is not None:
                 self._end_group(group, RequestStatus.FINISHED_ABORTED)
+        if self.lora_manager is not None and self.lora_manager.retired:
+            self._evict_retired_loras()
         self._update_stats()
 
     def _end_group(self, group: _Group, status: RequestStatus) -> None:
@@ -325,6 +352,8 @@ class LLMEngine:
             else:
                 sampled, failed = self.scheduler.update_from_output(scheduler_output, runner_output)
                 outputs = self._process_outputs(runner_output, sampled, failed)
+        if self.lora_manager is not None and self.lora_manager.retired and any(o.finished for o in outputs):
+            self._evict_retired_loras()  # held blocks of retired adapters may be free now
         self._drain_kv_events()
         self._update_stats()
         return outputs
