@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -106,11 +105,10 @@ def main() -> int:
         for name in TRACES:
             plot(out / f"replay_{name}.png", name, sizes, policies, paths[name], results, info[name])
         page = out / "replay.md"
-        # sections written by bench/replay_scale.py (CPU tier, replicas) are kept, at the end
+        # what bench/replay_scale.py wrote (CPU tier, replicas: from its first marker on) is kept
         old = page.read_text() if page.exists() else ""
-        pattern = r"<!-- replay_scale:(\w+) -->.*?<!-- /replay_scale:\1 -->"
-        sections = [m.group(0) for m in re.finditer(pattern, old, re.S)]
-        page.write_text(md_header() + md + md_notes() + "".join("\n" + s + "\n" for s in sections))
+        start = old.find("<!-- replay_scale:")
+        page.write_text(md_header() + md + md_notes() + ("\n" + old[start:] if start >= 0 else ""))
         print(f"wrote {out / 'replay.md'} and {', '.join(str(out / f'replay_{n}.png') for n in TRACES)}")
     return 0
 
