@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .cache import HASH_ALGOS, POLICIES
+from .kv_events.config import KVEventsConfig
 
 logger = logging.getLogger("prefixkv")
 
@@ -130,6 +131,12 @@ class EngineArgs:
     enable_kv_cache_events: bool = _opt(
         False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)"
     )
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
+        None,
+        "publish KV events as vLLM does, a JSON object of vLLM's KVEventsConfig, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' '
+        "(docs/kv_events.md; default: none)",
+    )
     enable_stage_output_cache: bool = _opt(
         False,
         "keep the final hidden states of cached blocks (CPU, in the same budget as the KV), so prompt logprobs "
@@ -213,6 +220,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self._check_compat()
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events:
+            self.enable_kv_cache_events = True  # vLLM's switch lives in the config
         if self.max_num_batched_tokens is None:  # vLLM's None: the default
             self.max_num_batched_tokens = 2048
         if self.num_gpu_blocks_override is not None:

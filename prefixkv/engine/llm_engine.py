@@ -20,6 +20,7 @@ import torch
 
 from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats
 from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
+from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..model import LoadedModel, load_model
@@ -136,6 +137,11 @@ class LLMEngine:
         self._group_ids = itertools.count()  # ids for requests that bring none
         self._seq_ids = itertools.count()  # engine-private sequence ids: never derived from a client's string
         self._kv_events = KVEventBuffer(MAX_PENDING_KV_EVENTS)
+        # events leave the process through a publisher when kv_events_config says so (kv_events/);
+        # otherwise they wait in _kv_events for take_kv_events()
+        kv_events_config = config.kv_events_config
+        assert kv_events_config is None or isinstance(kv_events_config, KVEventsConfig)  # EngineArgs parsed it
+        self.kv_event_publisher: EventPublisher | None = create_publisher(kv_events_config)
         # counters for metrics
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -484,16 +490,26 @@ class LLMEngine:
     def _drain_kv_events(self) -> None:
         events = self.scheduler.take_kv_events()
         if events:
+            if self.kv_event_publisher is not None:  # one batch per step, as vLLM; never blocks
+                self.kv_event_publisher.publish(events)
+                return
             buffer = self._kv_events
             for event in events:
                 buffer.append(event)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        """Every KV event not taken yet, oldest first (for a publisher). At most
+        """Every KV event not taken yet, oldest first ([] when a kv_events_config publisher sends them). At most
         MAX_PENDING_KV_EVENTS wait between calls; older ones are dropped and counted in
         `get_stats().num_kv_events_dropped`."""
         self._drain_kv_events()
         return self._kv_events.drain()
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the KV event publisher's thread and sockets (queued batches
+        are sent first, for at most a second). The engine serves no request afterwards."""
+        publisher, self.kv_event_publisher = self.kv_event_publisher, None
+        if publisher is not None:
+            publisher.shutdown()
 
     # -- cache control and statistics ----------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -520,7 +536,9 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=s.num_preemptions,
             num_requests_errored=self.num_requests_errored,
-            num_kv_events_dropped=self._kv_events.num_dropped + s.num_dropped_kv_events,
+            num_kv_events_dropped=self._kv_events.num_dropped
+            + s.num_dropped_kv_events
+            + (self.kv_event_publisher.num_dropped_events if self.kv_event_publisher is not None else 0),
             num_blocks=self.num_blocks,
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
