@@ -28,6 +28,7 @@ from ..outputs import Logprob, RequestMetrics, RequestOutput
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
 from ..stage import StageOutputCache, stage_output_specs
+from ..tiers import TierManager, attach_tiers
 from .block_tensors import BlockTensors, kv_cache_specs
 from .model_runner import ModelRunner
 from .model_runner_output import ModelRunnerOutput
@@ -131,6 +132,9 @@ class LLMEngine:
             blocks = self.scheduler.kv_cache_manager.block_pool.blocks
             self.stage_outputs = StageOutputCache(self.block_tensors, blocks, bs)
             self.scheduler.stage_outputs = self.runner.stage_outputs = self.stage_outputs
+        self.tiers: TierManager | None = None
+        if config.kv_offloading_size or config.kv_tier:  # KV tiers below the pool (prefixkv/tiers)
+            self.tiers = attach_tiers(self)
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
@@ -543,6 +547,17 @@ class LLMEngine:
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
             **self._lora_stats(),
+            **self._tier_stats(),
+        )
+
+    def _tier_stats(self) -> dict[str, Any]:
+        t = self.tiers
+        if t is None:
+            return {}
+        return dict(
+            external_prefix_cache_queries=t.external_queries,
+            external_prefix_cache_hits=t.external_hits,
+            kv_tiers=t.stats(),
         )
 
     def _lora_stats(self) -> dict[str, Any]:

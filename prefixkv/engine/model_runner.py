@@ -23,6 +23,7 @@ from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from ..stage import StageOutputCache
+    from ..tiers.transfer import BlockTransfer
 
 PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scoring a prompt
 
@@ -50,6 +51,7 @@ class ModelRunner:
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
         self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
+        self.kv_transfer: BlockTransfer | None = None  # set by the engine when KV tiers are on
         self.lora_manager = lora_manager
         if lora_manager is not None:
             lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers
@@ -61,6 +63,11 @@ class ModelRunner:
         itself fails (then no KV written in this step can be trusted)."""
         scheduled = scheduler_output.scheduled
         bs = self.block_size
+        transfer = self.kv_transfer
+        if scheduler_output.kv_loads or scheduler_output.kv_saves:
+            if transfer is None:
+                raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")
+            transfer.load(scheduler_output.kv_loads)  # blocks from the tiers, before the forward reads them
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -101,6 +108,8 @@ class ModelRunner:
             **lora,
         )
 
+        if scheduler_output.kv_saves and transfer is not None:  # completed blocks, write-through to the tiers
+            transfer.save(scheduler_output.kv_saves)
         stage = self.stage_outputs
         if stage is not None:  # every computed row, through the KV slot mapping; full blocks become readable
             stage.write(per_token_outputs(hidden, len(input_ids)), meta.slot_mapping)

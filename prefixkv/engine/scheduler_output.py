@@ -49,6 +49,10 @@ class SchedulerOutput:
     num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    # KV tiers (prefixkv/tiers): blocks to fill from tier bytes before the forward, and blocks
+    # completed by this step's forward to copy out after it
+    kv_loads: list[Any] = field(default_factory=list)  # tiers.KVLoad
+    kv_saves: list[Any] = field(default_factory=list)  # tiers.KVSave
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
