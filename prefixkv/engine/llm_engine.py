@@ -12,7 +12,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..model import LoadedModel, load_model
 from ..outputs import Logprob, RequestMetrics, RequestOutput
-from ..request import Request, RequestStatus
+from ..request import MultiModalItem, Request, RequestStatus
 from ..sampling_params import SamplingParams
 from ..stage import StageOutputCache, stage_output_specs
 from ..tiers import TierManager, attach_tiers
@@ -135,6 +135,7 @@ class LLMEngine:
         self.tiers: TierManager | None = None
         if config.kv_offloading_size or config.kv_tier:  # KV tiers below the pool (prefixkv/tiers)
             self.tiers = attach_tiers(self)
+        self._init_multimodal()
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
@@ -153,6 +154,41 @@ class LLMEngine:
         self.num_steps = 0
         self._stats = EngineStats()
         self._update_stats()
+
+    def _init_multimodal(self) -> None:
+        """A vision-language checkpoint: the prompt-side processor (placeholders, item identities) and
+        the runner-side encoder with its cache (prefixkv/multimodal/)."""
+        self.mm_processor: Any = None
+        self.encoder_cache: Any = None
+        self.image_token: str | None = None  # the prompt's image token as text ("<image>"); None: text-only
+        self.max_images: int | None = None  # limit_mm_per_prompt["image"]
+        mm = self.loaded.multimodal
+        if mm is None:
+            return
+        self.image_token = self.tokenizer.id_to_token(mm.image_token_id)
+        from ..multimodal import EncoderCache, MultiModalEmbedder, MultiModalInputProcessor
+
+        config = self.config
+        self.max_images = limit = (config.limit_mm_per_prompt or {}).get("image")
+        self.mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
+        self.encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
+        self.runner.mm = MultiModalEmbedder(mm.encoder, self.encoder_cache)
+
+    def process_multimodal(
+        self, prompt_token_ids: Sequence[int], multi_modal_data: Any
+    ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+        """Expand a prompt's image tokens and build its items (no engine state is touched, so any
+        thread may call it). ValueError for images on a text-only model, a count of image tokens
+        that differs from the count of images, too many images, or an image that cannot be decoded."""
+        if self.mm_processor is None:
+            if multi_modal_data:
+                raise ValueError(
+                    "multi_modal_data was given but this model is text-only: it takes no images "
+                    "(serve a LLaVA-style checkpoint for image inputs)"
+                )
+            return list(prompt_token_ids), ()
+        ids, items = self.mm_processor(prompt_token_ids, multi_modal_data)
+        return ids, items
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -195,9 +231,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_text: str | None = None,
         hidden_states_from: int | None = None,
+        multi_modal_data: Any = None,
+        mm_items: Sequence[MultiModalItem] | None = None,
     ) -> str:
         """Queue one prompt (text or token ids; `prompt_text` names the text that token ids came
-        from). Returns the request id. Atomic: everything that can fail - validation,
+        from). Returns the request id. Images come as `multi_modal_data` ({"image": ...}, one
+        image token per image in the prompt), or already processed (`process_multimodal`) as
+        expanded token ids with their `mm_items`. Atomic: everything that can fail - validation,
         tokenization, seeded generators - happens before any state changes, so on an exception
         nothing is registered."""
         params = params if params is not None else SamplingParams()
@@ -212,6 +252,12 @@ class LLMEngine:
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = prompt_text, list(prompt)
+        if mm_items is None:
+            ids, mm_items = self.process_multimodal(ids, multi_modal_data)
+        elif multi_modal_data is not None:
+            raise ValueError("give multi_modal_data or processed mm_items, not both")
+        elif mm_items and self.mm_processor is None:
+            raise ValueError("multimodal items were given but this model is text-only: it takes no images")
         self.validate_prompt(ids)
         if hidden_states_from is not None:  # the prompt's final hidden states from this position on
             if not isinstance(hidden_states_from, int) or not -len(ids) <= hidden_states_from < len(ids):
@@ -245,6 +291,7 @@ class LLMEngine:
                     prompt=text,
                     arrival_time=arrival,
                     generator=gen,
+                    mm_items=mm_items,
                 )
             )
             children[-1].lora_id = lora_id
@@ -548,6 +595,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             **self._lora_stats(),
             **self._tier_stats(),
+            **self._mm_stats(),
         )
 
     def _tier_stats(self) -> dict[str, Any]:
@@ -558,6 +606,19 @@ class LLMEngine:
             external_prefix_cache_queries=t.external_queries,
             external_prefix_cache_hits=t.external_hits,
             kv_tiers=t.stats(),
+        )
+
+    def _mm_stats(self) -> dict[str, Any]:
+        if self.encoder_cache is None:
+            return {}
+        c = self.encoder_cache
+        return dict(
+            multimodal=True,
+            mm_encoder_cache_queries=c.queries,
+            mm_encoder_cache_hits=c.hits,
+            mm_encoder_runs=c.encoder_runs,
+            mm_encoder_cache_bytes=c.bytes_used,
+            mm_encoder_cache_budget_bytes=c.budget_bytes,
         )
 
     def _lora_stats(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from .sampler import SampleResult, sample, score_tokens
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from ..multimodal.embedding import MultiModalEmbedder
     from ..stage import StageOutputCache
     from ..tiers.transfer import BlockTransfer
 
@@ -52,6 +53,7 @@ class ModelRunner:
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
         self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
         self.kv_transfer: BlockTransfer | None = None  # set by the engine when KV tiers are on
+        self.mm: MultiModalEmbedder | None = None  # set by the engine for a vision-language model
         self.lora_manager = lora_manager
         if lora_manager is not None:
             lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers
@@ -100,13 +102,13 @@ class ModelRunner:
         if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
             # the per-token adapter index, grouped by adapter (base-only steps skip this entirely)
             lora["lora_mapping"] = self.lora_manager.prepare([(sr.lora_id, len(sr.token_ids)) for sr in scheduled])
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-            **lora,
-        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        extra: dict[str, object] = dict(lora)
+        if self.mm is not None and any(sr.mm_inputs for sr in scheduled):
+            # image embeddings at the placeholder positions; the model only sees the embeddings
+            placements = [(query_start_loc[i], sr.mm_inputs) for i, sr in enumerate(scheduled) if sr.mm_inputs]
+            extra["inputs_embeds"] = self.mm.inputs_embeds(self.model.embed_tokens, ids, placements)
+        hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta, **extra)
 
         if scheduler_output.kv_saves and transfer is not None:  # completed blocks, write-through to the tiers
             transfer.save(scheduler_output.kv_saves)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..request import Request, RequestStatus
 from .model_runner_output import ModelRunnerOutput
-from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .scheduler_output import EncoderInput, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from ..stage import StageOutputCache
@@ -244,7 +244,18 @@ class Scheduler:
             prompt_hidden_from=hidden_upto if want_hidden else None,
             stage_output_reads=reads,
             lora_id=req.lora_id,
+            mm_inputs=self._encoder_inputs(req, start, start + num_new) if req.mm_items else (),
         )
+
+    @staticmethod
+    def _encoder_inputs(req: Request, start: int, end: int) -> tuple[EncoderInput, ...]:
+        """The items (sorted by offset) overlapping tokens [start, end), with the rows each needs."""
+        out = []
+        for item in req.mm_items:
+            a, b = max(start, item.offset), min(end, item.offset + item.length)
+            if a < b:
+                out.append(EncoderInput(item.identifier, item.data, (a - item.offset, b - item.offset), a - start))
+        return tuple(out)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks (they keep their identity, so the request re-hits
