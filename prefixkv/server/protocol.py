@@ -49,11 +49,8 @@ UNSUPPORTED_FIELDS = {
     "parallel_tool_calls": "tool calling is not implemented yet",
     "functions": "function calling is not implemented yet",
     "function_call": "function calling is not implemented yet",
-    "logit_bias": "logit_bias is not implemented yet",
     "use_beam_search": "beam search is not implemented",
     "length_penalty": "beam search is not implemented",
-    "bad_words": "bad_words is not implemented yet",
-    "allowed_token_ids": "allowed_token_ids is not implemented yet",
     "truncate_prompt_tokens": "prompt truncation is not implemented yet",
     "prompt_embeds": "prompt embeddings are not supported",
     "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
@@ -109,6 +106,9 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     request_id: str | None = None
     prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string key) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM extra
+    bad_words: list[str] | None = None  # vLLM extra
 
     def _params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -133,6 +133,9 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
 
