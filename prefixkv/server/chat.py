@@ -88,6 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         ids = await self.prompt(req)
         max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
         params = self.params(req, max_tokens)
+        await self.compile_grammar(params)
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
         k = req.top_logprobs or 0

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams
+from .structured import ResponseFormat, structured_outputs_of
 
 
 def random_id(prefix: str) -> str:
@@ -37,13 +38,11 @@ class StreamOptions(BaseModel):
 
 # Known OpenAI / vLLM request fields that prefixkv does not implement yet, with what to do instead.
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured outputs are not implemented yet",
-    "structured_outputs": "structured outputs are not implemented yet",
-    "guided_json": "guided decoding is not implemented yet",
-    "guided_regex": "guided decoding is not implemented yet",
-    "guided_choice": "guided decoding is not implemented yet",
-    "guided_grammar": "guided decoding is not implemented yet",
-    "guided_decoding_backend": "guided decoding is not implemented yet",
+    "guided_json": 'vLLM 0.32 dropped guided_*: use structured_outputs {"json": ...} or response_format',
+    "guided_regex": 'vLLM 0.32 dropped guided_*: use structured_outputs {"regex": ...}',
+    "guided_choice": 'vLLM 0.32 dropped guided_*: use structured_outputs {"choice": [...]}',
+    "guided_grammar": 'vLLM 0.32 dropped guided_*: use structured_outputs {"grammar": ...}',
+    "guided_decoding_backend": "one structured-outputs backend (xgrammar): nothing to choose",
     "tools": "tool calling is not implemented yet",
     "tool_choice": "tool calling is not implemented yet",
     "parallel_tool_calls": "tool calling is not implemented yet",
@@ -109,6 +108,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string key) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM extra
     bad_words: list[str] | None = None  # vLLM extra
+    response_format: ResponseFormat | None = None  # OpenAI's: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM extra: StructuredOutputsParams' fields
 
     def _params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -136,6 +137,7 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=structured_outputs_of(self.response_format, self.structured_outputs),
         )
 
 
