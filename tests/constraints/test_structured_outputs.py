@@ -16,8 +16,6 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.sampling_params import StructuredOutputsParams
 
-from .conftest import run_all
-
 SCHEMA = {
     "type": "object",
     "properties": {
