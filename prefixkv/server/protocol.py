@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams
 from .structured import ResponseFormat, structured_outputs_of
+from .tools import ChatTool, DeltaToolCall, NamedToolChoice, ToolCall
 
 
 def random_id(prefix: str) -> str:
@@ -43,9 +44,9 @@ UNSUPPORTED_FIELDS = {
     "guided_choice": 'vLLM 0.32 dropped guided_*: use structured_outputs {"choice": [...]}',
     "guided_grammar": 'vLLM 0.32 dropped guided_*: use structured_outputs {"grammar": ...}',
     "guided_decoding_backend": "one structured-outputs backend (xgrammar): nothing to choose",
-    "tools": "tool calling is not implemented yet",
-    "tool_choice": "tool calling is not implemented yet",
-    "parallel_tool_calls": "tool calling is not implemented yet",
+    "tools": "tool calling is on /v1/chat/completions",
+    "tool_choice": "tool calling is on /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is on /v1/chat/completions",
     "functions": "function calling is not implemented yet",
     "function_call": "function calling is not implemented yet",
     "use_beam_search": "beam search is not implemented",
@@ -175,6 +176,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
@@ -248,6 +252,7 @@ class ChatChoiceLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -271,6 +276,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
