@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ from typing import Any
 import torch
 
 from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats
+from ..constraints.grammar import GrammarEngine
+from ..constraints.token_constraints import RequestConstraints
+from ..constraints.validation import check_vocab
 from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
 from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
 from ..lora.manager import LoRAManager
@@ -137,6 +141,8 @@ class LLMEngine:
             self.tiers = attach_tiers(self)
         self._init_multimodal()
         self.eos_ids = set(self.tokenizer.eos_token_ids)
+        self._grammar_engine: GrammarEngine | None = None  # built on the first structured request
+        self._grammar_lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
         self._group_ids = itertools.count()  # ids for requests that bring none
@@ -219,6 +225,28 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > limit:
                 raise ValueError(f"{name}={value} is more than this engine allows (max_logprobs={limit})")
+        check_vocab(params, self.model_config.vocab_size)
+        if params.structured_outputs is not None and params.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the grammar decides where the output ends"
+            )
+
+    @property
+    def grammar_engine(self) -> GrammarEngine:
+        """The structured-outputs grammar engine (built once, on first use: ~0.1 s)."""
+        with self._grammar_lock:
+            if self._grammar_engine is None:
+                self._grammar_engine = GrammarEngine(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            return self._grammar_engine
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of `params.structured_outputs` (None without one), cached by spec.
+        Thread-safe: the server calls it in a worker thread before the request reaches the engine
+        loop, so a step never waits for a compilation. ValueError for an invalid spec."""
+        if params.structured_outputs is None:
+            return None
+        params.structured_outputs.verify()
+        return self.grammar_engine.compile(params.structured_outputs)
 
     def add_request(
         self,
@@ -242,6 +270,7 @@ class LLMEngine:
         nothing is registered."""
         params = params if params is not None else SamplingParams()
         self.validate_params(params)
+        compiled = self.compile_grammar(params)
         lora_id = 0
         if lora_request is not None:
             lora_request, lora_id = self.resolve_lora(lora_request)
@@ -278,6 +307,7 @@ class LLMEngine:
         else:
             raise ValueError(f"arrival_time must be a finite number, got {arrival_time!r}")
         children, states = [], []
+        constraints = RequestConstraints.build(params, self.tokenizer, self.model_config.vocab_size)
         for i in range(params.n):
             # seed + i wraps modulo 2**64 (what torch takes): any valid seed works for any n
             gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else None
@@ -295,6 +325,15 @@ class LLMEngine:
                 )
             )
             children[-1].lora_id = lora_id
+            if compiled is not None:  # each sequence walks its own grammar
+                grammar = self.grammar_engine.matcher(compiled)
+                children[-1].constraints = (
+                    constraints.shares_with(grammar)
+                    if constraints is not None
+                    else RequestConstraints(self.model_config.vocab_size, grammar=grammar)
+                )
+            else:
+                children[-1].constraints = constraints
             states.append(OutputState(i, params, self.tokenizer))
         group = _Group(request_id, text, ids, children, states, arrival)
         if params.prompt_logprobs is not None:

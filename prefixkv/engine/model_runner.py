@@ -175,6 +175,7 @@ class ModelRunner:
     ) -> SampleResult:
         eos = self.eos_token_ids
         eos_block = [eos if sr.block_eos else None for sr in reqs]
+        constraints = [sr.constraints for sr in reqs]
         return sample(
             logits,
             [sr.sampling_params for sr in reqs],
@@ -182,6 +183,7 @@ class ModelRunner:
             [sr.prompt_token_ids for sr in reqs],
             [sr.output_token_ids for sr in reqs],
             eos_block if any(e is not None for e in eos_block) else None,
+            constraints if any(c is not None for c in constraints) else None,
         )
 
     def _sample_one_by_one(

@@ -238,6 +238,7 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             block_eos=req.num_output_tokens < params.min_tokens,
+            constraints=req.constraints,
             # prompt logprobs: positions already scored before a preemption are not redone
             want_hidden_states=want_logprobs or want_hidden,
             prompt_logprobs_from=req.prompt_logprobs_upto,

@@ -41,6 +41,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # penalties and prompt logprobs read them
     output_token_ids: list[int]
     block_eos: bool = False  # min_tokens not reached: EOS may not be drawn
+    constraints: Any = None  # prefixkv.constraints.RequestConstraints: applied to the sampled row
     # The runner needs this chunk's final hidden states (today: to score prompt logprobs).
     want_hidden_states: bool = False
     prompt_logprobs_from: int = 0  # the first prompt token whose logprob is still unknown
