@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .cache import HASH_ALGOS, POLICIES
+from .kv_events.config import KVEventsConfig
 
 logger = logging.getLogger("prefixkv")
 
@@ -150,10 +151,28 @@ class EngineArgs:
     enable_kv_cache_events: bool = _opt(
         False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)"
     )
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
+        None,
+        "publish KV events as vLLM does, a JSON object of vLLM's KVEventsConfig, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' '
+        "(docs/kv_events.md; default: none)",
+    )
     enable_stage_output_cache: bool = _opt(
         False,
         "keep the final hidden states of cached blocks (CPU, in the same budget as the KV), so prompt logprobs "
         "and embeddings (MEAN / ALL pooling included) reuse a cached prefix (default: off)",
+    )
+    kv_offloading_size: float | None = _opt(
+        None,
+        "CPU-memory KV tier below the pool, in GiB (vLLM's flag): blocks computed once are kept there and "
+        "loaded back when the pool has evicted them (default: off; docs/tiers.md)",
+        type=float,
+    )
+    kv_tier: list[str] | str | None = _opt(
+        None,
+        "a disk or Redis KV tier below the pool and the CPU tier: disk:/path[?size=16GiB] or "
+        "redis://host:port/db[?timeout=0.5]; repeat the flag or give a comma list; an engine started "
+        "against the same tier serves known prefixes from it (default: none; docs/tiers.md)",
     )
     pooler_config: dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
         None,
@@ -249,6 +268,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self._check_compat()
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events:
+            self.enable_kv_cache_events = True  # vLLM's switch lives in the config
         if self.max_num_batched_tokens is None:  # vLLM's None: the default
             self.max_num_batched_tokens = 2048
         if self.num_gpu_blocks_override is not None:
@@ -293,6 +315,23 @@ class EngineArgs:
         self.default_pooling = parse_pooler_config(self.pooler_config)
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        from .tiers.spec import parse_spec, split_specs
+
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+        specs = split_specs(self.kv_tier)
+        for text in specs:
+            parse_spec(text)
+        if (size or specs) and not self.enable_prefix_caching:
+            raise ValueError("KV tiers (kv_offloading_size / kv_tier) need enable_prefix_caching")
+        if (size or specs) and self.enable_stage_output_cache:
+            raise ValueError(
+                "KV tiers with enable_stage_output_cache are not implemented (tier blocks carry no stage outputs)"
+            )
 
     def _check_multimodal(self) -> None:
         if self.mm_hash not in MM_HASH_MODES:
@@ -350,6 +389,8 @@ class EngineArgs:
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
             if isinstance(f.default, bool) or f.name == "enable_chunked_prefill":
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.name == "kv_tier":  # repeatable
+                kwargs["action"] = "append"
             else:
                 if meta["type"] is not None:
                     kwargs["type"] = meta["type"]

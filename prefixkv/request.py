@@ -120,6 +120,8 @@ class Request:
         self.prompt_hidden_upto: int | None = None
         self.generator = generator  # seeded torch.Generator, or None for the engine's default
         self.error: str | None = None  # why the request failed, when status is FINISHED_ERROR
+        # logit_bias / allowed_token_ids / bad_words / grammar (prefixkv.constraints.RequestConstraints)
+        self.constraints: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

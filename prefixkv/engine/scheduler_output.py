@@ -41,6 +41,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # penalties and prompt logprobs read them
     output_token_ids: list[int]
     block_eos: bool = False  # min_tokens not reached: EOS may not be drawn
+    constraints: Any = None  # prefixkv.constraints.RequestConstraints: applied to the sampled row
     # The runner needs this chunk's final hidden states (today: to score prompt logprobs).
     want_hidden_states: bool = False
     prompt_logprobs_from: int = 0  # the first prompt token whose logprob is still unknown
@@ -61,6 +62,10 @@ class SchedulerOutput:
     num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    # KV tiers (prefixkv/tiers): blocks to fill from tier bytes before the forward, and blocks
+    # completed by this step's forward to copy out after it
+    kv_loads: list[Any] = field(default_factory=list)  # tiers.KVLoad
+    kv_saves: list[Any] = field(default_factory=list)  # tiers.KVSave
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

@@ -85,6 +85,9 @@ class AsyncEngine:
             self._run(keep_going)
         finally:
             self._running = False
+            tiers = getattr(self.engine, "tiers", None)
+            if tiers is not None:  # queued saves reach the disk / Redis tier: a restart finds them
+                tiers.flush()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cv:

@@ -22,9 +22,12 @@ from .protocol import (
 )
 from .serving import OpenAIServing
 from .streaming import ChoiceDelta, StreamState, chunk_dict, sse_stream
+from .tools import ToolPlan, ToolStream, finish_for, plan_tools
 
 
 class OpenAIServingChat(OpenAIServing):
+    tool_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice (set by create_app)
+
     def message_text(self, content: object, at: str) -> str:
         """A message's content as text: a string, or a list of text parts (joined by newlines)."""
         if content is None:
@@ -51,7 +54,7 @@ class OpenAIServingChat(OpenAIServing):
             parts.append(text)
         return "\n".join(parts)
 
-    async def prompt(self, req: ChatCompletionRequest) -> tuple[list[int], tuple]:
+    async def prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> tuple[list[int], tuple]:
         """The prompt's token ids, and its multimodal items when messages have image parts."""
         raw = [m.model_dump(exclude_none=True) for m in req.messages]
         if not raw:
@@ -62,6 +65,7 @@ class OpenAIServingChat(OpenAIServing):
                 messages,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 tokenize=False,
+                **({"tools": plan.tools} if plan is not None else {}),
                 **(req.chat_template_kwargs or {}),
             )
 
@@ -119,27 +123,39 @@ class OpenAIServingChat(OpenAIServing):
         self.check_common(req)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
-        ids, mm_items = await self.prompt(req)
+        plan = plan_tools(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
+        ids, mm_items = await self.prompt(req, plan)
         max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
         params = self.params(req, max_tokens)
+        if plan is not None and plan.structured_outputs is not None:  # required / named: the call's grammar
+            if params.structured_outputs is not None:
+                raise APIError(
+                    f'tool_choice "{plan.mode}" cannot be combined with response_format / structured_outputs', 400
+                )
+            params.structured_outputs = plan.structured_outputs
+        await self.compile_grammar(params)
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
         k = req.top_logprobs or 0
         gens = self.start([ids], [None], params, rid, req.cache_salt, self.lora_for(req.model), mm_items=[mm_items])
         if req.stream:
-            return self.stream(req, gens, [ids], rid, created, model, params.n, k)
+            return self.stream(req, gens, [ids], rid, created, model, params.n, k, plan)
         finals = await self.collect(raw, gens)
         out = finals[0]
-        choices = [
-            ChatCompletionResponseChoice(
-                index=o.index,
-                message=ChatResponseMessage(content=o.text),
-                logprobs=chat_logprobs(o.logprobs, o.token_ids, k) if req.logprobs and o.logprobs is not None else None,
-                finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason,
+        choices = []
+        for o in out.outputs:
+            content, calls = plan.parse(o.text) if plan is not None else (o.text, [])
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=o.index,
+                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    logprobs=chat_logprobs(o.logprobs, o.token_ids, k)
+                    if req.logprobs and o.logprobs is not None
+                    else None,
+                    finish_reason=finish_for(plan, o.finish_reason, bool(calls)) if plan else o.finish_reason,
+                    stop_reason=o.stop_reason,
+                )
             )
-            for o in out.outputs
-        ]
         return ChatCompletionResponse(
             id=rid,
             created=created,
@@ -149,22 +165,28 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=out.prompt_logprobs,
         )
 
-    def stream(self, req, gens, prompts, rid, created, model, n, k):
+    def stream(self, req, gens, prompts, rid, created, model, n, k, plan=None):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
         def response(choices, usage=None) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
 
+        tools = ToolStream(plan) if plan is not None else None
+
         def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
             lp = None
             if req.logprobs and d.logprobs is not None:
                 lp = chat_logprobs(d.logprobs, d.token_ids, k)
+            delta, finish = DeltaMessage(content=d.text), d.choice.finish_reason
+            if tools is not None:  # content up to where a call may begin; the calls when the choice ends
+                content, calls, finish = tools.delta(d.index, d.choice.text, finish)
+                delta = DeltaMessage(content=content, tool_calls=calls)
             choice = ChatCompletionStreamChoice(
                 index=d.index,
-                delta=DeltaMessage(content=d.text),
+                delta=delta,
                 logprobs=lp,
-                finish_reason=d.choice.finish_reason,
+                finish_reason=finish,
                 stop_reason=d.choice.stop_reason,
             )
             return chunk_dict(response([choice], self.usage(prompts, state.latest) if continuous else None))

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..outputs import RequestOutput
+from .tier_metrics import tier_metric_families
 
 if TYPE_CHECKING:
     from ..engine.llm_engine import LLMEngine
@@ -183,6 +184,7 @@ class _EngineCollector:
         yield gauge("prefixkv:num_kv_blocks", "KV cache blocks in the pool.", stats.num_blocks)
         yield gauge("prefixkv:block_size", "Tokens per KV cache block.", stats.block_size)
         yield gauge("prefixkv:max_model_len", "Longest sequence (prompt + output) accepted.", stats.max_model_len)
+        yield from tier_metric_families(stats, names, values)
 
 
 class ServerMetrics:

@@ -168,6 +168,16 @@ class OpenAIServing:
         except (ValueError, TypeError, OverflowError) as e:
             raise APIError(str(e), 400) from e
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (or find cached) the structured-outputs grammar in a worker thread, so the
+        engine loop never waits for a compilation; an invalid schema / regex / grammar is a 400."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.compile_grammar, params)
+        except ValueError as e:
+            raise APIError(str(e), 400) from e
+
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize in a worker thread: a long prompt never stalls other clients' streams."""
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)

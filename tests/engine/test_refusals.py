@@ -67,10 +67,7 @@ def test_arguments_that_change_nothing_are_accepted():
     [
         (dict(use_beam_search=True), "use_beam_search"),
         (dict(best_of=3), "best_of"),
-        (dict(logit_bias={1: 5.0}), "logit_bias"),
         (dict(guided_decoding={"json": {}}), "guided_decoding"),
-        (dict(allowed_token_ids=[1, 2]), "allowed_token_ids"),
-        (dict(bad_words=["x"]), "bad_words"),
         (dict(logits_processors=[print]), "logits_processors"),
         (dict(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
         (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
