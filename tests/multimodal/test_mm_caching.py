@@ -179,10 +179,8 @@ def test_chunks_and_prefix_hits_take_only_the_rows_they_need():
     b = Request("b", tokens[:12] + [6, 6, 6], mm_items=[img], sampling_params=SamplingParams(max_tokens=1))
     s.add_request(b)
     assert s.schedule().scheduled[0].mm_inputs == ()
-    # a hit of two blocks (tokens 0-7) leaves rows 6-8 of the image to compute
-    c = Request("c", tokens[:8] + [8] * 7, mm_items=[img], sampling_params=SamplingParams(max_tokens=1))
-    c_tokens = c.all_token_ids
-    c_tokens[8:11] = [9, 9, 9]
+    # the image with other text after it: a hit of two blocks (tokens 0-7) leaves its rows 6-8
+    c = Request("c", tokens[:11] + [8, 8, 8, 8], mm_items=[img], sampling_params=SamplingParams(max_tokens=1))
     s.add_request(c)
     (sr,) = [x for x in s.schedule().scheduled if x.req_id == "c"]
     assert sr.start == 8 and sr.mm_inputs == (EncoderInput("img", pix, (6, 9), 0),)
