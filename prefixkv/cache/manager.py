@@ -206,12 +206,16 @@ class KVCacheManager:
             state.blocks[i].content_hash = hashes[i]
         lora = request.lora_request
         token_ids = [t for block_tokens in state.chain.tokens[start:end] for t in block_tokens]
+        chain = state.chain
         return BlockStored(
             block_hashes=hashes[start:end],
             parent_block_hash=hashes[start - 1] if start else None,
             token_ids=token_ids,
             block_size=self.block_size,
             lora_name=lora.lora_name if lora is not None else None,
+            extra_keys=[chain.extra(i) for i in range(start, end)],
+            # the integer id is not part of the cache protocol (the key is name, path, weights)
+            lora_id=getattr(lora, "lora_int_id", None) if lora is not None else None,
         )
 
     # -- release -------------------------------------------------------------------------------

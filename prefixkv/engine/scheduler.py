@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..request import Request, RequestStatus
 from .model_runner_output import ModelRunnerOutput
-from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .scheduler_output import EncoderInput, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from ..stage import StageOutputCache
@@ -216,7 +216,8 @@ class Scheduler:
             req.skip_prefix_cache_read or (req.reads_stage_outputs and params.prompt_logprobs is not None)
         )
         hidden_upto = req.prompt_hidden_upto
-        want_hidden = hidden_upto is not None and hidden_upto < n_prompt
+        # prompt positions; with return_hidden_states, generated ones too
+        want_hidden = hidden_upto is not None and (hidden_upto < n_prompt or params.return_hidden_states)
         reads: tuple[int, ...] = ()
         if req.reads_stage_outputs and start and (want_logprobs or want_hidden):
             # cache hits hold positions this request still needs: their cached outputs are read back
@@ -238,13 +239,25 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             block_eos=req.num_output_tokens < params.min_tokens,
+            constraints=req.constraints,
             # prompt logprobs: positions already scored before a preemption are not redone
             want_hidden_states=want_logprobs or want_hidden,
             prompt_logprobs_from=req.prompt_logprobs_upto,
             prompt_hidden_from=hidden_upto if want_hidden else None,
             stage_output_reads=reads,
             lora_id=req.lora_id,
+            mm_inputs=self._encoder_inputs(req, start, start + num_new) if req.mm_items else (),
         )
+
+    @staticmethod
+    def _encoder_inputs(req: Request, start: int, end: int) -> tuple[EncoderInput, ...]:
+        """The items (sorted by offset) overlapping tokens [start, end), with the rows each needs."""
+        out = []
+        for item in req.mm_items:
+            a, b = max(start, item.offset), min(end, item.offset + item.length)
+            if a < b:
+                out.append(EncoderInput(item.identifier, item.data, (a - item.offset, b - item.offset), a - start))
+        return tuple(out)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks (they keep their identity, so the request re-hits

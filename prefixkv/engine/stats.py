@@ -35,6 +35,18 @@ class EngineStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_tiers: tuple[Any, ...] = ()
+    # vision-language models: the encoder cache (prefixkv/multimodal/encoder_cache.py)
+    multimodal: bool = False
+    mm_encoder_cache_queries: int = 0  # items looked up, once per item per step that needs it
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_runs: int = 0  # images encoded
+    mm_encoder_cache_bytes: int = 0
+    mm_encoder_cache_budget_bytes: int = 0
+
+    @property
+    def mm_encoder_cache_hit_rate(self) -> float:
+        q = self.mm_encoder_cache_queries
+        return self.mm_encoder_cache_hits / q if q else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -51,6 +51,7 @@ def create_app(
     limits: RequestLimits | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     lora_modules: list[LoRARequest] | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
@@ -66,6 +67,7 @@ def create_app(
 
     completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error)
     chat = OpenAIServingChat(engine, async_engine, names, limits, count_error)
+    chat.tool_parser = tool_call_parser  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
     embeddings = OpenAIServingEmbedding(engine, async_engine, names, limits, count_error)
     loras: LoRARegistry | None = None
     if getattr(engine.config, "enable_lora", False) or lora_modules:

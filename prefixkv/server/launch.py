@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from .limits import RequestLimits
+from .tools import TOOL_PARSERS
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
@@ -77,6 +78,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         f"error; new requests get 503 meanwhile (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" on /v1/chat/completions: the model calls tools when it decides to '
+        "(needs --tool-call-parser); required / named choices work without it",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are found in the model's text: hermes (<tool_call>{json}</tool_call>: "
+        "Qwen2.5/3, Hermes, SmolLM3 templates) or llama3_json (Llama 3.1+)",
+    )
+    g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
@@ -90,6 +104,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for vLLM compatibility (prefixkv logs no periodic stats)",
     )
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Flag combinations refused before the model loads (vLLM's messages)."""
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise SystemExit("error: When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
 
 
 def _lora_module(text: str) -> Any:
@@ -131,6 +151,7 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
         limits=limits,
         max_request_body_bytes=args.max_request_body_bytes,
         lora_modules=getattr(args, "lora_modules", None),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if args.api_key else "off")
     async_engine = app.state.async_engine
@@ -168,4 +189,6 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
     http.start()
     async_engine.run(keep_going=http.is_alive)
     http.join(timeout=args.shutdown_timeout + 15)
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()  # the KV event publisher sends what it queued and closes its sockets
     return 0 if server.should_exit else 1  # the HTTP server ended by itself: it failed to start

@@ -164,6 +164,23 @@ class _EngineCollector:
             "KV cache events dropped because nobody drained them.",
             stats.num_kv_events_dropped,
         )
+        if stats.multimodal:  # the image encoder cache (docs/multimodal.md)
+            yield counter(
+                "prefixkv:mm_encoder_cache_queries",
+                "Images looked up in the encoder cache (once per image per step that needs it).",
+                stats.mm_encoder_cache_queries,
+            )
+            yield counter(
+                "prefixkv:mm_encoder_cache_hits",
+                "Encoder cache lookups that found the image.",
+                stats.mm_encoder_cache_hits,
+            )
+            yield counter("prefixkv:mm_encoder_runs", "Images run through the vision encoder.", stats.mm_encoder_runs)
+            yield gauge(
+                "prefixkv:mm_encoder_cache_usage_bytes",
+                "Bytes held by the encoder cache.",
+                stats.mm_encoder_cache_bytes,
+            )
         yield gauge("prefixkv:num_kv_blocks", "KV cache blocks in the pool.", stats.num_blocks)
         yield gauge("prefixkv:block_size", "Tokens per KV cache block.", stats.block_size)
         yield gauge("prefixkv:max_model_len", "Longest sequence (prompt + output) accepted.", stats.max_model_len)

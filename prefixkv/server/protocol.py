@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams
+from .structured import ResponseFormat, structured_outputs_of
+from .tools import ChatTool, DeltaToolCall, NamedToolChoice, ToolCall
 
 
 def random_id(prefix: str) -> str:
@@ -37,23 +39,18 @@ class StreamOptions(BaseModel):
 
 # Known OpenAI / vLLM request fields that prefixkv does not implement yet, with what to do instead.
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured outputs are not implemented yet",
-    "structured_outputs": "structured outputs are not implemented yet",
-    "guided_json": "guided decoding is not implemented yet",
-    "guided_regex": "guided decoding is not implemented yet",
-    "guided_choice": "guided decoding is not implemented yet",
-    "guided_grammar": "guided decoding is not implemented yet",
-    "guided_decoding_backend": "guided decoding is not implemented yet",
-    "tools": "tool calling is not implemented yet",
-    "tool_choice": "tool calling is not implemented yet",
-    "parallel_tool_calls": "tool calling is not implemented yet",
+    "guided_json": 'vLLM 0.32 dropped guided_*: use structured_outputs {"json": ...} or response_format',
+    "guided_regex": 'vLLM 0.32 dropped guided_*: use structured_outputs {"regex": ...}',
+    "guided_choice": 'vLLM 0.32 dropped guided_*: use structured_outputs {"choice": [...]}',
+    "guided_grammar": 'vLLM 0.32 dropped guided_*: use structured_outputs {"grammar": ...}',
+    "guided_decoding_backend": "one structured-outputs backend (xgrammar): nothing to choose",
+    "tools": "tool calling is on /v1/chat/completions",
+    "tool_choice": "tool calling is on /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is on /v1/chat/completions",
     "functions": "function calling is not implemented yet",
     "function_call": "function calling is not implemented yet",
-    "logit_bias": "logit_bias is not implemented yet",
     "use_beam_search": "beam search is not implemented",
     "length_penalty": "beam search is not implemented",
-    "bad_words": "bad_words is not implemented yet",
-    "allowed_token_ids": "allowed_token_ids is not implemented yet",
     "truncate_prompt_tokens": "prompt truncation is not implemented yet",
     "prompt_embeds": "prompt embeddings are not supported",
     "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
@@ -109,6 +106,11 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     request_id: str | None = None
     prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string key) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM extra
+    bad_words: list[str] | None = None  # vLLM extra
+    response_format: ResponseFormat | None = None  # OpenAI's: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM extra: StructuredOutputsParams' fields
 
     def _params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -133,6 +135,10 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            structured_outputs=structured_outputs_of(self.response_format, self.structured_outputs),
         )
 
 
@@ -170,6 +176,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
@@ -243,6 +252,7 @@ class ChatChoiceLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -266,6 +276,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
