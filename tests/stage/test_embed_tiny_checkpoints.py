@@ -13,12 +13,12 @@ from ..model.test_model_hf_folder import VOCAB, _make, _write_tokenizer
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_pooled_embeddings_equal_transformers(tmp_path, kind):
-    hf = _make(kind, max_position_embeddings=128)
+    hf = _make(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
     g = torch.Generator().manual_seed(2)
-    prefix = torch.randint(0, VOCAB - 50, (40,), generator=g).tolist()
-    docs = [prefix + torch.randint(0, VOCAB - 50, (n,), generator=g).tolist() for n in (5, 9, 13)]
+    prefix = torch.randint(0, VOCAB - 50, (16,), generator=g).tolist()
+    docs = [prefix + torch.randint(0, VOCAB - 50, (n,), generator=g).tolist() for n in (3, 5, 7)]
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=8, num_blocks=64, enable_stage_output_cache=True)
     with torch.no_grad():
         ref = [hf(torch.tensor([d]), output_hidden_states=True).hidden_states[-1][0] for d in docs]
@@ -27,6 +27,6 @@ def test_pooled_embeddings_equal_transformers(tmp_path, kind):
         for out, h in zip(outs, ref):
             want = {"mean": h.mean(0), "last": h[-1], "cls": h[0], "all": h}[pooling]
             torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4)
-        assert all(o.num_cached_tokens >= 40 for o in outs[1:])  # the prefix's hidden states, from the cache
+        assert all(o.num_cached_tokens >= 16 for o in outs[1:])  # the prefix's hidden states, from the cache
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
