@@ -26,7 +26,14 @@ from .limits import RequestLimits
 from .lora import LoRARegistry, add_lora_routes, load_startup_adapters
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
-from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelCard, ModelList
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ModelCard,
+    ModelList,
+    PoolingRequest,
+)
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far above any prompt that fits a context
@@ -99,6 +106,10 @@ def create_app(
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest, raw: Request):
         return await embeddings.create(req, raw)
+
+    @app.post("/pooling")
+    async def create_pooling(req: PoolingRequest, raw: Request):
+        return await embeddings.create_pooling(req, raw)
 
     if loras is not None:
         add_lora_routes(app, loras, async_engine)

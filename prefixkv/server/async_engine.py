@@ -85,6 +85,9 @@ class AsyncEngine:
             self._run(keep_going)
         finally:
             self._running = False
+            tiers = getattr(self.engine, "tiers", None)
+            if tiers is not None:  # queued saves reach the disk / Redis tier: a restart finds them
+                tiers.flush()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -205,6 +208,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_request: Any = None,
         hidden_states_from: int | None = None,
+        mm_items: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -222,6 +226,7 @@ class AsyncEngine:
                 arrival_time=arrival,
                 lora_request=lora_request,
                 **({} if hidden_states_from is None else {"hidden_states_from": hidden_states_from}),
+                **({} if not mm_items else {"mm_items": mm_items}),
             )
             self._streams[request_id] = stream
 

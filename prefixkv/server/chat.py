@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import Request
 
+from ..multimodal.chat import chat_prompt_with_images, has_image_parts
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import (
@@ -52,22 +54,29 @@ class OpenAIServingChat(OpenAIServing):
             parts.append(text)
         return "\n".join(parts)
 
-    async def prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            d = m.model_dump(exclude_none=True)
-            d["content"] = self.message_text(m.content, f"messages[{i}]")
-            messages.append(d)
-        if not messages:
+    async def prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> tuple[list[int], tuple]:
+        """The prompt's token ids, and its multimodal items when messages have image parts."""
+        raw = [m.model_dump(exclude_none=True) for m in req.messages]
+        if not raw:
             raise APIError("messages must not be empty", 400, param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
+
+        def render(messages: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 tokenize=False,
                 **({"tools": plan.tools} if plan is not None else {}),
                 **(req.chat_template_kwargs or {}),
             )
+
+        if has_image_parts(raw):
+            return await self.prompt_with_images(req, raw, render)
+        messages = []
+        for i, (m, d) in enumerate(zip(req.messages, raw)):
+            d["content"] = self.message_text(m.content, f"messages[{i}]")
+            messages.append(d)
+        try:
+            text = render(messages)
         except Exception as e:  # template errors (e.g. raise_exception in the template) are the caller's
             raise APIError(f"chat template failed: {e}", 400, param="messages") from e
         if req.continue_final_message:
@@ -76,7 +85,32 @@ class OpenAIServingChat(OpenAIServing):
             if end and text.endswith(end):
                 text = text[: -len(end)]
         self.check_text(text, "messages")
-        return await self.tokenize(text, req.add_special_tokens)
+        return await self.tokenize(text, req.add_special_tokens), ()
+
+    async def prompt_with_images(
+        self, req: ChatCompletionRequest, messages: list[dict], render
+    ) -> tuple[list[int], tuple]:
+        """Image parts (data URLs; local files under --allowed-local-media-path; never the network):
+        decoded, templated, expanded to placeholders and hashed in a worker thread."""
+        engine = self.engine
+        if req.continue_final_message:
+            raise APIError("continue_final_message with image parts is not supported", 400, param="messages")
+        for m in messages:
+            for part in m.get("content") if isinstance(m.get("content"), list) else ():
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    self.check_text(part["text"], "messages")
+
+        def build() -> tuple[list[int], tuple]:
+            text, images = chat_prompt_with_images(
+                messages, render, engine.image_token, engine.config.allowed_local_media_path, engine.max_images
+            )
+            ids = self.tokenizer.encode(text, req.add_special_tokens)
+            return engine.process_multimodal(ids, {"image": images})
+
+        try:
+            return await asyncio.to_thread(build)
+        except ValueError as e:  # bad images, URLs, counts: the caller's
+            raise APIError(str(e), 400, param="messages") from e
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         model = self.check_model(req.model)
@@ -90,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.prompt_logprobs is not None and req.stream:
             raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
         plan = plan_tools(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
-        ids = await self.prompt(req, plan)
+        ids, mm_items = await self.prompt(req, plan)
         max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
         params = self.params(req, max_tokens)
         if plan is not None and plan.structured_outputs is not None:  # required / named: the call's grammar
@@ -103,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
         k = req.top_logprobs or 0
-        gens = self.start([ids], [None], params, rid, req.cache_salt, self.lora_for(req.model))
+        gens = self.start([ids], [None], params, rid, req.cache_salt, self.lora_for(req.model), mm_items=[mm_items])
         if req.stream:
             return self.stream(req, gens, [ids], rid, created, model, params.n, k, plan)
         finals = await self.collect(raw, gens)

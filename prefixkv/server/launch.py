@@ -189,4 +189,6 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
     http.start()
     async_engine.run(keep_going=http.is_alive)
     http.join(timeout=args.shutdown_timeout + 15)
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()  # the KV event publisher sends what it queued and closes its sockets
     return 0 if server.should_exit else 1  # the HTTP server ended by itself: it failed to start

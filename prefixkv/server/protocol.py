@@ -338,16 +338,37 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
-    normalize: bool = True
+    normalize: bool | None = None  # None: the server's --pooler-config (normalized by default)
     add_special_tokens: bool = True
     cache_salt: str | None = None
     request_id: str | None = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's POST /pooling: an embeddings request with a `task` ("embed", "token_embed")."""
+
+    task: str | None = None
 
 
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | str
+
+
+class PoolingData(BaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | list[list[float]] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo
 
 
 class EmbeddingResponse(BaseModel):

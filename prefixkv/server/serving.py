@@ -204,6 +204,7 @@ class OpenAIServing:
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
         hidden_states_from: int | None = None,
+        mm_items: list[tuple] | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
@@ -219,8 +220,9 @@ class OpenAIServing:
                 cache_salt=cache_salt,
                 lora_request=lora_request,
                 hidden_states_from=hidden_states_from,
+                mm_items=mm_items[i] if mm_items else None,
             )
-            for p, t, rid in zip(prompts, texts, ids)
+            for i, (p, t, rid) in enumerate(zip(prompts, texts, ids))
         ]
 
     async def collect(self, raw: Request, gens: list[AsyncIterator[RequestOutput]]) -> dict[int, RequestOutput]:

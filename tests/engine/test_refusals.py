@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
         (dict(revision="main"), "revision"),
         (dict(speculative_config={"method": "ngram"}), "speculative_config"),
-        (dict(limit_mm_per_prompt={"image": 1}), "limit_mm_per_prompt"),
+        (dict(limit_mm_per_prompt={"video": 1}), "limit_mm_per_prompt"),
         (dict(hf_overrides={"x": 1}), "hf_overrides"),
         (dict(scheduling_policy="priority"), "scheduling_policy"),
         (dict(tokenizer="other/tokenizer"), "tokenizer"),
