@@ -179,3 +179,33 @@ def test_a_stream_withholds_what_may_begin_a_call():
     assert s.delta(0, "Hi <toolbox " + HERMES_CALL[:20], None)[0] == " "
     content, calls, finish = s.delta(0, "Hi <toolbox " + HERMES_CALL, "stop")
     assert content is None and finish == "tool_calls" and calls[0].function.name == "get_weather"
+
+
+TOOLS_TEMPLATE = (  # the shape of Qwen2.5's: the tools as JSON in the system turn
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_go_into_the_chat_template(default_lm):
+    import copy
+    import dataclasses
+
+    from prefixkv.config import EngineConfig
+    from prefixkv.engine.llm_engine import LLMEngine
+    from prefixkv.server.app import create_app
+
+    tokenizer = copy.copy(default_lm.tokenizer)  # the same tokenizer with a template that renders tools
+    tokenizer.chat_template, tokenizer._template = TOOLS_TEMPLATE, None
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", device="cpu", num_blocks=32, max_model_len=512),
+        loaded=dataclasses.replace(default_lm, tokenizer=tokenizer),
+    )
+    with TestClient(create_app(engine, tool_call_parser="hermes")) as c:
+        body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1, "prompt_logprobs": 0}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        entries = r.json()["prompt_logprobs"][1:]
+        prompt = "".join(next(iter(e.values()))["decoded_token"] for e in entries)
+        assert json.dumps(TOOLS[0]["function"]["parameters"]) in prompt and "<tools>" in prompt, prompt
