@@ -5,7 +5,7 @@
   --tool-call-parser NAME`: the model writes freely and the parser finds the calls in its text
   (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5/3,
   Hermes and SmolLM3 templates; `llama3_json`: `{"name": ..., "parameters": {...}}`, optionally
-  after `<|python_tag|>`, Llama 3.1+ templates).
+  after `<|python_tag|>`, Llama 3.1+ templates; `mistral`: `[TOOL_CALLS] [{...}, ...]`).
 - `tool_choice="required"` and a named function are constrained by the grammar engine (no flags
   needed), so the call always parses: a named function's output is its arguments object (JSON
   schema: the function's `parameters`); `required` outputs a JSON array of
@@ -79,6 +79,7 @@ class ToolParser:
     """Finds tool calls in a model's text: (content before the calls or None, calls)."""
 
     marker = ""  # where the calls begin: a stream withholds text from here on
+    keeps_special_tokens = False  # the marker is a special token: the text must keep them
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
@@ -133,7 +134,35 @@ class Llama3JsonToolParser(ToolParser):
         return None, calls
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+class MistralToolParser(ToolParser):
+    """Mistral's templates: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`. `[TOOL_CALLS]`
+    is a special token: the request keeps special tokens in its text (as vLLM's parser does)."""
+
+    marker = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        try:
+            items, _ = json.JSONDecoder().raw_decode(text[at + len(self.marker) :].lstrip())
+        except ValueError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        if not all(isinstance(it, dict) and isinstance(it.get("name"), str) for it in items):
+            return text, []
+        calls = [
+            ToolCall(function=FunctionCall(name=it["name"], arguments=_arguments(it.get("arguments")))) for it in items
+        ]
+        return text[:at].strip() or None, calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+}
 
 
 # -- a request's tool plan ----------------------------------------------------------------------

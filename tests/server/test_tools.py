@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
-from prefixkv.server.tools import HermesToolParser, Llama3JsonToolParser, ToolPlan, ToolStream
+from prefixkv.server.tools import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolPlan, ToolStream
 
 WEATHER = {
     "type": "object",
@@ -164,6 +164,13 @@ def test_refusals_are_vllms(engine, client):
             [("f", {"a": 1}), ("g", {})],
         ),
         (Llama3JsonToolParser(), "Paris is sunny.", "Paris is sunny.", []),
+        (
+            MistralToolParser(),
+            '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
+            None,
+            [("f", {"a": 1}), ("g", {})],
+        ),
+        (MistralToolParser(), "[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
     ],
 )
 def test_parsers(parser, text, content, calls):
