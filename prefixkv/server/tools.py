@@ -272,13 +272,15 @@ def plan_tools(
 
 
 class ToolStream:
-    """Per-choice state of a streamed chat answer with tools: content deltas up to where a call
-    may begin, then the parsed calls in one delta when the choice finishes (each call complete:
-    OpenAI clients accumulate deltas, so one delta per call is a valid stream)."""
+    """Per-choice state of a streamed chat answer with tools. A named call's arguments stream as
+    they are generated (the first delta carries the id and name, as vLLM's). Otherwise: content
+    deltas up to where a call may begin, then the parsed calls in one delta when the choice
+    finishes (each call complete: OpenAI clients accumulate deltas, so that is a valid stream)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.sent: dict[int, int] = {}  # choice index -> content characters sent
+        self.ids: dict[int, str] = {}  # choice index -> its named call's id
 
     def delta(
         self, index: int, text: str, finish_reason: str | None
@@ -286,6 +288,16 @@ class ToolStream:
         """(new content or None, tool call deltas or None, finish reason) for a choice whose whole
         text so far is `text`."""
         sent = self.sent.get(index, 0)
+        if self.plan.mode == "named":  # the output is the call's arguments: streamed as they come
+            self.sent[index] = len(text)
+            new = text[sent:]
+            if not new and finish_reason is None:
+                return None, None, None
+            if index not in self.ids:
+                self.ids[index] = f"chatcmpl-tool-{uuid.uuid4().hex}"
+                fn = DeltaFunctionCall(name=self.plan.named, arguments=new)
+                return None, [DeltaToolCall(index=0, id=self.ids[index], type="function", function=fn)], finish_reason
+            return None, [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))], finish_reason
         if finish_reason is None:
             end = max(self.plan.visible_end(text), sent)
             self.sent[index] = end

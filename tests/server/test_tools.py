@@ -78,7 +78,8 @@ def stream(client, **fields) -> tuple[list[dict], str | None, str]:
                 delta = choice["delta"]
                 content += delta.get("content") or ""
                 for tc in delta.get("tool_calls") or []:
-                    call = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+                    call = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": "", "deltas": 0})
+                    call["deltas"] += 1
                     call["id"] = tc.get("id") or call["id"]
                     call["name"] += (tc.get("function") or {}).get("name") or ""
                     call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
@@ -99,6 +100,7 @@ def test_named_and_required_choices_always_parse(client):
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
     # streamed: the same call
     calls, finish, content = stream(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert len(calls) == 1 and calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["deltas"] > 3  # as generated
     assert [(c["name"], c["arguments"]) for c in calls] == [
         ("get_weather", named["message"]["tool_calls"][0]["function"]["arguments"])
     ]
