@@ -56,6 +56,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # prefixkv's extra (vLLM-Omni's stage hand-over): RequestOutput.hidden_states holds the final
+    # hidden state of every position computed for the sequence - the prompt's, then each generated
+    # token's but the last (never fed back) - for a downstream stage (prefixkv/pipeline/)
+    return_hidden_states: bool = False
     # constraints on what may be sampled (prefixkv/constraints/)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -107,9 +111,17 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "detokenize",
+            "return_hidden_states",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004
+        if self.return_hidden_states and self.n != 1:
+            raise ValueError("return_hidden_states needs n=1 (one sequence's hidden states per request)")
         normalize_logit_bias(self.logit_bias)
         check_token_fields(self)
         if self.structured_outputs is not None:
