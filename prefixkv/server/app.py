@@ -38,7 +38,7 @@ def create_app(
     engine: LLMEngine,
     *,
     served_model_names: list[str] | None = None,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     model_root: str | None = None,
     engine_thread: bool = True,
     limits: RequestLimits | None = None,
@@ -48,7 +48,7 @@ def create_app(
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
     `app.state.async_engine.run()` itself (`prefixkv serve` does, on the main thread).
-    An empty `api_key` means no key, as None does."""
+    An empty `api_key` (or a list of empty keys) means no key, as None does."""
     names = list(served_model_names or [model_root or DEFAULT_MODEL_NAME])
     metrics = ServerMetrics(engine, names[0])
     async_engine = AsyncEngine(engine, on_finished=metrics.on_finished, on_aborted=metrics.aborted.inc)
@@ -81,8 +81,9 @@ def create_app(
     app.state.metrics = metrics
     # Added last = outermost: the body cap answers before the key is even looked at.
     app.add_middleware(DrainMiddleware, is_draining=lambda: async_engine.is_draining)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=lambda: count_error(401))
+    keys = [k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k]
+    if keys:
+        app.add_middleware(APIKeyMiddleware, api_key=keys, on_reject=lambda: count_error(401))
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, on_reject=lambda: count_error(413))
     install_error_handlers(app, count_error)
 

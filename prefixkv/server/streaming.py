@@ -144,17 +144,26 @@ def sse_stream(
     usage_chunk: Callable[[StreamState], dict] | None = None,
     on_error: Callable[[int], Any] | None = None,
 ) -> StreamingResponse:
-    """The streamed response of a request: `prelude` chunks, one chunk per choice delta, the
-    usage chunk, then [DONE]. A failure mid-stream (engine error, shutdown, bad value found late)
+    """The streamed response of a request: `prelude` chunks (with the first delta), one chunk per
+    choice delta, the usage chunk, then [DONE]. A failure mid-stream (engine error, shutdown, bad value found late)
     becomes an OpenAI error event, so the client always sees why the stream ended."""
 
     async def body() -> AsyncIterator[str]:
         state = StreamState()
+        # The prelude (chat's assistant-role chunks) waits for the first computed output, as
+        # vLLM's: sent at once, it would arrive before the prefill and a client's time to first
+        # token would measure nothing.
+        pending = list(prelude)
         try:
-            for chunk in prelude:
-                yield sse(chunk)
             async for delta in choice_deltas(gens, n, state):
+                if pending:
+                    for chunk in pending:
+                        yield sse(chunk)
+                    pending = []
                 yield sse(make_chunk(delta, state))
+            for chunk in pending:  # nothing was generated: the role still comes first
+                yield sse(chunk)
+            pending = []
             if usage_chunk is not None:
                 yield sse(usage_chunk(state))
         except Exception as e:  # noqa: BLE001 - reported to the client in-band

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="prefixkv-serve-", suffix=".log", delete=False)
@@ -44,7 +44,9 @@ class Server:
             "--disable-uvicorn-access-log",
             *extra,
         ]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         deadline = time.time() + STARTUP_TIMEOUT
         while True:
             if self.proc.poll() is not None:
@@ -111,8 +113,8 @@ class Server:
 def make_server():
     servers: list[Server] = []
 
-    def make(*extra: str) -> Server:
-        s = Server(*extra)
+    def make(*extra: str, env: dict[str, str] | None = None) -> Server:
+        s = Server(*extra, env=env)
         servers.append(s)
         return s
 
