@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import Request
 
@@ -49,7 +50,9 @@ class OpenAIServingChat(OpenAIServing):
             parts.append(text)
         return "\n".join(parts)
 
-    async def prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def render(self, req: Any) -> str:
+        """The chat prompt's text: a request's messages through its template (the request's
+        `chat_template`, else the model's) with its options, as vLLM renders them."""
         messages = []
         for i, m in enumerate(req.messages):
             d = m.model_dump(exclude_none=True)
@@ -57,22 +60,39 @@ class OpenAIServingChat(OpenAIServing):
             messages.append(d)
         if not messages:
             raise APIError("messages must not be empty", 400, param="messages")
+        if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise APIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                400,
+                param="continue_final_message",
+            )
+        if req.chat_template is not None:
+            self.check_text(req.chat_template, "chat_template")
+        kwargs = dict(req.chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message", "tokenize"):
+            if reserved in kwargs:
+                raise APIError(
+                    f"chat_template_kwargs must not set {reserved!r}: it is a request field of its own",
+                    400,
+                    param="chat_template_kwargs",
+                )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 tokenize=False,
-                **(req.chat_template_kwargs or {}),
+                chat_template=req.chat_template,
+                continue_final_message=req.continue_final_message,
+                **kwargs,
             )
         except Exception as e:  # template errors (e.g. raise_exception in the template) are the caller's
-            raise APIError(f"chat template failed: {e}", 400, param="messages") from e
-        if req.continue_final_message:
-            end = self.tokenizer.eos_token or ""
-            text = text.rstrip()
-            if end and text.endswith(end):
-                text = text[: -len(end)]
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise APIError(f"chat template failed: {type(e).__name__}: {e}", 400, param=param) from e
         self.check_text(text, "messages")
-        return await self.tokenize(text, req.add_special_tokens)
+        return text
+
+    async def prompt(self, req: Any) -> list[int]:
+        return await self.tokenize(self.render(req), req.add_special_tokens)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         model = self.check_model(req.model)

@@ -64,7 +64,6 @@ UNSUPPORTED_FIELDS = {
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning models' options are not supported",
     "documents": "documents for the chat template are not supported",
-    "chat_template": "a per-request chat template is not supported (the model's own is used)",
     "tool_call_id": "tool calling is not implemented yet",
 }
 
@@ -169,6 +168,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
@@ -177,6 +177,47 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with chat messages (vLLM's shape): the tokens a chat request would prefill."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class PromptTokensDetails(BaseModel):

@@ -14,7 +14,8 @@ NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server("--api-key", API_KEY, "--served-model-name", NAME, "smol")
+    # dev mode: POST /reset_prefix_cache exists (as vLLM's)
+    return make_server("--api-key", API_KEY, "--served-model-name", NAME, "smol", env={"VLLM_SERVER_DEV_MODE": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -70,3 +70,58 @@ def test_chat_role_chunk_comes_after_the_first_token(server):
     assert at_first["vllm:generation_tokens_total"] > before["vllm:generation_tokens_total"]  # ... and a token made
     assert rest[-1] == "data: [DONE]"
     server.wait_idle()
+
+
+def post(server, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    return httpx.post(server.base + path, json=body, headers=auth(key) if key else {}, timeout=120)
+
+
+def test_tokenize_detokenize_as_vllm(server, client):
+    text = "The quick brown fox jumps over the lazy dog. Ünïcödé ✓"
+    r = post(server, "/tokenize", {"model": NAME, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    tok = r.json()
+    assert set(tok) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["max_model_len"] == 1024
+    assert client.completions.create(model=NAME, prompt=text, max_tokens=1).usage.prompt_tokens == tok["count"]
+    assert post(server, "/detokenize", {"model": NAME, "tokens": tok["tokens"]}).json() == {"prompt": text}
+    plain = post(server, "/tokenize", {"prompt": text}).json()  # model is optional; token_strs only when asked
+    assert plain["tokens"] == tok["tokens"] and plain["token_strs"] is None
+
+    # the chat form: the very tokens a chat request prefills
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    chat = post(server, "/tokenize", {"model": NAME, "messages": messages}).json()
+    res = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1)
+    assert res.usage.prompt_tokens == chat["count"]
+    bare = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][: bare["count"]] and bare["count"] < chat["count"]
+    prefill = messages + [{"role": "assistant", "content": "The color is"}]
+    cont = post(
+        server, "/tokenize", {"messages": prefill, "continue_final_message": True, "add_generation_prompt": False}
+    )
+    said = post(server, "/detokenize", {"tokens": cont.json()["tokens"]}).json()["prompt"]
+    assert said.endswith("assistant\nThe color is")  # open-ended: no end of turn after it
+
+    # refusals: by name, 404 for an unknown model, ids outside the vocabulary
+    r = post(server, "/tokenize", {"prompt": "x", "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and "tools" in r.json()["error"]["message"]
+    assert post(server, "/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+    r = post(server, "/detokenize", {"tokens": [1, 10**9]})
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
+    assert post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401  # behind the key
+    assert post(server, "/detokenize", {"tokens": [1]}, key=KEY2).status_code == 200  # any --api-key works
+
+
+def test_ping_models_by_id_and_reset(server, client):
+    assert httpx.post(server.base + "/ping", timeout=10).status_code == 200  # POST too, and open
+    assert httpx.get(server.base + "/ping", timeout=10).status_code == 200
+    card = client.models.retrieve(NAME)
+    assert card.id == NAME and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    # dev mode (VLLM_SERVER_DEV_MODE=1): the admin route exists, behind the key
+    assert post(server, "/reset_prefix_cache", {}, key=None).status_code == 401
+    r = post(server, "/reset_prefix_cache?reset_running_requests=true", {})
+    assert r.status_code == 400 and "reset_running_requests" in r.json()["error"]["message"]
+    server.wait_idle()
+    assert post(server, "/reset_prefix_cache", {}, key=KEY2).status_code == 200
