@@ -125,6 +125,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (as vLLM; none with
+        generation_config='vllm'). What generate() and chat() use when given no sampling_params."""
+        defaults = self.llm_engine.default_sampling_params
+        return SamplingParams(**defaults) if defaults else SamplingParams()
+
     def generate(
         self,
         prompts: Any = None,
@@ -142,13 +148,17 @@ class LLM:
         validated before anything runs. A request that fails alone comes back finished with
         `error` set; the others are unharmed."""
         _refuse_call_args("generate", kwargs)
-        if priority is not None and any(p != 0 for p in priority):
-            raise ValueError(
-                "generate(priority=...) is not supported by prefixkv: scheduling is first come first served"
-            )
         items = _as_prompt_list(prompts, prompt_token_ids)
+        priorities = list(priority) if priority is not None else [0] * len(items)
+        if len(priorities) != len(items):
+            raise ValueError(f"{len(priorities)} priorities for {len(items)} prompts")
+        for p in priorities:  # checked before anything is queued
+            if p != 0 and self.llm_engine.config.scheduling_policy != "priority":
+                raise ValueError(
+                    f"Got priority {p} but priority scheduling is not enabled (LLM(..., scheduling_policy='priority'))"
+                )
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(items)
         else:
@@ -166,7 +176,7 @@ class LLM:
             engine.validate_params(params)
         ids_in_order: list[str] = []
         try:
-            for (item, salt), ids, params, lora in zip(items, tokenized, params_list, loras):
+            for (item, salt), ids, params, lora, prio in zip(items, tokenized, params_list, loras, priorities):
                 ids_in_order.append(
                     engine.add_request(
                         ids,
@@ -174,6 +184,7 @@ class LLM:
                         lora_request=lora,
                         cache_salt=salt if salt is not None else cache_salt,
                         prompt_text=item if isinstance(item, str) else None,
+                        priority=prio,
                     )
                 )
         except BaseException:

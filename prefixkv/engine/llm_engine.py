@@ -23,6 +23,8 @@ from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..model import LoadedModel, load_model
+from ..model.generation_config import sampling_defaults
+from ..model.tokenizer import Tokenizer
 from ..outputs import Logprob, RequestMetrics, RequestOutput
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
@@ -64,12 +66,28 @@ class _Group:
     hidden_states: list[torch.Tensor] | None = None  # prompt hidden states as they arrive, when asked
 
 
+def _separate_tokenizer(path: str, model_vocab: int) -> Tokenizer:
+    from ..model.loader import load_tokenizer
+
+    tok = load_tokenizer(path)
+    if tok.vocab_size > model_vocab:
+        raise ValueError(
+            f"tokenizer {path!r} has {tok.vocab_size} tokens; the model's vocabulary has {model_vocab}: "
+            "its ids would index past the embedding table"
+        )
+    return tok
+
+
 class LLMEngine:
     def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
+        if config.tokenizer is not None and config.tokenizer != config.model:
+            self.tokenizer = _separate_tokenizer(config.tokenizer, self.loaded.config.vocab_size)
+        # the model creator's sampling defaults (generation_config.json), as vLLM's --generation-config
+        self.default_sampling_params = sampling_defaults(config.model, config.generation_config)
         self.model_config = self.loaded.config
         bs = config.block_size
         # Every per-block tensor is registered before the budget is divided among them.
@@ -106,6 +124,7 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             enable_kv_cache_events=config.enable_kv_cache_events,
             max_loras=config.max_loras if config.enable_lora else None,
+            policy=config.scheduling_policy,
         )
         self.lora_manager: LoRAManager | None = None
         if config.enable_lora:
@@ -185,6 +204,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_text: str | None = None,
         hidden_states_from: int | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue one prompt (text or token ids; `prompt_text` names the text that token ids came
         from). Returns the request id. Atomic: everything that can fail - validation,
@@ -192,6 +212,13 @@ class LLMEngine:
         nothing is registered."""
         params = params if params is not None else SamplingParams()
         self.validate_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(scheduling_policy='priority' / --scheduling-policy priority)"
+            )
         lora_id = 0
         if lora_request is not None:
             lora_request, lora_id = self.resolve_lora(lora_request)
@@ -235,6 +262,7 @@ class LLMEngine:
                     prompt=text,
                     arrival_time=arrival,
                     generator=gen,
+                    priority=priority,
                 )
             )
             children[-1].lora_id = lora_id

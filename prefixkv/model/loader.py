@@ -85,6 +85,24 @@ def load_model(
     return loaded
 
 
+def load_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer alone (`--tokenizer`): an HF folder (tokenizer.json) or a .gguf file's."""
+    path = os.path.expanduser(str(path))
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_folder(path)
+    if os.path.isfile(path):
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(path)
+        except Exception as e:
+            raise ValueError(f"Cannot read GGUF file {path!r}: {e}") from e
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(reader))
+    raise FileNotFoundError(
+        f"tokenizer path does not exist: {path!r} (an HF folder or a .gguf file; nothing is downloaded)"
+    )
+
+
 # ---------------------------------------------------------------------- HF folder
 def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open

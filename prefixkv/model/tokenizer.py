@@ -197,6 +197,11 @@ class Tokenizer:
         return "", prefix_offset, read_offset
 
     # ---------------------------------------------------- chat template
+    def set_chat_template(self, template: str | None) -> None:
+        """Replace the model's chat template (`--chat-template`)."""
+        self.chat_template = template
+        self._template = None
+
     def _compiled_template(self, template: str | None = None):
         """The model's template (compiled once), or `template` (a per-request one, compiled and
         kept in a small cache: clients resend the same few)."""

@@ -205,6 +205,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_request: Any = None,
         hidden_states_from: int | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -222,6 +223,7 @@ class AsyncEngine:
                 arrival_time=arrival,
                 lora_request=lora_request,
                 **({} if hidden_states_from is None else {"hidden_states_from": hidden_states_from}),
+                **({} if priority == 0 else {"priority": priority}),
             )
             self._streams[request_id] = stream
 

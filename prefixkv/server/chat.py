@@ -111,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
         k = req.top_logprobs or 0
-        gens = self.start([ids], [None], params, rid, req.cache_salt, self.lora_for(req.model))
+        gens = self.start([ids], [None], params, rid, req.cache_salt, self.lora_for(req.model), priority=req.priority)
         if req.stream:
             return self.stream(req, gens, [ids], rid, created, model, params.n, k)
         finals = await self.collect(raw, gens)

@@ -59,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo = [
             (t if t is not None else self.tokenizer.decode(ids)) if req.echo else "" for ids, t in zip(prompts, texts)
         ]
-        gens = self.start(prompts, texts, params, rid, req.cache_salt, self.lora_for(req.model))
+        gens = self.start(prompts, texts, params, rid, req.cache_salt, self.lora_for(req.model), priority=req.priority)
         if req.stream:
             return self.stream(req, gens, prompts, echo, rid, created, model, n, k)
         finals = await self.collect(raw, gens)

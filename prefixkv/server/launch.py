@@ -43,6 +43,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         '--enable-lora; requests pick one with "model": name',
     )
     g.add_argument(
+        "--chat-template",
+        type=load_chat_template,
+        default=None,
+        help="Jinja chat template to use instead of the model's: a file, or the template itself inline "
+        "(as vLLM: a value with no '{', '}' or newline that is no file is an error)",
+    )
+    g.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -94,6 +101,29 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for vLLM compatibility (prefixkv logs no periodic stats)",
     )
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's content, or the inline template (escapes such as \\n decoded),
+    as vLLM's load_chat_template; checked to compile now, not at the first request."""
+    import codecs
+
+    try:
+        with open(os.path.expanduser(value), encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise argparse.ArgumentTypeError(
+                f"the chat template {value!r} looks like a file path, but it cannot be opened: {e.strerror or e}"
+            ) from e
+        text = codecs.decode(value, "unicode_escape")
+    from ..model.tokenizer import _compile_template
+
+    try:
+        _compile_template(text)
+    except Exception as e:  # jinja2's TemplateSyntaxError and friends
+        raise argparse.ArgumentTypeError(f"the chat template does not compile: {e}") from e
+    return text
 
 
 def api_keys_of(args: argparse.Namespace) -> list[str]:
@@ -164,6 +194,9 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: soc
     )
     names = args.served_model_name or [model_name]
     api_keys = api_keys_of(args)
+    if getattr(args, "chat_template", None):
+        engine.tokenizer.set_chat_template(args.chat_template)
+        log.info("chat template: from --chat-template")
     app = create_app(
         engine,
         served_model_names=names,

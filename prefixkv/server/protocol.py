@@ -58,7 +58,6 @@ UNSUPPORTED_FIELDS = {
     "prompt_embeds": "prompt embeddings are not supported",
     "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
     "mm_processor_kwargs": "multimodal inputs are not supported yet",
-    "priority": "priority scheduling is not implemented (first come, first served)",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -108,17 +107,24 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     request_id: str | None = None
     prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
+    priority: int = 0  # vLLM extra: with --scheduling-policy priority, lower is scheduled first
 
     def _params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Raises ValueError (-> HTTP 400) on bad values."""
+        """Raises ValueError (-> HTTP 400) on bad values. `defaults`: the model's sampling
+        defaults (generation_config.json) for the fields the request leaves out, as vLLM."""
+        d = defaults or {}
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=d.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -130,7 +136,9 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -144,11 +152,11 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:  # echoed prompt tokens get logprobs too
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
-        return self._params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -171,9 +179,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, lp)
+        return self._params(max_tokens, lp, None, defaults)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

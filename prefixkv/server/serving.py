@@ -161,10 +161,15 @@ class OpenAIServing:
                 texts.append(None)
         return ids, texts
 
-    @staticmethod
-    def params(req: Any, max_tokens: int | None) -> SamplingParams:
+    def params(self, req: Any, max_tokens: int | None) -> SamplingParams:
+        """The request's SamplingParams; fields it leaves out take the model's defaults
+        (--generation-config), and its max_tokens is at most theirs (as vLLM's get_max_tokens)."""
+        defaults = getattr(self.engine, "default_sampling_params", None) or {}
+        default_max = defaults.get("max_tokens")
+        if isinstance(default_max, int) and isinstance(max_tokens, int) and default_max < max_tokens:
+            max_tokens = default_max
         try:
-            return req.to_sampling_params(max_tokens)
+            return req.to_sampling_params(max_tokens, defaults)
         except (ValueError, TypeError, OverflowError) as e:
             raise APIError(str(e), 400) from e
 
@@ -194,6 +199,7 @@ class OpenAIServing:
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
         hidden_states_from: int | None = None,
+        priority: int = 0,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
@@ -209,6 +215,7 @@ class OpenAIServing:
                 cache_salt=cache_salt,
                 lora_request=lora_request,
                 hidden_states_from=hidden_states_from,
+                priority=priority,
             )
             for p, t, rid in zip(prompts, texts, ids)
         ]
