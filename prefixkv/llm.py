@@ -32,10 +32,8 @@ _UNSUPPORTED_CALL_ARGS = {
     "prompt_adapter_request": "prompt adapters are not implemented",
     "tokenization_kwargs": "tokenization options are not implemented",
     "truncate_prompt_tokens": "prompt truncation is not implemented",
-    "chat_template": "the model's own chat template is used",
     "tools": "tool calling is not implemented",
     "documents": "documents are not implemented",
-    "chat_template_kwargs": "chat template options are not implemented",
     "mm_processor_kwargs": "multimodal inputs are not implemented",
 }
 
@@ -171,6 +169,7 @@ class LLM:
             if lora is not None:
                 engine.resolve_lora(lora)  # every adapter validated before anything runs
         tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _ in items]
+        tokenized = [engine.truncate_prompt(ids, params) for ids, params in zip(tokenized, params_list)]
         for ids, params in zip(tokenized, params_list):
             engine.validate_prompt(ids)
             engine.validate_params(params)
@@ -198,15 +197,20 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[RequestOutput]:
-        """Chat completion for one conversation or a batch, through the model's chat template."""
+        """Chat completion for one conversation or a batch, through the model's chat template (or
+        `chat_template`); `continue_final_message` continues the last message instead of starting
+        a reply (then add_generation_prompt must be False, as vLLM); `chat_template_kwargs` are
+        passed to the template. Each output's `prompt` is the rendered text."""
         _refuse_call_args("chat", kwargs)
-        if continue_final_message:
-            raise ValueError("chat(continue_final_message=True) is not supported by prefixkv")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("chat(continue_final_message=True) needs add_generation_prompt=False, as in vLLM")
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(
                 f"chat(chat_template_content_format={chat_template_content_format!r}) is not "
@@ -215,15 +219,29 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = [
-            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+            tok.apply_chat_template(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
             for conv in conversations
         ]
-        return self.generate(
+        outs = self.generate(
             [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
             sampling_params,
             use_tqdm=use_tqdm,
             lora_request=lora_request,
         )
+        for out, text in zip(outs, prompts):
+            out.prompt = text  # as vLLM: the rendered conversation
+        return outs
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's LLM.beam_search: not implemented (refused, never approximated)."""
+        raise ValueError("LLM.beam_search is not implemented by prefixkv: use sampling (n > 1) or greedy decoding")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

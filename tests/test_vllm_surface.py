@@ -205,3 +205,24 @@ def test_cli_flags_from_vllm_command_lines(tmp_path):
             cli.build_parser().parse_args(["serve", "--chat-template", bad])
     with pytest.raises(ValueError, match="enable_chunked_prefill"):  # always on: turning it off is refused
         cli.engine_config(cli.build_parser().parse_args(["serve", "--no-enable-chunked-prefill"]))
+
+
+def test_llm_chat_options_and_prompt(tiny):
+    llm = make(tiny / "model", generation_config="vllm")
+    params = SamplingParams(temperature=0, max_tokens=3)
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel"}]
+    out = llm.chat(conv, params, use_tqdm=False)[0]
+    assert out.prompt == "<s>user: hi</s>\n<s>assistant: hel</s>\n<s>assistant: "  # llm.chat carries the prompt
+    cont = llm.chat(conv, params, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
+    assert cont.prompt == "<s>user: hi</s>\n<s>assistant: hel"
+    assert cont.prompt_token_ids == llm.get_tokenizer().encode(cont.prompt)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(conv, params, continue_final_message=True, use_tqdm=False)
+    own = llm.chat(conv, params, chat_template="{{ p }}:{{ messages[-1]['content'] }}", chat_template_kwargs={"p": "Z"})
+    assert own[0].prompt == "Z:hel"
+    with pytest.raises(ValueError, match="beam_search"):
+        llm.beam_search(["hi"], None)
+    cut = llm.generate("hello there", SamplingParams(max_tokens=1, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == llm.get_tokenizer().encode("hello there")[-3:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)

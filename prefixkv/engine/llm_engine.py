@@ -79,6 +79,14 @@ def _separate_tokenizer(path: str, model_vocab: int) -> Tokenizer:
 
 
 class LLMEngine:
+    def truncate_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len), as vLLM."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
     def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
@@ -229,6 +237,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = prompt_text, list(prompt)
+        ids = self.truncate_prompt(ids, params)
         self.validate_prompt(ids)
         if hidden_states_from is not None:  # the prompt's final hidden states from this position on
             if not isinstance(hidden_states_from, int) or not -len(ids) <= hidden_states_from < len(ids):

@@ -105,7 +105,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_common(req)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
-        ids = await self.prompt(req)
+        ids = self.truncate(await self.prompt(req), req)
         max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
         params = self.params(req, max_tokens)
         rid = req.request_id or random_id("chatcmpl")
@@ -123,6 +123,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=chat_logprobs(o.logprobs, o.token_ids, k) if req.logprobs and o.logprobs is not None else None,
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
+                token_ids=list(o.token_ids) if req.return_token_ids else None,
             )
             for o in out.outputs
         ]
@@ -133,14 +134,17 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=self.usage([ids], finals),
             prompt_logprobs=out.prompt_logprobs,
+            prompt_token_ids=ids if req.return_token_ids else None,
         )
 
     def stream(self, req, gens, prompts, rid, created, model, n, k):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-        def response(choices, usage=None) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
+        def response(choices, usage=None, prompt_ids=None) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(
+                id=rid, created=created, model=model, choices=choices, usage=usage, prompt_token_ids=prompt_ids
+            )
 
         def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
             lp = None
@@ -152,6 +156,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=lp,
                 finish_reason=d.choice.finish_reason,
                 stop_reason=d.choice.stop_reason,
+                token_ids=d.new_token_ids if req.return_token_ids else None,
             )
             return chunk_dict(response([choice], self.usage(prompts, state.latest) if continuous else None))
 
@@ -161,6 +166,7 @@ class OpenAIServingChat(OpenAIServing):
                 response(
                     [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
                     self.usage(prompts, {}) if continuous else None,
+                    prompts[0] if req.return_token_ids else None,  # as vLLM: on the first chunk
                 )
             )
             for i in range(n)

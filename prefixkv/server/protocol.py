@@ -54,7 +54,6 @@ UNSUPPORTED_FIELDS = {
     "length_penalty": "beam search is not implemented",
     "bad_words": "bad_words is not implemented yet",
     "allowed_token_ids": "allowed_token_ids is not implemented yet",
-    "truncate_prompt_tokens": "prompt truncation is not implemented yet",
     "prompt_embeds": "prompt embeddings are not supported",
     "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
     "mm_processor_kwargs": "multimodal inputs are not supported yet",
@@ -108,6 +107,8 @@ class _SamplingFields(BaseModel):
     request_id: str | None = None
     prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
     priority: int = 0  # vLLM extra: with --scheduling-policy priority, lower is scheduled first
+    truncate_prompt_tokens: int | None = None  # vLLM extra: keep the prompt's last k tokens (-1: the context)
+    return_token_ids: bool | None = None  # vLLM extra: prompt_token_ids and each choice's token_ids
 
     def _params(
         self,
@@ -264,6 +265,8 @@ class CompletionResponseChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: first chunk of the choice)
+    token_ids: list[int] | None = None  # return_token_ids (streamed: this chunk's tokens)
 
 
 class CompletionResponse(BaseModel):
@@ -300,6 +303,7 @@ class ChatCompletionResponseChoice(BaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -310,6 +314,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -323,6 +328,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -332,6 +338,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first (role) chunk
 
 
 class ModelCard(BaseModel):

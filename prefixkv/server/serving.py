@@ -173,6 +173,18 @@ class OpenAIServing:
         except (ValueError, TypeError, OverflowError) as e:
             raise APIError(str(e), 400) from e
 
+    def truncate(self, ids: list[int], req: Any) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length)."""
+        k = getattr(req, "truncate_prompt_tokens", None)
+        if k is None:
+            return ids
+        if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1):
+            raise APIError(
+                f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}", 400, param="truncate_prompt_tokens"
+            )
+        k = self.max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize in a worker thread: a long prompt never stalls other clients' streams."""
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)

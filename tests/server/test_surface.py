@@ -50,7 +50,7 @@ def test_chat_role_chunk_comes_after_the_first_token(server):
     before = server.metrics()
     body = {
         "model": NAME,
-        "messages": [{"role": "user", "content": long_text(7, 450)}],
+        "messages": [{"role": "user", "content": long_text(7, 250)}],
         "max_tokens": 3,
         "temperature": 0,
         "stream": True,
@@ -65,7 +65,7 @@ def test_chat_role_chunk_comes_after_the_first_token(server):
     assert first["choices"][0]["delta"]["role"] == "assistant"
     prompt_tokens = at_first["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
     usage = json.loads(rest[-2][6:])["usage"]
-    assert usage["prompt_tokens"] > 400  # many steps of 32 tokens
+    assert usage["prompt_tokens"] > 250  # several steps of 32 tokens
     assert prompt_tokens == usage["prompt_tokens"]  # the whole chunked prefill was done ...
     assert at_first["vllm:generation_tokens_total"] > before["vllm:generation_tokens_total"]  # ... and a token made
     assert rest[-1] == "data: [DONE]"
@@ -125,3 +125,67 @@ def test_ping_models_by_id_and_reset(server, client):
     assert r.status_code == 400 and "reset_running_requests" in r.json()["error"]["message"]
     server.wait_idle()
     assert post(server, "/reset_prefix_cache", {}, key=KEY2).status_code == 200
+
+
+def test_request_fields_for_effect(server, client):
+    text = long_text(3, 40)
+    full = post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+    extra = {"truncate_prompt_tokens": 8, "return_token_ids": True}
+    res = client.completions.create(model=NAME, prompt=text, max_tokens=4, temperature=0, extra_body=extra)
+    choice = res.model_dump()["choices"][0]
+    assert res.usage.prompt_tokens == 8 and choice["prompt_token_ids"] == full[-8:]  # the last 8 kept
+    assert len(choice["token_ids"]) == 4
+    assert post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+
+    # chat: return_token_ids, streamed and not; the same greedy tokens
+    msgs = [{"role": "user", "content": "Count to five."}]
+    body = dict(model=NAME, messages=msgs, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    res = client.chat.completions.create(**body).model_dump()
+    assert res["prompt_token_ids"] == post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    ids = res["choices"][0]["token_ids"]
+    assert len(ids) == 6 and post(server, "/detokenize", {"tokens": ids}).json()["prompt"].startswith(
+        res["choices"][0]["message"]["content"]
+    )
+    chunks = [c.model_dump() for c in client.chat.completions.create(**body, stream=True)]
+    assert chunks[0]["prompt_token_ids"] == res["prompt_token_ids"]  # on the role chunk, as vLLM
+    assert [t for c in chunks for ch in c["choices"] for t in (ch.get("token_ids") or [])] == ids
+    cut = client.chat.completions.create(**{**body, "extra_body": {"truncate_prompt_tokens": 5}})
+    assert cut.usage.prompt_tokens == 5
+
+    # continue_final_message: the reply continues the assistant's text; add_generation_prompt=False
+    prefill = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "The capital is"}]
+    res = client.chat.completions.create(
+        model=NAME,
+        messages=prefill,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True},
+    ).model_dump()
+    said = post(server, "/detokenize", {"tokens": res["prompt_token_ids"]}).json()["prompt"]
+    assert said.endswith("<|im_start|>assistant\nThe capital is")
+    both = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": prefill, "continue_final_message": True, "add_generation_prompt": True},
+    )
+    assert both.status_code == 400 and "continue_final_message" in both.json()["error"]["message"]
+    no_gen = client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=1, extra_body={"add_generation_prompt": False}
+    )
+    assert no_gen.usage.prompt_tokens < post(server, "/tokenize", {"messages": msgs}).json()["count"]
+
+    # a per-request template with its kwargs
+    tpl = "{{ prefix }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    res = client.chat.completions.create(
+        model=NAME,
+        messages=msgs,
+        max_tokens=1,
+        extra_body={"chat_template": tpl, "chat_template_kwargs": {"prefix": "Q: "}, "return_token_ids": True},
+    ).model_dump()
+    assert res["prompt_token_ids"] == post(server, "/tokenize", {"prompt": "Q: Count to five."}).json()["tokens"]
+
+    # still refused, by name
+    for field, value in (("use_beam_search", True), ("truncate_prompt_tokens", 0)):
+        r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    server.wait_idle()
