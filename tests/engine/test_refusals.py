@@ -71,7 +71,7 @@ def test_arguments_that_change_nothing_are_accepted():
         (dict(allowed_token_ids=[1, 2]), "allowed_token_ids"),
         (dict(bad_words=["x"]), "bad_words"),
         (dict(logits_processors=[print]), "logits_processors"),
-        (dict(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),  # -1 or >= 1
         (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
     ],
 )
