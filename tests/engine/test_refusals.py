@@ -108,7 +108,10 @@ def llm(default_lm):
         (lambda llm: llm.generate("x", GREEDY, guided_options_request={"guided_json": {}}), "guided"),
         (lambda llm: llm.generate("x", GREEDY, priority=[1]), "priority"),
         (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, tools=[{"type": "function"}]), "tools"),
-        (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, chat_template="{{ x }}"), "chat_template"),
+        (
+            lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, continue_final_message=True),
+            "add_generation_prompt",
+        ),
         (lambda llm: llm.llm_engine.add_request("x", GREEDY, lora_request=LoRARequest("a", 1, ".")), "LoRA"),
     ],
 )
