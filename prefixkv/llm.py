@@ -110,6 +110,8 @@ class LLM:
     Keywords are `EngineArgs` fields. The KV budget is `kv_cache_memory_bytes` (or `num_blocks`,
     or vLLM's `num_gpu_blocks_override`), not the model's maximum length."""
 
+    _hf_tokenizer: Any = None  # get_tokenizer()'s, built on the first call
+
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
 
@@ -120,8 +122,14 @@ class LLM:
         llm.llm_engine = engine
         return llm
 
-    def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+    def get_tokenizer(self) -> Any:
+        """The tokenizer as a Hugging Face `PreTrainedTokenizerFast` (built on the first call; the
+        engine keeps its own): `tok(text)`, `len(tok)`, `apply_chat_template(...)`, as in vLLM."""
+        if self._hf_tokenizer is None:
+            from .model.hf_tokenizer import to_hf_tokenizer
+
+            self._hf_tokenizer = to_hf_tokenizer(self.llm_engine.tokenizer)
+        return self._hf_tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (as vLLM; none with
@@ -217,7 +225,7 @@ class LLM:
                 "supported by prefixkv: message contents are strings"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.get_tokenizer()
+        tok = self.llm_engine.tokenizer
         prompts = [
             tok.apply_chat_template(
                 conv,

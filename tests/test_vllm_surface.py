@@ -28,7 +28,7 @@ def _write_tokenizer(folder, extra_tokens=()):
     tok.add_special_tokens(["<s>", "</s>", *extra_tokens])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    cfg = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>", "chat_template": TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
@@ -83,8 +83,8 @@ def test_separate_tokenizer(tiny):
     other = tiny / "tok"
     _write_tokenizer(other, extra_tokens=["<extra>"])
     llm = make(tiny / "model", tokenizer=str(other), generation_config="vllm")
-    assert llm.get_tokenizer().token_to_id("<extra>") is not None  # the other tokenizer is used
-    assert make(tiny / "model", generation_config="vllm").get_tokenizer().token_to_id("<extra>") is None
+    assert llm.get_tokenizer().convert_tokens_to_ids("<extra>") == 258  # the other tokenizer is used
+    assert make(tiny / "model", generation_config="vllm").llm_engine.tokenizer.token_to_id("<extra>") is None
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         make(tiny / "model", tokenizer=str(tiny / "nope"))
 
@@ -215,7 +215,7 @@ def test_llm_chat_options_and_prompt(tiny):
     assert out.prompt == "<s>user: hi</s>\n<s>assistant: hel</s>\n<s>assistant: "  # llm.chat carries the prompt
     cont = llm.chat(conv, params, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
     assert cont.prompt == "<s>user: hi</s>\n<s>assistant: hel"
-    assert cont.prompt_token_ids == llm.get_tokenizer().encode(cont.prompt)
+    assert cont.prompt_token_ids == llm.llm_engine.tokenizer.encode(cont.prompt)
     with pytest.raises(ValueError, match="add_generation_prompt"):
         llm.chat(conv, params, continue_final_message=True, use_tqdm=False)
     own = llm.chat(conv, params, chat_template="{{ p }}:{{ messages[-1]['content'] }}", chat_template_kwargs={"p": "Z"})
@@ -223,6 +223,43 @@ def test_llm_chat_options_and_prompt(tiny):
     with pytest.raises(ValueError, match="beam_search"):
         llm.beam_search(["hi"], None)
     cut = llm.generate("hello there", SamplingParams(max_tokens=1, truncate_prompt_tokens=3), use_tqdm=False)[0]
-    assert cut.prompt_token_ids == llm.get_tokenizer().encode("hello there")[-3:]
+    assert cut.prompt_token_ids == llm.llm_engine.tokenizer.encode("hello there")[-3:]
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_get_tokenizer_is_hugging_faces(tiny):
+    from transformers import PreTrainedTokenizerFast
+
+    llm = make(tiny / "model", generation_config="vllm")
+    own = llm.llm_engine.tokenizer
+    tok = llm.get_tokenizer()
+    assert isinstance(tok, PreTrainedTokenizerFast) and llm.get_tokenizer() is tok
+    text = "héllo wörld"
+    assert tok(text)["input_ids"] == own.encode(text, add_special_tokens=True)
+    assert len(tok) == own.vocab_size == len(tok.get_vocab())
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (257, 257, 256)
+    assert tok.convert_ids_to_tokens([256, 257]) == ["<s>", "</s>"]
+    assert tok.batch_decode([own.encode("ab"), own.encode("cd")]) == ["ab", "cd"]
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True)  # tokenize=True by default, as HF
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert ids == own.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+
+
+def test_hub_id_from_the_local_cache_only(tiny, tmp_path, monkeypatch):
+    import os
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for f in os.listdir(tiny / "model"):
+        os.symlink(tiny / "model" / f, snap / f)
+    (cache / "models--acme--tiny" / "refs").mkdir()
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llm = make("acme/tiny")
+    assert llm.llm_engine.default_sampling_params["max_tokens"] == 5  # its generation_config.json too
+    with pytest.raises(FileNotFoundError, match="not in the local HF cache \\(nothing is downloaded\\)"):
+        make("acme/absent")

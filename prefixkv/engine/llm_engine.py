@@ -95,7 +95,7 @@ class LLMEngine:
         if config.tokenizer is not None and config.tokenizer != config.model:
             self.tokenizer = _separate_tokenizer(config.tokenizer, self.loaded.config.vocab_size)
         # the model creator's sampling defaults (generation_config.json), as vLLM's --generation-config
-        self.default_sampling_params = sampling_defaults(config.model, config.generation_config)
+        self.default_sampling_params = sampling_defaults(self.loaded.source or config.model, config.generation_config)
         self.model_config = self.loaded.config
         bs = config.block_size
         # Every per-block tensor is registered before the budget is divided among them.

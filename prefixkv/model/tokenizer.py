@@ -123,8 +123,10 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool = False,
         add_eos_token: bool = False,
+        pad_token_id: int | None = None,
     ) -> None:
         self._tok = hf_tokenizer
+        self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         eos = [int(x) for x in eos_token_ids]
         self.eos_token_id: int | None = eos[0] if eos else None
@@ -146,6 +148,10 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return None if self.eos_token_id is None else self._tok.id_to_token(self.eos_token_id)
+
+    @property
+    def pad_token(self) -> str | None:
+        return None if self.pad_token_id is None else self._tok.id_to_token(self.pad_token_id)
 
     @property
     def backend(self) -> HFTokenizer:
@@ -287,6 +293,7 @@ class Tokenizer:
             chat_template=template,
             add_bos_token=add_bos,
             add_eos_token=bool(cfg.get("add_eos_token", False)),
+            pad_token_id=tid("pad_token"),
         )
 
     @classmethod
@@ -329,6 +336,7 @@ class Tokenizer:
         if eot is not None:
             eos_ids.append(int(eot))
         bos = meta.get("tokenizer.ggml.bos_token_id")
+        pad = meta.get("tokenizer.ggml.padding_token_id")
         return cls(
             tok,
             bos_token_id=None if bos is None else int(bos),
@@ -336,4 +344,5 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            pad_token_id=None if pad is None else int(pad),
         )
