@@ -202,7 +202,9 @@ class EngineArgs:
     compilation_config: dict[str, Any] | int | None = _compat(  # noqa: RUF009 (it returns a field)
         None, _anything, "nothing is compiled", cli=False
     )
-    disable_log_stats: bool = _compat(False, _anything, "no periodic stats are logged", cli=False)
+    disable_log_stats: bool = _compat(
+        False, _anything, "LLM logs no periodic stats (the server: --disable-log-stats)", cli=False
+    )
     disable_async_output_proc: bool = _compat(False, _anything, "outputs are processed in the step", cli=False)
     enable_chunked_prefill: bool | None = _compat(
         None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)"

@@ -168,6 +168,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_requests_errored = 0
         self.num_steps = 0
+        self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
         self._update_stats()
 
@@ -349,6 +350,7 @@ class LLMEngine:
             outputs = self._fail_unschedulable() if stuck else []
         else:
             self.num_steps += 1
+            self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)

@@ -36,6 +36,7 @@ from .protocol import (
     ModelCard,
     ModelList,
 )
+from .stats_logger import StatsLogger
 from .tokenization import OpenAIServingTokenization
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -55,17 +56,21 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     lora_modules: list[LoRARequest] | None = None,
     dev_mode: bool | None = None,
+    log_stats_interval: float | None = None,
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
     `app.state.async_engine.run()` itself (`prefixkv serve` does, on the main thread).
     An empty `api_key` (or a list of empty keys) means no key, as None does. `dev_mode` (default:
-    $VLLM_SERVER_DEV_MODE, as vLLM) adds the admin routes: POST /reset_prefix_cache."""
+    $VLLM_SERVER_DEV_MODE, as vLLM) adds the admin routes: POST /reset_prefix_cache.
+    `log_stats_interval`: seconds between vLLM's periodic stats lines (None: none)."""
     if dev_mode is None:
         dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes")
     names = list(served_model_names or [model_root or DEFAULT_MODEL_NAME])
     metrics = ServerMetrics(engine, names[0])
-    async_engine = AsyncEngine(engine, on_finished=metrics.on_finished, on_aborted=metrics.aborted.inc)
+    async_engine = AsyncEngine(
+        engine, on_finished=metrics.on_finished, on_aborted=metrics.aborted.inc, on_step=metrics.on_step
+    )
     limits = limits or RequestLimits()
 
     def count_error(status: int) -> None:
@@ -85,9 +90,14 @@ def create_app(
     async def lifespan(app: FastAPI):
         if engine_thread:
             async_engine.start()
+        stats_task = None
+        if log_stats_interval is not None:
+            stats_task = asyncio.create_task(StatsLogger(engine).run(log_stats_interval))
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
     app = FastAPI(title="prefixkv", version=__version__, lifespan=lifespan)

@@ -55,9 +55,11 @@ class AsyncEngine:
         engine: LLMEngine,
         on_finished: Callable[[RequestOutput], None] | None = None,
         on_aborted: Callable[[], None] | None = None,
+        on_step: Callable[[list[RequestOutput], int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_finished = on_finished
+        self.on_step = on_step  # (outputs, tokens computed) after every step, on the engine thread
         self.on_aborted = on_aborted
         self._cv = threading.Condition()
         self._commands: deque[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None] | None]] = deque()
@@ -143,6 +145,11 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             self.last_step_time = time.time()
+            if self.on_step is not None:
+                try:
+                    self.on_step(outputs, engine.last_step_num_tokens)
+                except Exception:
+                    logger.exception("metrics callback failed")
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if out.finished:

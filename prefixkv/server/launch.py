@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from .limits import RequestLimits
+from .stats_logger import interval_from_env
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
@@ -99,7 +100,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disable-log-stats",
         action="store_true",
-        help="accepted for vLLM compatibility (prefixkv logs no periodic stats)",
+        help="do not log vLLM's periodic stats line (throughput, running / waiting requests, KV cache usage, "
+        "prefix cache hit rate; every $VLLM_LOG_STATS_INTERVAL seconds, default 10)",
     )
 
 
@@ -206,6 +208,7 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: soc
         limits=limits,
         max_request_body_bytes=args.max_request_body_bytes,
         lora_modules=getattr(args, "lora_modules", None),
+        log_stats_interval=None if args.disable_log_stats else interval_from_env(),
     )
     log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if api_keys else "off")
     async_engine = app.state.async_engine

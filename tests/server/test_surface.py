@@ -31,7 +31,7 @@ def server(make_server):
         KEY2,
         "--max-num-batched-tokens",
         "32",
-        env={"VLLM_SERVER_DEV_MODE": "1"},
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "0.5"},
     )
 
 
@@ -189,3 +189,25 @@ def test_request_fields_for_effect(server, client):
         r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
     server.wait_idle()
+
+
+def test_metrics_with_vllm_032_names_and_the_stats_line(server):
+    """Runs last: the requests above are in the histograms, and the periodic line was logged."""
+    m = server.metrics()
+    for name in (
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:request_time_per_output_token_seconds_count",
+        "vllm:time_per_output_token_seconds_count",  # the old name, kept as an alias
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:iteration_tokens_total_count",
+    ):
+        assert m.get(name, 0) > 0, name
+    assert m["vllm:request_time_per_output_token_seconds_count"] == m["vllm:time_per_output_token_seconds_count"]
+    # every step computed at most --max-num-batched-tokens 32: nothing above the 32 bucket
+    assert m["vllm:iteration_tokens_total_sum"] <= 32 * m["vllm:iteration_tokens_total_count"]
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'enable_prefix_caching="True"' in info and info.endswith(" 1.0")
+    log = server.output()
+    assert "Avg prompt throughput:" in log and "Prefix cache hit rate:" in log
