@@ -104,7 +104,11 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         for name in TRACES:
             plot(out / f"replay_{name}.png", name, sizes, policies, paths[name], results, info[name])
-        (out / "replay.md").write_text(md_header() + md + md_notes())
+        page = out / "replay.md"
+        # what bench/replay_scale.py wrote (CPU tier, replicas: from its first marker on) is kept
+        old = page.read_text() if page.exists() else ""
+        start = old.find("<!-- replay_scale:")
+        page.write_text(md_header() + md + md_notes() + ("\n" + old[start:] if start >= 0 else ""))
         print(f"wrote {out / 'replay.md'} and {', '.join(str(out / f'replay_{n}.png') for n in TRACES)}")
     return 0
 

@@ -124,8 +124,9 @@ def _load_engine(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from .engine.llm_engine import LLMEngine
     from .server.app import DEFAULT_MODEL_NAME
-    from .server.launch import PortInUse, bind_socket, run_server
+    from .server.launch import PortInUse, bind_socket, check_server_args, run_server
 
+    check_server_args(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("prefixkv.server")
     config = engine_config(args)

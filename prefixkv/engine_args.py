@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .cache import HASH_ALGOS, POLICIES
+from .kv_events.config import KVEventsConfig
 
 logger = logging.getLogger("prefixkv")
 
@@ -35,6 +36,26 @@ MODEL_HELP = (
     "model to load: an HF model folder (config.json, tokenizer.json, *.safetensors) or a .gguf "
     "file; omitted: the embedded SmolLM2-135M-Instruct"
 )
+
+MM_HASH_MODES = ("exact", "phash")  # prefixkv/multimodal/hashing.py
+DEFAULT_MM_ENCODER_CACHE_BYTES = 128 << 20
+
+
+def parse_mm_limit(text: str) -> dict[str, int]:
+    """--limit-mm-per-prompt: vLLM's JSON ('{"image": 2}') or image=2."""
+    import json
+
+    try:
+        value = json.loads(text) if text.strip().startswith("{") else dict(_kv(p) for p in text.split(","))
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"not a limit: {text!r} (e.g. '{{\"image\": 2}}' or image=2)") from e
+    return value
+
+
+def _kv(pair: str) -> tuple[str, int]:
+    key, value = pair.split("=", 1)
+    return key.strip(), int(value)
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 
@@ -145,10 +166,33 @@ class EngineArgs:
     enable_kv_cache_events: bool = _opt(
         False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)"
     )
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
+        None,
+        "publish KV events as vLLM does, a JSON object of vLLM's KVEventsConfig, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' '
+        "(docs/kv_events.md; default: none)",
+    )
     enable_stage_output_cache: bool = _opt(
         False,
         "keep the final hidden states of cached blocks (CPU, in the same budget as the KV), so prompt logprobs "
         "and embeddings (MEAN / ALL pooling included) reuse a cached prefix (default: off)",
+    )
+    kv_offloading_size: float | None = _opt(
+        None,
+        "CPU-memory KV tier below the pool, in GiB (vLLM's flag): blocks computed once are kept there and "
+        "loaded back when the pool has evicted them (default: off; docs/tiers.md)",
+        type=float,
+    )
+    kv_tier: list[str] | str | None = _opt(
+        None,
+        "a disk or Redis KV tier below the pool and the CPU tier: disk:/path[?size=16GiB] or "
+        "redis://host:port/db[?timeout=0.5]; repeat the flag or give a comma list; an engine started "
+        "against the same tier serves known prefixes from it (default: none; docs/tiers.md)",
+    )
+    pooler_config: dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
+        None,
+        'default pooling of embeddings, as vLLM: \'{"pooling_type": "MEAN", "normalize": false}\' '
+        "(pooling_type LAST, MEAN, CLS or ALL; default: LAST, normalized)",
     )
     max_num_seqs: int = _opt(256, "most sequences in one batch (default: 256)", type=int)
     max_num_batched_tokens: int = _opt(
@@ -168,6 +212,25 @@ class EngineArgs:
     enable_lora: bool = _opt(False, "serve PEFT LoRA adapters (LoRARequest / --lora-modules) (default: off)")
     max_loras: int = _opt(1, "most LoRA adapters in one batch, resident on the device (default: 1)", type=int)
     max_lora_rank: int = _opt(16, "highest LoRA rank accepted (default: 16)", type=int)
+    # Multimodal (vision-language checkpoints; docs/multimodal.md)
+    mm_hash: str = _opt(
+        "exact",
+        "identity of an image for the prefix and encoder caches: exact (hash of the preprocessed pixels) or phash "
+        "(perceptual: near-identical copies share entries and may change outputs) (default: exact)",
+        choices=list(MM_HASH_MODES),
+    )
+    enable_mm_encoder_cache: bool = _opt(
+        True, "keep image encoder outputs by image identity, so an image is encoded once (default: on)"
+    )
+    mm_encoder_cache_bytes: int = _opt(
+        DEFAULT_MM_ENCODER_CACHE_BYTES, "encoder cache budget in bytes, LRU (default: 128MiB)", type=parse_bytes
+    )
+    limit_mm_per_prompt: dict[str, int] | None = _opt(  # noqa: RUF009 (it returns a field)
+        None, "most images per prompt, e.g. '{\"image\": 2}' (default: no limit but the context)", type=parse_mm_limit
+    )
+    allowed_local_media_path: str | None = _opt(
+        None, "image_url parts may name local files (file:// URLs) under this folder (default: none may)"
+    )
 
     # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
     tokenizer_mode: str = _compat("auto", _is_default("auto"), "only 'auto': the model's own tokenizer", cli=False)
@@ -212,11 +275,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
         None, _is_default(None), "no speculative decoding", cli=False
     )
-    limit_mm_per_prompt: dict[str, int] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "multimodal inputs are not implemented", cli=False
-    )
     mm_processor_kwargs: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "multimodal inputs are not implemented", cli=False
+        None, _is_default(None), "the checkpoint's own image processor settings are used", cli=False
     )
     disable_sliding_window: bool = _compat(
         False, _is_default(False), "sliding windows are applied as the model config says", cli=False
@@ -230,6 +290,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self._check_compat()
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events:
+            self.enable_kv_cache_events = True  # vLLM's switch lives in the config
         if self.max_num_batched_tokens is None:  # vLLM's None: the default
             self.max_num_batched_tokens = 2048
         if self.num_gpu_blocks_override is not None:
@@ -270,8 +333,47 @@ class EngineArgs:
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; choose fcfs or priority")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        self._check_multimodal()
+        from .stage.pooling import parse_pooler_config  # here: the stage package imports the engine's
+
+        self.default_pooling = parse_pooler_config(self.pooler_config)
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        from .tiers.spec import parse_spec, split_specs
+
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+        specs = split_specs(self.kv_tier)
+        for text in specs:
+            parse_spec(text)
+        if (size or specs) and not self.enable_prefix_caching:
+            raise ValueError("KV tiers (kv_offloading_size / kv_tier) need enable_prefix_caching")
+        if (size or specs) and self.enable_stage_output_cache:
+            raise ValueError(
+                "KV tiers with enable_stage_output_cache are not implemented (tier blocks carry no stage outputs)"
+            )
+
+    def _check_multimodal(self) -> None:
+        if self.mm_hash not in MM_HASH_MODES:
+            raise ValueError(f"unknown mm_hash {self.mm_hash!r}; choose one of {', '.join(MM_HASH_MODES)}")
+        if not _is_int(self.mm_encoder_cache_bytes) or self.mm_encoder_cache_bytes < 0:
+            raise ValueError(f"mm_encoder_cache_bytes must be an integer >= 0, got {self.mm_encoder_cache_bytes!r}")
+        limit = self.limit_mm_per_prompt
+        if limit is not None:
+            if not isinstance(limit, dict):
+                raise ValueError(f"limit_mm_per_prompt must be a dict such as {{'image': 2}}, got {limit!r}")
+            for key, value in limit.items():
+                if key != "image":
+                    raise ValueError(f"limit_mm_per_prompt[{key!r}]: only images are supported")
+                if not _is_int(value) or value < 0:
+                    raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {value!r}")
+        path = self.allowed_local_media_path
+        if path is not None and not isinstance(path, str):
+            raise ValueError(f"allowed_local_media_path must be a folder path, got {path!r}")
 
     def _check_compat(self) -> None:
         accepted = []
@@ -311,6 +413,8 @@ class EngineArgs:
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
             if isinstance(f.default, bool) or f.name == "enable_chunked_prefill":
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.name == "kv_tier":  # repeatable
+                kwargs["action"] = "append"
             else:
                 if meta["type"] is not None:
                     kwargs["type"] = meta["type"]

@@ -12,17 +12,17 @@ from typing import Any
 
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
+from .multimodal.chat import chat_prompt_with_images, has_image_parts
 from .outputs import RequestOutput
 from .request import LoRARequest
 from .sampling_params import SamplingParams
 from .stage import EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput, pool
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
 # vLLM prompt-dict fields prefixkv does not implement
 _UNSUPPORTED_PROMPT_KEYS = {
-    "multi_modal_data": "multimodal inputs are not implemented",
-    "mm_processor_kwargs": "multimodal inputs are not implemented",
-    "multi_modal_uuids": "multimodal inputs are not implemented",
+    "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
+    "multi_modal_uuids": "item identities are content hashes (mm_hash), not caller-given ids",
     "prompt_embeds": "prompt embeddings are not implemented",
     "token_type_ids": "token type ids are not implemented",
 }
@@ -34,7 +34,7 @@ _UNSUPPORTED_CALL_ARGS = {
     "truncate_prompt_tokens": "prompt truncation is not implemented",
     "tools": "tool calling is not implemented",
     "documents": "documents are not implemented",
-    "mm_processor_kwargs": "multimodal inputs are not implemented",
+    "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
 }
 
 
@@ -56,17 +56,20 @@ def _lora_list(lora_request: Any, n: int) -> list[Any]:
     return [lora_request] * n
 
 
-def _pooling_params(params: PoolingParams | None, pooling: str | None, normalize: bool | None) -> PoolingParams:
-    """`pooling_params`, or the `pooling=` / `normalize=` shortcuts (not both)."""
+def _pooling_params(
+    params: PoolingParams | None, pooling: str | None, normalize: bool | None, default: PoolingParams
+) -> PoolingParams:
+    """`pooling_params`, or the `pooling=` / `normalize=` shortcuts (not both) over the engine's
+    default (`pooler_config`)."""
     if params is not None:
         if pooling is not None or normalize is not None:
             raise ValueError("give pooling_params or pooling= / normalize=, not both")
         return params
-    return PoolingParams(pooling or "last", True if normalize is None else normalize)
+    return PoolingParams(pooling or default.pooling, default.normalize if normalize is None else normalize)
 
 
-def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None]]:
-    """Each prompt as (text or token ids, its own cache_salt)."""
+def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None, Any]]:
+    """Each prompt as (text or token ids, its own cache_salt, its multi_modal_data or None)."""
     if prompt_token_ids is not None:
         prompts = prompt_token_ids
     if prompts is None:
@@ -75,9 +78,9 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
         prompts = [prompts]
     elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         prompts = [list(prompts)]  # one prompt of token ids
-    out: list[tuple[str | list[int], str | None]] = []
+    out: list[tuple[str | list[int], str | None, Any]] = []
     for p in prompts:
-        salt = None
+        salt = mm = None
         if isinstance(p, dict):
             for key in p:
                 if key in _UNSUPPORTED_PROMPT_KEYS:
@@ -86,7 +89,7 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
                 if key not in _PROMPT_KEYS:
                     takes = ", ".join(sorted(_PROMPT_KEYS))
                     raise ValueError(f"unknown prompt field {key!r}; a prompt dict takes {takes}")
-            salt = p.get("cache_salt")
+            salt, mm = p.get("cache_salt"), p.get("multi_modal_data")
             if "prompt_token_ids" in p:
                 p = list(p["prompt_token_ids"])
             elif "prompt" in p:
@@ -94,9 +97,9 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
             else:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {sorted(p)}")
         if isinstance(p, str):
-            out.append((p, salt))
+            out.append((p, salt, mm))
         elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
-            out.append((list(p), salt))
+            out.append((list(p), salt, mm))
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}")
     if not out:
@@ -176,14 +179,19 @@ class LLM:
         for lora in loras:
             if lora is not None:
                 engine.resolve_lora(lora)  # every adapter validated before anything runs
-        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _ in items]
+        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
         tokenized = [engine.truncate_prompt(ids, params) for ids, params in zip(tokenized, params_list)]
-        for ids, params in zip(tokenized, params_list):
+        processed = []  # images decoded, placeholders expanded: every prompt checked before any runs
+        for ids, params, (_, _, mm) in zip(tokenized, params_list, items):
+            ids, mm_items = engine.process_multimodal(ids, mm)
             engine.validate_prompt(ids)
             engine.validate_params(params)
+            processed.append((ids, mm_items))
         ids_in_order: list[str] = []
         try:
-            for (item, salt), ids, params, lora, prio in zip(items, tokenized, params_list, loras, priorities):
+            for (item, salt, _), (ids, mm_items), params, lora, prio in zip(
+                items, processed, params_list, loras, priorities
+            ):
                 ids_in_order.append(
                     engine.add_request(
                         ids,
@@ -192,6 +200,7 @@ class LLM:
                         cache_salt=salt if salt is not None else cache_salt,
                         prompt_text=item if isinstance(item, str) else None,
                         priority=prio,
+                        mm_items=mm_items,
                     )
                 )
         except BaseException:
@@ -225,9 +234,11 @@ class LLM:
                 "supported by prefixkv: message contents are strings"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.llm_engine.tokenizer
-        prompts = [
-            tok.apply_chat_template(
+        tok = self.llm_engine.tokenizer  # the engine's own (get_tokenizer() builds transformers')
+        engine = self.llm_engine
+
+        def render(conv: list[dict]) -> str:
+            return tok.apply_chat_template(  # type: ignore[return-value]
                 conv,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
@@ -235,15 +246,27 @@ class LLM:
                 continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}),
             )
-            for conv in conversations
-        ]
+
+        prompts: list[dict[str, Any]] = []
+        texts: list[str] = []
+        for conv in conversations:
+            if has_image_parts(conv):  # image_url / image_pil parts (prefixkv/multimodal/chat.py)
+                text, images = chat_prompt_with_images(
+                    conv, render, engine.image_token, engine.config.allowed_local_media_path, engine.max_images
+                )
+                ids = tok.encode(text, add_special_tokens=False)
+                prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+            else:
+                text = render(conv)
+                prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            texts.append(text)
         outs = self.generate(
-            [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
+            prompts,
             sampling_params,
             use_tqdm=use_tqdm,
             lora_request=lora_request,
         )
-        for out, text in zip(outs, prompts):
+        for out, text in zip(outs, texts):
             out.prompt = text  # as vLLM: the rendered conversation
         return outs
 
@@ -298,9 +321,10 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt: the final hidden states pooled LAST (the default for decoder
         models, as vLLM), MEAN, CLS or ALL (one vector per token), L2-normalized unless
-        `normalize=False`. With `enable_stage_output_cache=True` a prompt that shares cached
-        blocks with an earlier one reuses their hidden states (MEAN and ALL included)."""
-        params = _pooling_params(pooling_params, pooling, normalize)
+        `normalize=False`; the defaults come from the engine's `pooler_config`. With
+        `enable_stage_output_cache=True` a prompt that shares cached blocks with an earlier one
+        reuses their hidden states (MEAN and ALL included)."""
+        params = _pooling_params(pooling_params, pooling, normalize, self.llm_engine.config.default_pooling)
         outs = self.encode(
             prompts,
             params,
@@ -323,7 +347,8 @@ class LLM:
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Pooled final hidden states as tensors (`outputs.data`); `pooling_task="token_embed"`
-        is ALL pooling, "embed" (or None) follows `pooling_params`."""
+        is ALL pooling, "embed" (or None) follows `pooling_params` (default: the engine's
+        `pooler_config`)."""
         if lora_request is not None:
             raise ValueError("embed()/encode() with a LoRA adapter is not supported by prefixkv yet")
         for name, value in (
@@ -332,7 +357,7 @@ class LLM:
         ):
             if value is not None and value != {}:
                 raise ValueError(f"encode({name}=...) is not supported by prefixkv: {_UNSUPPORTED_CALL_ARGS[name]}")
-        params = pooling_params or PoolingParams()
+        params = pooling_params or self.llm_engine.config.default_pooling
         if pooling_task == "token_embed":
             params = PoolingParams("all", params.normalize)
         elif pooling_task not in (None, "embed"):
@@ -340,15 +365,17 @@ class LLM:
                 f"pooling_task={pooling_task!r} is not supported by prefixkv: only 'embed' and 'token_embed'"
             )
         items = _as_prompt_list(prompts, None)
+        if any(mm is not None for _, _, mm in items):
+            raise ValueError("embed()/encode() of prompts with multi_modal_data is not supported by prefixkv yet")
         engine = self.llm_engine
-        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _ in items]
+        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
         for ids in tokenized:
             engine.validate_prompt(ids)
         # one greedy token is drawn and dropped: the prompt's last position is computed like any prefill
         sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
         request_ids: list[str] = []
         try:
-            for (item, salt), ids in zip(items, tokenized):
+            for (item, salt, _), ids in zip(items, tokenized):
                 request_ids.append(
                     engine.add_request(
                         ids,

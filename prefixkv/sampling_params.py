@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .constraints.structured_params import StructuredOutputsParams
+from .constraints.validation import check_token_fields, normalize_logit_bias
+
 MAX_TEMPERATURE = 1e4  # beyond it sampling is uniform anyway; float('inf') or 1e308 would overflow
 PENALTY_RANGE = (1e-4, 1e4)  # repetition_penalty: outside it the scaled logits overflow float32
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (negative wraps)
@@ -24,10 +27,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "early_stopping": False,
     "logits_processors": None,
     "guided_decoding": None,
-    "structured_outputs": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
     "extra_args": None,
     "spaces_between_special_tokens": True,
     "output_kind": None,
@@ -57,6 +56,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM)
+    # constraints on what may be sampled (prefixkv/constraints/)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +73,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = normalize_logit_bias(self.logit_bias)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         self.verify()
 
     def verify(self) -> None:
@@ -104,6 +113,15 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004
+        normalize_logit_bias(self.logit_bias)
+        check_token_fields(self)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(  # noqa: TRY004
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
+            self.structured_outputs.verify()
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+# The tier an event is about, vLLM's `medium` names: the KV pool is "GPU" in vLLM whatever the
+# device (vLLM-CPU says "GPU" too), lower tiers say "CPU", "DISK", ...
+MEDIUM_POOL = "GPU"
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -13,16 +17,22 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     lora_name: str | None
+    # the extra keys each block was hashed with (None for a block without any), so that a consumer
+    # can recompute the hashes; LoRA integer id (vLLM's deprecated lora_id); the tier
+    extra_keys: list[tuple[object, ...] | None] | None = None
+    lora_id: int | None = None
+    medium: str = MEDIUM_POOL
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[bytes]
+    medium: str = MEDIUM_POOL
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    pass
+    medium: str | None = None  # None: every tier this process publishes (vLLM's event has no medium)
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

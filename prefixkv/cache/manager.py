@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block import KVCacheBlock
 from .events import BlockStored, KVCacheEvent
 from .eviction import EvictionPolicy, get_policy, overrides
-from .identity import ROOT_UID, BlockChain, HashFunction, get_hash_function, none_hash
+from .identity import ROOT_UID, BlockChain, ExtraKeys, HashFunction, get_hash_function, none_hash
 from .pool import BlockPool
 from .protocol import CacheRequest
 from .stats import PrefixCacheStats
@@ -90,6 +91,12 @@ class KVCacheManager:
         state = self._state(request)
         n = state.chain.extend(request)
         return list(state.chain.hashes_upto(n, self.hash_fn, self.none_hash))
+
+    def get_block_chain(self, request: CacheRequest) -> BlockChain:
+        """The request's identity material (tokens and extra keys of its full blocks), extended."""
+        state = self._state(request)
+        state.chain.extend(request)
+        return state.chain
 
     def _state(self, request: CacheRequest) -> _RequestBlocks:
         state = self._requests.get(request.request_id)
@@ -199,12 +206,16 @@ class KVCacheManager:
             state.blocks[i].content_hash = hashes[i]
         lora = request.lora_request
         token_ids = [t for block_tokens in state.chain.tokens[start:end] for t in block_tokens]
+        chain = state.chain
         return BlockStored(
             block_hashes=hashes[start:end],
             parent_block_hash=hashes[start - 1] if start else None,
             token_ids=token_ids,
             block_size=self.block_size,
             lora_name=lora.lora_name if lora is not None else None,
+            extra_keys=[chain.extra(i) for i in range(start, end)],
+            # the integer id is not part of the cache protocol (the key is name, path, weights)
+            lora_id=getattr(lora, "lora_int_id", None) if lora is not None else None,
         )
 
     # -- release -------------------------------------------------------------------------------
@@ -216,6 +227,11 @@ class KVCacheManager:
             if self._on_request_free is not None:
                 self._on_request_free(request.num_prompt_tokens, request.num_output_tokens)
             self.block_pool.free_blocks(reversed(state.blocks))
+
+    def evict_where(self, match: Callable[[ExtraKeys], bool]) -> tuple[int, int]:
+        """Evict, first, the free cached blocks whose extra keys satisfy `match` (content that can
+        never be hit again); returns (evicted, matching blocks still held by requests)."""
+        return self.block_pool.evict_where(match)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached identities. Only when idle: returns False while any block is held."""

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from .block import KVCacheBlock
 from .events import AllBlocksCleared, BlockRemoved, KVCacheEvent, KVEventBuffer
 from .eviction import EvictionPolicy, LRUPolicy, overrides
-from .identity import BlockKey
+from .identity import BlockKey, ExtraKeys
 from .table import CachedBlockTable
 
 
@@ -116,6 +116,27 @@ class BlockPool:
             if block.ref_cnt == 0:
                 to_free.append(block)
         self.eviction_policy.append_n(to_free)
+
+    def evict_where(self, match: Callable[[ExtraKeys], bool]) -> tuple[int, int]:
+        """Drop the identity of every free cached block whose extra keys satisfy `match` and make
+        it a next victim: for content that can never be hit again (an unloaded LoRA adapter's
+        blocks). Blocks held by running requests keep theirs - their successors' keys name them -
+        and are only counted. Returns (blocks evicted, matching blocks still held)."""
+        evicted, held = [], 0
+        for key, blocks in self.cached_blocks.items():
+            if key[2] is not None and match(key[2]):
+                for block in blocks:
+                    if block.ref_cnt == 0:
+                        evicted.append(block)
+                    else:
+                        held += 1
+        for block in evicted:
+            self.cached_blocks.remove(block)
+            if block.content_hash is not None:
+                self._removed(block)
+            self.eviction_policy.push_front(block)
+        self.num_evictions += len(evicted)
+        return len(evicted), held
 
     def reset_prefix_cache(self) -> bool:
         """Forget every identity; refused (False) while any block is held."""

@@ -11,24 +11,30 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats
+from ..constraints.grammar import GrammarEngine
+from ..constraints.token_constraints import RequestConstraints
+from ..constraints.validation import check_vocab
 from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
+from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..model import LoadedModel, load_model
 from ..model.generation_config import sampling_defaults
 from ..model.tokenizer import Tokenizer
 from ..outputs import Logprob, RequestMetrics, RequestOutput
-from ..request import Request, RequestStatus
+from ..request import MultiModalItem, Request, RequestStatus
 from ..sampling_params import SamplingParams
 from ..stage import StageOutputCache, stage_output_specs
+from ..tiers import TierManager, attach_tiers
 from .block_tensors import BlockTensors, kv_cache_specs
 from .model_runner import ModelRunner
 from .model_runner_output import ModelRunnerOutput
@@ -157,12 +163,23 @@ class LLMEngine:
             blocks = self.scheduler.kv_cache_manager.block_pool.blocks
             self.stage_outputs = StageOutputCache(self.block_tensors, blocks, bs)
             self.scheduler.stage_outputs = self.runner.stage_outputs = self.stage_outputs
+        self.tiers: TierManager | None = None
+        if config.kv_offloading_size or config.kv_tier:  # KV tiers below the pool (prefixkv/tiers)
+            self.tiers = attach_tiers(self)
+        self._init_multimodal()
         self.eos_ids = set(self.tokenizer.eos_token_ids)
+        self._grammar_engine: GrammarEngine | None = None  # built on the first structured request
+        self._grammar_lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
         self._group_ids = itertools.count()  # ids for requests that bring none
         self._seq_ids = itertools.count()  # engine-private sequence ids: never derived from a client's string
         self._kv_events = KVEventBuffer(MAX_PENDING_KV_EVENTS)
+        # events leave the process through a publisher when kv_events_config says so (kv_events/);
+        # otherwise they wait in _kv_events for take_kv_events()
+        kv_events_config = config.kv_events_config
+        assert kv_events_config is None or isinstance(kv_events_config, KVEventsConfig)  # EngineArgs parsed it
+        self.kv_event_publisher: EventPublisher | None = create_publisher(kv_events_config)
         # counters for metrics
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -171,6 +188,41 @@ class LLMEngine:
         self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
         self._update_stats()
+
+    def _init_multimodal(self) -> None:
+        """A vision-language checkpoint: the prompt-side processor (placeholders, item identities) and
+        the runner-side encoder with its cache (prefixkv/multimodal/)."""
+        self.mm_processor: Any = None
+        self.encoder_cache: Any = None
+        self.image_token: str | None = None  # the prompt's image token as text ("<image>"); None: text-only
+        self.max_images: int | None = None  # limit_mm_per_prompt["image"]
+        mm = self.loaded.multimodal
+        if mm is None:
+            return
+        self.image_token = self.tokenizer.id_to_token(mm.image_token_id)
+        from ..multimodal import EncoderCache, MultiModalEmbedder, MultiModalInputProcessor
+
+        config = self.config
+        self.max_images = limit = (config.limit_mm_per_prompt or {}).get("image")
+        self.mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
+        self.encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
+        self.runner.mm = MultiModalEmbedder(mm.encoder, self.encoder_cache)
+
+    def process_multimodal(
+        self, prompt_token_ids: Sequence[int], multi_modal_data: Any
+    ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+        """Expand a prompt's image tokens and build its items (no engine state is touched, so any
+        thread may call it). ValueError for images on a text-only model, a count of image tokens
+        that differs from the count of images, too many images, or an image that cannot be decoded."""
+        if self.mm_processor is None:
+            if multi_modal_data:
+                raise ValueError(
+                    "multi_modal_data was given but this model is text-only: it takes no images "
+                    "(serve a LLaVA-style checkpoint for image inputs)"
+                )
+            return list(prompt_token_ids), ()
+        ids, items = self.mm_processor(prompt_token_ids, multi_modal_data)
+        return ids, items
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -201,6 +253,28 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > limit:
                 raise ValueError(f"{name}={value} is more than this engine allows (max_logprobs={limit})")
+        check_vocab(params, self.model_config.vocab_size)
+        if params.structured_outputs is not None and params.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the grammar decides where the output ends"
+            )
+
+    @property
+    def grammar_engine(self) -> GrammarEngine:
+        """The structured-outputs grammar engine (built once, on first use: ~0.1 s)."""
+        with self._grammar_lock:
+            if self._grammar_engine is None:
+                self._grammar_engine = GrammarEngine(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            return self._grammar_engine
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of `params.structured_outputs` (None without one), cached by spec.
+        Thread-safe: the server calls it in a worker thread before the request reaches the engine
+        loop, so a step never waits for a compilation. ValueError for an invalid spec."""
+        if params.structured_outputs is None:
+            return None
+        params.structured_outputs.verify()
+        return self.grammar_engine.compile(params.structured_outputs)
 
     def add_request(
         self,
@@ -214,9 +288,13 @@ class LLMEngine:
         prompt_text: str | None = None,
         hidden_states_from: int | None = None,
         priority: int = 0,
+        multi_modal_data: Any = None,
+        mm_items: Sequence[MultiModalItem] | None = None,
     ) -> str:
         """Queue one prompt (text or token ids; `prompt_text` names the text that token ids came
-        from). Returns the request id. Atomic: everything that can fail - validation,
+        from). Returns the request id. Images come as `multi_modal_data` ({"image": ...}, one
+        image token per image in the prompt), or already processed (`process_multimodal`) as
+        expanded token ids with their `mm_items`. Atomic: everything that can fail - validation,
         tokenization, seeded generators - happens before any state changes, so on an exception
         nothing is registered."""
         params = params if params is not None else SamplingParams()
@@ -228,6 +306,7 @@ class LLMEngine:
                 f"Got priority {priority} but priority scheduling is not enabled "
                 "(scheduling_policy='priority' / --scheduling-policy priority)"
             )
+        compiled = self.compile_grammar(params)
         lora_id = 0
         if lora_request is not None:
             lora_request, lora_id = self.resolve_lora(lora_request)
@@ -238,7 +317,13 @@ class LLMEngine:
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = prompt_text, list(prompt)
-        ids = self.truncate_prompt(ids, params)
+        if mm_items is None:  # (given mm_items: the caller processed - and truncated - the prompt)
+            ids = self.truncate_prompt(ids, params)
+            ids, mm_items = self.process_multimodal(ids, multi_modal_data)
+        elif multi_modal_data is not None:
+            raise ValueError("give multi_modal_data or processed mm_items, not both")
+        elif mm_items and self.mm_processor is None:
+            raise ValueError("multimodal items were given but this model is text-only: it takes no images")
         self.validate_prompt(ids)
         if hidden_states_from is not None:  # the prompt's final hidden states from this position on
             if not isinstance(hidden_states_from, int) or not -len(ids) <= hidden_states_from < len(ids):
@@ -259,6 +344,7 @@ class LLMEngine:
         else:
             raise ValueError(f"arrival_time must be a finite number, got {arrival_time!r}")
         children, states = [], []
+        constraints = RequestConstraints.build(params, self.tokenizer, self.model_config.vocab_size)
         for i in range(params.n):
             # seed + i wraps modulo 2**64 (what torch takes): any valid seed works for any n
             gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else None
@@ -273,9 +359,19 @@ class LLMEngine:
                     arrival_time=arrival,
                     generator=gen,
                     priority=priority,
+                    mm_items=mm_items,
                 )
             )
             children[-1].lora_id = lora_id
+            if compiled is not None:  # each sequence walks its own grammar
+                grammar = self.grammar_engine.matcher(compiled)
+                children[-1].constraints = (
+                    constraints.shares_with(grammar)
+                    if constraints is not None
+                    else RequestConstraints(self.model_config.vocab_size, grammar=grammar)
+                )
+            else:
+                children[-1].constraints = constraints
             states.append(OutputState(i, params, self.tokenizer))
         group = _Group(request_id, text, ids, children, states, arrival)
         if params.prompt_logprobs is not None:
@@ -312,7 +408,32 @@ class LLMEngine:
                 f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is off: start the engine with "
                 "enable_lora=True (--enable-lora)"
             )
-        return self.lora_manager.resolve(lora_request)
+        resolved = self.lora_manager.resolve(lora_request)
+        if self.lora_manager.retired:  # a reload with new weights retired the old version
+            self._evict_retired_loras()
+        return resolved
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget every adapter version named `name` (vLLM's `remove_lora`, by name). Requests
+        already running finish with it; its cached blocks can never be hit again and are evicted
+        first (those still held, once their requests end). Returns whether it was known."""
+        if self.lora_manager is None:
+            return False
+        known = self.lora_manager.remove(name)
+        self._evict_retired_loras()
+        return known
+
+    def _evict_retired_loras(self) -> None:
+        """Evict the blocks cached under retired adapter versions; keep the list while running
+        requests still hold some, and drop the host copies of versions nobody uses."""
+        manager = self.lora_manager
+        assert manager is not None
+        retired = manager.retired
+        _, held = self.kv_cache_manager.evict_where(lambda extras: any(k in retired for k in extras))
+        if not held:
+            retired.clear()
+        in_use = {c.lora_id for g in self._groups.values() for c in g.children if not c.is_finished}
+        manager.forget_unused(in_use)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks are freed at once. Unknown ids are ignored."""
@@ -320,6 +441,8 @@ class LLMEngine:
             group = self._groups.get(rid)
             if group is not None:
                 self._end_group(group, RequestStatus.FINISHED_ABORTED)
+        if self.lora_manager is not None and self.lora_manager.retired:
+            self._evict_retired_loras()
         self._update_stats()
 
     def _end_group(self, group: _Group, status: RequestStatus) -> None:
@@ -358,6 +481,8 @@ class LLMEngine:
             else:
                 sampled, failed = self.scheduler.update_from_output(scheduler_output, runner_output)
                 outputs = self._process_outputs(runner_output, sampled, failed)
+        if self.lora_manager is not None and self.lora_manager.retired and any(o.finished for o in outputs):
+            self._evict_retired_loras()  # held blocks of retired adapters may be free now
         self._drain_kv_events()
         self._update_stats()
         return outputs
@@ -494,16 +619,26 @@ class LLMEngine:
     def _drain_kv_events(self) -> None:
         events = self.scheduler.take_kv_events()
         if events:
+            if self.kv_event_publisher is not None:  # one batch per step, as vLLM; never blocks
+                self.kv_event_publisher.publish(events)
+                return
             buffer = self._kv_events
             for event in events:
                 buffer.append(event)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        """Every KV event not taken yet, oldest first (for a publisher). At most
+        """Every KV event not taken yet, oldest first ([] when a kv_events_config publisher sends them). At most
         MAX_PENDING_KV_EVENTS wait between calls; older ones are dropped and counted in
         `get_stats().num_kv_events_dropped`."""
         self._drain_kv_events()
         return self._kv_events.drain()
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the KV event publisher's thread and sockets (queued batches
+        are sent first, for at most a second). The engine serves no request afterwards."""
+        publisher, self.kv_event_publisher = self.kv_event_publisher, None
+        if publisher is not None:
+            publisher.shutdown()
 
     # -- cache control and statistics ----------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -530,11 +665,38 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=s.num_preemptions,
             num_requests_errored=self.num_requests_errored,
-            num_kv_events_dropped=self._kv_events.num_dropped + s.num_dropped_kv_events,
+            num_kv_events_dropped=self._kv_events.num_dropped
+            + s.num_dropped_kv_events
+            + (self.kv_event_publisher.num_dropped_events if self.kv_event_publisher is not None else 0),
             num_blocks=self.num_blocks,
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
             **self._lora_stats(),
+            **self._tier_stats(),
+            **self._mm_stats(),
+        )
+
+    def _tier_stats(self) -> dict[str, Any]:
+        t = self.tiers
+        if t is None:
+            return {}
+        return dict(
+            external_prefix_cache_queries=t.external_queries,
+            external_prefix_cache_hits=t.external_hits,
+            kv_tiers=t.stats(),
+        )
+
+    def _mm_stats(self) -> dict[str, Any]:
+        if self.encoder_cache is None:
+            return {}
+        c = self.encoder_cache
+        return dict(
+            multimodal=True,
+            mm_encoder_cache_queries=c.queries,
+            mm_encoder_cache_hits=c.hits,
+            mm_encoder_runs=c.encoder_runs,
+            mm_encoder_cache_bytes=c.bytes_used,
+            mm_encoder_cache_budget_bytes=c.budget_bytes,
         )
 
     def _lora_stats(self) -> dict[str, Any]:

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..request import Request, RequestStatus
 from .model_runner_output import ModelRunnerOutput
-from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .scheduler_output import EncoderInput, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from ..stage import StageOutputCache
+    from ..tiers import TierManager
 
 
 class Scheduler:
@@ -63,6 +64,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # left since the last schedule()
         self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
+        self.tiers: TierManager | None = None  # set by the engine when KV tiers are on (prefixkv/tiers)
+        # the queue head's tier lookup, kept while it waits for blocks: (request id, pool hits, KV bytes)
+        self._tier_lookup: tuple[str, int, list[Any]] | None = None
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -92,6 +96,8 @@ class Scheduler:
         """Remove a request (finished, aborted or failed) wherever it is and release its blocks."""
         if self.requests.pop(req.request_id, None) is None:
             return
+        if self._tier_lookup is not None and self._tier_lookup[0] == req.request_id:
+            self._tier_lookup = None
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -157,12 +163,22 @@ class Scheduler:
                         # hits cached in this very step have no outputs yet: wait one step for them
                         # rather than recompute them (FCFS: nothing behind it goes first)
                         break
-            num_new = min(req.num_tokens - num_hit, budget)
-            if kv.allocate_slots(req, num_new, hits) is None:
+            loaded = self._tier_hits(req, len(hits)) if self.tiers is not None else []
+            num_loaded = len(loaded) * self.block_size
+            num_new = min(req.num_tokens - num_hit - num_loaded, budget)
+            if kv.allocate_slots(req, num_loaded + num_new, hits) is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
             if kv.enable_caching and not req.skip_prefix_cache_read:
                 kv.stats.record(req.num_tokens, num_hit)
+            if self.tiers is not None and self._tier_lookup is not None:
+                self._tier_lookup = None
+                if self._tier_eligible(req):
+                    self.tiers.record_query(req.num_tokens, num_loaded)
+                if loaded:  # the first new blocks take the tier's bytes; they count as cached tokens
+                    ids = kv.get_block_ids(req.request_id)[len(hits) : len(hits) + len(loaded)]
+                    out.kv_loads.extend(self.tiers.load_plan(ids, loaded))
+            num_hit += num_loaded
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -175,7 +191,50 @@ class Scheduler:
                 loras.add(req.lora_id)
         self.waiting.extendleft(reversed(skipped))
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if self.tiers is not None and kv.enable_caching:
+            self._plan_tier_saves(out)
         return out
+
+    # -- KV tiers (prefixkv/tiers) -------------------------------------------------------------
+    def _tier_eligible(self, req: Request) -> bool:
+        # requests that read the stage outputs of their hits, or skip the cache, compute their prefix
+        return self.kv_cache_manager.enable_caching and not (req.skip_prefix_cache_read or req.reads_stage_outputs)
+
+    def _tier_hits(self, req: Request, num_pool_hits: int) -> list[Any]:
+        """KV bytes of the blocks after the pool's hits that the tiers hold, looked up once while
+        the request waits at the head of the queue."""
+        memo = self._tier_lookup
+        if memo is not None and memo[0] == req.request_id and memo[1] == num_pool_hits:
+            return memo[2]
+        loaded: list[Any] = []
+        if self._tier_eligible(req) and self.tiers is not None:
+            kv = self.kv_cache_manager
+            last = (req.num_tokens - 1) // self.block_size  # the last token is always computed
+            if num_pool_hits < last:
+                hashes = kv.get_block_hashes(req)
+                chain = kv.get_block_chain(req)
+                loaded = self.tiers.lookup(
+                    hashes, req.all_token_ids, chain.extras, self.block_size, num_pool_hits, last
+                )
+        self._tier_lookup = (req.request_id, num_pool_hits, loaded)
+        return loaded
+
+    def _plan_tier_saves(self, out: SchedulerOutput) -> None:
+        """Blocks this step's forward completes (never hits, never loaded ones) are copied out
+        after it, write-through, unless every tier has them already."""
+        tiers, kv, bs = self.tiers, self.kv_cache_manager, self.block_size
+        assert tiers is not None
+        for sr in out.scheduled:
+            first, end = sr.start // bs, (sr.start + len(sr.token_ids)) // bs
+            if first >= end:
+                continue
+            req = self.requests[sr.req_id]
+            hashes = kv.get_block_hashes(req)
+            extras = kv.get_block_chain(req).extras
+            for i in range(first, min(end, len(hashes))):
+                save = tiers.plan_save(sr.block_table[i], hashes[i], req.all_token_ids, extras, bs, i)
+                if save is not None:
+                    out.kv_saves.append(save)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -207,13 +266,25 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             block_eos=req.num_output_tokens < params.min_tokens,
+            constraints=req.constraints,
             # prompt logprobs: positions already scored before a preemption are not redone
             want_hidden_states=want_logprobs or want_hidden,
             prompt_logprobs_from=req.prompt_logprobs_upto,
             prompt_hidden_from=hidden_upto if want_hidden else None,
             stage_output_reads=reads,
             lora_id=req.lora_id,
+            mm_inputs=self._encoder_inputs(req, start, start + num_new) if req.mm_items else (),
         )
+
+    @staticmethod
+    def _encoder_inputs(req: Request, start: int, end: int) -> tuple[EncoderInput, ...]:
+        """The items (sorted by offset) overlapping tokens [start, end), with the rows each needs."""
+        out = []
+        for item in req.mm_items:
+            a, b = max(start, item.offset), min(end, item.offset + item.length)
+            if a < b:
+                out.append(EncoderInput(item.identifier, item.data, (a - item.offset, b - item.offset), a - start))
+        return tuple(out)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks (they keep their identity, so the request re-hits

@@ -47,6 +47,9 @@ class LoRAManager:
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._unloads: dict[str, int] = {}  # name -> times removed: a reload starts a new cache identity
         self._layers: list[dict[str, LoRALinear]] = []
+        # cache extra keys ("lora", name, path, digest) of versions that can never be hit again
+        # (unloaded, or replaced by new weights): the engine evicts their blocks first
+        self.retired: set[tuple[str, str, str, str]] = set()
         self.num_loads = 0  # adapters written into a device slot (for tests and metrics)
 
     def attach(self, model: nn.Module) -> None:
@@ -68,6 +71,8 @@ class LoRAManager:
         if known is not None and known.digest == adapter.digest:
             known.stamp = adapter.stamp  # touched, same content
             return known
+        if known is not None:  # new weights under the same name and path: the old KV is dead
+            self.retired.add(self._cache_key(known))
         adapter.id = next(self._ids)
         self.adapters[adapter.id] = adapter
         self._by_key[(name, path)] = adapter
@@ -80,7 +85,7 @@ class LoRAManager:
         blocks age out of the free list). Returns whether any was known."""
         keys = [k for k in self._by_key if k[0] == name]
         for k in keys:
-            del self._by_key[k]
+            self.retired.add(self._cache_key(self._by_key.pop(k)))
         if keys:  # blocks cached under the removed adapter are never hit again, even by a reload
             self._unloads[name] = self._unloads.get(name, 0) + 1
         return bool(keys)
@@ -92,14 +97,20 @@ class LoRAManager:
             del self.adapters[aid]
             self._resident.pop(aid, None)
 
+    def _cache_digest(self, adapter: LoRAAdapter) -> str:
+        """The digest that enters the block key: the weights' digest, made new by every unload."""
+        unloads = self._unloads.get(adapter.name, 0)
+        return adapter.digest if not unloads else f"{adapter.digest}/unloaded-{unloads}"
+
+    def _cache_key(self, adapter: LoRAAdapter) -> tuple[str, str, str, str]:
+        return ("lora", adapter.name, adapter.path, self._cache_digest(adapter))
+
     def resolve(self, request: LoRARequest) -> tuple[LoRARequest, int]:
         """Register `request` and return it with its weights digest filled in, and the engine id."""
         from dataclasses import replace
 
         adapter = self.register(request)
-        unloads = self._unloads.get(adapter.name, 0)
-        digest = adapter.digest if not unloads else f"{adapter.digest}/unloaded-{unloads}"
-        return replace(request, weights_digest=digest), adapter.id
+        return replace(request, weights_digest=self._cache_digest(adapter)), adapter.id
 
     # -- the adapters resident -----------------------------------------------------------------
     def prepare(self, segments: list[tuple[int, int]]) -> LoRAMapping | None:

@@ -32,6 +32,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     source: str = ""
+    # a vision-language checkpoint's encoder and preprocessing (prefixkv.multimodal.MultiModalModel)
+    multimodal: Any = None
 
 
 def default_model_path() -> str:
@@ -159,6 +161,13 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _load_hf_folder(folder: str, dtype, device) -> LoadedModel:
+    from ..multimodal.config import is_multimodal_config, read_hf_config
+
+    if os.path.isfile(os.path.join(folder, "config.json")) and is_multimodal_config(read_hf_config(folder)):
+        from ..multimodal.loader import load_llava
+
+        lm, tok, mm = load_llava(folder, _iter_safetensors(folder), dtype, device)
+        return LoadedModel(model=lm, tokenizer=tok, config=lm.config, source=folder, multimodal=mm)
     config = ModelConfig.from_hf_folder(folder)
     tokenizer = Tokenizer.from_hf_folder(folder, extra_eos_ids=config.eos_token_id)
     model = LlamaModel(config, dtype=dtype, device=device)

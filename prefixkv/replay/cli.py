@@ -10,7 +10,9 @@ import json
 import sys
 
 from prefixkv.cache import POLICIES
+from prefixkv.router import MODES, ROUTERS
 
+from .cluster import MEASURED_PREFILL_TOKENS_PER_S, replay_cluster
 from .optimum import BlockIndex, infinite_cache_hit_rate, replay_optimum
 from .simulator import TimeModel, replay
 from .trace import load_trace
@@ -24,6 +26,26 @@ def _sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError("cache sizes must be positive block counts")
     return sizes
+
+
+def _tier_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of block counts: {text!r}") from None
+    if not sizes or min(sizes) < 0:
+        raise argparse.ArgumentTypeError("CPU tier sizes are block counts >= 0 (0: no tier)")
+    return sizes
+
+
+def _routers(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if names == ["all"]:
+        return list(ROUTERS)
+    for name in names:
+        if name not in ROUTERS:
+            raise argparse.ArgumentTypeError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)} or all")
+    return names
 
 
 def _policies(text: str) -> list[str]:
@@ -69,6 +91,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run the offline reuse oracle (knows whether a block returns, "
         "not when): what a perfect reuse predictor would reach",
     )
+    parser.add_argument(
+        "--cpu-tier-blocks",
+        type=_tier_sizes,
+        default=[0],
+        metavar="N[,N...]",
+        help="a CPU tier of N blocks below the pool, LRU, filled by the pool's evictions and read where the pool's "
+        "hits end; 0 = none; several sizes are swept (default 0; see docs/replay.md)",
+    )
+    g = parser.add_argument_group(
+        "replicas behind a router (docs/replay.md; the cache size is per replica, the first --policy is used)"
+    )
+    g.add_argument(
+        "--replicas",
+        type=_sizes,
+        default=None,
+        metavar="N[,N...]",
+        help="simulate N replicas behind --router instead of one pool",
+    )
+    g.add_argument(
+        "--router",
+        type=_routers,
+        default=["round-robin", "prefix", "prefix-load"],
+        metavar="NAME[,NAME...]",
+        help=f"routing policies: {', '.join(ROUTERS)}, or all (default all)",
+    )
+    g.add_argument(
+        "--router-index",
+        default="events",
+        choices=list(MODES),
+        help="events: the router learns each replica's cache from its KV events (precise); approx: from what "
+        "it sent, LRU within the replica's size (default events)",
+    )
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=MEASURED_PREFILL_TOKENS_PER_S,
+        help="prefill speed of one replica, for the TTFT estimate (default 842: prefixkv's measured prefill of "
+        "1,024 tokens, SmolLM2-135M float32 on 2 CPU threads, docs/benchmarks.md)",
+    )
+    g.add_argument("--max-queue", type=int, default=4, help="prefix-load: a replica with this many queued is saturated")
+    g.add_argument("--max-kv-usage", type=float, default=0.95, help="prefix-load: ... or this KV usage")
+    g.add_argument(
+        "--balance-abs", type=int, default=4, help="prefix-load: skip replicas queued > balance-rel x least + this"
+    )
+    g.add_argument("--balance-rel", type=float, default=2.0, help="prefix-load: see --balance-abs")
+    g.add_argument(
+        "--min-match-blocks", type=int, default=1, help="prefix-load: shorter cached prefixes go to the least loaded"
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--prefill-ms-per-token", type=float, default=TimeModel.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=TimeModel.decode_ms_per_token)
@@ -88,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tm = TimeModel(args.prefill_ms_per_token, args.decode_ms_per_token, not args.no_reserve_output)
+    if args.replicas is not None:
+        return _run_cluster(args, trace, tm)
     index = BlockIndex(trace, args.block_size) if args.optimum or args.reuse_oracle else None
     print(
         f"{args.trace}: {len(trace)} requests, block size {args.block_size}, "
@@ -95,15 +167,21 @@ def run(args: argparse.Namespace) -> int:
     )
     if index is not None:
         print(f"infinite-cache ceiling: {infinite_cache_hit_rate(trace, args.block_size, index):.2%}")
+    tiers = args.cpu_tier_blocks
+    with_tier = tiers != [0]
     header = (
         f"{'blocks':>8} {'policy':<16} {'hit rate':>9} {'of opt':>7} {'evictions':>10} {'peak use':>9} "
         f"{'waited':>7} {'skipped':>7}"
-    )
+    ) + (f" {'cpu tier':>9} {'tier hit':>9} {'total hit':>9}" if with_tier else "")
     if not args.json:
         print(header)
     for num_blocks in args.num_blocks:
         opt = replay_optimum(trace, num_blocks, args.block_size, tm, index) if args.optimum else None
-        rows = [replay(trace, num_blocks, args.block_size, name, tm) for name in args.policy]
+        rows = [
+            replay(trace, num_blocks, args.block_size, name, tm, cpu_tier_blocks=tier)
+            for name in args.policy
+            for tier in tiers
+        ]
         if args.reuse_oracle:
             rows.append(replay_optimum(trace, num_blocks, args.block_size, tm, index, reuse_oracle=True))
         if opt is not None:
@@ -117,6 +195,56 @@ def run(args: argparse.Namespace) -> int:
                     f"{num_blocks:>8} {r.policy:<16} {r.hit_rate:>9.2%} "
                     f"{'' if frac is None else f'{frac:.1%}':>7} {r.evictions:>10} "
                     f"{r.peak_usage:>9.1%} {r.waited:>7} {r.skipped:>7}"
+                    + (f" {r.cpu_tier_blocks:>9} {r.tier_hit_rate:>9.2%} {r.total_hit_rate:>9.2%}" if with_tier else "")
+                )
+    return 0
+
+
+def _run_cluster(args: argparse.Namespace, trace: list, tm: TimeModel) -> int:
+    if args.optimum or args.reuse_oracle or args.cpu_tier_blocks != [0]:
+        print("error: --replicas does not combine with --optimum, --reuse-oracle or --cpu-tier-blocks", file=sys.stderr)
+        return 2
+    knobs = dict(
+        max_queue=args.max_queue,
+        max_kv_usage=args.max_kv_usage,
+        balance_abs=args.balance_abs,
+        balance_rel=args.balance_rel,
+        min_match_blocks=args.min_match_blocks,
+    )
+    print(
+        f"{args.trace}: {len(trace)} requests, block size {args.block_size}, {args.num_blocks[0]} blocks per replica, "
+        f"eviction {args.policy[0]}, prefill {args.prefill_tokens_per_s:g} tokens/s per replica"
+    )
+    if not args.json:
+        print(
+            f"{'replicas':>8} {'router':<12} {'index':<6} {'hit rate':>9} {'imb req':>8} {'imb work':>8} "
+            f"{'TTFT p50':>9} {'TTFT p90':>9} {'mean':>9} {'skipped':>7}"
+        )
+    for n in args.replicas:
+        for router in args.router:
+            try:
+                r = replay_cluster(
+                    trace,
+                    n,
+                    router,
+                    args.num_blocks[0],
+                    args.block_size,
+                    args.policy[0],
+                    tm,
+                    args.prefill_tokens_per_s,
+                    args.router_index,
+                    **(knobs if router == "prefix-load" else {}),
+                )
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            if args.json:
+                print(json.dumps(r.as_dict()))
+            else:
+                print(
+                    f"{n:>8} {router:<12} {r.index_mode:<6} {r.hit_rate:>9.2%} {r.imbalance_requests:>8.2f} "
+                    f"{r.imbalance_prefill:>8.2f} {r.ttft_percentile(0.5) / 1e3:>8.2f}s "
+                    f"{r.ttft_percentile(0.9) / 1e3:>8.2f}s {r.ttft_mean_ms / 1e3:>8.2f}s {r.skipped:>7}"
                 )
     return 0
 

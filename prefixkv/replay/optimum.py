@@ -91,6 +91,8 @@ class BlockIndex:
 
 
 class BeladyBackend:
+    last_tier_hit = 0  # no tier below the pool here
+
     def __init__(self, index: BlockIndex, num_blocks: int, skipped: Sequence[bool]) -> None:
         self.num_blocks = num_blocks
         self.ix = index

@@ -31,6 +31,7 @@ from typing import Protocol
 from prefixkv.cache import EvictionPolicy, KVCacheManager, get_policy
 from prefixkv.request import Request
 
+from .tier import CPUTier, fast_block_hash
 from .trace import TraceRequest
 
 
@@ -62,11 +63,23 @@ class ReplayResult:
     mean_wait_ms: float = 0.0
     max_queue: int = 0
     seconds: float = 0.0
+    cpu_tier_blocks: int = 0  # 0: no tier below the pool
+    tier_hit_tokens: int = 0  # prompt tokens loaded from the tier (not counted in hit_tokens)
     extra: dict = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
+        """Tokens served from the pool / prompt tokens."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tier_hit_rate(self) -> float:
+        return self.tier_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def total_hit_rate(self) -> float:
+        """Tokens not recomputed (pool + tier) / prompt tokens."""
+        return (self.hit_tokens + self.tier_hit_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def peak_usage(self) -> float:
@@ -74,15 +87,22 @@ class ReplayResult:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(hit_rate=self.hit_rate, peak_usage=self.peak_usage)
+        d.update(
+            hit_rate=self.hit_rate,
+            tier_hit_rate=self.tier_hit_rate,
+            total_hit_rate=self.total_hit_rate,
+            peak_usage=self.peak_usage,
+        )
         return d
 
 
 class Backend(Protocol):
     """What the shared schedule needs of a cache: admit (returns hit tokens, or None when the
-    request does not fit now - changing nothing), release, and blocks in use."""
+    request does not fit now - changing nothing), release, and blocks in use. A backend with a
+    tier below the pool sets `last_tier_hit` (tokens) at each successful admit."""
 
     num_blocks: int
+    last_tier_hit: int
 
     def admit(self, index: int, req: TraceRequest, lookahead: int) -> int | None: ...
 
@@ -124,6 +144,7 @@ def run_schedule(
             result.requests += 1
             result.prompt_tokens += req.input_length
             result.hit_tokens += hit
+            result.tier_hit_tokens += backend.last_tier_hit
             wait = now - req.timestamp_ms
             if wait > 0:
                 result.waited += 1
@@ -168,9 +189,30 @@ class _TraceRequest(Request):
 class ManagerBackend:
     """The real thing: prefixkv.cache.KVCacheManager driven with prefixkv.request.Request."""
 
-    def __init__(self, num_blocks: int, block_size: int, policy: str | type[EvictionPolicy] = "lru") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        policy: str | type[EvictionPolicy] = "lru",
+        cpu_tier_blocks: int = 0,
+        record_events: bool = False,
+    ) -> None:
         self.num_blocks = num_blocks
-        self.mgr = KVCacheManager(num_blocks, block_size, enable_caching=True, eviction_policy=policy)
+        self.block_size = block_size
+        self.tier = CPUTier(cpu_tier_blocks) if cpu_tier_blocks else None
+        self.last_tier_hit = 0
+        self.record_events = record_events  # the caller drains mgr.take_events() (a router's index)
+        if self.tier is None and not record_events:
+            self.mgr = KVCacheManager(num_blocks, block_size, enable_caching=True, eviction_policy=policy)
+        else:  # the tier learns the pool's evictions from its KV events, keyed by content hash
+            self.mgr = KVCacheManager(
+                num_blocks,
+                block_size,
+                enable_caching=True,
+                eviction_policy=policy,
+                hash_algo=fast_block_hash,
+                enable_kv_cache_events=True,
+            )
         self._live: dict[int, Request] = {}
         self._head: tuple[int, Request] | None = None  # a request that did not fit yet
 
@@ -182,10 +224,22 @@ class ManagerBackend:
             request.num_generated = req.output_length
         mgr = self.mgr
         hits, num_hit = mgr.get_computed_blocks(request)
+        tier = self.tier
+        if tier is not None:  # continue the chain in the tier, under the engine's lookup rule
+            bs = self.block_size
+            stop = (req.input_length - 1) // bs
+            start = num_hit // bs
+            tier_blocks = tier.continue_chain(mgr.get_block_hashes(request), start, stop) if start < stop else 0
         if mgr.allocate_slots(request, request.num_tokens - num_hit, hits, num_lookahead_tokens=lookahead) is None:
+            if tier is not None:
+                tier.num_hit_blocks -= tier_blocks  # not admitted: counted again when it is
             self._head = (index, request)
             return None
         self._head = None
+        if tier is not None:
+            self.last_tier_hit = tier_blocks * self.block_size
+            if not self.record_events:
+                tier.on_events(mgr.take_events())
         request.num_computed_tokens = request.num_tokens
         request.num_cached_tokens = num_hit
         self._live[index] = request
@@ -207,13 +261,14 @@ def replay(
     block_size: int = 512,
     policy: str | type[EvictionPolicy] = "lru",
     time_model: TimeModel | None = None,
+    cpu_tier_blocks: int = 0,
 ) -> ReplayResult:
-    """Replay `trace` (sorted by timestamp) through a fresh KVCacheManager; at the end every
-    block is free again (checked)."""
+    """Replay `trace` (sorted by timestamp) through a fresh KVCacheManager, with a CPU tier of
+    `cpu_tier_blocks` below it (tier.py; 0: none); at the end every block is free again (checked)."""
     time_model = time_model or TimeModel()
     policy_cls = get_policy(policy)
-    backend = ManagerBackend(num_blocks, block_size, policy_cls)
-    result = ReplayResult(policy_cls.name, num_blocks, block_size)
+    backend = ManagerBackend(num_blocks, block_size, policy_cls, cpu_tier_blocks)
+    result = ReplayResult(policy_cls.name, num_blocks, block_size, cpu_tier_blocks=cpu_tier_blocks)
     run_schedule(trace, backend, block_size, time_model, result)
     if backend.mgr.num_free_blocks != num_blocks:
         raise AssertionError(f"{num_blocks - backend.mgr.num_free_blocks} blocks still held after replay")

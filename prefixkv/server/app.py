@@ -35,6 +35,7 @@ from .protocol import (
     EmbeddingRequest,
     ModelCard,
     ModelList,
+    PoolingRequest,
 )
 from .stats_logger import StatsLogger
 from .tokenization import OpenAIServingTokenization
@@ -57,6 +58,7 @@ def create_app(
     lora_modules: list[LoRARequest] | None = None,
     dev_mode: bool | None = None,
     log_stats_interval: float | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
@@ -78,6 +80,7 @@ def create_app(
 
     completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error)
     chat = OpenAIServingChat(engine, async_engine, names, limits, count_error)
+    chat.tool_parser = tool_call_parser  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
     embeddings = OpenAIServingEmbedding(engine, async_engine, names, limits, count_error)
     tokenization = OpenAIServingTokenization(chat)
     loras: LoRARegistry | None = None
@@ -123,6 +126,10 @@ def create_app(
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest, raw: Request):
         return await embeddings.create(req, raw)
+
+    @app.post("/pooling")
+    async def create_pooling(req: PoolingRequest, raw: Request):
+        return await embeddings.create_pooling(req, raw)
 
     if loras is not None:
         add_lora_routes(app, loras, async_engine)

@@ -87,6 +87,9 @@ class AsyncEngine:
             self._run(keep_going)
         finally:
             self._running = False
+            tiers = getattr(self.engine, "tiers", None)
+            if tiers is not None:  # queued saves reach the disk / Redis tier: a restart finds them
+                tiers.flush()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -213,6 +216,7 @@ class AsyncEngine:
         lora_request: Any = None,
         hidden_states_from: int | None = None,
         priority: int = 0,
+        mm_items: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -231,6 +235,7 @@ class AsyncEngine:
                 lora_request=lora_request,
                 **({} if hidden_states_from is None else {"hidden_states_from": hidden_states_from}),
                 **({} if priority == 0 else {"priority": priority}),
+                **({} if not mm_items else {"mm_items": mm_items}),
             )
             self._streams[request_id] = stream
 

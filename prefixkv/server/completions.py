@@ -56,6 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompts) > 1 and req.max_tokens is None:
             max_tokens = self.max_model_len - max(len(p) for p in prompts)
         params = self.params(req, max_tokens)
+        await self.compile_grammar(params)
         rid = req.request_id or random_id("cmpl")
         created = int(time.time())
         n = params.n

@@ -13,6 +13,7 @@ from typing import Any
 
 from .limits import RequestLimits
 from .stats_logger import interval_from_env
+from .tools import TOOL_PARSERS
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
@@ -89,6 +90,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         f"error; new requests get 503 meanwhile (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" on /v1/chat/completions: the model calls tools when it decides to '
+        "(needs --tool-call-parser); required / named choices work without it",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are found in the model's text: hermes (<tool_call>{json}</tool_call>: "
+        "Qwen2.5/3, Hermes, SmolLM3 templates) or llama3_json (Llama 3.1+)",
+    )
+    g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
@@ -136,6 +150,12 @@ def api_keys_of(args: argparse.Namespace) -> list[str]:
         else [os.environ.get("VLLM_API_KEY") or os.environ.get("PREFIXKV_API_KEY") or ""]
     )
     return [k for k in keys if k]
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Flag combinations refused before the model loads (vLLM's messages)."""
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise SystemExit("error: When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
 
 
 def _lora_module(text: str) -> Any:
@@ -209,6 +229,7 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: soc
         max_request_body_bytes=args.max_request_body_bytes,
         lora_modules=getattr(args, "lora_modules", None),
         log_stats_interval=None if args.disable_log_stats else interval_from_env(),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if api_keys else "off")
     async_engine = app.state.async_engine
@@ -248,4 +269,6 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: soc
     http.start()
     async_engine.run(keep_going=http.is_alive)
     http.join(timeout=args.shutdown_timeout + 15)
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()  # the KV event publisher sends what it queued and closes its sockets
     return 0 if server.should_exit else 1  # the HTTP server ended by itself: it failed to start

@@ -110,7 +110,5 @@ def add_lora_routes(app: FastAPI, registry: LoRARegistry, async_engine: AsyncEng
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
         lora = registry.remove(req.lora_name)
-        manager = getattr(app.state.engine, "lora_manager", None)
-        if manager is not None:
-            await async_engine.call(lambda engine: manager.remove(lora.lora_name))
+        await async_engine.call(lambda engine: engine.remove_lora(lora.lora_name))
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

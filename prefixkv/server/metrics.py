@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..outputs import RequestOutput
+from .tier_metrics import tier_metric_families
 
 if TYPE_CHECKING:
     from ..engine.llm_engine import LLMEngine
@@ -201,9 +202,27 @@ class _EngineCollector:
             1.0,
         )
         yield info
+        if stats.multimodal:  # the image encoder cache (docs/multimodal.md)
+            yield counter(
+                "prefixkv:mm_encoder_cache_queries",
+                "Images looked up in the encoder cache (once per image per step that needs it).",
+                stats.mm_encoder_cache_queries,
+            )
+            yield counter(
+                "prefixkv:mm_encoder_cache_hits",
+                "Encoder cache lookups that found the image.",
+                stats.mm_encoder_cache_hits,
+            )
+            yield counter("prefixkv:mm_encoder_runs", "Images run through the vision encoder.", stats.mm_encoder_runs)
+            yield gauge(
+                "prefixkv:mm_encoder_cache_usage_bytes",
+                "Bytes held by the encoder cache.",
+                stats.mm_encoder_cache_bytes,
+            )
         yield gauge("prefixkv:num_kv_blocks", "KV cache blocks in the pool.", stats.num_blocks)
         yield gauge("prefixkv:block_size", "Tokens per KV cache block.", stats.block_size)
         yield gauge("prefixkv:max_model_len", "Longest sequence (prompt + output) accepted.", stats.max_model_len)
+        yield from tier_metric_families(stats, names, values)
 
 
 class ServerMetrics:

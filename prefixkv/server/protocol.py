@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams
+from .structured import ResponseFormat, structured_outputs_of
+from .tools import ChatTool, DeltaToolCall, NamedToolChoice, ToolCall
 
 
 def random_id(prefix: str) -> str:
@@ -37,23 +39,18 @@ class StreamOptions(BaseModel):
 
 # Known OpenAI / vLLM request fields that prefixkv does not implement yet, with what to do instead.
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured outputs are not implemented yet",
-    "structured_outputs": "structured outputs are not implemented yet",
-    "guided_json": "guided decoding is not implemented yet",
-    "guided_regex": "guided decoding is not implemented yet",
-    "guided_choice": "guided decoding is not implemented yet",
-    "guided_grammar": "guided decoding is not implemented yet",
-    "guided_decoding_backend": "guided decoding is not implemented yet",
-    "tools": "tool calling is not implemented yet",
-    "tool_choice": "tool calling is not implemented yet",
-    "parallel_tool_calls": "tool calling is not implemented yet",
+    "guided_json": 'vLLM 0.32 dropped guided_*: use structured_outputs {"json": ...} or response_format',
+    "guided_regex": 'vLLM 0.32 dropped guided_*: use structured_outputs {"regex": ...}',
+    "guided_choice": 'vLLM 0.32 dropped guided_*: use structured_outputs {"choice": [...]}',
+    "guided_grammar": 'vLLM 0.32 dropped guided_*: use structured_outputs {"grammar": ...}',
+    "guided_decoding_backend": "one structured-outputs backend (xgrammar): nothing to choose",
+    "tools": "tool calling is on /v1/chat/completions",
+    "tool_choice": "tool calling is on /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is on /v1/chat/completions",
     "functions": "function calling is not implemented yet",
     "function_call": "function calling is not implemented yet",
-    "logit_bias": "logit_bias is not implemented yet",
     "use_beam_search": "beam search is not implemented",
     "length_penalty": "beam search is not implemented",
-    "bad_words": "bad_words is not implemented yet",
-    "allowed_token_ids": "allowed_token_ids is not implemented yet",
     "prompt_embeds": "prompt embeddings are not supported",
     "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
     "mm_processor_kwargs": "multimodal inputs are not supported yet",
@@ -109,6 +106,11 @@ class _SamplingFields(BaseModel):
     priority: int = 0  # vLLM extra: with --scheduling-policy priority, lower is scheduled first
     truncate_prompt_tokens: int | None = None  # vLLM extra: keep the prompt's last k tokens (-1: the context)
     return_token_ids: bool | None = None  # vLLM extra: prompt_token_ids and each choice's token_ids
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string key) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM extra
+    bad_words: list[str] | None = None  # vLLM extra
+    response_format: ResponseFormat | None = None  # OpenAI's: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM extra: StructuredOutputsParams' fields
 
     def _params(
         self,
@@ -141,6 +143,10 @@ class _SamplingFields(BaseModel):
             if self.repetition_penalty is None
             else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            structured_outputs=structured_outputs_of(self.response_format, self.structured_outputs),
         )
 
 
@@ -179,6 +185,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
@@ -295,6 +304,7 @@ class ChatChoiceLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -320,6 +330,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -383,16 +394,37 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
-    normalize: bool = True
+    normalize: bool | None = None  # None: the server's --pooler-config (normalized by default)
     add_special_tokens: bool = True
     cache_salt: str | None = None
     request_id: str | None = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's POST /pooling: an embeddings request with a `task` ("embed", "token_embed")."""
+
+    task: str | None = None
 
 
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | str
+
+
+class PoolingData(BaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | list[list[float]] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo
 
 
 class EmbeddingResponse(BaseModel):

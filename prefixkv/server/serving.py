@@ -185,6 +185,16 @@ class OpenAIServing:
         k = self.max_model_len if k == -1 else k
         return ids[-k:] if len(ids) > k else ids
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (or find cached) the structured-outputs grammar in a worker thread, so the
+        engine loop never waits for a compilation; an invalid schema / regex / grammar is a 400."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.compile_grammar, params)
+        except ValueError as e:
+            raise APIError(str(e), 400) from e
+
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize in a worker thread: a long prompt never stalls other clients' streams."""
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
@@ -212,6 +222,7 @@ class OpenAIServing:
         lora_request: LoRARequest | None = None,
         hidden_states_from: int | None = None,
         priority: int = 0,
+        mm_items: list[tuple] | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
@@ -228,8 +239,9 @@ class OpenAIServing:
                 lora_request=lora_request,
                 hidden_states_from=hidden_states_from,
                 priority=priority,
+                mm_items=mm_items[i] if mm_items else None,
             )
-            for p, t, rid in zip(prompts, texts, ids)
+            for i, (p, t, rid) in enumerate(zip(prompts, texts, ids))
         ]
 
     async def collect(self, raw: Request, gens: list[AsyncIterator[RequestOutput]]) -> dict[int, RequestOutput]:

@@ -43,7 +43,7 @@ class OpenAIServingTokenization:
         self.chat.check_model(req.model)
         self._refuse_extras(req)
         if isinstance(req, TokenizeChatRequest):
-            ids = await self.chat.prompt(req)
+            ids, _ = await self.chat.prompt(req)  # image parts: their placeholders, as a chat request prefills
         else:
             self.chat.check_text(req.prompt, "prompt")
             ids = await self.chat.tokenize(req.prompt, req.add_special_tokens)

@@ -9,7 +9,7 @@ outputs.py   vLLM's EmbeddingRequestOutput / PoolingRequestOutput shapes
 """
 
 from .outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
-from .pooling import POOLING_TYPES, PoolingParams, pool
+from .pooling import POOLING_TYPES, PoolingParams, parse_pooler_config, pool
 from .specs import STAGE_PREFIX, per_token_outputs, stage_output_specs
 from .store import StageOutputCache
 
@@ -22,6 +22,7 @@ __all__ = [
     "PoolingParams",
     "PoolingRequestOutput",
     "StageOutputCache",
+    "parse_pooler_config",
     "per_token_outputs",
     "pool",
     "stage_output_specs",

@@ -3,7 +3,9 @@ models: LAST is vLLM's default for them, MEAN, CLS = the first token, ALL = one 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,3 +55,33 @@ def pool(hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
     if params.normalize:
         out = torch.nn.functional.normalize(out, p=2, dim=-1)
     return out
+
+
+# vLLM's PoolerConfig keys that prefixkv applies; the others are refused by name
+_POOLER_KEYS = ("pooling_type", "normalize", "use_activation")
+
+
+def parse_pooler_config(value: dict[str, Any] | str | None) -> PoolingParams:
+    """vLLM's `--pooler-config` / `pooler_config=` (a dict or its JSON text), e.g.
+    `{"pooling_type": "MEAN", "normalize": false}`: the engine's default pooling for
+    `LLM.embed` / `LLM.encode`, /v1/embeddings and /pooling. `use_activation` is vLLM's newer name
+    for `normalize` on embedding models. None: LAST pooling, normalized (vLLM's default for
+    decoder models)."""
+    if value is None:
+        return PoolingParams()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"pooler_config is not valid JSON: {value!r} ({e})") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(_POOLER_KEYS))
+    if unknown:
+        raise ValueError(
+            f"pooler_config keys {unknown} are not supported by prefixkv (supported: {', '.join(_POOLER_KEYS)})"
+        )
+    if "normalize" in value and "use_activation" in value and value["normalize"] != value["use_activation"]:
+        raise ValueError("pooler_config: normalize and use_activation disagree; give one")
+    normalize = value.get("normalize", value.get("use_activation"))
+    return PoolingParams(value.get("pooling_type") or "last", True if normalize is None else normalize)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from prefixkv.cache import KVCacheManager
+from prefixkv.cache import POLICIES, KVCacheManager
+from prefixkv.lora import LoRARequest
 from prefixkv.request import Request
 
 from .conftest import cached_ids, decode, prefill
@@ -190,3 +191,27 @@ def test_lookup_without_recording_leaves_stats_alone(mgr10):
     prefill(mgr10, Request("a", toks(9)))
     mgr10.get_computed_blocks(Request("b", toks(9)), record_stats=False)
     assert (mgr10.stats.requests, mgr10.stats.queries) == (1, 9)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_evict_where_drops_matching_free_blocks_first_keeps_held_ones(policy):
+    """Content that can never be hit again (an unloaded adapter's blocks) is evicted first; blocks
+    held by a running request keep their identity, since their successors' keys name them."""
+    mgr = KVCacheManager(num_blocks=12, block_size=4, eviction_policy=policy, enable_kv_cache_events=True)
+    dead_lora = LoRARequest("dead", 1, "/adapter", "digest")  # every block of its requests carries it
+    salted = [Request(f"s{i}", list(range(i, i + 9)), lora_request=dead_lora) for i in range(2)]
+    plain = Request("p", list(range(100, 109)))
+    for req in [*salted, plain]:
+        prefill(mgr, req)
+    for req in [salted[0], plain]:
+        mgr.free(req)
+    mgr.take_events()
+    dead = {b.block_id for b in mgr.block_pool.blocks if b.block_key and b.block_key[2] and b.ref_cnt == 0}
+    assert len(dead) == 2
+    evicted, held = mgr.evict_where(lambda extras: ("lora", "dead", "/adapter", "digest") in extras)
+    assert (evicted, held) == (2, 2)
+    assert set(mgr.block_pool.eviction_policy.block_ids()[:2]) == dead
+    assert [type(e).__name__ for e in mgr.take_events()] == ["BlockRemoved", "BlockRemoved"]
+    assert {b.block_id for b in mgr.block_pool.get_new_blocks(2)} == dead
+    hits, _ = mgr.get_computed_blocks(Request("p2", list(range(100, 109))))
+    assert len(hits) == 2  # the plain prefix survived

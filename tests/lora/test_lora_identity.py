@@ -69,7 +69,51 @@ def test_removed_adapter_blocks_are_unreachable(lora_fixture):
     prompt = fx.prompts[2]
     _, first = _gen(llm, prompt, lora)
     assert _gen(llm, prompt, lora)[0] > 0
-    assert llm.llm_engine.lora_manager.remove("qv")
+    engine = llm.llm_engine
+    base_cached = _gen(llm, fx.prompts[0], None)[0]  # a base-model prefix cached after the adapter's
+    qv_blocks = [b.block_id for k, bs in engine.kv_cache_manager.block_pool.cached_blocks.items() if k[2] for b in bs]
+    assert base_cached == 0 and qv_blocks
+    assert engine.remove_lora("qv")
+    # its blocks are free and uncached, first in the victim order, ahead of the base model's
+    free_order = engine.kv_cache_manager.block_pool.eviction_policy.block_ids()
+    assert set(free_order[: len(qv_blocks)]) == set(qv_blocks)
+    assert not any(k[2] for k, _ in engine.kv_cache_manager.block_pool.cached_blocks.items())
+    assert engine.lora_manager.adapters == {}  # no host copy kept of an adapter nobody uses
     cached, tokens = _gen(llm, prompt, lora)  # loaded again: same weights, fresh identity
     assert cached == 0 and tokens == first
     assert _gen(llm, prompt, lora)[0] > 0
+    assert _gen(llm, fx.prompts[0], None)[0] > 0  # the base model's blocks survived the reload
+    assert not engine.remove_lora("nope")
+
+
+def test_adapter_removed_while_running_evicts_once_its_requests_end(lora_fixture):
+    fx = lora_fixture
+    llm = LLM(str(fx.base), **ARGS, max_loras=1, max_lora_rank=8)
+    engine = llm.llm_engine
+    lora = LoRARequest("qv", 1, fx.adapters["qv"])
+    _gen(llm, fx.prompts[2], lora)
+    engine.add_request(fx.prompts[2], PARAMS, request_id="r", lora_request=lora)
+    engine.step()  # the running request holds the cached blocks it hit
+    assert engine.remove_lora("qv")
+    held = [b for k, bs in engine.kv_cache_manager.block_pool.cached_blocks.items() if k[2] for b in bs]
+    assert held and all(b.ref_cnt > 0 for b in held) and engine.lora_manager.retired
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not any(k[2] for k, _ in engine.kv_cache_manager.block_pool.cached_blocks.items())
+    assert not engine.lora_manager.retired and engine.lora_manager.adapters == {}
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_new_weights_retire_the_old_version(lora_fixture, tmp_path):
+    fx = lora_fixture
+    path = tmp_path / "adapter"
+    shutil.copytree(fx.adapters["qv"], path)
+    llm = LLM(str(fx.base), **ARGS, max_loras=1, max_lora_rank=8)
+    engine = llm.llm_engine
+    _gen(llm, fx.prompts[1], LoRARequest("x", 1, str(path)))
+    old_ids = set(engine.lora_manager.adapters)
+    shutil.rmtree(path)
+    write_adapter(fx.base, path, seed=7, **ADAPTERS["qv"])
+    engine.resolve_lora(LoRARequest("x", 1, str(path)))
+    assert not any(k[2] for k, _ in engine.kv_cache_manager.block_pool.cached_blocks.items())
+    assert not old_ids & set(engine.lora_manager.adapters)  # the old version's host copy is gone

@@ -141,3 +141,29 @@ def test_reuse_oracle_evicts_blocks_that_never_return_first():
     assert replay(trace, 3, 2, "lru", tm).hit_tokens == 0
     assert replay_optimum(trace, 3, 2, tm, reuse_oracle=True).hit_tokens == 2
     assert replay_optimum(trace, 3, 2, tm).hit_tokens == 2
+
+
+# -- a CPU tier below the pool (--cpu-tier-blocks) -------------------------------------------------
+def test_cpu_tier_serves_what_the_pool_evicted():
+    # 3 blocks of 4 tokens: r0 caches 2 blocks, r1 (unrelated) evicts them, r2 repeats r0's prefix
+    trace = [tok(0, range(9)), tok(SPACED, range(100, 109)), tok(2 * SPACED, range(9))]
+    r = replay(trace, num_blocks=3, block_size=4)
+    assert (r.hit_tokens, r.tier_hit_tokens) == (0, 0)
+    t = replay(trace, num_blocks=3, block_size=4, cpu_tier_blocks=8)
+    assert (t.hit_tokens, t.tier_hit_tokens, t.evictions) == (0, 8, r.evictions)  # r2's 2 blocks from the tier
+    # a 1-block tier keeps the last evicted: r0 freed its tail first, so its root block went last
+    small = replay(trace, num_blocks=3, block_size=4, cpu_tier_blocks=1)
+    assert small.tier_hit_tokens == 4
+    assert t.total_hit_rate == 8 / 27 and t.as_dict()["total_hit_rate"] == t.total_hit_rate
+
+
+def test_unbounded_cpu_tier_reaches_the_infinite_cache_ceiling():
+    from prefixkv.replay import load_mooncake
+
+    trace = load_mooncake("examples/traces/conversation_sample.jsonl", 200)
+    ceiling = infinite_cache_hit_rate(trace, 512)
+    pool = replay(trace, num_blocks=600, block_size=512)
+    tiered = replay(trace, num_blocks=600, block_size=512, cpu_tier_blocks=10**7)
+    assert pool.total_hit_rate < ceiling - 0.01 and pool.evictions > 0
+    assert abs(tiered.total_hit_rate - ceiling) < 1e-12
+    assert tiered.hit_tokens == pool.hit_tokens  # the tier changes nothing in the pool itself

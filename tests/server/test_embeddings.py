@@ -1,5 +1,6 @@
-"""POST /v1/embeddings against a real server with the official openai client: equal to
-LLM.embed (LAST pooling, normalized), floats and base64, prefix hits, refusals."""
+"""POST /v1/embeddings and /pooling against a real server (MEAN pooling by --pooler-config, the
+stage-output cache on) with the official openai client: equal to LLM.embed with the same pooler
+config, floats and base64, prefix hits, per-token vectors, refusals."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from .conftest import long_text
 pytestmark = pytest.mark.slow  # a real server subprocess
 
 
+MEAN = '{"pooling_type": "MEAN"}'
+
+
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server()
+    return make_server("--pooler-config", MEAN, "--enable-stage-output-cache")
 
 
 def test_embeddings_equal_llm_embed(server):
@@ -27,7 +31,8 @@ def test_embeddings_equal_llm_embed(server):
     docs = [long_text(31, 120) + " First question?", long_text(31, 120) + " Second question?", "Hello"]
     res = client.embeddings.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", input=docs)  # base64 on the wire
     got = torch.tensor([d.embedding for d in res.data])
-    ref = torch.stack([torch.as_tensor(o.outputs.embedding) for o in LLM(max_model_len=1024).embed(docs)])
+    llm = LLM(max_model_len=1024, pooler_config=MEAN)
+    ref = torch.stack([torch.as_tensor(o.outputs.embedding) for o in llm.embed(docs)])
     assert got.shape == ref.shape and torch.allclose(got, ref.float(), atol=1e-4)
     assert torch.allclose(got.norm(dim=-1), torch.ones(3), atol=1e-4)
     assert [d.index for d in res.data] == [0, 1, 2]
@@ -43,11 +48,24 @@ def test_embeddings_equal_llm_embed(server):
     raw = torch.tensor([d["embedding"] for d in body["data"]])
     assert torch.allclose(torch.nn.functional.normalize(raw, dim=-1), got[:2], atol=1e-4)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # /pooling: "embed" is the same MEAN vector; "token_embed" one vector per token (base64 float32)
+    r = httpx.post(server.base + "/pooling", json={"input": docs[2], "task": "embed"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["data"][0]["object"] == "pooling"
+    assert torch.allclose(torch.tensor(r.json()["data"][0]["data"]), got[2], atol=1e-4)
+    r = httpx.post(server.base + "/pooling", json={"input": docs[0], "task": "token_embed"}, timeout=120)
+    rows = torch.tensor(r.json()["data"][0]["data"])
+    ref_rows = llm.encode([docs[0]], pooling_task="token_embed")[0].outputs.data
+    assert rows.shape == ref_rows.shape and rows.shape[0] == r.json()["usage"]["prompt_tokens"]
+    assert torch.allclose(rows, ref_rows.float(), atol=1e-4)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the stage cache served the prefix
     server.wait_idle()
 
 
 def test_embedding_refusals(server):
     url = server.base + "/v1/embeddings"
+    r = httpx.post(server.base + "/pooling", json={"input": "x", "task": "classify"}, timeout=60)
+    assert r.status_code == 400 and "classify" in r.text
     for body, needle in [
         ({"input": "x", "dimensions": 8}, "dimensions"),
         ({"input": []}, "input"),

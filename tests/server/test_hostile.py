@@ -250,7 +250,6 @@ def test_unimplemented_fields_are_refused_by_name(server):
         ("response_format", {"type": "json_object"}),
         ("tools", []),
         ("use_beam_search", True),
-        ("logit_bias", {"1": 5}),
         ("guided_json", {"type": "object"}),
         ("no_such_field", 1),
         ("best_of", 2),

@@ -160,6 +160,23 @@ def test_embed_refusals(default_lm):
         llm.embed("hi", pooling_params=PoolingParams(), pooling="mean")
 
 
+def test_pooler_config_sets_the_default_pooling_and_refuses_what_it_cannot_do():
+    from prefixkv import EngineArgs
+
+    mean = EngineArgs(pooler_config='{"pooling_type": "MEAN", "normalize": false}').default_pooling
+    assert (mean.pooling, mean.normalize) == ("mean", False)
+    assert EngineArgs(pooler_config={"pooling_type": "cls", "use_activation": True}).default_pooling.pooling == "cls"
+    assert EngineArgs().default_pooling == PoolingParams("last", True)
+    for bad, needle in [
+        ('{"pooling_type": "STEP"}', "pooling must be one of"),
+        ('{"dimensions": 8}', "dimensions"),
+        ("{nope", "JSON"),
+        ('{"normalize": true, "use_activation": false}', "disagree"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            EngineArgs(pooler_config=bad)
+
+
 def test_hidden_states_from_default_engine_without_the_cache(default_lm, docs, hf_ref_model):
     """Without the stage cache a request that wants hidden states before its last position
     computes its whole prompt (it skips prefix reads), so the values are the same."""

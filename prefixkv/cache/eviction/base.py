@@ -60,6 +60,11 @@ class EvictionPolicy(ABC):
         for block in blocks:
             self.append(block)
 
+    def push_front(self, block: KVCacheBlock) -> None:
+        """A free block whose identity was dropped (its content can never be hit again): make it
+        the next victim, ahead of blocks that may still be hit. The default leaves it where it
+        is; the built-in policies override it. Raises ValueError if it is not free."""
+
     # -- hooks: called only when overridden --------------------------------------------------
     def on_hit(self, block: KVCacheBlock) -> None:
         """A cache hit on a block that someone holds (hits on free blocks arrive as `remove`)."""

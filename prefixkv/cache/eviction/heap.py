@@ -78,6 +78,17 @@ class HeapPolicy(EvictionPolicy):
         self._num_free -= 1
         self.hits[bid] += 1
 
+    def push_front(self, block: KVCacheBlock) -> None:
+        # a new live entry ranked below every key; the old one turns stale (lazy deletion)
+        bid = block.block_id
+        if not self._live[bid]:
+            raise ValueError(f"block {bid} is not in the free queue")
+        self._seq += 1
+        self._live[bid] = self._seq
+        heapq.heappush(self._heap, (float("-inf"), self._seq, bid))
+        if len(self._heap) > 2 * len(self._blocks) + 64:
+            self._compact()
+
     def freed_at(self, block: KVCacheBlock) -> int:
         """The append count at which a free block was freed; 0 when it is not free."""
         return self._live[block.block_id]

@@ -69,6 +69,15 @@ class LRUPolicy(EvictionPolicy):
         block.prev_free_block = block.next_free_block = None
         self._num_free -= 1
 
+    def push_front(self, block: KVCacheBlock) -> None:
+        self.remove(block)
+        first = self._head.next_free_block
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        block.next_free_block = first
+        first.prev_free_block = block
+        self._num_free += 1
+
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free_block
         last.next_free_block = block

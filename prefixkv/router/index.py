@@ -1,0 +1,162 @@
+"""Which replica holds which blocks, by chained block hash: the router's view of the caches.
+
+Two ways to keep it:
+  * precise (`mode="events"`): fed by each replica's KV events - vLLM's BlockStored / BlockRemoved /
+    AllBlocksCleared, as prefixkv's publisher (prefixkv/kv_events) and vLLM send them. A hash is on
+    a replica while its stored count there is positive (a replica may cache two copies of a block,
+    and evicts each with its own BlockRemoved). `apply_batch()` decodes a wire payload; the
+    simulator calls stored() / removed() directly.
+  * approximate (`mode="approx"`, the fallback without events): the router assumes a replica
+    caches the blocks of every request it sent there, and forgets them LRU beyond the replica's
+    capacity in blocks (it cannot see evictions).
+A replica that leaves (killed, or a gap in its event stream that replay cannot fill) is dropped
+with `remove_replica()`: its blocks are forgotten at once, so nothing is routed there for them.
+
+Pure Python, no prefixkv imports beyond the standard library and msgpack: the same object can sit
+behind Ray Serve or any other front end.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+import msgpack
+
+BlockHash = Hashable  # bytes or int (vLLM's ExternalBlockHash), whatever the replicas publish
+ReplicaId = Hashable
+MODES = ("events", "approx")
+
+
+class PrefixIndex:
+    def __init__(self, mode: str = "events", approx_capacity_blocks: int | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown index mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode == "approx" and (approx_capacity_blocks is None or approx_capacity_blocks < 1):
+            raise ValueError("the approximate index needs each replica's capacity in blocks (>= 1)")
+        self.mode = mode
+        self.approx_capacity_blocks = approx_capacity_blocks
+        self._holders: dict[BlockHash, set[ReplicaId]] = {}  # hash -> replicas holding it
+        self._counts: dict[ReplicaId, Counter[BlockHash]] = {}  # events mode: copies per replica
+        self._lru: dict[ReplicaId, OrderedDict[BlockHash, None]] = {}  # approx mode
+
+    # -- membership -----------------------------------------------------------------------------
+    @property
+    def replicas(self) -> list[ReplicaId]:
+        return list(self._counts if self.mode == "events" else self._lru)
+
+    def add_replica(self, replica: ReplicaId) -> None:
+        if self.mode == "events":
+            self._counts.setdefault(replica, Counter())
+        else:
+            self._lru.setdefault(replica, OrderedDict())
+
+    def remove_replica(self, replica: ReplicaId) -> None:
+        """Forget every block of the replica (it left, or its event stream has a hole)."""
+        blocks: Iterable[BlockHash] = (
+            self._counts.pop(replica, Counter()) if self.mode == "events" else self._lru.pop(replica, OrderedDict())
+        )
+        holders = self._holders
+        for h in blocks:
+            s = holders.get(h)
+            if s is not None:
+                s.discard(replica)
+                if not s:
+                    del holders[h]
+
+    def num_blocks(self, replica: ReplicaId) -> int:
+        return len(self._counts.get(replica, ())) if self.mode == "events" else len(self._lru.get(replica, ()))
+
+    # -- events mode ----------------------------------------------------------------------------
+    def stored(self, replica: ReplicaId, hashes: Iterable[BlockHash]) -> None:
+        counts = self._counts.setdefault(replica, Counter())
+        holders = self._holders
+        for h in hashes:
+            if counts[h] == 0:
+                holders.setdefault(h, set()).add(replica)
+            counts[h] += 1
+
+    def removed(self, replica: ReplicaId, hashes: Iterable[BlockHash]) -> None:
+        counts = self._counts.get(replica)
+        if counts is None:
+            return
+        holders = self._holders
+        for h in hashes:
+            c = counts.get(h, 0)
+            if c > 1:
+                counts[h] = c - 1
+            elif c == 1:
+                del counts[h]
+                s = holders[h]
+                s.discard(replica)
+                if not s:
+                    del holders[h]
+
+    def cleared(self, replica: ReplicaId) -> None:
+        self.remove_replica(replica)
+        self.add_replica(replica)
+
+    def apply_events(self, replica: ReplicaId, events: Sequence[dict[str, Any]]) -> None:
+        """Decoded vLLM events (maps tagged by "type"). Only the KV pool counts (medium "GPU" or
+        absent): a block in a replica's lower tier is cheaper than a recompute but is not a hit."""
+        for ev in events:
+            kind = ev.get("type")
+            if kind == "AllBlocksCleared":
+                self.cleared(replica)
+            elif ev.get("medium", "GPU") not in (None, "GPU"):
+                continue
+            elif kind == "BlockStored":
+                self.stored(replica, ev["block_hashes"])
+            elif kind == "BlockRemoved":
+                self.removed(replica, ev["block_hashes"])
+
+    def apply_batch(self, replica: ReplicaId, payload: bytes) -> None:
+        """One ZeroMQ payload: msgpack [ts, events, data_parallel_rank]."""
+        batch = msgpack.unpackb(payload, raw=False)
+        self.apply_events(replica, batch[1])
+
+    # -- approximate mode -----------------------------------------------------------------------
+    def record_sent(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
+        """The router sent a request with these block hashes to the replica (approx mode)."""
+        lru = self._lru.setdefault(replica, OrderedDict())
+        holders = self._holders
+        cap = self.approx_capacity_blocks or 0
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                holders.setdefault(h, set()).add(replica)
+        while len(lru) > cap:
+            old, _ = lru.popitem(last=False)
+            s = holders[old]
+            s.discard(replica)
+            if not s:
+                del holders[old]
+
+    # -- queries --------------------------------------------------------------------------------
+    def match(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+        """For every replica holding block 0 of the chain: how many leading blocks it holds."""
+        holders = self._holders
+        first = holders.get(hashes[0]) if hashes else None
+        if not first:
+            return {}
+        alive = set(first)
+        result: dict[ReplicaId, int] = {}
+        for depth in range(1, len(hashes)):
+            here = holders.get(hashes[depth])
+            if here is None:
+                break
+            dropped = alive - here
+            if dropped:
+                for r in dropped:
+                    result[r] = depth
+                alive &= here
+                if not alive:
+                    break
+        else:
+            depth = len(hashes)
+        for r in alive:
+            result[r] = depth
+        return result

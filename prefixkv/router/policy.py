@@ -1,0 +1,134 @@
+"""Routing policies: which replica gets a request, from its chained block hashes and the replicas'
+load. Pure Python (no engine, no network), so the replay simulator and a Ray Serve deployment
+share them.
+
+  round-robin  replicas in turn, blind to content and load.
+  prefix       the replica holding the longest prefix of the request's block hashes (PrefixIndex);
+               ties - including "nobody holds block 0" - go to the least loaded, then in turn.
+  prefix-load  prefix, gated by load (the knobs of PrefixLoadRouter): a replica is out of the running
+               when it is saturated (queue >= max_queue, or KV usage >= max_kv_usage) or much busier
+               than the least busy one (queue > balance_rel x least + balance_abs); among the rest the
+               least loaded. If every replica is saturated, only the balance gate applies (an
+               overloaded cluster keeps its affinity among the least busy replicas). So a hot
+               prefix stays on its replica until that replica fills up or runs ahead of the
+               others, then spreads; the index learns the new copies from the replicas' events.
+
+Load: `queue` = requests sent to the replica whose prefill has not finished (waiting or
+prefilling: what a new request waits behind), `running` = requests holding KV blocks there,
+`kv_usage` = fraction of its KV blocks held. Those are vLLM's num_requests_waiting /
+num_requests_running / kv_cache_usage_perc gauges, which a live router reads from /metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .index import BlockHash, PrefixIndex
+
+ROUTERS = ("round-robin", "prefix", "prefix-load")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    queue: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+
+
+class Router:
+    """choose(hashes, loads) -> index into `loads` (one entry per live replica, in the order of
+    `replicas`; the index's replica ids are the same entries of `replicas`)."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
+        raise NotImplementedError
+
+    def _least_loaded(self, candidates: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+        """Fewest queued, then fewest running; among equals, in turn (no replica is favoured)."""
+        best = min((loads[i].queue, loads[i].running) for i in candidates)
+        tied = [i for i in candidates if (loads[i].queue, loads[i].running) == best]
+        self._turn += 1
+        return tied[self._turn % len(tied)]
+
+
+class RoundRobinRouter(Router):
+    name = "round-robin"
+
+    def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
+        self._turn += 1
+        return self._turn % len(loads)
+
+
+class PrefixRouter(Router):
+    name = "prefix"
+
+    def __init__(self, index: PrefixIndex) -> None:
+        super().__init__()
+        self.index = index
+
+    def _best_match(self, hashes: Sequence[BlockHash], replicas: Sequence[object], candidates: Sequence[int]):
+        matched = self.index.match(hashes) if hashes else {}
+        best = max((matched.get(replicas[i], 0) for i in candidates), default=0)
+        return best, [i for i in candidates if matched.get(replicas[i], 0) == best]
+
+    def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
+        _, tied = self._best_match(hashes, replicas, range(len(loads)))
+        return self._least_loaded(tied, loads)
+
+
+class PrefixLoadRouter(PrefixRouter):
+    name = "prefix-load"
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        max_queue: int = 4,
+        max_kv_usage: float = 0.95,
+        balance_abs: int = 4,
+        balance_rel: float = 2.0,
+        min_match_blocks: int = 1,
+    ) -> None:
+        super().__init__(index)
+        if max_queue < 1 or not 0 < max_kv_usage <= 1 or balance_abs < 0 or balance_rel < 1 or min_match_blocks < 1:
+            raise ValueError(
+                "prefix-load knobs: max_queue >= 1, 0 < max_kv_usage <= 1, balance_abs >= 0, balance_rel >= 1, "
+                "min_match_blocks >= 1"
+            )
+        self.max_queue = max_queue
+        self.max_kv_usage = max_kv_usage
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.min_match_blocks = min_match_blocks
+
+    def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
+        ok = [i for i, ld in enumerate(loads) if ld.queue < self.max_queue and ld.kv_usage < self.max_kv_usage]
+        if not ok:  # everyone is saturated: the balance gate alone decides who may take it
+            ok = list(range(len(loads)))
+        least = min(loads[i].queue for i in ok)
+        limit = self.balance_rel * least + self.balance_abs
+        ok = [i for i in ok if loads[i].queue <= limit]
+        best, tied = self._best_match(hashes, replicas, ok)
+        return self._least_loaded(tied if best >= self.min_match_blocks else ok, loads)
+
+
+def make_router(name: str, index: PrefixIndex | None = None, **knobs: float) -> Router:
+    """A router by name; prefix routers need the index, prefix-load takes its knobs by name."""
+    if name == "round-robin":
+        if knobs:
+            raise ValueError(f"round-robin takes no knobs, got {', '.join(knobs)}")
+        return RoundRobinRouter()
+    if name in ("prefix", "prefix-load"):
+        if index is None:
+            raise ValueError(f"the {name} router needs a PrefixIndex")
+        if name == "prefix":
+            if knobs:
+                raise ValueError(f"prefix takes no knobs, got {', '.join(knobs)}")
+            return PrefixRouter(index)
+        return PrefixLoadRouter(index, **knobs)  # type: ignore[arg-type]
+    raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
