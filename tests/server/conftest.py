@@ -109,6 +109,28 @@ class Server:
             time.sleep(0.1)
 
 
+# The API server test_api.py and test_surface.py share (one start-up for both): two API keys,
+# two served names, dev mode (POST /reset_prefix_cache) and a fast periodic stats line.
+API_KEY = "test-key-123"
+API_KEY2 = "second-key"
+API_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def api_server():
+    s = Server(
+        "--api-key",
+        API_KEY,
+        API_KEY2,
+        "--served-model-name",
+        API_NAME,
+        "smol",
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "0.5"},
+    )
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="module")
 def make_server():
     servers: list[Server] = []
