@@ -23,7 +23,15 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(make_server):
     return make_server(
-        "--api-key", KEY, "--max-request-body-bytes", "1000000", "--max-n", "8", "--max-prompts-per-request", "4"
+        "--api-key",
+        KEY,
+        "--max-request-body-bytes",
+        "1000000",
+        "--max-n",
+        "8",
+        "--max-prompts-per-request",
+        "4",
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache exists only in dev mode, as vLLM's
     )
 
 
