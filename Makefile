@@ -17,7 +17,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m prefixkv.demo
 
-# ruff (lint + format, line length 120) over the repo; mypy on prefixkv/cache and prefixkv/engine
+# ruff (lint + format, line length 120) over the repo; mypy on prefixkv/cache, prefixkv/engine and prefixkv/tiers
 # (settings in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -19,12 +19,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
-from prefixkv import LLM  # noqa: E402
+from prefixkv import LLM  # noqa: E402  (before torch: it sets the OpenMP wait policy)
 
 WORDS = (
     "river mountain quiet engine paper lantern violet harbor copper signal garden winter orbit marble "
@@ -40,7 +39,9 @@ def documents(n: int, prefix_words: int, seed: int = 0) -> list[str]:
     return [f"{prefix}\nSection {i}: " + " ".join(rng.choice(WORDS) for _ in range(30)) for i in range(n)]
 
 
-def run(stage_cache: bool, docs: list[str], repeats: int) -> tuple[float, torch.Tensor, int]:
+def run(stage_cache: bool, docs: list[str], repeats: int) -> tuple[float, Any, int]:
+    import torch
+
     llm = LLM(enable_stage_output_cache=stage_cache, max_model_len=4096)
     llm.embed(["warm up"], pooling="mean", use_tqdm=False)
     times, vectors, cached = [], None, 0
@@ -51,7 +52,8 @@ def run(stage_cache: bool, docs: list[str], repeats: int) -> tuple[float, torch.
         times.append(time.perf_counter() - t0)
         vectors = torch.tensor([o.outputs.embedding for o in outs])
         cached = sum(o.num_cached_tokens for o in outs)
-        print(f"  stage cache {'on ' if stage_cache else 'off'} repeat {r + 1}/{repeats}: {times[-1]:.2f} s", flush=True)
+        state = "on " if stage_cache else "off"
+        print(f"  stage cache {state} repeat {r + 1}/{repeats}: {times[-1]:.2f} s", flush=True)
     assert vectors is not None
     return statistics.median(times), vectors, cached
 
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     docs = documents(args.docs, args.prefix_words)

@@ -37,6 +37,26 @@ MODEL_HELP = (
     "file; omitted: the embedded SmolLM2-135M-Instruct"
 )
 
+MM_HASH_MODES = ("exact", "phash")  # prefixkv/multimodal/hashing.py
+DEFAULT_MM_ENCODER_CACHE_BYTES = 128 << 20
+
+
+def parse_mm_limit(text: str) -> dict[str, int]:
+    """--limit-mm-per-prompt: vLLM's JSON ('{"image": 2}') or image=2."""
+    import json
+
+    try:
+        value = json.loads(text) if text.strip().startswith("{") else dict(_kv(p) for p in text.split(","))
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"not a limit: {text!r} (e.g. '{{\"image\": 2}}' or image=2)") from e
+    return value
+
+
+def _kv(pair: str) -> tuple[str, int]:
+    key, value = pair.split("=", 1)
+    return key.strip(), int(value)
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 
 
@@ -100,6 +120,17 @@ class EngineArgs:
     """Engine options, with vLLM's names and defaults. `EngineConfig` is the same class."""
 
     model: str | None = _opt(None, cli=False)  # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = _opt(
+        None,
+        "tokenizer to use instead of the model's: an HF folder (tokenizer.json, tokenizer_config.json) or a "
+        ".gguf file; its vocabulary must fit the model's (default: the model's own)",
+    )
+    generation_config: str = _opt(
+        "auto",
+        "sampling defaults: auto reads the model folder's generation_config.json (temperature, top_p, top_k, "
+        "min_p, repetition_penalty, max_new_tokens), as vLLM; vllm ignores it; a folder reads that folder's "
+        "(default: auto)",
+    )
     dtype: str = _opt(
         "auto",
         "weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: auto)",
@@ -121,7 +152,11 @@ class EngineArgs:
         True, "reuse the KV blocks of identical prompt prefixes across requests (default: on)"
     )
     prefix_caching_hash_algo: str | Callable[[Any], bytes] = _opt(  # noqa: RUF009 (it returns a field)
-        "sha256_cbor", "content hash naming cached blocks (default: sha256_cbor, as vLLM)", choices=list(HASH_ALGOS)
+        "sha256_cbor",
+        "content hash naming cached blocks to the outside (KV events); lookups never depend on it, they compare "
+        "exact keys. vLLM's choices; the default differs: sha256_cbor here (reproducible across processes and "
+        "languages), vLLM's default is sha256 (over pickle) (default: sha256_cbor)",
+        choices=list(HASH_ALGOS),
     )
     eviction_policy: str = _opt(
         "lru",
@@ -142,6 +177,18 @@ class EngineArgs:
         "keep the final hidden states of cached blocks (CPU, in the same budget as the KV), so prompt logprobs "
         "and embeddings (MEAN / ALL pooling included) reuse a cached prefix (default: off)",
     )
+    kv_offloading_size: float | None = _opt(
+        None,
+        "CPU-memory KV tier below the pool, in GiB (vLLM's flag): blocks computed once are kept there and "
+        "loaded back when the pool has evicted them (default: off; docs/tiers.md)",
+        type=float,
+    )
+    kv_tier: list[str] | str | None = _opt(
+        None,
+        "a disk or Redis KV tier below the pool and the CPU tier: disk:/path[?size=16GiB] or "
+        "redis://host:port/db[?timeout=0.5]; repeat the flag or give a comma list; an engine started "
+        "against the same tier serves known prefixes from it (default: none; docs/tiers.md)",
+    )
     pooler_config: dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
         None,
         'default pooling of embeddings, as vLLM: \'{"pooling_type": "MEAN", "normalize": false}\' '
@@ -151,6 +198,13 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt(
         2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int
     )
+    scheduling_policy: str = _opt(
+        "fcfs",
+        "fcfs: first come first served; priority: by each request's `priority` (lower first, then arrival), "
+        "preempting the largest (priority, arrival) among running requests not yet scheduled in the step "
+        "(default: fcfs, as vLLM)",
+        choices=["fcfs", "priority"],
+    )
     max_logprobs: int = _opt(
         20, "most logprobs / prompt_logprobs a request may ask for (default: 20, as vLLM)", type=int
     )
@@ -158,9 +212,27 @@ class EngineArgs:
     enable_lora: bool = _opt(False, "serve PEFT LoRA adapters (LoRARequest / --lora-modules) (default: off)")
     max_loras: int = _opt(1, "most LoRA adapters in one batch, resident on the device (default: 1)", type=int)
     max_lora_rank: int = _opt(16, "highest LoRA rank accepted (default: 16)", type=int)
+    # Multimodal (vision-language checkpoints; docs/multimodal.md)
+    mm_hash: str = _opt(
+        "exact",
+        "identity of an image for the prefix and encoder caches: exact (hash of the preprocessed pixels) or phash "
+        "(perceptual: near-identical copies share entries and may change outputs) (default: exact)",
+        choices=list(MM_HASH_MODES),
+    )
+    enable_mm_encoder_cache: bool = _opt(
+        True, "keep image encoder outputs by image identity, so an image is encoded once (default: on)"
+    )
+    mm_encoder_cache_bytes: int = _opt(
+        DEFAULT_MM_ENCODER_CACHE_BYTES, "encoder cache budget in bytes, LRU (default: 128MiB)", type=parse_bytes
+    )
+    limit_mm_per_prompt: dict[str, int] | None = _opt(  # noqa: RUF009 (it returns a field)
+        None, "most images per prompt, e.g. '{\"image\": 2}' (default: no limit but the context)", type=parse_mm_limit
+    )
+    allowed_local_media_path: str | None = _opt(
+        None, "image_url parts may name local files (file:// URLs) under this folder (default: none may)"
+    )
 
     # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
-    tokenizer: str | None = _opt(None, cli=False)  # must be None or the model: the tokenizer comes with it
     tokenizer_mode: str = _compat("auto", _is_default("auto"), "only 'auto': the model's own tokenizer", cli=False)
     trust_remote_code: bool = _compat(False, _anything, "no model code is ever downloaded or run")
     download_dir: str | None = _compat(None, _anything, "models are read from local files only", cli=False)
@@ -193,20 +265,18 @@ class EngineArgs:
     compilation_config: dict[str, Any] | int | None = _compat(  # noqa: RUF009 (it returns a field)
         None, _anything, "nothing is compiled", cli=False
     )
-    disable_log_stats: bool = _compat(False, _anything, "no periodic stats are logged", cli=False)
+    disable_log_stats: bool = _compat(
+        False, _anything, "LLM logs no periodic stats (the server: --disable-log-stats)", cli=False
+    )
     disable_async_output_proc: bool = _compat(False, _anything, "outputs are processed in the step", cli=False)
     enable_chunked_prefill: bool | None = _compat(
         None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)"
     )
-    scheduling_policy: str = _compat("fcfs", _is_default("fcfs"), "first come first served only", cli=False)
     speculative_config: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
         None, _is_default(None), "no speculative decoding", cli=False
     )
-    limit_mm_per_prompt: dict[str, int] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "multimodal inputs are not implemented", cli=False
-    )
     mm_processor_kwargs: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "multimodal inputs are not implemented", cli=False
+        None, _is_default(None), "the checkpoint's own image processor settings are used", cli=False
     )
     disable_sliding_window: bool = _compat(
         False, _is_default(False), "sliding windows are applied as the model config says", cli=False
@@ -232,8 +302,6 @@ class EngineArgs:
                     f"{self.num_gpu_blocks_override} disagree; give one"
                 )
             self.num_blocks = self.num_gpu_blocks_override
-        if self.tokenizer is not None and self.tokenizer != self.model:
-            raise ValueError("a separate tokenizer is not supported: the tokenizer comes with the model")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
@@ -261,11 +329,51 @@ class EngineArgs:
                 f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}; "
                 f"choose one of {', '.join(HASH_ALGOS)}"
             )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; choose fcfs or priority")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        self._check_multimodal()
         from .stage.pooling import parse_pooler_config  # here: the stage package imports the engine's
 
         self.default_pooling = parse_pooler_config(self.pooler_config)
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        from .tiers.spec import parse_spec, split_specs
+
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+        specs = split_specs(self.kv_tier)
+        for text in specs:
+            parse_spec(text)
+        if (size or specs) and not self.enable_prefix_caching:
+            raise ValueError("KV tiers (kv_offloading_size / kv_tier) need enable_prefix_caching")
+        if (size or specs) and self.enable_stage_output_cache:
+            raise ValueError(
+                "KV tiers with enable_stage_output_cache are not implemented (tier blocks carry no stage outputs)"
+            )
+
+    def _check_multimodal(self) -> None:
+        if self.mm_hash not in MM_HASH_MODES:
+            raise ValueError(f"unknown mm_hash {self.mm_hash!r}; choose one of {', '.join(MM_HASH_MODES)}")
+        if not _is_int(self.mm_encoder_cache_bytes) or self.mm_encoder_cache_bytes < 0:
+            raise ValueError(f"mm_encoder_cache_bytes must be an integer >= 0, got {self.mm_encoder_cache_bytes!r}")
+        limit = self.limit_mm_per_prompt
+        if limit is not None:
+            if not isinstance(limit, dict):
+                raise ValueError(f"limit_mm_per_prompt must be a dict such as {{'image': 2}}, got {limit!r}")
+            for key, value in limit.items():
+                if key != "image":
+                    raise ValueError(f"limit_mm_per_prompt[{key!r}]: only images are supported")
+                if not _is_int(value) or value < 0:
+                    raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {value!r}")
+        path = self.allowed_local_media_path
+        if path is not None and not isinstance(path, str):
+            raise ValueError(f"allowed_local_media_path must be a folder path, got {path!r}")
 
     def _check_compat(self) -> None:
         accepted = []
@@ -305,6 +413,8 @@ class EngineArgs:
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
             if isinstance(f.default, bool) or f.name == "enable_chunked_prefill":
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.name == "kv_tier":  # repeatable
+                kwargs["action"] = "append"
             else:
                 if meta["type"] is not None:
                     kwargs["type"] = meta["type"]

@@ -12,17 +12,17 @@ from typing import Any
 
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
+from .multimodal.chat import chat_prompt_with_images, has_image_parts
 from .outputs import RequestOutput
 from .request import LoRARequest
 from .sampling_params import SamplingParams
 from .stage import EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput, pool
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
 # vLLM prompt-dict fields prefixkv does not implement
 _UNSUPPORTED_PROMPT_KEYS = {
-    "multi_modal_data": "multimodal inputs are not implemented",
-    "mm_processor_kwargs": "multimodal inputs are not implemented",
-    "multi_modal_uuids": "multimodal inputs are not implemented",
+    "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
+    "multi_modal_uuids": "item identities are content hashes (mm_hash), not caller-given ids",
     "prompt_embeds": "prompt embeddings are not implemented",
     "token_type_ids": "token type ids are not implemented",
 }
@@ -32,11 +32,9 @@ _UNSUPPORTED_CALL_ARGS = {
     "prompt_adapter_request": "prompt adapters are not implemented",
     "tokenization_kwargs": "tokenization options are not implemented",
     "truncate_prompt_tokens": "prompt truncation is not implemented",
-    "chat_template": "the model's own chat template is used",
     "tools": "tool calling is not implemented",
     "documents": "documents are not implemented",
-    "chat_template_kwargs": "chat template options are not implemented",
-    "mm_processor_kwargs": "multimodal inputs are not implemented",
+    "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
 }
 
 
@@ -70,8 +68,8 @@ def _pooling_params(
     return PoolingParams(pooling or default.pooling, default.normalize if normalize is None else normalize)
 
 
-def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None]]:
-    """Each prompt as (text or token ids, its own cache_salt)."""
+def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None, Any]]:
+    """Each prompt as (text or token ids, its own cache_salt, its multi_modal_data or None)."""
     if prompt_token_ids is not None:
         prompts = prompt_token_ids
     if prompts is None:
@@ -80,9 +78,9 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
         prompts = [prompts]
     elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         prompts = [list(prompts)]  # one prompt of token ids
-    out: list[tuple[str | list[int], str | None]] = []
+    out: list[tuple[str | list[int], str | None, Any]] = []
     for p in prompts:
-        salt = None
+        salt = mm = None
         if isinstance(p, dict):
             for key in p:
                 if key in _UNSUPPORTED_PROMPT_KEYS:
@@ -91,7 +89,7 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
                 if key not in _PROMPT_KEYS:
                     takes = ", ".join(sorted(_PROMPT_KEYS))
                     raise ValueError(f"unknown prompt field {key!r}; a prompt dict takes {takes}")
-            salt = p.get("cache_salt")
+            salt, mm = p.get("cache_salt"), p.get("multi_modal_data")
             if "prompt_token_ids" in p:
                 p = list(p["prompt_token_ids"])
             elif "prompt" in p:
@@ -99,9 +97,9 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
             else:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {sorted(p)}")
         if isinstance(p, str):
-            out.append((p, salt))
+            out.append((p, salt, mm))
         elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
-            out.append((list(p), salt))
+            out.append((list(p), salt, mm))
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}")
     if not out:
@@ -115,6 +113,8 @@ class LLM:
     Keywords are `EngineArgs` fields. The KV budget is `kv_cache_memory_bytes` (or `num_blocks`,
     or vLLM's `num_gpu_blocks_override`), not the model's maximum length."""
 
+    _hf_tokenizer: Any = None  # get_tokenizer()'s, built on the first call
+
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
 
@@ -125,8 +125,20 @@ class LLM:
         llm.llm_engine = engine
         return llm
 
-    def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+    def get_tokenizer(self) -> Any:
+        """The tokenizer as a Hugging Face `PreTrainedTokenizerFast` (built on the first call; the
+        engine keeps its own): `tok(text)`, `len(tok)`, `apply_chat_template(...)`, as in vLLM."""
+        if self._hf_tokenizer is None:
+            from .model.hf_tokenizer import to_hf_tokenizer
+
+            self._hf_tokenizer = to_hf_tokenizer(self.llm_engine.tokenizer)
+        return self._hf_tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (as vLLM; none with
+        generation_config='vllm'). What generate() and chat() use when given no sampling_params."""
+        defaults = self.llm_engine.default_sampling_params
+        return SamplingParams(**defaults) if defaults else SamplingParams()
 
     def generate(
         self,
@@ -145,13 +157,17 @@ class LLM:
         validated before anything runs. A request that fails alone comes back finished with
         `error` set; the others are unharmed."""
         _refuse_call_args("generate", kwargs)
-        if priority is not None and any(p != 0 for p in priority):
-            raise ValueError(
-                "generate(priority=...) is not supported by prefixkv: scheduling is first come first served"
-            )
         items = _as_prompt_list(prompts, prompt_token_ids)
+        priorities = list(priority) if priority is not None else [0] * len(items)
+        if len(priorities) != len(items):
+            raise ValueError(f"{len(priorities)} priorities for {len(items)} prompts")
+        for p in priorities:  # checked before anything is queued
+            if p != 0 and self.llm_engine.config.scheduling_policy != "priority":
+                raise ValueError(
+                    f"Got priority {p} but priority scheduling is not enabled (LLM(..., scheduling_policy='priority'))"
+                )
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(items)
         else:
@@ -163,13 +179,19 @@ class LLM:
         for lora in loras:
             if lora is not None:
                 engine.resolve_lora(lora)  # every adapter validated before anything runs
-        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _ in items]
-        for ids, params in zip(tokenized, params_list):
+        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
+        tokenized = [engine.truncate_prompt(ids, params) for ids, params in zip(tokenized, params_list)]
+        processed = []  # images decoded, placeholders expanded: every prompt checked before any runs
+        for ids, params, (_, _, mm) in zip(tokenized, params_list, items):
+            ids, mm_items = engine.process_multimodal(ids, mm)
             engine.validate_prompt(ids)
             engine.validate_params(params)
+            processed.append((ids, mm_items))
         ids_in_order: list[str] = []
         try:
-            for (item, salt), ids, params, lora in zip(items, tokenized, params_list, loras):
+            for (item, salt, _), (ids, mm_items), params, lora, prio in zip(
+                items, processed, params_list, loras, priorities
+            ):
                 ids_in_order.append(
                     engine.add_request(
                         ids,
@@ -177,6 +199,8 @@ class LLM:
                         lora_request=lora,
                         cache_salt=salt if salt is not None else cache_salt,
                         prompt_text=item if isinstance(item, str) else None,
+                        priority=prio,
+                        mm_items=mm_items,
                     )
                 )
         except BaseException:
@@ -190,32 +214,65 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[RequestOutput]:
-        """Chat completion for one conversation or a batch, through the model's chat template."""
+        """Chat completion for one conversation or a batch, through the model's chat template (or
+        `chat_template`); `continue_final_message` continues the last message instead of starting
+        a reply (then add_generation_prompt must be False, as vLLM); `chat_template_kwargs` are
+        passed to the template. Each output's `prompt` is the rendered text."""
         _refuse_call_args("chat", kwargs)
-        if continue_final_message:
-            raise ValueError("chat(continue_final_message=True) is not supported by prefixkv")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("chat(continue_final_message=True) needs add_generation_prompt=False, as in vLLM")
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(
                 f"chat(chat_template_content_format={chat_template_content_format!r}) is not "
                 "supported by prefixkv: message contents are strings"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.get_tokenizer()
-        prompts = [
-            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
-            for conv in conversations
-        ]
-        return self.generate(
-            [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
+        tok = self.llm_engine.tokenizer  # the engine's own (get_tokenizer() builds transformers')
+        engine = self.llm_engine
+
+        def render(conv: list[dict]) -> str:
+            return tok.apply_chat_template(  # type: ignore[return-value]
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+
+        prompts: list[dict[str, Any]] = []
+        texts: list[str] = []
+        for conv in conversations:
+            if has_image_parts(conv):  # image_url / image_pil parts (prefixkv/multimodal/chat.py)
+                text, images = chat_prompt_with_images(
+                    conv, render, engine.image_token, engine.config.allowed_local_media_path, engine.max_images
+                )
+                ids = tok.encode(text, add_special_tokens=False)
+                prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+            else:
+                text = render(conv)
+                prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            texts.append(text)
+        outs = self.generate(
+            prompts,
             sampling_params,
             use_tqdm=use_tqdm,
             lora_request=lora_request,
         )
+        for out, text in zip(outs, texts):
+            out.prompt = text  # as vLLM: the rendered conversation
+        return outs
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's LLM.beam_search: not implemented (refused, never approximated)."""
+        raise ValueError("LLM.beam_search is not implemented by prefixkv: use sampling (n > 1) or greedy decoding")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -308,15 +365,17 @@ class LLM:
                 f"pooling_task={pooling_task!r} is not supported by prefixkv: only 'embed' and 'token_embed'"
             )
         items = _as_prompt_list(prompts, None)
+        if any(mm is not None for _, _, mm in items):
+            raise ValueError("embed()/encode() of prompts with multi_modal_data is not supported by prefixkv yet")
         engine = self.llm_engine
-        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _ in items]
+        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
         for ids in tokenized:
             engine.validate_prompt(ids)
         # one greedy token is drawn and dropped: the prompt's last position is computed like any prefill
         sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
         request_ids: list[str] = []
         try:
-            for (item, salt), ids in zip(items, tokenized):
+            for (item, salt, _), ids in zip(items, tokenized):
                 request_ids.append(
                     engine.add_request(
                         ids,

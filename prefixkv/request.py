@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .lora.request import LoRARequest as LoRARequest  # re-exported: its old home
@@ -14,11 +14,13 @@ from .lora.request import LoRARequest as LoRARequest  # re-exported: its old hom
 @dataclass(frozen=True)
 class MultiModalItem:
     """A multimodal input occupying prompt positions [offset, offset + length) with placeholders;
-    `identifier` is a hash of its content, so equal images share cache blocks."""
+    `identifier` is a hash of its content, so equal images share cache blocks. `data` is the
+    encoder's input (preprocessed pixels); it takes no part in the item's identity."""
 
     identifier: str
     offset: int
     length: int
+    data: Any = field(default=None, compare=False, hash=False, repr=False)
 
 
 def _as_mm_item(item: Any) -> MultiModalItem:
@@ -79,6 +81,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         generator: Any = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -100,6 +103,7 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority  # --scheduling-policy priority: lower goes first (vLLM)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -118,6 +122,8 @@ class Request:
         self.prompt_hidden_upto: int | None = None
         self.generator = generator  # seeded torch.Generator, or None for the engine's default
         self.error: str | None = None  # why the request failed, when status is FINISHED_ERROR
+        # logit_bias / allowed_token_ids / bad_words / grammar (prefixkv.constraints.RequestConstraints)
+        self.constraints: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

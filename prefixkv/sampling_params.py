@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .constraints.structured_params import StructuredOutputsParams
+from .constraints.validation import check_token_fields, normalize_logit_bias
+
 MAX_TEMPERATURE = 1e4  # beyond it sampling is uniform anyway; float('inf') or 1e308 would overflow
 PENALTY_RANGE = (1e-4, 1e4)  # repetition_penalty: outside it the scaled logits overflow float32
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (negative wraps)
@@ -24,11 +27,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "early_stopping": False,
     "logits_processors": None,
     "guided_decoding": None,
-    "structured_outputs": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "truncate_prompt_tokens": None,
     "extra_args": None,
     "spaces_between_special_tokens": True,
     "output_kind": None,
@@ -57,6 +55,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM)
+    # prefixkv's extra (vLLM-Omni's stage hand-over): RequestOutput.hidden_states holds the final
+    # hidden state of every position computed for the sequence - the prompt's, then each generated
+    # token's but the last (never fed back) - for a downstream stage (prefixkv/pipeline/)
+    return_hidden_states: bool = False
+    # constraints on what may be sampled (prefixkv/constraints/)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +77,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = normalize_logit_bias(self.logit_bias)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         self.verify()
 
     def verify(self) -> None:
@@ -98,9 +111,29 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (not _is_int(tpt) or (tpt < 1 and tpt != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an integer >= 1, got {tpt!r}")
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "detokenize",
+            "return_hidden_states",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004
+        if self.return_hidden_states and self.n != 1:
+            raise ValueError("return_hidden_states needs n=1 (one sequence's hidden states per request)")
+        normalize_logit_bias(self.logit_bias)
+        check_token_fields(self)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(  # noqa: TRY004
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
+            self.structured_outputs.verify()
 
     @property
     def greedy(self) -> bool:

@@ -92,6 +92,12 @@ class KVCacheManager:
         n = state.chain.extend(request)
         return list(state.chain.hashes_upto(n, self.hash_fn, self.none_hash))
 
+    def get_block_chain(self, request: CacheRequest) -> BlockChain:
+        """The request's identity material (tokens and extra keys of its full blocks), extended."""
+        state = self._state(request)
+        state.chain.extend(request)
+        return state.chain
+
     def _state(self, request: CacheRequest) -> _RequestBlocks:
         state = self._requests.get(request.request_id)
         if state is None:

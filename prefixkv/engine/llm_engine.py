@@ -11,23 +11,30 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats
+from ..constraints.grammar import GrammarEngine
+from ..constraints.token_constraints import RequestConstraints
+from ..constraints.validation import check_vocab
 from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
 from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..model import LoadedModel, load_model
+from ..model.generation_config import sampling_defaults
+from ..model.tokenizer import Tokenizer
 from ..outputs import Logprob, RequestMetrics, RequestOutput
-from ..request import Request, RequestStatus
+from ..request import MultiModalItem, Request, RequestStatus
 from ..sampling_params import SamplingParams
 from ..stage import StageOutputCache, stage_output_specs
+from ..tiers import TierManager, attach_tiers
 from .block_tensors import BlockTensors, kv_cache_specs
 from .model_runner import ModelRunner
 from .model_runner_output import ModelRunnerOutput
@@ -65,12 +72,36 @@ class _Group:
     hidden_states: list[torch.Tensor] | None = None  # prompt hidden states as they arrive, when asked
 
 
+def _separate_tokenizer(path: str, model_vocab: int) -> Tokenizer:
+    from ..model.loader import load_tokenizer
+
+    tok = load_tokenizer(path)
+    if tok.vocab_size > model_vocab:
+        raise ValueError(
+            f"tokenizer {path!r} has {tok.vocab_size} tokens; the model's vocabulary has {model_vocab}: "
+            "its ids would index past the embedding table"
+        )
+    return tok
+
+
 class LLMEngine:
+    def truncate_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len), as vLLM."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
     def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
+        if config.tokenizer is not None and config.tokenizer != config.model:
+            self.tokenizer = _separate_tokenizer(config.tokenizer, self.loaded.config.vocab_size)
+        # the model creator's sampling defaults (generation_config.json), as vLLM's --generation-config
+        self.default_sampling_params = sampling_defaults(self.loaded.source or config.model, config.generation_config)
         self.model_config = self.loaded.config
         bs = config.block_size
         # Every per-block tensor is registered before the budget is divided among them.
@@ -107,6 +138,7 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             enable_kv_cache_events=config.enable_kv_cache_events,
             max_loras=config.max_loras if config.enable_lora else None,
+            policy=config.scheduling_policy,
         )
         self.lora_manager: LoRAManager | None = None
         if config.enable_lora:
@@ -131,7 +163,13 @@ class LLMEngine:
             blocks = self.scheduler.kv_cache_manager.block_pool.blocks
             self.stage_outputs = StageOutputCache(self.block_tensors, blocks, bs)
             self.scheduler.stage_outputs = self.runner.stage_outputs = self.stage_outputs
+        self.tiers: TierManager | None = None
+        if config.kv_offloading_size or config.kv_tier:  # KV tiers below the pool (prefixkv/tiers)
+            self.tiers = attach_tiers(self)
+        self._init_multimodal()
         self.eos_ids = set(self.tokenizer.eos_token_ids)
+        self._grammar_engine: GrammarEngine | None = None  # built on the first structured request
+        self._grammar_lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}  # engine-private sequence id -> (group, index)
         self._group_ids = itertools.count()  # ids for requests that bring none
@@ -147,8 +185,44 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_requests_errored = 0
         self.num_steps = 0
+        self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
         self._update_stats()
+
+    def _init_multimodal(self) -> None:
+        """A vision-language checkpoint: the prompt-side processor (placeholders, item identities) and
+        the runner-side encoder with its cache (prefixkv/multimodal/)."""
+        self.mm_processor: Any = None
+        self.encoder_cache: Any = None
+        self.image_token: str | None = None  # the prompt's image token as text ("<image>"); None: text-only
+        self.max_images: int | None = None  # limit_mm_per_prompt["image"]
+        mm = self.loaded.multimodal
+        if mm is None:
+            return
+        self.image_token = self.tokenizer.id_to_token(mm.image_token_id)
+        from ..multimodal import EncoderCache, MultiModalEmbedder, MultiModalInputProcessor
+
+        config = self.config
+        self.max_images = limit = (config.limit_mm_per_prompt or {}).get("image")
+        self.mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
+        self.encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
+        self.runner.mm = MultiModalEmbedder(mm.encoder, self.encoder_cache)
+
+    def process_multimodal(
+        self, prompt_token_ids: Sequence[int], multi_modal_data: Any
+    ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+        """Expand a prompt's image tokens and build its items (no engine state is touched, so any
+        thread may call it). ValueError for images on a text-only model, a count of image tokens
+        that differs from the count of images, too many images, or an image that cannot be decoded."""
+        if self.mm_processor is None:
+            if multi_modal_data:
+                raise ValueError(
+                    "multi_modal_data was given but this model is text-only: it takes no images "
+                    "(serve a LLaVA-style checkpoint for image inputs)"
+                )
+            return list(prompt_token_ids), ()
+        ids, items = self.mm_processor(prompt_token_ids, multi_modal_data)
+        return ids, items
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -179,6 +253,28 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > limit:
                 raise ValueError(f"{name}={value} is more than this engine allows (max_logprobs={limit})")
+        check_vocab(params, self.model_config.vocab_size)
+        if params.structured_outputs is not None and params.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the grammar decides where the output ends"
+            )
+
+    @property
+    def grammar_engine(self) -> GrammarEngine:
+        """The structured-outputs grammar engine (built once, on first use: ~0.1 s)."""
+        with self._grammar_lock:
+            if self._grammar_engine is None:
+                self._grammar_engine = GrammarEngine(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            return self._grammar_engine
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of `params.structured_outputs` (None without one), cached by spec.
+        Thread-safe: the server calls it in a worker thread before the request reaches the engine
+        loop, so a step never waits for a compilation. ValueError for an invalid spec."""
+        if params.structured_outputs is None:
+            return None
+        params.structured_outputs.verify()
+        return self.grammar_engine.compile(params.structured_outputs)
 
     def add_request(
         self,
@@ -191,13 +287,26 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_text: str | None = None,
         hidden_states_from: int | None = None,
+        priority: int = 0,
+        multi_modal_data: Any = None,
+        mm_items: Sequence[MultiModalItem] | None = None,
     ) -> str:
         """Queue one prompt (text or token ids; `prompt_text` names the text that token ids came
-        from). Returns the request id. Atomic: everything that can fail - validation,
+        from). Returns the request id. Images come as `multi_modal_data` ({"image": ...}, one
+        image token per image in the prompt), or already processed (`process_multimodal`) as
+        expanded token ids with their `mm_items`. Atomic: everything that can fail - validation,
         tokenization, seeded generators - happens before any state changes, so on an exception
         nothing is registered."""
         params = params if params is not None else SamplingParams()
         self.validate_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(scheduling_policy='priority' / --scheduling-policy priority)"
+            )
+        compiled = self.compile_grammar(params)
         lora_id = 0
         if lora_request is not None:
             lora_request, lora_id = self.resolve_lora(lora_request)
@@ -208,7 +317,16 @@ class LLMEngine:
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = prompt_text, list(prompt)
+        if mm_items is None:  # (given mm_items: the caller processed - and truncated - the prompt)
+            ids = self.truncate_prompt(ids, params)
+            ids, mm_items = self.process_multimodal(ids, multi_modal_data)
+        elif multi_modal_data is not None:
+            raise ValueError("give multi_modal_data or processed mm_items, not both")
+        elif mm_items and self.mm_processor is None:
+            raise ValueError("multimodal items were given but this model is text-only: it takes no images")
         self.validate_prompt(ids)
+        if params.return_hidden_states and hidden_states_from is None:
+            hidden_states_from = 0  # every position, the prompt's first on
         if hidden_states_from is not None:  # the prompt's final hidden states from this position on
             if not isinstance(hidden_states_from, int) or not -len(ids) <= hidden_states_from < len(ids):
                 raise ValueError(f"hidden_states_from={hidden_states_from!r} is not a position of the prompt")
@@ -228,6 +346,7 @@ class LLMEngine:
         else:
             raise ValueError(f"arrival_time must be a finite number, got {arrival_time!r}")
         children, states = [], []
+        constraints = RequestConstraints.build(params, self.tokenizer, self.model_config.vocab_size)
         for i in range(params.n):
             # seed + i wraps modulo 2**64 (what torch takes): any valid seed works for any n
             gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else None
@@ -241,9 +360,20 @@ class LLMEngine:
                     prompt=text,
                     arrival_time=arrival,
                     generator=gen,
+                    priority=priority,
+                    mm_items=mm_items,
                 )
             )
             children[-1].lora_id = lora_id
+            if compiled is not None:  # each sequence walks its own grammar
+                grammar = self.grammar_engine.matcher(compiled)
+                children[-1].constraints = (
+                    constraints.shares_with(grammar)
+                    if constraints is not None
+                    else RequestConstraints(self.model_config.vocab_size, grammar=grammar)
+                )
+            else:
+                children[-1].constraints = constraints
             states.append(OutputState(i, params, self.tokenizer))
         group = _Group(request_id, text, ids, children, states, arrival)
         if params.prompt_logprobs is not None:
@@ -345,6 +475,7 @@ class LLMEngine:
             outputs = self._fail_unschedulable() if stuck else []
         else:
             self.num_steps += 1
+            self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)
@@ -543,6 +674,31 @@ class LLMEngine:
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
             **self._lora_stats(),
+            **self._tier_stats(),
+            **self._mm_stats(),
+        )
+
+    def _tier_stats(self) -> dict[str, Any]:
+        t = self.tiers
+        if t is None:
+            return {}
+        return dict(
+            external_prefix_cache_queries=t.external_queries,
+            external_prefix_cache_hits=t.external_hits,
+            kv_tiers=t.stats(),
+        )
+
+    def _mm_stats(self) -> dict[str, Any]:
+        if self.encoder_cache is None:
+            return {}
+        c = self.encoder_cache
+        return dict(
+            multimodal=True,
+            mm_encoder_cache_queries=c.queries,
+            mm_encoder_cache_hits=c.hits,
+            mm_encoder_runs=c.encoder_runs,
+            mm_encoder_cache_bytes=c.bytes_used,
+            mm_encoder_cache_budget_bytes=c.budget_bytes,
         )
 
     def _lora_stats(self) -> dict[str, Any]:

@@ -22,7 +22,9 @@ from .sampler import SampleResult, sample, score_tokens
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from ..multimodal.embedding import MultiModalEmbedder
     from ..stage import StageOutputCache
+    from ..tiers.transfer import BlockTransfer
 
 PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scoring a prompt
 
@@ -50,6 +52,8 @@ class ModelRunner:
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
         self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
+        self.kv_transfer: BlockTransfer | None = None  # set by the engine when KV tiers are on
+        self.mm: MultiModalEmbedder | None = None  # set by the engine for a vision-language model
         self.lora_manager = lora_manager
         if lora_manager is not None:
             lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers
@@ -61,6 +65,11 @@ class ModelRunner:
         itself fails (then no KV written in this step can be trusted)."""
         scheduled = scheduler_output.scheduled
         bs = self.block_size
+        transfer = self.kv_transfer
+        if scheduler_output.kv_loads or scheduler_output.kv_saves:
+            if transfer is None:
+                raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")
+            transfer.load(scheduler_output.kv_loads)  # blocks from the tiers, before the forward reads them
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -93,14 +102,16 @@ class ModelRunner:
         if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
             # the per-token adapter index, grouped by adapter (base-only steps skip this entirely)
             lora["lora_mapping"] = self.lora_manager.prepare([(sr.lora_id, len(sr.token_ids)) for sr in scheduled])
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-            **lora,
-        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        extra: dict[str, object] = dict(lora)
+        if self.mm is not None and any(sr.mm_inputs for sr in scheduled):
+            # image embeddings at the placeholder positions; the model only sees the embeddings
+            placements = [(query_start_loc[i], sr.mm_inputs) for i, sr in enumerate(scheduled) if sr.mm_inputs]
+            extra["inputs_embeds"] = self.mm.inputs_embeds(self.model.embed_tokens, ids, placements)
+        hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta, **extra)
 
+        if scheduler_output.kv_saves and transfer is not None:  # completed blocks, write-through to the tiers
+            transfer.save(scheduler_output.kv_saves)
         stage = self.stage_outputs
         if stage is not None:  # every computed row, through the KV slot mapping; full blocks become readable
             stage.write(per_token_outputs(hidden, len(input_ids)), meta.slot_mapping)
@@ -164,6 +175,7 @@ class ModelRunner:
     ) -> SampleResult:
         eos = self.eos_token_ids
         eos_block = [eos if sr.block_eos else None for sr in reqs]
+        constraints = [sr.constraints for sr in reqs]
         return sample(
             logits,
             [sr.sampling_params for sr in reqs],
@@ -171,6 +183,7 @@ class ModelRunner:
             [sr.prompt_token_ids for sr in reqs],
             [sr.output_token_ids for sr in reqs],
             eos_block if any(e is not None for e in eos_block) else None,
+            constraints if any(c is not None for c in constraints) else None,
         )
 
     def _sample_one_by_one(
@@ -217,7 +230,9 @@ class ModelRunner:
                 out.prompt_logprobs[sr.req_id] = scored
         if sr.prompt_hidden_from is not None:
             a = max(sr.prompt_hidden_from, start)
-            b = min(start + len(hidden), len(sr.prompt_token_ids))
+            b = start + len(hidden)
+            if not sr.sampling_params.return_hidden_states:
+                b = min(b, len(sr.prompt_token_ids))
             if a < b:
                 out.hidden_states[sr.req_id] = (a, hidden[a - start : b - start].to("cpu", copy=True))
 

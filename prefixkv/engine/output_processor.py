@@ -60,6 +60,11 @@ class OutputState:
                 req.output_token_ids, self._prefix_offset, self._read_offset, p.skip_special_tokens
             )
             self.full_text += piece
+        grammar = req.constraints.grammar if req.constraints is not None else None
+        if grammar is not None:  # the grammar sees every accepted token; its end is the output's
+            grammar.accept(token)
+            if grammar.is_terminated:
+                return self._finish("stop", None, strip_last_token=token in eos_ids, req=req)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in eos_ids:
                 return self._finish("stop", None, strip_last_token=True, req=req)

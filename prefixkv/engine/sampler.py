@@ -1,13 +1,18 @@
-"""Token sampling for one step's batch: penalties, temperature, top-k, top-p, min-p, per-request
-seeds, and log-probabilities of the raw distribution."""
+"""Token sampling for one step's batch: penalties, per-request constraints (logit_bias,
+allowed_token_ids, bad_words, grammars: prefixkv/constraints/), temperature, top-k, top-p, min-p,
+per-request seeds, and log-probabilities of the raw distribution."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..constraints.token_constraints import RequestConstraints
 
 
 @dataclass
@@ -70,6 +75,7 @@ def sample(
     prompt_ids: list[list[int]],
     output_ids: list[list[int]],
     eos_ids: list[set[int] | None] | None = None,
+    constraints: list[RequestConstraints | None] | None = None,
 ) -> SampleResult:
     """Sample one token per row of `logits` [N, vocab] (float32)."""
     logits = logits.float()
@@ -81,6 +87,7 @@ def sample(
             for p in params
         )
         and not eos_ids
+        and not constraints
     )
     if all_greedy_plain:
         tokens = logits.argmax(dim=-1).tolist()
@@ -89,9 +96,17 @@ def sample(
         for row, p in enumerate(params):
             x = logits[row].clone()
             _apply_penalties(x, p, prompt_ids[row], output_ids[row])
+            c = constraints[row] if constraints else None
+            if c is not None:
+                c.apply(x, output_ids[row])
             blocked = eos_ids[row] if eos_ids else None
             if blocked:  # min_tokens not reached: EOS may not be drawn
                 x[list(blocked)] = float("-inf")
+            if c is not None and float(x.max()) == float("-inf"):  # this row fails alone
+                raise ValueError(
+                    "no token is allowed by this request's constraints (allowed_token_ids, bad_words, "
+                    "logit_bias, structured outputs, min_tokens)"
+                )
             if p.greedy:
                 tokens.append(int(x.argmax()))
                 continue

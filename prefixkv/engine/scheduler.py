@@ -1,5 +1,6 @@
 """Continuous batching with a token budget, chunked prefill, prefix-cache lookup and
-preemption by recompute, first come first served.
+preemption by recompute; first come first served, or by `priority` (lower first, then arrival) with
+scheduling_policy="priority", as vLLM.
 
 The scheduler owns the KV cache manager (as in vLLM v1 and nano-vllm): it alone allocates and
 frees blocks and writes `Request.num_computed_tokens`. Each step it hands the model runner a
@@ -15,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..request import Request, RequestStatus
 from .model_runner_output import ModelRunnerOutput
-from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .scheduler_output import EncoderInput, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from ..stage import StageOutputCache
+    from ..tiers import TierManager
 
 
 class Scheduler:
@@ -34,7 +36,11 @@ class Scheduler:
         eviction_policy: Any = "lru",
         enable_kv_cache_events: bool = False,
         max_loras: int | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
+        self.policy = policy
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv_cache_manager = KVCacheManager(
@@ -58,6 +64,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # left since the last schedule()
         self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
+        self.tiers: TierManager | None = None  # set by the engine when KV tiers are on (prefixkv/tiers)
+        # the queue head's tier lookup, kept while it waits for blocks: (request id, pool hits, KV bytes)
+        self._tier_lookup: tuple[str, int, list[Any]] | None = None
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -65,12 +74,30 @@ class Scheduler:
             raise RuntimeError(f"request id {request.request_id!r} is already scheduled")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.policy == "priority":
+            self._insert_by_priority(request)
+        else:
+            self.waiting.append(request)
+
+    @staticmethod
+    def _priority_key(req: Request) -> tuple[int, float]:
+        return req.priority, req.arrival_time
+
+    def _insert_by_priority(self, req: Request) -> None:
+        """Keep `waiting` sorted by (priority, arrival), ties in insertion order. Scanned from the
+        back: most requests share a priority and land at the end at once."""
+        key = self._priority_key(req)
+        i = len(self.waiting)
+        while i > 0 and self._priority_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Remove a request (finished, aborted or failed) wherever it is and release its blocks."""
         if self.requests.pop(req.request_id, None) is None:
             return
+        if self._tier_lookup is not None and self._tier_lookup[0] == req.request_id:
+            self._tier_lookup = None
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -94,13 +121,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.time()
 
-        # Running requests first, oldest first; when blocks run out, the newest is preempted.
+        # Running requests first, oldest first; when blocks run out, the newest is preempted (with
+        # the priority policy: the one of largest (priority, arrival) among those not yet
+        # scheduled in this step - vLLM also looks at those already scheduled and undoes their
+        # step; here that case falls back to the request itself, which keeps preemption cheap).
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
+                if self.policy == "priority":
+                    victim = max(self.running[i:], key=self._priority_key)
+                    self.running.remove(victim)
+                else:
+                    victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
@@ -129,12 +163,22 @@ class Scheduler:
                         # hits cached in this very step have no outputs yet: wait one step for them
                         # rather than recompute them (FCFS: nothing behind it goes first)
                         break
-            num_new = min(req.num_tokens - num_hit, budget)
-            if kv.allocate_slots(req, num_new, hits) is None:
+            loaded = self._tier_hits(req, len(hits)) if self.tiers is not None else []
+            num_loaded = len(loaded) * self.block_size
+            num_new = min(req.num_tokens - num_hit - num_loaded, budget)
+            if kv.allocate_slots(req, num_loaded + num_new, hits) is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
             if kv.enable_caching and not req.skip_prefix_cache_read:
                 kv.stats.record(req.num_tokens, num_hit)
+            if self.tiers is not None and self._tier_lookup is not None:
+                self._tier_lookup = None
+                if self._tier_eligible(req):
+                    self.tiers.record_query(req.num_tokens, num_loaded)
+                if loaded:  # the first new blocks take the tier's bytes; they count as cached tokens
+                    ids = kv.get_block_ids(req.request_id)[len(hits) : len(hits) + len(loaded)]
+                    out.kv_loads.extend(self.tiers.load_plan(ids, loaded))
+            num_hit += num_loaded
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -147,7 +191,50 @@ class Scheduler:
                 loras.add(req.lora_id)
         self.waiting.extendleft(reversed(skipped))
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if self.tiers is not None and kv.enable_caching:
+            self._plan_tier_saves(out)
         return out
+
+    # -- KV tiers (prefixkv/tiers) -------------------------------------------------------------
+    def _tier_eligible(self, req: Request) -> bool:
+        # requests that read the stage outputs of their hits, or skip the cache, compute their prefix
+        return self.kv_cache_manager.enable_caching and not (req.skip_prefix_cache_read or req.reads_stage_outputs)
+
+    def _tier_hits(self, req: Request, num_pool_hits: int) -> list[Any]:
+        """KV bytes of the blocks after the pool's hits that the tiers hold, looked up once while
+        the request waits at the head of the queue."""
+        memo = self._tier_lookup
+        if memo is not None and memo[0] == req.request_id and memo[1] == num_pool_hits:
+            return memo[2]
+        loaded: list[Any] = []
+        if self._tier_eligible(req) and self.tiers is not None:
+            kv = self.kv_cache_manager
+            last = (req.num_tokens - 1) // self.block_size  # the last token is always computed
+            if num_pool_hits < last:
+                hashes = kv.get_block_hashes(req)
+                chain = kv.get_block_chain(req)
+                loaded = self.tiers.lookup(
+                    hashes, req.all_token_ids, chain.extras, self.block_size, num_pool_hits, last
+                )
+        self._tier_lookup = (req.request_id, num_pool_hits, loaded)
+        return loaded
+
+    def _plan_tier_saves(self, out: SchedulerOutput) -> None:
+        """Blocks this step's forward completes (never hits, never loaded ones) are copied out
+        after it, write-through, unless every tier has them already."""
+        tiers, kv, bs = self.tiers, self.kv_cache_manager, self.block_size
+        assert tiers is not None
+        for sr in out.scheduled:
+            first, end = sr.start // bs, (sr.start + len(sr.token_ids)) // bs
+            if first >= end:
+                continue
+            req = self.requests[sr.req_id]
+            hashes = kv.get_block_hashes(req)
+            extras = kv.get_block_chain(req).extras
+            for i in range(first, min(end, len(hashes))):
+                save = tiers.plan_save(sr.block_table[i], hashes[i], req.all_token_ids, extras, bs, i)
+                if save is not None:
+                    out.kv_saves.append(save)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -157,7 +244,8 @@ class Scheduler:
             req.skip_prefix_cache_read or (req.reads_stage_outputs and params.prompt_logprobs is not None)
         )
         hidden_upto = req.prompt_hidden_upto
-        want_hidden = hidden_upto is not None and hidden_upto < n_prompt
+        # prompt positions; with return_hidden_states, generated ones too
+        want_hidden = hidden_upto is not None and (hidden_upto < n_prompt or params.return_hidden_states)
         reads: tuple[int, ...] = ()
         if req.reads_stage_outputs and start and (want_logprobs or want_hidden):
             # cache hits hold positions this request still needs: their cached outputs are read back
@@ -179,13 +267,25 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             block_eos=req.num_output_tokens < params.min_tokens,
+            constraints=req.constraints,
             # prompt logprobs: positions already scored before a preemption are not redone
             want_hidden_states=want_logprobs or want_hidden,
             prompt_logprobs_from=req.prompt_logprobs_upto,
             prompt_hidden_from=hidden_upto if want_hidden else None,
             stage_output_reads=reads,
             lora_id=req.lora_id,
+            mm_inputs=self._encoder_inputs(req, start, start + num_new) if req.mm_items else (),
         )
+
+    @staticmethod
+    def _encoder_inputs(req: Request, start: int, end: int) -> tuple[EncoderInput, ...]:
+        """The items (sorted by offset) overlapping tokens [start, end), with the rows each needs."""
+        out = []
+        for item in req.mm_items:
+            a, b = max(start, item.offset), min(end, item.offset + item.length)
+            if a < b:
+                out.append(EncoderInput(item.identifier, item.data, (a - item.offset, b - item.offset), a - start))
+        return tuple(out)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks (they keep their identity, so the request re-hits
@@ -195,7 +295,10 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

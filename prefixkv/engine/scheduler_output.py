@@ -12,6 +12,18 @@ if TYPE_CHECKING:
     from ..sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class EncoderInput:
+    """A multimodal item's share of one chunk: rows `rows[0]:rows[1]` of its encoder output are the
+    embeddings of the chunk's tokens `dest`, `dest + 1`, ... (an item may span several chunks, and a
+    prefix hit may have covered its first rows already)."""
+
+    identifier: str  # the encoder cache's key (the item's identity)
+    data: Any  # the encoder's input (preprocessed pixels)
+    rows: tuple[int, int]
+    dest: int
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions `start`, `start + 1`, ...
@@ -29,13 +41,14 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # penalties and prompt logprobs read them
     output_token_ids: list[int]
     block_eos: bool = False  # min_tokens not reached: EOS may not be drawn
+    constraints: Any = None  # prefixkv.constraints.RequestConstraints: applied to the sampled row
     # The runner needs this chunk's final hidden states (today: to score prompt logprobs).
     want_hidden_states: bool = False
     prompt_logprobs_from: int = 0  # the first prompt token whose logprob is still unknown
     prompt_hidden_from: int | None = None  # return the prompt's hidden states from this position (None: not wanted)
     # Room for features that attach per-request inputs to a step (declared, empty until they land).
     lora_id: int = 0  # 0: the base model
-    mm_inputs: tuple[Any, ...] = ()  # multimodal encoder inputs placed in this chunk
+    mm_inputs: tuple[EncoderInput, ...] = ()  # multimodal items (or parts of them) in this chunk
     # block ids whose cached stage outputs (hidden states) are read back: whole blocks ending at `start`
     stage_output_reads: tuple[Any, ...] = ()
 
@@ -49,6 +62,10 @@ class SchedulerOutput:
     num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    # KV tiers (prefixkv/tiers): blocks to fill from tier bytes before the forward, and blocks
+    # completed by this step's forward to copy out after it
+    kv_loads: list[Any] = field(default_factory=list)  # tiers.KVLoad
+    kv_saves: list[Any] = field(default_factory=list)  # tiers.KVSave
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

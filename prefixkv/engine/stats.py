@@ -7,6 +7,7 @@ without touching the scheduler's lists while the engine thread changes them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,23 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # KV tiers (prefixkv/tiers): tokens of admissions that consulted them / tokens loaded from
+    # them (vLLM's external prefix cache), and each tier's counters (tiers.TierStats)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_tiers: tuple[Any, ...] = ()
+    # vision-language models: the encoder cache (prefixkv/multimodal/encoder_cache.py)
+    multimodal: bool = False
+    mm_encoder_cache_queries: int = 0  # items looked up, once per item per step that needs it
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_runs: int = 0  # images encoded
+    mm_encoder_cache_bytes: int = 0
+    mm_encoder_cache_budget_bytes: int = 0
+
+    @property
+    def mm_encoder_cache_hit_rate(self) -> float:
+        q = self.mm_encoder_cache_queries
+        return self.mm_encoder_cache_hits / q if q else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -99,8 +99,11 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         lora_mapping: object | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`lora_mapping`: the step's per-token adapter index (prefixkv.lora.LoRAMapping), None: base."""
+        """`lora_mapping`: the step's per-token adapter index (prefixkv.lora.LoRAMapping), None: base.
+        `inputs_embeds` [T, H]: the input embeddings to use instead of looking up `input_ids` (a
+        multimodal step splices image embeddings in at the placeholder positions)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv caches, got {len(kv_caches)}")
         if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
@@ -117,7 +120,7 @@ class LlamaModel(nn.Module):
         positions = positions.to(dev)
         # positions are < the longest context of the step (no device sync needed)
         cos, sin = self.rotary.cos_sin(positions, max(meta.seq_lens, default=0))
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.to(dev)
         for layer, cache in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, cache, meta)
         return self.norm(h)

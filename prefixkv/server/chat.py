@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
 from fastapi import Request
 
+from ..multimodal.chat import chat_prompt_with_images, has_image_parts
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import (
@@ -20,9 +23,12 @@ from .protocol import (
 )
 from .serving import OpenAIServing
 from .streaming import ChoiceDelta, StreamState, chunk_dict, sse_stream
+from .tools import ToolPlan, ToolStream, finish_for, plan_tools
 
 
 class OpenAIServingChat(OpenAIServing):
+    tool_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice (set by create_app)
+
     def message_text(self, content: object, at: str) -> str:
         """A message's content as text: a string, or a list of text parts (joined by newlines)."""
         if content is None:
@@ -49,30 +55,86 @@ class OpenAIServingChat(OpenAIServing):
             parts.append(text)
         return "\n".join(parts)
 
-    async def prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            d = m.model_dump(exclude_none=True)
-            d["content"] = self.message_text(m.content, f"messages[{i}]")
-            messages.append(d)
-        if not messages:
-            raise APIError("messages must not be empty", 400, param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
+    def renderer(self, req: Any, plan: ToolPlan | None = None):
+        """The request's messages -> prompt text: its template (the request's `chat_template`,
+        else the model's) with its options, as vLLM renders them. Options are checked here."""
+        if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise APIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                400,
+                param="continue_final_message",
+            )
+        if req.chat_template is not None:
+            self.check_text(req.chat_template, "chat_template")
+        kwargs = dict(req.chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message", "tokenize"):
+            if reserved in kwargs:
+                raise APIError(
+                    f"chat_template_kwargs must not set {reserved!r}: it is a request field of its own",
+                    400,
+                    param="chat_template_kwargs",
+                )
+        if plan is not None:
+            kwargs["tools"] = plan.tools
+
+        def render(messages: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(  # type: ignore[return-value]
                 messages,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 tokenize=False,
-                **(req.chat_template_kwargs or {}),
+                chat_template=req.chat_template,
+                continue_final_message=req.continue_final_message,
+                **kwargs,
             )
+
+        return render
+
+    async def prompt(self, req: Any, plan: ToolPlan | None = None) -> tuple[list[int], tuple]:
+        """The prompt's token ids, and its multimodal items when messages have image parts.
+        `req`: a chat request, or /tokenize's chat form (the same fields)."""
+        raw = [m.model_dump(exclude_none=True) for m in req.messages]
+        if not raw:
+            raise APIError("messages must not be empty", 400, param="messages")
+        render = self.renderer(req, plan)
+
+        if has_image_parts(raw):
+            return await self.prompt_with_images(req, raw, render)
+        messages = []
+        for i, (m, d) in enumerate(zip(req.messages, raw)):
+            d["content"] = self.message_text(m.content, f"messages[{i}]")
+            messages.append(d)
+        try:
+            text = render(messages)
         except Exception as e:  # template errors (e.g. raise_exception in the template) are the caller's
-            raise APIError(f"chat template failed: {e}", 400, param="messages") from e
-        if req.continue_final_message:
-            end = self.tokenizer.eos_token or ""
-            text = text.rstrip()
-            if end and text.endswith(end):
-                text = text[: -len(end)]
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise APIError(f"chat template failed: {type(e).__name__}: {e}", 400, param=param) from e
         self.check_text(text, "messages")
-        return await self.tokenize(text, req.add_special_tokens)
+        return await self.tokenize(text, req.add_special_tokens), ()
+
+    async def prompt_with_images(
+        self, req: ChatCompletionRequest, messages: list[dict], render
+    ) -> tuple[list[int], tuple]:
+        """Image parts (data URLs; local files under --allowed-local-media-path; never the network):
+        decoded, templated, expanded to placeholders and hashed in a worker thread."""
+        engine = self.engine
+        if req.continue_final_message:
+            raise APIError("continue_final_message with image parts is not supported", 400, param="messages")
+        for m in messages:
+            for part in m.get("content") if isinstance(m.get("content"), list) else ():
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    self.check_text(part["text"], "messages")
+
+        def build() -> tuple[list[int], tuple]:
+            text, images = chat_prompt_with_images(
+                messages, render, engine.image_token, engine.config.allowed_local_media_path, engine.max_images
+            )
+            ids = self.tokenizer.encode(text, req.add_special_tokens)
+            return engine.process_multimodal(ids, {"image": images})
+
+        try:
+            return await asyncio.to_thread(build)
+        except ValueError as e:  # bad images, URLs, counts: the caller's
+            raise APIError(str(e), 400, param="messages") from e
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         model = self.check_model(req.model)
@@ -85,27 +147,58 @@ class OpenAIServingChat(OpenAIServing):
         self.check_common(req)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
-        ids = await self.prompt(req)
+        plan = plan_tools(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
+        ids, mm_items = await self.prompt(req, plan)
+        if req.truncate_prompt_tokens is not None and mm_items:
+            raise APIError(
+                "truncate_prompt_tokens with image parts is not supported (it would cut image placeholders)",
+                400,
+                param="truncate_prompt_tokens",
+            )
+        ids = self.truncate(ids, req)
         max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
         params = self.params(req, max_tokens)
+        if plan is not None and plan.structured_outputs is not None:  # required / named: the call's grammar
+            if params.structured_outputs is not None:
+                raise APIError(
+                    f'tool_choice "{plan.mode}" cannot be combined with response_format / structured_outputs', 400
+                )
+            params.structured_outputs = plan.structured_outputs
+        if plan is not None and plan.parser is not None and plan.parser.keeps_special_tokens:
+            params.skip_special_tokens = False  # the parser reads a special token (mistral's [TOOL_CALLS])
+        await self.compile_grammar(params)
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
         k = req.top_logprobs or 0
-        gens = self.start([ids], [None], params, rid, req.cache_salt, self.lora_for(req.model))
+        gens = self.start(
+            [ids],
+            [None],
+            params,
+            rid,
+            req.cache_salt,
+            self.lora_for(req.model),
+            mm_items=[mm_items],
+            priority=req.priority,
+        )
         if req.stream:
-            return self.stream(req, gens, [ids], rid, created, model, params.n, k)
+            return self.stream(req, gens, [ids], rid, created, model, params.n, k, plan)
         finals = await self.collect(raw, gens)
         out = finals[0]
-        choices = [
-            ChatCompletionResponseChoice(
-                index=o.index,
-                message=ChatResponseMessage(content=o.text),
-                logprobs=chat_logprobs(o.logprobs, o.token_ids, k) if req.logprobs and o.logprobs is not None else None,
-                finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason,
+        choices = []
+        for o in out.outputs:
+            content, calls = plan.parse(o.text) if plan is not None else (o.text, [])
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=o.index,
+                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    logprobs=chat_logprobs(o.logprobs, o.token_ids, k)
+                    if req.logprobs and o.logprobs is not None
+                    else None,
+                    finish_reason=finish_for(plan, o.finish_reason, bool(calls)) if plan else o.finish_reason,
+                    stop_reason=o.stop_reason,
+                    token_ids=list(o.token_ids) if req.return_token_ids else None,
+                )
             )
-            for o in out.outputs
-        ]
         return ChatCompletionResponse(
             id=rid,
             created=created,
@@ -113,25 +206,35 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=self.usage([ids], finals),
             prompt_logprobs=out.prompt_logprobs,
+            prompt_token_ids=ids if req.return_token_ids else None,
         )
 
-    def stream(self, req, gens, prompts, rid, created, model, n, k):
+    def stream(self, req, gens, prompts, rid, created, model, n, k, plan=None):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-        def response(choices, usage=None) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
+        def response(choices, usage=None, prompt_ids=None) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(
+                id=rid, created=created, model=model, choices=choices, usage=usage, prompt_token_ids=prompt_ids
+            )
+
+        tools = ToolStream(plan) if plan is not None else None
 
         def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
             lp = None
             if req.logprobs and d.logprobs is not None:
                 lp = chat_logprobs(d.logprobs, d.token_ids, k)
+            delta, finish = DeltaMessage(content=d.text), d.choice.finish_reason
+            if tools is not None:  # content up to where a call may begin; the calls when the choice ends
+                content, calls, finish = tools.delta(d.index, d.choice.text, finish)
+                delta = DeltaMessage(content=content, tool_calls=calls)
             choice = ChatCompletionStreamChoice(
                 index=d.index,
-                delta=DeltaMessage(content=d.text),
+                delta=delta,
                 logprobs=lp,
-                finish_reason=d.choice.finish_reason,
+                finish_reason=finish,
                 stop_reason=d.choice.stop_reason,
+                token_ids=d.new_token_ids if req.return_token_ids else None,
             )
             return chunk_dict(response([choice], self.usage(prompts, state.latest) if continuous else None))
 
@@ -141,6 +244,7 @@ class OpenAIServingChat(OpenAIServing):
                 response(
                     [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
                     self.usage(prompts, {}) if continuous else None,
+                    prompts[0] if req.return_token_ids else None,  # as vLLM: on the first chunk
                 )
             )
             for i in range(n)

@@ -46,12 +46,17 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         self.check_common(req)
         prompts, texts = await self.prompts(req)
+        if req.truncate_prompt_tokens is not None:
+            cut = [self.truncate(p, req) for p in prompts]
+            texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]  # echo decodes the cut
+            prompts = cut
         max_tokens = req.max_tokens
         for ids in prompts:
             max_tokens = self.check_length(ids, req.max_tokens, "prompt")
         if len(prompts) > 1 and req.max_tokens is None:
             max_tokens = self.max_model_len - max(len(p) for p in prompts)
         params = self.params(req, max_tokens)
+        await self.compile_grammar(params)
         rid = req.request_id or random_id("cmpl")
         created = int(time.time())
         n = params.n
@@ -59,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo = [
             (t if t is not None else self.tokenizer.decode(ids)) if req.echo else "" for ids, t in zip(prompts, texts)
         ]
-        gens = self.start(prompts, texts, params, rid, req.cache_salt, self.lora_for(req.model))
+        gens = self.start(prompts, texts, params, rid, req.cache_salt, self.lora_for(req.model), priority=req.priority)
         if req.stream:
             return self.stream(req, gens, prompts, echo, rid, created, model, n, k)
         finals = await self.collect(raw, gens)
@@ -78,6 +83,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
                         prompt_logprobs=out.prompt_logprobs if req.prompt_logprobs is not None else None,
+                        prompt_token_ids=prompts[i] if req.return_token_ids else None,
+                        token_ids=list(o.token_ids) if req.return_token_ids else None,
                     )
                 )
         return CompletionResponse(
@@ -108,6 +115,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=d.choice.finish_reason,
                         stop_reason=d.choice.stop_reason,
                         prompt_logprobs=d.output.prompt_logprobs if want_prompt_lp else None,
+                        prompt_token_ids=prompts[i] if req.return_token_ids and d.first else None,
+                        token_ids=d.new_token_ids if req.return_token_ids else None,
                     )
                 ],
             )

@@ -1,0 +1,90 @@
+"""One sequence's logits constraints, built once when the request is added and applied to its
+logits row at every sampling step (after the penalties, before temperature and top-k/p):
+
+- `logit_bias` (OpenAI's: token id -> bias in [-100, 100], added to the logit),
+- `allowed_token_ids` (only these may be sampled),
+- `bad_words` (vLLM's: each word, with and without a leading space, is tokenized; its last token is
+  banned whenever the sequence's output ends with the tokens before it),
+- the grammar of structured outputs (grammar.py), whose matcher is this sequence's own.
+
+Everything a step needs is built here once (index tensors, the allowed mask), so a step allocates
+only what masking a row needs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..model import Tokenizer
+    from ..sampling_params import SamplingParams
+    from .grammar import RequestGrammar
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """vLLM's rule: each word as given and with a leading space (where that is a different
+    tokenization), without special tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+class RequestConstraints:
+    def __init__(
+        self,
+        vocab_size: int,
+        logit_bias: dict[int, float] | None = None,
+        allowed_token_ids: list[int] | None = None,
+        bad_words: list[list[int]] | None = None,
+        grammar: RequestGrammar | None = None,
+    ) -> None:
+        self.bias_ids = self.bias_values = None
+        if logit_bias:
+            self.bias_ids = torch.tensor(list(logit_bias), dtype=torch.long)
+            self.bias_values = torch.tensor(list(logit_bias.values()), dtype=torch.float32)
+        self.blocked: torch.Tensor | None = None  # True where allowed_token_ids forbids the token
+        if allowed_token_ids:
+            self.blocked = torch.ones(vocab_size, dtype=torch.bool)
+            self.blocked[torch.tensor(allowed_token_ids, dtype=torch.long)] = False
+        bad_words = bad_words or []
+        self.banned_always = torch.tensor(sorted({w[0] for w in bad_words if len(w) == 1}), dtype=torch.long)
+        self.bad_sequences = [w for w in bad_words if len(w) > 1]
+        self.grammar = grammar
+
+    @classmethod
+    def build(
+        cls, params: SamplingParams, tokenizer: Tokenizer, vocab_size: int, grammar: RequestGrammar | None = None
+    ) -> RequestConstraints | None:
+        """None when the request constrains nothing (the sampler's fast path stays open)."""
+        if not params.logit_bias and not params.allowed_token_ids and not params.bad_words and grammar is None:
+            return None
+        words = bad_words_token_ids(list(params.bad_words), tokenizer) if params.bad_words else None
+        return cls(vocab_size, params.logit_bias, params.allowed_token_ids, words, grammar)
+
+    def shares_with(self, grammar: RequestGrammar | None) -> RequestConstraints:
+        """The same token constraints with another grammar matcher (sibling sequences of n > 1)."""
+        twin = object.__new__(RequestConstraints)
+        twin.__dict__.update(self.__dict__)
+        twin.grammar = grammar
+        return twin
+
+    def apply(self, logits: torch.Tensor, output_ids: list[int]) -> None:
+        """Constrain one row [vocab] in place (the sampler fails the row when nothing is left)."""
+        if self.bias_ids is not None:
+            logits.index_add_(0, self.bias_ids, self.bias_values)  # type: ignore[arg-type]
+        if self.blocked is not None:
+            logits.masked_fill_(self.blocked, float("-inf"))
+        if self.banned_always.numel():
+            logits[self.banned_always] = float("-inf")
+        for seq in self.bad_sequences:
+            prefix = seq[:-1]
+            if len(output_ids) >= len(prefix) and output_ids[len(output_ids) - len(prefix) :] == prefix:
+                logits[seq[-1]] = float("-inf")
+        if self.grammar is not None:
+            self.grammar.apply(logits)

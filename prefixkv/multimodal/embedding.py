@@ -1,0 +1,60 @@
+"""The model runner's multimodal step: the input embeddings of a step's tokens, with the image
+embeddings spliced in at the placeholder positions. Encoder outputs come from the encoder cache
+or, for the items it lacks, from one batched encoder call; each chunk takes only the rows of an
+item that fall inside it (`EncoderInput.rows`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..engine.scheduler_output import EncoderInput
+from .encoder_cache import EncoderCache
+from .vision import VisionEncoder
+
+
+class MultiModalEmbedder:
+    def __init__(self, encoder: VisionEncoder, cache: EncoderCache) -> None:
+        self.encoder = encoder
+        self.cache = cache
+
+    def encoder_outputs(self, inputs: Sequence[EncoderInput]) -> dict[str, torch.Tensor]:
+        """Every needed item's full encoder output: cached, or encoded now (items shared by
+        several requests of the step are encoded once)."""
+        outputs: dict[str, torch.Tensor] = {}
+        missing: dict[str, torch.Tensor] = {}
+        for inp in inputs:
+            ident = inp.identifier
+            if ident in outputs or ident in missing:
+                continue
+            cached = self.cache.get(ident)
+            if cached is not None:
+                outputs[ident] = cached
+            else:
+                missing[ident] = inp.data
+        if missing:
+            encoded = self.encoder.encode(torch.stack(list(missing.values())))
+            self.cache.encoder_runs += len(missing)
+            for i, ident in enumerate(missing):
+                # a copy: a view would keep the whole batch alive in the cache
+                out = encoded[i].clone() if len(missing) > 1 else encoded[0]
+                outputs[ident] = out
+                self.cache.put(ident, out)
+        return outputs
+
+    def inputs_embeds(
+        self,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        input_ids: torch.Tensor,
+        placements: Sequence[tuple[int, Sequence[EncoderInput]]],
+    ) -> torch.Tensor:
+        """`placements`: (index of the chunk's first token in the step, the chunk's encoder inputs)."""
+        outputs = self.encoder_outputs([inp for _, inputs in placements for inp in inputs])
+        h = embed(input_ids)
+        for base, inputs in placements:
+            for inp in inputs:
+                a, b = inp.rows
+                dst = base + inp.dest
+                h[dst : dst + (b - a)] = outputs[inp.identifier][a:b].to(h.device, h.dtype)
+        return h

@@ -1,0 +1,326 @@
+"""Tool calling on /v1/chat/completions, as vLLM does it.
+
+- `tools` go into the chat template (as Hugging Face's `apply_chat_template(..., tools=...)`).
+- `tool_choice="auto"` (the default when tools are sent) needs `--enable-auto-tool-choice
+  --tool-call-parser NAME`: the model writes freely and the parser finds the calls in its text
+  (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5/3,
+  Hermes and SmolLM3 templates; `llama3_json`: `{"name": ..., "parameters": {...}}`, optionally
+  after `<|python_tag|>`, Llama 3.1+ templates; `mistral`: `[TOOL_CALLS] [{...}, ...]`).
+- `tool_choice="required"` and a named function are constrained by the grammar engine (no flags
+  needed), so the call always parses: a named function's output is its arguments object (JSON
+  schema: the function's `parameters`); `required` outputs a JSON array of
+  `{"name": ..., "parameters": {...}}` objects, one of the tools each (vLLM's schema).
+- `tool_choice="none"`: plain text, nothing parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ..constraints import StructuredOutputsParams
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value if value is not None else {}, ensure_ascii=False)
+
+
+# -- parsers of free text ("auto") ---------------------------------------------------------------
+class ToolParser:
+    """Finds tool calls in a model's text: (content before the calls or None, calls)."""
+
+    marker = ""  # where the calls begin: a stream withholds text from here on
+    keeps_special_tokens = False  # the marker is a special token: the text must keep them
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        raise NotImplementedError
+
+
+class HermesToolParser(ToolParser):
+    marker = "<tool_call>"
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        calls = []
+        for body in self._CALL.findall(text[at:]):
+            try:
+                obj = json.loads(body)
+            except ValueError:
+                return text, []  # not a well-formed call: the text is the answer (as vLLM)
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                return text, []
+            calls.append(ToolCall(function=FunctionCall(name=obj["name"], arguments=_arguments(obj.get("arguments")))))
+        content = text[:at].strip()
+        return content or None, calls
+
+
+class Llama3JsonToolParser(ToolParser):
+    marker = "{"
+    _TAG = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        if body.startswith(self._TAG):
+            body = body[len(self._TAG) :].lstrip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        decoder = json.JSONDecoder()
+        pos = 0
+        while pos < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, pos)
+            except ValueError:
+                return text, []
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                return text, []
+            args = obj.get("parameters", obj.get("arguments"))
+            calls.append(ToolCall(function=FunctionCall(name=obj["name"], arguments=_arguments(args))))
+            pos = end
+            while pos < len(body) and body[pos] in " \t\r\n;":
+                pos += 1
+        return None, calls
+
+
+class MistralToolParser(ToolParser):
+    """Mistral's templates: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`. `[TOOL_CALLS]`
+    is a special token: the request keeps special tokens in its text (as vLLM's parser does)."""
+
+    marker = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        try:
+            items, _ = json.JSONDecoder().raw_decode(text[at + len(self.marker) :].lstrip())
+        except ValueError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        if not all(isinstance(it, dict) and isinstance(it.get("name"), str) for it in items):
+            return text, []
+        calls = [
+            ToolCall(function=FunctionCall(name=it["name"], arguments=_arguments(it.get("arguments")))) for it in items
+        ]
+        return text[:at].strip() or None, calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+}
+
+
+# -- a request's tool plan ----------------------------------------------------------------------
+@dataclass
+class ToolPlan:
+    mode: Literal["none", "auto", "required", "named"]
+    tools: list[dict[str, Any]]  # for the chat template, as HF takes them
+    parser: ToolParser | None = None  # auto
+    named: str | None = None  # named
+    structured_outputs: StructuredOutputsParams | None = None  # required / named: the call's grammar
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished choice."""
+        if self.mode == "named":
+            return None, [ToolCall(function=FunctionCall(name=self.named or "", arguments=text))]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return text, []  # cut short (max_tokens): not a call
+            return None, [
+                ToolCall(function=FunctionCall(name=it["name"], arguments=_arguments(it.get("parameters"))))
+                for it in items
+            ]
+        if self.mode == "auto" and self.parser is not None:
+            return self.parser.extract(text)
+        return text, []
+
+    def visible_end(self, text: str) -> int:
+        """How much of a running choice's text a stream may send as content: none of a
+        constrained call, nothing from an auto call's marker on (or from a tail that may begin one)."""
+        if self.mode in ("named", "required"):
+            return 0
+        if self.mode != "auto" or self.parser is None:
+            return len(text)
+        marker = self.parser.marker
+        if isinstance(self.parser, Llama3JsonToolParser):  # a call is the whole output, or none is
+            stripped, tag = text.lstrip(), Llama3JsonToolParser._TAG
+            maybe_call = not stripped or stripped.startswith(("{", tag)) or tag.startswith(stripped)
+            return 0 if maybe_call else len(text)
+        at = text.find(marker)
+        if at >= 0:
+            return at
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may begin the marker waits
+            if marker.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+
+def _required_schema(tools: list[ChatTool]) -> dict[str, Any]:
+    """vLLM's: a non-empty array of {"name": one tool's name, "parameters": its arguments}."""
+
+    def one(t: ChatTool) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": t.function.parameters or {"type": "object", "properties": {}},
+            },
+            "required": ["name", "parameters"],
+        }
+
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [one(t) for t in tools]}}
+
+
+def plan_tools(
+    tools: list[ChatTool] | None,
+    tool_choice: str | NamedToolChoice | None,
+    parser_name: str | None,
+    parallel_tool_calls: bool | None = None,
+) -> ToolPlan | None:
+    """The request's tool plan (None without tools); APIError 400 as vLLM answers."""
+    from .errors import APIError  # errors -> protocol -> this module: imported when first needed
+
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise APIError("When using `tool_choice`, `tools` must be set.", 400, param="tool_choice")
+        return None
+    as_dicts = [t.model_dump(exclude_none=True) for t in tools]
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return ToolPlan("none", as_dicts)
+    if choice == "auto":
+        if parser_name is None:
+            raise APIError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                400,
+                param="tool_choice",
+            )
+        return ToolPlan("auto", as_dicts, parser=TOOL_PARSERS[parser_name]())
+    if choice == "required":
+        schema = _required_schema(tools)
+        if parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ToolPlan("required", as_dicts, structured_outputs=StructuredOutputsParams(json=schema))
+    if isinstance(choice, NamedToolChoice):
+        match = [t for t in tools if t.function.name == choice.function.name]
+        if not match:
+            raise APIError(f"Tool '{choice.function.name}' has not been passed in `tools`.", 400, param="tool_choice")
+        params = match[0].function.parameters or {"type": "object", "properties": {}}
+        return ToolPlan(
+            "named", as_dicts, named=choice.function.name, structured_outputs=StructuredOutputsParams(json=params)
+        )
+    raise APIError(
+        f"tool_choice must be none, auto, required or a named function, got {choice!r}", 400, param="tool_choice"
+    )
+
+
+class ToolStream:
+    """Per-choice state of a streamed chat answer with tools. A named call's arguments stream as
+    they are generated (the first delta carries the id and name, as vLLM's). Otherwise: content
+    deltas up to where a call may begin, then the parsed calls in one delta when the choice
+    finishes (each call complete: OpenAI clients accumulate deltas, so that is a valid stream)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.sent: dict[int, int] = {}  # choice index -> content characters sent
+        self.ids: dict[int, str] = {}  # choice index -> its named call's id
+
+    def delta(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
+        """(new content or None, tool call deltas or None, finish reason) for a choice whose whole
+        text so far is `text`."""
+        sent = self.sent.get(index, 0)
+        if self.plan.mode == "named":  # the output is the call's arguments: streamed as they come
+            self.sent[index] = len(text)
+            new = text[sent:]
+            if not new and finish_reason is None:
+                return None, None, None
+            if index not in self.ids:
+                self.ids[index] = f"chatcmpl-tool-{uuid.uuid4().hex}"
+                fn = DeltaFunctionCall(name=self.plan.named, arguments=new)
+                return None, [DeltaToolCall(index=0, id=self.ids[index], type="function", function=fn)], finish_reason
+            return None, [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))], finish_reason
+        if finish_reason is None:
+            end = max(self.plan.visible_end(text), sent)
+            self.sent[index] = end
+            return (text[sent:end] or None), None, None
+        content, calls = self.plan.parse(text)
+        if not calls:
+            return (text[sent:] or None), None, finish_reason
+        rest = (content or "")[sent:] if content else ""
+        deltas = [
+            DeltaToolCall(
+                index=i,
+                id=c.id,
+                type="function",
+                function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments),
+            )
+            for i, c in enumerate(calls)
+        ]
+        return (rest or None), deltas, finish_for(self.plan, finish_reason, bool(calls))
+
+
+def finish_for(plan: ToolPlan, finish_reason: str | None, called: bool) -> str | None:
+    """vLLM's: "tool_calls" when auto found calls or a required call finished; a named call keeps
+    its own reason ("stop")."""
+    if called and (plan.mode == "auto" or (plan.mode == "required" and finish_reason == "stop")):
+        return "tool_calls"
+    return finish_reason

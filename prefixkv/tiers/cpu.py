@@ -1,0 +1,54 @@
+"""CPU-memory tier: bytes by key, bounded in bytes, least recently used evicted first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class CPUStore:
+    name = "cpu"
+    fast = True
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"the CPU tier needs a positive size, got {capacity_bytes} bytes")
+        self.capacity_bytes = capacity_bytes
+        self.spec = f"cpu:{capacity_bytes / (1 << 30):g}GiB"
+        self._values: OrderedDict[bytes, bytes] = OrderedDict()
+        self.used_bytes = 0
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, key: bytes) -> bytes | None:
+        value = self._values.get(key)
+        if value is not None:
+            self._values.move_to_end(key)  # a hit is a use
+        return value
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._values
+
+    def put(self, key: bytes, value: bytes) -> None:
+        size = len(value)
+        if size > self.capacity_bytes:
+            return  # larger than the whole tier: not kept
+        old = self._values.pop(key, None)
+        if old is not None:
+            self.used_bytes -= len(old)
+        values = self._values
+        while self.used_bytes + size > self.capacity_bytes:
+            _, evicted = values.popitem(last=False)
+            self.used_bytes -= len(evicted)
+            self.num_evicted += 1
+        values[key] = value
+        self.used_bytes += size
+
+    def close(self) -> None:
+        self._values.clear()
+        self.used_bytes = 0

@@ -1,0 +1,116 @@
+"""Disk tier: one file per value in a directory, bounded in bytes, written atomically.
+
+A value is written to a temporary file in the same directory and renamed over its final name
+(`os.replace`), so a reader - this process, a restarted one, another engine sharing the folder -
+sees a whole value or none. The bound is kept from an index of (size, last use) built by
+scanning the folder at start; beyond it the least recently used files are deleted. Engines
+sharing a folder each keep their own index, so the bound is per engine, not global.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+SUFFIX = ".kv"
+DEFAULT_DISK_BYTES = 16 << 30
+
+
+class DiskStore:
+    name = "disk"
+    fast = False
+
+    def __init__(self, path: str, capacity_bytes: int = DEFAULT_DISK_BYTES) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"the disk tier needs a positive size, got {capacity_bytes} bytes")
+        self.path = os.path.abspath(path)
+        self.spec = f"disk:{path}"
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()  # the writer thread and the engine thread share the index
+        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> size, least recently used first
+        self.used_bytes = 0
+        self.num_evicted = 0
+        os.makedirs(self.path, exist_ok=True)  # raises when the path cannot be a folder
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(SUFFIX) and entry.is_file():
+                st = entry.stat()
+                found.append((st.st_mtime, entry.name, st.st_size))
+            elif entry.name.endswith(".tmp"):  # a write cut short by a crash
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+        for _, name, size in sorted(found):
+            self._index[name] = size
+            self.used_bytes += size
+
+    @staticmethod
+    def _name(key: bytes) -> str:
+        return key.hex() + SUFFIX
+
+    def get(self, key: bytes) -> bytes | None:
+        name = self._name(key)
+        try:
+            with open(os.path.join(self.path, name), "rb") as f:
+                value = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(name)
+            return None
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+            else:  # written by another engine sharing the folder
+                self._index[name] = len(value)
+                self.used_bytes += len(value)
+        return value
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def contains(self, key: bytes) -> bool:
+        return os.path.exists(os.path.join(self.path, self._name(key)))
+
+    def put(self, key: bytes, value: bytes) -> None:
+        name = self._name(key)
+        final = os.path.join(self.path, name)
+        tmp = os.path.join(self.path, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(value)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        with self._lock:
+            self._forget(name)
+            self._index[name] = len(value)
+            self.used_bytes += len(value)
+            victims = []
+            while self.used_bytes > self.capacity_bytes and len(self._index) > 1:
+                old, size = self._index.popitem(last=False)
+                self.used_bytes -= size
+                victims.append(old)
+        for old in victims:
+            try:
+                os.unlink(os.path.join(self.path, old))
+                self.num_evicted += 1
+            except FileNotFoundError:
+                pass
+
+    def _forget(self, name: str) -> None:
+        size = self._index.pop(name, None)
+        if size is not None:
+            self.used_bytes -= size
+
+    def close(self) -> None:
+        pass

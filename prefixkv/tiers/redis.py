@@ -1,0 +1,69 @@
+"""Redis tier: values shared by every engine that points at the same Redis database.
+
+Every call has a short socket timeout and no retries: a Redis that is down or slow raises at
+once (or after the timeout), and the tier manager serves without it until it answers again.
+The bound on memory is Redis's own (`maxmemory` with an LRU `maxmemory-policy`, set on the
+server); keys are namespaced by the engine's cache identity (namespace.py), so a database shared
+by several models or engines never mixes their blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+DEFAULT_TIMEOUT_S = 0.5
+KEY_PREFIX = b"prefixkv:"
+
+
+class RedisStore:
+    name = "redis"
+    fast = False
+
+    def __init__(self, url: str, timeout_s: float | None = None) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        if timeout_s is None:
+            timeout_s = float(query.pop("timeout", [DEFAULT_TIMEOUT_S])[0])
+        if query:
+            raise ValueError(f"unknown option(s) {', '.join(query)} in the Redis tier {url!r} (known: timeout)")
+        if timeout_s <= 0:
+            raise ValueError(f"the Redis tier's timeout must be positive, got {timeout_s}")
+        self.spec = url
+        self.timeout_s = timeout_s
+        clean = parts._replace(query="").geturl()
+        self.client: Any = redis.Redis.from_url(
+            clean,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+        )
+
+    @staticmethod
+    def _key(key: bytes) -> bytes:
+        return KEY_PREFIX + key.hex().encode()
+
+    def get(self, key: bytes) -> bytes | None:
+        value: bytes | None = self.client.get(self._key(key))
+        return value
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        values: list[bytes | None] = self.client.mget([self._key(k) for k in keys])
+        return values
+
+    def contains(self, key: bytes) -> bool:
+        return bool(self.client.exists(self._key(key)))
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.client.set(self._key(key), value)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,91 @@
+"""Builds the tiers an engine was configured with and plugs them into its scheduler and runner."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .cpu import CPUStore
+from .disk import DiskStore
+from .manager import TierManager
+from .namespace import tier_namespace, weights_digest
+from .spec import parse_spec, split_specs
+from .store import KVStore
+from .transfer import BlockTransfer
+
+if TYPE_CHECKING:
+    from ..engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("prefixkv")
+
+
+def build_stores(kv_offloading_size: float | None, kv_tier: object) -> list[KVStore]:
+    """CPU first (fastest), then the --kv-tier entries in the order given. A disk or Redis tier
+    that cannot be reached now is still built: it is tried again later (the engine serves)."""
+    stores: list[KVStore] = []
+    if kv_offloading_size:
+        stores.append(CPUStore(int(kv_offloading_size * (1 << 30))))
+    for text in split_specs(kv_tier):  # type: ignore[arg-type]
+        spec = parse_spec(text)
+        if spec.kind == "disk":
+            stores.append(_disk(spec.target, spec.size_bytes))
+        else:
+            from .redis import RedisStore
+
+            stores.append(RedisStore(spec.target))
+    return stores
+
+
+def _disk(path: str, size: int | None) -> KVStore:
+    try:
+        return DiskStore(path, size) if size else DiskStore(path)
+    except OSError as e:
+        logger.warning("KV tier disk:%s cannot be used (%s); serving without it", path, e)
+        return _Unusable("disk", f"disk:{path}", e)
+
+
+class _Unusable:
+    """A tier whose folder could not be created: every call fails, so the manager counts the error,
+    warns once, and backs off (the engine serves by recomputing)."""
+
+    fast = False
+
+    def __init__(self, name: str, spec: str, error: OSError) -> None:
+        self.name, self.spec, self.error = name, spec, error
+
+    def get(self, key: bytes) -> bytes | None:
+        raise self.error
+
+    def get_many(self, keys: object) -> list[bytes | None]:
+        raise self.error
+
+    def put(self, key: bytes, value: bytes) -> None:
+        raise self.error
+
+    def contains(self, key: bytes) -> bool:
+        raise self.error
+
+    def close(self) -> None:
+        pass
+
+
+def attach_tiers(engine: LLMEngine) -> TierManager:
+    config = engine.config
+    stores = build_stores(config.kv_offloading_size, config.kv_tier)
+    kv = engine.scheduler.kv_cache_manager
+    caches = engine.block_tensors.kv_caches
+    block_dim = next(s.block_dim for n, s in engine.block_tensors.specs.items() if n.startswith("kv."))
+    layout = [(tuple(c.select(block_dim, 0).shape), str(c.dtype)) for c in caches]
+    namespace = tier_namespace(
+        weights=weights_digest(engine.loaded.model),
+        kv_layout=layout,
+        block_size=config.block_size,
+        device_type=engine.device.type,
+        root_hash=kv.none_hash,
+    )
+    transfer_nbytes = sum(c.select(block_dim, 0).numel() * c.element_size() for c in caches)
+    tiers = TierManager(stores, namespace, transfer_nbytes)
+    engine.scheduler.tiers = tiers
+    engine.runner.kv_transfer = BlockTransfer(caches, block_dim, tiers)
+    logger.info("KV tiers: %s", ", ".join(t.spec for t in tiers.tiers))
+    return tiers

@@ -1,0 +1,61 @@
+"""What a tier stores for one KV block, and the checks a value must pass to be loaded.
+
+    MAGIC | u32 header length | header (CBOR) | KV bytes | xxh3-128 of everything before it
+
+The header carries the full key (namespace + content hash), every token id of the prefix up to
+the end of the block and the extra keys (LoRA, multimodal, cache salt) of each of its blocks.
+On load, a value is used only if the checksum matches, the key is the one asked for, and the
+prefix and extra keys are exactly the request's: the content hash only says where to look, so a
+corrupted value, a value of another model or engine, or a hash collision is a miss - never a
+wrong block, whatever the hash function does.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import cbor2
+import xxhash
+
+MAGIC = b"PKVT\x01"
+_HEAD = struct.Struct("<I")
+_SUM = 16  # xxh3-128 digest bytes
+_PREFIX = len(MAGIC) + _HEAD.size
+
+
+def encode_header(key: bytes, prefix_tokens: bytes, extras: bytes | None) -> bytes:
+    """The part of a value the scheduler knows: magic, header length, header."""
+    header = cbor2.dumps({"k": key, "t": prefix_tokens, "x": extras})
+    return MAGIC + _HEAD.pack(len(header)) + header
+
+
+def seal(head: bytes, kv: bytes | bytearray | memoryview) -> bytes:
+    """The whole value: header, KV bytes, checksum."""
+    h = xxhash.xxh3_128()
+    h.update(head)
+    h.update(kv)
+    return b"".join((head, kv, h.digest()))
+
+
+def open_value(
+    value: bytes, key: bytes, prefix_tokens: bytes | memoryview, extras: bytes | None, kv_nbytes: int
+) -> memoryview | None:
+    """The KV bytes of `value` if it is exactly the block asked for, else None."""
+    view = memoryview(value)
+    if len(view) < _PREFIX + _SUM or view[: len(MAGIC)] != MAGIC:
+        return None
+    (hlen,) = _HEAD.unpack_from(view, len(MAGIC))
+    kv_start = _PREFIX + hlen
+    if len(view) != kv_start + kv_nbytes + _SUM:
+        return None
+    if xxhash.xxh3_128_digest(view[:-_SUM]) != view[-_SUM:]:
+        return None
+    try:
+        header = cbor2.loads(view[_PREFIX:kv_start])
+    except Exception:  # noqa: BLE001 (a checksummed but foreign header: not ours)
+        return None
+    if not isinstance(header, dict):
+        return None
+    if header.get("k") != key or header.get("t") != prefix_tokens or header.get("x") != extras:
+        return None
+    return view[kv_start:-_SUM]

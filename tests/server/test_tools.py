@@ -1,0 +1,220 @@
+"""Tool calling on /v1/chat/completions, in-process: named and required choices are constrained so
+the call always parses (its arguments validate against the tool's schema), "auto" parses the
+model's hermes-format text (forced here with a regex so a 135M model writes one), streamed
+deltas carry the same calls, and the refusals are vLLM's. The parsers alone on known texts."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from starlette.testclient import TestClient
+
+from prefixkv.server.tools import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolPlan, ToolStream
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]},
+        },
+    },
+]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def engine(default_lm):
+    from prefixkv.config import EngineConfig
+    from prefixkv.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=96, max_model_len=1024), loaded=default_lm)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    from prefixkv.server.app import create_app
+
+    with TestClient(create_app(engine, tool_call_parser="hermes")) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def blocks_free_after(engine):
+    yield
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def chat(client, **fields) -> dict:
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 48, "temperature": 0, **fields}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def stream(client, **fields) -> tuple[list[dict], str | None, str]:
+    """(tool calls accumulated from the deltas, last finish_reason, content)."""
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 48, "temperature": 0, "stream": True, **fields}
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                delta = choice["delta"]
+                content += delta.get("content") or ""
+                for tc in delta.get("tool_calls") or []:
+                    call = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": "", "deltas": 0})
+                    call["deltas"] += 1
+                    call["id"] = tc.get("id") or call["id"]
+                    call["name"] += (tc.get("function") or {}).get("name") or ""
+                    call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+                finish = choice.get("finish_reason") or finish
+    return [calls[i] for i in sorted(calls)], finish, content
+
+
+def test_named_and_required_choices_always_parse(client):
+    named = chat(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    assert named["finish_reason"] == "stop" and named["message"]["content"] is None
+    required = chat(client, tool_choice="required", parallel_tool_calls=False)
+    assert required["finish_reason"] == "tool_calls", required
+    (call,) = required["message"]["tool_calls"]
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call["function"]["name"]]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+    # streamed: the same call
+    calls, finish, content = stream(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert len(calls) == 1 and calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["deltas"] > 3  # as generated
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", named["message"]["tool_calls"][0]["function"]["arguments"])
+    ]
+    assert finish == "stop" and content == ""
+
+
+def test_auto_parses_the_models_hermes_text(client):
+    call = '{"name": "get_time"}'  # no arguments: "{}"
+    forced = {"regex": r"Ok\. <tool_call>" + call.replace("{", r"\{").replace("}", r"\}") + "</tool_call>"}
+    auto = chat(client, structured_outputs=forced, max_tokens=64)
+    assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Ok."
+    (parsed,) = auto["message"]["tool_calls"]
+    assert parsed["function"]["name"] == "get_time" and json.loads(parsed["function"]["arguments"]) == {}
+    calls, finish, content = stream(client, structured_outputs=forced, max_tokens=64)
+    assert content == "Ok. " and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", "{}")]
+    # no call in the text: plain content, nothing parsed
+    plain = chat(client, max_tokens=4)
+    assert plain["message"]["tool_calls"] is None and plain["finish_reason"] == "length" and plain["message"]["content"]
+    assert chat(client, tool_choice="none", max_tokens=2)["message"]["tool_calls"] is None
+
+
+def test_refusals_are_vllms(engine, client):
+    from prefixkv.server.app import create_app
+
+    with TestClient(create_app(engine, engine_thread=False)) as no_flags:
+        r = no_flags.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS})
+        assert r.status_code == 400
+        assert "requires --enable-auto-tool-choice and --tool-call-parser" in r.json()["error"]["message"]
+    cases = [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "Tool 'nope' has not been passed"),
+        ({"tools": None, "tool_choice": "required"}, "`tools` must be set"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ]
+    for fields, needle in cases:
+        r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, **fields})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    r = client.post("/v1/completions", json={"prompt": "x", "tools": TOOLS})
+    assert r.status_code == 400 and "/v1/chat/completions" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "parser, text, content, calls",
+    [
+        (HermesToolParser(), "Sure. " + HERMES_CALL, "Sure.", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+        (
+            HermesToolParser(),
+            HERMES_CALL + HERMES_CALL.replace("Paris", "Rome"),
+            None,
+            [
+                ("get_weather", {"city": "Paris", "unit": "celsius"}),
+                ("get_weather", {"city": "Rome", "unit": "celsius"}),
+            ],
+        ),
+        (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {}}', None, [("f", {})]),  # unclosed at the end
+        (HermesToolParser(), "<tool_call>{not json</tool_call>", "<tool_call>{not json</tool_call>", []),
+        (HermesToolParser(), "no call here", "no call here", []),
+        (
+            Llama3JsonToolParser(),
+            '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+            None,
+            [("f", {"a": 1}), ("g", {})],
+        ),
+        (Llama3JsonToolParser(), "Paris is sunny.", "Paris is sunny.", []),
+        (
+            MistralToolParser(),
+            '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
+            None,
+            [("f", {"a": 1}), ("g", {})],
+        ),
+        (MistralToolParser(), "[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
+    ],
+)
+def test_parsers(parser, text, content, calls):
+    got_content, got = parser.extract(text)
+    assert got_content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == calls
+
+
+def test_a_stream_withholds_what_may_begin_a_call():
+    s = ToolStream(ToolPlan("auto", [], parser=HermesToolParser()))
+    assert s.delta(0, "Hi <tool", None)[0] == "Hi "  # "<tool" may begin "<tool_call>": it waits
+    assert s.delta(0, "Hi <toolbox", None)[0] == "<toolbox"
+    assert s.delta(0, "Hi <toolbox " + HERMES_CALL[:20], None)[0] == " "
+    content, calls, finish = s.delta(0, "Hi <toolbox " + HERMES_CALL, "stop")
+    assert content is None and finish == "tool_calls" and calls[0].function.name == "get_weather"
+
+
+TOOLS_TEMPLATE = (  # the shape of Qwen2.5's: the tools as JSON in the system turn
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_go_into_the_chat_template(default_lm):
+    import copy
+    import dataclasses
+
+    from prefixkv.config import EngineConfig
+    from prefixkv.engine.llm_engine import LLMEngine
+    from prefixkv.server.app import create_app
+
+    tokenizer = copy.copy(default_lm.tokenizer)  # the same tokenizer with a template that renders tools
+    tokenizer.chat_template, tokenizer._template = TOOLS_TEMPLATE, None
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", device="cpu", num_blocks=32, max_model_len=512),
+        loaded=dataclasses.replace(default_lm, tokenizer=tokenizer),
+    )
+    with TestClient(create_app(engine, tool_call_parser="hermes")) as c:
+        body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1, "prompt_logprobs": 0}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        entries = r.json()["prompt_logprobs"][1:]
+        prompt = "".join(next(iter(e.values()))["decoded_token"] for e in entries)
+        assert json.dumps(TOOLS[0]["function"]["parameters"]) in prompt and "<tools>" in prompt, prompt

@@ -1,0 +1,142 @@
+"""Engines with tiers on a tiny random Llama. Oracle: greedy float32 outputs with blocks loaded
+from a tier equal outputs computed from scratch (prefix caching off), and every block is free
+after the requests finish."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+
+import pytest
+
+from prefixkv.request import Request
+from prefixkv.sampling_params import SamplingParams
+
+from .conftest import all_free, engine, make_tiny, run, tier
+
+N_PROMPT = 40  # 10 blocks of 4; (40 - 1) // 4 = 9 blocks may be hits
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(N_PROMPT)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_model, tiny_loaded):
+    """Five unrelated prompts and their outputs computed from scratch."""
+    ps = prompts(1, 5)
+    ref = engine(tiny_model, tiny_loaded, enable_prefix_caching=False)
+    return ps, [run(ref, p)[0] for p in ps]
+
+
+def thrash(eng, ps, refs):
+    """B, C, D, E: 48 blocks through a 32-block pool, so nothing of A survives in it."""
+    for p, r in zip(ps[1:], refs[1:]):
+        assert run(eng, p)[0] == r
+
+
+def test_cpu_tier_hit_after_the_pool_thrashed(tiny_model, tiny_loaded, cases):
+    ps, refs = cases
+    eng = engine(tiny_model, tiny_loaded, kv_offloading_size=0.01)
+    assert run(eng, ps[0]) == (refs[0], 0)
+    thrash(eng, ps, refs)
+    assert _pool_hit_tokens(eng, ps[0]) == 0  # nothing of A is left in the pool
+    tokens, cached = run(eng, ps[0])
+    assert (tokens, cached) == (refs[0], 36)  # every block that may be a hit came from the CPU tier
+    cpu = tier(eng, "cpu")
+    assert cpu.hits >= 9 and cpu.bytes_loaded > 0 and cpu.saves >= 5 * 11 and cpu.errors == 0
+    stats = eng.get_stats()
+    assert stats.external_prefix_cache_hits == 36 and stats.external_prefix_cache_queries == 6 * N_PROMPT
+    assert all_free(eng)
+
+
+def _probe(prompt):
+    return Request("probe", prompt, sampling_params=SamplingParams())
+
+
+def _pool_hit_tokens(eng, prompt) -> int:
+    kv = eng.scheduler.kv_cache_manager
+    req = _probe(prompt)
+    n = kv.get_computed_blocks(req, record_stats=False)[1]
+    kv.free(req)
+    return n
+
+
+def test_disk_tier_survives_a_new_engine_and_refuses_foreign_or_corrupt_values(
+    tiny_model, tiny_loaded, cases, tmp_path
+):
+    ps, refs = cases
+    folder = tmp_path / "kv"
+    first = engine(tiny_model, tiny_loaded, kv_tier=f"disk:{folder}")
+    assert run(first, ps[0]) == (refs[0], 0)
+    assert run(first, ps[1]) == (refs[1], 0)
+    first.tiers.flush()
+    assert tier(first, "disk").saves == 2 * 11
+
+    # a new engine (a restart): its first request of a known prefix is served from the disk tier
+    second = engine(tiny_model, tiny_loaded, kv_tier=f"disk:{folder}")
+    assert run(second, ps[0]) == (refs[0], 36)
+    assert tier(second, "disk").hits == 9 and all_free(second)
+
+    # another model (other weights) sharing the folder never finds these blocks
+    other_dir = make_tiny(tmp_path / "other", seed=1)
+    from prefixkv.model import load_model
+
+    other = engine(other_dir, load_model(other_dir), kv_tier=f"disk:{folder}")
+    expected = run(engine(other_dir, other.loaded, enable_prefix_caching=False), ps[1])[0]
+    assert run(other, ps[1]) == (expected, 0)
+    assert tier(other, "disk").hits == 0
+
+    # one flipped byte in the KV of prompt 1's block 3, and prompt 0's block 5 stored under the key
+    # of its block 2 (a value that is not the block asked for): each chain stops at the refused block
+    third = engine(tiny_model, tiny_loaded, kv_tier=f"disk:{folder}")
+    keys1 = [third.tiers.key(h).hex() + ".kv" for h in _hashes(third, ps[1])]
+    keys0 = [third.tiers.key(h).hex() + ".kv" for h in _hashes(third, ps[0])]
+    assert set(keys1 + keys0) <= set(os.listdir(folder))
+    data = bytearray((folder / keys1[3]).read_bytes())
+    data[len(data) // 2] ^= 1
+    (folder / keys1[3]).write_bytes(bytes(data))
+    shutil.copy(folder / keys0[5], folder / keys0[2])
+    assert run(third, ps[1]) == (refs[1], 12)
+    assert run(third, ps[0]) == (refs[0], 8)
+    disk = tier(third, "disk")
+    assert disk.rejected == 2 and disk.hits == 3 + 2
+    assert all_free(third)
+
+
+def _hashes(eng, prompt):
+    kv = eng.scheduler.kv_cache_manager
+    req = _probe(prompt)
+    hashes = kv.get_block_hashes(req)
+    kv.free(req)
+    return hashes[: (len(prompt) - 1) // 4]
+
+
+def test_unwritable_disk_tier_serves_by_recomputing(tiny_model, tiny_loaded, cases, tmp_path, caplog):
+    ps, refs = cases
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    caplog.set_level(logging.WARNING, logger="prefixkv")
+    eng = engine(tiny_model, tiny_loaded, kv_tier=f"disk:{blocker}/kv")  # cannot be created, even as root
+    assert run(eng, ps[0]) == (refs[0], 0)
+    eng.tiers.flush()
+    assert tier(eng, "disk").errors >= 1 and not tier(eng, "disk").available
+    assert "cannot be used" in caplog.text
+
+    # a tier that stops accepting writes mid-run (its folder replaced by a file): same
+    folder = tmp_path / "kv"
+    eng = engine(tiny_model, tiny_loaded, kv_tier=f"disk:{folder}", kv_offloading_size=0.01)
+    assert run(eng, ps[0]) == (refs[0], 0)
+    eng.tiers.flush()
+    shutil.rmtree(folder)
+    folder.write_text("the disk is gone")
+    caplog.clear()
+    for p, r in zip(ps[1:], refs[1:]):
+        assert run(eng, p)[0] == r
+    eng.tiers.flush()
+    assert tier(eng, "disk").errors >= 1 and "failed" in caplog.text
+    assert run(eng, ps[0]) == (refs[0], 36)  # the CPU tier still serves
+    assert all_free(eng)
