@@ -60,4 +60,6 @@ class RequestOutput:
     error: str | None = None
     # When asked (`hidden_states_from`): the prompt's final hidden states from that position to its
     # end, (num_rows, hidden_size) on the CPU in the model dtype; set once the request is finished.
+    # With SamplingParams(return_hidden_states=True): every position's, prompt then output, i.e.
+    # (num_prompt_tokens + num_output_tokens - 1, hidden_size).
     hidden_states: Any = field(default=None, repr=False)

@@ -56,6 +56,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM)
+    # prefixkv's extra (vLLM-Omni's stage hand-over): RequestOutput.hidden_states holds the final
+    # hidden state of every position computed for the sequence - the prompt's, then each generated
+    # token's but the last (never fed back) - for a downstream stage (prefixkv/pipeline/)
+    return_hidden_states: bool = False
     # constraints on what may be sampled (prefixkv/constraints/)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -110,9 +114,17 @@ class SamplingParams:
         tpt = self.truncate_prompt_tokens
         if tpt is not None and (not _is_int(tpt) or (tpt < 1 and tpt != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an integer >= 1, got {tpt!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "detokenize",
+            "return_hidden_states",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004
+        if self.return_hidden_states and self.n != 1:
+            raise ValueError("return_hidden_states needs n=1 (one sequence's hidden states per request)")
         normalize_logit_bias(self.logit_bias)
         check_token_fields(self)
         if self.structured_outputs is not None:

@@ -325,6 +325,8 @@ class LLMEngine:
         elif mm_items and self.mm_processor is None:
             raise ValueError("multimodal items were given but this model is text-only: it takes no images")
         self.validate_prompt(ids)
+        if params.return_hidden_states and hidden_states_from is None:
+            hidden_states_from = 0  # every position, the prompt's first on
         if hidden_states_from is not None:  # the prompt's final hidden states from this position on
             if not isinstance(hidden_states_from, int) or not -len(ids) <= hidden_states_from < len(ids):
                 raise ValueError(f"hidden_states_from={hidden_states_from!r} is not a position of the prompt")

@@ -230,7 +230,9 @@ class ModelRunner:
                 out.prompt_logprobs[sr.req_id] = scored
         if sr.prompt_hidden_from is not None:
             a = max(sr.prompt_hidden_from, start)
-            b = min(start + len(hidden), len(sr.prompt_token_ids))
+            b = start + len(hidden)
+            if not sr.sampling_params.return_hidden_states:
+                b = min(b, len(sr.prompt_token_ids))
             if a < b:
                 out.hidden_states[sr.req_id] = (a, hidden[a - start : b - start].to("cpu", copy=True))
 

@@ -244,7 +244,8 @@ class Scheduler:
             req.skip_prefix_cache_read or (req.reads_stage_outputs and params.prompt_logprobs is not None)
         )
         hidden_upto = req.prompt_hidden_upto
-        want_hidden = hidden_upto is not None and hidden_upto < n_prompt
+        # prompt positions; with return_hidden_states, generated ones too
+        want_hidden = hidden_upto is not None and (hidden_upto < n_prompt or params.return_hidden_states)
         reads: tuple[int, ...] = ()
         if req.reads_stage_outputs and start and (want_logprobs or want_hidden):
             # cache hits hold positions this request still needs: their cached outputs are read back

@@ -164,6 +164,8 @@ class OpenAIServingChat(OpenAIServing):
                     f'tool_choice "{plan.mode}" cannot be combined with response_format / structured_outputs', 400
                 )
             params.structured_outputs = plan.structured_outputs
+        if plan is not None and plan.parser is not None and plan.parser.keeps_special_tokens:
+            params.skip_special_tokens = False  # the parser reads a special token (mistral's [TOOL_CALLS])
         await self.compile_grammar(params)
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())

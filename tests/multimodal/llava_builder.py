@@ -56,6 +56,7 @@ def build_llava(
     max_position_embeddings: int = 512,
     seed: int = 0,
     randomize: bool = True,
+    text_model: str = "llama",
 ):
     """Write the checkpoint to `folder` and return transformers' model (eval mode, float32)."""
     import transformers as tf
@@ -73,7 +74,8 @@ def build_llava(
         hidden_act="quick_gelu",
         projection_dim=16,
     )
-    tc = tf.LlamaConfig(
+    text_config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[text_model]
+    tc = text_config(
         vocab_size=260,
         hidden_size=text_hidden,
         intermediate_size=text_intermediate,

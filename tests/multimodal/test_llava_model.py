@@ -130,3 +130,21 @@ def test_greedy_equals_transformers_with_one_and_two_images(llava, hf_processor)
         engine = llm.llm_engine
         assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
         assert IMAGE_TOKEN_ID in engine.loaded.tokenizer.encode("<image>")
+
+
+@pytest.mark.parametrize("text_model", ["qwen2", "mistral"])
+def test_other_decoders_equal_transformers(tmp_path, hf_processor, text_model):
+    """LLaVA with a Qwen2 (qkv bias) or Mistral decoder: the decoder is prefixkv's shared one."""
+    hf = build_llava(tmp_path, text_model=text_model, seed=5)
+    text = "USER: <image>\nWhat is shown here? ASSISTANT:"
+    img = make_image(9)
+    ref = hf_processor(text=text, images=[img], return_tensors="pt")
+    ids = [256] + ref["input_ids"][0].tolist()
+    expected = hf_llava_greedy(hf, ids, ref["pixel_values"], MAX_NEW)
+    llm = LLM(str(tmp_path), num_blocks=32, block_size=8, device="cpu")
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, GREEDY, use_tqdm=False)[0]
+    assert (
+        llm.llm_engine.model_config.architecture
+        == {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[text_model]
+    )
+    assert out.outputs[0].token_ids == expected

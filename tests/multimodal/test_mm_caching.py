@@ -143,3 +143,44 @@ def test_encoder_cache_lru_and_budget():
     assert off.get("a") is None and len(off) == 0
     s = cache.stats()
     assert (s.queries, s.hits, s.entries) == (1, 1, 2)
+
+
+def test_chunks_and_prefix_hits_take_only_the_rows_they_need():
+    """The scheduler -> runner contract (no model): each chunk carries, for every item it overlaps,
+    the item's rows that fall inside it and where they go; a prefix hit that covers an item's first
+    rows leaves only the rest to the first chunk."""
+    from prefixkv.engine.model_runner_output import ModelRunnerOutput
+    from prefixkv.engine.scheduler import Scheduler
+    from prefixkv.engine.scheduler_output import EncoderInput
+    from prefixkv.request import MultiModalItem, Request
+
+    s = Scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+    img, pix = MultiModalItem("img", 2, 9, "pixels"), "pixels"
+    tokens = [1, 2] + [9] * 9 + [3, 4, 5]  # the image at 2..10
+    a = Request("a", tokens, mm_items=[img], sampling_params=SamplingParams(max_tokens=1))
+    s.add_request(a)
+    chunks = []
+    while a.num_computed_tokens < len(tokens):
+        step = s.schedule()
+        chunks.append(step.scheduled[0].mm_inputs)
+        s.update_from_output(
+            step,
+            ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[7])
+            if a.num_computed_tokens + len(step.scheduled[0].token_ids) == len(tokens)
+            else ModelRunnerOutput(),
+        )
+    assert chunks == [
+        (EncoderInput("img", pix, (0, 4), 2),),  # tokens 0-5: image rows 0-3 at chunk positions 2-5
+        (EncoderInput("img", pix, (4, 9), 0),),  # tokens 6-11: rows 4-8 from position 0
+        (),  # tokens 12-13: text only
+    ]
+    s.finish_request(a, a.status)
+    # the same prompt again: blocks 0-2 (tokens 0-11) hit, the image's rows are all behind it
+    b = Request("b", tokens[:12] + [6, 6, 6], mm_items=[img], sampling_params=SamplingParams(max_tokens=1))
+    s.add_request(b)
+    assert s.schedule().scheduled[0].mm_inputs == ()
+    # the image with other text after it: a hit of two blocks (tokens 0-7) leaves its rows 6-8
+    c = Request("c", tokens[:11] + [8, 8, 8, 8], mm_items=[img], sampling_params=SamplingParams(max_tokens=1))
+    s.add_request(c)
+    (sr,) = [x for x in s.schedule().scheduled if x.req_id == "c"]
+    assert sr.start == 8 and sr.mm_inputs == (EncoderInput("img", pix, (6, 9), 0),)

@@ -50,7 +50,9 @@ def test_data_url_chat_equals_offline_and_counts_encoder_hits(served, llava):
         r = client.chat.completions.create(model="llava", messages=image_msg(url), temperature=0, max_tokens=6)
         answers.append(r.choices[0].message.content)
         assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert answers == [expected.outputs[0].text] * 3
+    stream = client.chat.completions.create(model="llava", messages=messages, temperature=0, max_tokens=6, stream=True)
+    answers.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    assert answers == [expected.outputs[0].text] * 4
     assert r.usage.prompt_tokens_details.cached_tokens > 0
     m = server.wait_idle()
     assert m["prefixkv:mm_encoder_runs_total"] == 1  # one image, three requests
@@ -76,4 +78,11 @@ def test_bad_images_are_400(served, messages, needle):
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
     assert server.healthy()
+    server.wait_idle()
+
+
+def test_completions_with_an_image_token_but_no_image_is_400(served):
+    server, _ = served
+    r = httpx.post(server.base + "/v1/completions", json={"model": "llava", "prompt": "<image> hi", "max_tokens": 2})
+    assert r.status_code == 400 and "1 image tokens" in r.json()["error"]["message"], r.text
     server.wait_idle()

@@ -247,7 +247,8 @@ def test_malformed_text_is_a_400_not_a_500(server):
 def test_unimplemented_fields_are_refused_by_name(server):
     base = {"prompt": "x", "max_tokens": 2}
     for field, value in [
-        ("tools", []),  # (response_format is implemented now: tests/server/test_constraints_api.py)
+        ("functions", [{"name": "f"}]),
+        ("tools", []),
         ("use_beam_search", True),
         ("guided_json", {"type": "object"}),
         ("no_such_field", 1),
