@@ -28,11 +28,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     g.add_argument(
         "--api-key",
-        nargs="+",
-        action="extend",
+        # one key per flag, repeated for several (vLLM also takes `--api-key A B`, but there a key
+        # placed before MODEL swallows it: `--api-key k ./model` would serve the default model)
+        action="append",
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
-        "/version; several keys (--api-key A B, or the flag repeated) are each accepted; an empty key "
+        "/version; repeat the flag for several keys, each accepted; an empty key "
         "means none (default: $VLLM_API_KEY, else none)",
     )
     g.add_argument(

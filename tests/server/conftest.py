@@ -121,6 +121,7 @@ def api_server():
     s = Server(
         "--api-key",
         API_KEY,
+        "--api-key",
         API_KEY2,
         "--served-model-name",
         API_NAME,
