@@ -153,6 +153,9 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
+    # prefixkv extra (for a downstream stage): each choice carries the final hidden state of every
+    # computed position, prompt then output but its last token (SamplingParams.return_hidden_states)
+    return_hidden_states: bool | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -276,6 +279,15 @@ class CompletionResponseChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: first chunk of the choice)
     token_ids: list[int] | None = None  # return_token_ids (streamed: this chunk's tokens)
+    hidden_states: HiddenStates | None = None  # return_hidden_states
+
+
+class HiddenStates(BaseModel):
+    """A (rows, hidden_size) float32 tensor: base64 of its row-major little-endian bytes."""
+
+    shape: list[int]
+    dtype: Literal["float32"] = "float32"
+    data: str
 
 
 class CompletionResponse(BaseModel):
