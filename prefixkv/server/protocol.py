@@ -430,15 +430,6 @@ class PoolingData(BaseModel):
     data: list[float] | list[list[float]] | str
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[PoolingData]
-    usage: UsageInfo
-
-
 class EmbeddingResponse(BaseModel):
     id: str
     object: Literal["list"] = "list"
@@ -446,3 +437,7 @@ class EmbeddingResponse(BaseModel):
     model: str
     data: list[EmbeddingData]
     usage: UsageInfo  # as vLLM: completion_tokens stays 0
+
+
+class PoolingResponse(EmbeddingResponse):
+    data: list[PoolingData]  # type: ignore[assignment]
