@@ -28,11 +28,15 @@ def run_replicas(args, rest: list[str], paths: dict, limits: dict, command: str)
     ap.add_argument("--replicas", default="8,16,32,64")
     ap.add_argument("--routers", default=",".join(ROUTERS))
     ap.add_argument("--blocks-per-replica", type=int, default=1000)
-    ap.add_argument("--approx-too", action="store_true", help="also prefix-load with the approximate index")
+    ap.add_argument(
+        "--all-indexes", action="store_true", help="also prefix-load with the events-only and approximate indexes"
+    )
     own = ap.parse_args(rest)
     ns = [int(x) for x in own.replicas.split(",")]
     routers = own.routers.split(",")
-    variants = [(r, "events") for r in routers] + ([("prefix-load", "approx")] if own.approx_too else [])
+    variants = [(r, "events") for r in routers]
+    if own.all_indexes:
+        variants += [("prefix-load", "events-only"), ("prefix-load", "approx")]
     tasks = [(paths[t], limits[t], n, r, own.blocks_per_replica, m) for t in TRACES for n in ns for r, m in variants]
     t0 = time.time()
     with ProcessPoolExecutor(args.jobs) as ex:
@@ -43,8 +47,10 @@ def run_replicas(args, rest: list[str], paths: dict, limits: dict, command: str)
         "",
         "`prefixkv replay TRACE --replicas N --router R --num-blocks B` simulates N replicas of B blocks",
         "each (`prefixkv/replay/cluster.py`), every one a real KVCacheManager with its own FCFS queue,",
-        "behind a `prefixkv/router` policy; the router's index is fed by the replicas' KV events",
-        "(`--router-index events`, the default). Policies: `round-robin`; `prefix` (longest cached",
+        "behind a `prefixkv/router` policy; the router's index is fed by the replicas' KV events plus",
+        "pending entries for what it sent that a replica has not admitted yet (`--router-index events`,",
+        "the default; `events-only` and `approx` - what it sent, LRU - for comparison). Policies:",
+        "`round-robin`; `prefix` (longest cached",
         "prefix of the request's chained block hashes; ties to the least loaded); `prefix-load`",
         "(prefix among the replicas that are not saturated - >= 4 queued requests or >= 95% KV usage -",
         "unless all are, and not queued more than 2 x the least queued + 4; knobs `--max-queue",
@@ -75,7 +81,7 @@ def run_replicas(args, rest: list[str], paths: dict, limits: dict, command: str)
         for n in ns:
             for r, m in variants:
                 d = results[paths[name], n, r, m]
-                label = r if m == "events" else f"{r} (approx index)"
+                label = r if m == "events" else f"{r} ({m} index)"
                 lines.append(
                     f"| {n} | {label} | {d['hit_rate']:.1%} | {d['imbalance_requests']:.2f} / "
                     f"{d['imbalance_prefill']:.2f} | {d['ttft_p50_ms'] / 1e3:.1f} s | {d['ttft_p90_ms'] / 1e3:.1f} s | "

@@ -124,12 +124,17 @@ def _load_engine(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from .engine.llm_engine import LLMEngine
     from .server.app import DEFAULT_MODEL_NAME
-    from .server.launch import check_server_args, run_server
+    from .server.launch import PortInUse, bind_socket, check_server_args, run_server
 
     check_server_args(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("prefixkv.server")
     config = engine_config(args)
+    try:
+        sock = bind_socket(args.host, args.port)  # before the load: a port in use fails at once
+    except PortInUse as e:
+        print(f"prefixkv serve: {e}", file=sys.stderr)
+        return 1
     log.info("loading %s", config.model or "the embedded SmolLM2-135M-Instruct")
     engine = LLMEngine(config)
     log.info(
@@ -139,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config.block_size,
         "on" if config.enable_prefix_caching else "off",
     )
-    return run_server(args, engine, config.model or DEFAULT_MODEL_NAME)
+    return run_server(args, engine, config.model or DEFAULT_MODEL_NAME, sock)
 
 
 def _run_stream(

@@ -76,7 +76,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(enable_prefix_caching=True)
     print(f"loaded the embedded SmolLM2-135M-Instruct in {time.perf_counter() - t0:.1f} s")
-    tok = llm.get_tokenizer()
+    tok = llm.llm_engine.tokenizer  # the engine's own (get_tokenizer() builds transformers' one)
     print(f"document: {len(tok.encode(DOCUMENT))} tokens\n")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     ttfts = []

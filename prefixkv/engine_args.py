@@ -120,6 +120,17 @@ class EngineArgs:
     """Engine options, with vLLM's names and defaults. `EngineConfig` is the same class."""
 
     model: str | None = _opt(None, cli=False)  # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = _opt(
+        None,
+        "tokenizer to use instead of the model's: an HF folder (tokenizer.json, tokenizer_config.json) or a "
+        ".gguf file; its vocabulary must fit the model's (default: the model's own)",
+    )
+    generation_config: str = _opt(
+        "auto",
+        "sampling defaults: auto reads the model folder's generation_config.json (temperature, top_p, top_k, "
+        "min_p, repetition_penalty, max_new_tokens), as vLLM; vllm ignores it; a folder reads that folder's "
+        "(default: auto)",
+    )
     dtype: str = _opt(
         "auto",
         "weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: auto)",
@@ -141,7 +152,11 @@ class EngineArgs:
         True, "reuse the KV blocks of identical prompt prefixes across requests (default: on)"
     )
     prefix_caching_hash_algo: str | Callable[[Any], bytes] = _opt(  # noqa: RUF009 (it returns a field)
-        "sha256_cbor", "content hash naming cached blocks (default: sha256_cbor, as vLLM)", choices=list(HASH_ALGOS)
+        "sha256_cbor",
+        "content hash naming cached blocks to the outside (KV events); lookups never depend on it, they compare "
+        "exact keys. vLLM's choices; the default differs: sha256_cbor here (reproducible across processes and "
+        "languages), vLLM's default is sha256 (over pickle) (default: sha256_cbor)",
+        choices=list(HASH_ALGOS),
     )
     eviction_policy: str = _opt(
         "lru",
@@ -183,6 +198,13 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt(
         2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int
     )
+    scheduling_policy: str = _opt(
+        "fcfs",
+        "fcfs: first come first served; priority: by each request's `priority` (lower first, then arrival), "
+        "preempting the largest (priority, arrival) among running requests not yet scheduled in the step "
+        "(default: fcfs, as vLLM)",
+        choices=["fcfs", "priority"],
+    )
     max_logprobs: int = _opt(
         20, "most logprobs / prompt_logprobs a request may ask for (default: 20, as vLLM)", type=int
     )
@@ -211,7 +233,6 @@ class EngineArgs:
     )
 
     # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
-    tokenizer: str | None = _opt(None, cli=False)  # must be None or the model: the tokenizer comes with it
     tokenizer_mode: str = _compat("auto", _is_default("auto"), "only 'auto': the model's own tokenizer", cli=False)
     trust_remote_code: bool = _compat(False, _anything, "no model code is ever downloaded or run")
     download_dir: str | None = _compat(None, _anything, "models are read from local files only", cli=False)
@@ -244,12 +265,13 @@ class EngineArgs:
     compilation_config: dict[str, Any] | int | None = _compat(  # noqa: RUF009 (it returns a field)
         None, _anything, "nothing is compiled", cli=False
     )
-    disable_log_stats: bool = _compat(False, _anything, "no periodic stats are logged", cli=False)
+    disable_log_stats: bool = _compat(
+        False, _anything, "LLM logs no periodic stats (the server: --disable-log-stats)", cli=False
+    )
     disable_async_output_proc: bool = _compat(False, _anything, "outputs are processed in the step", cli=False)
     enable_chunked_prefill: bool | None = _compat(
         None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)"
     )
-    scheduling_policy: str = _compat("fcfs", _is_default("fcfs"), "first come first served only", cli=False)
     speculative_config: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
         None, _is_default(None), "no speculative decoding", cli=False
     )
@@ -280,8 +302,6 @@ class EngineArgs:
                     f"{self.num_gpu_blocks_override} disagree; give one"
                 )
             self.num_blocks = self.num_gpu_blocks_override
-        if self.tokenizer is not None and self.tokenizer != self.model:
-            raise ValueError("a separate tokenizer is not supported: the tokenizer comes with the model")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
@@ -309,6 +329,10 @@ class EngineArgs:
                 f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}; "
                 f"choose one of {', '.join(HASH_ALGOS)}"
             )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; choose fcfs or priority")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._check_multimodal()
         from .stage.pooling import parse_pooler_config  # here: the stage package imports the engine's
 

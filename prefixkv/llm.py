@@ -32,10 +32,8 @@ _UNSUPPORTED_CALL_ARGS = {
     "prompt_adapter_request": "prompt adapters are not implemented",
     "tokenization_kwargs": "tokenization options are not implemented",
     "truncate_prompt_tokens": "prompt truncation is not implemented",
-    "chat_template": "the model's own chat template is used",
     "tools": "tool calling is not implemented",
     "documents": "documents are not implemented",
-    "chat_template_kwargs": "chat template options are not implemented",
     "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
 }
 
@@ -115,6 +113,8 @@ class LLM:
     Keywords are `EngineArgs` fields. The KV budget is `kv_cache_memory_bytes` (or `num_blocks`,
     or vLLM's `num_gpu_blocks_override`), not the model's maximum length."""
 
+    _hf_tokenizer: Any = None  # get_tokenizer()'s, built on the first call
+
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
 
@@ -125,8 +125,20 @@ class LLM:
         llm.llm_engine = engine
         return llm
 
-    def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+    def get_tokenizer(self) -> Any:
+        """The tokenizer as a Hugging Face `PreTrainedTokenizerFast` (built on the first call; the
+        engine keeps its own): `tok(text)`, `len(tok)`, `apply_chat_template(...)`, as in vLLM."""
+        if self._hf_tokenizer is None:
+            from .model.hf_tokenizer import to_hf_tokenizer
+
+            self._hf_tokenizer = to_hf_tokenizer(self.llm_engine.tokenizer)
+        return self._hf_tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (as vLLM; none with
+        generation_config='vllm'). What generate() and chat() use when given no sampling_params."""
+        defaults = self.llm_engine.default_sampling_params
+        return SamplingParams(**defaults) if defaults else SamplingParams()
 
     def generate(
         self,
@@ -145,13 +157,17 @@ class LLM:
         validated before anything runs. A request that fails alone comes back finished with
         `error` set; the others are unharmed."""
         _refuse_call_args("generate", kwargs)
-        if priority is not None and any(p != 0 for p in priority):
-            raise ValueError(
-                "generate(priority=...) is not supported by prefixkv: scheduling is first come first served"
-            )
         items = _as_prompt_list(prompts, prompt_token_ids)
+        priorities = list(priority) if priority is not None else [0] * len(items)
+        if len(priorities) != len(items):
+            raise ValueError(f"{len(priorities)} priorities for {len(items)} prompts")
+        for p in priorities:  # checked before anything is queued
+            if p != 0 and self.llm_engine.config.scheduling_policy != "priority":
+                raise ValueError(
+                    f"Got priority {p} but priority scheduling is not enabled (LLM(..., scheduling_policy='priority'))"
+                )
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(items)
         else:
@@ -164,6 +180,7 @@ class LLM:
             if lora is not None:
                 engine.resolve_lora(lora)  # every adapter validated before anything runs
         tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
+        tokenized = [engine.truncate_prompt(ids, params) for ids, params in zip(tokenized, params_list)]
         processed = []  # images decoded, placeholders expanded: every prompt checked before any runs
         for ids, params, (_, _, mm) in zip(tokenized, params_list, items):
             ids, mm_items = engine.process_multimodal(ids, mm)
@@ -172,7 +189,9 @@ class LLM:
             processed.append((ids, mm_items))
         ids_in_order: list[str] = []
         try:
-            for (item, salt, _), (ids, mm_items), params, lora in zip(items, processed, params_list, loras):
+            for (item, salt, _), (ids, mm_items), params, lora, prio in zip(
+                items, processed, params_list, loras, priorities
+            ):
                 ids_in_order.append(
                     engine.add_request(
                         ids,
@@ -180,6 +199,7 @@ class LLM:
                         lora_request=lora,
                         cache_salt=salt if salt is not None else cache_salt,
                         prompt_text=item if isinstance(item, str) else None,
+                        priority=prio,
                         mm_items=mm_items,
                     )
                 )
@@ -194,28 +214,41 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[RequestOutput]:
-        """Chat completion for one conversation or a batch, through the model's chat template."""
+        """Chat completion for one conversation or a batch, through the model's chat template (or
+        `chat_template`); `continue_final_message` continues the last message instead of starting
+        a reply (then add_generation_prompt must be False, as vLLM); `chat_template_kwargs` are
+        passed to the template. Each output's `prompt` is the rendered text."""
         _refuse_call_args("chat", kwargs)
-        if continue_final_message:
-            raise ValueError("chat(continue_final_message=True) is not supported by prefixkv")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("chat(continue_final_message=True) needs add_generation_prompt=False, as in vLLM")
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(
                 f"chat(chat_template_content_format={chat_template_content_format!r}) is not "
                 "supported by prefixkv: message contents are strings"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.get_tokenizer()
+        tok = self.llm_engine.tokenizer  # the engine's own (get_tokenizer() builds transformers')
         engine = self.llm_engine
 
         def render(conv: list[dict]) -> str:
-            return tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return tok.apply_chat_template(  # type: ignore[return-value]
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
 
         prompts: list[dict[str, Any]] = []
+        texts: list[str] = []
         for conv in conversations:
             if has_image_parts(conv):  # image_url / image_pil parts (prefixkv/multimodal/chat.py)
                 text, images = chat_prompt_with_images(
@@ -224,13 +257,22 @@ class LLM:
                 ids = tok.encode(text, add_special_tokens=False)
                 prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
             else:
-                prompts.append({"prompt_token_ids": tok.encode(render(conv), add_special_tokens=False)})
-        return self.generate(
+                text = render(conv)
+                prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            texts.append(text)
+        outs = self.generate(
             prompts,
             sampling_params,
             use_tqdm=use_tqdm,
             lora_request=lora_request,
         )
+        for out, text in zip(outs, texts):
+            out.prompt = text  # as vLLM: the rendered conversation
+        return outs
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's LLM.beam_search: not implemented (refused, never approximated)."""
+        raise ValueError("LLM.beam_search is not implemented by prefixkv: use sampling (n > 1) or greedy decoding")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

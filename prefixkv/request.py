@@ -81,6 +81,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         generator: Any = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -102,6 +103,7 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority  # --scheduling-policy priority: lower goes first (vLLM)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

@@ -27,7 +27,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "early_stopping": False,
     "logits_processors": None,
     "guided_decoding": None,
-    "truncate_prompt_tokens": None,
     "extra_args": None,
     "spaces_between_special_tokens": True,
     "output_kind": None,
@@ -56,6 +55,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM)
     # prefixkv's extra (vLLM-Omni's stage hand-over): RequestOutput.hidden_states holds the final
     # hidden state of every position computed for the sequence - the prompt's, then each generated
     # token's but the last (never fed back) - for a downstream stage (prefixkv/pipeline/)
@@ -111,6 +111,9 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (not _is_int(tpt) or (tpt < 1 and tpt != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an integer >= 1, got {tpt!r}")
         for name in (
             "include_stop_str_in_output",
             "ignore_eos",

@@ -92,7 +92,7 @@ def test_serve_args_map_to_engine_config():
     )
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.dtype) == (8, 512, 900, "float32")
     assert cfg.prefix_caching_hash_algo == "xxhash_cbor"
-    assert args.api_key == "k" and args.served_model_name == ["a", "b"] and args.host == "127.0.0.1"
+    assert args.api_key == ["k"] and args.served_model_name == ["a", "b"] and args.host == "127.0.0.1"
     default = cli.build_parser().parse_args(["serve"])
     assert cli.engine_config(default).model is None and default.port == 8000
     assert cli.engine_config(default).enable_prefix_caching is True
@@ -226,8 +226,8 @@ def test_replay_runs_a_trace_with_every_policy_and_both_oracles(tmp_path):
 
 
 def test_serve_exits_with_an_error_when_the_port_is_taken():
-    """The HTTP server runs in a thread beside the engine loop on the main thread: if it cannot
-    start, the process must end (exit 1) instead of serving nothing forever."""
+    """The address is bound before the model loads (as vLLM): a port in use ends the process
+    (exit 1) with a clear message at once, never after a load nor serving nothing forever."""
     import socket
 
     with socket.socket() as s:
@@ -236,4 +236,5 @@ def test_serve_exits_with_an_error_when_the_port_is_taken():
         port = s.getsockname()[1]
         r = run_cli("serve", "--port", str(port), "--kv-cache-memory-bytes", "64M", "--max-model-len", "512")
     assert r.returncode == 1
-    assert "address already in use" in r.stderr
+    assert f"cannot bind 127.0.0.1:{port}" in r.stderr and "address already in use" in r.stderr.lower()
+    assert "loading" not in r.stderr and "KV blocks" not in r.stderr  # it never got to the model

@@ -47,13 +47,23 @@ def _make_xxhash_cbor(seed: int) -> HashFunction:
     return xxhash_cbor
 
 
-HASH_ALGOS = ("sha256_cbor", "sha256", "xxhash_cbor")
+def _make_xxhash_pickle(seed: int) -> HashFunction:
+    import xxhash
+
+    def xxhash_pickle(obj: Any) -> bytes:
+        return xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), seed=seed)
+
+    return xxhash_pickle
+
+
+# vLLM 0.32's choices (its CacheConfig.prefix_caching_hash_algo); the first is prefixkv's default
+HASH_ALGOS = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
 
 
 def get_hash_function(algo: str | HashFunction, seed: int | None = None) -> HashFunction:
     """The content hash named `algo`, or `algo` itself when it is a callable (tests inject one).
 
-    sha256 variants are deterministic; xxhash_cbor takes a random 64-bit seed per process unless
+    sha256 variants are deterministic; the xxhash variants take a random 64-bit seed per process unless
     `seed` is given, so its values are only comparable between processes that share the seed.
     """
     if callable(algo):
@@ -62,6 +72,8 @@ def get_hash_function(algo: str | HashFunction, seed: int | None = None) -> Hash
         return _sha256_cbor
     if algo == "sha256":
         return _sha256_pickle
+    if algo == "xxhash":
+        return _make_xxhash_pickle(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
     if algo == "xxhash_cbor":
         return _make_xxhash_cbor(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
     raise ValueError(f"unknown prefix-caching hash algorithm {algo!r}; choose one of {', '.join(HASH_ALGOS)}")

@@ -70,7 +70,8 @@ class GrammarEngine:
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._compile_lock = threading.Lock()  # one compilation at a time (server worker threads)
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of `spec` (cached). ValueError naming the problem when the schema,
@@ -82,6 +83,14 @@ class GrammarEngine:
                 self._cache.move_to_end(key)
                 return hit
         kind, text, any_ws = key
+        with self._compile_lock:
+            return self._compile(key, kind, text, any_ws)
+
+    def _compile(self, key: tuple[Any, ...], kind: str, text: str, any_ws: bool) -> Any:
+        with self._lock:  # compiled by another thread meanwhile
+            hit = self._cache.get(key)
+            if hit is not None:
+                return hit
         c = self._compiler
         try:
             if kind == "json":

@@ -28,6 +28,8 @@ from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..model import LoadedModel, load_model
+from ..model.generation_config import sampling_defaults
+from ..model.tokenizer import Tokenizer
 from ..outputs import Logprob, RequestMetrics, RequestOutput
 from ..request import MultiModalItem, Request, RequestStatus
 from ..sampling_params import SamplingParams
@@ -70,12 +72,36 @@ class _Group:
     hidden_states: list[torch.Tensor] | None = None  # prompt hidden states as they arrive, when asked
 
 
+def _separate_tokenizer(path: str, model_vocab: int) -> Tokenizer:
+    from ..model.loader import load_tokenizer
+
+    tok = load_tokenizer(path)
+    if tok.vocab_size > model_vocab:
+        raise ValueError(
+            f"tokenizer {path!r} has {tok.vocab_size} tokens; the model's vocabulary has {model_vocab}: "
+            "its ids would index past the embedding table"
+        )
+    return tok
+
+
 class LLMEngine:
+    def truncate_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len), as vLLM."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
     def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
+        if config.tokenizer is not None and config.tokenizer != config.model:
+            self.tokenizer = _separate_tokenizer(config.tokenizer, self.loaded.config.vocab_size)
+        # the model creator's sampling defaults (generation_config.json), as vLLM's --generation-config
+        self.default_sampling_params = sampling_defaults(self.loaded.source or config.model, config.generation_config)
         self.model_config = self.loaded.config
         bs = config.block_size
         # Every per-block tensor is registered before the budget is divided among them.
@@ -112,6 +138,7 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             enable_kv_cache_events=config.enable_kv_cache_events,
             max_loras=config.max_loras if config.enable_lora else None,
+            policy=config.scheduling_policy,
         )
         self.lora_manager: LoRAManager | None = None
         if config.enable_lora:
@@ -158,6 +185,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_requests_errored = 0
         self.num_steps = 0
+        self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
         self._update_stats()
 
@@ -259,6 +287,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_text: str | None = None,
         hidden_states_from: int | None = None,
+        priority: int = 0,
         multi_modal_data: Any = None,
         mm_items: Sequence[MultiModalItem] | None = None,
     ) -> str:
@@ -270,6 +299,13 @@ class LLMEngine:
         nothing is registered."""
         params = params if params is not None else SamplingParams()
         self.validate_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(scheduling_policy='priority' / --scheduling-policy priority)"
+            )
         compiled = self.compile_grammar(params)
         lora_id = 0
         if lora_request is not None:
@@ -281,7 +317,8 @@ class LLMEngine:
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = prompt_text, list(prompt)
-        if mm_items is None:
+        if mm_items is None:  # (given mm_items: the caller processed - and truncated - the prompt)
+            ids = self.truncate_prompt(ids, params)
             ids, mm_items = self.process_multimodal(ids, multi_modal_data)
         elif multi_modal_data is not None:
             raise ValueError("give multi_modal_data or processed mm_items, not both")
@@ -323,6 +360,7 @@ class LLMEngine:
                     prompt=text,
                     arrival_time=arrival,
                     generator=gen,
+                    priority=priority,
                     mm_items=mm_items,
                 )
             )
@@ -437,6 +475,7 @@ class LLMEngine:
             outputs = self._fail_unschedulable() if stuck else []
         else:
             self.num_steps += 1
+            self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)

@@ -1,5 +1,6 @@
 """Continuous batching with a token budget, chunked prefill, prefix-cache lookup and
-preemption by recompute, first come first served.
+preemption by recompute; first come first served, or by `priority` (lower first, then arrival) with
+scheduling_policy="priority", as vLLM.
 
 The scheduler owns the KV cache manager (as in vLLM v1 and nano-vllm): it alone allocates and
 frees blocks and writes `Request.num_computed_tokens`. Each step it hands the model runner a
@@ -35,7 +36,11 @@ class Scheduler:
         eviction_policy: Any = "lru",
         enable_kv_cache_events: bool = False,
         max_loras: int | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
+        self.policy = policy
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv_cache_manager = KVCacheManager(
@@ -69,7 +74,23 @@ class Scheduler:
             raise RuntimeError(f"request id {request.request_id!r} is already scheduled")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.policy == "priority":
+            self._insert_by_priority(request)
+        else:
+            self.waiting.append(request)
+
+    @staticmethod
+    def _priority_key(req: Request) -> tuple[int, float]:
+        return req.priority, req.arrival_time
+
+    def _insert_by_priority(self, req: Request) -> None:
+        """Keep `waiting` sorted by (priority, arrival), ties in insertion order. Scanned from the
+        back: most requests share a priority and land at the end at once."""
+        key = self._priority_key(req)
+        i = len(self.waiting)
+        while i > 0 and self._priority_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Remove a request (finished, aborted or failed) wherever it is and release its blocks."""
@@ -100,13 +121,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.time()
 
-        # Running requests first, oldest first; when blocks run out, the newest is preempted.
+        # Running requests first, oldest first; when blocks run out, the newest is preempted (with
+        # the priority policy: the one of largest (priority, arrival) among those not yet
+        # scheduled in this step - vLLM also looks at those already scheduled and undoes their
+        # step; here that case falls back to the request itself, which keeps preemption cheap).
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
+                if self.policy == "priority":
+                    victim = max(self.running[i:], key=self._priority_key)
+                    self.running.remove(victim)
+                else:
+                    victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
@@ -267,7 +295,10 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -57,12 +57,32 @@ def _missing_model_message(model: str, path: str) -> str:
         "Pass a local path, e.g. LLM(model='/path/to/SmolLM2-135M-Instruct') or "
         "`prefixkv serve ./model.gguf`, or model=None for the embedded SmolLM2-135M-Instruct."
     )
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not model.startswith((".", "/")):
+    if _looks_like_hub_id(model):
         msg += (
-            f" {model!r} looks like a Hugging Face Hub id: download it first (for example "
-            f"`huggingface-cli download {model} --local-dir ./{model.split('/')[-1]}`) and pass that folder."
+            f" {model!r} looks like a Hugging Face Hub id and is not in the local HF cache (nothing is "
+            f"downloaded): download it first, e.g. `huggingface-cli download {model}` (into the HF cache, where "
+            "prefixkv then finds it by this id) or with --local-dir and pass that folder."
         )
     return msg
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", model)) and not model.startswith((".", "/", "~"))
+
+
+def resolve_hub_id(model: str) -> str | None:
+    """A Hugging Face Hub id ("org/name") already in the local HF cache -> its snapshot folder
+    (huggingface_hub, offline: nothing is downloaded). None when it is not there."""
+    if not _looks_like_hub_id(model):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return snapshot_download(model, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE") or None)
+    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError) or an invalid id: not found
+        return None
 
 
 def load_model(
@@ -70,6 +90,12 @@ def load_model(
 ) -> LoadedModel:
     """Load `model`: None (embedded default), an HF folder, or a .gguf file."""
     path = default_model_path() if model is None else os.path.expanduser(str(model))
+    if not os.path.exists(path):
+        path = resolve_hub_id(str(model)) or path
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:  # a GGUF repository's snapshot: its one file
+            path = os.path.join(path, ggufs[0])
     if os.path.isdir(path):
         loaded = _load_hf_folder(path, dtype, device)
     elif os.path.isfile(path):
@@ -85,6 +111,26 @@ def load_model(
         p.requires_grad_(False)
     loaded.model.eval()
     return loaded
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer alone (`--tokenizer`): an HF folder (tokenizer.json) or a .gguf file's."""
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        path = resolve_hub_id(path) or path
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_folder(path)
+    if os.path.isfile(path):
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(path)
+        except Exception as e:
+            raise ValueError(f"Cannot read GGUF file {path!r}: {e}") from e
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(reader))
+    raise FileNotFoundError(
+        f"tokenizer path does not exist: {path!r} (an HF folder or a .gguf file; nothing is downloaded)"
+    )
 
 
 # ---------------------------------------------------------------------- HF folder

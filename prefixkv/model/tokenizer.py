@@ -76,6 +76,41 @@ def _token_content(tok: Any) -> str | None:
     return str(tok)
 
 
+@lru_cache(maxsize=16)
+def _compile_template(source: str):
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"Chat template error: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """HF's continue_final_message: the rendered text up to the end of the final message's content."""
+    if not messages:
+        raise ValueError("continue_final_message needs at least one message")
+    content = messages[-1].get("content")
+    if isinstance(content, list):  # text parts: the last one ends the message
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+        content = texts[-1] if texts else ""
+    final = (content or "").strip()
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the final message's content does not appear in the rendered chat template"
+        )
+    return text[: at + len(final)]
+
+
 class Tokenizer:
     """Text <-> token ids, chat template rendering and streaming detokenization."""
 
@@ -88,8 +123,10 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool = False,
         add_eos_token: bool = False,
+        pad_token_id: int | None = None,
     ) -> None:
         self._tok = hf_tokenizer
+        self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         eos = [int(x) for x in eos_token_ids]
         self.eos_token_id: int | None = eos[0] if eos else None
@@ -111,6 +148,10 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return None if self.eos_token_id is None else self._tok.id_to_token(self.eos_token_id)
+
+    @property
+    def pad_token(self) -> str | None:
+        return None if self.pad_token_id is None else self._tok.id_to_token(self.pad_token_id)
 
     @property
     def backend(self) -> HFTokenizer:
@@ -162,26 +203,20 @@ class Tokenizer:
         return "", prefix_offset, read_offset
 
     # ---------------------------------------------------- chat template
-    def _compiled_template(self):
+    def set_chat_template(self, template: str | None) -> None:
+        """Replace the model's chat template (`--chat-template`)."""
+        self.chat_template = template
+        self._template = None
+
+    def _compiled_template(self, template: str | None = None):
+        """The model's template (compiled once), or `template` (a per-request one, compiled and
+        kept in a small cache: clients resend the same few)."""
+        if template is not None:
+            return _compile_template(template)
         if self._template is None:
             if not self.chat_template:
                 raise ValueError("This tokenizer has no chat template")
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message):
-                raise ValueError(f"Chat template error: {message}")
-
-            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-                return json.dumps(
-                    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-                )
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
+            self._template = _compile_template(self.chat_template)
         return self._template
 
     def apply_chat_template(
@@ -189,15 +224,24 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        text = self._compiled_template().render(
+        """Render `messages` (HF's semantics). `chat_template`: a Jinja template to use instead of
+        the model's; `continue_final_message`: end the text right after the last message's
+        content (no end-of-turn), so the model continues it, as HF and vLLM do."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        text = self._compiled_template(chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
         if tokenize:
             return self.encode(text, add_special_tokens=False)
         return text
@@ -249,6 +293,7 @@ class Tokenizer:
             chat_template=template,
             add_bos_token=add_bos,
             add_eos_token=bool(cfg.get("add_eos_token", False)),
+            pad_token_id=tid("pad_token"),
         )
 
     @classmethod
@@ -291,6 +336,7 @@ class Tokenizer:
         if eot is not None:
             eos_ids.append(int(eot))
         bos = meta.get("tokenizer.ggml.bos_token_id")
+        pad = meta.get("tokenizer.ggml.padding_token_id")
         return cls(
             tok,
             bos_token_id=None if bos is None else int(bos),
@@ -298,4 +344,5 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            pad_token_id=None if pad is None else int(pad),
         )

@@ -120,8 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--router-index",
         default="events",
         choices=list(MODES),
-        help="events: the router learns each replica's cache from its KV events (precise); approx: from what "
-        "it sent, LRU within the replica's size (default events)",
+        help="events: the router learns each replica's cache from its KV events, plus what it sent that the "
+        "replica has not admitted yet; events-only: the events alone; approx: what it sent, LRU within the "
+        "replica's size (default events)",
     )
     g.add_argument(
         "--prefill-tokens-per-s",

@@ -4,7 +4,8 @@ Each replica is a real KVCacheManager (simulator.ManagerBackend) with its own FC
 as in the single-pool replay. A request is routed when it arrives, by a prefixkv.router policy
 that sees the request's chained block hashes (computed as the engine computes them) and every
 replica's load; the router's PrefixIndex is fed by the replicas' own KV events (BlockStored /
-BlockRemoved, as the engine publishes them) or, with `index_mode="approx"`, by what it sent.
+BlockRemoved, as the engine publishes them) plus pending entries for requests sent but not yet
+admitted (`index_mode="events"`), by the events alone ("events-only"), or by what it sent ("approx").
 
 Time model (what the TTFT estimate rests on):
   * each replica prefills one request at a time, FCFS, at `prefill_tokens_per_s` over the prompt
@@ -151,7 +152,7 @@ def replay_cluster(
         else None
     )
     chooser = make_router(router, index, **knobs)
-    feed_events = uses_index and index_mode == "events"
+    feed_events = uses_index and index_mode != "approx"
     replicas = [
         _Replica(ManagerBackend(num_blocks, block_size, policy, record_events=uses_index)) for _ in range(num_replicas)
     ]
@@ -181,6 +182,8 @@ def replay_cluster(
             if -(-foot // block_size) > num_blocks:
                 rep.waiting.popleft()
                 res.skipped += 1
+                if index is not None:
+                    index.resolve_pending(idx)
                 continue
             hit = backend.admit(idx, req, foot - req.input_length)
             if hit is None:
@@ -195,6 +198,7 @@ def replay_cluster(
                             index.stored(r, ev.block_hashes)
                         elif isinstance(ev, BlockRemoved):
                             index.removed(r, ev.block_hashes)
+                    index.resolve_pending(idx)
             computed = req.input_length - hit
             start = max(now, rep.prefill_free_at)
             end = start + computed * ms_per_token
@@ -222,8 +226,11 @@ def replay_cluster(
         hashes: list[bytes] = chain_hashes(req, block_size, root) if uses_index else []
         lookup = hashes[: (req.input_length - 1) // block_size]  # the engine's lookup rule
         r = chooser.choose(lookup, ids, [rep.load(t_arrive) for rep in replicas])
-        if index is not None and index_mode == "approx":
-            index.record_sent(r, hashes)
+        if index is not None:
+            if index_mode == "approx":
+                index.record_sent(r, hashes)
+            else:
+                index.add_pending(r, i, hashes)
         res.per_replica_requests[r] += 1
         replicas[r].waiting.append(i)
         i += 1

@@ -9,6 +9,12 @@ Two ways to keep it:
   * approximate (`mode="approx"`, the fallback without events): the router assumes a replica
     caches the blocks of every request it sent there, and forgets them LRU beyond the replica's
     capacity in blocks (it cannot see evictions).
+  * in flight (`events` mode, not `events-only`): events arrive only when a replica admits a
+    request, which under load is long after the router sent it; meanwhile the next turn of the
+    same conversation would not find its prefix anywhere. So the router also records what it sent
+    as *pending* entries of that replica (`add_pending`), until the replica has taken the request
+    (`resolve_pending`: in the simulator at admission, live at the first token) - by then its
+    BlockStored events have named the blocks for real. (`replay --router-index` compares the three.)
 A replica that leaves (killed, or a gap in its event stream that replay cannot fill) is dropped
 with `remove_replica()`: its blocks are forgotten at once, so nothing is routed there for them.
 
@@ -26,7 +32,7 @@ import msgpack
 
 BlockHash = Hashable  # bytes or int (vLLM's ExternalBlockHash), whatever the replicas publish
 ReplicaId = Hashable
-MODES = ("events", "approx")
+MODES = ("events", "events-only", "approx")
 
 
 class PrefixIndex:
@@ -40,23 +46,26 @@ class PrefixIndex:
         self._holders: dict[BlockHash, set[ReplicaId]] = {}  # hash -> replicas holding it
         self._counts: dict[ReplicaId, Counter[BlockHash]] = {}  # events mode: copies per replica
         self._lru: dict[ReplicaId, OrderedDict[BlockHash, None]] = {}  # approx mode
+        self._pending: dict[ReplicaId, Counter[BlockHash]] = {}  # events mode: sent, not yet admitted
+        self._inflight: dict[Hashable, tuple[ReplicaId, Sequence[BlockHash]]] = {}
 
     # -- membership -----------------------------------------------------------------------------
     @property
     def replicas(self) -> list[ReplicaId]:
-        return list(self._counts if self.mode == "events" else self._lru)
+        return list(self._lru if self.mode == "approx" else self._counts)
 
     def add_replica(self, replica: ReplicaId) -> None:
-        if self.mode == "events":
-            self._counts.setdefault(replica, Counter())
-        else:
+        if self.mode == "approx":
             self._lru.setdefault(replica, OrderedDict())
+        else:
+            self._counts.setdefault(replica, Counter())
 
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget every block of the replica (it left, or its event stream has a hole)."""
-        blocks: Iterable[BlockHash] = (
-            self._counts.pop(replica, Counter()) if self.mode == "events" else self._lru.pop(replica, OrderedDict())
+        blocks: list[BlockHash] = list(
+            self._lru.pop(replica, OrderedDict()) if self.mode == "approx" else self._counts.pop(replica, Counter())
         )
+        blocks += self._pending.pop(replica, Counter())
         holders = self._holders
         for h in blocks:
             s = holders.get(h)
@@ -66,7 +75,7 @@ class PrefixIndex:
                     del holders[h]
 
     def num_blocks(self, replica: ReplicaId) -> int:
-        return len(self._counts.get(replica, ())) if self.mode == "events" else len(self._lru.get(replica, ()))
+        return len(self._lru.get(replica, ())) if self.mode == "approx" else len(self._counts.get(replica, ()))
 
     # -- events mode ----------------------------------------------------------------------------
     def stored(self, replica: ReplicaId, hashes: Iterable[BlockHash]) -> None:
@@ -81,17 +90,52 @@ class PrefixIndex:
         counts = self._counts.get(replica)
         if counts is None:
             return
-        holders = self._holders
         for h in hashes:
             c = counts.get(h, 0)
             if c > 1:
                 counts[h] = c - 1
             elif c == 1:
                 del counts[h]
-                s = holders[h]
-                s.discard(replica)
-                if not s:
-                    del holders[h]
+                if h not in self._pending.get(replica, ()):
+                    self._drop_holder(h, replica)
+
+    def _drop_holder(self, h: BlockHash, replica: ReplicaId) -> None:
+        s = self._holders[h]
+        s.discard(replica)
+        if not s:
+            del self._holders[h]
+
+    def add_pending(self, replica: ReplicaId, request_id: Hashable, hashes: Sequence[BlockHash]) -> None:
+        """The router sent request `request_id` with these block hashes to the replica (events mode;
+        nothing in events-only mode)."""
+        if self.mode != "events":
+            return
+        pending = self._pending.setdefault(replica, Counter())
+        holders = self._holders
+        for h in hashes:
+            if not pending[h]:
+                holders.setdefault(h, set()).add(replica)
+            pending[h] += 1
+        self._inflight[request_id] = (replica, hashes)
+
+    def resolve_pending(self, request_id: Hashable) -> None:
+        """The replica took the request (its KV events now speak for its blocks)."""
+        entry = self._inflight.pop(request_id, None)
+        if entry is None:
+            return
+        replica, hashes = entry
+        pending = self._pending.get(replica)
+        if pending is None:  # the replica left meanwhile
+            return
+        counts = self._counts.get(replica, Counter())
+        for h in hashes:
+            c = pending[h] - 1
+            if c > 0:
+                pending[h] = c
+                continue
+            del pending[h]
+            if not counts.get(h):
+                self._drop_holder(h, replica)
 
     def cleared(self, replica: ReplicaId) -> None:
         self.remove_replica(replica)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app (FastAPI), shaped like `vllm serve`: routes and wiring only.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /ping, GET /version, GET /metrics, POST /reset_prefix_cache. The routes' work lives in
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models,
+GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version,
+GET /metrics, and POST /reset_prefix_cache in dev mode only (VLLM_SERVER_DEV_MODE=1, as vLLM). The routes' work lives in
 completions.py and chat.py (shared parts in serving.py, the stream loop in streaming.py), errors
 in errors.py, auth and limits in middleware.py, the process (flags, signals) in launch.py.
 """
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
@@ -29,11 +31,14 @@ from .middleware import APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     ModelCard,
     ModelList,
     PoolingRequest,
 )
+from .stats_logger import StatsLogger
+from .tokenization import OpenAIServingTokenization
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far above any prompt that fits a context
@@ -45,21 +50,29 @@ def create_app(
     engine: LLMEngine,
     *,
     served_model_names: list[str] | None = None,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     model_root: str | None = None,
     engine_thread: bool = True,
     limits: RequestLimits | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     lora_modules: list[LoRARequest] | None = None,
+    dev_mode: bool | None = None,
+    log_stats_interval: float | None = None,
     tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
     `app.state.async_engine.run()` itself (`prefixkv serve` does, on the main thread).
-    An empty `api_key` means no key, as None does."""
+    An empty `api_key` (or a list of empty keys) means no key, as None does. `dev_mode` (default:
+    $VLLM_SERVER_DEV_MODE, as vLLM) adds the admin routes: POST /reset_prefix_cache.
+    `log_stats_interval`: seconds between vLLM's periodic stats lines (None: none)."""
+    if dev_mode is None:
+        dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes")
     names = list(served_model_names or [model_root or DEFAULT_MODEL_NAME])
     metrics = ServerMetrics(engine, names[0])
-    async_engine = AsyncEngine(engine, on_finished=metrics.on_finished, on_aborted=metrics.aborted.inc)
+    async_engine = AsyncEngine(
+        engine, on_finished=metrics.on_finished, on_aborted=metrics.aborted.inc, on_step=metrics.on_step
+    )
     limits = limits or RequestLimits()
 
     def count_error(status: int) -> None:
@@ -69,6 +82,7 @@ def create_app(
     chat = OpenAIServingChat(engine, async_engine, names, limits, count_error)
     chat.tool_parser = tool_call_parser  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
     embeddings = OpenAIServingEmbedding(engine, async_engine, names, limits, count_error)
+    tokenization = OpenAIServingTokenization(chat)
     loras: LoRARegistry | None = None
     if getattr(engine.config, "enable_lora", False) or lora_modules:
         loras = LoRARegistry(names)
@@ -79,9 +93,14 @@ def create_app(
     async def lifespan(app: FastAPI):
         if engine_thread:
             async_engine.start()
+        stats_task = None
+        if log_stats_interval is not None:
+            stats_task = asyncio.create_task(StatsLogger(engine).run(log_stats_interval))
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
     app = FastAPI(title="prefixkv", version=__version__, lifespan=lifespan)
@@ -90,8 +109,9 @@ def create_app(
     app.state.metrics = metrics
     # Added last = outermost: the body cap answers before the key is even looked at.
     app.add_middleware(DrainMiddleware, is_draining=lambda: async_engine.is_draining)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=lambda: count_error(401))
+    keys = [k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k]
+    if keys:
+        app.add_middleware(APIKeyMiddleware, api_key=keys, on_reject=lambda: count_error(401))
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, on_reject=lambda: count_error(413))
     install_error_handlers(app, count_error)
 
@@ -114,10 +134,28 @@ def create_app(
     if loras is not None:
         add_lora_routes(app, loras, async_engine)
 
+    def model_cards() -> list[ModelCard]:
+        cards = [ModelCard(id=n, root=model_root or n, max_model_len=engine.max_model_len) for n in names]
+        return cards + (loras.cards(engine.max_model_len) if loras is not None else [])
+
     @app.get("/v1/models")
     async def models():
-        cards = [ModelCard(id=n, root=model_root or n, max_model_len=engine.max_model_len) for n in names]
-        return ModelList(data=cards + (loras.cards(engine.max_model_len) if loras is not None else []))
+        return ModelList(data=model_cards())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        for card in model_cards():
+            if card.id == model_id:
+                return card
+        raise APIError(f"The model `{model_id}` does not exist.", 404, "NotFoundError", "model")
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict = Body(...)):  # noqa: B008 - FastAPI's way to take the raw JSON object
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return await tokenization.detokenize(req)
 
     @app.get("/health")
     async def health():
@@ -125,7 +163,7 @@ def create_app(
             return error_response("the engine is not running", 503)
         return Response(status_code=200)
 
-    @app.get("/ping")
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():
         return await health()
 
@@ -137,8 +175,18 @@ def create_app(
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    if not dev_mode:
+        return app
+
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+        # reset_external: there is no external (connector) cache, so there is nothing more to reset
+        if reset_running_requests:
+            raise APIError(
+                "reset_running_requests=true is not supported: the cache is reset only when no request holds blocks",
+                400,
+                param="reset_running_requests",
+            )
         ok = await async_engine.reset_prefix_cache()
         if not ok:
             raise APIError("the prefix cache cannot be reset while requests hold blocks; retry when idle", 409)

@@ -55,9 +55,11 @@ class AsyncEngine:
         engine: LLMEngine,
         on_finished: Callable[[RequestOutput], None] | None = None,
         on_aborted: Callable[[], None] | None = None,
+        on_step: Callable[[list[RequestOutput], int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_finished = on_finished
+        self.on_step = on_step  # (outputs, tokens computed) after every step, on the engine thread
         self.on_aborted = on_aborted
         self._cv = threading.Condition()
         self._commands: deque[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None] | None]] = deque()
@@ -146,6 +148,11 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             self.last_step_time = time.time()
+            if self.on_step is not None:
+                try:
+                    self.on_step(outputs, engine.last_step_num_tokens)
+                except Exception:
+                    logger.exception("metrics callback failed")
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if out.finished:
@@ -208,6 +215,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_request: Any = None,
         hidden_states_from: int | None = None,
+        priority: int = 0,
         mm_items: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
@@ -226,6 +234,7 @@ class AsyncEngine:
                 arrival_time=arrival,
                 lora_request=lora_request,
                 **({} if hidden_states_from is None else {"hidden_states_from": hidden_states_from}),
+                **({} if priority == 0 else {"priority": priority}),
                 **({} if not mm_items else {"mm_items": mm_items}),
             )
             self._streams[request_id] = stream

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from fastapi import Request
 
@@ -54,20 +55,47 @@ class OpenAIServingChat(OpenAIServing):
             parts.append(text)
         return "\n".join(parts)
 
-    async def prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> tuple[list[int], tuple]:
-        """The prompt's token ids, and its multimodal items when messages have image parts."""
-        raw = [m.model_dump(exclude_none=True) for m in req.messages]
-        if not raw:
-            raise APIError("messages must not be empty", 400, param="messages")
+    def renderer(self, req: Any, plan: ToolPlan | None = None):
+        """The request's messages -> prompt text: its template (the request's `chat_template`,
+        else the model's) with its options, as vLLM renders them. Options are checked here."""
+        if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise APIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                400,
+                param="continue_final_message",
+            )
+        if req.chat_template is not None:
+            self.check_text(req.chat_template, "chat_template")
+        kwargs = dict(req.chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message", "tokenize"):
+            if reserved in kwargs:
+                raise APIError(
+                    f"chat_template_kwargs must not set {reserved!r}: it is a request field of its own",
+                    400,
+                    param="chat_template_kwargs",
+                )
+        if plan is not None:
+            kwargs["tools"] = plan.tools
 
         def render(messages: list[dict]) -> str:
-            return self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(  # type: ignore[return-value]
                 messages,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 tokenize=False,
-                **({"tools": plan.tools} if plan is not None else {}),
-                **(req.chat_template_kwargs or {}),
+                chat_template=req.chat_template,
+                continue_final_message=req.continue_final_message,
+                **kwargs,
             )
+
+        return render
+
+    async def prompt(self, req: Any, plan: ToolPlan | None = None) -> tuple[list[int], tuple]:
+        """The prompt's token ids, and its multimodal items when messages have image parts.
+        `req`: a chat request, or /tokenize's chat form (the same fields)."""
+        raw = [m.model_dump(exclude_none=True) for m in req.messages]
+        if not raw:
+            raise APIError("messages must not be empty", 400, param="messages")
+        render = self.renderer(req, plan)
 
         if has_image_parts(raw):
             return await self.prompt_with_images(req, raw, render)
@@ -78,12 +106,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             text = render(messages)
         except Exception as e:  # template errors (e.g. raise_exception in the template) are the caller's
-            raise APIError(f"chat template failed: {e}", 400, param="messages") from e
-        if req.continue_final_message:
-            end = self.tokenizer.eos_token or ""
-            text = text.rstrip()
-            if end and text.endswith(end):
-                text = text[: -len(end)]
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise APIError(f"chat template failed: {type(e).__name__}: {e}", 400, param=param) from e
         self.check_text(text, "messages")
         return await self.tokenize(text, req.add_special_tokens), ()
 
@@ -125,6 +149,13 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
         plan = plan_tools(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
         ids, mm_items = await self.prompt(req, plan)
+        if req.truncate_prompt_tokens is not None and mm_items:
+            raise APIError(
+                "truncate_prompt_tokens with image parts is not supported (it would cut image placeholders)",
+                400,
+                param="truncate_prompt_tokens",
+            )
+        ids = self.truncate(ids, req)
         max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
         params = self.params(req, max_tokens)
         if plan is not None and plan.structured_outputs is not None:  # required / named: the call's grammar
@@ -133,11 +164,22 @@ class OpenAIServingChat(OpenAIServing):
                     f'tool_choice "{plan.mode}" cannot be combined with response_format / structured_outputs', 400
                 )
             params.structured_outputs = plan.structured_outputs
+        if plan is not None and plan.parser is not None and plan.parser.keeps_special_tokens:
+            params.skip_special_tokens = False  # the parser reads a special token (mistral's [TOOL_CALLS])
         await self.compile_grammar(params)
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
         k = req.top_logprobs or 0
-        gens = self.start([ids], [None], params, rid, req.cache_salt, self.lora_for(req.model), mm_items=[mm_items])
+        gens = self.start(
+            [ids],
+            [None],
+            params,
+            rid,
+            req.cache_salt,
+            self.lora_for(req.model),
+            mm_items=[mm_items],
+            priority=req.priority,
+        )
         if req.stream:
             return self.stream(req, gens, [ids], rid, created, model, params.n, k, plan)
         finals = await self.collect(raw, gens)
@@ -154,6 +196,7 @@ class OpenAIServingChat(OpenAIServing):
                     else None,
                     finish_reason=finish_for(plan, o.finish_reason, bool(calls)) if plan else o.finish_reason,
                     stop_reason=o.stop_reason,
+                    token_ids=list(o.token_ids) if req.return_token_ids else None,
                 )
             )
         return ChatCompletionResponse(
@@ -163,14 +206,17 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=self.usage([ids], finals),
             prompt_logprobs=out.prompt_logprobs,
+            prompt_token_ids=ids if req.return_token_ids else None,
         )
 
     def stream(self, req, gens, prompts, rid, created, model, n, k, plan=None):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-        def response(choices, usage=None) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
+        def response(choices, usage=None, prompt_ids=None) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(
+                id=rid, created=created, model=model, choices=choices, usage=usage, prompt_token_ids=prompt_ids
+            )
 
         tools = ToolStream(plan) if plan is not None else None
 
@@ -188,6 +234,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=lp,
                 finish_reason=finish,
                 stop_reason=d.choice.stop_reason,
+                token_ids=d.new_token_ids if req.return_token_ids else None,
             )
             return chunk_dict(response([choice], self.usage(prompts, state.latest) if continuous else None))
 
@@ -197,6 +244,7 @@ class OpenAIServingChat(OpenAIServing):
                 response(
                     [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
                     self.usage(prompts, {}) if continuous else None,
+                    prompts[0] if req.return_token_ids else None,  # as vLLM: on the first chunk
                 )
             )
             for i in range(n)

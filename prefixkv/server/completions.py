@@ -3,16 +3,35 @@ logprobs and vLLM's prompt_logprobs."""
 
 from __future__ import annotations
 
+import base64
 import time
+from dataclasses import replace
+from typing import Any
 
+import numpy as np
 from fastapi import Request
 
 from ..outputs import RequestOutput
 from .errors import APIError
 from .logprobs import completion_logprobs, echoed_completion_logprobs
-from .protocol import CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, random_id
+from .protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    HiddenStates,
+    random_id,
+)
 from .serving import OpenAIServing
 from .streaming import ChoiceDelta, StreamState, chunk_dict, sse_stream
+
+
+def hidden_states_of(hidden: Any) -> HiddenStates | None:
+    """A request's hidden states on the wire: float32, row-major, base64."""
+    if hidden is None:
+        return None
+    array = hidden.float().cpu().numpy().astype("<f4", copy=False)
+    return HiddenStates(shape=list(array.shape), data=base64.b64encode(np.ascontiguousarray(array).tobytes()).decode())
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -46,12 +65,23 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         self.check_common(req)
         prompts, texts = await self.prompts(req)
+        if req.truncate_prompt_tokens is not None:
+            cut = [self.truncate(p, req) for p in prompts]
+            texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]  # echo decodes the cut
+            prompts = cut
         max_tokens = req.max_tokens
         for ids in prompts:
             max_tokens = self.check_length(ids, req.max_tokens, "prompt")
         if len(prompts) > 1 and req.max_tokens is None:
             max_tokens = self.max_model_len - max(len(p) for p in prompts)
         params = self.params(req, max_tokens)
+        if req.return_hidden_states:
+            if req.stream:
+                raise APIError("return_hidden_states is not supported with stream", 400, param="return_hidden_states")
+            try:
+                params = replace(params, return_hidden_states=True)
+            except ValueError as e:
+                raise APIError(str(e), 400, param="return_hidden_states") from e
         await self.compile_grammar(params)
         rid = req.request_id or random_id("cmpl")
         created = int(time.time())
@@ -60,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo = [
             (t if t is not None else self.tokenizer.decode(ids)) if req.echo else "" for ids, t in zip(prompts, texts)
         ]
-        gens = self.start(prompts, texts, params, rid, req.cache_salt, self.lora_for(req.model))
+        gens = self.start(prompts, texts, params, rid, req.cache_salt, self.lora_for(req.model), priority=req.priority)
         if req.stream:
             return self.stream(req, gens, prompts, echo, rid, created, model, n, k)
         finals = await self.collect(raw, gens)
@@ -79,6 +109,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
                         prompt_logprobs=out.prompt_logprobs if req.prompt_logprobs is not None else None,
+                        prompt_token_ids=prompts[i] if req.return_token_ids else None,
+                        token_ids=list(o.token_ids) if req.return_token_ids else None,
+                        hidden_states=hidden_states_of(out.hidden_states) if req.return_hidden_states else None,
                     )
                 )
         return CompletionResponse(
@@ -109,6 +142,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=d.choice.finish_reason,
                         stop_reason=d.choice.stop_reason,
                         prompt_logprobs=d.output.prompt_logprobs if want_prompt_lp else None,
+                        prompt_token_ids=prompts[i] if req.return_token_ids and d.first else None,
+                        token_ids=d.new_token_ids if req.return_token_ids else None,
                     )
                 ],
             )

@@ -7,10 +7,12 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
 from .limits import RequestLimits
+from .stats_logger import interval_from_env
 from .tools import TOOL_PARSERS
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -26,9 +28,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     g.add_argument(
         "--api-key",
-        default=os.environ.get("VLLM_API_KEY") or os.environ.get("PREFIXKV_API_KEY"),
+        # one key per flag, repeated for several (vLLM also takes `--api-key A B`, but there a key
+        # placed before MODEL swallows it: `--api-key k ./model` would serve the default model)
+        action="append",
+        default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
-        "/version; an empty key means none (default: $VLLM_API_KEY, else none)",
+        "/version; repeat the flag for several keys, each accepted; an empty key "
+        "means none (default: $VLLM_API_KEY, else none)",
     )
     g.add_argument(
         "--lora-modules",
@@ -38,6 +44,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help='LoRA adapters (PEFT folders) served as models: name=path or {"name": ..., "path": ...}; needs '
         '--enable-lora; requests pick one with "model": name',
+    )
+    g.add_argument(
+        "--chat-template",
+        type=load_chat_template,
+        default=None,
+        help="Jinja chat template to use instead of the model's: a file, or the template itself inline "
+        "(as vLLM: a value with no '{', '}' or newline that is no file is an error)",
     )
     g.add_argument(
         "--served-model-name",
@@ -88,7 +101,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="how tool calls are found in the model's text: hermes (<tool_call>{json}</tool_call>: "
-        "Qwen2.5/3, Hermes, SmolLM3 templates) or llama3_json (Llama 3.1+)",
+        "Qwen2.5/3, Hermes, SmolLM3 templates), llama3_json (Llama 3.1+) or mistral ([TOOL_CALLS] [...])",
     )
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
@@ -102,8 +115,42 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disable-log-stats",
         action="store_true",
-        help="accepted for vLLM compatibility (prefixkv logs no periodic stats)",
+        help="do not log vLLM's periodic stats line (throughput, running / waiting requests, KV cache usage, "
+        "prefix cache hit rate; every $VLLM_LOG_STATS_INTERVAL seconds, default 10)",
     )
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's content, or the inline template (escapes such as \\n decoded),
+    as vLLM's load_chat_template; checked to compile now, not at the first request."""
+    import codecs
+
+    try:
+        with open(os.path.expanduser(value), encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise argparse.ArgumentTypeError(
+                f"the chat template {value!r} looks like a file path, but it cannot be opened: {e.strerror or e}"
+            ) from e
+        text = codecs.decode(value, "unicode_escape")
+    from ..model.tokenizer import _compile_template
+
+    try:
+        _compile_template(text)
+    except Exception as e:  # jinja2's TemplateSyntaxError and friends
+        raise argparse.ArgumentTypeError(f"the chat template does not compile: {e}") from e
+    return text
+
+
+def api_keys_of(args: argparse.Namespace) -> list[str]:
+    """The accepted keys: the flags', else $VLLM_API_KEY (or $PREFIXKV_API_KEY); empty ones dropped."""
+    keys = (
+        args.api_key
+        if args.api_key is not None
+        else [os.environ.get("VLLM_API_KEY") or os.environ.get("PREFIXKV_API_KEY") or ""]
+    )
+    return [k for k in keys if k]
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -128,8 +175,35 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
-    """Serve a loaded engine until a signal; returns the process exit code."""
+class PortInUse(OSError):
+    """The server's address cannot be bound (another process holds the port)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the server's address before the model loads, as vLLM does, so a port in use fails in
+    a moment, not after the load. No SO_REUSEPORT (vLLM sets it): with it a second server would
+    bind the same port and share its connections."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise PortInUse(f"cannot resolve --host {host!r}: {e}") from e
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers only
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise PortInUse(
+            f"cannot bind {host}:{port}: {e.strerror or e} (is another server running on that port?)"
+        ) from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: socket.socket | None = None) -> int:
+    """Serve a loaded engine until a signal; returns the process exit code. `sock`: the address
+    bound before the load (bind_socket); bound here when not given."""
     import uvicorn
 
     from .app import create_app
@@ -142,18 +216,23 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
         require_cache_salt=args.require_cache_salt,
     )
     names = args.served_model_name or [model_name]
+    api_keys = api_keys_of(args)
+    if getattr(args, "chat_template", None):
+        engine.tokenizer.set_chat_template(args.chat_template)
+        log.info("chat template: from --chat-template")
     app = create_app(
         engine,
         served_model_names=names,
-        api_key=args.api_key or None,
+        api_key=api_keys or None,
         model_root=model_name,
         engine_thread=False,
         limits=limits,
         max_request_body_bytes=args.max_request_body_bytes,
         lora_modules=getattr(args, "lora_modules", None),
+        log_stats_interval=None if args.disable_log_stats else interval_from_env(),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
-    log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if args.api_key else "off")
+    log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if api_keys else "off")
     async_engine = app.state.async_engine
     # The engine loop stays on the main thread (torch runs slower from threads started later, see
     # server/async_engine.py); HTTP runs in a thread, and signals reach it through should_exit.
@@ -170,7 +249,9 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str) -> int:
             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
         )
     )
-    http = threading.Thread(target=server.run, name="prefixkv-http", daemon=True)
+    if sock is None:
+        sock = bind_socket(args.host, args.port)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="prefixkv-http", daemon=True)
 
     def stop(signum: int, _frame: Any) -> None:
         if server.should_exit:  # a second signal: stop now

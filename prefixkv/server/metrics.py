@@ -91,6 +91,16 @@ LATENCY_BUCKETS = [
     7680.0,
 ]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+_ITL_STALE_S = 600.0  # a request seen last this long ago was aborted: forget its last token time
+
+
+def iteration_buckets(max_num_batched_tokens: int) -> list[float]:
+    """Powers of two up to the step's token budget (vLLM's are its CUDA graph sizes + the budget)."""
+    out, b = [], 1
+    while b < max_num_batched_tokens:
+        out.append(float(b))
+        b *= 2
+    return [*out, float(max_num_batched_tokens)]
 
 
 class _EngineCollector:
@@ -164,6 +174,34 @@ class _EngineCollector:
             "KV cache events dropped because nobody drained them.",
             stats.num_kv_events_dropped,
         )
+        cfg = e.config
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[
+                "block_size",
+                "cache_dtype",
+                "enable_prefix_caching",
+                "num_gpu_blocks",
+                "prefix_caching_hash_algo",
+                "kv_cache_memory_bytes",
+                "eviction_policy",
+            ],
+        )
+        algo = cfg.prefix_caching_hash_algo
+        info.add_metric(
+            [
+                str(stats.block_size),
+                str(getattr(cfg, "kv_cache_dtype", "auto")),
+                str(bool(cfg.enable_prefix_caching)),
+                str(stats.num_blocks),
+                algo if isinstance(algo, str) else "custom",
+                str(cfg.kv_cache_memory_bytes),
+                str(getattr(cfg, "eviction_policy", "lru")),
+            ],
+            1.0,
+        )
+        yield info
         if stats.multimodal:  # the image encoder cache (docs/multimodal.md)
             yield counter(
                 "prefixkv:mm_encoder_cache_queries",
@@ -204,9 +242,39 @@ class ServerMetrics:
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS
         )
+        # vLLM 0.32: the per-request mean is request_time_per_output_token; the old name stays an alias
         self.tpot = histogram(
-            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", TPOT_BUCKETS
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (alias of vllm:request_time_per_output_token_seconds).",
+            TPOT_BUCKETS,
         )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            TPOT_BUCKETS,
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TPOT_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            iteration_buckets(engine.config.max_num_batched_tokens),
+        )
+        self._last_token: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time), engine thread only
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -228,6 +296,26 @@ class ServerMetrics:
             "prefixkv:http_request_errors", "Requests answered with an error status.", names + ["status"], registry=r
         )
 
+    def on_step(self, outputs: list[RequestOutput], num_tokens: int) -> None:
+        """Called on the engine thread after every step: tokens per step, and one inter-token
+        latency per request that got new tokens (the time since its previous ones, as vLLM)."""
+        if num_tokens > 0:
+            self.iteration_tokens.observe(num_tokens)
+        now = time.time()
+        last = self._last_token
+        for out in outputs:
+            n = sum(len(o.token_ids) for o in out.outputs)
+            prev = last.get(out.request_id)
+            if prev is not None and n > prev[0]:
+                self.itl.observe(max(0.0, now - prev[1]))
+            if out.finished:
+                last.pop(out.request_id, None)
+            elif n > 0 and (prev is None or n > prev[0]):
+                last[out.request_id] = (n, now)
+        if len(last) > 4096:  # aborted requests never finish here: forget the stale ones
+            for rid in [r for r, (_, t) in last.items() if now - t > _ITL_STALE_S]:
+                del last[rid]
+
     def on_finished(self, out: RequestOutput) -> None:
         """Called on the engine thread when a request finishes."""
         m = out.metrics
@@ -235,6 +323,16 @@ class ServerMetrics:
         if m is not None:
             if m.first_token_time is not None:
                 self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                if m.first_scheduled_time is not None:
+                    self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+                if m.last_token_time is not None:
+                    decode = max(0.0, m.last_token_time - m.first_token_time)
+                    self.decode_time.observe(decode)
+                    per_seq = n_out // max(1, len(out.outputs))
+                    if per_seq > 1:
+                        self.request_tpot.observe(decode / (per_seq - 1))
+                    if m.first_scheduled_time is not None:
+                        self.inference_time.observe(max(0.0, m.last_token_time - m.first_scheduled_time))
             if m.finished_time is not None:
                 self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
                 if m.first_token_time is not None and n_out > len(out.outputs):

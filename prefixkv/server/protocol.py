@@ -51,17 +51,14 @@ UNSUPPORTED_FIELDS = {
     "function_call": "function calling is not implemented yet",
     "use_beam_search": "beam search is not implemented",
     "length_penalty": "beam search is not implemented",
-    "truncate_prompt_tokens": "prompt truncation is not implemented yet",
     "prompt_embeds": "prompt embeddings are not supported",
     "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
     "mm_processor_kwargs": "multimodal inputs are not supported yet",
-    "priority": "priority scheduling is not implemented (first come, first served)",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning models' options are not supported",
     "documents": "documents for the chat template are not supported",
-    "chat_template": "a per-request chat template is not supported (the model's own is used)",
     "tool_call_id": "tool calling is not implemented yet",
 }
 
@@ -106,6 +103,9 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     request_id: str | None = None
     prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
+    priority: int = 0  # vLLM extra: with --scheduling-policy priority, lower is scheduled first
+    truncate_prompt_tokens: int | None = None  # vLLM extra: keep the prompt's last k tokens (-1: the context)
+    return_token_ids: bool | None = None  # vLLM extra: prompt_token_ids and each choice's token_ids
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string key) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM extra
     bad_words: list[str] | None = None  # vLLM extra
@@ -113,15 +113,21 @@ class _SamplingFields(BaseModel):
     structured_outputs: dict[str, Any] | None = None  # vLLM extra: StructuredOutputsParams' fields
 
     def _params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Raises ValueError (-> HTTP 400) on bad values."""
+        """Raises ValueError (-> HTTP 400) on bad values. `defaults`: the model's sampling
+        defaults (generation_config.json) for the fields the request leaves out, as vLLM."""
+        d = defaults or {}
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=d.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -133,7 +139,9 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
@@ -145,17 +153,20 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
+    # prefixkv extra (for a downstream stage): each choice carries the final hidden state of every
+    # computed position, prompt then output but its last token (SamplingParams.return_hidden_states)
+    return_hidden_states: bool | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:  # echoed prompt tokens get logprobs too
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
-        return self._params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -175,17 +186,59 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, lp)
+        return self._params(max_tokens, lp, None, defaults)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with chat messages (vLLM's shape): the tokens a chat request would prefill."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class PromptTokensDetails(BaseModel):
@@ -224,6 +277,17 @@ class CompletionResponseChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: first chunk of the choice)
+    token_ids: list[int] | None = None  # return_token_ids (streamed: this chunk's tokens)
+    hidden_states: HiddenStates | None = None  # return_hidden_states
+
+
+class HiddenStates(BaseModel):
+    """A (rows, hidden_size) float32 tensor: base64 of its row-major little-endian bytes."""
+
+    shape: list[int]
+    dtype: Literal["float32"] = "float32"
+    data: str
 
 
 class CompletionResponse(BaseModel):
@@ -261,6 +325,7 @@ class ChatCompletionResponseChoice(BaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -271,6 +336,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -285,6 +351,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -294,6 +361,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first (role) chunk
 
 
 class ModelCard(BaseModel):
@@ -362,15 +430,6 @@ class PoolingData(BaseModel):
     data: list[float] | list[list[float]] | str
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[PoolingData]
-    usage: UsageInfo
-
-
 class EmbeddingResponse(BaseModel):
     id: str
     object: Literal["list"] = "list"
@@ -378,3 +437,7 @@ class EmbeddingResponse(BaseModel):
     model: str
     data: list[EmbeddingData]
     usage: UsageInfo  # as vLLM: completion_tokens stays 0
+
+
+class PoolingResponse(EmbeddingResponse):
+    data: list[PoolingData]  # type: ignore[assignment]

@@ -161,12 +161,29 @@ class OpenAIServing:
                 texts.append(None)
         return ids, texts
 
-    @staticmethod
-    def params(req: Any, max_tokens: int | None) -> SamplingParams:
+    def params(self, req: Any, max_tokens: int | None) -> SamplingParams:
+        """The request's SamplingParams; fields it leaves out take the model's defaults
+        (--generation-config), and its max_tokens is at most theirs (as vLLM's get_max_tokens)."""
+        defaults = getattr(self.engine, "default_sampling_params", None) or {}
+        default_max = defaults.get("max_tokens")
+        if isinstance(default_max, int) and isinstance(max_tokens, int) and default_max < max_tokens:
+            max_tokens = default_max
         try:
-            return req.to_sampling_params(max_tokens)
+            return req.to_sampling_params(max_tokens, defaults)
         except (ValueError, TypeError, OverflowError) as e:
             raise APIError(str(e), 400) from e
+
+    def truncate(self, ids: list[int], req: Any) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length)."""
+        k = getattr(req, "truncate_prompt_tokens", None)
+        if k is None:
+            return ids
+        if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1):
+            raise APIError(
+                f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}", 400, param="truncate_prompt_tokens"
+            )
+        k = self.max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile (or find cached) the structured-outputs grammar in a worker thread, so the
@@ -204,6 +221,7 @@ class OpenAIServing:
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
         hidden_states_from: int | None = None,
+        priority: int = 0,
         mm_items: list[tuple] | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
@@ -220,6 +238,7 @@ class OpenAIServing:
                 cache_salt=cache_salt,
                 lora_request=lora_request,
                 hidden_states_from=hidden_states_from,
+                priority=priority,
                 mm_items=mm_items[i] if mm_items else None,
             )
             for i, (p, t, rid) in enumerate(zip(prompts, texts, ids))

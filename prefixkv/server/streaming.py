@@ -97,6 +97,7 @@ class ChoiceDelta:
     token_ids: list[int]  # new tokens that carry logprobs (when logprobs were asked)
     logprobs: list[dict[int, Logprob]] | None
     first: bool  # the choice's first chunk
+    new_token_ids: list[int] = field(default_factory=list)  # every token since the last chunk
 
 
 @dataclass
@@ -105,6 +106,7 @@ class StreamState:
     finals: dict[int, RequestOutput] = field(default_factory=dict)
     sent_text: dict[int, int] = field(default_factory=dict)  # by choice index; -1 once finished
     sent_tokens: dict[int, int] = field(default_factory=dict)
+    sent_ids: dict[int, int] = field(default_factory=dict)  # tokens already in a chunk, by choice index
 
 
 async def choice_deltas(
@@ -132,7 +134,9 @@ async def choice_deltas(
                 tokens, logprobs = o.token_ids[t0:t1], o.logprobs[t0:t1]
                 state.sent_tokens[idx] = t1
             state.sent_text[idx] = -1 if o.finish_reason else len(o.text)
-            yield ChoiceDelta(i, idx, out, o, text, start, tokens, logprobs, first)
+            sent = state.sent_ids.get(idx, 0)
+            state.sent_ids[idx] = len(o.token_ids)
+            yield ChoiceDelta(i, idx, out, o, text, start, tokens, logprobs, first, list(o.token_ids[sent:]))
 
 
 def sse_stream(
@@ -144,17 +148,26 @@ def sse_stream(
     usage_chunk: Callable[[StreamState], dict] | None = None,
     on_error: Callable[[int], Any] | None = None,
 ) -> StreamingResponse:
-    """The streamed response of a request: `prelude` chunks, one chunk per choice delta, the
-    usage chunk, then [DONE]. A failure mid-stream (engine error, shutdown, bad value found late)
+    """The streamed response of a request: `prelude` chunks (with the first delta), one chunk per
+    choice delta, the usage chunk, then [DONE]. A failure mid-stream (engine error, shutdown, bad value found late)
     becomes an OpenAI error event, so the client always sees why the stream ended."""
 
     async def body() -> AsyncIterator[str]:
         state = StreamState()
+        # The prelude (chat's assistant-role chunks) waits for the first computed output, as
+        # vLLM's: sent at once, it would arrive before the prefill and a client's time to first
+        # token would measure nothing.
+        pending = list(prelude)
         try:
-            for chunk in prelude:
-                yield sse(chunk)
             async for delta in choice_deltas(gens, n, state):
+                if pending:
+                    for chunk in pending:
+                        yield sse(chunk)
+                    pending = []
                 yield sse(make_chunk(delta, state))
+            for chunk in pending:  # nothing was generated: the role still comes first
+                yield sse(chunk)
+            pending = []
             if usage_chunk is not None:
                 yield sse(usage_chunk(state))
         except Exception as e:  # noqa: BLE001 - reported to the client in-band

@@ -5,7 +5,7 @@
   --tool-call-parser NAME`: the model writes freely and the parser finds the calls in its text
   (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5/3,
   Hermes and SmolLM3 templates; `llama3_json`: `{"name": ..., "parameters": {...}}`, optionally
-  after `<|python_tag|>`, Llama 3.1+ templates).
+  after `<|python_tag|>`, Llama 3.1+ templates; `mistral`: `[TOOL_CALLS] [{...}, ...]`).
 - `tool_choice="required"` and a named function are constrained by the grammar engine (no flags
   needed), so the call always parses: a named function's output is its arguments object (JSON
   schema: the function's `parameters`); `required` outputs a JSON array of
@@ -79,6 +79,7 @@ class ToolParser:
     """Finds tool calls in a model's text: (content before the calls or None, calls)."""
 
     marker = ""  # where the calls begin: a stream withholds text from here on
+    keeps_special_tokens = False  # the marker is a special token: the text must keep them
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
@@ -133,7 +134,35 @@ class Llama3JsonToolParser(ToolParser):
         return None, calls
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+class MistralToolParser(ToolParser):
+    """Mistral's templates: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`. `[TOOL_CALLS]`
+    is a special token: the request keeps special tokens in its text (as vLLM's parser does)."""
+
+    marker = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        try:
+            items, _ = json.JSONDecoder().raw_decode(text[at + len(self.marker) :].lstrip())
+        except ValueError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        if not all(isinstance(it, dict) and isinstance(it.get("name"), str) for it in items):
+            return text, []
+        calls = [
+            ToolCall(function=FunctionCall(name=it["name"], arguments=_arguments(it.get("arguments")))) for it in items
+        ]
+        return text[:at].strip() or None, calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+}
 
 
 # -- a request's tool plan ----------------------------------------------------------------------
@@ -243,13 +272,15 @@ def plan_tools(
 
 
 class ToolStream:
-    """Per-choice state of a streamed chat answer with tools: content deltas up to where a call
-    may begin, then the parsed calls in one delta when the choice finishes (each call complete:
-    OpenAI clients accumulate deltas, so one delta per call is a valid stream)."""
+    """Per-choice state of a streamed chat answer with tools. A named call's arguments stream as
+    they are generated (the first delta carries the id and name, as vLLM's). Otherwise: content
+    deltas up to where a call may begin, then the parsed calls in one delta when the choice
+    finishes (each call complete: OpenAI clients accumulate deltas, so that is a valid stream)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.sent: dict[int, int] = {}  # choice index -> content characters sent
+        self.ids: dict[int, str] = {}  # choice index -> its named call's id
 
     def delta(
         self, index: int, text: str, finish_reason: str | None
@@ -257,6 +288,16 @@ class ToolStream:
         """(new content or None, tool call deltas or None, finish reason) for a choice whose whole
         text so far is `text`."""
         sent = self.sent.get(index, 0)
+        if self.plan.mode == "named":  # the output is the call's arguments: streamed as they come
+            self.sent[index] = len(text)
+            new = text[sent:]
+            if not new and finish_reason is None:
+                return None, None, None
+            if index not in self.ids:
+                self.ids[index] = f"chatcmpl-tool-{uuid.uuid4().hex}"
+                fn = DeltaFunctionCall(name=self.plan.named, arguments=new)
+                return None, [DeltaToolCall(index=0, id=self.ids[index], type="function", function=fn)], finish_reason
+            return None, [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))], finish_reason
         if finish_reason is None:
             end = max(self.plan.visible_end(text), sent)
             self.sent[index] = end

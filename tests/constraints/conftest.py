@@ -26,12 +26,3 @@ def nothing_left_behind(constrained_llm):
     engine = constrained_llm.llm_engine
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-
-
-def run_all(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done

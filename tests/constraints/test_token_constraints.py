@@ -8,7 +8,7 @@ import pytest
 
 from prefixkv import SamplingParams
 
-from .conftest import run_all
+from ..engine.test_reliability import run_all
 
 PROMPT = "The capital of France is"
 

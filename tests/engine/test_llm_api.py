@@ -92,10 +92,12 @@ def test_stop_strings_and_tokens(llm):
 
 
 def test_eos_stops_unless_ignored(llm):
-    tok = llm.get_tokenizer()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
+    tok = llm.get_tokenizer()  # Hugging Face's: tokenize=True by default, as HF
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=False
+    )
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
-    assert out.finish_reason == "stop" and out.token_ids[-1] in tok.eos_token_ids
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.llm_engine.tokenizer.eos_token_ids
     assert "<|im_end|>" not in out.text
     longer = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 3, ignore_eos=True))[
         0

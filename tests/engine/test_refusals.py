@@ -30,8 +30,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
         (dict(speculative_config={"method": "ngram"}), "speculative_config"),
         (dict(limit_mm_per_prompt={"video": 1}), "limit_mm_per_prompt"),
         (dict(hf_overrides={"x": 1}), "hf_overrides"),
-        (dict(scheduling_policy="priority"), "scheduling_policy"),
-        (dict(tokenizer="other/tokenizer"), "tokenizer"),
+        (dict(scheduling_policy="lifo"), "scheduling_policy"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(max_logprobs=-1), "max_logprobs"),
         (dict(eviction_policy="nope"), "eviction_policy"),
@@ -69,7 +68,7 @@ def test_arguments_that_change_nothing_are_accepted():
         (dict(best_of=3), "best_of"),
         (dict(guided_decoding={"json": {}}), "guided_decoding"),
         (dict(logits_processors=[print]), "logits_processors"),
-        (dict(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),  # -1 or >= 1
         (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
     ],
 )
@@ -106,7 +105,10 @@ def llm(default_lm):
         (lambda llm: llm.generate("x", GREEDY, guided_options_request={"guided_json": {}}), "guided"),
         (lambda llm: llm.generate("x", GREEDY, priority=[1]), "priority"),
         (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, tools=[{"type": "function"}]), "tools"),
-        (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, chat_template="{{ x }}"), "chat_template"),
+        (
+            lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, continue_final_message=True),
+            "add_generation_prompt",
+        ),
         (lambda llm: llm.llm_engine.add_request("x", GREEDY, lora_request=LoRARequest("a", 1, ".")), "LoRA"),
     ],
 )

@@ -51,7 +51,7 @@ def test_chat_with_image_parts_equals_generate(llm):
     img = make_image(41)
     media = llm.llm_engine.config.allowed_local_media_path
     prompt = "USER: <image>\nWhat is in the picture? ASSISTANT:"
-    ids = llm.get_tokenizer().encode(prompt)  # chat adds no BOS: the template would
+    ids = llm.get_tokenizer().encode(prompt, add_special_tokens=False)  # chat adds no BOS: the template would
     expected = _tokens(
         llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": img}}, GREEDY, use_tqdm=False)
     )

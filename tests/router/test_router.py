@@ -176,3 +176,20 @@ def test_cluster_cli_on_the_shipped_trace(capsys):
     trace = load_mooncake("examples/traces/conversation_sample.jsonl", 60)
     assert rows[0]["prompt_tokens"] == sum(t.input_length for t in trace)
     assert replay_main(["examples/traces/conversation_sample.jsonl", "--replicas", "2", "--optimum"]) == 2
+
+
+def test_pending_entries_cover_requests_not_admitted_yet():
+    index = PrefixIndex("events")
+    index.add_replica(0)
+    index.add_pending(0, "req-1", ["a", "b"])
+    assert index.match(["a", "b", "c"]) == {0: 2}  # sent, not admitted: the next turn follows it
+    index.stored(0, ["a"])  # admitted: "a" cached; "b" was a hit elsewhere... or evicted at once
+    index.resolve_pending("req-1")
+    assert index.match(["a", "b"]) == {0: 1}
+    index.add_pending(0, "req-2", ["x"])
+    index.remove_replica(0)
+    index.resolve_pending("req-2")  # the replica left meanwhile: nothing to do, nothing left
+    assert index.match(["x"]) == {} and index.match(["a"]) == {}
+    only = PrefixIndex("events-only")
+    only.add_pending(0, "r", ["a"])
+    assert only.match(["a"]) == {}

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="prefixkv-serve-", suffix=".log", delete=False)
@@ -44,7 +44,9 @@ class Server:
             "--disable-uvicorn-access-log",
             *extra,
         ]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         deadline = time.time() + STARTUP_TIMEOUT
         while True:
             if self.proc.poll() is not None:
@@ -107,12 +109,35 @@ class Server:
             time.sleep(0.1)
 
 
+# The API server test_api.py and test_surface.py share (one start-up for both): two API keys,
+# two served names, dev mode (POST /reset_prefix_cache) and a fast periodic stats line.
+API_KEY = "test-key-123"
+API_KEY2 = "second-key"
+API_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def api_server():
+    s = Server(
+        "--api-key",
+        API_KEY,
+        "--api-key",
+        API_KEY2,
+        "--served-model-name",
+        API_NAME,
+        "smol",
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "0.5"},
+    )
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="module")
 def make_server():
     servers: list[Server] = []
 
-    def make(*extra: str) -> Server:
-        s = Server(*extra)
+    def make(*extra: str, env: dict[str, str] | None = None) -> Server:
+        s = Server(*extra, env=env)
         servers.append(s)
         return s
 

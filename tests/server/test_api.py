@@ -6,15 +6,13 @@ import httpx
 import openai
 import pytest
 
-from .conftest import long_text
-
-API_KEY = "test-key-123"
-NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+from .conftest import API_KEY, long_text
+from .conftest import API_NAME as NAME
 
 
 @pytest.fixture(scope="module")
-def server(make_server):
-    return make_server("--api-key", API_KEY, "--served-model-name", NAME, "smol")
+def server(api_server):  # shared with test_surface.py (conftest.py)
+    return api_server
 
 
 @pytest.fixture(scope="module")

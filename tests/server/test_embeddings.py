@@ -78,3 +78,32 @@ def test_embedding_refusals(server):
         r = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
         assert 400 <= r.status_code < 500 and needle.lower() in r.text.lower(), (body, r.text)
     server.wait_idle()
+
+
+def test_completion_return_hidden_states_equals_offline(server):
+    import base64
+
+    import numpy as np
+
+    from prefixkv import LLM, SamplingParams
+
+    prompt = long_text(33, 60) + " In short,"
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_hidden_states": True}
+    r = httpx.post(server.base + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    h = r.json()["choices"][0]["hidden_states"]
+    got = torch.from_numpy(np.frombuffer(base64.b64decode(h["data"]), dtype="<f4").reshape(h["shape"]).copy())
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, return_hidden_states=True)
+    ref = LLM(max_model_len=1024).generate([prompt], params, use_tqdm=False)[0]
+    assert got.shape == (len(ref.prompt_token_ids) + 4, ref.hidden_states.shape[1])
+    assert torch.allclose(got, ref.hidden_states.float(), atol=1e-4)
+    for extra, needle in [
+        ({"stream": True}, "stream"),
+        ({"n": 2}, "n=1"),
+    ]:
+        r = httpx.post(server.base + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and needle in r.text, r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "return_hidden_states": True}
+    r = httpx.post(server.base + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and "return_hidden_states" in r.text
+    server.wait_idle()

@@ -34,3 +34,9 @@ def test_unexpected_error_is_a_counted_openai_500(app):
         assert 'status="500"} 1.0' in metrics
         r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+def test_reset_prefix_cache_only_in_dev_mode(app):
+    """As vLLM: the admin route exists only with VLLM_SERVER_DEV_MODE=1 (this app is not in dev mode)."""
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.post("/reset_prefix_cache").status_code == 404

@@ -11,11 +11,11 @@ import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
-from prefixkv.server.tools import HermesToolParser, Llama3JsonToolParser, ToolPlan, ToolStream
+from prefixkv.server.tools import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolPlan, ToolStream
 
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
     "required": ["city", "unit"],
 }
 TOOLS = [
@@ -78,7 +78,8 @@ def stream(client, **fields) -> tuple[list[dict], str | None, str]:
                 delta = choice["delta"]
                 content += delta.get("content") or ""
                 for tc in delta.get("tool_calls") or []:
-                    call = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+                    call = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": "", "deltas": 0})
+                    call["deltas"] += 1
                     call["id"] = tc.get("id") or call["id"]
                     call["name"] += (tc.get("function") or {}).get("name") or ""
                     call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
@@ -99,6 +100,7 @@ def test_named_and_required_choices_always_parse(client):
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
     # streamed: the same call
     calls, finish, content = stream(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert len(calls) == 1 and calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["deltas"] > 3  # as generated
     assert [(c["name"], c["arguments"]) for c in calls] == [
         ("get_weather", named["message"]["tool_calls"][0]["function"]["arguments"])
     ]
@@ -106,16 +108,15 @@ def test_named_and_required_choices_always_parse(client):
 
 
 def test_auto_parses_the_models_hermes_text(client):
-    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-    forced = {"regex": r"Let me check\. <tool_call>" + call.replace("{", r"\{").replace("}", r"\}") + "</tool_call>"}
+    call = '{"name": "get_time"}'  # no arguments: "{}"
+    forced = {"regex": r"Ok\. <tool_call>" + call.replace("{", r"\{").replace("}", r"\}") + "</tool_call>"}
     auto = chat(client, structured_outputs=forced, max_tokens=64)
-    assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Let me check."
+    assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Ok."
     (parsed,) = auto["message"]["tool_calls"]
-    assert parsed["function"]["name"] == "get_weather"
-    assert json.loads(parsed["function"]["arguments"]) == {"city": "Paris"}
+    assert parsed["function"]["name"] == "get_time" and json.loads(parsed["function"]["arguments"]) == {}
     calls, finish, content = stream(client, structured_outputs=forced, max_tokens=64)
-    assert content == "Let me check. " and finish == "tool_calls"
-    assert [c["name"] for c in calls] == ["get_weather"] and json.loads(calls[0]["arguments"])["city"] == "Paris"
+    assert content == "Ok. " and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", "{}")]
     # no call in the text: plain content, nothing parsed
     plain = chat(client, max_tokens=4)
     assert plain["message"]["tool_calls"] is None and plain["finish_reason"] == "length" and plain["message"]["content"]
@@ -165,6 +166,13 @@ def test_refusals_are_vllms(engine, client):
             [("f", {"a": 1}), ("g", {})],
         ),
         (Llama3JsonToolParser(), "Paris is sunny.", "Paris is sunny.", []),
+        (
+            MistralToolParser(),
+            '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
+            None,
+            [("f", {"a": 1}), ("g", {})],
+        ),
+        (MistralToolParser(), "[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
     ],
 )
 def test_parsers(parser, text, content, calls):
@@ -180,3 +188,33 @@ def test_a_stream_withholds_what_may_begin_a_call():
     assert s.delta(0, "Hi <toolbox " + HERMES_CALL[:20], None)[0] == " "
     content, calls, finish = s.delta(0, "Hi <toolbox " + HERMES_CALL, "stop")
     assert content is None and finish == "tool_calls" and calls[0].function.name == "get_weather"
+
+
+TOOLS_TEMPLATE = (  # the shape of Qwen2.5's: the tools as JSON in the system turn
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_go_into_the_chat_template(default_lm):
+    import copy
+    import dataclasses
+
+    from prefixkv.config import EngineConfig
+    from prefixkv.engine.llm_engine import LLMEngine
+    from prefixkv.server.app import create_app
+
+    tokenizer = copy.copy(default_lm.tokenizer)  # the same tokenizer with a template that renders tools
+    tokenizer.chat_template, tokenizer._template = TOOLS_TEMPLATE, None
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", device="cpu", num_blocks=32, max_model_len=512),
+        loaded=dataclasses.replace(default_lm, tokenizer=tokenizer),
+    )
+    with TestClient(create_app(engine, tool_call_parser="hermes")) as c:
+        body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1, "prompt_logprobs": 0}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        entries = r.json()["prompt_logprobs"][1:]
+        prompt = "".join(next(iter(e.values()))["decoded_token"] for e in entries)
+        assert json.dumps(TOOLS[0]["function"]["parameters"]) in prompt and "<tools>" in prompt, prompt
