@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prefixkv import LLM  # noqa: E402  (before torch: it sets the OpenMP wait policy)
+from prefixkv import LLM  # noqa: E402
 
 WORDS = (
     "river mountain quiet engine paper lantern violet harbor copper signal garden winter orbit marble "

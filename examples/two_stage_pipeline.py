@@ -13,7 +13,7 @@ stage 2 "critic"   embeds each answer behind a fixed rating instruction (MEAN po
 
 from __future__ import annotations
 
-from prefixkv import LLM, SamplingParams  # before torch: prefixkv sets the OpenMP wait policy
+from prefixkv import LLM, SamplingParams
 from prefixkv.pipeline import HeadStage, LLMStage, Pipeline
 from prefixkv.stage import PoolingParams
 

@@ -4,13 +4,9 @@ vLLM's interface (`LLM`, `SamplingParams`, an OpenAI-compatible server); the lay
 block identity and where to add a model, a policy or a route: docs/design.md.
 """
 
-from .openmp import configure_openmp
-
-configure_openmp()  # before anything imports torch: see prefixkv/openmp.py
-
-from .outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from .request import LoRARequest, MultiModalItem  # noqa: E402
-from .sampling_params import SamplingParams  # noqa: E402
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .request import LoRARequest, MultiModalItem
+from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

@@ -6,8 +6,8 @@ import os
 
 # The suite runs the test process and real server subprocesses side by side on 2 cores. OpenMP
 # threads that spin while they wait steal the cores their neighbours need: a server test file ran
-# 2x faster with passive waiting under load (bench notes in docs/benchmarks.md). Set before torch
-# loads its OpenMP runtime; subprocesses inherit it. A value the caller set wins.
+# 2x faster with passive waiting under load (docs/benchmarks.md, "CPU contention"). Set before
+# torch loads its OpenMP runtime; subprocesses inherit it. A value the caller set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
