@@ -184,3 +184,26 @@ def test_chunks_and_prefix_hits_take_only_the_rows_they_need():
     s.add_request(c)
     (sr,) = [x for x in s.schedule().scheduled if x.req_id == "c"]
     assert sr.start == 8 and sr.mm_inputs == (EncoderInput("img", pix, (6, 9), 0),)
+
+
+def test_stage_output_cache_serves_image_positions_hidden_states(llava):
+    """The stage-output cache keeps the per-token outputs of image positions like any other: a
+    second request sharing the image's blocks reads them back, and every position's hidden state
+    equals the no-cache engine's."""
+    import torch
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, return_hidden_states=True)
+    image = make_image(7)
+    prompts = [
+        _prompt("USER: <image>\nWhat is this? ASSISTANT:", image),
+        _prompt("USER: <image>\nAnd now? ASSISTANT:", image),
+    ]
+    cached = _llm(llava[0], enable_stage_output_cache=True)
+    plain = _llm(llava[0], enable_prefix_caching=False, enable_mm_encoder_cache=False)
+    first, second = (cached.generate(p, params, use_tqdm=False)[0] for p in prompts)
+    assert second.num_cached_tokens >= 24  # the image's blocks, KV and hidden states
+    for out, prompt in zip((first, second), prompts):
+        ref = plain.generate(prompt, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        torch.testing.assert_close(out.hidden_states, ref.hidden_states, atol=1e-4, rtol=1e-4)
+    assert _free(cached) and _free(plain)
