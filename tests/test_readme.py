@@ -203,6 +203,8 @@ def help_argv(cmd: str) -> tuple[tuple[str, ...], list[str]] | None:
         tokens = tokens[1:]
     prog, rest = tokens[0], tokens[1:]
     flags = [t.split("=")[0] for t in rest if t.startswith("--")]
+    if prog.startswith("peers/"):  # a peer engine's venv runs it (bench/peers/README.md): not installed here
+        return None
     if prog.endswith(("python", "python3")) and rest[:2] == ["-m", "pytest"]:
         return None
     if prog.endswith(("python", "python3")) and rest and rest[0].startswith("bench/"):
@@ -235,10 +237,13 @@ def test_doc_command_names_real_scripts_and_flags(doc, cmd):
 
 def _example_script(cmd: str) -> bool:
     """An example script run as documented (tests/pipeline covers its API; running it would cost
-    the suite two engines): it must exist."""
+    the suite two engines), or a script for a peer engine's venv: it must exist."""
     tokens = shlex.split(cmd)
     if len(tokens) == 2 and tokens[0].endswith("python") and tokens[1].startswith("examples/"):
         assert (ROOT / tokens[1]).is_file(), f"{cmd!r}: no such example"
+        return True
+    if tokens[0].startswith("peers/") and len(tokens) > 1 and tokens[1].startswith("bench/peers/"):
+        assert (ROOT / tokens[1]).is_file(), f"{cmd!r}: no such script"
         return True
     return False
 
