@@ -98,12 +98,11 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
         )
-        lora = {}
+        extra: dict[str, object] = {}
         if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
             # the per-token adapter index, grouped by adapter (base-only steps skip this entirely)
-            lora["lora_mapping"] = self.lora_manager.prepare([(sr.lora_id, len(sr.token_ids)) for sr in scheduled])
+            extra["lora_mapping"] = self.lora_manager.prepare([(sr.lora_id, len(sr.token_ids)) for sr in scheduled])
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        extra: dict[str, object] = dict(lora)
         if self.mm is not None and any(sr.mm_inputs for sr in scheduled):
             # image embeddings at the placeholder positions; the model only sees the embeddings
             placements = [(query_start_loc[i], sr.mm_inputs) for i, sr in enumerate(scheduled) if sr.mm_inputs]
@@ -215,8 +214,9 @@ class ModelRunner:
         return ids
 
     def _prompt_outputs(self, sr: ScheduledRequest, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """Prompt logprobs and prompt hidden states of one chunk, preceded by the cached hidden
-        states of the hit blocks in `sr.stage_output_reads` (stage-output cache)."""
+        """Prompt logprobs and hidden states of one chunk (the prompt's; with return_hidden_states
+        the generated positions' too), preceded by the cached hidden states of the hit blocks in
+        `sr.stage_output_reads` (stage-output cache)."""
         start = sr.start
         if sr.stage_output_reads:
             if self.stage_outputs is None:

@@ -42,11 +42,13 @@ class ScheduledRequest:
     output_token_ids: list[int]
     block_eos: bool = False  # min_tokens not reached: EOS may not be drawn
     constraints: Any = None  # prefixkv.constraints.RequestConstraints: applied to the sampled row
-    # The runner needs this chunk's final hidden states (today: to score prompt logprobs).
+    # The runner needs this chunk's final hidden states (prompt logprobs, returned hidden states).
     want_hidden_states: bool = False
     prompt_logprobs_from: int = 0  # the first prompt token whose logprob is still unknown
-    prompt_hidden_from: int | None = None  # return the prompt's hidden states from this position (None: not wanted)
-    # Room for features that attach per-request inputs to a step (declared, empty until they land).
+    # return hidden states from this position on (None: not wanted): the prompt's, and with
+    # return_hidden_states every computed position's
+    prompt_hidden_from: int | None = None
+    # Per-request inputs that features attach to a step.
     lora_id: int = 0  # 0: the base model
     mm_inputs: tuple[EncoderInput, ...] = ()  # multimodal items (or parts of them) in this chunk
     # block ids whose cached stage outputs (hidden states) are read back: whole blocks ending at `start`
