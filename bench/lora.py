@@ -14,9 +14,7 @@ per-pair LoRA/base ratios, and the prefix-cache hit rate.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -25,48 +23,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
+from bench.lora_workload import workload, write_random_adapter  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.lora import LoRARequest  # noqa: E402
-from prefixkv.lora.adapter import target_shapes  # noqa: E402
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def write_random_adapter(path: str, config, rank: int, seed: int) -> None:
-    """A PEFT folder (adapter_config.json + adapter_model.safetensors) with random weights."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = target_shapes(config)
-    tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for t in TARGETS:
-            fan_in, fan_out = shapes[t]
-            part = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            pre = f"base_model.model.model.layers.{layer}.{part}.{t}"
-            tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
-            tensors[f"{pre}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(cfg, f)
-
-
-def workload(n_requests: int, n_groups: int, seed: int) -> list[tuple[int, str]]:
-    """(group, prompt): group g's requests share a ~200-token system prompt of their own."""
-    rng = random.Random(seed)
-    words = "alpha beta gamma delta river stone cloud maple orbit lantern copper meadow signal harbor".split()
-    systems = [
-        f"System {g}: you are assistant number {g}. " + " ".join(rng.choice(words) for _ in range(150))
-        for g in range(n_groups)
-    ]
-    out = []
-    for i in range(n_requests):
-        g = i % n_groups
-        q = " ".join(rng.choice(words) for _ in range(12))
-        out.append((g, f"{systems[g]}\nQuestion {i}: {q}\nAnswer:"))
-    return out
 
 
 def one_run(llm: LLM, prompts, loras, params) -> tuple[float, float, float]:
@@ -113,13 +73,15 @@ def main() -> None:
     base = LLM(**common)
     config = base.llm_engine.model_config
     print(f"model: {config.architecture}, {config.num_hidden_layers} layers, hidden {config.hidden_size}")
+    fields = ("hidden_size", "num_attention_heads", "head_dim", "num_key_value_heads", "intermediate_size")
+    hf_fields = {f: getattr(config, f) for f in (*fields, "num_hidden_layers")}
     print(f"{args.requests} requests x {args.max_tokens} tokens, rank {args.rank}, median of {args.repeats}")
     results = []
     with tempfile.TemporaryDirectory(prefix="prefixkv-lora-bench-") as tmp:
         paths = []
         for i in range(max(counts)):
             p = os.path.join(tmp, f"adapter{i}")
-            write_random_adapter(p, config, args.rank, seed=i)
+            write_random_adapter(p, hf_fields, args.rank, seed=i)
             paths.append(p)
         for n in counts:
             groups = workload(args.requests, n, seed=n)
