@@ -34,11 +34,13 @@ SHORT_RUN = 8
 @dataclass
 class LoRAMapping:
     """One step's adapter tokens. `runs`: (slot, start, end) computed one run at a time; `dense`:
-    the rows [start, end) computed by the masked dense path, with `masks[k]` [end - start,
-    k * num_slots * rank] (k = slices of the linear) one-hot per row on its slot's rank columns."""
+    the rows [start, end) computed by the masked dense path over the slots `dense_slots` (the range
+    the short runs use), with `masks[k]` [end - start, k * len(dense_slots) * rank] (k = slices of
+    the linear) one-hot per row on its slot's rank columns."""
 
     runs: list[tuple[int, int, int]]
     dense: slice | None = None
+    dense_slots: slice | None = None
     masks: dict[int, torch.Tensor] | None = None
 
     @classmethod
@@ -52,27 +54,39 @@ class LoRAMapping:
         slice_counts: tuple[int, ...] = (1, 2, 3),
     ) -> LoRAMapping | None:
         """segments: (slot or -1, number of tokens) in batch order. None when every token is base.
-        Two or more short adapter runs close together take the dense path; the rest go run by run."""
-        runs: list[tuple[int, int, int]] = []
-        short: list[tuple[int, int, int]] = []
+        Neighbouring segments of one adapter merge into one run (a decode batch of a single
+        adapter is one run); two or more short runs close together take the dense path; the rest
+        go run by run."""
+        merged: list[list[int]] = []  # [slot, start, end]
         pos = 0
         for slot, n in segments:
-            if slot >= 0 and n > 0:
-                (short if n < SHORT_RUN else runs).append((slot, pos, pos + n))
+            if n <= 0:
+                continue
+            if merged and merged[-1][0] == slot:
+                merged[-1][2] += n
+            else:
+                merged.append([slot, pos, pos + n])
             pos += n
+        runs: list[tuple[int, int, int]] = []
+        short: list[tuple[int, int, int]] = []
+        for slot, start, end in merged:
+            if slot >= 0:
+                (short if end - start < SHORT_RUN else runs).append((slot, start, end))
         if not runs and not short:
             return None
         lo, hi = (short[0][1], short[-1][2]) if short else (0, 0)
         # the dense rows span the short runs; skip it when few, or when long runs sit in between
         if len(short) < 2 or hi - lo > SHORT_RUN * len(short):
             return cls(runs + short)
+        first = min(slot for slot, _, _ in short)
+        last = max(slot for slot, _, _ in short) + 1
         row_slot = torch.full((hi - lo,), -1, dtype=torch.long)
         for slot, start, end in short:
             row_slot[start - lo : end - lo] = slot
-        one_hot = (row_slot[:, None] == torch.arange(num_slots)[None, :]).to(dtype)  # [rows, N]
-        mask = one_hot[:, :, None].expand(-1, -1, max_rank).reshape(hi - lo, num_slots * max_rank)
-        masks = {k: mask.repeat(1, k).to(device) for k in slice_counts}
-        return cls(runs, slice(lo, hi), masks)
+        one_hot = (row_slot[:, None] == torch.arange(first, last)[None, :]).to(dtype)  # [rows, slots]
+        mask = one_hot[:, :, None].expand(-1, -1, max_rank).reshape(hi - lo, (last - first) * max_rank)
+        masks = {k: mask.repeat(1, k).to(device) for k in {1, *slice_counts}}
+        return cls(runs, slice(lo, hi), slice(first, last), masks)
 
 
 class LoRAContext:
@@ -138,14 +152,23 @@ class LoRALinear(nn.Module):
             return y
         R, group = self.max_rank, self.num_slots * self.max_rank
         a, b = self.lora_a, self.lora_b
-        if mapping.dense is not None and mapping.masks is not None:
-            # every slot's shrink at once; the mask zeroes all but the row's own slot's rank columns
-            y_rows = y[mapping.dense]
-            s = x[mapping.dense] @ a
-            s.mul_(mapping.masks[len(self.spans)])
-            for i, (offset, width) in enumerate(self.spans):
-                cols = slice(offset, offset + width)
-                y_rows[:, cols].addmm_(s[:, i * group : (i + 1) * group], b[:, cols])
+        if mapping.dense is not None and mapping.dense_slots is not None and mapping.masks is not None:
+            y_rows, x_rows = y[mapping.dense], x[mapping.dense]
+            first, last = mapping.dense_slots.start, mapping.dense_slots.stop
+            if last - first == self.num_slots:
+                # every slot's shrink at once; the mask zeroes all but each row's own slot's rank columns
+                s = x_rows @ a
+                s.mul_(mapping.masks[len(self.spans)])
+                for i, (offset, width) in enumerate(self.spans):
+                    cols = slice(offset, offset + width)
+                    y_rows[:, cols].addmm_(s[:, i * group : (i + 1) * group], b[:, cols])
+            else:  # only the slots in use: their columns are one block per slice
+                w0, w1 = first * R, last * R
+                for i, (offset, width) in enumerate(self.spans):
+                    cols = slice(offset, offset + width)
+                    s = x_rows @ a[:, i * group + w0 : i * group + w1]
+                    s.mul_(mapping.masks[1])
+                    y_rows[:, cols].addmm_(s, b[w0:w1, cols])
         for slot, start, end in mapping.runs:
             x_run = x[start:end]
             for i, (offset, width) in enumerate(self.spans):

@@ -120,14 +120,26 @@ def test_dense_and_run_paths_equal_per_token_reference():
                 expected[t] += torch.cat(parts)
         pos += n
     dense = LoRAMapping.from_segments(segments, "cpu", num_slots=4, max_rank=3)
+    assert dense is not None and dense.dense == slice(0, 6) and dense.dense_slots == slice(0, 4)
+    assert dense.runs == [(1, 6, 7 + SHORT_RUN + 2)]  # the decode of slot 1 merged with its prefill
     one_by_one = LoRAMapping.from_segments(segments[-2:], "cpu", num_slots=4, max_rank=3)
-    assert dense is not None and dense.dense == slice(0, 7) and len(dense.runs) == 1
     assert one_by_one is not None and one_by_one.dense is None
-    ctx.mapping = dense
+    # decodes of slots 2 and 3 only: the dense path reads just those slots' columns
+    narrow_segments = [(2, 1), (-1, 1), (3, 1), (2, 1)]
+    narrow = LoRAMapping.from_segments(narrow_segments, "cpu", num_slots=4, max_rank=3)
+    assert narrow is not None and narrow.dense_slots == slice(2, 4) and not narrow.runs
     with torch.inference_mode():
+        ctx.mapping = dense
         torch.testing.assert_close(lin(x), expected)
         # the run-by-run path alone, on the rows of the long run
         ctx.mapping = LoRAMapping([(1, 0, SHORT_RUN + 2)])
         rows = slice(7, 7 + SHORT_RUN + 2)
         torch.testing.assert_close(lin(x[rows]), expected[rows])
+        ctx.mapping = narrow
+        torch.testing.assert_close(lin(x[[0, 1, 4, 5]]), expected[[0, 1, 4, 5]])
+        # one adapter's decodes side by side merge into one run
+        single = LoRAMapping.from_segments([(2, 1)] * 3, "cpu", num_slots=4, max_rank=3)
+        assert single is not None and single.runs == [(2, 0, 3)] and single.dense is None
+        ctx.mapping = single
+        torch.testing.assert_close(lin(x[[0, 5, 0]]), expected[[0, 5, 0]])
     assert LoRAMapping.from_segments([(-1, 4)], "cpu", num_slots=4, max_rank=3) is None
