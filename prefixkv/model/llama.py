@@ -72,7 +72,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # `_weight` skips Embedding's normal_() init, which on the meta device goes through
+            # torch._refs and imports torch._dynamo: 1-2.5 s of every engine start for nothing
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            )
             self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             if not config.tie_word_embeddings:
