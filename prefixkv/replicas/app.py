@@ -1,9 +1,9 @@
 """The Ray Serve application: N engine deployments and the ingress, and the way to run it.
 
-  build_application(args)  the Application from parsed `prefixkv serve` flags
-  build_app(cli_args)      the builder `serve run` calls with key=value pairs, for users who run Ray:
-                             serve run prefixkv.replicas.app:build_app replicas=2 router=prefix-load
-  serve_replicas(args)     `prefixkv serve MODEL --replicas N`: start (or join) Ray, run, wait for a signal
+build_application(args)  the Application from parsed `prefixkv serve` flags
+build_app(cli_args)      the builder `serve run` calls with key=value pairs, for users who run Ray:
+                           serve run prefixkv.replicas.app:build_app replicas=2 router=prefix-load
+serve_replicas(args)     `prefixkv serve MODEL --replicas N`: start (or join) Ray, run, wait for a signal
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def build_application(args: argparse.Namespace) -> Application:
             health_check_timeout_s=30.0,
             graceful_shutdown_timeout_s=max(2.0, float(getattr(args, "shutdown_timeout", 2.0) or 2.0)),
             ray_actor_options={"num_cpus": args.replica_num_cpus},
+            logging_config={"enable_access_log": False},  # the router's polls: every few hundred ms
         ).bind(args, i)
         for i in range(args.replicas)
     ]

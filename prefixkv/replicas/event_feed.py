@@ -71,7 +71,9 @@ class EventFeed:
         first = await self._replay_from(start)
         if first is not None and first > start:  # the buffer lost part of the hole: forget, start over
             self.num_gaps += 1
-            logger.warning("replica %s: KV events %d..%d are gone; dropping its index entries", self.replica, start, first)
+            logger.warning(
+                "replica %s: KV events %d..%d are gone; dropping its index entries", self.replica, start, first
+            )
             self.index.cleared(self.replica)
             await self._replay_from(first)
 

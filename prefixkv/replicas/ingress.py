@@ -28,7 +28,6 @@ fails or times out is down (its index entries forgotten at once), and when it an
 restarted it: a new actor id - the index starts it from nothing and subscribes to its new events.
 """
 
-
 import argparse
 import asyncio
 import contextlib
@@ -161,9 +160,7 @@ class Router:
         self.index.remove_replica(r.index)
         self.index.add_replica(r.index)
         if self.mode != "approx":
-            feed = EventFeed(
-                self.index, r.index, info["node_ip"], info["pub_port"], info["replay_port"], info["topic"]
-            )
+            feed = EventFeed(self.index, r.index, info["node_ip"], info["pub_port"], info["replay_port"], info["topic"])
             r.feed_task = asyncio.get_running_loop().create_task(feed.run())
 
     def _leave(self, r: Replica, why: str) -> None:

@@ -121,8 +121,14 @@ def test_saturated_replica_sheds_a_hot_prefix(cluster):
     before = per_engine(cluster, "prefixkv:router_requests_total")
 
     def one(i):
-        body = {"model": cluster.model, "prompt": prefix + f"q{i}", "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": cluster.model,
+            "prompt": prefix + f"q{i}",
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with cluster.client.stream("POST", "/v1/completions", json=body) as res:
             return res.status_code, sum(1 for _ in res.iter_lines())
 
@@ -132,4 +138,56 @@ def test_saturated_replica_sheds_a_hot_prefix(cluster):
     after = per_engine(cluster, "prefixkv:router_requests_total")
     delta = {k: after[k] - before.get(k, 0) for k in after}
     assert sum(delta.values()) == 8 and min(delta.values()) >= 1, delta  # the hot prefix spread
+    cluster.wait_idle()
+
+
+# Last in the module: it kills a replica (Serve restarts it, the test waits for that).
+def test_killed_replica_is_routed_around_and_rejoins(cluster):
+    import time
+
+    prefix = "a conversation on the replica about to die " * 2
+    complete(cluster, prefix + "turn one")
+    before = per_engine(cluster, "prefixkv:router_requests_total")
+    body = {
+        "model": cluster.model,
+        "prompt": prefix + "long answer",
+        "max_tokens": 140,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with cluster.client.stream("POST", "/v1/completions", json=body) as res:
+        assert res.status_code == 200, res.read()
+        lines = res.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"text"' in first
+        now = per_engine(cluster, "prefixkv:router_requests_total")
+        victim = next(k for k in now if now[k] > before.get(k, 0))  # the replica streaming to us
+        info = cluster.replica_info()[int(victim)]
+        ray = pytest.importorskip("ray")
+        ray.kill(ray.get_actor(info["actor_name"], namespace="serve"), no_restart=True)
+        # the same prefix again at once: the router may still pick the dead replica; it must retry
+        retried = complete(cluster, prefix + "turn two")
+        assert retried["choices"][0]["text"]
+        rest = [line for line in lines if line.startswith("data: ")]
+    # the cut stream ends with an OpenAI error event and [DONE], not a hang (or it had finished)
+    assert rest[-1] == "data: [DONE]"
+    if len(rest) < 140:
+        error = json.loads(rest[-2][6:])
+        assert error["error"]["code"] == 503 and "died" in error["error"]["message"]
+    assert per_engine(cluster, "prefixkv:router_replica_failures_total")[victim] >= 1
+    up = per_engine(cluster, "prefixkv:router_replica_up")
+    assert up[victim] == 0 or cluster.replica_info()[int(victim)]["actor_id"] != info["actor_id"]
+    blocks = per_engine(cluster, "prefixkv:router_index_blocks")
+    if up[victim] == 0:
+        assert blocks[victim] == 0  # its blocks are forgotten with it
+    # while it is gone, everything lands on the survivor and succeeds
+    for i in range(3):
+        complete(cluster, prefix + f"turn {i + 3}")
+    # Serve restarts it; the router takes it back (a new actor, an empty index entry, new events)
+    deadline = time.time() + 90
+    while per_engine(cluster, "prefixkv:router_replica_up").get(victim) != 1:
+        assert time.time() < deadline, "the killed replica never rejoined"
+        time.sleep(0.5)
+    assert cluster.replica_info()[int(victim)]["actor_id"] != info["actor_id"]
     cluster.wait_idle()
