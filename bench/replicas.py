@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import sys
@@ -47,9 +48,13 @@ def system_prompt(group: int, words: int) -> str:
     return text
 
 
-def workload(requests: int, groups: int, words: int) -> list[str]:
-    prefixes = [system_prompt(g, words) for g in range(groups)]
-    return [f"{prefixes[i % groups]}Question {i}: what matters most, and why?" for i in range(requests)]
+def workload(requests: int, groups: int, words: int, repeat: int) -> list[str]:
+    """Questions over `groups` system prompts, in a shuffled order (seeded): a fixed cycle would let
+    round-robin pin each group to one replica by accident. Each repeat has system prompts of its own."""
+    prefixes = [system_prompt(repeat * groups + g, words) for g in range(groups)]
+    order = list(range(requests))
+    random.Random(repeat).shuffle(order)
+    return [f"{prefixes[i % groups]}Question {i}: what matters most, and why?" for i in order]
 
 
 async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
@@ -131,8 +136,13 @@ def run_config(replicas: int, router: str, a: argparse.Namespace) -> dict:
         time.sleep(0.5)
     model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
     try:
-        prompts = workload(a.requests, a.groups, a.prefix_words)
-        return asyncio.run(drive(base, model, prompts, a.max_tokens, a.concurrency))
+        runs = [
+            asyncio.run(
+                drive(base, model, workload(a.requests, a.groups, a.prefix_words, rep), a.max_tokens, a.concurrency)
+            )
+            for rep in range(a.repeats)
+        ]
+        return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     finally:
         serve.delete(APP_NAME)
 
@@ -146,7 +156,8 @@ def main() -> None:
         help="comma-separated REPLICAS:ROUTER (ROUTER '-' for one replica)",
     )
     p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--groups", type=int, default=4, help="distinct system prompts (shared prefixes)")
+    p.add_argument("--groups", type=int, default=5, help="distinct system prompts (shared prefixes)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration (new prefixes each); medians")
     p.add_argument("--prefix-words", type=int, default=220, help="words per system prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
@@ -176,7 +187,7 @@ def main() -> None:
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
         f"{a.requests} requests, {a.groups} shared prefixes of ~{a.prefix_words} words, "
-        f"{a.max_tokens} output tokens, concurrency {a.concurrency}"
+        f"{a.max_tokens} output tokens, concurrency {a.concurrency}; medians of {a.repeats} runs"
     )
     base = rows[0]
     print(f"{'replicas':>8} {'router':<12} {'TTFT med':>9} {'TTFT p90':>9} {'req/s':>7} {'out tok/s':>9} {'cached':>7}")
