@@ -130,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_server_args(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    if args.replicas >= 2:
+    if args.replicas != 1:  # 0 and below are refused there, before Ray starts
         from .replicas.app import serve_replicas  # imports Ray
 
         return serve_replicas(args)

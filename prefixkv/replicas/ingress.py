@@ -244,6 +244,14 @@ class Router:
         return head, first, gen, rid
 
 
+def _body_hashes(hasher: PromptHasher, path: str, body: bytes) -> list[ExternalBlockHash]:
+    try:
+        parsed = json.loads(body)
+    except ValueError:  # the replica answers the 400
+        return []
+    return hasher.hashes(path, parsed) if isinstance(parsed, dict) else []
+
+
 def _headers(head: dict[str, Any]) -> dict[str, str]:
     return {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP}
 
@@ -328,12 +336,7 @@ class Ingress:
             return await self._broadcast(call)
         hashes: list[ExternalBlockHash] = []
         if path in ROUTED_PATHS and request.method == "POST" and router.hasher is not None:
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, dict):
-                hashes = await asyncio.to_thread(router.hasher.hashes, path, parsed)
+            hashes = await asyncio.to_thread(_body_hashes, router.hasher, path, body)  # off the event loop
         routed = path in ROUTED_PATHS
         tried: set[int] = set()
         t0 = time.monotonic()

@@ -91,7 +91,17 @@ def test_streaming_completion_and_chat(cluster):
         assert res.status_code == 200
         lines = [line for line in res.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+
+    # a client that leaves mid-stream: the replica aborts its request and frees its blocks
+    def aborted() -> float:
+        return sum(v for (name, _), v in cluster.metrics().items() if name == "prefixkv:request_aborted_total")
+
+    before = aborted()
+    long = {**body, "max_tokens": 200, "ignore_eos": True}
+    with cluster.client.stream("POST", "/v1/completions", json=long) as res:
+        next(line for line in res.iter_lines() if line.startswith("data: "))
     cluster.wait_idle()
+    assert aborted() == before + 1
 
 
 def test_same_routes_and_errors_as_one_engine(cluster):
