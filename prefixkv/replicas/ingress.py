@@ -23,8 +23,10 @@ Other routes go to the least-loaded replica that is up; /reset_prefix_cache and 
 load / unload routes go to every replica; /health is 200 while one replica is up; /metrics
 merges every replica's text under replica="i" with the router's own counters.
 
-A poll task asks each replica for its load every --router-poll-interval seconds; a replica that
-fails or times out is down (its index entries forgotten at once), and when it answers again - Serve
+A poll task probes each replica's actor (a dead one fails at once, while a call through the
+Serve handle would wait for Serve's replacement) and asks for its load every
+--router-poll-interval seconds; a replica whose calls fail, or that leaves MAX_MISSED_POLLS polls
+in a row unanswered, is down (its index entries forgotten at once). When it answers again - Serve
 restarted it: a new actor id - the index starts it from nothing and subscribes to its new events.
 """
 
@@ -38,6 +40,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -69,6 +72,8 @@ REPLICA_GONE = (
 BROADCAST_PATHS = ("/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
 POLL_TIMEOUT_S = 2.0
+LIVENESS_PROBE_AFTER_S = 0.5  # a request's first message slower than this: is its replica alive?
+MAX_MISSED_POLLS = 15  # consecutive unanswered polls (~30 s) before a silent replica is taken out
 
 fastapi_app = FastAPI(title="prefixkv replicas")
 
@@ -87,7 +92,9 @@ class Replica:
     kv_usage: float = 0.0
     routed: int = 0
     failures: int = 0
+    missed_polls: int = 0
     feed_task: asyncio.Task | None = None
+    actor: Any = None  # the replica's Ray actor (liveness probe), None if it could not be looked up
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -95,6 +102,18 @@ class Replica:
             running=max(self.running, self.running_polled),
             kv_usage=self.kv_usage,
         )
+
+
+async def _actor_of(info: dict[str, Any]) -> Any:
+    """The Ray actor behind a Serve replica, by the name it reported; None when it is gone already."""
+    try:
+        return await asyncio.to_thread(ray.get_actor, info["actor_name"], "serve")
+    except Exception:
+        return None
+
+
+class ActorProbeFailed(Exception):
+    """The replica's actor did not answer a liveness probe with anything but an error."""
 
 
 class ReplicaGone(Exception):
@@ -145,16 +164,17 @@ class Router:
             self.index = PrefixIndex(self.mode, approx_capacity_blocks=first["num_blocks"] if approx else None)
             self.policy = make_router(self.args.router, self.index, **router_knobs(self.args))
         for r, info in zip(self.replicas, infos):
-            self._join(r, info)
+            self._join(r, info, await _actor_of(info))
         asyncio.get_running_loop().create_task(self._poll_forever())
 
-    def _join(self, r: Replica, info: dict[str, Any]) -> None:
+    def _join(self, r: Replica, info: dict[str, Any], actor: Any) -> None:
         """A replica (new, or restarted by Serve) is up: empty index entries, subscribe to its events."""
+        r.actor = actor
         if r.feed_task is not None:
             r.feed_task.cancel()
             r.feed_task = None
         r.info, r.actor_id, r.up = info, info["actor_id"], True
-        r.queued = r.running = 0
+        r.queued = r.running = r.missed_polls = 0
         if self.index is None:
             return
         self.index.remove_replica(r.index)
@@ -175,19 +195,39 @@ class Router:
             self.index.remove_replica(r.index)
 
     async def _poll_one(self, r: Replica) -> None:
+        if r.up and r.actor is not None:
+            # A call through the Serve handle to a dead replica waits for Serve to start a new one;
+            # a call to the actor itself fails at once, so death is seen within one poll.
+            try:
+                await asyncio.wait_for(r.actor.__ray_ready__.remote(), POLL_TIMEOUT_S)
+            except TimeoutError:
+                pass
+            except Exception as e:
+                self._leave(r, type(e).__name__)
+                return
         try:
             load = await asyncio.wait_for(r.handle.load.remote(), POLL_TIMEOUT_S)
-        except Exception as e:  # dead, restarting, or too slow to answer: not a routing target
+        except TimeoutError:
+            # slow is not dead: a replica busy on a long prefill on a loaded machine answers late.
+            # A dead one fails its calls (RayActorError); only a long silence takes it out.
+            r.missed_polls += 1
+            if r.missed_polls >= MAX_MISSED_POLLS:
+                self._leave(r, f"no answer to {r.missed_polls} polls")
+            return
+        except Exception as e:  # dead, or Serve has no replica for it: not a routing target
             self._leave(r, type(e).__name__)
             return
+        r.missed_polls = 0
         if load["actor_id"] != r.actor_id or not r.up:
             try:
                 info = await asyncio.wait_for(r.handle.info.remote(), POLL_TIMEOUT_S)
+            except TimeoutError:
+                return  # asked again at the next poll
             except Exception as e:
                 self._leave(r, type(e).__name__)
                 return
             logger.info("engine replica %d is up (actor %s)", r.index, info["actor_id"])
-            self._join(r, info)
+            self._join(r, info, await _actor_of(info))
         r.waiting_polled, r.running_polled, r.kv_usage = load["waiting"], load["running"], load["kv_usage"]
 
     async def _poll_forever(self) -> None:
@@ -226,11 +266,11 @@ class Router:
         r.routed += 1
         gen = r.handle.options(stream=True).handle_http.remote(*call)
         try:
-            head = await gen.__anext__()
+            head = await self._next_while_alive(r, gen)
             first: list[bytes] = []
             with contextlib.suppress(StopAsyncIteration):
-                first.append(await gen.__anext__())
-        except REPLICA_GONE as e:
+                first.append(await self._next_while_alive(r, gen))
+        except (*REPLICA_GONE, ActorProbeFailed) as e:
             gen.cancel()
             self._leave(r, type(e).__name__)
             raise ReplicaGone(str(e)) from e
@@ -242,6 +282,29 @@ class Router:
             if self.index is not None and self.mode != "approx":
                 self.index.resolve_pending(rid)
         return head, first, gen, rid
+
+    async def _next_while_alive(self, r: Replica, gen: Any) -> Any:
+        """The stream's next message. A call sent to a replica that has just died is held by the
+        Serve handle until Serve has started its replacement (seconds to minutes: a model loads),
+        so while the message is slow to come, the actor itself is probed; a dead one fails here,
+        and the request goes elsewhere."""
+        nxt = asyncio.ensure_future(gen.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=LIVENESS_PROBE_AFTER_S)
+                if done:
+                    return nxt.result()
+                if r.actor is None:
+                    continue
+                try:
+                    await asyncio.wait_for(r.actor.__ray_ready__.remote(), POLL_TIMEOUT_S)
+                except TimeoutError:
+                    continue  # busy, not dead
+                except Exception as e:
+                    raise ActorProbeFailed(f"engine replica {r.index}: {type(e).__name__}") from e
+        finally:
+            if not nxt.done():
+                nxt.cancel()
 
 
 def _body_hashes(hasher: PromptHasher, path: str, body: bytes) -> list[ExternalBlockHash]:
