@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .cpu import CPUStore
-from .disk import DiskStore
+from .disk import DEFAULT_DISK_BYTES, DiskStore
 from .manager import TierManager
 from .namespace import tier_namespace, weights_digest
 from .spec import parse_spec, split_specs
@@ -28,7 +28,7 @@ def build_stores(kv_offloading_size: float | None, kv_tier: object) -> list[KVSt
     for text in split_specs(kv_tier):  # type: ignore[arg-type]
         spec = parse_spec(text)
         if spec.kind == "disk":
-            stores.append(_disk(spec.target, spec.size_bytes))
+            stores.append(_disk(spec.target, spec.size_bytes, spec.sync_load))
         else:
             from .redis import RedisStore
 
@@ -36,9 +36,9 @@ def build_stores(kv_offloading_size: float | None, kv_tier: object) -> list[KVSt
     return stores
 
 
-def _disk(path: str, size: int | None) -> KVStore:
+def _disk(path: str, size: int | None, sync_load: bool) -> KVStore:
     try:
-        return DiskStore(path, size) if size else DiskStore(path)
+        return DiskStore(path, size or DEFAULT_DISK_BYTES, sync_load)
     except OSError as e:
         logger.warning("KV tier disk:%s cannot be used (%s); serving without it", path, e)
         return _Unusable("disk", f"disk:{path}", e)
@@ -85,6 +85,8 @@ def attach_tiers(engine: LLMEngine) -> TierManager:
     )
     transfer_nbytes = sum(c.select(block_dim, 0).numel() * c.element_size() for c in caches)
     tiers = TierManager(stores, namespace, transfer_nbytes)
+    if kv.block_pool.events is not None:  # KV events on: the tiers publish theirs too (medium CPU/DISK/REDIS)
+        tiers.enable_events()
     engine.scheduler.tiers = tiers
     engine.runner.kv_transfer = BlockTransfer(caches, block_dim, tiers)
     logger.info("KV tiers: %s", ", ".join(t.spec for t in tiers.tiers))
