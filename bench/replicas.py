@@ -190,12 +190,16 @@ def main() -> None:
         f"{a.max_tokens} output tokens, concurrency {a.concurrency}; medians of {a.repeats} runs"
     )
     base = rows[0]
-    print(f"{'replicas':>8} {'router':<12} {'TTFT med':>9} {'TTFT p90':>9} {'req/s':>7} {'out tok/s':>9} {'cached':>7} {'load':>5}")
+    print(
+        f"{'replicas':>8} {'router':<12} {'TTFT med':>9} {'TTFT p90':>9} {'req/s':>7} {'out tok/s':>9} "
+        f"{'cached':>7} {'load':>5}"
+    )
     for r in rows:
         print(
             f"{r['replicas']:>8} {r['router']:<12} "
             f"{r['ttft_median_s'] * 1000:>7.0f}ms {r['ttft_p90_s'] * 1000:>7.0f}ms "
-            f"{r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>9.1f} {r['cached_fraction']:>7.1%} {r['load_1min']:>5.1f}"
+            f"{r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>9.1f} "
+            f"{r['cached_fraction']:>7.1%} {r['load_1min']:>5.1f}"
             f"   (x{r['requests_per_s'] / base['requests_per_s']:.2f} req/s vs the first row)"
         )
 
