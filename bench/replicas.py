@@ -11,7 +11,7 @@ median and p90 time to first token, requests/s and output tokens/s over the whol
 fraction of prompt tokens served from a replica's cache (usage.prompt_tokens_details). The
 machine's CPUs are split between replicas (torch threads = cores / N), so 2 vs 1 compares the
 same hardware used two ways. Relative figures only: timings move with the machine's load, which
-is printed at the start and the end.
+is printed at the start and the end, and the 1-minute load average after each configuration.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> None:
         for spec in a.configs.split(","):
             n, router = spec.split(":")
             r = run_config(int(n), router, a)
-            r.update(replicas=int(n), router=router)
+            r.update(replicas=int(n), router=router, load_1min=os.getloadavg()[0])
             rows.append(r)
             if a.json:
                 print(json.dumps(r))
@@ -190,12 +190,16 @@ def main() -> None:
         f"{a.max_tokens} output tokens, concurrency {a.concurrency}; medians of {a.repeats} runs"
     )
     base = rows[0]
-    print(f"{'replicas':>8} {'router':<12} {'TTFT med':>9} {'TTFT p90':>9} {'req/s':>7} {'out tok/s':>9} {'cached':>7}")
+    print(
+        f"{'replicas':>8} {'router':<12} {'TTFT med':>9} {'TTFT p90':>9} {'req/s':>7} {'out tok/s':>9} "
+        f"{'cached':>7} {'load':>5}"
+    )
     for r in rows:
         print(
             f"{r['replicas']:>8} {r['router']:<12} "
             f"{r['ttft_median_s'] * 1000:>7.0f}ms {r['ttft_p90_s'] * 1000:>7.0f}ms "
-            f"{r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>9.1f} {r['cached_fraction']:>7.1%}"
+            f"{r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>9.1f} "
+            f"{r['cached_fraction']:>7.1%} {r['load_1min']:>5.1f}"
             f"   (x{r['requests_per_s'] / base['requests_per_s']:.2f} req/s vs the first row)"
         )
 

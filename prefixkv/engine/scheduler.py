@@ -210,8 +210,11 @@ class Scheduler:
 
     # -- KV tiers (prefixkv/tiers) -------------------------------------------------------------
     def _tier_eligible(self, req: Request) -> bool:
-        # requests that read the stage outputs of their hits, or skip the cache, compute their prefix
-        return self.kv_cache_manager.enable_caching and not (req.skip_prefix_cache_read or req.reads_stage_outputs)
+        # requests that skip the cache compute their prefix; so do those that read the stage outputs
+        # of their hits, unless tier values carry them (the stage-output cache was on when saved)
+        if not self.kv_cache_manager.enable_caching or req.skip_prefix_cache_read:
+            return False
+        return not req.reads_stage_outputs or (self.tiers is not None and self.tiers.carries_stage_outputs)
 
     def _tier_hits(self, req: Request, num_pool_hits: int) -> list[Any] | None:
         """KV bytes of the blocks after the pool's hits that the tiers hold, looked up once while

@@ -231,6 +231,9 @@ class TierManager:
         self.external_queries = 0  # tokens of requests that consulted the tiers (vLLM's meaning)
         self.external_hits = 0  # tokens loaded from the tiers
         self.load_timeout_s = LOAD_TIMEOUT_S
+        # values hold the block's stage outputs too (the stage-output cache is on): requests that
+        # read stage outputs of their prefix may load it (set by setup.attach_tiers)
+        self.carries_stage_outputs = False
         self._load_pool: ThreadPoolExecutor | None = None  # started with the first asynchronous load
         self._events: _EventSink | None = None
 

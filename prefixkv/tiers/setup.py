@@ -11,7 +11,7 @@ from .manager import TierManager
 from .namespace import tier_namespace, weights_digest
 from .spec import parse_spec, split_specs
 from .store import KVStore
-from .transfer import BlockTransfer
+from .transfer import BlockTransfer, block_nbytes
 
 if TYPE_CHECKING:
     from ..engine.llm_engine import LLMEngine
@@ -73,9 +73,15 @@ def attach_tiers(engine: LLMEngine) -> TierManager:
     config = engine.config
     stores = build_stores(config.kv_offloading_size, config.kv_tier)
     kv = engine.scheduler.kv_cache_manager
-    caches = engine.block_tensors.kv_caches
-    block_dim = next(s.block_dim for n, s in engine.block_tensors.specs.items() if n.startswith("kv."))
-    layout = [(tuple(c.select(block_dim, 0).shape), str(c.dtype)) for c in caches]
+    block_tensors = engine.block_tensors
+    caches = block_tensors.kv_caches
+    block_dim = next(s.block_dim for n, s in block_tensors.specs.items() if n.startswith("kv."))
+    parts = [(c, block_dim) for c in caches]
+    if engine.stage_outputs is not None:  # a block's stage outputs travel with its KV (transfer.py)
+        stage_names = sorted(n for n in block_tensors.specs if n.startswith("stage."))
+        parts += [(block_tensors.ensure(n), block_tensors.specs[n].block_dim) for n in stage_names]
+    # the value layout (so whether stage outputs travel) is part of the cache identity
+    layout = [(tuple(t.select(dim, 0).shape), str(t.dtype)) for t, dim in parts]
     namespace = tier_namespace(
         weights=weights_digest(engine.loaded.model),
         kv_layout=layout,
@@ -83,11 +89,12 @@ def attach_tiers(engine: LLMEngine) -> TierManager:
         device_type=engine.device.type,
         root_hash=kv.none_hash,
     )
-    transfer_nbytes = sum(c.select(block_dim, 0).numel() * c.element_size() for c in caches)
+    transfer_nbytes = block_nbytes(parts)
     tiers = TierManager(stores, namespace, transfer_nbytes)
     if kv.block_pool.events is not None:  # KV events on: the tiers publish theirs too (medium CPU/DISK/REDIS)
         tiers.enable_events()
     engine.scheduler.tiers = tiers
-    engine.runner.kv_transfer = BlockTransfer(caches, block_dim, tiers)
+    tiers.carries_stage_outputs = engine.stage_outputs is not None
+    engine.runner.kv_transfer = BlockTransfer(parts, tiers)
     logger.info("KV tiers: %s", ", ".join(t.spec for t in tiers.tiers))
     return tiers

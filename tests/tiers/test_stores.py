@@ -78,7 +78,6 @@ def test_tier_specs_and_flags():
         dict(kv_offloading_size="1"),
         dict(kv_tier="nfs:/x"),
         dict(kv_offloading_size=1, enable_prefix_caching=False),
-        dict(kv_tier="disk:/x", enable_stage_output_cache=True),
     ):
         with pytest.raises(ValueError):
             EngineArgs(**kw)
