@@ -1,14 +1,22 @@
 """The LoRA math inside the model: a wrapper around each targeted linear layer that adds
-`scale * (x @ A[slot]) @ B[slot]` for the tokens of each adapter present in the step.
+`(x @ A[slot]) @ B[slot]` (scaling already folded into B at load) for the tokens of each adapter in
+the step.
 
-Weights are stacked per layer and per fused linear, one slot per resident adapter:
-A [max_loras, in, R] and B [max_loras, R, out], R = slices x max_lora_rank (q/k/v share the fused
-qkv linear: each slice owns R/3 columns of A and writes only its own rows of B; unused rank columns
-are zero). The step's `LoRAMapping` groups the tokens by slot once; every wrapped linear then runs
-punica / S-LoRA's shrink (x @ A) and expand (@ B): one pair per adapter present when few adapters
-share the step (prefill), or - many adapters with few tokens each (decode) - one bmm pair over all
-slots on a padded [max_loras, rows, in] layout. Never a loop over requests. A step with no adapter
-(mapping None) runs the base linear alone.
+Layout, per wrapped linear (q/k/v share the fused qkv linear, gate/up the fused gate_up; each PEFT
+target is one "slice" of the output), N = max_loras slots, R = max_lora_rank:
+  lora_a [in, slices * N * R]  slice-major: columns (slice, slot, rank)
+  lora_b [N * R, out]          rows (slot, rank); slice i's columns are its own output span
+so slice i of every slot is one column block of A and one column block of B: no block-diagonal
+zeros are stored or read (reading weights is what a decode step is bound by).
+
+A step's `LoRAMapping` (built once per step, shared by every layer) splits the adapter tokens:
+- long runs (a prefill chunk of one request): per run and slice, one shrink mm and one expand
+  addmm_ into the run's rows of the output (punica's SGMV, one op pair per run and slice);
+- short runs (decodes, one token each, many adapters): one dense shrink `x @ lora_a` over every
+  slot, a per-row 0/1 mask that keeps the rank group of the row's own slot (base rows all zero),
+  and one expand addmm_ per slice - a fixed handful of ops per layer, no gathers, no padding.
+Never a loop over requests inside the dense part; a step with no adapter (mapping None) runs the
+base linear alone.
 """
 
 from __future__ import annotations
@@ -16,74 +24,69 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class Padded:
-    """Many adapters with few tokens each (decode): the LoRA tokens laid out as [max_loras,
-    rows, in] (row r of slot s: token `gather[s * rows + r]`, or the zero row T past the end) so
-    one bmm per side serves every adapter at once; `valid` picks the real rows back out, in the
-    order of `tokens`."""
-
-    rows: int
-    gather: torch.Tensor  # [max_loras * rows] token index, or T for padding
-    valid: torch.Tensor  # [n] positions in the padded layout that hold real tokens
-    tokens: torch.Tensor  # [n] their token indices
+# runs shorter than this go to the dense masked path (measured crossover on the default model:
+# 4-16 tokens per run with 8 resident rank-16 adapters)
+SHORT_RUN = 8
 
 
 @dataclass
 class LoRAMapping:
-    """One step's per-token adapter index (`token_slots`, -1 = base) and the same grouped by slot:
-    (slot, rows) with rows a slice for one contiguous run or an index tensor. `padded` is set when
-    the grouped bmm layout is cheaper than one shrink/expand per adapter."""
+    """One step's adapter tokens. `runs`: (slot, start, end) computed one run at a time; `dense`:
+    the rows [start, end) computed by the masked dense path over the slots `dense_slots` (the range
+    the short runs use), with `masks[k]` [end - start, k * len(dense_slots) * rank] (k = slices of
+    the linear) one-hot per row on its slot's rank columns."""
 
-    token_slots: torch.Tensor
-    groups: list[tuple[int, slice | torch.Tensor]]
-    padded: Padded | None = None
+    runs: list[tuple[int, int, int]]
+    dense: slice | None = None
+    dense_slots: slice | None = None
+    masks: dict[int, torch.Tensor] | None = None
 
     @classmethod
     def from_segments(
-        cls, segments: list[tuple[int, int]], device: torch.device | str, num_slots: int = 0
+        cls,
+        segments: list[tuple[int, int]],
+        device: torch.device | str,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype = torch.float32,
+        slice_counts: tuple[int, ...] = (1, 2, 3),
     ) -> LoRAMapping | None:
         """segments: (slot or -1, number of tokens) in batch order. None when every token is base.
-        With `num_slots` (the stacked tensors' first dimension), several adapters with few tokens
-        each get the padded one-bmm layout."""
-        rows: dict[int, list[int]] = {}
-        slots: list[int] = []
+        Neighbouring segments of one adapter merge into one run (a decode batch of a single
+        adapter is one run); two or more short runs close together take the dense path; the rest
+        go run by run."""
+        merged: list[list[int]] = []  # [slot, start, end]
         pos = 0
         for slot, n in segments:
-            if slot >= 0:
-                rows.setdefault(slot, []).extend(range(pos, pos + n))
-            slots.extend([slot] * n)
-            pos += n
-        if not rows:
-            return None
-        groups: list[tuple[int, slice | torch.Tensor]] = []
-        for slot, r in rows.items():
-            if r[-1] - r[0] + 1 == len(r):
-                groups.append((slot, slice(r[0], r[-1] + 1)))
+            if n <= 0:
+                continue
+            if merged and merged[-1][0] == slot:
+                merged[-1][2] += n
             else:
-                groups.append((slot, torch.tensor(r, dtype=torch.long, device=device)))
-        padded = None
-        most = max(len(r) for r in rows.values())
-        n = sum(len(r) for r in rows.values())
-        if num_slots and len(rows) > 2 and num_slots * most <= 2 * n:
-            gather = [pos] * (num_slots * most)  # pos == T: the zero row
-            valid: list[int] = []
-            tokens: list[int] = []
-            for slot, r in rows.items():
-                for k, t in enumerate(r):
-                    gather[slot * most + k] = t
-                    valid.append(slot * most + k)
-                    tokens.append(t)
-
-            def as_tensor(v: list[int]) -> torch.Tensor:
-                return torch.tensor(v, dtype=torch.long, device=device)
-
-            padded = Padded(most, as_tensor(gather), as_tensor(valid), as_tensor(tokens))
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), groups, padded)
+                merged.append([slot, pos, pos + n])
+            pos += n
+        runs: list[tuple[int, int, int]] = []
+        short: list[tuple[int, int, int]] = []
+        for slot, start, end in merged:
+            if slot >= 0:
+                (short if end - start < SHORT_RUN else runs).append((slot, start, end))
+        if not runs and not short:
+            return None
+        lo, hi = (short[0][1], short[-1][2]) if short else (0, 0)
+        # the dense rows span the short runs; skip it when few, or when long runs sit in between
+        if len(short) < 2 or hi - lo > SHORT_RUN * len(short):
+            return cls(runs + short)
+        first = min(slot for slot, _, _ in short)
+        last = max(slot for slot, _, _ in short) + 1
+        row_slot = torch.full((hi - lo,), -1, dtype=torch.long)
+        for slot, start, end in short:
+            row_slot[start - lo : end - lo] = slot
+        one_hot = (row_slot[:, None] == torch.arange(first, last)[None, :]).to(dtype)  # [rows, slots]
+        mask = one_hot[:, :, None].expand(-1, -1, max_rank).reshape(hi - lo, (last - first) * max_rank)
+        masks = {k: mask.repeat(1, k).to(device) for k in {1, *slice_counts}}
+        return cls(runs, slice(lo, hi), slice(first, last), masks)
 
 
 class LoRAContext:
@@ -113,44 +116,69 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.context = context
-        self.slices = slices
         self.max_rank = max_rank
-        width = len(slices) * max_rank
-        out = sum(slices)
-        self.register_buffer("lora_a", torch.zeros(max_loras, in_features, width, dtype=dtype, device=device))
-        self.register_buffer("lora_b", torch.zeros(max_loras, width, out, dtype=dtype, device=device))
+        self.num_slots = max_loras
+        # per slice: (output offset, width) - the column block it owns in the output and in lora_b
+        self.spans: list[tuple[int, int]] = []
+        offset = 0
+        for width in slices:
+            self.spans.append((offset, width))
+            offset += width
+        # per slot and slice, the rank of the adapter there (0: not targeted): runs read only those
+        self.slot_rank = [[0] * len(slices) for _ in range(max_loras)]
+        group = max_loras * max_rank
+        self.register_buffer("lora_a", torch.zeros(in_features, len(slices) * group, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(group, offset, dtype=dtype, device=device))
 
     def set_slot(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter into `slot`: per slice (A [r, in], B [out_i, r] already scaled) or None."""
-        a, b = self.lora_a[slot], self.lora_b[slot]
-        a.zero_()
-        b.zero_()
-        r0, o0 = 0, 0
-        for width, piece in zip(self.slices, pieces):
+        R, group = self.max_rank, self.num_slots * self.max_rank
+        rows = self.lora_b[slot * R : (slot + 1) * R]
+        rows.zero_()
+        for i, ((offset, width), piece) in enumerate(zip(self.spans, pieces)):
+            cols = self.lora_a[:, i * group + slot * R : i * group + (slot + 1) * R]
+            cols.zero_()
             if piece is not None:
                 pa, pb = piece
                 r = pa.shape[0]
-                a[:, r0 : r0 + r].copy_(pa.t())
-                b[r0 : r0 + r, o0 : o0 + width].copy_(pb.t())
-            r0 += self.max_rank
-            o0 += width
+                cols[:, :r].copy_(pa.t())
+                rows[:r, offset : offset + width].copy_(pb.t())
+            self.slot_rank[slot][i] = 0 if piece is None else piece[0].shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         mapping = self.context.mapping
         if mapping is None:
             return y
-        p = mapping.padded
-        if p is not None:  # every adapter in one shrink bmm and one expand bmm
-            x_pad = F.pad(x, (0, 0, 0, 1)).index_select(0, p.gather).view(self.lora_a.shape[0], p.rows, -1)
-            delta = torch.bmm(torch.bmm(x_pad, self.lora_a), self.lora_b)
-            y.index_add_(0, p.tokens, delta.view(-1, y.shape[-1]).index_select(0, p.valid))
-            return y
-        for slot, rows in mapping.groups:
-            if isinstance(rows, slice):
-                y[rows] += (x[rows] @ self.lora_a[slot]) @ self.lora_b[slot]
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ self.lora_a[slot]) @ self.lora_b[slot])
+        R, group = self.max_rank, self.num_slots * self.max_rank
+        a, b = self.lora_a, self.lora_b
+        if mapping.dense is not None and mapping.dense_slots is not None and mapping.masks is not None:
+            y_rows, x_rows = y[mapping.dense], x[mapping.dense]
+            first, last = mapping.dense_slots.start, mapping.dense_slots.stop
+            if last - first == self.num_slots:
+                # every slot's shrink at once; the mask zeroes all but each row's own slot's rank columns
+                s = x_rows @ a
+                s.mul_(mapping.masks[len(self.spans)])
+                for i, (offset, width) in enumerate(self.spans):
+                    cols = slice(offset, offset + width)
+                    y_rows[:, cols].addmm_(s[:, i * group : (i + 1) * group], b[:, cols])
+            else:  # only the slots in use: their columns are one block per slice
+                w0, w1 = first * R, last * R
+                for i, (offset, width) in enumerate(self.spans):
+                    cols = slice(offset, offset + width)
+                    s = x_rows @ a[:, i * group + w0 : i * group + w1]
+                    s.mul_(mapping.masks[1])
+                    y_rows[:, cols].addmm_(s, b[w0:w1, cols])
+        for slot, start, end in mapping.runs:
+            x_run = x[start:end]
+            for i, (offset, width) in enumerate(self.spans):
+                r = self.slot_rank[slot][i]
+                if not r:
+                    continue
+                c = i * group + slot * R
+                y[start:end, offset : offset + width].addmm_(
+                    x_run @ a[:, c : c + r], b[slot * R : slot * R + r, offset : offset + width]
+                )
         return y
 
 

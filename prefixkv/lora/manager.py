@@ -123,7 +123,12 @@ class LoRAManager:
             raise RuntimeError(f"{len(ids)} adapters in one step, max_loras={self.max_loras}")
         slot_of = {aid: self._make_resident(aid, ids) for aid in ids}
         return LoRAMapping.from_segments(
-            [(slot_of[a] if a else -1, n) for a, n in segments], self.device, self.max_loras
+            [(slot_of[a] if a else -1, n) for a, n in segments],
+            self.device,
+            self.max_loras,
+            self.max_lora_rank,
+            self.dtype,
+            tuple({len(targets) for targets, _ in FUSED.values()}),
         )
 
     def _make_resident(self, aid: int, needed: set[int]) -> int:

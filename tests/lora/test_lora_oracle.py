@@ -89,26 +89,57 @@ def test_preemption_with_adapters(lora_fixture):
     _all_free(llm)
 
 
-def test_padded_layout_equals_one_adapter_at_a_time():
-    """The one-bmm layout (many adapters, few tokens each) computes what the per-adapter loop does."""
+def test_dense_and_run_paths_equal_per_token_reference():
+    """Both mixed-batch paths - the masked dense one (many short runs: decodes) and the run-by-run
+    one (prefill chunks) - add exactly each token's own adapter, and nothing to base tokens."""
     import torch
 
-    from prefixkv.lora.layers import LoRAContext, LoRALinear, LoRAMapping
+    from prefixkv.lora.layers import SHORT_RUN, LoRAContext, LoRALinear, LoRAMapping
 
     g = torch.Generator().manual_seed(0)
     ctx = LoRAContext()
-    lin = LoRALinear(torch.nn.Linear(6, 5, bias=False), 6, [2, 3], ctx, 4, 3, torch.float32, "cpu")
+    base = torch.nn.Linear(6, 5, bias=False)
+    lin = LoRALinear(base, 6, [2, 3], ctx, 4, 3, torch.float32, "cpu")
+    weights = {}
     for slot in range(4):
-        lin.set_slot(
-            slot, [(torch.randn(r, 6, generator=g), torch.randn(w, r, generator=g)) for r, w in ((3, 2), (2, 3))]
-        )
-    segments = [(2, 1), (-1, 2), (0, 1), (3, 1), (2, 1), (1, 1)]
-    x = torch.randn(7, 6, generator=g)
-    padded = LoRAMapping.from_segments(segments, "cpu", num_slots=4)
-    loop = LoRAMapping.from_segments(segments, "cpu")
-    assert padded.padded is not None and loop.padded is None
-    ctx.mapping = padded
-    a = lin(x)
-    ctx.mapping = loop
-    b = lin(x)
-    torch.testing.assert_close(a, b)
+        # slot 1 targets only the second slice, at a lower rank than max_rank
+        pieces = [(torch.randn(r, 6, generator=g), torch.randn(w, r, generator=g)) for r, w in ((3, 2), (2, 3))]
+        if slot == 1:
+            pieces[0] = None  # type: ignore[call-overload]
+        lin.set_slot(slot, pieces)  # type: ignore[arg-type]
+        weights[slot] = pieces
+    # decodes of 4 adapters and the base, then a long prefill run and a base prefill
+    segments = [(2, 1), (-1, 2), (0, 1), (3, 1), (2, 1), (1, 1), (1, SHORT_RUN + 2), (-1, 3)]
+    x = torch.randn(sum(n for _, n in segments), 6, generator=g)
+    expected = base(x)
+    pos = 0
+    for slot, n in segments:
+        for t in range(pos, pos + n):
+            if slot >= 0:
+                parts = [torch.zeros(2) if p is None else (x[t] @ p[0].t()) @ p[1].t() for p in weights[slot]]
+                expected[t] += torch.cat(parts)
+        pos += n
+    dense = LoRAMapping.from_segments(segments, "cpu", num_slots=4, max_rank=3)
+    assert dense is not None and dense.dense == slice(0, 6) and dense.dense_slots == slice(0, 4)
+    assert dense.runs == [(1, 6, 7 + SHORT_RUN + 2)]  # the decode of slot 1 merged with its prefill
+    one_by_one = LoRAMapping.from_segments(segments[-2:], "cpu", num_slots=4, max_rank=3)
+    assert one_by_one is not None and one_by_one.dense is None
+    # decodes of slots 2 and 3 only: the dense path reads just those slots' columns
+    narrow_segments = [(2, 1), (-1, 1), (3, 1), (2, 1)]
+    narrow = LoRAMapping.from_segments(narrow_segments, "cpu", num_slots=4, max_rank=3)
+    assert narrow is not None and narrow.dense_slots == slice(2, 4) and not narrow.runs
+    with torch.inference_mode():
+        ctx.mapping = dense
+        torch.testing.assert_close(lin(x), expected)
+        # the run-by-run path alone, on the rows of the long run
+        ctx.mapping = LoRAMapping([(1, 0, SHORT_RUN + 2)])
+        rows = slice(7, 7 + SHORT_RUN + 2)
+        torch.testing.assert_close(lin(x[rows]), expected[rows])
+        ctx.mapping = narrow
+        torch.testing.assert_close(lin(x[[0, 1, 4, 5]]), expected[[0, 1, 4, 5]])
+        # one adapter's decodes side by side merge into one run
+        single = LoRAMapping.from_segments([(2, 1)] * 3, "cpu", num_slots=4, max_rank=3)
+        assert single is not None and single.runs == [(2, 0, 3)] and single.dense is None
+        ctx.mapping = single
+        torch.testing.assert_close(lin(x[[0, 5, 0]]), expected[[0, 5, 0]])
+    assert LoRAMapping.from_segments([(-1, 4)], "cpu", num_slots=4, max_rank=3) is None
