@@ -34,15 +34,19 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+            q = RotaryEmbedding.apply(self.q_norm(qkv[:, :q_end].view(T, self.num_heads, self.head_dim)), cos, sin)
+            k = RotaryEmbedding.apply(
+                self.k_norm(qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)), cos, sin
+            )
+        else:
+            # q and k sit side by side in each row of qkv: one rotation over their heads together
+            qk = RotaryEmbedding.apply(
+                qkv[:, :k_end].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
+            )
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window)
         return self.o_proj(o.reshape(T, self.q_size))
 
