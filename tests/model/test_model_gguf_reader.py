@@ -32,7 +32,12 @@ def test_default_model_metadata_and_tensors_equal_gguf_reader():
     for a, b in zip(ours.tensors, theirs.tensors):
         assert a.tensor_type == b.tensor_type and list(a.shape) == [int(x) for x in b.shape], a.name
         types.add(a.tensor_type)
-        np.testing.assert_array_equal(dequantize_gguf_tensor(a), dequantize_gguf_tensor(b))
+        # same bytes, same element type and layout: dequantize_gguf_tensor then gives equal weights
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert a.data.tobytes() == np.asarray(b.data).tobytes(), a.name
+    # and one quantized tensor through the dequantizer, end to end
+    q = next(i for i, t in enumerate(ours.tensors) if t.data.dtype == np.uint8)
+    np.testing.assert_array_equal(dequantize_gguf_tensor(ours.tensors[q]), dequantize_gguf_tensor(theirs.tensors[q]))
     assert len(types) >= 2  # the default model mixes float32 and quantized tensors
 
 
