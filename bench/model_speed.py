@@ -6,6 +6,11 @@
 Reports medians: prefill tok/s for one --prompt-token prompt, and decode ms/step at batch 1
 and batch 8 with --context tokens of context per sequence. Both sides use --dtype (float32 by
 default). transformers loads the same GGUF (needs `accelerate`).
+
+Each figure also prints its fraction of this machine's ceiling, measured in the same process first
+(bench/ceiling.py; `--no-ceiling` skips it): prefill as FLOP/s achieved (2 x parameters x tokens plus
+causal attention and the LM head row) over the dtype's measured GEMM FLOP/s, decode as bytes read
+per second (every weight once, plus each sequence's K and V) over the measured memory bandwidth.
 """
 
 from __future__ import annotations
@@ -13,9 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.ceiling import decode_bytes, fraction, measure, prefill_flops  # noqa: E402
 
 
 def _sync(device):
@@ -43,10 +53,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers side")
     ap.add_argument("--no-pack", action="store_true", help="bfloat16 on CPU: plain F.linear weights")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling first")
     args = ap.parse_args()
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    ceiling = None
+    if not args.no_ceiling and args.device == "cpu":
+        ceiling = measure((getattr(torch, args.dtype),), quick=True)
+        print(f"load average {os.getloadavg()[0]:.2f}; this machine's ceiling, measured now (bench/ceiling.py):")
+        for line in ceiling.lines():
+            print("  " + line)
     from prefixkv.engine.block_tensors import allocate_kv_cache
     from prefixkv.model import AttentionMetadata, default_model_path, load_model
 
@@ -100,7 +117,11 @@ def main() -> None:
             times[name].append(timed(fn, dev)[0])
     for name, _ in fns:
         med = statistics.median(times[name])
-        print(f"prefill {n} tok  {name:12s}: median {med * 1000:8.1f} ms  = {n / med:8.1f} tok/s")
+        line = f"prefill {n} tok  {name:12s}: median {med * 1000:8.1f} ms  = {n / med:8.1f} tok/s"
+        if ceiling is not None:
+            achieved = prefill_flops(cfg, n) / med
+            line += f"  ({achieved / 1e9:.0f} GFLOP/s, {fraction(achieved, ceiling.flops_of(dtype))})"
+        print(line)
 
     # ------------------------------------------------------------ decode
     for B in (1, 8):
@@ -148,7 +169,11 @@ def main() -> None:
         if hf is not None:
             ref = statistics.median(ts_hf[2:])
             line += f"   transformers: {ref * 1000:7.1f} ms/step   (speedup x{ref / ours:.2f})"
+        if ceiling is not None:
+            read = decode_bytes(cfg, dtype, B, C + args.steps // 2) / ours
+            line += f"   ours reads {read / 1e9:.1f} GB/s, {fraction(read, ceiling.bytes_per_s)}"
         print(line)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

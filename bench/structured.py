@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from prefixkv.constraints.grammar import apply_bitmask  # noqa: E402
-from prefixkv.model.loader import default_model_path, read_gguf_metadata  # noqa: E402
+from prefixkv.model.gguf_file import GGUFFile  # noqa: E402
+from prefixkv.model.loader import default_model_path  # noqa: E402
 from prefixkv.model.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMA = {
@@ -56,9 +57,7 @@ OBJECT_DOC = json.dumps({"items": [{"id": i, "ok": i % 2 == 0, "label": f"item n
 
 
 def load_tokenizer() -> Tokenizer:
-    import gguf
-
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(default_model_path())))
+    return Tokenizer.from_gguf_metadata(GGUFFile(default_model_path()).metadata)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:

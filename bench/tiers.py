@@ -18,6 +18,10 @@ Scenarios (SmolLM2-135M, float32, greedy; the pool is sized so that it thrashes)
 * per block - reading + checking + copying one block in from each tier, vs the prefill time per
   block of the cold question 1; and what a write-through save costs the engine thread (copy out,
   checksum, and the CPU tier's put or the slow tiers' enqueue).
+* async vs sync loads - a fresh engine decodes a request while question 1 arrives and loads its
+  table from the Redis tier a previous engine filled, once with the default asynchronous loads
+  (a loader thread) and once with `?load=sync` (on the engine thread at admission): TTFT of
+  question 1 and the longest gap between two tokens of the decoding request while it loads.
 
 Without --redis, a redis-server (Debian's package) is started on a free local port and stopped
 at the end. Prints medians; the numbers depend on the machine's load (printed).
@@ -238,6 +242,62 @@ def per_block(loaded, redis_url: str, repeats: int, cold_ttft: float) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def async_vs_sync(loaded, redis_url: str, repeats: int) -> None:
+    q1 = LONG_PROMPT + age_question("John Doe")
+    print("async vs sync loads: question 1 from the Redis tier while another request decodes", flush=True)
+    ref = None
+    # a 5 s socket timeout: on a loaded machine the default 0.5 s can expire and take the tier down
+    for name, spec in (
+        ("sync (load=sync)", f"{redis_url}?timeout=5&load=sync"),
+        ("async (default)", f"{redis_url}?timeout=5"),
+    ):
+        ttfts, gaps, steps = [], [], []
+        for _ in range(repeats):
+            clear_redis(redis_url)
+            prev = new_engine(loaded, kv_tier=f"{redis_url}?timeout=5")
+            generate(prev, q1)
+            prev.tiers.close()  # flushes its writes
+            eng = new_engine(loaded, kv_tier=spec)
+            params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            decoding = eng.add_request("Once upon a time", params)
+            last_token = None
+            while last_token is None or len(steps) < 3:  # decoding, with a few steps timed
+                if any(o.request_id == decoding for o in eng.step()):
+                    now = time.perf_counter()
+                    if last_token is not None:
+                        steps.append(now - last_token)
+                    last_token = now
+            rid = eng.add_request(q1, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+            arrived, first, gap = time.perf_counter(), None, 0.0
+            while first is None:
+                outs = eng.step()
+                now = time.perf_counter()
+                for o in outs:
+                    if o.request_id == decoding:
+                        gap = max(gap, now - last_token)
+                        last_token = now
+                    elif o.request_id == rid:
+                        first = now
+                        out = o
+            gap = max(gap, first - last_token)
+            eng.abort_request(decoding)
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.request_id == rid:
+                        out = o
+            ref = ref or out.outputs[0].token_ids
+            assert out.outputs[0].token_ids == ref, "outputs differ between sync and async loads"
+            assert out.num_cached_tokens == 1520, f"question 1 cached {out.num_cached_tokens} tokens, not 1520"
+            ttfts.append(first - arrived)
+            gaps.append(gap)
+            eng.tiers.close()
+        print(
+            f"  {name:<22} q1 TTFT {med(ttfts):6.3f} s  longest decode gap while it loads {med(gaps) * 1e3:6.1f} ms"
+            f"  (decode step {med(steps) * 1e3:.1f} ms)",
+            flush=True,
+        )
+
+
 def start_redis() -> tuple[subprocess.Popen[bytes], str, str]:
     binary = shutil.which("redis-server")
     if binary is None:
@@ -265,7 +325,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--redis", help="an existing Redis database (flushed!) instead of starting redis-server")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["chat", "restart", "block"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["long", "chat", "restart", "block", "async"])
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     proc = workdir = None
@@ -276,7 +336,9 @@ def main() -> None:
         loaded = load_model(None, dtype=torch.float32, device="cpu")
         print(f"KV tiers, SmolLM2-135M float32, load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs")
         generate(new_engine(loaded), "Hello, my name is", 4)  # warm-up
-        cold = long_document(loaded, url, args.repeats)["q1 cold"]
+        if "async" not in args.skip:
+            async_vs_sync(loaded, url, args.repeats)
+        cold = float("nan") if "long" in args.skip else long_document(loaded, url, args.repeats)["q1 cold"]
         if "block" not in args.skip:
             per_block(loaded, url, args.repeats, cold)
         if "restart" not in args.skip:

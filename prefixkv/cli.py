@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from .engine_args import MODEL_HELP, EngineArgs, parse_bytes  # noqa: F401  (parse_bytes: part of this CLI's API)
+from .replicas.args import add_replica_args
 from .server.launch import add_server_args
 
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(serve)  # the engine's flags: one source, prefixkv/engine_args.py
     add_server_args(serve)
+    add_replica_args(serve)  # --replicas N >= 2: Ray Serve (prefixkv/replicas/, imported only then)
 
     gen = sub.add_parser(
         "generate",
@@ -128,6 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_server_args(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if args.replicas != 1:  # 0 and below are refused there, before Ray starts
+        from .replicas.app import serve_replicas  # imports Ray
+
+        return serve_replicas(args)
     log = logging.getLogger("prefixkv.server")
     config = engine_config(args)
     try:

@@ -352,10 +352,6 @@ class EngineArgs:
             parse_spec(text)
         if (size or specs) and not self.enable_prefix_caching:
             raise ValueError("KV tiers (kv_offloading_size / kv_tier) need enable_prefix_caching")
-        if (size or specs) and self.enable_stage_output_cache:
-            raise ValueError(
-                "KV tiers with enable_stage_output_cache are not implemented (tier blocks carry no stage outputs)"
-            )
 
     def _check_multimodal(self) -> None:
         if self.mm_hash not in MM_HASH_MODES:

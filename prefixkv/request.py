@@ -40,6 +40,8 @@ def _as_mm_item(item: Any) -> MultiModalItem:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # waiting for its prefix's KV from a slow tier (prefixkv/tiers), holding no block (vLLM's name)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .block import KVCacheBlock
-from .events import BlockStored, KVCacheEvent
+from .events import MEDIUM_POOL, BlockStored, KVCacheEvent
 from .eviction import EvictionPolicy, get_policy, overrides
 from .identity import ROOT_UID, BlockChain, ExtraKeys, HashFunction, get_hash_function, none_hash
 from .pool import BlockPool
@@ -204,11 +204,28 @@ class KVCacheManager:
         hashes = state.chain.hashes_upto(end, self.hash_fn, self.none_hash)
         for i in range(start, end):
             state.blocks[i].content_hash = hashes[i]
+        return self._describe(request, state.chain, hashes, start, end)
+
+    def describe_blocks(self, request: CacheRequest, start: int, end: int, medium: str) -> BlockStored:
+        """The BlockStored event of the request's full blocks [start, end) in another tier
+        (`medium`): what a lower tier (prefixkv/tiers) publishes when it stores them."""
+        chain = self.get_block_chain(request)
+        hashes = chain.hashes_upto(end, self.hash_fn, self.none_hash)
+        return self._describe(request, chain, hashes, start, end, medium)
+
+    def _describe(
+        self,
+        request: CacheRequest,
+        chain: BlockChain,
+        hashes: Sequence[bytes],
+        start: int,
+        end: int,
+        medium: str = MEDIUM_POOL,
+    ) -> BlockStored:
         lora = request.lora_request
-        token_ids = [t for block_tokens in state.chain.tokens[start:end] for t in block_tokens]
-        chain = state.chain
+        token_ids = [t for block_tokens in chain.tokens[start:end] for t in block_tokens]
         return BlockStored(
-            block_hashes=hashes[start:end],
+            block_hashes=list(hashes[start:end]),
             parent_block_hash=hashes[start - 1] if start else None,
             token_ids=token_ids,
             block_size=self.block_size,
@@ -216,6 +233,7 @@ class KVCacheManager:
             extra_keys=[chain.extra(i) for i in range(start, end)],
             # the integer id is not part of the cache protocol (the key is name, path, weights)
             lora_id=getattr(lora, "lora_int_id", None) if lora is not None else None,
+            medium=medium,
         )
 
     # -- release -------------------------------------------------------------------------------

@@ -45,6 +45,9 @@ from .stats import EngineStats
 
 logger = logging.getLogger("prefixkv")
 
+# nothing to run but slow-tier loads: wait this long for one, then step again (new requests,
+# aborts and the server's commands are taken between steps)
+TIER_LOAD_NAP_S = 0.01
 MAX_PENDING_KV_EVENTS = 10_000  # engine-level buffer for the publisher: beyond it the oldest are dropped
 
 
@@ -471,8 +474,12 @@ class LLMEngine:
         forward pass fails the batch's requests the same way. Neither raises."""
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output:
-            stuck = self.scheduler.waiting and not scheduler_output.preempted_req_ids
-            outputs = self._fail_unschedulable() if stuck else []
+            if self.scheduler.num_loading:  # requests wait for slow-tier loads (tiers/): nap until one is done
+                self.scheduler.wait_for_tier_loads(TIER_LOAD_NAP_S)
+                outputs = []
+            else:
+                stuck = self.scheduler.waiting and not scheduler_output.preempted_req_ids
+                outputs = self._fail_unschedulable() if stuck else []
         else:
             self.num_steps += 1
             self.last_step_num_tokens = scheduler_output.num_scheduled_tokens

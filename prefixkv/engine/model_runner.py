@@ -70,6 +70,8 @@ class ModelRunner:
             if transfer is None:
                 raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")
             transfer.load(scheduler_output.kv_loads)  # blocks from the tiers, before the forward reads them
+            if self.stage_outputs is not None and scheduler_output.kv_loads:  # their stage rows came too
+                self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -109,12 +111,12 @@ class ModelRunner:
             extra["inputs_embeds"] = self.mm.inputs_embeds(self.model.embed_tokens, ids, placements)
         hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta, **extra)
 
-        if scheduler_output.kv_saves and transfer is not None:  # completed blocks, write-through to the tiers
-            transfer.save(scheduler_output.kv_saves)
         stage = self.stage_outputs
         if stage is not None:  # every computed row, through the KV slot mapping; full blocks become readable
             stage.write(per_token_outputs(hidden, len(input_ids)), meta.slot_mapping)
             stage.commit(self._full_blocks(scheduled))
+        if scheduler_output.kv_saves and transfer is not None:  # completed blocks (and their stage rows) to the tiers
+            transfer.save(scheduler_output.kv_saves)
         out = ModelRunnerOutput()
         for i, sr in enumerate(scheduled):
             if sr.want_hidden_states:

@@ -21,6 +21,7 @@ from .scheduler_output import EncoderInput, ScheduledRequest, SchedulerOutput
 if TYPE_CHECKING:
     from ..stage import StageOutputCache
     from ..tiers import TierManager
+    from ..tiers.manager import TierFetch
 
 
 class Scheduler:
@@ -67,6 +68,9 @@ class Scheduler:
         self.tiers: TierManager | None = None  # set by the engine when KV tiers are on (prefixkv/tiers)
         # the queue head's tier lookup, kept while it waits for blocks: (request id, pool hits, KV bytes)
         self._tier_lookup: tuple[str, int, list[Any]] | None = None
+        # requests whose blocks are being read from a slow tier on a loader thread: they stay in
+        # `waiting` (status WAITING_FOR_REMOTE_KVS, no blocks held) and are passed over until ready
+        self._tier_fetches: dict[str, TierFetch] = {}
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -98,6 +102,9 @@ class Scheduler:
             return
         if self._tier_lookup is not None and self._tier_lookup[0] == req.request_id:
             self._tier_lookup = None
+        fetch = self._tier_fetches.pop(req.request_id, None)
+        if fetch is not None:  # aborted while loading: it holds no block, the loader stops early
+            fetch.cancel()
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -149,6 +156,9 @@ class Scheduler:
         skipped: list[Request] = []  # waiting for an adapter slot: back at the front afterwards
         while self.waiting and budget > 0 and not out.preempted_req_ids and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not self._tier_fetches[req.request_id].ready():
+                skipped.append(self.waiting.popleft())  # its tier load is in flight: the others go on
+                continue
             if loras is not None and req.lora_id and req.lora_id not in loras:
                 if len(loras) >= self.max_loras:  # type: ignore[operator]
                     skipped.append(self.waiting.popleft())
@@ -164,6 +174,9 @@ class Scheduler:
                         # rather than recompute them (FCFS: nothing behind it goes first)
                         break
             loaded = self._tier_hits(req, len(hits)) if self.tiers is not None else []
+            if loaded is None:  # a slow-tier load just started for it
+                skipped.append(self.waiting.popleft())
+                continue
             num_loaded = len(loaded) * self.block_size
             num_new = min(req.num_tokens - num_hit - num_loaded, budget)
             if kv.allocate_slots(req, num_loaded + num_new, hits) is None:
@@ -197,27 +210,69 @@ class Scheduler:
 
     # -- KV tiers (prefixkv/tiers) -------------------------------------------------------------
     def _tier_eligible(self, req: Request) -> bool:
-        # requests that read the stage outputs of their hits, or skip the cache, compute their prefix
-        return self.kv_cache_manager.enable_caching and not (req.skip_prefix_cache_read or req.reads_stage_outputs)
+        # requests that skip the cache compute their prefix; so do those that read the stage outputs
+        # of their hits, unless tier values carry them (the stage-output cache was on when saved)
+        if not self.kv_cache_manager.enable_caching or req.skip_prefix_cache_read:
+            return False
+        return not req.reads_stage_outputs or (self.tiers is not None and self.tiers.carries_stage_outputs)
 
-    def _tier_hits(self, req: Request, num_pool_hits: int) -> list[Any]:
+    def _tier_hits(self, req: Request, num_pool_hits: int) -> list[Any] | None:
         """KV bytes of the blocks after the pool's hits that the tiers hold, looked up once while
-        the request waits at the head of the queue."""
+        the request waits at the head of the queue. The in-memory tier is read here; when the
+        chain goes on past it and a slow tier loads asynchronously, a fetch is started and None
+        returned: the request waits (WAITING_FOR_REMOTE_KVS) and comes back here when it is ready."""
         memo = self._tier_lookup
         if memo is not None and memo[0] == req.request_id and memo[1] == num_pool_hits:
             return memo[2]
         loaded: list[Any] = []
-        if self._tier_eligible(req) and self.tiers is not None:
+        tiers = self.tiers
+        fetch = self._tier_fetches.pop(req.request_id, None)
+        if self._tier_eligible(req) and tiers is not None:
             kv = self.kv_cache_manager
             last = (req.num_tokens - 1) // self.block_size  # the last token is always computed
             if num_pool_hits < last:
                 hashes = kv.get_block_hashes(req)
                 chain = kv.get_block_chain(req)
-                loaded = self.tiers.lookup(
-                    hashes, req.all_token_ids, chain.extras, self.block_size, num_pool_hits, last
-                )
+                describe = self._tier_describer(req)
+                args = (hashes, req.all_token_ids, chain.extras, self.block_size)
+                loaded = tiers.lookup(*args, num_pool_hits, last, describe, sync_only=tiers.has_async_tiers)
+                stop = num_pool_hits + len(loaded)
+                if fetch is not None:  # back from its load (done, failed or timed out): take what it found
+                    if stop < last:
+                        loaded += tiers.take_fetched(fetch, stop, describe)
+                    req.status = RequestStatus.WAITING
+                    fetch = None
+                elif stop < last and tiers.has_async_tiers:
+                    fetch = tiers.start_fetch(*args, stop, last)
+                    if fetch is not None:
+                        self._tier_fetches[req.request_id] = fetch
+                        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                        return None
+        if fetch is not None:  # no longer needed (the pool holds the chain now)
+            fetch.cancel()
+            req.status = RequestStatus.WAITING
         self._tier_lookup = (req.request_id, num_pool_hits, loaded)
         return loaded
+
+    def _tier_describer(self, req: Request) -> Any:
+        """block index -> its BlockStored event, for the tiers' KV events (None when those are off)."""
+        if self.tiers is None or not self.tiers.events_enabled:
+            return None
+        kv = self.kv_cache_manager
+        return lambda i: kv.describe_blocks(req, i, i + 1, "")
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for a slow-tier load (none can be scheduled until it completes)."""
+        return len(self._tier_fetches)
+
+    def wait_for_tier_loads(self, timeout_s: float) -> None:
+        """Nothing else to run: sleep until a tier load completes, at most `timeout_s`."""
+        futures = [f.future for f in self._tier_fetches.values() if f.future is not None]
+        if futures:
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def _plan_tier_saves(self, out: SchedulerOutput) -> None:
         """Blocks this step's forward completes (never hits, never loaded ones) are copied out
@@ -234,6 +289,8 @@ class Scheduler:
             for i in range(first, min(end, len(hashes))):
                 save = tiers.plan_save(sr.block_table[i], hashes[i], req.all_token_ids, extras, bs, i)
                 if save is not None:
+                    if tiers.events_enabled:  # each tier publishes it (its own medium) once stored
+                        save.event = kv.describe_blocks(req, i, i + 1, "")
                     out.kv_saves.append(save)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -352,7 +409,10 @@ class Scheduler:
         return self.kv_cache_manager.stats
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        return self.kv_cache_manager.take_events()
+        events = self.kv_cache_manager.take_events()
+        if self.tiers is not None and self.tiers.events_enabled:  # the tiers', medium CPU/DISK/REDIS
+            events.extend(self.tiers.take_events())
+        return events
 
     @property
     def num_dropped_kv_events(self) -> int:

@@ -65,13 +65,18 @@ class RotaryEmbedding(nn.Module):
     def _build(self, n: int, device) -> None:
         t = torch.arange(n, dtype=torch.int64).float()
         freqs = torch.outer(t, self.inv_freq)  # [n, d/2] float32
-        # computed in float32 and cast, like transformers
-        self.register_buffer("cos_cache", freqs.cos().to(self._dtype).to(device), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(self._dtype).to(device), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # computed in float32 and cast, like transformers; full width, the sine signed for
+        # rotate_half (see apply), so that a rotation is four whole-row operations
+        full_cos = torch.cat((cos, cos), dim=-1)
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        self.register_buffer("cos_cache", full_cos.to(self._dtype).to(device), persistent=False)
+        self.register_buffer("sin_cache", signed_sin.to(self._dtype).to(device), persistent=False)
         self.max_positions = n
 
     def cos_sin(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim/2] for positions [T].
+        """cos and signed sin (-sin on the first half, sin on the second) of shape [T, 1, head_dim]
+        for positions [T].
 
         `max_position` (an upper bound of positions, known from the metadata) avoids a
         device sync; without it the max is read from the tensor."""
@@ -83,11 +88,17 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; cos/sin: [T, 1, D/2]."""
+        """x: [T, H, D] (any strides); cos, signed sin: [T, 1, D] (from cos_sin). Returns a new
+        contiguous tensor.
+
+        transformers' x * cos + rotate_half(x) * sin, bit for bit: with the sine's sign folded
+        into the table, rotate_half becomes a swap of the halves, and x2 * (-s) = -(x2 * s) and
+        a + (-b) = a - b are exact in IEEE arithmetic. Four operations over whole rows, where the
+        half-by-half form takes seven; callers rotate q and k together (one call per layer)."""
         half = x.shape[-1] // 2
-        x1 = x[..., :half]
-        x2 = x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = x * cos
+        out += torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
+        return out
 
 
 class GatedMLP(nn.Module):

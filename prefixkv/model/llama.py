@@ -34,15 +34,19 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+            q = RotaryEmbedding.apply(self.q_norm(qkv[:, :q_end].view(T, self.num_heads, self.head_dim)), cos, sin)
+            k = RotaryEmbedding.apply(
+                self.k_norm(qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)), cos, sin
+            )
+        else:
+            # q and k sit side by side in each row of qkv: one rotation over their heads together
+            qk = RotaryEmbedding.apply(
+                qkv[:, :k_end].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
+            )
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -72,7 +76,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # `_weight` skips Embedding's normal_() init, which on the meta device goes through
+            # torch._refs and imports torch._dynamo: 1-2.5 s of every engine start for nothing
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            )
             self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             if not config.tie_word_embeddings:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
+from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .tokenizer import Tokenizer
 
@@ -121,13 +122,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     if os.path.isdir(path):
         return Tokenizer.from_hf_folder(path)
     if os.path.isfile(path):
-        from gguf import GGUFReader
-
-        try:
-            reader = GGUFReader(path)
-        except Exception as e:
-            raise ValueError(f"Cannot read GGUF file {path!r}: {e}") from e
-        return Tokenizer.from_gguf_metadata(read_gguf_metadata(reader))
+        return Tokenizer.from_gguf_metadata(_open_gguf(path).metadata)
     raise FileNotFoundError(
         f"tokenizer path does not exist: {path!r} (an HF folder or a .gguf file; nothing is downloaded)"
     )
@@ -177,6 +172,7 @@ def _load_hf_folder(folder: str, dtype, device) -> LoadedModel:
 
 # ---------------------------------------------------------------------- GGUF
 def read_gguf_metadata(reader) -> dict[str, Any]:
+    """The metadata of a `gguf.GGUFReader` (the engine reads files with the faster GGUFFile)."""
     meta: dict[str, Any] = {}
     for key, fld in reader.fields.items():
         if key.startswith("GGUF."):
@@ -244,14 +240,16 @@ def dequantize_gguf_tensor(t) -> np.ndarray:
     return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
 
 
-def _load_gguf(path: str, dtype, device) -> LoadedModel:
-    from gguf import GGUFReader
-
+def _open_gguf(path: str) -> GGUFFile:
     try:
-        reader = GGUFReader(path)
+        return GGUFFile(path)
     except Exception as e:
         raise ValueError(f"Cannot read GGUF file {path!r}: {e}") from e
-    meta = read_gguf_metadata(reader)
+
+
+def _load_gguf(path: str, dtype, device) -> LoadedModel:
+    reader = _open_gguf(path)
+    meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_metadata(meta, names)
     tokenizer = Tokenizer.from_gguf_metadata(meta)

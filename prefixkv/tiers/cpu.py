@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class CPUStore:
@@ -18,6 +18,7 @@ class CPUStore:
         self._values: OrderedDict[bytes, bytes] = OrderedDict()
         self.used_bytes = 0
         self.num_evicted = 0
+        self.on_evict: Callable[[bytes], None] | None = None  # the tier manager's: a KV event per eviction
 
     def __len__(self) -> int:
         return len(self._values)
@@ -43,9 +44,11 @@ class CPUStore:
             self.used_bytes -= len(old)
         values = self._values
         while self.used_bytes + size > self.capacity_bytes:
-            _, evicted = values.popitem(last=False)
+            evicted_key, evicted = values.popitem(last=False)
             self.used_bytes -= len(evicted)
             self.num_evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(evicted_key)
         values[key] = value
         self.used_bytes += size
 

@@ -3,8 +3,10 @@
 A value is written to a temporary file in the same directory and renamed over its final name
 (`os.replace`), so a reader - this process, a restarted one, another engine sharing the folder -
 sees a whole value or none. The bound is kept from an index of (size, last use) built by
-scanning the folder at start; beyond it the least recently used files are deleted. Engines
-sharing a folder each keep their own index, so the bound is per engine, not global.
+scanning the folder at start (so it holds across restarts, oldest modification first); beyond it
+the least recently used files are deleted. Engines sharing a folder each keep their own index,
+so the bound is per engine, not global. A full disk makes `put` raise (ENOSPC): the tier
+manager counts it, warns and backs off.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 SUFFIX = ".kv"
 DEFAULT_DISK_BYTES = 16 << 30
@@ -22,7 +24,7 @@ class DiskStore:
     name = "disk"
     fast = False
 
-    def __init__(self, path: str, capacity_bytes: int = DEFAULT_DISK_BYTES) -> None:
+    def __init__(self, path: str, capacity_bytes: int = DEFAULT_DISK_BYTES, sync_load: bool = False) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"the disk tier needs a positive size, got {capacity_bytes} bytes")
         self.path = os.path.abspath(path)
@@ -32,6 +34,9 @@ class DiskStore:
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> size, least recently used first
         self.used_bytes = 0
         self.num_evicted = 0
+        self.sync_load = sync_load  # `?load=sync`: looked up on the engine thread (docs/tiers.md)
+        # the tier manager's: a KV event per file this index drops (deleted, or gone under it)
+        self.on_evict: Callable[[bytes], None] | None = None
         os.makedirs(self.path, exist_ok=True)  # raises when the path cannot be a folder
         self._scan()
 
@@ -92,7 +97,7 @@ class DiskStore:
                 pass
             raise
         with self._lock:
-            self._forget(name)
+            self.used_bytes -= self._index.pop(name, 0)  # rewritten in place: not an eviction
             self._index[name] = len(value)
             self.used_bytes += len(value)
             victims = []
@@ -106,11 +111,21 @@ class DiskStore:
                 self.num_evicted += 1
             except FileNotFoundError:
                 pass
+            self._evicted(old)
 
     def _forget(self, name: str) -> None:
         size = self._index.pop(name, None)
         if size is not None:
             self.used_bytes -= size
+            self._evicted(name)
+
+    def _evicted(self, name: str) -> None:
+        if self.on_evict is not None:
+            try:
+                key = bytes.fromhex(name[: -len(SUFFIX)])
+            except ValueError:  # not a name this store writes
+                return
+            self.on_evict(key)
 
     def close(self) -> None:
         pass

@@ -7,8 +7,12 @@ to be put in the CPU tier at once and queued for the slow tiers (disk, Redis) in
 writers. Loads happen at admission: a request whose prefix misses the pool continues its hash
 chain in the tiers (fastest first, a remote tier one round trip per batch of blocks); every hit
 value is checked (value.py) and handed to the runner as "load these bytes into block Y" before
-the forward. A store that fails (down, full, unwritable) is skipped for a while - exponential
-backoff, one warning per outage, counted in the metrics - and the request is simply computed.
+the forward. The CPU tier (and a `load=sync` one) is read on the engine thread; the disk and
+Redis tiers by default on a loader thread (`start_fetch`) while the request waits and the
+scheduler steps the others - a slow store never holds the engine loop. With KV events on, every
+tier publishes what it stores and drops under its own `medium` (CPU, DISK, REDIS). A store that
+fails (down, full, unwritable) is skipped for a while - exponential backoff, one warning per
+outage, counted in the metrics - and the request is simply computed.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cbor2
 
+from ..cache import BlockRemoved, BlockStored, KVCacheEvent, KVEventBuffer
 from .store import KVStore, describe
 from .value import encode_header, open_value, seal
 from .writer import DEFAULT_MAX_PENDING_BYTES, BackgroundWriter
@@ -33,6 +39,15 @@ logger = logging.getLogger("prefixkv")
 REMOTE_BATCH = 16  # blocks asked of a slow tier in one round trip
 KNOWN_KEYS = 1 << 16  # keys remembered per slow tier as stored (not saved again)
 MAX_BACKOFF_S = 30.0
+# An asynchronous load not done by then is given up (the blocks are computed) and its tier backs
+# off: a store that hangs holds a request this long at most, and the engine loop never.
+LOAD_TIMEOUT_S = 5.0
+LOAD_THREADS = 2  # loader threads shared by the asynchronous tiers
+MAX_PENDING_EVENTS = 10_000  # tier events between two engine steps; beyond, the oldest are dropped
+# KV events' `medium` per tier: "CPU" is vLLM's offloading connector's name for its CPU tier
+MEDIUMS = {"cpu": "CPU", "disk": "DISK", "redis": "REDIS"}
+
+Describe = Callable[[int], BlockStored]  # block index -> its BlockStored event (any medium)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +69,33 @@ class TierStats:
     available: bool = True
 
 
+class _EventSink:
+    """Tier events waiting for the engine's next step; appended by the engine and writer threads."""
+
+    def __init__(self) -> None:
+        self.buffer = KVEventBuffer(MAX_PENDING_EVENTS)
+        self.lock = threading.Lock()
+
+    def append(self, event: KVCacheEvent) -> None:
+        with self.lock:
+            self.buffer.append(event)
+
+    def drain(self) -> list[KVCacheEvent]:
+        with self.lock:
+            return self.buffer.drain()
+
+
 class _Tier:
-    def __init__(self, store: KVStore, max_pending_bytes: int) -> None:
+    def __init__(self, store: KVStore, max_pending_bytes: int, namespace: bytes) -> None:
         self.store = store
         self.name = store.name
         self.spec = describe(store)
         self.fast = store.fast
+        # read on the engine thread at admission (in-memory, or `load=sync`); else on a loader thread
+        self.sync_load = store.fast or bool(getattr(store, "sync_load", False))
+        self.medium = MEDIUMS.get(self.name, self.name.upper())
+        self.namespace = namespace
+        self.events: _EventSink | None = None  # set when KV events are on
         self.lock = threading.Lock()  # counters are updated by the engine thread and the writer
         self.c: dict[str, Any] = dict(
             queries=0,
@@ -115,14 +151,28 @@ class _Tier:
                 self.backoff = 1.0
             logger.warning("KV tier %s answers again", self.spec)
 
-    def _written(self, key: bytes, nbytes: int, seconds: float, error: BaseException | None) -> None:
+    def _written(
+        self, key: bytes, nbytes: int, seconds: float, error: BaseException | None, event: BlockStored | None
+    ) -> None:
         if error is not None:
             self.add(saves_dropped=1)
             self.failed(error, "to store a block")
             return
         self.add(saves=1, bytes_saved=nbytes, save_seconds=seconds)
         self.remember(key)
+        self.stored(event)
         self.succeeded()
+
+    # -- KV events (medium: this tier's) -------------------------------------------------------
+    def stored(self, event: BlockStored | None) -> None:
+        if event is not None and self.events is not None:
+            self.events.append(replace(event, medium=self.medium))
+
+    def evicted(self, key: bytes) -> None:
+        """The store dropped `key` (its LRU bound, or the file is gone): a BlockRemoved if it is ours."""
+        ns = self.namespace
+        if self.events is not None and key.startswith(ns) and len(key) > len(ns):
+            self.events.append(BlockRemoved([key[len(ns) :]], medium=self.medium))
 
     def _dropped(self) -> None:
         self.add(saves_dropped=1)
@@ -153,6 +203,7 @@ class KVSave:
     block_id: int
     key: bytes
     head: bytes  # value header (value.encode_header)
+    event: BlockStored | None = None  # with KV events on: the block's event, published per tier once stored
 
 
 @dataclass(slots=True)
@@ -176,14 +227,39 @@ class TierManager:
             raise ValueError("a tier manager needs at least one store")
         self.namespace = namespace
         self.kv_nbytes = kv_nbytes  # KV bytes of one block, across layers
-        self.tiers = [_Tier(s, max_pending_bytes) for s in stores]
+        self.tiers = [_Tier(s, max_pending_bytes, namespace) for s in stores]
         self.external_queries = 0  # tokens of requests that consulted the tiers (vLLM's meaning)
         self.external_hits = 0  # tokens loaded from the tiers
+        self.load_timeout_s = LOAD_TIMEOUT_S
+        # values hold the block's stage outputs too (the stage-output cache is on): requests that
+        # read stage outputs of their prefix may load it (set by setup.attach_tiers)
+        self.carries_stage_outputs = False
+        self._load_pool: ThreadPoolExecutor | None = None  # started with the first asynchronous load
+        self._events: _EventSink | None = None
+
+    def enable_events(self) -> None:
+        """Publish tier moves as KV events (BlockStored / BlockRemoved with the tier's medium)."""
+        sink = self._events = _EventSink()
+        for tier in self.tiers:
+            tier.events = sink
+            if hasattr(tier.store, "on_evict"):
+                tier.store.on_evict = tier.evicted
+
+    @property
+    def events_enabled(self) -> bool:
+        return self._events is not None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._events.drain() if self._events is not None else []
 
     def key(self, content_hash: bytes) -> bytes:
         return self.namespace + content_hash
 
     # -- load ----------------------------------------------------------------------------------
+    @property
+    def has_async_tiers(self) -> bool:
+        return any(not t.sync_load for t in self.tiers)
+
     def lookup(
         self,
         hashes: Sequence[bytes],
@@ -192,59 +268,78 @@ class TierManager:
         block_size: int,
         first: int,
         last: int,
+        describe: Describe | None = None,
+        *,
+        sync_only: bool = False,
     ) -> list[memoryview]:
         """KV bytes of blocks first, first + 1, ... (< last) found in the tiers, stopping at the
-        first block that no tier holds (a chain is only useful without gaps)."""
+        first block that no tier holds (a chain is only useful without gaps). With `sync_only`,
+        only the tiers loaded on the engine thread (the CPU tier, `load=sync` ones) are asked.
+        `describe(i)`: block i's BlockStored event, for blocks promoted into the CPU tier."""
         if first >= last:
             return []
-        tokens = memoryview(array("i", token_ids[: last * block_size]).tobytes())
-        found: list[memoryview] = []
-        batches: dict[int, dict[int, bytes | None]] = {}  # slow tier -> block index -> value
-        for i in range(first, last):
-            key = self.key(hashes[i])
-            want_tokens = tokens[: (i + 1) * block_size * 4]
-            want_extras = _extras_bytes(extras, i)
-            kv = None
-            missed: list[_Tier] = []
-            for t, tier in enumerate(self.tiers):
-                if not tier.up():
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    if tier.fast:
-                        value = tier.store.get(key)
-                    else:
-                        batch = batches.get(t)
-                        if batch is None or i not in batch:
-                            end = min(last, i + REMOTE_BATCH)
-                            values = tier.store.get_many([self.key(hashes[j]) for j in range(i, end)])
-                            batch = batches[t] = dict(zip(range(i, end), values))
-                        value = batch.pop(i)
-                except Exception as e:  # noqa: BLE001 (a failing store is a miss, reported)
-                    tier.failed(e, "a lookup")
-                    continue
-                tier.succeeded()
-                seconds = time.perf_counter() - t0
-                if value is None:
-                    tier.add(queries=1, load_seconds=seconds)
-                    missed.append(tier)
-                    continue
-                kv = open_value(value, key, want_tokens, want_extras, self.kv_nbytes)
-                if kv is None:
-                    tier.add(queries=1, rejected=1, load_seconds=seconds)
-                    missed.append(tier)
-                    continue
-                tier.add(queries=1, hits=1, bytes_loaded=len(value), load_seconds=time.perf_counter() - t0)
-                if not tier.fast:
-                    tier.remember(key)
-                for faster in missed:  # promote into the in-memory tier that missed it
-                    if faster.fast:
-                        faster.store.put(key, value)
-                break
-            if kv is None:
-                break
-            found.append(kv)
-        return found
+        tiers = [t for t in self.tiers if t.sync_load] if sync_only else self.tiers
+        keys = [self.key(h) for h in hashes[first:last]]
+        found = _walk(tiers, keys, _want(token_ids, extras, block_size, last), first, self.kv_nbytes)
+        return self._promote(found, first, describe)
+
+    def start_fetch(
+        self,
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        extras: Sequence[Any] | None,
+        block_size: int,
+        first: int,
+        last: int,
+    ) -> TierFetch | None:
+        """Look blocks first.. (< last) up in the asynchronous tiers on a loader thread (values
+        read and checked there); None when none of them is up. The engine thread polls the
+        fetch (`TierFetch.ready`) and takes its blocks with `take_fetched`."""
+        tiers = [t for t in self.tiers if not t.sync_load and t.up()]
+        if first >= last or not tiers:
+            return None
+        fetch = TierFetch(first, time.monotonic() + self.load_timeout_s)
+        want = _want(token_ids, extras, block_size, last)  # copied here, on the engine thread
+        keys = [self.key(h) for h in hashes[first:last]]
+        fetch.future = self._loader().submit(_walk, tiers, keys, want, first, self.kv_nbytes, fetch)
+        return fetch
+
+    def take_fetched(self, fetch: TierFetch, first: int, describe: Describe | None = None) -> list[memoryview]:
+        """The blocks of a ready fetch from block `first` on ([] when it does not reach it, failed
+        or timed out: those blocks are computed). Hits are promoted into the CPU tier here, on the
+        engine thread, which owns it."""
+        future = fetch.future
+        assert future is not None
+        if not future.done():  # past its deadline: the store hangs; give up on it for a while
+            fetch.cancel()
+            tier = fetch.tier
+            if tier is not None:
+                tier.failed(TimeoutError(f"no answer in {self.load_timeout_s:g} s"), "an asynchronous load")
+            return []
+        found = future.result()
+        skip = first - fetch.first
+        if skip < 0 or skip >= len(found):
+            return []
+        return self._promote(found[skip:], first, describe)
+
+    def _promote(self, found: list[_Found], first: int, describe: Describe | None) -> list[memoryview]:
+        """Put blocks found in a slower tier into the in-memory tiers before it (which missed them)."""
+        out = []
+        for i, (kv, value, tier, key) in enumerate(found):
+            out.append(kv)
+            for faster in self.tiers:  # the walk asks tiers in order: the in-memory ones before missed
+                if faster is tier:
+                    break
+                if faster.fast and faster.up() and not faster.store.contains(key):
+                    faster.store.put(key, value)
+                    if describe is not None and faster.events is not None:
+                        faster.stored(describe(first + i))
+        return out
+
+    def _loader(self) -> ThreadPoolExecutor:
+        if self._load_pool is None:
+            self._load_pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="prefixkv-kv-tier-load")
+        return self._load_pool
 
     @staticmethod
     def load_plan(block_ids: Sequence[int], loaded: Sequence[memoryview]) -> list[KVLoad]:
@@ -286,7 +381,8 @@ class TierManager:
                     tier.failed(e, "to store a block")
                     continue
                 tier.add(saves=1, bytes_saved=len(value), save_seconds=time.perf_counter() - t0)
-            elif not tier.writer.submit(save.key, value):
+                tier.stored(save.event)
+            elif not tier.writer.submit(save.key, value, save.event):
                 tier.add(saves_dropped=1)
 
     # -- life ----------------------------------------------------------------------------------
@@ -302,6 +398,8 @@ class TierManager:
                 tier.writer.flush()
 
     def close(self) -> None:
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=False, cancel_futures=True)
         for tier in self.tiers:
             if tier.writer is not None:
                 tier.writer.flush()
@@ -320,3 +418,107 @@ def _extras_bytes(extras: Sequence[Any] | None, index: int) -> bytes | None:
     if not extras:
         return None
     return cbor2.dumps(list(extras[: index + 1]), canonical=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Want:
+    """What a request's values must carry to be loaded (value.py): its prefix tokens and extra keys."""
+
+    tokens: memoryview  # int32 token ids, enough for the last block looked up
+    extras: Sequence[Any] | None
+    block_size: int
+
+
+def _want(token_ids: Sequence[int], extras: Sequence[Any] | None, block_size: int, last: int) -> _Want:
+    tokens = memoryview(array("i", token_ids[: last * block_size]).tobytes())
+    return _Want(tokens, list(extras[:last]) if extras else None, block_size)
+
+
+_Found = tuple[memoryview, bytes, _Tier, bytes]  # checked KV bytes, the whole value, its tier, its key
+
+
+class TierFetch:
+    """One request's lookup in the asynchronous tiers (blocks `first`..), on a loader thread.
+    While it runs the request waits (vLLM's WAITING_FOR_REMOTE_KVS) and holds no block."""
+
+    __slots__ = ("first", "deadline", "future", "tier", "abandoned")
+
+    def __init__(self, first: int, deadline: float) -> None:
+        self.first = first
+        self.deadline = deadline  # time.monotonic(): past it the load is given up
+        self.future: Future[list[_Found]] | None = None
+        self.tier: _Tier | None = None  # the tier being asked now (blamed on a timeout)
+        self.abandoned = False
+
+    def ready(self) -> bool:
+        """Done, or past its deadline (then `take_fetched` gives up on it)."""
+        return self.future is None or self.future.done() or time.monotonic() >= self.deadline
+
+    def cancel(self) -> None:
+        """The request left (aborted, finished) or no longer needs it: stop at the next block."""
+        self.abandoned = True
+        if self.future is not None:
+            self.future.cancel()
+
+
+def _walk(
+    tiers: Sequence[_Tier],
+    keys: Sequence[bytes],
+    want: _Want,
+    first: int,
+    kv_nbytes: int,
+    fetch: TierFetch | None = None,
+) -> list[_Found]:
+    """Blocks first, first + 1, ... (keys[i - first]) found in `tiers`, asked in order, checked;
+    stops at the first block no tier holds. Runs on the engine thread (in-memory and `load=sync`
+    tiers) or a loader thread (`fetch`: the others, which never touch the in-memory ones)."""
+    found: list[_Found] = []
+    batches: dict[int, dict[int, bytes | None]] = {}  # slow tier -> block index -> value
+    last = first + len(keys)
+    bs = want.block_size
+    for i in range(first, last):
+        if fetch is not None and fetch.abandoned:
+            break
+        key = keys[i - first]
+        want_tokens = want.tokens[: (i + 1) * bs * 4]
+        want_extras = _extras_bytes(want.extras, i)
+        hit: _Found | None = None
+        for t, tier in enumerate(tiers):
+            if not tier.up():
+                continue
+            if fetch is not None:
+                fetch.tier = tier
+            t0 = time.perf_counter()
+            try:
+                if tier.fast:
+                    value = tier.store.get(key)
+                else:
+                    batch = batches.get(t)
+                    if batch is None or i not in batch:
+                        end = min(last, i + REMOTE_BATCH)
+                        values = tier.store.get_many(keys[i - first : end - first])
+                        batch = batches[t] = dict(zip(range(i, end), values))
+                    value = batch.pop(i)
+            except Exception as e:  # noqa: BLE001 (a failing store is a miss, reported)
+                tier.failed(e, "a lookup")
+                continue
+            tier.succeeded()
+            seconds = time.perf_counter() - t0
+            if value is None:
+                tier.add(queries=1, load_seconds=seconds)
+                continue
+            kv = open_value(value, key, want_tokens, want_extras, kv_nbytes)
+            if kv is None:
+                tier.add(queries=1, rejected=1, load_seconds=seconds)
+                continue
+            tier.add(queries=1, hits=1, bytes_loaded=len(value), load_seconds=time.perf_counter() - t0)
+            if not tier.fast:
+                tier.remember(key)
+            hit = (kv, value, tier, key)
+            break
+        if hit is None:
+            break
+        found.append(hit)
+    if fetch is not None:
+        fetch.tier = None
+    return found

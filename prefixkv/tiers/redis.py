@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from .spec import parse_load_mode
+
 DEFAULT_TIMEOUT_S = 0.5
 KEY_PREFIX = b"prefixkv:"
 
@@ -30,8 +32,10 @@ class RedisStore:
         query = parse_qs(parts.query)
         if timeout_s is None:
             timeout_s = float(query.pop("timeout", [DEFAULT_TIMEOUT_S])[0])
+        # `?load=sync`: looked up on the engine thread at admission (default async: docs/tiers.md)
+        self.sync_load = parse_load_mode(query.pop("load", ["async"])[0], url)
         if query:
-            raise ValueError(f"unknown option(s) {', '.join(query)} in the Redis tier {url!r} (known: timeout)")
+            raise ValueError(f"unknown option(s) {', '.join(query)} in the Redis tier {url!r} (known: timeout, load)")
         if timeout_s <= 0:
             raise ValueError(f"the Redis tier's timeout must be positive, got {timeout_s}")
         self.spec = url

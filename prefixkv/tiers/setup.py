@@ -6,12 +6,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from .cpu import CPUStore
-from .disk import DiskStore
+from .disk import DEFAULT_DISK_BYTES, DiskStore
 from .manager import TierManager
 from .namespace import tier_namespace, weights_digest
 from .spec import parse_spec, split_specs
 from .store import KVStore
-from .transfer import BlockTransfer
+from .transfer import BlockTransfer, block_nbytes
 
 if TYPE_CHECKING:
     from ..engine.llm_engine import LLMEngine
@@ -28,7 +28,7 @@ def build_stores(kv_offloading_size: float | None, kv_tier: object) -> list[KVSt
     for text in split_specs(kv_tier):  # type: ignore[arg-type]
         spec = parse_spec(text)
         if spec.kind == "disk":
-            stores.append(_disk(spec.target, spec.size_bytes))
+            stores.append(_disk(spec.target, spec.size_bytes, spec.sync_load))
         else:
             from .redis import RedisStore
 
@@ -36,9 +36,9 @@ def build_stores(kv_offloading_size: float | None, kv_tier: object) -> list[KVSt
     return stores
 
 
-def _disk(path: str, size: int | None) -> KVStore:
+def _disk(path: str, size: int | None, sync_load: bool) -> KVStore:
     try:
-        return DiskStore(path, size) if size else DiskStore(path)
+        return DiskStore(path, size or DEFAULT_DISK_BYTES, sync_load)
     except OSError as e:
         logger.warning("KV tier disk:%s cannot be used (%s); serving without it", path, e)
         return _Unusable("disk", f"disk:{path}", e)
@@ -73,9 +73,15 @@ def attach_tiers(engine: LLMEngine) -> TierManager:
     config = engine.config
     stores = build_stores(config.kv_offloading_size, config.kv_tier)
     kv = engine.scheduler.kv_cache_manager
-    caches = engine.block_tensors.kv_caches
-    block_dim = next(s.block_dim for n, s in engine.block_tensors.specs.items() if n.startswith("kv."))
-    layout = [(tuple(c.select(block_dim, 0).shape), str(c.dtype)) for c in caches]
+    block_tensors = engine.block_tensors
+    caches = block_tensors.kv_caches
+    block_dim = next(s.block_dim for n, s in block_tensors.specs.items() if n.startswith("kv."))
+    parts = [(c, block_dim) for c in caches]
+    if engine.stage_outputs is not None:  # a block's stage outputs travel with its KV (transfer.py)
+        stage_names = sorted(n for n in block_tensors.specs if n.startswith("stage."))
+        parts += [(block_tensors.ensure(n), block_tensors.specs[n].block_dim) for n in stage_names]
+    # the value layout (so whether stage outputs travel) is part of the cache identity
+    layout = [(tuple(t.select(dim, 0).shape), str(t.dtype)) for t, dim in parts]
     namespace = tier_namespace(
         weights=weights_digest(engine.loaded.model),
         kv_layout=layout,
@@ -83,9 +89,12 @@ def attach_tiers(engine: LLMEngine) -> TierManager:
         device_type=engine.device.type,
         root_hash=kv.none_hash,
     )
-    transfer_nbytes = sum(c.select(block_dim, 0).numel() * c.element_size() for c in caches)
+    transfer_nbytes = block_nbytes(parts)
     tiers = TierManager(stores, namespace, transfer_nbytes)
+    if kv.block_pool.events is not None:  # KV events on: the tiers publish theirs too (medium CPU/DISK/REDIS)
+        tiers.enable_events()
     engine.scheduler.tiers = tiers
-    engine.runner.kv_transfer = BlockTransfer(caches, block_dim, tiers)
+    tiers.carries_stage_outputs = engine.stage_outputs is not None
+    engine.runner.kv_transfer = BlockTransfer(parts, tiers)
     logger.info("KV tiers: %s", ", ".join(t.spec for t in tiers.tiers))
     return tiers

@@ -1,5 +1,7 @@
-"""`--kv-tier` specs: `disk:PATH[?size=SIZE]` and `redis://HOST:PORT/DB[?timeout=SECONDS]`,
-repeatable or comma-separated, looked up in the order given (after the CPU tier)."""
+"""`--kv-tier` specs: `disk:PATH[?size=SIZE][&load=sync]` and
+`redis://HOST:PORT/DB[?timeout=SECONDS][&load=sync]`, repeatable or comma-separated, looked up in
+the order given (after the CPU tier). `load=async` (the default) loads hits in a background
+thread while the engine goes on; `load=sync` on the engine thread at admission."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ class TierSpec:
     kind: str  # "disk" or "redis"
     target: str  # the folder, or the Redis URL
     size_bytes: int | None = None  # disk: the bound
+    sync_load: bool = False  # disk: `load=sync` (Redis parses its own URL)
 
 
 def split_specs(value: str | Sequence[str] | None) -> list[str]:
@@ -28,6 +31,13 @@ def split_specs(value: str | Sequence[str] | None) -> list[str]:
             raise ValueError(f"kv_tier entries must be strings, got {type(item).__name__}")
         out.extend(p.strip() for p in item.split(",") if p.strip())
     return out
+
+
+def parse_load_mode(text: str, spec: str) -> bool:
+    """`load=async` (default for slow tiers) or `load=sync`; True for sync."""
+    if text not in ("async", "sync"):
+        raise ValueError(f"load must be async or sync in the KV tier {spec!r}, got {text!r}")
+    return text == "sync"
 
 
 def parse_spec(text: str) -> TierSpec:
@@ -46,10 +56,11 @@ def parse_spec(text: str) -> TierSpec:
                 size = parse_bytes(opts.pop("size")[0])
             except Exception as e:  # noqa: BLE001 (argparse's error type: said as a ValueError)
                 raise ValueError(f"bad size in the disk tier {text!r}: {e}") from None
+        sync_load = parse_load_mode(opts.pop("load", ["async"])[0], text)
         if opts:
-            raise ValueError(f"unknown option(s) {', '.join(opts)} in the disk tier {text!r} (known: size)")
-        return TierSpec("disk", path, size)
+            raise ValueError(f"unknown option(s) {', '.join(opts)} in the disk tier {text!r} (known: size, load)")
+        return TierSpec("disk", path, size, sync_load)
     raise ValueError(
-        f"unknown KV tier {text!r}: use disk:/path/to/folder[?size=16GiB] or redis://host:port/db[?timeout=0.5]"
+        f"unknown KV tier {text!r}: use disk:/path/to/folder[?size=16GiB][&load=sync] or redis://host:port/db[?timeout=0.5][&load=sync]"
         " (the CPU tier is --kv-offloading-size)"
     )

@@ -81,11 +81,13 @@ def free_port() -> int:
 class RedisServer:
     """A real redis-server (Debian's package) on a free local port, no persistence."""
 
-    def __init__(self, workdir) -> None:
+    def __init__(self, workdir, debug: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed: apt-get install -y redis-server (.ci/run does)")
         self.binary, self.workdir = binary, workdir
+        # DEBUG SLEEP makes the server hang for a while: the tests' slow store (Redis >= 7 flag)
+        self.extra = ["--enable-debug-command", "local"] if debug else []
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -97,7 +99,8 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            + ["--dir", str(self.workdir)],
+            + ["--dir", str(self.workdir)]
+            + self.extra,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import shutil
+import subprocess
 
 import pytest
 
@@ -140,3 +141,29 @@ def test_unwritable_disk_tier_serves_by_recomputing(tiny_model, tiny_loaded, cas
     assert tier(eng, "disk").errors >= 1 and "failed" in caplog.text
     assert run(eng, ps[0]) == (refs[0], 36)  # the CPU tier still serves
     assert all_free(eng)
+
+
+def test_full_disk_serves_by_recomputing(tiny_model, tiny_loaded, cases, tmp_path, caplog):
+    """A real full file system (a 16 KiB tmpfs: room for 4 of the 11 values of a prompt): the
+    writes that do not fit fail with ENOSPC, the tier warns, counts and backs off, and every
+    request is still served, equal to computing from scratch."""
+    ps, refs = cases
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(folder)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"a small tmpfs cannot be mounted here (needs CAP_SYS_ADMIN): {mount.stderr.decode()[:200]}")
+    try:
+        caplog.set_level(logging.WARNING, logger="prefixkv")
+        eng = engine(tiny_model, tiny_loaded, kv_tier=f"disk:{folder}")
+        assert run(eng, ps[0]) == (refs[0], 0)
+        eng.tiers.flush()
+        disk = tier(eng, "disk")
+        assert disk.errors >= 1 and disk.saves_dropped >= 1 and not disk.available
+        assert 1 <= disk.saves < 11 and "No space left on device" in caplog.text
+        thrash(eng, ps, refs)  # served while the tier is down or refusing writes
+        assert run(eng, ps[0])[0] == refs[0]  # its first blocks may come back from the full disk
+        assert all_free(eng)
+        eng.tiers.close()
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

@@ -63,7 +63,14 @@ def test_tier_specs_and_flags():
     spec = parse_spec("disk:/a/b?size=2GiB")
     assert (spec.kind, spec.target, spec.size_bytes) == ("disk", "/a/b", 2 << 30)
     assert parse_spec("redis://localhost:6379/1").kind == "redis"
-    for bad in ("nfs:/x", "disk:", "disk:/x?size=lots", "disk:/x?color=red", "/plain/path"):
+    assert not spec.sync_load and parse_spec("disk:/a?size=1GiB&load=sync").sync_load  # loads: async by default
+    from prefixkv.tiers.redis import RedisStore  # builds a client, connects on first use
+
+    assert RedisStore("redis://127.0.0.1:1/0?load=sync&timeout=2").sync_load
+    assert not RedisStore("redis://127.0.0.1:1/0").sync_load
+    with pytest.raises(ValueError, match="load must be async or sync"):
+        RedisStore("redis://127.0.0.1:1/0?load=later")
+    for bad in ("nfs:/x", "disk:", "disk:/x?size=lots", "disk:/x?color=red", "disk:/x?load=lazy", "/plain/path"):
         with pytest.raises(ValueError):
             parse_spec(bad)
     for kw in (
@@ -71,7 +78,6 @@ def test_tier_specs_and_flags():
         dict(kv_offloading_size="1"),
         dict(kv_tier="nfs:/x"),
         dict(kv_offloading_size=1, enable_prefix_caching=False),
-        dict(kv_tier="disk:/x", enable_stage_output_cache=True),
     ):
         with pytest.raises(ValueError):
             EngineArgs(**kw)

@@ -1,0 +1,134 @@
+"""`prefixkv serve --replicas N` flags: how many engine replicas, which router, its knobs.
+
+Plain argparse, no Ray import: the flags exist (and --help lists them) whether or not ray[serve]
+is installed; Ray is imported only when --replicas is 2 or more.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..router import MODES, ROUTERS
+
+
+def add_replica_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "replicas (--replicas N >= 2: N engines on Ray Serve behind one prefix-aware router; docs/replicas.md)"
+    )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine replicas; 2 or more runs them as Ray Serve deployments behind one endpoint "
+        "(needs the `replicas` extra: pip install 'prefixkv[replicas]') (default: 1, no Ray)",
+    )
+    g.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="prefix-load",
+        help="which replica gets a request: round-robin; prefix (the replica caching the longest prefix of "
+        "its block hashes); prefix-load (prefix, gated by load) (default: prefix-load)",
+    )
+    g.add_argument(
+        "--router-index",
+        choices=MODES,
+        default="events",
+        help="how the router knows the replicas' caches: events (their KV events, plus requests in flight), "
+        "events-only, approx (what it sent, LRU per replica; no events) (default: events)",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=4,
+        help="prefix-load: a replica with this many requests not yet past prefill is saturated (default: 4)",
+    )
+    g.add_argument(
+        "--max-kv-usage",
+        type=float,
+        default=0.95,
+        help="prefix-load: ... or with this fraction of its KV blocks held (default: 0.95)",
+    )
+    g.add_argument(
+        "--balance-abs",
+        type=int,
+        default=4,
+        help="prefix-load: a replica whose queue exceeds balance-rel x the least queue + balance-abs is "
+        "skipped (default: 4)",
+    )
+    g.add_argument("--balance-rel", type=float, default=2.0, help="prefix-load: see --balance-abs (default: 2.0)")
+    g.add_argument(
+        "--min-match-blocks",
+        type=int,
+        default=1,
+        help="prefix-load: a cached prefix shorter than this many blocks is ignored (default: 1)",
+    )
+    g.add_argument(
+        "--router-retries",
+        type=int,
+        default=2,
+        help="other replicas to try when the chosen one dies before the response started (default: 2)",
+    )
+    g.add_argument(
+        "--router-poll-interval",
+        type=float,
+        default=0.5,
+        help="seconds between the router's load and health polls of each replica (default: 0.5)",
+    )
+    g.add_argument(
+        "--replica-num-cpus",
+        type=float,
+        default=1.0,
+        help="Ray CPUs reserved per engine replica (default: 1)",
+    )
+    g.add_argument(
+        "--replica-torch-threads",
+        type=int,
+        default=None,
+        help="torch threads per engine replica (default: this machine's cores / N, at least 1)",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. auto) instead of starting a local one",
+    )
+
+
+def router_knobs(args: argparse.Namespace) -> dict[str, float]:
+    """The knobs the chosen router takes (prefix-load only), checked by the router itself."""
+    if args.router != "prefix-load":
+        return {}
+    return {
+        "max_queue": args.max_queue,
+        "max_kv_usage": args.max_kv_usage,
+        "balance_abs": args.balance_abs,
+        "balance_rel": args.balance_rel,
+        "min_match_blocks": args.min_match_blocks,
+    }
+
+
+def check_replica_args(args: argparse.Namespace) -> None:
+    """Refuse what the replicated server cannot honour, before Ray starts."""
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.router_retries < 0 or args.router_poll_interval <= 0 or args.replica_num_cpus < 0:
+        raise ValueError("--router-retries >= 0, --router-poll-interval > 0 and --replica-num-cpus >= 0")
+    if args.replica_torch_threads is not None and args.replica_torch_threads < 1:
+        raise ValueError(f"--replica-torch-threads must be >= 1, got {args.replica_torch_threads}")
+    if getattr(args, "kv_events_config", None):
+        raise ValueError(
+            "--kv-events-config with --replicas: each replica publishes its KV events on an endpoint of "
+            "its own, which the router subscribes to; the flag cannot be honoured"
+        )
+    from ..router import make_router
+
+    if args.router != "round-robin":  # the knobs' own checks, now rather than in every replica
+        from ..router import PrefixIndex
+
+        make_router(args.router, PrefixIndex("events"), **router_knobs(args))
+    algo = getattr(args, "prefix_caching_hash_algo", "sha256_cbor")
+    if args.router != "round-robin" and args.router_index != "approx" and str(algo).startswith("xxhash"):
+        raise ValueError(
+            f"--prefix-caching-hash-algo {algo} is seeded per process, so the router cannot compute the "
+            "replicas' block hashes: use sha256_cbor / sha256, or --router-index approx"
+        )

@@ -1,0 +1,143 @@
+"""One engine replica: an LLMEngine and the single-engine OpenAI app, inside a Ray Serve replica.
+
+Each replica is its own Serve deployment with num_replicas=1 (`engine-0`, `engine-1`, ...), so the
+ingress holds one handle per engine and decides itself which one gets a request; Serve starts,
+health-checks and restarts them. The replica
+  * serves HTTP requests handed over by the ingress through the very app `prefixkv serve` builds
+    (asgi_bridge.py): same routes, errors, SSE;
+  * publishes its KV events over ZeroMQ (the existing publisher) on ports of its own, with a replay
+    socket, and tells the ingress where (`info()`);
+  * reports its load (`load()`: waiting / running requests, KV usage) and its Prometheus text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+import torch
+
+from ..engine.llm_engine import LLMEngine
+from ..engine_args import EngineArgs
+from ..server.app import DEFAULT_MODEL_NAME, create_app
+from ..server.launch import api_keys_of
+from ..server.limits import RequestLimits
+from .asgi_bridge import call_asgi
+
+logger = logging.getLogger("prefixkv.replicas")
+EVENTS_TOPIC = "kv-events"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def torch_threads(args: argparse.Namespace) -> int:
+    if args.replica_torch_threads:
+        return int(args.replica_torch_threads)
+    return max(1, (os.cpu_count() or 1) // max(1, args.replicas))
+
+
+class EngineReplica:
+    """The body of each engine deployment (wrapped by serve.deployment in app.py)."""
+
+    def __init__(self, args: argparse.Namespace, replica_index: int) -> None:
+        torch.set_num_threads(torch_threads(args))
+        self.replica_index = replica_index
+        args = copy.copy(args)
+        self.pub_port, self.replay_port = _free_port(), _free_port()
+        args.kv_events_config = json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.pub_port}",
+                "replay_endpoint": f"tcp://*:{self.replay_port}",
+                "topic": EVENTS_TOPIC,
+            }
+        )
+        config = EngineArgs.from_cli_args(args)
+        self.engine = LLMEngine(config)
+        model_name = config.model or DEFAULT_MODEL_NAME
+        if getattr(args, "chat_template", None):
+            self.engine.tokenizer.set_chat_template(args.chat_template)
+        limits = RequestLimits(
+            max_n=args.max_n,
+            max_prompts=args.max_prompts_per_request,
+            max_logprobs=getattr(self.engine.config, "max_logprobs", RequestLimits.max_logprobs),
+            require_cache_salt=args.require_cache_salt,
+        )
+        keys = api_keys_of(args)
+        self.app = create_app(
+            self.engine,
+            served_model_names=args.served_model_name or [model_name],
+            api_key=keys or None,
+            model_root=model_name,
+            engine_thread=False,
+            limits=limits,
+            max_request_body_bytes=args.max_request_body_bytes,
+            lora_modules=getattr(args, "lora_modules", None),
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        )
+        self.async_engine = self.app.state.async_engine
+        self.async_engine.start()  # the app's lifespan would; the bridge calls the routes directly
+        manager = self.engine.kv_cache_manager
+        self._info = {
+            "replica": replica_index,
+            "actor_name": ray.get_runtime_context().get_actor_name(),
+            "actor_id": ray.get_runtime_context().get_actor_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pub_port": self.pub_port,
+            "replay_port": self.replay_port,
+            "topic": EVENTS_TOPIC,
+            "block_size": config.block_size,
+            "num_blocks": self.engine.num_blocks,
+            "hash_algo": config.prefix_caching_hash_algo if isinstance(config.prefix_caching_hash_algo, str) else "",
+            "root_hash": manager.none_hash,
+        }
+        logger.info("engine replica %d ready: %s", replica_index, self._info)
+
+    # -- control plane (plain handle calls) ----------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return dict(self._info)
+
+    def load(self) -> dict[str, Any]:
+        """vLLM's gauges: requests waiting, running, KV usage (read without stopping the engine
+        thread: a poll may be one step old). `actor_id` lets the router notice a restart."""
+        scheduler = self.engine.scheduler
+        return {
+            "waiting": len(scheduler.waiting),
+            "running": len(scheduler.running),
+            "kv_usage": float(self.engine.kv_cache_usage),
+            "actor_id": self._info["actor_id"],
+        }
+
+    def metrics(self) -> bytes:
+        return self.app.state.metrics.render()
+
+    def check_health(self) -> None:
+        """Serve's health probe: a stopped engine loop makes the replica unhealthy (restarted)."""
+        if not self.async_engine.is_running:
+            raise RuntimeError(f"engine replica {self.replica_index}: the engine loop is not running")
+
+    # -- data plane (a streaming handle call) ----------------------------------------------------
+    async def handle_http(
+        self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes
+    ) -> AsyncIterator[dict[str, Any] | bytes]:
+        async for message in call_asgi(self.app, method, path, query, headers, body):
+            yield message
+
+    def __del__(self) -> None:
+        try:
+            self.async_engine.shutdown(timeout=2.0)
+            self.engine.shutdown()
+        except Exception:
+            pass

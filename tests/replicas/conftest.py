@@ -1,0 +1,111 @@
+"""Two engine replicas of a tiny random Llama on Ray Serve, behind the prefix-aware router: Ray
+and Serve start once per test module (module-scoped fixture) and shut down at its end."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from prefixkv.replicas.app import APP_NAME, build_application, parse_builder_args  # noqa: E402
+
+from ..tiers.conftest import make_tiny  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BLOCK = 4
+# The tiny tokenizer has no chat template: a plain one, so the chat route works
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, base: str, model: str, args: Any) -> None:
+        self.base = base
+        self.model = model
+        self.args = args
+        self.client = httpx.Client(base_url=base, timeout=60)
+
+    def metrics(self) -> dict[tuple[str, str], float]:
+        """(sample name, replica label) -> value, other labels summed over."""
+        out: dict[tuple[str, str], float] = {}
+        for line in self.client.get("/metrics").text.splitlines():
+            m = re.match(r'^([^{\s#]+)\{replica="([^"]*)"[^}]*\}\s+(\S+)$', line)
+            if m:
+                key = (m.group(1), m.group(2))
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[tuple[str, str], float]:
+        """Every replica up, idle, with no KV block held."""
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            replicas = {r for (_, r) in m if r != "router"}
+            busy = [
+                k
+                for k, v in m.items()
+                if k[0] in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+                and v != 0
+            ]
+            if len(replicas) == self.args.replicas and not busy:
+                return m
+            if time.time() > deadline:
+                raise AssertionError(f"replicas not idle after {timeout}s: {busy} {sorted(replicas)}")
+            time.sleep(0.2)
+
+    def replica_info(self) -> list[dict[str, Any]]:
+        return [
+            serve.get_deployment_handle(f"engine-{i}", APP_NAME).info.remote().result(timeout_s=30)
+            for i in range(self.args.replicas)
+        ]
+
+
+def start_cluster(tmp_path_factory, **flags: Any) -> Cluster:
+    model = make_tiny(tmp_path_factory.mktemp("tiny-llama"))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    builder = {
+        "model": model,
+        "replicas": 2,
+        "block_size": BLOCK,
+        "num_gpu_blocks_override": 64,
+        "max_model_len": 256,
+        "dtype": "float32",
+        "replica_torch_threads": 1,
+        "replica_num_cpus": 1,
+        "router_poll_interval": 0.2,
+        "chat_template": CHAT_TEMPLATE,
+        **flags,
+    }
+    args = parse_builder_args(builder)
+    serve.run(build_application(args), name=APP_NAME, route_prefix="/")
+    cluster = Cluster(f"http://127.0.0.1:{port}", model, args)
+    deadline = time.time() + 60
+    while cluster.client.get("/health").status_code != 200:  # the router's first poll
+        assert time.time() < deadline, "the ingress never became healthy"
+        time.sleep(0.2)
+    return cluster
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    cluster.client.close()
+    serve.shutdown()
+    ray.shutdown()

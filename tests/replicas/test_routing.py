@@ -1,0 +1,203 @@
+"""Two engine replicas under Ray Serve behind the prefix-load router (tiny model): one endpoint,
+requests sharing a prefix land on the replica caching it, a saturated replica sheds load, greedy
+outputs equal a single engine's, streaming and /metrics work, every KV block is free afterwards."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+from .conftest import BLOCK, start_cluster, stop_cluster
+
+pytestmark = pytest.mark.slow  # Ray + Serve + two engines: ~20 s for the module
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # max_queue=1: a replica with one request not yet past prefill is saturated (the shed test)
+    c = start_cluster(tmp_path_factory, router="prefix-load", max_queue=1, balance_abs=1)
+    yield c
+    stop_cluster(c)
+
+
+def per_engine(cluster, name: str) -> dict[str, float]:
+    """A router family by its engine label."""
+    import re
+
+    out = {}
+    for line in cluster.client.get("/metrics").text.splitlines():
+        m = re.match(rf'^{re.escape(name)}\{{replica="router",engine="(\d+)"\}}\s+(\S+)$', line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def complete(cluster, prompt, **kw):
+    body = {"model": cluster.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, **kw}
+    res = cluster.client.post("/v1/completions", json=body)
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def test_same_prefix_lands_on_the_replica_caching_it(cluster):
+    prefix = "shared system prompt: " + "abcdefgh " * 12
+    before = per_engine(cluster, "prefixkv:router_requests_total")
+    a = complete(cluster, prefix + "first question")
+    b = complete(cluster, prefix + "second question")
+    after = per_engine(cluster, "prefixkv:router_requests_total")
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= len(prefix) - 2 * BLOCK and cached % BLOCK == 0  # one character per token here
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert sorted(delta.values()) == [0, 2]  # both on one replica
+    cluster.wait_idle()
+
+
+def test_metrics_have_both_replicas_and_blocks_are_free(cluster):
+    complete(cluster, "warm both? " * 3)
+    m = cluster.wait_idle()
+    for r in ("0", "1"):
+        assert ("vllm:kv_cache_usage_perc", r) in m
+        assert m[("vllm:num_requests_running", r)] == 0
+    text = cluster.client.get("/metrics").text
+    assert text.count("# TYPE vllm:kv_cache_usage_perc gauge") == 1  # one family, two labelled samples
+    assert per_engine(cluster, "prefixkv:router_replica_up") == {"0": 1.0, "1": 1.0}
+    # the router's index learned the replicas' cached blocks from their KV events
+    index_blocks = per_engine(cluster, "prefixkv:router_index_blocks")
+    cached = {r: m[("vllm:prefix_cache_queries_total", r)] for r in ("0", "1")}
+    assert sum(index_blocks.values()) > 0, (index_blocks, cached)
+
+
+def test_streaming_completion_and_chat(cluster):
+    body = {"model": cluster.model, "prompt": "stream me ", "max_tokens": 5, "temperature": 0, "stream": True}
+    with cluster.client.stream("POST", "/v1/completions", json=body) as res:
+        assert res.status_code == 200
+        assert res.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in res.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+    plain = complete(cluster, "stream me ", max_tokens=5)
+    assert text == plain["choices"][0]["text"]
+    chat = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+    }
+    with cluster.client.stream("POST", "/v1/chat/completions", json=chat) as res:
+        assert res.status_code == 200
+        lines = [line for line in res.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+
+    # a client that leaves mid-stream: the replica aborts its request and frees its blocks
+    def aborted() -> float:
+        return sum(v for (name, _), v in cluster.metrics().items() if name == "prefixkv:request_aborted_total")
+
+    before = aborted()
+    long = {**body, "max_tokens": 200, "ignore_eos": True}
+    with cluster.client.stream("POST", "/v1/completions", json=long) as res:
+        next(line for line in res.iter_lines() if line.startswith("data: "))
+    cluster.wait_idle()
+    assert aborted() == before + 1
+
+
+def test_same_routes_and_errors_as_one_engine(cluster):
+    models = cluster.client.get("/v1/models").json()
+    assert models["data"][0]["id"] == cluster.model
+    assert cluster.client.get("/health").status_code == 200
+    bad = cluster.client.post("/v1/completions", json={"model": cluster.model, "prompt": "x", "max_tokens": -1})
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+    unknown = cluster.client.post("/v1/completions", json={"model": cluster.model, "prompt": "x", "best_of": 3})
+    assert unknown.status_code == 400
+    assert cluster.client.post("/v1/completions", content=b"{not json").status_code == 400
+
+
+def test_outputs_equal_a_single_engine(cluster):
+    from prefixkv import LLM, SamplingParams
+
+    prompts = ["the quick brown fox ", "jumps over the lazy dog ", "the quick brown fox jumps"]
+    served = [complete(cluster, p, max_tokens=6)["choices"][0]["text"] for p in prompts]
+    llm = LLM(model=cluster.model, block_size=BLOCK, dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    offline = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))]
+    assert served == offline
+
+
+def test_saturated_replica_sheds_a_hot_prefix(cluster):
+    prefix = "hot prefix everyone shares " * 4
+    complete(cluster, prefix + "warm")  # one replica caches it
+    before = per_engine(cluster, "prefixkv:router_requests_total")
+
+    def one(i):
+        body = {
+            "model": cluster.model,
+            "prompt": prefix + f"q{i}",
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with cluster.client.stream("POST", "/v1/completions", json=body) as res:
+            return res.status_code, sum(1 for _ in res.iter_lines())
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert all(status == 200 for status, _ in results)
+    after = per_engine(cluster, "prefixkv:router_requests_total")
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert sum(delta.values()) == 8 and min(delta.values()) >= 1, delta  # the hot prefix spread
+    cluster.wait_idle()
+
+
+# Last in the module: it kills a replica (Serve restarts it, the test waits for that).
+def test_killed_replica_is_routed_around_and_rejoins(cluster):
+    import time
+
+    prefix = "a conversation on the replica about to die " * 2
+    complete(cluster, prefix + "turn one")
+    before = per_engine(cluster, "prefixkv:router_requests_total")
+    body = {
+        "model": cluster.model,
+        "prompt": prefix + "long answer",
+        "max_tokens": 140,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with cluster.client.stream("POST", "/v1/completions", json=body) as res:
+        assert res.status_code == 200, res.read()
+        lines = res.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"text"' in first
+        now = per_engine(cluster, "prefixkv:router_requests_total")
+        victim = next(k for k in now if now[k] > before.get(k, 0))  # the replica streaming to us
+        info = cluster.replica_info()[int(victim)]
+        ray = pytest.importorskip("ray")
+        ray.kill(ray.get_actor(info["actor_name"], namespace="serve"), no_restart=True)
+        # the same prefix again at once: the router may still pick the dead replica; it must retry
+        retried = complete(cluster, prefix + "turn two")
+        assert retried["choices"][0]["text"]
+        rest = [line for line in lines if line.startswith("data: ")]
+    # the cut stream ends with an OpenAI error event and [DONE], not a hang (or it had finished)
+    assert rest[-1] == "data: [DONE]"
+    if len(rest) < 140:
+        error = json.loads(rest[-2][6:])
+        assert error["error"]["code"] == 503 and "died" in error["error"]["message"]
+    assert per_engine(cluster, "prefixkv:router_replica_failures_total")[victim] >= 1
+    up = per_engine(cluster, "prefixkv:router_replica_up")
+    assert up[victim] == 0 or cluster.replica_info()[int(victim)]["actor_id"] != info["actor_id"]
+    blocks = per_engine(cluster, "prefixkv:router_index_blocks")
+    if up[victim] == 0:
+        assert blocks[victim] == 0  # its blocks are forgotten with it
+    # while it is gone, everything lands on the survivor and succeeds
+    for i in range(3):
+        complete(cluster, prefix + f"turn {i + 3}")
+    # Serve restarts it; the router takes it back (a new actor, an empty index entry, new events)
+    deadline = time.time() + 90
+    while per_engine(cluster, "prefixkv:router_replica_up").get(victim) != 1:
+        assert time.time() < deadline, "the killed replica never rejoined"
+        time.sleep(0.5)
+    assert cluster.replica_info()[int(victim)]["actor_id"] != info["actor_id"]
+    cluster.wait_idle()
