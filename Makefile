@@ -17,7 +17,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m prefixkv.demo
 
-# ruff (lint + format, line length 120) over the repo; mypy on prefixkv/cache, prefixkv/engine and prefixkv/tiers
+# ruff (lint + format, line length 120) over the repo; mypy on prefixkv/cache, engine, tiers, kv_events, router, replicas
 # (settings in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -66,7 +66,7 @@ class ZmqEventPublisher(EventPublisher):
         self.num_published = 0  # batches sent
         self.num_dropped_events = 0  # events in batches dropped because the queue was full
         self.num_dropped_batches = 0
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket[bytes] | None = None
         try:

@@ -86,4 +86,5 @@ def encode_batch(
 ) -> bytes:
     """An EventBatch payload: msgpack of [ts, [event, ...], data_parallel_rank]."""
     batch = [time.time() if ts is None else ts, [event_to_wire(e, convert) for e in events], data_parallel_rank]
-    return msgpack.packb(batch, use_bin_type=True)
+    packed: bytes = msgpack.packb(batch, use_bin_type=True)
+    return packed

@@ -34,7 +34,6 @@ HEALTH_CHECK_PERIOD_S = 2.0
 def build_application(args: argparse.Namespace) -> Application:
     engines = [
         serve.deployment(
-            EngineReplica,
             name=f"engine-{i}",
             num_replicas=1,
             max_ongoing_requests=MAX_ONGOING_REQUESTS,
@@ -43,18 +42,18 @@ def build_application(args: argparse.Namespace) -> Application:
             graceful_shutdown_timeout_s=max(2.0, float(getattr(args, "shutdown_timeout", 2.0) or 2.0)),
             ray_actor_options={"num_cpus": args.replica_num_cpus},
             logging_config={"enable_access_log": False},  # the router's polls: every few hundred ms
-        ).bind(args, i)
+        )(EngineReplica).bind(args, i)
         for i in range(args.replicas)
     ]
     ingress = serve.deployment(
-        Ingress,
         name="ingress",
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         ray_actor_options={"num_cpus": 0},
-    )
-    return ingress.bind(args, engines)
+    )(Ingress)
+    app: Application = ingress.bind(args, engines)
+    return app
 
 
 def parse_builder_args(cli_args: dict[str, Any]) -> argparse.Namespace:
@@ -124,6 +123,6 @@ def serve_replicas(args: argparse.Namespace) -> int:
         stop.wait()
         logger.info("signal: shutting the replicas down")
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
     return 0

@@ -44,7 +44,7 @@ def _free_port() -> int:
 def torch_threads(args: argparse.Namespace) -> int:
     if args.replica_torch_threads:
         return int(args.replica_torch_threads)
-    return max(1, (os.cpu_count() or 1) // max(1, args.replicas))
+    return max(1, (os.cpu_count() or 1) // max(1, int(args.replicas)))
 
 
 class EngineReplica:
@@ -94,7 +94,7 @@ class EngineReplica:
             "replica": replica_index,
             "actor_name": ray.get_runtime_context().get_actor_name(),
             "actor_id": ray.get_runtime_context().get_actor_id(),
-            "node_ip": ray.util.get_node_ip_address(),
+            "node_ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
             "pub_port": self.pub_port,
             "replay_port": self.replay_port,
             "topic": EVENTS_TOPIC,
@@ -121,7 +121,8 @@ class EngineReplica:
         }
 
     def metrics(self) -> bytes:
-        return self.app.state.metrics.render()
+        rendered: bytes = self.app.state.metrics.render()
+        return rendered
 
     def check_health(self) -> None:
         """Serve's health probe: a stopped engine loop makes the replica unhealthy (restarted)."""

@@ -93,7 +93,7 @@ class Replica:
     routed: int = 0
     failures: int = 0
     missed_polls: int = 0
-    feed_task: asyncio.Task | None = None
+    feed_task: asyncio.Task[None] | None = None
     actor: Any = None  # the replica's Ray actor (liveness probe), None if it could not be looked up
 
     def load(self) -> ReplicaLoad:
@@ -132,7 +132,7 @@ class Router:
         self.hasher: PromptHasher | None = None
         self.retries = 0
         self.events_applied = 0
-        self._start_task: asyncio.Task | None = None
+        self._start_task: asyncio.Task[None] | None = None
         self._request_seq = 0
 
     # -- start-up ------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ class Router:
 
     # -- one request ---------------------------------------------------------------------------
     async def open(
-        self, r: Replica, hashes: list[ExternalBlockHash], call: tuple
+        self, r: Replica, hashes: list[ExternalBlockHash], call: tuple[Any, ...]
     ) -> tuple[dict[str, Any], list[bytes], AsyncIterator[Any], int]:
         """Send to `r`; wait for the status and the first body chunk (or the end). Raises ReplicaGone."""
         self._request_seq += 1
@@ -420,7 +420,9 @@ class Ingress:
             status_code=503,
         )
 
-    async def _respond(self, r: Replica, head: dict[str, Any], first: list[bytes], gen: Any, call: tuple) -> Response:
+    async def _respond(
+        self, r: Replica, head: dict[str, Any], first: list[bytes], gen: Any, call: tuple[Any, ...]
+    ) -> Response:
         headers = _headers(head)
         streaming = headers.get("content-type", "").startswith("text/event-stream")
         r.running += 1
@@ -451,7 +453,7 @@ class Ingress:
 
         return StreamingResponse(relay(), status_code=head["status"], headers=headers)
 
-    async def _broadcast(self, call: tuple) -> Response:
+    async def _broadcast(self, call: tuple[Any, ...]) -> Response:
         """Every replica that is up does it; the first failure's answer wins, else the last success."""
         live = [r for r in self.router.replicas if r.up]
         if not live:

@@ -1,5 +1,6 @@
-"""Two engine replicas of a tiny random Llama on Ray Serve, behind the prefix-aware router: Ray
-and Serve start once per test module (module-scoped fixture) and shut down at its end."""
+"""Two engine replicas of a tiny random Llama on Ray Serve, behind the prefix-aware router: Ray and
+Serve start once for the package (`ray_serve`, ~10 s each way on 2 cores), and each test module
+deploys its own application on them (module-scoped fixture) and deletes it at its end."""
 
 from __future__ import annotations
 
@@ -76,12 +77,20 @@ class Cluster:
         ]
 
 
-def start_cluster(tmp_path_factory, **flags: Any) -> Cluster:
-    model = make_tiny(tmp_path_factory.mktemp("tiny-llama"))
+@pytest.fixture(scope="package")
+def ray_serve():
+    """The HTTP port of a local Ray + Serve, shared by the modules of tests/replicas."""
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+    ray.shutdown()
+
+
+def start_cluster(tmp_path_factory, port: int, **flags: Any) -> Cluster:
+    model = make_tiny(tmp_path_factory.mktemp("tiny-llama"))
     builder = {
         "model": model,
         "replicas": 2,
@@ -107,5 +116,4 @@ def start_cluster(tmp_path_factory, **flags: Any) -> Cluster:
 
 def stop_cluster(cluster: Cluster) -> None:
     cluster.client.close()
-    serve.shutdown()
-    ray.shutdown()
+    serve.delete(APP_NAME)  # its engines and ingress; Ray and Serve stay for the next module

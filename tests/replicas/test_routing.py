@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow  # Ray + Serve + two engines: ~20 s for the module
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, ray_serve):
     # max_queue=1: a replica with one request not yet past prefill is saturated (the shed test)
-    c = start_cluster(tmp_path_factory, router="prefix-load", max_queue=1, balance_abs=1)
+    c = start_cluster(tmp_path_factory, ray_serve, router="prefix-load", max_queue=1, balance_abs=1)
     yield c
     stop_cluster(c)
 
