@@ -7,7 +7,8 @@ health-checks and restarts them. The replica
     (asgi_bridge.py): same routes, errors, SSE;
   * publishes its KV events over ZeroMQ (the existing publisher) on ports of its own, with a replay
     socket, and tells the ingress where (`info()`);
-  * reports its load (`load()`: waiting / running requests, KV usage) and its Prometheus text.
+  * reports its load (`load()`: waiting / running requests, KV usage) and its Prometheus text;
+  * names a LoRA adapter's block-key identity (`lora_block_key()`), for the router's hashes.
 """
 
 from __future__ import annotations
@@ -123,6 +124,17 @@ class EngineReplica:
     def metrics(self) -> bytes:
         rendered: bytes = self.app.state.metrics.render()
         return rendered
+
+    async def lora_block_key(self, name: str) -> tuple[str, str, str, str] | None:
+        """The extra key the engine puts on every block of a request naming adapter `name`
+        ("lora", name, path, digest: prefixkv/cache/identity.py), so the router can hash LoRA
+        prompts as the engine does; None when `name` is not a loaded adapter."""
+        loras = getattr(self.app.state, "loras", None)
+        lora = loras.get(name) if loras is not None else None
+        if lora is None:
+            return None
+        resolved, _ = await self.async_engine.call(lambda engine: engine.resolve_lora(lora))
+        return ("lora", resolved.lora_name, resolved.lora_path, resolved.weights_digest)
 
     def check_health(self) -> None:
         """Serve's health probe: a stopped engine loop makes the replica unhealthy (restarted)."""

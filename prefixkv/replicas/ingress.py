@@ -52,11 +52,12 @@ from ..kv_events.wire import ExternalBlockHash
 from ..model import default_model_path
 from ..model.loader import load_tokenizer
 from ..router import PrefixIndex, ReplicaLoad, make_router
+from ..server.app import DEFAULT_MODEL_NAME
 from ..server.errors import error_body
 from .args import router_knobs
 from .event_feed import EventFeed
 from .metrics_merge import merge_expositions
-from .prompt_hashes import ROUTED_PATHS, PromptHasher
+from .prompt_hashes import ROUTED_PATHS, LoRAKey, PromptHasher
 
 logger = logging.getLogger("prefixkv.replicas")
 
@@ -69,10 +70,12 @@ REPLICA_GONE = (
     ReplicaUnavailableError,
     DeploymentUnavailableError,
 )
-BROADCAST_PATHS = ("/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+BROADCAST_PATHS = ("/reset_prefix_cache", *LORA_PATHS)
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
 POLL_TIMEOUT_S = 2.0
 LIVENESS_PROBE_AFTER_S = 0.5  # a request's first message slower than this: is its replica alive?
+REPLAY_TIMEOUT_S = 60.0  # one LoRA load replayed on a restarted replica (reads and checks the folder)
 MAX_MISSED_POLLS = 15  # consecutive unanswered polls (~30 s) before a silent replica is taken out
 
 fastapi_app = FastAPI(title="prefixkv replicas")
@@ -95,6 +98,7 @@ class Replica:
     missed_polls: int = 0
     feed_task: asyncio.Task[None] | None = None
     actor: Any = None  # the replica's Ray actor (liveness probe), None if it could not be looked up
+    lora_ops_applied: int = 0  # how many of the router's run-time LoRA loads / unloads this actor has had
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -134,6 +138,14 @@ class Router:
         self.events_applied = 0
         self._start_task: asyncio.Task[None] | None = None
         self._request_seq = 0
+        self.base_names: set[str] = set()  # the base model's served names (set at start)
+        # Run-time /v1/load_lora_adapter and /v1/unload_lora_adapter calls that some replica took, in
+        # order: a restarted replica gets them all again before it is routed to. All of them, not the
+        # final set: an adapter's cache identity counts its unloads, and replaying the same calls
+        # gives the restarted replica the same identities (hence block hashes) as its peers.
+        self.lora_ops: list[tuple[Any, ...]] = []
+        self.lora_lock = asyncio.Lock()  # a broadcast and a replay never interleave
+        self.lora_keys: dict[str, LoRAKey] = {}  # adapter name -> its block key, until the next load / unload
 
     # -- start-up ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -150,8 +162,9 @@ class Router:
     async def _start(self) -> None:
         infos = await asyncio.gather(*(r.handle.info.remote() for r in self.replicas))
         first = infos[0]
+        config = EngineArgs.from_cli_args(self.args)
+        self.base_names = set(self.args.served_model_name or [config.model or DEFAULT_MODEL_NAME])  # as the replicas
         if self.args.router != "round-robin":
-            config = EngineArgs.from_cli_args(self.args)
             tokenizer_path = config.tokenizer or config.model or default_model_path()
             tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
             if getattr(self.args, "chat_template", None):
@@ -226,6 +239,10 @@ class Router:
             except Exception as e:
                 self._leave(r, type(e).__name__)
                 return
+            if info["actor_id"] != r.actor_id:
+                r.lora_ops_applied = 0  # a new actor: started from its flags alone
+            if not await self.replay_lora_ops(r):
+                return  # tried again at the next poll; not routed to meanwhile
             logger.info("engine replica %d is up (actor %s)", r.index, info["actor_id"])
             self._join(r, info, await _actor_of(info))
         r.waiting_polled, r.running_polled, r.kv_usage = load["waiting"], load["running"], load["kv_usage"]
@@ -234,6 +251,66 @@ class Router:
         while True:
             await asyncio.sleep(self.args.router_poll_interval)
             await asyncio.gather(*(self._poll_one(r) for r in self.replicas), return_exceptions=True)
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    async def replay_lora_ops(self, r: Replica) -> bool:
+        """Send `r` the run-time LoRA loads / unloads it has not had; False if it failed to answer."""
+        async with self.lora_lock:
+            for call in self.lora_ops[r.lora_ops_applied :]:
+                try:
+                    status, content = await asyncio.wait_for(self.call_whole(r, call), REPLAY_TIMEOUT_S)
+                except Exception as e:
+                    logger.warning("engine replica %d: replaying %s failed (%s)", r.index, call[1], type(e).__name__)
+                    return False
+                if status >= 400:  # e.g. the adapter's folder is gone: the peers keep it, this one cannot
+                    logger.warning("engine replica %d: replaying %s: %d %s", r.index, call[1], status, content[:200])
+                r.lora_ops_applied += 1
+            return True
+
+    async def call_whole(self, r: Replica, call: tuple[Any, ...]) -> tuple[int, bytes]:
+        """One HTTP call on `r` through its handle, bypassing the index and load counts."""
+        gen = r.handle.options(stream=True).handle_http.remote(*call)
+        head = await gen.__anext__()
+        chunks = [chunk async for chunk in gen]
+        return int(head["status"]), b"".join(chunks)
+
+    async def lora_key(self, name: str) -> LoRAKey | None:
+        """The block key of adapter `name`, asked of a replica once per adapter (they agree: same
+        folders, same load / unload history); None when it is no adapter or no replica answered."""
+        key = self.lora_keys.get(name)
+        if key is not None:
+            return key
+        r = self.least_loaded()
+        if r is None:
+            return None
+        try:
+            got = await asyncio.wait_for(r.handle.lora_block_key.remote(name), POLL_TIMEOUT_S)
+        except Exception:  # slow or gone: this request is routed by load
+            return None
+        if got is None:
+            return None  # not cached: any string can be a `model`
+        key = (str(got[0]), str(got[1]), str(got[2]), str(got[3]))
+        self.lora_keys[name] = key
+        return key
+
+    async def request_hashes(self, path: str, body: bytes) -> list[ExternalBlockHash]:
+        """The block hashes of a routed request's prompt ([] when they cannot be known here)."""
+        hasher = self.hasher
+        if hasher is None:
+            return []
+        try:
+            parsed = json.loads(body)
+        except ValueError:  # the replica answers the 400
+            return []
+        if not isinstance(parsed, dict):
+            return []
+        model = parsed.get("model")
+        key = None
+        if isinstance(model, str) and model not in self.base_names:
+            key = await self.lora_key(model)
+            if key is None:  # an unknown model (the replica answers 404) or no answer: by load
+                return []
+        return await asyncio.to_thread(hasher.hashes, path, parsed, key)  # off the event loop
 
     # -- choice --------------------------------------------------------------------------------
     def choose(self, hashes: list[ExternalBlockHash], exclude: set[int]) -> Replica | None:
@@ -305,14 +382,6 @@ class Router:
         finally:
             if not nxt.done():
                 nxt.cancel()
-
-
-def _body_hashes(hasher: PromptHasher, path: str, body: bytes) -> list[ExternalBlockHash]:
-    try:
-        parsed = json.loads(body)
-    except ValueError:  # the replica answers the 400
-        return []
-    return hasher.hashes(path, parsed) if isinstance(parsed, dict) else []
 
 
 def _headers(head: dict[str, Any]) -> dict[str, str]:
@@ -398,8 +467,8 @@ class Ingress:
         if path in BROADCAST_PATHS:
             return await self._broadcast(call)
         hashes: list[ExternalBlockHash] = []
-        if path in ROUTED_PATHS and request.method == "POST" and router.hasher is not None:
-            hashes = await asyncio.to_thread(_body_hashes, router.hasher, path, body)  # off the event loop
+        if path in ROUTED_PATHS and request.method == "POST":
+            hashes = await router.request_hashes(path, body)
         routed = path in ROUTED_PATHS
         tried: set[int] = set()
         t0 = time.monotonic()
@@ -454,20 +523,33 @@ class Ingress:
         return StreamingResponse(relay(), status_code=head["status"], headers=headers)
 
     async def _broadcast(self, call: tuple[Any, ...]) -> Response:
-        """Every replica that is up does it; the first failure's answer wins, else the last success."""
-        live = [r for r in self.router.replicas if r.up]
-        if not live:
-            return JSONResponse(error_body("no engine replica is up", 503), status_code=503)
-        answers = []
-        for r in live:
-            try:
-                head, first, gen, _ = await self.router.open(r, [], call)
-            except ReplicaGone:
-                continue
-            chunks = list(first)
-            async for chunk in gen:
-                chunks.append(chunk)
-            answers.append((head, b"".join(chunks)))
+        """Every replica that is up does it; the first failure's answer wins, else the last success.
+        A LoRA load / unload that some replica took is remembered (replayed on restarted replicas)
+        and drops the router's cached adapter keys."""
+        router = self.router
+        lora = call[1] in LORA_PATHS
+        async with router.lora_lock if lora else contextlib.nullcontext():
+            live = [r for r in router.replicas if r.up]
+            if not live:
+                return JSONResponse(error_body("no engine replica is up", 503), status_code=503)
+            answers = []
+            took = []
+            for r in live:
+                try:
+                    head, first, gen, _ = await router.open(r, [], call)
+                except ReplicaGone:
+                    continue
+                chunks = list(first)
+                async for chunk in gen:
+                    chunks.append(chunk)
+                answers.append((head, b"".join(chunks)))
+                took.append(r)
+            if lora:
+                router.lora_keys.clear()
+                if any(head["status"] < 400 for head, _ in answers):
+                    router.lora_ops.append(call)
+                    for r in took:
+                        r.lora_ops_applied = len(router.lora_ops)
         if not answers:
             return JSONResponse(error_body("no engine replica is up", 503), status_code=503)
         head, content = next((a for a in answers if a[0]["status"] >= 400), answers[-1])

@@ -6,9 +6,12 @@ with the request's options, then encoded without special tokens) and chains the 
 the full blocks from the engine's root hash (prefixkv/cache/identity.py), then converts each
 digest to vLLM's ExternalBlockHash as the publisher does (prefixkv/kv_events/wire.py).
 
-Routing only: a prompt that cannot be rendered here (images, tools the template rejects, a LoRA
-adapter whose blocks carry extra keys the router does not know) yields no hashes, or hashes no
-replica holds, and the request is routed by load alone. The replica still validates the request
+A request naming a LoRA adapter carries the adapter's block key ("lora", name, path, digest) on
+every block, as the engine does (prefixkv/cache/identity.py's block_extra_keys: LoRA first, the
+cache salt after it on block 0); the ingress asks a replica for that key (`lora_key`).
+
+Routing only: a prompt that cannot be rendered here (images, tools the template rejects) yields
+no hashes, or hashes no replica holds, and the request is routed by load alone. The replica still validates the request
 and answers its 400; a wrong guess costs a cache hit, never a wrong answer.
 """
 
@@ -24,6 +27,8 @@ from ..model.tokenizer import Tokenizer
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ROUTED_PATHS = (COMPLETIONS, CHAT)
+# ("lora", adapter name, path, weights digest): the extra key on every block of a LoRA request
+LoRAKey = tuple[str, str, str, str]
 
 
 class PromptHasher:
@@ -99,7 +104,9 @@ class PromptHasher:
         assert isinstance(text, str)
         return self.tokenizer.encode(text, bool(body.get("add_special_tokens", False)))
 
-    def chain(self, ids: Sequence[int], cache_salt: str | None = None) -> list[ExternalBlockHash]:
+    def chain(
+        self, ids: Sequence[int], cache_salt: str | None = None, lora_key: LoRAKey | None = None
+    ) -> list[ExternalBlockHash]:
         """External hashes of the full blocks the engine could look up (its rule: the last
         prompt token is always computed, so a prompt of exactly k blocks looks up k - 1)."""
         bs = self.block_size
@@ -107,11 +114,15 @@ class PromptHasher:
         parent = self.root
         out: list[ExternalBlockHash] = []
         for i in range(n):
-            extra = (("cache_salt", cache_salt),) if i == 0 and cache_salt is not None else None
+            keys: list[tuple[str, ...]] = [lora_key] if lora_key is not None else []
+            if i == 0 and cache_salt is not None:
+                keys.append(("cache_salt", cache_salt))
+            extra = tuple(keys) if keys else None
             parent = self.hash_fn((parent, tuple(ids[i * bs : (i + 1) * bs]), extra))
             out.append(self.convert(parent))
         return out
 
-    def hashes(self, path: str, body: dict[str, Any]) -> list[ExternalBlockHash]:
+    def hashes(self, path: str, body: dict[str, Any], lora_key: LoRAKey | None = None) -> list[ExternalBlockHash]:
+        """`lora_key`: the block key of the adapter the body's `model` names (None: the base model)."""
         salt = body.get("cache_salt")
-        return self.chain(self.token_ids(path, body), salt if isinstance(salt, str) else None)
+        return self.chain(self.token_ids(path, body), salt if isinstance(salt, str) else None, lora_key)

@@ -107,6 +107,7 @@ def create_app(
     app.state.engine = engine
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.loras = loras  # the replicas' ingress asks it for an adapter's block-key identity
     # Added last = outermost: the body cap answers before the key is even looked at.
     app.add_middleware(DrainMiddleware, is_draining=lambda: async_engine.is_draining)
     keys = [k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k]

@@ -90,7 +90,7 @@ def ray_serve():
 
 
 def start_cluster(tmp_path_factory, port: int, **flags: Any) -> Cluster:
-    model = make_tiny(tmp_path_factory.mktemp("tiny-llama"))
+    model = flags.pop("model", None) or make_tiny(tmp_path_factory.mktemp("tiny-llama"))
     builder = {
         "model": model,
         "replicas": 2,

@@ -16,8 +16,17 @@ pytestmark = pytest.mark.slow  # Ray + Serve + two engines: ~20 s for the module
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, ray_serve):
+    from ..lora.conftest import write_adapter
+    from ..tiers.conftest import make_tiny
+
+    model = make_tiny(tmp_path_factory.mktemp("tiny-llama"))
+    adapter = tmp_path_factory.mktemp("adapter") / "qv"
+    write_adapter(model, adapter, seed=7, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     # max_queue=1: a replica with one request not yet past prefill is saturated (the shed test)
-    c = start_cluster(tmp_path_factory, ray_serve, router="prefix-load", max_queue=1, balance_abs=1)
+    c = start_cluster(
+        tmp_path_factory, ray_serve, model=model, router="prefix-load", max_queue=1, balance_abs=1, enable_lora=True
+    )
+    c.adapter = str(adapter)
     yield c
     stop_cluster(c)
 
@@ -151,6 +160,41 @@ def test_saturated_replica_sheds_a_hot_prefix(cluster):
     cluster.wait_idle()
 
 
+def lora_keys(cluster) -> list:
+    from ray import serve
+
+    from prefixkv.replicas.app import APP_NAME
+
+    return [
+        serve.get_deployment_handle(f"engine-{i}", APP_NAME).lora_block_key.remote("qv").result(timeout_s=30)
+        for i in range(cluster.args.replicas)
+    ]
+
+
+def test_lora_requests_sharing_a_prefix_land_on_the_replica_caching_them(cluster):
+    """The router hashes a LoRA request's blocks with the adapter's block key, as the engine does:
+    LoRA requests sharing a prefix go where their blocks are cached (not by load alone)."""
+    load = {"lora_name": "qv", "lora_path": cluster.adapter}
+    res = cluster.client.post("/v1/load_lora_adapter", json=load)
+    assert res.status_code == 200, res.text
+    keys = lora_keys(cluster)
+    assert keys[0] is not None and keys[0] == keys[1] and keys[0][:3] == ("lora", "qv", cluster.adapter)
+    prefix = "an adapter's own conversation: " + "ijklmnop " * 8
+    before = per_engine(cluster, "prefixkv:router_requests_total")
+    first = complete(cluster, prefix + "one", model="qv")
+    assert first["model"] == "qv" and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for i in range(3):
+        again = complete(cluster, prefix + f"turn {i}", model="qv")
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix) - 2 * BLOCK
+    after = per_engine(cluster, "prefixkv:router_requests_total")
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert sorted(delta.values()) == [0, 4], delta  # all four on the replica caching the prefix
+    # the base model's blocks of the same text are others: no hit from the adapter's
+    base = complete(cluster, prefix + "one")
+    assert base["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cluster.wait_idle()
+
+
 # Last in the module: it kills a replica (Serve restarts it, the test waits for that).
 def test_killed_replica_is_routed_around_and_rejoins(cluster):
     import time
@@ -200,4 +244,8 @@ def test_killed_replica_is_routed_around_and_rejoins(cluster):
         assert time.time() < deadline, "the killed replica never rejoined"
         time.sleep(0.5)
     assert cluster.replica_info()[int(victim)]["actor_id"] != info["actor_id"]
+    # the adapter loaded at run time (the LoRA test) was loaded again into the new replica, before
+    # the router took it back, under the same block key as on the survivor
+    keys = lora_keys(cluster)
+    assert keys[0] is not None and keys[0] == keys[1]
     cluster.wait_idle()
