@@ -71,3 +71,43 @@ def test_unknown_shapes_route_by_load(setup):
     assert hasher.hashes(CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}) == []
     assert hasher.hashes(COMPLETIONS, {"prompt": {"not": "a prompt"}}) == []
     assert hasher.hashes("/v1/embeddings", {"input": "x"}) == []
+
+
+def test_lora_request_hashes_carry_the_adapters_block_key(tmp_path):
+    """A LoRA request's blocks hash with ("lora", name, path, digest) on each (the key the ingress
+    asks a replica for); with a cache salt too. Without the key the router's hashes would miss."""
+    from prefixkv.lora.request import LoRARequest
+
+    from ..lora.conftest import write_adapter
+
+    model = make_tiny(tmp_path / "base")
+    write_adapter(model, tmp_path / "qv", seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    engine = LLMEngine(
+        EngineArgs(
+            model=model,
+            block_size=BLOCK,
+            num_blocks=64,
+            max_model_len=256,
+            dtype="float32",
+            enable_lora=True,
+            kv_events_config={"enable_kv_cache_events": True, "publisher": "null"},
+        )
+    )
+    lora = LoRARequest("qv", 1, str(tmp_path / "qv"))
+    resolved, _ = engine.resolve_lora(lora)
+    key = ("lora", resolved.lora_name, resolved.lora_path, resolved.weights_digest)
+    hasher = PromptHasher(load_tokenizer(model), BLOCK)
+    for salt in (None, "tenant-b"):
+        body = {"model": "qv", "prompt": "an adapter's blocks are its own, block by block", "cache_salt": salt}
+        ids = hasher.token_ids(COMPLETIONS, body)
+        engine.take_kv_events()
+        engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1), lora_request=lora, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            engine.step()
+        stored = [
+            to_int_hash(h) for ev in engine.take_kv_events() if isinstance(ev, BlockStored) for h in ev.block_hashes
+        ]
+        got = hasher.hashes(COMPLETIONS, {k: v for k, v in body.items() if v is not None}, key)
+        assert got and got == stored[: len(got)]
+        assert not set(hasher.hashes(COMPLETIONS, body)) & set(stored)  # the base model's are others
+    engine.shutdown()
