@@ -27,7 +27,10 @@ A poll task probes each replica's actor (a dead one fails at once, while a call 
 Serve handle would wait for Serve's replacement) and asks for its load every
 --router-poll-interval seconds; a replica whose calls fail, or that leaves MAX_MISSED_POLLS polls
 in a row unanswered, is down (its index entries forgotten at once). When it answers again - Serve
-restarted it: a new actor id - the index starts it from nothing and subscribes to its new events.
+restarted it: a new actor id - the index starts it from nothing and subscribes to its new events,
+after the run-time LoRA loads / unloads the other replicas took are replayed on it (in order).
+A request naming a LoRA adapter is hashed with the adapter's block key, asked of a replica once
+per adapter and forgotten at every load / unload.
 """
 
 import argparse
