@@ -149,6 +149,7 @@ class Router:
         self.lora_ops: list[tuple[Any, ...]] = []
         self.lora_lock = asyncio.Lock()  # a broadcast and a replay never interleave
         self.lora_keys: dict[str, LoRAKey] = {}  # adapter name -> its block key, until the next load / unload
+        self.lora_generation = 0  # bumped by every load / unload: a key asked for before it is not cached
 
     # -- start-up ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -286,6 +287,7 @@ class Router:
         r = self.least_loaded()
         if r is None:
             return None
+        generation = self.lora_generation
         try:
             got = await asyncio.wait_for(r.handle.lora_block_key.remote(name), POLL_TIMEOUT_S)
         except Exception:  # slow or gone: this request is routed by load
@@ -293,7 +295,8 @@ class Router:
         if got is None:
             return None  # not cached: any string can be a `model`
         key = (str(got[0]), str(got[1]), str(got[2]), str(got[3]))
-        self.lora_keys[name] = key
+        if generation == self.lora_generation:  # else a load / unload raced the question: ask again next time
+            self.lora_keys[name] = key
         return key
 
     async def request_hashes(self, path: str, body: bytes) -> list[ExternalBlockHash]:
@@ -549,6 +552,7 @@ class Ingress:
                 took.append(r)
             if lora:
                 router.lora_keys.clear()
+                router.lora_generation += 1
                 if any(head["status"] < 400 for head, _ in answers):
                     router.lora_ops.append(call)
                     for r in took:
