@@ -27,9 +27,8 @@ import torch
 
 from ..engine.llm_engine import LLMEngine
 from ..engine_args import EngineArgs
-from ..server.app import DEFAULT_MODEL_NAME, create_app
-from ..server.launch import api_keys_of
-from ..server.limits import RequestLimits
+from ..server.app import DEFAULT_MODEL_NAME
+from ..server.launch import app_from_args
 from .asgi_bridge import call_asgi
 
 logger = logging.getLogger("prefixkv.replicas")
@@ -68,26 +67,8 @@ class EngineReplica:
         config = EngineArgs.from_cli_args(args)
         self.engine = LLMEngine(config)
         model_name = config.model or DEFAULT_MODEL_NAME
-        if getattr(args, "chat_template", None):
-            self.engine.tokenizer.set_chat_template(args.chat_template)
-        limits = RequestLimits(
-            max_n=args.max_n,
-            max_prompts=args.max_prompts_per_request,
-            max_logprobs=getattr(self.engine.config, "max_logprobs", RequestLimits.max_logprobs),
-            require_cache_salt=args.require_cache_salt,
-        )
-        keys = api_keys_of(args)
-        self.app = create_app(
-            self.engine,
-            served_model_names=args.served_model_name or [model_name],
-            api_key=keys or None,
-            model_root=model_name,
-            engine_thread=False,
-            limits=limits,
-            max_request_body_bytes=args.max_request_body_bytes,
-            lora_modules=getattr(args, "lora_modules", None),
-            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        )
+        # the very app single-engine serve runs; no periodic stats line (the ingress aggregates /metrics)
+        self.app = app_from_args(args, self.engine, model_name, log_stats=False)
         self.async_engine = self.app.state.async_engine
         self.async_engine.start()  # the app's lifespan would; the bridge calls the routes directly
         manager = self.engine.kv_cache_manager

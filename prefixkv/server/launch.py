@@ -201,37 +201,43 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: socket.socket | None = None) -> int:
-    """Serve a loaded engine until a signal; returns the process exit code. `sock`: the address
-    bound before the load (bind_socket); bound here when not given."""
-    import uvicorn
-
+def app_from_args(args: argparse.Namespace, engine: Any, model_name: str, log_stats: bool = True) -> Any:
+    """The OpenAI app of `serve`'s flags around a loaded engine: what single-engine serve runs and
+    what every engine replica of `serve --replicas` runs (prefixkv/replicas/engine_replica.py)."""
     from .app import create_app
 
-    log = logging.getLogger("prefixkv.server")
     limits = RequestLimits(
         max_n=args.max_n,
         max_prompts=args.max_prompts_per_request,
         max_logprobs=getattr(engine.config, "max_logprobs", RequestLimits.max_logprobs),
         require_cache_salt=args.require_cache_salt,
     )
-    names = args.served_model_name or [model_name]
-    api_keys = api_keys_of(args)
     if getattr(args, "chat_template", None):
         engine.tokenizer.set_chat_template(args.chat_template)
-        log.info("chat template: from --chat-template")
-    app = create_app(
+        logging.getLogger("prefixkv.server").info("chat template: from --chat-template")
+    api_keys = api_keys_of(args)
+    return create_app(
         engine,
-        served_model_names=names,
+        served_model_names=args.served_model_name or [model_name],
         api_key=api_keys or None,
         model_root=model_name,
         engine_thread=False,
         limits=limits,
         max_request_body_bytes=args.max_request_body_bytes,
         lora_modules=getattr(args, "lora_modules", None),
-        log_stats_interval=None if args.disable_log_stats else interval_from_env(),
+        log_stats_interval=None if args.disable_log_stats or not log_stats else interval_from_env(),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
+
+
+def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: socket.socket | None = None) -> int:
+    """Serve a loaded engine until a signal; returns the process exit code. `sock`: the address
+    bound before the load (bind_socket); bound here when not given."""
+    import uvicorn
+
+    log = logging.getLogger("prefixkv.server")
+    api_keys = api_keys_of(args)
+    app = app_from_args(args, engine, model_name)
     log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if api_keys else "off")
     async_engine = app.state.async_engine
     # The engine loop stays on the main thread (torch runs slower from threads started later, see
