@@ -151,17 +151,21 @@ class LlamaModel(nn.Module):
         if self.device.type != "cpu" or self.packed_head is not None:
             return False
         kind: type[PackedLinear] | type[TransposedLinear]
+        head_kind: type[PackedLinear] | type[TransposedLinear]
         if self.dtype == torch.float32:
+            # the head (vocabulary x hidden) is fastest oneDNN-packed at every batch size measured,
+            # the layers' smaller matrices transposed (bench/levers.py)
             kind = TransposedLinear
+            head_kind = PackedLinear if packed_linear_works(self.dtype) else TransposedLinear
         elif self.dtype == torch.bfloat16 and packed_linear_works(self.dtype):
-            kind = PackedLinear
+            kind = head_kind = PackedLinear
         else:
             return False
         pack_linears(self.layers, kind)
         if self.lm_head is None:  # tied: the embedding keeps its own (gather) layout
-            self.packed_head = kind(self.embed_tokens.weight)
+            self.packed_head = head_kind(self.embed_tokens.weight)
         else:
-            self.packed_head = kind(self.lm_head.weight)
+            self.packed_head = head_kind(self.lm_head.weight)
             self.lm_head = None  # its only use is compute_logits, which now takes packed_head
         return True
 
