@@ -9,7 +9,7 @@ neighbour process that keeps `--load` of one core busy (a Python loop on a 10 ms
 alternating the configurations, and prints per configuration the median time of each phase and
 the slowdown factor (with load / alone).
 
-Phases: `prefill` (one ~1,000-token prompt, caching off, 1 output token), `decode` (one short
+Phases: `prefill` (one 761-token prompt, nothing cached, 1 output token), `decode` (one short
 prompt, 64 greedy output tokens, time per output token), `batch` (8 prompts sharing a ~600-token
 prefix, 16 output tokens each, caching on).
 
