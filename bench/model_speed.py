@@ -1,11 +1,14 @@
 """Model forward speed: prefixkv's paged model vs transformers, same weights, same process.
 
     .venv/bin/python bench/model_speed.py [--prompt 1024] [--context 256] [--steps 20] [--reps 3]
-        [--dtype float32|bfloat16] [--device cpu|cuda]
+        [--dtype float32|bfloat16] [--device cpu|cuda] [--plain-too]
 
 Reports medians: prefill tok/s for one --prompt-token prompt, and decode ms/step at batch 1
 and batch 8 with --context tokens of context per sequence. Both sides use --dtype (float32 by
-default). transformers loads the same GGUF (needs `accelerate`).
+default). transformers loads the same GGUF (needs `accelerate`). On CPU our model runs with its
+weights laid out as the engine lays them out (`LlamaModel.pack_for_cpu`: bfloat16 packed for
+oneDNN, float32 transposed for MKL); `--plain-too` also times it with plain F.linear weights,
+alternated in the same run, which is what the layout buys.
 
 Each figure also prints its fraction of this machine's ceiling, measured in the same process first
 (bench/ceiling.py; `--no-ceiling` skips it): prefill as FLOP/s achieved (2 x parameters x tokens plus
@@ -52,7 +55,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers side")
-    ap.add_argument("--no-pack", action="store_true", help="bfloat16 on CPU: plain F.linear weights")
+    ap.add_argument(
+        "--no-pack",
+        action="store_true",
+        help="CPU: plain F.linear weights (the engine packs bfloat16 for oneDNN, transposes float32)",
+    )
+    ap.add_argument("--plain-too", action="store_true", help="also time our model with plain F.linear weights")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling first")
     args = ap.parse_args()
 
@@ -71,8 +79,13 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     lm = load_model(None, dtype=dtype, device=dev)
     model, cfg = lm.model, lm.config
-    if dev == "cpu" and dtype == torch.bfloat16 and not args.no_pack:
-        print(f"oneDNN-packed weights (as the engine runs bfloat16 on CPU): {model.pack_for_cpu()}")
+    if dev == "cpu" and not args.no_pack:
+        print(f"weights laid out for the CPU (as the engine runs): {model.pack_for_cpu()}")
+    # our model under each name timed: "ours" as the engine runs it, and with --plain-too the same
+    # weights as plain nn.Linear (F.linear), alternated with it in this process
+    ours_models = {"ours": model}
+    if args.plain_too:
+        ours_models["ours, plain"] = load_model(None, dtype=dtype, device=dev).model
     bs = args.block_size
     g = torch.Generator().manual_seed(0)
     vocab = cfg.vocab_size
@@ -97,17 +110,18 @@ def main() -> None:
     pos = torch.arange(n)
     slots = blocks[pos // bs] * bs + pos % bs
 
-    def ours_prefill():
+    def ours_prefill(m=model):
         meta = AttentionMetadata(slots, [0, n], [n], blocks[None])
-        h = model(ids, pos, caches, meta)
-        return model.compute_logits(h[-1:])
+        h = m(ids, pos, caches, meta)
+        return m.compute_logits(h[-1:])
 
     def hf_prefill():
         with torch.inference_mode():
             return hf(ids[None].to(dev), use_cache=True, logits_to_keep=1).logits
 
     # ours and transformers alternate rep by rep so load drift on a shared machine hits both
-    fns = [("ours", ours_prefill)] + ([("transformers", hf_prefill)] if hf is not None else [])
+    fns = [(name, lambda m=m: ours_prefill(m)) for name, m in ours_models.items()]
+    fns += [("transformers", hf_prefill)] if hf is not None else []
     times = {name: [] for name, _ in fns}
     print(f"  ... prefill, {n} tokens: warm-up and {args.reps} reps", flush=True)
     for _name, fn in fns:
@@ -129,7 +143,6 @@ def main() -> None:
         C = args.context
         prompts = torch.randint(100, vocab, (B, C), generator=g)
         per = (C + args.steps + 2 + bs - 1) // bs
-        caches = allocate_kv_cache(cfg, B * per + 4, bs, dtype=dtype, device=dev)
         tables = torch.randperm(B * per + 4, generator=g)[: B * per].view(B, per)
 
         def step_meta(lens, new):
@@ -141,38 +154,44 @@ def main() -> None:
             return AttentionMetadata(torch.tensor(slot_list), qsl, list(lens), tables)
 
         with torch.inference_mode():
-            # prefill all B sequences (one batch) on both sides, then decode step by step,
-            # alternating ours / transformers
-            meta = step_meta([C] * B, C)
-            h = model(prompts.reshape(-1), torch.arange(C).repeat(B), caches, meta)
-            nxt = model.compute_logits(h.view(B, C, -1)[:, -1]).argmax(-1)
+            # prefill all B sequences (one batch) on every side, then decode step by step,
+            # alternating the sides
+            state = {}
+            for name, m in ours_models.items():
+                caches = allocate_kv_cache(cfg, B * per + 4, bs, dtype=dtype, device=dev)
+                h = m(prompts.reshape(-1), torch.arange(C).repeat(B), caches, step_meta([C] * B, C))
+                state[name] = (caches, m.compute_logits(h.view(B, C, -1)[:, -1]).argmax(-1))
             lens = [C] * B
             if hf is not None:
                 out = hf(prompts.to(dev), use_cache=True, logits_to_keep=1)
                 past = out.past_key_values
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
-            ts, ts_hf = [], []
+            ts: dict[str, list[float]] = {name: [] for name in ours_models}
+            ts_hf = []
             for _ in range(args.steps):
                 lens = [x + 1 for x in lens]
-                meta = step_meta(lens, 1)
                 positions = torch.tensor([x - 1 for x in lens])
-                dt, logits = timed(lambda: model.compute_logits(model(nxt, positions, caches, meta)), dev)
-                nxt = logits.argmax(-1)
-                ts.append(dt)
+                for name, m in ours_models.items():
+                    caches, nxt = state[name]
+                    meta = step_meta(lens, 1)  # a fresh one per forward (its plan is cached inside)
+                    dt, logits = timed(lambda: m.compute_logits(m(nxt, positions, caches, meta)), dev)
+                    state[name] = (caches, logits.argmax(-1))
+                    ts[name].append(dt)
                 if hf is not None:
                     dt, out = timed(lambda: hf(tok, past_key_values=past, use_cache=True), dev)
                     past = out.past_key_values
                     tok = out.logits[:, -1].argmax(-1, keepdim=True)
                     ts_hf.append(dt)
-        ours = statistics.median(ts[2:])
-        line = f"decode batch {B} ctx {C}  ours: {ours * 1000:7.1f} ms/step"
-        if hf is not None:
-            ref = statistics.median(ts_hf[2:])
-            line += f"   transformers: {ref * 1000:7.1f} ms/step   (speedup x{ref / ours:.2f})"
-        if ceiling is not None:
-            read = decode_bytes(cfg, dtype, B, C + args.steps // 2) / ours
-            line += f"   ours reads {read / 1e9:.1f} GB/s, {fraction(read, ceiling.bytes_per_s)}"
-        print(line)
+        ref = statistics.median(ts_hf[2:]) if hf is not None else None
+        for name in ours_models:
+            ours = statistics.median(ts[name][2:])
+            line = f"decode batch {B} ctx {C}  {name}: {ours * 1000:7.1f} ms/step"
+            if ref is not None:
+                line += f"   transformers: {ref * 1000:7.1f} ms/step   (speedup x{ref / ours:.2f})"
+            if ceiling is not None:
+                read = decode_bytes(cfg, dtype, B, C + args.steps // 2) / ours
+                line += f"   reads {read / 1e9:.1f} GB/s, {fraction(read, ceiling.bytes_per_s)}"
+            print(line)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

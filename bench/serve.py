@@ -264,6 +264,34 @@ def print_summary(s: Summary) -> None:
     )
 
 
+def run_prefixkv(args: argparse.Namespace, budget: int | None) -> list[Summary]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefixkv.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-cache-memory-bytes",
+        args.kv_cache_memory_bytes,
+        "--max-model-len",
+        "2048",
+        "--dtype",
+        args.dtype,
+        "--disable-uvicorn-access-log",
+    ] + ([args.model] if args.model else [])
+    if budget is not None:
+        cmd += ["--max-num-batched-tokens", str(budget)]
+    srv = Managed("prefixkv", cmd, port, timeout=300)
+    try:
+        return bench_server("prefixkv" if budget is None else f"prefixkv (budget {budget})", srv.base, args)
+    finally:
+        srv.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default=None, help="benchmark a running server instead of starting prefixkv")
@@ -276,6 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-memory-bytes", default="1G", help="for the started prefixkv server")
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="for the started prefixkv server (its default: 2048, as vLLM's on CPU); several values: "
+        "one prefixkv server per value, one after the other, same workloads",
+    )
     ap.add_argument(
         "--dtype",
         default="float32",
@@ -293,29 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         summaries += bench_server("server", args.base_url.rstrip("/"), args)
     elif not args.no_prefixkv:
-        port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "prefixkv.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--kv-cache-memory-bytes",
-            args.kv_cache_memory_bytes,
-            "--max-model-len",
-            "2048",
-            "--dtype",
-            args.dtype,
-            "--disable-uvicorn-access-log",
-        ] + ([args.model] if args.model else [])
-        srv = Managed("prefixkv", cmd, port, timeout=300)
-        try:
-            summaries += bench_server("prefixkv", srv.base, args)
-        finally:
-            srv.close()
+        for budget in args.max_num_batched_tokens or [None]:
+            summaries += run_prefixkv(args, budget)
 
     if args.peer_vllm:
         if not os.path.exists(args.vllm_python) or not os.path.isdir(args.vllm_model):

@@ -17,8 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.ceiling import fraction, measure, prefill_flops  # noqa: E402
 from bench.peer_runner import DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available, run_peer  # noqa: E402
 from bench.plots import Panel, bar_chart  # noqa: E402
 from bench.scenarios import SHARED_MAX_TOKENS, shared_prefix_prompts  # noqa: E402
@@ -48,6 +51,7 @@ def run_prefixkv(caching: bool, repeats: int) -> dict:
         "output_tok_per_s": n_out / med,
         "output_tokens": n_out,
         "prompt_tokens_total": sum(len(o.prompt_token_ids) for o in outs),
+        "prompt_token_ids": [o.prompt_token_ids for o in outs],
         "cached_tokens_total": sum(o.num_cached_tokens for o in outs),
         "texts": texts,
         "seconds": times,
@@ -87,6 +91,19 @@ def main() -> None:
         f"  prefixkv on/off speed-up {off['seconds_median'] / on['seconds_median']:.1f}x; "
         f"outputs identical: {on['texts'] == off['texts']}"
     )
+    # caching off, the batch is nearly all prefill: its FLOP/s against the GEMM ceiling measured now
+    from prefixkv.model import load_model
+
+    cfg = load_model(None).config
+    flops = sum(prefill_flops(cfg, len(p)) for p in off["prompt_token_ids"])
+    ceiling = measure((torch.float32,), quick=True)
+    for label, r in (("prefixkv caching off", off), ("prefixkv caching on", on)):
+        achieved = flops / r["seconds_median"]
+        print(
+            f"  {label}: {achieved / 1e9:.0f} GFLOP/s of uncached-prefill work per second, "
+            f"{fraction(achieved, ceiling.flops_of(torch.float32))} (float32 GEMM "
+            f"{ceiling.flops_of(torch.float32) / 1e9:.0f} GFLOP/s, bench/ceiling.py)"
+        )
     results = {"prefixkv": {"prefix_caching_on": on, "prefix_caching_off": off}}
     peer_repeats = str(args.peer_repeats or args.repeats)
     if args.peers and available(DEFAULT_VLLM_PYTHON):
@@ -100,6 +117,9 @@ def main() -> None:
             results["vLLM-CPU"] = v
             show("vLLM caching on", v["prefix_caching_on"])
             show("vLLM caching off", v["prefix_caching_off"])
+            achieved = flops / v["prefix_caching_off"]["seconds_median"]
+            share = fraction(achieved, ceiling.flops_of(torch.float32))
+            print(f"  vLLM caching off: {achieved / 1e9:.0f} GFLOP/s, {share}")
             ratio = on["seconds_median"] / v["prefix_caching_on"]["seconds_median"]
             print(
                 f"  prefixkv / vLLM time, caching on: {ratio:.2f} (below 1 = prefixkv faster); "

@@ -40,8 +40,8 @@ class ModelRunner:
         lora_manager: LoRAManager | None = None,
     ) -> None:
         self.model = loaded.model
-        if device.type == "cpu" and dtype == torch.bfloat16:
-            self.model.pack_for_cpu()  # oneDNN-packed weights: faster bfloat16 matmuls
+        if device.type == "cpu":
+            self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
         self.config = loaded.config
         self.block_tensors = block_tensors
         self.kv_caches = block_tensors.kv_caches

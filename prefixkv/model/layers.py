@@ -133,6 +133,27 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+class TransposedLinear(nn.Module):
+    """x @ W.T (+ b) for float32 on CPU with W stored transposed, [in, out] contiguous, and
+    multiplied by torch.mm / addmm. MKL's kernels for this layout are faster than F.linear's
+    (which multiplies by the [out, in] weight transposed on the fly) at decode-sized batches: on
+    this project's machine, one thread, the default model's four layer matmuls take 1.4-1.8x less
+    time at 4-16 rows, about the same at 1-2 and 1.1-1.2x less at 32-480 (`bench/levers.py`,
+    docs/benchmarks.md). Same products and sums, possibly in another order: results equal
+    F.linear's up to float32 rounding. Only for inference: no gradients."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight_t = weight.detach().t().contiguous()
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = torch.mm(flat, self.weight_t) if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 def packed_linear_works(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this torch build and CPU run PackedLinear, and agree with F.linear."""
     if not torch.backends.mkldnn.is_available():
@@ -147,12 +168,13 @@ def packed_linear_works(dtype: torch.dtype = torch.bfloat16) -> bool:
     return bool(torch.allclose(got, F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear below `module` by a PackedLinear; returns how many."""
+def pack_linears(module: nn.Module, kind: type[PackedLinear] | type[TransposedLinear] = PackedLinear) -> int:
+    """Replace every nn.Linear below `module` by a `kind` (PackedLinear or TransposedLinear);
+    returns how many."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, kind(child.weight, child.bias))
                 count += 1
     return count

@@ -11,7 +11,15 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, pack_linears, packed_linear_works
+from .layers import (
+    GatedMLP,
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    TransposedLinear,
+    pack_linears,
+    packed_linear_works,
+)
 
 
 class Attention(nn.Module):
@@ -91,7 +99,7 @@ class LlamaModel(nn.Module):
             self.lm_head = None
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.dtype = dtype
-        self.packed_head: PackedLinear | None = None  # set by pack_for_cpu
+        self.packed_head: PackedLinear | TransposedLinear | None = None  # set by pack_for_cpu
         self.lora_context = None  # set by prefixkv.lora.layers.attach_lora: where a step's LoRA mapping goes
 
     @property
@@ -141,20 +149,27 @@ class LlamaModel(nn.Module):
         return F.linear(hidden, w)
 
     def pack_for_cpu(self) -> bool:
-        """bfloat16 on CPU: pre-pack every matmul weight for oneDNN (PackedLinear). Returns whether
-        it did; a no-op elsewhere, when already packed, or where this torch/CPU cannot."""
-        if (
-            self.device.type != "cpu"
-            or self.dtype != torch.bfloat16
-            or self.packed_head is not None
-            or not packed_linear_works(self.dtype)
-        ):
+        """On CPU, lay every matmul weight out once for the fastest kernel: bfloat16 pre-packed for
+        oneDNN (PackedLinear), float32 transposed for MKL (TransposedLinear). Returns whether it
+        did; a no-op elsewhere, when already done, or where this torch/CPU cannot."""
+        if self.device.type != "cpu" or self.packed_head is not None:
             return False
-        pack_linears(self.layers)
-        if self.lm_head is None:  # tied: the embedding keeps its own (gather) layout
-            self.packed_head = PackedLinear(self.embed_tokens.weight)
+        kind: type[PackedLinear] | type[TransposedLinear]
+        head_kind: type[PackedLinear] | type[TransposedLinear]
+        if self.dtype == torch.float32:
+            # the head (vocabulary x hidden) is fastest oneDNN-packed at every batch size measured,
+            # the layers' smaller matrices transposed (bench/levers.py)
+            kind = TransposedLinear
+            head_kind = PackedLinear if packed_linear_works(self.dtype) else TransposedLinear
+        elif self.dtype == torch.bfloat16 and packed_linear_works(self.dtype):
+            kind = head_kind = PackedLinear
         else:
-            self.packed_head = PackedLinear(self.lm_head.weight)
+            return False
+        pack_linears(self.layers, kind)
+        if self.lm_head is None:  # tied: the embedding keeps its own (gather) layout
+            self.packed_head = head_kind(self.embed_tokens.weight)
+        else:
+            self.packed_head = head_kind(self.lm_head.weight)
             self.lm_head = None  # its only use is compute_logits, which now takes packed_head
         return True
 

@@ -9,7 +9,7 @@ import torch
 
 from prefixkv.engine.block_tensors import allocate_kv_cache
 from prefixkv.model import load_model
-from prefixkv.model.layers import packed_linear_works
+from prefixkv.model.layers import PackedLinear, TransposedLinear, packed_linear_works
 from prefixkv.model.tokenizer import _bytes_to_unicode
 
 from .model_helpers import run_logits
@@ -163,7 +163,6 @@ def test_bf16_packed_weights_match_plain_bf16(tmp_path, kind):
     plain, packed = load_model(str(path), dtype=torch.bfloat16), load_model(str(path), dtype=torch.bfloat16)
     assert packed.model.pack_for_cpu() and not packed.model.pack_for_cpu()
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
-    assert load_model(str(path)).model.pack_for_cpu() is False  # float32 stays exact
     ids = list(range(40, 60))
     out = []
     for lm in (plain, packed):
@@ -171,3 +170,24 @@ def test_bf16_packed_weights_match_plain_bf16(tmp_path, kind):
         lg, _ = run_logits(lm.model, caches, [(ids, [3, 1, 6], 0)], 8)
         out.append(lg.float())
     assert (out[0] - out[1]).abs().max() < 0.03 * out[0].abs().max()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through addmm
+def test_fp32_transposed_weights_match_plain_fp32(tmp_path, kind):
+    """ModelRunner stores float32 CPU weights transposed for MKL: logits equal plain F.linear's up
+    to float32 rounding, the same greedy tokens, the head transposed too, and doing it twice is a
+    no-op."""
+    path = tmp_path / f"tiny-{kind}.gguf"
+    _write_gguf(path, kind)
+    plain, fast = load_model(str(path)), load_model(str(path))
+    assert fast.model.pack_for_cpu() and not fast.model.pack_for_cpu()
+    assert not any(isinstance(m, torch.nn.Linear) for m in fast.model.modules())
+    assert isinstance(fast.model.packed_head, PackedLinear if packed_linear_works(torch.float32) else TransposedLinear)
+    ids = list(range(40, 60))
+    out = []
+    for lm in (plain, fast):
+        caches = allocate_kv_cache(lm.config, 8, 8)
+        lg, _ = run_logits(lm.model, caches, [(ids, [3, 1, 6], 0)], 8)
+        out.append(lg)
+    assert torch.allclose(out[0], out[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
