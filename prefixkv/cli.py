@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from .engine_args import MODEL_HELP, EngineArgs, parse_bytes  # noqa: F401  (parse_bytes: part of this CLI's API)
-from .replicas.args import add_replica_args
+from .replicas.args import add_replica_args, check_single_engine_args
 from .server.launch import add_server_args
 
 
@@ -134,6 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .replicas.app import serve_replicas  # imports Ray
 
         return serve_replicas(args)
+    check_single_engine_args(args)
     log = logging.getLogger("prefixkv.server")
     config = engine_config(args)
     try:

@@ -138,9 +138,10 @@ class TransposedLinear(nn.Module):
     multiplied by torch.mm / addmm. MKL's kernels for this layout are faster than F.linear's
     (which multiplies by the [out, in] weight transposed on the fly) at decode-sized batches: on
     this project's machine, one thread, the default model's four layer matmuls take 1.4-1.8x less
-    time at 4-16 rows, about the same at 1-2 and 1.1-1.2x less at 32-480 (`bench/levers.py`,
-    docs/benchmarks.md). Same products and sums, possibly in another order: results equal
-    F.linear's up to float32 rounding. Only for inference: no gradients."""
+    time at 4-16 rows and 1.1-1.2x less at 32-480, but 7-14% more at 1-2 rows (two threads:
+    1.2-1.5x less at 4-8 rows, 16-26% more at 1-2; `bench/levers.py`, docs/benchmarks.md). Same
+    products and sums, possibly in another order: results equal F.linear's up to float32 rounding.
+    Only for inference: no gradients."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -10,6 +10,30 @@ import argparse
 
 from ..router import MODES, ROUTERS
 
+# dest -> flag of every flag that only the replicated server reads (all but --replicas), and the
+# prefix-load knobs among them: given where nothing reads them, they are refused by name
+ROUTER_FLAGS = {
+    "router": "--router",
+    "router_index": "--router-index",
+    "max_queue": "--max-queue",
+    "max_kv_usage": "--max-kv-usage",
+    "balance_abs": "--balance-abs",
+    "balance_rel": "--balance-rel",
+    "min_match_blocks": "--min-match-blocks",
+    "router_retries": "--router-retries",
+    "router_poll_interval": "--router-poll-interval",
+    "replica_num_cpus": "--replica-num-cpus",
+    "replica_torch_threads": "--replica-torch-threads",
+    "ray_address": "--ray-address",
+}
+PREFIX_LOAD_KNOBS = ("max_queue", "max_kv_usage", "balance_abs", "balance_rel", "min_match_blocks")
+_DEFAULTS: dict[str, object] = {}  # filled by add_replica_args from the parser
+
+
+def _given(args: argparse.Namespace, dests: tuple[str, ...] | list[str]) -> list[str]:
+    """The flags among `dests` set to something other than their default."""
+    return [ROUTER_FLAGS[d] for d in dests if d in _DEFAULTS and getattr(args, d, _DEFAULTS[d]) != _DEFAULTS[d]]
+
 
 def add_replica_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
@@ -92,6 +116,14 @@ def add_replica_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="join this Ray cluster (e.g. auto) instead of starting a local one",
     )
+    _DEFAULTS.update({dest: parser.get_default(dest) for dest in ROUTER_FLAGS})
+
+
+def check_single_engine_args(args: argparse.Namespace) -> None:
+    """`serve` without --replicas: a router or replica flag would be accepted without effect."""
+    given = _given(args, list(ROUTER_FLAGS))
+    if given:
+        raise ValueError(f"{', '.join(given)}: used only with --replicas N (N >= 2); one engine has no router")
 
 
 def router_knobs(args: argparse.Namespace) -> dict[str, float]:
@@ -120,6 +152,9 @@ def check_replica_args(args: argparse.Namespace) -> None:
             "--kv-events-config with --replicas: each replica publishes its KV events on an endpoint of "
             "its own, which the router subscribes to; the flag cannot be honoured"
         )
+    unused = _given(args, PREFIX_LOAD_KNOBS) if args.router != "prefix-load" else []
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: knobs of --router prefix-load only, not of {args.router}")
     from ..router import make_router
 
     if args.router != "round-robin":  # the knobs' own checks, now rather than in every replica

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from prefixkv.cli import build_parser
-from prefixkv.replicas.args import check_replica_args
+from prefixkv.replicas.args import check_replica_args, check_single_engine_args
 
 from .conftest import ROOT
 
@@ -51,3 +51,22 @@ def test_replicas_zero_fails_at_the_command_line():
         [sys.executable, "-m", "prefixkv.cli", "serve", "--replicas", "0"], cwd=ROOT, capture_output=True, text=True
     )
     assert res.returncode == 2 and "--replicas must be >= 1" in res.stderr
+
+
+def test_router_flags_without_replicas_are_refused_by_name():
+    check_single_engine_args(parse())  # nothing given: fine
+    with pytest.raises(ValueError, match="--router, --max-queue: used only with --replicas"):
+        check_single_engine_args(parse("--router", "prefix", "--max-queue", "3"))
+    res = subprocess.run(
+        [sys.executable, "-m", "prefixkv.cli", "serve", "--router-index", "approx"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode != 0 and "--router-index: used only with --replicas" in res.stderr
+
+
+def test_prefix_load_knobs_with_another_router_are_refused_by_name():
+    with pytest.raises(ValueError, match="--max-kv-usage: knobs of --router prefix-load only, not of prefix"):
+        check_replica_args(parse("--replicas", "2", "--router", "prefix", "--max-kv-usage", "0.5"))
+    check_replica_args(parse("--replicas", "2", "--router", "round-robin"))  # defaults: fine
