@@ -1,14 +1,18 @@
 """Model forward speed: prefixkv's paged model vs transformers, same weights, same process.
 
     .venv/bin/python bench/model_speed.py [--prompt 1024] [--context 256] [--steps 20] [--reps 3]
-        [--dtype float32|bfloat16] [--device cpu|cuda] [--plain-too]
+        [--dtype float32|bfloat16] [--device cpu|cuda] [--plain-too] [--batches 1,8]
+        [--layouts engine,transposed,packed,plain,dual]
 
-Reports medians: prefill tok/s for one --prompt-token prompt, and decode ms/step at batch 1
-and batch 8 with --context tokens of context per sequence. Both sides use --dtype (float32 by
+Reports medians: prefill tok/s for one --prompt-token prompt, and decode ms/step at each of
+--batches with --context tokens of context per sequence. Both sides use --dtype (float32 by
 default). transformers loads the same GGUF (needs `accelerate`). On CPU our model runs with its
 weights laid out as the engine lays them out (`LlamaModel.pack_for_cpu`: bfloat16 packed for
-oneDNN, float32 transposed for MKL); `--plain-too` also times it with plain F.linear weights,
-alternated in the same run, which is what the layout buys.
+oneDNN, float32 in two layouts chosen by row count - DualLayoutLinear); `--plain-too` also times
+it with plain F.linear weights, alternated in the same run, which is what the layout buys.
+`--layouts` (float32) times one model per named layer layout instead, alternated step by step:
+inside the whole model, where the weights stream from memory layer after layer, the ranking can
+differ from a one-matmul microbenchmark's (bench/levers.py), whose weights stay in cache.
 
 Each figure also prints its fraction of this machine's ceiling, measured in the same process first
 (bench/ceiling.py; `--no-ceiling` skips it): prefill as FLOP/s achieved (2 x parameters x tokens plus
@@ -44,6 +48,36 @@ def timed(fn, device):
     return time.perf_counter() - t, out
 
 
+LAYOUTS = ("engine", "plain", "transposed", "packed", "dual")
+
+
+def lay_out(model, name: str) -> str:
+    """Lay out `model`'s layer weights as `name` (the head always as the engine lays it out);
+    returns the class now doing the layers' matmuls."""
+    from prefixkv.model.layers import DualLayoutLinear, PackedLinear, TransposedLinear, pack_linears
+
+    if name not in LAYOUTS:
+        raise SystemExit(f"--layouts: unknown layout {name!r} (known: {', '.join(LAYOUTS)})")
+    if name != "plain":
+        model.pack_for_cpu()
+    if name in ("transposed", "packed", "dual"):
+        kind = {"transposed": TransposedLinear, "packed": PackedLinear, "dual": DualLayoutLinear}[name]
+        for layer in model.layers:  # re-lay the engine's layout out: back to nn.Linear first
+            for parent in list(layer.modules()):
+                for attr, child in list(parent.named_children()):
+                    if hasattr(child, "out_features") and not isinstance(child, torch.nn.Linear):
+                        w = child.weight_t.t() if isinstance(child, TransposedLinear) else child.weight
+                        if isinstance(child, PackedLinear):
+                            raise SystemExit("--layouts: float32 only (bfloat16 layers are packed only)")
+                        lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                        lin.weight.data = w.contiguous()
+                        if child.bias is not None:
+                            lin.bias.data = child.bias
+                        setattr(parent, attr, lin)
+        pack_linears(model.layers, kind)
+    return type(model.layers[0].mlp.down_proj).__name__
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=1024)
@@ -61,6 +95,13 @@ def main() -> None:
         help="CPU: plain F.linear weights (the engine packs bfloat16 for oneDNN, transposes float32)",
     )
     ap.add_argument("--plain-too", action="store_true", help="also time our model with plain F.linear weights")
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help="CPU: time our model once per weight layout, alternated step by step in this process "
+        f"(comma-separated, of: {', '.join(LAYOUTS)}; 'engine' = what pack_for_cpu picks)",
+    )
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes (comma-separated)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling first")
     args = ap.parse_args()
 
@@ -86,6 +127,12 @@ def main() -> None:
     ours_models = {"ours": model}
     if args.plain_too:
         ours_models["ours, plain"] = load_model(None, dtype=dtype, device=dev).model
+    if args.layouts:
+        ours_models = {}
+        for name in args.layouts.split(","):
+            fresh = name != "engine" or args.no_pack
+            ours_models[name] = load_model(None, dtype=dtype, device=dev).model if fresh else model
+            print(f"layout {name}: {lay_out(ours_models[name], name)}")
     bs = args.block_size
     g = torch.Generator().manual_seed(0)
     vocab = cfg.vocab_size
@@ -138,7 +185,7 @@ def main() -> None:
         print(line)
 
     # ------------------------------------------------------------ decode
-    for B in (1, 8):
+    for B in [int(b) for b in args.batches.split(",")]:
         print(f"  ... decode, batch {B}: {args.steps} steps", flush=True)
         C = args.context
         prompts = torch.randint(100, vocab, (B, C), generator=g)

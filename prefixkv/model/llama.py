@@ -12,7 +12,9 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import (
+    DualLayoutLinear,
     GatedMLP,
+    LinearKind,
     PackedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -71,6 +73,10 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+
+# float32 layer weights up to this size also keep a second layout (DualLayoutLinear): 2 GiB of
+# weights (~500M parameters) doubled; larger models keep one copy (TransposedLinear)
+DUAL_LAYOUT_MAX_BYTES = 2 << 30
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -150,17 +156,21 @@ class LlamaModel(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """On CPU, lay every matmul weight out once for the fastest kernel: bfloat16 pre-packed for
-        oneDNN (PackedLinear), float32 transposed for MKL (TransposedLinear). Returns whether it
-        did; a no-op elsewhere, when already done, or where this torch/CPU cannot."""
+        oneDNN (PackedLinear); float32 in two layouts, the kernel chosen by the step's rows
+        (DualLayoutLinear), or transposed for MKL (TransposedLinear) where a second copy of the
+        weights would pass DUAL_LAYOUT_MAX_BYTES. Returns whether it did; a no-op elsewhere, when
+        already done, or where this torch/CPU cannot."""
         if self.device.type != "cpu" or self.packed_head is not None:
             return False
-        kind: type[PackedLinear] | type[TransposedLinear]
+        kind: LinearKind
         head_kind: type[PackedLinear] | type[TransposedLinear]
         if self.dtype == torch.float32:
-            # the head (vocabulary x hidden) is fastest oneDNN-packed at every batch size measured,
-            # the layers' smaller matrices transposed (bench/levers.py)
-            kind = TransposedLinear
-            head_kind = PackedLinear if packed_linear_works(self.dtype) else TransposedLinear
+            # the head (vocabulary x hidden) is fastest oneDNN-packed at every batch size measured;
+            # the layers oneDNN-packed from 3 rows on and plain below (bench/model_speed.py --layouts)
+            packed = packed_linear_works(self.dtype)
+            layer_bytes = sum(m.weight.numel() * 4 for m in self.layers.modules() if isinstance(m, nn.Linear))
+            kind = DualLayoutLinear if packed and layer_bytes <= DUAL_LAYOUT_MAX_BYTES else TransposedLinear
+            head_kind = PackedLinear if packed else TransposedLinear
         elif self.dtype == torch.bfloat16 and packed_linear_works(self.dtype):
             kind = head_kind = PackedLinear
         else:

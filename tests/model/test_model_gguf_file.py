@@ -9,7 +9,7 @@ import torch
 
 from prefixkv.engine.block_tensors import allocate_kv_cache
 from prefixkv.model import load_model
-from prefixkv.model.layers import PackedLinear, TransposedLinear, packed_linear_works
+from prefixkv.model.layers import DualLayoutLinear, PackedLinear, TransposedLinear, packed_linear_works
 from prefixkv.model.tokenizer import _bytes_to_unicode
 
 from .model_helpers import run_logits
@@ -172,22 +172,31 @@ def test_bf16_packed_weights_match_plain_bf16(tmp_path, kind):
     assert (out[0] - out[1]).abs().max() < 0.03 * out[0].abs().max()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through addmm
-def test_fp32_transposed_weights_match_plain_fp32(tmp_path, kind):
-    """ModelRunner stores float32 CPU weights transposed for MKL: logits equal plain F.linear's up
-    to float32 rounding, the same greedy tokens, the head transposed too, and doing it twice is a
-    no-op."""
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through both kernels
+@pytest.mark.parametrize("bound", ["default", "exceeded"])
+def test_fp32_laid_out_weights_match_plain_fp32(tmp_path, monkeypatch, kind, bound):
+    """ModelRunner lays float32 CPU weights out twice (DualLayoutLinear: plain for 1-2 rows,
+    oneDNN-packed for more) or, past the size bound, transposed for MKL: logits equal plain
+    F.linear's up to float32 rounding, the same greedy tokens, and doing it twice is a no-op. The
+    steps of 18, 1 and 2 new tokens go through both kernels of the dual layout."""
+    from prefixkv.model import llama
+
+    if bound == "exceeded":
+        monkeypatch.setattr(llama, "DUAL_LAYOUT_MAX_BYTES", 1024)
     path = tmp_path / f"tiny-{kind}.gguf"
     _write_gguf(path, kind)
     plain, fast = load_model(str(path)), load_model(str(path))
     assert fast.model.pack_for_cpu() and not fast.model.pack_for_cpu()
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.model.modules())
+    dual = packed_linear_works(torch.float32) and bound == "default"
+    assert isinstance(fast.model.layers[0].self_attn.qkv_proj, DualLayoutLinear if dual else TransposedLinear)
     assert isinstance(fast.model.packed_head, PackedLinear if packed_linear_works(torch.float32) else TransposedLinear)
     ids = list(range(40, 60))
     out = []
     for lm in (plain, fast):
         caches = allocate_kv_cache(lm.config, 8, 8)
-        lg, _ = run_logits(lm.model, caches, [(ids, [3, 1, 6], 0)], 8)
-        out.append(lg)
+        # one prefill of 18 rows (packed kernel), then steps of 1 and 2 rows (plain kernel)
+        steps = [(18, 0), (19, 18), (20, 18)]  # (tokens so far, of which cached)
+        out.append(torch.cat([run_logits(lm.model, caches, [(ids[:n], [3, 1, 6], c)], 8)[0] for n, c in steps]))
     assert torch.allclose(out[0], out[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
