@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
+
 
 def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], int]:
     """The layout `paged_attention` reads: a layer's cache is ``[2, num_blocks, block_size,
@@ -158,6 +160,7 @@ class _Plan:
                 )
             self.decode_all = len(decode) == meta.num_tokens
             self.decode_rows = torch.tensor([qsl[i] for i in decode], device=device)
+            self.decode_lens = lens  # valid positions of each row of decode_slots
         if P:
             chunk_rows = [r for a, b, _, _ in self.chunked for r in range(a, b)]
             self.group_rows = torch.tensor([qsl[i] for i in decode] + chunk_rows, device=device)
@@ -304,17 +307,21 @@ def paged_attention(
         )
         out[a:b] = o[0].transpose(0, 1)
 
-    # 2c) decodes: gather every context at once, one padded SDPA
+    # 2c) decodes: on CPU the native kernel reads each context in place (cpu_kernels); else
+    # gather every context at once and run one padded SDPA
     if plan.decode_rows is not None:
         slots = plan.decode_slots  # [Bd, L]
         Bd, L = slots.shape
-        kc = _gather(k_flat, slots).transpose(1, 2)  # [Bd, Hkv, L, D]
-        vc = _gather(v_flat, slots).transpose(1, 2)
         qd = q if plan.decode_all else q[plan.decode_rows]
-        # GQA without expanding K/V: the G query heads of a group become G "query rows".
-        qd = qd.view(Bd, Hkv, Hq // Hkv, D)
-        o = F.scaled_dot_product_attention(qd, kc.to(q.dtype), vc.to(q.dtype), attn_mask=plan.decode_mask, scale=scale)
-        o = o.reshape(Bd, Hq, D)
+        o = cpu_kernels.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale)
+        if o is None:
+            kc = _gather(k_flat, slots).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vc = _gather(v_flat, slots).transpose(1, 2)
+            # GQA without expanding K/V: the G query heads of a group become G "query rows".
+            qd = qd.view(Bd, Hkv, Hq // Hkv, D)
+            o = F.scaled_dot_product_attention(
+                qd, kc.to(q.dtype), vc.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
+            ).reshape(Bd, Hq, D)
         if plan.decode_all:
             return o
         out[plan.decode_rows] = o

@@ -145,8 +145,11 @@ def check_prompt_logprobs(out, ref: torch.Tensor, k: int) -> None:
     for pos in range(1, len(ids)):
         entry = out.prompt_logprobs[pos]
         row = ref[pos - 1]
-        assert entry[ids[pos]].logprob == pytest.approx(row[ids[pos]].item(), abs=1e-4)
-        assert entry[ids[pos]].rank == int((row > row[ids[pos]]).sum()) + 1
+        target = row[ids[pos]].item()
+        assert entry[ids[pos]].logprob == pytest.approx(target, abs=1e-4)
+        # the rank as transformers would give it, up to the same 1e-4: two kernels can order
+        # tokens whose logprobs lie within float rounding of each other either way
+        assert int((row > target + 1e-4).sum()) + 1 <= entry[ids[pos]].rank <= int((row > target - 1e-4).sum()) + 1
         top = torch.topk(row, k).indices.tolist() if k else []
         assert [t for t, lp in entry.items() if lp.rank <= k] == top or set(entry) >= set(top)
         assert len(entry) in (k, k + 1)

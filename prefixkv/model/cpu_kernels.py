@@ -1,0 +1,240 @@
+"""Native CPU kernels, built on first use with the system C++ compiler and called through ctypes.
+
+One today: paged decode attention (csrc/decode_attention.cpp), which reads each sequence's K and V
+in place through its slots where the PyTorch path first gathers a copy of the whole context
+(index_select) and then runs SDPA over it - at batch 16 with 512 tokens of context that copy and the
+second read were ~37% of a float32 decode step (docs/benchmarks.md).
+
+The source is compiled once per machine (a second or so) into a cache folder
+(``$PREFIXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixkv`` or ``~/.cache/prefixkv``), keyed by the
+source, the flags, the compiler, torch's version and the CPU's flags; concurrent processes write
+it atomically. The library links the OpenMP runtime torch has already loaded, so its threads are
+torch's threads. Before first use it is checked against the PyTorch path on a small case.
+
+Where anything is missing - no compiler, not Linux, no OpenMP in torch, a failed build or check -
+the PyTorch path runs, with one log line saying why. ``PREFIXKV_CPU_KERNELS=0`` turns the kernels
+off (the PyTorch path runs everywhere); `disabled()` does so for a block of code (tests, benches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+HEAD_DIMS = (32, 64, 128)
+MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_enabled = os.environ.get(ENV_SWITCH, "1") != "0"
+_lock = threading.Lock()
+_loaded = False
+_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the block with the PyTorch path (the kernels stay built)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def cache_dir() -> Path:
+    if os.environ.get("PREFIXKV_CACHE_DIR"):
+        return Path(os.environ["PREFIXKV_CACHE_DIR"]) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "prefixkv" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            x.encode() if isinstance(x, str) else x
+            for x in (source, " ".join(FLAGS), version, torch.__version__, _cpu_flags())
+        )
+    ).hexdigest()[:16]
+    folder = cache_dir()
+    target = folder / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError("only built on Linux")
+    if not torch.backends.openmp.is_available():
+        raise RuntimeError("this torch has no OpenMP runtime to share")
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) found")
+    lib = ctypes.CDLL(str(_build(compiler)))
+    fn = lib.prefixkv_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+    fn.argtypes += [ctypes.c_float, ctypes.c_int]
+    return fn
+
+
+def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    global _loaded, _function
+    if _loaded:
+        return _function
+    with _lock:
+        if not _loaded:
+            try:
+                fn = _load()
+                _function = fn if _self_check(fn) else None
+                if _function is None:
+                    logger.warning("CPU decode-attention kernel disagreed with the PyTorch path; not used")
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                logger.info("CPU decode-attention kernel not used (%s); the PyTorch path runs", e)
+                _function = None
+            _loaded = True
+    return _function
+
+
+def available() -> bool:
+    """Whether decode attention runs the native kernel here (builds it on the first call)."""
+    return _enabled and _function_or_none() is not None
+
+
+def decode_attention(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """Attention of one query token per sequence over its paged context, or None where the kernel
+    does not apply (then the caller takes the PyTorch path).
+
+    q [B, Hq, D]; k_flat, v_flat [num_slots, Hkv, D] (a layer's cache, contiguous); slots [B, L]
+    int64, the context positions' slots (only the first lens[b] of row b are read); lens [B] int64.
+    Returns [B, Hq, D] in q's dtype."""
+    if not _enabled or q.device.type != "cpu":
+        return None
+    code = _DTYPE_CODES.get(q.dtype)
+    B, Hq, D = q.shape
+    Hkv = k_flat.shape[1]
+    if (
+        code is None
+        or D not in HEAD_DIMS
+        or k_flat.dtype != q.dtype
+        or v_flat.dtype != q.dtype
+        or Hq % Hkv
+        or Hq // Hkv > MAX_GROUP
+        or not (k_flat.is_contiguous() and v_flat.is_contiguous())
+        or slots.dtype != torch.int64
+        or lens.dtype != torch.int64
+        or B == 0
+    ):
+        return None
+    fn = _function_or_none()
+    return None if fn is None else _run(fn, code, q, k_flat, v_flat, slots, lens, scale)
+
+
+def _run(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    code: int,
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    B, Hq, D = q.shape
+    Hkv = k_flat.shape[1]
+    q = q.contiguous()
+    slots = slots.contiguous()
+    lens = lens.contiguous()
+    out = torch.empty_like(q)
+    rc = fn(
+        code,
+        D,
+        q.data_ptr(),
+        k_flat.data_ptr(),
+        v_flat.data_ptr(),
+        slots.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        B,
+        slots.shape[1],
+        Hkv,
+        Hq // Hkv,
+        float(scale),
+        torch.get_num_threads(),
+    )
+    return out if rc == 0 else None
+
+
+def reference_decode_attention(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The PyTorch formulation of `decode_attention` (gather, then SDPA): the kernel's oracle."""
+    B, Hq, D = q.shape
+    L, Hkv = slots.shape[1], k_flat.shape[1]
+    mask = (torch.arange(L)[None, :] < lens[:, None]).view(B, 1, 1, L)
+    kc = k_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2)
+    vc = v_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.view(B, Hkv, Hq // Hkv, D), kc, vc, attn_mask=mask, scale=scale
+    )
+    return o.reshape(B, Hq, D)
+
+
+def _self_check(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
+    """The freshly loaded kernel against the PyTorch path on a small GQA case, both dtypes."""
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(64, generator=g)[: 3 * 20].view(3, 20)
+    lens = torch.tensor([20, 7, 1])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for D in HEAD_DIMS:
+            q = torch.randn(3, 6, D, generator=g).to(dtype)
+            k = torch.randn(64, 2, D, generator=g).to(dtype)
+            v = torch.randn(64, 2, D, generator=g).to(dtype)
+            got = _run(fn, _DTYPE_CODES[dtype], q, k, v, slots, lens, D**-0.5)
+            want = reference_decode_attention(q, k, v, slots, lens, D**-0.5)
+            if got is None or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+                return False
+    return True

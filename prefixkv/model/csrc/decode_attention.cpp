@@ -1,0 +1,164 @@
+// Paged decode attention for the CPU: one query token per sequence, K and V read in place from the
+// paged cache through each sequence's slot list - no gathered copy of the context (which the
+// PyTorch path makes with index_select before SDPA: the context read, written and read again).
+//
+// Built by prefixkv/model/cpu_kernels.py with the system C++ compiler, and linked against the
+// OpenMP runtime torch already loaded, so its threads are torch's threads. Plain C ABI, called
+// through ctypes: no torch headers, so the build takes well under a second.
+//
+// Layout (all contiguous):
+//   q     [B, Hkv, G, D]   the query heads of a KV head next to each other (GQA groups)
+//   k, v  [slots, Hkv, D]  one layer's cache, flattened over blocks and offsets
+//   slots [B, L] int64     slot of each context position of each sequence (padding never read)
+//   lens  [B] int64        valid positions per sequence
+//   out   [B, Hkv, G, D]
+// Scores, softmax and the weighted sum are computed in float32 for both float32 and bfloat16.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept a NaN (as torch)
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+// exp(x) for x <= 0 (a score minus its row's maximum): 2^n * poly(r), relative error ~2e-7 -
+// written out so that the compiler vectorizes the softmax loop (libm's expf is not inlined).
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+constexpr int kMaxGroup = 16;
+constexpr int64_t kPrefetchAhead = 16;  // rows: the slots are scattered, so the hardware prefetcher cannot guess them
+
+template <typename T, int D>
+inline void prefetch_row(const T* row) {
+    for (size_t off = 0; off < D * sizeof(T); off += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + off);
+}
+
+template <typename T, int D>
+void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, int64_t B,
+            int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scores(static_cast<size_t>(G * L));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * Hkv; ++task) {
+            const int64_t b = task / Hkv, h = task % Hkv, n = lens[b];
+            const int64_t* seq_slots = slots + b * L;
+            float qf[kMaxGroup][D];
+            float best[kMaxGroup];
+            for (int64_t g = 0; g < G; ++g) {
+                for (int d = 0; d < D; ++d) qf[g][d] = load(q, ((b * Hkv + h) * G + g) * D + d) * scale;
+                best[g] = -INFINITY;
+            }
+            // pass 1: every K row once, the G dot products of the group against it
+            for (int64_t j = 0; j < n; ++j) {
+                if (j + kPrefetchAhead < n) prefetch_row<T, D>(k + (seq_slots[j + kPrefetchAhead] * Hkv + h) * D);
+                const T* kr = k + (seq_slots[j] * Hkv + h) * D;
+                float kf[D];
+                for (int d = 0; d < D; ++d) kf[d] = load(kr, d);
+                for (int64_t g = 0; g < G; ++g) {
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int d = 0; d < D; ++d) s += qf[g][d] * kf[d];
+                    scores[g * L + j] = s;
+                    best[g] = s > best[g] ? s : best[g];
+                }
+            }
+            // pass 2: softmax weights (unnormalized) and their sums
+            float acc[kMaxGroup][D];
+            float total[kMaxGroup];
+            for (int64_t g = 0; g < G; ++g) {
+                float* row = scores.data() + g * L;
+                const float m = best[g];
+                float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+                for (int64_t j = 0; j < n; ++j) {
+                    const float e = exp_nonpositive(row[j] - m);
+                    row[j] = e;
+                    t += e;
+                }
+                total[g] = t;
+                for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
+            }
+            // pass 3: every V row once, weighted into the G outputs
+            for (int64_t j = 0; j < n; ++j) {
+                if (j + kPrefetchAhead < n) prefetch_row<T, D>(v + (seq_slots[j + kPrefetchAhead] * Hkv + h) * D);
+                const T* vr = v + (seq_slots[j] * Hkv + h) * D;
+                float vf[D];
+                for (int d = 0; d < D; ++d) vf[d] = load(vr, d);
+                for (int64_t g = 0; g < G; ++g) {
+                    const float p = scores[g * L + j];
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                const float inv = 1.0f / total[g];
+                for (int d = 0; d < D; ++d) store(out, ((b * Hkv + h) * G + g) * D + d, acc[g][d] * inv);
+            }
+        }
+    }
+}
+
+template <typename T>
+int dispatch_head_dim(int64_t D, const void* q, const void* k, const void* v, const int64_t* slots,
+                      const int64_t* lens, void* out, int64_t B, int64_t L, int64_t Hkv, int64_t G, float scale,
+                      int num_threads) {
+    const T* qt = static_cast<const T*>(q);
+    const T* kt = static_cast<const T*>(k);
+    const T* vt = static_cast<const T*>(v);
+    T* ot = static_cast<T*>(out);
+    switch (D) {
+        case 32: decode<T, 32>(qt, kt, vt, slots, lens, ot, B, L, Hkv, G, scale, num_threads); return 0;
+        case 64: decode<T, 64>(qt, kt, vt, slots, lens, ot, B, L, Hkv, G, scale, num_threads); return 0;
+        case 128: decode<T, 128>(qt, kt, vt, slots, lens, ot, B, L, Hkv, G, scale, num_threads); return 0;
+        default: return 2;
+    }
+}
+
+}  // namespace
+
+// dtype 0: float32, 1: bfloat16. Returns 0, or non-zero for a shape it does not handle
+// (the caller then takes the PyTorch path).
+extern "C" int prefixkv_decode_attention(int dtype, int64_t D, const void* q, const void* k, const void* v,
+                                         const int64_t* slots, const int64_t* lens, void* out, int64_t B,
+                                         int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
+    if (G < 1 || G > kMaxGroup || B < 0 || L < 1 || Hkv < 1 || num_threads < 1) return 1;
+    if (dtype == 0) return dispatch_head_dim<float>(D, q, k, v, slots, lens, out, B, L, Hkv, G, scale, num_threads);
+    if (dtype == 1) return dispatch_head_dim<uint16_t>(D, q, k, v, slots, lens, out, B, L, Hkv, G, scale, num_threads);
+    return 3;
+}

@@ -1,0 +1,113 @@
+"""The native CPU decode-attention kernel (prefixkv/model/cpu_kernels.py) against the PyTorch path
+it replaces: same attention outputs up to float rounding, in the model and alone, and a clean
+fallback where it cannot run."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from prefixkv.engine.block_tensors import allocate_kv_cache
+from prefixkv.model import cpu_kernels, load_model
+
+from .model_helpers import run_logits
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler: the PyTorch path runs"
+)
+
+
+def test_the_kernel_is_built_and_used_here():
+    # this machine has a compiler and torch has OpenMP: a silent fallback would hide a regression
+    assert cpu_kernels.available()
+    assert list(cpu_kernels.cache_dir().glob("decode_attention-*.so"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("groups", [(4, 4), (6, 2), (9, 3)])  # (query heads, KV heads)
+def test_decode_attention_equals_gather_then_sdpa(dtype, head_dim, groups):
+    Hq, Hkv = groups
+    g = torch.Generator().manual_seed(head_dim + Hq)
+    B, L, num_slots = 5, 70, 400
+    k = torch.randn(num_slots, Hkv, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_slots, Hkv, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(num_slots, generator=g)[: B * L].view(B, L)
+    lens = torch.tensor([70, 1, 33, 69, 2])
+    # q as the model has it: a strided slice of a wider tensor
+    q = torch.randn(B, Hq + 3, head_dim, generator=g).to(dtype)[:, :Hq]
+    got = cpu_kernels.decode_attention(q, k, v, slots, lens, head_dim**-0.5)
+    assert got is not None and got.dtype == dtype and got.shape == (B, Hq, head_dim)
+    want = cpu_kernels.reference_decode_attention(q, k, v, slots, lens, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_shapes_it_does_not_take_fall_back():
+    q, kv = torch.randn(2, 4, 16), torch.randn(10, 2, 16)
+    slots, lens = torch.zeros(2, 3, dtype=torch.long), torch.tensor([3, 1])
+    assert cpu_kernels.decode_attention(q, kv, kv, slots, lens, 0.25) is None  # head_dim 16
+    q, kv = torch.randn(2, 4, 64).half(), torch.randn(10, 2, 64).half()
+    assert cpu_kernels.decode_attention(q, kv, kv, slots, lens, 0.125) is None  # float16
+    q, kv = torch.randn(2, 4, 64), torch.randn(10, 2, 64)
+    assert cpu_kernels.decode_attention(q, kv, kv.bfloat16(), slots, lens, 0.125) is None  # mixed dtypes
+    assert cpu_kernels.decode_attention(q, kv, kv, slots.int(), lens, 0.125) is None  # int32 slots
+    with cpu_kernels.disabled():
+        assert not cpu_kernels.available()
+        assert cpu_kernels.decode_attention(q, kv, kv, slots, lens, 0.125) is None
+    assert cpu_kernels.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_model_decode_steps_match_the_pytorch_path(dtype):
+    """Prefill three prompts of different lengths, then decode steps of all three: the logits with
+    the kernel equal the PyTorch path's up to rounding, and the greedy tokens are the same."""
+    lm = load_model(None, dtype=dtype)
+    lm.model.pack_for_cpu()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 5000, (n,), generator=g).tolist() for n in (40, 17, 75)]
+    blocks = [[0, 1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+    outputs = []
+    for use_kernel in (True, False):
+        caches = allocate_kv_cache(lm.config, 16, 16, dtype=dtype)
+        seqs = [(list(p), b, 0) for p, b in zip(prompts, blocks)]
+        run_logits(lm.model, caches, seqs, 16)
+        steps = []
+        for step in range(4):
+            seqs = [(p + list(range(200, 201 + step)), b, len(p) + step) for p, b in zip(prompts, blocks)]
+            if use_kernel:
+                logits, _ = run_logits(lm.model, caches, seqs, 16)
+            else:
+                with cpu_kernels.disabled():
+                    logits, _ = run_logits(lm.model, caches, seqs, 16)
+            steps.append(logits.float())
+        outputs.append(torch.stack(steps))
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * outputs[1].abs().max().item()
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        assert torch.equal(outputs[0].argmax(-1), outputs[1].argmax(-1))
+
+
+def test_built_once_into_the_cache_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
+    compiler = shutil.which("c++") or shutil.which("g++")
+    first = cpu_kernels._build(compiler)
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no build leftovers
+
+
+def test_a_failing_build_falls_back_with_a_log_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", shutil.which("false") or "false")
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_function", None)
+    with caplog.at_level(logging.INFO, logger="prefixkv.model.cpu_kernels"):
+        assert not cpu_kernels.available()
+    assert "PyTorch path runs" in caplog.text
+    q, kv, slots = torch.randn(2, 4, 64), torch.randn(10, 2, 64), torch.zeros(2, 3, dtype=torch.long)
+    assert cpu_kernels.decode_attention(q, kv, kv, slots, torch.tensor([3, 1]), 0.1) is None
