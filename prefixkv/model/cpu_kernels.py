@@ -106,7 +106,7 @@ def _build(compiler: str) -> Path:
 def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     if not sys.platform.startswith("linux"):
         raise RuntimeError("only built on Linux")
-    if not torch.backends.openmp.is_available():
+    if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
         raise RuntimeError("this torch has no OpenMP runtime to share")
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
@@ -114,8 +114,15 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     lib = ctypes.CDLL(str(_build(compiler)))
     fn = lib.prefixkv_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
-    fn.argtypes += [ctypes.c_float, ctypes.c_int]
+    # (dtype, D, q, k, v, slots, lens, out, B, L, Hkv, G, scale, threads)
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int64,
+        *[ctypes.c_void_p] * 6,
+        *[ctypes.c_int64] * 4,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
     return fn
 
 
