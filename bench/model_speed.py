@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/model_speed.py [--prompt 1024] [--context 256] [--steps 20] [--reps 3]
         [--dtype float32|bfloat16] [--device cpu|cuda] [--plain-too] [--batches 1,8]
-        [--layouts engine,transposed,packed,plain,dual]
+        [--layouts engine,transposed,packed,plain,dual] [--torch-attention-too]
 
 Reports medians: prefill tok/s for one --prompt-token prompt, and decode ms/step at each of
 --batches with --context tokens of context per sequence. Both sides use --dtype (float32 by
@@ -13,6 +13,8 @@ it with plain F.linear weights, alternated in the same run, which is what the la
 `--layouts` (float32) times one model per named layer layout instead, alternated step by step:
 inside the whole model, where the weights stream from memory layer after layer, the ranking can
 differ from a one-matmul microbenchmark's (bench/levers.py), whose weights stay in cache.
+`--torch-attention-too` also times each model's decode with PyTorch's gather + SDPA in place of
+the native decode-attention kernel (prefixkv/model/cpu_kernels.py), alternated step by step.
 
 Each figure also prints its fraction of this machine's ceiling, measured in the same process first
 (bench/ceiling.py; `--no-ceiling` skips it): prefill as FLOP/s achieved (2 x parameters x tokens plus
@@ -23,6 +25,7 @@ per second (every weight once, plus each sequence's K and V) over the measured m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -102,6 +105,12 @@ def main() -> None:
         f"(comma-separated, of: {', '.join(LAYOUTS)}; 'engine' = what pack_for_cpu picks)",
     )
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (comma-separated)")
+    ap.add_argument(
+        "--torch-attention-too",
+        action="store_true",
+        help="CPU: also time each model's decode with PyTorch's gather + SDPA instead of the native "
+        "decode-attention kernel (prefixkv/model/cpu_kernels.py), alternated step by step",
+    )
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling first")
     args = ap.parse_args()
 
@@ -114,7 +123,7 @@ def main() -> None:
         for line in ceiling.lines():
             print("  " + line)
     from prefixkv.engine.block_tensors import allocate_kv_cache
-    from prefixkv.model import AttentionMetadata, default_model_path, load_model
+    from prefixkv.model import AttentionMetadata, cpu_kernels, default_model_path, load_model
 
     dev = args.device
     dtype = getattr(torch, args.dtype)
@@ -133,6 +142,12 @@ def main() -> None:
             fresh = name != "engine" or args.no_pack
             ours_models[name] = load_model(None, dtype=dtype, device=dev).model if fresh else model
             print(f"layout {name}: {lay_out(ours_models[name], name)}")
+    # names timed with the PyTorch decode attention instead of the native kernel (--torch-attention-too)
+    torch_attention: set[str] = set()
+    if args.torch_attention_too:
+        for name in list(ours_models):
+            ours_models[name + ", torch attn"] = ours_models[name]
+            torch_attention.add(name + ", torch attn")
     bs = args.block_size
     g = torch.Generator().manual_seed(0)
     vocab = cfg.vocab_size
@@ -221,7 +236,8 @@ def main() -> None:
                 for name, m in ours_models.items():
                     caches, nxt = state[name]
                     meta = step_meta(lens, 1)  # a fresh one per forward (its plan is cached inside)
-                    dt, logits = timed(lambda: m.compute_logits(m(nxt, positions, caches, meta)), dev)
+                    with cpu_kernels.disabled() if name in torch_attention else contextlib.nullcontext():
+                        dt, logits = timed(lambda: m.compute_logits(m(nxt, positions, caches, meta)), dev)
                     state[name] = (caches, logits.argmax(-1))
                     ts[name].append(dt)
                 if hf is not None:

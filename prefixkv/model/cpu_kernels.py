@@ -1,9 +1,11 @@
 """Native CPU kernels, built on first use with the system C++ compiler and called through ctypes.
 
-One today: paged decode attention (csrc/decode_attention.cpp), which reads each sequence's K and V
-in place through its slots where the PyTorch path first gathers a copy of the whole context
-(index_select) and then runs SDPA over it - at batch 16 with 512 tokens of context that copy and the
-second read were ~37% of a float32 decode step (docs/benchmarks.md).
+- paged decode attention (csrc/decode_attention.cpp): reads each sequence's K and V in place
+  through its slots, where the PyTorch path first gathers a copy of the whole context
+  (index_select) and then runs SDPA over it - at batch 16 with 512 tokens of context that copy and
+  the second read were ~37% of a float32 decode step (docs/benchmarks.md);
+- residual add + RMSNorm (csrc/add_rms_norm.cpp): one pass per row where eager PyTorch runs ~8
+  operators per norm.
 
 The source is compiled once per machine (a second or so) into a cache folder
 (``$PREFIXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixkv`` or ``~/.cache/prefixkv``), keyed by the
@@ -36,7 +38,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "add_rms_norm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
@@ -46,6 +48,7 @@ _enabled = os.environ.get(ENV_SWITCH, "1") != "0"
 _lock = threading.Lock()
 _loaded = False
 _function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 @contextlib.contextmanager
@@ -77,7 +80,7 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         b"\0".join(
@@ -86,14 +89,16 @@ def _build(compiler: str) -> Path:
         )
     ).hexdigest()[:16]
     folder = cache_dir()
-    target = folder / f"decode_attention-{key}.so"
+    target = folder / f"prefixkv-cpu-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
@@ -103,7 +108,7 @@ def _build(compiler: str) -> Path:
     return target
 
 
-def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load() -> ctypes.CDLL:
     if not sys.platform.startswith("linux"):
         raise RuntimeError("only built on Linux")
     if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
@@ -123,23 +128,27 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         ctypes.c_float,
         ctypes.c_int,
     ]
-    return fn
+    norm = lib.prefixkv_add_rms_norm
+    norm.restype = ctypes.c_int
+    # (dtype, h, delta, weight, out, rows, dim, eps, threads)
+    norm.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    return lib
 
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _loaded, _function
+    global _loaded, _function, _norm_function
     if _loaded:
         return _function
     with _lock:
         if not _loaded:
             try:
-                fn = _load()
-                _function = fn if _self_check(fn) else None
-                if _function is None:
-                    logger.warning("CPU decode-attention kernel disagreed with the PyTorch path; not used")
+                lib = _load()
+                if _self_check(lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm):
+                    _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
+                else:
+                    logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                logger.info("CPU decode-attention kernel not used (%s); the PyTorch path runs", e)
-                _function = None
+                logger.info("CPU kernels not used (%s); the PyTorch path runs", e)
             _loaded = True
     return _function
 
@@ -230,8 +239,63 @@ def reference_decode_attention(
     return o.reshape(B, Hq, D)
 
 
-def _self_check(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
-    """The freshly loaded kernel against the PyTorch path on a small GQA case, both dtypes."""
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """h += delta (in place, in h's dtype) and returns rms_norm(h) * weight the way transformers'
+    LlamaRMSNorm computes it; None where the kernel does not apply (then nothing was changed).
+    h, delta [..., dim] contiguous, same dtype as weight [dim]."""
+    if not _enabled or h.device.type != "cpu":
+        return None
+    code = _DTYPE_CODES.get(h.dtype)
+    if (
+        code is None
+        or weight.dtype != h.dtype
+        or not h.is_contiguous()
+        or (delta is not None and (delta.dtype != h.dtype or delta.shape != h.shape or not delta.is_contiguous()))
+        or weight.numel() != h.shape[-1]
+        or not weight.is_contiguous()
+    ):
+        return None
+    if _function_or_none() is None or _norm_function is None:
+        return None
+    return _run_norm(_norm_function, code, h, delta, weight, eps)
+
+
+def _run_norm(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    code: int,
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor | None:
+    out = torch.empty_like(h)
+    dim = h.shape[-1]
+    rc = fn(
+        code,
+        h.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        h.numel() // dim if dim else 0,
+        dim,
+        float(eps),
+        torch.get_num_threads(),
+    )
+    return out if rc == 0 else None
+
+
+def reference_add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch formulation of `add_rms_norm` (out of place): (h + delta, its norm)."""
+    if delta is not None:
+        h = h + delta
+    normed = torch.nn.functional.rms_norm(h.float(), (h.shape[-1],), None, eps).to(h.dtype)
+    return h, weight * normed
+
+
+def _self_check(attention: ctypes._CFuncPtr, norm: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
+    """The freshly loaded kernels against the PyTorch path on small cases, both dtypes."""
     g = torch.Generator().manual_seed(0)
     slots = torch.randperm(64, generator=g)[: 3 * 20].view(3, 20)
     lens = torch.tensor([20, 7, 1])
@@ -240,8 +304,19 @@ def _self_check(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
             q = torch.randn(3, 6, D, generator=g).to(dtype)
             k = torch.randn(64, 2, D, generator=g).to(dtype)
             v = torch.randn(64, 2, D, generator=g).to(dtype)
-            got = _run(fn, _DTYPE_CODES[dtype], q, k, v, slots, lens, D**-0.5)
+            got = _run(attention, _DTYPE_CODES[dtype], q, k, v, slots, lens, D**-0.5)
             want = reference_decode_attention(q, k, v, slots, lens, D**-0.5)
             if got is None or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
                 return False
+        h = torch.randn(5, 96, generator=g).to(dtype)
+        delta = torch.randn(5, 96, generator=g).to(dtype)
+        weight = (torch.rand(96, generator=g) + 0.5).to(dtype)
+        want_h, want = reference_add_rms_norm(h, delta, weight, 1e-5)
+        got = _run_norm(norm, _DTYPE_CODES[dtype], h, delta, weight, 1e-5)
+        if (
+            got is None
+            or not torch.equal(h, want_h)
+            or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+        ):
+            return False
     return True

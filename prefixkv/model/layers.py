@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .config import ModelConfig
 
 
@@ -19,10 +20,23 @@ class RMSNorm(nn.Module):
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = cpu_kernels.add_rms_norm(x, None, self.weight, self.eps)  # one native pass on CPU
+        if out is not None:
+            return out
         if x.dtype == torch.float32:
             return F.rms_norm(x, (self.dim,), self.weight, self.eps)
         # Normalize in float32, scale in the model dtype (as transformers does).
         return self.weight * F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, the norm of it) - the residual stream and the next sublayer's input. Where
+        the native kernel runs (CPU) both come from one pass and h is updated in place: pass a
+        tensor the model owns."""
+        out = cpu_kernels.add_rms_norm(h, delta, self.weight, self.eps)
+        if out is not None:
+            return h, out
+        h = h + delta
+        return h, self(h)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

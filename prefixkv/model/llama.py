@@ -69,9 +69,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, x, cos, sin, kv_cache, meta, next_norm: RMSNorm):
+        """h: the residual stream, x: this layer's normed input (input_layernorm(h), computed by
+        the previous layer). Returns the new stream and `next_norm` of it - each residual add
+        fused with the norm after it (RMSNorm.add_and_norm)."""
+        h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, cos, sin, kv_cache, meta))
+        return next_norm.add_and_norm(h, self.mlp(x))
 
 
 # float32 layer weights up to this size also keep a second layout (DualLayoutLinear): 2 GiB of
@@ -142,10 +145,16 @@ class LlamaModel(nn.Module):
         positions = positions.to(dev)
         # positions are < the longest context of the step (no device sync needed)
         cos, sin = self.rotary.cos_sin(positions, max(meta.seq_lens, default=0))
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.to(dev)
-        for layer, cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, cache, meta)
-        return self.norm(h)
+        if inputs_embeds is None:
+            h = self.embed_tokens(input_ids)
+        else:  # the residual stream is updated in place: never the caller's tensor
+            h = inputs_embeds.to(dev, copy=True)
+        layers = self.layers
+        x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h, x = layer(h, x, cos, sin, cache, meta, next_norm)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The native CPU decode-attention kernel (prefixkv/model/cpu_kernels.py) against the PyTorch path
-it replaces: same attention outputs up to float rounding, in the model and alone, and a clean
-fallback where it cannot run."""
+"""The native CPU kernels (prefixkv/model/cpu_kernels.py: decode attention, residual add + RMSNorm)
+against the PyTorch path they replace: same outputs up to float rounding, in the model and alone,
+and a clean fallback where they cannot run."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 def test_the_kernel_is_built_and_used_here():
     # this machine has a compiler and torch has OpenMP: a silent fallback would hide a regression
     assert cpu_kernels.available()
-    assert list(cpu_kernels.cache_dir().glob("decode_attention-*.so"))
+    assert list(cpu_kernels.cache_dir().glob("prefixkv-cpu-*.so"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,9 +62,9 @@ def test_shapes_it_does_not_take_fall_back():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_default_model_decode_steps_match_the_pytorch_path(dtype):
+def test_default_model_steps_match_the_pytorch_path(dtype):
     """Prefill three prompts of different lengths, then decode steps of all three: the logits with
-    the kernel equal the PyTorch path's up to rounding, and the greedy tokens are the same."""
+    the kernels equal the PyTorch path's up to rounding, and the greedy tokens are the same."""
     lm = load_model(None, dtype=dtype)
     lm.model.pack_for_cpu()
     g = torch.Generator().manual_seed(0)
@@ -74,8 +74,12 @@ def test_default_model_decode_steps_match_the_pytorch_path(dtype):
     for use_kernel in (True, False):
         caches = allocate_kv_cache(lm.config, 16, 16, dtype=dtype)
         seqs = [(list(p), b, 0) for p, b in zip(prompts, blocks)]
-        run_logits(lm.model, caches, seqs, 16)
-        steps = []
+        if use_kernel:
+            prefill, _ = run_logits(lm.model, caches, seqs, 16)
+        else:
+            with cpu_kernels.disabled():
+                prefill, _ = run_logits(lm.model, caches, seqs, 16)
+        steps = [prefill[-3:].float()]  # the last prompt's last three rows
         for step in range(4):
             seqs = [(p + list(range(200, 201 + step)), b, len(p) + step) for p, b in zip(prompts, blocks)]
             if use_kernel:
@@ -111,3 +115,47 @@ def test_a_failing_build_falls_back_with_a_log_line(tmp_path, monkeypatch, caplo
     assert "PyTorch path runs" in caplog.text
     q, kv, slots = torch.randn(2, 4, 64), torch.randn(10, 2, 64), torch.zeros(2, 3, dtype=torch.long)
     assert cpu_kernels.decode_attention(q, kv, kv, slots, torch.tensor([3, 1]), 0.1) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576: the parallel branch
+def test_add_rms_norm_equals_add_then_transformers_norm(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, 576, generator=g) * 4).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
+    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    want_h, want = cpu_kernels.reference_add_rms_norm(h, delta, weight, 1e-5)
+    stream = h.clone()
+    got = cpu_kernels.add_rms_norm(stream, delta, weight, 1e-5)
+    assert got is not None
+    assert torch.equal(stream, want_h)  # the residual add, in place, rounded as PyTorch's `h + delta`
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    h_before = h.clone()
+    alone = cpu_kernels.add_rms_norm(h, None, weight, 1e-5)  # norm only: h untouched
+    assert alone is not None and torch.equal(h, h_before)
+    torch.testing.assert_close(
+        alone.float(), cpu_kernels.reference_add_rms_norm(h, None, weight, 1e-5)[1].float(), rtol=tol, atol=tol
+    )
+
+
+def test_add_rms_norm_refuses_what_it_cannot_take_and_changes_nothing():
+    h, weight = torch.randn(4, 64), torch.ones(64)
+    before = h.clone()
+    assert cpu_kernels.add_rms_norm(h.t(), None, torch.ones(4), 1e-5) is None  # not contiguous
+    assert cpu_kernels.add_rms_norm(h, torch.randn(4, 64).bfloat16(), weight, 1e-5) is None  # mixed dtypes
+    assert cpu_kernels.add_rms_norm(h, torch.randn(4, 32), weight, 1e-5) is None  # shapes differ
+    assert cpu_kernels.add_rms_norm(h.half(), None, weight.half(), 1e-5) is None  # float16
+    assert torch.equal(h, before)
+
+
+def test_the_model_never_writes_into_the_callers_input_embeddings():
+    lm = load_model(None)
+    caches = allocate_kv_cache(lm.config, 4, 16)
+    from .model_helpers import make_step
+
+    ids, pos, meta = make_step([(list(range(100, 110)), [0], 0)], 16)
+    embeds = lm.model.embed_tokens(ids).clone()
+    before = embeds.clone()
+    lm.model(ids, pos, caches, meta, inputs_embeds=embeds)
+    assert torch.equal(embeds, before)

@@ -1,0 +1,83 @@
+// Residual add and RMSNorm in one pass over each row, for the CPU:
+//   h     <- h + delta          (in h's dtype, as `h + delta` in PyTorch; skipped when delta is null)
+//   out   <- weight * (h * rsqrt(mean(h^2) + eps))   (transformers' LlamaRMSNorm: the mean in float32,
+//            the normalized row cast to the model dtype before the weight multiplies it)
+// Eager PyTorch runs this as ~8 operators per norm (add, float cast, pow, mean, add, rsqrt, mul,
+// cast, mul), each a pass over the rows and a dispatch: 61 norms per step of the default model.
+// Built and loaded like decode_attention.cpp (prefixkv/model/cpu_kernels.py).
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept a NaN (as torch)
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+inline float round_to(const float*, float v) { return v; }
+inline float round_to(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+template <typename T>
+void add_rms_norm(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
+                  int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= (1 << 16)) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        T* hr = h + r * dim;
+        float sum = 0.0f;
+        if (delta != nullptr) {
+            const T* dr = delta + r * dim;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; ++i) {
+                const float x = round_to(hr, load(hr, i) + load(dr, i));
+                store(hr, i, x);
+                sum += x * x;
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; ++i) {
+                const float x = load(hr, i);
+                sum += x * x;
+            }
+        }
+        const float inv = 1.0f / sqrtf(sum / static_cast<float>(dim) + eps);
+        T* o = out + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) store(o, i, load(weight, i) * round_to(hr, load(hr, i) * inv));
+    }
+}
+
+}  // namespace
+
+// dtype 0: float32, 1: bfloat16; `delta` may be null (norm only). Returns 0, non-zero if refused.
+extern "C" int prefixkv_add_rms_norm(int dtype, void* h, const void* delta, const void* weight, void* out, int64_t rows,
+                                     int64_t dim, float eps, int num_threads) {
+    if (rows < 0 || dim < 1 || num_threads < 1) return 1;
+    if (dtype == 0) {
+        add_rms_norm<float>(static_cast<float*>(h), static_cast<const float*>(delta), static_cast<const float*>(weight),
+                            static_cast<float*>(out), rows, dim, eps, num_threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        add_rms_norm<uint16_t>(static_cast<uint16_t*>(h), static_cast<const uint16_t*>(delta),
+                               static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), rows, dim, eps,
+                               num_threads);
+        return 0;
+    }
+    return 3;
+}
