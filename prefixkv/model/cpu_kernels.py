@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "add_rms_norm.cpp")]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
