@@ -342,13 +342,18 @@ def _cascade(
     if plan.decode_rows is not None:
         Bd = plan.decode_rows.numel()
         slots = plan.decode_slots
-        o, lse = _attend_batched(
-            q[plan.decode_rows],
-            _gather(k_flat, slots).transpose(1, 2),
-            _gather(v_flat, slots).transpose(1, 2),
-            plan.decode_mask,
-            scale,
-        )
+        qd = q[plan.decode_rows]
+        # each decode's own suffix: the native kernel in place on CPU, else gather + SDPA
+        lse = torch.empty(Bd, qd.shape[1], dtype=torch.float32)
+        o = cpu_kernels.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale, lse)
+        if o is None:
+            o, lse = _attend_batched(
+                qd,
+                _gather(k_flat, slots).transpose(1, 2),
+                _gather(v_flat, slots).transpose(1, 2),
+                plan.decode_mask,
+                scale,
+            )
         out[plan.decode_rows] = _merge(o_pre[:Bd], lse_pre[:Bd], o, lse)
         done = Bd
     for a, b, slots, mask in plan.chunked:

@@ -119,11 +119,11 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(compiler)))
     fn = lib.prefixkv_decode_attention
     fn.restype = ctypes.c_int
-    # (dtype, D, q, k, v, slots, lens, out, B, L, Hkv, G, scale, threads)
+    # (dtype, D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, threads)
     fn.argtypes = [
         ctypes.c_int,
         ctypes.c_int64,
-        *[ctypes.c_void_p] * 6,
+        *[ctypes.c_void_p] * 7,
         *[ctypes.c_int64] * 4,
         ctypes.c_float,
         ctypes.c_int,
@@ -159,14 +159,21 @@ def available() -> bool:
 
 
 def decode_attention(
-    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Attention of one query token per sequence over its paged context, or None where the kernel
     does not apply (then the caller takes the PyTorch path).
 
     q [B, Hq, D]; k_flat, v_flat [num_slots, Hkv, D] (a layer's cache, contiguous); slots [B, L]
     int64, the context positions' slots (only the first lens[b] of row b are read); lens [B] int64.
-    Returns [B, Hq, D] in q's dtype."""
+    Returns [B, Hq, D] in q's dtype. `lse` [B, Hq] float32, if given, receives each row's log-sum-exp
+    of scaled scores (for merging with attention over another part of the context)."""
     if not _enabled or q.device.type != "cpu":
         return None
     code = _DTYPE_CODES.get(q.dtype)
@@ -183,10 +190,11 @@ def decode_attention(
         or slots.dtype != torch.int64
         or lens.dtype != torch.int64
         or B == 0
+        or (lse is not None and (lse.dtype != torch.float32 or lse.shape != (B, Hq) or not lse.is_contiguous()))
     ):
         return None
     fn = _function_or_none()
-    return None if fn is None else _run(fn, code, q, k_flat, v_flat, slots, lens, scale)
+    return None if fn is None else _run(fn, code, q, k_flat, v_flat, slots, lens, scale, lse)
 
 
 def _run(
@@ -198,6 +206,7 @@ def _run(
     slots: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     B, Hq, D = q.shape
     Hkv = k_flat.shape[1]
@@ -214,6 +223,7 @@ def _run(
         slots.data_ptr(),
         lens.data_ptr(),
         out.data_ptr(),
+        None if lse is None else lse.data_ptr(),
         B,
         slots.shape[1],
         Hkv,
@@ -228,15 +238,24 @@ def reference_decode_attention(
     q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """The PyTorch formulation of `decode_attention` (gather, then SDPA): the kernel's oracle."""
+    return reference_decode_attention_lse(q, k_flat, v_flat, slots, lens, scale)[0]
+
+
+def reference_decode_attention_lse(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_decode_attention` and the log-sum-exp [B, Hq] of each row's scaled scores."""
     B, Hq, D = q.shape
     L, Hkv = slots.shape[1], k_flat.shape[1]
-    mask = (torch.arange(L)[None, :] < lens[:, None]).view(B, 1, 1, L)
-    kc = k_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2)
-    vc = v_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.view(B, Hkv, Hq // Hkv, D), kc, vc, attn_mask=mask, scale=scale
-    )
-    return o.reshape(B, Hq, D)
+    mask = torch.arange(L)[None, :] < lens[:, None]
+    kc = k_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2).float()
+    vc = v_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2).float()
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
+    scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), vc)
+    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -304,9 +323,12 @@ def _self_check(attention: ctypes._CFuncPtr, norm: ctypes._CFuncPtr) -> bool:  #
             q = torch.randn(3, 6, D, generator=g).to(dtype)
             k = torch.randn(64, 2, D, generator=g).to(dtype)
             v = torch.randn(64, 2, D, generator=g).to(dtype)
-            got = _run(attention, _DTYPE_CODES[dtype], q, k, v, slots, lens, D**-0.5)
-            want = reference_decode_attention(q, k, v, slots, lens, D**-0.5)
+            lse = torch.empty(3, 6)
+            got = _run(attention, _DTYPE_CODES[dtype], q, k, v, slots, lens, D**-0.5, lse)
+            want, want_lse = reference_decode_attention_lse(q, k, v, slots, lens, D**-0.5)
             if got is None or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+                return False
+            if not torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5):
                 return False
         h = torch.randn(5, 96, generator=g).to(dtype)
         delta = torch.randn(5, 96, generator=g).to(dtype)

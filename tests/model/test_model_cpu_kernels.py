@@ -4,6 +4,7 @@ and a clean fallback where they cannot run."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 
@@ -13,7 +14,7 @@ import torch
 from prefixkv.engine.block_tensors import allocate_kv_cache
 from prefixkv.model import cpu_kernels, load_model
 
-from .model_helpers import run_logits
+from .model_helpers import make_step, run_logits
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler: the PyTorch path runs"
@@ -152,10 +153,54 @@ def test_add_rms_norm_refuses_what_it_cannot_take_and_changes_nothing():
 def test_the_model_never_writes_into_the_callers_input_embeddings():
     lm = load_model(None)
     caches = allocate_kv_cache(lm.config, 4, 16)
-    from .model_helpers import make_step
-
     ids, pos, meta = make_step([(list(range(100, 110)), [0], 0)], 16)
     embeds = lm.model.embed_tokens(ids).clone()
     before = embeds.clone()
     lm.model(ids, pos, caches, meta, inputs_embeds=embeds)
     assert torch.equal(embeds, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_log_sum_exp_for_the_cascade_merge(dtype):
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(300, 3, 64, generator=g).to(dtype), torch.randn(300, 3, 64, generator=g).to(dtype)
+    slots = torch.randperm(300, generator=g)[: 4 * 50].view(4, 50)
+    lens = torch.tensor([50, 3, 1, 27])
+    q = torch.randn(4, 9, 64, generator=g).to(dtype)
+    lse = torch.empty(4, 9)
+    got = cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, lse)
+    want, want_lse = cpu_kernels.reference_decode_attention_lse(q, k, v, slots, lens, 0.125)
+    assert got is not None
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, torch.empty(4, 9).double()) is None
+
+
+def test_shared_prefix_decodes_through_the_cascade_match_the_pytorch_path():
+    """Three sequences on one 96-token prefix (the same six blocks) decode together: the step
+    attends to the prefix once (cascade) and to each suffix with the kernel's log-sum-exp; the
+    logits equal the PyTorch path's."""
+    lm = load_model(None)
+    lm.model.pack_for_cpu()
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(100, 5000, (96,), generator=g).tolist()
+    suffixes = [torch.randint(100, 5000, (n,), generator=g).tolist() for n in (5, 20, 11)]
+    shared = [0, 1, 2, 3, 4, 5]
+    blocks = [shared + [6, 7], shared + [8, 9], shared + [10, 11]]
+    outputs = []
+    for use_kernel in (True, False):
+        caches = allocate_kv_cache(lm.config, 12, 16)
+        seqs = [prefix + s for s in suffixes]
+        run_logits(lm.model, caches, [(seqs[0], blocks[0], 0)], 16)
+        run_logits(lm.model, caches, [(s, b, 96) for s, b in zip(seqs[1:], blocks[1:])], 16)
+        steps = []
+        for step in range(3):
+            batch = [(s + list(range(300, 301 + step)), b, len(s) + step) for s, b in zip(seqs, blocks)]
+            with contextlib.nullcontext() if use_kernel else cpu_kernels.disabled():
+                ids, pos, meta = make_step(batch, 16)
+                assert meta.plan(16, torch.device("cpu")).prefix_slots is not None  # the cascade runs
+                steps.append(lm.model.compute_logits(lm.model(ids, pos, caches, meta)))
+        outputs.append(torch.stack(steps))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(outputs[0].argmax(-1), outputs[1].argmax(-1))

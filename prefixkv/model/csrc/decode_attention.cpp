@@ -12,6 +12,8 @@
 //   slots [B, L] int64     slot of each context position of each sequence (padding never read)
 //   lens  [B] int64        valid positions per sequence
 //   out   [B, Hkv, G, D]
+//   lse   [B, Hkv, G] float32, or null: the log-sum-exp of each row's scaled scores, for merging
+//         with attention over another part of the context (the cascade's shared prefix)
 // Scores, softmax and the weighted sum are computed in float32 for both float32 and bfloat16.
 #include <math.h>
 #include <stdint.h>
@@ -69,8 +71,8 @@ inline void prefetch_row(const T* row) {
 }
 
 template <typename T, int D>
-void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, int64_t B,
-            int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
+void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, float* lse,
+            int64_t B, int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores(static_cast<size_t>(G * L));
@@ -127,8 +129,10 @@ void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int6
                 }
             }
             for (int64_t g = 0; g < G; ++g) {
-                const float inv = 1.0f / total[g];
+                // an empty context (n == 0) gives zeros and a log-sum-exp of -inf: it merges as nothing
+                const float inv = n > 0 ? 1.0f / total[g] : 0.0f;
                 for (int d = 0; d < D; ++d) store(out, ((b * Hkv + h) * G + g) * D + d, acc[g][d] * inv);
+                if (lse != nullptr) lse[(b * Hkv + h) * G + g] = n > 0 ? best[g] + logf(total[g]) : -INFINITY;
             }
         }
     }
@@ -136,16 +140,16 @@ void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int6
 
 template <typename T>
 int dispatch_head_dim(int64_t D, const void* q, const void* k, const void* v, const int64_t* slots,
-                      const int64_t* lens, void* out, int64_t B, int64_t L, int64_t Hkv, int64_t G, float scale,
-                      int num_threads) {
+                      const int64_t* lens, void* out, float* lse, int64_t B, int64_t L, int64_t Hkv, int64_t G,
+                      float scale, int num_threads) {
     const T* qt = static_cast<const T*>(q);
     const T* kt = static_cast<const T*>(k);
     const T* vt = static_cast<const T*>(v);
     T* ot = static_cast<T*>(out);
     switch (D) {
-        case 32: decode<T, 32>(qt, kt, vt, slots, lens, ot, B, L, Hkv, G, scale, num_threads); return 0;
-        case 64: decode<T, 64>(qt, kt, vt, slots, lens, ot, B, L, Hkv, G, scale, num_threads); return 0;
-        case 128: decode<T, 128>(qt, kt, vt, slots, lens, ot, B, L, Hkv, G, scale, num_threads); return 0;
+        case 32: decode<T, 32>(qt, kt, vt, slots, lens, ot, lse, B, L, Hkv, G, scale, num_threads); return 0;
+        case 64: decode<T, 64>(qt, kt, vt, slots, lens, ot, lse, B, L, Hkv, G, scale, num_threads); return 0;
+        case 128: decode<T, 128>(qt, kt, vt, slots, lens, ot, lse, B, L, Hkv, G, scale, num_threads); return 0;
         default: return 2;
     }
 }
@@ -155,10 +159,10 @@ int dispatch_head_dim(int64_t D, const void* q, const void* k, const void* v, co
 // dtype 0: float32, 1: bfloat16. Returns 0, or non-zero for a shape it does not handle
 // (the caller then takes the PyTorch path).
 extern "C" int prefixkv_decode_attention(int dtype, int64_t D, const void* q, const void* k, const void* v,
-                                         const int64_t* slots, const int64_t* lens, void* out, int64_t B,
+                                         const int64_t* slots, const int64_t* lens, void* out, float* lse, int64_t B,
                                          int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
     if (G < 1 || G > kMaxGroup || B < 0 || L < 1 || Hkv < 1 || num_threads < 1) return 1;
-    if (dtype == 0) return dispatch_head_dim<float>(D, q, k, v, slots, lens, out, B, L, Hkv, G, scale, num_threads);
-    if (dtype == 1) return dispatch_head_dim<uint16_t>(D, q, k, v, slots, lens, out, B, L, Hkv, G, scale, num_threads);
+    if (dtype == 0) return dispatch_head_dim<float>(D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, num_threads);
+    if (dtype == 1) return dispatch_head_dim<uint16_t>(D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, num_threads);
     return 3;
 }
