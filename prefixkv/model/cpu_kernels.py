@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "add_rms_norm.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / "bf16.h"]  # part of the cache key, not compiled alone
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
@@ -80,7 +81,7 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         b"\0".join(

@@ -9,29 +9,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept a NaN (as torch)
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-inline float round_to(const float*, float v) { return v; }
-inline float round_to(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+using prefixkv::load;
+using prefixkv::round_to;
+using prefixkv::store;
 
 template <typename T>
 void add_rms_norm(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t dim, float eps,

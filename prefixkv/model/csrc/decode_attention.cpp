@@ -21,27 +21,13 @@
 
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept a NaN (as torch)
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+using prefixkv::load;
+using prefixkv::round_to;
+using prefixkv::store;
 
 // exp(x) for x <= 0 (a score minus its row's maximum): 2^n * poly(r), relative error ~2e-7 -
 // written out so that the compiler vectorizes the softmax loop (libm's expf is not inlined).
