@@ -4,6 +4,8 @@
 //            the normalized row cast to the model dtype before the weight multiplies it)
 // Eager PyTorch runs this as ~8 operators per norm (add, float cast, pow, mean, add, rsqrt, mul,
 // cast, mul), each a pass over the rows and a dispatch: 61 norms per step of the default model.
+// Rows are handed out 8 at a time (dynamic): a thread the OS preempts for a neighbour process
+// holds up only its last few rows, not a static half of them.
 // Built and loaded like decode_attention.cpp (prefixkv/model/cpu_kernels.py).
 #include <math.h>
 #include <stdint.h>
@@ -20,7 +22,7 @@ using prefixkv::store;
 template <typename T>
 void add_rms_norm(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
                   int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= (1 << 16)) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= (1 << 16)) schedule(dynamic, 8)
     for (int64_t r = 0; r < rows; ++r) {
         T* hr = h + r * dim;
         float sum = 0.0f;
