@@ -344,7 +344,7 @@ def _cascade(
         slots = plan.decode_slots
         qd = q[plan.decode_rows]
         # each decode's own suffix: the native kernel in place on CPU, else gather + SDPA
-        lse = torch.empty(Bd, qd.shape[1], dtype=torch.float32)
+        lse = torch.empty(Bd, qd.shape[1], dtype=torch.float32, device=qd.device)
         o = cpu_kernels.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale, lse)
         if o is None:
             o, lse = _attend_batched(
