@@ -13,8 +13,9 @@ it with plain F.linear weights, alternated in the same run, which is what the la
 `--layouts` (float32) times one model per named layer layout instead, alternated step by step:
 inside the whole model, where the weights stream from memory layer after layer, the ranking can
 differ from a one-matmul microbenchmark's (bench/levers.py), whose weights stay in cache.
-`--torch-attention-too` also times each model's decode with PyTorch's gather + SDPA in place of
-the native decode-attention kernel (prefixkv/model/cpu_kernels.py), alternated step by step.
+`--torch-attention-too` also times each model with the native CPU kernels off
+(prefixkv/model/cpu_kernels.py: prefill and decode attention, add + RMSNorm), so PyTorch's SDPA
+(after a gather, for decode) in their place, alternated rep by rep and step by step.
 
 Each figure also prints its fraction of this machine's ceiling, measured in the same process first
 (bench/ceiling.py; `--no-ceiling` skips it): prefill as FLOP/s achieved (2 x parameters x tokens plus
@@ -108,8 +109,8 @@ def main() -> None:
     ap.add_argument(
         "--torch-attention-too",
         action="store_true",
-        help="CPU: also time each model's decode with PyTorch's gather + SDPA instead of the native "
-        "decode-attention kernel (prefixkv/model/cpu_kernels.py), alternated step by step",
+        help="CPU: also time each model with the native kernels off (prefixkv/model/cpu_kernels.py: "
+        "PyTorch's SDPA for prefill and decode attention), alternated rep by rep and step by step",
     )
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling first")
     args = ap.parse_args()
@@ -172,17 +173,18 @@ def main() -> None:
     pos = torch.arange(n)
     slots = blocks[pos // bs] * bs + pos % bs
 
-    def ours_prefill(m=model):
+    def ours_prefill(m=model, torch_attention=False):
         meta = AttentionMetadata(slots, [0, n], [n], blocks[None])
-        h = m(ids, pos, caches, meta)
-        return m.compute_logits(h[-1:])
+        with cpu_kernels.disabled() if torch_attention else contextlib.nullcontext():
+            h = m(ids, pos, caches, meta)
+            return m.compute_logits(h[-1:])
 
     def hf_prefill():
         with torch.inference_mode():
             return hf(ids[None].to(dev), use_cache=True, logits_to_keep=1).logits
 
     # ours and transformers alternate rep by rep so load drift on a shared machine hits both
-    fns = [(name, lambda m=m: ours_prefill(m)) for name, m in ours_models.items()]
+    fns = [(name, lambda m=m, t=name in torch_attention: ours_prefill(m, t)) for name, m in ours_models.items()]
     fns += [("transformers", hf_prefill)] if hf is not None else []
     times = {name: [] for name, _ in fns}
     print(f"  ... prefill, {n} tokens: warm-up and {args.reps} reps", flush=True)

@@ -67,20 +67,28 @@ class AttentionMetadata:
         return self.query_start_loc[-1]
 
     # ------------------------------------------------------------------
-    def plan(self, block_size: int, device: torch.device, window: int | None = None) -> _Plan:
+    def plan(
+        self, block_size: int, device: torch.device, window: int | None = None, dtype: torch.dtype = torch.float32
+    ) -> _Plan:
         """Index tensors shared by all layers of one step (built once per step)."""
         p = self._plan
-        if p is None or p.block_size != block_size or p.device != device or p.window != window:
-            self._plan = _Plan(self, block_size, device, window)
+        if p is None or p.block_size != block_size or p.device != device or p.window != window or p.dtype != dtype:
+            self._plan = _Plan(self, block_size, device, window, dtype)
         return self._plan
 
 
 class _Plan:
     def __init__(
-        self, meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None = None
+        self,
+        meta: AttentionMetadata,
+        block_size: int,
+        device: torch.device,
+        window: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         qsl, seq_lens = meta.query_start_loc, meta.seq_lens
         # A sliding window only changes anything for sequences longer than it.
         self.window = window if window is not None and max(seq_lens, default=0) > window else None
@@ -164,6 +172,19 @@ class _Plan:
         if P:
             chunk_rows = [r for a, b, _, _ in self.chunked for r in range(a, b)]
             self.group_rows = torch.tensor([qsl[i] for i in decode] + chunk_rows, device=device)
+        # The native prefill kernel (CPU, no window): which prompts and chunks it takes, described
+        # once for all layers. Long bfloat16 prompts stay with PyTorch's flash kernel, which uses the
+        # CPU's bfloat16 matrix units and passes the native kernel past ~700 new tokens.
+        self.fresh_kernel: _KernelBatch | None = None
+        self.chunked_kernel: _KernelBatch | None = None
+        self.fresh_rest, self.chunked_rest = self.fresh, self.chunked
+        if device.type == "cpu" and W is None:
+            self.fresh_kernel, self.fresh_rest = _KernelBatch.of(
+                [(a, b, b - a, self.slot_mapping[a:b], entry) for entry in self.fresh for a, b in [entry[:2]]], dtype
+            )
+            self.chunked_kernel, self.chunked_rest = _KernelBatch.of(
+                [(a, b, slots.numel(), slots, entry) for entry in self.chunked for a, b, slots in [entry[:3]]], dtype
+            )
 
     @staticmethod
     def _common_prefix_tokens(
@@ -184,6 +205,40 @@ class _Plan:
 
 
 CASCADE_MIN_TOKENS = 64
+# bfloat16 prompts up to this many new tokens go to the native prefill kernel (docs/benchmarks.md:
+# at 478 tokens it takes 1.28 ms a layer against the flash kernel's 1.74; at 1,024, 5.3 against 2.7)
+BF16_KERNEL_MAX_NEW_TOKENS = 640
+
+
+class _KernelBatch:
+    """Sequences for one call of the native prefill kernel: seqs [S, 4] (first row, new tokens,
+    keys read, first slot) and their slots, one run per sequence."""
+
+    def __init__(self, seqs: torch.Tensor, slots: torch.Tensor, entries: list[Any]) -> None:
+        self.seqs, self.slots, self.entries = seqs, slots, entries
+
+    @staticmethod
+    def of(
+        candidates: list[tuple[int, int, int, torch.Tensor, Any]], dtype: torch.dtype
+    ) -> tuple[_KernelBatch | None, list[Any]]:
+        """(start, end, keys read, their slots, plan entry) -> the kernel's batch and the entries
+        left to the PyTorch path."""
+        rows: list[list[int]] = []
+        runs: list[torch.Tensor] = []
+        taken: list[Any] = []
+        rest: list[Any] = []
+        offset = 0
+        for a, b, keys, slots, entry in candidates:
+            if dtype == torch.bfloat16 and b - a > BF16_KERNEL_MAX_NEW_TOKENS:
+                rest.append(entry)
+                continue
+            rows.append([a, b - a, keys, offset])
+            runs.append(slots)
+            taken.append(entry)
+            offset += keys
+        if not rows:
+            return None, rest
+        return _KernelBatch(torch.tensor(rows, dtype=torch.long), torch.cat(runs), taken), rest
 
 
 def _sdpa_lse(
@@ -266,7 +321,7 @@ def paged_attention(
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     block_size = kv_cache.shape[2]
-    plan = meta.plan(block_size, q.device, window)
+    plan = meta.plan(block_size, q.device, window, q.dtype)
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)
     # 1) write this step's K/V
@@ -278,10 +333,18 @@ def paged_attention(
     if plan.decode_all:
         out = None
     else:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if scale is None:
+        scale = D**-0.5
 
-    # 2a) prefills without cached context: attend to the local K/V (same values as cached)
-    for a, b, mask in plan.fresh:
+    # 2a) prefills without cached context: on CPU the native kernel (reading the just-written
+    # cache in place); else SDPA over the local K/V (the same values)
+    fresh = plan.fresh_rest
+    if plan.fresh_kernel is not None:
+        batch = plan.fresh_kernel
+        if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
+            fresh = plan.fresh
+    for a, b, mask in fresh:
         o = F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1).unsqueeze(0),
             k[a:b].transpose(0, 1).unsqueeze(0),
@@ -293,13 +356,17 @@ def paged_attention(
         )
         out[a:b] = o[0].transpose(0, 1)
 
-    if scale is None:
-        scale = D**-0.5
     if plan.prefix_slots is not None:
         return _cascade(q, k_flat, v_flat, plan, out, scale)
 
-    # 2b) chunks after cached context: gather context through the block table
-    for a, b, slots, mask in plan.chunked:
+    # 2b) chunks after cached context: the native kernel reads the context in place on CPU; else
+    # gather it through the block table
+    chunked = plan.chunked_rest
+    if plan.chunked_kernel is not None:
+        batch = plan.chunked_kernel
+        if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
+            chunked = plan.chunked
+    for a, b, slots, mask in chunked:
         kc = _gather(k_flat, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         vc = _gather(v_flat, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(
@@ -356,8 +423,20 @@ def _cascade(
             )
         out[plan.decode_rows] = _merge(o_pre[:Bd], lse_pre[:Bd], o, lse)
         done = Bd
-    for a, b, slots, mask in plan.chunked:
-        o, lse = _attend(q[a:b], _gather(k_flat, slots), _gather(v_flat, slots), mask, scale)
+    # each chunk's own suffix: the native kernel for those it takes (with their log-sum-exp)
+    suffix: tuple[torch.Tensor, torch.Tensor] | None = None
+    if plan.chunked_kernel is not None:
+        batch = plan.chunked_kernel
+        suffix = torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:2], dtype=torch.float32)
+        if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, *suffix):
+            suffix = None
+    in_kernel = {id(entry) for entry in plan.chunked_kernel.entries} if suffix is not None else set()
+    for entry in plan.chunked:
+        a, b, slots, mask = entry
+        if id(entry) in in_kernel:
+            o, lse = suffix[0][a:b], suffix[1][a:b]
+        else:
+            o, lse = _attend(q[a:b], _gather(k_flat, slots), _gather(v_flat, slots), mask, scale)
         n = b - a
         out[a:b] = _merge(o_pre[done : done + n], lse_pre[done : done + n], o, lse)
         done += n

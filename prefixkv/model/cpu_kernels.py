@@ -38,8 +38,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "add_rms_norm.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "bf16.h"]  # part of the cache key, not compiled alone
+SOURCES = [
+    Path(__file__).with_name("csrc") / name
+    for name in ("decode_attention.cpp", "prefill_attention.cpp", "add_rms_norm.cpp")
+]
+HEADERS = [
+    Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h")
+]  # part of the cache key, not compiled alone
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
@@ -50,6 +55,7 @@ _lock = threading.Lock()
 _loaded = False
 _function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 @contextlib.contextmanager
@@ -129,6 +135,19 @@ def _load() -> ctypes.CDLL:
         ctypes.c_float,
         ctypes.c_int,
     ]
+    prefill = lib.prefixkv_prefill_attention
+    prefill.restype = ctypes.c_int
+    # (dtype, D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, threads)
+    prefill.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        *[ctypes.c_void_p] * 6,
+        *[ctypes.c_int64] * 3,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
     norm = lib.prefixkv_add_rms_norm
     norm.restype = ctypes.c_int
     # (dtype, h, delta, weight, out, rows, dim, eps, threads)
@@ -137,15 +156,18 @@ def _load() -> ctypes.CDLL:
 
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _loaded, _function, _norm_function
+    global _loaded, _function, _norm_function, _prefill_function
     if _loaded:
         return _function
     with _lock:
         if not _loaded:
             try:
                 lib = _load()
-                if _self_check(lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm):
+                if _self_check(
+                    lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm, lib.prefixkv_prefill_attention
+                ):
                     _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
+                    _prefill_function = lib.prefixkv_prefill_attention
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -259,6 +281,118 @@ def reference_decode_attention_lse(
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 
+def prefill_attention(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    seqs: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+) -> bool:
+    """Causal attention of several sequences' new tokens over their paged context, written into
+    `out`; False where the kernel does not apply (then nothing was written and the caller takes
+    the PyTorch path).
+
+    q [T, Hq, D] with its heads contiguous (rows may be further apart: a view into the fused q/k/v
+    projection); out [T, Hq, D] contiguous; k_flat, v_flat [num_slots, Hkv, D] (a layer's cache, contiguous).
+    seqs [S, 4] int64, per sequence: its first row in q, its new tokens n (>= 1), the keys it reads
+    kv (>= n; the last n are the new tokens' own, already in the cache) and where its kv slots start
+    in `slots` (int64). Query i of a sequence sees its keys 0 .. kv - n + i. `lse` [T, Hq] float32,
+    if given, receives each written row's log-sum-exp of scaled scores."""
+    if not _enabled or q.device.type != "cpu":
+        return False
+    code = _DTYPE_CODES.get(q.dtype)
+    T, Hq, D = q.shape
+    Hkv = k_flat.shape[1]
+    if (
+        code is None
+        or D not in HEAD_DIMS
+        or k_flat.dtype != q.dtype
+        or v_flat.dtype != q.dtype
+        or out.dtype != q.dtype
+        or out.shape != q.shape
+        or Hq % Hkv
+        or Hq // Hkv > MAX_GROUP
+        or q.stride(2) != 1
+        or q.stride(1) != D
+        or not (out.is_contiguous() and k_flat.is_contiguous() and v_flat.is_contiguous())
+        or seqs.dtype != torch.int64
+        or seqs.dim() != 2
+        or seqs.shape[1] != 4
+        or not seqs.is_contiguous()
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+        or (lse is not None and (lse.dtype != torch.float32 or lse.shape != (T, Hq) or not lse.is_contiguous()))
+    ):
+        return False
+    if _function_or_none() is None or _prefill_function is None:
+        return False
+    return _run_prefill(_prefill_function, code, q, k_flat, v_flat, seqs, slots, scale, out, lse)
+
+
+def _run_prefill(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    code: int,
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    seqs: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+) -> bool:
+    rc = fn(
+        code,
+        q.shape[2],
+        q.data_ptr(),
+        q.stride(0),
+        k_flat.data_ptr(),
+        v_flat.data_ptr(),
+        seqs.data_ptr(),
+        slots.data_ptr(),
+        out.data_ptr(),
+        None if lse is None else lse.data_ptr(),
+        seqs.shape[0],
+        k_flat.shape[1],
+        q.shape[1] // k_flat.shape[1],
+        float(scale),
+        torch.get_num_threads(),
+    )
+    return bool(rc == 0)
+
+
+def reference_prefill_attention(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    seqs: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+) -> None:
+    """The PyTorch formulation of `prefill_attention` (gather, masked softmax in float32): its oracle."""
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_flat.shape[1]
+    for row0, n, kv, offset in seqs.tolist():
+        idx = slots[offset : offset + kv]
+        kc = k_flat.index_select(0, idx).float().transpose(0, 1)  # [Hkv, kv, D]
+        vc = v_flat.index_select(0, idx).float().transpose(0, 1)
+        qs = q[row0 : row0 + n].float().view(n, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(Hkv, -1, D)
+        scores = torch.matmul(qs, kc.transpose(1, 2)) * scale  # [Hkv, n * G, kv]
+        qpos = (torch.arange(n) + kv - n).repeat_interleave(Hq // Hkv)
+        scores = scores.masked_fill(torch.arange(kv)[None, :] > qpos[:, None], float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [Hkv, n * G, D]
+        out[row0 : row0 + n] = o.view(Hkv, n, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(n, Hq, D).to(out.dtype)
+        if lse is not None:
+            lse[row0 : row0 + n] = (
+                torch.logsumexp(scores, dim=-1).view(Hkv, n, Hq // Hkv).permute(1, 0, 2).reshape(n, Hq)
+            )
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """h += delta (in place, in h's dtype) and returns rms_norm(h) * weight the way transformers'
     LlamaRMSNorm computes it; None where the kernel does not apply (then nothing was changed).
@@ -314,7 +448,11 @@ def reference_add_rms_norm(
     return h, weight * normed
 
 
-def _self_check(attention: ctypes._CFuncPtr, norm: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
+def _self_check(
+    attention: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    norm: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    prefill: ctypes._CFuncPtr,  # type: ignore[name-defined]
+) -> bool:
     """The freshly loaded kernels against the PyTorch path on small cases, both dtypes."""
     g = torch.Generator().manual_seed(0)
     slots = torch.randperm(64, generator=g)[: 3 * 20].view(3, 20)
@@ -330,6 +468,19 @@ def _self_check(attention: ctypes._CFuncPtr, norm: ctypes._CFuncPtr) -> bool:  #
             if got is None or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
                 return False
             if not torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5):
+                return False
+            # two sequences: a whole 70-token prompt, and 5 new tokens after 40 cached ones
+            q = torch.randn(75, 6, D, generator=g).to(dtype)
+            seqs = torch.tensor([[0, 70, 70, 0], [70, 5, 45, 70]])
+            runs = torch.cat([torch.randperm(64, generator=g) for _ in range(2)])[:115]
+            got_out, want_out = torch.zeros_like(q), torch.zeros_like(q)
+            got_lse, want_lse = torch.zeros(75, 6), torch.zeros(75, 6)
+            if not _run_prefill(prefill, _DTYPE_CODES[dtype], q, k, v, seqs, runs, D**-0.5, got_out, got_lse):
+                return False
+            reference_prefill_attention(q, k, v, seqs, runs, D**-0.5, want_out, want_lse)
+            if not torch.allclose(got_out.float(), want_out.float(), rtol=tol, atol=tol):
+                return False
+            if not torch.allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5):
                 return False
         h = torch.randn(5, 96, generator=g).to(dtype)
         delta = torch.randn(5, 96, generator=g).to(dtype)

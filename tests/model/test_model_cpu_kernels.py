@@ -1,4 +1,5 @@
-"""The native CPU kernels (prefixkv/model/cpu_kernels.py: decode attention, residual add + RMSNorm)
+"""The native CPU kernels (prefixkv/model/cpu_kernels.py: decode and prefill attention, residual add +
+RMSNorm)
 against the PyTorch path they replace: same outputs up to float rounding, in the model and alone,
 and a clean fallback where they cannot run."""
 
@@ -192,9 +193,11 @@ def test_shared_prefix_decodes_through_the_cascade_match_the_pytorch_path():
     for use_kernel in (True, False):
         caches = allocate_kv_cache(lm.config, 12, 16)
         seqs = [prefix + s for s in suffixes]
-        run_logits(lm.model, caches, [(seqs[0], blocks[0], 0)], 16)
-        run_logits(lm.model, caches, [(s, b, 96) for s, b in zip(seqs[1:], blocks[1:])], 16)
-        steps = []
+        with contextlib.nullcontext() if use_kernel else cpu_kernels.disabled():
+            run_logits(lm.model, caches, [(seqs[0], blocks[0], 0)], 16)
+            # two chunks after the shared prefix: the cascade again, the prefill kernel for the suffixes
+            chunks, _ = run_logits(lm.model, caches, [(s, b, 96) for s, b in zip(seqs[1:], blocks[1:])], 16)
+        steps = [chunks[-3:]]
         for step in range(3):
             batch = [(s + list(range(300, 301 + step)), b, len(s) + step) for s, b in zip(seqs, blocks)]
             with contextlib.nullcontext() if use_kernel else cpu_kernels.disabled():
@@ -204,3 +207,95 @@ def test_shared_prefix_decodes_through_the_cascade_match_the_pytorch_path():
         outputs.append(torch.stack(steps))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
     assert torch.equal(outputs[0].argmax(-1), outputs[1].argmax(-1))
+
+
+def _prefill_case(dtype, head_dim, Hq, Hkv, specs, seed=0):
+    """q for the sequences of `specs` ((new tokens, keys read) each) as a strided view, a paged
+    cache and their slots: what paged_attention hands the prefill kernel."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(n for n, _ in specs)
+    num_slots = sum(kv for _, kv in specs) + 50
+    k = torch.randn(num_slots, Hkv, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_slots, Hkv, head_dim, generator=g).to(dtype)
+    q = torch.randn(T, Hq + Hkv, head_dim, generator=g).to(dtype)[:, :Hq]  # rows (Hq + Hkv) * D apart
+    slots = torch.randperm(num_slots, generator=g)[: sum(kv for _, kv in specs)]
+    rows, row, offset = [], 0, 0
+    for n, kv in specs:
+        rows.append([row, n, kv, offset])
+        row, offset = row + n, offset + kv
+    return q, k, v, torch.tensor(rows), slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("groups", [(4, 4), (6, 2), (9, 3)])  # (query heads, KV heads)
+def test_prefill_attention_equals_the_masked_softmax(dtype, head_dim, groups):
+    """A whole 70-token prompt, 5 new tokens after 40 cached, 130 after 3 (crossing key tiles),
+    one token alone: outputs and log-sum-exps equal the float32 reference."""
+    Hq, Hkv = groups
+    q, k, v, seqs, slots = _prefill_case(dtype, head_dim, Hq, Hkv, [(70, 70), (5, 45), (130, 133), (1, 1)])
+    got, want = torch.full(q.shape, 7.0, dtype=dtype), torch.full(q.shape, 7.0, dtype=dtype)
+    got_lse, want_lse = torch.zeros(q.shape[:2]), torch.zeros(q.shape[:2])
+    assert cpu_kernels.prefill_attention(q, k, v, seqs, slots, head_dim**-0.5, got, got_lse)
+    cpu_kernels.reference_prefill_attention(q, k, v, seqs, slots, head_dim**-0.5, want, want_lse)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_rows_values_do_not_depend_on_the_rows_computed_with_it(dtype):
+    """Bit for bit: the last 37 rows of a 150-token prompt computed as a chunk after 113 cached
+    tokens, alone or beside another sequence, equal the same rows of the whole prompt computed at
+    once - the kernel's part of "caching on equals caching off"."""
+    q, k, v, seqs, slots = _prefill_case(dtype, 64, 9, 3, [(150, 150), (20, 60)], seed=3)
+    whole = torch.zeros(q.shape, dtype=dtype)
+    assert cpu_kernels.prefill_attention(q, k, v, seqs[:1], slots, 0.125, whole)
+    chunk_q = q[113:150]
+    # the chunk alone: its queries are rows 0..36, its 150 keys the prompt's slots
+    alone = torch.zeros(chunk_q.shape, dtype=dtype)
+    assert cpu_kernels.prefill_attention(chunk_q, k, v, torch.tensor([[0, 37, 150, 0]]), slots, 0.125, alone)
+    assert torch.equal(alone, whole[113:150])
+    # beside the second sequence, in one call
+    both_q = torch.cat([q[150:170], chunk_q]).contiguous()
+    both = torch.zeros(both_q.shape, dtype=dtype)
+    two = torch.tensor([[0, 20, 60, 150], [20, 37, 150, 0]])
+    assert cpu_kernels.prefill_attention(both_q, k, v, two, slots, 0.125, both)
+    assert torch.equal(both[20:], whole[113:150])
+
+
+def test_prefill_attention_refuses_what_it_cannot_take_and_writes_nothing():
+    q, k, v, seqs, slots = _prefill_case(torch.float32, 64, 6, 2, [(10, 30)])
+    out = torch.full(q.shape, 7.0)
+    bad = [
+        (q, k, v.bfloat16(), seqs, slots, out),  # mixed dtypes
+        (q, k, v, seqs.int(), slots, out),  # int32 descriptors
+        (q, k, v, seqs, slots.int(), out),  # int32 slots
+        (q, k, v, seqs, slots, out[:5]),  # output of another shape
+        (q, k, v, torch.tensor([[0, 0, 30, 0]]), slots, out),  # no new tokens
+        (q, k, v, torch.tensor([[0, 10, 5, 0]]), slots, out),  # fewer keys than new tokens
+        (q.transpose(0, 1).contiguous().transpose(0, 1), k, v, seqs, slots, out),  # heads not contiguous
+    ]
+    for args in bad:
+        assert not cpu_kernels.prefill_attention(*args[:5], 0.125, args[5])
+    assert torch.equal(out, torch.full(q.shape, 7.0))
+    with cpu_kernels.disabled():
+        assert not cpu_kernels.prefill_attention(q, k, v, seqs, slots, 0.125, out)
+    assert torch.equal(out, torch.full(q.shape, 7.0))
+
+
+def test_long_bfloat16_prompts_stay_with_the_flash_kernel():
+    """The plan gives the native kernel float32 prompts of any length and bfloat16 ones up to
+    BF16_KERNEL_MAX_NEW_TOKENS new tokens (past that PyTorch's flash kernel is faster here)."""
+    from prefixkv.model.attention import BF16_KERNEL_MAX_NEW_TOKENS, AttentionMetadata
+
+    long, short = BF16_KERNEL_MAX_NEW_TOKENS + 1, 40
+    blocks = torch.arange(128).view(2, 64)
+    slots = torch.cat([blocks[i, pos // 16] * 16 + pos % 16 for i, pos in enumerate(map(torch.arange, (short, long)))])
+    meta = AttentionMetadata(slots, [0, short, short + long], [short, long], blocks)
+    fp32 = meta.plan(16, torch.device("cpu"), None, torch.float32)
+    assert fp32.fresh_kernel is not None and fp32.fresh_kernel.seqs[:, 1].tolist() == [short, long]
+    assert fp32.fresh_rest == []
+    bf16 = meta.plan(16, torch.device("cpu"), None, torch.bfloat16)
+    assert bf16.fresh_kernel is not None and bf16.fresh_kernel.seqs[:, 1].tolist() == [short]
+    assert [b - a for a, b, _ in bf16.fresh_rest] == [long]

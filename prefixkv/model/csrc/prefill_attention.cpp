@@ -1,0 +1,327 @@
+// Causal prefill attention for the CPU over the paged cache: the new tokens of each sequence (a
+// whole prompt, or a chunk after cached context) attend to their context read in place through its
+// slot list. PyTorch's path gathers a chunk's context first and runs its flash kernel, which on
+// this machine's two cores reaches ~105 GFLOP/s in float32 and ~140 in bfloat16 at the default
+// model's shapes (docs/benchmarks.md): 17% of a float32 and a third of a bfloat16 prefill.
+//
+// The work is split into items of (sequence, KV head, tile of query positions); the rows of an
+// item are its positions x the G query heads sharing that KV head (GQA), so every K/V tile loaded
+// serves G x positions rows. Per item, keys go by tiles of kKeyTile: the tile is packed once into
+// float32 (K transposed, V as is), then for every group of R rows
+//   scores = Q K^T      (register-blocked: R rows x 64 keys of accumulators)
+//   online softmax      (running maximum and sum per row, the output rescaled when the max grows)
+//   out   += P V        (R rows x 64 columns of accumulators)
+// Vectors are GCC/Clang vector extensions, so the same source compiles to AVX-512, AVX2 or NEON.
+// Everything is computed in float32 for float32 and bfloat16 (scores, softmax, the weighted sum).
+//
+// A row's arithmetic depends only on its own query, its keys and where the key tiles start (always
+// at the first key read), never on which other rows share its item: how the rows are grouped does
+// not change a single bit of the result.
+//
+// Layout (all contiguous):
+//   q     [T, Hkv, G, D]   the step's query rows (token-major; a KV head's G query heads adjacent);
+//                          rows q_stride elements apart (q may be a view into the fused q/k/v)
+//   k, v  [slots, Hkv, D]  one layer's cache, flattened over blocks and offsets
+//   seqs  [S, 4] int64     per sequence: first query row, new tokens n, keys read kv (the last n of
+//                          them are the new tokens' own), offset of its first slot in `slots`
+//   slots int64            the slots of each sequence's kv keys, one run per sequence
+//   out   [T, Hkv, G, D]   only the sequences' rows are written
+//   lse   [T, Hkv, G] float32, or null: log-sum-exp of each row's scaled scores (for merging)
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "bf16.h"
+#include "vec16.h"
+
+namespace {
+
+using prefixkv::exp_nonpositive;
+using prefixkv::hmax;
+using prefixkv::hsum;
+using prefixkv::ivec16;
+using prefixkv::lane_index;
+using prefixkv::load;
+using prefixkv::loadv;
+using prefixkv::splat;
+using prefixkv::store;
+using prefixkv::storev;
+using prefixkv::vec16;
+using prefixkv::vmax;
+
+constexpr int kKeyTile = 64;     // keys per tile: 4 vectors of scores per row
+constexpr int kRowTarget = 48;   // rows (positions x G) per work item
+constexpr int kRowBlock = 6;     // rows per register block: 6 x 4 accumulators of 16 floats
+constexpr int kMaxGroup = 16;
+
+// scores[r][0:64] = q[r] . kt[:, 0:64] for R rows (q pre-scaled); kt is [D][kKeyTile].
+template <int R, int D>
+inline void score_block(const float* q, const float* kt, float* scores) {
+    vec16 acc[R][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = vec16{};
+    for (int d = 0; d < D; ++d) {
+        const vec16 k0 = loadv(kt + d * kKeyTile), k1 = loadv(kt + d * kKeyTile + 16);
+        const vec16 k2 = loadv(kt + d * kKeyTile + 32), k3 = loadv(kt + d * kKeyTile + 48);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const float x = q[r * D + d];
+            acc[r][0] += x * k0;
+            acc[r][1] += x * k1;
+            acc[r][2] += x * k2;
+            acc[r][3] += x * k3;
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) storev(scores + r * kKeyTile + c * 16, acc[r][c]);
+}
+
+// out[r][cols] = out[r][cols] * alpha[r] + p[r][0:nk] . v[0:nk][cols] for R rows and NV x 16
+// columns starting at `col`; v is [kKeyTile][D].
+template <int R, int NV, int D>
+inline void weigh_block(const float* p, const float* v, int nk, const float* alpha, float* out, int col) {
+    vec16 acc[R][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) acc[r][c] = loadv(out + r * D + col + c * 16) * alpha[r];
+    for (int j = 0; j < nk; ++j) {
+        vec16 vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = loadv(v + j * D + col + c * 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const float x = p[r * kKeyTile + j];
+            for (int c = 0; c < NV; ++c) acc[r][c] += x * vv[c];
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) storev(out + r * D + col + c * 16, acc[r][c]);
+}
+
+// One register block of R rows against one key tile: scores, online softmax, weighted sum.
+// visible[r]: keys of the tile row r may see (0..nk); rows with none are left untouched.
+template <int R, int D>
+inline void block_against_tile(const float* q, const float* kt, const float* v, int nk, const int* visible,
+                               float* scores, float* best, float* total, float* out) {
+    score_block<R, D>(q, kt, scores);
+    float alpha[R];
+    for (int r = 0; r < R; ++r) {
+        float* s = scores + r * kKeyTile;
+        const int n = visible[r];
+        if (n == 0) {  // a tile wholly in this row's future: weights 0, output kept as is
+            alpha[r] = 1.0f;
+            for (int j = 0; j < kKeyTile; ++j) s[j] = 0.0f;
+            continue;
+        }
+        // keys at or past n are masked: -inf for the maximum, weight 0
+        vec16 x[4];
+        vec16 row_max = splat(-INFINITY);
+        for (int c = 0; c < 4; ++c) {
+            x[c] = loadv(s + 16 * c);
+            x[c] = lane_index() + 16 * c < n ? x[c] : splat(-INFINITY);
+            row_max = vmax(row_max, x[c]);
+        }
+        const float m = std::max(best[r], hmax(row_max));
+        // the first tile a row sees has best = -inf: its alpha is 0 (out and total are 0 anyway)
+        alpha[r] = best[r] == -INFINITY ? 0.0f : exp_nonpositive(splat(best[r] - m))[0];
+        vec16 sum_v = vec16{};
+        for (int c = 0; c < 4; ++c) {
+            const vec16 e = lane_index() + 16 * c < n ? exp_nonpositive(x[c] - m) : vec16{};
+            storev(s + 16 * c, e);
+            sum_v += e;
+        }
+        const float sum = hsum(sum_v);
+        total[r] = total[r] * alpha[r] + sum;
+        best[r] = m;
+    }
+    for (int col = 0; col < D; col += 64) {
+        if constexpr (D >= 64)
+            weigh_block<R, 4, D>(scores, v, nk, alpha, out, col);
+        else
+            weigh_block<R, D / 16, D>(scores, v, nk, alpha, out, col);
+    }
+}
+
+template <int D>
+void block_dispatch(int rows, const float* q, const float* kt, const float* v, int nk, const int* visible,
+                    float* scores, float* best, float* total, float* out) {
+    switch (rows) {
+        case 6: block_against_tile<6, D>(q, kt, v, nk, visible, scores, best, total, out); break;
+        case 5: block_against_tile<5, D>(q, kt, v, nk, visible, scores, best, total, out); break;
+        case 4: block_against_tile<4, D>(q, kt, v, nk, visible, scores, best, total, out); break;
+        case 3: block_against_tile<3, D>(q, kt, v, nk, visible, scores, best, total, out); break;
+        case 2: block_against_tile<2, D>(q, kt, v, nk, visible, scores, best, total, out); break;
+        default: block_against_tile<1, D>(q, kt, v, nk, visible, scores, best, total, out); break;
+    }
+}
+
+struct Item {
+    int64_t seq, head, first, count;  // query positions first..first+count-1 of the sequence's new tokens
+    int64_t work;                     // keys x rows, for ordering the biggest first
+};
+
+template <typename T, int D>
+void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* seqs, const int64_t* slots, T* out,
+             float* lse, int64_t S, int64_t Hkv, int64_t G, float scale, int num_threads) {
+    const int64_t positions_per_item = std::max<int64_t>(1, kRowTarget / G);
+    std::vector<Item> items;
+    for (int64_t s = 0; s < S; ++s) {
+        const int64_t n = seqs[s * 4 + 1], kv = seqs[s * 4 + 2];
+        for (int64_t first = 0; first < n; first += positions_per_item) {
+            const int64_t count = std::min(positions_per_item, n - first);
+            const int64_t keys = kv - n + first + count;  // keys its last position sees
+            for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, first, count, keys * count});
+        }
+    }
+    // biggest first, so that the dynamic schedule ends with small items (causal: later tiles see more)
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.work > b.work; });
+    const int64_t Hq = Hkv * G;
+    const int64_t max_rows = positions_per_item * G;
+    const int64_t num_items = static_cast<int64_t>(items.size());
+    // Every sequence's keys, packed once in float32 and shared by all items: per KV head, tiles of
+    // K transposed ([D][kKeyTile]) and V ([kKeyTile][D]), the last tile padded with zeros. Packing
+    // per item instead cost as much as the arithmetic (each key is read by every later item).
+    std::vector<int64_t> packed_at(static_cast<size_t>(S) + 1, 0);
+    struct Tile {
+        int64_t seq, head, tile;
+    };
+    std::vector<Tile> tiles;
+    for (int64_t s = 0; s < S; ++s) {
+        const int64_t num_tiles = (seqs[s * 4 + 2] + kKeyTile - 1) / kKeyTile;
+        packed_at[s + 1] = packed_at[s] + Hkv * num_tiles * 2 * kKeyTile * D;
+        for (int64_t h = 0; h < Hkv; ++h)
+            for (int64_t t = 0; t < num_tiles; ++t) tiles.push_back({s, h, t});
+    }
+    float* packed = static_cast<float*>(aligned_alloc(64, sizeof(float) * static_cast<size_t>(packed_at[S] + 16)));
+    if (packed == nullptr) return;
+    const int64_t num_tiles_all = static_cast<int64_t>(tiles.size());
+
+#pragma omp parallel num_threads(num_threads) if (num_items > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles_all; ++t) {
+            const Tile& tile = tiles[static_cast<size_t>(t)];
+            const int64_t kv = seqs[tile.seq * 4 + 2];
+            const int64_t* seq_slots = slots + seqs[tile.seq * 4 + 3];
+            const int64_t num_tiles = (kv + kKeyTile - 1) / kKeyTile;
+            float* kt = packed + packed_at[tile.seq] + (tile.head * num_tiles + tile.tile) * 2 * kKeyTile * D;
+            float* vt = kt + kKeyTile * D;
+            const int64_t j0 = tile.tile * kKeyTile;
+            const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, kv - j0));
+            for (int j = 0; j < nk; ++j) {
+                const int64_t base = (seq_slots[j0 + j] * Hkv + tile.head) * D;
+                for (int d = 0; d < D; ++d) {
+                    kt[d * kKeyTile + j] = load(k, base + d);
+                    vt[j * D + d] = load(v, base + d);
+                }
+            }
+            for (int j = nk; j < kKeyTile; ++j)
+                for (int d = 0; d < D; ++d) kt[d * kKeyTile + j] = vt[j * D + d] = 0.0f;
+        }
+        // per thread: the item's queries and outputs, scores
+        float* buffer = static_cast<float*>(
+            aligned_alloc(64, sizeof(float) * static_cast<size_t>(2 * max_rows * D + max_rows * kKeyTile +
+                                                                  2 * max_rows + 64)));
+        float* qf = buffer;
+        float* of = qf + max_rows * D;
+        float* scores = of + max_rows * D;
+        float* best = scores + max_rows * kKeyTile;
+        float* total = best + max_rows;
+        std::vector<int> limit(static_cast<size_t>(max_rows));
+        std::vector<int> visible(static_cast<size_t>(max_rows));
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < num_items; ++it) {
+            const Item& item = items[static_cast<size_t>(it)];
+            const int64_t row0 = seqs[item.seq * 4], n = seqs[item.seq * 4 + 1], kv = seqs[item.seq * 4 + 2];
+            const int64_t h = item.head;
+            const int64_t num_tiles = (kv + kKeyTile - 1) / kKeyTile;
+            const float* seq_packed = packed + packed_at[item.seq] + h * num_tiles * 2 * kKeyTile * D;
+            const int rows = static_cast<int>(item.count * G);
+            for (int64_t i = 0; i < item.count; ++i) {
+                const int64_t pos = item.first + i;
+                const int64_t keys = kv - n + pos + 1;  // causal: its own key and those before it
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t r = i * G + g;
+                    const T* qr = q + (row0 + pos) * q_stride + (h * G + g) * D;
+                    for (int d = 0; d < D; ++d) qf[r * D + d] = load(qr, d) * scale;
+                    limit[r] = static_cast<int>(keys);
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                best[r] = -INFINITY;
+                total[r] = 0.0f;
+            }
+            memset(of, 0, sizeof(float) * rows * D);
+            const int64_t last_keys = limit[rows - 1];
+            for (int64_t j0 = 0; j0 < last_keys; j0 += kKeyTile) {
+                const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, last_keys - j0));
+                const float* kt = seq_packed + (j0 / kKeyTile) * 2 * kKeyTile * D;
+                const float* vt = kt + kKeyTile * D;
+                for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+                    const int block = std::min(kRowBlock, rows - r0);
+                    bool any = false;
+                    for (int r = 0; r < block; ++r) {
+                        const int64_t seen = limit[r0 + r] - j0;
+                        visible[r0 + r] = static_cast<int>(seen <= 0 ? 0 : (seen < nk ? seen : nk));
+                        any |= visible[r0 + r] > 0;
+                    }
+                    if (!any) continue;
+                    block_dispatch<D>(block, qf + r0 * D, kt, vt, nk, visible.data() + r0, scores + r0 * kKeyTile,
+                                      best + r0, total + r0, of + r0 * D);
+                }
+            }
+            for (int64_t i = 0; i < item.count; ++i) {
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t r = i * G + g;
+                    const int64_t at = (row0 + item.first + i) * Hq + h * G + g;
+                    const float inv = 1.0f / total[r];  // every row sees at least its own key
+                    for (int d = 0; d < D; ++d) store(out, at * D + d, of[r * D + d] * inv);
+                    if (lse != nullptr) lse[at] = best[r] + logf(total[r]);
+                }
+            }
+        }
+        free(buffer);
+    }
+    free(packed);
+}
+
+template <typename T>
+int dispatch_head_dim(int64_t D, const void* q, int64_t q_stride, const void* k, const void* v, const int64_t* seqs,
+                      const int64_t* slots, void* out, float* lse, int64_t S, int64_t Hkv, int64_t G, float scale,
+                      int num_threads) {
+    const T* qt = static_cast<const T*>(q);
+    const T* kt = static_cast<const T*>(k);
+    const T* vt = static_cast<const T*>(v);
+    T* ot = static_cast<T*>(out);
+    switch (D) {
+        case 32: prefill<T, 32>(qt, q_stride, kt, vt, seqs, slots, ot, lse, S, Hkv, G, scale, num_threads); return 0;
+        case 64: prefill<T, 64>(qt, q_stride, kt, vt, seqs, slots, ot, lse, S, Hkv, G, scale, num_threads); return 0;
+        case 128: prefill<T, 128>(qt, q_stride, kt, vt, seqs, slots, ot, lse, S, Hkv, G, scale, num_threads); return 0;
+        default: return 2;
+    }
+}
+
+}  // namespace
+
+// dtype 0: float32, 1: bfloat16. Returns 0, or non-zero for a shape it does not handle (the caller
+// then takes the PyTorch path; nothing was written).
+extern "C" int prefixkv_prefill_attention(int dtype, int64_t D, const void* q, int64_t q_stride, const void* k, const void* v,
+                                          const int64_t* seqs, const int64_t* slots, void* out, float* lse, int64_t S,
+                                          int64_t Hkv, int64_t G, float scale, int num_threads) {
+    if (G < 1 || G > kMaxGroup || S < 0 || Hkv < 1 || num_threads < 1 || q_stride < Hkv * G * D) return 1;
+    for (int64_t s = 0; s < S; ++s) {  // every query must see at least its own key
+        const int64_t n = seqs[s * 4 + 1], kv = seqs[s * 4 + 2];
+        if (n < 1 || kv < n || kv > (int64_t{1} << 30)) return 1;
+    }
+    if (dtype == 0) return dispatch_head_dim<float>(D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, num_threads);
+    if (dtype == 1)
+        return dispatch_head_dim<uint16_t>(D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, num_threads);
+    return 3;
+}

@@ -1,0 +1,58 @@
+// Sixteen floats as one value (GCC/Clang vector extensions): the compiler lowers them to the
+// machine's vectors (one AVX-512 register, two AVX2 ones, four NEON ones), so the kernels of this
+// folder need no intrinsics and build everywhere. Loops written per element are not vectorized
+// reliably (the row maximum and the exponential stayed scalar), hence these helpers.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+namespace prefixkv {
+
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+inline vec16 loadv(const float* p) { return *reinterpret_cast<const vec16_unaligned*>(p); }
+inline void storev(float* p, vec16 x) { *reinterpret_cast<vec16_unaligned*>(p) = x; }
+inline vec16 splat(float x) { return vec16{} + x; }
+inline vec16 vmax(vec16 a, vec16 b) { return a > b ? a : b; }
+inline ivec16 lane_index() { return ivec16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+inline float hmax(vec16 v) {
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+
+inline float hsum(vec16 v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+// exp(x) for x <= 0, lane by lane: the same range reduction and polynomial as exp_nonpositive
+// (exp.h), relative error ~2e-7.
+inline vec16 exp_nonpositive(vec16 x) {
+    x = vmax(x, splat(-87.0f));
+    const vec16 t = x * 1.44269504088896341f + 0.5f;
+    const ivec16 truncated = __builtin_convertvector(t, ivec16);  // toward zero; t < 1 here
+    vec16 n = __builtin_convertvector(truncated, vec16);
+    n = n > t ? n - 1.0f : n;  // floor
+    const vec16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    vec16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const ivec16 e = (__builtin_convertvector(n, ivec16) + 127) << 23;
+    return p * reinterpret_cast<const vec16&>(e);
+}
+
+}  // namespace prefixkv
