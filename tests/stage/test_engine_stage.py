@@ -105,7 +105,9 @@ def test_embed_equals_transformers_and_cache_off(default_lm, docs, hf_ref_model,
         got = torch.tensor(out.outputs.embedding)
         want = hf_pool(hf_hidden(hf_ref_model, ids), pooling, normalize)
         assert got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        # float32 rounding: prefixkv's CPU attention kernels sum in another order than transformers'
+        # SDPA (the unnormalized rows of "all" differ by up to ~6e-5 in a few of 84,672 values)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got, torch.tensor(r.outputs.embedding), atol=1e-4, rtol=1e-4)  # batch shapes differ
 
 
