@@ -173,8 +173,8 @@ class _Plan:
             chunk_rows = [r for a, b, _, _ in self.chunked for r in range(a, b)]
             self.group_rows = torch.tensor([qsl[i] for i in decode] + chunk_rows, device=device)
         # The native prefill kernel (CPU, no window): which prompts and chunks it takes, described
-        # once for all layers. Long bfloat16 prompts stay with PyTorch's flash kernel, which uses the
-        # CPU's bfloat16 matrix units and passes the native kernel past ~700 new tokens.
+        # once for all layers. Long bfloat16 prompts stay with PyTorch's flash kernel, faster there
+        # (bf16_kernel_max_new_tokens).
         self.fresh_kernel: _KernelBatch | None = None
         self.chunked_kernel: _KernelBatch | None = None
         self.fresh_rest, self.chunked_rest = self.fresh, self.chunked
@@ -205,9 +205,20 @@ class _Plan:
 
 
 CASCADE_MIN_TOKENS = 64
-# bfloat16 prompts up to this many new tokens go to the native prefill kernel (docs/benchmarks.md:
-# at 478 tokens it takes 1.28 ms a layer against the flash kernel's 1.74; at 1,024, 5.3 against 2.7)
+# bfloat16 prompts up to this many new tokens go to the native prefill kernel; longer ones to
+# PyTorch's flash kernel, whose matrix products use the CPU's bfloat16 units (docs/benchmarks.md, per
+# layer of the default model: on the tile unit (AMX) the native kernel takes 0.86 ms at 478 tokens
+# against flash's 1.66, 3.3 against 3.1 at 1,024; on vectors alone 1.28 against 1.74 at 478)
 BF16_KERNEL_MAX_NEW_TOKENS = 640
+BF16_KERNEL_MAX_NEW_TOKENS_AMX = 1024
+
+
+def bf16_kernel_max_new_tokens() -> int:
+    return (
+        BF16_KERNEL_MAX_NEW_TOKENS_AMX
+        if cpu_kernels.prefill_attention_on_matrix_units()
+        else BF16_KERNEL_MAX_NEW_TOKENS
+    )
 
 
 class _KernelBatch:
@@ -223,13 +234,14 @@ class _KernelBatch:
     ) -> tuple[_KernelBatch | None, list[Any]]:
         """(start, end, keys read, their slots, plan entry) -> the kernel's batch and the entries
         left to the PyTorch path."""
+        limit = bf16_kernel_max_new_tokens() if dtype == torch.bfloat16 else None
         rows: list[list[int]] = []
         runs: list[torch.Tensor] = []
         taken: list[Any] = []
         rest: list[Any] = []
         offset = 0
         for a, b, keys, slots, entry in candidates:
-            if dtype == torch.bfloat16 and b - a > BF16_KERNEL_MAX_NEW_TOKENS:
+            if limit is not None and b - a > limit:
                 rest.append(entry)
                 continue
             rows.append([a, b - a, keys, offset])

@@ -56,6 +56,7 @@ _loaded = False
 _function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_prefill_amx = False
 
 
 @contextlib.contextmanager
@@ -156,7 +157,7 @@ def _load() -> ctypes.CDLL:
 
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _loaded, _function, _norm_function, _prefill_function
+    global _loaded, _function, _norm_function, _prefill_function, _prefill_amx
     if _loaded:
         return _function
     with _lock:
@@ -168,6 +169,7 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                 ):
                     _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
                     _prefill_function = lib.prefixkv_prefill_attention
+                    _prefill_amx = bool(lib.prefixkv_prefill_attention_amx())
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -279,6 +281,11 @@ def reference_decode_attention_lse(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), vc)
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
+
+
+def prefill_attention_on_matrix_units() -> bool:
+    """Whether bfloat16 prefill attention runs on the CPU's tile unit (AMX) here."""
+    return _enabled and _function_or_none() is not None and _prefill_amx
 
 
 def prefill_attention(

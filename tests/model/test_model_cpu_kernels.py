@@ -286,11 +286,11 @@ def test_prefill_attention_refuses_what_it_cannot_take_and_writes_nothing():
 
 def test_long_bfloat16_prompts_stay_with_the_flash_kernel():
     """The plan gives the native kernel float32 prompts of any length and bfloat16 ones up to
-    BF16_KERNEL_MAX_NEW_TOKENS new tokens (past that PyTorch's flash kernel is faster here)."""
-    from prefixkv.model.attention import BF16_KERNEL_MAX_NEW_TOKENS, AttentionMetadata
+    bf16_kernel_max_new_tokens() new tokens (past that PyTorch's flash kernel is faster here)."""
+    from prefixkv.model.attention import AttentionMetadata, bf16_kernel_max_new_tokens
 
-    long, short = BF16_KERNEL_MAX_NEW_TOKENS + 1, 40
-    blocks = torch.arange(128).view(2, 64)
+    long, short = bf16_kernel_max_new_tokens() + 1, 40
+    blocks = torch.arange(160).view(2, 80)
     slots = torch.cat([blocks[i, pos // 16] * 16 + pos % 16 for i, pos in enumerate(map(torch.arange, (short, long)))])
     meta = AttentionMetadata(slots, [0, short, short + long], [short, long], blocks)
     fp32 = meta.plan(16, torch.device("cpu"), None, torch.float32)

@@ -33,10 +33,17 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
 #include "vec16.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -104,26 +111,24 @@ inline void weigh_block(const float* p, const float* v, int nk, const float* alp
         for (int c = 0; c < NV; ++c) storev(out + r * D + col + c * 16, acc[r][c]);
 }
 
-// One register block of R rows against one key tile: scores, online softmax, weighted sum.
-// visible[r]: keys of the tile row r may see (0..nk); rows with none are left untouched.
-template <int R, int D>
-inline void block_against_tile(const float* q, const float* kt, const float* v, int nk, const int* visible,
-                               float* scores, float* best, float* total, float* out) {
-    score_block<R, D>(q, kt, scores);
-    float alpha[R];
+// The online softmax of R rows of scores (in place: scores * scale become unnormalized weights)
+// and the factor alpha[r] each row's output must be rescaled by. visible[r]: the keys of the tile
+// row r may see (0..nk); a row with none gets weights 0 and alpha 1 (its output is left as it is).
+template <int R>
+inline void online_softmax(float* scores, const int* visible, float scale, float* best, float* total, float* alpha) {
     for (int r = 0; r < R; ++r) {
         float* s = scores + r * kKeyTile;
         const int n = visible[r];
-        if (n == 0) {  // a tile wholly in this row's future: weights 0, output kept as is
+        if (n == 0) {  // a tile wholly in this row's future
             alpha[r] = 1.0f;
-            for (int j = 0; j < kKeyTile; ++j) s[j] = 0.0f;
+            for (int c = 0; c < 4; ++c) storev(s + 16 * c, vec16{});
             continue;
         }
         // keys at or past n are masked: -inf for the maximum, weight 0
         vec16 x[4];
         vec16 row_max = splat(-INFINITY);
         for (int c = 0; c < 4; ++c) {
-            x[c] = loadv(s + 16 * c);
+            x[c] = loadv(s + 16 * c) * scale;
             x[c] = lane_index() + 16 * c < n ? x[c] : splat(-INFINITY);
             row_max = vmax(row_max, x[c]);
         }
@@ -136,10 +141,19 @@ inline void block_against_tile(const float* q, const float* kt, const float* v, 
             storev(s + 16 * c, e);
             sum_v += e;
         }
-        const float sum = hsum(sum_v);
-        total[r] = total[r] * alpha[r] + sum;
+        total[r] = total[r] * alpha[r] + hsum(sum_v);
         best[r] = m;
     }
+}
+
+// One register block of R rows against one key tile in float32: scores, online softmax, weighted
+// sum. q: R rows of D floats, pre-scaled; kt [D][kKeyTile]; v [kKeyTile][D].
+template <int R, int D>
+inline void block_against_tile(const float* q, const float* kt, const float* v, int nk, const int* visible,
+                               float* scores, float* best, float* total, float* out) {
+    score_block<R, D>(q, kt, scores);
+    float alpha[R];
+    online_softmax<R>(scores, visible, 1.0f, best, total, alpha);
     for (int col = 0; col < D; col += 64) {
         if constexpr (D >= 64)
             weigh_block<R, 4, D>(scores, v, nk, alpha, out, col);
@@ -160,6 +174,112 @@ void block_dispatch(int rows, const float* q, const float* kt, const float* v, i
         default: block_against_tile<1, D>(q, kt, v, nk, visible, scores, best, total, out); break;
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// bfloat16 on a CPU with AMX: both products on the tile unit (16 x 32 by 32 x 16 bfloat16 products
+// accumulated in float32 per instruction), blocks of 16 rows; the softmax stays float32 on vectors
+// and its weights are rounded to bfloat16 for the second product, as PyTorch's flash kernel does.
+// Tiles: 0-3 accumulators (16 x 16 float32 each: 64 keys, or 64 output columns), 4 the left
+// operand (16 rows x 32 bfloat16), 5-7 the right one. The key tile is packed in pairs along D
+// (kp [D/2][kKeyTile][2]) and the value tile in pairs of keys (vp [kKeyTile/2][D][2]): the
+// pair-interleaved layout the tile unit's right operand takes.
+constexpr bool kAmxBuilt = true;
+constexpr int kAmxRows = 16;
+
+// Linux hands out the tile registers' state only on request, once per process.
+bool amx_permitted() {
+    static const bool ok = [] {
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+void amx_configure() {
+    TileConfig config{};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = kAmxRows;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+// Tiles 0-3 += A (tile 4, loaded from a) times the four 16-column blocks of b (row stride b_stride
+// bytes, blocks 32 bfloat16 apart).
+inline void amx_row_of_four(const uint16_t* a, int a_stride, const uint16_t* b, int b_stride) {
+    _tile_loadd(4, a, a_stride);
+    _tile_loadd(5, b, b_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, b + 32, b_stride);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, b + 64, b_stride);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b + 96, b_stride);
+    _tile_dpbf16ps(3, 4, 5);
+}
+
+inline void amx_release() { _tile_release(); }
+
+inline void amx_zero_four() {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+inline void amx_store_four(float* c, int stride) {
+    _tile_stored(0, c, stride);
+    _tile_stored(1, c + 16, stride);
+    _tile_stored(2, c + 32, stride);
+    _tile_stored(3, c + 48, stride);
+}
+
+// 16 rows (q bfloat16 [16][D], unscaled) against one packed key tile.
+template <int D>
+inline void block_amx(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, int nk, const int* visible,
+                      float scale, float* scores, uint16_t* weights, float* partial, float* best, float* total,
+                      float* out) {
+    amx_zero_four();
+    for (int step = 0; step < D / 32; ++step)  // 32 of D per step: 16 pairs of the packed keys
+        amx_row_of_four(q + step * 32, D * 2, kp + step * 16 * 2 * kKeyTile, 2 * kKeyTile * 2);
+    amx_store_four(scores, kKeyTile * 4);
+    float alpha[kAmxRows];
+    online_softmax<kAmxRows>(scores, visible, scale, best, total, alpha);
+    for (int r = 0; r < kAmxRows; ++r)  // weights in bfloat16 (round to nearest even), keys in order
+        for (int c = 0; c < 4; c += 2) {
+            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(scores + r * kKeyTile + (c + 1) * 16),
+                                                      _mm512_loadu_ps(scores + r * kKeyTile + c * 16));
+            _mm512_storeu_si512(weights + r * kKeyTile + c * 16, reinterpret_cast<const __m512i&>(pair));
+        }
+    for (int col = 0; col < D; col += 64) {
+        amx_zero_four();
+        for (int step = 0; step < (nk + 31) / 32; ++step)  // 32 keys per step (past nk: weights 0, values 0)
+            amx_row_of_four(weights + step * 32, kKeyTile * 2, vp + step * 16 * 2 * D + col * 2, 2 * D * 2);
+        amx_store_four(partial + col, D * 4);
+    }
+    for (int r = 0; r < kAmxRows; ++r) {
+        const vec16 a = splat(alpha[r]);
+        for (int c = 0; c < D / 16; ++c)
+            storev(out + r * D + c * 16, loadv(out + r * D + c * 16) * a + loadv(partial + r * D + c * 16));
+    }
+}
+#else
+constexpr bool kAmxBuilt = false;
+constexpr int kAmxRows = 16;
+inline bool amx_permitted() { return false; }
+inline void amx_configure() {}
+template <int D>
+inline void block_amx(const uint16_t*, const uint16_t*, const uint16_t*, int, const int*, float, float*, uint16_t*,
+                      float*, float*, float*, float*) {}
+inline void amx_release() {}
+#endif
 
 struct Item {
     int64_t seq, head, first, count;  // query positions first..first+count-1 of the sequence's new tokens
@@ -182,7 +302,10 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
     // biggest first, so that the dynamic schedule ends with small items (causal: later tiles see more)
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.work > b.work; });
     const int64_t Hq = Hkv * G;
-    const int64_t max_rows = positions_per_item * G;
+    // bfloat16 on the tile unit where there is one (blocks of 16 rows: an item's rows padded to 16)
+    const bool amx = std::is_same_v<T, uint16_t> && kAmxBuilt && D >= 64 && amx_permitted();
+    const int64_t row_block = amx ? kAmxRows : kRowBlock;
+    const int64_t max_rows = (positions_per_item * G + row_block - 1) / row_block * row_block;
     const int64_t num_items = static_cast<int64_t>(items.size());
     // Every sequence's keys, packed once in float32 and shared by all items: per KV head, tiles of
     // K transposed ([D][kKeyTile]) and V ([kKeyTile][D]), the last tile padded with zeros. Packing
@@ -214,6 +337,20 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
             float* vt = kt + kKeyTile * D;
             const int64_t j0 = tile.tile * kKeyTile;
             const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, kv - j0));
+            if (amx) {  // bfloat16 kept, in pairs (block_amx); zeros past nk
+                uint16_t* kp = reinterpret_cast<uint16_t*>(kt);
+                uint16_t* vp = reinterpret_cast<uint16_t*>(vt);
+                for (int j = 0; j < kKeyTile; ++j) {
+                    const int64_t base = j < nk ? (seq_slots[j0 + j] * Hkv + tile.head) * D : 0;
+                    const uint16_t* kr = reinterpret_cast<const uint16_t*>(k) + base;
+                    const uint16_t* vr = reinterpret_cast<const uint16_t*>(v) + base;
+                    for (int d = 0; d < D; ++d) {
+                        kp[(d / 2) * 2 * kKeyTile + j * 2 + (d & 1)] = j < nk ? kr[d] : 0;
+                        vp[(j / 2) * 2 * D + d * 2 + (j & 1)] = j < nk ? vr[d] : 0;
+                    }
+                }
+                continue;
+            }
             for (int j = 0; j < nk; ++j) {
                 const int64_t base = (seq_slots[j0 + j] * Hkv + tile.head) * D;
                 for (int d = 0; d < D; ++d) {
@@ -224,15 +361,20 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
             for (int j = nk; j < kKeyTile; ++j)
                 for (int d = 0; d < D; ++d) kt[d * kKeyTile + j] = vt[j * D + d] = 0.0f;
         }
-        // per thread: the item's queries and outputs, scores
-        float* buffer = static_cast<float*>(
-            aligned_alloc(64, sizeof(float) * static_cast<size_t>(2 * max_rows * D + max_rows * kKeyTile +
-                                                                  2 * max_rows + 64)));
+        // per thread: the item's queries (float32 pre-scaled, or bfloat16 for the tile unit) and
+        // outputs, scores, their bfloat16 weights, one block's partial output
+        float* buffer = static_cast<float*>(aligned_alloc(
+            64, sizeof(float) * static_cast<size_t>(2 * max_rows * D + max_rows * kKeyTile + max_rows * D / 2 +
+                                                    max_rows * kKeyTile / 2 + kAmxRows * D + 2 * max_rows + 64)));
         float* qf = buffer;
         float* of = qf + max_rows * D;
         float* scores = of + max_rows * D;
-        float* best = scores + max_rows * kKeyTile;
+        uint16_t* qb = reinterpret_cast<uint16_t*>(scores + max_rows * kKeyTile);
+        uint16_t* weights = qb + max_rows * D;
+        float* partial = reinterpret_cast<float*>(weights + max_rows * kKeyTile);
+        float* best = partial + kAmxRows * D;
         float* total = best + max_rows;
+        if (amx) amx_configure();
         std::vector<int> limit(static_cast<size_t>(max_rows));
         std::vector<int> visible(static_cast<size_t>(max_rows));
 
@@ -244,28 +386,36 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
             const int64_t num_tiles = (kv + kKeyTile - 1) / kKeyTile;
             const float* seq_packed = packed + packed_at[item.seq] + h * num_tiles * 2 * kKeyTile * D;
             const int rows = static_cast<int>(item.count * G);
+            const int padded_rows = static_cast<int>((rows + row_block - 1) / row_block * row_block);
+            if (amx) {  // padding rows: zero queries that see no key
+                memset(qb + rows * D, 0, sizeof(uint16_t) * (padded_rows - rows) * D);
+                for (int r = rows; r < padded_rows; ++r) limit[r] = 0;
+            }
             for (int64_t i = 0; i < item.count; ++i) {
                 const int64_t pos = item.first + i;
                 const int64_t keys = kv - n + pos + 1;  // causal: its own key and those before it
                 for (int64_t g = 0; g < G; ++g) {
                     const int64_t r = i * G + g;
                     const T* qr = q + (row0 + pos) * q_stride + (h * G + g) * D;
-                    for (int d = 0; d < D; ++d) qf[r * D + d] = load(qr, d) * scale;
+                    if (amx)
+                        memcpy(qb + r * D, qr, sizeof(uint16_t) * D);  // scaled in the softmax
+                    else
+                        for (int d = 0; d < D; ++d) qf[r * D + d] = load(qr, d) * scale;
                     limit[r] = static_cast<int>(keys);
                 }
             }
-            for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t r = 0; r < padded_rows; ++r) {
                 best[r] = -INFINITY;
                 total[r] = 0.0f;
             }
-            memset(of, 0, sizeof(float) * rows * D);
+            memset(of, 0, sizeof(float) * padded_rows * D);
             const int64_t last_keys = limit[rows - 1];
             for (int64_t j0 = 0; j0 < last_keys; j0 += kKeyTile) {
                 const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, last_keys - j0));
                 const float* kt = seq_packed + (j0 / kKeyTile) * 2 * kKeyTile * D;
                 const float* vt = kt + kKeyTile * D;
-                for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-                    const int block = std::min(kRowBlock, rows - r0);
+                for (int r0 = 0; r0 < rows; r0 += static_cast<int>(row_block)) {
+                    const int block = std::min(static_cast<int>(row_block), padded_rows - r0);
                     bool any = false;
                     for (int r = 0; r < block; ++r) {
                         const int64_t seen = limit[r0 + r] - j0;
@@ -273,6 +423,13 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
                         any |= visible[r0 + r] > 0;
                     }
                     if (!any) continue;
+                    if (amx) {
+                        block_amx<D>(qb + r0 * D, reinterpret_cast<const uint16_t*>(kt),
+                                     reinterpret_cast<const uint16_t*>(vt), nk, visible.data() + r0, scale,
+                                     scores + r0 * kKeyTile, weights + r0 * kKeyTile, partial, best + r0, total + r0,
+                                     of + r0 * D);
+                        continue;
+                    }
                     block_dispatch<D>(block, qf + r0 * D, kt, vt, nk, visible.data() + r0, scores + r0 * kKeyTile,
                                       best + r0, total + r0, of + r0 * D);
                 }
@@ -287,6 +444,7 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
                 }
             }
         }
+        if (amx) amx_release();
         free(buffer);
     }
     free(packed);
@@ -325,3 +483,6 @@ extern "C" int prefixkv_prefill_attention(int dtype, int64_t D, const void* q, i
         return dispatch_head_dim<uint16_t>(D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, num_threads);
     return 3;
 }
+
+// 1 when bfloat16 prefill attention runs on the tile unit (AMX) here, else 0.
+extern "C" int prefixkv_prefill_attention_amx() { return kAmxBuilt && amx_permitted() ? 1 : 0; }
