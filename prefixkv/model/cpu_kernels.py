@@ -40,11 +40,10 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
 SOURCES = [
     Path(__file__).with_name("csrc") / name
-    for name in ("decode_attention.cpp", "prefill_attention.cpp", "add_rms_norm.cpp")
+    for name in ("decode_attention.cpp", "prefill_attention.cpp", "add_rms_norm.cpp", "silu_and_mul.cpp")
 ]
-HEADERS = [
-    Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h")
-]  # part of the cache key, not compiled alone
+# part of the cache key, not compiled alone
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h", "vec16.h")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
@@ -57,6 +56,7 @@ _function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _prefill_amx = False
+_silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 @contextlib.contextmanager
@@ -149,6 +149,10 @@ def _load() -> ctypes.CDLL:
         ctypes.c_float,
         ctypes.c_int,
     ]
+    silu = lib.prefixkv_silu_and_mul
+    silu.restype = ctypes.c_int
+    # (dtype, gu, out, rows, I, threads)
+    silu.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     norm = lib.prefixkv_add_rms_norm
     norm.restype = ctypes.c_int
     # (dtype, h, delta, weight, out, rows, dim, eps, threads)
@@ -157,7 +161,7 @@ def _load() -> ctypes.CDLL:
 
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _loaded, _function, _norm_function, _prefill_function, _prefill_amx
+    global _loaded, _function, _norm_function, _prefill_function, _prefill_amx, _silu_function
     if _loaded:
         return _function
     with _lock:
@@ -165,11 +169,15 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
             try:
                 lib = _load()
                 if _self_check(
-                    lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm, lib.prefixkv_prefill_attention
+                    lib.prefixkv_decode_attention,
+                    lib.prefixkv_add_rms_norm,
+                    lib.prefixkv_prefill_attention,
+                    lib.prefixkv_silu_and_mul,
                 ):
                     _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
                     _prefill_function = lib.prefixkv_prefill_attention
                     _prefill_amx = bool(lib.prefixkv_prefill_attention_amx())
+                    _silu_function = lib.prefixkv_silu_and_mul
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -400,6 +408,33 @@ def reference_prefill_attention(
             )
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for the fused gate/up projection's output [..., 2 * I] (gate first), as
+    `F.silu(g) * u` computes it; None where the kernel does not apply."""
+    if not _enabled or gate_up.device.type != "cpu":
+        return None
+    code = _DTYPE_CODES.get(gate_up.dtype)
+    if code is None or not gate_up.is_contiguous() or gate_up.shape[-1] % 2 or gate_up.shape[-1] == 0:
+        return None
+    if _function_or_none() is None or _silu_function is None:
+        return None
+    return _run_silu(_silu_function, code, gate_up)
+
+
+def _run_silu(fn: ctypes._CFuncPtr, code: int, gate_up: torch.Tensor) -> torch.Tensor | None:  # type: ignore[name-defined]
+    inner = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], inner, dtype=gate_up.dtype)
+    rows = gate_up.numel() // (2 * inner)
+    rc = fn(code, gate_up.data_ptr(), out.data_ptr(), rows, inner, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def reference_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The PyTorch formulation of `silu_and_mul`: its oracle."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """h += delta (in place, in h's dtype) and returns rms_norm(h) * weight the way transformers'
     LlamaRMSNorm computes it; None where the kernel does not apply (then nothing was changed).
@@ -459,6 +494,7 @@ def _self_check(
     attention: ctypes._CFuncPtr,  # type: ignore[name-defined]
     norm: ctypes._CFuncPtr,  # type: ignore[name-defined]
     prefill: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    silu: ctypes._CFuncPtr,  # type: ignore[name-defined]
 ) -> bool:
     """The freshly loaded kernels against the PyTorch path on small cases, both dtypes."""
     g = torch.Generator().manual_seed(0)
@@ -489,6 +525,10 @@ def _self_check(
                 return False
             if not torch.allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5):
                 return False
+        gate_up = (torch.randn(7, 2 * 83, generator=g) * 4).to(dtype)  # 83: a vector tail too
+        got = _run_silu(silu, _DTYPE_CODES[dtype], gate_up)
+        if got is None or not torch.allclose(got.float(), reference_silu_and_mul(gate_up).float(), rtol=tol, atol=tol):
+            return False
         h = torch.randn(5, 96, generator=g).to(dtype)
         delta = torch.randn(5, 96, generator=g).to(dtype)
         weight = (torch.rand(96, generator=g) + 0.5).to(dtype)

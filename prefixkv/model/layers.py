@@ -126,8 +126,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        g, u = gu.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(g) * u)
+        act = cpu_kernels.silu_and_mul(gu)  # one native pass on CPU
+        if act is None:
+            g, u = gu.split(self.intermediate, dim=-1)
+            act = F.silu(g) * u
+        return self.down_proj(act)
 
 
 class PackedLinear(nn.Module):

@@ -299,3 +299,31 @@ def test_long_bfloat16_prompts_stay_with_the_flash_kernel():
     bf16 = meta.plan(16, torch.device("cpu"), None, torch.bfloat16)
     assert bf16.fresh_kernel is not None and bf16.fresh_kernel.seqs[:, 1].tolist() == [short]
     assert [b - a for a, b, _ in bf16.fresh_rest] == [long]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (37, 2 * 83), (3, 4, 2 * 40)])
+def test_silu_and_mul_equals_silu_then_mul(dtype, shape):
+    """The fused gate/up activation against `F.silu(gate) * up`: float32 within the exponential's
+    ~2e-7, bfloat16 rounded as PyTorch rounds (silu to bfloat16, then the product) - the same
+    values but for rare one-ulp differences; the vector tail (83, 40 columns) included."""
+    g = torch.Generator().manual_seed(sum(shape))
+    gate_up = (torch.randn(*shape, generator=g) * 4).to(dtype)
+    gate_up[..., 0] = 0.0  # silu(0) = 0 exactly
+    got = cpu_kernels.silu_and_mul(gate_up)
+    want = cpu_kernels.reference_silu_and_mul(gate_up)
+    assert got is not None and got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
+        assert (got != want).float().mean() < 0.01
+    assert torch.equal(got[..., 0], torch.zeros_like(got[..., 0]))
+
+
+def test_silu_and_mul_refuses_what_it_cannot_take():
+    assert cpu_kernels.silu_and_mul(torch.randn(4, 10).half()) is None  # float16
+    assert cpu_kernels.silu_and_mul(torch.randn(10, 4).t()) is None  # not contiguous
+    assert cpu_kernels.silu_and_mul(torch.randn(4, 9)) is None  # odd width: no gate/up halves
+    with cpu_kernels.disabled():
+        assert cpu_kernels.silu_and_mul(torch.randn(4, 10)) is None
