@@ -206,11 +206,13 @@ class _Plan:
 
 CASCADE_MIN_TOKENS = 64
 # bfloat16 prompts up to this many new tokens go to the native prefill kernel; longer ones to
-# PyTorch's flash kernel, whose matrix products use the CPU's bfloat16 units (docs/benchmarks.md, per
-# layer of the default model: on the tile unit (AMX) the native kernel takes 0.86 ms at 478 tokens
-# against flash's 1.66, 3.3 against 3.1 at 1,024; on vectors alone 1.28 against 1.74 at 478)
+# PyTorch's flash kernel, whose matrix products also use the CPU's bfloat16 units and which is
+# faster there (`bench/prefill_attention.py`, one layer of the default model, on the tile unit:
+# native 0.72 ms at 478 tokens against flash's 1.49, 0.94 against 1.01 at 560, 1.11 against 1.00
+# at 600, 2.90 against 2.55 at 1,024; on vectors alone 1.28 against 1.74 at 478). Chunks after
+# cached context gain more: the PyTorch path gathers their context first.
 BF16_KERNEL_MAX_NEW_TOKENS = 640
-BF16_KERNEL_MAX_NEW_TOKENS_AMX = 1024
+BF16_KERNEL_MAX_NEW_TOKENS_AMX = 576
 
 
 def bf16_kernel_max_new_tokens() -> int:
