@@ -208,11 +208,11 @@ CASCADE_MIN_TOKENS = 64
 # bfloat16 prompts up to this many new tokens go to the native prefill kernel; longer ones to
 # PyTorch's flash kernel, whose matrix products also use the CPU's bfloat16 units and which is
 # faster there (`bench/prefill_attention.py`, one layer of the default model, on the tile unit:
-# native 0.72 ms at 478 tokens against flash's 1.49, 0.94 against 1.01 at 560, 1.11 against 1.00
-# at 600, 2.90 against 2.55 at 1,024; on vectors alone 1.28 against 1.74 at 478). Chunks after
-# cached context gain more: the PyTorch path gathers their context first.
+# native 0.56 ms at 478 tokens against flash's 1.48, 7.75 against 8.36 at 2,048, 31.7 against 29.2
+# at 4,096; on vectors alone, measured before the batched rescaling, 1.28 against 1.74 at 478 and
+# 5.26 against 2.69 at 1,024). Chunks after cached context gain more: PyTorch gathers them first.
 BF16_KERNEL_MAX_NEW_TOKENS = 640
-BF16_KERNEL_MAX_NEW_TOKENS_AMX = 576
+BF16_KERNEL_MAX_NEW_TOKENS_AMX = 2048
 
 
 def bf16_kernel_max_new_tokens() -> int:

@@ -290,7 +290,8 @@ def test_long_bfloat16_prompts_stay_with_the_flash_kernel():
     from prefixkv.model.attention import AttentionMetadata, bf16_kernel_max_new_tokens
 
     long, short = bf16_kernel_max_new_tokens() + 1, 40
-    blocks = torch.arange(160).view(2, 80)
+    columns = long // 16 + 1
+    blocks = torch.arange(2 * columns).view(2, columns)
     slots = torch.cat([blocks[i, pos // 16] * 16 + pos % 16 for i, pos in enumerate(map(torch.arange, (short, long)))])
     meta = AttentionMetadata(slots, [0, short, short + long], [short, long], blocks)
     fp32 = meta.plan(16, torch.device("cpu"), None, torch.float32)

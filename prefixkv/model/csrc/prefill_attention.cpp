@@ -116,33 +116,42 @@ inline void weigh_block(const float* p, const float* v, int nk, const float* alp
 // row r may see (0..nk); a row with none gets weights 0 and alpha 1 (its output is left as it is).
 template <int R>
 inline void online_softmax(float* scores, const int* visible, float scale, float* best, float* total, float* alpha) {
+    static_assert(R <= 16, "the rescaling factors are computed as one vector");
+    float shift[16] = {}, sums[16] = {};  // per row: old maximum - new one (<= 0), the new weights' sum
+    bool first[16] = {};                  // the first tile the row sees: nothing to rescale
     for (int r = 0; r < R; ++r) {
         float* s = scores + r * kKeyTile;
         const int n = visible[r];
-        if (n == 0) {  // a tile wholly in this row's future
-            alpha[r] = 1.0f;
+        if (n == 0) {  // a tile wholly in this row's future: shift 0 gives alpha exactly 1
             for (int c = 0; c < 4; ++c) storev(s + 16 * c, vec16{});
             continue;
         }
-        // keys at or past n are masked: -inf for the maximum, weight 0
+        // keys at or past n are masked: -inf for the maximum, weight 0 (a full tile needs no mask)
         vec16 x[4];
         vec16 row_max = splat(-INFINITY);
         for (int c = 0; c < 4; ++c) {
             x[c] = loadv(s + 16 * c) * scale;
-            x[c] = lane_index() + 16 * c < n ? x[c] : splat(-INFINITY);
+            if (n < kKeyTile) x[c] = lane_index() + 16 * c < n ? x[c] : splat(-INFINITY);
             row_max = vmax(row_max, x[c]);
         }
         const float m = std::max(best[r], hmax(row_max));
-        // the first tile a row sees has best = -inf: its alpha is 0 (out and total are 0 anyway)
-        alpha[r] = best[r] == -INFINITY ? 0.0f : exp_nonpositive(splat(best[r] - m))[0];
+        first[r] = best[r] == -INFINITY;
+        shift[r] = first[r] ? 0.0f : best[r] - m;
         vec16 sum_v = vec16{};
         for (int c = 0; c < 4; ++c) {
-            const vec16 e = lane_index() + 16 * c < n ? exp_nonpositive(x[c] - m) : vec16{};
+            vec16 e = exp_nonpositive(x[c] - m);
+            if (n < kKeyTile) e = lane_index() + 16 * c < n ? e : vec16{};
             storev(s + 16 * c, e);
             sum_v += e;
         }
-        total[r] = total[r] * alpha[r] + hsum(sum_v);
+        sums[r] = hsum(sum_v);
         best[r] = m;
+    }
+    // every row's rescaling factor in one vector exponential (one per row cost as much as a tile's)
+    const vec16 factors = exp_nonpositive(loadv(shift));
+    for (int r = 0; r < R; ++r) {
+        alpha[r] = first[r] ? 0.0f : factors[r];  // out and total are 0 before a row's first tile
+        total[r] = total[r] * alpha[r] + sums[r];
     }
 }
 
