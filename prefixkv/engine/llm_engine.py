@@ -14,7 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -657,8 +657,13 @@ class LLMEngine:
         return ok
 
     def get_stats(self) -> EngineStats:
-        """The latest snapshot; safe to call from any thread."""
-        return self._stats
+        """The latest snapshot; safe to call from any thread. The KV tiers' counters are read
+        now, not at the last step: their background writers finish saves between and after
+        steps (after `tiers.flush()` the counters show every queued save, on an idle engine too)."""
+        stats = self._stats
+        if self.tiers is not None:
+            return replace(stats, kv_tiers=self.tiers.stats())  # each tier's counters under its lock
+        return stats
 
     def _update_stats(self) -> None:
         s = self.scheduler
@@ -692,7 +697,6 @@ class LLMEngine:
         return dict(
             external_prefix_cache_queries=t.external_queries,
             external_prefix_cache_hits=t.external_hits,
-            kv_tiers=t.stats(),
         )
 
     def _mm_stats(self) -> dict[str, Any]:
