@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
 SOURCES = [
     Path(__file__).with_name("csrc") / name
-    for name in ("decode_attention.cpp", "prefill_attention.cpp", "add_rms_norm.cpp", "silu_and_mul.cpp")
+    for name in ("decode_attention.cpp", "prefill_attention.cpp", "add_rms_norm.cpp", "silu_and_mul.cpp", "rotary.cpp")
 ]
 # part of the cache key, not compiled alone
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h", "vec16.h")]
@@ -57,6 +57,7 @@ _norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _prefill_amx = False
 _silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 @contextlib.contextmanager
@@ -153,6 +154,17 @@ def _load() -> ctypes.CDLL:
     silu.restype = ctypes.c_int
     # (dtype, gu, out, rows, I, threads)
     silu.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    rotary = lib.prefixkv_rotary
+    rotary.restype = ctypes.c_int
+    # (dtype, x, row_stride, T, H, D, cos, sin, threads)
+    rotary.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        *[ctypes.c_int64] * 4,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     norm = lib.prefixkv_add_rms_norm
     norm.restype = ctypes.c_int
     # (dtype, h, delta, weight, out, rows, dim, eps, threads)
@@ -161,7 +173,7 @@ def _load() -> ctypes.CDLL:
 
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _loaded, _function, _norm_function, _prefill_function, _prefill_amx, _silu_function
+    global _loaded, _function, _norm_function, _prefill_function, _prefill_amx, _silu_function, _rotary_function
     if _loaded:
         return _function
     with _lock:
@@ -173,11 +185,13 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                     lib.prefixkv_add_rms_norm,
                     lib.prefixkv_prefill_attention,
                     lib.prefixkv_silu_and_mul,
+                    lib.prefixkv_rotary,
                 ):
                     _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
                     _prefill_function = lib.prefixkv_prefill_attention
                     _prefill_amx = bool(lib.prefixkv_prefill_attention_amx())
                     _silu_function = lib.prefixkv_silu_and_mul
+                    _rotary_function = lib.prefixkv_rotary
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -435,6 +449,54 @@ def reference_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(g) * u
 
 
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotates x [T, H, D] in place (heads contiguous, rows any distance apart) by the [T, D]
+    (or [T, 1, D]) cos and signed-sine tables of layers.RotaryEmbedding, rounding as its PyTorch
+    formulation; False where the kernel does not apply (then x is unchanged)."""
+    if not _enabled or x.device.type != "cpu":
+        return False
+    code = _DTYPE_CODES.get(x.dtype)
+    if x.dim() != 3:
+        return False
+    T, H, D = x.shape
+    cos, sin = cos.reshape(-1, D) if cos.numel() == T * D else cos, sin.reshape(-1, D) if sin.numel() == T * D else sin
+    if (
+        code is None
+        or x.stride(2) != 1
+        or x.stride(1) != D
+        or cos.dtype != x.dtype
+        or sin.dtype != x.dtype
+        or cos.shape != (T, D)
+        or sin.shape != (T, D)
+        or not (cos.is_contiguous() and sin.is_contiguous())
+    ):
+        return False
+    if _function_or_none() is None or _rotary_function is None:
+        return False
+    return _run_rotary(_rotary_function, code, x, cos, sin)
+
+
+def _run_rotary(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    code: int,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> bool:
+    T, H, D = x.shape
+    rc = fn(code, x.data_ptr(), x.stride(0), T, H, D, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    return bool(rc == 0)
+
+
+def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The PyTorch formulation of `rotary_` (out of place): layers.RotaryEmbedding.apply's."""
+    half = x.shape[-1] // 2
+    cos, sin = cos.reshape(x.shape[0], 1, -1), sin.reshape(x.shape[0], 1, -1)
+    out = x * cos
+    out += torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
+    return out
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """h += delta (in place, in h's dtype) and returns rms_norm(h) * weight the way transformers'
     LlamaRMSNorm computes it; None where the kernel does not apply (then nothing was changed).
@@ -495,6 +557,7 @@ def _self_check(
     norm: ctypes._CFuncPtr,  # type: ignore[name-defined]
     prefill: ctypes._CFuncPtr,  # type: ignore[name-defined]
     silu: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    rotary: ctypes._CFuncPtr,  # type: ignore[name-defined]
 ) -> bool:
     """The freshly loaded kernels against the PyTorch path on small cases, both dtypes."""
     g = torch.Generator().manual_seed(0)
@@ -529,6 +592,14 @@ def _self_check(
         got = _run_silu(silu, _DTYPE_CODES[dtype], gate_up)
         if got is None or not torch.allclose(got.float(), reference_silu_and_mul(gate_up).float(), rtol=tol, atol=tol):
             return False
+        for D in (64, 40):  # 40: a half that is not a multiple of 16
+            x = torch.randn(6, 5, D, generator=g).to(dtype)[:, :3]  # rows 5 * D apart
+            angles = torch.rand(6, D // 2, generator=g) * 6
+            cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+            sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+            want_rot = reference_rotary(x, cos, sin)
+            if not _run_rotary(rotary, _DTYPE_CODES[dtype], x, cos, sin) or not torch.equal(x, want_rot):
+                return False
         h = torch.randn(5, 96, generator=g).to(dtype)
         delta = torch.randn(5, 96, generator=g).to(dtype)
         weight = (torch.rand(96, generator=g) + 0.5).to(dtype)

@@ -101,6 +101,14 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
     @staticmethod
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply`, in place in x where the native kernel takes it (on CPU: one pass, no new
+        tensor, the same values bit for bit); else a new tensor. Use the result, not x."""
+        if cpu_kernels.rotary_(x, cos, sin):
+            return x
+        return RotaryEmbedding.apply(x, cos, sin)
+
+    @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D] (any strides); cos, signed sin: [T, 1, D] (from cos_sin). Returns a new
         contiguous tensor.

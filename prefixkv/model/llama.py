@@ -53,7 +53,8 @@ class Attention(nn.Module):
             )
         else:
             # q and k sit side by side in each row of qkv: one rotation over their heads together
-            qk = RotaryEmbedding.apply(
+            # (in place on CPU: qkv is this layer's own temporary)
+            qk = RotaryEmbedding.apply_(
                 qkv[:, :k_end].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
             )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]

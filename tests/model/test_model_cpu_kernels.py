@@ -328,3 +328,38 @@ def test_silu_and_mul_refuses_what_it_cannot_take():
     assert cpu_kernels.silu_and_mul(torch.randn(4, 9)) is None  # odd width: no gate/up halves
     with cpu_kernels.disabled():
         assert cpu_kernels.silu_and_mul(torch.randn(4, 10)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40])  # 40: a half that is not a multiple of 16
+def test_rotary_in_place_equals_the_pytorch_rotation_bit_for_bit(dtype, head_dim):
+    """q and k heads rotated in place inside the fused q/k/v rows (rows wider than the rotated
+    heads, v untouched), against RotaryEmbedding.apply's formulation: the same bits, both dtypes."""
+    from prefixkv.model.layers import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(head_dim)
+    T, heads, v_heads = 37, 12, 3
+    qkv = (torch.randn(T, (heads + v_heads) * head_dim, generator=g) * 3).to(dtype)
+    angles = torch.rand(T, head_dim // 2, generator=g) * 50
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)[:, None]
+    x = qkv[:, : heads * head_dim].view(T, heads, head_dim)
+    want = RotaryEmbedding.apply(x, cos, sin)
+    v_before = qkv[:, heads * head_dim :].clone()
+    got = RotaryEmbedding.apply_(x, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()  # in place: no new tensor
+    assert torch.equal(got, want)
+    assert torch.equal(qkv[:, heads * head_dim :], v_before)
+
+
+def test_rotary_refuses_what_it_cannot_take_and_changes_nothing():
+    x = torch.randn(4, 2, 64)
+    cos, sin = torch.randn(4, 64), torch.randn(4, 64)
+    before = x.clone()
+    assert not cpu_kernels.rotary_(x, cos.bfloat16(), sin)  # mixed dtypes
+    assert not cpu_kernels.rotary_(x, cos[:3], sin[:3])  # a table per row is needed
+    assert not cpu_kernels.rotary_(x.transpose(0, 1), cos, sin)  # heads not contiguous
+    assert not cpu_kernels.rotary_(x.half(), cos.half(), sin.half())  # float16
+    with cpu_kernels.disabled():
+        assert not cpu_kernels.rotary_(x, cos, sin)
+    assert torch.equal(x, before)

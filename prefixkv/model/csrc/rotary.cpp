@@ -1,0 +1,107 @@
+// Rotary position embedding (Neox/HF rotate_half) in place, for the CPU: each head's row x of
+// width D becomes x * cos + rotate_half(x) * signed_sin, where the tables hold cos on both halves
+// and -sin / +sin on the first / second half (layers.RotaryEmbedding), so
+//   x'[j]        = x[j] * c[j]               + x[j + D/2] * s[j]
+//   x'[j + D/2]  = x[j + D/2] * c[j + D/2]   + x[j] * s[j + D/2]
+// Rounded exactly as the PyTorch formulation (two products, each rounded to the dtype, then their
+// sum rounded): no fused multiply-add in this file, so float32 results are bit for bit PyTorch's.
+// Eager PyTorch runs it as four operators over q and k (mul, cat, mul_, add_) into a new tensor:
+// ~6 ms of a 478-token bfloat16 prefill of the default model. Built and loaded like
+// decode_attention.cpp (prefixkv/model/cpu_kernels.py).
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "vec16.h"
+
+namespace {
+
+using prefixkv::loadv;
+using prefixkv::storev;
+using prefixkv::vec16;
+
+typedef uint16_t u16vec16 __attribute__((vector_size(32)));
+typedef uint16_t u16vec16_unaligned __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t uvec16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) { return loadv(p); }
+inline vec16 load16(const uint16_t* p) {
+    const u16vec16 h = *reinterpret_cast<const u16vec16_unaligned*>(p);
+    const uvec16 bits = __builtin_convertvector(h, uvec16) << 16;
+    return reinterpret_cast<const vec16&>(bits);
+}
+inline uvec16 bf16_bits(vec16 x) {  // nearest bfloat16, ties to even; NaN stays a quiet NaN
+    const uvec16 bits = reinterpret_cast<const uvec16&>(x);
+    const uvec16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return x != x ? (bits | 0x00400000u) : rounded;
+}
+inline void store16(float* p, vec16 x) { storev(p, x); }
+inline void store16(uint16_t* p, vec16 x) {
+    *reinterpret_cast<u16vec16_unaligned*>(p) = __builtin_convertvector(bf16_bits(x) >> 16, u16vec16);
+}
+inline vec16 round_to(const float*, vec16 x) { return x; }
+inline vec16 round_to(const uint16_t*, vec16 x) {
+    const uvec16 bits = bf16_bits(x);
+    return reinterpret_cast<const vec16&>(bits);
+}
+
+template <typename T>
+void rotate(T* x, int64_t row_stride, int64_t T_rows, int64_t H, int64_t D, const T* cos, const T* sin,
+            int num_threads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(num_threads) if (T_rows * H * D >= (1 << 15)) schedule(static)
+    for (int64_t t = 0; t < T_rows; ++t) {
+        const T* c = cos + t * D;
+        const T* s = sin + t * D;
+        for (int64_t h = 0; h < H; ++h) {
+            T* row = x + t * row_stride + h * D;
+            int64_t j = 0;
+            if (half % 16 == 0) {
+                for (; j < half; j += 16) {
+                    const vec16 a = load16(row + j), b = load16(row + j + half);
+                    const vec16 first = round_to(row, a * load16(c + j)) + round_to(row, b * load16(s + j));
+                    const vec16 second =
+                        round_to(row, b * load16(c + j + half)) + round_to(row, a * load16(s + j + half));
+                    store16(row + j, first);
+                    store16(row + j + half, second);
+                }
+            }
+            for (; j < half; ++j) {  // head dims whose half is not a multiple of 16
+                const float a = prefixkv::load(row, j), b = prefixkv::load(row, j + half);
+                const float first = prefixkv::round_to(row, a * prefixkv::load(c, j)) +
+                                    prefixkv::round_to(row, b * prefixkv::load(s, j));
+                const float second = prefixkv::round_to(row, b * prefixkv::load(c, j + half)) +
+                                     prefixkv::round_to(row, a * prefixkv::load(s, j + half));
+                prefixkv::store(row, j, first);
+                prefixkv::store(row, j + half, second);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// x: T rows (row_stride elements apart) of H heads of D contiguous values, rotated in place;
+// cos, sin: [T, D] contiguous. dtype 0: float32, 1: bfloat16. Returns 0, or non-zero for what it
+// does not handle (nothing was written).
+extern "C" int prefixkv_rotary(int dtype, void* x, int64_t row_stride, int64_t T, int64_t H, int64_t D,
+                               const void* cos, const void* sin, int num_threads) {
+    if (T < 0 || H < 1 || D < 2 || D % 2 || row_stride < H * D || num_threads < 1) return 1;
+    if (dtype == 0) {
+        rotate(static_cast<float*>(x), row_stride, T, H, D, static_cast<const float*>(cos),
+               static_cast<const float*>(sin), num_threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        rotate(static_cast<uint16_t*>(x), row_stride, T, H, D, static_cast<const uint16_t*>(cos),
+               static_cast<const uint16_t*>(sin), num_threads);
+        return 0;
+    }
+    return 3;
+}
