@@ -32,6 +32,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,6 +118,24 @@ def _build(compiler: str) -> Path:
     return target
 
 
+# Each entry point's arguments, as its C declaration spells them (int64_t sizes, float scales, the
+# dtype as a code first, the thread count last).
+_I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES: dict[str, list[Any]] = {
+    # (dtype, D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, threads)
+    "prefixkv_decode_attention": [_I, _I64, *[_P] * 7, *[_I64] * 4, _F, _I],
+    # (dtype, D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, threads)
+    "prefixkv_prefill_attention": [_I, _I64, _P, _I64, *[_P] * 6, *[_I64] * 3, _F, _I],
+    "prefixkv_prefill_attention_amx": [],
+    # (dtype, gu, out, rows, I, threads)
+    "prefixkv_silu_and_mul": [_I, _P, _P, _I64, _I64, _I],
+    # (dtype, x, row_stride, T, H, D, cos, sin, threads)
+    "prefixkv_rotary": [_I, _P, *[_I64] * 4, _P, _P, _I],
+    # (dtype, h, delta, weight, out, rows, dim, eps, threads)
+    "prefixkv_add_rms_norm": [_I, *[_P] * 4, _I64, _I64, _F, _I],
+}
+
+
 def _load() -> ctypes.CDLL:
     if not sys.platform.startswith("linux"):
         raise RuntimeError("only built on Linux")
@@ -126,49 +145,10 @@ def _load() -> ctypes.CDLL:
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) found")
     lib = ctypes.CDLL(str(_build(compiler)))
-    fn = lib.prefixkv_decode_attention
-    fn.restype = ctypes.c_int
-    # (dtype, D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, threads)
-    fn.argtypes = [
-        ctypes.c_int,
-        ctypes.c_int64,
-        *[ctypes.c_void_p] * 7,
-        *[ctypes.c_int64] * 4,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
-    prefill = lib.prefixkv_prefill_attention
-    prefill.restype = ctypes.c_int
-    # (dtype, D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, threads)
-    prefill.argtypes = [
-        ctypes.c_int,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        *[ctypes.c_void_p] * 6,
-        *[ctypes.c_int64] * 3,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
-    silu = lib.prefixkv_silu_and_mul
-    silu.restype = ctypes.c_int
-    # (dtype, gu, out, rows, I, threads)
-    silu.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    rotary = lib.prefixkv_rotary
-    rotary.restype = ctypes.c_int
-    # (dtype, x, row_stride, T, H, D, cos, sin, threads)
-    rotary.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        *[ctypes.c_int64] * 4,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
-    norm = lib.prefixkv_add_rms_norm
-    norm.restype = ctypes.c_int
-    # (dtype, h, delta, weight, out, rows, dim, eps, threads)
-    norm.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int  # 0, or non-zero for what the kernel does not take
+        fn.argtypes = argtypes
     return lib
 
 
@@ -205,6 +185,28 @@ def available() -> bool:
     return _enabled and _function_or_none() is not None
 
 
+def _attention_code(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> int | None:
+    """The dtype code when q [T, Hq, D] and a layer's cache are what the attention kernels take
+    (CPU, float32 or bfloat16 throughout, a head dim of HEAD_DIMS, at most MAX_GROUP query heads per
+    KV head, the cache contiguous); else None."""
+    if not _enabled or q.device.type != "cpu":
+        return None
+    code = _DTYPE_CODES.get(q.dtype)
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_flat.shape[1]
+    if (
+        code is None
+        or D not in HEAD_DIMS
+        or k_flat.dtype != q.dtype
+        or v_flat.dtype != q.dtype
+        or Hq % Hkv
+        or Hq // Hkv > MAX_GROUP
+        or not (k_flat.is_contiguous() and v_flat.is_contiguous())
+    ):
+        return None
+    return code
+
+
 def decode_attention(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -221,19 +223,10 @@ def decode_attention(
     int64, the context positions' slots (only the first lens[b] of row b are read); lens [B] int64.
     Returns [B, Hq, D] in q's dtype. `lse` [B, Hq] float32, if given, receives each row's log-sum-exp
     of scaled scores (for merging with attention over another part of the context)."""
-    if not _enabled or q.device.type != "cpu":
-        return None
-    code = _DTYPE_CODES.get(q.dtype)
+    code = _attention_code(q, k_flat, v_flat)
     B, Hq, D = q.shape
-    Hkv = k_flat.shape[1]
     if (
         code is None
-        or D not in HEAD_DIMS
-        or k_flat.dtype != q.dtype
-        or v_flat.dtype != q.dtype
-        or Hq % Hkv
-        or Hq // Hkv > MAX_GROUP
-        or not (k_flat.is_contiguous() and v_flat.is_contiguous())
         or slots.dtype != torch.int64
         or lens.dtype != torch.int64
         or B == 0
@@ -330,23 +323,15 @@ def prefill_attention(
     kv (>= n; the last n are the new tokens' own, already in the cache) and where its kv slots start
     in `slots` (int64). Query i of a sequence sees its keys 0 .. kv - n + i. `lse` [T, Hq] float32,
     if given, receives each written row's log-sum-exp of scaled scores."""
-    if not _enabled or q.device.type != "cpu":
-        return False
-    code = _DTYPE_CODES.get(q.dtype)
+    code = _attention_code(q, k_flat, v_flat)
     T, Hq, D = q.shape
-    Hkv = k_flat.shape[1]
     if (
         code is None
-        or D not in HEAD_DIMS
-        or k_flat.dtype != q.dtype
-        or v_flat.dtype != q.dtype
         or out.dtype != q.dtype
         or out.shape != q.shape
-        or Hq % Hkv
-        or Hq // Hkv > MAX_GROUP
         or q.stride(2) != 1
         or q.stride(1) != D
-        or not (out.is_contiguous() and k_flat.is_contiguous() and v_flat.is_contiguous())
+        or not out.is_contiguous()
         or seqs.dtype != torch.int64
         or seqs.dim() != 2
         or seqs.shape[1] != 4

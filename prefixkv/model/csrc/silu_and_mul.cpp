@@ -17,37 +17,13 @@ namespace {
 
 using prefixkv::exp_nonpositive;
 using prefixkv::ivec16;
+using prefixkv::load16;
 using prefixkv::loadv;
 using prefixkv::splat;
+using prefixkv::store16;
 using prefixkv::storev;
+using prefixkv::round_to;
 using prefixkv::vec16;
-
-typedef uint16_t u16vec16 __attribute__((vector_size(32)));
-typedef uint16_t u16vec16_unaligned __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t uvec16 __attribute__((vector_size(64)));
-
-inline vec16 load16(const float* p) { return loadv(p); }
-inline vec16 load16(const uint16_t* p) {
-    const u16vec16 h = *reinterpret_cast<const u16vec16_unaligned*>(p);
-    const uvec16 bits = __builtin_convertvector(h, uvec16) << 16;
-    return reinterpret_cast<const vec16&>(bits);
-}
-inline void store16(float* p, vec16 x) { storev(p, x); }
-// the bfloat16 nearest to x (ties to even; NaN stays a quiet NaN, as bf16.h), in the high half
-inline uvec16 bf16_bits(vec16 x) {
-    const uvec16 bits = reinterpret_cast<const uvec16&>(x);
-    const uvec16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    const uvec16 quiet = bits | 0x00400000u;
-    return x != x ? quiet : rounded;
-}
-inline void store16(uint16_t* p, vec16 x) {
-    *reinterpret_cast<u16vec16_unaligned*>(p) = __builtin_convertvector(bf16_bits(x) >> 16, u16vec16);
-}
-inline vec16 round_to(const float*, vec16 x) { return x; }
-inline vec16 round_to(const uint16_t*, vec16 x) {
-    const uvec16 bits = bf16_bits(x);
-    return reinterpret_cast<const vec16&>(bits);
-}
 
 // silu(x) = x / (1 + exp(-x)), with the exponential only ever of a non-positive argument
 inline vec16 silu(vec16 x) {

@@ -35,6 +35,35 @@ inline float hsum(vec16 v) {
     return v[0];
 }
 
+// Sixteen float32 or bfloat16 values of memory as one vec16 (bfloat16 travels as uint16_t), and
+// back, rounding to the element type as PyTorch does (nearest, ties to even; NaN stays a quiet NaN).
+typedef uint16_t u16vec16 __attribute__((vector_size(32)));
+typedef uint16_t u16vec16_unaligned __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t uvec16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) { return loadv(p); }
+inline vec16 load16(const uint16_t* p) {
+    const u16vec16 h = *reinterpret_cast<const u16vec16_unaligned*>(p);
+    const uvec16 bits = __builtin_convertvector(h, uvec16) << 16;
+    return reinterpret_cast<const vec16&>(bits);
+}
+// the bfloat16 nearest to x, in the high half of each lane
+inline uvec16 bf16_bits(vec16 x) {
+    const uvec16 bits = reinterpret_cast<const uvec16&>(x);
+    const uvec16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return x != x ? (bits | 0x00400000u) : rounded;
+}
+inline void store16(float* p, vec16 x) { storev(p, x); }
+inline void store16(uint16_t* p, vec16 x) {
+    *reinterpret_cast<u16vec16_unaligned*>(p) = __builtin_convertvector(bf16_bits(x) >> 16, u16vec16);
+}
+// the value a tensor of that element type would hold
+inline vec16 round_to(const float*, vec16 x) { return x; }
+inline vec16 round_to(const uint16_t*, vec16 x) {
+    const uvec16 bits = bf16_bits(x);
+    return reinterpret_cast<const vec16&>(bits);
+}
+
 // exp(x) for x <= 0, lane by lane: the same range reduction and polynomial as exp_nonpositive
 // (exp.h), relative error ~2e-7.
 inline vec16 exp_nonpositive(vec16 x) {
