@@ -227,8 +227,8 @@ class _KernelBatch:
     """Sequences for one call of the native prefill kernel: seqs [S, 4] (first row, new tokens,
     keys read, first slot) and their slots, one run per sequence."""
 
-    def __init__(self, seqs: torch.Tensor, slots: torch.Tensor, entries: list[Any]) -> None:
-        self.seqs, self.slots, self.entries = seqs, slots, entries
+    def __init__(self, seqs: torch.Tensor, slots: torch.Tensor) -> None:
+        self.seqs, self.slots = seqs, slots
 
     @staticmethod
     def of(
@@ -239,7 +239,6 @@ class _KernelBatch:
         limit = bf16_kernel_max_new_tokens() if dtype == torch.bfloat16 else None
         rows: list[list[int]] = []
         runs: list[torch.Tensor] = []
-        taken: list[Any] = []
         rest: list[Any] = []
         offset = 0
         for a, b, keys, slots, entry in candidates:
@@ -248,11 +247,10 @@ class _KernelBatch:
                 continue
             rows.append([a, b - a, keys, offset])
             runs.append(slots)
-            taken.append(entry)
             offset += keys
         if not rows:
             return None, rest
-        return _KernelBatch(torch.tensor(rows, dtype=torch.long), torch.cat(runs), taken), rest
+        return _KernelBatch(torch.tensor(rows, dtype=torch.long), torch.cat(runs)), rest
 
 
 def _sdpa_lse(
@@ -444,10 +442,11 @@ def _cascade(
         suffix = torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:2], dtype=torch.float32)
         if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, *suffix):
             suffix = None
-    in_kernel = {id(entry) for entry in plan.chunked_kernel.entries} if suffix is not None else set()
+    # the kernel took every chunk but those the plan left to PyTorch (chunked_rest)
+    left = {id(entry) for entry in plan.chunked_rest}
     for entry in plan.chunked:
         a, b, slots, mask = entry
-        if id(entry) in in_kernel:
+        if suffix is not None and id(entry) not in left:
             o, lse = suffix[0][a:b], suffix[1][a:b]
         else:
             o, lse = _attend(q[a:b], _gather(k_flat, slots), _gather(v_flat, slots), mask, scale)

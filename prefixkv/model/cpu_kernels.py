@@ -444,15 +444,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     if x.dim() != 3:
         return False
     T, H, D = x.shape
-    cos, sin = cos.reshape(-1, D) if cos.numel() == T * D else cos, sin.reshape(-1, D) if sin.numel() == T * D else sin
+    if code is None or cos.numel() != T * D or sin.numel() != T * D:  # one table row per row of x
+        return False
+    cos, sin = cos.reshape(T, D), sin.reshape(T, D)
     if (
-        code is None
-        or x.stride(2) != 1
+        x.stride(2) != 1
         or x.stride(1) != D
         or cos.dtype != x.dtype
         or sin.dtype != x.dtype
-        or cos.shape != (T, D)
-        or sin.shape != (T, D)
         or not (cos.is_contiguous() and sin.is_contiguous())
     ):
         return False
@@ -474,7 +473,13 @@ def _run_rotary(
 
 
 def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The PyTorch formulation of `rotary_` (out of place): layers.RotaryEmbedding.apply's."""
+    """The PyTorch formulation of `rotary_`, out of place into a new contiguous tensor (what
+    layers.RotaryEmbedding.apply runs where the kernel does not).
+
+    transformers' x * cos + rotate_half(x) * sin, bit for bit: with the sine's sign folded into the
+    table, rotate_half becomes a swap of the halves, and x2 * (-s) = -(x2 * s) and a + (-b) = a - b
+    are exact in IEEE arithmetic. Four operations over whole rows, where the half-by-half form
+    takes seven."""
     half = x.shape[-1] // 2
     cos, sin = cos.reshape(x.shape[0], 1, -1), sin.reshape(x.shape[0], 1, -1)
     out = x * cos

@@ -111,16 +111,9 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D] (any strides); cos, signed sin: [T, 1, D] (from cos_sin). Returns a new
-        contiguous tensor.
-
-        transformers' x * cos + rotate_half(x) * sin, bit for bit: with the sine's sign folded
-        into the table, rotate_half becomes a swap of the halves, and x2 * (-s) = -(x2 * s) and
-        a + (-b) = a - b are exact in IEEE arithmetic. Four operations over whole rows, where the
-        half-by-half form takes seven; callers rotate q and k together (one call per layer)."""
-        half = x.shape[-1] // 2
-        out = x * cos
-        out += torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
-        return out
+        contiguous tensor, transformers' rotation bit for bit (cpu_kernels.reference_rotary);
+        callers rotate q and k together (one call per layer)."""
+        return cpu_kernels.reference_rotary(x, cos, sin)
 
 
 class GatedMLP(nn.Module):

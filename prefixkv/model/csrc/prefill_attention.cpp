@@ -50,7 +50,6 @@ namespace {
 using prefixkv::exp_nonpositive;
 using prefixkv::hmax;
 using prefixkv::hsum;
-using prefixkv::ivec16;
 using prefixkv::lane_index;
 using prefixkv::load;
 using prefixkv::loadv;

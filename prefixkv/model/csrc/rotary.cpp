@@ -23,9 +23,7 @@
 namespace {
 
 using prefixkv::load16;
-using prefixkv::loadv;
 using prefixkv::store16;
-using prefixkv::storev;
 using prefixkv::round_to;
 using prefixkv::vec16;
 

@@ -16,12 +16,8 @@
 namespace {
 
 using prefixkv::exp_nonpositive;
-using prefixkv::ivec16;
 using prefixkv::load16;
-using prefixkv::loadv;
-using prefixkv::splat;
 using prefixkv::store16;
-using prefixkv::storev;
 using prefixkv::round_to;
 using prefixkv::vec16;
 

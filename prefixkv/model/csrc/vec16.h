@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "exp.h"
+
 namespace prefixkv {
 
 typedef float vec16 __attribute__((vector_size(64)));
@@ -64,24 +66,15 @@ inline vec16 round_to(const uint16_t*, vec16 x) {
     return reinterpret_cast<const vec16&>(bits);
 }
 
-// exp(x) for x <= 0, lane by lane: the same range reduction and polynomial as exp_nonpositive
-// (exp.h), relative error ~2e-7.
+// exp(x) for x <= 0, lane by lane: exp_nonpositive (exp.h) on sixteen floats at once.
 inline vec16 exp_nonpositive(vec16 x) {
-    x = vmax(x, splat(-87.0f));
-    const vec16 t = x * 1.44269504088896341f + 0.5f;
+    x = vmax(x, splat(kExpMin));
+    const vec16 t = x * kLog2e + 0.5f;
     const ivec16 truncated = __builtin_convertvector(t, ivec16);  // toward zero; t < 1 here
     vec16 n = __builtin_convertvector(truncated, vec16);
     n = n > t ? n - 1.0f : n;  // floor
-    const vec16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    vec16 p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
     const ivec16 e = (__builtin_convertvector(n, ivec16) + 127) << 23;
-    return p * reinterpret_cast<const vec16&>(e);
+    return exp_poly(x, n) * reinterpret_cast<const vec16&>(e);
 }
 
 }  // namespace prefixkv
