@@ -41,7 +41,14 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
 SOURCES = [
     Path(__file__).with_name("csrc") / name
-    for name in ("decode_attention.cpp", "prefill_attention.cpp", "add_rms_norm.cpp", "silu_and_mul.cpp", "rotary.cpp")
+    for name in (
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "add_rms_norm.cpp",
+        "silu_and_mul.cpp",
+        "rotary.cpp",
+        "small_linear.cpp",
+    )
 ]
 # part of the cache key, not compiled alone
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h", "vec16.h")]
@@ -59,6 +66,7 @@ _prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _prefill_amx = False
 _silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 @contextlib.contextmanager
@@ -133,6 +141,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "prefixkv_rotary": [_I, _P, *[_I64] * 4, _P, _P, _I],
     # (dtype, h, delta, weight, out, rows, dim, eps, threads)
     "prefixkv_add_rms_norm": [_I, *[_P] * 4, _I64, _I64, _F, _I],
+    "prefixkv_small_linear_available": [],
+    # (x, x_row_stride, packed weight, bias, y, M, K, N, threads)
+    "prefixkv_small_linear": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
 }
 
 
@@ -154,6 +165,7 @@ def _load() -> ctypes.CDLL:
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     global _loaded, _function, _norm_function, _prefill_function, _prefill_amx, _silu_function, _rotary_function
+    global _small_linear_function
     if _loaded:
         return _function
     with _lock:
@@ -172,6 +184,12 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                     _prefill_amx = bool(lib.prefixkv_prefill_attention_amx())
                     _silu_function = lib.prefixkv_silu_and_mul
                     _rotary_function = lib.prefixkv_rotary
+                    if not lib.prefixkv_small_linear_available():
+                        logger.info("no bfloat16 dot-product instruction here: small-batch linears stay on oneDNN")
+                    elif _small_linear_agrees(lib.prefixkv_small_linear):
+                        _small_linear_function = lib.prefixkv_small_linear
+                    else:
+                        logger.warning("the small-batch bfloat16 linear kernel disagreed with F.linear; not used")
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -485,6 +503,88 @@ def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     out = x * cos
     out += torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
     return out
+
+
+SMALL_LINEAR_BLOCK = 16  # output columns per block of the packed weight (kBlock in the source)
+
+
+def small_linear_available() -> bool:
+    """Whether `small_linear` runs here: the kernels are on and the CPU has AVX512-BF16."""
+    return _enabled and _function_or_none() is not None and _small_linear_function is not None
+
+
+def small_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] (bfloat16, CPU) laid out for `small_linear`: [ceil(N/16), K/2, 16, 2], each
+    16 output columns' weights for two inputs side by side, the last block padded with zeros. None
+    where the kernel does not take it (not bfloat16, K odd, or no kernel on this CPU)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    N, K = weight.shape
+    if K % 2 or K == 0 or N == 0 or not small_linear_available():
+        return None
+    return _small_linear_layout(weight.detach())
+
+
+def _small_linear_layout(weight: torch.Tensor) -> torch.Tensor:
+    N, K = weight.shape
+    blocks = -(-N // SMALL_LINEAR_BLOCK)
+    padded = torch.zeros(blocks * SMALL_LINEAR_BLOCK, K, dtype=torch.bfloat16)
+    padded[:N] = weight
+    return padded.view(blocks, SMALL_LINEAR_BLOCK, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def small_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """x [M, K] bfloat16 @ W.T (+ bias, float32 [N]) with W laid out by `small_linear_weight`;
+    bfloat16 [M, N], or None where the kernel does not apply. Meant for the few rows of a decode
+    step (weight-streaming bound); oneDNN is faster for many rows."""
+    if not _enabled or _small_linear_function is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    M, K = x.shape
+    if packed.shape[1] * 2 != K or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+        return None
+    return _run_small_linear(_small_linear_function, x, packed, out_features, bias)
+
+
+def _run_small_linear(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    M, K = x.shape
+    y = torch.empty(M, out_features, dtype=torch.bfloat16)
+    rc = fn(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        M,
+        K,
+        out_features,
+        torch.get_num_threads(),
+    )
+    return y if rc == 0 else None
+
+
+def _small_linear_agrees(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
+    """The freshly loaded small-batch linear against F.linear: 1, 5 and 11 rows (two passes of 8),
+    37 outputs (a padded last block), with and without bias."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(37, generator=g)
+    packed = _small_linear_layout(weight)
+    for rows in (1, 5, 11):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        for b in (None, bias):
+            got = _run_small_linear(fn, x, packed, 37, b)
+            want = torch.nn.functional.linear(x.float(), weight.float(), b)
+            if got is None or not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2):
+                return False
+    return True
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

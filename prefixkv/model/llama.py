@@ -19,6 +19,7 @@ from .layers import (
     RMSNorm,
     RotaryEmbedding,
     TransposedLinear,
+    dual_layout_works,
     pack_linears,
     packed_linear_works,
 )
@@ -78,8 +79,9 @@ class DecoderLayer(nn.Module):
         return next_norm.add_and_norm(h, self.mlp(x))
 
 
-# float32 layer weights up to this size also keep a second layout (DualLayoutLinear): 2 GiB of
-# weights (~500M parameters) doubled; larger models keep one copy (TransposedLinear)
+# layer weights up to this size also keep a second layout (DualLayoutLinear): 2 GiB of weights
+# (~500M parameters in float32, ~1B in bfloat16) doubled; larger models keep one copy
+# (TransposedLinear in float32, PackedLinear in bfloat16)
 DUAL_LAYOUT_MAX_BYTES = 2 << 30
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -109,7 +111,7 @@ class LlamaModel(nn.Module):
             self.lm_head = None
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.dtype = dtype
-        self.packed_head: PackedLinear | TransposedLinear | None = None  # set by pack_for_cpu
+        self.packed_head: PackedLinear | TransposedLinear | DualLayoutLinear | None = None  # set by pack_for_cpu
         self.lora_context = None  # set by prefixkv.lora.layers.attach_lora: where a step's LoRA mapping goes
 
     @property
@@ -165,24 +167,28 @@ class LlamaModel(nn.Module):
         return F.linear(hidden, w)
 
     def pack_for_cpu(self) -> bool:
-        """On CPU, lay every matmul weight out once for the fastest kernel: bfloat16 pre-packed for
-        oneDNN (PackedLinear); float32 in two layouts, the kernel chosen by the step's rows
-        (DualLayoutLinear), or transposed for MKL (TransposedLinear) where a second copy of the
-        weights would pass DUAL_LAYOUT_MAX_BYTES. Returns whether it did; a no-op elsewhere, when
-        already done, or where this torch/CPU cannot."""
+        """On CPU, lay every matmul weight out once for the fastest kernel: two layouts, the kernel
+        chosen by the step's rows (DualLayoutLinear: oneDNN-packed for many rows; float32 F.linear or
+        the native bfloat16 kernel for a decode step's few), or one where a second copy of the
+        weights would pass DUAL_LAYOUT_MAX_BYTES or the CPU has no second kernel (float32
+        transposed for MKL, TransposedLinear; bfloat16 oneDNN-packed, PackedLinear). Returns whether
+        it did; a no-op elsewhere, when already done, or where this torch/CPU cannot."""
         if self.device.type != "cpu" or self.packed_head is not None:
             return False
         kind: LinearKind
-        head_kind: type[PackedLinear] | type[TransposedLinear]
+        head_kind: LinearKind
+        linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
+        layer_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        dual = dual_layout_works(self.dtype) and layer_bytes <= DUAL_LAYOUT_MAX_BYTES
         if self.dtype == torch.float32:
             # the head (vocabulary x hidden) is fastest oneDNN-packed at every batch size measured;
             # the layers oneDNN-packed from 3 rows on and plain below (bench/model_speed.py --layouts)
             packed = packed_linear_works(self.dtype)
-            layer_bytes = sum(m.weight.numel() * 4 for m in self.layers.modules() if isinstance(m, nn.Linear))
-            kind = DualLayoutLinear if packed and layer_bytes <= DUAL_LAYOUT_MAX_BYTES else TransposedLinear
+            kind = DualLayoutLinear if dual else TransposedLinear
             head_kind = PackedLinear if packed else TransposedLinear
         elif self.dtype == torch.bfloat16 and packed_linear_works(self.dtype):
-            kind = head_kind = PackedLinear
+            # the head too: at 1-8 rows the native kernel reads its 57 MB 1.1-1.7x faster
+            kind = head_kind = DualLayoutLinear if dual else PackedLinear
         else:
             return False
         pack_linears(self.layers, kind)

@@ -154,21 +154,32 @@ def test_default_model_file_found(default_gguf_path):
 
 
 @pytest.mark.skipif(not packed_linear_works(), reason="no oneDNN bfloat16 linear on this CPU/torch")
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through the packed path
-def test_bf16_packed_weights_match_plain_bf16(tmp_path, kind):
-    """ModelRunner packs bfloat16 CPU weights for oneDNN: same logits as plain F.linear (up to
-    bfloat16 rounding), the head packed too, and packing twice is a no-op."""
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through both kernels
+@pytest.mark.parametrize("bound", ["default", "exceeded"])
+def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bound):
+    """ModelRunner lays bfloat16 CPU weights out for oneDNN and, where the CPU has AVX512-BF16 and
+    the weights are under the size bound, a second time for the native small-batch kernel
+    (DualLayoutLinear): same logits as plain F.linear up to bfloat16 rounding, the head laid out
+    too, and doing it twice is a no-op. The prefill of 18 rows goes through oneDNN, the steps of
+    1 and 2 rows through the small-batch kernel."""
+    from prefixkv.model import cpu_kernels, llama
+
+    if bound == "exceeded":
+        monkeypatch.setattr(llama, "DUAL_LAYOUT_MAX_BYTES", 1024)
     path = tmp_path / f"tiny-{kind}.gguf"
     _write_gguf(path, kind)
     plain, packed = load_model(str(path), dtype=torch.bfloat16), load_model(str(path), dtype=torch.bfloat16)
     assert packed.model.pack_for_cpu() and not packed.model.pack_for_cpu()
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
+    dual = cpu_kernels.small_linear_available() and bound == "default"
+    for layer in (packed.model.layers[0].self_attn.qkv_proj, packed.model.packed_head):
+        assert isinstance(layer, DualLayoutLinear if dual else PackedLinear)
     ids = list(range(40, 60))
     out = []
     for lm in (plain, packed):
         caches = allocate_kv_cache(lm.config, 8, 8, dtype=torch.bfloat16)
-        lg, _ = run_logits(lm.model, caches, [(ids, [3, 1, 6], 0)], 8)
-        out.append(lg.float())
+        steps = [(18, 0), (19, 18), (20, 18)]  # (tokens so far, of which cached)
+        out.append(torch.cat([run_logits(lm.model, caches, [(ids[:n], [3, 1, 6], c)], 8)[0] for n, c in steps]).float())
     assert (out[0] - out[1]).abs().max() < 0.03 * out[0].abs().max()
 
 
