@@ -23,13 +23,18 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "vec16.h"
 
 namespace {
 
 using prefixkv::exp_nonpositive;
-using prefixkv::load;
-using prefixkv::round_to;
-using prefixkv::store;
+using prefixkv::hsum;
+using prefixkv::load16;
+using prefixkv::loadv;
+using prefixkv::splat;
+using prefixkv::store16;
+using prefixkv::storev;
+using prefixkv::vec16;
 
 constexpr int kMaxGroup = 16;
 constexpr int64_t kPrefetchAhead = 16;  // rows: the slots are scattered, so the hardware prefetcher cannot guess them
@@ -39,9 +44,12 @@ inline void prefetch_row(const T* row) {
     for (size_t off = 0; off < D * sizeof(T); off += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + off);
 }
 
+// Rows are D / 16 vectors of sixteen floats (vec16.h): each K row is loaded and widened once and
+// meets the G query heads of its group in registers; the exponentials run sixteen at a time.
 template <typename T, int D>
 void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, float* lse,
             int64_t B, int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
+    constexpr int V = D / 16;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores(static_cast<size_t>(G * L));
@@ -49,58 +57,66 @@ void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int6
         for (int64_t task = 0; task < B * Hkv; ++task) {
             const int64_t b = task / Hkv, h = task % Hkv, n = lens[b];
             const int64_t* seq_slots = slots + b * L;
-            float qf[kMaxGroup][D];
+            vec16 qv[kMaxGroup][V];
             float best[kMaxGroup];
             for (int64_t g = 0; g < G; ++g) {
-                for (int d = 0; d < D; ++d) qf[g][d] = load(q, ((b * Hkv + h) * G + g) * D + d) * scale;
+                const T* qr = q + ((b * Hkv + h) * G + g) * D;
+                for (int c = 0; c < V; ++c) qv[g][c] = load16(qr + 16 * c) * scale;
                 best[g] = -INFINITY;
             }
             // pass 1: every K row once, the G dot products of the group against it
             for (int64_t j = 0; j < n; ++j) {
                 if (j + kPrefetchAhead < n) prefetch_row<T, D>(k + (seq_slots[j + kPrefetchAhead] * Hkv + h) * D);
                 const T* kr = k + (seq_slots[j] * Hkv + h) * D;
-                float kf[D];
-                for (int d = 0; d < D; ++d) kf[d] = load(kr, d);
+                vec16 kv[V];
+                for (int c = 0; c < V; ++c) kv[c] = load16(kr + 16 * c);
                 for (int64_t g = 0; g < G; ++g) {
-                    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < D; ++d) s += qf[g][d] * kf[d];
+                    vec16 acc = qv[g][0] * kv[0];
+                    for (int c = 1; c < V; ++c) acc += qv[g][c] * kv[c];
+                    const float s = hsum(acc);
                     scores[g * L + j] = s;
                     best[g] = s > best[g] ? s : best[g];
                 }
             }
             // pass 2: softmax weights (unnormalized) and their sums
-            float acc[kMaxGroup][D];
             float total[kMaxGroup];
             for (int64_t g = 0; g < G; ++g) {
                 float* row = scores.data() + g * L;
                 const float m = best[g];
-                float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-                for (int64_t j = 0; j < n; ++j) {
-                    const float e = exp_nonpositive(row[j] - m);
+                vec16 sum_v = splat(0.0f);
+                int64_t j = 0;
+                for (; j + 16 <= n; j += 16) {
+                    const vec16 e = exp_nonpositive(loadv(row + j) - m);
+                    storev(row + j, e);
+                    sum_v += e;
+                }
+                float t = hsum(sum_v);
+                for (; j < n; ++j) {
+                    const float e = prefixkv::exp_nonpositive(row[j] - m);
                     row[j] = e;
                     t += e;
                 }
                 total[g] = t;
-                for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
             }
             // pass 3: every V row once, weighted into the G outputs
+            vec16 acc[kMaxGroup][V];
+            for (int64_t g = 0; g < G; ++g)
+                for (int c = 0; c < V; ++c) acc[g][c] = splat(0.0f);
             for (int64_t j = 0; j < n; ++j) {
                 if (j + kPrefetchAhead < n) prefetch_row<T, D>(v + (seq_slots[j + kPrefetchAhead] * Hkv + h) * D);
                 const T* vr = v + (seq_slots[j] * Hkv + h) * D;
-                float vf[D];
-                for (int d = 0; d < D; ++d) vf[d] = load(vr, d);
+                vec16 vv[V];
+                for (int c = 0; c < V; ++c) vv[c] = load16(vr + 16 * c);
                 for (int64_t g = 0; g < G; ++g) {
-                    const float p = scores[g * L + j];
-#pragma omp simd
-                    for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
+                    const vec16 p = splat(scores[g * L + j]);
+                    for (int c = 0; c < V; ++c) acc[g][c] += p * vv[c];
                 }
             }
             for (int64_t g = 0; g < G; ++g) {
                 // an empty context (n == 0) gives zeros and a log-sum-exp of -inf: it merges as nothing
                 const float inv = n > 0 ? 1.0f / total[g] : 0.0f;
-                for (int d = 0; d < D; ++d) store(out, ((b * Hkv + h) * G + g) * D + d, acc[g][d] * inv);
+                T* orow = out + ((b * Hkv + h) * G + g) * D;
+                for (int c = 0; c < V; ++c) store16(orow + 16 * c, acc[g][c] * inv);
                 if (lse != nullptr) lse[(b * Hkv + h) * G + g] = n > 0 ? best[g] + logf(total[g]) : -INFINITY;
             }
         }
