@@ -8,8 +8,8 @@ heads, head dim 64). The native kernel (prefixkv/model/cpu_kernels.py) reads K a
 from a paged cache through scattered slots, as the engine calls it; SDPA gets the contiguous K/V
 (is_causal, GQA), as the PyTorch path runs a prompt without cached context. Prints medians per
 call, the FLOP/s each reaches (2 x 2 x heads x head dim x causal pairs), the speed-up, and the
-largest difference between the two outputs. For bfloat16 it says whether the kernel runs on the
-CPU's tile unit (AMX) here.
+largest difference between the two outputs. For bfloat16 it says what the kernel multiplies on
+here: the tile unit (AMX), vector dot products (AVX512-BF16) or float32 vectors.
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, name)
         unit = ""
         if dtype == torch.bfloat16:
-            unit = " (tile unit, AMX)" if cpu_kernels.prefill_attention_on_matrix_units() else " (vectors)"
+            unit = {"amx": " (tile unit, AMX)", "dot": " (dot products, AVX512-BF16)", "vectors": " (vectors)"}[
+                cpu_kernels.bf16_prefill_attention_unit()
+            ]
         for n in (int(x) for x in args.lengths.split(",")):
             ours, theirs, diff = measure(dtype, n, Hq, Hkv, D, args.reps, g)
             flops = 2 * 2 * Hq * D * n * (n + 1) / 2

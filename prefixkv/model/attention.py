@@ -207,20 +207,18 @@ class _Plan:
 CASCADE_MIN_TOKENS = 64
 # bfloat16 prompts up to this many new tokens go to the native prefill kernel; longer ones to
 # PyTorch's flash kernel, whose matrix products also use the CPU's bfloat16 units and which is
-# faster there (`bench/prefill_attention.py`, one layer of the default model, on the tile unit:
-# native 0.56 ms at 478 tokens against flash's 1.48, 7.75 against 8.36 at 2,048, 31.7 against 29.2
-# at 4,096; on vectors alone, measured before the batched rescaling, 1.28 against 1.74 at 478 and
-# 5.26 against 2.69 at 1,024). Chunks after cached context gain more: PyTorch gathers them first.
-BF16_KERNEL_MAX_NEW_TOKENS = 640
-BF16_KERNEL_MAX_NEW_TOKENS_AMX = 2048
+# faster there (`bench/prefill_attention.py`, one layer of the default model, on the tile unit of
+# an Intel Sapphire Rapids: native 0.56 ms at 478 tokens against flash's 1.48, 7.75 against 8.36 at
+# 2,048, 31.7 against 29.2 at 4,096; on its float32 vectors alone, measured before the batched
+# rescaling, 1.28 against 1.74 at 478 and 5.26 against 2.69 at 1,024; with the vector dot-product
+# instruction on an AMD Zen 4 without AMX: 1.42 against 6.35 at 478, 21.4 against 56.7 at 2,048 and
+# 72.6 against 157.7 at 4,096, the longest measured).
+# Chunks after cached context gain more: PyTorch gathers them first.
+BF16_KERNEL_MAX_NEW_TOKENS = {"amx": 2048, "dot": 4096, "vectors": 640}
 
 
 def bf16_kernel_max_new_tokens() -> int:
-    return (
-        BF16_KERNEL_MAX_NEW_TOKENS_AMX
-        if cpu_kernels.prefill_attention_on_matrix_units()
-        else BF16_KERNEL_MAX_NEW_TOKENS
-    )
+    return BF16_KERNEL_MAX_NEW_TOKENS[cpu_kernels.bf16_prefill_attention_unit()]
 
 
 class _KernelBatch:

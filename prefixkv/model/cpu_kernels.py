@@ -63,7 +63,7 @@ _loaded = False
 _function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_prefill_amx = False
+_prefill_unit = 0  # bfloat16 prefill attention on: 1 the tile unit (AMX), 2 vector dot products (AVX512-BF16), 0 float32 vectors
 _silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
@@ -164,7 +164,7 @@ def _load() -> ctypes.CDLL:
 
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _loaded, _function, _norm_function, _prefill_function, _prefill_amx, _silu_function, _rotary_function
+    global _loaded, _function, _norm_function, _prefill_function, _prefill_unit, _silu_function, _rotary_function
     global _small_linear_function
     if _loaded:
         return _function
@@ -181,7 +181,7 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                 ):
                     _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
                     _prefill_function = lib.prefixkv_prefill_attention
-                    _prefill_amx = bool(lib.prefixkv_prefill_attention_amx())
+                    _prefill_unit = int(lib.prefixkv_prefill_attention_amx())
                     _silu_function = lib.prefixkv_silu_and_mul
                     _rotary_function = lib.prefixkv_rotary
                     if not lib.prefixkv_small_linear_available():
@@ -316,9 +316,12 @@ def reference_decode_attention_lse(
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 
-def prefill_attention_on_matrix_units() -> bool:
-    """Whether bfloat16 prefill attention runs on the CPU's tile unit (AMX) here."""
-    return _enabled and _function_or_none() is not None and _prefill_amx
+def bf16_prefill_attention_unit() -> str:
+    """What bfloat16 prefill attention multiplies on here: "amx" (the tile unit), "dot" (the vector
+    bfloat16 dot-product instruction, AVX512-BF16), or "vectors" (float32 multiply-adds)."""
+    if not _enabled or _function_or_none() is None:
+        return "vectors"
+    return {1: "amx", 2: "dot"}.get(_prefill_unit, "vectors")
 
 
 def prefill_attention(
