@@ -63,7 +63,9 @@ _loaded = False
 _function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_prefill_unit = 0  # bfloat16 prefill attention on: 1 the tile unit (AMX), 2 vector dot products (AVX512-BF16), 0 float32 vectors
+# what bfloat16 prefill attention multiplies on: 1 the tile unit (AMX), 2 vector dot products
+# (AVX512-BF16), 0 float32 vectors (bf16_prefill_attention_unit)
+_prefill_unit = 0
 _silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
