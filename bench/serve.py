@@ -232,17 +232,17 @@ def model_name(base: str) -> str:
     return httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def bench_server(label: str, base: str, args) -> list[Summary]:
+def bench_server(label: str, base: str, args, seed: int | None = None) -> list[Summary]:
+    """Every workload once against `base`; `seed` (default --seed) fixes the prompts and arrivals."""
+    seed = args.seed if seed is None else seed
     model = model_name(base)
     out = []
     # warm-up (not measured): first-request overheads, with text unrelated to the workloads
     asyncio.run(run_workload(base, model, make_prompts("unique", 2, 20, 5, seed=999), float("inf"), 4, 0))
     for i, kind in enumerate(args.workloads):
-        prompts = make_prompts(kind, args.num_requests, args.prefix_words, args.suffix_words, seed=args.seed + i)
+        prompts = make_prompts(kind, args.num_requests, args.prefix_words, args.suffix_words, seed=seed + i)
         before = scrape(base)
-        results, duration = asyncio.run(
-            run_workload(base, model, prompts, args.request_rate, args.max_tokens, args.seed)
-        )
+        results, duration = asyncio.run(run_workload(base, model, prompts, args.request_rate, args.max_tokens, seed))
         s = summarize(label, kind, results, duration, before, scrape(base))
         errors = [r.error for r in results if not r.ok]
         if errors:
@@ -264,7 +264,7 @@ def print_summary(s: Summary) -> None:
     )
 
 
-def run_prefixkv(args: argparse.Namespace, budget: int | None) -> list[Summary]:
+def start_prefixkv(args: argparse.Namespace, budget: int | None) -> Managed:
     port = free_port()
     cmd = [
         sys.executable,
@@ -285,11 +285,49 @@ def run_prefixkv(args: argparse.Namespace, budget: int | None) -> list[Summary]:
     ] + ([args.model] if args.model else [])
     if budget is not None:
         cmd += ["--max-num-batched-tokens", str(budget)]
-    srv = Managed("prefixkv", cmd, port, timeout=300)
-    try:
-        return bench_server("prefixkv" if budget is None else f"prefixkv (budget {budget})", srv.base, args)
-    finally:
-        srv.close()
+    return Managed("prefixkv", cmd, port, timeout=300)
+
+
+def start_vllm(args: argparse.Namespace) -> Managed:
+    port = free_port()
+    cmd = [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        args.vllm_model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--max-model-len",
+        "2048",
+        "--dtype",
+        args.dtype,
+        "--disable-uvicorn-access-log",
+    ]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    return Managed("vllm", cmd, port, env=env, timeout=600)
+
+
+def print_medians(rounds: list[list[Summary]]) -> None:
+    """Per server and workload, the median over rounds of each round's p50 and p90."""
+    print(f"\nmedians over {len(rounds)} rounds (each round: every server once, same prompts and arrivals):")
+    keys = [(s.server, s.workload) for s in rounds[0]]
+    for server, workload in keys:
+        same = [s for r in rounds for s in r if (s.server, s.workload) == (server, workload)]
+
+        def med(field: str, q: str, same: list[Summary] = same) -> float:
+            return statistics.median(getattr(s, field)[q] for s in same)
+
+        print(
+            f"{server:9s} {workload:7s} TTFT p50 {med('ttft_ms', 'p50'):6.0f} p90 {med('ttft_ms', 'p90'):6.0f} ms | "
+            f"TPOT p50 {med('tpot_ms', 'p50'):5.0f} p90 {med('tpot_ms', 'p90'):5.0f} ms | "
+            f"req/s {statistics.median(s.request_throughput for s in same):5.2f} | "
+            f"per round TTFT p50 {[round(s.ttft_ms['p50']) for s in same]}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,42 +360,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-vllm", action="store_true", help=f"also run `vllm serve` from {VLLM_PY}")
     ap.add_argument("--vllm-python", default=VLLM_PY)
     ap.add_argument("--vllm-model", default=VLLM_MODEL)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with several: start every server first, then each round runs every workload on each server in "
+        "turn (prompts and arrivals seeded --seed + 1000 x round), and print the medians over rounds - "
+        "for a machine whose speed drifts",
+    )
     ap.add_argument("--json", default=None, help="write all summaries to this file")
     args = ap.parse_args(argv)
     summaries: list[Summary] = []
 
-    if args.base_url:
+    if args.rounds > 1:
+        if args.base_url:
+            ap.error("--rounds starts its own servers: not with --base-url")
+        servers: list[tuple[str, Managed]] = []
+        try:
+            if not args.no_prefixkv:
+                for budget in args.max_num_batched_tokens or [None]:
+                    label = "prefixkv" if budget is None else f"prefixkv (budget {budget})"
+                    servers.append((label, start_prefixkv(args, budget)))
+            if args.peer_vllm:
+                servers.append(("vllm", start_vllm(args)))
+            rounds = []
+            for r in range(args.rounds):
+                print(f"-- round {r + 1} of {args.rounds}", file=sys.stderr)
+                rounds.append(
+                    [s for label, srv in servers for s in bench_server(label, srv.base, args, args.seed + 1000 * r)]
+                )
+                summaries += rounds[-1]
+            print_medians(rounds)
+        finally:
+            for _, srv in servers:
+                srv.close()
+    elif args.base_url:
         summaries += bench_server("server", args.base_url.rstrip("/"), args)
     elif not args.no_prefixkv:
         for budget in args.max_num_batched_tokens or [None]:
-            summaries += run_prefixkv(args, budget)
+            srv = start_prefixkv(args, budget)
+            try:
+                summaries += bench_server(
+                    "prefixkv" if budget is None else f"prefixkv (budget {budget})", srv.base, args
+                )
+            finally:
+                srv.close()
 
-    if args.peer_vllm:
+    if args.peer_vllm and args.rounds == 1:
         if not os.path.exists(args.vllm_python) or not os.path.isdir(args.vllm_model):
             print(f"--peer-vllm: {args.vllm_python} or {args.vllm_model} missing; skipped", file=sys.stderr)
         else:
-            port = free_port()
-            cmd = [
-                args.vllm_python,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                args.vllm_model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--enable-prefix-caching",
-                "--enable-prompt-tokens-details",
-                "--max-model-len",
-                "2048",
-                "--dtype",
-                args.dtype,
-                "--disable-uvicorn-access-log",
-            ]
-            env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
             try:
-                srv = Managed("vllm", cmd, port, env=env, timeout=600)
+                srv = start_vllm(args)
             except RuntimeError as e:
                 print(f"--peer-vllm: {e}", file=sys.stderr)
             else:

@@ -1,12 +1,13 @@
-"""One bfloat16 linear at decode-sized row counts: oneDNN's packed kernel (PackedLinear) against the
-native small-batch kernel (prefixkv/model/csrc/small_linear.cpp, what DualLayoutLinear runs for up
-to 8 rows where the CPU has AVX512-BF16), on the default model's four layer shapes and its head.
+"""One linear at decode-sized row counts: oneDNN's packed kernel (PackedLinear) against the native
+small-batch kernel (prefixkv/model/csrc/small_linear.cpp, what DualLayoutLinear runs for a decode
+step's few rows where the CPU has AVX512-BF16 / AVX-512), on the default model's four layer shapes
+and its head; in float32 also F.linear on the plain weight.
 
 Each timed call uses the next of 30 copies of the weight (4 of the head), so the weights stream
 from memory as they do layer after layer in the model, not from cache. Medians of --reps rounds of
 --calls calls each, the two kernels alternated round by round; GB/s = weight bytes / time.
 
-    .venv/bin/python bench/small_linear.py --rows 1,2,4,8,16
+    .venv/bin/python bench/small_linear.py --rows 1,2,4,8,16 [--dtype float32]
 """
 
 from __future__ import annotations
@@ -33,23 +34,27 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not cpu_kernels.small_linear_available():
-        sys.exit("the native small-batch kernel does not run here (no AVX512-BF16, or the kernels are off)")
+    dtype = getattr(torch, args.dtype)
+    if not cpu_kernels.small_linear_available(dtype):
+        sys.exit(f"the native small-batch kernel does not run {args.dtype} here (no AVX-512 / AVX512-BF16, or off)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     g = torch.Generator().manual_seed(0)
     for name, N, K in SHAPES:
-        copies = [torch.randn(N, K, generator=g).to(torch.bfloat16) for _ in range(4 if N > 10_000 else 30)]
+        copies = [torch.randn(N, K, generator=g).to(dtype) for _ in range(4 if N > 10_000 else 30)]
         onednn = [PackedLinear(w) for w in copies]
         native = [cpu_kernels.small_linear_weight(w) for w in copies]
         for rows in map(int, args.rows.split(",")):
-            x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+            x = torch.randn(rows, K, generator=g).to(dtype)
             kernels = {
                 "oneDNN": lambda i, x=x, onednn=onednn: onednn[i](x),
                 "native": lambda i, x=x, native=native, N=N: cpu_kernels.small_linear(x, native[i], N),
             }
+            if dtype == torch.float32:  # what DualLayoutLinear runs for 1-2 float32 rows
+                kernels["F.linear"] = lambda i, x=x, copies=copies: torch.nn.functional.linear(x, copies[i])
             times: dict[str, list[float]] = {k: [] for k in kernels}
             for _ in range(args.reps):
                 for kname, fn in kernels.items():
@@ -59,11 +64,13 @@ def main() -> None:
                     for c in range(args.calls):
                         fn(c % len(copies))
                     times[kname].append((time.perf_counter() - t0) / args.calls)
-            a, b = statistics.median(times["oneDNN"]), statistics.median(times["native"])
-            print(
-                f"{name:8s} {N:5d} x {K:4d}  rows {rows:2d}: oneDNN {a * 1e6:7.1f} us ({N * K * 2 / a / 1e9:5.1f} GB/s)"
-                f"  native {b * 1e6:7.1f} us ({N * K * 2 / b / 1e9:5.1f} GB/s)  {a / b:4.2f}x"
+            size = N * K * copies[0].element_size()
+            cells = "  ".join(
+                f"{k} {statistics.median(v) * 1e6:7.1f} us ({size / statistics.median(v) / 1e9:5.1f} GB/s)"
+                for k, v in times.items()
             )
+            ratio = statistics.median(times["oneDNN"]) / statistics.median(times["native"])
+            print(f"{name:8s} {N:5d} x {K:4d}  rows {rows:2d}: {cells}  native vs oneDNN {ratio:4.2f}x")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

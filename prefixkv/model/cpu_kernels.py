@@ -69,6 +69,7 @@ _prefill_unit = 0
 _silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
 
 
 @contextlib.contextmanager
@@ -144,8 +145,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     # (dtype, h, delta, weight, out, rows, dim, eps, threads)
     "prefixkv_add_rms_norm": [_I, *[_P] * 4, _I64, _I64, _F, _I],
     "prefixkv_small_linear_available": [],
-    # (x, x_row_stride, packed weight, bias, y, M, K, N, threads)
-    "prefixkv_small_linear": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
+    # (dtype, x, x_row_stride, packed weight, bias, y, M, K, N, threads)
+    "prefixkv_small_linear": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
 }
 
 
@@ -167,7 +168,7 @@ def _load() -> ctypes.CDLL:
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     global _loaded, _function, _norm_function, _prefill_function, _prefill_unit, _silu_function, _rotary_function
-    global _small_linear_function
+    global _small_linear_function, _small_linear_dtypes
     if _loaded:
         return _function
     with _lock:
@@ -186,12 +187,16 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                     _prefill_unit = int(lib.prefixkv_prefill_attention_amx())
                     _silu_function = lib.prefixkv_silu_and_mul
                     _rotary_function = lib.prefixkv_rotary
-                    if not lib.prefixkv_small_linear_available():
-                        logger.info("no bfloat16 dot-product instruction here: small-batch linears stay on oneDNN")
-                    elif _small_linear_agrees(lib.prefixkv_small_linear):
+                    built = lib.prefixkv_small_linear_available()
+                    dtypes = [dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if built & bit]
+                    agree = [dt for dt in dtypes if _small_linear_agrees(lib.prefixkv_small_linear, dt)]
+                    if agree != dtypes:
+                        logger.warning("the small-batch linear kernel disagreed with F.linear; not used")
+                    elif len(agree) < 2:
+                        logger.info("small-batch linear kernel for %s only (AVX-512, AVX512-BF16)", agree or "none")
+                    if agree == dtypes and agree:
                         _small_linear_function = lib.prefixkv_small_linear
-                    else:
-                        logger.warning("the small-batch bfloat16 linear kernel disagreed with F.linear; not used")
+                        _small_linear_dtypes = frozenset(agree)
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -513,19 +518,21 @@ def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 SMALL_LINEAR_BLOCK = 16  # output columns per block of the packed weight (kBlock in the source)
 
 
-def small_linear_available() -> bool:
-    """Whether `small_linear` runs here: the kernels are on and the CPU has AVX512-BF16."""
-    return _enabled and _function_or_none() is not None and _small_linear_function is not None
+def small_linear_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `small_linear` runs here for `dtype`: the kernels are on and the CPU has AVX-512
+    (float32) or AVX512-BF16 (bfloat16)."""
+    return _enabled and _function_or_none() is not None and dtype in _small_linear_dtypes
 
 
 def small_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [N, K] (bfloat16, CPU) laid out for `small_linear`: [ceil(N/16), K/2, 16, 2], each
-    16 output columns' weights for two inputs side by side, the last block padded with zeros. None
-    where the kernel does not take it (not bfloat16, K odd, or no kernel on this CPU)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    """`weight` [N, K] (float32 or bfloat16, CPU) laid out for `small_linear`: per block of 16
+    output columns, the inputs in 64-byte steps ([ceil(N/16), K, 16] float32, [ceil(N/16), K/2, 16,
+    2] bfloat16), the last block padded with zeros. None where the kernel does not take it (another
+    dtype, bfloat16 with K odd, or no kernel for the dtype on this CPU)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not small_linear_available(weight.dtype):
         return None
     N, K = weight.shape
-    if K % 2 or K == 0 or N == 0 or not small_linear_available():
+    if K == 0 or N == 0 or (weight.dtype == torch.bfloat16 and K % 2):
         return None
     return _small_linear_layout(weight.detach())
 
@@ -533,21 +540,26 @@ def small_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def _small_linear_layout(weight: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
     blocks = -(-N // SMALL_LINEAR_BLOCK)
-    padded = torch.zeros(blocks * SMALL_LINEAR_BLOCK, K, dtype=torch.bfloat16)
+    padded = torch.zeros(blocks * SMALL_LINEAR_BLOCK, K, dtype=weight.dtype)
     padded[:N] = weight
+    if weight.dtype == torch.float32:
+        return padded.view(blocks, SMALL_LINEAR_BLOCK, K).transpose(1, 2).contiguous()
     return padded.view(blocks, SMALL_LINEAR_BLOCK, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def small_linear(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """x [M, K] bfloat16 @ W.T (+ bias, float32 [N]) with W laid out by `small_linear_weight`;
-    bfloat16 [M, N], or None where the kernel does not apply. Meant for the few rows of a decode
-    step (weight-streaming bound); oneDNN is faster for many rows."""
-    if not _enabled or _small_linear_function is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+    """x [M, K] @ W.T (+ bias, float32 [N]) with W laid out by `small_linear_weight` (same dtype as
+    x); [M, N] in x's dtype, or None where the kernel does not apply. Meant for the few rows of a
+    decode step (weight-streaming bound); oneDNN is faster for many rows."""
+    if not _enabled or _small_linear_function is None or x.dtype not in _small_linear_dtypes:
         return None
-    M, K = x.shape
-    if packed.shape[1] * 2 != K or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+    if x.dim() != 2 or x.stride(1) != 1 or packed.dtype != x.dtype:
+        return None
+    K = x.shape[1]
+    inputs = packed.shape[1] * (2 if x.dtype == torch.bfloat16 else 1)
+    if inputs != K or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
         return None
     return _run_small_linear(_small_linear_function, x, packed, out_features, bias)
 
@@ -560,8 +572,9 @@ def _run_small_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor | None:
     M, K = x.shape
-    y = torch.empty(M, out_features, dtype=torch.bfloat16)
+    y = torch.empty(M, out_features, dtype=x.dtype)
     rc = fn(
+        _DTYPE_CODES[x.dtype],
         x.data_ptr(),
         x.stride(0),
         packed.data_ptr(),
@@ -575,19 +588,20 @@ def _run_small_linear(
     return y if rc == 0 else None
 
 
-def _small_linear_agrees(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
+def _small_linear_agrees(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> bool:  # type: ignore[name-defined]
     """The freshly loaded small-batch linear against F.linear: 1, 5 and 11 rows (two passes of 8),
     37 outputs (a padded last block), with and without bias."""
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(37, 64, generator=g).to(torch.bfloat16)
+    weight = torch.randn(37, 64, generator=g).to(dtype)
     bias = torch.randn(37, generator=g)
     packed = _small_linear_layout(weight)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for rows in (1, 5, 11):
-        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, 64, generator=g).to(dtype)
         for b in (None, bias):
             got = _run_small_linear(fn, x, packed, 37, b)
             want = torch.nn.functional.linear(x.float(), weight.float(), b)
-            if got is None or not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2):
+            if got is None or not torch.allclose(got.float(), want, rtol=tol, atol=tol):
                 return False
     return True
 

@@ -175,24 +175,22 @@ class TransposedLinear(nn.Module):
 
 class DualLayoutLinear(nn.Module):
     """x @ W.T (+ b) on CPU with the weight kept in two layouts and the kernel chosen by the number
-    of rows: many rows oneDNN-packed (no per-call repacking of the weight), few rows a kernel that
-    streams the weight once.
+    of rows: many rows oneDNN-packed (no per-call repacking of the weight), a decode step's few rows
+    a kernel that streams the weight once.
 
-    float32: up to `SMALL_ROWS` rows F.linear on the [out, in] weight (MKL's matrix-vector path).
-    Inside the model - weights streamed from memory layer after layer, not hot in cache as in a
-    one-matmul microbenchmark - a decode step of the default model at batch 8 takes ~12% less time
-    than with TransposedLinear, and ~20% less than packed-only at batch 1 (`bench/model_speed.py
-    --layouts`, docs/benchmarks.md).
-
-    bfloat16 (where the CPU has AVX512-BF16): up to `SMALL_ROWS_BF16` rows the native
-    `cpu_kernels.small_linear`: on an AMD Zen 4 without AMX, 1.1-2.5x faster than oneDNN's packed
-    kernel at 1-8 rows, 1.0-1.5x at 16 (`bench/small_linear.py`, docs/benchmarks.md).
+    The few-row kernel is the native `cpu_kernels.small_linear` where the CPU has it (AVX-512 for
+    float32, AVX512-BF16 for bfloat16), up to `SMALL_ROWS_NATIVE` rows: on an AMD Zen 4 without AMX
+    it beat oneDNN's packed kernel 1.1-2.5x at 1-16 rows in both dtypes, and MKL's F.linear 2-5x in
+    float32 (`bench/small_linear.py`, docs/benchmarks.md). Elsewhere float32 takes F.linear on the
+    [out, in] weight (MKL's matrix-vector path) up to `SMALL_ROWS` rows: on an Intel Sapphire Rapids
+    a decode step of the default model at batch 8 took ~12% less time than with TransposedLinear,
+    and ~20% less than packed-only at batch 1 (`bench/model_speed.py --layouts`).
 
     Costs a second copy of the weights, so `LlamaModel.pack_for_cpu` uses it only below a size
     bound. Only for inference."""
 
     SMALL_ROWS = 2
-    SMALL_ROWS_BF16 = 16
+    SMALL_ROWS_NATIVE = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -202,7 +200,7 @@ class DualLayoutLinear(nn.Module):
         self.small: torch.Tensor | None = cpu_kernels.small_linear_weight(weight)
         self.weight: torch.Tensor | None = None
         if self.small is not None:
-            self.small_rows = self.SMALL_ROWS_BF16
+            self.small_rows = self.SMALL_ROWS_NATIVE
             self.small_bias = None if bias is None else bias.detach().float().contiguous()
         else:
             self.small_rows = self.SMALL_ROWS
@@ -215,21 +213,21 @@ class DualLayoutLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         y = None
         if flat.shape[0] <= self.small_rows:
-            if self.weight is not None:
-                y = F.linear(flat, self.weight, self.bias)
-            elif self.small is not None:
+            if self.small is not None:
                 y = cpu_kernels.small_linear(flat, self.small, self.out_features, self.small_bias)
+            elif self.weight is not None:
+                y = F.linear(flat, self.weight, self.bias)
         if y is None:
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def dual_layout_works(dtype: torch.dtype) -> bool:
-    """Whether DualLayoutLinear has a second kernel for `dtype` here (float32: F.linear; bfloat16:
-    the native small-batch kernel) on top of oneDNN's packed one."""
+    """Whether DualLayoutLinear has a second kernel for `dtype` here (the native small-batch kernel;
+    in float32 F.linear where there is none) on top of oneDNN's packed one."""
     if not packed_linear_works(dtype):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernels.small_linear_available())
+    return dtype == torch.float32 or cpu_kernels.small_linear_available(dtype)
 
 
 def packed_linear_works(dtype: torch.dtype = torch.bfloat16) -> bool:

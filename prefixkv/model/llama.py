@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import (
@@ -181,13 +182,14 @@ class LlamaModel(nn.Module):
         layer_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
         dual = dual_layout_works(self.dtype) and layer_bytes <= DUAL_LAYOUT_MAX_BYTES
         if self.dtype == torch.float32:
-            # the head (vocabulary x hidden) is fastest oneDNN-packed at every batch size measured;
-            # the layers oneDNN-packed from 3 rows on and plain below (bench/model_speed.py --layouts)
+            # the head (vocabulary x hidden) oneDNN-packed, faster than MKL's F.linear at every
+            # batch size measured; at a decode step's rows only the native kernel beats it (1.1-1.4x)
             packed = packed_linear_works(self.dtype)
             kind = DualLayoutLinear if dual else TransposedLinear
-            head_kind = PackedLinear if packed else TransposedLinear
+            native_head = dual and cpu_kernels.small_linear_available(self.dtype)
+            head_kind = DualLayoutLinear if native_head else PackedLinear if packed else TransposedLinear
         elif self.dtype == torch.bfloat16 and packed_linear_works(self.dtype):
-            # the head too: at 1-8 rows the native kernel reads its 57 MB 1.1-1.7x faster
+            # the head too: at 1-16 rows the native kernel reads its 57 MB 1.0-1.5x faster
             kind = head_kind = DualLayoutLinear if dual else PackedLinear
         else:
             return False

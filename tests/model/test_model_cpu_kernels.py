@@ -365,24 +365,24 @@ def test_rotary_refuses_what_it_cannot_take_and_changes_nothing():
     assert torch.equal(x, before)
 
 
-needs_bf16_dot = pytest.mark.skipif(
-    not cpu_kernels.small_linear_available(), reason="CPU without AVX512-BF16: linears stay on oneDNN"
-)
-
-
-@needs_bf16_dot
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11: two passes over the weights (8 + 3 rows)
 @pytest.mark.parametrize("out_features", [37, 960])  # 37: a padded last block of 16 columns
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_linear_equals_f_linear(rows, out_features, with_bias):
+def test_small_linear_equals_f_linear(dtype, rows, out_features, with_bias):
+    if not cpu_kernels.small_linear_available(dtype):
+        pytest.skip(f"CPU without the instructions for {dtype} (AVX-512 / AVX512-BF16): linears stay on oneDNN")
     g = torch.Generator().manual_seed(rows * out_features)
-    weight = torch.randn(out_features, 576, generator=g).to(torch.bfloat16)
+    weight = torch.randn(out_features, 576, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g) if with_bias else None
     # x as the model has it: rows of a wider tensor (a stride larger than K)
-    x = torch.randn(rows, 600, generator=g).to(torch.bfloat16)[:, :576]
+    x = torch.randn(rows, 600, generator=g).to(dtype)[:, :576]
     got = cpu_kernels.small_linear(x, cpu_kernels.small_linear_weight(weight), out_features, bias)
-    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert got is not None and got.dtype == dtype and got.shape == (rows, out_features)
     want = torch.nn.functional.linear(x.float(), weight.float(), bias)
+    if dtype == torch.float32:  # the same products, summed in another order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        return
     # float32 sums in another order, one bfloat16 rounding: within two units in the last place
     torch.testing.assert_close(got.float(), want, rtol=2 * 2**-8, atol=1e-2)
     # the same rounding as PyTorch's own bfloat16 linear, most of the time bit for bit
@@ -390,15 +390,17 @@ def test_small_linear_equals_f_linear(rows, out_features, with_bias):
     assert same > 0.5
 
 
-@needs_bf16_dot
+@pytest.mark.skipif(
+    not cpu_kernels.small_linear_available(torch.bfloat16), reason="CPU without AVX512-BF16: linears stay on oneDNN"
+)
 def test_small_linear_refuses_what_it_cannot_take():
     weight = torch.randn(32, 64).to(torch.bfloat16)
     packed = cpu_kernels.small_linear_weight(weight)
     assert packed is not None and packed.shape == (2, 32, 16, 2)
-    assert cpu_kernels.small_linear_weight(weight.float()) is None  # float32
-    assert cpu_kernels.small_linear_weight(torch.randn(32, 63).to(torch.bfloat16)) is None  # K odd
+    assert cpu_kernels.small_linear_weight(weight.half()) is None  # float16
+    assert cpu_kernels.small_linear_weight(torch.randn(32, 63).to(torch.bfloat16)) is None  # bfloat16, K odd
     x = torch.randn(2, 64).to(torch.bfloat16)
-    assert cpu_kernels.small_linear(x.float(), packed, 32) is None  # float32 input
+    assert cpu_kernels.small_linear(x.float(), packed, 32) is None  # float32 input, bfloat16 weights
     assert cpu_kernels.small_linear(x.t().contiguous().t(), packed, 32) is None  # columns apart
     assert cpu_kernels.small_linear(torch.randn(2, 62).to(torch.bfloat16), packed, 32) is None  # K mismatch
     assert cpu_kernels.small_linear(x, packed, 32, torch.randn(32).bfloat16()) is None  # bias not float32

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prefixkv.engine.block_tensors import allocate_kv_cache
-from prefixkv.model import load_model
+from prefixkv.model import cpu_kernels, load_model
 from prefixkv.model.layers import DualLayoutLinear, PackedLinear, TransposedLinear, packed_linear_works
 from prefixkv.model.tokenizer import _bytes_to_unicode
 
@@ -162,7 +162,7 @@ def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bou
     (DualLayoutLinear): same logits as plain F.linear up to bfloat16 rounding, the head laid out
     too, and doing it twice is a no-op. The prefill of 18 rows goes through oneDNN, the steps of
     1 and 2 rows through the small-batch kernel."""
-    from prefixkv.model import cpu_kernels, llama
+    from prefixkv.model import llama
 
     if bound == "exceeded":
         monkeypatch.setattr(llama, "DUAL_LAYOUT_MAX_BYTES", 1024)
@@ -201,7 +201,14 @@ def test_fp32_laid_out_weights_match_plain_fp32(tmp_path, monkeypatch, kind, bou
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.model.modules())
     dual = packed_linear_works(torch.float32) and bound == "default"
     assert isinstance(fast.model.layers[0].self_attn.qkv_proj, DualLayoutLinear if dual else TransposedLinear)
-    assert isinstance(fast.model.packed_head, PackedLinear if packed_linear_works(torch.float32) else TransposedLinear)
+    # the head: a second layout only for the native kernel (AVX-512), else oneDNN-packed alone
+    native_head = dual and cpu_kernels.small_linear_available(torch.float32)
+    head = DualLayoutLinear if native_head else PackedLinear if packed_linear_works(torch.float32) else TransposedLinear
+    assert isinstance(fast.model.packed_head, head)
+    # 1-2 rows: the native kernel where the CPU has it, else F.linear on the plain weight
+    layer = fast.model.layers[0].self_attn.qkv_proj
+    if dual:
+        assert (layer.small is not None) == cpu_kernels.small_linear_available(torch.float32)
     ids = list(range(40, 60))
     out = []
     for lm in (plain, fast):
