@@ -5,7 +5,11 @@
   (index_select) and then runs SDPA over it - at batch 16 with 512 tokens of context that copy and
   the second read were ~37% of a float32 decode step (docs/benchmarks.md);
 - residual add + RMSNorm (csrc/add_rms_norm.cpp): one pass per row where eager PyTorch runs ~8
-  operators per norm.
+  operators per norm;
+- causal prefill attention (csrc/prefill_attention.cpp), SiLU x up, the rotary embedding in place;
+- the small-batch linear (csrc/small_linear.cpp): a decode step's 1-16 rows times a weight laid out
+  once in 64-byte column blocks, streamed once per step (AVX-512 / AVX512-BF16 where the CPU has
+  them), where oneDNN's kernels, built for many rows, read the weights at half the speed.
 
 The source is compiled once per machine (a second or so) into a cache folder
 (``$PREFIXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixkv`` or ``~/.cache/prefixkv``), keyed by the
