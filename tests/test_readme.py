@@ -204,6 +204,10 @@ def help_argv(cmd: str) -> tuple[tuple[str, ...], list[str]] | None:
     prog, rest = tokens[0], tokens[1:]
     flags = [t.split("=")[0] for t in rest if t.startswith("--")]
     if prog.startswith("peers/"):  # a peer engine's venv runs it (bench/peers/README.md): not installed here
+        if rest and rest[0].startswith("bench/") and not rest[0].startswith("bench/peers/"):
+            # a benchmark both engines run (bench/step_times.py): its flags are checked with ours
+            assert (ROOT / rest[0]).is_file(), f"{cmd!r}: no such script"
+            return (PY, rest[0]), flags
         return None
     if prog.endswith(("python", "python3")) and rest[:2] == ["-m", "pytest"]:
         return None
