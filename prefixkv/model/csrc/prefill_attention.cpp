@@ -188,6 +188,21 @@ void block_dispatch(int rows, const float* q, const float* kt, const float* v, i
     }
 }
 
+#if defined(__AVX512BF16__)
+// For the bfloat16 blocks (block_amx, block_dot): the online softmax of 16 rows of scores, then the
+// weights rounded to bfloat16 (nearest even), keys in order, for the second product.
+inline void softmax_to_bf16_weights(float* scores, const int* visible, float scale, float* best, float* total,
+                                    float* alpha, uint16_t* weights) {
+    online_softmax<16>(scores, visible, scale, best, total, alpha);
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 4; c += 2) {
+            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(scores + r * kKeyTile + (c + 1) * 16),
+                                                      _mm512_loadu_ps(scores + r * kKeyTile + c * 16));
+            _mm512_storeu_si512(weights + r * kKeyTile + c * 16, reinterpret_cast<const __m512i&>(pair));
+        }
+}
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // bfloat16 on a CPU with AMX: both products on the tile unit (16 x 32 by 32 x 16 bfloat16 products
 // accumulated in float32 per instruction), blocks of 16 rows; the softmax stays float32 on vectors
@@ -264,13 +279,7 @@ inline void block_amx(const uint16_t* q, const uint16_t* kp, const uint16_t* vp,
         amx_row_of_four(q + step * 32, D * 2, kp + step * 16 * 2 * kKeyTile, 2 * kKeyTile * 2);
     amx_store_four(scores, kKeyTile * 4);
     float alpha[kAmxRows];
-    online_softmax<kAmxRows>(scores, visible, scale, best, total, alpha);
-    for (int r = 0; r < kAmxRows; ++r)  // weights in bfloat16 (round to nearest even), keys in order
-        for (int c = 0; c < 4; c += 2) {
-            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(scores + r * kKeyTile + (c + 1) * 16),
-                                                      _mm512_loadu_ps(scores + r * kKeyTile + c * 16));
-            _mm512_storeu_si512(weights + r * kKeyTile + c * 16, reinterpret_cast<const __m512i&>(pair));
-        }
+    softmax_to_bf16_weights(scores, visible, scale, best, total, alpha, weights);
     for (int col = 0; col < D; col += 64) {
         amx_zero_four();
         for (int step = 0; step < (nk + 31) / 32; ++step)  // 32 keys per step (past nk: weights 0, values 0)
@@ -326,13 +335,7 @@ inline void block_dot(const uint16_t* q, const uint16_t* kp, const uint16_t* vp,
             for (int c = 0; c < 4; ++c) _mm512_storeu_ps(scores + (r0 + r) * kKeyTile + c * 16, acc[r][c]);
     }
     float alpha[kAmxRows];
-    online_softmax<kAmxRows>(scores, visible, scale, best, total, alpha);
-    for (int r = 0; r < kAmxRows; ++r)  // weights in bfloat16 (round to nearest even), keys in order
-        for (int c = 0; c < 4; c += 2) {
-            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(scores + r * kKeyTile + (c + 1) * 16),
-                                                      _mm512_loadu_ps(scores + r * kKeyTile + c * 16));
-            _mm512_storeu_si512(weights + r * kKeyTile + c * 16, reinterpret_cast<const __m512i&>(pair));
-        }
+    softmax_to_bf16_weights(scores, visible, scale, best, total, alpha, weights);
     constexpr int NV = D < 64 ? D / 16 : 4;  // output columns per pass: NV vectors of 16
     const int key_pairs = (nk + 1) / 2;      // past nk: weights 0, values 0
     for (int r0 = 0; r0 < kAmxRows; r0 += kDotRows) {  // out = out * alpha + P V
