@@ -169,11 +169,12 @@ class LlamaModel(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """On CPU, lay every matmul weight out once for the fastest kernel: two layouts, the kernel
-        chosen by the step's rows (DualLayoutLinear: oneDNN-packed for many rows; float32 F.linear or
-        the native bfloat16 kernel for a decode step's few), or one where a second copy of the
-        weights would pass DUAL_LAYOUT_MAX_BYTES or the CPU has no second kernel (float32
-        transposed for MKL, TransposedLinear; bfloat16 oneDNN-packed, PackedLinear). Returns whether
-        it did; a no-op elsewhere, when already done, or where this torch/CPU cannot."""
+        chosen by the step's rows (DualLayoutLinear: oneDNN-packed for many rows; for a decode
+        step's few the native small-batch kernel, or float32 F.linear where the CPU has none), or
+        one where a second copy of the weights would pass DUAL_LAYOUT_MAX_BYTES or the CPU has no
+        second kernel (float32 transposed for MKL, TransposedLinear; bfloat16 oneDNN-packed,
+        PackedLinear). Returns whether it did; a no-op elsewhere, when already done, or where this
+        torch/CPU cannot."""
         if self.device.type != "cpu" or self.packed_head is not None:
             return False
         kind: LinearKind
