@@ -563,7 +563,9 @@ def small_linear(
         return None
     K = x.shape[1]
     inputs = packed.shape[1] * (2 if x.dtype == torch.bfloat16 else 1)
-    if inputs != K or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+    if inputs != K or packed.shape[0] != -(-out_features // SMALL_LINEAR_BLOCK) or not packed.is_contiguous():
+        return None  # not the layout of an [out_features, K] weight
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
         return None
     return _run_small_linear(_small_linear_function, x, packed, out_features, bias)
 

@@ -404,6 +404,8 @@ def test_small_linear_refuses_what_it_cannot_take():
     assert cpu_kernels.small_linear(x.t().contiguous().t(), packed, 32) is None  # columns apart
     assert cpu_kernels.small_linear(torch.randn(2, 62).to(torch.bfloat16), packed, 32) is None  # K mismatch
     assert cpu_kernels.small_linear(x, packed, 32, torch.randn(32).bfloat16()) is None  # bias not float32
+    assert cpu_kernels.small_linear(x, packed, 33) is None  # more outputs than the weight has blocks for
+    assert cpu_kernels.small_linear(x, packed, 32, torch.randn(31)) is None  # bias of another length
     with cpu_kernels.disabled():
         assert cpu_kernels.small_linear(x, packed, 32) is None
     assert cpu_kernels.small_linear(x, packed, 32) is not None
