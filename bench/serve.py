@@ -372,9 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     summaries: list[Summary] = []
 
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    vllm_missing = not os.path.exists(args.vllm_python) or not os.path.isdir(args.vllm_model)
     if args.rounds > 1:
         if args.base_url:
             ap.error("--rounds starts its own servers: not with --base-url")
+        if args.peer_vllm and vllm_missing:
+            ap.error(f"--peer-vllm: {args.vllm_python} or {args.vllm_model} missing")
         servers: list[tuple[str, Managed]] = []
         try:
             if not args.no_prefixkv:
@@ -407,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                 srv.close()
 
     if args.peer_vllm and args.rounds == 1:
-        if not os.path.exists(args.vllm_python) or not os.path.isdir(args.vllm_model):
+        if vllm_missing:
             print(f"--peer-vllm: {args.vllm_python} or {args.vllm_model} missing; skipped", file=sys.stderr)
         else:
             try:
