@@ -141,7 +141,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "prefixkv_decode_attention": [_I, _I64, *[_P] * 7, *[_I64] * 4, _F, _I],
     # (dtype, D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, threads)
     "prefixkv_prefill_attention": [_I, _I64, _P, _I64, *[_P] * 6, *[_I64] * 3, _F, _I],
-    "prefixkv_prefill_attention_amx": [],
+    "prefixkv_prefill_attention_unit": [],
     # (dtype, gu, out, rows, I, threads)
     "prefixkv_silu_and_mul": [_I, _P, _P, _I64, _I64, _I],
     # (dtype, x, row_stride, T, H, D, cos, sin, threads)
@@ -188,19 +188,17 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                 ):
                     _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
                     _prefill_function = lib.prefixkv_prefill_attention
-                    _prefill_unit = int(lib.prefixkv_prefill_attention_amx())
+                    _prefill_unit = int(lib.prefixkv_prefill_attention_unit())
                     _silu_function = lib.prefixkv_silu_and_mul
                     _rotary_function = lib.prefixkv_rotary
                     built = lib.prefixkv_small_linear_available()
                     dtypes = [dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if built & bit]
                     agree = [dt for dt in dtypes if _small_linear_agrees(lib.prefixkv_small_linear, dt)]
-                    if agree != dtypes:
-                        logger.warning("the small-batch linear kernel disagreed with F.linear; not used")
-                    elif len(agree) < 2:
-                        logger.info("small-batch linear kernel for %s only (AVX-512, AVX512-BF16)", agree or "none")
-                    if agree == dtypes and agree:
+                    if agree == dtypes:  # possibly none: then small_linear_available() is False throughout
                         _small_linear_function = lib.prefixkv_small_linear
                         _small_linear_dtypes = frozenset(agree)
+                    else:
+                        logger.warning("the small-batch linear kernel disagreed with F.linear; not used")
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:

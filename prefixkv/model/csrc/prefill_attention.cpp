@@ -584,7 +584,7 @@ extern "C" int prefixkv_prefill_attention(int dtype, int64_t D, const void* q, i
 
 // 1 when bfloat16 prefill attention runs on the tile unit (AMX) here, 2 on the vector dot-product
 // instruction (AVX512-BF16), else 0 (float32 vectors).
-extern "C" int prefixkv_prefill_attention_amx() {
+extern "C" int prefixkv_prefill_attention_unit() {
     if (kAmxBuilt && amx_permitted()) return 1;
     return kDotBuilt ? 2 : 0;
 }
