@@ -4,7 +4,7 @@
 //
 // Built by prefixkv/model/cpu_kernels.py with the system C++ compiler, and linked against the
 // OpenMP runtime torch already loaded, so its threads are torch's threads. Plain C ABI, called
-// through ctypes: no torch headers, so the build takes well under a second.
+// through ctypes: no torch headers, so the build takes seconds.
 //
 // Layout (all contiguous):
 //   q     [B, Hkv, G, D]   the query heads of a KV head next to each other (GQA groups)
@@ -14,12 +14,17 @@
 //   out   [B, Hkv, G, D]
 //   lse   [B, Hkv, G] float32, or null: the log-sum-exp of each row's scaled scores, for merging
 //         with attention over another part of the context (the cascade's shared prefix)
-// Scores, softmax and the weighted sum are computed in float32 for both float32 and bfloat16.
+// Scores, softmax and the weighted sum are computed in float32 for both float32 and bfloat16 (on
+// AVX512-BF16 the softmax weights are rounded to bfloat16 for the weighted sum, see ValueRows).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "bf16.h"
 #include "exp.h"
@@ -37,52 +42,172 @@ using prefixkv::storev;
 using prefixkv::vec16;
 
 constexpr int kMaxGroup = 16;
-constexpr int64_t kPrefetchAhead = 16;  // rows: the slots are scattered, so the hardware prefetcher cannot guess them
+constexpr int kChunk = 16;  // keys per step: a cache block's worth, its rows of all KV heads contiguous
 
+// A query head, for the dot products against the K rows of its context. float32 (and bfloat16
+// where the CPU lacks AVX512-BF16): D / 16 vectors of sixteen floats, and a K row is widened to
+// match. bfloat16 on AVX512-BF16: the query's own D / 32 vectors of bfloat16 pairs, and a K row is
+// multiplied as stored (vdpbf16ps: two exact products a float32 lane), D / 32 instructions a row.
 template <typename T, int D>
-inline void prefetch_row(const T* row) {
-    for (size_t off = 0; off < D * sizeof(T); off += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + off);
+struct QueryRow {
+    vec16 v[D / 16];
+    explicit QueryRow(const T* q) {
+        for (int c = 0; c < D / 16; ++c) v[c] = load16(q + 16 * c);
+    }
+    vec16 dot(const T* row) const {  // sixteen partial sums of q . row
+        vec16 acc = v[0] * load16(row);
+        for (int c = 1; c < D / 16; ++c) acc += v[c] * load16(row + 16 * c);
+        return acc;
+    }
+};
+
+#if defined(__AVX512BF16__)
+template <int D>
+struct QueryRow<uint16_t, D> {
+    static_assert(D % 32 == 0, "head dim a multiple of 32");
+    __m512bh v[D / 32];
+    explicit QueryRow(const uint16_t* q) {
+        for (int c = 0; c < D / 32; ++c) v[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    }
+    vec16 dot(const uint16_t* row) const {
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[0], (__m512bh)_mm512_loadu_si512(row));
+        for (int c = 1; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, v[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+        return (vec16)acc;
+    }
+};
+#endif
+
+// acc[c] += sum over the chunk's `count` rows of weight[i] * row i: float32 weights and vectors
+// (a bfloat16 row widened as it is read).
+template <typename T, int D>
+struct ValueRows {
+    const T* rows[kChunk];
+    int count;
+    ValueRows(const T* const (&r)[kChunk], int n) : count(n) {
+        for (int i = 0; i < kChunk; ++i) rows[i] = r[i];
+    }
+    void accumulate(vec16* acc, const float* weight, const uint16_t*) const {
+        vec16 a[D / 16];
+        for (int c = 0; c < D / 16; ++c) a[c] = acc[c];
+        for (int i = 0; i < count; ++i) {
+            const vec16 w = splat(weight[i]);
+            for (int c = 0; c < D / 16; ++c) a[c] += w * load16(rows[i] + 16 * c);
+        }
+        for (int c = 0; c < D / 16; ++c) acc[c] = a[c];
+    }
+    static void finish(vec16*) {}
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 on AVX512-BF16: two keys per instruction. The weights are rounded to bfloat16 (as
+// PyTorch's flash kernel and prefixkv's prefill kernels do; their sum, the normalizer, stays the
+// float32 one). Two V rows are interleaved element by element within 128-bit lanes (unpacklo /
+// unpackhi: dims 0-3, 8-11, ... of 32 in one vector, 4-7, 12-15, ... in the other), once a chunk
+// for all query heads of the group, and vdpbf16ps adds w_j v_j[d] + w_j+1 v_j+1[d] into each lane;
+// finish() puts the dims back in order. Half the multiplies of the float32 path, no widening.
+template <int D>
+struct ValueRows<uint16_t, D> {
+    static constexpr int V = D / 16;
+    __m512bh pairs[kChunk / 2][V];
+    int num_pairs;
+    ValueRows(const uint16_t* const (&r)[kChunk], int n) : num_pairs((n + 1) / 2) {
+        for (int p = 0; p < num_pairs; ++p)
+            for (int c = 0; c < D / 32; ++c) {  // a short chunk's odd last row pairs with a repeated one, weight 0
+                const __m512i x = _mm512_loadu_si512(r[2 * p] + 32 * c), y = _mm512_loadu_si512(r[2 * p + 1] + 32 * c);
+                pairs[p][2 * c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                pairs[p][2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            }
+    }
+    void accumulate(vec16* acc, const float*, const uint16_t* weight) const {
+        __m512 a[V];
+        for (int c = 0; c < V; ++c) a[c] = (__m512)acc[c];
+        for (int p = 0; p < num_pairs; ++p) {
+            int32_t w;
+            memcpy(&w, weight + 2 * p, sizeof w);
+            const __m512bh wv = (__m512bh)_mm512_set1_epi32(w);
+            for (int c = 0; c < V; ++c) a[c] = _mm512_dpbf16_ps(a[c], pairs[p][c], wv);
+        }
+        for (int c = 0; c < V; ++c) acc[c] = (vec16)a[c];
+    }
+    static void finish(vec16* acc) {
+        for (int c = 0; c < D / 32; ++c) {
+            const vec16 lo = acc[2 * c], hi = acc[2 * c + 1];
+            acc[2 * c] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+            acc[2 * c + 1] = __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        }
+    }
+};
+constexpr bool kBf16Weights = true;
+#else
+constexpr bool kBf16Weights = false;
+#endif
+
+// A chunk's rows of heads [h0, h1) are one span of the cache per key: fetch the next chunk's while
+// this one is computed (the slots are scattered block to block, which no hardware prefetcher
+// guesses). Into L2 (prefetcht2), not L1: 96-192 lines a chunk would fill L1's miss buffers and
+// stall the loads of the chunk at hand (24 sequences x 500 bfloat16 keys from memory, Zen 4: 1,040
+// us a layer prefetching into L1, 600 into L2; two or four chunks ahead were no better).
+template <typename T>
+inline void prefetch_chunk(const T* cache, const int64_t* seq_slots, int64_t j0, int64_t n, int64_t Hkv,
+                           int64_t h0, int64_t h1, int64_t D) {
+    for (int64_t j = j0; j < j0 + kChunk && j < n; ++j) {
+        const char* begin = reinterpret_cast<const char*>(cache + (seq_slots[j] * Hkv + h0) * D);
+        const char* end = reinterpret_cast<const char*>(cache + (seq_slots[j] * Hkv + h1) * D);
+        for (const char* p = begin; p < end; p += 64) __builtin_prefetch(p, 0, 1);
+    }
 }
 
-// Rows are D / 16 vectors of sixteen floats (vec16.h): each K row is loaded and widened once and
-// meets the G query heads of its group in registers; the exponentials run sixteen at a time.
+// One task: one sequence and a range of its KV heads - all of them when there are enough sequences
+// to keep the threads busy, so each cache block is read once and whole. Keys go sixteen at a time
+// (a block when the slots are aligned): every query head's dot products against the sixteen K rows
+// are summed across lanes together (hsum16: ~3 shuffles a key instead of 8), the exponentials run
+// sixteen at a time, and the V rows of a chunk are read once for all query heads of their group.
+// Scores, softmax and sums in float32 for both float32 and bfloat16.
 template <typename T, int D>
 void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, float* lse,
             int64_t B, int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
     constexpr int V = D / 16;
+    const int64_t stride = (L / kChunk + 1) * kChunk;  // whole chunks and one more key a score row
+    const int64_t heads_per_task = B >= 2 * num_threads ? Hkv : 1;
+    const int64_t ranges = (Hkv + heads_per_task - 1) / heads_per_task;
+    const int64_t rows_per_task = heads_per_task * G;  // query heads
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> scores(static_cast<size_t>(G * L));
+        std::vector<float> scores(static_cast<size_t>(rows_per_task * stride));
+        std::vector<uint16_t> weights(kBf16Weights ? static_cast<size_t>(rows_per_task * stride) : 0);
+        std::vector<vec16> acc(static_cast<size_t>(rows_per_task * V)), best(static_cast<size_t>(rows_per_task));
+        std::vector<float> total(static_cast<size_t>(rows_per_task));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * Hkv; ++task) {
-            const int64_t b = task / Hkv, h = task % Hkv, n = lens[b];
+        for (int64_t task = 0; task < B * ranges; ++task) {
+            const int64_t b = task / ranges, h0 = task % ranges * heads_per_task;
+            const int64_t h1 = h0 + heads_per_task < Hkv ? h0 + heads_per_task : Hkv, n = lens[b];
+            const int64_t rows = (h1 - h0) * G;
             const int64_t* seq_slots = slots + b * L;
-            vec16 qv[kMaxGroup][V];
-            float best[kMaxGroup];
-            for (int64_t g = 0; g < G; ++g) {
-                const T* qr = q + ((b * Hkv + h) * G + g) * D;
-                for (int c = 0; c < V; ++c) qv[g][c] = load16(qr + 16 * c) * scale;
-                best[g] = -INFINITY;
-            }
-            // pass 1: every K row once, the G dot products of the group against it
-            for (int64_t j = 0; j < n; ++j) {
-                if (j + kPrefetchAhead < n) prefetch_row<T, D>(k + (seq_slots[j + kPrefetchAhead] * Hkv + h) * D);
-                const T* kr = k + (seq_slots[j] * Hkv + h) * D;
-                vec16 kv[V];
-                for (int c = 0; c < V; ++c) kv[c] = load16(kr + 16 * c);
-                for (int64_t g = 0; g < G; ++g) {
-                    vec16 acc = qv[g][0] * kv[0];
-                    for (int c = 1; c < V; ++c) acc += qv[g][c] * kv[c];
-                    const float s = hsum(acc);
-                    scores[g * L + j] = s;
-                    best[g] = s > best[g] ? s : best[g];
+            const T* q_task = q + (b * Hkv + h0) * G * D;  // the task's query heads, in order
+            for (int64_t r = 0; r < rows; ++r) best[r] = splat(-INFINITY);
+            // pass 1: scores, a chunk at a time (a short last chunk repeats its first row, masked)
+            for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+                const int count = static_cast<int>(n - j0 < kChunk ? n - j0 : kChunk);
+                prefetch_chunk(k, seq_slots, j0 + kChunk, n, Hkv, h0, h1, D);
+                const vec16 mask = prefixkv::lane_index() < count ? splat(0.0f) : splat(-INFINITY);
+                for (int64_t h = h0; h < h1; ++h) {
+                    const T* rowp[kChunk];
+                    for (int i = 0; i < kChunk; ++i) rowp[i] = k + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
+                    for (int64_t r = (h - h0) * G; r < (h - h0 + 1) * G; ++r) {
+                        const QueryRow<T, D> query(q_task + r * D);
+                        vec16 part[kChunk];
+                        for (int i = 0; i < kChunk; ++i) part[i] = query.dot(rowp[i]);
+                        const vec16 s = prefixkv::hsum16(part) * scale + mask;
+                        storev(scores.data() + r * stride + j0, s);
+                        best[r] = prefixkv::vmax(best[r], s);
+                    }
                 }
             }
-            // pass 2: softmax weights (unnormalized) and their sums
-            float total[kMaxGroup];
-            for (int64_t g = 0; g < G; ++g) {
-                float* row = scores.data() + g * L;
-                const float m = best[g];
+            // pass 2: softmax weights (unnormalized), their sums, and the bfloat16 copy where used
+            for (int64_t r = 0; r < rows; ++r) {
+                float* row = scores.data() + r * stride;
+                const float m = prefixkv::hmax(best[r]);
+                best[r][0] = m;
                 vec16 sum_v = splat(0.0f);
                 int64_t j = 0;
                 for (; j + 16 <= n; j += 16) {
@@ -96,28 +221,35 @@ void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int6
                     row[j] = e;
                     t += e;
                 }
-                total[g] = t;
-            }
-            // pass 3: every V row once, weighted into the G outputs
-            vec16 acc[kMaxGroup][V];
-            for (int64_t g = 0; g < G; ++g)
-                for (int c = 0; c < V; ++c) acc[g][c] = splat(0.0f);
-            for (int64_t j = 0; j < n; ++j) {
-                if (j + kPrefetchAhead < n) prefetch_row<T, D>(v + (seq_slots[j + kPrefetchAhead] * Hkv + h) * D);
-                const T* vr = v + (seq_slots[j] * Hkv + h) * D;
-                vec16 vv[V];
-                for (int c = 0; c < V; ++c) vv[c] = load16(vr + 16 * c);
-                for (int64_t g = 0; g < G; ++g) {
-                    const vec16 p = splat(scores[g * L + j]);
-                    for (int c = 0; c < V; ++c) acc[g][c] += p * vv[c];
+                total[r] = t;
+                if (kBf16Weights) {
+                    uint16_t* w = weights.data() + r * stride;
+                    for (j = 0; j < n; j += 16) store16(w + j, loadv(row + j));
+                    w[n] = 0;  // the partner of an odd last key (stride > n: always room)
                 }
             }
-            for (int64_t g = 0; g < G; ++g) {
+            // pass 3: every V row once, weighted into the query heads of its group
+            for (int64_t i = 0; i < rows * V; ++i) acc[i] = splat(0.0f);
+            for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+                const int count = static_cast<int>(n - j0 < kChunk ? n - j0 : kChunk);
+                prefetch_chunk(v, seq_slots, j0 + kChunk, n, Hkv, h0, h1, D);
+                for (int64_t h = h0; h < h1; ++h) {
+                    const T* rowp[kChunk];
+                    for (int i = 0; i < kChunk; ++i) rowp[i] = v + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
+                    const ValueRows<T, D> values(rowp, count);
+                    for (int64_t r = (h - h0) * G; r < (h - h0 + 1) * G; ++r)
+                        values.accumulate(acc.data() + r * V, scores.data() + r * stride + j0,
+                                          weights.data() + r * stride + j0);
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                vec16* a = acc.data() + r * V;
+                ValueRows<T, D>::finish(a);
                 // an empty context (n == 0) gives zeros and a log-sum-exp of -inf: it merges as nothing
-                const float inv = n > 0 ? 1.0f / total[g] : 0.0f;
-                T* orow = out + ((b * Hkv + h) * G + g) * D;
-                for (int c = 0; c < V; ++c) store16(orow + 16 * c, acc[g][c] * inv);
-                if (lse != nullptr) lse[(b * Hkv + h) * G + g] = n > 0 ? best[g] + logf(total[g]) : -INFINITY;
+                const float inv = n > 0 ? 1.0f / total[r] : 0.0f;
+                T* orow = out + (b * Hkv + h0) * G * D + r * D;
+                for (int c = 0; c < V; ++c) store16(orow + 16 * c, a[c] * inv);
+                if (lse != nullptr) lse[(b * Hkv + h0) * G + r] = n > 0 ? best[r][0] + logf(total[r]) : -INFINITY;
             }
         }
     }
