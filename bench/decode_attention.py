@@ -72,37 +72,41 @@ def main() -> None:
     )
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
         for batch in map(int, args.batches.split(",")):
-            slots = paged_slots(batch, args.context, gen)
-            num_slots = 4 * batch * (-(-args.context // BLOCK)) * BLOCK
-            ks = [torch.randn(num_slots, hkv, d, generator=gen).to(dtype) for _ in range(args.layers)]
-            vs = [torch.randn(num_slots, hkv, d, generator=gen).to(dtype) for _ in range(args.layers)]
-            q = torch.randn(batch, hq, d, generator=gen).to(dtype)
-            lens = torch.full((batch,), args.context, dtype=torch.int64)
-            scale = d**-0.5
+            measure(getattr(torch, name), batch, hq, hkv, d, args, gen)
 
-            def native(layer: int):
-                return cpu_kernels.decode_attention(q, ks[layer], vs[layer], slots, lens, scale)
 
-            def reference(layer: int):
-                k, v = ks[layer], vs[layer]
-                kc = k.index_select(0, slots.view(-1)).view(batch, args.context, hkv, d).transpose(1, 2)
-                vc = v.index_select(0, slots.view(-1)).view(batch, args.context, hkv, d).transpose(1, 2)
-                return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, scale=scale, enable_gqa=True).squeeze(2)
+def measure(dtype: torch.dtype, batch: int, hq: int, hkv: int, d: int, args: argparse.Namespace, gen) -> None:
+    slots = paged_slots(batch, args.context, gen)
+    num_slots = 4 * batch * (-(-args.context // BLOCK)) * BLOCK
+    ks = [torch.randn(num_slots, hkv, d, generator=gen).to(dtype) for _ in range(args.layers)]
+    vs = [torch.randn(num_slots, hkv, d, generator=gen).to(dtype) for _ in range(args.layers)]
+    q = torch.randn(batch, hq, d, generator=gen).to(dtype)
+    lens = torch.full((batch,), args.context, dtype=torch.int64)
+    scale = d**-0.5
 
-            out = native(0)
-            if out is None:
-                sys.exit("the native decode kernel does not run here (no compiler, or turned off)")
-            diff = (out.float() - reference(0).float()).abs().max().item()
-            t_native = median_us(lambda: [native(i) for i in range(args.layers)], args.reps) / args.layers
-            t_torch = median_us(lambda: [reference(i) for i in range(args.layers)], args.reps) / args.layers
-            keys = batch * args.context * hkv
-            gbps = 2 * keys * d * q.element_size() / t_native / 1e3
-            print(
-                f"{name:>9} {batch:>5} {t_native:>10.1f} {t_native * 1e3 / keys:>11.2f} {gbps:>6.1f}"
-                f" {t_torch:>9.1f} {t_torch / t_native:>7.2f}x {diff:>9.2e}"
-            )
+    def native(layer: int):
+        return cpu_kernels.decode_attention(q, ks[layer], vs[layer], slots, lens, scale)
+
+    def reference(layer: int):
+        k, v = ks[layer], vs[layer]
+        kc = k.index_select(0, slots.view(-1)).view(batch, args.context, hkv, d).transpose(1, 2)
+        vc = v.index_select(0, slots.view(-1)).view(batch, args.context, hkv, d).transpose(1, 2)
+        return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, scale=scale, enable_gqa=True).squeeze(2)
+
+    out = native(0)
+    if out is None:
+        sys.exit("the native decode kernel does not run here (no compiler, or turned off)")
+    diff = (out.float() - reference(0).float()).abs().max().item()
+    t_native = median_us(lambda: [native(i) for i in range(args.layers)], args.reps) / args.layers
+    t_torch = median_us(lambda: [reference(i) for i in range(args.layers)], args.reps) / args.layers
+    keys = batch * args.context * hkv
+    gbps = 2 * keys * d * q.element_size() / t_native / 1e3
+    name = str(dtype).removeprefix("torch.")
+    print(
+        f"{name:>9} {batch:>5} {t_native:>10.1f} {t_native * 1e3 / keys:>11.2f} {gbps:>6.1f}"
+        f" {t_torch:>9.1f} {t_torch / t_native:>7.2f}x {diff:>9.2e}"
+    )
 
 
 if __name__ == "__main__":
