@@ -1,7 +1,7 @@
 """Offline prefill and decode times through each engine's own `LLM.generate`, the same script for
 prefixkv and for vLLM (run it with each engine's Python): the time of one cold 478-token prompt
-with one output token (prefix caching off), and the time per decode step at batch 1 and 8 after
-256-token prompts ((time of 33 output tokens - time of 1) / 32). Prompts are random token ids
+with one output token (prefix caching off), and the time per decode step at each of --batches (1
+and 8) after --context-token prompts (256) ((time of 33 output tokens - time of 1) / 32). Prompts are random token ids
 (seeded), the same for both engines. Medians; one JSON line at the end.
 
     .venv/bin/python bench/step_times.py --dtype bfloat16
@@ -31,8 +31,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt", type=int, default=478)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence")
     ap.add_argument("--model", default=os.path.join(ROOT, "peers", "smollm2-135m-hf"), help="vLLM's HF folder")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.reps < 1 or args.prompt < 1 or args.context < 1 or min(batches) < 1:
+        sys.exit("--reps, --prompt, --context and every batch must be at least 1")
 
     if args.engine == "vllm":
         for key, value in {
@@ -78,21 +83,22 @@ def main() -> None:
         generate([prompt], 1)
         prefill.append(time.perf_counter() - t0)
     result = {"engine": args.engine, "dtype": args.dtype, f"prefill_{args.prompt}_ms": statistics.median(prefill) * 1e3}
-    for batch in (1, 8):
+    for batch in batches:
         steps = []
         for _ in range(3):
-            prompts = [as_prompt(ids(256)) for _ in range(batch)]
+            prompts = [as_prompt(ids(args.context)) for _ in range(batch)]
             t0 = time.perf_counter()
             generate(prompts, 1)
             one = time.perf_counter() - t0
-            prompts = [as_prompt(ids(256)) for _ in range(batch)]
+            prompts = [as_prompt(ids(args.context)) for _ in range(batch)]
             t0 = time.perf_counter()
             generate(prompts, 33)
             steps.append((time.perf_counter() - t0 - one) / 32)
         result[f"decode_batch{batch}_ms"] = statistics.median(steps) * 1e3
+    steps_text = ", ".join(f"batch {b} {result[f'decode_batch{b}_ms']:.1f} ms" for b in batches)
     print(
         f"{args.engine} {args.dtype}: prefill {args.prompt} tokens {result[f'prefill_{args.prompt}_ms']:.1f} ms; "
-        f"decode step batch 1 {result['decode_batch1_ms']:.1f} ms, batch 8 {result['decode_batch8_ms']:.1f} ms"
+        f"decode step ({args.context}-token prompts) {steps_text}"
     )
     result["load_average"] = os.getloadavg()[0]
     print(json.dumps(result))

@@ -42,7 +42,7 @@ using prefixkv::storev;
 using prefixkv::vec16;
 
 constexpr int kMaxGroup = 16;
-constexpr int kChunk = 16;  // keys per step: a cache block's worth, its rows of all KV heads contiguous
+constexpr int kChunk = 16;  // keys per step
 
 // A query head, for the dot products against the K rows of its context. float32 (and bfloat16
 // where the CPU lacks AVX512-BF16): D / 16 vectors of sixteen floats, and a K row is widened to
@@ -142,72 +142,65 @@ constexpr bool kBf16Weights = true;
 constexpr bool kBf16Weights = false;
 #endif
 
-// A chunk's rows of heads [h0, h1) are one span of the cache per key: fetch the next chunk's while
-// this one is computed (the slots are scattered block to block, which no hardware prefetcher
-// guesses). Into L2 (prefetcht2), not L1: 96-192 lines a chunk would fill L1's miss buffers and
-// stall the loads of the chunk at hand (24 sequences x 500 bfloat16 keys from memory, Zen 4: 1,040
-// us a layer prefetching into L1, 600 into L2; two or four chunks ahead were no better).
+// Fetch the next chunk's rows of a KV head while this one is computed (the slots are scattered
+// block to block, which no hardware prefetcher guesses). Into L2 (prefetcht2), not L1: the lines
+// of a chunk would fill L1's miss buffers and stall the loads of the chunk at hand (24 sequences x
+// 500 bfloat16 keys from memory, Zen 4: 1,040 us a layer prefetching into L1, 600 into L2; two or
+// four chunks ahead, or V during the K pass, were no better).
 template <typename T>
-inline void prefetch_chunk(const T* cache, const int64_t* seq_slots, int64_t j0, int64_t n, int64_t Hkv,
-                           int64_t h0, int64_t h1, int64_t D) {
+inline void prefetch_chunk(const T* cache, const int64_t* seq_slots, int64_t j0, int64_t n, int64_t Hkv, int64_t h,
+                           int64_t D) {
     for (int64_t j = j0; j < j0 + kChunk && j < n; ++j) {
-        const char* begin = reinterpret_cast<const char*>(cache + (seq_slots[j] * Hkv + h0) * D);
-        const char* end = reinterpret_cast<const char*>(cache + (seq_slots[j] * Hkv + h1) * D);
-        for (const char* p = begin; p < end; p += 64) __builtin_prefetch(p, 0, 1);
+        const char* row = reinterpret_cast<const char*>(cache + (seq_slots[j] * Hkv + h) * D);
+        for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(row + off, 0, 1);
     }
 }
 
-// One task: one sequence and a range of its KV heads - all of them when there are enough sequences
-// to keep the threads busy, so each cache block is read once and whole. Keys go sixteen at a time
-// (a block when the slots are aligned): every query head's dot products against the sixteen K rows
-// are summed across lanes together (hsum16: ~3 shuffles a key instead of 8), the exponentials run
-// sixteen at a time, and the V rows of a chunk are read once for all query heads of their group.
-// Scores, softmax and sums in float32 for both float32 and bfloat16.
+// One task: one sequence and one KV head with its G query heads (a task for all of a sequence's
+// KV heads, reading whole cache rows, was no faster in bfloat16 and 25-30% slower in float32).
+// Keys go sixteen at a time: each query head's dot products against the sixteen K rows are summed
+// across lanes together (hsum16: ~3 shuffles a key instead of 8), the exponentials run sixteen at a
+// time, and the V rows of a chunk are read once for all query heads of the group. Scores, softmax
+// and sums in float32 for both float32 and bfloat16.
 template <typename T, int D>
 void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, float* lse,
             int64_t B, int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
     constexpr int V = D / 16;
     const int64_t stride = (L / kChunk + 1) * kChunk;  // whole chunks and one more key a score row
-    const int64_t heads_per_task = B >= 2 * num_threads ? Hkv : 1;
-    const int64_t ranges = (Hkv + heads_per_task - 1) / heads_per_task;
-    const int64_t rows_per_task = heads_per_task * G;  // query heads
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> scores(static_cast<size_t>(rows_per_task * stride));
-        std::vector<uint16_t> weights(kBf16Weights ? static_cast<size_t>(rows_per_task * stride) : 0);
-        std::vector<vec16> acc(static_cast<size_t>(rows_per_task * V)), best(static_cast<size_t>(rows_per_task));
-        std::vector<float> total(static_cast<size_t>(rows_per_task));
+        std::vector<float> scores(static_cast<size_t>(G * stride));
+        std::vector<uint16_t> weights(kBf16Weights ? static_cast<size_t>(G * stride) : 0);
+        std::vector<vec16> acc(static_cast<size_t>(G * V));
+        vec16 best[kMaxGroup];
+        float total[kMaxGroup];
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * ranges; ++task) {
-            const int64_t b = task / ranges, h0 = task % ranges * heads_per_task;
-            const int64_t h1 = h0 + heads_per_task < Hkv ? h0 + heads_per_task : Hkv, n = lens[b];
-            const int64_t rows = (h1 - h0) * G;
+        for (int64_t task = 0; task < B * Hkv; ++task) {
+            const int64_t b = task / Hkv, h = task % Hkv, n = lens[b];
             const int64_t* seq_slots = slots + b * L;
-            const T* q_task = q + (b * Hkv + h0) * G * D;  // the task's query heads, in order
-            for (int64_t r = 0; r < rows; ++r) best[r] = splat(-INFINITY);
+            const T* q_task = q + task * G * D;  // the G query heads of this KV head
+            for (int64_t g = 0; g < G; ++g) best[g] = splat(-INFINITY);
             // pass 1: scores, a chunk at a time (a short last chunk repeats its first row, masked)
             for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
                 const int count = static_cast<int>(n - j0 < kChunk ? n - j0 : kChunk);
-                prefetch_chunk(k, seq_slots, j0 + kChunk, n, Hkv, h0, h1, D);
+                prefetch_chunk(k, seq_slots, j0 + kChunk, n, Hkv, h, D);
                 const vec16 mask = prefixkv::lane_index() < count ? splat(0.0f) : splat(-INFINITY);
-                for (int64_t h = h0; h < h1; ++h) {
-                    const T* rowp[kChunk];
-                    for (int i = 0; i < kChunk; ++i) rowp[i] = k + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
-                    for (int64_t r = (h - h0) * G; r < (h - h0 + 1) * G; ++r) {
-                        const QueryRow<T, D> query(q_task + r * D);
-                        vec16 part[kChunk];
-                        for (int i = 0; i < kChunk; ++i) part[i] = query.dot(rowp[i]);
-                        const vec16 s = prefixkv::hsum16(part) * scale + mask;
-                        storev(scores.data() + r * stride + j0, s);
-                        best[r] = prefixkv::vmax(best[r], s);
-                    }
+                const T* rowp[kChunk];
+                for (int i = 0; i < kChunk; ++i) rowp[i] = k + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    const QueryRow<T, D> query(q_task + g * D);
+                    vec16 part[kChunk];
+                    for (int i = 0; i < kChunk; ++i) part[i] = query.dot(rowp[i]);
+                    const vec16 s = prefixkv::hsum16(part) * scale + mask;
+                    storev(scores.data() + g * stride + j0, s);
+                    best[g] = prefixkv::vmax(best[g], s);
                 }
             }
             // pass 2: softmax weights (unnormalized), their sums, and the bfloat16 copy where used
-            for (int64_t r = 0; r < rows; ++r) {
-                float* row = scores.data() + r * stride;
-                const float m = prefixkv::hmax(best[r]);
-                best[r][0] = m;
+            for (int64_t g = 0; g < G; ++g) {
+                float* row = scores.data() + g * stride;
+                const float m = prefixkv::hmax(best[g]);
+                best[g][0] = m;
                 vec16 sum_v = splat(0.0f);
                 int64_t j = 0;
                 for (; j + 16 <= n; j += 16) {
@@ -221,35 +214,32 @@ void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int6
                     row[j] = e;
                     t += e;
                 }
-                total[r] = t;
+                total[g] = t;
                 if (kBf16Weights) {
-                    uint16_t* w = weights.data() + r * stride;
+                    uint16_t* w = weights.data() + g * stride;
                     for (j = 0; j < n; j += 16) store16(w + j, loadv(row + j));
                     w[n] = 0;  // the partner of an odd last key (stride > n: always room)
                 }
             }
-            // pass 3: every V row once, weighted into the query heads of its group
-            for (int64_t i = 0; i < rows * V; ++i) acc[i] = splat(0.0f);
+            // pass 3: every V row once, weighted into the G query heads
+            for (int64_t i = 0; i < G * V; ++i) acc[i] = splat(0.0f);
             for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
                 const int count = static_cast<int>(n - j0 < kChunk ? n - j0 : kChunk);
-                prefetch_chunk(v, seq_slots, j0 + kChunk, n, Hkv, h0, h1, D);
-                for (int64_t h = h0; h < h1; ++h) {
-                    const T* rowp[kChunk];
-                    for (int i = 0; i < kChunk; ++i) rowp[i] = v + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
-                    const ValueRows<T, D> values(rowp, count);
-                    for (int64_t r = (h - h0) * G; r < (h - h0 + 1) * G; ++r)
-                        values.accumulate(acc.data() + r * V, scores.data() + r * stride + j0,
-                                          weights.data() + r * stride + j0);
-                }
+                prefetch_chunk(v, seq_slots, j0 + kChunk, n, Hkv, h, D);
+                const T* rowp[kChunk];
+                for (int i = 0; i < kChunk; ++i) rowp[i] = v + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
+                const ValueRows<T, D> values(rowp, count);
+                for (int64_t g = 0; g < G; ++g)
+                    values.accumulate(acc.data() + g * V, scores.data() + g * stride + j0, weights.data() + g * stride + j0);
             }
-            for (int64_t r = 0; r < rows; ++r) {
-                vec16* a = acc.data() + r * V;
+            for (int64_t g = 0; g < G; ++g) {
+                vec16* a = acc.data() + g * V;
                 ValueRows<T, D>::finish(a);
                 // an empty context (n == 0) gives zeros and a log-sum-exp of -inf: it merges as nothing
-                const float inv = n > 0 ? 1.0f / total[r] : 0.0f;
-                T* orow = out + (b * Hkv + h0) * G * D + r * D;
+                const float inv = n > 0 ? 1.0f / total[g] : 0.0f;
+                T* orow = out + (task * G + g) * D;
                 for (int c = 0; c < V; ++c) store16(orow + 16 * c, a[c] * inv);
-                if (lse != nullptr) lse[(b * Hkv + h0) * G + r] = n > 0 ? best[r][0] + logf(total[r]) : -INFINITY;
+                if (lse != nullptr) lse[task * G + g] = n > 0 ? best[g][0] + logf(total[g]) : -INFINITY;
             }
         }
     }
