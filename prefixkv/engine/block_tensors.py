@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import ModelConfig, kv_cache_block_shape
+from . import huge_pages
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class BlockTensors:
     def _new(self, spec: BlockTensorSpec) -> torch.Tensor:
         device = torch.device(spec.device) if spec.device is not None else self.device
         pin = device.type == "cpu" and self.device.type == "cuda"
+        if device.type == "cpu" and not pin:  # read block by block all over: huge pages (huge_pages.py)
+            return huge_pages.zeros(spec.shape(self.num_blocks), spec.dtype)
         return torch.zeros(spec.shape(self.num_blocks), dtype=spec.dtype, device=device, pin_memory=pin)
 
     def ensure(self, name: str) -> torch.Tensor:

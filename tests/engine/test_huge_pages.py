@@ -1,0 +1,61 @@
+"""The K/V caches on 2 MiB pages where Linux offers them (prefixkv/engine/huge_pages.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixkv.engine import huge_pages
+from prefixkv.engine.block_tensors import BlockTensors, BlockTensorSpec
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str | None:
+    """'always', 'madvise' or 'never' (the bracketed word), None where the system has no THP."""
+    try:
+        text = THP_MODE.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`, in bytes."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_zeros_is_zeros_of_the_shape_and_dtype():
+    t = huge_pages.zeros((3, 5, 7), torch.bfloat16)
+    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert torch.count_nonzero(t) == 0
+
+
+def test_a_tensor_too_small_for_one_huge_page_is_left_alone():
+    assert not huge_pages.advise_huge_pages(torch.empty(1000))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always"), reason="no THP")
+def test_a_large_cache_lies_on_huge_pages():
+    t = huge_pages.zeros((16, 1 << 20), torch.float32)  # 64 MiB: at least 31 aligned huge pages inside
+    assert huge_bytes_at(t.data_ptr() + t.numel() * 2) >= 16 * huge_pages.HUGE_PAGE_BYTES
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always"), reason="no THP")
+def test_the_engines_kv_caches_take_the_advice():
+    tensors = BlockTensors([BlockTensorSpec("kv.0", (2, 16, 3, 64), torch.bfloat16, 1)])
+    tensors.allocate(4096, "cpu")  # 48 MiB
+    kv = tensors.kv_caches[0]
+    assert torch.count_nonzero(kv) == 0
+    assert huge_bytes_at(kv.data_ptr() + kv.numel()) >= 8 * huge_pages.HUGE_PAGE_BYTES
