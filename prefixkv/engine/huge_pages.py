@@ -44,7 +44,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if last <= first:
         return False
-    return _madvise(first, last - first, MADV_HUGEPAGE) == 0
+    return bool(_madvise(first, last - first, MADV_HUGEPAGE) == 0)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
