@@ -166,6 +166,26 @@ def test_the_model_never_writes_into_the_callers_input_embeddings():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [700, 300, 130, 1])
+def test_one_long_sequence_is_split_across_threads_and_merged(dtype, length):
+    # one sequence: fewer (sequence, KV head) tasks than twice the threads, so the kernel splits the
+    # keys into ranges and merges them by log-sum-exp (a short sequence leaves a range empty)
+    g = torch.Generator().manual_seed(length)
+    L = 700
+    k, v = torch.randn(900, 3, 64, generator=g).to(dtype), torch.randn(900, 3, 64, generator=g).to(dtype)
+    slots = torch.randperm(900, generator=g)[:L].view(1, L)
+    lens = torch.tensor([length])
+    q = torch.randn(1, 9, 64, generator=g).to(dtype)
+    lse = torch.empty(1, 9)
+    got = cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, lse)
+    want, want_lse = cpu_kernels.reference_decode_attention_lse(q, k, v, slots, lens, 0.125)
+    assert got is not None
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_log_sum_exp_for_the_cascade_merge(dtype):
     g = torch.Generator().manual_seed(7)
     k, v = torch.randn(300, 3, 64, generator=g).to(dtype), torch.randn(300, 3, 64, generator=g).to(dtype)

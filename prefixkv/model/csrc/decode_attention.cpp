@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -156,90 +157,159 @@ inline void prefetch_chunk(const T* cache, const int64_t* seq_slots, int64_t j0,
     }
 }
 
-// One task: one sequence and one KV head with its G query heads (a task for all of a sequence's
-// KV heads, reading whole cache rows, was no faster in bfloat16 and 25-30% slower in float32).
+// Per-thread room for one task's scores, bfloat16 weights and sums.
+struct Scratch {
+    std::vector<float> scores;
+    std::vector<uint16_t> weights;
+    std::vector<vec16> acc;
+    Scratch(int64_t G, int64_t stride, int64_t V)
+        : scores(static_cast<size_t>(G * stride)),
+          weights(kBf16Weights ? static_cast<size_t>(G * stride) : 0),
+          acc(static_cast<size_t>(G * V)) {}
+};
+
+// Attention of the G query heads `q_task` over keys [lo, hi) of one sequence and KV head: per query
+// head the scores' maximum best[g], the sum of exp(score - best) total[g], and the weighted sum of V
+// rows with those weights, unnormalized, in scratch.acc (an empty range: -inf, 0, zeros).
 // Keys go sixteen at a time: each query head's dot products against the sixteen K rows are summed
 // across lanes together (hsum16: ~3 shuffles a key instead of 8), the exponentials run sixteen at a
 // time, and the V rows of a chunk are read once for all query heads of the group. Scores, softmax
 // and sums in float32 for both float32 and bfloat16.
 template <typename T, int D>
+void attend(const T* q_task, const T* k, const T* v, const int64_t* seq_slots, int64_t lo, int64_t hi, int64_t Hkv,
+            int64_t h, int64_t G, float scale, int64_t stride, Scratch& scratch, float* best_out, float* total) {
+    constexpr int V = D / 16;
+    float* scores = scratch.scores.data();
+    vec16 best[kMaxGroup];
+    for (int64_t g = 0; g < G; ++g) best[g] = splat(-INFINITY);
+    // pass 1: scores, a chunk at a time (a short last chunk repeats its first row, masked)
+    for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
+        const int count = static_cast<int>(hi - j0 < kChunk ? hi - j0 : kChunk);
+        prefetch_chunk(k, seq_slots, j0 + kChunk, hi, Hkv, h, D);
+        const vec16 mask = prefixkv::lane_index() < count ? splat(0.0f) : splat(-INFINITY);
+        const T* rowp[kChunk];
+        for (int i = 0; i < kChunk; ++i) rowp[i] = k + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+            const QueryRow<T, D> query(q_task + g * D);
+            vec16 part[kChunk];
+            for (int i = 0; i < kChunk; ++i) part[i] = query.dot(rowp[i]);
+            const vec16 s = prefixkv::hsum16(part) * scale + mask;
+            storev(scores + g * stride + (j0 - lo), s);
+            best[g] = prefixkv::vmax(best[g], s);
+        }
+    }
+    // pass 2: softmax weights (unnormalized), their sums, and the bfloat16 copy where used
+    const int64_t n = hi > lo ? hi - lo : 0;
+    for (int64_t g = 0; g < G; ++g) {
+        float* row = scores + g * stride;
+        const float m = prefixkv::hmax(best[g]);
+        best_out[g] = m;
+        vec16 sum_v = splat(0.0f);
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            const vec16 e = exp_nonpositive(loadv(row + j) - m);
+            storev(row + j, e);
+            sum_v += e;
+        }
+        float t = hsum(sum_v);
+        for (; j < n; ++j) {
+            const float e = prefixkv::exp_nonpositive(row[j] - m);
+            row[j] = e;
+            t += e;
+        }
+        total[g] = t;
+        if (kBf16Weights) {
+            uint16_t* w = scratch.weights.data() + g * stride;
+            for (j = 0; j < n; j += 16) store16(w + j, loadv(row + j));
+            w[n] = 0;  // the partner of an odd last key (stride > n: always room)
+        }
+    }
+    // pass 3: every V row once, weighted into the G query heads
+    vec16* acc = scratch.acc.data();
+    for (int64_t i = 0; i < G * V; ++i) acc[i] = splat(0.0f);
+    for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
+        const int count = static_cast<int>(hi - j0 < kChunk ? hi - j0 : kChunk);
+        prefetch_chunk(v, seq_slots, j0 + kChunk, hi, Hkv, h, D);
+        const T* rowp[kChunk];
+        for (int i = 0; i < kChunk; ++i) rowp[i] = v + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
+        const ValueRows<T, D> values(rowp, count);
+        for (int64_t g = 0; g < G; ++g)
+            values.accumulate(acc + g * V, scores + g * stride + (j0 - lo), scratch.weights.data() + g * stride + (j0 - lo));
+    }
+    for (int64_t g = 0; g < G; ++g) ValueRows<T, D>::finish(acc + g * V);
+}
+
+// A task is one sequence and one KV head with its G query heads (a task for all of a sequence's KV
+// heads, reading whole cache rows, was no faster in bfloat16 and 25-30% slower in float32). When
+// there are too few tasks to keep the threads busy (one sequence: 3 tasks for the default model),
+// each sequence's keys are split into `parts` ranges of whole chunks, attended apart and merged by
+// their log-sum-exps, as flash-decoding does on GPUs.
+constexpr int64_t kMinKeysPerPart = 128;
+
+template <typename T, int D>
 void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, float* lse,
             int64_t B, int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
     constexpr int V = D / 16;
-    const int64_t stride = (L / kChunk + 1) * kChunk;  // whole chunks and one more key a score row
+    const int64_t heads = B * Hkv;
+    int64_t parts = 1;
+    if (heads < 2 * num_threads) {
+        parts = (2 * num_threads + heads - 1) / heads;
+        const int64_t most = L / kMinKeysPerPart;
+        parts = parts < most ? parts : (most > 1 ? most : 1);
+    }
+    const int64_t chunks_per_part = (L + kChunk * parts - 1) / (kChunk * parts);
+    const int64_t span = chunks_per_part * kChunk;          // keys per part
+    const int64_t stride = (span / kChunk + 1) * kChunk;  // whole chunks and one more key a score row
+    // the parts' results when split: maximum, sum, unnormalized output of each query head
+    std::vector<float> part_best(parts > 1 ? static_cast<size_t>(heads * parts * G) : 0);
+    std::vector<float> part_total(part_best.size()), part_acc(part_best.size() * D);
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> scores(static_cast<size_t>(G * stride));
-        std::vector<uint16_t> weights(kBf16Weights ? static_cast<size_t>(G * stride) : 0);
-        std::vector<vec16> acc(static_cast<size_t>(G * V));
-        vec16 best[kMaxGroup];
-        float total[kMaxGroup];
+        Scratch scratch(G, stride, V);
+        float best[kMaxGroup], total[kMaxGroup];
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * Hkv; ++task) {
-            const int64_t b = task / Hkv, h = task % Hkv, n = lens[b];
-            const int64_t* seq_slots = slots + b * L;
-            const T* q_task = q + task * G * D;  // the G query heads of this KV head
-            for (int64_t g = 0; g < G; ++g) best[g] = splat(-INFINITY);
-            // pass 1: scores, a chunk at a time (a short last chunk repeats its first row, masked)
-            for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
-                const int count = static_cast<int>(n - j0 < kChunk ? n - j0 : kChunk);
-                prefetch_chunk(k, seq_slots, j0 + kChunk, n, Hkv, h, D);
-                const vec16 mask = prefixkv::lane_index() < count ? splat(0.0f) : splat(-INFINITY);
-                const T* rowp[kChunk];
-                for (int i = 0; i < kChunk; ++i) rowp[i] = k + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
-                for (int64_t g = 0; g < G; ++g) {
-                    const QueryRow<T, D> query(q_task + g * D);
-                    vec16 part[kChunk];
-                    for (int i = 0; i < kChunk; ++i) part[i] = query.dot(rowp[i]);
-                    const vec16 s = prefixkv::hsum16(part) * scale + mask;
-                    storev(scores.data() + g * stride + j0, s);
-                    best[g] = prefixkv::vmax(best[g], s);
-                }
-            }
-            // pass 2: softmax weights (unnormalized), their sums, and the bfloat16 copy where used
+        for (int64_t task = 0; task < heads * parts; ++task) {
+            const int64_t head = task / parts, p = task % parts;
+            const int64_t b = head / Hkv, h = head % Hkv, n = lens[b];
+            const int64_t lo = p * span < n ? p * span : n, hi = lo + span < n ? lo + span : n;
+            attend<T, D>(q + head * G * D, k, v, slots + b * L, lo, hi, Hkv, h, G, scale, stride, scratch, best,
+                         total);
+            const vec16* acc = scratch.acc.data();
             for (int64_t g = 0; g < G; ++g) {
-                float* row = scores.data() + g * stride;
-                const float m = prefixkv::hmax(best[g]);
-                best[g][0] = m;
-                vec16 sum_v = splat(0.0f);
-                int64_t j = 0;
-                for (; j + 16 <= n; j += 16) {
-                    const vec16 e = exp_nonpositive(loadv(row + j) - m);
-                    storev(row + j, e);
-                    sum_v += e;
+                if (parts > 1) {
+                    const int64_t row = task * G + g;
+                    part_best[row] = best[g];
+                    part_total[row] = total[g];
+                    for (int c = 0; c < V; ++c) storev(part_acc.data() + row * D + 16 * c, acc[g * V + c]);
+                    continue;
                 }
-                float t = hsum(sum_v);
-                for (; j < n; ++j) {
-                    const float e = prefixkv::exp_nonpositive(row[j] - m);
-                    row[j] = e;
-                    t += e;
-                }
-                total[g] = t;
-                if (kBf16Weights) {
-                    uint16_t* w = weights.data() + g * stride;
-                    for (j = 0; j < n; j += 16) store16(w + j, loadv(row + j));
-                    w[n] = 0;  // the partner of an odd last key (stride > n: always room)
-                }
-            }
-            // pass 3: every V row once, weighted into the G query heads
-            for (int64_t i = 0; i < G * V; ++i) acc[i] = splat(0.0f);
-            for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
-                const int count = static_cast<int>(n - j0 < kChunk ? n - j0 : kChunk);
-                prefetch_chunk(v, seq_slots, j0 + kChunk, n, Hkv, h, D);
-                const T* rowp[kChunk];
-                for (int i = 0; i < kChunk; ++i) rowp[i] = v + (seq_slots[j0 + (i < count ? i : 0)] * Hkv + h) * D;
-                const ValueRows<T, D> values(rowp, count);
-                for (int64_t g = 0; g < G; ++g)
-                    values.accumulate(acc.data() + g * V, scores.data() + g * stride + j0, weights.data() + g * stride + j0);
-            }
-            for (int64_t g = 0; g < G; ++g) {
-                vec16* a = acc.data() + g * V;
-                ValueRows<T, D>::finish(a);
                 // an empty context (n == 0) gives zeros and a log-sum-exp of -inf: it merges as nothing
                 const float inv = n > 0 ? 1.0f / total[g] : 0.0f;
-                T* orow = out + (task * G + g) * D;
-                for (int c = 0; c < V; ++c) store16(orow + 16 * c, a[c] * inv);
-                if (lse != nullptr) lse[task * G + g] = n > 0 ? best[g][0] + logf(total[g]) : -INFINITY;
+                T* orow = out + (head * G + g) * D;
+                for (int c = 0; c < V; ++c) store16(orow + 16 * c, acc[g * V + c] * inv);
+                if (lse != nullptr) lse[head * G + g] = n > 0 ? best[g] + logf(total[g]) : -INFINITY;
+            }
+        }
+        if (parts > 1) {  // the omp for above ends with a barrier: every part is done
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < heads * G; ++row) {
+                const int64_t head = row / G, g = row % G;
+                float m = -INFINITY;
+                for (int64_t p = 0; p < parts; ++p) m = std::max(m, part_best[(head * parts + p) * G + g]);
+                float sum = 0.0f;
+                vec16 o[V];
+                for (int c = 0; c < V; ++c) o[c] = splat(0.0f);
+                for (int64_t p = 0; p < parts; ++p) {
+                    const int64_t r = (head * parts + p) * G + g;
+                    if (part_total[r] == 0.0f) continue;  // an empty part
+                    const float f = expf(part_best[r] - m);
+                    sum += part_total[r] * f;
+                    for (int c = 0; c < V; ++c) o[c] += loadv(part_acc.data() + r * D + 16 * c) * f;
+                }
+                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                T* orow = out + row * D;
+                for (int c = 0; c < V; ++c) store16(orow + 16 * c, o[c] * inv);
+                if (lse != nullptr) lse[row] = sum > 0.0f ? m + logf(sum) : -INFINITY;
             }
         }
     }
