@@ -15,28 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.prefill_attention import median_ms  # noqa: E402
 from prefixkv.model import cpu_kernels  # noqa: E402
 
 BLOCK = 16
-
-
-def median_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
 
 
 def paged_slots(batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
@@ -98,8 +87,8 @@ def measure(dtype: torch.dtype, batch: int, hq: int, hkv: int, d: int, args: arg
     if out is None:
         sys.exit("the native decode kernel does not run here (no compiler, or turned off)")
     diff = (out.float() - reference(0).float()).abs().max().item()
-    t_native = median_us(lambda: [native(i) for i in range(args.layers)], args.reps) / args.layers
-    t_torch = median_us(lambda: [reference(i) for i in range(args.layers)], args.reps) / args.layers
+    t_native = median_ms(lambda: [native(i) for i in range(args.layers)], args.reps) * 1e3 / args.layers
+    t_torch = median_ms(lambda: [reference(i) for i in range(args.layers)], args.reps) * 1e3 / args.layers
     keys = batch * args.context * hkv
     gbps = 2 * keys * d * q.element_size() / t_native / 1e3
     name = str(dtype).removeprefix("torch.")

@@ -165,6 +165,17 @@ def test_the_model_never_writes_into_the_callers_input_embeddings():
     assert torch.equal(embeds, before)
 
 
+def assert_decode_with_lse_matches_reference(q, k, v, slots, lens):
+    """The kernel's output and log-sum-exps against the PyTorch reference (scale 1/8)."""
+    lse = torch.empty(q.shape[0], q.shape[1])
+    got = cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, lse)
+    want, want_lse = cpu_kernels.reference_decode_attention_lse(q, k, v, slots, lens, 0.125)
+    assert got is not None
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("length", [700, 300, 130, 1])
 def test_one_long_sequence_is_split_across_threads_and_merged(dtype, length):
@@ -176,13 +187,7 @@ def test_one_long_sequence_is_split_across_threads_and_merged(dtype, length):
     slots = torch.randperm(900, generator=g)[:L].view(1, L)
     lens = torch.tensor([length])
     q = torch.randn(1, 9, 64, generator=g).to(dtype)
-    lse = torch.empty(1, 9)
-    got = cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, lse)
-    want, want_lse = cpu_kernels.reference_decode_attention_lse(q, k, v, slots, lens, 0.125)
-    assert got is not None
-    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert_decode_with_lse_matches_reference(q, k, v, slots, lens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -192,13 +197,7 @@ def test_decode_attention_log_sum_exp_for_the_cascade_merge(dtype):
     slots = torch.randperm(300, generator=g)[: 4 * 50].view(4, 50)
     lens = torch.tensor([50, 3, 1, 27])
     q = torch.randn(4, 9, 64, generator=g).to(dtype)
-    lse = torch.empty(4, 9)
-    got = cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, lse)
-    want, want_lse = cpu_kernels.reference_decode_attention_lse(q, k, v, slots, lens, 0.125)
-    assert got is not None
-    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert_decode_with_lse_matches_reference(q, k, v, slots, lens)
     assert cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, torch.empty(4, 9).double()) is None
 
 
