@@ -11,7 +11,7 @@
   once in 64-byte column blocks, streamed once per step (AVX-512 / AVX512-BF16 where the CPU has
   them), where oneDNN's kernels, built for many rows, read the weights at half the speed.
 
-The source is compiled once per machine (a second or so) into a cache folder
+The source is compiled once per machine (~9 s for all files on the 2-vCPU Zen 4) into a cache folder
 (``$PREFIXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixkv`` or ``~/.cache/prefixkv``), keyed by the
 source, the flags, the compiler, torch's version and the CPU's flags; concurrent processes write
 it atomically. The library links the OpenMP runtime torch has already loaded, so its threads are

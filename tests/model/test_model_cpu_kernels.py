@@ -46,7 +46,7 @@ def test_decode_attention_equals_gather_then_sdpa(dtype, head_dim, groups):
     want = cpu_kernels.reference_decode_attention(q, k, v, slots, lens, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    # fewer sequences than twice the threads: the kernel splits the work by KV head instead
+    # a slice of the batch (rows with a stride into the caller's q) gives the same rows as the whole
     few = cpu_kernels.decode_attention(q[1:3], k, v, slots[1:3], lens[1:3], head_dim**-0.5)
     assert few is not None
     torch.testing.assert_close(few.float(), want[1:3].float(), rtol=tol, atol=tol)
