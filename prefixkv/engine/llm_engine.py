@@ -36,6 +36,7 @@ from ..sampling_params import SamplingParams
 from ..stage import StageOutputCache, stage_output_specs
 from ..tiers import TierManager, attach_tiers
 from .block_tensors import BlockTensors, kv_cache_specs
+from .cpu_threads import AdaptiveCpuThreads
 from .model_runner import ModelRunner
 from .model_runner_output import ModelRunnerOutput
 from .output_processor import OutputState, logprob_entry, status_for
@@ -99,6 +100,14 @@ class LLMEngine:
     def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
+        # thread count per step under CPU contention (cpu_threads.py); None on CUDA or when fixed.
+        # Made first: its first window of foreign load spans the model's loading, so the first
+        # step already knows its neighbours.
+        self.cpu_threads: AdaptiveCpuThreads | None = None
+        if self.device.type == "cpu" and config.cpu_thread_policy == "adaptive":
+            self.cpu_threads = AdaptiveCpuThreads()
+            if not self.cpu_threads.available:  # no /proc/stat: nothing to measure the neighbours by
+                self.cpu_threads = None
         self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
         if config.tokenizer is not None and config.tokenizer != config.model:
@@ -483,6 +492,8 @@ class LLMEngine:
         else:
             self.num_steps += 1
             self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
+            if self.cpu_threads is not None:
+                self.cpu_threads.before_step(scheduler_output.num_scheduled_tokens)
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)
@@ -492,6 +503,8 @@ class LLMEngine:
                 outputs = self._process_outputs(runner_output, sampled, failed)
         if self.lora_manager is not None and self.lora_manager.retired and any(o.finished for o in outputs):
             self._evict_retired_loras()  # held blocks of retired adapters may be free now
+        if self.cpu_threads is not None and not self.has_unfinished_requests():
+            self.cpu_threads.restore()  # idle: the caller's torch code gets its own thread count back
         self._drain_kv_events()
         self._update_stats()
         return outputs
@@ -685,10 +698,17 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
+            **self._cpu_thread_stats(),
             **self._lora_stats(),
             **self._tier_stats(),
             **self._mm_stats(),
         )
+
+    def _cpu_thread_stats(self) -> dict[str, Any]:
+        t = self.cpu_threads
+        if t is None:
+            return {}
+        return dict(cpu_threads=t.threads, cpu_foreign_load=t.load.cores, cpu_steps_adapted=t.steps_adapted)
 
     def _tier_stats(self) -> dict[str, Any]:
         t = self.tiers

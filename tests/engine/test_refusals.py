@@ -34,6 +34,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(max_logprobs=-1), "max_logprobs"),
         (dict(eviction_policy="nope"), "eviction_policy"),
+        (dict(cpu_thread_policy="static"), "cpu_thread_policy"),
         (dict(dtype="int4"), "dtype"),
     ],
 )

@@ -135,6 +135,9 @@ def test_prefix_cache_hit_and_metrics(client, server):
     assert d["vllm:request_success_total"] == 2
     assert 0 < after["prefixkv:prefix_cache_hit_rate"] <= 1
     assert after["vllm:kv_cache_usage_perc"] == 0
+    # adaptive CPU threads (the default): back on the configured count once idle
+    assert after["prefixkv:cpu_threads"] >= 1 and after["prefixkv:cpu_foreign_load"] >= 0
+    assert after["prefixkv:cpu_steps_adapted_total"] >= 0
     # chat over a long shared system prompt hits too
     sys_msg = {"role": "system", "content": long_text(2, 300)}
     c1 = client.chat.completions.create(

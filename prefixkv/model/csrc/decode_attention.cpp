@@ -17,6 +17,7 @@
 // Scores, softmax and the weighted sum are computed in float32 for both float32 and bfloat16 (on
 // AVX512-BF16 the softmax weights are rounded to bfloat16 for the weighted sum, see ValueRows).
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -246,8 +247,20 @@ void attend(const T* q_task, const T* k, const T* v, const int64_t* seq_slots, i
 // heads, reading whole cache rows, was no faster in bfloat16 and 25-30% slower in float32). When
 // there are too few tasks to keep the threads busy (one sequence: 3 tasks for the default model),
 // each sequence's keys are split into `parts` ranges of whole chunks, attended apart and merged by
-// their log-sum-exps, as flash-decoding does on GPUs.
+// their log-sum-exps, as flash-decoding does on GPUs. The split follows the CPUs this process may
+// run on (read once), not the threads of the call: the merge order changes the last bits, and the
+// engine runs a step on fewer or more threads under CPU contention (engine/cpu_threads.py) -
+// outputs must not depend on that.
 constexpr int64_t kMinKeysPerPart = 128;
+
+int64_t split_target() {
+    static const int64_t target = [] {
+        cpu_set_t set;
+        const int64_t cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+        return 2 * (cpus > 1 ? cpus : 1);
+    }();
+    return target;
+}
 
 template <typename T, int D>
 void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, float* lse,
@@ -255,8 +268,9 @@ void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int6
     constexpr int V = D / 16;
     const int64_t heads = B * Hkv;
     int64_t parts = 1;
-    if (heads < 2 * num_threads) {
-        parts = (2 * num_threads + heads - 1) / heads;
+    const int64_t target = split_target();
+    if (heads < target) {
+        parts = (target + heads - 1) / heads;
         const int64_t most = L / kMinKeysPerPart;
         parts = parts < most ? parts : (most > 1 ? most : 1);
     }
