@@ -264,7 +264,17 @@ def print_summary(s: Summary) -> None:
     )
 
 
-def start_prefixkv(args: argparse.Namespace, budget: int | None) -> Managed:
+def prefixkv_variants(args: argparse.Namespace) -> list[tuple[str, int | None, str]]:
+    """(label, token budget, CPU thread policy) of each prefixkv server to start."""
+    variants = []
+    for policy in args.cpu_thread_policy:
+        for budget in args.max_num_batched_tokens or [None]:
+            notes = ([] if budget is None else [f"budget {budget}"]) + ([] if policy == "adaptive" else [policy])
+            variants.append(("prefixkv" + (f" ({', '.join(notes)})" if notes else ""), budget, policy))
+    return variants
+
+
+def start_prefixkv(args: argparse.Namespace, budget: int | None, policy: str = "adaptive") -> Managed:
     port = free_port()
     cmd = [
         sys.executable,
@@ -285,6 +295,7 @@ def start_prefixkv(args: argparse.Namespace, budget: int | None) -> Managed:
     ] + ([args.model] if args.model else [])
     if budget is not None:
         cmd += ["--max-num-batched-tokens", str(budget)]
+    cmd += ["--cpu-thread-policy", policy]
     return Managed("prefixkv", cmd, port, timeout=300)
 
 
@@ -356,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "bfloat16"],
         help="model dtype of both started servers (default float32)",
     )
+    ap.add_argument(
+        "--cpu-thread-policy",
+        nargs="+",
+        default=["adaptive"],
+        choices=["adaptive", "fixed"],
+        help="for the started prefixkv server (its default: adaptive); several values: one server per value",
+    )
     ap.add_argument("--no-prefixkv", action="store_true", help="only run the peer")
     ap.add_argument("--peer-vllm", action="store_true", help=f"also run `vllm serve` from {VLLM_PY}")
     ap.add_argument("--vllm-python", default=VLLM_PY)
@@ -383,9 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         servers: list[tuple[str, Managed]] = []
         try:
             if not args.no_prefixkv:
-                for budget in args.max_num_batched_tokens or [None]:
-                    label = "prefixkv" if budget is None else f"prefixkv (budget {budget})"
-                    servers.append((label, start_prefixkv(args, budget)))
+                for label, budget, policy in prefixkv_variants(args):
+                    servers.append((label, start_prefixkv(args, budget, policy)))
             if args.peer_vllm:
                 servers.append(("vllm", start_vllm(args)))
             rounds = []
@@ -402,12 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.base_url:
         summaries += bench_server("server", args.base_url.rstrip("/"), args)
     elif not args.no_prefixkv:
-        for budget in args.max_num_batched_tokens or [None]:
-            srv = start_prefixkv(args, budget)
+        for label, budget, policy in prefixkv_variants(args):
+            srv = start_prefixkv(args, budget, policy)
             try:
-                summaries += bench_server(
-                    "prefixkv" if budget is None else f"prefixkv (budget {budget})", srv.base, args
-                )
+                summaries += bench_server(label, srv.base, args)
             finally:
                 srv.close()
 
