@@ -59,3 +59,17 @@ def test_the_engines_kv_caches_take_the_advice():
     kv = tensors.kv_caches[0]
     assert torch.count_nonzero(kv) == 0
     assert huge_bytes_at(kv.data_ptr() + kv.numel()) >= 8 * huge_pages.HUGE_PAGE_BYTES
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always"), reason="no THP")
+def test_huge_pages_after_the_heap_has_room():
+    """What a freed engine leaves behind: malloc raises its mmap threshold when a large block is
+    freed, later large blocks come from the heap, and once freed they make a free heap region that
+    serves even a 64 MiB request - on pages touched before. The cache must not land there."""
+    first = torch.ones(6 << 20)  # 24 MiB, mmapped; freeing it raises the threshold
+    del first
+    junk = [torch.ones(5 << 20) for _ in range(24)]  # 20 MiB each, now from the heap
+    del junk
+    t = huge_pages.zeros((16, 1 << 20), torch.float32)
+    assert torch.count_nonzero(t) == 0
+    assert huge_bytes_at(t.data_ptr() + t.numel() * 2) >= 16 * huge_pages.HUGE_PAGE_BYTES
