@@ -2,20 +2,19 @@
 
 A parallel region waits for its slowest thread, and the split of work into threads is static
 (oneDNN's GEMMs, most of the native kernels): when another process shares one of our cores, the
-thread on it gets about half of it and every region runs at that thread's pace. Measured on 2
-cores beside a neighbour keeping 70% of one busy (docs/benchmarks.md, "adaptive threads"):
-two threads decode at 2.0-2.2x their quiet time per token, one thread at 1.3-1.4x; a 761-token
-prefill takes ~1.9x on two threads, ~1.9x on one, ~1.65x on four (more threads than cores: a
-thread that finishes sleeps, and the idle core pulls a waiting thread over from the busy one -
-the kernel's scheduler doing the work stealing that a static split does not).
+thread on it gets about half of it and every region runs at that thread's pace, plus the wake-ups
+and barriers of ~300 short regions a decode step. Measured on 2 cores beside a neighbour keeping
+70% of one busy (docs/benchmarks.md, "Adaptive threads"), decoding one sequence in one process,
+the counts alternating: 33.3 ms a token on two threads, 22.4 on one (quiet: 16.8 and 20.6). A
+761-token prefill gains nothing from fewer threads (0.96 s on two, 1.06 on one) nor from more
+(0.94 on four, 0.94 on three: a thread that finishes sleeps and the idle core may pull a waiting
+one over, but not reliably).
 
 So `AdaptiveCpuThreads` measures the foreign load - CPU time that other processes took on the
 CPUs this process may use, from /proc/stat less this process's own CPU time - over windows of a
-quarter second, and sets torch's thread count before each step:
-- nothing foreign: the configured count (quiet speed is never given up);
-- foreign load on k cores: a step of few tokens (decode) runs on `configured - k` threads, at
-  least one; a step with many tokens (prefill: long matrix products) on twice the configured
-  count.
+quarter second, and sets torch's thread count before each step: a step of few tokens (decode)
+runs on `configured - k` threads (at least one) while other processes keep k cores busy; a step
+of many tokens, and every step on a quiet machine, on the configured count.
 Outputs do not depend on the count: every kernel splits its work by the data or by the CPUs it may
 use, never by the threads of the call (tests/engine/test_cpu_threads.py checks logprobs bit for bit).
 """
@@ -30,7 +29,7 @@ import torch
 
 WINDOW_S = 0.25  # foreign load is averaged over this long; shorter windows read /proc/stat's ticks too coarsely
 CONTENDED_CORE = 0.25  # foreign load (in cores) from which one core counts as taken
-HEAVY_STEP_TOKENS = 128  # a step of at least this many tokens is long matrix products: oversubscribe it
+HEAVY_STEP_TOKENS = 128  # a step of at least this many tokens is long matrix products: all threads
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -91,10 +90,8 @@ class ForeignLoad:
 def threads_for(configured: int, foreign_cores: float, step_tokens: int) -> int:
     """The thread count for a step of `step_tokens` tokens beside `foreign_cores` of other work."""
     taken = int(foreign_cores + (1 - CONTENDED_CORE))  # 0.25 -> 1, 1.25 -> 2 ...
-    if taken == 0:
+    if taken == 0 or step_tokens >= HEAVY_STEP_TOKENS:
         return configured
-    if step_tokens >= HEAVY_STEP_TOKENS:
-        return 2 * configured
     return max(1, configured - taken)
 
 

@@ -62,7 +62,7 @@ def test_threads_for_quiet_decode_and_prefill():
     assert threads_for(4, 0.7, 8) == 3  # one core taken: decode leaves it to its owner
     assert threads_for(4, 1.6, 8) == 2
     assert threads_for(2, 3.0, 1) == 1  # never below one
-    assert threads_for(2, 0.7, HEAVY_STEP_TOKENS) == 4  # a long prefill oversubscribes
+    assert threads_for(2, 0.7, HEAVY_STEP_TOKENS) == 2  # a long prefill keeps every thread
 
 
 def test_foreign_load_sees_a_busy_neighbour():
@@ -89,6 +89,7 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype):
             assert outputs(llm, prompts[:1]) == single, f"{n} threads, one sequence"
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread has no fewer to drop to")
 def test_engine_adapts_beside_a_neighbour_and_outputs_stay():
     prompts = [text(300, 4), "Write a haiku about rivers."]
     fixed = LLM(max_model_len=1024, cpu_thread_policy="fixed")
@@ -100,7 +101,7 @@ def test_engine_adapts_beside_a_neighbour_and_outputs_stay():
         adaptive = LLM(max_model_len=1024)  # adaptive is the default; its first window spans the load
         got = outputs(adaptive, prompts)
     stats = adaptive.llm_engine.get_stats()
-    assert stats.cpu_steps_adapted > 0  # the 300-token prefill at least ran oversubscribed
+    assert stats.cpu_steps_adapted > 0  # the decode steps ran on fewer threads
     assert stats.cpu_foreign_load > 0.25
     assert got == want
     assert torch.get_num_threads() == configured  # idle again: the caller's count is back
