@@ -89,6 +89,8 @@ t = time.perf_counter()
 llm.generate([shared + f" Question {i}: why?" for i in range(8)],
              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
 out["batch"] = time.perf_counter() - t
+if sys.argv[2] == "prefixkv":  # steps the adaptive policy ran on fewer threads (0 when fixed)
+    out["adapted_steps"] = llm.llm_engine.get_stats().cpu_steps_adapted
 print("RESULT " + json.dumps(out))
 """
 
@@ -150,7 +152,10 @@ def main() -> None:
                 for p in policies:
                     res = run_once(p, args.vllm_python, args.vllm_model, args.dtype)
                     results.setdefault((p, loaded), []).append(res)
-                    phases = ", ".join(f"{k} {v * (1000 if k == 'decode' else 1):.2f}" for k, v in res.items())
+                    phases = ", ".join(
+                        f"{k} {v:.0f}" if k == "adapted_steps" else f"{k} {v * (1000 if k == 'decode' else 1):.2f}"
+                        for k, v in res.items()
+                    )
                     print(f"repeat {r + 1} {'loaded' if loaded else 'alone '} {p:8s}: {phases}", flush=True)
             finally:
                 if neighbour is not None:
