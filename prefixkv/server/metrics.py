@@ -174,18 +174,13 @@ class _EngineCollector:
             "KV cache events dropped because nobody drained them.",
             stats.num_kv_events_dropped,
         )
-        if stats.cpu_threads:  # --cpu-thread-policy adaptive on a CPU engine
-            yield gauge("prefixkv:cpu_threads", "Threads the last CPU step ran on.", stats.cpu_threads)
-            yield gauge(
-                "prefixkv:cpu_foreign_load",
-                "CPU other processes used on this engine's cores over the last window, in cores.",
-                stats.cpu_foreign_load,
-            )
-            yield counter(
-                "prefixkv:cpu_steps_adapted",
-                "Steps run on another thread count than the configured one (CPU contention).",
-                stats.cpu_steps_adapted,
-            )
+        if stats.cpu_threads:  # --cpu-thread-policy adaptive on a CPU engine (engine/cpu_threads.py)
+            threads_doc = "Threads the last CPU step ran on."
+            load_doc = "CPU other processes used on this engine's cores over the last window, in cores."
+            adapted_doc = "Steps run on another thread count than the configured one (CPU contention)."
+            yield gauge("prefixkv:cpu_threads", threads_doc, stats.cpu_threads)
+            yield gauge("prefixkv:cpu_foreign_load", load_doc, stats.cpu_foreign_load)
+            yield counter("prefixkv:cpu_steps_adapted", adapted_doc, stats.cpu_steps_adapted)
         cfg = e.config
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
