@@ -13,7 +13,8 @@ one over, but not reliably).
 So `AdaptiveCpuThreads` measures the foreign load - CPU time that other processes took on the
 CPUs this process may use, from /proc/stat less this process's own CPU time - over windows of a
 quarter second, and sets torch's thread count before each step: a step of few tokens (decode)
-runs on `configured - k` threads (at least one) while other processes keep k cores busy; a step
+runs on the cores left to it (at least one thread, at most the configured count) while other
+processes keep k of its CPUs busy; a step
 of many tokens, and every step on a quiet machine, on the configured count.
 Outputs do not depend on the count: every kernel splits its work by the data or by the CPUs it may
 use, never by the threads of the call (tests/engine/test_cpu_threads.py checks logprobs bit for bit).
@@ -87,12 +88,14 @@ class ForeignLoad:
         return changed
 
 
-def threads_for(configured: int, foreign_cores: float, step_tokens: int) -> int:
-    """The thread count for a step of `step_tokens` tokens beside `foreign_cores` of other work."""
+def threads_for(configured: int, cpus: int, foreign_cores: float, step_tokens: int) -> int:
+    """The thread count for a step of `step_tokens` tokens on `cpus` CPUs, `foreign_cores` of
+    which other processes keep busy. Fewer threads only when the cores left to us are fewer than
+    the configured count (4 threads on 16 CPUs beside 12 busy ones keep their 4)."""
     taken = int(foreign_cores + (1 - CONTENDED_CORE))  # 0.25 -> 1, 1.25 -> 2 ...
     if taken == 0 or step_tokens >= HEAVY_STEP_TOKENS:
         return configured
-    return max(1, configured - taken)
+    return max(1, min(configured, cpus - taken))
 
 
 class AdaptiveCpuThreads:
@@ -111,7 +114,7 @@ class AdaptiveCpuThreads:
 
     def before_step(self, step_tokens: int) -> int:
         self.load.update(time.monotonic())
-        threads = threads_for(self.configured, self.load.cores, step_tokens)
+        threads = threads_for(self.configured, len(self.load.cpus), self.load.cores, step_tokens)
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads

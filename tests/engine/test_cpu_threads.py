@@ -57,12 +57,15 @@ def outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]
 
 
 def test_threads_for_quiet_decode_and_prefill():
-    assert threads_for(4, 0.0, 1) == 4  # nobody else: the configured count, whatever the step
-    assert threads_for(4, 0.2, HEAVY_STEP_TOKENS) == 4  # noise below a quarter core is nobody
-    assert threads_for(4, 0.7, 8) == 3  # one core taken: decode leaves it to its owner
-    assert threads_for(4, 1.6, 8) == 2
-    assert threads_for(2, 3.0, 1) == 1  # never below one
-    assert threads_for(2, 0.7, HEAVY_STEP_TOKENS) == 2  # a long prefill keeps every thread
+    assert threads_for(4, 4, 0.0, 1) == 4  # nobody else: the configured count, whatever the step
+    assert threads_for(4, 4, 0.2, 1) == 4  # noise below a quarter core is nobody
+    assert threads_for(4, 4, 0.7, 8) == 3  # one core taken: decode leaves it to its owner
+    assert threads_for(4, 4, 1.6, 8) == 2
+    assert threads_for(2, 2, 3.0, 1) == 1  # never below one
+    assert threads_for(2, 2, 0.7, HEAVY_STEP_TOKENS) == 2  # a long prefill keeps every thread
+    assert threads_for(4, 16, 12.0, 1) == 4  # the busy cores are ones we do not use
+    assert threads_for(4, 16, 12.6, 1) == 3
+    assert threads_for(8, 4, 0.0, 1) == 8  # a deliberate oversubscription is the caller's, when quiet
 
 
 def test_foreign_load_sees_a_busy_neighbour():
