@@ -207,8 +207,8 @@ class EngineArgs:
     )
     cpu_thread_policy: str = _opt(
         "adaptive",
-        "CPU only: adaptive measures the CPU time other processes take on this process's cores and runs a "
-        "step on fewer threads (decode) or more (prefill) while they do, on the configured count otherwise; "
+        "CPU only: adaptive measures the CPU time other processes take on this process's cores and runs short "
+        "steps (decode) on the cores they leave free while they do, on the configured count otherwise; "
         "fixed always runs on the configured count (torch's, OMP_NUM_THREADS). Outputs are the same either "
         "way (default: adaptive)",
         choices=["adaptive", "fixed"],

@@ -73,19 +73,16 @@ class ForeignLoad:
     def available(self) -> bool:
         return self._busy is not None
 
-    def update(self, now: float) -> bool:
-        """Close the window if it is long enough; True when `cores` changed."""
+    def update(self, now: float) -> None:
+        """Close the window, and set `cores` from it, if it is long enough."""
         if now - self._at < WINDOW_S or self._busy is None:
-            return False
+            return
         busy, own = _busy_ticks(self.cpus), time.process_time()
         if busy is None:
-            return False
+            return
         foreign = (busy - self._busy) / _TICKS_PER_S - (own - self._own)
-        cores = max(0.0, foreign / (now - self._at))
+        self.cores = max(0.0, foreign / (now - self._at))
         self._at, self._busy, self._own = now, busy, own
-        changed = cores != self.cores
-        self.cores = cores
-        return changed
 
 
 def threads_for(configured: int, cpus: int, foreign_cores: float, step_tokens: int) -> int:
@@ -123,7 +120,7 @@ class AdaptiveCpuThreads:
         return threads
 
     def restore(self) -> None:
-        """Back to the configured count (the engine is shutting down or idle)."""
+        """Back to the configured count (the engine is idle)."""
         if self.threads != self.configured:
             torch.set_num_threads(self.configured)
             self.threads = self.configured

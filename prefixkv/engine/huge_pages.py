@@ -16,6 +16,7 @@ the advice changes speed, never contents.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 
@@ -56,10 +57,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     from the heap memory it left behind, whose pages were touched before and keep 4 KiB (measured:
     no huge page at all for the second engine of a process). The mapping is unmapped when the
     last tensor viewing it is freed (the tensor holds the mmap object)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     if _madvise is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
     # private: a shared anonymous mapping is shmem, whose huge pages follow another setting

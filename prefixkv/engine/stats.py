@@ -26,8 +26,8 @@ class EngineStats:
     num_blocks: int = 0
     block_size: int = 0
     max_model_len: int = 0
-    # CPU threads (cpu_thread_policy adaptive, engine/cpu_threads.py): the last step's count (0: not
-    # adapted), other processes' load on our cores in cores, steps run on another count than configured
+    # CPU threads (cpu_thread_policy adaptive, engine/cpu_threads.py): the last step's count (0: the
+    # policy is off), other processes' load on our cores in cores, steps run on another count than configured
     cpu_threads: int = 0
     cpu_foreign_load: float = 0.0
     cpu_steps_adapted: int = 0

@@ -73,7 +73,7 @@ def test_foreign_load_sees_a_busy_neighbour():
         load = ForeignLoad(frozenset(os.sched_getaffinity(0)))
         assert load.available
         time.sleep(0.6)  # this process sleeps: whatever runs on our CPUs is someone else
-        assert load.update(time.monotonic()) or load.cores > 0
+        load.update(time.monotonic())
         assert load.cores >= 0.6, load.cores
 
 
