@@ -52,10 +52,11 @@ SOURCES = [
         "silu_and_mul.cpp",
         "rotary.cpp",
         "small_linear.cpp",
+        "decode_layers.cpp",
     )
 ]
 # part of the cache key, not compiled alone
-HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h", "vec16.h")]
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h", "kernels.h", "vec16.h")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
@@ -74,6 +75,7 @@ _silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
+_decode_layers_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 @contextlib.contextmanager
@@ -151,6 +153,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "prefixkv_small_linear_available": [],
     # (dtype, x, x_row_stride, packed weight, bias, y, M, K, N, threads)
     "prefixkv_small_linear": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
+    # (dtype, dims, weights, caches, h, x, cos, sin, slot_mapping, slots, lens, eps, scale, threads)
+    "prefixkv_decode_layers": [_I, *[_P] * 10, _F, _F, _I],
 }
 
 
@@ -172,7 +176,7 @@ def _load() -> ctypes.CDLL:
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     global _loaded, _function, _norm_function, _prefill_function, _prefill_unit, _silu_function, _rotary_function
-    global _small_linear_function, _small_linear_dtypes
+    global _small_linear_function, _small_linear_dtypes, _decode_layers_function
     if _loaded:
         return _function
     with _lock:
@@ -197,6 +201,8 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                     if agree == dtypes:  # possibly none: then small_linear_available() is False throughout
                         _small_linear_function = lib.prefixkv_small_linear
                         _small_linear_dtypes = frozenset(agree)
+                        # built of the checked kernels' own pieces (csrc/kernels.h)
+                        _decode_layers_function = lib.prefixkv_decode_layers
                     else:
                         logger.warning("the small-batch linear kernel disagreed with F.linear; not used")
                 else:
@@ -608,6 +614,53 @@ def _small_linear_agrees(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> bool:  # t
             if got is None or not torch.allclose(got.float(), want, rtol=tol, atol=tol):
                 return False
     return True
+
+
+def decode_layers_available(dtype: torch.dtype) -> bool:
+    """Whether `decode_layers` runs here for `dtype` (it is built of the small-batch linear, so it
+    runs where that does)."""
+    return small_linear_available(dtype) and _decode_layers_function is not None
+
+
+def decode_layers(
+    dims: torch.Tensor,
+    weights: torch.Tensor,
+    caches: torch.Tensor,
+    h: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> bool:
+    """Every decoder layer of a decode step in one native call (csrc/decode_layers.cpp: the
+    arguments are described there); h is updated in place and x becomes the final norm's output.
+    False where it does not run (then nothing was changed). The caller (LlamaModel) checks shapes,
+    layouts and dtypes once per model and per step; this only guards the call."""
+    fn = _decode_layers_function
+    code = _DTYPE_CODES.get(h.dtype)
+    if not _enabled or fn is None or code is None or h.dtype not in _small_linear_dtypes:
+        return False
+    rc = fn(
+        code,
+        dims.data_ptr(),
+        weights.data_ptr(),
+        caches.data_ptr(),
+        h.data_ptr(),
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slot_mapping.data_ptr(),
+        slots.data_ptr(),
+        lens.data_ptr(),
+        float(eps),
+        float(scale),
+        torch.get_num_threads(),
+    )
+    return bool(rc == 0)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -114,6 +114,9 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.packed_head: PackedLinear | TransposedLinear | DualLayoutLinear | None = None  # set by pack_for_cpu
         self.lora_context = None  # set by prefixkv.lora.layers.attach_lora: where a step's LoRA mapping goes
+        # every layer of a small decode step in one native call (CPU, after pack_for_cpu; _DecodeLayers)
+        self.decode_layers: _DecodeLayers | None = None
+        self.fused_decode = True  # False: layer by layer always (tests and benchmarks compare the two)
 
     @property
     def device(self) -> torch.device:
@@ -155,6 +158,11 @@ class LlamaModel(nn.Module):
             h = inputs_embeds.to(dev, copy=True)
         layers = self.layers
         x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
+        fused = self.decode_layers
+        # (with LoRA attached, a step without adapters is the base model's: the wrappers add nothing)
+        if fused is not None and self.fused_decode and lora_mapping is None:
+            if fused.run(h, x, cos, sin, kv_caches, meta):
+                return x
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             h, x = layer(h, x, cos, sin, cache, meta, next_norm)
@@ -195,6 +203,7 @@ class LlamaModel(nn.Module):
         else:
             return False
         pack_linears(self.layers, kind)
+        self.decode_layers = _DecodeLayers.of(self)
         if self.lm_head is None:  # tied: the embedding keeps its own (gather) layout
             self.packed_head = head_kind(self.embed_tokens.weight)
         else:
@@ -288,3 +297,120 @@ def build_model(
     model = LlamaModel(config, dtype=dtype, device=device)
     model.init_random_weights(seed)
     return model.eval()
+
+
+class _DecodeLayers:
+    """Every decoder layer of a decode step in one native call (cpu_kernels.decode_layers,
+    csrc/decode_layers.cpp): at one to a few sequences the layer-by-layer path spends as much time
+    in Python dispatch and per-piece thread start-up as in streaming the weights. The same kernels'
+    own pieces compute every value, so its results are the layer-by-layer path's bit for bit.
+
+    Built once by `LlamaModel.pack_for_cpu` where the model's shape allows (`of`); `run` takes a
+    step only when every new token is a decode without a cascade (the shared-prefix attention is
+    the Python path's), at most `max_rows` of them."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        cfg = model.config
+        layers = model.layers
+        rows = []
+        self._keep: list[torch.Tensor] = []  # what the addresses point into
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            parts = [qkv.small, qkv.small_bias, o.small, gate_up.small, down.small]
+            parts += [layer.post_attention_layernorm.weight.data, next_norm.weight.data]
+            self._keep += [t for t in parts if t is not None]
+            rows.append([0 if t is None else t.data_ptr() for t in parts])
+        self.weights = torch.tensor(rows, dtype=torch.int64)
+        self.dtype = model.dtype
+        self.shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.intermediate = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5  # Attention.scale
+        self.max_rows = DualLayoutLinear.SMALL_ROWS_NATIVE
+        self._caches: list[int] = []  # the addresses of the caches last checked, and as a tensor
+        self._caches_tensor = torch.zeros(0, dtype=torch.int64)
+
+    @staticmethod
+    def of(model: LlamaModel) -> _DecodeLayers | None:
+        """The fused path for `model`, or None where its shape is not what the kernel takes: every
+        layer matmul in the small-batch layout (DualLayoutLinear with the native kernel), no q/k
+        norm, no sliding window, no bias but q/k/v's, the attention kernel's head dims and groups,
+        one norm epsilon."""
+        cfg = model.config
+        if not len(model.layers) or not cpu_kernels.decode_layers_available(model.dtype):
+            return None
+        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim not in cpu_kernels.HEAD_DIMS:
+            return None
+        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if Hq % Hkv or Hq // Hkv > cpu_kernels.MAX_GROUP:
+            return None
+        for layer in model.layers:
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(m, DualLayoutLinear) and m.small is not None for m in linears):
+                return None
+            if any(m.bias is not None for m in linears[1:]):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.eps != cfg.rms_norm_eps or n.weight.dtype != model.dtype for n in norms):
+                return None
+        if model.norm.eps != cfg.rms_norm_eps or model.norm.weight.dtype != model.dtype:
+            return None
+        return _DecodeLayers(model)
+
+    def _cache_addresses(self, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+        """The caches' addresses as a tensor (checked once per set of caches): every one contiguous,
+        of the model's dtype and the first one's shape."""
+        addresses = [c.data_ptr() for c in kv_caches]
+        if addresses != self._caches:
+            first = kv_caches[0]
+            if any(c.dtype != self.dtype or not c.is_contiguous() or c.shape != first.shape for c in kv_caches):
+                return None
+            self._caches = addresses
+            self._caches_tensor = torch.tensor(addresses, dtype=torch.int64)
+        return self._caches_tensor
+
+    def run(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> bool:
+        """The step's layers on h (the residual stream, in place) and x (its first normed input,
+        the final norm's output on return). False where the step is not for this path (nothing
+        changed then)."""
+        B = meta.num_tokens
+        if B == 0 or B > self.max_rows or h.device.type != "cpu":
+            return False
+        cache = kv_caches[0]
+        H, Hq, Hkv, D = self.shape
+        if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3:] != (Hkv, D):
+            return False
+        plan = meta.plan(cache.shape[2], cache.device, None, self.dtype)
+        if not plan.decode_all or plan.prefix_slots is not None or plan.decode_rows is None:
+            return False
+        addresses = self._cache_addresses(kv_caches)
+        if addresses is None:
+            return False
+        slots, lens = plan.decode_slots.contiguous(), plan.decode_lens.contiguous()
+        dims = torch.tensor(
+            [B, H, Hq, Hkv, D, self.intermediate, slots.shape[1], len(kv_caches), cache[0].numel()], dtype=torch.int64
+        )
+        return cpu_kernels.decode_layers(
+            dims,
+            self.weights,
+            addresses,
+            h,
+            x,
+            cos.contiguous(),
+            sin.contiguous(),
+            plan.slot_mapping.contiguous(),
+            slots,
+            lens,
+            self.eps,
+            self.scale,
+        )

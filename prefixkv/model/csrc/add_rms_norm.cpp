@@ -13,6 +13,8 @@
 
 #include "bf16.h"
 
+#include "kernels.h"
+
 namespace {
 
 using prefixkv::load;
@@ -20,37 +22,47 @@ using prefixkv::round_to;
 using prefixkv::store;
 
 template <typename T>
+__attribute__((noinline)) void norm_row(T* hr, const T* dr, const T* weight, T* o, int64_t dim, float eps) {
+    float sum = 0.0f;
+    if (dr != nullptr) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) {
+            const float x = round_to(hr, load(hr, i) + load(dr, i));
+            store(hr, i, x);
+            sum += x * x;
+        }
+    } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) {
+            const float x = load(hr, i);
+            sum += x * x;
+        }
+    }
+    const float inv = 1.0f / sqrtf(sum / static_cast<float>(dim) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) store(o, i, load(weight, i) * round_to(hr, load(hr, i) * inv));
+}
+
+template <typename T>
 void add_rms_norm(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
                   int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= (1 << 16)) schedule(dynamic, 8)
-    for (int64_t r = 0; r < rows; ++r) {
-        T* hr = h + r * dim;
-        float sum = 0.0f;
-        if (delta != nullptr) {
-            const T* dr = delta + r * dim;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < dim; ++i) {
-                const float x = round_to(hr, load(hr, i) + load(dr, i));
-                store(hr, i, x);
-                sum += x * x;
-            }
-        } else {
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < dim; ++i) {
-                const float x = load(hr, i);
-                sum += x * x;
-            }
-        }
-        const float inv = 1.0f / sqrtf(sum / static_cast<float>(dim) + eps);
-        T* o = out + r * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) store(o, i, load(weight, i) * round_to(hr, load(hr, i) * inv));
-    }
+    for (int64_t r = 0; r < rows; ++r)
+        norm_row(h + r * dim, delta == nullptr ? nullptr : delta + r * dim, weight, out + r * dim, dim, eps);
 }
 
 }  // namespace
 
-// dtype 0: float32, 1: bfloat16; `delta` may be null (norm only). Returns 0, non-zero if refused.
+void prefixkv::add_rms_norm_row(int dtype, void* h, const void* delta, const void* weight, void* out, int64_t dim,
+                                float eps) {
+    if (dtype == 0)
+        norm_row(static_cast<float*>(h), static_cast<const float*>(delta), static_cast<const float*>(weight),
+                 static_cast<float*>(out), dim, eps);
+    else
+        norm_row(static_cast<uint16_t*>(h), static_cast<const uint16_t*>(delta), static_cast<const uint16_t*>(weight),
+                 static_cast<uint16_t*>(out), dim, eps);
+}
+
 extern "C" int prefixkv_add_rms_norm(int dtype, void* h, const void* delta, const void* weight, void* out, int64_t rows,
                                      int64_t dim, float eps, int num_threads) {
     if (rows < 0 || dim < 1 || num_threads < 1) return 1;

@@ -30,6 +30,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "kernels.h"
 #include "vec16.h"
 
 namespace {
@@ -158,16 +159,8 @@ inline void prefetch_chunk(const T* cache, const int64_t* seq_slots, int64_t j0,
     }
 }
 
-// Per-thread room for one task's scores, bfloat16 weights and sums.
-struct Scratch {
-    std::vector<float> scores;
-    std::vector<uint16_t> weights;
-    std::vector<vec16> acc;
-    Scratch(int64_t G, int64_t stride, int64_t V)
-        : scores(static_cast<size_t>(G * stride)),
-          weights(kBf16Weights ? static_cast<size_t>(G * stride) : 0),
-          acc(static_cast<size_t>(G * V)) {}
-};
+// Per-thread room for one task's scores, bfloat16 weights and sums (DecodeAttention::make_scratch).
+using Scratch = prefixkv::DecodeScratch;
 
 // Attention of the G query heads `q_task` over keys [lo, hi) of one sequence and KV head: per query
 // head the scores' maximum best[g], the sum of exp(score - best) total[g], and the weighted sum of V
@@ -262,93 +255,127 @@ int64_t split_target() {
     return target;
 }
 
+// One task: attend, then either the final rows (normalized, with their log-sum-exp) or, when the
+// keys are split, this part's maximum, sum and unnormalized output for the merge.
 template <typename T, int D>
-void decode(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out, float* lse,
-            int64_t B, int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
+void run_task_typed(int64_t task, const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* slots,
+                    const int64_t* lens, T* out, float* lse, int64_t L, int64_t Hkv, int64_t G, float scale,
+                    int64_t parts, int64_t span, int64_t stride, Scratch& scratch, float* part_best, float* part_total,
+                    float* part_acc) {
     constexpr int V = D / 16;
-    const int64_t heads = B * Hkv;
-    int64_t parts = 1;
-    const int64_t target = split_target();
-    if (heads < target) {
-        parts = (target + heads - 1) / heads;
-        const int64_t most = L / kMinKeysPerPart;
-        parts = parts < most ? parts : (most > 1 ? most : 1);
-    }
-    const int64_t chunks_per_part = (L + kChunk * parts - 1) / (kChunk * parts);
-    const int64_t span = chunks_per_part * kChunk;          // keys per part
-    const int64_t stride = (span / kChunk + 1) * kChunk;  // whole chunks and one more key a score row
-    // the parts' results when split: maximum, sum, unnormalized output of each query head
-    std::vector<float> part_best(parts > 1 ? static_cast<size_t>(heads * parts * G) : 0);
-    std::vector<float> part_total(part_best.size()), part_acc(part_best.size() * D);
-#pragma omp parallel num_threads(num_threads)
-    {
-        Scratch scratch(G, stride, V);
-        float best[kMaxGroup], total[kMaxGroup];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < heads * parts; ++task) {
-            const int64_t head = task / parts, p = task % parts;
-            const int64_t b = head / Hkv, h = head % Hkv, n = lens[b];
-            const int64_t lo = p * span < n ? p * span : n, hi = lo + span < n ? lo + span : n;
-            attend<T, D>(q + head * G * D, k, v, slots + b * L, lo, hi, Hkv, h, G, scale, stride, scratch, best,
-                         total);
-            const vec16* acc = scratch.acc.data();
-            for (int64_t g = 0; g < G; ++g) {
-                if (parts > 1) {
-                    const int64_t row = task * G + g;
-                    part_best[row] = best[g];
-                    part_total[row] = total[g];
-                    for (int c = 0; c < V; ++c) storev(part_acc.data() + row * D + 16 * c, acc[g * V + c]);
-                    continue;
-                }
-                // an empty context (n == 0) gives zeros and a log-sum-exp of -inf: it merges as nothing
-                const float inv = n > 0 ? 1.0f / total[g] : 0.0f;
-                T* orow = out + (head * G + g) * D;
-                for (int c = 0; c < V; ++c) store16(orow + 16 * c, acc[g * V + c] * inv);
-                if (lse != nullptr) lse[head * G + g] = n > 0 ? best[g] + logf(total[g]) : -INFINITY;
-            }
+    float best[kMaxGroup], total[kMaxGroup];
+    const int64_t head = task / parts, p = task % parts;
+    const int64_t b = head / Hkv, h = head % Hkv, n = lens[b];
+    const int64_t lo = p * span < n ? p * span : n, hi = lo + span < n ? lo + span : n;
+    attend<T, D>(q + b * q_stride + h * G * D, k, v, slots + b * L, lo, hi, Hkv, h, G, scale, stride, scratch, best,
+                 total);
+    const vec16* acc = scratch.acc.data();
+    for (int64_t g = 0; g < G; ++g) {
+        if (parts > 1) {
+            const int64_t row = task * G + g;
+            part_best[row] = best[g];
+            part_total[row] = total[g];
+            for (int c = 0; c < V; ++c) storev(part_acc + row * D + 16 * c, acc[g * V + c]);
+            continue;
         }
-        if (parts > 1) {  // the omp for above ends with a barrier: every part is done
-#pragma omp for schedule(static)
-            for (int64_t row = 0; row < heads * G; ++row) {
-                const int64_t head = row / G, g = row % G;
-                float m = -INFINITY;
-                for (int64_t p = 0; p < parts; ++p) m = std::max(m, part_best[(head * parts + p) * G + g]);
-                float sum = 0.0f;
-                vec16 o[V];
-                for (int c = 0; c < V; ++c) o[c] = splat(0.0f);
-                for (int64_t p = 0; p < parts; ++p) {
-                    const int64_t r = (head * parts + p) * G + g;
-                    if (part_total[r] == 0.0f) continue;  // an empty part
-                    const float f = expf(part_best[r] - m);
-                    sum += part_total[r] * f;
-                    for (int c = 0; c < V; ++c) o[c] += loadv(part_acc.data() + r * D + 16 * c) * f;
-                }
-                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-                T* orow = out + row * D;
-                for (int c = 0; c < V; ++c) store16(orow + 16 * c, o[c] * inv);
-                if (lse != nullptr) lse[row] = sum > 0.0f ? m + logf(sum) : -INFINITY;
-            }
-        }
+        // an empty context (n == 0) gives zeros and a log-sum-exp of -inf: it merges as nothing
+        const float inv = n > 0 ? 1.0f / total[g] : 0.0f;
+        T* orow = out + (head * G + g) * D;
+        for (int c = 0; c < V; ++c) store16(orow + 16 * c, acc[g * V + c] * inv);
+        if (lse != nullptr) lse[head * G + g] = n > 0 ? best[g] + logf(total[g]) : -INFINITY;
     }
 }
 
-template <typename T>
-int dispatch_head_dim(int64_t D, const void* q, const void* k, const void* v, const int64_t* slots,
-                      const int64_t* lens, void* out, float* lse, int64_t B, int64_t L, int64_t Hkv, int64_t G,
-                      float scale, int num_threads) {
-    const T* qt = static_cast<const T*>(q);
-    const T* kt = static_cast<const T*>(k);
-    const T* vt = static_cast<const T*>(v);
-    T* ot = static_cast<T*>(out);
-    switch (D) {
-        case 32: decode<T, 32>(qt, kt, vt, slots, lens, ot, lse, B, L, Hkv, G, scale, num_threads); return 0;
-        case 64: decode<T, 64>(qt, kt, vt, slots, lens, ot, lse, B, L, Hkv, G, scale, num_threads); return 0;
-        case 128: decode<T, 128>(qt, kt, vt, slots, lens, ot, lse, B, L, Hkv, G, scale, num_threads); return 0;
-        default: return 2;
+// One query row of a split call: its parts merged by their log-sum-exps.
+template <typename T, int D>
+void merge_row_typed(int64_t row, int64_t parts, int64_t G, const float* part_best, const float* part_total,
+                     const float* part_acc, T* out, float* lse) {
+    constexpr int V = D / 16;
+    const int64_t head = row / G, g = row % G;
+    float m = -INFINITY;
+    for (int64_t p = 0; p < parts; ++p) m = std::max(m, part_best[(head * parts + p) * G + g]);
+    float sum = 0.0f;
+    vec16 o[V];
+    for (int c = 0; c < V; ++c) o[c] = splat(0.0f);
+    for (int64_t p = 0; p < parts; ++p) {
+        const int64_t r = (head * parts + p) * G + g;
+        if (part_total[r] == 0.0f) continue;  // an empty part
+        const float f = expf(part_best[r] - m);
+        sum += part_total[r] * f;
+        for (int c = 0; c < V; ++c) o[c] += loadv(part_acc + r * D + 16 * c) * f;
     }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    T* orow = out + row * D;
+    for (int c = 0; c < V; ++c) store16(orow + 16 * c, o[c] * inv);
+    if (lse != nullptr) lse[row] = sum > 0.0f ? m + logf(sum) : -INFINITY;
 }
 
 }  // namespace
+
+prefixkv::DecodeAttention::DecodeAttention(int dtype, int64_t D, const void* q, int64_t q_stride,
+                                           const int64_t* slots, const int64_t* lens, void* out, float* lse, int64_t B,
+                                           int64_t L, int64_t Hkv, int64_t G, float scale)
+    : dtype_(dtype), D_(D), q_(q), q_stride_(q_stride), slots_(slots), lens_(lens), out_(out), lse_(lse), B_(B),
+      L_(L), Hkv_(Hkv), G_(G), scale_(scale) {
+    supported_ = (dtype == 0 || dtype == 1) && (D == 32 || D == 64 || D == 128) && G >= 1 && G <= kMaxGroup &&
+                 B >= 0 && L >= 1 && Hkv >= 1;
+    if (!supported_) return;
+    const int64_t heads = B * Hkv;
+    const int64_t target = split_target();
+    if (heads < target) {
+        parts_ = (target + heads - 1) / heads;
+        const int64_t most = L / kMinKeysPerPart;
+        parts_ = parts_ < most ? parts_ : (most > 1 ? most : 1);
+    }
+    const int64_t chunks_per_part = (L + kChunk * parts_ - 1) / (kChunk * parts_);
+    span_ = chunks_per_part * kChunk;              // keys per part
+    stride_ = (span_ / kChunk + 1) * kChunk;       // whole chunks and one more key a score row
+    if (parts_ > 1) {
+        part_best_.resize(static_cast<size_t>(heads * parts_ * G));
+        part_total_.resize(part_best_.size());
+        part_acc_.resize(part_best_.size() * D);
+    }
+}
+
+void prefixkv::DecodeAttention::make_scratch(DecodeScratch& scratch) const {
+    scratch.scores.assign(static_cast<size_t>(G_ * stride_), 0.0f);
+    scratch.weights.assign(kBf16Weights ? static_cast<size_t>(G_ * stride_) : 0, 0);
+    scratch.acc.assign(static_cast<size_t>(G_ * (D_ / 16)), vec16{});
+}
+
+#define PREFIXKV_DECODE_TASK(T, Dim)                                                                                  \
+    run_task_typed<T, Dim>(task, static_cast<const T*>(q_), q_stride_, static_cast<const T*>(k),                    \
+                           static_cast<const T*>(v), slots_, lens_, static_cast<T*>(out_), lse_, L_, Hkv_, G_, scale_, \
+                           parts_, span_, stride_, scratch, part_best_.data(), part_total_.data(), part_acc_.data())
+
+void prefixkv::DecodeAttention::run_task(int64_t task, const void* k, const void* v, DecodeScratch& scratch) {
+    if (dtype_ == 0) {
+        if (D_ == 32) PREFIXKV_DECODE_TASK(float, 32);
+        if (D_ == 64) PREFIXKV_DECODE_TASK(float, 64);
+        if (D_ == 128) PREFIXKV_DECODE_TASK(float, 128);
+    } else {
+        if (D_ == 32) PREFIXKV_DECODE_TASK(uint16_t, 32);
+        if (D_ == 64) PREFIXKV_DECODE_TASK(uint16_t, 64);
+        if (D_ == 128) PREFIXKV_DECODE_TASK(uint16_t, 128);
+    }
+}
+#undef PREFIXKV_DECODE_TASK
+
+#define PREFIXKV_DECODE_MERGE(T, Dim) \
+    merge_row_typed<T, Dim>(row, parts_, G_, part_best_.data(), part_total_.data(), part_acc_.data(), static_cast<T*>(out_), lse_)
+
+void prefixkv::DecodeAttention::merge_row(int64_t row) {
+    if (dtype_ == 0) {
+        if (D_ == 32) PREFIXKV_DECODE_MERGE(float, 32);
+        if (D_ == 64) PREFIXKV_DECODE_MERGE(float, 64);
+        if (D_ == 128) PREFIXKV_DECODE_MERGE(float, 128);
+    } else {
+        if (D_ == 32) PREFIXKV_DECODE_MERGE(uint16_t, 32);
+        if (D_ == 64) PREFIXKV_DECODE_MERGE(uint16_t, 64);
+        if (D_ == 128) PREFIXKV_DECODE_MERGE(uint16_t, 128);
+    }
+}
+#undef PREFIXKV_DECODE_MERGE
 
 // dtype 0: float32, 1: bfloat16. Returns 0, or non-zero for a shape it does not handle
 // (the caller then takes the PyTorch path).
@@ -356,7 +383,19 @@ extern "C" int prefixkv_decode_attention(int dtype, int64_t D, const void* q, co
                                          const int64_t* slots, const int64_t* lens, void* out, float* lse, int64_t B,
                                          int64_t L, int64_t Hkv, int64_t G, float scale, int num_threads) {
     if (G < 1 || G > kMaxGroup || B < 0 || L < 1 || Hkv < 1 || num_threads < 1) return 1;
-    if (dtype == 0) return dispatch_head_dim<float>(D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, num_threads);
-    if (dtype == 1) return dispatch_head_dim<uint16_t>(D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, num_threads);
-    return 3;
+    if (dtype != 0 && dtype != 1) return 3;
+    if (D != 32 && D != 64 && D != 128) return 2;
+    prefixkv::DecodeAttention call(dtype, D, q, Hkv * G * D, slots, lens, out, lse, B, L, Hkv, G, scale);
+    const int64_t tasks = call.tasks(), merge_rows = call.merge_rows();
+#pragma omp parallel num_threads(num_threads)
+    {
+        prefixkv::DecodeScratch scratch;
+        call.make_scratch(scratch);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) call.run_task(task, k, v, scratch);
+        // (the omp for above ends with a barrier: every part is done before the merge)
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < merge_rows; ++row) call.merge_row(row);
+    }
+    return 0;
 }

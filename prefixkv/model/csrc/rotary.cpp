@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "vec16.h"
 
 namespace {
@@ -27,45 +28,51 @@ using prefixkv::store16;
 using prefixkv::round_to;
 using prefixkv::vec16;
 
+// one token: its H heads of D, contiguous, rotated in place by its table rows c and s
 template <typename T>
-void rotate(T* x, int64_t row_stride, int64_t T_rows, int64_t H, int64_t D, const T* cos, const T* sin,
-            int num_threads) {
+__attribute__((noinline)) void rotate_row(T* x, int64_t H, int64_t D, const T* c, const T* s) {
     const int64_t half = D / 2;
-#pragma omp parallel for num_threads(num_threads) if (T_rows * H * D >= (1 << 15)) schedule(static)
-    for (int64_t t = 0; t < T_rows; ++t) {
-        const T* c = cos + t * D;
-        const T* s = sin + t * D;
-        for (int64_t h = 0; h < H; ++h) {
-            T* row = x + t * row_stride + h * D;
-            int64_t j = 0;
-            if (half % 16 == 0) {
-                for (; j < half; j += 16) {
-                    const vec16 a = load16(row + j), b = load16(row + j + half);
-                    const vec16 first = round_to(row, a * load16(c + j)) + round_to(row, b * load16(s + j));
-                    const vec16 second =
-                        round_to(row, b * load16(c + j + half)) + round_to(row, a * load16(s + j + half));
-                    store16(row + j, first);
-                    store16(row + j + half, second);
-                }
+    for (int64_t h = 0; h < H; ++h) {
+        T* row = x + h * D;
+        int64_t j = 0;
+        if (half % 16 == 0) {
+            for (; j < half; j += 16) {
+                const vec16 a = load16(row + j), b = load16(row + j + half);
+                const vec16 first = round_to(row, a * load16(c + j)) + round_to(row, b * load16(s + j));
+                const vec16 second = round_to(row, b * load16(c + j + half)) + round_to(row, a * load16(s + j + half));
+                store16(row + j, first);
+                store16(row + j + half, second);
             }
-            for (; j < half; ++j) {  // head dims whose half is not a multiple of 16
-                const float a = prefixkv::load(row, j), b = prefixkv::load(row, j + half);
-                const float first = prefixkv::round_to(row, a * prefixkv::load(c, j)) +
-                                    prefixkv::round_to(row, b * prefixkv::load(s, j));
-                const float second = prefixkv::round_to(row, b * prefixkv::load(c, j + half)) +
-                                     prefixkv::round_to(row, a * prefixkv::load(s, j + half));
-                prefixkv::store(row, j, first);
-                prefixkv::store(row, j + half, second);
-            }
+        }
+        for (; j < half; ++j) {  // head dims whose half is not a multiple of 16
+            const float a = prefixkv::load(row, j), b = prefixkv::load(row, j + half);
+            const float first =
+                prefixkv::round_to(row, a * prefixkv::load(c, j)) + prefixkv::round_to(row, b * prefixkv::load(s, j));
+            const float second = prefixkv::round_to(row, b * prefixkv::load(c, j + half)) +
+                                 prefixkv::round_to(row, a * prefixkv::load(s, j + half));
+            prefixkv::store(row, j, first);
+            prefixkv::store(row, j + half, second);
         }
     }
 }
 
+template <typename T>
+void rotate(T* x, int64_t row_stride, int64_t T_rows, int64_t H, int64_t D, const T* cos, const T* sin,
+            int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T_rows * H * D >= (1 << 15)) schedule(static)
+    for (int64_t t = 0; t < T_rows; ++t) rotate_row(x + t * row_stride, H, D, cos + t * D, sin + t * D);
+}
+
 }  // namespace
 
-// x: T rows (row_stride elements apart) of H heads of D contiguous values, rotated in place;
-// cos, sin: [T, D] contiguous. dtype 0: float32, 1: bfloat16. Returns 0, or non-zero for what it
-// does not handle (nothing was written).
+void prefixkv::rotate_token(int dtype, void* x, int64_t H, int64_t D, const void* cos, const void* sin) {
+    if (dtype == 0)
+        rotate_row(static_cast<float*>(x), H, D, static_cast<const float*>(cos), static_cast<const float*>(sin));
+    else
+        rotate_row(static_cast<uint16_t*>(x), H, D, static_cast<const uint16_t*>(cos),
+                   static_cast<const uint16_t*>(sin));
+}
+
 extern "C" int prefixkv_rotary(int dtype, void* x, int64_t row_stride, int64_t T, int64_t H, int64_t D,
                                const void* cos, const void* sin, int num_threads) {
     if (T < 0 || H < 1 || D < 2 || D % 2 || row_stride < H * D || num_threads < 1) return 1;

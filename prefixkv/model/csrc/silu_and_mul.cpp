@@ -11,6 +11,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "kernels.h"
 #include "vec16.h"
 
 namespace {
@@ -34,24 +35,31 @@ inline float silu(float x) {
 }
 
 template <typename T>
+__attribute__((noinline)) void silu_row(const T* g, T* o, int64_t I) {
+    const T* u = g + I;
+    int64_t c = 0;
+    for (; c + 16 <= I; c += 16) store16(o + c, round_to(o, silu(load16(g + c))) * load16(u + c));
+    for (; c < I; ++c) {  // the tail, one by one
+        const float a = prefixkv::round_to(o, silu(prefixkv::load(g, c)));
+        prefixkv::store(o, c, a * prefixkv::load(u, c));
+    }
+}
+
+template <typename T>
 void silu_and_mul(const T* gu, T* out, int64_t rows, int64_t I, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * I >= (1 << 15)) schedule(dynamic, 4)
-    for (int64_t r = 0; r < rows; ++r) {
-        const T* g = gu + r * 2 * I;
-        const T* u = g + I;
-        T* o = out + r * I;
-        int64_t c = 0;
-        for (; c + 16 <= I; c += 16) store16(o + c, round_to(o, silu(load16(g + c))) * load16(u + c));
-        for (; c < I; ++c) {  // the tail, one by one
-            const float a = prefixkv::round_to(o, silu(prefixkv::load(g, c)));
-            prefixkv::store(o, c, a * prefixkv::load(u, c));
-        }
-    }
+    for (int64_t r = 0; r < rows; ++r) silu_row(gu + r * 2 * I, out + r * I, I);
 }
 
 }  // namespace
 
-// dtype 0: float32, 1: bfloat16. Returns 0, or non-zero for what it does not handle.
+void prefixkv::silu_and_mul_row(int dtype, const void* gu, void* out, int64_t I) {
+    if (dtype == 0)
+        silu_row(static_cast<const float*>(gu), static_cast<float*>(out), I);
+    else
+        silu_row(static_cast<const uint16_t*>(gu), static_cast<uint16_t*>(out), I);
+}
+
 extern "C" int prefixkv_silu_and_mul(int dtype, const void* gu, void* out, int64_t rows, int64_t I, int num_threads) {
     if (rows < 0 || I < 1 || num_threads < 1) return 1;
     if (dtype == 0) {

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PREFIXKV_SMALL_LINEAR_F32 1
@@ -141,24 +143,66 @@ void rows(int64_t mt, const T* x, int64_t ldx, const T* wp, int64_t steps, int64
     }
 }
 
+// one task: its slab of weights streamed once per 8 rows, for every row
+template <typename T>
+__attribute__((noinline)) void linear_task(int64_t t, const T* x, int64_t ldx, const T* wp, const float* bias, T* y,
+                                           int64_t M, int64_t K, int64_t N) {
+    const int64_t steps = K / Step<T>::kInputs, blocks = (N + kBlock - 1) / kBlock;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+        const int64_t mt = M - m0 < kRowTile ? M - m0 : kRowTile;
+        rows<T>(mt, x + m0 * ldx, ldx, wp, steps, t * kGroup, blocks, N, bias, y + m0 * N, N);
+    }
+}
+
+int64_t task_count(int64_t N) { return ((N + kBlock - 1) / kBlock + kGroup - 1) / kGroup; }
+
 template <typename T>
 void linear(const T* x, int64_t ldx, const T* wp, const float* bias, T* y, int64_t M, int64_t K, int64_t N,
             int num_threads) {
-    const int64_t steps = K / Step<T>::kInputs, blocks = (N + kBlock - 1) / kBlock;
-    const int64_t tasks = (blocks + kGroup - 1) / kGroup;
-    // each task streams its slab of weights once per 8 rows; threads split the slabs
+    const int64_t tasks = task_count(N);  // threads split the slabs
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (N * K >= (1 << 16))
-    for (int64_t t = 0; t < tasks; ++t) {
-        for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-            const int64_t mt = M - m0 < kRowTile ? M - m0 : kRowTile;
-            rows<T>(mt, x + m0 * ldx, ldx, wp, steps, t * kGroup, blocks, N, bias, y + m0 * N, N);
-        }
-    }
+    for (int64_t t = 0; t < tasks; ++t) linear_task(t, x, ldx, wp, bias, y, M, K, N);
 }
 
 #endif
 
 }  // namespace
+
+bool prefixkv::small_linear_built(int dtype) {
+#ifdef PREFIXKV_SMALL_LINEAR_F32
+    if (dtype == 0) return true;
+#endif
+#ifdef PREFIXKV_SMALL_LINEAR_BF16
+    if (dtype == 1) return true;
+#endif
+    (void)dtype;
+    return false;
+}
+
+int64_t prefixkv::small_linear_tasks(int64_t N) {
+#ifdef PREFIXKV_SMALL_LINEAR_F32
+    return task_count(N);
+#else
+    (void)N;
+    return 0;
+#endif
+}
+
+// the caller checked small_linear_built(dtype) (and an even K for bfloat16)
+void prefixkv::small_linear_task(int dtype, int64_t task, const void* x, int64_t ldx, const void* wp,
+                                 const float* bias, void* y, int64_t M, int64_t K, int64_t N) {
+#ifdef PREFIXKV_SMALL_LINEAR_F32
+    if (dtype == 0)
+        linear_task(task, static_cast<const float*>(x), ldx, static_cast<const float*>(wp), bias, static_cast<float*>(y),
+                    M, K, N);
+#endif
+#ifdef PREFIXKV_SMALL_LINEAR_BF16
+    if (dtype == 1)
+        linear_task(task, static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(wp), bias,
+                    static_cast<uint16_t*>(y), M, K, N);
+#endif
+    (void)dtype, (void)task, (void)x, (void)ldx, (void)wp, (void)bias, (void)y, (void)M, (void)K, (void)N;
+}
 
 // Which dtypes this build has the kernel for: bit 0 float32 (AVX-512), bit 1 bfloat16 (AVX512-BF16).
 extern "C" int prefixkv_small_linear_available() {
