@@ -16,6 +16,9 @@ differ from a one-matmul microbenchmark's (bench/levers.py), whose weights stay 
 `--torch-attention-too` also times each model with the native CPU kernels off
 (prefixkv/model/cpu_kernels.py: prefill and decode attention, add + RMSNorm), so PyTorch's SDPA
 (after a gather, for decode) in their place, alternated rep by rep and step by step.
+`--layer-by-layer-too` also times each model's decode steps with its layers called one by one
+from Python (`fused_decode` off) where the engine runs them in one native call
+(csrc/decode_layers.cpp), alternated step by step: what that call buys.
 
 Each figure also prints its fraction of this machine's ceiling, measured in the same process first
 (bench/ceiling.py; `--no-ceiling` skips it): prefill as FLOP/s achieved (2 x parameters x tokens plus
@@ -112,6 +115,12 @@ def main() -> None:
         help="CPU: also time each model with the native kernels off (prefixkv/model/cpu_kernels.py: "
         "PyTorch's SDPA for prefill and decode attention), alternated rep by rep and step by step",
     )
+    ap.add_argument(
+        "--layer-by-layer-too",
+        action="store_true",
+        help="CPU: also time each model's decode steps with its layers called one by one (fused_decode off), "
+        "alternated step by step",
+    )
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling first")
     args = ap.parse_args()
 
@@ -145,6 +154,11 @@ def main() -> None:
             print(f"layout {name}: {lay_out(ours_models[name], name)}")
     # names timed with the PyTorch decode attention instead of the native kernel (--torch-attention-too)
     torch_attention: set[str] = set()
+    layer_by_layer: set[str] = set()  # names timed with fused_decode off (--layer-by-layer-too)
+    if args.layer_by_layer_too:
+        for name in list(ours_models):
+            ours_models[name + ", layer by layer"] = ours_models[name]
+            layer_by_layer.add(name + ", layer by layer")
     if args.torch_attention_too:
         for name in list(ours_models):
             ours_models[name + ", torch attn"] = ours_models[name]
@@ -238,6 +252,7 @@ def main() -> None:
                 for name, m in ours_models.items():
                     caches, nxt = state[name]
                     meta = step_meta(lens, 1)  # a fresh one per forward (its plan is cached inside)
+                    m.fused_decode = name not in layer_by_layer
                     with cpu_kernels.disabled() if name in torch_attention else contextlib.nullcontext():
                         dt, logits = timed(lambda: m.compute_logits(m(nxt, positions, caches, meta)), dev)
                     state[name] = (caches, logits.argmax(-1))

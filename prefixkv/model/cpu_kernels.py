@@ -9,7 +9,10 @@
 - causal prefill attention (csrc/prefill_attention.cpp), SiLU x up, the rotary embedding in place;
 - the small-batch linear (csrc/small_linear.cpp): a decode step's 1-16 rows times a weight laid out
   once in 64-byte column blocks, streamed once per step (AVX-512 / AVX512-BF16 where the CPU has
-  them), where oneDNN's kernels, built for many rows, read the weights at half the speed.
+  them), where oneDNN's kernels, built for many rows, read the weights at half the speed;
+- every layer of a small decode step in one call (csrc/decode_layers.cpp): the pieces above,
+  each the very function its own kernel runs (csrc/kernels.h), inside one OpenMP region - no
+  Python, new tensor or thread start-up between them; bit for bit the layer-by-layer results.
 
 The source is compiled once per machine (~9 s for all files on the 2-vCPU Zen 4) into a cache folder
 (``$PREFIXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixkv`` or ``~/.cache/prefixkv``), keyed by the
