@@ -143,14 +143,27 @@ def test_qkv_bias_and_four_query_heads_a_kv_head(tmp_path, monkeypatch, dtype):
     assert _decode_both_ways(lm, [9, 40, 17], 4, spy) == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequences_sharing_a_prefix_read_it_each_without_the_cascade(default_models, monkeypatch, dtype):
+    """Sharing four leading blocks, the layer-by-layer path would attend to them once for all
+    (the cascade); the fused path reads each whole context - the layers' bits with the cascade off."""
+    _needs_kernel(dtype)
+    from prefixkv.model import attention
+
+    lm = default_models[dtype]
+    ids, pos, meta = make_step([(list(range(100, 180)), [0, 1, 2, 3, 4, 5], 79)] * 2, BS)
+    assert meta.plan(BS, torch.device("cpu")).prefix_slots is not None  # the layers' path would cascade
+    monkeypatch.setattr(attention, "CASCADE_MIN_TOKENS", 1 << 30)
+    spy = _Spy(monkeypatch)
+    assert _decode_both_ways(lm, [80, 90, 100], 3, spy, shared_blocks=4) == 3
+
+
 def test_steps_it_leaves_to_the_layers(default_models, monkeypatch):
     lm = default_models[torch.float32]
     _needs_kernel(torch.float32)
     spy = _Spy(monkeypatch)
     # more rows than the small-batch linear takes
     assert _decode_both_ways(lm, [10 + i for i in range(17)], 1, spy) == 0
-    # sequences sharing four leading blocks: their attention goes through the cascade
-    assert _decode_both_ways(lm, [80, 90, 100], 2, spy, shared_blocks=4) == 0
     # a step with a prompt and a decode together
     model, cfg = lm.model, lm.config
     caches = allocate_kv_cache(cfg, 16, BS)
