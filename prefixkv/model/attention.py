@@ -119,7 +119,12 @@ class _Plan:
         # n > 1 samples), their queries attend to that prefix together - one gather, one matmul -
         # and each attends alone only to the rest; the two parts merge by log-sum-exp. Not with
         # a sliding window in play: the shared prefix would not be the same for every query.
-        P = 0 if W is not None else self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
+        # Not on a CPU with the native decode kernel when every such sequence decodes: reading each
+        # whole context in place was faster than the cascade's gather, SDPA and merge at every
+        # batch measured (32 and 64 sequences on a 480-token prefix, bfloat16: 52 / 90 ms a step
+        # against 64 / 110; docs/benchmarks.md).
+        in_place = device.type == "cpu" and all(qsl[i + 1] - qsl[i] == 1 for i in others) and cpu_kernels.available()
+        P = 0 if W is not None or in_place else self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
         self.prefix_slots: torch.Tensor | None = None
         if P:
             pos = torch.arange(P, device=device)

@@ -145,17 +145,22 @@ def test_qkv_bias_and_four_query_heads_a_kv_head(tmp_path, monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sequences_sharing_a_prefix_read_it_each_without_the_cascade(default_models, monkeypatch, dtype):
-    """Sharing four leading blocks, the layer-by-layer path would attend to them once for all
-    (the cascade); the fused path reads each whole context - the layers' bits with the cascade off."""
+    """Sequences sharing four leading blocks: with the native kernel a decode step reads each whole
+    context in place on both paths (the cascade is for chunks, and for the PyTorch path)."""
     _needs_kernel(dtype)
-    from prefixkv.model import attention
-
-    lm = default_models[dtype]
-    ids, pos, meta = make_step([(list(range(100, 180)), [0, 1, 2, 3, 4, 5], 79)] * 2, BS)
-    assert meta.plan(BS, torch.device("cpu")).prefix_slots is not None  # the layers' path would cascade
-    monkeypatch.setattr(attention, "CASCADE_MIN_TOKENS", 1 << 30)
+    decodes = make_step([(list(range(100, 180)), [0, 1, 2, 3, 4, 5], 79)] * 2, BS)[2]
+    assert decodes.plan(BS, torch.device("cpu")).prefix_slots is None
+    with cpu_kernels.disabled():
+        assert (
+            make_step([(list(range(100, 180)), [0, 1, 2, 3, 4, 5], 79)] * 2, BS)[2]
+            .plan(BS, torch.device("cpu"))
+            .prefix_slots
+            is not None
+        )
     spy = _Spy(monkeypatch)
-    assert _decode_both_ways(lm, [80, 90, 100], 3, spy, shared_blocks=4) == 3
+    assert _decode_both_ways(default_models[dtype], [80, 90, 100], 3, spy, shared_blocks=4) == 3
+    # past the fused path's rows the layers read in place too (no cascade): equal as ever
+    assert _decode_both_ways(default_models[dtype], [70 + i for i in range(17)], 1, spy, shared_blocks=4) == 0
 
 
 def test_steps_it_leaves_to_the_layers(default_models, monkeypatch):
