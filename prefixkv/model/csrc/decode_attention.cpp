@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -343,39 +344,41 @@ void prefixkv::DecodeAttention::make_scratch(DecodeScratch& scratch) const {
     scratch.acc.assign(static_cast<size_t>(G_ * (D_ / 16)), vec16{});
 }
 
-#define PREFIXKV_DECODE_TASK(T, Dim)                                                                                  \
-    run_task_typed<T, Dim>(task, static_cast<const T*>(q_), q_stride_, static_cast<const T*>(k),                    \
-                           static_cast<const T*>(v), slots_, lens_, static_cast<T*>(out_), lse_, L_, Hkv_, G_, scale_, \
-                           parts_, span_, stride_, scratch, part_best_.data(), part_total_.data(), part_acc_.data())
+namespace {
+
+// f(T{}, std::integral_constant<int, D>{}) for the call's dtype and head dim (checked supported)
+template <typename F>
+void with_types(int dtype, int64_t D, F f) {
+    const auto head_dim = [&](auto t) {
+        if (D == 32) f(t, std::integral_constant<int, 32>{});
+        if (D == 64) f(t, std::integral_constant<int, 64>{});
+        if (D == 128) f(t, std::integral_constant<int, 128>{});
+    };
+    if (dtype == 0)
+        head_dim(float{});
+    else
+        head_dim(uint16_t{});
+}
+
+}  // namespace
 
 void prefixkv::DecodeAttention::run_task(int64_t task, const void* k, const void* v, DecodeScratch& scratch) {
-    if (dtype_ == 0) {
-        if (D_ == 32) PREFIXKV_DECODE_TASK(float, 32);
-        if (D_ == 64) PREFIXKV_DECODE_TASK(float, 64);
-        if (D_ == 128) PREFIXKV_DECODE_TASK(float, 128);
-    } else {
-        if (D_ == 32) PREFIXKV_DECODE_TASK(uint16_t, 32);
-        if (D_ == 64) PREFIXKV_DECODE_TASK(uint16_t, 64);
-        if (D_ == 128) PREFIXKV_DECODE_TASK(uint16_t, 128);
-    }
+    with_types(dtype_, D_, [&](auto t, auto dim) {
+        using T = decltype(t);
+        run_task_typed<T, decltype(dim)::value>(task, static_cast<const T*>(q_), q_stride_, static_cast<const T*>(k),
+                                                static_cast<const T*>(v), slots_, lens_, static_cast<T*>(out_), lse_, L_,
+                                                Hkv_, G_, scale_, parts_, span_, stride_, scratch, part_best_.data(),
+                                                part_total_.data(), part_acc_.data());
+    });
 }
-#undef PREFIXKV_DECODE_TASK
-
-#define PREFIXKV_DECODE_MERGE(T, Dim) \
-    merge_row_typed<T, Dim>(row, parts_, G_, part_best_.data(), part_total_.data(), part_acc_.data(), static_cast<T*>(out_), lse_)
 
 void prefixkv::DecodeAttention::merge_row(int64_t row) {
-    if (dtype_ == 0) {
-        if (D_ == 32) PREFIXKV_DECODE_MERGE(float, 32);
-        if (D_ == 64) PREFIXKV_DECODE_MERGE(float, 64);
-        if (D_ == 128) PREFIXKV_DECODE_MERGE(float, 128);
-    } else {
-        if (D_ == 32) PREFIXKV_DECODE_MERGE(uint16_t, 32);
-        if (D_ == 64) PREFIXKV_DECODE_MERGE(uint16_t, 64);
-        if (D_ == 128) PREFIXKV_DECODE_MERGE(uint16_t, 128);
-    }
+    with_types(dtype_, D_, [&](auto t, auto dim) {
+        using T = decltype(t);
+        merge_row_typed<T, decltype(dim)::value>(row, parts_, G_, part_best_.data(), part_total_.data(),
+                                                 part_acc_.data(), static_cast<T*>(out_), lse_);
+    });
 }
-#undef PREFIXKV_DECODE_MERGE
 
 // dtype 0: float32, 1: bfloat16. Returns 0, or non-zero for a shape it does not handle
 // (the caller then takes the PyTorch path).
