@@ -306,9 +306,8 @@ class _DecodeLayers:
     own pieces compute every value, so its results are the layer-by-layer path's bit for bit.
 
     Built once by `LlamaModel.pack_for_cpu` where the model's shape allows (`of`); `run` takes a
-    step only when every new token is a decode, at most `max_rows` of them. Sequences that share
-    leading blocks each read their whole context here (no cascade): the same bits as the layers'
-    path without the cascade."""
+    step only when every new token is a decode, at most `max_rows` of them (sequences sharing
+    leading blocks included: with the native decode kernel such a step has no cascade, _Plan)."""
 
     def __init__(self, model: LlamaModel) -> None:
         cfg = model.config
@@ -398,19 +397,9 @@ class _DecodeLayers:
         addresses = self._cache_addresses(kv_caches)
         if addresses is None:
             return False
-        if plan.prefix_slots is None:
-            slots, lens = plan.decode_slots.contiguous(), plan.decode_lens.contiguous()
-        elif len(meta.seq_lens) == B:
-            # sequences sharing leading blocks: the layer-by-layer path attends to the shared prefix
-            # once for all of them (the cascade); here each reads its whole context, which on a CPU
-            # is the faster of the two: 2-16 sequences on a 480-token prefix, bfloat16, took
-            # 11-23 ms a step here against 22-40 through the cascade (docs/benchmarks.md)
-            top = max(meta.seq_lens)
-            pos = torch.arange(top)
-            slots = meta.block_tables[:, pos // block_size].long() * block_size + pos % block_size
-            lens = torch.tensor(meta.seq_lens, dtype=torch.int64)
-        else:
+        if plan.prefix_slots is not None:  # a cascade: only where the decode kernel is off (_Plan)
             return False
+        slots, lens = plan.decode_slots.contiguous(), plan.decode_lens.contiguous()
         dims = torch.tensor(
             [B, H, Hq, Hkv, D, self.intermediate, slots.shape[1], len(kv_caches), cache[0].numel()], dtype=torch.int64
         )
