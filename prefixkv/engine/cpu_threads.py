@@ -14,8 +14,14 @@ So `AdaptiveCpuThreads` measures the foreign load - CPU time that other processe
 CPUs this process may use, from /proc/stat less this process's own CPU time - over windows of a
 quarter second, and sets torch's thread count before each step: a step of few tokens (decode)
 runs on the cores left to it (at least one thread, at most the configured count) while other
-processes keep k of its CPUs busy; a step
-of many tokens, and every step on a quiet machine, on the configured count.
+processes keep k of its CPUs busy; every step on a quiet machine on the configured count.
+
+A step of many tokens (a prefill) beside a neighbour cannot be decided from the load alone: beside
+one keeping 70% of a core busy two threads prefill 10% faster than one, beside one keeping a whole
+core busy 1.7x slower, and /proc/stat shows the two neighbours alike (0.78 and 0.83 cores while our
+threads compete). So such a step decides from its own layers (`LayerProbe`): its first layers are
+timed on the configured count, the next ones on the cores left, and the rest run on the faster -
+the layers of a step are the same work, so their times compare directly.
 Outputs do not depend on the count: every kernel splits its work by the data or by the CPUs it may
 use, never by the threads of the call (tests/engine/test_cpu_threads.py checks logprobs bit for bit).
 """
@@ -24,13 +30,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 WINDOW_S = 0.25  # foreign load is averaged over this long; shorter windows read /proc/stat's ticks too coarsely
 CONTENDED_CORE = 0.25  # foreign load (in cores) from which one core counts as taken
-HEAVY_STEP_TOKENS = 128  # a step of at least this many tokens is long matrix products: all threads
+HEAVY_STEP_TOKENS = 128  # a step of at least this many tokens is long matrix products: probed by layers
+PROBE_LAYERS = 4  # layers timed on each count by a long step beside a neighbour (after one untimed)
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -85,42 +95,130 @@ class ForeignLoad:
         self._at, self._busy, self._own = now, busy, own
 
 
-def threads_for(configured: int, cpus: int, foreign_cores: float, step_tokens: int) -> int:
-    """The thread count for a step of `step_tokens` tokens on `cpus` CPUs, `foreign_cores` of
-    which other processes keep busy. Fewer threads only when the cores left to us are fewer than
-    the configured count (4 threads on 16 CPUs beside 12 busy ones keep their 4)."""
+def threads_left(configured: int, cpus: int, foreign_cores: float) -> int:
+    """The thread count that fits the cores other processes leave us: `cpus` CPUs, `foreign_cores`
+    of which are kept busy. Fewer than configured only when the cores left are fewer (4 threads on
+    16 CPUs beside 12 busy ones keep their 4)."""
     taken = int(foreign_cores + (1 - CONTENDED_CORE))  # 0.25 -> 1, 1.25 -> 2 ...
-    if taken == 0 or step_tokens >= HEAVY_STEP_TOKENS:
+    if taken == 0:
         return configured
     return max(1, min(configured, cpus - taken))
 
 
+def threads_for(configured: int, cpus: int, foreign_cores: float, step_tokens: int) -> int:
+    """The thread count a step of `step_tokens` tokens starts on: the cores left for a short step,
+    the configured count for a long one (which may then move to the cores left, `LayerProbe`)."""
+    if step_tokens >= HEAVY_STEP_TOKENS:
+        return configured
+    return threads_left(configured, cpus, foreign_cores)
+
+
+class LayerProbe:
+    """One long step's choice between two thread counts, made from the times of its own layers:
+    layer 0 runs untimed on `first` (it may pay for the previous step's count), the next
+    `layers_each` are timed on `first`, the next `layers_each` on `second` (their time includes
+    the switch), and every later layer runs on the count whose layers took less time. In blocks,
+    not alternating layer by layer: a thread that sleeps through every other layer is woken ahead
+    of the neighbour by the kernel's scheduler, and two threads alternating with one measured as
+    fast as one alone where, run as a block, they were 1.3x slower. `at_layer` is called at the
+    start of each layer with the time; it returns the count to set, or None to keep the current one."""
+
+    def __init__(self, first: int, second: int, layers_each: int = PROBE_LAYERS) -> None:
+        self.counts = (first, second)
+        self.switch_at = 1 + layers_each
+        self.decide_at = 1 + 2 * layers_each  # the layer whose start ends the last timed one
+        self.spent = [0.0, 0.0]  # seconds of the timed layers on each count
+        self.chosen: int | None = None
+        self._block_start = 0.0
+
+    def at_layer(self, index: int, now: float) -> int | None:
+        if index == 1:
+            self._block_start = now
+        elif index == self.switch_at:
+            self.spent[0], self._block_start = now - self._block_start, now
+            return self.counts[1]
+        elif index == self.decide_at:
+            self.spent[1] = now - self._block_start
+            self.chosen = self.counts[1] if self.spent[1] < self.spent[0] else self.counts[0]
+            return self.chosen
+        return None
+
+
 class AdaptiveCpuThreads:
-    """Sets torch's thread count before each CPU step (see the module's docstring). The engine
-    calls `before_step` from the thread that runs the model: OpenMP's count is per thread."""
+    """Sets torch's thread count before each CPU step, and within a long step beside a neighbour
+    between its layers (see the module's docstring). The engine calls `before_step` from the
+    thread that runs the model: OpenMP's count is per thread."""
 
     def __init__(self, configured: int | None = None) -> None:
         self.configured = configured or torch.get_num_threads()
         self.load = ForeignLoad(frozenset(os.sched_getaffinity(0)))
         self.threads = self.configured
-        self.steps_adapted = 0  # steps that ran on another count than the configured one
+        self.steps_adapted = 0  # steps that ran (most of their layers) on another count than the configured one
+        self.steps_probed = 0  # long steps beside a neighbour that timed their layers on two counts
+        self.layers: Sequence[nn.Module] = ()
+        self.layers_each = PROBE_LAYERS  # a probe's timed layers on each count
+        self.probe: LayerProbe | None = None
+        self._hooks: list[RemovableHandle] = []
 
     @property
     def available(self) -> bool:
         return self.load.available
 
+    def watch_layers(self, layers: Sequence[nn.Module]) -> None:
+        """The model's decoder layers, called in order by each step's forward: a long step beside
+        a neighbour times them to choose its count. Without them long steps keep the configured one."""
+        self.layers = layers
+
     def before_step(self, step_tokens: int) -> int:
+        self._end_probe()
         self.load.update(time.monotonic())
         threads = threads_for(self.configured, len(self.load.cpus), self.load.cores, step_tokens)
-        if threads != self.threads:
-            torch.set_num_threads(threads)
-            self.threads = threads
+        self._set(threads)
         if threads != self.configured:
             self.steps_adapted += 1
+        elif step_tokens >= HEAVY_STEP_TOKENS:
+            left = threads_left(self.configured, len(self.load.cpus), self.load.cores)
+            if left != threads:
+                self._start_probe(threads, left)
         return threads
 
     def restore(self) -> None:
         """Back to the configured count (the engine is idle)."""
-        if self.threads != self.configured:
-            torch.set_num_threads(self.configured)
-            self.threads = self.configured
+        self._end_probe()
+        self._set(self.configured)
+
+    def _set(self, threads: int) -> None:
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+
+    def _start_probe(self, first: int, second: int) -> None:
+        probe = LayerProbe(first, second, self.layers_each)
+        if len(self.layers) <= probe.decide_at + 1:  # too few layers left to run on the faster count
+            return
+        self.probe = probe
+        self.steps_probed += 1
+        for index in (1, probe.switch_at, probe.decide_at):
+            self._hooks.append(self.layers[index].register_forward_pre_hook(self._layer_hook(index)))
+
+    def _layer_hook(self, index: int) -> Callable[[nn.Module, object], None]:
+        def hook(module: nn.Module, args: object) -> None:
+            probe = self.probe
+            if probe is None:
+                return
+            threads = probe.at_layer(index, time.perf_counter())
+            if threads is not None:
+                self._set(threads)
+            if probe.chosen is not None:
+                if probe.chosen != self.configured:
+                    self.steps_adapted += 1
+                self._end_probe()
+
+        return hook
+
+    def _end_probe(self) -> None:
+        """Drop the probe's hooks (a step that failed mid-forward may leave them)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.probe = None

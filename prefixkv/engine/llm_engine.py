@@ -170,6 +170,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded, self.block_tensors, self.dtype, self.device, default_generator, self.lora_manager
         )
+        if self.cpu_threads is not None:  # a long step beside a neighbour times its layers on two counts
+            self.cpu_threads.watch_layers(self.runner.decoder_layers())
         self.stage_outputs: StageOutputCache | None = None
         if config.enable_stage_output_cache:
             blocks = self.scheduler.kv_cache_manager.block_pool.blocks
@@ -708,7 +710,12 @@ class LLMEngine:
         t = self.cpu_threads
         if t is None:
             return {}
-        return dict(cpu_threads=t.threads, cpu_foreign_load=t.load.cores, cpu_steps_adapted=t.steps_adapted)
+        return dict(
+            cpu_threads=t.threads,
+            cpu_foreign_load=t.load.cores,
+            cpu_steps_adapted=t.steps_adapted,
+            cpu_steps_probed=t.steps_probed,
+        )
 
     def _tier_stats(self) -> dict[str, Any]:
         t = self.tiers

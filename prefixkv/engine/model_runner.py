@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ..lora.manager import LoRAManager
 from ..model import AttentionMetadata, LoadedModel
@@ -57,6 +58,12 @@ class ModelRunner:
         self.lora_manager = lora_manager
         if lora_manager is not None:
             lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The model's decoder layers, in the order each forward calls them (none for a model
+        without a `layers` list)."""
+        layers = getattr(self.model, "layers", None)
+        return list(layers) if isinstance(layers, nn.ModuleList) else []
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -27,10 +27,12 @@ class EngineStats:
     block_size: int = 0
     max_model_len: int = 0
     # CPU threads (cpu_thread_policy adaptive, engine/cpu_threads.py): the last step's count (0: the
-    # policy is off), other processes' load on our cores in cores, steps run on another count than configured
+    # policy is off), other processes' load on our cores in cores, steps run on another count than
+    # configured, long steps that timed their layers on two counts
     cpu_threads: int = 0
     cpu_foreign_load: float = 0.0
     cpu_steps_adapted: int = 0
+    cpu_steps_probed: int = 0
     # LoRA (enable_lora): names of the adapters of running / waiting requests, and max_loras (0: off)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()

@@ -181,6 +181,8 @@ class _EngineCollector:
             yield gauge("prefixkv:cpu_threads", threads_doc, stats.cpu_threads)
             yield gauge("prefixkv:cpu_foreign_load", load_doc, stats.cpu_foreign_load)
             yield counter("prefixkv:cpu_steps_adapted", adapted_doc, stats.cpu_steps_adapted)
+            probed_doc = "Long steps beside a neighbour that timed their first layers on two thread counts."
+            yield counter("prefixkv:cpu_steps_probed", probed_doc, stats.cpu_steps_probed)
         cfg = e.config
         info = GaugeMetricFamily(
             "vllm:cache_config_info",

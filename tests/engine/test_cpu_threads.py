@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
-from prefixkv.engine.cpu_threads import HEAVY_STEP_TOKENS, ForeignLoad, threads_for
+from prefixkv.engine.cpu_threads import HEAVY_STEP_TOKENS, AdaptiveCpuThreads, ForeignLoad, LayerProbe, threads_for
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the foreign load is read from /proc/stat")
 
@@ -104,7 +104,107 @@ def test_engine_adapts_beside_a_neighbour_and_outputs_stay():
         got = outputs(adaptive, prompts)
     stats = adaptive.llm_engine.get_stats()
     assert stats.cpu_steps_adapted > 0  # the decode steps ran on fewer threads
+    assert stats.cpu_steps_probed > 0  # the 300-token prefill switched count between its layers
     assert stats.cpu_foreign_load > 0.25
     assert got == want
+    layers = adaptive.llm_engine.runner.decoder_layers()
+    assert len(layers) == 30 and not any(layer._forward_pre_hooks for layer in layers)  # the probe's hooks are gone
     assert torch.get_num_threads() == configured  # idle again: the caller's count is back
     assert stats.cpu_threads == configured
+
+
+def test_layer_probe_times_both_counts_and_keeps_the_faster():
+    probe = LayerProbe(2, 1, layers_each=2)
+    assert (probe.switch_at, probe.decide_at) == (3, 5)
+    assert probe.at_layer(0, 0.0) is None  # untimed: may pay for the previous step's count
+    assert probe.at_layer(1, 1.0) is None  # layers 1-2 on the first count
+    assert probe.at_layer(2, 2.0) is None
+    assert probe.at_layer(3, 3.0) == 1  # layers 3-4 on the second
+    assert probe.at_layer(4, 3.9) is None
+    assert probe.at_layer(5, 4.8) == 1 and probe.chosen == 1  # 1.8 s on one thread against 2.0 on two
+    assert probe.spent == pytest.approx([2.0, 1.8])
+    assert probe.at_layer(6, 5.0) is None  # decided: the rest keep it
+    slower = LayerProbe(2, 1, layers_each=1)
+    assert [slower.at_layer(i, t) for i, t in enumerate((0.0, 1.0, 2.0, 3.5))] == [None, None, 1, 2]
+    assert slower.chosen == 2  # 1.5 s on one thread against 1.0 on two
+
+
+class _TimedLayer(torch.nn.Module):
+    """A layer that takes `slow_s` on `slow_threads` threads and almost nothing otherwise."""
+
+    def __init__(self, slow_threads: int, slow_s: float) -> None:
+        super().__init__()
+        self.slow_threads, self.slow_s = slow_threads, slow_s
+        self.ran_on: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ran_on.append(torch.get_num_threads())
+        if self.ran_on[-1] == self.slow_threads:
+            time.sleep(self.slow_s)
+        return x
+
+
+def _contended(configured: int = 2) -> AdaptiveCpuThreads:
+    """Threads on two CPUs, one of which a neighbour keeps busy (the load held, not measured)."""
+    threads = AdaptiveCpuThreads(configured)
+    threads.load.cpus = frozenset({0, 1})
+    threads.load.cores = 0.9
+    threads.load.update = lambda now: None  # type: ignore[method-assign]
+    return threads
+
+
+@pytest.mark.parametrize("slow_threads, expect", [(2, 1), (1, 2)])
+def test_long_step_runs_its_last_layers_on_the_faster_count(slow_threads, expect):
+    before = torch.get_num_threads()
+    layers = torch.nn.ModuleList(_TimedLayer(slow_threads, 0.02) for _ in range(8))
+    threads = _contended()
+    threads.watch_layers(layers)
+    threads.layers_each = 2
+    try:
+        assert threads.before_step(1) == 1  # a short step: the core left, no probe
+        assert threads.probe is None
+        assert threads.before_step(HEAVY_STEP_TOKENS) == 2  # a long one starts on every thread
+        x = torch.zeros(1)
+        for layer in layers:
+            x = layer(x)
+        ran_on = [layer.ran_on[-1] for layer in layers]
+        assert ran_on == [2, 2, 2, 1, 1] + [expect] * 3  # 0 untimed, 1-2 on two, 3-4 on one, the rest
+        assert threads.steps_probed == 1 and threads.steps_adapted == 1 + (expect == 1)
+        assert not any(layer._forward_pre_hooks for layer in layers)  # decided: hooks gone
+        threads.restore()
+        assert torch.get_num_threads() == 2  # the configured count
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_step_that_fails_mid_forward_leaves_no_probe_behind():
+    before = torch.get_num_threads()
+    layers = torch.nn.ModuleList(_TimedLayer(2, 0.0) for _ in range(8))
+    threads = _contended()
+    threads.watch_layers(layers)
+    threads.layers_each = 2
+    try:
+        threads.before_step(2 * HEAVY_STEP_TOKENS)
+        x = layers[1](layers[0](torch.zeros(1)))  # the forward raised after layer 1
+        assert any(layer._forward_pre_hooks for layer in layers)
+        threads.before_step(1)
+        assert threads.probe is None and not any(layer._forward_pre_hooks for layer in layers)
+        layers[3](x)  # a later forward runs untouched on the short step's count
+        assert layers[3].ran_on == [1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_no_probe_on_a_quiet_machine_or_without_enough_layers():
+    before = torch.get_num_threads()
+    quiet = AdaptiveCpuThreads(2)
+    quiet.load.update = lambda now: None  # type: ignore[method-assign]
+    quiet.watch_layers(torch.nn.ModuleList(_TimedLayer(2, 0.0) for _ in range(8)))
+    assert quiet.before_step(HEAVY_STEP_TOKENS) == 2 and quiet.probe is None
+    shallow = _contended()
+    shallow.layers_each = 2
+    shallow.watch_layers(torch.nn.ModuleList(_TimedLayer(2, 0.0) for _ in range(6)))  # one layer after the choice
+    try:
+        assert shallow.before_step(HEAVY_STEP_TOKENS) == 2 and shallow.probe is None
+    finally:
+        torch.set_num_threads(before)
