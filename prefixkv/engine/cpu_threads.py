@@ -41,6 +41,11 @@ WINDOW_S = 0.25  # foreign load is averaged over this long; shorter windows read
 CONTENDED_CORE = 0.25  # foreign load (in cores) from which one core counts as taken
 HEAVY_STEP_TOKENS = 128  # a step of at least this many tokens is long matrix products: probed by layers
 PROBE_LAYERS = 4  # layers timed on each count by a long step beside a neighbour (after one untimed)
+# A layer's time beside a neighbour is heavy-tailed (two threads stall for a scheduler slice now
+# and then), so a choice weighs the earlier probes' times too, each probe's at PROBE_DECAY of the
+# next one's, and forgets them after PROBE_MEMORY_S without a probe (the neighbour may be gone).
+PROBE_DECAY = 0.75
+PROBE_MEMORY_S = 5.0
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -123,11 +128,14 @@ class LayerProbe:
     fast as one alone where, run as a block, they were 1.3x slower. `at_layer` is called at the
     start of each layer with the time; it returns the count to set, or None to keep the current one."""
 
-    def __init__(self, first: int, second: int, layers_each: int = PROBE_LAYERS) -> None:
+    def __init__(
+        self, first: int, second: int, layers_each: int = PROBE_LAYERS, prior: tuple[float, float] = (0.0, 0.0)
+    ) -> None:
         self.counts = (first, second)
         self.switch_at = 1 + layers_each
         self.decide_at = 1 + 2 * layers_each  # the layer whose start ends the last timed one
         self.spent = [0.0, 0.0]  # seconds of the timed layers on each count
+        self.prior = prior  # earlier probes' (decayed) seconds on each count, weighed in the choice
         self.chosen: int | None = None
         self._block_start = 0.0
 
@@ -139,7 +147,8 @@ class LayerProbe:
             return self.counts[1]
         elif index == self.decide_at:
             self.spent[1] = now - self._block_start
-            self.chosen = self.counts[1] if self.spent[1] < self.spent[0] else self.counts[0]
+            first, second = self.prior[0] + self.spent[0], self.prior[1] + self.spent[1]
+            self.chosen = self.counts[1] if second < first else self.counts[0]
             return self.chosen
         return None
 
@@ -159,6 +168,10 @@ class AdaptiveCpuThreads:
         self.layers_each = PROBE_LAYERS  # a probe's timed layers on each count
         self.probe: LayerProbe | None = None
         self._hooks: list[RemovableHandle] = []
+        # earlier probes' decayed seconds on each count, for which counts, and when last
+        self._evidence = (0.0, 0.0)
+        self._evidence_counts = (0, 0)
+        self._evidence_at = 0.0
 
     @property
     def available(self) -> bool:
@@ -193,7 +206,12 @@ class AdaptiveCpuThreads:
             self.threads = threads
 
     def _start_probe(self, first: int, second: int) -> None:
-        probe = LayerProbe(first, second, self.layers_each)
+        now = time.monotonic()
+        if self._evidence_counts != (first, second) or now - self._evidence_at > PROBE_MEMORY_S:
+            self._evidence, self._evidence_counts = (0.0, 0.0), (first, second)
+        self._evidence_at = now
+        prior = (self._evidence[0] * PROBE_DECAY, self._evidence[1] * PROBE_DECAY)
+        probe = LayerProbe(first, second, self.layers_each, prior)
         if len(self.layers) <= probe.decide_at + 1:  # too few layers left to run on the faster count
             return
         self.probe = probe
@@ -212,6 +230,7 @@ class AdaptiveCpuThreads:
             if probe.chosen is not None:
                 if probe.chosen != self.configured:
                     self.steps_adapted += 1
+                self._evidence = (probe.prior[0] + probe.spent[0], probe.prior[1] + probe.spent[1])
                 self._end_probe()
 
         return hook

@@ -127,6 +127,9 @@ def test_layer_probe_times_both_counts_and_keeps_the_faster():
     slower = LayerProbe(2, 1, layers_each=1)
     assert [slower.at_layer(i, t) for i, t in enumerate((0.0, 1.0, 2.0, 3.5))] == [None, None, 1, 2]
     assert slower.chosen == 2  # 1.5 s on one thread against 1.0 on two
+    swayed = LayerProbe(2, 1, layers_each=1, prior=(1.0, 2.0))  # earlier probes found two threads faster
+    assert [swayed.at_layer(i, t) for i, t in enumerate((0.0, 1.0, 2.0, 2.8))] == [None, None, 1, 2]
+    assert swayed.chosen == 2  # this probe alone says one thread (0.8 s against 1.0), the sum says two
 
 
 class _TimedLayer(torch.nn.Module):
@@ -171,6 +174,8 @@ def test_long_step_runs_its_last_layers_on_the_faster_count(slow_threads, expect
         assert ran_on == [2, 2, 2, 1, 1] + [expect] * 3  # 0 untimed, 1-2 on two, 3-4 on one, the rest
         assert threads.steps_probed == 1 and threads.steps_adapted == 1 + (expect == 1)
         assert not any(layer._forward_pre_hooks for layer in layers)  # decided: hooks gone
+        threads.before_step(HEAVY_STEP_TOKENS)  # the next long step weighs this one's times
+        assert threads.probe is not None and threads.probe.prior[2 - slow_threads] > 0.025
         threads.restore()
         assert torch.get_num_threads() == 2  # the configured count
     finally:
