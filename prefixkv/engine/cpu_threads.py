@@ -17,9 +17,9 @@ runs on the cores left to it (at least one thread, at most the configured count)
 processes keep k of its CPUs busy; every step on a quiet machine on the configured count.
 
 A step of many tokens (a prefill) beside a neighbour cannot be decided from the load alone: beside
-one keeping 70% of a core busy two threads prefill 10% faster than one, beside one keeping a whole
-core busy 1.7x slower, and /proc/stat shows the two neighbours alike (0.78 and 0.83 cores while our
-threads compete). So such a step decides from its own layers (`LayerProbe`): its first layers are
+one keeping 70% of a core busy two threads prefill 5-10% faster than one, beside one keeping a
+whole core busy 1.2-1.7x slower (docs/benchmarks.md, two sessions), and /proc/stat shows the two
+neighbours alike (0.78 and 0.83 cores while our threads compete). So such a step decides from its own layers (`LayerProbe`): its first layers are
 timed on the configured count, the next ones on the cores left, and the rest run on the faster -
 the layers of a step are the same work, so their times compare directly.
 Outputs do not depend on the count: every kernel splits its work by the data or by the CPUs it may
@@ -124,8 +124,8 @@ class LayerProbe:
     `layers_each` are timed on `first`, the next `layers_each` on `second` (their time includes
     the switch), and every later layer runs on the count whose layers took less time. In blocks,
     not alternating layer by layer: a thread that sleeps through every other layer is woken ahead
-    of the neighbour by the kernel's scheduler, and two threads alternating with one measured as
-    fast as one alone where, run as a block, they were 1.3x slower. `at_layer` is called at the
+    of the neighbour by the kernel's scheduler, and two threads alternating with one measured
+    faster than one where, run as a block, they were 1.2-1.3x slower. `at_layer` is called at the
     start of each layer with the time; it returns the count to set, or None to keep the current one."""
 
     def __init__(
