@@ -47,7 +47,10 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first token always
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p
+        # the first token always stays: a top_p below float32's least value (5e-324) compares as 0.0,
+        # and 0 >= 0 would drop every token (found by tests/server/test_fuzz.py)
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits

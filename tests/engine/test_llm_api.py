@@ -114,6 +114,15 @@ def test_logprobs(llm):
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-50, 1e-9])
+def test_a_tiny_top_p_keeps_the_most_likely_token(llm, top_p):
+    """top_p below float32's least value compares as 0.0 in the float32 filter: the first token must
+    still stay (it once dropped every token and the sampler failed on NaN probabilities)."""
+    greedy = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+    nucleus = llm.generate("The sky is", SamplingParams(temperature=1.0, top_p=top_p, seed=1, max_tokens=4))[0]
+    assert nucleus.outputs[0].token_ids == greedy.token_ids
+
+
 def test_sampling_seed_is_reproducible_and_n_shares_the_prompt(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=7, max_tokens=10)
     a = llm.generate("Once upon a time", params)[0]
