@@ -19,9 +19,10 @@ processes keep k of its CPUs busy; every step on a quiet machine on the configur
 A step of many tokens (a prefill) beside a neighbour cannot be decided from the load alone: beside
 one keeping 70% of a core busy two threads prefill 5-10% faster than one, beside one keeping a
 whole core busy 1.2-1.7x slower (docs/benchmarks.md, two sessions), and /proc/stat shows the two
-neighbours alike (0.78 and 0.83 cores while our threads compete). So such a step decides from its own layers (`LayerProbe`): its first layers are
-timed on the configured count, the next ones on the cores left, and the rest run on the faster -
-the layers of a step are the same work, so their times compare directly.
+neighbours alike (0.78 and 0.83 cores while our threads compete). So such a step decides from
+its own layers (`LayerProbe`): its first layers are timed on the configured count, the next ones
+on the cores left, and the rest run on the faster - the layers of a step are the same work, so
+their times compare directly.
 Outputs do not depend on the count: every kernel splits its work by the data or by the CPUs it may
 use, never by the threads of the call (tests/engine/test_cpu_threads.py checks logprobs bit for bit).
 """
