@@ -134,11 +134,16 @@ class LayerProbe:
     ) -> None:
         self.counts = (first, second)
         self.switch_at = 1 + layers_each
-        self.decide_at = 1 + 2 * layers_each  # the layer whose start ends the last timed one
+        self.decide_at = self.decision_layer(layers_each)
         self.spent = [0.0, 0.0]  # seconds of the timed layers on each count
         self.prior = prior  # earlier probes' (decayed) seconds on each count, weighed in the choice
         self.chosen: int | None = None
         self._block_start = 0.0
+
+    @staticmethod
+    def decision_layer(layers_each: int) -> int:
+        """The layer whose start ends the last timed one: where the probe decides."""
+        return 1 + 2 * layers_each
 
     def at_layer(self, index: int, now: float) -> int | None:
         if index == 1:
@@ -207,15 +212,14 @@ class AdaptiveCpuThreads:
             self.threads = threads
 
     def _start_probe(self, first: int, second: int) -> None:
+        if len(self.layers) <= LayerProbe.decision_layer(self.layers_each) + 1:  # too few left to run on the faster
+            return
         now = time.monotonic()
         if self._evidence_counts != (first, second) or now - self._evidence_at > PROBE_MEMORY_S:
             self._evidence, self._evidence_counts = (0.0, 0.0), (first, second)
         self._evidence_at = now
         prior = (self._evidence[0] * PROBE_DECAY, self._evidence[1] * PROBE_DECAY)
-        probe = LayerProbe(first, second, self.layers_each, prior)
-        if len(self.layers) <= probe.decide_at + 1:  # too few layers left to run on the faster count
-            return
-        self.probe = probe
+        probe = self.probe = LayerProbe(first, second, self.layers_each, prior)
         self.steps_probed += 1
         for index in (1, probe.switch_at, probe.decide_at):
             self._hooks.append(self.layers[index].register_forward_pre_hook(self._layer_hook(index)))

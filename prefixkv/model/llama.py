@@ -390,14 +390,12 @@ class _DecodeLayers:
         H, Hq, Hkv, D = self.shape
         if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3:] != (Hkv, D):
             return False
-        block_size = cache.shape[2]
-        plan = meta.plan(block_size, cache.device, None, self.dtype)
-        if not plan.decode_all or plan.decode_rows is None:
+        plan = meta.plan(cache.shape[2], cache.device, None, self.dtype)
+        # (a cascade, prefix_slots, is planned only where the decode kernel is off: _Plan)
+        if not plan.decode_all or plan.decode_rows is None or plan.prefix_slots is not None:
             return False
         addresses = self._cache_addresses(kv_caches)
         if addresses is None:
-            return False
-        if plan.prefix_slots is not None:  # a cascade: only where the decode kernel is off (_Plan)
             return False
         slots, lens = plan.decode_slots.contiguous(), plan.decode_lens.contiguous()
         dims = torch.tensor(

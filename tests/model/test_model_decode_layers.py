@@ -148,15 +148,10 @@ def test_sequences_sharing_a_prefix_read_it_each_without_the_cascade(default_mod
     """Sequences sharing four leading blocks: with the native kernel a decode step reads each whole
     context in place on both paths (the cascade is for chunks, and for the PyTorch path)."""
     _needs_kernel(dtype)
-    decodes = make_step([(list(range(100, 180)), [0, 1, 2, 3, 4, 5], 79)] * 2, BS)[2]
-    assert decodes.plan(BS, torch.device("cpu")).prefix_slots is None
-    with cpu_kernels.disabled():
-        assert (
-            make_step([(list(range(100, 180)), [0, 1, 2, 3, 4, 5], 79)] * 2, BS)[2]
-            .plan(BS, torch.device("cpu"))
-            .prefix_slots
-            is not None
-        )
+    two_decodes = [(list(range(100, 180)), [0, 1, 2, 3, 4, 5], 79)] * 2
+    assert make_step(two_decodes, BS)[2].plan(BS, torch.device("cpu")).prefix_slots is None
+    with cpu_kernels.disabled():  # a fresh step: the plan is cached per metadata
+        assert make_step(two_decodes, BS)[2].plan(BS, torch.device("cpu")).prefix_slots is not None
     spy = _Spy(monkeypatch)
     assert _decode_both_ways(default_models[dtype], [80, 90, 100], 3, spy, shared_blocks=4) == 3
     # past the fused path's rows the layers read in place too (no cascade): equal as ever
