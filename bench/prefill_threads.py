@@ -1,12 +1,15 @@
-"""A long prefill beside a neighbour: two threads, one thread, and the adaptive policy's layer
-probe (prefixkv/engine/cpu_threads.py, `LayerProbe`), alternating in one process.
+"""A long prefill beside a neighbour: two threads with whole products, one thread, two threads
+with products split by rows handed out as threads come free (prefixkv/model/row_split.py), and the
+adaptive policy (prefixkv/engine/cpu_threads.py: split products and the `LayerProbe` between the
+two counts), alternating in one process.
 
 Beside a neighbour keeping 70% of one of two cores busy, two threads prefill faster than one;
 beside one keeping a whole core busy, slower - and /proc/stat shows the two neighbours alike. The
 adaptive policy therefore times a long step's first layers on both counts and runs the rest on the
-faster. This script measures whether that choice lands on the faster count: one engine, a
-761-token prompt (nothing cached) prefilled on a fixed two threads, a fixed one thread, and under
-the adaptive policy, in turn, `--reps` times, beside a neighbour of `--load` cores (0: alone;
+faster. This script measures whether that choice lands on the faster count, and what the split
+buys: one engine, a 761-token prompt (nothing cached) prefilled on a fixed two threads, a fixed one
+thread, two threads split, and under the adaptive policy, in turn, `--reps` times, beside a
+neighbour of `--load` cores (0: alone;
 the neighbour is bench/contention.py's 10 ms duty-cycle loop). Prints the medians, each run, and
 what each probe measured (ms of its timed layers on each count) and chose.
 
@@ -29,6 +32,7 @@ import torch  # noqa: E402
 from bench.contention import NEIGHBOUR  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.engine import cpu_threads  # noqa: E402
+from prefixkv.model import row_split  # noqa: E402
 
 WORDS = "river mountain quiet engine paper lantern violet harbor copper signal garden winter".split()
 
@@ -65,24 +69,32 @@ def main() -> None:
     params = SamplingParams(max_tokens=1, temperature=0)
     llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
     neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(args.load)]) if args.load > 0 else None
-    modes = {f"{configured} threads": configured, "1 thread": 1, "adaptive": 0}
+    # mode -> (fixed thread count, 0: the adaptive policy; products split by rows)
+    modes = {f"{configured} threads": (configured, False), "1 thread": (1, False), "adaptive": (0, False)}
+    if row_split.available() and configured > 1:
+        modes[f"{configured} split"] = (configured, True)
+    else:
+        print("(row-split products not available here: no split mode, the policy does not split)")
     times: dict[str, list[float]] = {m: [] for m in modes}
     try:
         time.sleep(1.0)  # a full window of the neighbour before the first step
         for rep in range(args.reps):
-            for mode, threads in modes.items():
+            for mode, (threads, split) in modes.items():
                 engine.cpu_threads = adaptive if threads == 0 else None
                 if threads:
                     torch.set_num_threads(threads)
+                    row_split.set_active(split)
                 start = time.perf_counter()
                 llm.generate([text(760, rep)], params, use_tqdm=False)
                 times[mode].append(time.perf_counter() - start)
                 torch.set_num_threads(configured)
+                row_split.set_active(False)
     finally:
         if neighbour is not None:
             neighbour.kill()
     seen = adaptive.load.cores
     print(f"{args.dtype}, neighbour {args.load} cores, {args.reps} reps; foreign load last seen {seen:.2f} cores")
+    print(f"  adaptive: {adaptive.steps_row_split} of its steps split their products")
     for mode, runs in times.items():
         print(f"  {mode:10s} median {statistics.median(runs):.3f} s  runs {' '.join(f'{r:.2f}' for r in runs)}")
     log = RecordingProbe.log

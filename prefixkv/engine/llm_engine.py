@@ -715,6 +715,7 @@ class LLMEngine:
             cpu_foreign_load=t.load.cores,
             cpu_steps_adapted=t.steps_adapted,
             cpu_steps_probed=t.steps_probed,
+            cpu_steps_row_split=t.steps_row_split,
         )
 
     def _tier_stats(self) -> dict[str, Any]:

@@ -28,11 +28,13 @@ class EngineStats:
     max_model_len: int = 0
     # CPU threads (cpu_thread_policy adaptive, engine/cpu_threads.py): the last step's count (0: the
     # policy is off), other processes' load on our cores in cores, steps run on another count than
-    # configured, long steps that timed their layers on two counts
+    # configured, long steps that timed their layers on two counts, long steps that split their
+    # products by rows (model/row_split.py)
     cpu_threads: int = 0
     cpu_foreign_load: float = 0.0
     cpu_steps_adapted: int = 0
     cpu_steps_probed: int = 0
+    cpu_steps_row_split: int = 0
     # LoRA (enable_lora): names of the adapters of running / waiting requests, and max_loras (0: off)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()

@@ -92,6 +92,11 @@ def disabled() -> Iterator[None]:
         _enabled = before
 
 
+def enabled() -> bool:
+    """Whether native kernels may run (not switched off by PREFIXKV_CPU_KERNELS=0 or `disabled()`)."""
+    return _enabled
+
+
 def cache_dir() -> Path:
     if os.environ.get("PREFIXKV_CACHE_DIR"):
         return Path(os.environ["PREFIXKV_CACHE_DIR"]) / "kernels"
@@ -109,17 +114,26 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str) -> Path:
-    source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
+def _build(
+    compiler: str,
+    sources: list[Path] = SOURCES,
+    headers: list[Path] = HEADERS,
+    flags: list[str] = FLAGS,
+    link: tuple[str, ...] = (),
+    name: str = "prefixkv-cpu",
+) -> Path:
+    """Compile `sources` into the cache folder once per machine (see the module's docstring) and
+    return the library's path; `link` comes after the sources (libraries to link against)."""
+    source = b"\0".join(path.read_bytes() for path in sources + headers)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         b"\0".join(
             x.encode() if isinstance(x, str) else x
-            for x in (source, " ".join(FLAGS), version, torch.__version__, _cpu_flags())
+            for x in (source, " ".join([*flags, *link]), version, torch.__version__, _cpu_flags())
         )
     ).hexdigest()[:16]
     folder = cache_dir()
-    target = folder / f"prefixkv-cpu-{key}.so"
+    target = folder / f"{name}-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -127,7 +141,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=300
+            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -161,15 +175,20 @@ _SIGNATURES: dict[str, list[Any]] = {
 }
 
 
+def compiler() -> str:
+    """The C++ compiler the kernels are built with ($CXX, else c++ or g++); RuntimeError if none."""
+    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if found is None:
+        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) found")
+    return found
+
+
 def _load() -> ctypes.CDLL:
     if not sys.platform.startswith("linux"):
         raise RuntimeError("only built on Linux")
     if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
         raise RuntimeError("this torch has no OpenMP runtime to share")
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) found")
-    lib = ctypes.CDLL(str(_build(compiler)))
+    lib = ctypes.CDLL(str(_build(compiler())))
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int  # 0, or non-zero for what the kernel does not take

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_kernels, row_split
 from .config import ModelConfig
 
 
@@ -147,7 +147,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        y = row_split.linear(flat, self.weight, self.bias, self.out_features)  # beside a neighbour
+        if y is None:
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -217,6 +219,8 @@ class DualLayoutLinear(nn.Module):
                 y = cpu_kernels.small_linear(flat, self.small, self.out_features, self.small_bias)
             elif self.weight is not None:
                 y = F.linear(flat, self.weight, self.bias)
+        else:
+            y = row_split.linear(flat, self.packed, self.bias, self.out_features)  # beside a neighbour
         if y is None:
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)

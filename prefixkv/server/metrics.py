@@ -183,6 +183,8 @@ class _EngineCollector:
             yield counter("prefixkv:cpu_steps_adapted", adapted_doc, stats.cpu_steps_adapted)
             probed_doc = "Long steps beside a neighbour that timed their first layers on two thread counts."
             yield counter("prefixkv:cpu_steps_probed", probed_doc, stats.cpu_steps_probed)
+            split_doc = "Long steps beside a neighbour whose products handed their rows to threads as they came free."
+            yield counter("prefixkv:cpu_steps_row_split", split_doc, stats.cpu_steps_row_split)
         cfg = e.config
         info = GaugeMetricFamily(
             "vllm:cache_config_info",

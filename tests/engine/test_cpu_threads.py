@@ -16,6 +16,7 @@ import torch
 
 from prefixkv import LLM, SamplingParams
 from prefixkv.engine.cpu_threads import HEAVY_STEP_TOKENS, AdaptiveCpuThreads, ForeignLoad, LayerProbe, threads_for
+from prefixkv.model import row_split
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the foreign load is read from /proc/stat")
 
@@ -105,6 +106,9 @@ def test_engine_adapts_beside_a_neighbour_and_outputs_stay():
     stats = adaptive.llm_engine.get_stats()
     assert stats.cpu_steps_adapted > 0  # the decode steps ran on fewer threads
     assert stats.cpu_steps_probed > 0  # the 300-token prefill switched count between its layers
+    # ... and split its products by rows, where this machine builds the operator
+    assert stats.cpu_steps_row_split == (stats.cpu_steps_probed if row_split.available() else 0)
+    assert not row_split.active()  # idle: products whole again
     assert stats.cpu_foreign_load > 0.25
     assert got == want
     layers = adaptive.llm_engine.runner.decoder_layers()
@@ -165,8 +169,9 @@ def test_long_step_runs_its_last_layers_on_the_faster_count(slow_threads, expect
     threads.layers_each = 2
     try:
         assert threads.before_step(1) == 1  # a short step: the core left, no probe
-        assert threads.probe is None
+        assert threads.probe is None and not row_split.active()
         assert threads.before_step(HEAVY_STEP_TOKENS) == 2  # a long one starts on every thread
+        assert row_split.active() == threads.row_split  # ... its products split by rows where built
         x = torch.zeros(1)
         for layer in layers:
             x = layer(x)
@@ -177,9 +182,10 @@ def test_long_step_runs_its_last_layers_on_the_faster_count(slow_threads, expect
         threads.before_step(HEAVY_STEP_TOKENS)  # the next long step weighs this one's times
         assert threads.probe is not None and threads.probe.prior[2 - slow_threads] > 0.025
         threads.restore()
-        assert torch.get_num_threads() == 2  # the configured count
+        assert torch.get_num_threads() == 2 and not row_split.active()  # the configured count, whole products
     finally:
         torch.set_num_threads(before)
+        row_split.set_active(False)
 
 
 def test_a_step_that_fails_mid_forward_leaves_no_probe_behind():
@@ -194,10 +200,12 @@ def test_a_step_that_fails_mid_forward_leaves_no_probe_behind():
         assert any(layer._forward_pre_hooks for layer in layers)
         threads.before_step(1)
         assert threads.probe is None and not any(layer._forward_pre_hooks for layer in layers)
+        assert not row_split.active()  # a short step multiplies whole
         layers[3](x)  # a later forward runs untouched on the short step's count
         assert layers[3].ran_on == [1]
     finally:
         torch.set_num_threads(before)
+        row_split.set_active(False)
 
 
 def test_no_probe_on_a_quiet_machine_or_without_enough_layers():
@@ -206,6 +214,7 @@ def test_no_probe_on_a_quiet_machine_or_without_enough_layers():
     quiet.load.update = lambda now: None  # type: ignore[method-assign]
     quiet.watch_layers(torch.nn.ModuleList(_TimedLayer(2, 0.0) for _ in range(8)))
     assert quiet.before_step(HEAVY_STEP_TOKENS) == 2 and quiet.probe is None
+    assert not row_split.active() and quiet.steps_row_split == 0  # quiet: products whole
     shallow = _contended()
     shallow.layers_each = 2
     shallow.watch_layers(torch.nn.ModuleList(_TimedLayer(2, 0.0) for _ in range(6)))  # one layer after the choice

@@ -1,0 +1,143 @@
+"""Row-split products beside a neighbour: a long step's linear layers with their rows handed out to
+torch's threads as they come free (csrc/row_split_linear.cpp).
+
+oneDNN splits each product's rows statically between the threads of a call, so when another
+process takes part of one of our cores, every product runs at the pace of the thread on that core.
+Handed out in blocks of `BLOCK_ROWS` instead, the thread on the shared core takes fewer blocks. A
+761-token prefill of the default model beside a neighbour keeping 70% of one of two cores busy
+(bench/prefill_threads.py, medians, one process alternating): bfloat16 0.92 s split vs 1.00 s
+whole, float32 1.51 vs 1.74 s. On a quiet machine the split costs 2-4% (more, smaller calls), so it
+is off unless the CPU thread policy (engine/cpu_threads.py) turns it on for a long step while other
+processes keep one of our cores busy (`set_active`). Like torch's thread count this is
+process-wide state, set by the thread that runs the model.
+
+Each row comes out the same bits as in the whole product (oneDNN's sums over the inner dimension do
+not depend on the number of rows multiplied): checked on a small case before first use, and
+across the model's shapes by tests/model/test_model_row_split.py, so outputs never depend on
+whether a step split its products.
+
+The operator calls a torch operator, so unlike cpu_kernels' plain-C kernels it is built against
+torch's headers (~7 s once per machine on the 2-vCPU Zen 4) into the same cache folder
+(cpu_kernels._build). Where anything is missing - no compiler or headers, no oneDNN, a failed build
+or check, kernels switched off (PREFIXKV_CPU_KERNELS=0, `cpu_kernels.disabled()`) - products stay
+whole, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "row_split_linear.cpp"
+# Rows per block. 32, 64 and 128 gained alike beside a 70% neighbour (8-11% of a bfloat16
+# prefill, within the run-to-run drift); fewer rows cost more calls on a quiet machine.
+BLOCK_ROWS = 64
+MIN_ROWS = 2 * BLOCK_ROWS  # fewer rows than two blocks: nothing to hand out
+
+_active = False
+_lock = threading.Lock()
+_loaded = False
+_op: Any = None  # torch.ops.prefixkv.row_split_linear once built and checked
+
+
+def set_active(on: bool) -> None:
+    """Split the products of the steps that follow (engine/cpu_threads.py: a long step beside a
+    neighbour), or stop."""
+    global _active
+    _active = on
+
+
+def active() -> bool:
+    return _active
+
+
+def _build_flags() -> tuple[list[str], tuple[str, ...]]:
+    root = Path(torch.__file__).parent
+    include, lib = root / "include", root / "lib"
+    if not (include / "torch" / "library.h").exists():
+        raise RuntimeError(f"torch's C++ headers are missing ({include})")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-c++20-extensions"]
+    flags += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}"]
+    return flags, (f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu")
+
+
+def _load() -> Any:
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError("only built on Linux")
+    if not torch.backends.mkldnn.is_available():
+        raise RuntimeError("this torch has no oneDNN")
+    if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
+        raise RuntimeError("this torch has no OpenMP runtime to share")
+    flags, link = _build_flags()
+    path = cpu_kernels._build(cpu_kernels.compiler(), [SOURCE], [], flags, link, name="prefixkv-row-split")
+    torch.ops.load_library(str(path))
+    return torch.ops.prefixkv.row_split_linear
+
+
+def _agrees(op: Any) -> bool:
+    """The freshly loaded operator against the whole product, bit for bit: 200 rows (three blocks,
+    a short tail joined to the last), 37 outputs, with and without bias, both dtypes."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(37, 48, generator=g).to(dtype)
+        bias = torch.randn(37, generator=g).to(dtype)
+        x = torch.randn(200, 48, generator=g).to(dtype)
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        except RuntimeError:  # no packed kernel for this dtype here: nothing will call us with it
+            continue
+        for b in (None, bias):
+            with torch.inference_mode():
+                want = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+                got = op(x, packed, b, 37, BLOCK_ROWS)
+            if not torch.equal(got, want):
+                return False
+    return True
+
+
+def _op_or_none() -> Any:
+    global _loaded, _op
+    if _loaded:
+        return _op
+    with _lock:
+        if not _loaded:
+            try:
+                op = _load()
+                if _agrees(op):
+                    _op = op
+                else:
+                    logger.warning("row-split products disagreed with whole ones; not used")
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                logger.info("row-split products not used (%s)", e)
+            _loaded = True
+    return _op
+
+
+def available() -> bool:
+    """Whether products can be split here (builds the operator on the first call)."""
+    return cpu_kernels.enabled() and _op_or_none() is not None
+
+
+def linear(
+    flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor | None:
+    """flat [rows, in] times a weight packed by mkldnn::_reorder_linear_weight (+ bias), its rows
+    handed out in blocks - or None where that does not apply (not active, fewer than `MIN_ROWS`
+    rows, one thread, not built here): then the caller multiplies whole."""
+    if not _active or flat.shape[0] < MIN_ROWS or not cpu_kernels.enabled():
+        return None
+    if _op is None or torch.get_num_threads() < 2 or not flat.is_contiguous() or flat.device.type != "cpu":
+        return None
+    y: torch.Tensor = _op(flat, packed, bias, out_features, BLOCK_ROWS)
+    return y
