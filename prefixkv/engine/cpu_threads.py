@@ -25,9 +25,9 @@ on the cores left, and the rest run on the faster - the layers of a step are the
 their times compare directly.
 While a neighbour keeps one of our cores busy, a long step also splits its products by rows handed
 out to threads as they come free (model/row_split.py), where oneDNN would split them statically and
-run at the pace of the thread on the shared core: beside a 70% neighbour a bfloat16 prefill took
-0.92 s split vs 1.00 s whole, float32 1.51 vs 1.74 s. The probe then weighs the configured count,
-split, against the cores left.
+run at the pace of the thread on the shared core: beside a 70% neighbour a 761-token prefill took
+0.79 s split vs 0.90 s whole in bfloat16, 1.35 vs 1.58 s in float32 (bench/prefill_threads.py,
+docs/benchmarks.md). The probe then weighs the configured count, split, against the cores left.
 Outputs do not depend on the count nor on the split: every kernel splits its work by the data or by
 the CPUs it may use, never by the threads of the call, and a split product's rows are the whole
 product's bits (tests/engine/test_cpu_threads.py checks logprobs bit for bit).

@@ -5,8 +5,8 @@ oneDNN splits each product's rows statically between the threads of a call, so w
 process takes part of one of our cores, every product runs at the pace of the thread on that core.
 Handed out in blocks of `BLOCK_ROWS` instead, the thread on the shared core takes fewer blocks. A
 761-token prefill of the default model beside a neighbour keeping 70% of one of two cores busy
-(bench/prefill_threads.py, medians, one process alternating): bfloat16 0.92 s split vs 1.00 s
-whole, float32 1.51 vs 1.74 s. On a quiet machine the split costs 2-4% (more, smaller calls), so it
+(bench/prefill_threads.py, medians of 6, one process alternating): bfloat16 0.79 s split vs 0.90 s
+whole, float32 1.35 vs 1.58 s. On a quiet machine the split costs 2-6% (more, smaller calls), so it
 is off unless the CPU thread policy (engine/cpu_threads.py) turns it on for a long step while other
 processes keep one of our cores busy (`set_active`). Like torch's thread count this is
 process-wide state, set by the thread that runs the model.

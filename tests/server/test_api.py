@@ -138,7 +138,7 @@ def test_prefix_cache_hit_and_metrics(client, server):
     # adaptive CPU threads (the default): back on the configured count once idle
     assert after["prefixkv:cpu_threads"] >= 1 and after["prefixkv:cpu_foreign_load"] >= 0
     assert after["prefixkv:cpu_steps_adapted_total"] >= 0
-    assert after["prefixkv:cpu_steps_probed_total"] >= 0
+    assert after["prefixkv:cpu_steps_probed_total"] >= 0 and after["prefixkv:cpu_steps_row_split_total"] >= 0
     # chat over a long shared system prompt hits too
     sys_msg = {"role": "system", "content": long_text(2, 300)}
     c1 = client.chat.completions.create(
