@@ -94,7 +94,10 @@ def main() -> None:
             neighbour.kill()
     seen = adaptive.load.cores
     print(f"{args.dtype}, neighbour {args.load} cores, {args.reps} reps; foreign load last seen {seen:.2f} cores")
-    print(f"  adaptive: {adaptive.steps_row_split} of its steps split their products")
+    print(
+        f"  adaptive: {adaptive.steps_probed} of its {args.reps} steps probed (the rest ran unprobed on"
+        f" decisive evidence), {adaptive.steps_row_split} split their products"
+    )
     for mode, runs in times.items():
         print(f"  {mode:10s} median {statistics.median(runs):.3f} s  runs {' '.join(f'{r:.2f}' for r in runs)}")
     log = RecordingProbe.log

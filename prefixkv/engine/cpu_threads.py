@@ -22,7 +22,8 @@ whole core busy 1.2-1.7x slower (docs/benchmarks.md, two sessions), and /proc/st
 neighbours alike (0.78 and 0.83 cores while our threads compete). So such a step decides from
 its own layers (`LayerProbe`): its first layers are timed on the configured count, the next ones
 on the cores left, and the rest run on the faster - the layers of a step are the same work, so
-their times compare directly.
+their times compare directly. Where the earlier probes' times are decisive, most long steps skip
+the probe and run on the faster count throughout (one in PROBE_SKIPS + 1 still probes).
 While a neighbour keeps one of our cores busy, a long step also splits its products by rows handed
 out to threads as they come free (model/row_split.py), where oneDNN would split them statically and
 run at the pace of the thread on the shared core: beside a 70% neighbour a 761-token prefill took
@@ -55,6 +56,12 @@ PROBE_LAYERS = 4  # layers timed on each count by a long step beside a neighbour
 # next one's, and forgets them after PROBE_MEMORY_S without a probe (the neighbour may be gone).
 PROBE_DECAY = 0.75
 PROBE_MEMORY_S = 5.0
+# A probe costs its layers on the slower count (beside a 70% neighbour ~8% of a prefill: 0.855 s
+# against 0.790 split throughout, docs/benchmarks.md). Where the evidence is decisive - one count's
+# timed layers at least PROBE_SKIP_MARGIN times the other's - up to PROBE_SKIPS long steps in a row
+# run wholly on the faster count unprobed; then one probes again, so a changed neighbour is seen.
+PROBE_SKIP_MARGIN = 1.25
+PROBE_SKIPS = 3
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -189,6 +196,7 @@ class AdaptiveCpuThreads:
         self._evidence = (0.0, 0.0)
         self._evidence_counts = (0, 0)
         self._evidence_at = 0.0
+        self._skipped = 0  # long steps in a row that ran unprobed on decisive evidence
 
     @property
     def available(self) -> bool:
@@ -210,10 +218,10 @@ class AdaptiveCpuThreads:
         elif step_tokens >= HEAVY_STEP_TOKENS:
             left = threads_left(self.configured, len(self.load.cpus), self.load.cores)
             if left != threads:
-                split = self.row_split
                 self._start_probe(threads, left)
+                split = self.row_split and self.threads > 1
         self._split(split)
-        return threads
+        return self.threads
 
     def restore(self) -> None:
         """Back to the configured count and whole products (the engine is idle)."""
@@ -233,13 +241,23 @@ class AdaptiveCpuThreads:
             self.threads = threads
 
     def _start_probe(self, first: int, second: int) -> None:
+        """Time this long step's layers on `first` and `second` - or, on decisive evidence from the
+        earlier probes, run it on the faster count unprobed (at most PROBE_SKIPS steps in a row)."""
         if len(self.layers) <= LayerProbe.decision_layer(self.layers_each) + 1:  # too few left to run on the faster
             return
         now = time.monotonic()
         if self._evidence_counts != (first, second) or now - self._evidence_at > PROBE_MEMORY_S:
             self._evidence, self._evidence_counts = (0.0, 0.0), (first, second)
-        self._evidence_at = now
         prior = (self._evidence[0] * PROBE_DECAY, self._evidence[1] * PROBE_DECAY)
+        if self._skipped < PROBE_SKIPS and min(prior) > 0 and max(prior) >= PROBE_SKIP_MARGIN * min(prior):
+            self._skipped += 1
+            faster = first if prior[0] < prior[1] else second
+            self._set(faster)
+            if faster != self.configured:
+                self.steps_adapted += 1
+            return
+        self._skipped = 0
+        self._evidence_at = now
         probe = self.probe = LayerProbe(first, second, self.layers_each, prior)
         self.steps_probed += 1
         for index in (1, probe.switch_at, probe.decide_at):

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
-from prefixkv.engine.cpu_threads import HEAVY_STEP_TOKENS, AdaptiveCpuThreads, ForeignLoad, LayerProbe, threads_for
+from prefixkv.engine.cpu_threads import (
+    HEAVY_STEP_TOKENS,
+    PROBE_SKIPS,
+    AdaptiveCpuThreads,
+    ForeignLoad,
+    LayerProbe,
+    threads_for,
+)
 from prefixkv.model import row_split
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the foreign load is read from /proc/stat")
@@ -107,7 +114,7 @@ def test_engine_adapts_beside_a_neighbour_and_outputs_stay():
     assert stats.cpu_steps_adapted > 0  # the decode steps ran on fewer threads
     assert stats.cpu_steps_probed > 0  # the 300-token prefill switched count between its layers
     # ... and split its products by rows, where this machine builds the operator
-    assert stats.cpu_steps_row_split == (stats.cpu_steps_probed if row_split.available() else 0)
+    assert (stats.cpu_steps_row_split > 0) == row_split.available()
     assert not row_split.active()  # idle: products whole again
     assert stats.cpu_foreign_load > 0.25
     assert got == want
@@ -179,13 +186,36 @@ def test_long_step_runs_its_last_layers_on_the_faster_count(slow_threads, expect
         assert ran_on == [2, 2, 2, 1, 1] + [expect] * 3  # 0 untimed, 1-2 on two, 3-4 on one, the rest
         assert threads.steps_probed == 1 and threads.steps_adapted == 1 + (expect == 1)
         assert not any(layer._forward_pre_hooks for layer in layers)  # decided: hooks gone
-        threads.before_step(HEAVY_STEP_TOKENS)  # the next long step weighs this one's times
+        for _ in range(PROBE_SKIPS):  # decisive times (0.04 s against ~0): the next long steps skip the probe
+            assert threads.before_step(HEAVY_STEP_TOKENS) == expect  # ... and run on the faster
+            assert threads.probe is None and torch.get_num_threads() == expect
+        assert threads.steps_probed == 1 and threads.steps_adapted == (1 + PROBE_SKIPS) * (expect == 1) + 1
+        threads.before_step(HEAVY_STEP_TOKENS)  # then one probes again, weighing the earlier times
         assert threads.probe is not None and threads.probe.prior[2 - slow_threads] > 0.025
         threads.restore()
         assert torch.get_num_threads() == 2 and not row_split.active()  # the configured count, whole products
     finally:
         torch.set_num_threads(before)
         row_split.set_active(False)
+
+
+def test_close_evidence_probes_every_long_step():
+    """Earlier probes' times within PROBE_SKIP_MARGIN of each other decide nothing: each long step
+    probes (none is skipped), and times from another pair of counts are not used."""
+    before = torch.get_num_threads()
+    threads = _contended()
+    threads.watch_layers(torch.nn.ModuleList(_TimedLayer(2, 0.0) for _ in range(12)))
+    try:
+        for evidence in ((1.0, 1.1), (1.1, 1.0)):
+            threads._evidence, threads._evidence_counts, threads._evidence_at = evidence, (2, 1), time.monotonic()
+            threads.before_step(HEAVY_STEP_TOKENS)
+            assert threads.probe is not None and threads.probe.prior == pytest.approx([0.75 * e for e in evidence])
+        threads._evidence, threads._evidence_counts = (1.0, 5.0), (4, 1)  # decisive, but for other counts
+        threads.before_step(HEAVY_STEP_TOKENS)
+        assert threads.probe is not None and threads.probe.prior == (0.0, 0.0)
+    finally:
+        threads.restore()
+        torch.set_num_threads(before)
 
 
 def test_a_step_that_fails_mid_forward_leaves_no_probe_behind():
