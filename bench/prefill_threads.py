@@ -13,7 +13,7 @@ neighbour of `--load` cores (0: alone;
 the neighbour is bench/contention.py's 10 ms duty-cycle loop). Prints the medians, each run, and
 what each probe measured (ms of its timed layers on each count) and chose.
 
-    .venv/bin/python bench/prefill_threads.py [--dtype bfloat16] [--load 1.0] [--reps 8]
+    .venv/bin/python bench/prefill_threads.py [--dtype bfloat16] [--load 1.0] [--reps 8] [--burst 1]
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--load", type=float, default=1.0, help="fraction of one core the neighbour keeps busy (0: none)")
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument(
+        "--burst", type=int, default=1, help="prefills in a row per mode and rep (the policy reuses its evidence)"
+    )
     args = ap.parse_args()
     cpu_threads.LayerProbe = RecordingProbe  # type: ignore[misc]
     configured = torch.get_num_threads()
@@ -84,18 +87,22 @@ def main() -> None:
                 if threads:
                     torch.set_num_threads(threads)
                     row_split.set_active(split)
-                start = time.perf_counter()
-                llm.generate([text(760, rep)], params, use_tqdm=False)
-                times[mode].append(time.perf_counter() - start)
+                for i in range(args.burst):
+                    start = time.perf_counter()
+                    llm.generate([text(760, rep * args.burst + i)], params, use_tqdm=False)
+                    times[mode].append(time.perf_counter() - start)
                 torch.set_num_threads(configured)
                 row_split.set_active(False)
     finally:
         if neighbour is not None:
             neighbour.kill()
     seen = adaptive.load.cores
-    print(f"{args.dtype}, neighbour {args.load} cores, {args.reps} reps; foreign load last seen {seen:.2f} cores")
     print(
-        f"  adaptive: {adaptive.steps_probed} of its {args.reps} steps probed (the rest ran unprobed on"
+        f"{args.dtype}, neighbour {args.load} cores, {args.reps} reps of {args.burst}; foreign load last seen"
+        f" {seen:.2f} cores"
+    )
+    print(
+        f"  adaptive: {adaptive.steps_probed} of its {args.reps * args.burst} steps probed (the rest ran unprobed on"
         f" decisive evidence), {adaptive.steps_row_split} split their products"
     )
     for mode, runs in times.items():

@@ -60,7 +60,7 @@ PROBE_MEMORY_S = 5.0
 # against 0.790 split throughout, docs/benchmarks.md). Where the evidence is decisive - one count's
 # timed layers at least PROBE_SKIP_MARGIN times the other's - up to PROBE_SKIPS long steps in a row
 # run wholly on the faster count unprobed; then one probes again, so a changed neighbour is seen.
-PROBE_SKIP_MARGIN = 1.25
+PROBE_SKIP_MARGIN = 1.2
 PROBE_SKIPS = 3
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
