@@ -106,21 +106,24 @@ def _agrees(op: Any) -> bool:
     return True
 
 
+def _checked_op() -> Any:
+    """The operator, built, loaded and checked - or None, with a log line saying why."""
+    try:
+        op = _load()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.info("row-split products not used (%s)", e)
+        return None
+    if not _agrees(op):
+        logger.warning("row-split products disagreed with whole ones; not used")
+        return None
+    return op
+
+
 def _op_or_none() -> Any:
     global _loaded, _op
-    if _loaded:
-        return _op
-    with _lock:
+    with _lock:  # once per process: loading the library a second time would register its namespace twice
         if not _loaded:
-            try:
-                op = _load()
-                if _agrees(op):
-                    _op = op
-                else:
-                    logger.warning("row-split products disagreed with whole ones; not used")
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                logger.info("row-split products not used (%s)", e)
-            _loaded = True
+            _op, _loaded = _checked_op(), True
     return _op
 
 
