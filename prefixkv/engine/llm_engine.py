@@ -459,6 +459,8 @@ class LLMEngine:
                 self._end_group(group, RequestStatus.FINISHED_ABORTED)
         if self.lora_manager is not None and self.lora_manager.retired:
             self._evict_retired_loras()
+        if self.cpu_threads is not None and not self.has_unfinished_requests():
+            self.cpu_threads.restore()  # idle after an abort too (a disconnect, an interrupted generate)
         self._update_stats()
 
     def _end_group(self, group: _Group, status: RequestStatus) -> None:

@@ -252,3 +252,22 @@ def test_no_probe_on_a_quiet_machine_or_without_enough_layers():
         assert shallow.before_step(HEAVY_STEP_TOKENS) == 2 and shallow.probe is None
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread has no fewer to drop to")
+def test_an_abort_that_leaves_the_engine_idle_gives_the_thread_count_back():
+    """A request aborted mid-decode (a client gone, an interrupted generate) must not leave the
+    process on the fewer threads its last step ran on: the caller's torch code gets its count back."""
+    configured = torch.get_num_threads()
+    llm = LLM(max_model_len=512)
+    engine = llm.llm_engine
+    threads = engine.cpu_threads
+    assert threads is not None
+    threads.load.cpus, threads.load.cores = frozenset({0, 1}), 0.9  # a neighbour keeps one core busy
+    threads.load.update = lambda now: None  # type: ignore[method-assign]
+    rid = engine.add_request("Tell me a story.", SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):  # the prefill and two decode steps
+        engine.step()
+    assert torch.get_num_threads() == 1 and engine.has_unfinished_requests()
+    engine.abort_request(rid)
+    assert torch.get_num_threads() == configured and not row_split.active()

@@ -5,7 +5,7 @@ whole model's outputs do not change when a step splits."""
 
 from __future__ import annotations
 
-import shutil
+import os
 
 import pytest
 import torch
@@ -22,12 +22,17 @@ DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packed_linear_works(dt
 
 
 @pytest.fixture
-def split_on():
-    row_split.set_active(True)
+def two_threads():
+    """Two torch threads for the test, whatever an earlier test left set (a split needs two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
         yield
     finally:
-        row_split.set_active(False)
+        torch.set_num_threads(before)
+
+
+TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU splits nothing")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,9 +58,9 @@ def test_split_rows_are_the_whole_products_bits(dtype, threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread splits nothing")
+@TWO_CPUS
 @pytest.mark.parametrize("kind", [PackedLinear, DualLayoutLinear])
-def test_layers_split_only_while_on_and_only_many_rows(kind, monkeypatch):
+def test_layers_split_only_while_on_and_only_many_rows(kind, monkeypatch, two_threads):
     calls: list[int] = []
     real = row_split._op
 
@@ -108,9 +113,9 @@ def test_built_once_and_reused():
     assert cpu_kernels._build(*build, name="prefixkv-row-split") == path and path.stat().st_mtime_ns == stamp
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2 or shutil.which("c++") is None, reason="needs two threads")
+@TWO_CPUS
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_model_outputs_do_not_change_when_steps_split(dtype, monkeypatch):
+def test_model_outputs_do_not_change_when_steps_split(dtype, monkeypatch, two_threads):
     """Every prompt position's logprobs (a ~390-token step: 6 blocks of products) and the generated
     tokens' logprobs bit for bit, split or whole."""
     llm = LLM(dtype=dtype, max_model_len=1024, cpu_thread_policy="fixed", enable_prefix_caching=False)
