@@ -85,22 +85,27 @@ def _load() -> Any:
     return torch.ops.prefixkv.row_split_linear
 
 
+# (rows, in, out, bias) of the check: a short tail joined to the last block; and a model's shape
+# (SmolLM2's fused q/k/v) whose last block is half a block - oneDNN picks its kernels by shape, so
+# the check covers a realistic one, not only a toy
+_CHECKS = ((200, 48, 37, True), (224, 576, 960, False))
+
+
 def _agrees(op: Any) -> bool:
-    """The freshly loaded operator against the whole product, bit for bit: 200 rows (three blocks,
-    a short tail joined to the last), 37 outputs, with and without bias, both dtypes."""
+    """The freshly loaded operator against the whole product, bit for bit, in both dtypes."""
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        weight = torch.randn(37, 48, generator=g).to(dtype)
-        bias = torch.randn(37, generator=g).to(dtype)
-        x = torch.randn(200, 48, generator=g).to(dtype)
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-        except RuntimeError:  # no packed kernel for this dtype here: nothing will call us with it
-            continue
-        for b in (None, bias):
+        for rows, fan_in, fan_out, with_bias in _CHECKS:
+            weight = torch.randn(fan_out, fan_in, generator=g).to(dtype)
+            bias = torch.randn(fan_out, generator=g).to(dtype) if with_bias else None
+            x = torch.randn(rows, fan_in, generator=g).to(dtype)
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+            except RuntimeError:  # no packed kernel for this dtype here: nothing will call us with it
+                break
             with torch.inference_mode():
-                want = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-                got = op(x, packed, b, 37, BLOCK_ROWS)
+                want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                got = op(x, packed, bias, fan_out, BLOCK_ROWS)
             if not torch.equal(got, want):
                 return False
     return True
