@@ -8,10 +8,10 @@ beside one keeping a whole core busy, slower - and /proc/stat shows the two neig
 adaptive policy therefore times a long step's first layers on both counts and runs the rest on the
 faster. This script measures whether that choice lands on the faster count, and what the split
 buys: one engine, a 761-token prompt (nothing cached) prefilled on a fixed two threads, a fixed one
-thread, two threads split, and under the adaptive policy, in turn, `--reps` times, beside a
-neighbour of `--load` cores (0: alone;
-the neighbour is bench/contention.py's 10 ms duty-cycle loop). Prints the medians, each run, and
-what each probe measured (ms of its timed layers on each count) and chose.
+thread, two threads split, and under the adaptive policy, in turn, `--reps` times (`--burst`
+prefills in a row each), beside a neighbour of `--load` cores (0: alone; the neighbour is
+bench/contention.py's 10 ms duty-cycle loop). Prints the medians, each run, and what each probe
+measured (ms of its timed layers on each count) and chose.
 
     .venv/bin/python bench/prefill_threads.py [--dtype bfloat16] [--load 1.0] [--reps 8] [--burst 1]
 """

@@ -187,7 +187,7 @@ class AdaptiveCpuThreads:
         self.steps_probed = 0  # long steps beside a neighbour that timed their layers on two counts
         self.steps_row_split = 0  # long steps beside a neighbour whose products were split by rows
         # built here, at start-up (once per machine), not by the first step beside a neighbour
-        self.row_split = row_split.available()
+        self.can_split = row_split.available()
         self.layers: Sequence[nn.Module] = ()
         self.layers_each = PROBE_LAYERS  # a probe's timed layers on each count
         self.probe: LayerProbe | None = None
@@ -219,7 +219,7 @@ class AdaptiveCpuThreads:
             left = threads_left(self.configured, len(self.load.cpus), self.load.cores)
             if left != threads:
                 self._start_probe(threads, left)
-                split = self.row_split and self.threads > 1
+                split = self.can_split and self.threads > 1
         self._split(split)
         return self.threads
 
@@ -232,8 +232,7 @@ class AdaptiveCpuThreads:
     def _split(self, on: bool) -> None:
         if on:
             self.steps_row_split += 1
-        if on != row_split.active():
-            row_split.set_active(on)
+        row_split.set_active(on)
 
     def _set(self, threads: int) -> None:
         if threads != self.threads:

@@ -12,9 +12,9 @@ processes keep one of our cores busy (`set_active`). Like torch's thread count t
 process-wide state, set by the thread that runs the model.
 
 Each row comes out the same bits as in the whole product (oneDNN's sums over the inner dimension do
-not depend on the number of rows multiplied): checked on a small case before first use, and
-across the model's shapes by tests/model/test_model_row_split.py, so outputs never depend on
-whether a step split its products.
+not depend on the number of rows multiplied): checked before first use on a toy shape and on the
+default model's fused q/k/v shape (`_CHECKS`), and across the model's shapes by
+tests/model/test_model_row_split.py, so outputs never depend on whether a step split its products.
 
 The operator calls a torch operator, so unlike cpu_kernels' plain-C kernels it is built against
 torch's headers (~7 s once per machine on the 2-vCPU Zen 4) into the same cache folder

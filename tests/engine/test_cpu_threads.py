@@ -178,7 +178,7 @@ def test_long_step_runs_its_last_layers_on_the_faster_count(slow_threads, expect
         assert threads.before_step(1) == 1  # a short step: the core left, no probe
         assert threads.probe is None and not row_split.active()
         assert threads.before_step(HEAVY_STEP_TOKENS) == 2  # a long one starts on every thread
-        assert row_split.active() == threads.row_split  # ... its products split by rows where built
+        assert row_split.active() == threads.can_split  # ... its products split by rows where built
         x = torch.zeros(1)
         for layer in layers:
             x = layer(x)
