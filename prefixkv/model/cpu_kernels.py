@@ -546,6 +546,7 @@ def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 SMALL_LINEAR_BLOCK = 16  # output columns per block of the packed weight (kBlock in the source)
+SMALL_LINEAR_PAIR = 2  # blocks side by side in each step of the layout (kPair in the source)
 
 
 def small_linear_available(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -555,10 +556,11 @@ def small_linear_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def small_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [N, K] (float32 or bfloat16, CPU) laid out for `small_linear`: per block of 16
-    output columns, the inputs in 64-byte steps ([ceil(N/16), K, 16] float32, [ceil(N/16), K/2, 16,
-    2] bfloat16), the last block padded with zeros. None where the kernel does not take it (another
-    dtype, bfloat16 with K odd, or no kernel for the dtype on this CPU)."""
+    """`weight` [N, K] (float32 or bfloat16, CPU) laid out for `small_linear`: the output columns in
+    blocks of 16, the blocks in pairs, and per pair the inputs in steps of 2 x 64 bytes ([ceil(N/32),
+    K, 2, 16] float32, [ceil(N/32), K/2, 2, 16, 2] bfloat16), the last pair padded with zeros. None
+    where the kernel does not take it (another dtype, bfloat16 with K odd, or no kernel for the dtype
+    on this CPU)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not small_linear_available(weight.dtype):
         return None
     N, K = weight.shape
@@ -567,14 +569,19 @@ def small_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return _small_linear_layout(weight.detach())
 
 
+def _small_linear_pairs(out_features: int) -> int:
+    columns = SMALL_LINEAR_BLOCK * SMALL_LINEAR_PAIR
+    return -(-out_features // columns)
+
+
 def _small_linear_layout(weight: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
-    blocks = -(-N // SMALL_LINEAR_BLOCK)
-    padded = torch.zeros(blocks * SMALL_LINEAR_BLOCK, K, dtype=weight.dtype)
+    pairs, block, pair = _small_linear_pairs(N), SMALL_LINEAR_BLOCK, SMALL_LINEAR_PAIR
+    padded = torch.zeros(pairs * pair * block, K, dtype=weight.dtype)
     padded[:N] = weight
     if weight.dtype == torch.float32:
-        return padded.view(blocks, SMALL_LINEAR_BLOCK, K).transpose(1, 2).contiguous()
-    return padded.view(blocks, SMALL_LINEAR_BLOCK, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return padded.view(pairs, pair, block, K).permute(0, 3, 1, 2).contiguous()
+    return padded.view(pairs, pair, block, K // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
 
 
 def small_linear(
@@ -589,7 +596,7 @@ def small_linear(
         return None
     K = x.shape[1]
     inputs = packed.shape[1] * (2 if x.dtype == torch.bfloat16 else 1)
-    if inputs != K or packed.shape[0] != -(-out_features // SMALL_LINEAR_BLOCK) or not packed.is_contiguous():
+    if inputs != K or packed.shape[0] != _small_linear_pairs(out_features) or not packed.is_contiguous():
         return None  # not the layout of an [out_features, K] weight
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
         return None

@@ -392,7 +392,9 @@ def test_rotary_refuses_what_it_cannot_take_and_changes_nothing():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11: two passes over the weights (8 + 3 rows)
-@pytest.mark.parametrize("out_features", [37, 960])  # 37: a padded last block of 16 columns
+# 37: a padded last block of 16 columns and a padded last pair of blocks; 80: five blocks, so the
+# last task of four blocks has one pair (its second block padding) where the others have two
+@pytest.mark.parametrize("out_features", [37, 80, 960])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_equals_f_linear(dtype, rows, out_features, with_bias):
     if not cpu_kernels.small_linear_available(dtype):
@@ -421,7 +423,7 @@ def test_small_linear_equals_f_linear(dtype, rows, out_features, with_bias):
 def test_small_linear_refuses_what_it_cannot_take():
     weight = torch.randn(32, 64).to(torch.bfloat16)
     packed = cpu_kernels.small_linear_weight(weight)
-    assert packed is not None and packed.shape == (2, 32, 16, 2)
+    assert packed is not None and packed.shape == (1, 32, 2, 16, 2)
     assert cpu_kernels.small_linear_weight(weight.half()) is None  # float16
     assert cpu_kernels.small_linear_weight(torch.randn(32, 63).to(torch.bfloat16)) is None  # bfloat16, K odd
     x = torch.randn(2, 64).to(torch.bfloat16)

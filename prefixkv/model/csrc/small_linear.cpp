@@ -7,11 +7,16 @@
 // they reached 12-25 GB/s of this project's 51 GB/s machine (AMD Zen 4, no AMX), where this loop
 // reaches 25-40 GB/s (bench/small_linear.py). Many-row steps (prefills) keep oneDNN.
 //
-// Weight layout (packed once, by prefixkv/model/cpu_kernels.small_linear_weight): for each block of
-// 16 output columns, the K inputs in steps of 64 bytes - one input of the 16 columns in float32
-// ([ceil(N/16)][K][16]), or a pair of inputs side by side in bfloat16 ([ceil(N/16)][K/2][16][2]) -
-// so one 64-byte load feeds one multiply-add (or one vdpbf16ps) for every row of the tile. Output
-// columns past N (the last block's padding) are zero and never stored.
+// Weight layout (packed once, by prefixkv/model/cpu_kernels.small_linear_weight): the output columns
+// in blocks of 16 and the blocks in pairs; for each pair, the K inputs in steps of 2 x 64 bytes - one
+// input of the pair's 32 columns in float32 ([ceil(N/32)][K][2][16]), or a pair of inputs side by
+// side in bfloat16 ([ceil(N/32)][K/2][2][16][2]) - so one 64-byte load feeds one multiply-add (or one
+// vdpbf16ps) for every row of the tile, and a tile reads its weights as one contiguous stream, which
+// the CPU's own prefetcher follows (software prefetches 8-16 steps ahead were 5-10% slower).
+// (Blocks one after the other, [blocks][K][16], made a tile read two streams 18-48 KB apart: at 8
+// rows one thread then read 15 GB/s where the paired layout reads 20-23 on this machine; the sums
+// are the same, in the same order, bit for bit.) Output columns past N (the padding of the last
+// pair) are zero and never stored.
 // x [M, K] (rows ldx apart), y [M, N] contiguous, both of the weight's dtype; bias [N] float32 or null.
 // Accumulation is in float32; a bfloat16 result is rounded once, to nearest even, as oneDNN and
 // PyTorch round a bfloat16 linear's float32 accumulator (the products' order differs: results agree
@@ -34,9 +39,10 @@ namespace {
 #ifdef PREFIXKV_SMALL_LINEAR_F32
 
 constexpr int kBlock = 16;      // output columns per weight block (one vector of float32 lanes)
+constexpr int kPair = 2;        // blocks side by side in each step of the layout: one tile's columns
 constexpr int kGroup = 4;       // blocks per task: a 4 x 16-column slab (K x 256 bytes at most) stays in L2
-constexpr int kRowTile = 8;     // rows per pass over a slab
-constexpr int kPrefetch = 8;    // steps ahead (64 bytes of a block each)
+constexpr int kRowTile = 8;     // rows per pass over a slab: 8 x 2 accumulators
+static_assert(kGroup % kPair == 0, "a task takes whole pairs");
 
 // One step of a block: 64 bytes of weights (16 columns x the inputs of one step) times the row's
 // inputs of that step, added to the row's 16 accumulators.
@@ -81,30 +87,31 @@ struct Step<uint16_t> {  // two inputs per step: the pair's two bfloat16 product
 };
 #endif
 
-// MT rows (<= kRowTile) times NB blocks starting at block b0: MT * NB accumulators in registers,
-// each 64-byte weight load used by all MT rows.
-template <typename T, int MT, int NB>
-inline void tile(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0, int64_t N, const float* bias, T* y,
+// MT rows (<= kRowTile) times the blocks of NP pairs from pair q on: MT x 2NP accumulators in
+// registers, each 64-byte weight load used by all MT rows, each pair's weights read front to back.
+template <typename T, int MT, int NP>
+inline void tile(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t q, int64_t N, const float* bias, T* y,
                  int64_t ldy) {
     constexpr int64_t kStepElems = 64 / sizeof(T);  // elements of one block's step
+    constexpr int NB = NP * kPair;
     __m512 acc[MT][NB];
     for (int m = 0; m < MT; ++m)
         for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-    const T* w0 = wp + b0 * steps * kStepElems;
+    const int64_t pair_elems = steps * kPair * kStepElems;
+    const T* w0 = wp + q * pair_elems;
     for (int64_t p = 0; p < steps; ++p) {
         __m512i w[NB];
-        for (int b = 0; b < NB; ++b) {
-            const T* at = w0 + (b * steps + p) * kStepElems;
-            w[b] = _mm512_loadu_si512(at);
-            _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch * kStepElems), _MM_HINT_T0);
-        }
+        for (int j = 0; j < NP; ++j)
+            for (int b = 0; b < kPair; ++b)
+                w[j * kPair + b] = _mm512_loadu_si512(w0 + j * pair_elems + (p * kPair + b) * kStepElems);
         for (int m = 0; m < MT; ++m) {
             const T* xm = x + m * ldx + Step<T>::kInputs * p;
             for (int b = 0; b < NB; ++b) acc[m][b] = Step<T>::madd(acc[m][b], w[b], xm);
         }
     }
     for (int b = 0; b < NB; ++b) {
-        const int64_t col = (b0 + b) * kBlock;
+        const int64_t col = (q * kPair + b) * kBlock;
+        if (col >= N) break;  // the zero block padding the last pair
         const int valid = N - col < kBlock ? static_cast<int>(N - col) : kBlock;
         __m512 add = _mm512_setzero_ps();
         if (bias != nullptr) add = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << valid) - 1), bias + col);
@@ -112,20 +119,18 @@ inline void tile(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0
     }
 }
 
-// one task: blocks [b0, b0 + kGroup) (fewer at the end) for MT rows
+// one task: the pairs of blocks [b0, b0 + kGroup) (fewer at the end) for MT rows; up to 4 rows
+// take both pairs at once (two streams in flight), more rows one pair at a time (registers)
 template <typename T, int MT>
 inline void slab(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0, int64_t blocks, int64_t N,
                  const float* bias, T* y, int64_t ldy) {
-    if (b0 + kGroup <= blocks) {
-        if (MT <= 4) {  // 4 x 4 accumulators at most
-            tile<T, MT, 4>(x, ldx, wp, steps, b0, N, bias, y, ldy);
-        } else {  // 8 x 2 at most, twice
-            tile<T, MT, 2>(x, ldx, wp, steps, b0, N, bias, y, ldy);
-            tile<T, MT, 2>(x, ldx, wp, steps, b0 + 2, N, bias, y, ldy);
-        }
+    constexpr int kTaskPairs = kGroup / kPair;
+    const int64_t q0 = b0 / kPair, pairs = (blocks + kPair - 1) / kPair;
+    if (MT <= 4 && q0 + kTaskPairs <= pairs) {
+        tile<T, MT, kTaskPairs>(x, ldx, wp, steps, q0, N, bias, y, ldy);
         return;
     }
-    for (int64_t b = b0; b < blocks; ++b) tile<T, MT, 1>(x, ldx, wp, steps, b, N, bias, y, ldy);
+    for (int64_t q = q0; q < q0 + kTaskPairs && q < pairs; ++q) tile<T, MT, 1>(x, ldx, wp, steps, q, N, bias, y, ldy);
 }
 
 template <typename T>
