@@ -69,28 +69,27 @@ constexpr int kRowTarget = 48;   // rows (positions x G) per work item
 constexpr int kRowBlock = 6;     // rows per register block: 6 x 4 accumulators of 16 floats
 constexpr int kMaxGroup = 16;
 
-// scores[r][0:64] = q[r] . kt[:, 0:64] for R rows (q pre-scaled); kt is [D][kKeyTile].
-template <int R, int D>
+// scores[r][0:16C] = q[r] . kt[:, 0:16C] for R rows (q pre-scaled); kt is [D][kKeyTile]. C < 4
+// where no row of the block sees past key 16C of the tile (the causal diagonal): each key's score
+// is its own dot product, so leaving the others out changes no bit of those computed.
+template <int R, int D, int C>
 inline void score_block(const float* q, const float* kt, float* scores) {
-    vec16 acc[R][4];
+    vec16 acc[R][C];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) acc[r][c] = vec16{};
+        for (int c = 0; c < C; ++c) acc[r][c] = vec16{};
     for (int d = 0; d < D; ++d) {
-        const vec16 k0 = loadv(kt + d * kKeyTile), k1 = loadv(kt + d * kKeyTile + 16);
-        const vec16 k2 = loadv(kt + d * kKeyTile + 32), k3 = loadv(kt + d * kKeyTile + 48);
+        vec16 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = loadv(kt + d * kKeyTile + 16 * c);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
             const float x = q[r * D + d];
-            acc[r][0] += x * k0;
-            acc[r][1] += x * k1;
-            acc[r][2] += x * k2;
-            acc[r][3] += x * k3;
+            for (int c = 0; c < C; ++c) acc[r][c] += x * kv[c];
         }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) storev(scores + r * kKeyTile + c * 16, acc[r][c]);
+        for (int c = 0; c < C; ++c) storev(scores + r * kKeyTile + c * 16, acc[r][c]);
 }
 
 // out[r][cols] = out[r][cols] * alpha[r] + p[r][0:nk] . v[0:nk][cols] for R rows and NV x 16
@@ -161,18 +160,29 @@ inline void online_softmax(float* scores, const int* visible, float scale, float
 
 // One register block of R rows against one key tile in float32: scores, online softmax, weighted
 // sum. q: R rows of D floats, pre-scaled; kt [D][kKeyTile]; v [kKeyTile][D].
+// Only the keys some row of the block sees are multiplied (`reach` <= nk): on the causal diagonal
+// the rest have weight exactly 0 for every row of the block, and an accumulator that starts at +0
+// and adds a product of +0 keeps its bits, so the result is the same bit for bit.
 template <int R, int D>
 inline void block_against_tile(const float* q, const float* kt, const float* v, int nk, const int* visible,
                                float* scores, float* best, float* total, float* out) {
-    score_block<R, D>(q, kt, scores);
+    int reach = 0;
+    for (int r = 0; r < R; ++r) reach = std::max(reach, visible[r]);
+    switch ((reach + 15) / 16) {  // scores past `reach` are masked by the softmax, whatever they hold
+        case 1: score_block<R, D, 1>(q, kt, scores); break;
+        case 2: score_block<R, D, 2>(q, kt, scores); break;
+        case 3: score_block<R, D, 3>(q, kt, scores); break;
+        default: score_block<R, D, 4>(q, kt, scores); break;
+    }
     float alpha[R];
     online_softmax<R>(scores, visible, 1.0f, best, total, alpha);
     for (int col = 0; col < D; col += 64) {
         if constexpr (D >= 64)
-            weigh_block<R, 4, D>(scores, v, nk, alpha, out, col);
+            weigh_block<R, 4, D>(scores, v, reach, alpha, out, col);
         else
-            weigh_block<R, D / 16, D>(scores, v, nk, alpha, out, col);
+            weigh_block<R, D / 16, D>(scores, v, reach, alpha, out, col);
     }
+    (void)nk;
 }
 
 template <int D>
@@ -442,13 +452,15 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
                 }
                 continue;
             }
+            // V row by row; K transposed column by column, so that the stores run along a row of
+            // kt (storing a key's D values kKeyTile floats apart cost ~10% of the whole kernel)
+            int64_t base[kKeyTile];
             for (int j = 0; j < nk; ++j) {
-                const int64_t base = (seq_slots[j0 + j] * Hkv + tile.head) * D;
-                for (int d = 0; d < D; ++d) {
-                    kt[d * kKeyTile + j] = load(k, base + d);
-                    vt[j * D + d] = load(v, base + d);
-                }
+                base[j] = (seq_slots[j0 + j] * Hkv + tile.head) * D;
+                for (int d = 0; d < D; ++d) vt[j * D + d] = load(v, base[j] + d);
             }
+            for (int d = 0; d < D; ++d)
+                for (int j = 0; j < nk; ++j) kt[d * kKeyTile + j] = load(k, base[j] + d);
             for (int j = nk; j < kKeyTile; ++j)
                 for (int d = 0; d < D; ++d) kt[d * kKeyTile + j] = vt[j * D + d] = 0.0f;
         }
