@@ -453,7 +453,7 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
                 continue;
             }
             // V row by row; K transposed column by column, so that the stores run along a row of
-            // kt (storing a key's D values kKeyTile floats apart cost ~10% of the whole kernel)
+            // kt (storing each key's D values kKeyTile floats apart: ~3% slower at 478 tokens)
             int64_t base[kKeyTile];
             for (int j = 0; j < nk; ++j) {
                 base[j] = (seq_slots[j0 + j] * Hkv + tile.head) * D;
