@@ -160,11 +160,12 @@ inline void online_softmax(float* scores, const int* visible, float scale, float
 
 // One register block of R rows against one key tile in float32: scores, online softmax, weighted
 // sum. q: R rows of D floats, pre-scaled; kt [D][kKeyTile]; v [kKeyTile][D].
-// Only the keys some row of the block sees are multiplied (`reach` <= nk): on the causal diagonal
-// the rest have weight exactly 0 for every row of the block, and an accumulator that starts at +0
-// and adds a product of +0 keeps its bits, so the result is the same bit for bit.
+// Only the keys some row of the block sees are multiplied (`reach`, at most the tile's keys): on
+// the causal diagonal the rest have weight exactly 0 for every row of the block, and an
+// accumulator that starts at +0 and adds a product of +0 keeps its bits, so the result is the
+// same bit for bit.
 template <int R, int D>
-inline void block_against_tile(const float* q, const float* kt, const float* v, int nk, const int* visible,
+inline void block_against_tile(const float* q, const float* kt, const float* v, const int* visible,
                                float* scores, float* best, float* total, float* out) {
     int reach = 0;
     for (int r = 0; r < R; ++r) reach = std::max(reach, visible[r]);
@@ -182,19 +183,18 @@ inline void block_against_tile(const float* q, const float* kt, const float* v, 
         else
             weigh_block<R, D / 16, D>(scores, v, reach, alpha, out, col);
     }
-    (void)nk;
 }
 
 template <int D>
-void block_dispatch(int rows, const float* q, const float* kt, const float* v, int nk, const int* visible,
+void block_dispatch(int rows, const float* q, const float* kt, const float* v, const int* visible,
                     float* scores, float* best, float* total, float* out) {
     switch (rows) {
-        case 6: block_against_tile<6, D>(q, kt, v, nk, visible, scores, best, total, out); break;
-        case 5: block_against_tile<5, D>(q, kt, v, nk, visible, scores, best, total, out); break;
-        case 4: block_against_tile<4, D>(q, kt, v, nk, visible, scores, best, total, out); break;
-        case 3: block_against_tile<3, D>(q, kt, v, nk, visible, scores, best, total, out); break;
-        case 2: block_against_tile<2, D>(q, kt, v, nk, visible, scores, best, total, out); break;
-        default: block_against_tile<1, D>(q, kt, v, nk, visible, scores, best, total, out); break;
+        case 6: block_against_tile<6, D>(q, kt, v, visible, scores, best, total, out); break;
+        case 5: block_against_tile<5, D>(q, kt, v, visible, scores, best, total, out); break;
+        case 4: block_against_tile<4, D>(q, kt, v, visible, scores, best, total, out); break;
+        case 3: block_against_tile<3, D>(q, kt, v, visible, scores, best, total, out); break;
+        case 2: block_against_tile<2, D>(q, kt, v, visible, scores, best, total, out); break;
+        default: block_against_tile<1, D>(q, kt, v, visible, scores, best, total, out); break;
     }
 }
 
@@ -540,7 +540,7 @@ void prefill(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t
                                      of + r0 * D);
                         continue;
                     }
-                    block_dispatch<D>(block, qf + r0 * D, kt, vt, nk, visible.data() + r0, scores + r0 * kKeyTile,
+                    block_dispatch<D>(block, qf + r0 * D, kt, vt, visible.data() + r0, scores + r0 * kKeyTile,
                                       best + r0, total + r0, of + r0 * D);
                 }
             }
