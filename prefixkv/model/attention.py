@@ -340,7 +340,7 @@ def paged_attention(
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)
     # 1) write this step's K/V
-    if T:
+    if T and not cpu_kernels.write_kv(k, v, k_flat, v_flat, plan.slot_mapping):
         k_flat.index_copy_(0, plan.slot_mapping, k.to(kv_cache.dtype))
         v_flat.index_copy_(0, plan.slot_mapping, v.to(kv_cache.dtype))
     gqa = Hq != Hkv

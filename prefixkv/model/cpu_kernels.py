@@ -6,7 +6,9 @@
   the second read were ~37% of a float32 decode step (docs/benchmarks.md);
 - residual add + RMSNorm (csrc/add_rms_norm.cpp): one pass per row where eager PyTorch runs ~8
   operators per norm;
-- causal prefill attention (csrc/prefill_attention.cpp), SiLU x up, the rotary embedding in place;
+- causal prefill attention (csrc/prefill_attention.cpp), SiLU x up, the rotary embedding in place,
+  a step's K and V into the paged cache (csrc/write_kv.cpp: two row copies per token, where
+  index_copy_ from the strided qkv views ran at ~2 GB/s);
 - the small-batch linear (csrc/small_linear.cpp): a decode step's 1-16 rows times a weight laid out
   once in 64-byte column blocks, streamed once per step (AVX-512 / AVX512-BF16 where the CPU has
   them), where oneDNN's kernels, built for many rows, read the weights at half the speed;
@@ -56,6 +58,7 @@ SOURCES = [
         "rotary.cpp",
         "small_linear.cpp",
         "decode_layers.cpp",
+        "write_kv.cpp",
     )
 ]
 # part of the cache key, not compiled alone
@@ -79,6 +82,7 @@ _rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
 _decode_layers_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_write_kv_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 @contextlib.contextmanager
@@ -172,6 +176,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "prefixkv_small_linear": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
     # (dtype, dims, weights, caches, h, x, cos, sin, slot_mapping, slots, lens, eps, scale, threads)
     "prefixkv_decode_layers": [_I, *[_P] * 10, _F, _F, _I],
+    # (element size, k, k_row_stride, v, v_row_stride, slots, T, row, k_cache, v_cache, num_slots, threads)
+    "prefixkv_write_kv": [_I64, _P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I64, _I],
 }
 
 
@@ -198,7 +204,7 @@ def _load() -> ctypes.CDLL:
 
 def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     global _loaded, _function, _norm_function, _prefill_function, _prefill_unit, _silu_function, _rotary_function
-    global _small_linear_function, _small_linear_dtypes, _decode_layers_function
+    global _small_linear_function, _small_linear_dtypes, _decode_layers_function, _write_kv_function
     if _loaded:
         return _function
     with _lock:
@@ -217,6 +223,7 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                     _prefill_unit = int(lib.prefixkv_prefill_attention_unit())
                     _silu_function = lib.prefixkv_silu_and_mul
                     _rotary_function = lib.prefixkv_rotary
+                    _write_kv_function = lib.prefixkv_write_kv
                     built = lib.prefixkv_small_linear_available()
                     dtypes = [dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if built & bit]
                     agree = [dt for dt in dtypes if _small_linear_agrees(lib.prefixkv_small_linear, dt)]
@@ -543,6 +550,51 @@ def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     out = x * cos
     out += torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
     return out
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """k_flat[slot_mapping] = k and v_flat[slot_mapping] = v (index_copy_ along dim 0), for k, v
+    [T, Hkv, D] with each row's heads contiguous (rows any distance apart: views into the qkv
+    output) and a layer's contiguous [num_slots, Hkv, D] cache of the same dtype; False where the
+    kernel does not apply or a slot is out of range (then nothing was written)."""
+    if not _enabled or k.device.type != "cpu" or k.dim() != 3 or v.shape != k.shape:
+        return False
+    T, H, D = k.shape
+    if (
+        k.dtype != k_flat.dtype
+        or v.dtype != k_flat.dtype
+        or v_flat.dtype != k_flat.dtype
+        or k_flat.shape[1:] != k.shape[1:]
+        or v_flat.shape != k_flat.shape
+        or not (k_flat.is_contiguous() and v_flat.is_contiguous())
+        or k.stride(2) != 1
+        or k.stride(1) != D
+        or v.stride(2) != 1
+        or v.stride(1) != D
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.shape != (T,)
+        or not slot_mapping.is_contiguous()
+    ):
+        return False
+    if _function_or_none() is None or _write_kv_function is None:
+        return False
+    rc = _write_kv_function(
+        k.element_size(),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        slot_mapping.data_ptr(),
+        T,
+        H * D,
+        k_flat.data_ptr(),
+        v_flat.data_ptr(),
+        k_flat.shape[0],
+        torch.get_num_threads(),
+    )
+    return bool(rc == 0)
 
 
 SMALL_LINEAR_BLOCK = 16  # output columns per block of the packed weight (kBlock in the source)

@@ -390,6 +390,40 @@ def test_rotary_refuses_what_it_cannot_take_and_changes_nothing():
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # float16: bytes are bytes
+@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700: enough to split across threads
+def test_write_kv_equals_index_copy(dtype, tokens):
+    """A step's K and V, strided views into the fused q/k/v rows, written into a layer's paged cache
+    at scattered slots: the same cache as index_copy_ writes, every other slot untouched."""
+    g = torch.Generator().manual_seed(tokens)
+    Hq, Hkv, D, num_slots = 6, 2, 64, 1024
+    qkv = torch.randn(tokens, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    k = qkv[:, Hq * D : (Hq + Hkv) * D].view(tokens, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D :].view(tokens, Hkv, D)
+    slots = torch.randperm(num_slots, generator=g)[:tokens]
+    cache = torch.randn(2, num_slots, Hkv, D, generator=g).to(dtype)
+    want = cache.clone()
+    want[0].index_copy_(0, slots, k)
+    want[1].index_copy_(0, slots, v)
+    assert cpu_kernels.write_kv(k, v, cache[0], cache[1], slots)
+    assert torch.equal(cache, want)
+
+
+def test_write_kv_refuses_what_it_cannot_take_and_writes_nothing():
+    k, v = torch.randn(4, 2, 64), torch.randn(4, 2, 64)
+    cache = torch.zeros(2, 16, 2, 64)
+    slots = torch.tensor([3, 0, 9, 15])
+    assert not cpu_kernels.write_kv(k, v, cache[0], cache[1], torch.tensor([3, 0, 9, 16]))  # out of range
+    assert not cpu_kernels.write_kv(k, v, cache[0], cache[1], torch.tensor([3, 0, -1, 2]))  # negative
+    assert not cpu_kernels.write_kv(k, v, cache[0], cache[1], slots.int())  # int32 slots
+    assert not cpu_kernels.write_kv(k.bfloat16(), v.bfloat16(), cache[0], cache[1], slots)  # dtype differs
+    assert not cpu_kernels.write_kv(k.transpose(1, 2), v.transpose(1, 2), cache[0], cache[1], slots[:2])
+    assert not cpu_kernels.write_kv(k, v, cache[0].transpose(1, 2), cache[1].transpose(1, 2), slots)
+    with cpu_kernels.disabled():
+        assert not cpu_kernels.write_kv(k, v, cache[0], cache[1], slots)
+    assert not cache.any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11: two passes over the weights (8 + 3 rows)
 # 37: a padded last block of 16 columns and a padded last pair of blocks; 80: five blocks, so the
