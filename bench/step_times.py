@@ -10,6 +10,18 @@ and 8) after --context-token prompts (256) ((time of 33 output tokens - time of 
 vLLM runs as `vllm serve` would on this machine (its compiled model, not eager), engine core in
 the process, `VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1`; model: peers/smollm2-135m-hf
 (bench/peers/README.md), the HF copy of the GGUF prefixkv embeds.
+
+Side by side in one command (`--peer-vllm --rounds N`): each round runs both engines, each in a
+fresh process of its own Python, the order swapped every round (so that the machine's drift falls
+on both), and the table prints each figure's median over the rounds, every round's value and the
+ratio prefixkv / vLLM:
+
+    .venv/bin/python bench/step_times.py --dtype float32 --peer-vllm --rounds 5 --batches 1
+
+Every figure also prints its fraction of this machine's ceiling (bench/ceiling.py, measured in
+the same process first; `--no-ceiling` skips it): a prefill as FLOP/s achieved over the dtype's
+GEMM FLOP/s, a decode step as the bytes it must read (every weight once, each sequence's K and V)
+per second over the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -19,10 +31,87 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.ceiling import decode_bytes, fraction, measure, prefill_flops  # noqa: E402
+from bench.peer_runner import DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available  # noqa: E402
+
+
+def hf_shape(folder: str) -> SimpleNamespace:
+    """The shape fields bench/ceiling.py counts work with, from an HF folder's config.json."""
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    return SimpleNamespace(
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+        num_hidden_layers=c["num_hidden_layers"],
+        vocab_size=c["vocab_size"],
+    )
+
+
+def ceiling_lines(result: dict, shape: SimpleNamespace, args: argparse.Namespace, batches: list[int]) -> list[str]:
+    """Each figure of `result` as a fraction of this machine's ceiling, measured now."""
+    import torch
+
+    dtype = getattr(torch, args.dtype)
+    ceiling = measure((dtype,), quick=True)
+    peak, bandwidth = ceiling.flops_of(dtype), ceiling.bytes_per_s
+    flops = prefill_flops(shape, args.prompt) / (result[f"prefill_{args.prompt}_ms"] / 1e3)
+    lines = [
+        f"ceiling ({args.dtype} GEMM {peak / 1e9:.0f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s; bench/ceiling.py):",
+        f"  prefill {args.prompt} tokens: {flops / 1e9:.0f} GFLOP/s, {fraction(flops, peak)}",
+    ]
+    for b in batches:
+        rate = decode_bytes(shape, dtype, b, args.context) / (result[f"decode_batch{b}_ms"] / 1e3)
+        lines.append(f"  decode batch {b}: reads {rate / 1e9:.1f} GB/s, {fraction(rate, bandwidth)}")
+    return lines
+
+
+def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
+    """--peer-vllm: both engines, each round in fresh processes, the order swapped every round."""
+    if not available(args.vllm_python):
+        sys.exit(f"--peer-vllm: no vLLM Python at {args.vllm_python} (bench/peers/README.md)")
+    common = ["--dtype", args.dtype, "--prompt", str(args.prompt), "--reps", str(args.reps)]
+    common += ["--batches", args.batches, "--context", str(args.context), "--no-ceiling"]
+    commands = {
+        "prefixkv": [sys.executable, os.path.abspath(__file__), *common],
+        "vllm": [args.vllm_python, os.path.abspath(__file__), "--engine", "vllm", "--model", args.model, *common],
+    }
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
+    rounds: dict[str, list[dict]] = {name: [] for name in commands}
+    for r in range(args.rounds):
+        order = ["prefixkv", "vllm"] if r % 2 == 0 else ["vllm", "prefixkv"]
+        for name in order:
+            proc = subprocess.run(commands[name], capture_output=True, text=True, env=env, timeout=3600)
+            if proc.returncode != 0:
+                sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            rounds[name].append(result)
+            print(f"round {r + 1} {name}: {proc.stdout.strip().splitlines()[-2]}", flush=True)
+    keys = [f"prefill_{args.prompt}_ms"] + [f"decode_batch{b}_ms" for b in batches]
+    medians = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in rounds.items()}
+    print(f"\n{args.dtype}, medians of {args.rounds} rounds (each round's figure is itself a median):")
+    print("| figure | prefixkv | vLLM-CPU | prefixkv / vLLM | rounds, prefixkv | rounds, vLLM |")
+    print("|---|---:|---:|---:|---|---|")
+    for k in keys:
+        ours, theirs = medians["prefixkv"][k], medians["vllm"][k]
+        cells = [", ".join(f"{x[k]:.1f}" for x in rounds[name]) for name in ("prefixkv", "vllm")]
+        print(f"| {k} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.3f} | {cells[0]} | {cells[1]} |")
+    loads = [x["load_average"] for rs in rounds.values() for x in rs]
+    print(f"load average at the runs' ends: {min(loads):.2f}-{max(loads):.2f}")
+    if args.ceiling:
+        shape = hf_shape(args.model)
+        for name in ("prefixkv", "vllm"):
+            print(name, "- " + "\n".join(ceiling_lines(medians[name], shape, args, batches)))
+    print(json.dumps({"dtype": args.dtype, "medians": medians, "rounds": rounds}))
 
 
 def main() -> None:
@@ -33,12 +122,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--batches", default="1,8", help="decode batch sizes")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence")
-    ap.add_argument("--model", default=os.path.join(ROOT, "peers", "smollm2-135m-hf"), help="vLLM's HF folder")
+    ap.add_argument("--model", default=DEFAULT_VLLM_MODEL, help="vLLM's HF folder")
+    ap.add_argument("--peer-vllm", action="store_true", help="both engines side by side, --rounds times")
+    ap.add_argument("--rounds", type=int, default=3, help="with --peer-vllm: rounds of both engines")
+    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip the ceiling fractions")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    if args.reps < 1 or args.prompt < 1 or args.context < 1 or min(batches) < 1:
-        sys.exit("--reps, --prompt, --context and every batch must be at least 1")
+    if args.reps < 1 or args.prompt < 1 or args.context < 1 or min(batches) < 1 or args.rounds < 1:
+        sys.exit("--reps, --prompt, --context, --rounds and every batch must be at least 1")
+    if args.peer_vllm:
+        side_by_side(args, batches)
+        return
 
+    max_len = max(2048, args.prompt + 64)
     if args.engine == "vllm":
         for key, value in {
             "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -50,7 +147,7 @@ def main() -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048, enable_prefix_caching=False)
+        llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False)
 
         def as_prompt(ids: list[int]) -> object:
             return TokensPrompt(prompt_token_ids=ids)
@@ -59,10 +156,9 @@ def main() -> None:
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             llm.generate(prompts, params, use_tqdm=False)
     else:
-        sys.path.insert(0, ROOT)
         from prefixkv import LLM, SamplingParams
 
-        llm = LLM(dtype=args.dtype, max_model_len=2048, enable_prefix_caching=False)
+        llm = LLM(dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False)
 
         def as_prompt(ids: list[int]) -> object:
             return {"prompt_token_ids": ids}
@@ -101,6 +197,9 @@ def main() -> None:
         f"decode step ({args.context}-token prompts) {steps_text}"
     )
     result["load_average"] = os.getloadavg()[0]
+    if args.ceiling:
+        shape = hf_shape(args.model) if args.engine == "vllm" else llm.llm_engine.model_config
+        print("\n".join(ceiling_lines(result, shape, args, batches)))
     print(json.dumps(result))
 
 

@@ -117,7 +117,8 @@ inline void weigh_block(const float* p, const float* v, int nk, const float* alp
 // The online softmax of R rows of scores (in place: scores * scale become unnormalized weights)
 // and the factor alpha[r] each row's output must be rescaled by. visible[r]: the keys of the tile
 // row r may see (0..nk); a row with none gets weights 0 and alpha 1 (its output is left as it is).
-template <int R>
+// Scaled false: the scores are scaled already (float32 queries are pre-scaled), scale is not read.
+template <int R, bool Scaled = true>
 inline void online_softmax(float* scores, const int* visible, float scale, float* best, float* total, float* alpha) {
     static_assert(R <= 16, "the rescaling factors are computed as one vector");
     float shift[16] = {}, sums[16] = {};  // per row: old maximum - new one (<= 0), the new weights' sum
@@ -130,10 +131,14 @@ inline void online_softmax(float* scores, const int* visible, float scale, float
             continue;
         }
         // keys at or past n are masked: -inf for the maximum, weight 0 (a full tile needs no mask)
+        // only the vectors holding a visible key: the others' lanes would be -inf for the maximum
+        // and weight 0 (adding +0 to the sum keeps its bits), so leaving them out changes no bit
+        const int nv = (n + 15) / 16;
         vec16 x[4];
         vec16 row_max = splat(-INFINITY);
-        for (int c = 0; c < 4; ++c) {
-            x[c] = loadv(s + 16 * c) * scale;
+        for (int c = 0; c < nv; ++c) {
+            x[c] = loadv(s + 16 * c);
+            if constexpr (Scaled) x[c] *= scale;
             if (n < kKeyTile) x[c] = lane_index() + 16 * c < n ? x[c] : splat(-INFINITY);
             row_max = vmax(row_max, x[c]);
         }
@@ -141,12 +146,13 @@ inline void online_softmax(float* scores, const int* visible, float scale, float
         first[r] = best[r] == -INFINITY;
         shift[r] = first[r] ? 0.0f : best[r] - m;
         vec16 sum_v = vec16{};
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < nv; ++c) {
             vec16 e = exp_nonpositive(x[c] - m);
             if (n < kKeyTile) e = lane_index() + 16 * c < n ? e : vec16{};
             storev(s + 16 * c, e);
             sum_v += e;
         }
+        for (int c = nv; c < 4; ++c) storev(s + 16 * c, vec16{});
         sums[r] = hsum(sum_v);
         best[r] = m;
     }
@@ -176,7 +182,7 @@ inline void block_against_tile(const float* q, const float* kt, const float* v, 
         default: score_block<R, D, 4>(q, kt, scores); break;
     }
     float alpha[R];
-    online_softmax<R>(scores, visible, 1.0f, best, total, alpha);
+    online_softmax<R, false>(scores, visible, 1.0f, best, total, alpha);
     for (int col = 0; col < D; col += 64) {
         if constexpr (D >= 64)
             weigh_block<R, 4, D>(scores, v, reach, alpha, out, col);

@@ -9,6 +9,10 @@
 
 #include "exp.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace prefixkv {
 
 typedef float vec16 __attribute__((vector_size(64)));
@@ -93,11 +97,22 @@ inline vec16 round_to(const uint16_t*, vec16 x) {
 inline vec16 exp_nonpositive(vec16 x) {
     x = vmax(x, splat(kExpMin));
     const vec16 t = x * kLog2e + 0.5f;
+#if defined(__AVX512F__)
+    // floor(t) in one rounding instruction and 2^n applied by vscalefps, where the generic path
+    // below goes through integers (five instructions more a call; the softmax of the attention
+    // kernels runs one per score). The same n and the same power of two: bit for bit its results
+    // (n is in [-126, 0] after the clamp, so 2^n is a normal float and both multiply exactly).
+    const __m512 n = _mm512_roundscale_ps(reinterpret_cast<const __m512&>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const vec16 p = exp_poly(x, reinterpret_cast<const vec16&>(n));
+    const __m512 e = _mm512_scalef_ps(reinterpret_cast<const __m512&>(p), n);
+    return reinterpret_cast<const vec16&>(e);
+#else
     const ivec16 truncated = __builtin_convertvector(t, ivec16);  // toward zero; t < 1 here
     vec16 n = __builtin_convertvector(truncated, vec16);
     n = n > t ? n - 1.0f : n;  // floor
     const ivec16 e = (__builtin_convertvector(n, ivec16) + 127) << 23;
     return exp_poly(x, n) * reinterpret_cast<const vec16&>(e);
+#endif
 }
 
 }  // namespace prefixkv
