@@ -1,8 +1,8 @@
 """This machine's ceiling, measured: GEMM FLOP/s per dtype and memory bandwidth, and the work a
 decoder forward does (FLOPs of a prefill, bytes a decode step reads), so that a model benchmark can
 print the fraction of the ceiling it reaches. Used by bench/roofline.py (which prints the ceiling
-alone) and by the model benchmarks (bench/model_speed.py, bench/serve.py, bench/shared_prefix.py,
-bench/step_times.py).
+alone) and by the model benchmarks (bench/model_speed.py, bench/shared_prefix.py, bench/step_times.py;
+bench/seed_scenario.py for its cold question).
 
 Every figure is a median over repeats of the same operation, timed in this process with torch's
 current thread count, so it moves with the machine's load like the benchmark that quotes it.

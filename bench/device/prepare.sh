@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run here (not on the GPU machine): puts into .device/ (ignored by git) what a session with a lent
 # GPU carries there - the wheels of bench/device/wheels.txt for its Python 3.12, and the default
-# model's GGUF (94 MiB: over the 64 MiB a call may carry) in three parts, one per call.
+# model's GGUF (94 MiB: over the 64 MiB a call may carry, the working tree included) in two parts,
+# one per call: the first call carries the wheels and a 40 MiB part, the second the rest. Two calls,
+# not three, because the machine stays warm only 30 s after a call and staging must not go cold.
 # The calls themselves: docs/benchmarks.md, "CUDA: the day a GPU is lent".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,9 +14,15 @@ grep -v '^#' bench/device/wheels.txt | xargs python3 -m pip download -q --no-dep
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
 model=$(.venv/bin/python -c "from prefixkv.model import default_model_path; print(default_model_path())")
-for i in 0 1 2; do mkdir -p ".device/model-$i"; done
-split -n 3 -d -a 1 "$model" .device/part-
-for i in 0 1 2; do mv ".device/part-$i" ".device/model-$i/"; done
+for i in 0 1; do mkdir -p ".device/model-$i"; done
+head -c $(( 40 << 20 )) "$model" > .device/model-0/part-0
+tail -c +$(( (40 << 20) + 1 )) "$model" > .device/model-1/part-1
 cp "$(dirname "$model")/__init__.py" .device/model-0/
 (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") > .device/model-0/SHA256SUMS
 du -sh .device/whl .device/model-*
+# what each call carries, the tracked working tree included, against the 64 MiB a call may carry
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+first=$(( tree + $(du -sb .device/whl .device/model-0 | awk '{s += $1} END {print s}') ))
+second=$(( tree + $(du -sb .device/model-1 | cut -f1) ))
+echo "call 1 carries $(( first >> 20 )) MiB, call 2 $(( second >> 20 )) MiB (limit 64)"
+[ "$first" -lt $(( 62 << 20 )) ] && [ "$second" -lt $(( 62 << 20 )) ] || { echo "a call would carry too much" >&2; exit 1; }
