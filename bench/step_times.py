@@ -38,7 +38,7 @@ from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.ceiling import decode_bytes, fraction, measure, prefill_flops  # noqa: E402
+from bench.ceiling import Ceiling, decode_bytes, fraction, measure, prefill_flops  # noqa: E402
 from bench.peer_runner import DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available  # noqa: E402
 
 
@@ -57,12 +57,13 @@ def hf_shape(folder: str) -> SimpleNamespace:
     )
 
 
-def ceiling_lines(result: dict, shape: SimpleNamespace, args: argparse.Namespace, batches: list[int]) -> list[str]:
-    """Each figure of `result` as a fraction of this machine's ceiling, measured now."""
+def ceiling_lines(
+    result: dict, shape: SimpleNamespace, args: argparse.Namespace, batches: list[int], ceiling: Ceiling
+) -> list[str]:
+    """Each figure of `result` as a fraction of `ceiling` (bench/ceiling.py's measure())."""
     import torch
 
     dtype = getattr(torch, args.dtype)
-    ceiling = measure((dtype,), quick=True)
     peak, bandwidth = ceiling.flops_of(dtype), ceiling.bytes_per_s
     flops = prefill_flops(shape, args.prompt) / (result[f"prefill_{args.prompt}_ms"] / 1e3)
     lines = [
@@ -107,10 +108,12 @@ def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
         print(f"| {k} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.3f} | {cells[0]} | {cells[1]} |")
     loads = [x["load_average"] for rs in rounds.values() for x in rs]
     print(f"load average at the runs' ends: {min(loads):.2f}-{max(loads):.2f}")
-    if args.ceiling:
-        shape = hf_shape(args.model)
+    if args.ceiling:  # one measurement for both engines' figures
+        import torch
+
+        shape, ceiling = hf_shape(args.model), measure((getattr(torch, args.dtype),), quick=True)
         for name in ("prefixkv", "vllm"):
-            print(name, "- " + "\n".join(ceiling_lines(medians[name], shape, args, batches)))
+            print(name, "- " + "\n".join(ceiling_lines(medians[name], shape, args, batches, ceiling)))
     print(json.dumps({"dtype": args.dtype, "medians": medians, "rounds": rounds}))
 
 
@@ -124,12 +127,25 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence")
     ap.add_argument("--model", default=DEFAULT_VLLM_MODEL, help="vLLM's HF folder")
     ap.add_argument("--peer-vllm", action="store_true", help="both engines side by side, --rounds times")
-    ap.add_argument("--rounds", type=int, default=3, help="with --peer-vllm: rounds of both engines")
-    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    ap.add_argument("--rounds", type=int, default=None, help="with --peer-vllm: rounds of both engines (3)")
+    ap.add_argument("--vllm-python", default=None, help=f"with --peer-vllm: vLLM's Python ({DEFAULT_VLLM_PYTHON})")
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip the ceiling fractions")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    if args.reps < 1 or args.prompt < 1 or args.context < 1 or min(batches) < 1 or args.rounds < 1:
+    if args.peer_vllm:
+        if args.engine != "prefixkv":
+            sys.exit("--peer-vllm runs both engines: not with --engine")
+        args.rounds = 3 if args.rounds is None else args.rounds
+        args.vllm_python = args.vllm_python or DEFAULT_VLLM_PYTHON
+    elif args.rounds is not None or args.vllm_python is not None:
+        sys.exit("--rounds and --vllm-python apply only with --peer-vllm")
+    if (
+        args.reps < 1
+        or args.prompt < 1
+        or args.context < 1
+        or min(batches) < 1
+        or (args.rounds is not None and args.rounds < 1)
+    ):
         sys.exit("--reps, --prompt, --context, --rounds and every batch must be at least 1")
     if args.peer_vllm:
         side_by_side(args, batches)
@@ -198,8 +214,11 @@ def main() -> None:
     )
     result["load_average"] = os.getloadavg()[0]
     if args.ceiling:
+        import torch
+
         shape = hf_shape(args.model) if args.engine == "vllm" else llm.llm_engine.model_config
-        print("\n".join(ceiling_lines(result, shape, args, batches)))
+        ceiling = measure((getattr(torch, args.dtype),), quick=True)
+        print("\n".join(ceiling_lines(result, shape, args, batches, ceiling)))
     print(json.dumps(result))
 
 

@@ -53,6 +53,7 @@
 namespace {
 
 using prefixkv::exp_nonpositive;
+using prefixkv::hreduce;
 using prefixkv::lane_index;
 using prefixkv::load;
 using prefixkv::loadv;
@@ -112,38 +113,12 @@ inline void weigh_block(const float* p, const float* v, int nk, const float* alp
         for (int c = 0; c < NV; ++c) storev(out + r * D + col + c * 16, acc[r][c]);
 }
 
-// Lane r (< 8) of the result: the horizontal reduction of a[r] by `op`, over the same pairs in the
-// same order as hsum / hmax (vec16.h) - lanes (i, i+8), then (i, i+4), (i, i+2), (i, i+1) - so a
-// sum is bit for bit hsum's. Eight rows' reductions in 15 shuffles and 8 operations, where one
-// row alone takes 4 and 4, and without the eight rows' chains of dependent shuffles.
-template <typename Op>
-inline vec16 hreduce8(const vec16 (&a)[8], Op op) {
-    vec16 r1[4], r2[2];
-    for (int i = 0; i < 4; ++i) {  // lanes 0-7: a[2i]'s (j, j+8) pairs; 8-15: a[2i+1]'s
-        const vec16 x = a[2 * i], y = a[2 * i + 1];
-        r1[i] = op(__builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                   __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
-    }
-    for (int i = 0; i < 2; ++i) {  // four lanes per row: (j, j+4)
-        const vec16 x = r1[2 * i], y = r1[2 * i + 1];
-        r2[i] = op(__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
-                   __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
-    }
-    // two lanes per row: (j, j+2)
-    const vec16 x = r2[0], y = r2[1];
-    const vec16 r3 = op(__builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
-                        __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
-    // one lane per row: (j, j+1)
-    return op(__builtin_shufflevector(r3, r3, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14),
-              __builtin_shufflevector(r3, r3, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15));
-}
-
 // The online softmax of R rows of scores (in place: scores * scale become unnormalized weights)
 // and the factor alpha[r] each row's output must be rescaled by. visible[r]: the keys of the tile
 // row r may see (0..nk); a row with none gets weights 0 and alpha 1 (its output is left as it is).
 // Scaled false: the scores are scaled already (float32 queries are pre-scaled), scale is not read.
 // Rows go by groups of 8: first every row's maximum, then every row's weights and their sum, each
-// reduced across rows at once (hreduce8).
+// reduced across rows at once (hreduce, vec16.h).
 template <int R, bool Scaled = true>
 inline void online_softmax(float* scores, const int* visible, float scale, float* best, float* total, float* alpha) {
     static_assert(R <= 16, "the rescaling factors are computed as one vector");
@@ -167,7 +142,7 @@ inline void online_softmax(float* scores, const int* visible, float scale, float
             if (i >= rows) continue;
             for (int c = 0; c < (visible[r] + 15) / 16; ++c) part[i] = vmax(part[i], visible_scores(r, c));
         }
-        const vec16 maxima = hreduce8(part, [](vec16 a, vec16 b) { return vmax(a, b); });
+        const vec16 maxima = hreduce(part, [](vec16 a, vec16 b) { return vmax(a, b); });
         for (int i = 0; i < 8; ++i) {
             const int r = g + i;
             part[i] = vec16{};
@@ -191,7 +166,7 @@ inline void online_softmax(float* scores, const int* visible, float scale, float
             }
             for (int c = nv; c < 4; ++c) storev(s + 16 * c, vec16{});
         }
-        const vec16 row_sums = hreduce8(part, [](vec16 a, vec16 b) { return a + b; });
+        const vec16 row_sums = hreduce(part, [](vec16 a, vec16 b) { return a + b; });
         for (int i = 0; i < rows; ++i) sums[g + i] = row_sums[i];
     }
     // every row's rescaling factor in one vector exponential (one per row cost as much as a tile's)

@@ -1,6 +1,7 @@
 // Sixteen floats as one value (GCC/Clang vector extensions): the compiler lowers them to the
 // machine's vectors (one AVX-512 register, two AVX2 ones, four NEON ones), so the kernels of this
-// folder need no intrinsics and build everywhere. Loops written per element are not vectorized
+// folder need no intrinsics and build everywhere (exp_nonpositive adds two where AVX-512 has
+// them). Loops written per element are not vectorized
 // reliably (the row maximum and the exponential stayed scalar), hence these helpers.
 #pragma once
 
@@ -41,27 +42,40 @@ inline float hsum(vec16 v) {
     return v[0];
 }
 
-// Sixteen horizontal sums at once: lane j of the result is hsum(a[j]). A tree of two-source
-// shuffles (30 shuffles and 15 adds for 16 sums, against 4 shuffles and 4 adds for each hsum alone):
-// each level halves the partial sums of every input and packs two inputs' halves into one vector.
+// N horizontal reductions at once (N = 8 or 16): lane j < N of the result is a[j] reduced by `op`
+// over the same lane pairs in the same order as hsum / hmax - (i, i+8), (i, i+4), (i, i+2),
+// (i, i+1) - so a sum is bit for bit hsum's. A tree of two-source shuffles (30 shuffles and 15
+// operations for 16 inputs, 15 and 8 for 8, against 4 and 4 for each input alone, and no chain of
+// dependent shuffles per input): each level halves the partial results of every input and packs two
+// inputs' halves into one vector.
+template <int N, typename Op>
+inline vec16 hreduce(const vec16 (&a)[N], Op op) {
+    static_assert(N == 8 || N == 16, "8 or 16 inputs");
+    vec16 r1[N / 2], r2[N / 4], r3[N / 8];
+    for (int i = 0; i < N / 2; ++i) {  // lanes 0-7: a[2i]'s (j, j+8) pairs; 8-15: a[2i+1]'s
+        const vec16 x = a[2 * i], y = a[2 * i + 1];
+        r1[i] = op(__builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                   __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+    }
+    for (int i = 0; i < N / 4; ++i) {  // four lanes per input: (j, j+4)
+        const vec16 x = r1[2 * i], y = r1[2 * i + 1];
+        r2[i] = op(__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                   __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
+    }
+    for (int i = 0; i < N / 8; ++i) {  // two lanes per input: (j, j+2)
+        const vec16 x = r2[2 * i], y = r2[2 * i + 1];
+        r3[i] = op(__builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+                   __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+    }
+    // one lane per input: (j, j+1) (with 8 inputs the second operand repeats the first: lanes 8-15)
+    const vec16 x = r3[0], y = r3[N / 8 - 1];
+    return op(__builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+              __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+}
+
+// Sixteen horizontal sums at once: lane j of the result is hsum(a[j]).
 inline vec16 hsum16(const vec16 (&a)[16]) {
-    vec16 r1[8], r2[4], r3[2];
-    for (int i = 0; i < 8; ++i)
-        r1[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                        30, 31);
-    for (int i = 0; i < 4; ++i)
-        r2[i] = __builtin_shufflevector(r1[2 * i], r1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
-                                        27) +
-                __builtin_shufflevector(r1[2 * i], r1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                        31);
-    for (int i = 0; i < 2; ++i)
-        r3[i] = __builtin_shufflevector(r2[2 * i], r2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
-                                        29) +
-                __builtin_shufflevector(r2[2 * i], r2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                        31);
-    return __builtin_shufflevector(r3[0], r3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(r3[0], r3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return hreduce(a, [](vec16 x, vec16 y) { return x + y; });
 }
 
 // Sixteen float32 or bfloat16 values of memory as one vec16 (bfloat16 travels as uint16_t), and
@@ -102,7 +116,8 @@ inline vec16 exp_nonpositive(vec16 x) {
     // below goes through integers (five instructions more a call; the softmax of the attention
     // kernels runs one per score). The same n and the same power of two: bit for bit its results
     // (n is in [-126, 0] after the clamp, so 2^n is a normal float and both multiply exactly).
-    const __m512 n = _mm512_roundscale_ps(reinterpret_cast<const __m512&>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 n =
+        _mm512_roundscale_ps(reinterpret_cast<const __m512&>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const vec16 p = exp_poly(x, reinterpret_cast<const vec16&>(n));
     const __m512 e = _mm512_scalef_ps(reinterpret_cast<const __m512&>(p), n);
     return reinterpret_cast<const vec16&>(e);
