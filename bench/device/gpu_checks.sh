@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine, from the repository root, right after `bash bench/device/stage.sh 1`
 # (docs/benchmarks.md, "CUDA: the day a GPU is lent"): the CUDA checks of issue 16 in one command,
-# most telling first, each bounded so that the whole ends by $BUDGET seconds (default 540) and
-# every log lands in $OUT:
-#   1. the CUDA-vs-CPU model equality and tests/engine/test_cuda.py (engine on the GPU vs the
-#      transformers oracle, caching on and off, blocks freed)
-#   2. bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256
-#   3. bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
-#   4. the whole suite with CUDA present (pytest-xdist over the machine's cores; no redis-server
-#      or Ray there, so those are left out)
-#   5. with what time is left, model_speed again beside transformers on the same GPU
+# each bounded so that the whole ends by $BUDGET seconds (default 540), every log in $OUT.
+# $STEPS picks and orders them (default: equality model_speed shared_prefix suite model_speed_hf):
+#   equality        the CUDA-vs-CPU model equality and tests/engine/test_cuda.py (the engine on the
+#                   GPU against the transformers oracle, caching on and off, blocks freed)
+#   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256
+#   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
+#   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
+#                   Ray there, so those are left out)
+#   model_speed_hf  model_speed beside transformers on the same GPU (cuDNN attention off for it too)
+#   profile         bench/profile_decode.py: where a decode step's host and device time go
+#   threads         whether this machine's CPU gives the same bits on every thread count
+#                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
 set -u
 BUDGET=${BUDGET:-540}
+STEPS=${STEPS:-equality model_speed shared_prefix suite model_speed_hf}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 start=$SECONDS
-left() { echo $((BUDGET - (SECONDS - start))); }
 bounded() {  # bounded SECONDS LOG CMD...: run CMD for at most SECONDS (less if the budget is short)
-    local want=$1 log=$2
+    local t=$1 log=$2 left
     shift 2
-    local t
-    t=$(left)
-    [ "$want" -lt "$t" ] && t=$want
+    left=$((BUDGET - (SECONDS - start)))
+    [ "$t" -gt "$left" ] && t=$left
     if [ "$t" -lt 15 ]; then
         echo "skipped (budget spent): $*" | tee -a "$out/$log"
         return
@@ -33,13 +35,25 @@ bounded() {  # bounded SECONDS LOG CMD...: run CMD for at most SECONDS (less if 
 }
 {
     nvidia-smi -L
-    nproc
+    lscpu | grep -E "Model name|^CPU\(s\)"
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$out/env.log"
-bounded 150 cuda_tests.log python3 -m pytest -q -p no:cacheprovider -rfE \
-    tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py
-bounded 100 model_speed.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1,32,256 --no-hf
-bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3
-bounded 240 tests.log python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --timeout 150 \
-    --continue-on-collection-errors --ignore=tests/replicas -k "not redis"
-bounded 120 model_speed_hf.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1,32,256
+speed=(python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1,32,256)
+for step in $STEPS; do
+    case $step in
+    equality)
+        bounded 150 equality.log python3 -m pytest -q -p no:cacheprovider -rfE \
+            tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py ;;
+    model_speed) bounded 100 model_speed.log "${speed[@]}" --no-hf ;;
+    shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
+    suite)
+        bounded 240 suite.log python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --timeout 150 \
+            --continue-on-collection-errors --ignore=tests/replicas --ignore=tests/server/test_langchain.py -k "not redis" ;;
+    model_speed_hf) bounded 120 model_speed_hf.log "${speed[@]}" --no-cudnn-attention ;;
+    profile) bounded 70 profile.log python3 bench/profile_decode.py --device cuda --batch 1 --steps 10 --top 25 ;;
+    threads)
+        bounded 120 threads.log python3 -m pytest -q -p no:cacheprovider -rfEs \
+            tests/engine/test_cpu_threads.py -k "thread_count or adapts" ;;
+    *) echo "unknown step $step" | tee -a "$out/env.log" ;;
+    esac
+done

@@ -11,7 +11,8 @@ cd "$(dirname "$0")/../.."
 rm -rf .device && mkdir -p .device/whl
 grep -v '^#' bench/device/wheels.txt | xargs python3 -m pip download -q --no-deps --only-binary=:all: \
     --python-version 3.12 --implementation cp -d .device/whl \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
+    --platform manylinux_2_39_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
 model=$(.venv/bin/python -c "from prefixkv.model import default_model_path; print(default_model_path())")
 for i in 0 1; do mkdir -p ".device/model-$i"; done

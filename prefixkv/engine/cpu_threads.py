@@ -29,9 +29,13 @@ out to threads as they come free (model/row_split.py), where oneDNN would split 
 run at the pace of the thread on the shared core: beside a 70% neighbour a 761-token prefill took
 0.79 s split vs 0.90 s whole in bfloat16, 1.35 vs 1.58 s in float32 (bench/prefill_threads.py,
 docs/benchmarks.md). The probe then weighs the configured count, split, against the cores left.
-Outputs do not depend on the count nor on the split: every kernel splits its work by the data or by
-the CPUs it may use, never by the threads of the call, and a split product's rows are the whole
-product's bits (tests/engine/test_cpu_threads.py checks logprobs bit for bit).
+Outputs do not depend on the count nor on the split: every kernel of prefixkv's splits its work by
+the data or by the CPUs it may use, never by the threads of the call, and a split product's rows
+are the whole product's bits (tests/engine/test_cpu_threads.py checks logprobs bit for bit). The
+libraries' kernels need not: on the 16-core Intel Xeon of a lent GPU machine (AMX) bfloat16
+logprobs differed between 1 and 16 threads (2026-11-26). So the engine first checks, once per
+model shape, dtype and count in a process, that a long prompt and a decode step give the same bits
+at the counts the policy may pick (`thread_counts_agree`), and keeps the count fixed where not.
 """
 
 from __future__ import annotations
@@ -284,3 +288,45 @@ class AdaptiveCpuThreads:
             handle.remove()
         self._hooks.clear()
         self.probe = None
+
+
+# (model shape, dtype, configured count) -> whether every count the policy may pick gives the same bits
+_AGREEMENT: dict[tuple[str, torch.dtype, int], bool] = {}
+CHECK_PROMPT_TOKENS = 448  # a long step (>= HEAVY_STEP_TOKENS) whose decode reads 400+ keys: split by keys
+
+
+def thread_counts_agree(model: nn.Module, configured: int) -> bool:
+    """Whether `model` (on the CPU, laid out as the engine runs it) computes the same bits on 1,
+    configured - 1 and `configured` threads: a prompt of CHECK_PROMPT_TOKENS random tokens, then one
+    decode step. Measured once per model shape, dtype and count in a process (a fraction of a
+    second: two or three short forwards)."""
+    from ..model import AttentionMetadata
+    from .block_tensors import allocate_kv_cache
+
+    config = model.config
+    key = (repr(config), model.dtype, configured)
+    if key in _AGREEMENT:
+        return _AGREEMENT[key]
+    counts = sorted({1, max(1, configured - 1), configured})
+    block = 16
+    n = CHECK_PROMPT_TOKENS
+    blocks = (n + 1 + block - 1) // block
+    table = torch.arange(blocks)[None]
+    ids = torch.randint(0, config.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(0))
+    prefill = AttentionMetadata(torch.arange(n), [0, n], [n], table)
+    decode = AttentionMetadata(torch.tensor([n]), [0, 1], [n + 1], table)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for count in counts:
+            torch.set_num_threads(count)
+            caches = allocate_kv_cache(config, blocks, block, dtype=model.dtype, device="cpu")
+            with torch.inference_mode():
+                first = model.compute_logits(model(ids[:n], torch.arange(n), caches, prefill)[-1:])
+                second = model.compute_logits(model(ids[n:], torch.tensor([n]), caches, decode))
+            results.append((first, second))
+    finally:
+        torch.set_num_threads(before)
+    agree = all(torch.equal(a, results[0][0]) and torch.equal(b, results[0][1]) for a, b in results[1:])
+    _AGREEMENT[key] = agree
+    return agree

@@ -36,7 +36,7 @@ from ..sampling_params import SamplingParams
 from ..stage import StageOutputCache, stage_output_specs
 from ..tiers import TierManager, attach_tiers
 from .block_tensors import BlockTensors, kv_cache_specs
-from .cpu_threads import AdaptiveCpuThreads
+from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
 from .model_runner import ModelRunner
 from .model_runner_output import ModelRunnerOutput
 from .output_processor import OutputState, logprob_entry, status_for
@@ -52,12 +52,28 @@ TIER_LOAD_NAP_S = 0.01
 MAX_PENDING_KV_EVENTS = 10_000  # engine-level buffer for the publisher: beyond it the oldest are dropped
 
 
-def resolve_device_dtype(config: EngineArgs) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def resolve_device_dtype(config: EngineArgs, loaded: LoadedModel | None = None) -> tuple[torch.device, torch.dtype]:
+    """The engine's device and dtype: as configured; where left to the engine, those of a model
+    handed in already loaded (its weights decide where the KV cache must live), else CUDA when
+    present in bfloat16, the CPU in float32 (as vLLM). A configured one that contradicts the
+    loaded model's is refused: the engine would put its KV cache where the model cannot read it."""
     if config.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {config.dtype!r}; choose {', '.join(DTYPES)}")
-    name = DTYPES[config.dtype] or ("float32" if device.type == "cpu" else "bfloat16")
-    return device, getattr(torch, name)
+    weights = loaded.model.embed_tokens.weight if loaded is not None else None
+    if config.device is not None:
+        device = torch.device(config.device)
+    elif weights is not None:
+        device = weights.device
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = DTYPES[config.dtype]
+    if weights is not None:
+        if device.type != weights.device.type or (device.index is not None and device != weights.device):
+            raise ValueError(f"device={config.device!r} but the model handed to the engine is on {weights.device}")
+        if name is not None and getattr(torch, name) != weights.dtype:
+            raise ValueError(f"dtype={config.dtype!r} but the model handed to the engine is {weights.dtype}")
+        return device, weights.dtype
+    return device, getattr(torch, name or ("float32" if device.type == "cpu" else "bfloat16"))
 
 
 @dataclass
@@ -99,7 +115,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.device, self.dtype = resolve_device_dtype(config)
+        self.device, self.dtype = resolve_device_dtype(config, loaded)
         # thread count per step under CPU contention (cpu_threads.py); None on CUDA or when fixed.
         # Made first: its first window of foreign load spans the model's loading, so the first
         # step already knows its neighbours.
@@ -170,6 +186,13 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded, self.block_tensors, self.dtype, self.device, default_generator, self.lora_manager
         )
+        if self.cpu_threads is not None and not thread_counts_agree(self.runner.model, self.cpu_threads.configured):
+            logger.warning(
+                "this CPU's %s kernels give other bits on other thread counts: the thread count stays "
+                "fixed (cpu_thread_policy='adaptive' would make outputs depend on the neighbours' load)",
+                str(self.dtype).removeprefix("torch."),
+            )
+            self.cpu_threads = None
         if self.cpu_threads is not None:  # a long step beside a neighbour times its layers on two counts
             self.cpu_threads.watch_layers(self.runner.decoder_layers())
         self.stage_outputs: StageOutputCache | None = None

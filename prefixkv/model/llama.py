@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import cpu_kernels
 from .attention import AttentionMetadata, paged_attention
@@ -24,6 +26,13 @@ from .layers import (
     pack_linears,
     packed_linear_works,
 )
+
+# Attention kernels on CUDA, in torch's order of preference less cuDNN's: cuDNN's fused attention
+# (torch's first choice on Hopper) builds an execution plan for every new shape, 1.3 ms of host time
+# a call on an H200 with torch 2.11 (bench/profile_decode.py, 2026-11-26), and a decode step's keys
+# grow by one every step, so every call was a new shape: 40 ms of a 50 ms step of the default
+# model. Flash and memory-efficient attention plan nothing per shape.
+CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Attention(nn.Module):
@@ -163,9 +172,10 @@ class LlamaModel(nn.Module):
         if fused is not None and self.fused_decode and lora_mapping is None:
             if fused.run(h, x, cos, sin, kv_caches, meta):
                 return x
-        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h, x = layer(h, x, cos, sin, cache, meta, next_norm)
+        with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
+            for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+                h, x = layer(h, x, cos, sin, cache, meta, next_norm)
         return x
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ from prefixkv.engine.cpu_threads import (
     AdaptiveCpuThreads,
     ForeignLoad,
     LayerProbe,
+    thread_counts_agree,
     threads_for,
 )
 from prefixkv.model import row_split
@@ -89,7 +90,12 @@ def test_foreign_load_sees_a_busy_neighbour():
 def test_outputs_do_not_depend_on_the_thread_count(dtype):
     """The premise of changing threads per step: logprobs bit for bit at 1, 2 and 4 threads (decode
     attention over 400+ keys splits its keys; the split must follow the data, not the threads)."""
-    llm = LLM(dtype=dtype, max_model_len=1024, cpu_thread_policy="fixed", enable_prefix_caching=False)
+    llm = LLM(device="cpu", dtype=dtype, max_model_len=1024, cpu_thread_policy="fixed", enable_prefix_caching=False)
+    if not thread_counts_agree(llm.llm_engine.runner.model, torch.get_num_threads()):
+        # a CPU whose library kernels split by threads (an Intel Xeon with AMX in bfloat16, seen on a
+        # GPU machine): the premise fails there, so the engine must not change counts at all
+        assert LLM(device="cpu", dtype=dtype, max_model_len=1024).llm_engine.cpu_threads is None
+        pytest.skip("this CPU's kernels give other bits on other thread counts: adaptive threads are off")
     prompts = [text(420, 1), "Tell me a story.", text(60, 2), text(150, 3)]
     base = outputs(llm, prompts)
     single = outputs(llm, prompts[:1])  # one sequence: the fewest tasks, the most split
@@ -102,13 +108,13 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype):
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread has no fewer to drop to")
 def test_engine_adapts_beside_a_neighbour_and_outputs_stay():
     prompts = [text(300, 4), "Write a haiku about rivers."]
-    fixed = LLM(max_model_len=1024, cpu_thread_policy="fixed")
+    fixed = LLM(device="cpu", max_model_len=1024, cpu_thread_policy="fixed")
     want = outputs(fixed, prompts)
     assert fixed.llm_engine.get_stats().cpu_threads == 0  # fixed: nothing adapted, no gauge
     del fixed
     configured = torch.get_num_threads()
     with busy_neighbour():
-        adaptive = LLM(max_model_len=1024)  # adaptive is the default; its first window spans the load
+        adaptive = LLM(device="cpu", max_model_len=1024)  # adaptive is the default; its first window spans the load
         got = outputs(adaptive, prompts)
     stats = adaptive.llm_engine.get_stats()
     assert stats.cpu_steps_adapted > 0  # the decode steps ran on fewer threads
@@ -116,7 +122,9 @@ def test_engine_adapts_beside_a_neighbour_and_outputs_stay():
     # ... and split its products by rows, where this machine builds the operator
     assert (stats.cpu_steps_row_split > 0) == row_split.available()
     assert not row_split.active()  # idle: products whole again
-    assert stats.cpu_foreign_load > 0.25
+    # the gauge is the last step's window: 0.8+ cores on 2 CPUs here, 0.11 on the 16 of a GPU machine
+    # (the neighbour's ticks spread over CPUs where our own threads ran too): seen, not sized
+    assert stats.cpu_foreign_load > 0
     assert got == want
     layers = adaptive.llm_engine.runner.decoder_layers()
     assert len(layers) == 30 and not any(layer._forward_pre_hooks for layer in layers)  # the probe's hooks are gone
@@ -259,7 +267,7 @@ def test_an_abort_that_leaves_the_engine_idle_gives_the_thread_count_back():
     """A request aborted mid-decode (a client gone, an interrupted generate) must not leave the
     process on the fewer threads its last step ran on: the caller's torch code gets its count back."""
     configured = torch.get_num_threads()
-    llm = LLM(max_model_len=512)
+    llm = LLM(device="cpu", max_model_len=512)
     engine = llm.llm_engine
     threads = engine.cpu_threads
     assert threads is not None

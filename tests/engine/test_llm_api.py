@@ -219,7 +219,7 @@ def test_bfloat16_on_cpu_packs_weights_and_serves(llm):
     from prefixkv.model import cpu_kernels
     from prefixkv.model.layers import DualLayoutLinear, PackedLinear, packed_linear_works
 
-    b16 = LLM(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    b16 = LLM(device="cpu", dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=512)
     engine = b16.llm_engine
     assert (engine.runner.model.packed_head is not None) == packed_linear_works()
     if packed_linear_works():

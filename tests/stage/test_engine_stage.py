@@ -127,7 +127,27 @@ def test_embed_hit_rows_are_bit_exact_and_aligned_chunks_equal_exactly(default_l
     one_by_one.encode([docs[0]], all_rows, use_tqdm=False)
     got = one_by_one.encode([docs[1]], all_rows, use_tqdm=False)[0]
     assert got.num_cached_tokens == 128
-    assert torch.equal(got.outputs.data, off.encode([docs[1]], all_rows, use_tqdm=False)[0].outputs.data)
+    want = off.encode([docs[1]], all_rows, use_tqdm=False)[0].outputs.data
+    if products_round_rows_alike(default_lm, 128, len(docs[0])):
+        assert torch.equal(got.outputs.data, want)
+    else:  # the cached prefix came from a longer product than the chunk: equal up to float32 rounding
+        torch.testing.assert_close(got.outputs.data, want, atol=1e-4, rtol=1e-4)
+
+
+def products_round_rows_alike(loaded, rows: int, more: int) -> bool:
+    """Whether every product of the model's first layer, as the engine lays it out, gives each of
+    `rows` rows the same bits alone as among `more`. So on the AMD Zen 4 CI runs on; the 16-thread
+    Intel CPU of a GPU machine gave the cached prefix (computed among a whole document's rows) other
+    bits than the 128-row chunk (2026-11-26): there, exactness across chunk shapes cannot hold."""
+    products = [m for m in loaded.model.layers[0].modules() if isinstance(getattr(m, "in_features", None), int)]
+    assert products, "no product found in the first layer"
+    g = torch.Generator().manual_seed(0)
+    for module in products:
+        x = torch.randn(more, module.in_features, generator=g)
+        with torch.inference_mode():
+            if not torch.equal(module(x[:rows]), module(x)[:rows]):
+                return False
+    return True
 
 
 def test_embed_after_eviction_recomputes_never_reads_stale(default_lm, docs, hf_ref_model):
