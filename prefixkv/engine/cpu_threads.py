@@ -44,12 +44,16 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..model import row_split
+
+if TYPE_CHECKING:
+    from ..model import LlamaModel
 
 WINDOW_S = 0.25  # foreign load is averaged over this long; shorter windows read /proc/stat's ticks too coarsely
 CONTENDED_CORE = 0.25  # foreign load (in cores) from which one core counts as taken
@@ -292,10 +296,15 @@ class AdaptiveCpuThreads:
 
 # (model shape, dtype, configured count) -> whether every count the policy may pick gives the same bits
 _AGREEMENT: dict[tuple[str, torch.dtype, int], bool] = {}
-CHECK_PROMPT_TOKENS = 448  # a long step (>= HEAVY_STEP_TOKENS) whose decode reads 400+ keys: split by keys
+# A long step (>= HEAVY_STEP_TOKENS: many-row products) whose decode step after it reads 400+ keys
+# (few-row products, the decode kernel's split by keys). The length that showed the Intel Xeon's
+# bfloat16 differences on the GPU machine (2026-11-26); 0.65 s float32 and 0.35 s bfloat16 on the
+# 2 cores of CI at 160 tokens against 1.7 s and 0.9 s at this length, but a shorter one was not
+# checked there.
+CHECK_PROMPT_TOKENS = 448
 
 
-def thread_counts_agree(model: nn.Module, configured: int) -> bool:
+def thread_counts_agree(model: LlamaModel, configured: int) -> bool:
     """Whether `model` (on the CPU, laid out as the engine runs it) computes the same bits on 1,
     configured - 1 and `configured` threads: a prompt of CHECK_PROMPT_TOKENS random tokens, then one
     decode step. Measured once per model shape, dtype and count in a process (a fraction of a

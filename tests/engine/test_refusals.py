@@ -156,3 +156,17 @@ def test_eviction_policy_reaches_the_cache_manager(default_lm):
     assert type(engine.kv_cache_manager.block_pool.eviction_policy) is POLICIES["lfu"]
     out = LLM.from_engine(engine).generate("Hello", GREEDY)[0]
     assert out.outputs[0].token_ids
+
+
+def test_an_engine_runs_where_the_model_it_is_handed_lives(default_lm):
+    """A model handed in loaded decides the device and dtype left to the engine (a CPU model on a
+    machine with CUDA once got its KV cache on the GPU); a configured one that contradicts it is
+    refused by name."""
+    import torch
+
+    engine = LLMEngine(EngineConfig(num_blocks=16, max_model_len=128), loaded=default_lm)
+    assert engine.device.type == "cpu" and engine.dtype == torch.float32  # default_lm: float32 on the CPU
+    with pytest.raises(ValueError, match="dtype='bfloat16' but the model handed to the engine is torch.float32"):
+        LLMEngine(EngineConfig(dtype="bfloat16", num_blocks=16, max_model_len=128), loaded=default_lm)
+    with pytest.raises(ValueError, match="device='cuda' but the model handed to the engine is on cpu"):
+        LLMEngine(EngineConfig(device="cuda", num_blocks=16, max_model_len=128), loaded=default_lm)
