@@ -148,6 +148,13 @@ class EngineArgs:
         None, "KV cache budget in blocks; overrides --kv-cache-memory-bytes", type=int
     )
     num_blocks: int | None = _opt(None, cli=False)  # prefixkv's name for num_gpu_blocks_override
+    gpu_memory_utilization: float | None = _opt(
+        None,
+        "CUDA: the fraction of the GPU's memory the engine may hold - weights, one step's activations "
+        "(measured at start-up) and the KV cache, which gets the rest - as vLLM's (default: none; the KV "
+        "budget is --kv-cache-memory-bytes). On a CPU it changes nothing (accepted and logged)",
+        type=float,
+    )
     enable_prefix_caching: bool = _opt(
         True, "reuse the KV blocks of identical prompt prefixes across requests (default: on)"
     )
@@ -260,12 +267,6 @@ class EngineArgs:
     data_parallel_size: int = _compat(1, _is_default(1), "one engine per process (no data parallelism)", type=int)
     distributed_executor_backend: str | None = _compat(None, _anything, "one process, no executor", cli=False)
     disable_custom_all_reduce: bool = _compat(False, _anything, "one device, no all-reduce", cli=False)
-    gpu_memory_utilization: float = _compat(
-        0.9,
-        lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
-        "the KV budget is --kv-cache-memory-bytes",
-        type=float,
-    )
     swap_space: float = _compat(4, _anything, "preemption recomputes, nothing is swapped", type=float)
     cpu_offload_gb: float = _compat(0, _is_default(0), "weights are not offloaded (not implemented)", type=float)
     enforce_eager: bool = _compat(False, _anything, "no CUDA graphs are captured")
@@ -310,6 +311,12 @@ class EngineArgs:
                     f"{self.num_gpu_blocks_override} disagree; give one"
                 )
             self.num_blocks = self.num_gpu_blocks_override
+        if self.gpu_memory_utilization is not None:
+            u = self.gpu_memory_utilization
+            if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+                raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+            if self.kv_cache_memory_bytes is not None:
+                raise ValueError("give one of gpu_memory_utilization and kv_cache_memory_bytes: both size the KV cache")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):

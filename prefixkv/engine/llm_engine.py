@@ -37,6 +37,7 @@ from ..stage import StageOutputCache, stage_output_specs
 from ..tiers import TierManager, attach_tiers
 from .block_tensors import BlockTensors, kv_cache_specs
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
+from .gpu_memory import cuda_kv_budget
 from .model_runner import ModelRunner
 from .model_runner_output import ModelRunnerOutput
 from .output_processor import OutputState, logprob_entry, status_for
@@ -137,10 +138,22 @@ class LLMEngine:
         if config.enable_stage_output_cache:  # the hidden states of cached blocks, in the same budget
             for spec in stage_output_specs(self.model_config, bs, self.dtype):
                 self.block_tensors.register(spec)
+        if config.gpu_memory_utilization is not None and (self.device.type != "cuda" or config.num_blocks is not None):
+            where = "the KV budget is given in blocks" if self.device.type == "cuda" else "on the CPU"
+            logger.info("gpu_memory_utilization=%s changes nothing %s", config.gpu_memory_utilization, where)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
-            budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+            if self.device.type == "cuda" and config.gpu_memory_utilization is not None:
+                budget = cuda_kv_budget(
+                    self.loaded.model,
+                    config.gpu_memory_utilization,
+                    config.max_num_batched_tokens,
+                    config.max_num_seqs,
+                    bs,
+                )
+            else:
+                budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
             num_blocks = self.block_tensors.num_blocks_for(budget)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {bs} tokens")

@@ -88,3 +88,25 @@ def test_cuda_bfloat16_default_dtype_hits_cache_and_reproduces():
     assert all(o.num_cached_tokens >= 16 * (len(o.prompt_token_ids) // 16 - 1) for o in again)
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
     assert engine.kv_cache_usage == 0.0
+
+
+def test_cuda_gpu_memory_utilization_sizes_the_kv_cache():
+    """vLLM's share of the card: weights + one step's measured activations + the KV cache stay
+    within it, and the KV cache takes nearly all the rest."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    share = min(0.3, 0.8 * free / total)  # other test processes may hold some of the card
+    llm = LLM(device="cuda", gpu_memory_utilization=share, max_model_len=2048)
+    engine = llm.llm_engine
+    kv_bytes = engine.num_blocks * engine.block_tensors.bytes_per_block
+    held = torch.cuda.memory_allocated()
+    assert held <= share * total, (held, share * total)
+    # nearly all the rest went to the KV cache: what the share leaves unheld is one step's
+    # activations, well under 4 GiB for this model
+    assert share * total - held <= 4 << 30 and kv_bytes > 0.5 * share * total
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks

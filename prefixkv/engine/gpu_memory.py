@@ -1,0 +1,70 @@
+"""The KV budget on a GPU from vLLM's `gpu_memory_utilization`: the fraction of the card's memory
+this engine may hold - its weights, one step's activations at most, the KV cache - the KV cache
+getting what the other two leave. As vLLM does, the activations are measured, not guessed: one
+forward of the largest step the scheduler may run (`max_num_batched_tokens` new tokens, logits for
+`max_num_seqs` rows) on throwaway KV blocks, its peak allocation over what was there before.
+
+Not given, the KV budget stays `kv_cache_memory_bytes` (1 GiB by default), as on a CPU: a test
+suite or a second engine on the same card is not squeezed out by a first one taking 90% of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import AttentionMetadata, LlamaModel
+from .block_tensors import allocate_kv_cache
+
+GIB = 1 << 30
+
+
+def kv_budget_bytes(utilization: float, total: int, free: int, held: int, weights: int, activations: int) -> int:
+    """Bytes left for the KV cache: `utilization` x `total` less the `weights` and peak
+    `activations`. `free` is what the card has free now and `held` what this process holds of the
+    rest (its weights among it): a share larger than both together would need memory that other
+    processes hold, and is refused, as by vLLM."""
+    requested = int(utilization * total)
+    if requested > free + held:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {requested / GIB:.1f} GiB of the GPU's "
+            f"{total / GIB:.1f} GiB, but only {(free + held) / GIB:.1f} GiB are free for this engine "
+            "(other processes hold the rest): lower it, or give kv_cache_memory_bytes"
+        )
+    left = requested - weights - activations
+    if left <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} ({requested / GIB:.2f} GiB) leaves nothing for the KV cache "
+            f"after the weights ({weights / GIB:.2f} GiB) and one step's activations ({activations / GIB:.2f} GiB)"
+        )
+    return left
+
+
+@torch.inference_mode()
+def peak_step_activations(model: LlamaModel, tokens: int, rows: int, block_size: int) -> int:
+    """Bytes one step of `tokens` new tokens with `rows` logits rows allocates at its peak on the
+    model's CUDA device, over what was allocated before (its throwaway KV blocks included)."""
+    device = model.device
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    blocks = (tokens + block_size - 1) // block_size
+    caches = allocate_kv_cache(model.config, blocks, block_size, dtype=model.dtype, device=device)
+    meta = AttentionMetadata(torch.arange(tokens), [0, tokens], [tokens], torch.arange(blocks)[None])
+    ids = torch.zeros(tokens, dtype=torch.long)
+    hidden = model(ids, torch.arange(tokens), caches, meta)
+    model.compute_logits(hidden[-min(rows, tokens) :]).float()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del caches, hidden
+    torch.cuda.empty_cache()
+    return peak
+
+
+def cuda_kv_budget(model: LlamaModel, utilization: float, max_tokens: int, max_rows: int, block_size: int) -> int:
+    """The KV budget in bytes on the model's CUDA device for `gpu_memory_utilization`."""
+    device = model.device
+    activations = peak_step_activations(model, max_tokens, max_rows, block_size)
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    weights = torch.cuda.memory_allocated(device)  # all this process holds there now: its weights at least
+    return kv_budget_bytes(utilization, total, free, held, weights, activations)
