@@ -130,6 +130,7 @@ class _Plan:
             pos = torch.arange(P, device=device)
             self.prefix_slots = bt[others[0], pos // block_size] * block_size + pos % block_size
         self.chunked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (start, end, slots, mask)
+        chunk_specs: list[tuple[int, int, int, int, int]] = []  # (start, end, sequence length, first key, sequence)
         decode: list[int] = []
         for i in others:
             a, b = qsl[i], qsl[i + 1]
@@ -139,13 +140,23 @@ class _Plan:
                 continue
             # keys from the first one any query of the chunk can see (P, or the window's start)
             lo = P if W is None else max(0, s - n - W + 1)
-            pos = torch.arange(lo, s, device=device)
-            slots = bt[i, pos // block_size] * block_size + pos % block_size
-            qpos = torch.arange(s - n, s, device=device)
-            mask = pos[None, :] <= qpos[:, None]  # [n, s - lo]
-            if W is not None:
-                mask &= qpos[:, None] - pos[None, :] < W
-            self.chunked.append((a, b, slots, mask))
+            chunk_specs.append((a, b, s, lo, i))
+        self.chunk_ranges = [(a, b) for a, b, *_ in chunk_specs]
+        # Where no native kernel takes the chunks (CUDA; a CPU without the kernels) they go through
+        # one padded attention a layer, not one each: on a GPU every chunk's gather and attention
+        # are launches of the host's time, and a step of requests behind a cached prefix has many.
+        self.chunk_batch: _ChunkBatch | None = None
+        if chunk_specs and (device.type != "cpu" or not cpu_kernels.available()):
+            self.chunk_batch = _ChunkBatch.of(chunk_specs, bt, block_size, W, device)
+        if self.chunk_batch is None:
+            for a, b, s, lo, i in chunk_specs:
+                pos = torch.arange(lo, s, device=device)
+                slots = bt[i, pos // block_size] * block_size + pos % block_size
+                qpos = torch.arange(s - (b - a), s, device=device)
+                mask = pos[None, :] <= qpos[:, None]  # [n, s - lo]
+                if W is not None:
+                    mask &= qpos[:, None] - pos[None, :] < W
+                self.chunked.append((a, b, slots, mask))
         # Decode group: one new token each, batched into a single padded attention.
         self.decode_rows: torch.Tensor | None = None
         self.decode_all = False
@@ -175,7 +186,7 @@ class _Plan:
             self.decode_rows = torch.tensor([qsl[i] for i in decode], device=device)
             self.decode_lens = lens  # valid positions of each row of decode_slots
         if P:
-            chunk_rows = [r for a, b, _, _ in self.chunked for r in range(a, b)]
+            chunk_rows = [r for a, b in self.chunk_ranges for r in range(a, b)]
             self.group_rows = torch.tensor([qsl[i] for i in decode] + chunk_rows, device=device)
         # The native prefill kernel (CPU, no window): which prompts and chunks it takes, described
         # once for all layers. Long bfloat16 prompts stay with PyTorch's flash kernel, faster there
@@ -254,6 +265,86 @@ class _KernelBatch:
         if not rows:
             return None, rest
         return _KernelBatch(torch.tensor(rows, dtype=torch.long), torch.cat(runs)), rest
+
+
+class _ChunkBatch:
+    """Chunks after cached context padded into one attention: queries `rows` [C, M] (indices into
+    the step's rows; padding repeats a chunk's first), keys `slots` [C, L] (padding repeats a valid
+    slot), `mask` [C, 1, M, L] (causal, window, padding), and where the real rows' results go:
+    `picked` (indices into the flattened [C * M]) to `out_rows` (the step's rows)."""
+
+    # Padding may at most double the attention's work (scores computed), or cost at most
+    # SMALL_PADDED_WORK scores a head in all (a few short chunks: the launches saved weigh more);
+    # past both the chunks run one by one.
+    MAX_PADDED_WORK = 2.0
+    SMALL_PADDED_WORK = 1 << 20
+
+    def __init__(
+        self, rows: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor, out_rows: torch.Tensor
+    ) -> None:
+        self.rows, self.slots, self.mask, self.picked, self.out_rows = rows, slots, mask, picked, out_rows
+
+    @staticmethod
+    def of(
+        specs: list[tuple[int, int, int, int, int]],
+        bt: torch.Tensor,
+        block_size: int,
+        window: int | None,
+        device: torch.device,
+    ) -> _ChunkBatch | None:
+        """(start, end, sequence length, first key, sequence) per chunk -> the batch, or None where
+        padding to the longest chunk and context would cost too much (see SMALL_PADDED_WORK)."""
+        news = [b - a for a, b, *_ in specs]
+        keys = [s - lo for _, _, s, lo, _ in specs]
+        C, M, L = len(specs), max(news), max(keys)
+        padded = C * M * L
+        if padded > _ChunkBatch.SMALL_PADDED_WORK and padded > _ChunkBatch.MAX_PADDED_WORK * sum(
+            n * k for n, k in zip(news, keys)
+        ):
+            return None
+        start, end, length, first, seq = (torch.tensor(col, device=device) for col in zip(*specs))
+        new = end - start
+        m = torch.arange(M, device=device)[None, :]
+        j = torch.arange(L, device=device)[None, :]
+        qpos = (length - new)[:, None] + m  # [C, M]
+        kpos = first[:, None] + j  # [C, L]
+        q_real = m < new[:, None]
+        k_real = j < (length - first)[:, None]
+        mask = (kpos[:, None, :] <= qpos[:, :, None]) & q_real[:, :, None] & k_real[:, None, :]
+        if window is not None:
+            mask &= qpos[:, :, None] - kpos[:, None, :] < window
+        kpos = torch.minimum(kpos, (length - 1)[:, None])  # padding reads the last real key (masked)
+        slots = bt[seq].gather(1, kpos // block_size) * block_size + kpos % block_size
+        rows = torch.where(q_real, start[:, None] + m, start[:, None])
+        picked = torch.tensor([c * M + r for c, n in enumerate(news) for r in range(n)], device=device)
+        out_rows = torch.tensor([r for a, b, *_ in specs for r in range(a, b)], device=device)
+        return _ChunkBatch(rows, slots, mask[:, None], picked, out_rows)
+
+    def attend(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float, with_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The real rows' outputs [R, Hq, D] in `out_rows` order (and their log-sum-exp [R, Hq]
+        float32 when `with_lse`, for the cascade's merge)."""
+        C, M = self.rows.shape
+        Hq, D = q.shape[1], q.shape[2]
+        Hkv = k_flat.shape[1]
+        G = Hq // Hkv
+        qb = q[self.rows].permute(0, 2, 1, 3)  # [C, Hq, M, D]
+        kc = _gather(k_flat, self.slots).permute(0, 2, 1, 3).to(q.dtype)  # [C, Hkv, L, D]
+        vc = _gather(v_flat, self.slots).permute(0, 2, 1, 3).to(q.dtype)
+        if not with_lse:
+            o = F.scaled_dot_product_attention(qb, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=G > 1)
+            return o.permute(0, 2, 1, 3).reshape(C * M, Hq, D).index_select(0, self.picked), None
+        # the explicit softmax, GQA by broadcasting each KV head over its G query heads
+        L = kc.shape[2]
+        q5 = qb.reshape(C, Hkv, G, M, D)
+        scores = torch.matmul(q5, kc[:, :, None].transpose(-1, -2)).float() * scale  # [C, Hkv, G, M, L]
+        scores = scores.masked_fill(~self.mask.view(C, 1, 1, M, L), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(q.dtype), vc[:, :, None])  # [C, Hkv, G, M, D]
+        o = o.reshape(C, Hq, M, D).permute(0, 2, 1, 3).reshape(C * M, Hq, D).index_select(0, self.picked)
+        lse = lse.reshape(C, Hq, M).permute(0, 2, 1).reshape(C * M, Hq).index_select(0, self.picked)
+        return o, lse
 
 
 def _sdpa_lse(
@@ -381,6 +472,8 @@ def paged_attention(
         batch = plan.chunked_kernel
         if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
             chunked = plan.chunked
+    if plan.chunk_batch is not None:
+        out[plan.chunk_batch.out_rows] = plan.chunk_batch.attend(q, k_flat, v_flat, scale, with_lse=False)[0]
     for a, b, slots, mask in chunked:
         kc = _gather(k_flat, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         vc = _gather(v_flat, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
@@ -445,6 +538,12 @@ def _cascade(
         suffix = torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:2], dtype=torch.float32)
         if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, *suffix):
             suffix = None
+    if plan.chunk_batch is not None:  # every chunk in one padded attention (no native kernel here)
+        batch_o, batch_lse = plan.chunk_batch.attend(q, k_flat, v_flat, scale, with_lse=True)
+        n = batch_o.shape[0]
+        assert batch_lse is not None
+        out[plan.chunk_batch.out_rows] = _merge(o_pre[done : done + n], lse_pre[done : done + n], batch_o, batch_lse)
+        return out
     # the kernel took every chunk but those the plan left to PyTorch (chunked_rest)
     left = {id(entry) for entry in plan.chunked_rest}
     for entry in plan.chunked:
