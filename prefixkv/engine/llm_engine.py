@@ -67,6 +67,13 @@ def resolve_device_dtype(config: EngineArgs, loaded: LoadedModel | None = None) 
         device = weights.device
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and weights is None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={config.device!r} but CUDA is not available here (torch {torch.__version__})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={config.device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     name = DTYPES[config.dtype]
     if weights is not None:
         if device.type != weights.device.type or (device.index is not None and device != weights.device):

@@ -170,3 +170,9 @@ def test_an_engine_runs_where_the_model_it_is_handed_lives(default_lm):
         LLMEngine(EngineConfig(dtype="bfloat16", num_blocks=16, max_model_len=128), loaded=default_lm)
     with pytest.raises(ValueError, match="device='cuda' but the model handed to the engine is on cpu"):
         LLMEngine(EngineConfig(device="cuda", num_blocks=16, max_model_len=128), loaded=default_lm)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is here")
+def test_cuda_asked_for_where_there_is_none_is_a_value_error():
+    with pytest.raises(ValueError, match="device='cuda' but CUDA is not available here"):
+        LLM(device="cuda", max_model_len=128)
