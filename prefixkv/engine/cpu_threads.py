@@ -34,23 +34,29 @@ the data or by the CPUs it may use, never by the threads of the call, and a spli
 are the whole product's bits (tests/engine/test_cpu_threads.py checks logprobs bit for bit). The
 libraries' kernels need not: on the 16-core Intel Xeon of a lent GPU machine (AMX) bfloat16
 logprobs differed between 1 and 16 threads (2026-11-26). So the engine first checks, once per
-model shape, dtype and count in a process, that a long prompt and a decode step give the same bits
-at the counts the policy may pick (`thread_counts_agree`), and keeps the count fixed where not.
+machine for a model shape, dtype and count (the answer kept on disk), that a long prompt and a
+decode step give the same bits at the counts the policy may pick (`thread_counts_agree`), and
+keeps the count fixed where not.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..model import row_split
+from ..model import cpu_kernels, row_split
 
 if TYPE_CHECKING:
     from ..model import LlamaModel
@@ -294,28 +300,65 @@ class AdaptiveCpuThreads:
         self.probe = None
 
 
-# (model shape, dtype, configured count) -> whether every count the policy may pick gives the same bits
-_AGREEMENT: dict[tuple[str, torch.dtype, int], bool] = {}
 # A long step (>= HEAVY_STEP_TOKENS: many-row products) whose decode step after it reads 400+ keys
-# (few-row products, the decode kernel's split by keys). The length that showed the Intel Xeon's
-# bfloat16 differences on the GPU machine (2026-11-26); 0.65 s float32 and 0.35 s bfloat16 on the
-# 2 cores of CI at 160 tokens against 1.7 s and 0.9 s at this length, but a shorter one was not
-# checked there.
+# (few-row products, the decode kernel's split by keys): the length that showed the Intel Xeon's
+# bfloat16 differences on the GPU machine (2026-11-26). 1.7 s float32 / 0.9 s bfloat16 on CI's 2
+# cores, so the answer is kept on disk, once per machine (see `thread_counts_agree`).
 CHECK_PROMPT_TOKENS = 448
+_AGREEMENT: dict[str, bool] = {}  # this process's answers, by `_agreement_key`
 
 
 def thread_counts_agree(model: LlamaModel, configured: int) -> bool:
     """Whether `model` (on the CPU, laid out as the engine runs it) computes the same bits on 1,
     configured - 1 and `configured` threads: a prompt of CHECK_PROMPT_TOKENS random tokens, then one
-    decode step. Measured once per model shape, dtype and count in a process (a fraction of a
-    second: two or three short forwards)."""
+    decode step. Measured once per machine for a model shape, dtype and count: the answer is kept
+    beside the native kernels' builds, under a key of everything it depends on - the CPU, torch,
+    prefixkv's model code and kernels - so a change to any of them measures again."""
+    key = _agreement_key(model, configured)
+    if key in _AGREEMENT:
+        return _AGREEMENT[key]
+    stored = _agreement_file(key)
+    try:
+        agree = json.loads(stored.read_text())["agree"]
+    except (OSError, ValueError, KeyError, TypeError):
+        agree = _measure_agreement(model, configured)
+        try:
+            stored.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".check-", dir=stored.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"agree": agree, "threads": configured, "dtype": str(model.dtype)}, f)
+            os.replace(tmp, stored)  # atomic: a concurrent process reads the whole answer or none
+        except OSError:  # a read-only cache: measured again next time
+            pass
+    _AGREEMENT[key] = bool(agree)
+    return bool(agree)
+
+
+def _agreement_key(model: LlamaModel, configured: int) -> str:
+    model_code = Path(__file__).resolve().parent.parent / "model"
+    code = b"".join(path.read_bytes() for path in sorted(model_code.rglob("*")) if path.suffix in (".py", ".cpp", ".h"))
+    parts = [repr(model.config), str(model.dtype), str(configured), torch.__version__, _cpu_identity(), code.hex()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and flags (/proc/cpuinfo), or the platform's name where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _agreement_file(key: str) -> Path:
+    return cpu_kernels.cache_dir().parent / "thread-agreement" / f"{key}.json"
+
+
+def _measure_agreement(model: LlamaModel, configured: int) -> bool:
     from ..model import AttentionMetadata
     from .block_tensors import allocate_kv_cache
 
     config = model.config
-    key = (repr(config), model.dtype, configured)
-    if key in _AGREEMENT:
-        return _AGREEMENT[key]
     counts = sorted({1, max(1, configured - 1), configured})
     block = 16
     n = CHECK_PROMPT_TOKENS
@@ -336,6 +379,4 @@ def thread_counts_agree(model: LlamaModel, configured: int) -> bool:
             results.append((first, second))
     finally:
         torch.set_num_threads(before)
-    agree = all(torch.equal(a, results[0][0]) and torch.equal(b, results[0][1]) for a, b in results[1:])
-    _AGREEMENT[key] = agree
-    return agree
+    return all(torch.equal(a, results[0][0]) and torch.equal(b, results[0][1]) for a, b in results[1:])

@@ -279,3 +279,25 @@ def test_an_abort_that_leaves_the_engine_idle_gives_the_thread_count_back():
     assert torch.get_num_threads() == 1 and engine.has_unfinished_requests()
     engine.abort_request(rid)
     assert torch.get_num_threads() == configured and not row_split.active()
+
+
+def test_the_thread_check_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    """The start-up check costs two or three forwards (1.7 s float32 on 2 cores): its answer is
+    kept on disk, keyed by the CPU, torch and prefixkv's model code, and read back by later engines;
+    an unreadable answer is measured again."""
+    from prefixkv.engine import cpu_threads
+    from prefixkv.model import load_model
+
+    monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_threads, "_AGREEMENT", {})
+    model = load_model(None).model
+    measured = []
+    real = cpu_threads._measure_agreement
+    monkeypatch.setattr(cpu_threads, "_measure_agreement", lambda m, c: measured.append(c) or real(m, c))
+    first = thread_counts_agree(model, 2)
+    (stored,) = (tmp_path / "thread-agreement").glob("*.json")
+    monkeypatch.setattr(cpu_threads, "_AGREEMENT", {})  # a new process
+    assert thread_counts_agree(model, 2) == first and measured == [2]  # read back, not measured
+    stored.write_text("{not json")
+    monkeypatch.setattr(cpu_threads, "_AGREEMENT", {})
+    assert thread_counts_agree(model, 2) == first and measured == [2, 2]
