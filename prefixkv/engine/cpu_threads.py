@@ -335,10 +335,14 @@ def thread_counts_agree(model: LlamaModel, configured: int) -> bool:
 
 
 def _agreement_key(model: LlamaModel, configured: int) -> str:
+    key = hashlib.sha256()
+    for part in (repr(model.config), str(model.dtype), str(configured), torch.__version__, _cpu_identity()):
+        key.update(part.encode() + b"\0")
     model_code = Path(__file__).resolve().parent.parent / "model"
-    code = b"".join(path.read_bytes() for path in sorted(model_code.rglob("*")) if path.suffix in (".py", ".cpp", ".h"))
-    parts = [repr(model.config), str(model.dtype), str(configured), torch.__version__, _cpu_identity(), code.hex()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+    for path in sorted(model_code.rglob("*")):
+        if path.suffix in (".py", ".cpp", ".h"):
+            key.update(path.read_bytes())
+    return key.hexdigest()[:24]
 
 
 def _cpu_identity() -> str:

@@ -320,31 +320,42 @@ class _ChunkBatch:
         out_rows = torch.tensor([r for a, b, *_ in specs for r in range(a, b)], device=device)
         return _ChunkBatch(rows, slots, mask[:, None], picked, out_rows)
 
-    def attend(
-        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float, with_lse: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The real rows' outputs [R, Hq, D] in `out_rows` order (and their log-sum-exp [R, Hq]
-        float32 when `with_lse`, for the cascade's merge)."""
-        C, M = self.rows.shape
-        Hq, D = q.shape[1], q.shape[2]
-        Hkv = k_flat.shape[1]
-        G = Hq // Hkv
-        qb = q[self.rows].permute(0, 2, 1, 3)  # [C, Hq, M, D]
-        kc = _gather(k_flat, self.slots).permute(0, 2, 1, 3).to(q.dtype)  # [C, Hkv, L, D]
+    def _gathered(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The padded queries [C, Hq, M, D] and their keys and values [C, Hkv, L, D]."""
+        qb = q[self.rows].permute(0, 2, 1, 3)
+        kc = _gather(k_flat, self.slots).permute(0, 2, 1, 3).to(q.dtype)
         vc = _gather(v_flat, self.slots).permute(0, 2, 1, 3).to(q.dtype)
-        if not with_lse:
-            o = F.scaled_dot_product_attention(qb, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=G > 1)
-            return o.permute(0, 2, 1, 3).reshape(C * M, Hq, D).index_select(0, self.picked), None
-        # the explicit softmax, GQA by broadcasting each KV head over its G query heads
-        L = kc.shape[2]
-        q5 = qb.reshape(C, Hkv, G, M, D)
+        return qb, kc, vc
+
+    def _real_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[C, H, M, ...] per padded query -> [R, H, ...] for the real rows, in `out_rows` order."""
+        C, H, M = x.shape[:3]
+        return x.transpose(1, 2).reshape(C * M, H, *x.shape[3:]).index_select(0, self.picked)
+
+    def attend(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float) -> torch.Tensor:
+        """The real rows' outputs [R, Hq, D] in `out_rows` order."""
+        qb, kc, vc = self._gathered(q, k_flat, v_flat)
+        gqa = qb.shape[1] != kc.shape[1]
+        return self._real_rows(
+            F.scaled_dot_product_attention(qb, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
+        )
+
+    def attend_with_lse(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The real rows' outputs [R, Hq, D] and log-sum-exp [R, Hq] (float32), for the cascade's
+        merge: the explicit softmax, GQA by broadcasting each KV head over its G query heads."""
+        qb, kc, vc = self._gathered(q, k_flat, v_flat)
+        C, Hq, M, D = qb.shape
+        Hkv, L = kc.shape[1], kc.shape[2]
+        q5 = qb.reshape(C, Hkv, Hq // Hkv, M, D)
         scores = torch.matmul(q5, kc[:, :, None].transpose(-1, -2)).float() * scale  # [C, Hkv, G, M, L]
         scores = scores.masked_fill(~self.mask.view(C, 1, 1, M, L), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(q.dtype), vc[:, :, None])  # [C, Hkv, G, M, D]
-        o = o.reshape(C, Hq, M, D).permute(0, 2, 1, 3).reshape(C * M, Hq, D).index_select(0, self.picked)
-        lse = lse.reshape(C, Hq, M).permute(0, 2, 1).reshape(C * M, Hq).index_select(0, self.picked)
-        return o, lse
+        return self._real_rows(o.reshape(C, Hq, M, D)), self._real_rows(lse.reshape(C, Hq, M))
 
 
 def _sdpa_lse(
@@ -473,7 +484,7 @@ def paged_attention(
         if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
             chunked = plan.chunked
     if plan.chunk_batch is not None:
-        out[plan.chunk_batch.out_rows] = plan.chunk_batch.attend(q, k_flat, v_flat, scale, with_lse=False)[0]
+        out[plan.chunk_batch.out_rows] = plan.chunk_batch.attend(q, k_flat, v_flat, scale)
     for a, b, slots, mask in chunked:
         kc = _gather(k_flat, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         vc = _gather(v_flat, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
@@ -539,9 +550,8 @@ def _cascade(
         if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, *suffix):
             suffix = None
     if plan.chunk_batch is not None:  # every chunk in one padded attention (no native kernel here)
-        batch_o, batch_lse = plan.chunk_batch.attend(q, k_flat, v_flat, scale, with_lse=True)
+        batch_o, batch_lse = plan.chunk_batch.attend_with_lse(q, k_flat, v_flat, scale)
         n = batch_o.shape[0]
-        assert batch_lse is not None
         out[plan.chunk_batch.out_rows] = _merge(o_pre[done : done + n], lse_pre[done : done + n], batch_o, batch_lse)
         return out
     # the kernel took every chunk but those the plan left to PyTorch (chunked_rest)
