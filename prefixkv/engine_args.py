@@ -315,8 +315,9 @@ class EngineArgs:
             u = self.gpu_memory_utilization
             if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
                 raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
-            if self.kv_cache_memory_bytes is not None:
-                raise ValueError("give one of gpu_memory_utilization and kv_cache_memory_bytes: both size the KV cache")
+            for other in ("kv_cache_memory_bytes", "num_blocks"):
+                if getattr(self, other) is not None:
+                    raise ValueError(f"give one of gpu_memory_utilization and {other}: both size the KV cache")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):

@@ -145,9 +145,8 @@ class LLMEngine:
         if config.enable_stage_output_cache:  # the hidden states of cached blocks, in the same budget
             for spec in stage_output_specs(self.model_config, bs, self.dtype):
                 self.block_tensors.register(spec)
-        if config.gpu_memory_utilization is not None and (self.device.type != "cuda" or config.num_blocks is not None):
-            where = "the KV budget is given in blocks" if self.device.type == "cuda" else "on the CPU"
-            logger.info("gpu_memory_utilization=%s changes nothing %s", config.gpu_memory_utilization, where)
+        if config.gpu_memory_utilization is not None and self.device.type != "cuda":
+            logger.info("gpu_memory_utilization=%s changes nothing on the CPU", config.gpu_memory_utilization)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:

@@ -35,6 +35,7 @@ def test_a_share_that_needs_other_processes_memory_is_refused():
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be a fraction"),
         (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a fraction"),
         (dict(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 26), "give one of gpu_memory_utilization"),
+        (dict(gpu_memory_utilization=0.5, num_gpu_blocks_override=64), "gpu_memory_utilization and num_blocks"),
     ],
 )
 def test_bad_shares_are_refused(kwargs, message):
