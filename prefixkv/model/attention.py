@@ -123,7 +123,11 @@ class _Plan:
         # whole context in place was faster than the cascade's gather, SDPA and merge at every
         # batch measured (32 and 64 sequences on a 480-token prefix, bfloat16: 52 / 90 ms a step
         # against 64 / 110; docs/benchmarks.md).
-        in_place = device.type == "cpu" and all(qsl[i + 1] - qsl[i] == 1 for i in others) and cpu_kernels.available()
+        in_place = (
+            device.type == "cpu"
+            and all(qsl[i + 1] - qsl[i] == 1 for i in others)
+            and cpu_kernels.decode_attention_available(dtype)
+        )
         P = 0 if W is not None or in_place else self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
         self.prefix_slots: torch.Tensor | None = None
         if P:
@@ -146,7 +150,7 @@ class _Plan:
         # one padded attention a layer, not one each: on a GPU every chunk's gather and attention
         # are launches of the host's time, and a step of requests behind a cached prefix has many.
         self.chunk_batch: _ChunkBatch | None = None
-        if chunk_specs and (device.type != "cpu" or not cpu_kernels.available()):
+        if chunk_specs and (device.type != "cpu" or not cpu_kernels.prefill_max_new_tokens(dtype)):
             self.chunk_batch = _ChunkBatch.of(chunk_specs, bt, block_size, W, device)
         if self.chunk_batch is None:
             for a, b, s, lo, i in chunk_specs:
@@ -221,20 +225,6 @@ class _Plan:
 
 
 CASCADE_MIN_TOKENS = 64
-# bfloat16 prompts up to this many new tokens go to the native prefill kernel; longer ones to
-# PyTorch's flash kernel, whose matrix products also use the CPU's bfloat16 units and which is
-# faster there (`bench/prefill_attention.py`, one layer of the default model, on the tile unit of
-# an Intel Sapphire Rapids: native 0.56 ms at 478 tokens against flash's 1.48, 7.75 against 8.36 at
-# 2,048, 31.7 against 29.2 at 4,096; on its float32 vectors alone, measured before the batched
-# rescaling, 1.28 against 1.74 at 478 and 5.26 against 2.69 at 1,024; with the vector dot-product
-# instruction on an AMD Zen 4 without AMX: 1.42 against 6.35 at 478, 21.4 against 56.7 at 2,048 and
-# 72.6 against 157.7 at 4,096, the longest measured).
-# Chunks after cached context gain more: PyTorch gathers them first.
-BF16_KERNEL_MAX_NEW_TOKENS = {"amx": 2048, "dot": 4096, "vectors": 640}
-
-
-def bf16_kernel_max_new_tokens() -> int:
-    return BF16_KERNEL_MAX_NEW_TOKENS[cpu_kernels.bf16_prefill_attention_unit()]
 
 
 class _KernelBatch:
@@ -250,13 +240,13 @@ class _KernelBatch:
     ) -> tuple[_KernelBatch | None, list[Any]]:
         """(start, end, keys read, their slots, plan entry) -> the kernel's batch and the entries
         left to the PyTorch path."""
-        limit = bf16_kernel_max_new_tokens() if dtype == torch.bfloat16 else None
+        limit = cpu_kernels.prefill_max_new_tokens(dtype)
         rows: list[list[int]] = []
         runs: list[torch.Tensor] = []
         rest: list[Any] = []
         offset = 0
         for a, b, keys, slots, entry in candidates:
-            if limit is not None and b - a > limit:
+            if b - a > limit:
                 rest.append(entry)
                 continue
             rows.append([a, b - a, keys, offset])

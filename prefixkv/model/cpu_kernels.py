@@ -10,8 +10,9 @@
   a step's K and V into the paged cache (csrc/write_kv.cpp: two row copies per token, where
   index_copy_ from the strided qkv views ran at ~2 GB/s);
 - the small-batch linear (csrc/small_linear.cpp): a decode step's 1-16 rows times a weight laid out
-  once in 64-byte column blocks, streamed once per step (AVX-512 / AVX512-BF16 where the CPU has
-  them), where oneDNN's kernels, built for many rows, read the weights at half the speed;
+  once in 64-byte column blocks, streamed once per step (float32 with AVX-512 or AVX2 + FMA,
+  bfloat16 with AVX512-BF16), where oneDNN's kernels, built for many rows, read the weights at half
+  the speed;
 - every layer of a small decode step in one call (csrc/decode_layers.cpp): the pieces above,
   each the very function its own kernel runs (csrc/kernels.h), inside one OpenMP region - no
   Python, new tensor or thread start-up between them; bit for bit the layer-by-layer results.
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,41 @@ SOURCES = [
 ]
 # part of the cache key, not compiled alone
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h", "kernels.h", "vec16.h")]
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# What the kernels are compiled for: "native" (every instruction this CPU has), or an x86-64 level
+# ("x86-64-v3": AVX2 + FMA, the CPU of most cloud VMs; "x86-64-v4": AVX-512), so that a machine with
+# AVX-512 builds and tests the AVX2 variant too. PREFIXKV_CPU_ARCH picks the one a process loads.
+ARCH_ENV = "PREFIXKV_CPU_ARCH"
+ARCHES = ("native", "x86-64-v3", "x86-64-v4")
+# the CPU flags each x86-64 level needs (a build for a level this CPU lacks would die of SIGILL)
+_ARCH_CPU_FLAGS = {
+    "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe"),
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
+
+
+def arch() -> str:
+    """The target this process builds the kernels for ($PREFIXKV_CPU_ARCH, else "native")."""
+    chosen = os.environ.get(ARCH_ENV, "native") or "native"
+    if chosen not in ARCHES:
+        raise ValueError(f"{ARCH_ENV}={chosen!r}: expected one of {', '.join(ARCHES)}")
+    return chosen
+
+
+def arch_runs_here(target: str) -> bool:
+    """Whether this CPU executes code built for `target` (native always does)."""
+    if target == "native":
+        return True
+    have = set(_cpu_flags().split())
+    return all(flag in have for flag in _ARCH_CPU_FLAGS[target])
+
+
+def flags_for(target: str) -> list[str]:
+    """The compiler flags of a build for `target` (see ARCHES)."""
+    return [*BASE_FLAGS, f"-march={target}"]
+
+
+FLAGS = flags_for("native")
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -83,6 +119,51 @@ _small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defi
 _small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
 _decode_layers_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _write_kv_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_library_name: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which native kernels run for one dtype, as timed against the PyTorch path on this machine
+    (model/kernel_choice.py). `prefill_max_tokens`: the longest prompt or chunk (new tokens) the
+    native prefill attention takes (0: none; None: no limit but the dtype's default)."""
+
+    prefill_max_tokens: int | None = None
+    decode_attention: bool = True
+    small_linear: bool = True
+    add_rms_norm: bool = True
+    silu_and_mul: bool = True
+    rotary: bool = True
+    write_kv: bool = True
+
+
+# per dtype, set once a model's shapes were timed (kernel_choice.choose); absent: every kernel runs
+_choices: dict[torch.dtype, KernelChoice] = {}
+
+
+def set_choice(dtype: torch.dtype, choice: KernelChoice | None) -> None:
+    """Run the kernels `choice` names for `dtype` from now on (None: all of them again)."""
+    if choice is None:
+        _choices.pop(dtype, None)
+    else:
+        _choices[dtype] = choice
+
+
+def choice(dtype: torch.dtype) -> KernelChoice | None:
+    """The choice in force for `dtype`, if one was made."""
+    return _choices.get(dtype)
+
+
+def _chosen(name: str, dtype: torch.dtype) -> bool:
+    made = _choices.get(dtype)
+    return made is None or bool(getattr(made, name))
+
+
+def library_name() -> str | None:
+    """The file name of the loaded kernel library (its key names source, flags, compiler, torch and
+    CPU), or None where no kernels are loaded."""
+    _function_or_none()
+    return _library_name
 
 
 @contextlib.contextmanager
@@ -194,7 +275,13 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("only built on Linux")
     if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
         raise RuntimeError("this torch has no OpenMP runtime to share")
-    lib = ctypes.CDLL(str(_build(compiler())))
+    target = arch()
+    if not arch_runs_here(target):
+        raise RuntimeError(f"{ARCH_ENV}={target}: this CPU lacks its instructions")
+    global _library_name
+    path = _build(compiler(), flags=flags_for(target))
+    lib = ctypes.CDLL(str(path))
+    _library_name = path.name
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int  # 0, or non-zero for what the kernel does not take
@@ -243,8 +330,39 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
 
 
 def available() -> bool:
-    """Whether decode attention runs the native kernel here (builds it on the first call)."""
+    """Whether the native kernels are built, checked and switched on here (builds them on the first
+    call); which of them run for a dtype is `choice`'s to say."""
     return _enabled and _function_or_none() is not None
+
+
+def decode_attention_available(dtype: torch.dtype) -> bool:
+    """Whether decode attention of `dtype` runs the native kernel here."""
+    return available() and _chosen("decode_attention", dtype)
+
+
+def prefill_max_new_tokens(dtype: torch.dtype) -> int:
+    """The most new tokens (a prompt, or a chunk after cached context) the native prefill attention
+    takes for `dtype` here: the measured choice where one was made, else the dtype's default
+    (bfloat16 by what the CPU multiplies on, BF16_PREFILL_MAX_NEW_TOKENS); 0 where it does not run."""
+    if not available() or dtype not in _DTYPE_CODES:
+        return 0
+    default = BF16_PREFILL_MAX_NEW_TOKENS[bf16_prefill_attention_unit()] if dtype == torch.bfloat16 else NO_LIMIT
+    made = _choices.get(dtype)
+    if made is None or made.prefill_max_tokens is None:
+        return default
+    return made.prefill_max_tokens
+
+
+NO_LIMIT = 1 << 62
+# bfloat16 prompts up to this many new tokens go to the native prefill kernel, longer ones to
+# PyTorch's flash kernel (whose products also use the CPU's bfloat16 units), unless a measured
+# choice says otherwise (`bench/prefill_attention.py`, one layer of the default model: on the tile
+# unit of an Intel Sapphire Rapids native 0.56 ms at 478 tokens against flash's 1.48, 7.75 against
+# 8.36 at 2,048, 31.7 against 29.2 at 4,096; on float32 vectors, before the batched rescaling, 1.28
+# against 1.74 at 478 and 5.26 against 2.69 at 1,024; with the vector dot-product instruction on an
+# AMD Zen 4 without AMX 1.42 against 6.35 at 478, 21.4 against 56.7 at 2,048, 72.6 against 157.7 at
+# 4,096, the longest measured).
+BF16_PREFILL_MAX_NEW_TOKENS = {"amx": 2048, "dot": 4096, "vectors": 640}
 
 
 def _attention_code(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> int | None:
@@ -293,6 +411,7 @@ def decode_attention(
         or lens.dtype != torch.int64
         or B == 0
         or (lse is not None and (lse.dtype != torch.float32 or lse.shape != (B, Hq) or not lse.is_contiguous()))
+        or not _chosen("decode_attention", q.dtype)
     ):
         return None
     fn = _function_or_none()
@@ -480,6 +599,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     code = _DTYPE_CODES.get(gate_up.dtype)
     if code is None or not gate_up.is_contiguous() or gate_up.shape[-1] % 2 or gate_up.shape[-1] == 0:
         return None
+    if not _chosen("silu_and_mul", gate_up.dtype):
+        return None
     if _function_or_none() is None or _silu_function is None:
         return None
     return _run_silu(_silu_function, code, gate_up)
@@ -510,6 +631,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return False
     T, H, D = x.shape
     if code is None or cos.numel() != T * D or sin.numel() != T * D:  # one table row per row of x
+        return False
+    if not _chosen("rotary", x.dtype):
         return False
     cos, sin = cos.reshape(T, D), sin.reshape(T, D)
     if (
@@ -576,6 +699,7 @@ def write_kv(
         or slot_mapping.dtype != torch.int64
         or slot_mapping.shape != (T,)
         or not slot_mapping.is_contiguous()
+        or not _chosen("write_kv", k.dtype)
     ):
         return False
     if _function_or_none() is None or _write_kv_function is None:
@@ -602,9 +726,14 @@ SMALL_LINEAR_PAIR = 2  # blocks side by side in each step of the layout (kPair i
 
 
 def small_linear_available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether `small_linear` runs here for `dtype`: the kernels are on and the CPU has AVX-512
-    (float32) or AVX512-BF16 (bfloat16)."""
-    return _enabled and _function_or_none() is not None and dtype in _small_linear_dtypes
+    """Whether `small_linear` runs here for `dtype`: the kernels are on, the CPU has AVX-512 or
+    AVX2 + FMA (float32) or AVX512-BF16 (bfloat16), and the timing chose it (kernel_choice)."""
+    return (
+        _enabled
+        and _function_or_none() is not None
+        and dtype in _small_linear_dtypes
+        and _chosen("small_linear", dtype)
+    )
 
 
 def small_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -758,6 +887,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         or (delta is not None and (delta.dtype != h.dtype or delta.shape != h.shape or not delta.is_contiguous()))
         or weight.numel() != h.shape[-1]
         or not weight.is_contiguous()
+        or not _chosen("add_rms_norm", h.dtype)
     ):
         return None
     if _function_or_none() is None or _norm_function is None:

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import cpu_kernels
+from . import cpu_kernels, kernel_choice
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .kernel_choice import KernelShapes
 from .layers import (
     DualLayoutLinear,
     GatedMLP,
@@ -185,6 +186,18 @@ class LlamaModel(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w)
 
+    def kernel_shapes(self) -> KernelShapes:
+        """What of this model decides the native kernels' speed (kernel_choice)."""
+        cfg = self.config
+        return KernelShapes(
+            hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size,
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
     def pack_for_cpu(self) -> bool:
         """On CPU, lay every matmul weight out once for the fastest kernel: two layouts, the kernel
         chosen by the step's rows (DualLayoutLinear: oneDNN-packed for many rows; for a decode
@@ -195,6 +208,8 @@ class LlamaModel(nn.Module):
         torch/CPU cannot."""
         if self.device.type != "cpu" or self.packed_head is not None:
             return False
+        if self.dtype in (torch.float32, torch.bfloat16):
+            kernel_choice.choose(self.kernel_shapes())  # before the layouts: they follow the choice
         kind: LinearKind
         head_kind: LinearKind
         linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]

@@ -309,12 +309,24 @@ def test_prefill_attention_refuses_what_it_cannot_take_and_writes_nothing():
     assert torch.equal(out, torch.full(q.shape, 7.0))
 
 
-def test_long_bfloat16_prompts_stay_with_the_flash_kernel():
-    """The plan gives the native kernel float32 prompts of any length and bfloat16 ones up to
-    bf16_kernel_max_new_tokens() new tokens (past that PyTorch's flash kernel is faster here)."""
-    from prefixkv.model.attention import AttentionMetadata, bf16_kernel_max_new_tokens
+@pytest.fixture
+def restore_choices():
+    before = dict(cpu_kernels._choices)
+    yield
+    cpu_kernels._choices.clear()
+    cpu_kernels._choices.update(before)
 
-    long, short = bf16_kernel_max_new_tokens() + 1, 40
+
+def test_the_plan_gives_the_native_prefill_kernel_prompts_up_to_the_chosen_length(restore_choices):
+    """Without a measured choice the plan gives the native kernel float32 prompts of any length and
+    bfloat16 ones up to the default for what the CPU multiplies on (past it PyTorch's flash kernel
+    is faster); a measured limit caps either dtype, and a limit of 0 leaves every prompt, and every
+    chunk after cached context, to PyTorch (the chunks in one padded attention)."""
+    from prefixkv.model.attention import AttentionMetadata
+
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu_kernels.set_choice(dtype, None)
+    long, short = cpu_kernels.prefill_max_new_tokens(torch.bfloat16) + 1, 40
     columns = long // 16 + 1
     blocks = torch.arange(2 * columns).view(2, columns)
     slots = torch.cat([blocks[i, pos // 16] * 16 + pos % 16 for i, pos in enumerate(map(torch.arange, (short, long)))])
@@ -325,6 +337,21 @@ def test_long_bfloat16_prompts_stay_with_the_flash_kernel():
     bf16 = meta.plan(16, torch.device("cpu"), None, torch.bfloat16)
     assert bf16.fresh_kernel is not None and bf16.fresh_kernel.seqs[:, 1].tolist() == [short]
     assert [b - a for a, b, _ in bf16.fresh_rest] == [long]
+
+    cpu_kernels.set_choice(torch.float32, cpu_kernels.KernelChoice(prefill_max_tokens=short))
+    meta = AttentionMetadata(slots, [0, short, short + long], [short, long], blocks)
+    capped = meta.plan(16, torch.device("cpu"), None, torch.float32)
+    assert capped.fresh_kernel is not None and capped.fresh_kernel.seqs[:, 1].tolist() == [short]
+    assert [b - a for a, b, _ in capped.fresh_rest] == [long]
+
+    cpu_kernels.set_choice(torch.float32, cpu_kernels.KernelChoice(prefill_max_tokens=0))
+    # a 5-token chunk after 32 cached tokens, and a fresh prompt
+    blocks = torch.arange(8).view(2, 4)
+    slots = torch.cat([torch.arange(32, 37), blocks[1, torch.arange(20) // 16] * 16 + torch.arange(20) % 16])
+    meta = AttentionMetadata(slots, [0, 5, 25], [37, 20], blocks)
+    none = meta.plan(16, torch.device("cpu"), None, torch.float32)
+    assert none.fresh_kernel is None and none.chunked_kernel is None
+    assert none.chunk_batch is not None and [b - a for a, b, _ in none.fresh_rest] == [20]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

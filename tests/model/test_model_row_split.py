@@ -114,7 +114,7 @@ def test_built_once_and_reused():
 
 
 @TWO_CPUS
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [str(dt).removeprefix("torch.") for dt in DTYPES])  # the dtypes the model packs
 def test_model_outputs_do_not_change_when_steps_split(dtype, monkeypatch, two_threads):
     """Every prompt position's logprobs (a ~390-token step: 6 blocks of products) and the generated
     tokens' logprobs bit for bit, split or whole."""

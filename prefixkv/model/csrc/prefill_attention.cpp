@@ -73,6 +73,33 @@ constexpr int kMaxGroup = 16;
 // is its own dot product, so leaving the others out changes no bit of those computed.
 template <int R, int D, int C>
 inline void score_block(const float* q, const float* kt, float* scores) {
+#if defined(PREFIXKV_VEC8)
+    // AVX2: 16 AVX2 registers hold R x 2 accumulators (one group of 16 keys) at a time, not R x C x 2;
+    // every lane still sums its products over d in the same order
+    using prefixkv::load8;
+    using prefixkv::splat8;
+    using prefixkv::store8;
+    using prefixkv::vec8;
+    for (int c = 0; c < C; ++c) {
+        vec8 acc[R][2];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec8{};
+        for (int d = 0; d < D; ++d) {
+            const vec8 k0 = load8(kt + d * kKeyTile + 16 * c), k1 = load8(kt + d * kKeyTile + 16 * c + 8);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+                const vec8 x = splat8(q[r * D + d]);
+                acc[r][0] += x * k0;
+                acc[r][1] += x * k1;
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            store8(scores + r * kKeyTile + c * 16, acc[r][0]);
+            store8(scores + r * kKeyTile + c * 16 + 8, acc[r][1]);
+        }
+    }
+#else
     vec16 acc[R][C];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
@@ -89,12 +116,44 @@ inline void score_block(const float* q, const float* kt, float* scores) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) storev(scores + r * kKeyTile + c * 16, acc[r][c]);
+#endif
 }
 
 // out[r][cols] = out[r][cols] * alpha[r] + p[r][0:nk] . v[0:nk][cols] for R rows and NV x 16
 // columns starting at `col`; v is [kKeyTile][D].
 template <int R, int NV, int D>
 inline void weigh_block(const float* p, const float* v, int nk, const float* alpha, float* out, int col) {
+#if defined(PREFIXKV_VEC8)
+    // AVX2: one group of 16 columns at a time (R x 2 accumulators), as in score_block
+    using prefixkv::load8;
+    using prefixkv::splat8;
+    using prefixkv::store8;
+    using prefixkv::vec8;
+    for (int c = 0; c < NV; ++c) {
+        float* o = out + col + c * 16;
+        vec8 acc[R][2];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const vec8 a = splat8(alpha[r]);
+            acc[r][0] = load8(o + r * D) * a;
+            acc[r][1] = load8(o + r * D + 8) * a;
+        }
+        for (int j = 0; j < nk; ++j) {
+            const vec8 v0 = load8(v + j * D + col + c * 16), v1 = load8(v + j * D + col + c * 16 + 8);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+                const vec8 x = splat8(p[r * kKeyTile + j]);
+                acc[r][0] += x * v0;
+                acc[r][1] += x * v1;
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            store8(o + r * D, acc[r][0]);
+            store8(o + r * D + 8, acc[r][1]);
+        }
+    }
+#else
     vec16 acc[R][NV];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
@@ -111,6 +170,7 @@ inline void weigh_block(const float* p, const float* v, int nk, const float* alp
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NV; ++c) storev(out + r * D + col + c * 16, acc[r][c]);
+#endif
 }
 
 // The online softmax of R rows of scores (in place: scores * scale become unnormalized weights)
@@ -121,6 +181,47 @@ inline void weigh_block(const float* p, const float* v, int nk, const float* alp
 // reduced across rows at once (hreduce, vec16.h).
 template <int R, bool Scaled = true>
 inline void online_softmax(float* scores, const int* visible, float scale, float* best, float* total, float* alpha) {
+#if defined(PREFIXKV_VEC8)
+    // AVX2: row by row in AVX2 registers (the vec16 version below goes through the stack there);
+    // each row's maximum and sum reduced alone, so the grouping of rows changes no bit either
+    using prefixkv::exp_nonpositive8;
+    using prefixkv::lane_index8;
+    using prefixkv::load8;
+    using prefixkv::splat8;
+    using prefixkv::store8;
+    using prefixkv::vec8;
+    using prefixkv::vmax8;
+    for (int r = 0; r < R; ++r) {
+        float* s = scores + r * kKeyTile;
+        const int n = visible[r];
+        if (n == 0) {  // a tile wholly in this row's future: weights 0, the output kept as it is
+            for (int c = 0; c < kKeyTile / 8; ++c) store8(s + 8 * c, vec8{});
+            alpha[r] = 1.0f;
+            continue;
+        }
+        const int nv = (n + 7) / 8;
+        auto visible_scores = [&](int c) {
+            vec8 x = load8(s + 8 * c);
+            if constexpr (Scaled) x *= scale;
+            return n < kKeyTile ? (lane_index8() + 8 * c < n ? x : splat8(-INFINITY)) : x;
+        };
+        vec8 top = splat8(-INFINITY);
+        for (int c = 0; c < nv; ++c) top = vmax8(top, visible_scores(c));
+        const bool first = best[r] == -INFINITY;
+        const float m = std::max(best[r], prefixkv::hmax8(top));
+        vec8 sum = vec8{};
+        for (int c = 0; c < nv; ++c) {
+            vec8 e = exp_nonpositive8(visible_scores(c) - m);
+            if (n < kKeyTile) e = lane_index8() + 8 * c < n ? e : vec8{};
+            store8(s + 8 * c, e);
+            sum += e;
+        }
+        for (int c = nv; c < kKeyTile / 8; ++c) store8(s + 8 * c, vec8{});
+        alpha[r] = first ? 0.0f : prefixkv::exp_nonpositive(best[r] - m);  // out and total are 0 before
+        best[r] = m;
+        total[r] = total[r] * alpha[r] + prefixkv::hsum8(sum);
+    }
+#else
     static_assert(R <= 16, "the rescaling factors are computed as one vector");
     float shift[16] = {}, sums[16] = {};  // per row: old maximum - new one (<= 0), the new weights' sum
     bool first[16] = {};                  // the first tile the row sees: nothing to rescale
@@ -175,6 +276,7 @@ inline void online_softmax(float* scores, const int* visible, float scale, float
         alpha[r] = first[r] ? 0.0f : factors[r];  // out and total are 0 before a row's first tile
         total[r] = total[r] * alpha[r] + sums[r];
     }
+#endif
 }
 
 // One register block of R rows against one key tile in float32: scores, online softmax, weighted

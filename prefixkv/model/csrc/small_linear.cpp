@@ -32,6 +32,11 @@
 #if defined(__AVX512BF16__)
 #define PREFIXKV_SMALL_LINEAR_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (x86-64-v3): float32 only (no bfloat16 arithmetic there), same layout (tile8 below)
+#include <immintrin.h>
+#define PREFIXKV_SMALL_LINEAR_F32 1
+#define PREFIXKV_SMALL_LINEAR_AVX2 1
 #endif
 
 namespace {
@@ -44,6 +49,71 @@ constexpr int kGroup = 4;       // blocks per task: a 4 x 16-column slab (K x 25
 constexpr int kRowTile = 8;     // rows per pass over a slab: 8 x 2 accumulators
 static_assert(kGroup % kPair == 0, "a task takes whole pairs");
 
+#ifdef PREFIXKV_SMALL_LINEAR_AVX2
+template <typename T>
+struct Step;
+template <>
+struct Step<float> {
+    static constexpr int kInputs = 1;
+};
+
+// MT rows (<= 3) times the two blocks of pair q. A 16-column block is two 8-lane registers, so 3
+// rows x 4 accumulators and a broadcast fill the 16 AVX2 registers (the weights come in as memory
+// operands). Every output lane sums its products over K in the same order as the AVX-512 tile, so
+// the two builds give the same bits.
+template <int MT>
+inline void tile8(const float* x, int64_t ldx, const float* wp, int64_t steps, int64_t q, int64_t N, const float* bias,
+                  float* y, int64_t ldy) {
+    constexpr int kStep = kPair * kBlock;  // floats of one step of a pair
+    __m256 acc[MT][4];
+    for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+    const float* w = wp + q * steps * kStep;
+    for (int64_t p = 0; p < steps; ++p, w += kStep) {
+        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+        const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
+        for (int m = 0; m < MT; ++m) {
+            const __m256 xm = _mm256_broadcast_ss(x + m * ldx + p);
+            acc[m][0] = _mm256_fmadd_ps(w0, xm, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, xm, acc[m][1]);
+            acc[m][2] = _mm256_fmadd_ps(w2, xm, acc[m][2]);
+            acc[m][3] = _mm256_fmadd_ps(w3, xm, acc[m][3]);
+        }
+    }
+    for (int b = 0; b < kPair; ++b) {
+        const int64_t col = (q * kPair + b) * kBlock;
+        if (col >= N) break;  // the zero block padding the last pair
+        const int valid = N - col < kBlock ? static_cast<int>(N - col) : kBlock;
+        float add[kBlock] = {};
+        if (bias != nullptr) memcpy(add, bias + col, valid * sizeof(float));
+        for (int m = 0; m < MT; ++m) {
+            float out[kBlock];
+            _mm256_storeu_ps(out, _mm256_add_ps(acc[m][2 * b], _mm256_loadu_ps(add)));
+            _mm256_storeu_ps(out + 8, _mm256_add_ps(acc[m][2 * b + 1], _mm256_loadu_ps(add + 8)));
+            memcpy(y + m * ldy + col, out, valid * sizeof(float));
+        }
+    }
+}
+
+// one task: the pairs of blocks [b0, b0 + kGroup) for MT rows, three rows at a time (each pair's
+// weights, K x 128 bytes, come from L1/L2 again for the next three)
+template <typename T, int MT>
+inline void slab(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0, int64_t blocks, int64_t N,
+                 const float* bias, T* y, int64_t ldy) {
+    constexpr int kTaskPairs = kGroup / kPair;
+    const int64_t q0 = b0 / kPair, pairs = (blocks + kPair - 1) / kPair;
+    for (int64_t q = q0; q < q0 + kTaskPairs && q < pairs; ++q)
+        for (int m0 = 0; m0 < MT; m0 += 3) {
+            const float* xm = x + m0 * ldx;
+            float* ym = y + m0 * ldy;
+            switch (MT - m0 < 3 ? MT - m0 : 3) {
+                case 1: tile8<1>(xm, ldx, wp, steps, q, N, bias, ym, ldy); break;
+                case 2: tile8<2>(xm, ldx, wp, steps, q, N, bias, ym, ldy); break;
+                default: tile8<3>(xm, ldx, wp, steps, q, N, bias, ym, ldy); break;
+            }
+        }
+}
+#else
 // One step of a block: 64 bytes of weights (16 columns x the inputs of one step) times the row's
 // inputs of that step, added to the row's 16 accumulators.
 template <typename T>
@@ -132,6 +202,7 @@ inline void slab(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0
     }
     for (int64_t q = q0; q < q0 + kTaskPairs && q < pairs; ++q) tile<T, MT, 1>(x, ldx, wp, steps, q, N, bias, y, ldy);
 }
+#endif  // PREFIXKV_SMALL_LINEAR_AVX2
 
 template <typename T>
 void rows(int64_t mt, const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0, int64_t blocks, int64_t N,
@@ -209,7 +280,8 @@ void prefixkv::small_linear_task(int dtype, int64_t task, const void* x, int64_t
     (void)dtype, (void)task, (void)x, (void)ldx, (void)wp, (void)bias, (void)y, (void)M, (void)K, (void)N;
 }
 
-// Which dtypes this build has the kernel for: bit 0 float32 (AVX-512), bit 1 bfloat16 (AVX512-BF16).
+// Which dtypes this build has the kernel for: bit 0 float32 (AVX-512 or AVX2 + FMA), bit 1 bfloat16
+// (AVX512-BF16).
 extern "C" int prefixkv_small_linear_available() {
     int dtypes = 0;
 #ifdef PREFIXKV_SMALL_LINEAR_F32

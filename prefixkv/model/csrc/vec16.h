@@ -26,6 +26,44 @@ inline vec16 splat(float x) { return vec16{} + x; }
 inline vec16 vmax(vec16 a, vec16 b) { return a > b ? a : b; }
 inline ivec16 lane_index() { return ivec16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Eight floats, one AVX2 register. GCC lowers a vec16 on a CPU without AVX-512 lane group by lane
+// group through the stack (broadcasts and spills in every multiply-add: the float32 prefill kernel
+// ran 12x slower than its AVX-512 build on the same core), so the hottest loops of the kernels
+// spell their AVX2 variant in this type; the rest keeps vec16.
+#define PREFIXKV_VEC8 1
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec8_unaligned __attribute__((vector_size(32), aligned(4)));
+inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8_unaligned*>(p); }
+inline void store8(float* p, vec8 x) { *reinterpret_cast<vec8_unaligned*>(p) = x; }
+inline vec8 splat8(float x) { return vec8{} + x; }
+inline vec8 vmax8(vec8 a, vec8 b) { return a > b ? a : b; }
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+inline ivec8 lane_index8() { return ivec8{0, 1, 2, 3, 4, 5, 6, 7}; }
+inline float hmax8(vec8 v) {
+    v = vmax8(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax8(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax8(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+    return v[0];
+}
+inline float hsum8(vec8 v) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    return v[0];
+}
+// exp(x) for x <= 0 on eight floats: the generic path of exp_nonpositive(vec16) below, lane for lane
+inline vec8 exp_nonpositive8(vec8 x) {
+    x = vmax8(x, splat8(kExpMin));
+    const vec8 t = x * kLog2e + 0.5f;
+    const ivec8 truncated = __builtin_convertvector(t, ivec8);  // toward zero; t < 1 here
+    vec8 n = __builtin_convertvector(truncated, vec8);
+    n = n > t ? n - 1.0f : n;  // floor
+    const ivec8 e = (__builtin_convertvector(n, ivec8) + 127) << 23;
+    return exp_poly(x, n) * reinterpret_cast<const vec8&>(e);
+}
+#endif
+
 inline float hmax(vec16 v) {
     v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
     v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));

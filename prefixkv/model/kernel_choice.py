@@ -1,0 +1,391 @@
+"""Which native CPU kernels run, chosen by timing each against the PyTorch path on this machine.
+
+A native kernel proven correct is not yet proven fast: the same source built for another CPU can
+lose to PyTorch (the float32 prefill attention built for AVX2 ran 7-15x slower than SDPA on an AMD
+Zen 3 before its AVX2 loops were written). So at a model's first load on a machine each kernel is
+timed against the path the engine takes without it, on that model's shapes, dtype and thread
+count, and the faster runs (`cpu_kernels.KernelChoice`):
+
+- prefill attention at 128, 512 and 2,048 new tokens against SDPA over contiguous K/V (what a
+  prompt without cached context runs without it): the native kernel takes prompts and chunks up
+  to the longest length it won at, and all of them where it won at every length;
+- decode attention (batch 1 and 8, 512 tokens of context) against the gather + padded SDPA;
+- the small-batch linear (1, 4 and 16 rows of the gate/up product) against the faster of oneDNN's
+  packed kernel and F.linear (the one-call decode step, built of it, runs where it runs);
+- residual add + RMSNorm, SiLU x up, rotary and the K/V cache write at a decode step's rows and a
+  prefill's, against their PyTorch formulations.
+
+Each comparison runs on one thread, both paths alternated, and keeps each path's fastest time: a
+neighbour (or one of our OpenMP threads descheduled at a barrier, which a multi-threaded call then
+waits a whole time slice for) only ever adds time, and on a busy 2-vCPU machine it did so to every
+repetition of a two-thread call, deciding comparisons at random; on one thread the fastest of a few
+is the code's own speed. Both paths split their work over threads alike (heads, rows, column slabs).
+
+The answer is kept on disk (`cache_dir()/kernel-choice`, JSON) keyed by the kernel library (its
+name covers source, flags, compiler, torch and the CPU's flags), the CPU's model name, the shapes
+and dtype, so it is measured once per machine and model shape (~2-5 s). One log line says what
+runs where and why; `describe` gives it again (`prefixkv kernels`).
+
+PREFIXKV_KERNEL_CHOICE=native skips the timing and runs every kernel where it applies (the test
+suite does, for paths that do not depend on the machine's timing); =measure re-times even where
+an answer is on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+ENV_MODE = "PREFIXKV_KERNEL_CHOICE"
+MODES = ("auto", "native", "measure")
+PREFILL_LENGTHS = (128, 512, 2048)
+# the native kernel is kept unless PyTorch is faster by more than this: timings on a busy 2-vCPU
+# machine move a few percent run to run, and the native paths also save allocations and copies
+# the isolated timing does not see
+TOLERANCE = 1.05
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """What of a model decides the kernels' speed."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" / "bfloat16"
+
+
+@dataclass
+class Timed:
+    """One comparison: milliseconds per call of the native kernel and of the PyTorch path."""
+
+    what: str
+    native_ms: float
+    torch_ms: float
+
+    @property
+    def native_wins(self) -> bool:
+        return self.native_ms <= self.torch_ms * TOLERANCE
+
+    def line(self) -> str:
+        winner = "native" if self.native_wins else "PyTorch"
+        return f"{self.what}: native {self.native_ms:.3f} ms, PyTorch {self.torch_ms:.3f} ms -> {winner}"
+
+
+_made: dict[KernelShapes, tuple[cpu_kernels.KernelChoice, list[str]]] = {}
+
+
+def mode() -> str:
+    chosen = os.environ.get(ENV_MODE, "auto") or "auto"
+    if chosen not in MODES:
+        raise ValueError(f"{ENV_MODE}={chosen!r}: expected one of {', '.join(MODES)}")
+    return chosen
+
+
+def choose(shapes: KernelShapes) -> cpu_kernels.KernelChoice | None:
+    """Time (or read from disk) which kernels run for a model of `shapes`, put the answer in force
+    for its dtype (cpu_kernels.set_choice) and return it; None where no native kernel runs here or
+    PREFIXKV_KERNEL_CHOICE=native (then every applicable one runs)."""
+    dtype = getattr(torch, shapes.dtype)
+    if not cpu_kernels.available() or mode() == "native":
+        return None
+    if shapes not in _made:
+        _made[shapes] = _stored_or_measured(shapes)
+    made, _ = _made[shapes]
+    cpu_kernels.set_choice(dtype, made)
+    return made
+
+
+def describe(shapes: KernelShapes) -> list[str]:
+    """The lines of the choice for `shapes` (made if need be)."""
+    choose(shapes)
+    found = _made.get(shapes)
+    if found is None:
+        reason = "PREFIXKV_KERNEL_CHOICE=native" if mode() == "native" else "no native kernels here"
+        return [f"every kernel's native path where it applies ({reason})"]
+    return found[1]
+
+
+def _key(shapes: KernelShapes) -> str:
+    parts = [
+        str(FORMAT_VERSION),
+        cpu_kernels.library_name() or "",
+        _cpu_model(),
+        json.dumps(asdict(shapes), sort_keys=True),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _file(key: str) -> Path:
+    return cpu_kernels.cache_dir().parent / "kernel-choice" / f"{key}.json"
+
+
+def _stored_or_measured(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
+    path = _file(_key(shapes))
+    if mode() != "measure":
+        try:
+            data = json.loads(path.read_text())
+            made = cpu_kernels.KernelChoice(**data["choice"])
+            lines = [str(x) for x in data["lines"]]
+            logger.info("CPU kernels (measured before, %s): %s", path.name, _summary(made))
+            return made, lines
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: measure
+    logger.info(
+        "timing the native CPU kernels against PyTorch on this model's shapes (%s, %s; once per "
+        "machine, a few seconds)",
+        shapes.dtype,
+        f"{shapes.heads}/{shapes.kv_heads} heads of {shapes.head_dim}",
+    )
+    start = time.perf_counter()
+    made, lines = measure(shapes)
+    lines.insert(0, f"{cpu_kernels.arch()} build {cpu_kernels.library_name()}, one thread, {_cpu_model()}")
+    logger.info("CPU kernels (timed in %.1f s): %s", time.perf_counter() - start, _summary(made))
+    for line in lines:
+        logger.debug("  %s", line)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".choice-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"choice": asdict(made), "lines": lines}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache folder: measured again next time
+        logger.info("kernel choice not kept on disk (%s)", e)
+    return made, lines
+
+
+def _summary(made: cpu_kernels.KernelChoice) -> str:
+    native = [name for name, on in asdict(made).items() if name != "prefill_max_tokens" and on]
+    torch_path = [name for name, on in asdict(made).items() if name != "prefill_max_tokens" and not on]
+    cap = made.prefill_max_tokens
+    prefill = "any length" if cap is None else "none" if cap == 0 else f"up to {cap} new tokens"
+    return (
+        f"native prefill attention for {prefill}; native: {', '.join(native) or 'none'}; "
+        f"PyTorch: {', '.join(torch_path) or 'none'}"
+    )
+
+
+def _time(native: Callable[[], object], reference: Callable[[], object], what: str, reps: int = 7) -> Timed:
+    """Both paths alternated, the fastest of `reps` each: a neighbour's burst (or one of our OpenMP
+    threads descheduled at a barrier) only ever adds time, so the minimum is each path's own speed."""
+    native()
+    reference()
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        native()
+        a.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        reference()
+        b.append(time.perf_counter() - t)
+    return Timed(what, min(a) * 1e3, min(b) * 1e3)
+
+
+def measure(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
+    """Time every kernel that applies to `shapes` against its PyTorch path (see the module's
+    docstring); the choice and one line per comparison."""
+    dtype = getattr(torch, shapes.dtype)
+    before, threads = cpu_kernels.choice(dtype), torch.get_num_threads()
+    cpu_kernels.set_choice(dtype, None)  # every kernel callable while timing
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        timed: dict[str, list[Timed]] = {}
+        attention = shapes.head_dim in cpu_kernels.HEAD_DIMS and (
+            shapes.heads % shapes.kv_heads == 0 and shapes.heads // shapes.kv_heads <= cpu_kernels.MAX_GROUP
+        )
+        if attention:
+            timed["prefill"] = [_prefill(shapes, dtype, n, g) for n in PREFILL_LENGTHS]
+            timed["decode_attention"] = [_decode_attention(shapes, dtype, b, g) for b in (1, 8)]
+        if cpu_kernels.small_linear_available(dtype):
+            timed["small_linear"] = [_small_linear(shapes, dtype, m, g) for m in (1, 4, 16)]
+        timed["add_rms_norm"] = [_norm(shapes, dtype, rows, g) for rows in (1, 256)]
+        timed["silu_and_mul"] = [_silu(shapes, dtype, rows, g) for rows in (1, 256)]
+        if attention:
+            timed["rotary"] = [_rotary(shapes, dtype, rows, g) for rows in (1, 256)]
+            timed["write_kv"] = [_write_kv(shapes, dtype, rows, g) for rows in (1, 256)]
+    finally:
+        cpu_kernels.set_choice(dtype, before)
+        torch.set_num_threads(threads)
+
+    def wins(name: str) -> bool:  # where it applies: the sum over the sizes timed
+        runs = timed.get(name)
+        return not runs or sum(t.native_ms for t in runs) <= TOLERANCE * sum(t.torch_ms for t in runs)
+
+    cap: int | None = None
+    if "prefill" in timed:
+        won = [t.native_wins for t in timed["prefill"]]
+        if not all(won):
+            # the longest length it won at with every shorter one won too (0: none)
+            cap = 0
+            for n, ok in zip(PREFILL_LENGTHS, won):
+                if not ok:
+                    break
+                cap = n
+    made = cpu_kernels.KernelChoice(
+        prefill_max_tokens=cap,
+        decode_attention=wins("decode_attention"),
+        small_linear=wins("small_linear"),
+        add_rms_norm=wins("add_rms_norm"),
+        silu_and_mul=wins("silu_and_mul"),
+        rotary=wins("rotary"),
+        write_kv=wins("write_kv"),
+    )
+    return made, [t.line() for runs in timed.values() for t in runs]
+
+
+def _prefill(shapes: KernelShapes, dtype: torch.dtype, n: int, g: torch.Generator) -> Timed:
+    Hq, Hkv, D = shapes.heads, shapes.kv_heads, shapes.head_dim
+    q = torch.randn(n, Hq, D, generator=g).to(dtype)
+    k = torch.randn(n, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(n, Hkv, D, generator=g).to(dtype)
+    slots = torch.arange(n)
+    seqs = torch.tensor([[0, n, n, 0]])
+    out = torch.empty_like(q)
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    gqa = Hq != Hkv
+
+    def native() -> None:
+        cpu_kernels.prefill_attention(q, k, v, seqs, slots, D**-0.5, out)
+
+    def reference() -> None:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=D**-0.5, enable_gqa=gqa)
+        out.copy_(o[0].transpose(0, 1))
+
+    return _time(native, reference, f"prefill attention, {n} tokens", reps=3 if n >= 2048 else 7)
+
+
+def _decode_attention(shapes: KernelShapes, dtype: torch.dtype, batch: int, g: torch.Generator) -> Timed:
+    Hq, Hkv, D, L = shapes.heads, shapes.kv_heads, shapes.head_dim, 512
+    q = torch.randn(batch, Hq, D, generator=g).to(dtype)
+    k = torch.randn(batch * L + 16, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(batch * L + 16, Hkv, D, generator=g).to(dtype)
+    slots = torch.randperm(batch * L + 16, generator=g)[: batch * L].view(batch, L)
+    lens = torch.full((batch,), L)
+
+    def native() -> None:
+        cpu_kernels.decode_attention(q, k, v, slots, lens, D**-0.5)
+
+    def reference() -> None:  # attention.paged_attention's path without the kernel
+        kc = k.index_select(0, slots.reshape(-1)).view(batch, L, Hkv, D).transpose(1, 2)
+        vc = v.index_select(0, slots.reshape(-1)).view(batch, L, Hkv, D).transpose(1, 2)
+        F.scaled_dot_product_attention(q.view(batch, Hkv, Hq // Hkv, D), kc, vc, scale=D**-0.5)
+
+    return _time(native, reference, f"decode attention, batch {batch} x {L} tokens")
+
+
+def _small_linear(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generator) -> Timed:
+    weight = (torch.randn(2 * shapes.intermediate, shapes.hidden, generator=g) * 0.02).to(dtype)
+    x = torch.randn(rows, shapes.hidden, generator=g).to(dtype)
+    small = cpu_kernels.small_linear_weight(weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    N = weight.shape[0]
+
+    def native() -> None:
+        assert small is not None
+        cpu_kernels.small_linear(x, small, N)
+
+    def onednn() -> None:
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def mkl() -> None:
+        F.linear(x, weight)
+
+    first = _time(native, onednn, f"small linear, {rows} rows x {shapes.hidden} -> {N}")
+    if dtype == torch.float32:  # DualLayoutLinear takes F.linear at few rows where the kernel is not chosen
+        other = _time(native, mkl, "")
+        first.torch_ms = min(first.torch_ms, other.torch_ms)
+    return first
+
+
+def _norm(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generator) -> Timed:
+    h = torch.randn(rows, shapes.hidden, generator=g).to(dtype)
+    delta = (torch.randn(rows, shapes.hidden, generator=g) * 1e-3).to(dtype)
+    weight = torch.ones(shapes.hidden, dtype=dtype)
+
+    def native() -> None:
+        cpu_kernels.add_rms_norm(h, delta, weight, 1e-5)
+
+    def reference() -> None:  # layers.RMSNorm.add_and_norm without the kernel
+        s = h + delta
+        if dtype == torch.float32:
+            F.rms_norm(s, (shapes.hidden,), weight, 1e-5)
+        else:
+            weight * F.rms_norm(s.float(), (shapes.hidden,), None, 1e-5).to(dtype)
+
+    return _time(native, reference, f"add + RMSNorm, {rows} rows")
+
+
+def _silu(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generator) -> Timed:
+    gate_up = torch.randn(rows, 2 * shapes.intermediate, generator=g).to(dtype)
+
+    def native() -> None:
+        cpu_kernels.silu_and_mul(gate_up)
+
+    def reference() -> None:
+        cpu_kernels.reference_silu_and_mul(gate_up)
+
+    return _time(native, reference, f"SiLU x up, {rows} rows")
+
+
+def _rotary(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generator) -> Timed:
+    D = shapes.head_dim
+    x = torch.randn(rows, shapes.heads, D, generator=g).to(dtype)
+    angles = torch.rand(rows, D // 2, generator=g)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+
+    def native() -> None:
+        cpu_kernels.rotary_(x, cos, sin)
+
+    def reference() -> None:
+        cpu_kernels.reference_rotary(x, cos, sin)
+
+    return _time(native, reference, f"rotary, {rows} rows")
+
+
+def _write_kv(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generator) -> Timed:
+    Hkv, D = shapes.kv_heads, shapes.head_dim
+    qkv = torch.randn(rows, (shapes.heads + 2 * Hkv) * D, generator=g).to(dtype)
+    k = qkv[:, shapes.heads * D : (shapes.heads + Hkv) * D].view(rows, Hkv, D)
+    v = qkv[:, (shapes.heads + Hkv) * D :].view(rows, Hkv, D)
+    k_flat = torch.zeros(4 * rows + 64, Hkv, D, dtype=dtype)
+    v_flat = torch.zeros_like(k_flat)
+    slots = torch.randperm(k_flat.shape[0], generator=g)[:rows]
+
+    def native() -> None:
+        cpu_kernels.write_kv(k, v, k_flat, v_flat, slots)
+
+    def reference() -> None:
+        k_flat.index_copy_(0, slots, k)
+        v_flat.index_copy_(0, slots, v)
+
+    return _time(native, reference, f"K/V cache write, {rows} rows")

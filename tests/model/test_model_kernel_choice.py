@@ -1,0 +1,160 @@
+"""Kernels chosen by measured speed (prefixkv/model/kernel_choice.py): the timing picks the faster
+path and caps the prefill kernel where it loses; the answer is kept on disk and read back, a
+broken file is measured again; the choice is in force for its dtype; a model runs and answers the
+same whichever kernels were chosen; and every build this CPU can execute passes the kernels'
+equality tests (x86-64-v3 = AVX2 + FMA, x86-64-v4 = AVX-512, besides the native one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.model import cpu_kernels, kernel_choice
+from prefixkv.model.kernel_choice import KernelShapes, Timed
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels here")
+
+SHAPES = KernelShapes(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=32, dtype="float32")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A cache folder of the test's own, timing switched on, and the choices as they were after."""
+    monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(kernel_choice.ENV_MODE, "auto")
+    before = dict(cpu_kernels._choices)
+    kernel_choice._made.clear()
+    yield tmp_path
+    kernel_choice._made.clear()
+    cpu_kernels._choices.clear()
+    cpu_kernels._choices.update(before)
+
+
+def fake_timer(slower: set[str]):
+    """A stand-in for kernel_choice._time: the native path takes 1 ms, PyTorch 2 ms - or 0.5 ms
+    for the comparisons whose description starts with one of `slower` (there native loses)."""
+
+    def timed(native, reference, what, reps=7):
+        native()
+        reference()
+        loses = any(what.startswith(prefix) for prefix in slower)
+        return Timed(what, 1.0, 0.5 if loses else 2.0)
+
+    return timed
+
+
+def test_the_faster_path_is_chosen_and_the_prefill_kernel_capped_where_it_loses(fresh, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "_time", fake_timer({"rotary", "prefill attention, 2048"}))
+    made = kernel_choice.choose(SHAPES)
+    assert made == cpu_kernels.choice(torch.float32)
+    assert made.prefill_max_tokens == 512  # won at 128 and 512, lost at 2,048
+    assert not made.rotary and made.decode_attention and made.add_rms_norm and made.silu_and_mul
+    assert cpu_kernels.prefill_max_new_tokens(torch.float32) == 512
+    assert cpu_kernels.decode_attention_available(torch.float32)
+    x = torch.randn(3, 4, 32)
+    angles = torch.rand(3, 16)
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    assert not cpu_kernels.rotary_(x, cos, sin)  # PyTorch's then
+    assert cpu_kernels.rotary_(x.bfloat16(), cos.bfloat16(), sin.bfloat16())  # another dtype: untouched
+
+
+def test_a_prefill_kernel_that_loses_at_the_shortest_length_takes_nothing(fresh, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "_time", fake_timer({"prefill attention, 128", "decode attention"}))
+    made = kernel_choice.choose(SHAPES)
+    assert made.prefill_max_tokens == 0 and not made.decode_attention
+    assert cpu_kernels.prefill_max_new_tokens(torch.float32) == 0
+    assert not cpu_kernels.decode_attention_available(torch.float32)
+
+
+def test_the_answer_is_kept_on_disk_and_a_broken_file_is_measured_again(fresh, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "_time", fake_timer({"SiLU"}))
+    first = kernel_choice.choose(SHAPES)
+    files = list((fresh / "kernel-choice").glob("*.json"))
+    assert len(files) == 1 and not first.silu_and_mul
+    assert json.loads(files[0].read_text())["choice"]["silu_and_mul"] is False
+
+    kernel_choice._made.clear()  # a new process: read from disk, not timed
+    monkeypatch.setattr(kernel_choice, "_time", lambda *a, **k: pytest.fail("timed again"))
+    assert kernel_choice.choose(SHAPES) == first
+
+    kernel_choice._made.clear()
+    files[0].write_text("{not json")
+    monkeypatch.setattr(kernel_choice, "_time", fake_timer(set()))
+    assert kernel_choice.choose(SHAPES).silu_and_mul  # measured again, and written again
+    assert json.loads(files[0].read_text())["choice"]["silu_and_mul"] is True
+
+
+def test_native_mode_skips_the_timing(fresh, monkeypatch):
+    monkeypatch.setenv(kernel_choice.ENV_MODE, "native")
+    monkeypatch.setattr(kernel_choice, "_time", lambda *a, **k: pytest.fail("timed"))
+    assert kernel_choice.choose(SHAPES) is None
+    monkeypatch.setenv(kernel_choice.ENV_MODE, "sometimes")
+    with pytest.raises(ValueError, match="PREFIXKV_KERNEL_CHOICE"):
+        kernel_choice.choose(SHAPES)
+
+
+def test_real_timing_gives_a_choice_and_its_lines(fresh):
+    """Timed for real on a small shape: every comparison has a line and a positive time."""
+    made, lines = kernel_choice.measure(SHAPES)
+    assert isinstance(made, cpu_kernels.KernelChoice)
+    assert any(line.startswith("prefill attention, 128 tokens") for line in lines)
+    assert all("native " in line and "PyTorch " in line for line in lines)
+
+
+def test_outputs_are_the_same_whichever_kernels_were_chosen(fresh, monkeypatch):
+    """The default model, greedy float32: every kernel native, every one PyTorch's, and a mixed
+    choice give the same tokens (the paths agree within rounding; the test prompt is one where
+    rounding decides nothing)."""
+    monkeypatch.setenv(kernel_choice.ENV_MODE, "measure")  # the stand-in below, never the file
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    results = []
+    for choice in (
+        cpu_kernels.KernelChoice(),
+        cpu_kernels.KernelChoice(
+            prefill_max_tokens=0,
+            decode_attention=False,
+            small_linear=False,
+            add_rms_norm=False,
+            silu_and_mul=False,
+            rotary=False,
+            write_kv=False,
+        ),
+        cpu_kernels.KernelChoice(prefill_max_tokens=4, rotary=False, silu_and_mul=False),
+    ):
+        monkeypatch.setattr(kernel_choice, "measure", lambda shapes, c=choice: (c, ["fixed"]))
+        kernel_choice._made.clear()
+        llm = LLM(dtype="float32", max_model_len=256, cpu_thread_policy="fixed")
+        assert cpu_kernels.choice(torch.float32) == choice
+        results.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert results[0] == results[1] == results[2]
+
+
+OTHER_ARCHES = [a for a in cpu_kernels.ARCHES if a != "native"]
+
+
+@pytest.mark.parametrize("arch", OTHER_ARCHES)
+def test_each_build_this_cpu_runs_passes_the_kernel_tests(arch, tmp_path):
+    """The kernels compiled for another x86-64 level than this CPU's own pass the equality tests
+    where this CPU executes that level: an AVX-512 machine tests the AVX2 build its users on
+    AVX2-only CPUs run."""
+    if not cpu_kernels.arch_runs_here(arch):
+        pytest.skip(f"this CPU does not execute {arch} code")
+    tests = Path(__file__).with_name("test_model_cpu_kernels.py")
+    env = {**os.environ, cpu_kernels.ARCH_ENV: arch}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tests)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
