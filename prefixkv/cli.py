@@ -87,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat, positional_model=False)
     _add_sampling_args(chat, 256)
 
+    kernels = sub.add_parser(
+        "kernels",
+        help="which native CPU kernels run here, and why (timed against PyTorch on the model's shapes)",
+        description="Build the native CPU kernels if need be, then print the CPU, the build and, per "
+        "kernel, its time against the PyTorch path on the model's shapes and which one runs "
+        "(measured once per machine and kept; --remeasure times again).",
+    )
+    kernels.add_argument("model", nargs="?", default=None, help="HF folder or .gguf (default: the embedded model)")
+    kernels.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    kernels.add_argument("--remeasure", action="store_true", help="time again even where an answer is kept")
+
     sub.add_parser(
         "replay",
         help="replay a request trace through the KV cache manager (see docs/replay.md)",
@@ -94,6 +105,38 @@ def build_parser() -> argparse.ArgumentParser:
         description="run 'prefixkv replay --help' for its flags",
     )
     return parser
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    """Print which native CPU kernels run for a model here and the timings that chose them."""
+    import os
+
+    import torch
+
+    from .model import cpu_kernels, kernel_choice, loader
+    from .model.config import ModelConfig
+
+    if args.remeasure:
+        os.environ[kernel_choice.ENV_MODE] = "measure"
+    path = os.path.expanduser(args.model) if args.model else loader.default_model_path()
+    if os.path.isdir(path):
+        config = ModelConfig.from_hf_folder(path)
+    else:  # a GGUF: its header only, no weights
+        reader = loader._open_gguf(path)
+        config = ModelConfig.from_gguf_metadata(reader.metadata, {t.name for t in reader.tensors})
+    dtype = getattr(torch, args.dtype)
+    print(f"CPU: {kernel_choice.cpu_model() or 'unknown'}; build target {cpu_kernels.arch()}")
+    if not cpu_kernels.available():
+        print("native CPU kernels: not available here (see the log line above); the PyTorch path runs")
+        return 0
+    print(f"library: {cpu_kernels.library_name()}")
+    shapes = kernel_choice.KernelShapes.of(config, dtype)
+    for line in kernel_choice.describe(shapes):
+        print(f"  {line}")
+    made = cpu_kernels.choice(dtype)
+    if made is not None:
+        print(kernel_choice.summary(made))
+    return 0
 
 
 def engine_config(args: argparse.Namespace) -> EngineArgs:
@@ -288,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "kernels": cmd_kernels}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

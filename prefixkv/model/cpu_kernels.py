@@ -126,9 +126,12 @@ _library_name: str | None = None
 class KernelChoice:
     """Which native kernels run for one dtype, as timed against the PyTorch path on this machine
     (model/kernel_choice.py). `prefill_max_tokens`: the longest prompt or chunk (new tokens) the
-    native prefill attention takes (0: none; None: no limit but the dtype's default)."""
+    native prefill attention takes (0: none; None: no limit but the dtype's default);
+    `small_linear_max_rows`: the most rows the small-batch linear takes (and so the one-call decode
+    step's batch; None: SMALL_LINEAR_MAX_ROWS)."""
 
     prefill_max_tokens: int | None = None
+    small_linear_max_rows: int | None = None
     decode_attention: bool = True
     small_linear: bool = True
     add_rms_norm: bool = True
@@ -722,6 +725,19 @@ def write_kv(
 
 
 SMALL_LINEAR_BLOCK = 16  # output columns per block of the packed weight (kBlock in the source)
+SMALL_LINEAR_MAX_ROWS = 16  # rows past which oneDNN's kernels are faster (bench/small_linear.py)
+
+
+def small_linear_max_rows(dtype: torch.dtype) -> int:
+    """The most rows `small_linear` takes for `dtype` here (0 where it does not run)."""
+    if not small_linear_available(dtype):
+        return 0
+    made = _choices.get(dtype)
+    if made is None or made.small_linear_max_rows is None:
+        return SMALL_LINEAR_MAX_ROWS
+    return min(made.small_linear_max_rows, SMALL_LINEAR_MAX_ROWS)
+
+
 SMALL_LINEAR_PAIR = 2  # blocks side by side in each step of the layout (kPair in the source)
 
 

@@ -10,8 +10,9 @@ count, and the faster runs (`cpu_kernels.KernelChoice`):
   prompt without cached context runs without it): the native kernel takes prompts and chunks up
   to the longest length it won at, and all of them where it won at every length;
 - decode attention (batch 1 and 8, 512 tokens of context) against the gather + padded SDPA;
-- the small-batch linear (1, 4 and 16 rows of the gate/up product) against the faster of oneDNN's
-  packed kernel and F.linear (the one-call decode step, built of it, runs where it runs);
+- the small-batch linear (1, 2, 4, 8 and 16 rows of the gate/up product) against the faster of
+  oneDNN's packed kernel and F.linear: it takes steps up to the most rows it won at (and so does
+  the one-call decode step, built of it);
 - residual add + RMSNorm, SiLU x up, rotary and the K/V cache write at a decode step's rows and a
   prefill's, against their PyTorch formulations.
 
@@ -47,12 +48,14 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
+from .config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 ENV_MODE = "PREFIXKV_KERNEL_CHOICE"
 MODES = ("auto", "native", "measure")
 PREFILL_LENGTHS = (128, 512, 2048)
+SMALL_LINEAR_ROWS = (1, 2, 4, 8, 16)
 # the native kernel is kept unless PyTorch is faster by more than this: timings on a busy 2-vCPU
 # machine move a few percent run to run, and the native paths also save allocations and copies
 # the isolated timing does not see
@@ -70,6 +73,17 @@ class KernelShapes:
     kv_heads: int
     head_dim: int
     dtype: str  # "float32" / "bfloat16"
+
+    @staticmethod
+    def of(config: ModelConfig, dtype: torch.dtype) -> KernelShapes:
+        return KernelShapes(
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim or config.hidden_size // config.num_attention_heads,
+            dtype=str(dtype).removeprefix("torch."),
+        )
 
 
 @dataclass
@@ -127,13 +141,13 @@ def _key(shapes: KernelShapes) -> str:
     parts = [
         str(FORMAT_VERSION),
         cpu_kernels.library_name() or "",
-        _cpu_model(),
+        cpu_model(),
         json.dumps(asdict(shapes), sort_keys=True),
     ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -154,7 +168,7 @@ def _stored_or_measured(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice,
             data = json.loads(path.read_text())
             made = cpu_kernels.KernelChoice(**data["choice"])
             lines = [str(x) for x in data["lines"]]
-            logger.info("CPU kernels (measured before, %s): %s", path.name, _summary(made))
+            logger.info("CPU kernels (measured before, %s): %s", path.name, summary(made))
             return made, lines
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none yet, or unreadable: measure
@@ -166,8 +180,8 @@ def _stored_or_measured(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice,
     )
     start = time.perf_counter()
     made, lines = measure(shapes)
-    lines.insert(0, f"{cpu_kernels.arch()} build {cpu_kernels.library_name()}, one thread, {_cpu_model()}")
-    logger.info("CPU kernels (timed in %.1f s): %s", time.perf_counter() - start, _summary(made))
+    lines.insert(0, f"{cpu_kernels.arch()} build {cpu_kernels.library_name()}, one thread, {cpu_model()}")
+    logger.info("CPU kernels (timed in %.1f s): %s", time.perf_counter() - start, summary(made))
     for line in lines:
         logger.debug("  %s", line)
     try:
@@ -181,11 +195,15 @@ def _stored_or_measured(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice,
     return made, lines
 
 
-def _summary(made: cpu_kernels.KernelChoice) -> str:
-    native = [name for name, on in asdict(made).items() if name != "prefill_max_tokens" and on]
-    torch_path = [name for name, on in asdict(made).items() if name != "prefill_max_tokens" and not on]
+def summary(made: cpu_kernels.KernelChoice) -> str:
+    caps = ("prefill_max_tokens", "small_linear_max_rows")
+    native = [name for name, on in asdict(made).items() if name not in caps and on]
+    torch_path = [name for name, on in asdict(made).items() if name not in caps and not on]
     cap = made.prefill_max_tokens
     prefill = "any length" if cap is None else "none" if cap == 0 else f"up to {cap} new tokens"
+    rows = made.small_linear_max_rows
+    if made.small_linear and rows is not None:
+        native[native.index("small_linear")] = f"small_linear (up to {rows} rows)"
     return (
         f"native prefill attention for {prefill}; native: {', '.join(native) or 'none'}; "
         f"PyTorch: {', '.join(torch_path) or 'none'}"
@@ -226,7 +244,7 @@ def measure(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
             timed["prefill"] = [_prefill(shapes, dtype, n, g) for n in PREFILL_LENGTHS]
             timed["decode_attention"] = [_decode_attention(shapes, dtype, b, g) for b in (1, 8)]
         if cpu_kernels.small_linear_available(dtype):
-            timed["small_linear"] = [_small_linear(shapes, dtype, m, g) for m in (1, 4, 16)]
+            timed["small_linear"] = [_small_linear(shapes, dtype, m, g) for m in SMALL_LINEAR_ROWS]
         timed["add_rms_norm"] = [_norm(shapes, dtype, rows, g) for rows in (1, 256)]
         timed["silu_and_mul"] = [_silu(shapes, dtype, rows, g) for rows in (1, 256)]
         if attention:
@@ -240,26 +258,32 @@ def measure(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
         runs = timed.get(name)
         return not runs or sum(t.native_ms for t in runs) <= TOLERANCE * sum(t.torch_ms for t in runs)
 
-    cap: int | None = None
-    if "prefill" in timed:
-        won = [t.native_wins for t in timed["prefill"]]
-        if not all(won):
-            # the longest length it won at with every shorter one won too (0: none)
-            cap = 0
-            for n, ok in zip(PREFILL_LENGTHS, won):
-                if not ok:
-                    break
-                cap = n
+    prefill_cap = _cap(timed.get("prefill"), PREFILL_LENGTHS)
+    rows_cap = _cap(timed.get("small_linear"), SMALL_LINEAR_ROWS)
     made = cpu_kernels.KernelChoice(
-        prefill_max_tokens=cap,
+        prefill_max_tokens=prefill_cap,
+        small_linear_max_rows=rows_cap,
         decode_attention=wins("decode_attention"),
-        small_linear=wins("small_linear"),
+        small_linear=rows_cap != 0,
         add_rms_norm=wins("add_rms_norm"),
         silu_and_mul=wins("silu_and_mul"),
         rotary=wins("rotary"),
         write_kv=wins("write_kv"),
     )
     return made, [t.line() for runs in timed.values() for t in runs]
+
+
+def _cap(runs: list[Timed] | None, sizes: tuple[int, ...]) -> int | None:
+    """None where the native path won at every size (or was not timed), else the largest size it
+    won at with every smaller one won too (0: none)."""
+    if not runs or all(t.native_wins for t in runs):
+        return None
+    cap = 0
+    for size, t in zip(sizes, runs):
+        if not t.native_wins:
+            break
+        cap = size
+    return cap
 
 
 def _prefill(shapes: KernelShapes, dtype: torch.dtype, n: int, g: torch.Generator) -> Timed:

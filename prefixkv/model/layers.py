@@ -180,8 +180,9 @@ class DualLayoutLinear(nn.Module):
     of rows: many rows oneDNN-packed (no per-call repacking of the weight), a decode step's few rows
     a kernel that streams the weight once.
 
-    The few-row kernel is the native `cpu_kernels.small_linear` where the CPU has it (AVX-512 for
-    float32, AVX512-BF16 for bfloat16), up to `SMALL_ROWS_NATIVE` rows: on an AMD Zen 4 without AMX
+    The few-row kernel is the native `cpu_kernels.small_linear` where the CPU has it (AVX-512 or AVX2 for
+    float32, AVX512-BF16 for bfloat16), up to the rows timed faster here (kernel_choice; at most
+    cpu_kernels.SMALL_LINEAR_MAX_ROWS): on an AMD Zen 4 without AMX
     it beat oneDNN's packed kernel 1.1-2.5x at 1-16 rows in both dtypes, and MKL's F.linear 2-5x in
     float32 (`bench/small_linear.py`, docs/benchmarks.md). Elsewhere float32 takes F.linear on the
     [out, in] weight (MKL's matrix-vector path) up to `SMALL_ROWS` rows: on an Intel Sapphire Rapids
@@ -192,7 +193,6 @@ class DualLayoutLinear(nn.Module):
     bound. Only for inference."""
 
     SMALL_ROWS = 2
-    SMALL_ROWS_NATIVE = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -202,7 +202,7 @@ class DualLayoutLinear(nn.Module):
         self.small: torch.Tensor | None = cpu_kernels.small_linear_weight(weight)
         self.weight: torch.Tensor | None = None
         if self.small is not None:
-            self.small_rows = self.SMALL_ROWS_NATIVE
+            self.small_rows = cpu_kernels.small_linear_max_rows(weight.dtype)  # as timed here (kernel_choice)
             self.small_bias = None if bias is None else bias.detach().float().contiguous()
         else:
             self.small_rows = self.SMALL_ROWS

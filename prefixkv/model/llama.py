@@ -188,15 +188,7 @@ class LlamaModel(nn.Module):
 
     def kernel_shapes(self) -> KernelShapes:
         """What of this model decides the native kernels' speed (kernel_choice)."""
-        cfg = self.config
-        return KernelShapes(
-            hidden=cfg.hidden_size,
-            intermediate=cfg.intermediate_size,
-            heads=cfg.num_attention_heads,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
-            dtype=str(self.dtype).removeprefix("torch."),
-        )
+        return KernelShapes.of(self.config, self.dtype)
 
     def pack_for_cpu(self) -> bool:
         """On CPU, lay every matmul weight out once for the fastest kernel: two layouts, the kernel
@@ -353,7 +345,7 @@ class _DecodeLayers:
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5  # Attention.scale
-        self.max_rows = DualLayoutLinear.SMALL_ROWS_NATIVE
+        self.max_rows = cpu_kernels.small_linear_max_rows(model.dtype)
         self._caches: list[int] = []  # the addresses of the caches last checked, and as a tensor
         self._caches_tensor = torch.zeros(0, dtype=torch.int64)
 

@@ -65,6 +65,19 @@ def test_the_faster_path_is_chosen_and_the_prefill_kernel_capped_where_it_loses(
     assert cpu_kernels.rotary_(x.bfloat16(), cos.bfloat16(), sin.bfloat16())  # another dtype: untouched
 
 
+def test_the_small_linear_takes_steps_up_to_the_most_rows_it_won_at(fresh, monkeypatch):
+    if not cpu_kernels.small_linear_available(torch.float32):
+        pytest.skip("no small-batch linear kernel here")
+    monkeypatch.setattr(kernel_choice, "_time", fake_timer({"small linear, 8 rows", "small linear, 16 rows"}))
+    made = kernel_choice.choose(SHAPES)
+    assert made.small_linear and made.small_linear_max_rows == 4
+    assert cpu_kernels.small_linear_max_rows(torch.float32) == 4
+    from prefixkv.model.layers import DualLayoutLinear
+
+    layer = DualLayoutLinear(torch.randn(48, 64))
+    assert layer.small is not None and layer.small_rows == 4
+
+
 def test_a_prefill_kernel_that_loses_at_the_shortest_length_takes_nothing(fresh, monkeypatch):
     monkeypatch.setattr(kernel_choice, "_time", fake_timer({"prefill attention, 128", "decode attention"}))
     made = kernel_choice.choose(SHAPES)

@@ -172,6 +172,80 @@ using Scratch = prefixkv::DecodeScratch;
 // and sums in float32 for both float32 and bfloat16. (One pass with an online softmax, a chunk's K
 // and V fetched together, was 6-8% faster in bfloat16 and 5-12% slower in float32 at 8-64
 // sequences, from memory: the two passes stay.)
+#if defined(PREFIXKV_VEC8)
+// AVX2: the same three passes in 8-float vectors (a vec16 goes through the stack there: the
+// vec16 version lost to PyTorch's gather + SDPA 2x at one sequence). Each key's score is its own
+// dot product reduced across lanes (hsum8); weights, sums and the weighted V rows as below.
+template <typename T, int D>
+void attend(const T* q_task, const T* k, const T* v, const int64_t* seq_slots, int64_t lo, int64_t hi, int64_t Hkv,
+            int64_t h, int64_t G, float scale, int64_t stride, Scratch& scratch, float* best_out, float* total) {
+    using prefixkv::load8;
+    using prefixkv::splat8;
+    using prefixkv::store8;
+    using prefixkv::vec8;
+    constexpr int W = D / 8;
+    float* scores = scratch.scores.data();
+    float best[kMaxGroup];
+    for (int64_t g = 0; g < G; ++g) best[g] = -INFINITY;
+    // pass 1: scores
+    for (int64_t g = 0; g < G; ++g) {
+        vec8 query[W];
+        for (int c = 0; c < W; ++c) query[c] = load8(q_task + g * D + 8 * c);
+        float* row = scores + g * stride - lo;
+        for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
+            if (g == 0) prefetch_chunk(k, seq_slots, j0 + kChunk, hi, Hkv, h, D);
+            const int64_t end = hi - j0 < kChunk ? hi : j0 + kChunk;
+            for (int64_t j = j0; j < end; ++j) {
+                const T* key = k + (seq_slots[j] * Hkv + h) * D;
+                vec8 acc = query[0] * load8(key);
+                for (int c = 1; c < W; ++c) acc += query[c] * load8(key + 8 * c);
+                const float sc = prefixkv::hsum8(acc) * scale;
+                row[j] = sc;
+                best[g] = std::max(best[g], sc);
+            }
+        }
+    }
+    // pass 2: softmax weights (unnormalized) and their sums
+    const int64_t n = hi > lo ? hi - lo : 0;
+    for (int64_t g = 0; g < G; ++g) {
+        float* row = scores + g * stride;
+        const float m = best[g];
+        best_out[g] = m;
+        vec8 sum_v = vec8{};
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const vec8 e = prefixkv::exp_nonpositive8(load8(row + j) - m);
+            store8(row + j, e);
+            sum_v += e;
+        }
+        float t = prefixkv::hsum8(sum_v);
+        for (; j < n; ++j) {
+            const float e = prefixkv::exp_nonpositive(row[j] - m);
+            row[j] = e;
+            t += e;
+        }
+        total[g] = t;
+    }
+    // pass 3: every V row once, weighted into the G query heads (accumulators: scratch.acc's floats)
+    float* acc = reinterpret_cast<float*>(scratch.acc.data());
+    for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.0f;
+    for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
+        prefetch_chunk(v, seq_slots, j0 + kChunk, hi, Hkv, h, D);
+        const int64_t end = hi - j0 < kChunk ? hi : j0 + kChunk;
+        for (int64_t g = 0; g < G; ++g) {
+            vec8 a[W];
+            for (int c = 0; c < W; ++c) a[c] = load8(acc + g * D + 8 * c);
+            const float* weight = scores + g * stride - lo;
+            for (int64_t j = j0; j < end; ++j) {
+                const T* value = v + (seq_slots[j] * Hkv + h) * D;
+                const vec8 w = splat8(weight[j]);
+                for (int c = 0; c < W; ++c) a[c] += w * load8(value + 8 * c);
+            }
+            for (int c = 0; c < W; ++c) store8(acc + g * D + 8 * c, a[c]);
+        }
+    }
+}
+#else
 template <typename T, int D>
 void attend(const T* q_task, const T* k, const T* v, const int64_t* seq_slots, int64_t lo, int64_t hi, int64_t Hkv,
             int64_t h, int64_t G, float scale, int64_t stride, Scratch& scratch, float* best_out, float* total) {
@@ -236,6 +310,7 @@ void attend(const T* q_task, const T* k, const T* v, const int64_t* seq_slots, i
     }
     for (int64_t g = 0; g < G; ++g) ValueRows<T, D>::finish(acc + g * V);
 }
+#endif  // PREFIXKV_VEC8
 
 // A task is one sequence and one KV head with its G query heads (a task for all of a sequence's KV
 // heads, reading whole cache rows, was no faster in bfloat16 and 25-30% slower in float32). When

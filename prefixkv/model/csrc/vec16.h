@@ -52,6 +52,29 @@ inline float hsum8(vec8 v) {
     v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
     return v[0];
 }
+// eight float32 or bfloat16 values of memory as one vec8, and back (as load16 / store16 below)
+typedef uint16_t u16vec8 __attribute__((vector_size(16)));
+typedef uint16_t u16vec8_unaligned __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t uvec8 __attribute__((vector_size(32)));
+inline vec8 load8(const uint16_t* p) {
+    const u16vec8 h = *reinterpret_cast<const u16vec8_unaligned*>(p);
+    const uvec8 bits = __builtin_convertvector(h, uvec8) << 16;
+    return reinterpret_cast<const vec8&>(bits);
+}
+inline uvec8 bf16_bits8(vec8 x) {
+    const uvec8 bits = reinterpret_cast<const uvec8&>(x);
+    const uvec8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return x != x ? (bits | 0x00400000u) : rounded;
+}
+inline void store8(uint16_t* p, vec8 x) {
+    *reinterpret_cast<u16vec8_unaligned*>(p) = __builtin_convertvector(bf16_bits8(x) >> 16, u16vec8);
+}
+inline vec8 round_to8(const float*, vec8 x) { return x; }
+inline vec8 round_to8(const uint16_t*, vec8 x) {
+    const uvec8 bits = bf16_bits8(x);
+    return reinterpret_cast<const vec8&>(bits);
+}
+
 // exp(x) for x <= 0 on eight floats: the generic path of exp_nonpositive(vec16) below, lane for lane
 inline vec8 exp_nonpositive8(vec8 x) {
     x = vmax8(x, splat8(kExpMin));
