@@ -15,7 +15,10 @@ digest of everything that decides those bytes:
 - the tokenizer (its full serialization: vocabulary, merges, added tokens, normalization, and
   its BOS/EOS handling), so that two engines whose tokenizers turn a text into other ids keep
   apart;
-- the content-hash function and seed (through the chain's root hash, NONE_HASH).
+- the content-hash function and seed (through the chain's root hash, NONE_HASH);
+- with a tier secret (`kv_tier_secret`), a keyed tag derived from it (never the secret itself),
+  so engines with other secrets - or none - keep to their own keys instead of overwriting each
+  other's values with ones the others refuse.
 
 Everything goes into one digest that prefixes every key, so a store shared by several engines
 or models never even looks in another's keys; the value check (value.py) catches the rest.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 from typing import Any
 
 import cbor2
@@ -105,6 +109,12 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
+def secret_key_tag(secret: bytes) -> bytes:
+    """A tag of the tier secret for the namespace: HMAC-SHA256 of a fixed label under the secret.
+    It names the secret's key space without revealing the secret (keys are visible in the store)."""
+    return hmac.new(secret, b"prefixkv kv-tier namespace", hashlib.sha256).digest()
+
+
 def tier_namespace(
     *,
     weights: str,
@@ -115,9 +125,11 @@ def tier_namespace(
     block_size: int,
     device_type: str,
     root_hash: bytes,
+    secret_tag: bytes | None = None,
 ) -> bytes:
     """16 bytes naming the engine's cache identity. `weights`, `config`, `tokenizer`: the digests
-    above; `root_hash` is the chain's NONE_HASH (it depends on the hash algorithm and its seed)."""
+    above; `root_hash` is the chain's NONE_HASH (it depends on the hash algorithm and its seed);
+    `secret_tag` the tier secret's tag (None without a secret)."""
     ident = cbor2.dumps(
         [
             NAMESPACE_VERSION,
@@ -129,6 +141,7 @@ def tier_namespace(
             block_size,
             device_type,
             root_hash,
+            secret_tag,
         ],
         canonical=True,
     )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .cpu import CPUStore
 from .disk import DEFAULT_DISK_BYTES, DiskStore
 from .manager import TierManager
-from .namespace import config_digest, tier_namespace, tokenizer_digest, weights_digest
+from .namespace import config_digest, secret_key_tag, tier_namespace, tokenizer_digest, weights_digest
 from .spec import parse_spec, split_specs
 from .store import KVStore
 from .transfer import BlockTransfer, block_nbytes
@@ -84,6 +84,7 @@ def attach_tiers(engine: LLMEngine) -> TierManager:
     layout = [(tuple(t.select(dim, 0).shape), str(t.dtype)) for t, dim in parts]
     loaded = engine.loaded
     mm = loaded.multimodal  # a vision-language model: its encoder and preprocessing decide image rows
+    secret = config.tier_secret_bytes()  # never logged: the log says only whether there is one
     vision = (mm.encoder, mm.config, mm.processor) if mm is not None else (None, None, None)
     namespace = tier_namespace(
         weights=weights_digest(loaded.model, vision[0]),
@@ -94,13 +95,18 @@ def attach_tiers(engine: LLMEngine) -> TierManager:
         block_size=config.block_size,
         device_type=engine.device.type,
         root_hash=kv.none_hash,
+        secret_tag=secret_key_tag(secret) if secret is not None else None,
     )
     transfer_nbytes = block_nbytes(parts)
-    tiers = TierManager(stores, namespace, transfer_nbytes)
+    tiers = TierManager(stores, namespace, transfer_nbytes, secret=secret)
     if kv.block_pool.events is not None:  # KV events on: the tiers publish theirs too (medium CPU/DISK/REDIS)
         tiers.enable_events()
     engine.scheduler.tiers = tiers
     tiers.carries_stage_outputs = engine.stage_outputs is not None
     engine.runner.kv_transfer = BlockTransfer(parts, tiers)
-    logger.info("KV tiers: %s", ", ".join(t.spec for t in tiers.tiers))
+    logger.info(
+        "KV tiers: %s%s",
+        ", ".join(t.spec for t in tiers.tiers),
+        " (values authenticated: HMAC-SHA256 under the tier secret)" if secret is not None else "",
+    )
     return tiers
