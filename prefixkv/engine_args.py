@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -38,6 +39,7 @@ MODEL_HELP = (
 )
 
 MM_HASH_MODES = ("exact", "phash")  # prefixkv/multimodal/hashing.py
+TIER_SECRET_ENV = "PREFIXKV_KV_TIER_SECRET"  # kv_tier_secret's default (prefixkv/tiers/value.py)
 DEFAULT_MM_ENCODER_CACHE_BYTES = 128 << 20
 
 
@@ -80,10 +82,12 @@ def _opt(
     choices: Any = None,
     flag: str | None = None,
     cli: bool = True,
+    repr: bool = True,
 ) -> Any:
-    """A field with what its CLI flag needs (help None: no flag)."""
+    """A field with what its CLI flag needs (help None: no flag); `repr=False` keeps a secret out
+    of the dataclass's repr (so out of logs and error messages)."""
     meta = {"help": help, "type": type, "choices": choices, "flag": flag, "cli": cli and help is not None}
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata=meta, repr=repr)
 
 
 def _compat(
@@ -195,6 +199,14 @@ class EngineArgs:
         "a disk or Redis KV tier below the pool and the CPU tier: disk:/path[?size=16GiB] or "
         "redis://host:port/db[?timeout=0.5]; repeat the flag or give a comma list; an engine started "
         "against the same tier serves known prefixes from it (default: none; docs/tiers.md)",
+    )
+    kv_tier_secret: str | bytes | None = _opt(  # noqa: RUF009 (it returns a field)
+        None,
+        "a secret that authenticates the disk and Redis tiers' values: each carries an HMAC-SHA256 under it, "
+        "and a value without a valid one is refused (a miss); engines share blocks only with the same secret. "
+        f"Prefer ${TIER_SECRET_ENV} (a flag is visible in the process list) (default: ${TIER_SECRET_ENV}, else "
+        "none: values are checksummed against corruption, not authenticated; docs/tiers.md)",
+        repr=False,
     )
     pooler_config: dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
         None,
@@ -370,6 +382,27 @@ class EngineArgs:
             parse_spec(text)
         if (size or specs) and not self.enable_prefix_caching:
             raise ValueError("KV tiers (kv_offloading_size / kv_tier) need enable_prefix_caching")
+        secret = self.kv_tier_secret
+        if secret is not None:
+            # the value is never put in a message: it is a secret
+            if not isinstance(secret, (str, bytes)) or not secret:
+                raise ValueError(f"kv_tier_secret must be a non-empty string or bytes, got a {type(secret).__name__}")
+            if not (size or specs):
+                raise ValueError(
+                    "kv_tier_secret authenticates KV tier values: give it with kv_tier or kv_offloading_size"
+                )
+        elif (size or specs) and os.environ.get(TIER_SECRET_ENV):
+            # the environment applies to every engine started in it: taken where there are tiers
+            # (said once in the log, by name only), ignored by an engine without them
+            self.kv_tier_secret = os.environ[TIER_SECRET_ENV]
+            _log_once(f"KV tier values authenticated with the secret from ${TIER_SECRET_ENV}")
+
+    def tier_secret_bytes(self) -> bytes | None:
+        """The KV tier secret as bytes (a string as UTF-8), or None."""
+        secret = self.kv_tier_secret
+        if secret is None:
+            return None
+        return secret.encode() if isinstance(secret, str) else bytes(secret)
 
     def _check_multimodal(self) -> None:
         if self.mm_hash not in MM_HASH_MODES:

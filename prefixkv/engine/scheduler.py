@@ -341,7 +341,8 @@ class Scheduler:
         for item in req.mm_items:
             a, b = max(start, item.offset), min(end, item.offset + item.length)
             if a < b:
-                out.append(EncoderInput(item.identifier, item.data, (a - item.offset, b - item.offset), a - start))
+                rows = (a - item.offset, b - item.offset)
+                out.append(EncoderInput(item.identifier, item.data, rows, a - start, req.cache_salt))
         return tuple(out)
 
     def _preempt(self, req: Request) -> None:

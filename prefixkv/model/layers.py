@@ -251,13 +251,43 @@ def packed_linear_works(dtype: torch.dtype = torch.bfloat16) -> bool:
 LinearKind = type[PackedLinear] | type[TransposedLinear] | type[DualLayoutLinear]
 
 
+def tensor_digest(t: torch.Tensor) -> str:
+    """xxh3-128 of a tensor's dtype, shape and bytes: what identifies a weight (the KV tiers'
+    namespace, prefixkv/tiers/namespace.py)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    data = t.detach().contiguous().cpu()
+    if data.dtype in (torch.bfloat16, torch.float16):
+        data = data.view(torch.int16)
+    elif data.dtype.is_floating_point and data.element_size() == 1:
+        data = data.view(torch.int8)
+    if data.numel():
+        h.update(memoryview(data.reshape(-1).numpy()))
+    return h.hexdigest()
+
+
+def source_digests(weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, str]:
+    """The digests of the weights a packed layer was made from. A packed layer keeps its weights in
+    a kernel's layout, outside the module's parameters (so outside `state_dict()`): these stand for
+    them when the model's weights are identified (LlamaModel.weight_digests)."""
+    out = {"weight": tensor_digest(weight)}
+    if bias is not None:
+        out["bias"] = tensor_digest(bias)
+    return out
+
+
 def pack_linears(module: nn.Module, kind: LinearKind = PackedLinear) -> int:
     """Replace every nn.Linear below `module` by a `kind` (PackedLinear, TransposedLinear or
-    DualLayoutLinear); returns how many."""
+    DualLayoutLinear), each with the digests of the weights it replaces (`source_digests`);
+    returns how many."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, kind(child.weight, child.bias))
+                packed = kind(child.weight, child.bias)
+                packed.source_digests = source_digests(child.weight, child.bias)
+                setattr(parent, name, packed)
                 count += 1
     return count

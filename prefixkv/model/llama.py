@@ -26,6 +26,7 @@ from .layers import (
     dual_layout_works,
     pack_linears,
     packed_linear_works,
+    source_digests,
 )
 
 # Attention kernels on CUDA, in torch's order of preference less cuDNN's: cuDNN's fused attention
@@ -225,6 +226,9 @@ class LlamaModel(nn.Module):
             self.packed_head = head_kind(self.embed_tokens.weight)
         else:
             self.packed_head = head_kind(self.lm_head.weight)
+            # the head's weights stay identifiable under their own name (namespace.weights_digest)
+            self.packed_head.source_digests = source_digests(self.lm_head.weight, None)
+            self.packed_head.source_name = "lm_head"
             self.lm_head = None  # its only use is compute_logits, which now takes packed_head
         return True
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..engine.scheduler_output import EncoderInput
-from .encoder_cache import EncoderCache
+from .encoder_cache import EncoderCache, EncoderKey
 from .vision import VisionEncoder
 
 
@@ -19,28 +19,29 @@ class MultiModalEmbedder:
         self.encoder = encoder
         self.cache = cache
 
-    def encoder_outputs(self, inputs: Sequence[EncoderInput]) -> dict[str, torch.Tensor]:
-        """Every needed item's full encoder output: cached, or encoded now (items shared by
-        several requests of the step are encoded once)."""
-        outputs: dict[str, torch.Tensor] = {}
-        missing: dict[str, torch.Tensor] = {}
+    def encoder_outputs(self, inputs: Sequence[EncoderInput]) -> dict[EncoderKey, torch.Tensor]:
+        """Every needed item's full encoder output by its cache key (identity, cache salt): cached,
+        or encoded now (items shared by several requests of the step with the same salt are
+        encoded once)."""
+        outputs: dict[EncoderKey, torch.Tensor] = {}
+        missing: dict[EncoderKey, torch.Tensor] = {}
         for inp in inputs:
-            ident = inp.identifier
-            if ident in outputs or ident in missing:
+            key = inp.cache_key
+            if key in outputs or key in missing:
                 continue
-            cached = self.cache.get(ident)
+            cached = self.cache.get(key)
             if cached is not None:
-                outputs[ident] = cached
+                outputs[key] = cached
             else:
-                missing[ident] = inp.data
+                missing[key] = inp.data
         if missing:
             encoded = self.encoder.encode(torch.stack(list(missing.values())))
             self.cache.encoder_runs += len(missing)
-            for i, ident in enumerate(missing):
+            for i, key in enumerate(missing):
                 # a copy: a view would keep the whole batch alive in the cache
                 out = encoded[i].clone() if len(missing) > 1 else encoded[0]
-                outputs[ident] = out
-                self.cache.put(ident, out)
+                outputs[key] = out
+                self.cache.put(key, out)
         return outputs
 
     def inputs_embeds(
@@ -56,5 +57,5 @@ class MultiModalEmbedder:
             for inp in inputs:
                 a, b = inp.rows
                 dst = base + inp.dest
-                h[dst : dst + (b - a)] = outputs[inp.identifier][a:b].to(h.device, h.dtype)
+                h[dst : dst + (b - a)] = outputs[inp.cache_key][a:b].to(h.device, h.dtype)
         return h

@@ -8,6 +8,9 @@
   imagehash does, to 8-bit grayscale resized to 32x32 with Lanczos). Two images are one item exactly
   when these 64 bits are equal (Hamming distance 0), so a re-compressed or resized copy usually
   hits - and then it gets the first image's KV blocks and encoder output, which can change outputs.
+
+In both modes an identity is shared only within one `cache_salt`: the encoder cache is keyed by
+(identity, salt) (encoder_cache.py) and KV blocks carry the salt through their chain.
 """
 
 from __future__ import annotations

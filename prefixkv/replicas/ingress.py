@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from ..model.loader import load_tokenizer
 from ..router import PrefixIndex, ReplicaLoad, make_router
 from ..server.app import DEFAULT_MODEL_NAME
 from ..server.errors import error_body
+from ..server.launch import api_keys_of
 from .args import router_knobs
 from .event_feed import EventFeed
 from .metrics_merge import merge_expositions
@@ -416,7 +418,15 @@ class Ingress:
         return Response(status_code=200)
 
     @fastapi_app.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        # as a single server's: with --require-cache-salt and an API key, /metrics needs the key
+        # (prefixkv/server/app.py); without a key the replicas leave the per-item counters out
+        keys = api_keys_of(self.args)
+        if keys and getattr(self.args, "require_cache_salt", False):
+            header = request.headers.get("authorization", "").encode()
+            if not sum(secrets.compare_digest(header, f"Bearer {k}".encode()) for k in keys):
+                message = "Unauthorized: a valid API key is required (Authorization: Bearer <key>)"
+                return JSONResponse(error_body(message, 401, "AuthenticationError"), status_code=401)
         await self.router.start()
         live = [r for r in self.router.replicas if r.up]
         texts = await asyncio.gather(

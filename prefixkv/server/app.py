@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 
 from fastapi import Body, FastAPI, Request
@@ -27,7 +28,7 @@ from .errors import APIError, error_response, install_error_handlers
 from .limits import RequestLimits
 from .lora import LoRARegistry, add_lora_routes, load_startup_adapters
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .middleware import APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
+from .middleware import OPEN_PATHS, APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,11 +70,23 @@ def create_app(
     if dev_mode is None:
         dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes")
     names = list(served_model_names or [model_root or DEFAULT_MODEL_NAME])
-    metrics = ServerMetrics(engine, names[0])
+    limits = limits or RequestLimits()
+    keys = [k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k]
+    # A multi-tenant server (--require-cache-salt): /metrics must not tell one tenant what another
+    # sent. With a key, /metrics is behind it like the API; without one it stays open (probes,
+    # scrapes) but leaves out the counters that move when one particular item is seen again.
+    tenants = limits.require_cache_salt
+    metrics = ServerMetrics(engine, names[0], per_item_signals=not (tenants and not keys))
+    if tenants:
+        logging.getLogger("prefixkv.server").info(
+            "--require-cache-salt: %s",
+            "/metrics needs the API key"
+            if keys
+            else "/metrics is open (no --api-key) and leaves out the image encoder cache's counters",
+        )
     async_engine = AsyncEngine(
         engine, on_finished=metrics.on_finished, on_aborted=metrics.aborted.inc, on_step=metrics.on_step
     )
-    limits = limits or RequestLimits()
 
     def count_error(status: int) -> None:
         metrics.http_errors.labels(status=str(status), **metrics.labels).inc()
@@ -110,9 +123,9 @@ def create_app(
     app.state.loras = loras  # the replicas' ingress asks it for an adapter's block-key identity
     # Added last = outermost: the body cap answers before the key is even looked at.
     app.add_middleware(DrainMiddleware, is_draining=lambda: async_engine.is_draining)
-    keys = [k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k]
     if keys:
-        app.add_middleware(APIKeyMiddleware, api_key=keys, on_reject=lambda: count_error(401))
+        open_paths = OPEN_PATHS - {"/metrics"} if tenants else OPEN_PATHS
+        app.add_middleware(APIKeyMiddleware, api_key=keys, on_reject=lambda: count_error(401), open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, on_reject=lambda: count_error(413))
     install_error_handlers(app, count_error)
 

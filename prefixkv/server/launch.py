@@ -63,7 +63,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--require-cache-salt",
         action="store_true",
         help="refuse requests without a cache_salt (multi-tenant deployments: without a salt, a "
-        "client can tell from the time to first token whether someone sent a prompt before)",
+        "client can tell from the time to first token whether someone sent a prompt before); /metrics then "
+        "needs the --api-key, or without one leaves out the image encoder cache's counters",
     )
     g.add_argument(
         "--max-request-body-bytes",

@@ -104,9 +104,10 @@ def iteration_buckets(max_num_batched_tokens: int) -> list[float]:
 
 
 class _EngineCollector:
-    def __init__(self, engine: LLMEngine, labels: dict[str, str]) -> None:
+    def __init__(self, engine: LLMEngine, labels: dict[str, str], per_item: bool = True) -> None:
         self.engine = engine
         self.labels = labels
+        self.per_item = per_item  # ServerMetrics' `per_item_signals`
 
     def describe(self):
         return []
@@ -213,7 +214,7 @@ class _EngineCollector:
             1.0,
         )
         yield info
-        if stats.multimodal:  # the image encoder cache (docs/multimodal.md)
+        if stats.multimodal and self.per_item:  # the image encoder cache (docs/multimodal.md)
             yield counter(
                 "prefixkv:mm_encoder_cache_queries",
                 "Images looked up in the encoder cache (once per image per step that needs it).",
@@ -237,10 +238,13 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, per_item_signals: bool = True) -> None:
+        """`per_item_signals` False leaves out the counters that move when one particular item is
+        seen again (the image encoder cache's queries, hits, runs and bytes): a multi-tenant server
+        (--require-cache-salt) whose /metrics is open to every client (no --api-key)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "engine": "0"}
-        self.registry.register(_EngineCollector(engine, self.labels))
+        self.registry.register(_EngineCollector(engine, self.labels, per_item_signals))
         names = list(self.labels)
         r = self.registry
 

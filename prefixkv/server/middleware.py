@@ -18,21 +18,28 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 class APIKeyMiddleware:
-    """Require `Authorization: Bearer KEY` on every path but OPEN_PATHS; any of several keys
-    (`--api-key` given more than once, as vLLM) is accepted."""
+    """Require `Authorization: Bearer KEY` on every path but `open_paths` (default OPEN_PATHS);
+    any of several keys (`--api-key` given more than once, as vLLM) is accepted."""
 
-    def __init__(self, app: ASGIApp, api_key: str | list[str], on_reject: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | list[str],
+        on_reject: Callable[[], Any] | None = None,
+        open_paths: frozenset[str] = OPEN_PATHS,
+    ) -> None:
         self.app = app
         keys = [api_key] if isinstance(api_key, str) else list(api_key)
         self.expected = [f"Bearer {k}".encode() for k in keys if k]
         self.on_reject = on_reject
+        self.open_paths = open_paths
 
     def _valid(self, header: bytes) -> bool:
         # every key is compared (no early exit), so timing tells nothing about which one is near
         return sum(secrets.compare_digest(header, e) for e in self.expected) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.open_paths:
             header = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not self._valid(header):
                 if self.on_reject is not None:

@@ -15,7 +15,11 @@ from ..engine.stats import EngineStats
 _COUNTERS = (
     ("prefixkv:kv_tier_queries", "queries", "KV tier lookups, in blocks."),
     ("prefixkv:kv_tier_hits", "hits", "KV tier hits loaded into the pool, in blocks."),
-    ("prefixkv:kv_tier_rejected", "rejected", "KV tier values refused on load (corrupted or foreign), in blocks."),
+    (
+        "prefixkv:kv_tier_rejected",
+        "rejected",
+        "KV tier values refused on load (corrupted, foreign, or no valid MAC under the tier secret), in blocks.",
+    ),
     ("prefixkv:kv_tier_loaded_bytes", "bytes_loaded", "Bytes loaded from the KV tier."),
     ("prefixkv:kv_tier_load_seconds", "load_seconds", "Seconds spent reading and checking KV tier values."),
     ("prefixkv:kv_tier_saves", "saves", "Blocks written to the KV tier."),

@@ -31,7 +31,7 @@ import cbor2
 
 from ..cache import BlockRemoved, BlockStored, KVCacheEvent, KVEventBuffer
 from .store import KVStore, describe
-from .value import encode_header, open_value, seal
+from .value import authenticated, encode_header, open_value, seal, without_mac
 from .writer import DEFAULT_MAX_PENDING_BYTES, BackgroundWriter
 
 logger = logging.getLogger("prefixkv")
@@ -44,6 +44,9 @@ MAX_BACKOFF_S = 30.0
 LOAD_TIMEOUT_S = 5.0
 LOAD_THREADS = 2  # loader threads shared by the asynchronous tiers
 MAX_PENDING_EVENTS = 10_000  # tier events between two engine steps; beyond, the oldest are dropped
+# values refused for a MAC that does not verify (a tier secret): one warning per tier per this many
+# seconds, with the count since the last one - a planted or foreign store must not flood the log
+UNAUTHENTICATED_WARNING_S = 60.0
 # KV events' `medium` per tier: "CPU" is vLLM's offloading connector's name for its CPU tier
 MEDIUMS = {"cpu": "CPU", "disk": "DISK", "redis": "REDIS"}
 
@@ -112,6 +115,8 @@ class _Tier:
         self.down_until = 0.0
         self.backoff = 1.0
         self.in_outage = False
+        self.unauthenticated_count = 0  # values refused by the MAC since the last warning
+        self.unauthenticated_warned = -UNAUTHENTICATED_WARNING_S  # time.monotonic() of that warning
         self.known: OrderedDict[bytes, None] = OrderedDict()  # slow tiers: keys we know are stored
         self.writer: BackgroundWriter | None = None
         if not self.fast:
@@ -143,6 +148,23 @@ class _Tier:
                 type(exc).__name__,
                 exc,
             )
+
+    def refused_unauthenticated(self) -> None:
+        """A value whose MAC did not verify under the tier secret: counted as rejected (by the
+        caller) and logged, at most once per UNAUTHENTICATED_WARNING_S per tier."""
+        now = time.monotonic()
+        with self.lock:
+            self.unauthenticated_count += 1
+            if now - self.unauthenticated_warned < UNAUTHENTICATED_WARNING_S:
+                return
+            count, self.unauthenticated_count = self.unauthenticated_count, 0
+            self.unauthenticated_warned = now
+        logger.warning(
+            "KV tier %s: %d value(s) refused: no valid MAC under the tier secret (written without it, with "
+            "another secret, or planted); those blocks are computed instead",
+            self.spec,
+            count,
+        )
 
     def succeeded(self) -> None:
         if self.in_outage:
@@ -222,9 +244,13 @@ class TierManager:
         kv_nbytes: int,
         *,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        secret: bytes | None = None,
     ) -> None:
+        """`secret`: the tier secret (kv_tier_secret): values are sealed with its MAC and values
+        from the disk and Redis tiers must verify (value.py). Kept only here, never logged."""
         if not stores:
             raise ValueError("a tier manager needs at least one store")
+        self._secret = secret
         self.namespace = namespace
         self.kv_nbytes = kv_nbytes  # KV bytes of one block, across layers
         self.tiers = [_Tier(s, max_pending_bytes, namespace) for s in stores]
@@ -280,7 +306,9 @@ class TierManager:
             return []
         tiers = [t for t in self.tiers if t.sync_load] if sync_only else self.tiers
         keys = [self.key(h) for h in hashes[first:last]]
-        found = _walk(tiers, keys, _want(token_ids, extras, block_size, last), first, self.kv_nbytes)
+        found = _walk(
+            tiers, keys, _want(token_ids, extras, block_size, last), first, self.kv_nbytes, None, self._secret
+        )
         return self._promote(found, first, describe)
 
     def start_fetch(
@@ -301,7 +329,7 @@ class TierManager:
         fetch = TierFetch(first, time.monotonic() + self.load_timeout_s)
         want = _want(token_ids, extras, block_size, last)  # copied here, on the engine thread
         keys = [self.key(h) for h in hashes[first:last]]
-        fetch.future = self._loader().submit(_walk, tiers, keys, want, first, self.kv_nbytes, fetch)
+        fetch.future = self._loader().submit(_walk, tiers, keys, want, first, self.kv_nbytes, fetch, self._secret)
         return fetch
 
     def take_fetched(self, fetch: TierFetch, first: int, describe: Describe | None = None) -> list[memoryview]:
@@ -369,7 +397,7 @@ class TierManager:
 
     def store(self, save: KVSave, kv: memoryview | bytes) -> None:
         """The block's KV bytes, copied out by the runner: into every tier that lacks them."""
-        value = seal(save.head, kv)
+        value = seal(save.head, kv, save.key, self._secret)
         for tier in self.tiers:
             if tier.has(save.key) or not tier.up():
                 continue
@@ -468,10 +496,12 @@ def _walk(
     first: int,
     kv_nbytes: int,
     fetch: TierFetch | None = None,
+    secret: bytes | None = None,
 ) -> list[_Found]:
-    """Blocks first, first + 1, ... (keys[i - first]) found in `tiers`, asked in order, checked;
-    stops at the first block no tier holds. Runs on the engine thread (in-memory and `load=sync`
-    tiers) or a loader thread (`fetch`: the others, which never touch the in-memory ones)."""
+    """Blocks first, first + 1, ... (keys[i - first]) found in `tiers`, asked in order, checked
+    (with a tier `secret`, a slow tier's values authenticated first); stops at the first block no
+    tier holds. Runs on the engine thread (in-memory and `load=sync` tiers) or a loader thread
+    (`fetch`: the others, which never touch the in-memory ones)."""
     found: list[_Found] = []
     batches: dict[int, dict[int, bytes | None]] = {}  # slow tier -> block index -> value
     last = first + len(keys)
@@ -507,7 +537,16 @@ def _walk(
             if value is None:
                 tier.add(queries=1, load_seconds=seconds)
                 continue
-            kv = open_value(value, key, want_tokens, want_extras, kv_nbytes)
+            body: bytes | memoryview = value
+            if secret is not None:
+                # in-process memory holds only values sealed or authenticated by this engine
+                checked = without_mac(value) if tier.fast else authenticated(value, key, secret)
+                if checked is None:
+                    tier.add(queries=1, rejected=1, load_seconds=time.perf_counter() - t0)
+                    tier.refused_unauthenticated()
+                    continue
+                body = checked
+            kv = open_value(body, key, want_tokens, want_extras, kv_nbytes)
             if kv is None:
                 tier.add(queries=1, rejected=1, load_seconds=seconds)
                 continue

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .cpu import CPUStore
 from .disk import DEFAULT_DISK_BYTES, DiskStore
 from .manager import TierManager
-from .namespace import tier_namespace, weights_digest
+from .namespace import config_digest, secret_key_tag, tier_namespace, tokenizer_digest, weights_digest
 from .spec import parse_spec, split_specs
 from .store import KVStore
 from .transfer import BlockTransfer, block_nbytes
@@ -82,19 +82,31 @@ def attach_tiers(engine: LLMEngine) -> TierManager:
         parts += [(block_tensors.ensure(n), block_tensors.specs[n].block_dim) for n in stage_names]
     # the value layout (so whether stage outputs travel) is part of the cache identity
     layout = [(tuple(t.select(dim, 0).shape), str(t.dtype)) for t, dim in parts]
+    loaded = engine.loaded
+    mm = loaded.multimodal  # a vision-language model: its encoder and preprocessing decide image rows
+    secret = config.tier_secret_bytes()  # never logged: the log says only whether there is one
+    vision = (mm.encoder, mm.config, mm.processor) if mm is not None else (None, None, None)
     namespace = tier_namespace(
-        weights=weights_digest(engine.loaded.model),
+        weights=weights_digest(loaded.model, vision[0]),
+        config=config_digest(loaded.config, vision[1], vision[2]),
+        dtype=str(engine.dtype),
+        tokenizer=tokenizer_digest(engine.tokenizer),
         kv_layout=layout,
         block_size=config.block_size,
         device_type=engine.device.type,
         root_hash=kv.none_hash,
+        secret_tag=secret_key_tag(secret) if secret is not None else None,
     )
     transfer_nbytes = block_nbytes(parts)
-    tiers = TierManager(stores, namespace, transfer_nbytes)
+    tiers = TierManager(stores, namespace, transfer_nbytes, secret=secret)
     if kv.block_pool.events is not None:  # KV events on: the tiers publish theirs too (medium CPU/DISK/REDIS)
         tiers.enable_events()
     engine.scheduler.tiers = tiers
     tiers.carries_stage_outputs = engine.stage_outputs is not None
     engine.runner.kv_transfer = BlockTransfer(parts, tiers)
-    logger.info("KV tiers: %s", ", ".join(t.spec for t in tiers.tiers))
+    logger.info(
+        "KV tiers: %s%s",
+        ", ".join(t.spec for t in tiers.tiers),
+        " (values authenticated: HMAC-SHA256 under the tier secret)" if secret is not None else "",
+    )
     return tiers

@@ -1,6 +1,7 @@
 """What a tier stores for one KV block, and the checks a value must pass to be loaded.
 
     MAGIC | u32 header length | header (CBOR) | KV bytes | xxh3-128 of everything before it
+          [| HMAC-SHA256 under the tier secret of (u32 key length | key | everything before it)]
 
 The header carries the full key (namespace + content hash), every token id of the prefix up to
 the end of the block and the extra keys (LoRA, multimodal, cache salt) of each of its blocks.
@@ -8,10 +9,20 @@ On load, a value is used only if the checksum matches, the key is the one asked 
 prefix and extra keys are exactly the request's: the content hash only says where to look, so a
 corrupted value, a value of another model or engine, or a hash collision is a miss - never a
 wrong block, whatever the hash function does.
+
+The checksum protects against accidents (a flipped bit, a truncated file, a value of another
+engine), not against someone who can write to the store: anyone can recompute an xxh3. With a tier
+secret (`kv_tier_secret`), every value also carries an HMAC-SHA256 under the secret over its key
+and bytes, and a value from a disk or Redis tier is used only if it verifies (`authenticated`):
+values planted by someone who can write the store but lacks the secret are misses. The CPU tier is
+in-process memory, written only by this engine (values sealed here, or authenticated before they
+were promoted into it), so its values are not verified again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 
 import cbor2
@@ -21,6 +32,7 @@ MAGIC = b"PKVT\x01"
 _HEAD = struct.Struct("<I")
 _SUM = 16  # xxh3-128 digest bytes
 _PREFIX = len(MAGIC) + _HEAD.size
+MAC_SIZE = 32  # HMAC-SHA256 bytes, after the checksum, with a tier secret
 
 
 def encode_header(key: bytes, prefix_tokens: bytes, extras: bytes | None) -> bytes:
@@ -29,16 +41,44 @@ def encode_header(key: bytes, prefix_tokens: bytes, extras: bytes | None) -> byt
     return MAGIC + _HEAD.pack(len(header)) + header
 
 
-def seal(head: bytes, kv: bytes | bytearray | memoryview) -> bytes:
-    """The whole value: header, KV bytes, checksum."""
+def seal(head: bytes, kv: bytes | bytearray | memoryview, key: bytes = b"", secret: bytes | None = None) -> bytes:
+    """The whole value: header, KV bytes, checksum, and with a `secret` the MAC binding it to `key`."""
     h = xxhash.xxh3_128()
     h.update(head)
     h.update(kv)
-    return b"".join((head, kv, h.digest()))
+    body = b"".join((head, kv, h.digest()))
+    if secret is None:
+        return body
+    return body + _mac(secret, key, body)
+
+
+def _mac(secret: bytes, key: bytes, body: bytes | memoryview) -> bytes:
+    m = hmac.new(secret, digestmod=hashlib.sha256)
+    m.update(_HEAD.pack(len(key)))  # the key's length first: (key, body) pairs cannot run into each other
+    m.update(key)
+    m.update(body)
+    return m.digest()
+
+
+def authenticated(value: bytes | memoryview, key: bytes, secret: bytes) -> memoryview | None:
+    """`value` without its MAC when the MAC verifies under `secret` for `key`, else None."""
+    view = memoryview(value)
+    if len(view) < MAC_SIZE:
+        return None
+    body = view[:-MAC_SIZE]
+    if not hmac.compare_digest(_mac(secret, key, body), view[-MAC_SIZE:]):
+        return None
+    return body
+
+
+def without_mac(value: bytes | memoryview) -> memoryview:
+    """A value of this engine's own (the in-process tier) without its MAC, unverified."""
+    view = memoryview(value)
+    return view[: max(0, len(view) - MAC_SIZE)]
 
 
 def open_value(
-    value: bytes, key: bytes, prefix_tokens: bytes | memoryview, extras: bytes | None, kv_nbytes: int
+    value: bytes | memoryview, key: bytes, prefix_tokens: bytes | memoryview, extras: bytes | None, kv_nbytes: int
 ) -> memoryview | None:
     """The KV bytes of `value` if it is exactly the block asked for, else None."""
     view = memoryview(value)
