@@ -46,6 +46,12 @@ class EventPublisher:
         return
 
 
+def _ipv6(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    # an IPv6 address is written in brackets (tcp://[::1]:5557); ZeroMQ sockets are IPv4-only unless told
+    if "[" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 def _binds(endpoint: str) -> bool:
     # vLLM's rule: bind a stable address (wildcard, ipc, inproc), connect to anything else
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -72,6 +78,7 @@ class ZmqEventPublisher(EventPublisher):
         try:
             self._pub.set_hwm(config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            _ipv6(self._pub, config.endpoint)
             if _binds(config.endpoint):
                 self._pub.bind(config.endpoint)
             else:
@@ -79,6 +86,7 @@ class ZmqEventPublisher(EventPublisher):
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                _ipv6(self._replay, config.replay_endpoint)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -87,6 +95,14 @@ class ZmqEventPublisher(EventPublisher):
         self._running = True
         self._thread = threading.Thread(target=self._run, name="prefixkv-kv-events", daemon=True)
         self._thread.start()
+
+    @property
+    def endpoints(self) -> tuple[str, str | None]:
+        """(PUB, replay) as bound or connected (ZeroMQ's LAST_ENDPOINT): the port an endpoint
+        with port * got; None for no replay socket."""
+        pub = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        replay = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
+        return pub, replay
 
     # -- engine thread ------------------------------------------------------------------------
     def publish(self, events: Sequence[KVCacheEvent]) -> None:
