@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Hashable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -48,7 +49,7 @@ def tcp_endpoint(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def _ipv6(sock: zmq.Socket[bytes], endpoint: str) -> None:
+def _ipv6(sock: zmq.Socket[Any], endpoint: str) -> None:
     if "[" in endpoint:  # ZeroMQ sockets are IPv4-only unless told
         sock.setsockopt(zmq.IPV6, 1)
 
