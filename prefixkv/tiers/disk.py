@@ -18,6 +18,7 @@ a daemon loader thread: the manager gives up on it at its load deadline and exit
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -149,7 +150,12 @@ def _read_regular(path: str, size: int | None) -> bytes | None:
     with at most one byte past its size asked for. O_NONBLOCK: opening a FIFO returns at once
     (rather than wait for a writer) and fstat refuses it; O_NOCTTY: a terminal there is not taken
     as ours. FileNotFoundError when there is no file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a Unix socket (or a FIFO's like) in a value's place: not a value
+            return None
+        raise  # gone (FileNotFoundError), unreadable: the caller's business
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size):

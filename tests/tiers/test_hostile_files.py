@@ -160,3 +160,30 @@ def test_a_load_that_never_returns_does_not_hold_the_exit(tmp_path):
         pytest.fail("the process did not exit: it waits for its stuck loader thread")
     assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 20
+
+
+def test_other_kinds_of_files_are_refused_as_values():
+    """A directory, a Unix socket, a file of another size: b"" (rejected by the checks), never
+    an error that would take the tier down."""
+    import shutil
+    import socket as socketlib
+    import tempfile
+
+    from prefixkv.tiers.disk import DiskStore
+
+    folder = tempfile.mkdtemp(prefix="kv")  # short: a Unix socket's path is at most 107 bytes
+    sock = socketlib.socket(socketlib.AF_UNIX)
+    try:
+        store = DiskStore(folder)
+        keys = [bytes([i]) * 4 for i in range(4)]
+        os.mkdir(os.path.join(folder, keys[0].hex() + ".kv"))
+        sock.bind(os.path.join(folder, keys[1].hex() + ".kv"))
+        with open(os.path.join(folder, keys[2].hex() + ".kv"), "wb") as f:
+            f.write(b"x" * 100)
+        store.put(keys[3], b"y" * 64)
+        assert store.get_many(keys, [64, 64, 64, 64]) == [b"", b"", b"", b"y" * 64]
+        assert store.get(keys[2]) == b"x" * 100  # without a size: a regular file is read
+        assert store.get(b"\xff" * 4, 64) is None  # no file: a miss
+    finally:
+        sock.close()
+        shutil.rmtree(folder)
