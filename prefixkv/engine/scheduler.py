@@ -57,7 +57,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Most distinct LoRA adapters among running requests (None: LoRA off); a request whose
-        # adapter would exceed it waits, and requests behind it may go first.
+        # adapter would exceed it waits; base-model requests behind it may go first, requests of
+        # any adapter behind it wait too (so a resident adapter's requests drain and a slot frees).
         self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # every unfinished request, by its engine-private id
         self.waiting: deque[Request] = deque()
@@ -154,13 +155,21 @@ class Scheduler:
         # Then waiting ones, in arrival order, unless this step had to preempt.
         loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras else None
         skipped: list[Request] = []  # waiting for an adapter slot: back at the front afterwards
+        # An older request waits for an adapter slot: newer requests of the resident adapters are
+        # not admitted either, or a steady stream of them would hold the slots forever (a request
+        # for another adapter waited > 45 s behind 38 newer ones of the resident adapter).
+        lora_blocked = False
         while self.waiting and budget > 0 and not out.preempted_req_ids and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not self._tier_fetches[req.request_id].ready():
                 skipped.append(self.waiting.popleft())  # its tier load is in flight: the others go on
                 continue
-            if loras is not None and req.lora_id and req.lora_id not in loras:
-                if len(loras) >= self.max_loras:  # type: ignore[operator]
+            if loras is not None and req.lora_id:
+                if req.lora_id not in loras and len(loras) >= self.max_loras:  # type: ignore[operator]
+                    lora_blocked = True
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if lora_blocked:  # newer than a request waiting for a slot: behind it
                     skipped.append(self.waiting.popleft())
                     continue
             hits: list[KVCacheBlock]

@@ -10,7 +10,10 @@ subscriber past the high-water mark - and keeps the last `buffer_steps` payloads
 
 Replay (as vLLM): a client (REQ or DEALER) sends the first sequence number it wants as 8 bytes
 big-endian to the ROUTER socket; it gets every buffered `[seq, payload]` from there on, then
-`[-1 as 8 signed bytes, b""]`.
+`[-1 as 8 signed bytes, b""]`. A malformed request (another frame count, a start that is not 8
+bytes) gets only the end marker, its payload `b"invalid replay request: ..."` saying why (the
+client is not left waiting for its own timeout). A peer sending a frame longer than any request's
+is disconnected by ZeroMQ before the frame is read (MAXMSGSIZE).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from .wire import encode_batch, hash_converter
 logger = logging.getLogger("prefixkv")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# The longest frame a replay request has is its 8-byte start (the other is the empty delimiter);
+# ZeroMQ disconnects a peer whose frame is longer instead of buffering it (a 300 MB frame cost
+# +600 MB). Room to spare, for clients that pad.
+REPLAY_MAX_FRAME = 256
 
 
 class EventPublisher:
@@ -44,6 +51,12 @@ class EventPublisher:
 
     def shutdown(self) -> None:
         return
+
+
+def _ipv6(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    # an IPv6 address is written in brackets (tcp://[::1]:5557); ZeroMQ sockets are IPv4-only unless told
+    if "[" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 def _binds(endpoint: str) -> bool:
@@ -72,6 +85,7 @@ class ZmqEventPublisher(EventPublisher):
         try:
             self._pub.set_hwm(config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            _ipv6(self._pub, config.endpoint)
             if _binds(config.endpoint):
                 self._pub.bind(config.endpoint)
             else:
@@ -79,6 +93,8 @@ class ZmqEventPublisher(EventPublisher):
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_FRAME)
+                _ipv6(self._replay, config.replay_endpoint)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -87,6 +103,14 @@ class ZmqEventPublisher(EventPublisher):
         self._running = True
         self._thread = threading.Thread(target=self._run, name="prefixkv-kv-events", daemon=True)
         self._thread.start()
+
+    @property
+    def endpoints(self) -> tuple[str, str | None]:
+        """(PUB, replay) as bound or connected (ZeroMQ's LAST_ENDPOINT): the port an endpoint
+        with port * got; None for no replay socket."""
+        pub = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        replay = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
+        return pub, replay
 
     # -- engine thread ------------------------------------------------------------------------
     def publish(self, events: Sequence[KVCacheEvent]) -> None:
@@ -152,17 +176,23 @@ class ZmqEventPublisher(EventPublisher):
         assert self._replay is not None
         frames = self._replay.recv_multipart()
         # REQ clients send [identity, b"", start]; DEALER clients may omit the empty delimiter
+        send = self._replay.send_multipart
         if len(frames) == 3 and frames[1] == b"":
             envelope, start_bytes = [frames[0], b""], frames[2]
         elif len(frames) == 2:
             envelope, start_bytes = [frames[0]], frames[1]
         else:
-            logger.warning("invalid KV event replay request (%d frames)", len(frames))
+            # answered all the same (the envelope as a REQ or a DEALER client sent it), so the
+            # client learns at once rather than at its own timeout
+            envelope = [frames[0], b""] if len(frames) > 1 and frames[1] == b"" else [frames[0]]
+            why = f"{len(frames) - len(envelope)} frames after the envelope; send one: the start sequence"
+            logger.warning("invalid KV event replay request: %s", why)
+            send([*envelope, END_SEQ, f"invalid replay request: {why}".encode()])
             return
-        send = self._replay.send_multipart
         if len(start_bytes) != 8:
-            logger.warning("invalid KV event replay request: the start sequence is %d bytes, not 8", len(start_bytes))
-            send([*envelope, END_SEQ, b""])
+            why = f"the start sequence is {len(start_bytes)} bytes, not 8 (big-endian)"
+            logger.warning("invalid KV event replay request: %s", why)
+            send([*envelope, END_SEQ, f"invalid replay request: {why}".encode()])
             return
         start = int.from_bytes(start_bytes, "big")
         for seq, payload in list(self._buffer):

@@ -19,6 +19,11 @@ from .hashing import item_identity
 from .loader import MultiModalModel
 
 MAX_IMAGE_PIXELS = 50_000_000  # a larger image is refused before it is decoded (decompression bombs)
+# Longest edge over shortest edge. Resizing scales the short edge up to the model's size, so a 1 x N
+# strip of a few hundred bytes would become size x (N * size) pixels (1 x 300,000 at 224: +2.6 GB);
+# the pixel count alone does not catch it. 200 is vLLM's bound for Qwen2-VL; past it a center crop
+# keeps under 0.5 % of the image anyway.
+MAX_IMAGE_ASPECT_RATIO = 200
 MODALITIES = ("image",)
 
 
@@ -33,8 +38,14 @@ def load_image(obj: Any, what: str = "image") -> Image.Image:
         img = obj
     else:
         raise ValueError(f"{what} must be a PIL image or encoded image bytes, got {type(obj).__name__}")
+    # Image.open reads the header only: both bounds hold before a pixel is decoded.
     if img.width * img.height > MAX_IMAGE_PIXELS or img.width < 1 or img.height < 1:
         raise ValueError(f"{what} is {img.width}x{img.height} pixels; at most {MAX_IMAGE_PIXELS} pixels are accepted")
+    if max(img.width, img.height) > MAX_IMAGE_ASPECT_RATIO * min(img.width, img.height):
+        raise ValueError(
+            f"{what} is {img.width}x{img.height} pixels: an aspect ratio (longest over shortest edge) of "
+            f"at most {MAX_IMAGE_ASPECT_RATIO} is accepted, so that resizing it for the model stays bounded"
+        )
     try:
         img.load()
     except Exception as e:  # noqa: BLE001 (truncated or corrupt data)
@@ -87,6 +98,8 @@ class MultiModalInputProcessor:
         prev = 0
         for k, (pos, obj) in enumerate(zip(positions, images)):
             img = load_image(obj, f"image {k}")
+            # before to_rgb copies it and the processor resizes it
+            self.mm.processor.check_size(img.height, img.width, f"image {k}")
             rgb = self.mm.processor.to_rgb(img)
             pixels = self.mm.processor(rgb)
             ids.extend(token_ids[prev:pos])

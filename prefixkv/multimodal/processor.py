@@ -25,6 +25,10 @@ from PIL import Image
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# The most pixels an image may have after resizing (PIL allocates it whole before the crop). With
+# inputs at most 200:1 (inputs.MAX_IMAGE_ASPECT_RATIO) a shortest_edge up to 500 stays under it;
+# only a checkpoint with a larger resize target refuses long images.
+MAX_PROCESSED_PIXELS = 50_000_000
 
 
 @dataclass
@@ -116,6 +120,18 @@ class ImageProcessor:
             return (new_long, new_short) if width <= height else (new_short, new_long)
         return self.size["height"], self.size["width"]
 
+    def check_size(self, height: int, width: int, what: str = "image") -> None:
+        """ValueError when an image of this size would be resized past MAX_PROCESSED_PIXELS; called
+        with the header's size, before the image is converted or resized."""
+        if not self.do_resize:
+            return
+        h, w = self.resize_to(height, width)
+        if h * w > MAX_PROCESSED_PIXELS:
+            raise ValueError(
+                f"{what} is {width}x{height} pixels; this model resizes it to {w}x{h}, and at most "
+                f"{MAX_PROCESSED_PIXELS} pixels are accepted after resizing"
+            )
+
     @staticmethod
     def center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
         """(H, W, C) -> (height, width, C), zero-padded where smaller (as transformers does)."""
@@ -132,6 +148,7 @@ class ImageProcessor:
 
     def __call__(self, image: Image.Image) -> np.ndarray:
         """One PIL image -> (3, H, W) float32 pixel values."""
+        self.check_size(image.height, image.width)  # before to_rgb copies it
         if self.do_convert_rgb:
             image = self.to_rgb(image)
         elif image.mode != "RGB":

@@ -18,7 +18,6 @@ import copy
 import json
 import logging
 import os
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,18 +26,14 @@ import torch
 
 from ..engine.llm_engine import LLMEngine
 from ..engine_args import EngineArgs
+from ..kv_events import ZmqEventPublisher
 from ..server.app import DEFAULT_MODEL_NAME
 from ..server.launch import app_from_args
 from .asgi_bridge import call_asgi
+from .event_feed import event_bind_host, tcp_endpoint
 
 logger = logging.getLogger("prefixkv.replicas")
 EVENTS_TOPIC = "kv-events"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def torch_threads(args: argparse.Namespace) -> int:
@@ -54,18 +49,28 @@ class EngineReplica:
         torch.set_num_threads(torch_threads(args))
         self.replica_index = replica_index
         args = copy.copy(args)
-        self.pub_port, self.replay_port = _free_port(), _free_port()
+        # The events carry every prompt's token ids: bound on the server's --host (loopback by
+        # default), not every interface, on ports the kernel picks at bind time (port "*"; no
+        # port found free, released, then raced for).
+        bind_host = event_bind_host(getattr(args, "host", None))
         args.kv_events_config = json.dumps(
             {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
-                "endpoint": f"tcp://*:{self.pub_port}",
-                "replay_endpoint": f"tcp://*:{self.replay_port}",
+                "endpoint": tcp_endpoint(bind_host, "*"),
+                "replay_endpoint": tcp_endpoint(bind_host, "*"),
                 "topic": EVENTS_TOPIC,
             }
         )
         config = EngineArgs.from_cli_args(args)
         self.engine = LLMEngine(config)
+        publisher = self.engine.kv_event_publisher
+        assert isinstance(publisher, ZmqEventPublisher)
+        pub_endpoint, replay_endpoint = publisher.endpoints
+        assert replay_endpoint is not None
+        self.pub_port = int(pub_endpoint.rsplit(":", 1)[1])
+        self.replay_port = int(replay_endpoint.rsplit(":", 1)[1])
+        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         model_name = config.model or DEFAULT_MODEL_NAME
         # the very app single-engine serve runs; no periodic stats line (the ingress aggregates /metrics)
         self.app = app_from_args(args, self.engine, model_name, log_stats=False)
@@ -76,7 +81,11 @@ class EngineReplica:
             "replica": replica_index,
             "actor_name": ray.get_runtime_context().get_actor_name(),
             "actor_id": ray.get_runtime_context().get_actor_id(),
-            "node_ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "node_ip": node_ip,
+            # where the ingress subscribes: the bound host, or the node's address when bound on every interface
+            "events_host": node_ip if bind_host == "*" else bind_host,
+            "pub_endpoint": pub_endpoint,
+            "replay_endpoint": replay_endpoint,
             "pub_port": self.pub_port,
             "replay_port": self.replay_port,
             "topic": EVENTS_TOPIC,

@@ -13,8 +13,11 @@ no lock.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 from collections.abc import Hashable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -24,6 +27,31 @@ from ..router import PrefixIndex
 logger = logging.getLogger("prefixkv.replicas")
 END_SEQ = -1
 REPLAY_TIMEOUT_S = 5.0
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+
+
+def event_bind_host(host: str | None) -> str:
+    """The interface a replica binds its KV-event sockets on: the server's `--host`, so events
+    (every prompt's token ids) are reachable exactly where the API is. Loopback by default; "*"
+    (every interface) only for a wildcard --host; a host name is resolved to its address."""
+    if not host or host == "localhost":
+        return "127.0.0.1"
+    if host in WILDCARD_HOSTS:
+        return "*"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+
+
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """tcp://host:port, an IPv6 address in brackets (ZeroMQ's form)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _ipv6(sock: zmq.Socket[Any], endpoint: str) -> None:
+    if "[" in endpoint:  # ZeroMQ sockets are IPv4-only unless told
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 class EventFeed:
@@ -32,8 +60,8 @@ class EventFeed:
     ) -> None:
         self.index = index
         self.replica = replica
-        self.pub = f"tcp://{host}:{pub_port}"
-        self.replay = f"tcp://{host}:{replay_port}"
+        self.pub = tcp_endpoint(host, pub_port)
+        self.replay = tcp_endpoint(host, replay_port)
         self.topic = topic.encode()
         self.next_seq = 0
         self.num_batches = 0
@@ -45,6 +73,7 @@ class EventFeed:
         (None: nothing buffered at or after start)."""
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        _ipv6(dealer, self.replay)
         dealer.connect(self.replay)
         first: int | None = None
         try:
@@ -81,6 +110,7 @@ class EventFeed:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        _ipv6(sub, self.pub)
         sub.connect(self.pub)
         try:
             await asyncio.sleep(0.05)  # let the subscription reach the publisher before the replay

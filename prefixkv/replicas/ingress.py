@@ -36,6 +36,7 @@ per adapter and forgotten at every load / unload.
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import secrets
@@ -186,6 +187,27 @@ class Router:
             self._join(r, info, await _actor_of(info))
         asyncio.get_running_loop().create_task(self._poll_forever())
 
+    @staticmethod
+    def _check_reachable(r: Replica, host: str, node_ip: str) -> None:
+        """A replica on another node of the cluster bound its events on its own loopback (--host is
+        loopback): this ingress cannot subscribe, so the router's index stays without its events.
+        Said once per join rather than left to a silent miss."""
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return
+        here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        if loopback and node_ip != here:
+            logger.warning(
+                "engine replica %d runs on node %s but publishes its KV events on its loopback (--host %s): "
+                "the router cannot read them from node %s; give --host an address the nodes reach "
+                "(e.g. 0.0.0.0) for the precise index",
+                r.index,
+                node_ip,
+                host,
+                here,
+            )
+
     def _join(self, r: Replica, info: dict[str, Any], actor: Any) -> None:
         """A replica (new, or restarted by Serve) is up: empty index entries, subscribe to its events."""
         r.actor = actor
@@ -199,7 +221,9 @@ class Router:
         self.index.remove_replica(r.index)
         self.index.add_replica(r.index)
         if self.mode != "approx":
-            feed = EventFeed(self.index, r.index, info["node_ip"], info["pub_port"], info["replay_port"], info["topic"])
+            host = info.get("events_host", info["node_ip"])
+            self._check_reachable(r, host, info["node_ip"])
+            feed = EventFeed(self.index, r.index, host, info["pub_port"], info["replay_port"], info["topic"])
             r.feed_task = asyncio.get_running_loop().create_task(feed.run())
 
     def _leave(self, r: Replica, why: str) -> None:

@@ -175,6 +175,8 @@ def create_app(
     async def health():
         if not async_engine.is_running:
             return error_response("the engine is not running", 503)
+        if async_engine.is_draining:  # a health-checking load balancer takes the server out of rotation
+            return error_response("the server is shutting down", 503)
         return Response(status_code=200)
 
     @app.api_route("/ping", methods=["GET", "POST"])

@@ -112,6 +112,11 @@ class AsyncEngine:
         return self._drain_deadline is not None
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests the engine has and has not finished (streaming or not)."""
+        return len(self._streams)
+
+    @property
     def is_running(self) -> bool:
         return self._running and self.errored is None
 

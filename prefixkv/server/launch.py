@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 from .limits import RequestLimits
@@ -260,17 +261,31 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: soc
         sock = bind_socket(args.host, args.port)
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="prefixkv-http", daemon=True)
 
+    signalled = threading.Event()
+
+    def close_when_drained() -> None:
+        # The listener stays open while requests are in flight, so that new connections get a 503
+        # (and /health a 503) rather than "connection refused": a load balancer sees the server
+        # leave and retries elsewhere. Once nothing is in flight (or the engine has ended what
+        # was left at the deadline) uvicorn closes the listener and finishes its connections.
+        deadline = time.monotonic() + args.shutdown_timeout + 1.0
+        while async_engine.num_in_flight and time.monotonic() < deadline and not server.should_exit:
+            time.sleep(0.05)
+        server.should_exit = True
+
     def stop(signum: int, _frame: Any) -> None:
-        if server.should_exit:  # a second signal: stop now
+        if signalled.is_set():  # a second signal: stop now
             log.info("signal %d again: exiting at once", signum)
+            server.should_exit = True
             server.force_exit = True
             async_engine.begin_drain(0.0)
             return
+        signalled.set()
         log.info(
             "signal %d: draining (in-flight requests may run %gs more), then exiting", signum, args.shutdown_timeout
         )
         async_engine.begin_drain(args.shutdown_timeout)
-        server.should_exit = True
+        threading.Thread(target=close_when_drained, name="prefixkv-drain", daemon=True).start()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)

@@ -99,7 +99,8 @@ class BodyLimitMiddleware:
 
 
 class DrainMiddleware:
-    """While the server shuts down gracefully, new API requests get 503 (in-flight ones finish)."""
+    """While the server shuts down gracefully, new API requests get 503 (in-flight ones finish),
+    with `Connection: close` so a keep-alive client (a load balancer) reconnects elsewhere."""
 
     def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
         self.app = app
@@ -112,6 +113,8 @@ class DrainMiddleware:
             and scope["method"] == "POST"
             and self.is_draining()
         ):
-            await error_response("the server is shutting down", 503)(scope, receive, send)
+            response = error_response("the server is shutting down", 503)
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -29,7 +29,8 @@ class CPUStore:
             self._values.move_to_end(key)  # a hit is a use
         return value
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes], sizes: Sequence[int] | None = None) -> list[bytes | None]:
+        # in memory, put only by this engine: nothing to bound
         return [self.get(k) for k in keys]
 
     def contains(self, key: bytes) -> bool:

@@ -7,11 +7,20 @@ scanning the folder at start (so it holds across restarts, oldest modification f
 the least recently used files are deleted. Engines sharing a folder each keep their own index,
 so the bound is per engine, not global. A full disk makes `put` raise (ENOSPC): the tier
 manager counts it, warns and backs off.
+
+A file in the folder may not be what this code wrote (the folder is shared, or tampered with): a
+read opens it non-blocking (a FIFO in a value's place would block open() forever), refuses
+anything but a regular file of the size the value must have (a huge sparse file would be read
+whole), and reads at most that many bytes. A refused file is returned as b"", a value the checks
+refuse (counted as rejected). A read that hangs all the same (a hung network mount) holds only
+a daemon loader thread: the manager gives up on it at its load deadline and exits without it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -59,15 +68,18 @@ class DiskStore:
     def _name(key: bytes) -> str:
         return key.hex() + SUFFIX
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, size: int | None = None) -> bytes | None:
+        """The value under `key`, None if there is none; b"" for a file that cannot be a value
+        (not a regular file, or not `size` bytes when given)."""
         name = self._name(key)
         try:
-            with open(os.path.join(self.path, name), "rb") as f:
-                value = f.read()
+            value = _read_regular(os.path.join(self.path, name), size)
         except FileNotFoundError:
             with self._lock:
                 self._forget(name)
             return None
+        if value is None:
+            return b""
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
@@ -76,8 +88,10 @@ class DiskStore:
                 self.used_bytes += len(value)
         return value
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return [self.get(k) for k in keys]
+    def get_many(self, keys: Sequence[bytes], sizes: Sequence[int] | None = None) -> list[bytes | None]:
+        if sizes is None:
+            return [self.get(k) for k in keys]
+        return [self.get(k, n) for k, n in zip(keys, sizes, strict=True)]
 
     def contains(self, key: bytes) -> bool:
         return os.path.exists(os.path.join(self.path, self._name(key)))
@@ -129,3 +143,35 @@ class DiskStore:
 
     def close(self) -> None:
         pass
+
+
+def _read_regular(path: str, size: int | None) -> bytes | None:
+    """The bytes of `path` if it is a regular file (of `size` bytes when given), else None, read
+    with at most one byte past its size asked for. O_NONBLOCK: opening a FIFO returns at once
+    (rather than wait for a writer) and fstat refuses it; O_NOCTTY: a terminal there is not taken
+    as ours. FileNotFoundError when there is no file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a Unix socket (or a FIFO's like) in a value's place: not a value
+            return None
+        raise  # gone (FileNotFoundError), unreadable: the caller's business
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size):
+            return None
+        want = st.st_size if size is None else size
+        chunks = []
+        left = want + 1  # one more: a file that grew since fstat is refused, not cut
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) != want:  # changed under us (truncated or grown): not a whole value
+            return None
+        return data
+    finally:
+        os.close(fd)

@@ -18,12 +18,13 @@ outage, counted in the metrics - and the request is simply computed.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,8 +32,8 @@ import cbor2
 
 from ..cache import BlockRemoved, BlockStored, KVCacheEvent, KVEventBuffer
 from .store import KVStore, describe
-from .value import authenticated, encode_header, open_value, seal, without_mac
-from .writer import DEFAULT_MAX_PENDING_BYTES, BackgroundWriter
+from .value import authenticated, encode_header, open_value, seal, value_nbytes, without_mac
+from .writer import DEFAULT_MAX_PENDING_BYTES, EXIT_FLUSH_S, BackgroundWriter
 
 logger = logging.getLogger("prefixkv")
 
@@ -260,7 +261,7 @@ class TierManager:
         # values hold the block's stage outputs too (the stage-output cache is on): requests that
         # read stage outputs of their prefix may load it (set by setup.attach_tiers)
         self.carries_stage_outputs = False
-        self._load_pool: ThreadPoolExecutor | None = None  # started with the first asynchronous load
+        self._load_pool: _DaemonPool | None = None  # started with the first asynchronous load
         self._events: _EventSink | None = None
 
     def enable_events(self) -> None:
@@ -364,9 +365,9 @@ class TierManager:
                         faster.stored(describe(first + i))
         return out
 
-    def _loader(self) -> ThreadPoolExecutor:
+    def _loader(self) -> _DaemonPool:
         if self._load_pool is None:
-            self._load_pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="prefixkv-kv-tier-load")
+            self._load_pool = _DaemonPool(LOAD_THREADS, "prefixkv-kv-tier-load")
         return self._load_pool
 
     @staticmethod
@@ -427,10 +428,17 @@ class TierManager:
 
     def close(self) -> None:
         if self._load_pool is not None:
-            self._load_pool.shutdown(wait=False, cancel_futures=True)
+            self._load_pool.shutdown()
         for tier in self.tiers:
             if tier.writer is not None:
-                tier.writer.flush()
+                # bounded: a store that hangs (a hung mount) must not hold the shutdown
+                if not tier.writer.flush(EXIT_FLUSH_S):
+                    logger.warning(
+                        "KV tier %s: %d value(s) still queued after %g s at close; not stored",
+                        tier.spec,
+                        tier.writer.pending,
+                        EXIT_FLUSH_S,
+                    )
                 tier.writer.close()
             try:
                 tier.store.close()
@@ -439,6 +447,66 @@ class TierManager:
 
     def stats(self) -> tuple[TierStats, ...]:
         return tuple(tier.snapshot() for tier in self.tiers)
+
+
+class _DaemonPool:
+    """Loader threads that never hold up the process's exit. ThreadPoolExecutor's workers are
+    joined at interpreter exit, so one read that never returns (a hung network mount) kept a
+    SIGTERMed server alive forever; these are daemon threads, and `shutdown` only cancels the
+    loads not started. A load already running is abandoned (its request was given up on at the
+    load deadline)."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self._num_threads = num_threads
+        self._name = name
+        self._threads: list[threading.Thread] = []
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the tier loader is shut down")
+            if len(self._threads) < self._num_threads:  # started as needed, as the executor did
+                t = threading.Thread(target=self._run, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 (handed to whoever takes the result)
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+    def shutdown(self) -> None:
+        """Cancel the loads not started and let the threads end; never waits for them."""
+        with self._lock:
+            self._closed = True
+            threads = len(self._threads)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in range(threads):
+            self._jobs.put(None)
 
 
 def _extras_bytes(extras: Sequence[Any] | None, index: int) -> bytes | None:
@@ -506,12 +574,31 @@ def _walk(
     batches: dict[int, dict[int, bytes | None]] = {}  # slow tier -> block index -> value
     last = first + len(keys)
     bs = want.block_size
+    extras_of: dict[int, bytes | None] = {}  # block index -> its extras bytes (asked per batch and per block)
+
+    def extras(i: int) -> bytes | None:
+        if i not in extras_of:
+            extras_of[i] = _extras_bytes(want.extras, i)
+        return extras_of[i]
+
+    def size(i: int) -> int:
+        """The size block i's value must have: a slow store refuses other sizes unread."""
+        e = extras(i)
+        return value_nbytes(
+            len(keys[i - first]),
+            len(want.tokens[: (i + 1) * bs * 4]),
+            None if e is None else len(e),
+            kv_nbytes,
+            mac=secret is not None,
+        )
+
     for i in range(first, last):
         if fetch is not None and fetch.abandoned:
             break
         key = keys[i - first]
         want_tokens = want.tokens[: (i + 1) * bs * 4]
-        want_extras = _extras_bytes(want.extras, i)
+        want_extras = extras(i)
+        extras_of.pop(i - 1, None)  # blocks before are done with
         hit: _Found | None = None
         for t, tier in enumerate(tiers):
             if not tier.up():
@@ -526,7 +613,7 @@ def _walk(
                     batch = batches.get(t)
                     if batch is None or i not in batch:
                         end = min(last, i + REMOTE_BATCH)
-                        values = tier.store.get_many(keys[i - first : end - first])
+                        values = tier.store.get_many(keys[i - first : end - first], [size(j) for j in range(i, end)])
                         batch = batches[t] = dict(zip(range(i, end), values))
                     value = batch.pop(i)
             except Exception as e:  # noqa: BLE001 (a failing store is a miss, reported)

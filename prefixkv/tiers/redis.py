@@ -57,7 +57,8 @@ class RedisStore:
         value: bytes | None = self.client.get(self._key(key))
         return value
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes], sizes: Sequence[int] | None = None) -> list[bytes | None]:
+        # `sizes` unused: MGET returns whole values (Redis bounds a string at 512 MB)
         if not keys:
             return []
         values: list[bytes | None] = self.client.mget([self._key(k) for k in keys])

@@ -56,7 +56,7 @@ class _Unusable:
     def get(self, key: bytes) -> bytes | None:
         raise self.error
 
-    def get_many(self, keys: object) -> list[bytes | None]:
+    def get_many(self, keys: object, sizes: object = None) -> list[bytes | None]:
         raise self.error
 
     def put(self, key: bytes, value: bytes) -> None:

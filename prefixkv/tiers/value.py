@@ -41,6 +41,24 @@ def encode_header(key: bytes, prefix_tokens: bytes, extras: bytes | None) -> byt
     return MAGIC + _HEAD.pack(len(header)) + header
 
 
+def _cbor_bytes_nbytes(n: int) -> int:
+    """Encoded size of a CBOR byte string of n bytes (its head, 1 to 9 bytes, and the bytes)."""
+    head = 1 if n < 24 else 2 if n < 1 << 8 else 3 if n < 1 << 16 else 5 if n < 1 << 32 else 9
+    return head + n
+
+
+def value_nbytes(
+    key_nbytes: int, prefix_tokens_nbytes: int, extras_nbytes: int | None, kv_nbytes: int, mac: bool = False
+) -> int:
+    """The exact size of the value `seal(encode_header(...), kv)` makes for these sizes (`mac`: with
+    a tier secret's MAC): the only size a value of that block can have, so a store can refuse a
+    file of another size unread. The header is {"k": key, "t": tokens, "x": extras or None} (1 byte
+    for the 3-entry map, 2 per one-letter text key)."""
+    header = 1 + 3 * 2 + _cbor_bytes_nbytes(key_nbytes) + _cbor_bytes_nbytes(prefix_tokens_nbytes)
+    header += 1 if extras_nbytes is None else _cbor_bytes_nbytes(extras_nbytes)
+    return _PREFIX + header + kv_nbytes + _SUM + (MAC_SIZE if mac else 0)
+
+
 def seal(head: bytes, kv: bytes | bytearray | memoryview, key: bytes = b"", secret: bytes | None = None) -> bytes:
     """The whole value: header, KV bytes, checksum, and with a `secret` the MAC binding it to `key`."""
     h = xxhash.xxh3_128()

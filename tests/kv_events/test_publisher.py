@@ -267,3 +267,64 @@ def test_endpoint_in_use_is_refused_at_startup():
         except ValueError:
             assert time.time() < deadline, "the endpoint was never released"
             time.sleep(0.05)
+
+
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def _replay_publisher() -> tuple[ZmqEventPublisher, str]:
+    replay = f"tcp://127.0.0.1:{_free_port()}"
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{_free_port()}", replay_endpoint=replay)
+    return ZmqEventPublisher(config), replay
+
+
+def _dealer(endpoint: str) -> zmq.Socket:
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(endpoint)
+    return d
+
+
+def test_malformed_replay_requests_get_an_error_reply():
+    """A request of 4 frames (or any count but 2 and 3) was logged and left unanswered: the client
+    waited for its own timeout. Every malformed request is answered with the end marker, its
+    payload saying what was wrong."""
+    pub, endpoint = _replay_publisher()
+    try:
+        pub.publish([])  # one batch buffered
+        for frames in ([b"", b"\0" * 8, b"x"], [b"a", b"b", b"c"], [b"", b"short"], [b"\0" * 8, b"x", b"y", b"z"]):
+            d = _dealer(endpoint)
+            d.send_multipart(frames)
+            assert d.poll(5000), f"no answer to {len(frames)} frames"
+            reply = d.recv_multipart()
+            assert reply[-2] == END and reply[-1].startswith(b"invalid replay request"), reply
+            d.close()
+        d = _dealer(endpoint)  # and a good request is still served
+        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert d.poll(5000)
+        assert d.recv_multipart()[1] == (0).to_bytes(8, "big")
+        d.close()
+    finally:
+        pub.shutdown()
+
+
+def test_replay_socket_refuses_oversized_frames():
+    """A 300 MB frame to the replay socket was taken whole (+600 MB RSS). ZeroMQ's MAXMSGSIZE
+    disconnects a peer whose frame is longer than any legitimate request's: no answer, nothing
+    kept, and the socket serves the next client."""
+    from prefixkv.kv_events.publisher import REPLAY_MAX_FRAME
+
+    pub, endpoint = _replay_publisher()
+    try:
+        assert pub._replay.getsockopt(zmq.MAXMSGSIZE) == REPLAY_MAX_FRAME
+        assert 8 <= REPLAY_MAX_FRAME < 4096
+        d = _dealer(endpoint)
+        d.send_multipart([b"", b"\0" * (16 << 20)])
+        assert not d.poll(1500), "an oversized request was read and answered"
+        d.close()
+        d = _dealer(endpoint)
+        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert d.poll(5000) and d.recv_multipart()[-2] == END
+        d.close()
+    finally:
+        pub.shutdown()

@@ -131,3 +131,49 @@ def test_image_on_a_text_only_model_is_refused(default_lm):
     with pytest.raises(ValueError, match="text-only"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": make_image(1)}}, GREEDY, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def long_strip_png(long: int, truncate: bool = False) -> bytes:
+    """A 1 x `long` PNG (a few hundred bytes); `truncate` cuts its pixel data so that decoding fails."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (long, 1), (200, 10, 10)).save(buf, format="PNG")
+    data = buf.getvalue()
+    return data[:60] if truncate else data
+
+
+def test_a_1xN_image_is_refused_before_it_is_decoded_or_resized(llm):
+    """Resizing a 1 x N image's short edge up to the model's size made it size x (N * size) pixels
+    (a 661-byte 1 x 300,000 PNG took +2.6 GB): the aspect ratio is refused from the header, before
+    the pixels are decoded (the truncated strip proves nothing was decoded) or resized."""
+    import time
+
+    for data in (long_strip_png(20_000), long_strip_png(300_000, truncate=True)):
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="aspect ratio .* at most 200"):
+            llm.generate({"prompt": "<image>", "multi_modal_data": {"image": data}}, GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 2
+    with pytest.raises(ValueError, match="aspect ratio"):
+        llm.chat(image_msg("data:image/png;base64," + base64.b64encode(long_strip_png(20_000)).decode()), GREEDY)
+    # the bound is on the ratio: 200:1 is taken
+    ok = llm.generate(
+        {"prompt": "<image>", "multi_modal_data": {"image": make_image(5, size=(2000, 10))}}, GREEDY, use_tqdm=False
+    )
+    assert len(ok[0].outputs[0].token_ids) == 4
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_the_processed_size_is_bounded_before_resizing():
+    """A checkpoint whose resize target is large: the size an image would be resized to is checked
+    before PIL allocates it."""
+    from PIL import Image
+
+    from prefixkv.multimodal.processor import MAX_PROCESSED_PIXELS, ImageProcessor
+
+    proc = ImageProcessor(size={"shortest_edge": 4096}, crop_size={"height": 4096, "width": 4096})
+    with pytest.raises(ValueError, match=f"at most {MAX_PROCESSED_PIXELS} pixels"):
+        proc(Image.new("RGB", (20_000, 100)))  # ratio 200: taken, but 819,200 x 4,096 after resizing
+    assert proc(Image.new("RGB", (40, 30))).shape == (3, 4096, 4096)

@@ -249,3 +249,38 @@ def test_killed_replica_is_routed_around_and_rejoins(cluster):
     keys = lora_keys(cluster)
     assert keys[0] is not None and keys[0] == keys[1]
     cluster.wait_idle()
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses a TCP socket of this machine listens on at `port` (/proc/net/tcp{,6})."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr_hex, port_hex = local.split(":")
+                if state != "0A" or int(port_hex, 16) != port:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(addr_hex)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(str(ipaddress.ip_address(raw[:width])))
+    return found
+
+
+def test_kv_event_sockets_listen_on_the_server_host_only(cluster):
+    """The replicas' KV events carry every prompt's token ids: their PUB and replay sockets were
+    bound on tcp://* whatever --host said. They listen on --host (127.0.0.1 here) only, and the
+    replica reports the endpoints it bound."""
+    assert cluster.args.host == "127.0.0.1"
+    for info in cluster.replica_info():
+        for port in (info["pub_port"], info["replay_port"]):
+            assert _listening(port) == {"127.0.0.1"}, (port, _listening(port))
+        assert info["pub_endpoint"] == f"tcp://127.0.0.1:{info['pub_port']}"
+        assert info["replay_endpoint"] == f"tcp://127.0.0.1:{info['replay_port']}"
+        assert info["events_host"] == "127.0.0.1"
+    # and the router still follows the replicas' events (its index is fed through them)
+    complete(cluster, list(range(30, 30 + 4 * BLOCK)))
+    cluster.wait_idle()
