@@ -90,7 +90,7 @@ def arch_runs_here(target: str) -> bool:
     """Whether this CPU executes code built for `target` (native always does)."""
     if target == "native":
         return True
-    have = set(_cpu_flags().split())
+    have = set(cpu_flags().split())
     return all(flag in have for flag in _ARCH_CPU_FLAGS[target])
 
 
@@ -192,7 +192,8 @@ def cache_dir() -> Path:
     return Path(base) / "prefixkv" / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo (empty where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -217,7 +218,7 @@ def _build(
     key = hashlib.sha256(
         b"\0".join(
             x.encode() if isinstance(x, str) else x
-            for x in (source, " ".join([*flags, *link]), version, torch.__version__, _cpu_flags())
+            for x in (source, " ".join([*flags, *link]), version, torch.__version__, cpu_flags())
         )
     ).hexdigest()[:16]
     folder = cache_dir()

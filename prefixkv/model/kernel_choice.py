@@ -113,6 +113,27 @@ def mode() -> str:
     return chosen
 
 
+def warn_if_bfloat16_is_emulated(dtype: torch.dtype) -> bool:
+    """Log once (a warning) where bfloat16 is asked for on an x86 CPU without bfloat16 arithmetic
+    (no AVX512-BF16, no AMX): every product then widens to float32 and rounds back, slower than
+    float32 itself (44-47 against 32-34 CPU-seconds for the demo's prefill on an AMD Zen 3).
+    Returns whether it warned."""
+    global _warned_bf16
+    flags = set(cpu_kernels.cpu_flags().split())
+    if dtype != torch.bfloat16 or _warned_bf16 or "avx2" not in flags or flags & {"avx512_bf16", "amx_bf16"}:
+        return False
+    _warned_bf16 = True
+    logger.warning(
+        "bfloat16 on this CPU (%s) has no bfloat16 arithmetic (no AVX512-BF16, no AMX): products widen to "
+        "float32 and round back, typically slower than --dtype float32, which is also exact",
+        cpu_model() or "unknown",
+    )
+    return True
+
+
+_warned_bf16 = False
+
+
 def choose(shapes: KernelShapes) -> cpu_kernels.KernelChoice | None:
     """Time (or read from disk) which kernels run for a model of `shapes`, put the answer in force
     for its dtype (cpu_kernels.set_choice) and return it; None where no native kernel runs here or
@@ -264,7 +285,7 @@ def measure(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
         prefill_max_tokens=prefill_cap,
         small_linear_max_rows=rows_cap,
         decode_attention=wins("decode_attention"),
-        small_linear=rows_cap != 0,
+        small_linear="small_linear" in timed and rows_cap != 0,
         add_rms_norm=wins("add_rms_norm"),
         silu_and_mul=wins("silu_and_mul"),
         rotary=wins("rotary"),

@@ -202,6 +202,7 @@ class LlamaModel(nn.Module):
         if self.device.type != "cpu" or self.packed_head is not None:
             return False
         if self.dtype in (torch.float32, torch.bfloat16):
+            kernel_choice.warn_if_bfloat16_is_emulated(self.dtype)
             kernel_choice.choose(self.kernel_shapes())  # before the layouts: they follow the choice
         kind: LinearKind
         head_kind: LinearKind

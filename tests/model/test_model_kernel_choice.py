@@ -171,3 +171,17 @@ def test_each_build_this_cpu_runs_passes_the_kernel_tests(arch, tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
+
+
+def test_bfloat16_without_bfloat16_arithmetic_is_said_once(monkeypatch, caplog):
+    """On an AVX2 CPU without AVX512-BF16 or AMX, asking for bfloat16 logs one warning that it is
+    emulated (slower than float32); with the instructions, or for float32, nothing."""
+    monkeypatch.setattr(kernel_choice, "_warned_bf16", False)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma avx512f avx512_bf16")
+    assert not kernel_choice.warn_if_bfloat16_is_emulated(torch.bfloat16)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma")
+    assert not kernel_choice.warn_if_bfloat16_is_emulated(torch.float32)
+    with caplog.at_level("WARNING", logger="prefixkv.model.kernel_choice"):
+        assert kernel_choice.warn_if_bfloat16_is_emulated(torch.bfloat16)
+        assert not kernel_choice.warn_if_bfloat16_is_emulated(torch.bfloat16)  # once
+    assert [r.getMessage() for r in caplog.records if "no bfloat16 arithmetic" in r.getMessage()]
