@@ -14,7 +14,9 @@ So `AdaptiveCpuThreads` measures the foreign load - CPU time that other processe
 CPUs this process may use, from /proc/stat less this process's own CPU time - over windows of a
 quarter second, and sets torch's thread count before each step: a step of few tokens (decode)
 runs on the cores left to it (at least one thread, at most the configured count) while other
-processes keep k of its CPUs busy; every step on a quiet machine on the configured count.
+processes keep k of its CPUs busy; every step on a quiet machine on the configured count. Niced
+neighbours are no competition for a process that is not niced itself (the scheduler runs them on
+what our threads leave): their time is left out (`niced_neighbours_compete`).
 
 A step of many tokens (a prefill) beside a neighbour cannot be decided from the load alone: beside
 one keeping 70% of a core busy two threads prefill 5-10% faster than one, beside one keeping a
@@ -79,16 +81,17 @@ PROBE_SKIPS = 3
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _busy_ticks(cpus: frozenset[int]) -> int | None:
-    """Non-idle time of the given CPUs since boot, in clock ticks (steal included: time the
-    hypervisor gave our virtual CPU to someone else is taken from us too). None where /proc/stat
-    cannot be read."""
+def _cpu_ticks(cpus: frozenset[int]) -> tuple[int, int, int, int] | None:
+    """(user, nice, system, steal) time of the given CPUs since boot, in clock ticks, from
+    /proc/stat: "nice" is the user time of processes above nice 0, "system" here with irq and
+    softirq; steal is time the hypervisor gave our virtual CPU to someone else (taken from us too).
+    None where /proc/stat cannot be read."""
     try:
         with open("/proc/stat", "rb") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    busy = 0
+    user = nice = system = steal = 0
     for line in lines[1:]:
         if not line.startswith(b"cpu"):
             break  # the per-CPU lines come first
@@ -97,8 +100,52 @@ def _busy_ticks(cpus: frozenset[int]) -> int | None:
             continue
         # user nice system idle iowait irq softirq steal [guest guest_nice: already in user/nice]
         ticks = [int(x) for x in fields[:8]]
-        busy += sum(ticks) - ticks[3] - ticks[4]
-    return busy
+        user, nice, steal = user + ticks[0], nice + ticks[1], steal + ticks[7]
+        system += ticks[2] + ticks[5] + ticks[6]
+    return user, nice, system, steal
+
+
+def foreign_seconds(
+    user: float, nice: float, system: float, steal: float, own_user: float, own_system: float, count_nice: bool
+) -> float:
+    """Seconds of our CPUs' time that other processes took in a window, from the window's
+    /proc/stat columns and this process's own user and system time.
+
+    With `count_nice` every busy column less our own time, as the policy always counted. Without
+    (niced_neighbours_compete), niced processes' time is left out: their user time is the "nice"
+    column; their system time is in "system" with everyone's, so it is shared out in proportion
+    to the user time of the niced and the others (a nice-19 compile's system time, 0.2-0.4 cores
+    beside others' niced work on the 2-vCPU VM, alone crossed CONTENDED_CORE)."""
+    if count_nice:
+        return user + nice + system + steal - own_user - own_system
+    others_user = max(0.0, user - own_user)
+    others_system = max(0.0, system - own_system)
+    share = others_user / (others_user + nice) if others_user + nice > 0 else 1.0
+    return others_user + others_system * share + steal
+
+
+def niced_neighbours_compete() -> bool:
+    """Whether other processes' niced time (the "nice" column of /proc/stat: the user time of every
+    process above nice 0, and its share of "system") counts as foreign load for this process.
+
+    Not while this process runs at nice 0 or below: the scheduler weighs a nice-19 neighbour at 15
+    against our 1024 a thread, so it runs on what our threads leave - beside nice-19 busy loops
+    the policy used to drop threads while the cores were in fact ours (a 478-token prefill 8,986
+    ms where vLLM beside the same neighbours took 2,750). /proc/stat does not say how nice: one at
+    nice 1-4 would take a real share (weight 820-423), but niced work is background work by
+    convention. A niced process of our own may be at a neighbour's priority or below it: then
+    niced time competes, as it always did (our own user time is in that column then, and is taken
+    off as always)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0) > 0
+    except (AttributeError, OSError):  # no priorities here: count everything, as before
+        return True
+
+
+def _own_times() -> tuple[float, float]:
+    """This process's user and system CPU seconds (every thread's)."""
+    t = os.times()
+    return t.user, t.system
 
 
 @dataclass
@@ -107,27 +154,35 @@ class ForeignLoad:
 
     cpus: frozenset[int]
     cores: float = 0.0
+    # whether niced processes' time counts (niced_neighbours_compete; fixed at creation: a process
+    # that renices itself later makes a new ForeignLoad)
+    count_nice: bool | None = None
     _at: float = 0.0
-    _busy: int | None = None
-    _own: float = 0.0
+    _ticks: tuple[int, int, int, int] | None = None
+    _own: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
-        self._at, self._busy, self._own = time.monotonic(), _busy_ticks(self.cpus), time.process_time()
+        if self.count_nice is None:
+            self.count_nice = niced_neighbours_compete()
+        self._at, self._ticks, self._own = time.monotonic(), _cpu_ticks(self.cpus), _own_times()
 
     @property
     def available(self) -> bool:
-        return self._busy is not None
+        return self._ticks is not None
 
     def update(self, now: float) -> None:
         """Close the window, and set `cores` from it, if it is long enough."""
-        if now - self._at < WINDOW_S or self._busy is None:
+        if now - self._at < WINDOW_S or self._ticks is None:
             return
-        busy, own = _busy_ticks(self.cpus), time.process_time()
-        if busy is None:
+        ticks, own = _cpu_ticks(self.cpus), _own_times()
+        if ticks is None:
             return
-        foreign = (busy - self._busy) / _TICKS_PER_S - (own - self._own)
+        user, nice, system, steal = ((b - a) / _TICKS_PER_S for a, b in zip(self._ticks, ticks))
+        foreign = foreign_seconds(
+            user, nice, system, steal, own[0] - self._own[0], own[1] - self._own[1], bool(self.count_nice)
+        )
         self.cores = max(0.0, foreign / (now - self._at))
-        self._at, self._busy, self._own = now, busy, own
+        self._at, self._ticks, self._own = now, ticks, own
 
 
 def threads_left(configured: int, cpus: int, foreign_cores: float) -> int:

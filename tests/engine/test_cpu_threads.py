@@ -15,12 +15,15 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
+from prefixkv.engine import cpu_threads
 from prefixkv.engine.cpu_threads import (
     HEAVY_STEP_TOKENS,
     PROBE_SKIPS,
     AdaptiveCpuThreads,
     ForeignLoad,
     LayerProbe,
+    foreign_seconds,
+    niced_neighbours_compete,
     thread_counts_agree,
     threads_for,
 )
@@ -75,6 +78,89 @@ def test_threads_for_quiet_decode_and_prefill():
     assert threads_for(4, 16, 12.0, 1) == 4  # the busy cores are ones we do not use
     assert threads_for(4, 16, 12.6, 1) == 3
     assert threads_for(8, 4, 0.0, 1) == 8  # a deliberate oversubscription is the caller's, when quiet
+
+
+@contextmanager
+def neighbour_at_nice(nice: int) -> Iterator[subprocess.Popen]:
+    """A busy loop at `nice` (absolute) on our CPUs for as long as the block runs; the test is
+    skipped where this process may not set that priority (a nice of 0 from a niced test run, not root)."""
+    loop = f"import os; os.setpriority(os.PRIO_PROCESS, 0, {nice})\nwhile True: pass"
+    proc = subprocess.Popen([sys.executable, "-c", loop], stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        if proc.poll() is not None:
+            pytest.skip(f"cannot run a neighbour at nice {nice} from nice {os.getpriority(os.PRIO_PROCESS, 0)}")
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def quietest(load: ForeignLoad, windows: int = 3) -> float:
+    """The least foreign load of a few windows (this process sleeping): other sessions' work on a
+    shared machine comes and goes; a neighbour of ours stays in every window."""
+    seen = []
+    for _ in range(windows):
+        time.sleep(0.4)
+        load.update(time.monotonic())
+        seen.append(load.cores)
+    return min(seen)
+
+
+def test_a_niced_neighbour_is_not_competition():
+    """A nice-19 busy loop runs on what our threads leave: a process at nice 0 does not count it (it
+    fills the "nice" column of /proc/stat, left out) - read side by side with a monitor that counts it."""
+    cpus = frozenset(os.sched_getaffinity(0))
+    with neighbour_at_nice(19):
+        ignoring, counting = ForeignLoad(cpus, count_nice=False), ForeignLoad(cpus, count_nice=True)
+        seen_by_counting = []
+        seen = []
+        for _ in range(3):
+            time.sleep(0.4)
+            now = time.monotonic()
+            ignoring.update(now)
+            counting.update(now)
+            seen.append(ignoring.cores)
+            seen_by_counting.append(counting.cores)
+    assert max(seen_by_counting) >= 0.6, seen_by_counting  # the loop ran, a whole core of it
+    assert min(seen) < 0.3, seen  # ... and the monitor of a nice-0 process did not see it
+
+
+def test_a_neighbour_at_our_priority_still_counts():
+    with neighbour_at_nice(0):
+        load = ForeignLoad(frozenset(os.sched_getaffinity(0)), count_nice=False)
+        assert quietest(load) >= 0.6, load.cores
+
+
+def test_foreign_seconds_leave_niced_time_out():
+    # (user, nice, system, steal, own user, own system) of a window
+    assert foreign_seconds(0.0, 1.0, 0.3, 0.0, 0.0, 0.0, count_nice=False) == 0.0  # a niced compile: none
+    assert foreign_seconds(0.0, 1.0, 0.3, 0.0, 0.0, 0.0, count_nice=True) == 1.3  # a niced process sees it
+    assert foreign_seconds(1.0, 0.0, 0.2, 0.1, 0.0, 0.0, count_nice=False) == pytest.approx(1.3)
+    # half the others' user time niced: half their system time is theirs
+    assert foreign_seconds(0.5, 0.5, 0.2, 0.0, 0.0, 0.0, count_nice=False) == pytest.approx(0.6)
+    # our own time is in user and system: taken off before the shares
+    assert foreign_seconds(1.2, 1.0, 0.4, 0.0, 1.2, 0.2, count_nice=False) == pytest.approx(0.0)
+    assert foreign_seconds(1.2, 1.0, 0.4, 0.0, 1.2, 0.2, count_nice=True) == pytest.approx(1.2)
+
+
+def test_niced_time_counts_only_for_a_niced_process():
+    assert niced_neighbours_compete() == (os.getpriority(os.PRIO_PROCESS, 0) > 0)
+    assert ForeignLoad(frozenset(os.sched_getaffinity(0))).count_nice == niced_neighbours_compete()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no thread to drop")
+def test_adaptive_threads_keep_the_configured_count_beside_a_niced_neighbour(monkeypatch):
+    """As a process at nice 0 runs it (a niced test run would count the loop: it competes with us then)."""
+    monkeypatch.setattr(cpu_threads, "niced_neighbours_compete", lambda: False)
+    configured = 2
+    with neighbour_at_nice(19), torch_threads(configured):
+        threads = AdaptiveCpuThreads(configured)
+        for _ in range(4):
+            time.sleep(0.3)
+            assert threads.before_step(1) == configured, threads.load.cores
+        threads.restore()
+    assert threads.steps_adapted == 0
 
 
 def test_foreign_load_sees_a_busy_neighbour():
