@@ -34,6 +34,7 @@ import mmap
 import os
 import struct
 import tempfile
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +58,7 @@ HEAD_BYTES = 8 << 20
 TAIL_BYTES = 1 << 20
 _PREFIX = struct.Struct("<4sIQ")  # magic, format version, JSON length
 _CODE = ("loader.py", "gguf_file.py", "llama.py")  # the code from file to parameters
+STALE_TEMP_S = 3600.0  # a temporary file this old is no concurrent writer's
 CHUNK = 16 << 20  # the data is checked in pieces of this size, each with its CRC-32, on every core
 
 
@@ -208,9 +210,10 @@ def store(path: Path, params: dict[str, torch.Tensor]) -> None:
         logger.info("weight cache not written (%s); the next start dequantizes again", e)
         return
     family = path.name.split("-", 1)[0]
-    for old in path.parent.glob(f"{family}-*.pkvw"):
-        if old != path:
-            try:
+    stale = time.time() - STALE_TEMP_S  # a writer killed mid-write leaves its temporary file
+    for old in [*path.parent.glob(f"{family}-*.pkvw"), *path.parent.glob(".weights-*")]:
+        try:
+            if old != path and (old.suffix == ".pkvw" or old.stat().st_mtime < stale):
                 old.unlink()
-            except OSError:
-                pass
+        except OSError:
+            pass

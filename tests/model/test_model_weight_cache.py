@@ -115,10 +115,16 @@ def test_store_and_load_small_tensors(tmp_path):
     # another layout than the model's: not used (and kept)
     assert weight_cache.load(path, {"a": torch.nn.Parameter(torch.zeros(3, 71))}) is None
     assert path.exists()
-    # a newer entry of the same model and dtype replaces the older
+    # a newer entry of the same model and dtype replaces the older; a killed writer's old temporary goes too
+    left = tmp_path / ".weights-killed"
+    left.write_bytes(b"partial")
+    os.utime(left, (0, 0))
+    recent = tmp_path / ".weights-writing"
+    recent.write_bytes(b"in progress")
     newer = tmp_path / "m-k2.pkvw"
     weight_cache.store(newer, params)
     assert sorted(tmp_path.glob("*.pkvw")) == [newer]
+    assert not left.exists() and recent.exists()  # (a concurrent writer's is left alone)
 
 
 def test_the_key_follows_the_file(tmp_path, default_gguf_path):
