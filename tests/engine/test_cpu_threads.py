@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
+from prefixkv.engine import cpu_threads
 from prefixkv.engine.cpu_threads import (
+    CONTENDED_CORE,
     HEAVY_STEP_TOKENS,
     PROBE_SKIPS,
     AdaptiveCpuThreads,
@@ -75,6 +77,102 @@ def test_threads_for_quiet_decode_and_prefill():
     assert threads_for(4, 16, 12.0, 1) == 4  # the busy cores are ones we do not use
     assert threads_for(4, 16, 12.6, 1) == 3
     assert threads_for(8, 4, 0.0, 1) == 8  # a deliberate oversubscription is the caller's, when quiet
+
+
+@contextmanager
+def neighbour_at_nice(nice: int) -> Iterator[subprocess.Popen]:
+    """A busy loop at `nice` (absolute) on our CPUs for as long as the block runs; the test is
+    skipped where this process may not set that priority (a nice of 0 from a niced test run, not root)."""
+    loop = f"import os; os.setpriority(os.PRIO_PROCESS, 0, {nice})\nwhile True: pass"
+    proc = subprocess.Popen([sys.executable, "-c", loop], stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        if proc.poll() is not None:
+            pytest.skip(f"cannot run a neighbour at nice {nice} from nice {os.getpriority(os.PRIO_PROCESS, 0)}")
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def windows(load: ForeignLoad, n: int = 3) -> tuple[list[float], list[float]]:
+    """`n` windows of `load` (this process sleeping), and the same windows counted whole: every
+    busy tick of our CPUs less our own time (what the policy counted before niced neighbours)."""
+    seen, whole = [], []
+    for _ in range(n):
+        ticks, own, at = cpu_threads._cpu_ticks(load.cpus), time.process_time(), time.monotonic()
+        time.sleep(0.4)
+        now = time.monotonic()
+        load.update(now)
+        busy = (cpu_threads._cpu_ticks(load.cpus)[0] - ticks[0]) / cpu_threads._TICKS_PER_S
+        seen.append(load.cores)
+        whole.append((busy - (time.process_time() - own)) / (now - at))
+    return seen, whole
+
+
+def quiet_or_skip(cpus: frozenset[int]) -> None:
+    """Skip where other sessions already keep our CPUs busy (a shared machine): the policy would
+    rightly see them, whatever our own neighbour does."""
+    load = ForeignLoad(cpus, nice=0)
+    if min(windows(load, 2)[0]) >= CONTENDED_CORE:
+        pytest.skip(f"other processes keep {load.cores:.2f} cores of ours busy already")
+
+
+def test_a_niced_neighbour_is_not_competition():
+    """A nice-19 busy loop of our session runs on what our threads leave: a process at nice 0 does not
+    count it - while the same windows counted whole show a core of it."""
+    cpus = frozenset(os.sched_getaffinity(0))
+    with neighbour_at_nice(19):
+        seen, whole = windows(ForeignLoad(cpus, nice=0))
+    assert max(w - s for s, w in zip(seen, whole)) >= 0.6, (seen, whole)  # its core, left out
+
+
+def test_a_niced_neighbour_leaves_a_quiet_machine_quiet():
+    cpus = frozenset(os.sched_getaffinity(0))
+    quiet_or_skip(cpus)
+    with neighbour_at_nice(19):
+        seen, _ = windows(ForeignLoad(cpus, nice=0))
+    assert min(seen) < CONTENDED_CORE, seen
+
+
+def test_a_neighbour_at_our_priority_still_counts():
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    with neighbour_at_nice(own):
+        seen, _ = windows(ForeignLoad(frozenset(os.sched_getaffinity(0))))
+    assert max(seen) >= 0.6, seen
+
+
+def test_niced_processes_of_another_group_still_count():
+    """A niced process in another scheduling group (here: its own session, an autogroup of its own
+    where the kernel groups by session) is weighed as a group against ours: it competes."""
+    own = cpu_threads._sched_group("self")
+    loop = "import os; os.setsid(); os.setpriority(os.PRIO_PROCESS, 0, 19)\nwhile True: pass"
+    proc = subprocess.Popen([sys.executable, "-c", loop])
+    try:
+        time.sleep(0.3)
+        if cpu_threads._sched_group(proc.pid) == own:
+            pytest.skip("a new session shares our scheduling group here (no autogroup)")
+        seen, _ = windows(ForeignLoad(frozenset(os.sched_getaffinity(0)), nice=0))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert max(seen) >= 0.6, seen
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no thread to drop")
+def test_adaptive_threads_keep_the_configured_count_beside_a_niced_neighbour():
+    """As a process at nice 0 runs it (a niced test run would count the loop: it competes with us then)."""
+    cpus = frozenset(os.sched_getaffinity(0))
+    quiet_or_skip(cpus)
+    configured = 2
+    with neighbour_at_nice(19), torch_threads(configured):
+        threads = AdaptiveCpuThreads(configured)
+        threads.load = ForeignLoad(cpus, nice=0)
+        for _ in range(4):
+            time.sleep(0.3)
+            assert threads.before_step(1) == configured, threads.load.cores
+        threads.restore()
+    assert threads.steps_adapted == 0
 
 
 def test_foreign_load_sees_a_busy_neighbour():

@@ -57,6 +57,7 @@ def test_the_engines_kv_caches_take_the_advice():
     tensors = BlockTensors([BlockTensorSpec("kv.0", (2, 16, 3, 64), torch.bfloat16, 1)])
     tensors.allocate(4096, "cpu")  # 48 MiB
     kv = tensors.kv_caches[0]
+    huge_pages.wait_populated()  # faulted in by a thread, where the kernel has MADV_POPULATE_WRITE
     assert torch.count_nonzero(kv) == 0
     assert huge_bytes_at(kv.data_ptr() + kv.numel()) >= 8 * huge_pages.HUGE_PAGE_BYTES
 
@@ -73,3 +74,16 @@ def test_huge_pages_after_the_heap_has_room():
     t = huge_pages.zeros((16, 1 << 20), torch.float32)
     assert torch.count_nonzero(t) == 0
     assert huge_bytes_at(t.data_ptr() + t.numel() * 2) >= 16 * huge_pages.HUGE_PAGE_BYTES
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always"), reason="no THP")
+def test_background_faulting_never_changes_what_is_written():
+    """The thread asks for pages without writing: values written meanwhile stay, the rest is zero."""
+    t = huge_pages.zeros((64, 1 << 20), torch.float32, populate="background")  # 256 MiB
+    t[::7].fill_(3.0)  # while (probably) still being faulted in
+    huge_pages.wait_populated()
+    assert torch.equal(t[::7], torch.full_like(t[::7], 3.0))
+    rest = torch.ones(64, dtype=torch.bool)
+    rest[::7] = False
+    assert torch.count_nonzero(t[rest]) == 0
+    assert huge_bytes_at(t.data_ptr() + t.numel() * 2) >= 64 * huge_pages.HUGE_PAGE_BYTES

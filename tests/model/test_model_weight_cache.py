@@ -1,0 +1,143 @@
+"""The dequantized-weights cache (prefixkv/model/weight_cache.py): a warm load gives the fresh load's
+parameters bit for bit, and a damaged entry is found, removed and written again - never used."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from prefixkv.model import load_model, weight_cache
+from prefixkv.model.llama import LlamaModel
+
+
+@pytest.fixture
+def cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(weight_cache, "folder", lambda: tmp_path / "weights")
+    monkeypatch.delenv(weight_cache.ENV_SWITCH, raising=False)
+    return tmp_path / "weights"
+
+
+def fresh(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The parameters as a load without the cache makes them (dequantized now)."""
+    os.environ[weight_cache.ENV_SWITCH] = "0"
+    try:
+        model = load_model(None, dtype=dtype).model
+    finally:
+        del os.environ[weight_cache.ENV_SWITCH]
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def assert_same(model: LlamaModel, want: dict[str, torch.Tensor]) -> None:
+    got = dict(model.named_parameters())
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def entries(folder) -> list:
+    return sorted(folder.glob("*.pkvw"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_load_equals_fresh_dequantization(cache_folder, monkeypatch, dtype):
+    want = fresh(dtype)
+    assert not entries(cache_folder)  # the switch kept the cache out
+    cold = load_model(None, dtype=dtype).model  # dequantizes and writes the entry
+    assert_same(cold, want)
+    (entry,) = entries(cache_folder)
+
+    def no_dequantization(self, weights):
+        raise AssertionError("the warm load dequantized")
+
+    monkeypatch.setattr(LlamaModel, "load_hf_weights", no_dequantization)
+    warm = load_model(None, dtype=dtype).model
+    assert_same(warm, want)
+    assert entries(cache_folder) == [entry]
+    # the parameters are the file's mapping (copy-on-write): writing one leaves the file as it is
+    warm.norm.weight.data.add_(1.0)
+    assert_same(load_model(None, dtype=dtype).model, want)
+
+
+def damage_truncate(path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 4096)
+
+
+def damage_flip(path) -> None:
+    with open(path, "r+b") as f:  # one bit of a weight in the middle of the data
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def damage_header(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"\xff\xff\xff")
+
+
+def damage_empty(path) -> None:
+    open(path, "wb").close()
+
+
+@pytest.mark.parametrize("damage", [damage_truncate, damage_flip, damage_header, damage_empty])
+def test_a_damaged_entry_is_rebuilt_never_used(cache_folder, caplog, damage):
+    want = fresh(torch.float32)
+    load_model(None, dtype=torch.float32)
+    (entry,) = entries(cache_folder)
+    damage(entry)
+    with caplog.at_level(logging.INFO, logger="prefixkv"):
+        model = load_model(None, dtype=torch.float32).model
+    assert "damaged" in caplog.text and "dequantizing" in caplog.text
+    assert_same(model, want)
+    assert entries(cache_folder) == [entry]  # written again, whole
+    assert weight_cache.load(entry, dict(model.named_parameters())) is not None
+
+
+def test_store_and_load_small_tensors(tmp_path):
+    params = {
+        "a": torch.randn(3, 70),
+        "b": torch.randn(5).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+        "c": torch.arange(weight_cache.CHUNK // 4 + 17, dtype=torch.float32),  # spans two checked pieces
+    }
+    path = tmp_path / "m-k.pkvw"
+    weight_cache.store(path, params)
+    got = weight_cache.load(path, {k: torch.nn.Parameter(v, requires_grad=False) for k, v in params.items()})
+    assert got is not None and got.keys() == params.keys()
+    for k, v in params.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v)
+        assert got[k].numel() == 0 or got[k].data_ptr() % weight_cache.ALIGN == 0
+    # another layout than the model's: not used (and kept)
+    assert weight_cache.load(path, {"a": torch.nn.Parameter(torch.zeros(3, 71))}) is None
+    assert path.exists()
+    # a newer entry of the same model and dtype replaces the older; a killed writer's old temporary goes too
+    left = tmp_path / ".weights-killed"
+    left.write_bytes(b"partial")
+    os.utime(left, (0, 0))
+    recent = tmp_path / ".weights-writing"
+    recent.write_bytes(b"in progress")
+    newer = tmp_path / "m-k2.pkvw"
+    weight_cache.store(newer, params)
+    assert sorted(tmp_path.glob("*.pkvw")) == [newer]
+    assert not left.exists() and recent.exists()  # (a concurrent writer's is left alone)
+
+
+def test_the_key_follows_the_file(tmp_path, default_gguf_path):
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(open(default_gguf_path, "rb").read())
+    first = weight_cache.entry_path(str(copy), torch.float32)
+    assert weight_cache.entry_path(str(copy), torch.float32) == first
+    assert weight_cache.entry_path(str(copy), torch.bfloat16) != first
+    os.utime(copy, ns=(1, 1))  # touched: another key (the same model's family)
+    touched = weight_cache.entry_path(str(copy), torch.float32)
+    assert touched != first and touched.name.split("-")[0] == first.name.split("-")[0]
+    with open(copy, "r+b") as f:  # a changed header at the same size and time: another key
+        f.seek(100)
+        f.write(b"x")
+    os.utime(copy, ns=(1, 1))
+    assert weight_cache.entry_path(str(copy), torch.float32) != touched

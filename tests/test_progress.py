@@ -1,0 +1,56 @@
+"""Start-up stages that say what they do (prefixkv/progress.py), the engine's summary line, and the
+install-time warm-up (prefixkv/model/warmup.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from prefixkv.model import cpu_kernels, default_model_path, row_split, warmup, weight_cache
+from prefixkv.progress import Stages, announced
+
+
+def test_a_slow_stage_says_what_it_does_while_it_runs(caplog):
+    with caplog.at_level(logging.INFO, logger="prefixkv"):
+        with announced("compiling something", after=0.05):
+            time.sleep(0.3)
+            said = caplog.text  # the line is out before the stage ends
+        with announced("something quick", after=1.0):
+            pass
+    assert "compiling something..." in said
+    assert "compiling something: done in 0.3 s" in caplog.text
+    assert "something quick" not in caplog.text
+
+
+def test_stages_sum_up_in_one_line():
+    stages = Stages()
+    with stages.stage("model", "loading"):
+        time.sleep(0.1)
+    with stages.stage("instant", "nothing"):
+        pass
+    line = stages.summary()
+    assert "(model 0.1 s)" in line and "instant" not in line
+
+
+def test_the_engine_logs_its_stages(caplog):
+    from prefixkv import LLM
+
+    with caplog.at_level(logging.INFO, logger="prefixkv"):
+        LLM(device="cpu", max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready in")]
+    assert "model" in ready and "weight layout" in ready, ready
+
+
+def test_warmup_builds_the_kernels_and_caches_the_weights(tmp_path, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "available", lambda: calls.append("kernels") or True)
+    monkeypatch.setattr(row_split, "available", lambda: calls.append("row_split") or False)
+    monkeypatch.setattr(weight_cache, "folder", lambda: tmp_path)
+    with caplog.at_level(logging.INFO, logger="prefixkv"):
+        assert warmup.main(["--dtype", "bfloat16"]) == 0
+    assert calls == ["kernels", "row_split"]
+    assert "native CPU kernels ready, row-split products not used" in caplog.text
+    (entry,) = tmp_path.glob("*.pkvw")
+    assert entry == weight_cache.entry_path(default_model_path(), torch.bfloat16)
