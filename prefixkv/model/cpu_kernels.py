@@ -226,6 +226,7 @@ def _build(
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
+    logger.info("building native CPU kernels %s (once per machine, ~10-60 s) ...", target.name)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     try:
