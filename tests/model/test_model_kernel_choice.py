@@ -185,3 +185,17 @@ def test_bfloat16_without_bfloat16_arithmetic_is_said_once(monkeypatch, caplog):
         assert kernel_choice.warn_if_bfloat16_is_emulated(torch.bfloat16)
         assert not kernel_choice.warn_if_bfloat16_is_emulated(torch.bfloat16)  # once
     assert [r.getMessage() for r in caplog.records if "no bfloat16 arithmetic" in r.getMessage()]
+
+
+def test_the_kernels_command_prints_each_comparison_and_the_choice(tmp_path):
+    """`prefixkv kernels` on the embedded model: the CPU, the build, a line per timed comparison
+    and the summary; the answer is then on disk."""
+    env = {**os.environ, "PREFIXKV_CACHE_DIR": str(tmp_path), kernel_choice.ENV_MODE: "auto"}
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixkv.cli", "kernels"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert out.startswith("CPU: ") and "build target native" in out
+    assert "prefill attention, 512 tokens: native" in out and "native prefill attention for" in out
+    assert list((tmp_path / "kernel-choice").glob("*.json"))
