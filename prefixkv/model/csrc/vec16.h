@@ -16,6 +16,25 @@
 
 namespace prefixkv {
 
+// The pieces shared by the 16- and 8-float vectors below (V: the float vector, IV / UV: its
+// int32 / uint32 twin).
+// exp(x) for x <= 0 lane by lane through integers: exp_nonpositive (exp.h) on a vector
+template <typename V, typename IV>
+inline V exp_nonpositive_lanes(V x, V t) {
+    const IV truncated = __builtin_convertvector(t, IV);  // toward zero; t < 1 here
+    V n = __builtin_convertvector(truncated, V);
+    n = n > t ? n - 1.0f : n;  // floor
+    const IV e = (__builtin_convertvector(n, IV) + 127) << 23;
+    return exp_poly(x, n) * reinterpret_cast<const V&>(e);
+}
+// the bfloat16 nearest to each lane (ties to even; NaN stays a quiet NaN), in its high half
+template <typename V, typename UV>
+inline UV bf16_lanes(V x) {
+    const UV bits = reinterpret_cast<const UV&>(x);
+    const UV rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return x != x ? (bits | 0x00400000u) : rounded;
+}
+
 typedef float vec16 __attribute__((vector_size(64)));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
 typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
@@ -61,11 +80,7 @@ inline vec8 load8(const uint16_t* p) {
     const uvec8 bits = __builtin_convertvector(h, uvec8) << 16;
     return reinterpret_cast<const vec8&>(bits);
 }
-inline uvec8 bf16_bits8(vec8 x) {
-    const uvec8 bits = reinterpret_cast<const uvec8&>(x);
-    const uvec8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    return x != x ? (bits | 0x00400000u) : rounded;
-}
+inline uvec8 bf16_bits8(vec8 x) { return bf16_lanes<vec8, uvec8>(x); }
 inline void store8(uint16_t* p, vec8 x) {
     *reinterpret_cast<u16vec8_unaligned*>(p) = __builtin_convertvector(bf16_bits8(x) >> 16, u16vec8);
 }
@@ -78,12 +93,7 @@ inline vec8 round_to8(const uint16_t*, vec8 x) {
 // exp(x) for x <= 0 on eight floats: the generic path of exp_nonpositive(vec16) below, lane for lane
 inline vec8 exp_nonpositive8(vec8 x) {
     x = vmax8(x, splat8(kExpMin));
-    const vec8 t = x * kLog2e + 0.5f;
-    const ivec8 truncated = __builtin_convertvector(t, ivec8);  // toward zero; t < 1 here
-    vec8 n = __builtin_convertvector(truncated, vec8);
-    n = n > t ? n - 1.0f : n;  // floor
-    const ivec8 e = (__builtin_convertvector(n, ivec8) + 127) << 23;
-    return exp_poly(x, n) * reinterpret_cast<const vec8&>(e);
+    return exp_nonpositive_lanes<vec8, ivec8>(x, x * kLog2e + 0.5f);
 }
 #endif
 
@@ -152,11 +162,7 @@ inline vec16 load16(const uint16_t* p) {
     return reinterpret_cast<const vec16&>(bits);
 }
 // the bfloat16 nearest to x, in the high half of each lane
-inline uvec16 bf16_bits(vec16 x) {
-    const uvec16 bits = reinterpret_cast<const uvec16&>(x);
-    const uvec16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    return x != x ? (bits | 0x00400000u) : rounded;
-}
+inline uvec16 bf16_bits(vec16 x) { return bf16_lanes<vec16, uvec16>(x); }
 inline void store16(float* p, vec16 x) { storev(p, x); }
 inline void store16(uint16_t* p, vec16 x) {
     *reinterpret_cast<u16vec16_unaligned*>(p) = __builtin_convertvector(bf16_bits(x) >> 16, u16vec16);
@@ -183,11 +189,7 @@ inline vec16 exp_nonpositive(vec16 x) {
     const __m512 e = _mm512_scalef_ps(reinterpret_cast<const __m512&>(p), n);
     return reinterpret_cast<const vec16&>(e);
 #else
-    const ivec16 truncated = __builtin_convertvector(t, ivec16);  // toward zero; t < 1 here
-    vec16 n = __builtin_convertvector(truncated, vec16);
-    n = n > t ? n - 1.0f : n;  // floor
-    const ivec16 e = (__builtin_convertvector(n, ivec16) + 127) << 23;
-    return exp_poly(x, n) * reinterpret_cast<const vec16&>(e);
+    return exp_nonpositive_lanes<vec16, ivec16>(x, t);
 #endif
 }
 
