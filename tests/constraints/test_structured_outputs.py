@@ -99,6 +99,10 @@ def test_invalid_specs_are_a_value_error_naming_the_problem(constrained_llm, so,
         (dict(choice=[]), "choice must be a non-empty list"),
         (dict(regex="a", whitespace_pattern=" "), "whitespace_pattern is not supported"),
         (dict(structural_tag="{}"), "structural_tag is not supported"),
+        (dict(choice=[str(i) for i in range(1025)]), "1025 options; at most 1024"),
+        (dict(choice=["x" * 40000, "y" * 40000]), "80000 characters long; at most 65536"),
+        (dict(grammar="root ::= " + '"a" | ' * 20000 + '"b"'), "at most 65536"),
+        (dict(json={"enum": ["v" * 70000]}), "at most 65536"),
     ],
 )
 def test_malformed_params_are_refused(kwargs, match):

@@ -125,6 +125,9 @@ def test_response_format_and_structured_outputs(client):
         ({"structured_outputs": {"jsonn": {}}}, "jsonn"),
         ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, "not both"),
         ({"guided_json": {"type": "object"}}, "structured_outputs"),
+        # bounded before anything compiles: 20,000 options took ~4 s of the one compile slot
+        ({"structured_outputs": {"choice": [f"option {i}" for i in range(20000)]}}, "at most 1024"),
+        ({"structured_outputs": {"regex": "a" * 70000}}, "at most 65536 are accepted"),
     ],
 )
 def test_bad_structured_requests_are_a_400_naming_the_problem(client, fields, needle):
