@@ -178,7 +178,8 @@ class LLM:
         loras = _lora_list(lora_request, len(items))
         for lora in loras:
             if lora is not None:
-                engine.resolve_lora(lora)  # every adapter validated before anything runs
+                # every adapter validated before anything runs, and read again: changed files load anew
+                engine.resolve_lora(lora, reload=True)
         tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
         tokenized = [engine.truncate_prompt(ids, params) for ids, params in zip(tokenized, params_list)]
         processed = []  # images decoded, placeholders expanded: every prompt checked before any runs

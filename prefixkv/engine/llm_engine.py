@@ -478,10 +478,12 @@ class LLMEngine:
         self._update_stats()
         return request_id
 
-    def resolve_lora(self, lora_request: LoRARequest) -> tuple[LoRARequest, int]:
+    def resolve_lora(self, lora_request: LoRARequest, reload: bool = False) -> tuple[LoRARequest, int]:
         """Load (once) and validate the adapter of `lora_request`; returns the request with its
-        weights digest filled in (the cache identity) and the engine's adapter id. ValueError when
-        LoRA is off or the adapter cannot be served."""
+        weights digest filled in (the cache identity) and the engine's adapter id. A loaded
+        adapter's folder is not looked at again unless `reload`: then its files are read again and
+        new content (by sha256) replaces the old version. ValueError when LoRA is off or the
+        adapter cannot be served."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")  # noqa: TRY004
         if self.lora_manager is None:
@@ -489,7 +491,7 @@ class LLMEngine:
                 f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is off: start the engine with "
                 "enable_lora=True (--enable-lora)"
             )
-        resolved = self.lora_manager.resolve(lora_request)
+        resolved = self.lora_manager.resolve(lora_request, reload)
         if self.lora_manager.retired:  # a reload with new weights retired the old version
             self._evict_retired_loras()
         return resolved

@@ -70,7 +70,6 @@ class LoRAAdapter:
     digest: str
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     id: int = 0
-    stamp: tuple[Any, ...] = ()  # (size, mtime) of the files when loaded
 
     @property
     def targets(self) -> set[str]:
@@ -79,17 +78,6 @@ class LoRAAdapter:
 
 def _bad(name: str, why: str) -> ValueError:
     return ValueError(f"LoRA adapter {name!r}: {why}")
-
-
-def file_stamp(path: str) -> tuple[Any, ...]:
-    """Sizes and modification times of the adapter's files: a change means reload."""
-    out: list[Any] = []
-    for f in (CONFIG_FILE, *WEIGHT_FILES):
-        p = os.path.join(path, f)
-        if os.path.exists(p):
-            st = os.stat(p)
-            out.append((f, st.st_size, st.st_mtime_ns))
-    return tuple(out)
 
 
 def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> tuple[int, float]:
@@ -159,7 +147,6 @@ def load_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Lo
         raise _bad(name, "lora_path is empty")
     if not os.path.isdir(path):
         raise _bad(name, f"path {path!r} does not exist or is not a folder")
-    stamp = file_stamp(path)
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not os.path.exists(cfg_path):
         raise _bad(name, f"no {CONFIG_FILE} in {path!r}")
@@ -209,4 +196,4 @@ def load_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Lo
     with open(weight_path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
-    return LoRAAdapter(name, path, rank, scaling, digest.hexdigest(), weights, stamp=stamp)
+    return LoRAAdapter(name, path, rank, scaling, digest.hexdigest(), weights)

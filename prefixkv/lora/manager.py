@@ -1,10 +1,14 @@
 """The adapters an engine knows and the ones resident on the device.
 
-`register` loads and validates an adapter folder once (again when its files change: new weights
-mean a new id and a new digest, so the cache never serves the old adapter's KV under the new
-weights). At most `max_loras` adapters are resident, in device slots, least recently used first
-out; the scheduler never runs more than `max_loras` distinct adapters in one step, so `prepare`
-always finds room. Requests name adapters by the engine id (`LoRAAdapter.id`, >= 1; 0 = base).
+`register` loads and validates an adapter folder once; requests naming a loaded adapter use the
+loaded weights and never look at the folder again (it may be gone). An explicit reload
+(`register(..., reload=True)`: the server's load route, `LLM.generate`) reads the files again and
+compares their content hash (sha256 of adapter_config.json + weights): new content means a new id
+and a new digest, so the cache never serves the old adapter's KV under the new weights.
+
+At most `max_loras` adapters are resident, in device slots, least recently used first out; the
+scheduler never runs more than `max_loras` distinct adapters in one step, so `prepare` always
+finds room. Requests name adapters by the engine id (`LoRAAdapter.id`, >= 1; 0 = base).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from torch import nn
 
 from ..model.config import ModelConfig
-from .adapter import TARGETS, LoRAAdapter, file_stamp, load_adapter, target_shapes
+from .adapter import TARGETS, LoRAAdapter, load_adapter, target_shapes
 from .layers import FUSED, LoRALinear, LoRAMapping, attach_lora
 from .request import LoRARequest
 
@@ -56,21 +60,21 @@ class LoRAManager:
         self._layers = attach_lora(model, self.shapes, self.max_loras, self.max_lora_rank, self.dtype, self.device)
 
     # -- the adapters known --------------------------------------------------------------------
-    def register(self, request: LoRARequest) -> LoRAAdapter:
-        """The loaded adapter of `request` (loaded now if new or if its files changed). Raises
-        ValueError on anything it cannot serve exactly."""
+    def register(self, request: LoRARequest, reload: bool = False) -> LoRAAdapter:
+        """The loaded adapter of `request` (loaded now if new; with `reload`, read again and
+        replaced when its files' content changed). Raises ValueError on anything it cannot serve
+        exactly."""
         name, path = getattr(request, "lora_name", None), getattr(request, "lora_path", None)
         if not isinstance(name, str) or not name:
             raise ValueError(f"a LoRARequest needs a non-empty lora_name, got {request!r}")
         if not isinstance(path, str) or not path:
             raise ValueError(f"LoRA adapter {name!r}: lora_path is empty")
         known = self._by_key.get((name, path))
-        if known is not None and known.stamp == file_stamp(path):
-            return known
+        if known is not None and not reload:
+            return known  # the loaded weights: the folder is never looked at again
         adapter = load_adapter(name, path, self.config, self.max_lora_rank)
         if known is not None and known.digest == adapter.digest:
-            known.stamp = adapter.stamp  # touched, same content
-            return known
+            return known  # same content
         if known is not None:  # new weights under the same name and path: the old KV is dead
             self.retired.add(self._cache_key(known))
         adapter.id = next(self._ids)
@@ -105,11 +109,11 @@ class LoRAManager:
     def _cache_key(self, adapter: LoRAAdapter) -> tuple[str, str, str, str]:
         return ("lora", adapter.name, adapter.path, self._cache_digest(adapter))
 
-    def resolve(self, request: LoRARequest) -> tuple[LoRARequest, int]:
+    def resolve(self, request: LoRARequest, reload: bool = False) -> tuple[LoRARequest, int]:
         """Register `request` and return it with its weights digest filled in, and the engine id."""
         from dataclasses import replace
 
-        adapter = self.register(request)
+        adapter = self.register(request, reload)
         return replace(request, weights_digest=self._cache_digest(adapter)), adapter.id
 
     # -- the adapters resident -----------------------------------------------------------------

@@ -26,7 +26,13 @@ from .completions import OpenAIServingCompletion
 from .embeddings import OpenAIServingEmbedding
 from .errors import APIError, error_response, install_error_handlers
 from .limits import RequestLimits
-from .lora import LoRARegistry, add_lora_routes, load_startup_adapters
+from .lora import (
+    LoRARegistry,
+    add_lora_routes,
+    load_startup_adapters,
+    lora_allowed_dir_from_env,
+    runtime_lora_updating_from_env,
+)
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import OPEN_PATHS, APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
 from .protocol import (
@@ -60,13 +66,18 @@ def create_app(
     dev_mode: bool | None = None,
     log_stats_interval: float | None = None,
     tool_call_parser: str | None = None,
+    allow_runtime_lora_updating: bool | None = None,
+    lora_allowed_dir: str | None = None,
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
     `app.state.async_engine.run()` itself (`prefixkv serve` does, on the main thread).
     An empty `api_key` (or a list of empty keys) means no key, as None does. `dev_mode` (default:
     $VLLM_SERVER_DEV_MODE, as vLLM) adds the admin routes: POST /reset_prefix_cache.
-    `log_stats_interval`: seconds between vLLM's periodic stats lines (None: none)."""
+    `log_stats_interval`: seconds between vLLM's periodic stats lines (None: none).
+    `allow_runtime_lora_updating` (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING) adds POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter; `lora_allowed_dir` (default:
+    $PREFIXKV_LORA_ALLOWED_DIR) confines their loads to that folder."""
     if dev_mode is None:
         dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes")
     names = list(served_model_names or [model_root or DEFAULT_MODEL_NAME])
@@ -145,8 +156,17 @@ def create_app(
     async def create_pooling(req: PoolingRequest, raw: Request):
         return await embeddings.create_pooling(req, raw)
 
-    if loras is not None:
-        add_lora_routes(app, loras, async_engine)
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = runtime_lora_updating_from_env()
+    if lora_allowed_dir is None:
+        lora_allowed_dir = lora_allowed_dir_from_env()
+    if loras is not None and allow_runtime_lora_updating:
+        if not keys:
+            logging.getLogger("prefixkv.server").warning(
+                "runtime LoRA updating is on without --api-key: any client can load adapters from %s",
+                f"folders inside {lora_allowed_dir!r}" if lora_allowed_dir else "any folder the server can read",
+            )
+        add_lora_routes(app, loras, async_engine, lora_allowed_dir)
 
     def model_cards() -> list[ModelCard]:
         cards = [ModelCard(id=n, root=model_root or n, max_model_len=engine.max_model_len) for n in names]

@@ -47,6 +47,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         '--enable-lora; requests pick one with "model": name',
     )
     g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=None,
+        help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora); without "
+        "this flag or $VLLM_ALLOW_RUNTIME_LORA_UPDATING=true those routes do not exist (404), as vLLM",
+    )
+    g.add_argument(
+        "--lora-allowed-dir",
+        default=None,
+        metavar="DIR",
+        help="runtime LoRA loads must resolve (symlinks and .. followed) inside DIR "
+        "(default: $PREFIXKV_LORA_ALLOWED_DIR, else any folder the server can read)",
+    )
+    g.add_argument(
         "--chat-template",
         type=load_chat_template,
         default=None,
@@ -227,6 +241,8 @@ def app_from_args(args: argparse.Namespace, engine: Any, model_name: str, log_st
         limits=limits,
         max_request_body_bytes=args.max_request_body_bytes,
         lora_modules=getattr(args, "lora_modules", None),
+        allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", None),
+        lora_allowed_dir=getattr(args, "lora_allowed_dir", None),
         log_stats_interval=None if args.disable_log_stats or not log_stats else interval_from_env(),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )

@@ -1,7 +1,12 @@
 """LoRA adapters on the server, as `vllm serve`: `--lora-modules name=path` (or the JSON form
 `{"name": ..., "path": ...}`), requests pick an adapter with `"model": name`, /v1/models lists each
 adapter with the base model as `parent`, and POST /v1/load_lora_adapter / /v1/unload_lora_adapter
-add and remove adapters at run time.
+add and remove adapters at run time - only when runtime updating is allowed, as vLLM:
+$VLLM_ALLOW_RUNTIME_LORA_UPDATING true (or 1) or `--allow-runtime-lora-updating`; otherwise those
+routes do not exist (404). `--lora-allowed-dir DIR` ($PREFIXKV_LORA_ALLOWED_DIR) confines runtime
+loads to folders that resolve (symlinks and .. followed) inside DIR. Every refused path gets one
+and the same answer (400 "cannot load a LoRA adapter from that path"), so a client cannot probe
+which paths exist; the reason is only in the server log.
 
 Loading validates the folder on the engine thread (the engine's LoRA manager reads and checks it);
 unloading forgets the name at once: new requests naming it get 404, requests already running
@@ -12,6 +17,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
 import threading
 from typing import Any
 
@@ -22,6 +29,36 @@ from ..lora.request import LoRARequest
 from .async_engine import AsyncEngine
 from .errors import APIError
 from .protocol import LoadLoRAAdapterRequest, ModelCard, UnloadLoRAAdapterRequest
+
+log = logging.getLogger("prefixkv.server")
+
+REFUSED_PATH = "cannot load a LoRA adapter from that path"
+
+
+def runtime_lora_updating_from_env() -> bool:
+    """vLLM's switch for the load / unload routes: $VLLM_ALLOW_RUNTIME_LORA_UPDATING "1" or "true"."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
+def lora_allowed_dir_from_env() -> str | None:
+    return os.environ.get("PREFIXKV_LORA_ALLOWED_DIR") or None
+
+
+def check_runtime_lora_path(path: str, allowed_dir: str | None) -> str | None:
+    """Why a runtime load from `path` is refused (for the log only), or None when it may be read."""
+    real = os.path.realpath(path)
+    if allowed_dir is not None:
+        root = os.path.realpath(allowed_dir)
+        if os.path.commonpath([root, real]) != root:
+            return f"{path!r} resolves to {real!r}, outside the allowed folder {root!r}"
+    if not os.path.isdir(real):
+        return f"{path!r} does not exist or is not a folder"
+    cfg = os.path.join(real, "adapter_config.json")
+    if not os.path.isfile(cfg):
+        return f"no adapter_config.json in {path!r}"
+    if not os.access(cfg, os.R_OK):
+        return f"{cfg!r} is not readable"
+    return None
 
 
 def parse_lora_module(text: str) -> LoRARequest:
@@ -87,23 +124,33 @@ class LoRARegistry:
 def load_startup_adapters(engine: Any, registry: LoRARegistry, modules: list[LoRARequest]) -> None:
     """Validate and register the --lora-modules adapters before the server starts (ValueError)."""
     for lora in modules:
-        engine.resolve_lora(lora)
+        engine.resolve_lora(lora, reload=True)
         try:
             registry.add(lora)
         except APIError as e:
             raise ValueError(str(e)) from e
 
 
-def add_lora_routes(app: FastAPI, registry: LoRARegistry, async_engine: AsyncEngine) -> None:
+def add_lora_routes(
+    app: FastAPI, registry: LoRARegistry, async_engine: AsyncEngine, allowed_dir: str | None = None
+) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
         if registry.get(req.lora_name) is not None:
             raise APIError(f"The lora adapter '{req.lora_name}' has already been loaded.", 400, param="lora_name")
+        why = check_runtime_lora_path(req.lora_path, allowed_dir)
+        if why is not None:
+            log.warning("load_lora_adapter %r refused: %s", req.lora_name, why)
+            raise APIError(REFUSED_PATH, 400, param="lora_path")
         lora = LoRARequest(req.lora_name, 0, req.lora_path)
         try:
-            await async_engine.call(lambda engine: engine.resolve_lora(lora))
+            await async_engine.call(lambda engine: engine.resolve_lora(lora, reload=True))
         except ValueError as e:
-            raise APIError(str(e), 400, param="lora_path") from e
+            text = str(e)
+            if "does not exist" in text or "no adapter_config.json" in text or "cannot read" in text:
+                log.warning("load_lora_adapter %r refused: %s", req.lora_name, text)
+                raise APIError(REFUSED_PATH, 400, param="lora_path") from e
+            raise APIError(text, 400, param="lora_path") from e
         registry.add(lora)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 

@@ -114,6 +114,6 @@ def test_new_weights_retire_the_old_version(lora_fixture, tmp_path):
     old_ids = set(engine.lora_manager.adapters)
     shutil.rmtree(path)
     write_adapter(fx.base, path, seed=7, **ADAPTERS["qv"])
-    engine.resolve_lora(LoRARequest("x", 1, str(path)))
+    engine.resolve_lora(LoRARequest("x", 1, str(path)), reload=True)
     assert not any(k[2] for k, _ in engine.kv_cache_manager.block_pool.cached_blocks.items())
     assert not old_ids & set(engine.lora_manager.adapters)  # the old version's host copy is gone

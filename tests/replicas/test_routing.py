@@ -24,7 +24,14 @@ def cluster(tmp_path_factory, ray_serve):
     write_adapter(model, adapter, seed=7, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     # max_queue=1: a replica with one request not yet past prefill is saturated (the shed test)
     c = start_cluster(
-        tmp_path_factory, ray_serve, model=model, router="prefix-load", max_queue=1, balance_abs=1, enable_lora=True
+        tmp_path_factory,
+        ray_serve,
+        model=model,
+        router="prefix-load",
+        max_queue=1,
+        balance_abs=1,
+        enable_lora=True,
+        allow_runtime_lora_updating=True,
     )
     c.adapter = str(adapter)
     yield c

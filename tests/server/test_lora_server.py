@@ -37,6 +37,7 @@ def server(make_server, fx):
         "8",
         "--max-model-len",
         "64",
+        "--allow-runtime-lora-updating",
         "--lora-modules",
         f"qv={fx.adapters['qv']}",
         spec,
@@ -83,7 +84,7 @@ def test_lora_server(server, fx):
     )
     assert again.status_code == 400
     bad = httpx.post(server.base + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/dir"})
-    assert bad.status_code == 400 and "does not exist" in bad.text
+    assert bad.status_code == 400 and "cannot load a LoRA adapter from that path" in bad.text
     r = httpx.post(server.base + "/v1/unload_lora_adapter", json={"lora_name": "mlp"})
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
