@@ -173,6 +173,17 @@ def check_server_args(args: argparse.Namespace) -> None:
     """Flag combinations refused before the model loads (vLLM's messages)."""
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise SystemExit("error: When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
+    # the runtime LoRA flags change nothing on their own: refused by name rather than ignored
+    from .lora import runtime_lora_updating_from_env
+
+    runtime = getattr(args, "allow_runtime_lora_updating", None) or runtime_lora_updating_from_env()
+    if getattr(args, "allow_runtime_lora_updating", None) and not getattr(args, "enable_lora", False):
+        raise SystemExit("error: --allow-runtime-lora-updating needs --enable-lora")
+    if getattr(args, "lora_allowed_dir", None) and not runtime:
+        raise SystemExit(
+            "error: --lora-allowed-dir needs runtime LoRA updating "
+            "(--allow-runtime-lora-updating or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)"
+        )
 
 
 def _lora_module(text: str) -> Any:

@@ -184,3 +184,23 @@ def test_server_reload_after_same_stat_overwrite(engine, fx, tmp_path):
         assert old["choices"][0]["text"] != new["choices"][0]["text"]
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "r"}).status_code == 200
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_runtime_lora_flags_without_their_feature_are_refused_by_name(monkeypatch, tmp_path):
+    """--allow-runtime-lora-updating without --enable-lora, and --lora-allowed-dir without runtime
+    updating, would change nothing: `prefixkv serve` refuses them, naming the flag."""
+    from prefixkv.cli import build_parser
+    from prefixkv.server.launch import check_server_args
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+
+    def check(*flags: str) -> None:
+        check_server_args(build_parser().parse_args(["serve", *flags]))
+
+    with pytest.raises(SystemExit, match="--allow-runtime-lora-updating needs --enable-lora"):
+        check("--allow-runtime-lora-updating")
+    with pytest.raises(SystemExit, match="--lora-allowed-dir needs runtime LoRA updating"):
+        check("--enable-lora", "--lora-allowed-dir", str(tmp_path))
+    check("--enable-lora", "--allow-runtime-lora-updating", "--lora-allowed-dir", str(tmp_path))
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    check("--enable-lora", "--lora-allowed-dir", str(tmp_path))
