@@ -125,7 +125,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         reader = loader._open_gguf(path)
         config = ModelConfig.from_gguf_metadata(reader.metadata, {t.name for t in reader.tensors})
     dtype = getattr(torch, args.dtype)
-    print(f"CPU: {kernel_choice.cpu_model() or 'unknown'}; build target {cpu_kernels.arch()}")
+    print(f"CPU: {cpu_kernels.cpu_model() or 'unknown'}; build target {cpu_kernels.arch()}")
     if not cpu_kernels.available():
         print("native CPU kernels: not available here (see the log line above); the PyTorch path runs")
         return 0

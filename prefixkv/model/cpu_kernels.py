@@ -192,15 +192,25 @@ def cache_dir() -> Path:
     return Path(base) / "prefixkv" / "kernels"
 
 
-def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo_line(prefix: str) -> str:
+    """The first line of /proc/cpuinfo starting with `prefix` (empty where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(prefix):
                 return line
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo (empty where there is none)."""
+    return _cpuinfo_line("flags")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (empty where there is none)."""
+    return _cpuinfo_line("model name").partition(":")[2].strip()
 
 
 def _build(

@@ -3,8 +3,8 @@
 A native kernel proven correct is not yet proven fast: the same source built for another CPU can
 lose to PyTorch (the float32 prefill attention built for AVX2 ran 7-15x slower than SDPA on an AMD
 Zen 3 before its AVX2 loops were written). So at a model's first load on a machine each kernel is
-timed against the path the engine takes without it, on that model's shapes, dtype and thread
-count, and the faster runs (`cpu_kernels.KernelChoice`):
+timed against the path the engine takes without it, on that model's shapes and dtype, and the
+faster runs (`cpu_kernels.KernelChoice`):
 
 - prefill attention at 128, 512 and 2,048 new tokens against SDPA over contiguous K/V (what a
   prompt without cached context runs without it): the native kernel takes prompts and chunks up
@@ -126,7 +126,7 @@ def warn_if_bfloat16_is_emulated(dtype: torch.dtype) -> bool:
     logger.warning(
         "bfloat16 on this CPU (%s) has no bfloat16 arithmetic (no AVX512-BF16, no AMX): products widen to "
         "float32 and round back, typically slower than --dtype float32, which is also exact",
-        cpu_model() or "unknown",
+        cpu_kernels.cpu_model() or "unknown",
     )
     return True
 
@@ -162,20 +162,10 @@ def _key(shapes: KernelShapes) -> str:
     parts = [
         str(FORMAT_VERSION),
         cpu_kernels.library_name() or "",
-        cpu_model(),
+        cpu_kernels.cpu_model(),
         json.dumps(asdict(shapes), sort_keys=True),
     ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _file(key: str) -> Path:
@@ -201,7 +191,7 @@ def _stored_or_measured(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice,
     )
     start = time.perf_counter()
     made, lines = measure(shapes)
-    lines.insert(0, f"{cpu_kernels.arch()} build {cpu_kernels.library_name()}, one thread, {cpu_model()}")
+    lines.insert(0, f"{cpu_kernels.arch()} build {cpu_kernels.library_name()}, one thread, {cpu_kernels.cpu_model()}")
     logger.info("CPU kernels (timed in %.1f s): %s", time.perf_counter() - start, summary(made))
     for line in lines:
         logger.debug("  %s", line)
