@@ -24,9 +24,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-
 from workload import TRACES, Trace, TraceRequest, drive  # noqa: E402
 
+from bench.machine import describe  # noqa: E402
 from prefixkv.cache import KVCacheManager  # noqa: E402
 from prefixkv.request import Request  # noqa: E402
 
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
     ap.add_argument("--json", action="store_true", help="also print one JSON line per result")
     args = ap.parse_args()
+    print(describe(), flush=True)
     for name in TRACES if args.trace == "all" else [args.trace]:
         trace = TRACES[name]()
         print(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
+from bench.machine import describe  # noqa: E402
 from bench.plots import line_chart  # noqa: E402
 
 DEFAULT_TRACE = "examples/traces/conversation_sample.jsonl"
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--policy", default="lru,predicted-reuse", help="eviction policies (prefixkv replay --policy)")
     ap.add_argument("--plot-dir", help="write hit_rate_vs_cache_size.png there (make bench: docs/figures)")
     args = ap.parse_args()
+    print(describe(), flush=True)
     sizes = [int(n) for n in args.num_blocks.split(",")]
     print(f"hit rate vs cache size: {args.trace}, block size 512 (the trace's)")
     series: dict[str, list[float]] = {}

@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.ceiling import decode_bytes, fraction, measure, measure_cuda, prefill_flops  # noqa: E402
+from bench.machine import describe  # noqa: E402
 
 
 def _sync(device):
@@ -129,6 +130,7 @@ def main() -> None:
         "never uses it: it plans every new shape, 1.3 ms of host time a decode call on an H200)",
     )
     args = ap.parse_args()
+    print(describe(), flush=True)
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch  # noqa: E402
 
 from bench.ceiling import fraction, measure, prefill_flops  # noqa: E402
+from bench.machine import describe  # noqa: E402
 from bench.peer_runner import DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available, run_peer  # noqa: E402
 from bench.plots import Panel, bar_chart  # noqa: E402
 from bench.scenarios import seed_prompts, summarize_seed_runs  # noqa: E402
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--plot-dir", help="write seed_ttft.png there (make bench: docs/figures)")
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip the ceiling fractions")
     args = ap.parse_args()
+    print(describe(), flush=True)
     t0 = time.perf_counter()
     llm = LLM(enable_prefix_caching=True)
     startup = time.perf_counter() - t0

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench.ceiling import fraction, measure, measure_cuda, prefill_flops  # noqa: E402
+from bench.machine import describe  # noqa: E402
 from bench.peer_runner import DEFAULT_LLAMACPP_PYTHON, DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available, run_peer  # noqa: E402
 from bench.plots import Panel, bar_chart  # noqa: E402
 from bench.scenarios import SHARED_MAX_TOKENS, shared_prefix_prompts  # noqa: E402
@@ -85,6 +85,7 @@ def main() -> None:
         help="prefixkv's dtype (auto: float32 on the CPU, bfloat16 on a GPU, as vLLM)",
     )
     args = ap.parse_args()
+    print(describe(), flush=True)
     print(
         f"shared prefix: 32 prompts, {SHARED_MAX_TOKENS} tokens each; medians of {args.repeats}; "
         f"load average {os.getloadavg()[0]:.1f}"

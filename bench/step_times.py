@@ -39,6 +39,7 @@ from types import SimpleNamespace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.ceiling import Ceiling, decode_bytes, fraction, measure, prefill_flops  # noqa: E402
+from bench.machine import describe  # noqa: E402
 from bench.peer_runner import DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available  # noqa: E402
 
 
@@ -131,6 +132,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help=f"with --peer-vllm: vLLM's Python ({DEFAULT_VLLM_PYTHON})")
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip the ceiling fractions")
     args = ap.parse_args()
+    print(describe(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     if args.peer_vllm:
         if args.engine != "prefixkv":
