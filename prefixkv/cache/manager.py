@@ -9,8 +9,10 @@ from .block import KVCacheBlock
 from .events import MEDIUM_POOL, BlockStored, KVCacheEvent
 from .eviction import EvictionPolicy, get_policy, overrides
 from .identity import ROOT_UID, BlockChain, ExtraKeys, HashFunction, get_hash_function, none_hash
+from .pins import Pin, PinError, PinnedPrefixes
 from .pool import BlockPool
 from .protocol import CacheRequest
+from .residency import ResidencyMetrics
 from .stats import PrefixCacheStats
 
 
@@ -34,6 +36,9 @@ class KVCacheManager:
                     with take_events().
       max_pending_kv_events  bound on events not yet taken: beyond it the oldest is dropped and
                     counted in num_dropped_kv_events.
+      max_pinned_fraction  share of the blocks that pins may hold (pins.py); a pin past it is
+                    refused with PinError.
+      residency     sampled residency metrics (residency.py; vLLM's --kv-cache-metrics), None: off.
     """
 
     def __init__(
@@ -47,6 +52,8 @@ class KVCacheManager:
         eviction_policy: str | type[EvictionPolicy] = "lru",
         enable_kv_cache_events: bool = False,
         max_pending_kv_events: int = 10_000,
+        max_pinned_fraction: float = 0.5,
+        residency: ResidencyMetrics | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -55,14 +62,22 @@ class KVCacheManager:
         self.hash_fn = get_hash_function(hash_algo, hash_seed)
         self.none_hash = none_hash(self.hash_fn, 0 if hash_seed is None else hash_seed)
         self.block_pool = BlockPool(
-            num_blocks, enable_caching, get_policy(eviction_policy), enable_kv_cache_events, max_pending_kv_events
+            num_blocks,
+            enable_caching,
+            get_policy(eviction_policy),
+            enable_kv_cache_events,
+            max_pending_kv_events,
+            residency,
         )
+        self.residency = residency
+        self.pins = PinnedPrefixes(num_blocks, max_pinned_fraction)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
         # Only a policy that learns from finished requests overrides on_request_free; for the
         # others (the default among them) free() does not even read the request's token counts.
         policy = self.block_pool.eviction_policy
         self._on_request_free = policy.on_request_free if overrides(policy, "on_request_free") else None
+        self._on_request_priority = policy.on_request_priority if overrides(policy, "on_request_priority") else None
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -244,6 +259,8 @@ class KVCacheManager:
         if state is not None:
             if self._on_request_free is not None:
                 self._on_request_free(request.num_prompt_tokens, request.num_output_tokens)
+            if self._on_request_priority is not None:  # an optional member of a request: vLLM's priority
+                self._on_request_priority(getattr(request, "priority", 0))
             self.block_pool.free_blocks(reversed(state.blocks))
 
     def evict_where(self, match: Callable[[ExtraKeys], bool]) -> tuple[int, int]:
@@ -251,9 +268,70 @@ class KVCacheManager:
         never be hit again); returns (evicted, matching blocks still held by requests)."""
         return self.block_pool.evict_where(match)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached identities. Only when idle: returns False while any block is held."""
+    def reset_prefix_cache(self, keep_pinned: bool = False) -> bool:
+        """Forget all cached identities. Only when idle: returns False while any block is held.
+        Pins are dropped with them, unless `keep_pinned`: then the pinned prefixes stay cached
+        (and blocks held by pins alone do not count as held)."""
+        if keep_pinned:
+            return self.block_pool.reset_prefix_cache(self.pins.holds)
+        holds = self.pins.holds
+        if any(b.ref_cnt != holds(b.block_id) for b in self.block_pool.blocks if b.ref_cnt):
+            return False  # held by requests: the pins stay too
+        for pin in self.pins.remove_all():
+            self.block_pool.free_blocks(reversed(pin.blocks))
         return self.block_pool.reset_prefix_cache()
+
+    # -- pinned prefixes (pins.py) ---------------------------------------------------------------
+    def cached_prefix(self, request: CacheRequest) -> list[KVCacheBlock]:
+        """The cached blocks of the longest prefix of `request`'s full blocks (all of them may
+        hit, unlike a lookup for computing); changes nothing."""
+        if not self.enable_caching:
+            return []
+        chain = BlockChain(self.block_size, request)
+        get_one_block = self.block_pool.cached_blocks.get_one_block
+        hits: list[KVCacheBlock] = []
+        parent = ROOT_UID
+        for i in range(chain.extend(request)):
+            block = get_one_block((parent, chain.tokens[i], chain.extra(i)))
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.uid
+        return hits
+
+    def pin(self, request: CacheRequest) -> Pin:
+        """Keep the cached prefix of `request`'s full blocks cached until it is unpinned: none of
+        its blocks is evicted meanwhile. Pinning a pinned prefix returns its pin. Raises PinError
+        when none of it is cached (compute it first) or the pin would pass max_pinned_fraction.
+        Only the prefix of `request`'s own tenant (cache salt), adapter and images is reachable."""
+        blocks = self.cached_prefix(request)
+        if not blocks:
+            raise PinError(
+                f"nothing of this prefix ({request.num_tokens} tokens) is cached in whole blocks of "
+                f"{self.block_size} tokens: compute it before pinning it"
+            )
+        pin = self.pins.get(blocks[-1])
+        if pin is not None:
+            return pin
+        self.pins.check_room(blocks)
+        self.block_pool.touch(blocks)  # one more holder each: out of the policy's free set
+        return self.pins.add(blocks, request.cache_salt, len(blocks) * self.block_size)
+
+    def unpin(self, request: CacheRequest) -> Pin | None:
+        """Release the pin of `request`'s cached prefix (the same prefix that was pinned, as the
+        same tenant); None when there is none. Its blocks stay cached, evictable again."""
+        blocks = self.cached_prefix(request)
+        pin = self.pins.remove(blocks[-1]) if blocks else None
+        if pin is not None:
+            self.block_pool.free_blocks(reversed(pin.blocks))
+        return pin
+
+    def unpin_all(self, cache_salt: str | None = None, every_tenant: bool = True) -> int:
+        """Release every pin (only `cache_salt`'s when `every_tenant` is False); returns how many."""
+        pins = self.pins.remove_all(cache_salt, every_tenant)
+        for pin in pins:
+            self.block_pool.free_blocks(reversed(pin.blocks))
+        return len(pins)
 
     # -- KV events -----------------------------------------------------------------------------
     def take_events(self) -> list[KVCacheEvent]:

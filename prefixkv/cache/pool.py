@@ -9,6 +9,7 @@ from .block import KVCacheBlock
 from .events import AllBlocksCleared, BlockRemoved, KVCacheEvent, KVEventBuffer
 from .eviction import EvictionPolicy, LRUPolicy, overrides
 from .identity import BlockKey, ExtraKeys
+from .residency import ResidencyMetrics
 from .table import CachedBlockTable
 
 
@@ -20,6 +21,7 @@ class BlockPool:
         policy: type[EvictionPolicy] = LRUPolicy,
         enable_events: bool = False,
         max_pending_events: int = 10_000,
+        residency: ResidencyMetrics | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
@@ -31,6 +33,10 @@ class BlockPool:
         # every policy as remove); the default one does not, and its touch path stays plain.
         self.notifies_hits = overrides(self.eviction_policy, "on_hit")
         self.touch: Callable[[Iterable[KVCacheBlock]], None] = self._touch_notify if self.notifies_hits else self._touch
+        # sampled residency metrics (residency.py): called once per pool call, and only when on
+        self.residency = residency
+        if residency is not None:
+            self.touch = self._touch_followed
         self.cached_blocks = CachedBlockTable()
         self.events: KVEventBuffer | None = KVEventBuffer(max_pending_events) if enable_events else None
         self.num_evictions = 0
@@ -70,6 +76,8 @@ class BlockPool:
         if n > self.eviction_policy.num_free_blocks:
             raise ValueError(f"cannot get {n} free blocks from the pool")
         blocks = self.eviction_policy.popleft_n(n)
+        if self.residency is not None:
+            self.residency.on_allocate(blocks)
         evict = self.cached_blocks.remove
         num_evicted = 0
         for block in blocks:
@@ -107,6 +115,13 @@ class BlockPool:
                 on_hit(block)
             block.ref_cnt += 1
 
+    def _touch_followed(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """`_touch` or `_touch_notify`, telling the residency metrics of the reuses."""
+        blocks = list(blocks)
+        (self._touch_notify if self.notifies_hits else self._touch)(blocks)
+        assert self.residency is not None
+        self.residency.on_access(blocks)
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """One holder fewer each; blocks nobody holds go to the free set in the given order
         (first = evicted first) and keep their identity until they are reused."""
@@ -116,6 +131,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 to_free.append(block)
         self.eviction_policy.append_n(to_free)
+        if self.residency is not None:
+            self.residency.on_release(to_free)
 
     def evict_where(self, match: Callable[[ExtraKeys], bool]) -> tuple[int, int]:
         """Drop the identity of every free cached block whose extra keys satisfy `match` and make
@@ -130,6 +147,8 @@ class BlockPool:
                         evicted.append(block)
                     else:
                         held += 1
+        if self.residency is not None:
+            self.residency.on_evict(evicted, "unreachable")
         for block in evicted:
             self.cached_blocks.remove(block)
             if block.content_hash is not None:
@@ -138,17 +157,32 @@ class BlockPool:
         self.num_evictions += len(evicted)
         return len(evicted), held
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every identity; refused (False) while any block is held."""
-        if self.eviction_policy.num_free_blocks != self.num_blocks:
+    def reset_prefix_cache(self, pinned: Callable[[int], int] | None = None) -> bool:
+        """Forget every identity; refused (False) while any block is held. With `pinned` (block
+        id -> how many pins hold it) the pinned blocks keep theirs, and blocks held by pins only do
+        not refuse the reset."""
+        if pinned is None:
+            if self.eviction_policy.num_free_blocks != self.num_blocks:
+                return False
+            cleared = [b for b in self.blocks if b.block_key is not None]
+            self.cached_blocks.clear()
+            for block in self.blocks:
+                block.block_key = None
+                block.uid = 0
+                block.content_hash = None
+            if self.residency is not None:
+                self.residency.on_evict(cleared, "reset")
+            if self.events is not None:
+                self.events.append(AllBlocksCleared())
+            return True
+        if any(b.ref_cnt != pinned(b.block_id) for b in self.blocks if b.ref_cnt):
             return False
-        self.cached_blocks.clear()
-        for block in self.blocks:
-            block.block_key = None
-            block.uid = 0
-            block.content_hash = None
-        if self.events is not None:
-            self.events.append(AllBlocksCleared())
+        dropped = [b for b in self.blocks if b.block_key is not None and not pinned(b.block_id)]
+        if self.residency is not None:
+            self.residency.on_evict(dropped, "reset")
+        for block in dropped:
+            self.cached_blocks.remove(block)
+            self._removed(block)  # a BlockRemoved each: the pinned blocks stay stored
         return True
 
     @property

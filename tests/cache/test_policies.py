@@ -292,3 +292,19 @@ def test_the_manager_tells_learning_policies_what_a_finished_request_produced():
         assert seen == [(5, 2)] and mgr.num_free_blocks == 8
     finally:
         del POLICIES["test-recorder"]
+
+
+def test_priority_policy_evicts_the_least_important_requests_blocks_first():
+    from prefixkv.cache import KVCacheManager
+
+    mgr = KVCacheManager(num_blocks=8, block_size=4, eviction_policy="priority")
+    important = Request("vip", list(range(1, 10)), priority=-5)  # lower value: more important (vLLM)
+    flood = [Request(f"low{i}", list(range(100 * i + 100, 100 * i + 109)), priority=10) for i in range(2)]
+    for req in [important, *flood]:
+        hits, n = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, req.num_tokens - n, hits) is not None
+        req.num_computed_tokens = req.num_tokens
+        mgr.free(req)
+    newcomer = Request("new", list(range(1000, 1021)))  # six blocks: only two of the nine cached survive
+    assert mgr.allocate_slots(newcomer, newcomer.num_tokens) is not None
+    assert mgr.get_computed_blocks(Request("vip-again", list(range(1, 10))))[1] == 8

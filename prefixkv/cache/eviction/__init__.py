@@ -4,8 +4,9 @@ and eviction"; docs/replay.md compares them on real traces).
 One file per family: `base` (the interface and its hooks), `lru` (the seed's policy, the default
 and the hot path), `heap` (the lazy-deletion heap the ranked policies share), `frequency`
 (unhashed-first, LFU), `credit` (reuse-, ghost- and adaptive-credit, with the ghost and
-reuse-distance helpers), `predicted` (predicted-reuse). `POLICIES` maps each name to its class;
-`register_policy` adds one, `get_policy` resolves a name (or passes a class through).
+reuse-distance helpers), `predicted` (predicted-reuse), `priority` (request priority).
+`POLICIES` maps each name to its class; `register_policy` adds one, `get_policy` resolves a name
+(or passes a class through).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .frequency import LFUPolicy, UnhashedFirstPolicy
 from .heap import HeapPolicy
 from .lru import FreeKVCacheBlockQueue, LRUPolicy
 from .predicted import PredictedReusePolicy, ReuseRates
+from .priority import PriorityPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
@@ -29,6 +31,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
         GhostCreditPolicy,
         AdaptiveCreditPolicy,
         PredictedReusePolicy,
+        PriorityPolicy,
     )
 }
 
@@ -63,6 +66,7 @@ __all__ = [
     "LFUPolicy",
     "LRUPolicy",
     "PredictedReusePolicy",
+    "PriorityPolicy",
     "ReuseCreditPolicy",
     "ReuseDistances",
     "ReuseRates",

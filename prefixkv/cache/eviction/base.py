@@ -19,7 +19,7 @@ class EvictionPolicy(ABC):
     policy gives it up. The pool's callers never see the policy, so policies can be swapped and
     compared.
 
-    Two optional hooks have no-op defaults. The pool and the manager call a hook only when the
+    Three optional hooks have no-op defaults. The pool and the manager call a hook only when the
     policy's class overrides it (see `overrides`), so the default LRU path pays nothing for them.
     """
 
@@ -71,6 +71,10 @@ class EvictionPolicy(ABC):
 
     def on_request_free(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """A request finished or was preempted; its blocks are appended right after this call."""
+
+    def on_request_priority(self, priority: int) -> None:
+        """The priority (vLLM's: lower is more important) of the request whose blocks are
+        appended right after this call."""
 
 
 def overrides(policy: EvictionPolicy, hook: str) -> bool:
