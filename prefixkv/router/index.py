@@ -18,6 +18,14 @@ Two ways to keep it:
 A replica that leaves (killed, or a gap in its event stream that replay cannot fill) is dropped
 with `remove_replica()`: its blocks are forgotten at once, so nothing is routed there for them.
 
+Tiers: events of a lower tier (medium CPU, DISK, REDIS - prefixkv/tiers publishes them) are kept
+apart from the pool's. A block in a replica's own CPU or DISK tier can be loaded by that replica,
+a block in a shared tier (`shared_mediums`, REDIS by default: every replica reads the same Redis)
+by every replica; either is cheaper than recomputing it but not free, so `match` counts it as
+`tier_discount` of a pool block (vLLM's and SGLang's routers count pool blocks only; Dynamo's
+discounts blocks in a shared pool the same way). Until a tier event arrives, `match` is the plain
+pool match.
+
 Pure Python, no prefixkv imports beyond the standard library and msgpack: the same object can sit
 behind Ray Serve or any other front end.
 """
@@ -35,13 +43,30 @@ ReplicaId = Hashable
 MODES = ("events", "events-only", "approx")
 
 
+DEFAULT_TIER_DISCOUNT = 0.5
+SHARED_MEDIUMS = ("REDIS",)
+
+
 class PrefixIndex:
-    def __init__(self, mode: str = "events", approx_capacity_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        mode: str = "events",
+        approx_capacity_blocks: int | None = None,
+        *,
+        tier_discount: float = DEFAULT_TIER_DISCOUNT,
+        shared_mediums: Iterable[str] = SHARED_MEDIUMS,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown index mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "approx" and (approx_capacity_blocks is None or approx_capacity_blocks < 1):
             raise ValueError("the approximate index needs each replica's capacity in blocks (>= 1)")
+        if not 0.0 <= tier_discount <= 1.0:
+            raise ValueError(f"tier_discount must be in [0, 1] (a pool block counts 1), got {tier_discount}")
         self.mode = mode
+        self.tier_discount = tier_discount
+        self.shared_mediums = frozenset(shared_mediums)
+        self._own_tiers: dict[ReplicaId, Counter[BlockHash]] = {}  # a replica's CPU/DISK tier copies
+        self._shared_tier: Counter[BlockHash] = Counter()  # copies in a tier every replica reads
         self.approx_capacity_blocks = approx_capacity_blocks
         self._holders: dict[BlockHash, set[ReplicaId]] = {}  # hash -> replicas holding it
         self._counts: dict[ReplicaId, Counter[BlockHash]] = {}  # events mode: copies per replica
@@ -66,6 +91,7 @@ class PrefixIndex:
             self._lru.pop(replica, OrderedDict()) if self.mode == "approx" else self._counts.pop(replica, Counter())
         )
         blocks += self._pending.pop(replica, Counter())
+        self._own_tiers.pop(replica, None)  # its own tiers leave with it; a shared tier stays
         holders = self._holders
         for h in blocks:
             s = holders.get(h)
@@ -138,22 +164,57 @@ class PrefixIndex:
                 self._drop_holder(h, replica)
 
     def cleared(self, replica: ReplicaId) -> None:
+        """The replica's KV pool was cleared (its lower tiers keep what they hold)."""
+        own = self._own_tiers.get(replica)
         self.remove_replica(replica)
         self.add_replica(replica)
+        if own is not None:
+            self._own_tiers[replica] = own
 
     def apply_events(self, replica: ReplicaId, events: Sequence[dict[str, Any]]) -> None:
-        """Decoded vLLM events (maps tagged by "type"). Only the KV pool counts (medium "GPU" or
-        absent): a block in a replica's lower tier is cheaper than a recompute but is not a hit."""
+        """Decoded vLLM events (maps tagged by "type"). The KV pool's (medium "GPU" or absent) say
+        what the replica can hit; a lower tier's (CPU, DISK, REDIS) what it - or, for a shared
+        tier, any replica - can load (`tier_stored`)."""
         for ev in events:
             kind = ev.get("type")
+            medium = ev.get("medium", "GPU")
             if kind == "AllBlocksCleared":
-                self.cleared(replica)
-            elif ev.get("medium", "GPU") not in (None, "GPU"):
-                continue
+                if medium in (None, "GPU"):
+                    self.cleared(replica)
+            elif medium not in (None, "GPU"):
+                if kind == "BlockStored":
+                    self.tier_stored(replica, medium, ev["block_hashes"])
+                elif kind == "BlockRemoved":
+                    self.tier_removed(replica, medium, ev["block_hashes"])
             elif kind == "BlockStored":
                 self.stored(replica, ev["block_hashes"])
             elif kind == "BlockRemoved":
                 self.removed(replica, ev["block_hashes"])
+
+    # -- lower tiers ----------------------------------------------------------------------------
+    def _tier(self, replica: ReplicaId, medium: str) -> Counter[BlockHash]:
+        if medium in self.shared_mediums:
+            return self._shared_tier
+        return self._own_tiers.setdefault(replica, Counter())
+
+    def tier_stored(self, replica: ReplicaId, medium: str, hashes: Iterable[BlockHash]) -> None:
+        """The replica stored these blocks in its tier `medium` (shared: in the tier all read)."""
+        tier = self._tier(replica, medium)
+        for h in hashes:
+            tier[h] += 1
+
+    def tier_removed(self, replica: ReplicaId, medium: str, hashes: Iterable[BlockHash]) -> None:
+        tier = self._tier(replica, medium)
+        for h in hashes:
+            c = tier.get(h, 0)
+            if c > 1:
+                tier[h] = c - 1
+            elif c == 1:
+                del tier[h]
+
+    def num_tier_blocks(self, replica: ReplicaId | None = None) -> int:
+        """Blocks in the replica's own tiers, or (None) in the shared tier."""
+        return len(self._shared_tier if replica is None else self._own_tiers.get(replica, ()))
 
     def apply_batch(self, replica: ReplicaId, payload: bytes) -> None:
         """One ZeroMQ payload: msgpack [ts, events, data_parallel_rank]."""
@@ -180,8 +241,32 @@ class PrefixIndex:
                 del holders[old]
 
     # -- queries --------------------------------------------------------------------------------
-    def match(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
-        """For every replica holding block 0 of the chain: how many leading blocks it holds."""
+    def match(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, float]:
+        """For every replica that can serve block 0 of the chain: how many leading blocks it holds
+        - a block only a tier holds (its own, or the shared one) counting `tier_discount`."""
+        if self._shared_tier or any(self._own_tiers.values()):
+            return self._match_with_tiers(hashes)
+        return self._match_pool(hashes)  # type: ignore[return-value]
+
+    def _match_with_tiers(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, float]:
+        holders, shared, discount = self._holders, self._shared_tier, self.tier_discount
+        result: dict[ReplicaId, float] = {}
+        for replica in self.replicas:
+            own = self._own_tiers.get(replica, Counter())
+            score = 0.0
+            for h in hashes:
+                here = holders.get(h)
+                if here is not None and replica in here:
+                    score += 1.0
+                elif h in shared or h in own:
+                    score += discount
+                else:
+                    break
+            if score:
+                result[replica] = score
+        return result
+
+    def _match_pool(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
         holders = self._holders
         first = holders.get(hashes[0]) if hashes else None
         if not first:

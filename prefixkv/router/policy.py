@@ -73,7 +73,7 @@ class PrefixRouter(Router):
 
     def _best_match(
         self, hashes: Sequence[BlockHash], replicas: Sequence[object], candidates: Sequence[int]
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[float, list[int]]:
         matched = self.index.match(hashes) if hashes else {}
         best = max((matched.get(replicas[i], 0) for i in candidates), default=0)
         return best, [i for i in candidates if matched.get(replicas[i], 0) == best]
