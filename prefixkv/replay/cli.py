@@ -11,8 +11,9 @@ import sys
 
 from prefixkv.cache import POLICIES
 from prefixkv.router import MODES, ROUTERS
+from prefixkv.router.index import DEFAULT_TIER_DISCOUNT
 
-from .cluster import MEASURED_PREFILL_TOKENS_PER_S, replay_cluster
+from .cluster import MEASURED_PREFILL_TOKENS_PER_S, TIER_LOAD_COST, replay_cluster
 from .optimum import BlockIndex, infinite_cache_hit_rate, replay_optimum
 from .simulator import TimeModel, replay
 from .trace import load_trace
@@ -131,6 +132,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill speed of one replica, for the TTFT estimate (default 842: prefixkv's measured prefill of "
         "1,024 tokens, SmolLM2-135M float32 on 2 CPU threads, docs/benchmarks.md)",
     )
+    g.add_argument(
+        "--shared-tier-blocks",
+        type=int,
+        default=0,
+        metavar="M",
+        help="a tier of M blocks below every replica that all of them read (a shared Redis): pool evictions "
+        "enter it, lookups continue there; 0 = none (default)",
+    )
+    g.add_argument(
+        "--tier-discount",
+        type=float,
+        default=DEFAULT_TIER_DISCOUNT,
+        help="the router counts a block only a tier holds as this much of a pool block (default 0.5)",
+    )
+    g.add_argument(
+        "--tier-load-cost",
+        type=float,
+        default=TIER_LOAD_COST,
+        help="a token loaded from the shared tier costs this much of a computed token's time (default 0.05)",
+    )
     g.add_argument("--max-queue", type=int, default=4, help="prefix-load: a replica with this many queued is saturated")
     g.add_argument("--max-kv-usage", type=float, default=0.95, help="prefix-load: ... or this KV usage")
     g.add_argument(
@@ -220,6 +241,7 @@ def _run_cluster(args: argparse.Namespace, trace: list, tm: TimeModel) -> int:
         print(
             f"{'replicas':>8} {'router':<12} {'index':<6} {'hit rate':>9} {'imb req':>8} {'imb work':>8} "
             f"{'TTFT p50':>9} {'TTFT p90':>9} {'mean':>9} {'skipped':>7}"
+            + (f" {'tier hit':>9} {'total hit':>9}" if args.shared_tier_blocks else "")
         )
     for n in args.replicas:
         for router in args.router:
@@ -234,6 +256,9 @@ def _run_cluster(args: argparse.Namespace, trace: list, tm: TimeModel) -> int:
                     tm,
                     args.prefill_tokens_per_s,
                     args.router_index,
+                    args.shared_tier_blocks,
+                    args.tier_discount,
+                    args.tier_load_cost,
                     **(knobs if router == "prefix-load" else {}),
                 )
             except ValueError as e:
@@ -246,6 +271,11 @@ def _run_cluster(args: argparse.Namespace, trace: list, tm: TimeModel) -> int:
                     f"{n:>8} {router:<12} {r.index_mode:<6} {r.hit_rate:>9.2%} {r.imbalance_requests:>8.2f} "
                     f"{r.imbalance_prefill:>8.2f} {r.ttft_percentile(0.5) / 1e3:>8.2f}s "
                     f"{r.ttft_percentile(0.9) / 1e3:>8.2f}s {r.ttft_mean_ms / 1e3:>8.2f}s {r.skipped:>7}"
+                    + (
+                        f" {r.tier_hit_tokens / max(r.prompt_tokens, 1):>9.2%} {r.total_hit_rate:>9.2%}"
+                        if args.shared_tier_blocks
+                        else ""
+                    )
                 )
     return 0
 

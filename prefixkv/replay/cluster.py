@@ -19,24 +19,34 @@ Time model (what the TTFT estimate rests on):
     speed"). Scale it to your model and hardware: TTFTs scale with it, hit rates do not change.
 Load imbalance: max / mean over replicas of the requests each received, and of the prefill tokens
 each computed (1.0 = perfectly even).
+
+A shared tier (`shared_tier_blocks`, a Redis every replica reads): every replica's pool evictions
+enter it (LRU, tier.SharedTier), any replica's admission continues its prompt's chain there after
+its pool hits, and a loaded token costs `tier_load_cost` of a computed one (default 0.05: the
+default model's K and V are ~46 KB a token, ~50 us over a local Redis at ~1 GB/s, against ~1.2 ms
+to compute it). The tier's stores and drops reach the router's index as medium REDIS events, so a
+tier-aware router (router/index.py, `tier_discount`) counts them for every replica.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from prefixkv.cache import BlockRemoved, BlockStored, none_hash
 from prefixkv.router import PrefixIndex, ReplicaLoad, make_router
+from prefixkv.router.index import DEFAULT_TIER_DISCOUNT
 
 from .simulator import ManagerBackend, TimeModel
-from .tier import fast_block_hash
+from .tier import SharedTier, fast_block_hash
 from .trace import TraceRequest
 
 MEASURED_PREFILL_TOKENS_PER_S = 842.0  # bench/model_speed.py, prefill of 1,024 tokens (docs/benchmarks.md)
+TIER_LOAD_COST = 0.05  # a token loaded from the shared tier, in computed tokens (module doc)
+SHARED_MEDIUM = "REDIS"
 
 
 @dataclass
@@ -55,10 +65,17 @@ class ClusterResult:
     per_replica_prefill_tokens: list[int] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list, repr=False)
     seconds: float = 0.0
+    shared_tier_blocks: int = 0
+    tier_hit_tokens: int = 0  # prompt tokens loaded from the shared tier (not in hit_tokens)
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def total_hit_rate(self) -> float:
+        """Tokens not recomputed (pools + shared tier) / prompt tokens."""
+        return (self.hit_tokens + self.tier_hit_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @staticmethod
     def _imbalance(values: Sequence[int]) -> float:
@@ -88,6 +105,7 @@ class ClusterResult:
         del d["ttft_ms"]
         d.update(
             hit_rate=self.hit_rate,
+            total_hit_rate=self.total_hit_rate,
             imbalance_requests=self.imbalance_requests,
             imbalance_prefill=self.imbalance_prefill,
             ttft_p50_ms=self.ttft_percentile(0.5),
@@ -136,26 +154,40 @@ def replay_cluster(
     time_model: TimeModel | None = None,
     prefill_tokens_per_s: float = MEASURED_PREFILL_TOKENS_PER_S,
     index_mode: str = "events",
+    shared_tier_blocks: int = 0,
+    tier_discount: float = DEFAULT_TIER_DISCOUNT,
+    tier_load_cost: float = TIER_LOAD_COST,
     **knobs: float,
 ) -> ClusterResult:
     """Route `trace` (sorted by timestamp) over `num_replicas` simulated replicas of `num_blocks`
-    blocks each; at the end every replica's blocks are free again (checked)."""
+    blocks each, with a shared tier of `shared_tier_blocks` below them (0: none); at the end every
+    replica's blocks are free again (checked)."""
     if num_replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {num_replicas}")
     if prefill_tokens_per_s <= 0:
         raise ValueError("the prefill speed must be positive")
+    if not 0.0 <= tier_load_cost <= 1.0:
+        raise ValueError(f"the tier's load cost is a fraction of a computed token's, got {tier_load_cost}")
     tm = time_model or TimeModel()
     uses_index = router != "round-robin"
     index = (
-        PrefixIndex(index_mode, approx_capacity_blocks=num_blocks if index_mode == "approx" else None)
+        PrefixIndex(
+            index_mode,
+            approx_capacity_blocks=num_blocks if index_mode == "approx" else None,
+            tier_discount=tier_discount,
+        )
         if uses_index
         else None
     )
     chooser = make_router(router, index, **knobs)
     feed_events = uses_index and index_mode != "approx"
+    shared = SharedTier(shared_tier_blocks) if shared_tier_blocks else None
+    census: list[Counter[bytes]] = [Counter() for _ in range(num_replicas)]  # each pool's hashes
     replicas = [
-        _Replica(ManagerBackend(num_blocks, block_size, policy, record_events=uses_index)) for _ in range(num_replicas)
+        _Replica(ManagerBackend(num_blocks, block_size, policy, record_events=uses_index or shared is not None))
+        for _ in range(num_replicas)
     ]
+    chains: dict[int, list[bytes]] = {}  # request index -> its chain, while it waits
     ids = list(range(num_replicas))
     if index is not None:
         for r in ids:
@@ -164,12 +196,39 @@ def replay_cluster(
     res = ClusterResult(
         chooser.name, num_replicas, num_blocks, block_size, index_mode if uses_index else "-", prefill_tokens_per_s
     )
+    res.shared_tier_blocks = shared_tier_blocks
     res.per_replica_requests = [0] * num_replicas
     res.per_replica_prefill_tokens = [0] * num_replicas
     ms_per_token = 1000.0 / prefill_tokens_per_s
     completions: list[tuple[float, int, int, int]] = []  # (end, seq, replica, request index)
     seq = 0
     t0 = time.perf_counter()
+
+    def take_events(r: int, events: list) -> None:
+        """A replica's pool events: to its census, the router's index and the shared tier."""
+        pool = census[r]
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                pool.update(ev.block_hashes)
+                if feed_events:
+                    assert index is not None
+                    index.stored(r, ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    pool[h] -= 1
+                    if pool[h] <= 0:
+                        del pool[h]
+                if feed_events:
+                    assert index is not None
+                    index.removed(r, ev.block_hashes)
+                if shared is not None:  # an eviction is offloaded to the shared tier
+                    for h in ev.block_hashes:
+                        new, dropped = shared.put(h)
+                        if index is not None and feed_events:
+                            if new:
+                                index.tier_stored(r, SHARED_MEDIUM, [h])
+                            if dropped is not None:
+                                index.tier_removed(r, SHARED_MEDIUM, [dropped])
 
     def admit(r: int, now: float) -> None:
         nonlocal seq
@@ -181,6 +240,7 @@ def replay_cluster(
             foot = tm.footprint_tokens(req)
             if -(-foot // block_size) > num_blocks:
                 rep.waiting.popleft()
+                chains.pop(idx, None)
                 res.skipped += 1
                 if index is not None:
                     index.resolve_pending(idx)
@@ -189,19 +249,21 @@ def replay_cluster(
             if hit is None:
                 return
             rep.waiting.popleft()
+            chain = chains.pop(idx, [])
+            loaded = 0
+            if shared is not None:  # the chain goes on in the shared tier, under the engine's lookup rule
+                first, stop = hit // block_size, (req.input_length - 1) // block_size
+                if first < stop:
+                    loaded = shared.continue_chain(chain, first, stop, census[r]) * block_size
             if backend.record_events:
-                events = backend.mgr.take_events()
+                take_events(r, backend.mgr.take_events())
                 if feed_events:
                     assert index is not None
-                    for ev in events:
-                        if isinstance(ev, BlockStored):
-                            index.stored(r, ev.block_hashes)
-                        elif isinstance(ev, BlockRemoved):
-                            index.removed(r, ev.block_hashes)
                     index.resolve_pending(idx)
-            computed = req.input_length - hit
+            computed = req.input_length - hit - loaded
+            res.tier_hit_tokens += loaded
             start = max(now, rep.prefill_free_at)
-            end = start + computed * ms_per_token
+            end = start + (computed + loaded * tier_load_cost) * ms_per_token
             rep.prefill_free_at = end
             heapq.heappush(rep.prefill_ends, end)
             res.requests += 1
@@ -223,7 +285,7 @@ def replay_cluster(
             admit(r, now)
             continue
         req = trace[i]
-        hashes: list[bytes] = chain_hashes(req, block_size, root) if uses_index else []
+        hashes: list[bytes] = chain_hashes(req, block_size, root) if uses_index or shared is not None else []
         lookup = hashes[: (req.input_length - 1) // block_size]  # the engine's lookup rule
         r = chooser.choose(lookup, ids, [rep.load(t_arrive) for rep in replicas])
         if index is not None:
@@ -232,6 +294,8 @@ def replay_cluster(
             else:
                 index.add_pending(r, i, hashes)
         res.per_replica_requests[r] += 1
+        if shared is not None:
+            chains[i] = hashes
         replicas[r].waiting.append(i)
         i += 1
         if len(replicas[r].waiting) == 1:

@@ -18,7 +18,7 @@ hit rates, not admission order.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from prefixkv.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -84,6 +84,60 @@ class CPUTier:
         """Blocks [start, stop) of a chain found in the tier (touched) - or still cached in the pool
         past a block the pool lost - consecutively from `start`."""
         blocks, in_pool = self._blocks, self._in_pool
+        n = start
+        while n < stop:
+            h = hashes[n]
+            if h in blocks:
+                blocks.move_to_end(h)
+            elif h not in in_pool:
+                break
+            n += 1
+        self.num_hit_blocks += n - start
+        return n - start
+
+
+class SharedTier:
+    """A tier every replica reads and writes (a shared Redis), for `prefixkv replay --replicas N
+    --shared-tier-blocks M`: LRU over content hashes. Every replica's pool evictions enter it;
+    any replica's lookup may continue its chain there (a pool's own later blocks, kept while a
+    parent was evicted, also continue it: the caller passes that replica's pool census)."""
+
+    __slots__ = ("capacity", "_blocks", "num_inserted", "num_dropped", "num_hit_blocks")
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a shared tier needs at least 1 block, got {num_blocks}")
+        self.capacity = num_blocks
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.num_inserted = 0
+        self.num_dropped = 0
+        self.num_hit_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def put(self, block_hash: bytes) -> tuple[bool, bytes | None]:
+        """Store (or touch) a block; returns whether it is new here and the block the tier dropped
+        to make room (None when none)."""
+        blocks = self._blocks
+        if block_hash in blocks:
+            blocks.move_to_end(block_hash)
+            return False, None
+        blocks[block_hash] = None
+        self.num_inserted += 1
+        if len(blocks) > self.capacity:
+            dropped, _ = blocks.popitem(last=False)
+            self.num_dropped += 1
+            return True, dropped
+        return True, None
+
+    def continue_chain(self, hashes: Sequence[bytes], start: int, stop: int, in_pool: Container[bytes]) -> int:
+        """Blocks [start, stop) of a chain found here (touched) or in the replica's own pool,
+        consecutively from `start`."""
+        blocks = self._blocks
         n = start
         while n < stop:
             h = hashes[n]

@@ -4,7 +4,8 @@ share them.
 
   round-robin  replicas in turn, blind to content and load.
   prefix       the replica holding the longest prefix of the request's block hashes (PrefixIndex);
-               ties - including "nobody holds block 0" - go to the least loaded, then in turn.
+               ties - including "nobody holds block 0" - go to the least loaded, then in turn. A block
+               only a tier holds counts at the index's tier_discount (router/index.py).
   prefix-load  prefix, gated by load (the knobs of PrefixLoadRouter): a replica is out of the running
                when it is saturated (queue >= max_queue, or KV usage >= max_kv_usage) or much busier
                than the least busy one (queue > balance_rel x least + balance_abs); among the rest the
@@ -12,6 +13,8 @@ share them.
                overloaded cluster keeps its affinity among the least busy replicas). So a hot
                prefix stays on its replica until that replica fills up or runs ahead of the
                others, then spreads; the index learns the new copies from the replicas' events.
+               The affinity that must reach min_match_blocks is the best match over the least
+               among the candidates: blocks all of them can load from a shared tier add none.
 
 Load: `queue` = requests sent to the replica whose prefill has not finished (waiting or
 prefilling: what a new request waits behind), `running` = requests holding KV blocks there,
@@ -74,9 +77,13 @@ class PrefixRouter(Router):
     def _best_match(
         self, hashes: Sequence[BlockHash], replicas: Sequence[object], candidates: Sequence[int]
     ) -> tuple[float, list[int]]:
+        """The best match among `candidates` over the least of them (what the best saves that any
+        candidate would not: a block every replica can load from a shared tier is no reason to
+        prefer one), and the candidates that have it."""
         matched = self.index.match(hashes) if hashes else {}
-        best = max((matched.get(replicas[i], 0) for i in candidates), default=0)
-        return best, [i for i in candidates if matched.get(replicas[i], 0) == best]
+        scores = [matched.get(replicas[i], 0) for i in candidates]
+        best = max(scores, default=0)
+        return best - min(scores, default=0), [i for i, m in zip(candidates, scores) if m == best]
 
     def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
         _, tied = self._best_match(hashes, replicas, range(len(loads)))

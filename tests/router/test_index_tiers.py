@@ -68,3 +68,26 @@ def test_discount_bounds():
     index = two_replicas(tier_discount=0.0)
     index.apply_events("a", [stored("REDIS", CHAIN)])
     assert index.match(CHAIN) == {}  # a tier worth nothing: the pool match alone
+
+
+def test_cluster_simulation_with_a_shared_tier_loads_what_round_robin_scattered():
+    import random
+
+    from prefixkv.replay.cluster import replay_cluster
+    from prefixkv.replay.trace import TraceRequest
+
+    bs = 4
+    # 6 prefixes of 3 blocks, 4 replicas of 6 blocks: round-robin scatters every prefix over the
+    # replicas and their pools evict it; a shared tier keeps the evicted blocks for every replica
+    prefixes = [list(range(1000 * p, 1000 * p + 12)) for p in range(6)]
+    order = random.Random(1).choices(range(6), k=48)
+    trace = [TraceRequest(t * 10_000_000, 14, 1, token_ids=(*prefixes[p], 7, 8)) for t, p in enumerate(order)]
+    plain = replay_cluster(trace, 4, "round-robin", num_blocks=6, block_size=bs)
+    shared = replay_cluster(trace, 4, "round-robin", num_blocks=6, block_size=bs, shared_tier_blocks=64)
+    assert plain.tier_hit_tokens == 0 and shared.tier_hit_tokens > 0
+    assert shared.total_hit_rate > plain.total_hit_rate
+    assert sum(shared.ttft_ms) < sum(plain.ttft_ms)  # a loaded token costs tier_load_cost of a computed one
+    routed = replay_cluster(trace, 4, "prefix", num_blocks=6, block_size=bs, shared_tier_blocks=64)
+    assert routed.requests == 48 and routed.total_hit_rate >= shared.total_hit_rate
+    with pytest.raises(ValueError, match="load cost"):
+        replay_cluster(trace, 2, "prefix", num_blocks=6, block_size=bs, tier_load_cost=2.0)
