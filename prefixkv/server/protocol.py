@@ -21,17 +21,6 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 class StreamOptions(BaseModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
