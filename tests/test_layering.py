@@ -144,8 +144,9 @@ def _layer_of(module: str) -> int:
     raise AssertionError(f"{module} belongs to no layer: add {top!r} to LAYERS in {Path(__file__).name}")
 
 
-def _cycles(graph: dict[str, list[Edge]]) -> list[list[Edge]]:
-    """One cycle through each strongly connected component of more than one module (Tarjan)."""
+def _cycles(graph: dict[str, list[Edge]]) -> list[tuple[set[str], list[Edge]]]:
+    """Each strongly connected component of more than one module, with one cycle through it
+    (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -176,7 +177,7 @@ def _cycles(graph: dict[str, list[Edge]]) -> list[list[Edge]]:
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return [_cycle_in(graph, c) for c in components]
+    return [(c, _cycle_in(graph, c)) for c in components]
 
 
 def _cycle_in(graph: dict[str, list[Edge]], component: set[str]) -> list[Edge]:
@@ -208,17 +209,16 @@ def test_every_module_belongs_to_a_layer():
 
 def test_no_import_circles():
     cycles = _cycles(_graph())
-    report = "\n\n".join("\n".join(f"  {e}" for e in cycle) for cycle in cycles)
+    report = "\n\n".join(
+        f"  {', '.join(sorted(members))} import each other; one way round:\n" + "\n".join(f"    {e}" for e in cycle)
+        for members, cycle in cycles
+    )
     assert not cycles, f"{len(cycles)} import circle(s) between modules:\n\n{report}"
 
 
 def test_no_import_from_a_lower_layer_to_a_higher_one():
-    upward = [
-        e for edges in _graph().values() for e in edges if _layer_of(e.src) < _layer_of(e.dst)
-    ]
-    report = "\n".join(
-        f"  [{LAYERS[_layer_of(e.src)][0]} -> {LAYERS[_layer_of(e.dst)][0]}]  {e}" for e in upward
-    )
+    upward = [e for edges in _graph().values() for e in edges if _layer_of(e.src) < _layer_of(e.dst)]
+    report = "\n".join(f"  [{LAYERS[_layer_of(e.src)][0]} -> {LAYERS[_layer_of(e.dst)][0]}]  {e}" for e in upward)
     assert not upward, f"{len(upward)} upward import(s) (layers: docs/design.md, 'Layers'):\n{report}"
 
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ..lora.manager import LoRAManager
+from ..memory.block_tensors import BlockTensors
 from ..model import AttentionMetadata, LoadedModel
 from ..stage.specs import per_token_outputs
-from .block_tensors import BlockTensors
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .sampler import SampleResult, sample, score_tokens
 from .scheduler_output import ScheduledRequest, SchedulerOutput

@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..engine.scheduler_output import EncoderInput
+from ..model.llava.vision import VisionEncoder
 from .encoder_cache import EncoderCache, EncoderKey
-from .vision import VisionEncoder
+from .encoder_input import EncoderInput
 
 
 class MultiModalEmbedder:

@@ -1,4 +1,4 @@
-"""Loading a LLaVA-style HF folder: the language model is prefixkv's decoder (model/llama.py), the
+"""Loading a LLaVA-style HF folder: the language model is prefixkv's decoder (../llama.py), the
 vision tower and projector are vision.py's, the image preprocessing is processor.py's."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.llama import LlamaModel
-from ..model.tokenizer import Tokenizer
+from ..llama import LlamaModel
+from ..tokenizer import Tokenizer
 from .config import LlavaConfig, read_hf_config
 from .processor import ImageProcessor
 from .vision import VisionEncoder
