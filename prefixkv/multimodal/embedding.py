@@ -26,7 +26,7 @@ class MultiModalEmbedder:
         outputs: dict[EncoderKey, torch.Tensor] = {}
         missing: dict[EncoderKey, torch.Tensor] = {}
         for inp in inputs:
-            key = inp.cache_key
+            key: EncoderKey = inp.cache_key
             if key in outputs or key in missing:
                 continue
             cached = self.cache.get(key)

@@ -29,6 +29,7 @@ MODALITIES = ("image",)
 
 def load_image(obj: Any, what: str = "image") -> Image.Image:
     """A PIL image, or encoded image bytes -> a fully decoded PIL image; ValueError otherwise."""
+    img: Image.Image
     if isinstance(obj, (bytes, bytearray, memoryview)):
         try:
             img = Image.open(io.BytesIO(bytes(obj)))
