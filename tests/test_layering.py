@@ -17,7 +17,7 @@ The layers, bottom to top (a module may import its own layer and the layers belo
 2. model           model/: configs, tokenizer, loader, decoders, kernels, and model/llava/
                    (the vision-language family's config, encoder, preprocessing and loader)
 3. memory          memory/: the per-block tensors and their one budget, huge pages
-4. features        constraints/, lora/, multimodal/, stage/, kv_events/, tiers/, router/:
+4. features        constraints/, lora/, multimodal/, stage_outputs/, kv_events/, tiers/, router/:
                    each plugs into the engine through types it defines itself
 5. requests        sampling_params.py, request.py, engine_args.py, config.py: what the user
                    asks and how the engine is configured, built from the features' types
@@ -27,7 +27,7 @@ The layers, bottom to top (a module may import its own layer and the layers belo
 8. entry points    cli.py, demo.py
 
 A type that two layers share lives in the lower one (`multimodal/item.py`'s `MultiModalItem`,
-which `request.py` holds; `memory/block_tensors.py`, which `stage/` registers into).
+which `request.py` holds; `memory/block_tensors.py`, which `stage_outputs/` registers into).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("cache", "outputs", "progress")),
     ("model", ("model",)),
     ("memory", ("memory",)),
-    ("features", ("constraints", "lora", "multimodal", "stage", "kv_events", "tiers", "router")),
+    ("features", ("constraints", "lora", "multimodal", "stage_outputs", "kv_events", "tiers", "router")),
     ("requests", ("sampling_params", "request", "engine_args", "config")),
     ("engine", ("engine",)),
     ("API", ("", "llm", "server", "replicas", "pipeline", "replay")),  # "": the package root

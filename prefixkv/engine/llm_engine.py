@@ -36,7 +36,7 @@ from ..outputs import Logprob, RequestMetrics, RequestOutput
 from ..progress import Stages
 from ..request import MultiModalItem, Request, RequestStatus
 from ..sampling_params import SamplingParams
-from ..stage import StageOutputCache, stage_output_specs
+from ..stage_outputs import StageOutputCache, stage_output_specs
 from ..tiers import TierManager, attach_tiers
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
 from .gpu_memory import cuda_kv_budget

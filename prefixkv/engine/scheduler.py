@@ -20,7 +20,7 @@ from .model_runner_output import ModelRunnerOutput
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from ..stage import StageOutputCache
+    from ..stage_outputs import StageOutputCache
     from ..tiers import TierManager
     from ..tiers.manager import TierFetch
 

@@ -1,6 +1,6 @@
 """Image-aware prefix caching and the encoder cache, through llm.generate: block keys carry the
-image's identity and offset, outputs with caching equal outputs without, the seed-003 case (an image
-split between a cached block and an uncached one) recomputes only the rest from the encoder cache,
+image's identity and offset, outputs with caching equal outputs without, an image
+split between a cached block and an uncached one recomputes only the rest from the encoder cache,
 and every KV block is free afterwards."""
 
 from __future__ import annotations
