@@ -1,4 +1,4 @@
-"""Loading a LLaVA-style HF folder: the language model is prefixkv's decoder (../llama.py), the
+"""Loading a LLaVA-style HF folder: the language model is prefixkv's decoder (model/llama.py), the
 vision tower and projector are vision.py's, the image preprocessing is processor.py's."""
 
 from __future__ import annotations
