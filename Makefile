@@ -20,7 +20,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m prefixkv.demo
 
-# ruff (lint + format, line length 120) over the repo; mypy on prefixkv/cache, engine, tiers, kv_events, router, replicas
+# ruff (lint + format, line length 120) over the repo; mypy over prefixkv/
 # (settings in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prefixkv.engine.block_tensors import allocate_kv_cache  # noqa: E402
+from prefixkv.memory.block_tensors import allocate_kv_cache  # noqa: E402
 from prefixkv.model import cpu_kernels, load_model  # noqa: E402
 from prefixkv.model.attention import _ChunkBatch  # noqa: E402
 from tests.model.model_helpers import make_step  # noqa: E402

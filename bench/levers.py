@@ -137,7 +137,7 @@ def lever_gather() -> None:
 
 def lever_decode() -> None:
     import prefixkv.model.attention as attention
-    from prefixkv.engine.block_tensors import allocate_kv_cache
+    from prefixkv.memory.block_tensors import allocate_kv_cache
     from prefixkv.model import AttentionMetadata, load_model
 
     gathers = {"index_select": attention._gather, "advanced indexing": lambda flat, slots: flat[slots]}

@@ -143,7 +143,7 @@ def main() -> None:
         print(f"load average {os.getloadavg()[0]:.2f}; this machine's ceiling, measured now (bench/ceiling.py):")
         for line in ceiling.lines():
             print("  " + line)
-    from prefixkv.engine.block_tensors import allocate_kv_cache
+    from prefixkv.memory.block_tensors import allocate_kv_cache
     from prefixkv.model import AttentionMetadata, cpu_kernels, default_model_path, load_model
 
     dev = args.device

@@ -47,7 +47,7 @@ def main() -> None:
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
-    from prefixkv.engine.block_tensors import allocate_kv_cache
+    from prefixkv.memory.block_tensors import allocate_kv_cache
     from prefixkv.model import AttentionMetadata, default_model_path, load_model
 
     dev, dtype = args.device, getattr(torch, args.dtype)

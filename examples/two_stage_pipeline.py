@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from prefixkv import LLM, SamplingParams
 from prefixkv.pipeline import HeadStage, LLMStage, Pipeline
-from prefixkv.stage import PoolingParams
+from prefixkv.stage_outputs import PoolingParams
 
 DOCUMENT = (
     "The lighthouse keeper's log, autumn. The lamp was lit at dusk each day; fog came in from the "

@@ -4,8 +4,9 @@ vLLM's interface (`LLM`, `SamplingParams`, an OpenAI-compatible server); the lay
 block identity and where to add a model, a policy or a route: docs/design.md.
 """
 
+from .lora.request import LoRARequest
+from .multimodal.item import MultiModalItem
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .request import LoRARequest, MultiModalItem
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"

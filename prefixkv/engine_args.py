@@ -19,6 +19,7 @@ from typing import Any
 
 from .cache import HASH_ALGOS, POLICIES
 from .kv_events.config import KVEventsConfig
+from .stage_outputs.pooling import parse_pooler_config
 
 logger = logging.getLogger("prefixkv")
 
@@ -364,8 +365,6 @@ class EngineArgs:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._check_multimodal()
-        from .stage.pooling import parse_pooler_config  # here: the stage package imports the engine's
-
         self.default_pooling = parse_pooler_config(self.pooler_config)
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")

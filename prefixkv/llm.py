@@ -16,7 +16,7 @@ from .multimodal.chat import chat_prompt_with_images, has_image_parts
 from .outputs import RequestOutput
 from .request import LoRARequest
 from .sampling_params import SamplingParams
-from .stage import EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput, pool
+from .stage_outputs import EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput, pool
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
 # vLLM prompt-dict fields prefixkv does not implement

@@ -5,22 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from .lora.request import LoRARequest as LoRARequest  # re-exported: its old home
-
-
-@dataclass(frozen=True)
-class MultiModalItem:
-    """A multimodal input occupying prompt positions [offset, offset + length) with placeholders;
-    `identifier` is a hash of its content, so equal images share cache blocks. `data` is the
-    encoder's input (preprocessed pixels); it takes no part in the item's identity."""
-
-    identifier: str
-    offset: int
-    length: int
-    data: Any = field(default=None, compare=False, hash=False, repr=False)
+from .lora.request import LoRARequest
+from .multimodal.item import MultiModalItem
 
 
 def _as_mm_item(item: Any) -> MultiModalItem:

@@ -30,7 +30,7 @@ class KVCacheManager:
       hash_algo     content hash for external identity: "sha256_cbor" (default), "sha256",
                     "xxhash_cbor", or a callable(obj) -> bytes. It never decides a local hit.
       hash_seed     seed of NONE_HASH (and of xxhash), fixed so hashes agree across processes.
-      eviction_policy  name or EvictionPolicy subclass (default "lru", the seed's policy; the
+      eviction_policy  name or EvictionPolicy subclass (default "lru", vLLM's order; the
                     names are prefixkv.cache.POLICIES).
       enable_kv_cache_events  record BlockStored / BlockRemoved / AllBlocksCleared, to be drained
                     with take_events().

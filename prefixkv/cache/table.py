@@ -10,7 +10,7 @@ from .identity import ROOT_UID, BlockKey
 
 class CachedBlockTable:
     """Exact identity -> the block(s) holding it. Block tables are append-only, so two requests
-    that computed the same block both keep theirs (the seed's "duplicated blocks"): an identity
+    that computed the same block both keep theirs (the "duplicated blocks" of vLLM's design document): an identity
     can be held by several blocks, which share its identity number (`uid`, handed out once per
     new identity and never reused - ROOT_UID is the parent of block 0).
 

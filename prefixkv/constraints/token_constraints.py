@@ -13,14 +13,15 @@ only what masking a row needs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from ..model import Tokenizer
-    from ..sampling_params import SamplingParams
     from .grammar import RequestGrammar
+    from .validation import TokenConstraintFields
 
 
 def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
@@ -39,8 +40,8 @@ class RequestConstraints:
     def __init__(
         self,
         vocab_size: int,
-        logit_bias: dict[int, float] | None = None,
-        allowed_token_ids: list[int] | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        allowed_token_ids: Sequence[int] | None = None,
         bad_words: list[list[int]] | None = None,
         grammar: RequestGrammar | None = None,
     ) -> None:
@@ -59,7 +60,7 @@ class RequestConstraints:
 
     @classmethod
     def build(
-        cls, params: SamplingParams, tokenizer: Tokenizer, vocab_size: int, grammar: RequestGrammar | None = None
+        cls, params: TokenConstraintFields, tokenizer: Tokenizer, vocab_size: int, grammar: RequestGrammar | None = None
     ) -> RequestConstraints | None:
         """None when the request constrains nothing (the sampler's fast path stays open)."""
         if not params.logit_bias and not params.allowed_token_ids and not params.bad_words and grammar is None:

@@ -4,13 +4,24 @@ imports it). Token ids against the vocabulary are the engine's to check (`check_
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ..sampling_params import SamplingParams
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+
+
+class TokenConstraintFields(Protocol):
+    """What the constraints read of a request's sampling parameters (SamplingParams satisfies
+    it); declared here so that this package needs nothing of the layer that builds requests."""
+
+    @property
+    def logit_bias(self) -> Mapping[int, float] | None: ...
+
+    @property
+    def allowed_token_ids(self) -> Sequence[int] | None: ...
+
+    @property
+    def bad_words(self) -> Sequence[str] | None: ...
 
 
 def normalize_logit_bias(value: Any) -> dict[int, float] | None:
@@ -39,7 +50,7 @@ def normalize_logit_bias(value: Any) -> dict[int, float] | None:
     return out
 
 
-def check_token_fields(params: SamplingParams) -> None:
+def check_token_fields(params: TokenConstraintFields) -> None:
     """The vocabulary-independent checks of the token-level fields (SamplingParams.verify)."""
     ids = params.allowed_token_ids
     if ids is not None:
@@ -53,7 +64,7 @@ def check_token_fields(params: SamplingParams) -> None:
             raise ValueError("bad_words must be a list of non-empty strings")
 
 
-def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+def check_vocab(params: TokenConstraintFields, vocab_size: int) -> None:
     """Token ids that the model cannot produce are refused by name."""
     for name, ids in (
         ("logit_bias", list(params.logit_bias or ())),

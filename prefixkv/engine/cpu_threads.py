@@ -447,8 +447,8 @@ def _agreement_file(key: str) -> Path:
 
 
 def _measure_agreement(model: LlamaModel, configured: int) -> bool:
+    from ..memory.block_tensors import allocate_kv_cache
     from ..model import AttentionMetadata
-    from .block_tensors import allocate_kv_cache
 
     config = model.config
     counts = sorted({1, max(1, configured - 1), configured})

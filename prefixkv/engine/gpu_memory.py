@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..memory.block_tensors import allocate_kv_cache
 from ..model import AttentionMetadata, LlamaModel
-from .block_tensors import allocate_kv_cache
 
 GIB = 1 << 30
 

@@ -27,6 +27,7 @@ from ..engine_args import DEFAULT_KV_CACHE_BYTES, DTYPES, EngineArgs
 from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
+from ..memory.block_tensors import BlockTensors, kv_cache_specs
 from ..model import LoadedModel, load_model
 from ..model.generation_config import sampling_defaults
 from ..model.tokenizer import Tokenizer
@@ -35,9 +36,8 @@ from ..outputs import Logprob, RequestMetrics, RequestOutput
 from ..progress import Stages
 from ..request import MultiModalItem, Request, RequestStatus
 from ..sampling_params import SamplingParams
-from ..stage import StageOutputCache, stage_output_specs
+from ..stage_outputs import StageOutputCache, stage_output_specs
 from ..tiers import TierManager, attach_tiers
-from .block_tensors import BlockTensors, kv_cache_specs
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
 from .gpu_memory import cuda_kv_budget
 from .model_runner import ModelRunner

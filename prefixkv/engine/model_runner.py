@@ -15,16 +15,16 @@ import torch
 from torch import nn
 
 from ..lora.manager import LoRAManager
+from ..memory.block_tensors import BlockTensors
 from ..model import AttentionMetadata, LoadedModel
-from ..stage.specs import per_token_outputs
-from .block_tensors import BlockTensors
+from ..stage_outputs.specs import per_token_outputs
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .sampler import SampleResult, sample, score_tokens
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from ..multimodal.embedding import MultiModalEmbedder
-    from ..stage import StageOutputCache
+    from ..stage_outputs import StageOutputCache
     from ..tiers.transfer import BlockTransfer
 
 PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scoring a prompt

@@ -14,12 +14,13 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
+from ..multimodal.encoder_input import EncoderInput
 from ..request import Request, RequestStatus
 from .model_runner_output import ModelRunnerOutput
-from .scheduler_output import EncoderInput, ScheduledRequest, SchedulerOutput
+from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from ..stage import StageOutputCache
+    from ..stage_outputs import StageOutputCache
     from ..tiers import TierManager
     from ..tiers.manager import TierFetch
 

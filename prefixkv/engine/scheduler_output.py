@@ -6,29 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..multimodal.encoder_input import EncoderInput
+
 if TYPE_CHECKING:
     import torch
 
     from ..sampling_params import SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class EncoderInput:
-    """A multimodal item's share of one chunk: rows `rows[0]:rows[1]` of its encoder output are the
-    embeddings of the chunk's tokens `dest`, `dest + 1`, ... (an item may span several chunks, and a
-    prefix hit may have covered its first rows already)."""
-
-    identifier: str  # the item's identity (multimodal/hashing.py)
-    data: Any  # the encoder's input (preprocessed pixels)
-    rows: tuple[int, int]
-    dest: int
-    # the request's cache_salt: with the identity, the encoder cache's key, so that a salted
-    # request never reads an encoder output computed for another salt (multimodal/encoder_cache.py)
-    cache_salt: str | None = None
-
-    @property
-    def cache_key(self) -> tuple[str, str | None]:
-        return (self.identifier, self.cache_salt)
 
 
 @dataclass(slots=True)

@@ -22,9 +22,13 @@ base linear alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..model.llama import LlamaModel
 
 # runs shorter than this go to the dense masked path (measured crossover on the default model:
 # 4-16 tokens per run with 8 resident rank-16 adapters)
@@ -101,6 +105,10 @@ class LoRAContext:
 class LoRALinear(nn.Module):
     """base(x) plus the low-rank updates of the step's adapters. `slices` are the output widths
     of the fused PEFT targets (q, k, v for qkv_proj; gate, up for gate_up_proj; one otherwise)."""
+
+    # registered buffers (they follow the module's device and dtype)
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
 
     def __init__(
         self,
@@ -192,7 +200,7 @@ FUSED: dict[str, tuple[tuple[str, ...], str]] = {
 
 
 def attach_lora(
-    model: nn.Module,
+    model: LlamaModel,
     shapes: dict[str, tuple[int, int]],
     max_loras: int,
     max_rank: int,
@@ -203,7 +211,7 @@ def attach_lora(
     and sets `model.lora_context`, through which the model hands each step's mapping over."""
     context = LoRAContext()
     wrapped: list[dict[str, LoRALinear]] = []
-    for layer in model.layers:  # type: ignore[union-attr]
+    for layer in model.layers:
         found: dict[str, LoRALinear] = {}
         for fused, (targets, owner_name) in FUSED.items():
             owner = getattr(layer, owner_name)

@@ -17,9 +17,9 @@ import itertools
 from collections import OrderedDict
 
 import torch
-from torch import nn
 
 from ..model.config import ModelConfig
+from ..model.llama import LlamaModel
 from .adapter import TARGETS, LoRAAdapter, load_adapter, target_shapes
 from .layers import FUSED, LoRALinear, LoRAMapping, attach_lora
 from .request import LoRARequest
@@ -56,7 +56,7 @@ class LoRAManager:
         self.retired: set[tuple[str, str, str, str]] = set()
         self.num_loads = 0  # adapters written into a device slot (for tests and metrics)
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: LlamaModel) -> None:
         self._layers = attach_lora(model, self.shapes, self.max_loras, self.max_lora_rank, self.dtype, self.device)
 
     # -- the adapters known --------------------------------------------------------------------

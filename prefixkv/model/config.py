@@ -42,7 +42,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     intermediate_size: int
-    head_dim: int | None = None
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None / {"rope_type": "default"} / {"rope_type": "linear", "factor": f} /
@@ -61,7 +61,7 @@ class ModelConfig:
         check_architecture(self.architecture)
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
-        if self.head_dim is None:
+        if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
@@ -93,7 +93,7 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
-            mt = d.get("model_type")
+            mt: Any = d.get("model_type")  # whatever config.json holds, named in the error
             archs = [
                 {
                     "llama": "LlamaForCausalLM",
@@ -142,7 +142,7 @@ class ModelConfig:
             attention_bias=attention_bias,
             qk_norm=qk_norm,
             bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
+            eos_token_id=d.get("eos_token_id", []),  # an int or None too: __post_init__ makes it a list
             sliding_window=window,
         )
 
@@ -171,7 +171,9 @@ class ModelConfig:
         head_dim = int(meta.get(p + "attention.key_length", hidden // n_heads))
         vocab = meta.get(p + "vocab_size")
         if vocab is None:
-            vocab = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else None
+            if "tokenizer.ggml.tokens" not in meta:
+                raise ValueError(f"GGUF metadata has neither {p}vocab_size nor tokenizer.ggml.tokens")
+            vocab = len(meta["tokenizer.ggml.tokens"])
         scaling = None
         stype = meta.get(p + "rope.scaling.type")
         if stype == "linear":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +125,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.dtype = dtype
         self.packed_head: PackedLinear | TransposedLinear | DualLayoutLinear | None = None  # set by pack_for_cpu
-        self.lora_context = None  # set by prefixkv.lora.layers.attach_lora: where a step's LoRA mapping goes
+        self.lora_context: Any = None  # set by prefixkv.lora.layers.attach_lora: where a step's LoRA mapping goes
         # every layer of a small decode step in one native call (CPU, after pack_for_cpu; _DecodeLayers)
         self.decode_layers: _DecodeLayers | None = None
         self.fused_decode = True  # False: layer by layer always (tests and benchmarks compare the two)

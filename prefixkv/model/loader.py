@@ -38,7 +38,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     source: str = ""
-    # a vision-language checkpoint's encoder and preprocessing (prefixkv.multimodal.MultiModalModel)
+    # a vision-language checkpoint's encoder and preprocessing (llava/loader.py: MultiModalModel)
     multimodal: Any = None
 
 
@@ -161,10 +161,10 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _load_hf_folder(folder: str, dtype, device) -> LoadedModel:
-    from ..multimodal.config import is_multimodal_config, read_hf_config
+    from .llava.config import is_multimodal_config, read_hf_config
 
     if os.path.isfile(os.path.join(folder, "config.json")) and is_multimodal_config(read_hf_config(folder)):
-        from ..multimodal.loader import load_llava
+        from .llava.loader import load_llava
 
         lm, tok, mm = load_llava(folder, _iter_safetensors(folder), dtype, device)
         return LoadedModel(model=lm, tokenizer=tok, config=lm.config, source=folder, multimodal=mm)

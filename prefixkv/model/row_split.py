@@ -77,7 +77,7 @@ def _load() -> Any:
         raise RuntimeError("only built on Linux")
     if not torch.backends.mkldnn.is_available():
         raise RuntimeError("this torch has no oneDNN")
-    if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
+    if not torch.backends.openmp.is_available():
         raise RuntimeError("this torch has no OpenMP runtime to share")
     flags, link = _build_flags()
     path = cpu_kernels._build(cpu_kernels.compiler(), [SOURCE], [], flags, link, name="prefixkv-row-split")

@@ -1,27 +1,24 @@
-"""Vision-language models (LLaVA 1.5 style): image preprocessing, placeholder expansion and item
-identities (prompt side), the vision encoder and its output cache (runner side). docs/multimodal.md."""
+"""Multimodal inputs for the vision-language models of prefixkv/model/llava/ (docs/multimodal.md).
+Prompt side: images -> placeholder tokens and items (inputs.py; item.py's `MultiModalItem`, named
+by hashing.py's identity), images named in chat messages (chat.py, media.py). Runner side: which
+rows of an item a chunk needs (encoder_input.py), the encoder output cache (encoder_cache.py)
+and splicing the embeddings into the step's input (embedding.py)."""
 
-from .config import MULTIMODAL_ARCHITECTURES, LlavaConfig, VisionConfig
 from .embedding import MultiModalEmbedder
 from .encoder_cache import EncoderCache, EncoderCacheStats
+from .encoder_input import EncoderInput
 from .hashing import MM_HASH_MODES, item_identity
 from .inputs import MultiModalInputProcessor, load_image
-from .loader import MultiModalModel
-from .processor import ImageProcessor
-from .vision import VisionEncoder
+from .item import MultiModalItem
 
 __all__ = [
     "MM_HASH_MODES",
-    "MULTIMODAL_ARCHITECTURES",
     "EncoderCache",
     "EncoderCacheStats",
-    "ImageProcessor",
-    "LlavaConfig",
+    "EncoderInput",
     "MultiModalEmbedder",
     "MultiModalInputProcessor",
-    "MultiModalModel",
-    "VisionConfig",
-    "VisionEncoder",
+    "MultiModalItem",
     "item_identity",
     "load_image",
 ]

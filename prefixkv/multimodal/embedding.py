@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..engine.scheduler_output import EncoderInput
+from ..model.llava.vision import VisionEncoder
 from .encoder_cache import EncoderCache, EncoderKey
-from .vision import VisionEncoder
+from .encoder_input import EncoderInput
 
 
 class MultiModalEmbedder:
@@ -26,7 +26,7 @@ class MultiModalEmbedder:
         outputs: dict[EncoderKey, torch.Tensor] = {}
         missing: dict[EncoderKey, torch.Tensor] = {}
         for inp in inputs:
-            key = inp.cache_key
+            key: EncoderKey = inp.cache_key
             if key in outputs or key in missing:
                 continue
             cached = self.cache.get(key)

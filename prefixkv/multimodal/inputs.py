@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from ..request import MultiModalItem
+from ..model.llava.loader import MultiModalModel
 from .hashing import item_identity
-from .loader import MultiModalModel
+from .item import MultiModalItem
 
 MAX_IMAGE_PIXELS = 50_000_000  # a larger image is refused before it is decoded (decompression bombs)
 # Longest edge over shortest edge. Resizing scales the short edge up to the model's size, so a 1 x N
@@ -29,6 +29,7 @@ MODALITIES = ("image",)
 
 def load_image(obj: Any, what: str = "image") -> Image.Image:
     """A PIL image, or encoded image bytes -> a fully decoded PIL image; ValueError otherwise."""
+    img: Image.Image
     if isinstance(obj, (bytes, bytearray, memoryview)):
         try:
             img = Image.open(io.BytesIO(bytes(obj)))

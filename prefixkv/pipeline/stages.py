@@ -10,7 +10,7 @@ import torch
 
 from ..llm import LLM
 from ..sampling_params import SamplingParams
-from ..stage.pooling import PoolingParams
+from ..stage_outputs.pooling import PoolingParams
 
 
 @dataclass

@@ -214,7 +214,7 @@ class BeladyBackend:
 
 class ReuseOracleBackend(BeladyBackend):
     """Not a bound, a yardstick for online policies: it knows only whether a freed block will
-    ever be used again, not when. Dead blocks are evicted first, then the seed's LRU order. Any
+    ever be used again, not when. Dead blocks are evicted first, then the LRU order. Any
     policy that predicts reuse (as `predicted-reuse` does) can at best match a perfect
     predictor's ranking; the gap between this and the optimum is what knowing *when* is worth."""
 

@@ -1,6 +1,6 @@
 """A CPU tier below the KV pool, for the replay simulator: `prefixkv replay --cpu-tier-blocks N`.
 
-What it models (the tier that issue 13's engine builds, keyed by the chained content hash):
+What it models (the CPU tier of prefixkv/tiers/, keyed by the chained content hash):
   * a cached block that the pool evicts is copied to the tier (it enters as most recently used);
   * the tier holds `num_blocks` blocks, LRU: a full tier drops its least recently used block;
   * a request's lookup continues the chain where the pool's hits end: every following prompt block

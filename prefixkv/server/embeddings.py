@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import Request
 
 from ..sampling_params import SamplingParams
-from ..stage.pooling import PoolingParams, pool
+from ..stage_outputs.pooling import PoolingParams, pool
 from .errors import APIError
 from .protocol import (
     EmbeddingData,

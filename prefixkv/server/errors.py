@@ -11,9 +11,8 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from .protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("prefixkv.server")
 
@@ -26,6 +25,17 @@ _TYPES = {
     499: "ClientClosedRequest",
     503: "ServiceUnavailableError",
 }
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
 
 
 class APIError(Exception):

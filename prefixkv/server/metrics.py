@@ -8,6 +8,7 @@ observed by the engine thread when a request finishes. Each app gets its own Col
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -248,7 +249,7 @@ class ServerMetrics:
         names = list(self.labels)
         r = self.registry
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**self.labels)
 
         self.ttft = histogram(

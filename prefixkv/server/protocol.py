@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..constraints.validation import normalize_logit_bias
 from ..sampling_params import SamplingParams
 from .structured import ResponseFormat, structured_outputs_of
 from .tools import ChatTool, DeltaToolCall, NamedToolChoice, ToolCall
@@ -19,17 +20,6 @@ from .tools import ChatTool, DeltaToolCall, NamedToolChoice, ToolCall
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class StreamOptions(BaseModel):
@@ -143,7 +133,7 @@ class _SamplingFields(BaseModel):
             if self.repetition_penalty is None
             else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self.logit_bias,
+            logit_bias=normalize_logit_bias(self.logit_bias),  # JSON keys are strings: token ids here
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=structured_outputs_of(self.response_format, self.structured_outputs),

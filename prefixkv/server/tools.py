@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from ..constraints import StructuredOutputsParams
+from .errors import APIError
 
 
 class FunctionDefinition(BaseModel):
@@ -235,8 +236,6 @@ def plan_tools(
     parallel_tool_calls: bool | None = None,
 ) -> ToolPlan | None:
     """The request's tool plan (None without tools); APIError 400 as vLLM answers."""
-    from .errors import APIError  # errors -> protocol -> this module: imported when first needed
-
     if not tools:
         if tool_choice not in (None, "none"):
             raise APIError("When using `tool_choice`, `tools` must be set.", 400, param="tool_choice")

@@ -1,4 +1,4 @@
-"""The two worked examples of SPEC.md (from the seed's design document), reproduced exactly."""
+"""The two worked examples of vLLM's "Automatic Prefix Caching" design document, reproduced exactly."""
 
 from prefixkv.cache import KVCacheManager
 from prefixkv.request import Request

@@ -4,9 +4,9 @@ here - it is the typed contract itself, not a stand-in for the model."""
 
 from __future__ import annotations
 
-from prefixkv.engine.block_tensors import BlockTensors, BlockTensorSpec
 from prefixkv.engine.model_runner_output import ModelRunnerOutput
 from prefixkv.engine.scheduler import Scheduler
+from prefixkv.memory.block_tensors import BlockTensors, BlockTensorSpec
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from prefixkv.engine.block_tensors import allocate_kv_cache
+from prefixkv.memory.block_tensors import allocate_kv_cache
 from prefixkv.model import cpu_kernels, load_model
 
 from .model_helpers import make_step

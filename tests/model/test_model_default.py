@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prefixkv.engine.block_tensors import allocate_kv_cache
+from prefixkv.memory.block_tensors import allocate_kv_cache
 
 from .model_helpers import run_logits
 

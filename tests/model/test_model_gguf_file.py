@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixkv.engine.block_tensors import allocate_kv_cache
+from prefixkv.memory.block_tensors import allocate_kv_cache
 from prefixkv.model import cpu_kernels, load_model
 from prefixkv.model.layers import DualLayoutLinear, PackedLinear, TransposedLinear, packed_linear_works
 from prefixkv.model.tokenizer import _bytes_to_unicode

@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers
 
-from prefixkv.engine.block_tensors import allocate_kv_cache
+from prefixkv.memory.block_tensors import allocate_kv_cache
 from prefixkv.model import ModelConfig, build_model, load_model
 from prefixkv.model.tokenizer import _bytes_to_unicode
 

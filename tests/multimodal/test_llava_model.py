@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from prefixkv import LLM, SamplingParams
-from prefixkv.multimodal.loader import split_llava_name
+from prefixkv.model.llava.loader import split_llava_name
 
 from .conftest import make_image
 from .llava_builder import IMAGE_TOKEN_ID, build_llava, hf_llava_greedy

@@ -1,6 +1,6 @@
 """Image-aware prefix caching and the encoder cache, through llm.generate: block keys carry the
-image's identity and offset, outputs with caching equal outputs without, the seed-003 case (an image
-split between a cached block and an uncached one) recomputes only the rest from the encoder cache,
+image's identity and offset, outputs with caching equal outputs without, an image
+split between a cached block and an uncached one recomputes only the rest from the encoder cache,
 and every KV block is free afterwards."""
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_chunks_and_prefix_hits_take_only_the_rows_they_need():
     rows leaves only the rest to the first chunk."""
     from prefixkv.engine.model_runner_output import ModelRunnerOutput
     from prefixkv.engine.scheduler import Scheduler
-    from prefixkv.engine.scheduler_output import EncoderInput
+    from prefixkv.multimodal.encoder_input import EncoderInput
     from prefixkv.request import MultiModalItem, Request
 
     s = Scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)

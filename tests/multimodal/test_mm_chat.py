@@ -171,7 +171,7 @@ def test_the_processed_size_is_bounded_before_resizing():
     before PIL allocates it."""
     from PIL import Image
 
-    from prefixkv.multimodal.processor import MAX_PROCESSED_PIXELS, ImageProcessor
+    from prefixkv.model.llava.processor import MAX_PROCESSED_PIXELS, ImageProcessor
 
     proc = ImageProcessor(size={"shortest_edge": 4096}, crop_size={"height": 4096, "width": 4096})
     with pytest.raises(ValueError, match=f"at most {MAX_PROCESSED_PIXELS} pixels"):

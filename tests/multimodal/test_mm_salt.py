@@ -1,8 +1,7 @@
-"""Salted requests never share encoder outputs or KV with another salt, in any hash mode (issue 36,
-item 2). With mm_hash="phash" two different images with the same 64-bit pHash are one item: before
-the fix the encoder cache was keyed by that identity alone, so tenant B's image (other pixels,
-other salt) was answered with tenant A's encoder output. Oracle: each answer equals its own answer
-with every cache off."""
+"""Salted requests never share encoder outputs or KV with another salt, in any hash mode. With
+mm_hash="phash" two different images with the same 64-bit pHash are one item: an encoder cache
+keyed by that identity alone would answer tenant B's image (other pixels, other salt) with tenant
+A's encoder output. Oracle: each answer equals its own answer with every cache off."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """KV tiers on a LLaVA checkpoint: an image prompt's blocks are served from a disk tier by a new
-engine of the same checkpoint, and not by one whose vision tower differs (issue 36, item 1: the
+engine of the same checkpoint, and not by one whose vision tower differs (the
 namespace covers the vision tower's weights, the LLaVA config and the image preprocessing; image
 blocks are keyed by the image's identity, which says nothing of the encoder that embedded it)."""
 

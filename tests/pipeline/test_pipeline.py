@@ -10,9 +10,9 @@ import torch
 from prefixkv import SamplingParams
 from prefixkv.llm import LLM
 from prefixkv.pipeline import HeadStage, LLMStage, Pipeline
-from prefixkv.stage import PoolingParams
+from prefixkv.stage_outputs import PoolingParams
 
-from ..stage.test_engine_stage import DOC, engine_for
+from ..stage_outputs.test_engine_stage import DOC, engine_for
 
 QUESTIONS = ["What is kept?", "Who benefits? Answer:"]
 ANSWER = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Runtime LoRA updating, in-process (issue 36 items 10 and 11): the load / unload routes exist
+"""Runtime LoRA updating, in-process: the load / unload routes exist
 only when allowed (as vLLM), every refused path gets one answer (the reason only in the log),
 --lora-allowed-dir cannot be escaped; a loaded adapter keeps serving after its folder is deleted,
 and files overwritten with the same size and mtime still load anew (content hash, not stat)."""

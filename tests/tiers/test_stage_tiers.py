@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from prefixkv.llm import LLM
-from prefixkv.stage import PoolingParams
+from prefixkv.stage_outputs import PoolingParams
 
 from .conftest import all_free, engine, tier
 from .test_engine_tiers import prompts

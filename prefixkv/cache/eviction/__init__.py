@@ -1,7 +1,7 @@
 """Eviction policies: which free block (ref count 0) is reused next (docs/design.md, "Block pool
 and eviction"; docs/replay.md compares them on real traces).
 
-One file per family: `base` (the interface and its hooks), `lru` (the seed's policy, the default
+One file per family: `base` (the interface and its hooks), `lru` (vLLM's order, the default
 and the hot path), `heap` (the lazy-deletion heap the ranked policies share), `frequency`
 (unhashed-first, LFU), `credit` (reuse-, ghost- and adaptive-credit, with the ghost and
 reuse-distance helpers), `predicted` (predicted-reuse), `priority` (request priority).

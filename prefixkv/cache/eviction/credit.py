@@ -107,7 +107,7 @@ class ReuseCreditPolicy(HeapPolicy):
     hit its identity has had (both while free and while held), at most `max_credits` of them.
     A block that proved reusable thus survives a flood of one-off blocks about `credit` cache
     turnovers longer per reuse, while stale popular blocks still age out (unlike LFU). Within a
-    request, tail-first freeing keeps children ahead of parents, as in the seed's order."""
+    request, tail-first freeing keeps children ahead of parents, as in the LRU order."""
 
     name = "reuse-credit"
     credit = 1.0

@@ -8,7 +8,7 @@ from .heap import HeapPolicy
 
 class UnhashedFirstPolicy(HeapPolicy):
     """Free blocks without a cached identity (partial blocks, reserved decode room, evicted
-    leftovers) are reused before any cached block; among each group, the seed's LRU order."""
+    leftovers) are reused before any cached block; among each group, the LRU order."""
 
     name = "unhashed-first"
 

@@ -12,11 +12,11 @@ from .base import EvictionPolicy
 class HeapPolicy(EvictionPolicy):
     """Base for policies that rank free blocks by a key computed when the block becomes free:
     the victim is the free block with the smallest `(key, seq)`, where `seq` counts appends, so
-    equal keys fall back to the seed's order (least recently freed first, tail of a request
+    equal keys fall back to the LRU order (least recently freed first, tail of a request
     first). A binary heap with lazy deletion: O(log n) append and pop, O(1) remove; stale entries
     are dropped as they surface and the heap is rebuilt when they outnumber live ones.
 
-    A subclass defines `key(block)` (the default, 0 for every block, is the seed's order) or
+    A subclass defines `key(block)` (the default, 0 for every block, is the LRU order) or
     overrides `append_n` to rank blocks freed together and push them with `_push`. It may read
     `hits[block_id]` - hits on the block's current identity, counted both while it is free
     (`remove`) and while it is held (`on_hit`) - and `_seq`, the append counter, and may extend

@@ -1,4 +1,4 @@
-"""The default policy: the seed's LRU free queue, an intrusive doubly linked list (the hot path)."""
+"""The default policy: vLLM's LRU free queue, an intrusive doubly linked list (the hot path)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .base import EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
-    """The seed's policy: least recently freed first; among blocks freed together, the one with
+    """vLLM's order: least recently freed first; among blocks freed together, the one with
     the longest prefix first (the pool frees a request's table tail-first). An intrusive doubly
     linked list over the blocks themselves (`prev_free_block` / `next_free_block`), with
     sentinels: every operation is O(1) and none allocates. It defines no hook, so the pool and
@@ -107,5 +107,5 @@ class LRUPolicy(EvictionPolicy):
         return ids
 
 
-# The seed's (and vLLM's) name for the default policy's structure.
+# vLLM's name for the default policy's structure.
 FreeKVCacheBlockQueue = LRUPolicy

@@ -11,7 +11,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine_args import EngineArgs
 from prefixkv.llm import LLM
-from prefixkv.stage import PoolingParams
+from prefixkv.stage_outputs import PoolingParams
 
 from ..engine.test_correctness import check_prompt_logprobs, hf_prompt_logprobs, run_prompt_logprobs
 

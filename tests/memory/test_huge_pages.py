@@ -1,4 +1,4 @@
-"""The K/V caches on 2 MiB pages where Linux offers them (prefixkv/engine/huge_pages.py)."""
+"""The K/V caches on 2 MiB pages where Linux offers them (prefixkv/memory/huge_pages.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixkv.engine import huge_pages
-from prefixkv.engine.block_tensors import BlockTensors, BlockTensorSpec
+from prefixkv.memory import huge_pages
+from prefixkv.memory.block_tensors import BlockTensors, BlockTensorSpec
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.llama import LlamaModel
-from ..model.tokenizer import Tokenizer
+from ..llama import LlamaModel
+from ..tokenizer import Tokenizer
 from .config import LlavaConfig, read_hf_config
 from .processor import ImageProcessor
 from .vision import VisionEncoder

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from prefixkv.cache import KVCacheManager
-from prefixkv.engine.block_tensors import BlockTensors, BlockTensorSpec
+from prefixkv.memory.block_tensors import BlockTensors, BlockTensorSpec
 from prefixkv.request import Request
-from prefixkv.stage import StageOutputCache
-from prefixkv.stage.specs import HIDDEN_STATES, spec_name
+from prefixkv.stage_outputs import StageOutputCache
+from prefixkv.stage_outputs.specs import HIDDEN_STATES, spec_name
 
 BS, D = 2, 3
 

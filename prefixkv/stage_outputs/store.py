@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..engine.block_tensors import BlockTensors
+from ..memory.block_tensors import BlockTensors
 from .specs import HIDDEN_STATES, spec_name
 
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 
 # HF architecture names of the vision-language models prefixkv reads (config.json "architectures").
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)

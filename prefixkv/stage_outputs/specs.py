@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..engine.block_tensors import BlockTensorSpec
+from ..memory.block_tensors import BlockTensorSpec
 from ..model import ModelConfig
 
 STAGE_PREFIX = "stage."
