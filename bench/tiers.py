@@ -220,12 +220,13 @@ def per_block(loaded, redis_url: str, repeats: int, cold_ttft: float) -> None:
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 found = tiers.lookup(hashes, r["ids"], extras, eng.config.block_size, 0, n)
-                eng.runner.kv_transfer.load(tiers.load_plan(list(range(len(found))), found))
+                eng.runner.kv_connector.load(tiers.load_plan(list(range(len(found))), found))
                 times.append((time.perf_counter() - t0) / max(1, len(found)))
             # the write-through cost on the engine thread: copy out + seal + put (CPU) or enqueue
             saves = [tiers.plan_save(b, bytes([b]) * 32, r["ids"], extras, eng.config.block_size, 0) for b in range(n)]
             t0 = time.perf_counter()
-            eng.runner.kv_transfer.save([sv for sv in saves if sv is not None])
+            for saved in eng.runner.kv_connector.save([sv for sv in saves if sv is not None]):
+                tiers.store(saved)
             save_s = (time.perf_counter() - t0) / n
             kv.free(req)
             assert len(found) == n, (name, len(found), n)

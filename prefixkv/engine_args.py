@@ -19,6 +19,7 @@ from typing import Any
 
 from .cache import HASH_ALGOS, POLICIES
 from .kv_events.config import KVEventsConfig
+from .sizes import parse_bytes
 from .stage_outputs.pooling import parse_pooler_config
 
 logger = logging.getLogger("prefixkv")
@@ -58,21 +59,6 @@ def parse_mm_limit(text: str) -> dict[str, int]:
 def _kv(pair: str) -> tuple[str, int]:
     key, value = pair.split("=", 1)
     return key.strip(), int(value)
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '2GiB', '1.5G' -> bytes (binary units: K = 1024)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2GiB)")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    value = int(float(m.group(1)) * scale)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
 
 
 def _opt(
@@ -371,7 +357,7 @@ class EngineArgs:
         self._check_tiers()
 
     def _check_tiers(self) -> None:
-        from .tiers.spec import parse_spec, split_specs
+        from .tiers import parse_spec, split_specs
 
         size = self.kv_offloading_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):

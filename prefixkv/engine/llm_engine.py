@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats
+from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats, get_hash_function, none_hash
 from ..constraints.grammar import GrammarEngine
 from ..constraints.token_constraints import RequestConstraints
 from ..constraints.validation import check_vocab
@@ -37,7 +37,7 @@ from ..progress import Stages
 from ..request import MultiModalItem, Request, RequestStatus
 from ..sampling_params import SamplingParams
 from ..stage_outputs import StageOutputCache, stage_output_specs
-from ..tiers import TierManager, attach_tiers
+from ..tiers import TierManager, build_kv_connector
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
 from .gpu_memory import cuda_kv_budget
 from .model_runner import ModelRunner
@@ -188,17 +188,32 @@ class LLMEngine:
         else:
             self.max_model_len = min(self.model_config.max_position_embeddings, capacity)
         self.num_blocks = num_blocks
+        with stages.stage("KV cache", f"allocating the KV cache ({num_blocks} blocks)"):
+            self.block_tensors.allocate(num_blocks, self.device)
+        # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
+        hash_fn = get_hash_function(config.prefix_caching_hash_algo)
+        kv_connector = build_kv_connector(
+            config,
+            self.block_tensors,
+            self.loaded,
+            self.tokenizer,
+            dtype=self.dtype,
+            device=self.device,
+            root_hash=none_hash(hash_fn),
+        )
+        self.tiers: TierManager | None = kv_connector.manager  # KV tiers below the pool (prefixkv/tiers)
         self.scheduler = Scheduler(
             num_blocks=num_blocks,
             block_size=bs,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_caching=config.enable_prefix_caching,
-            hash_algo=config.prefix_caching_hash_algo,
+            hash_algo=hash_fn,
             eviction_policy=config.eviction_policy,
             enable_kv_cache_events=config.enable_kv_cache_events,
             max_loras=config.max_loras if config.enable_lora else None,
             policy=config.scheduling_policy,
+            kv_connector=kv_connector.scheduler,
         )
         self.lora_manager: LoRAManager | None = None
         if config.enable_lora:
@@ -209,8 +224,6 @@ class LLMEngine:
                 dtype=self.dtype,
                 device=self.device,
             )
-        with stages.stage("KV cache", f"allocating the KV cache ({num_blocks} blocks)"):
-            self.block_tensors.allocate(num_blocks, self.device)
         default_generator = torch.Generator()
         if config.seed is None:
             default_generator.seed()  # a random seed, as vLLM's seed=None
@@ -220,7 +233,13 @@ class LLMEngine:
         layout = "laying the weights out for the CPU's kernels" if on_cpu else "building the model runner"
         with stages.stage("weight layout" if on_cpu else "runner", layout):
             self.runner = ModelRunner(
-                self.loaded, self.block_tensors, self.dtype, self.device, default_generator, self.lora_manager
+                self.loaded,
+                self.block_tensors,
+                self.dtype,
+                self.device,
+                default_generator,
+                self.lora_manager,
+                kv_connector=kv_connector.worker,
             )
         agree = True
         if self.cpu_threads is not None:
@@ -241,9 +260,6 @@ class LLMEngine:
             blocks = self.scheduler.kv_cache_manager.block_pool.blocks
             self.stage_outputs = StageOutputCache(self.block_tensors, blocks, bs)
             self.scheduler.stage_outputs = self.runner.stage_outputs = self.stage_outputs
-        self.tiers: TierManager | None = None
-        if config.kv_offloading_size or config.kv_tier:  # KV tiers below the pool (prefixkv/tiers)
-            self.tiers = attach_tiers(self)
         self._init_multimodal()
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._grammar_engine: GrammarEngine | None = None  # built on the first structured request

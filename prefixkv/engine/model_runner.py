@@ -18,6 +18,7 @@ from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors
 from ..model import AttentionMetadata, LoadedModel
 from ..stage_outputs.specs import per_token_outputs
+from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .sampler import SampleResult, sample, score_tokens
 from .scheduler_output import ScheduledRequest, SchedulerOutput
@@ -25,7 +26,6 @@ from .scheduler_output import ScheduledRequest, SchedulerOutput
 if TYPE_CHECKING:
     from ..multimodal.embedding import MultiModalEmbedder
     from ..stage_outputs import StageOutputCache
-    from ..tiers.transfer import BlockTransfer
 
 PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scoring a prompt
 
@@ -39,7 +39,11 @@ class ModelRunner:
         device: torch.device,
         default_generator: torch.Generator | None = None,
         lora_manager: LoRAManager | None = None,
+        *,
+        kv_connector: WorkerConnector = NULL_WORKER_CONNECTOR,
     ) -> None:
+        """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
+        tiers, which no step asks for anything."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
@@ -53,7 +57,7 @@ class ModelRunner:
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
         self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
-        self.kv_transfer: BlockTransfer | None = None  # set by the engine when KV tiers are on
+        self.kv_connector = kv_connector
         self.mm: MultiModalEmbedder | None = None  # set by the engine for a vision-language model
         self.lora_manager = lora_manager
         if lora_manager is not None:
@@ -72,12 +76,9 @@ class ModelRunner:
         itself fails (then no KV written in this step can be trusted)."""
         scheduled = scheduler_output.scheduled
         bs = self.block_size
-        transfer = self.kv_transfer
-        if scheduler_output.kv_loads or scheduler_output.kv_saves:
-            if transfer is None:
-                raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")
-            transfer.load(scheduler_output.kv_loads)  # blocks from the tiers, before the forward reads them
-            if self.stage_outputs is not None and scheduler_output.kv_loads:  # their stage rows came too
+        if scheduler_output.kv_loads:  # blocks from the tiers, before the forward reads them
+            self.kv_connector.load(scheduler_output.kv_loads)
+            if self.stage_outputs is not None:  # their stage rows came too
                 self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
         input_ids: list[int] = []
         positions: list[int] = []
@@ -122,9 +123,9 @@ class ModelRunner:
         if stage is not None:  # every computed row, through the KV slot mapping; full blocks become readable
             stage.write(per_token_outputs(hidden, len(input_ids)), meta.slot_mapping)
             stage.commit(self._full_blocks(scheduled))
-        if scheduler_output.kv_saves and transfer is not None:  # completed blocks (and their stage rows) to the tiers
-            transfer.save(scheduler_output.kv_saves)
         out = ModelRunnerOutput()
+        if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
+            out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
         for i, sr in enumerate(scheduled):
             if sr.want_hidden_states:
                 try:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from ..tiers.plans import SavedBlock
 
 if TYPE_CHECKING:
     import torch
@@ -34,3 +37,5 @@ class ModelRunnerOutput:
     # prompt hidden states, for requests that asked: (first position, rows (n, D) on the CPU)
     hidden_states: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    # KV tiers: the values the worker half made of the step's saves (a tuple: nothing allocated without)
+    kv_saved: Sequence[SavedBlock] = ()

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..multimodal.encoder_input import EncoderInput
 from ..request import Request, RequestStatus
+from ..tiers import NULL_SCHEDULER_CONNECTOR, SchedulerConnector
 from .model_runner_output import ModelRunnerOutput
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from ..stage_outputs import StageOutputCache
-    from ..tiers import TierManager
-    from ..tiers.manager import TierFetch
 
 
 class Scheduler:
@@ -39,7 +38,10 @@ class Scheduler:
         enable_kv_cache_events: bool = False,
         max_loras: int | None = None,
         policy: str = "fcfs",
+        kv_connector: SchedulerConnector = NULL_SCHEDULER_CONNECTOR,
     ) -> None:
+        """`kv_connector`: the scheduler half of the KV tiers (prefixkv/tiers); the null one
+        without tiers."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
         self.policy = policy
@@ -67,12 +69,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # left since the last schedule()
         self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
-        self.tiers: TierManager | None = None  # set by the engine when KV tiers are on (prefixkv/tiers)
-        # the queue head's tier lookup, kept while it waits for blocks: (request id, pool hits, KV bytes)
-        self._tier_lookup: tuple[str, int, list[Any]] | None = None
-        # requests whose blocks are being read from a slow tier on a loader thread: they stay in
-        # `waiting` (status WAITING_FOR_REMOTE_KVS, no blocks held) and are passed over until ready
-        self._tier_fetches: dict[str, TierFetch] = {}
+        self.kv_connector = kv_connector
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -102,11 +99,7 @@ class Scheduler:
         """Remove a request (finished, aborted or failed) wherever it is and release its blocks."""
         if self.requests.pop(req.request_id, None) is None:
             return
-        if self._tier_lookup is not None and self._tier_lookup[0] == req.request_id:
-            self._tier_lookup = None
-        fetch = self._tier_fetches.pop(req.request_id, None)
-        if fetch is not None:  # aborted while loading: it holds no block, the loader stops early
-            fetch.cancel()
+        self.kv_connector.request_finished(req.request_id)
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -127,6 +120,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         kv = self.kv_cache_manager
+        connector = self.kv_connector
         budget = self.max_num_batched_tokens
         now = time.time()
 
@@ -162,7 +156,7 @@ class Scheduler:
         lora_blocked = False
         while self.waiting and budget > 0 and not out.preempted_req_ids and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not self._tier_fetches[req.request_id].ready():
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not connector.load_ready(req.request_id):
                 skipped.append(self.waiting.popleft())  # its tier load is in flight: the others go on
                 continue
             if loras is not None and req.lora_id:
@@ -183,24 +177,21 @@ class Scheduler:
                         # hits cached in this very step have no outputs yet: wait one step for them
                         # rather than recompute them (FCFS: nothing behind it goes first)
                         break
-            loaded = self._tier_hits(req, len(hits)) if self.tiers is not None else []
-            if loaded is None:  # a slow-tier load just started for it
+            num_loaded_blocks = connector.match(req, len(hits), kv)  # blocks after the hits, from the tiers
+            if num_loaded_blocks is None:  # a slow-tier load just started for it: it waits holding no block
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 skipped.append(self.waiting.popleft())
                 continue
-            num_loaded = len(loaded) * self.block_size
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not connector.is_loading(req.request_id):
+                req.status = RequestStatus.WAITING  # back from its load, or the load is no longer needed
+            num_loaded = num_loaded_blocks * self.block_size
             num_new = min(req.num_tokens - num_hit - num_loaded, budget)
             if kv.allocate_slots(req, num_loaded + num_new, hits) is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
             if kv.enable_caching and not req.skip_prefix_cache_read:
                 kv.stats.record(req.num_tokens, num_hit)
-            if self.tiers is not None and self._tier_lookup is not None:
-                self._tier_lookup = None
-                if self._tier_eligible(req):
-                    self.tiers.record_query(req.num_tokens, num_loaded)
-                if loaded:  # the first new blocks take the tier's bytes; they count as cached tokens
-                    ids = kv.get_block_ids(req.request_id)[len(hits) : len(hits) + len(loaded)]
-                    out.kv_loads.extend(self.tiers.load_plan(ids, loaded))
+            connector.admitted(req, len(hits), kv)
             num_hit += num_loaded
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -214,94 +205,18 @@ class Scheduler:
                 loras.add(req.lora_id)
         self.waiting.extendleft(reversed(skipped))
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
-        if self.tiers is not None and kv.enable_caching:
-            self._plan_tier_saves(out)
+        connector.plan(out, self.requests, kv)
         return out
 
-    # -- KV tiers (prefixkv/tiers) -------------------------------------------------------------
-    def _tier_eligible(self, req: Request) -> bool:
-        # requests that skip the cache compute their prefix; so do those that read the stage outputs
-        # of their hits, unless tier values carry them (the stage-output cache was on when saved)
-        if not self.kv_cache_manager.enable_caching or req.skip_prefix_cache_read:
-            return False
-        return not req.reads_stage_outputs or (self.tiers is not None and self.tiers.carries_stage_outputs)
-
-    def _tier_hits(self, req: Request, num_pool_hits: int) -> list[Any] | None:
-        """KV bytes of the blocks after the pool's hits that the tiers hold, looked up once while
-        the request waits at the head of the queue. The in-memory tier is read here; when the
-        chain goes on past it and a slow tier loads asynchronously, a fetch is started and None
-        returned: the request waits (WAITING_FOR_REMOTE_KVS) and comes back here when it is ready."""
-        memo = self._tier_lookup
-        if memo is not None and memo[0] == req.request_id and memo[1] == num_pool_hits:
-            return memo[2]
-        loaded: list[Any] = []
-        tiers = self.tiers
-        fetch = self._tier_fetches.pop(req.request_id, None)
-        if self._tier_eligible(req) and tiers is not None:
-            kv = self.kv_cache_manager
-            last = (req.num_tokens - 1) // self.block_size  # the last token is always computed
-            if num_pool_hits < last:
-                hashes = kv.get_block_hashes(req)
-                chain = kv.get_block_chain(req)
-                describe = self._tier_describer(req)
-                args = (hashes, req.all_token_ids, chain.extras, self.block_size)
-                loaded = tiers.lookup(*args, num_pool_hits, last, describe, sync_only=tiers.has_async_tiers)
-                stop = num_pool_hits + len(loaded)
-                if fetch is not None:  # back from its load (done, failed or timed out): take what it found
-                    if stop < last:
-                        loaded += tiers.take_fetched(fetch, stop, describe)
-                    req.status = RequestStatus.WAITING
-                    fetch = None
-                elif stop < last and tiers.has_async_tiers:
-                    fetch = tiers.start_fetch(*args, stop, last)
-                    if fetch is not None:
-                        self._tier_fetches[req.request_id] = fetch
-                        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                        return None
-        if fetch is not None:  # no longer needed (the pool holds the chain now)
-            fetch.cancel()
-            req.status = RequestStatus.WAITING
-        self._tier_lookup = (req.request_id, num_pool_hits, loaded)
-        return loaded
-
-    def _tier_describer(self, req: Request) -> Any:
-        """block index -> its BlockStored event, for the tiers' KV events (None when those are off)."""
-        if self.tiers is None or not self.tiers.events_enabled:
-            return None
-        kv = self.kv_cache_manager
-        return lambda i: kv.describe_blocks(req, i, i + 1, "")
-
+    # -- KV tiers (prefixkv/tiers), through the connector -------------------------------------
     @property
     def num_loading(self) -> int:
         """Requests waiting for a slow-tier load (none can be scheduled until it completes)."""
-        return len(self._tier_fetches)
+        return self.kv_connector.num_loading
 
     def wait_for_tier_loads(self, timeout_s: float) -> None:
         """Nothing else to run: sleep until a tier load completes, at most `timeout_s`."""
-        futures = [f.future for f in self._tier_fetches.values() if f.future is not None]
-        if futures:
-            from concurrent.futures import FIRST_COMPLETED, wait
-
-            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
-
-    def _plan_tier_saves(self, out: SchedulerOutput) -> None:
-        """Blocks this step's forward completes (never hits, never loaded ones) are copied out
-        after it, write-through, unless every tier has them already."""
-        tiers, kv, bs = self.tiers, self.kv_cache_manager, self.block_size
-        assert tiers is not None
-        for sr in out.scheduled:
-            first, end = sr.start // bs, (sr.start + len(sr.token_ids)) // bs
-            if first >= end:
-                continue
-            req = self.requests[sr.req_id]
-            hashes = kv.get_block_hashes(req)
-            extras = kv.get_block_chain(req).extras
-            for i in range(first, min(end, len(hashes))):
-                save = tiers.plan_save(sr.block_table[i], hashes[i], req.all_token_ids, extras, bs, i)
-                if save is not None:
-                    if tiers.events_enabled:  # each tier publishes it (its own medium) once stored
-                        save.event = kv.describe_blocks(req, i, i + 1, "")
-                    out.kv_saves.append(save)
+        self.kv_connector.wait_for_loads(timeout_s)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -376,6 +291,8 @@ class Scheduler:
         requests that got a token (row i of the runner output) and the failed ones. Stop
         conditions are the engine's output processor's (they need the detokenized text)."""
         requests = self.requests
+        if runner_output.kv_saved:  # the values of this step's saves, for the tiers to store
+            self.kv_connector.saved(runner_output.kv_saved)
         for sr in scheduler_output.scheduled:
             req = requests.get(sr.req_id)
             if req is not None:
@@ -421,8 +338,9 @@ class Scheduler:
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         events = self.kv_cache_manager.take_events()
-        if self.tiers is not None and self.tiers.events_enabled:  # the tiers', medium CPU/DISK/REDIS
-            events.extend(self.tiers.take_events())
+        tier_events = self.kv_connector.take_events()  # the tiers', each under its own medium
+        if tier_events:
+            events.extend(tier_events)
         return events
 
     @property

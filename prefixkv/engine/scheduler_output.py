@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..multimodal.encoder_input import EncoderInput
+from ..tiers.plans import KVLoad, KVSave
 
 if TYPE_CHECKING:
     import torch
@@ -56,8 +57,8 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     # KV tiers (prefixkv/tiers): blocks to fill from tier bytes before the forward, and blocks
     # completed by this step's forward to copy out after it
-    kv_loads: list[Any] = field(default_factory=list)  # tiers.KVLoad
-    kv_saves: list[Any] = field(default_factory=list)  # tiers.KVSave
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    kv_saves: list[KVSave] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

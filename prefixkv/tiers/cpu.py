@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from .registry import TierBackend, register_backend
+from .spec import TierSpec
+
 
 class CPUStore:
     name = "cpu"
@@ -56,3 +59,14 @@ class CPUStore:
     def close(self) -> None:
         self._values.clear()
         self.used_bytes = 0
+
+
+register_backend(
+    TierBackend(
+        name="cpu",
+        medium="CPU",  # vLLM's offloading connector's name for its CPU tier
+        prefixes=(),  # sized by --kv-offloading-size, never a --kv-tier entry
+        parse=lambda text: TierSpec("cpu", text),
+        build=lambda spec: CPUStore(spec.size_bytes or 0),
+    )
+)

@@ -19,11 +19,20 @@ a daemon loader thread: the manager gives up on it at its load deadline and exit
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from urllib.parse import parse_qs
+
+from ..sizes import parse_bytes
+from .registry import TierBackend, register_backend
+from .spec import TierSpec, parse_load_mode
+from .store import KVStore, UnusableStore
+
+logger = logging.getLogger("prefixkv")
 
 SUFFIX = ".kv"
 DEFAULT_DISK_BYTES = 16 << 30
@@ -175,3 +184,41 @@ def _read_regular(path: str, size: int | None) -> bytes | None:
         return data
     finally:
         os.close(fd)
+
+
+def parse_disk_spec(text: str) -> TierSpec:
+    """`disk:PATH[?size=SIZE][&load=sync]`."""
+    path, _, query = text[len("disk:") :].partition("?")
+    if not path:
+        raise ValueError(f"the disk tier {text!r} names no folder (disk:/path/to/folder)")
+    opts = parse_qs(query, keep_blank_values=True)
+    size = DEFAULT_DISK_BYTES
+    if "size" in opts:
+        try:
+            size = parse_bytes(opts.pop("size")[0])
+        except Exception as e:  # noqa: BLE001 (argparse's error type: said as a ValueError)
+            raise ValueError(f"bad size in the disk tier {text!r}: {e}") from None
+    sync_load = parse_load_mode(opts.pop("load", ["async"])[0], text)
+    if opts:
+        raise ValueError(f"unknown option(s) {', '.join(opts)} in the disk tier {text!r} (known: size, load)")
+    return TierSpec("disk", path, size, sync_load)
+
+
+def build_disk_store(spec: TierSpec) -> KVStore:
+    try:
+        return DiskStore(spec.target, spec.size_bytes or DEFAULT_DISK_BYTES, spec.sync_load)
+    except OSError as e:
+        logger.warning("KV tier disk:%s cannot be used (%s); serving without it", spec.target, e)
+        return UnusableStore("disk", f"disk:{spec.target}", e)
+
+
+register_backend(
+    TierBackend(
+        name="disk",
+        medium="DISK",
+        prefixes=("disk:",),
+        parse=parse_disk_spec,
+        build=build_disk_store,
+        usage="disk:/path/to/folder[?size=16GiB][&load=sync]",
+    )
+)

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from .spec import parse_load_mode
+from .registry import TierBackend, register_backend
+from .spec import TierSpec, parse_load_mode
 
 DEFAULT_TIMEOUT_S = 0.5
 KEY_PREFIX = b"prefixkv:"
@@ -72,3 +73,15 @@ class RedisStore:
 
     def close(self) -> None:
         self.client.close()
+
+
+register_backend(
+    TierBackend(
+        name="redis",
+        medium="REDIS",
+        prefixes=("redis://", "rediss://", "unix://"),
+        parse=lambda text: TierSpec("redis", text),  # the store parses its own URL when built
+        build=lambda spec: RedisStore(spec.target),
+        usage="redis://host:port/db[?timeout=0.5][&load=sync]",
+    )
+)

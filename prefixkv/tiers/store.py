@@ -37,3 +37,28 @@ class KVStore(Protocol):
 def describe(store: KVStore) -> str:
     """A store's label for logs (its URL-ish spec when it has one)."""
     return getattr(store, "spec", store.name)
+
+
+class UnusableStore:
+    """A tier that could not be set up (its folder cannot be created): every call fails, so the
+    manager counts the error, warns once, and backs off (the engine serves by recomputing)."""
+
+    fast = False
+
+    def __init__(self, name: str, spec: str, error: OSError) -> None:
+        self.name, self.spec, self.error = name, spec, error
+
+    def get(self, key: bytes) -> bytes | None:
+        raise self.error
+
+    def get_many(self, keys: Sequence[bytes], sizes: Sequence[int] | None = None) -> list[bytes | None]:
+        raise self.error
+
+    def put(self, key: bytes, value: bytes) -> None:
+        raise self.error
+
+    def contains(self, key: bytes) -> bool:
+        raise self.error
+
+    def close(self) -> None:
+        pass

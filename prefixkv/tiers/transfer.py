@@ -1,4 +1,5 @@
-"""The worker-side half of the KV tiers: copies whole blocks between the per-block tensors and bytes.
+"""The worker half of the KV tiers' connector: copies whole blocks between the per-block tensors
+and bytes, and seals what it copies out into values (value.py) for the scheduler half to store.
 
 A block's bytes are, in order, each KV layer's `[2, block_size, kv_heads, head_dim]` slice (model
 dtype), then - with the stage-output cache on - the block's rows of every stage-output tensor
@@ -10,12 +11,11 @@ reused for every copy, so a transfer allocates only the value it produces.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .manager import KVLoad, KVSave, TierManager
+from .plans import KVLoad, KVSave, SavedBlock
+from .value import seal
 
 
 def block_nbytes(parts: Sequence[tuple[torch.Tensor, int]]) -> int:
@@ -24,10 +24,11 @@ def block_nbytes(parts: Sequence[tuple[torch.Tensor, int]]) -> int:
 
 
 class BlockTransfer:
-    def __init__(self, parts: Sequence[tuple[torch.Tensor, int]], tiers: TierManager) -> None:
-        """`parts`: (tensor, its block axis) of everything a block carries, in value order."""
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, int]], secret: bytes | None = None) -> None:
+        """`parts`: (tensor, its block axis) of everything a block carries, in value order.
+        `secret`: the tier secret, whose MAC seals every value (never logged)."""
         self.parts = list(parts)
-        self.tiers = tiers
+        self._secret = secret
         self.nbytes = block_nbytes(self.parts)
         self._stage = bytearray(self.nbytes)
         if any(t.device.type == "cuda" for t, _ in self.parts):
@@ -57,10 +58,12 @@ class BlockTransfer:
                 tensor.select(dim, load.block_id).copy_(src, non_blocking=False)
 
     @torch.inference_mode()
-    def save(self, saves: Sequence[KVSave]) -> None:
-        """Copy completed blocks out (after the forward that wrote them) and store them."""
+    def save(self, saves: Sequence[KVSave]) -> list[SavedBlock]:
+        """Copy completed blocks out (after the forward that wrote them) and seal them."""
+        saved = []
         for save in saves:
             for tensor, dim, dst in self._views:
                 dst.copy_(tensor.select(dim, save.block_id))
             data = self._pinned.numpy().data if self._pinned is not None else memoryview(self._stage)
-            self.tiers.store(save, data)
+            saved.append(SavedBlock(save, seal(save.head, data, save.key, self._secret)))
+        return saved
