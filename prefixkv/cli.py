@@ -14,8 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from .engine_args import MODEL_HELP, EngineArgs, parse_bytes  # noqa: F401  (parse_bytes: part of this CLI's API)
-from .replicas.args import add_replica_args, check_single_engine_args
-from .server.launch import add_server_args
+from .replicas.args import add_serve_args, check_single_engine_args
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens_default: int | None) -> None:
@@ -60,9 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "GET /v1/models, /health, /metrics (Prometheus, vLLM's metric names), "
         "POST /reset_prefix_cache. Flags follow `vllm serve`.",
     )
-    EngineArgs.add_cli_args(serve)  # the engine's flags: one source, prefixkv/engine_args.py
-    add_server_args(serve)
-    add_replica_args(serve)  # --replicas N >= 2: Ray Serve (prefixkv/replicas/, imported only then)
+    add_serve_args(serve)  # --replicas N >= 2: Ray Serve (prefixkv/replicas/, imported only then)
 
     gen = sub.add_parser(
         "generate",

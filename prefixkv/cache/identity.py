@@ -18,7 +18,7 @@ from typing import Any
 
 import cbor2
 
-from .protocol import CacheRequest
+from .protocol import CacheRequest, LoRAKey, MultiModalKey
 
 # Extra keys of a block: tagged tuples such as ("lora", name, path, weights digest), ("mm", identifier,
 # offset), ("cache_salt", salt): the tag keeps a LoRA named X apart from a salt X
@@ -84,20 +84,54 @@ def none_hash(hash_fn: HashFunction, seed: str | int = 0) -> bytes:
     return hash_fn(("prefixkv.NONE_HASH", seed))
 
 
-def block_extra_keys(request: CacheRequest, start: int, end: int, block_index: int) -> ExtraKeys | None:
+def hash_chain(
+    hash_fn: HashFunction,
+    parent: bytes,
+    tokens: Sequence[tuple[int, ...]],
+    extras: Sequence[ExtraKeys | None],
+) -> list[bytes]:
+    """Content hashes of consecutive full blocks (their token tuples and extra keys), each chained
+    on the one before it, the first on `parent` (none_hash() for block 0). Every process that names
+    blocks - the cache, its events, a router hashing prompts - hashes them here, so they agree."""
+    out: list[bytes] = []
+    for block_tokens, extra in zip(tokens, extras, strict=True):
+        parent = hash_fn((parent, block_tokens, extra))
+        out.append(parent)
+    return out
+
+
+def lora_extra_key(lora: LoRAKey) -> tuple[str, str, str, str]:
+    """The extra key on every block of a request that names adapter `lora`."""
+    return ("lora", lora.lora_name, lora.lora_path, lora.weights_digest)
+
+
+def extra_keys(
+    lora_key: tuple[Any, ...] | None,
+    mm_items: Sequence[MultiModalKey],
+    cache_salt: str | None,
+    start: int,
+    end: int,
+    block_index: int,
+) -> ExtraKeys | None:
     """Tagged extra keys of the block covering tokens [start, end), in the order LoRA, multimodal
     items overlapping the block (with their offset relative to the block start), cache salt (block
     0 only - the chain carries it to every later block). None when there are none."""
     keys: list[tuple[Any, ...]] = []
-    lora = request.lora_request
-    if lora is not None:
-        keys.append(("lora", lora.lora_name, lora.lora_path, lora.weights_digest))
-    for item in request.mm_items:
+    if lora_key is not None:
+        keys.append(lora_key)
+    for item in mm_items:
         if item.offset < end and item.offset + item.length > start:
             keys.append(("mm", item.identifier, item.offset - start))
-    if block_index == 0 and request.cache_salt is not None:
-        keys.append(("cache_salt", request.cache_salt))
+    if block_index == 0 and cache_salt is not None:
+        keys.append(("cache_salt", cache_salt))
     return tuple(keys) if keys else None
+
+
+def block_extra_keys(request: CacheRequest, start: int, end: int, block_index: int) -> ExtraKeys | None:
+    """extra_keys() of `request`'s block covering tokens [start, end)."""
+    lora = request.lora_request
+    lora_key = lora_extra_key(lora) if lora is not None else None
+    return extra_keys(lora_key, request.mm_items, request.cache_salt, start, end, block_index)
 
 
 def has_extra_keys(request: CacheRequest) -> bool:
@@ -138,8 +172,8 @@ class BlockChain:
     def hashes_upto(self, n: int, hash_fn: HashFunction, root: bytes) -> list[bytes]:
         """Content hashes of the first n full blocks, chained from `root`; computed once each."""
         hashes = self.content_hashes
-        parent = hashes[-1] if hashes else root
-        for i in range(len(hashes), n):
-            parent = hash_fn((parent, self.tokens[i], self.extra(i)))
-            hashes.append(parent)
+        done = len(hashes)
+        if done < n:
+            extras = self.extras[done:n] if self._with_extras else [None] * (n - done)
+            hashes += hash_chain(hash_fn, hashes[-1] if hashes else root, self.tokens[done:n], extras)
         return hashes

@@ -20,7 +20,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from .args import check_replica_args
+from .args import check_replica_args, serve_parser
 from .engine_replica import EngineReplica
 from .ingress import Ingress
 
@@ -59,9 +59,7 @@ def build_application(args: argparse.Namespace) -> Application:
 def parse_builder_args(cli_args: dict[str, Any]) -> argparse.Namespace:
     """`serve run ... key=value` pairs as `prefixkv serve` flags: model=PATH is the positional,
     max_model_len=1024 is --max-model-len 1024, a flag without value takes true (false: left out)."""
-    from ..cli import build_parser
-
-    argv = ["serve"]
+    argv: list[str] = []
     rest = dict(cli_args)
     model = rest.pop("model", None)
     if model:
@@ -75,7 +73,7 @@ def parse_builder_args(cli_args: dict[str, Any]) -> argparse.Namespace:
             continue
         else:
             argv += [flag, text]
-    args = build_parser().parse_args(argv)
+    args = serve_parser().parse_args(argv)
     check_replica_args(args)
     return args
 

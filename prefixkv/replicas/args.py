@@ -1,4 +1,5 @@
-"""`prefixkv serve --replicas N` flags: how many engine replicas, which router, its knobs.
+"""`prefixkv serve --replicas N` flags: how many engine replicas, which router, its knobs; and the
+whole `prefixkv serve` flag set, which each replica serves with (the CLI and the Serve builder).
 
 Plain argparse, no Ray import: the flags exist (and --help lists them) whether or not ray[serve]
 is installed; Ray is imported only when --replicas is 2 or more.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..engine_args import EngineArgs
 from ..router import MODES, ROUTERS
+from ..server.launch import add_server_args
 
 # dest -> flag of every flag that only the replicated server reads (all but --replicas), and the
 # prefix-load knobs among them: given where nothing reads them, they are refused by name
@@ -117,6 +120,20 @@ def add_replica_args(parser: argparse.ArgumentParser) -> None:
         help="join this Ray cluster (e.g. auto) instead of starting a local one",
     )
     _DEFAULTS.update({dest: parser.get_default(dest) for dest in ROUTER_FLAGS})
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Every flag of `prefixkv serve`: the engine's, the server's, and the replicas' own."""
+    EngineArgs.add_cli_args(parser)  # the engine's flags: one source, prefixkv/engine_args.py
+    add_server_args(parser)
+    add_replica_args(parser)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser of `prefixkv serve`'s flags alone (what follows `prefixkv serve` on a command line)."""
+    parser = argparse.ArgumentParser(prog="prefixkv serve")
+    add_serve_args(parser)
+    return parser
 
 
 def check_single_engine_args(args: argparse.Namespace) -> None:

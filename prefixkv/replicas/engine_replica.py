@@ -24,6 +24,7 @@ from typing import Any
 import ray
 import torch
 
+from ..cache.identity import lora_extra_key
 from ..engine.llm_engine import LLMEngine
 from ..engine_args import EngineArgs
 from ..kv_events import ZmqEventPublisher
@@ -117,14 +118,14 @@ class EngineReplica:
 
     async def lora_block_key(self, name: str) -> tuple[str, str, str, str] | None:
         """The extra key the engine puts on every block of a request naming adapter `name`
-        ("lora", name, path, digest: prefixkv/cache/identity.py), so the router can hash LoRA
-        prompts as the engine does; None when `name` is not a loaded adapter."""
+        (lora_extra_key(): "lora", name, path, digest), so the router can hash LoRA prompts as the
+        engine does; None when `name` is not a loaded adapter."""
         loras = getattr(self.app.state, "loras", None)
         lora = loras.get(name) if loras is not None else None
         if lora is None:
             return None
         resolved, _ = await self.async_engine.call(lambda engine: engine.resolve_lora(lora))
-        return ("lora", resolved.lora_name, resolved.lora_path, resolved.weights_digest)
+        return lora_extra_key(resolved)
 
     def check_health(self) -> None:
         """Serve's health probe: a stopped engine loop makes the replica unhealthy (restarted)."""

@@ -2,13 +2,13 @@
 
 The router sees the raw JSON body. It tokenizes the prompt as the routes do (completions: the
 text with special tokens unless `add_special_tokens` is false; chat: the chat template rendered
-with the request's options, then encoded without special tokens) and chains the content hashes of
-the full blocks from the engine's root hash (prefixkv/cache/identity.py), then converts each
-digest to vLLM's ExternalBlockHash as the publisher does (prefixkv/kv_events/wire.py).
+with the request's options, then encoded without special tokens), chains the full blocks from
+the engine's root hash with the cache's own hash_chain() and extra_keys() (prefixkv/cache/identity.py),
+then converts each digest to vLLM's ExternalBlockHash as the publisher does (prefixkv/kv_events/wire.py).
 
-A request naming a LoRA adapter carries the adapter's block key ("lora", name, path, digest) on
-every block, as the engine does (prefixkv/cache/identity.py's block_extra_keys: LoRA first, the
-cache salt after it on block 0); the ingress asks a replica for that key (`lora_key`).
+A request naming a LoRA adapter carries the adapter's block key ("lora", name, path, digest:
+lora_extra_key() in prefixkv/cache/identity.py) on every block, as the engine does; the ingress
+asks a replica for that key (ReplicaSet.adapter_key).
 
 Routing only: a prompt that cannot be rendered here (images, tools the template rejects) yields
 no hashes, or hashes no replica holds, and the request is routed by load alone. The replica still validates the request
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..cache.identity import HashFunction, get_hash_function, none_hash
+from ..cache.identity import HashFunction, extra_keys, get_hash_function, hash_chain, none_hash
 from ..kv_events.wire import ExternalBlockHash, hash_converter
 from ..model.tokenizer import Tokenizer
 
@@ -28,7 +28,7 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ROUTED_PATHS = (COMPLETIONS, CHAT)
 # ("lora", adapter name, path, weights digest): the extra key on every block of a LoRA request
-LoRAKey = tuple[str, str, str, str]
+LoRABlockKey = tuple[str, str, str, str]
 
 
 class PromptHasher:
@@ -105,24 +105,17 @@ class PromptHasher:
         return self.tokenizer.encode(text, bool(body.get("add_special_tokens", False)))
 
     def chain(
-        self, ids: Sequence[int], cache_salt: str | None = None, lora_key: LoRAKey | None = None
+        self, ids: Sequence[int], cache_salt: str | None = None, lora_key: LoRABlockKey | None = None
     ) -> list[ExternalBlockHash]:
         """External hashes of the full blocks the engine could look up (its rule: the last
         prompt token is always computed, so a prompt of exactly k blocks looks up k - 1)."""
         bs = self.block_size
         n = (len(ids) - 1) // bs if ids else 0
-        parent = self.root
-        out: list[ExternalBlockHash] = []
-        for i in range(n):
-            keys: list[tuple[str, ...]] = [lora_key] if lora_key is not None else []
-            if i == 0 and cache_salt is not None:
-                keys.append(("cache_salt", cache_salt))
-            extra = tuple(keys) if keys else None
-            parent = self.hash_fn((parent, tuple(ids[i * bs : (i + 1) * bs]), extra))
-            out.append(self.convert(parent))
-        return out
+        tokens = [tuple(ids[i * bs : (i + 1) * bs]) for i in range(n)]
+        extras = [extra_keys(lora_key, (), cache_salt, i * bs, (i + 1) * bs, i) for i in range(n)]
+        return [self.convert(h) for h in hash_chain(self.hash_fn, self.root, tokens, extras)]
 
-    def hashes(self, path: str, body: dict[str, Any], lora_key: LoRAKey | None = None) -> list[ExternalBlockHash]:
+    def hashes(self, path: str, body: dict[str, Any], lora_key: LoRABlockKey | None = None) -> list[ExternalBlockHash]:
         """`lora_key`: the block key of the adapter the body's `model` names (None: the base model)."""
         salt = body.get("cache_salt")
         return self.chain(self.token_ids(path, body), salt if isinstance(salt, str) else None, lora_key)

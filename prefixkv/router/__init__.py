@@ -1,4 +1,4 @@
-"""Routing requests over engine replicas by where their prefix is cached (issue 14).
+"""Routing requests over engine replicas by where their prefix is cached.
 
 index.py   PrefixIndex: replica -> chained block hashes it caches, from KV events (precise) or
            from what the router sent (approximate)

@@ -11,7 +11,9 @@ from prefixkv.cache import (
     KVCacheManager,
     block_extra_keys,
     get_hash_function,
+    none_hash,
 )
+from prefixkv.cache.identity import extra_keys, hash_chain, lora_extra_key
 from prefixkv.request import LoRARequest, MultiModalItem, Request
 
 from .conftest import decode, prefill
@@ -177,3 +179,24 @@ def test_multimodal_items_and_lora_in_plain_forms():
         Request("bad", [0] * 4, mm_items=[("img", 2, 4)])
     with pytest.raises(ValueError, match="multimodal item"):
         Request("bad", [0] * 4, mm_items=[{"offset": 0}])
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256"])
+def test_hash_chain_of_plain_parts_is_the_managers_chain(algo):
+    """hash_chain() over token tuples and extra_keys() - what a process without the request objects
+    (a router hashing a prompt) has - gives the manager's content hashes, bit for bit."""
+    bs = 4
+    ids = [1, 2] + [0] * 6 + list(range(3, 12))
+    lora = LoRARequest("a", 1, "/adapters/a", weights_digest="d1")
+    img = MultiModalItem("img-1", offset=2, length=6)
+    req = Request("r", ids, lora_request=lora, mm_items=[img], cache_salt="tenant-a")
+    expected = KVCacheManager(num_blocks=16, block_size=bs, hash_algo=algo).get_block_hashes(req)
+    n = len(ids) // bs
+    hash_fn = get_hash_function(algo)
+    got = hash_chain(
+        hash_fn,
+        none_hash(hash_fn),
+        [tuple(ids[i * bs : (i + 1) * bs]) for i in range(n)],
+        [extra_keys(lora_extra_key(lora), [img], "tenant-a", i * bs, (i + 1) * bs, i) for i in range(n)],
+    )
+    assert len(expected) == n and got == expected

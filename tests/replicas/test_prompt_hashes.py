@@ -111,3 +111,25 @@ def test_lora_request_hashes_carry_the_adapters_block_key(tmp_path):
         assert got and got == stored[: len(got)]
         assert not set(hasher.hashes(COMPLETIONS, body)) & set(stored)  # the base model's are others
     engine.shutdown()
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256"])
+@pytest.mark.parametrize(("salt", "with_lora"), [(None, False), ("tenant-a", False), (None, True), ("tenant-b", True)])
+def test_router_chain_is_the_caches_chain(algo, salt, with_lora):
+    """The router's hashes of a token prompt are the cache's own content hashes (converted as the
+    publisher converts them), with a cache salt, a LoRA adapter's block key, or both."""
+    from prefixkv.cache import KVCacheManager
+    from prefixkv.cache.identity import lora_extra_key
+    from prefixkv.kv_events.wire import hash_converter
+    from prefixkv.lora.request import LoRARequest
+    from prefixkv.request import Request
+
+    ids = list(range(5, 42))
+    lora = LoRARequest("qv", 1, "/adapters/qv", weights_digest="digest-1") if with_lora else None
+    hasher = PromptHasher(None, BLOCK, algo)  # type: ignore[arg-type]  # chain() tokenizes nothing
+    got = hasher.chain(ids, salt, lora_extra_key(lora) if lora is not None else None)
+    manager = KVCacheManager(num_blocks=32, block_size=BLOCK, hash_algo=algo)
+    cached = manager.get_block_hashes(Request("r", ids, lora_request=lora, cache_salt=salt))
+    convert = hash_converter()
+    assert len(got) == (len(ids) - 1) // BLOCK
+    assert got == [convert(h) for h in cached[: len(got)]]
