@@ -52,10 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Edges that other pieces of the same change remove; each entry goes when its fix is merged, and
 # an entry that matches no edge any more fails `test_the_allowlist_names_only_existing_edges`.
-ALLOWED: dict[tuple[str, str], str] = {
-    # cli <-> replicas/app: the replicas' launcher calls back into the CLI's serve
-    ("prefixkv.replicas.app", "prefixkv.cli"): "cli <-> replicas/app",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
