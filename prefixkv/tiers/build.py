@@ -10,7 +10,9 @@ from typing import Any, Protocol
 
 import torch
 
+from ..memory.block_tensors import KV_PREFIX
 from ..model import LoadedModel
+from ..stage_outputs.specs import STAGE_PREFIX  # a block's stage-output rows travel with its KV
 from .connector import SchedulerConnector, WorkerConnector
 from .manager import TierManager
 from .namespace import config_digest, secret_key_tag, tier_namespace, tokenizer_digest, weights_digest
@@ -20,9 +22,6 @@ from .scheduler_connector import TierSchedulerConnector
 from .transfer import BlockTransfer, block_nbytes
 
 logger = logging.getLogger("prefixkv")
-
-KV_PREFIX = "kv."  # the per-block tensors of the K/V caches
-STAGE_PREFIX = "stage."  # those of the stage-output cache: a block's rows travel with its KV
 
 
 class TierOptions(Protocol):
