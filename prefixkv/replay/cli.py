@@ -161,6 +161,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--min-match-blocks", type=int, default=1, help="prefix-load: shorter cached prefixes go to the least loaded"
     )
+    parser.add_argument(
+        "--pin-top",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pin the N prefixes most requests share (system prompts: whole blocks every request starting with "
+        "the same block repeats), each once its first request is cached (default 0; single pool only)",
+    )
+    parser.add_argument(
+        "--max-pinned-fraction", type=float, default=0.5, help="share of the pool pins may hold (default 0.5)"
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--prefill-ms-per-token", type=float, default=TimeModel.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=TimeModel.decode_ms_per_token)
@@ -180,6 +191,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tm = TimeModel(args.prefill_ms_per_token, args.decode_ms_per_token, not args.no_reserve_output)
+    if args.pin_top < 0 or not 0.0 <= args.max_pinned_fraction <= 1.0:
+        print("error: --pin-top must be >= 0 and --max-pinned-fraction in [0, 1]", file=sys.stderr)
+        return 2
+    if args.pin_top and args.replicas is not None:
+        print("error: --pin-top replays one pool; it does not combine with --replicas", file=sys.stderr)
+        return 2
     if args.replicas is not None:
         return _run_cluster(args, trace, tm)
     index = BlockIndex(trace, args.block_size) if args.optimum or args.reuse_oracle else None
@@ -195,12 +212,23 @@ def run(args: argparse.Namespace) -> int:
         f"{'blocks':>8} {'policy':<16} {'hit rate':>9} {'of opt':>7} {'evictions':>10} {'peak use':>9} "
         f"{'waited':>7} {'skipped':>7}"
     ) + (f" {'cpu tier':>9} {'tier hit':>9} {'total hit':>9}" if with_tier else "")
+    if args.pin_top:
+        header += f" {'pinned':>7} {'blocks':>7} {'refused':>7}"
     if not args.json:
         print(header)
     for num_blocks in args.num_blocks:
         opt = replay_optimum(trace, num_blocks, args.block_size, tm, index) if args.optimum else None
         rows = [
-            replay(trace, num_blocks, args.block_size, name, tm, cpu_tier_blocks=tier)
+            replay(
+                trace,
+                num_blocks,
+                args.block_size,
+                name,
+                tm,
+                cpu_tier_blocks=tier,
+                pin_top=args.pin_top,
+                max_pinned_fraction=args.max_pinned_fraction,
+            )
             for name in args.policy
             for tier in tiers
         ]
@@ -218,6 +246,11 @@ def run(args: argparse.Namespace) -> int:
                     f"{'' if frac is None else f'{frac:.1%}':>7} {r.evictions:>10} "
                     f"{r.peak_usage:>9.1%} {r.waited:>7} {r.skipped:>7}"
                     + (f" {r.cpu_tier_blocks:>9} {r.tier_hit_rate:>9.2%} {r.total_hit_rate:>9.2%}" if with_tier else "")
+                    + (
+                        f" {r.pinned_prefixes:>7} {r.pinned_blocks:>7} {r.pins_refused:>7}"
+                        if args.pin_top and hasattr(r, "pinned_prefixes")
+                        else ""
+                    )
                 )
     return 0
 

@@ -28,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from prefixkv.cache import EvictionPolicy, KVCacheManager, get_policy
+from prefixkv.cache import EvictionPolicy, KVCacheManager, PinError, get_policy
 from prefixkv.request import Request
 
+from .pins import hot_prefixes
 from .tier import CPUTier, fast_block_hash
 from .trace import TraceRequest
 
@@ -65,6 +66,9 @@ class ReplayResult:
     seconds: float = 0.0
     cpu_tier_blocks: int = 0  # 0: no tier below the pool
     tier_hit_tokens: int = 0  # prompt tokens loaded from the tier (not counted in hit_tokens)
+    pinned_prefixes: int = 0  # pinned by --pin-top (pins.py)
+    pinned_blocks: int = 0
+    pins_refused: int = 0  # past --max-pinned-fraction
     extra: dict = field(default_factory=dict)
 
     @property
@@ -196,6 +200,8 @@ class ManagerBackend:
         policy: str | type[EvictionPolicy] = "lru",
         cpu_tier_blocks: int = 0,
         record_events: bool = False,
+        pins: Sequence[tuple[int, ...]] = (),
+        max_pinned_fraction: float = 0.5,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -203,7 +209,13 @@ class ManagerBackend:
         self.last_tier_hit = 0
         self.record_events = record_events  # the caller drains mgr.take_events() (a router's index)
         if self.tier is None and not record_events:
-            self.mgr = KVCacheManager(num_blocks, block_size, enable_caching=True, eviction_policy=policy)
+            self.mgr = KVCacheManager(
+                num_blocks,
+                block_size,
+                enable_caching=True,
+                eviction_policy=policy,
+                max_pinned_fraction=max_pinned_fraction,
+            )
         else:  # the tier learns the pool's evictions from its KV events, keyed by content hash
             self.mgr = KVCacheManager(
                 num_blocks,
@@ -212,7 +224,11 @@ class ManagerBackend:
                 eviction_policy=policy,
                 hash_algo=fast_block_hash,
                 enable_kv_cache_events=True,
+                max_pinned_fraction=max_pinned_fraction,
             )
+        # prefixes to pin once cached, by their first block (pins.py); each is tried once
+        self._to_pin = {prefix[:block_size]: prefix for prefix in pins}
+        self.pins_refused = 0
         self._live: dict[int, Request] = {}
         self._head: tuple[int, Request] | None = None  # a request that did not fit yet
 
@@ -243,7 +259,20 @@ class ManagerBackend:
         request.num_computed_tokens = request.num_tokens
         request.num_cached_tokens = num_hit
         self._live[index] = request
+        if self._to_pin:
+            self._pin_if_named(request)
         return num_hit
+
+    def _pin_if_named(self, request: Request) -> None:
+        prefix = self._to_pin.pop(tuple(request.all_token_ids[: self.block_size]), None)
+        if prefix is None or list(prefix) != request.all_token_ids[: len(prefix)]:
+            if prefix is not None:  # this request shares the first block only: wait for one that has all
+                self._to_pin[prefix[: self.block_size]] = prefix
+            return
+        try:
+            self.mgr.pin(_TraceRequest("pin", list(prefix)))
+        except PinError:
+            self.pins_refused += 1
 
     def release(self, index: int) -> None:
         self.mgr.free(self._live.pop(index))
@@ -262,14 +291,22 @@ def replay(
     policy: str | type[EvictionPolicy] = "lru",
     time_model: TimeModel | None = None,
     cpu_tier_blocks: int = 0,
+    pin_top: int = 0,
+    max_pinned_fraction: float = 0.5,
 ) -> ReplayResult:
     """Replay `trace` (sorted by timestamp) through a fresh KVCacheManager, with a CPU tier of
-    `cpu_tier_blocks` below it (tier.py; 0: none); at the end every block is free again (checked)."""
+    `cpu_tier_blocks` below it (tier.py; 0: none) and the `pin_top` hottest prefixes pinned (pins.py;
+    0: none); at the end every block is free again (checked)."""
     time_model = time_model or TimeModel()
     policy_cls = get_policy(policy)
-    backend = ManagerBackend(num_blocks, block_size, policy_cls, cpu_tier_blocks)
+    pins = hot_prefixes(trace, block_size, pin_top)
+    backend = ManagerBackend(num_blocks, block_size, policy_cls, cpu_tier_blocks, False, pins, max_pinned_fraction)
     result = ReplayResult(policy_cls.name, num_blocks, block_size, cpu_tier_blocks=cpu_tier_blocks)
     run_schedule(trace, backend, block_size, time_model, result)
+    mgr = backend.mgr
+    result.pinned_prefixes, result.pinned_blocks = len(mgr.pins), mgr.pins.num_pinned_blocks
+    result.pins_refused = backend.pins_refused
+    mgr.unpin_all()
     if backend.mgr.num_free_blocks != num_blocks:
         raise AssertionError(f"{num_blocks - backend.mgr.num_free_blocks} blocks still held after replay")
     return result

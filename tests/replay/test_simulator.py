@@ -167,3 +167,23 @@ def test_unbounded_cpu_tier_reaches_the_infinite_cache_ceiling():
     assert pool.total_hit_rate < ceiling - 0.01 and pool.evictions > 0
     assert abs(tiered.total_hit_rate - ceiling) < 1e-12
     assert tiered.hit_tokens == pool.hit_tokens  # the tier changes nothing in the pool itself
+
+
+def test_pin_top_keeps_the_system_prompt_a_flood_would_evict():
+    from prefixkv.replay.pins import hot_prefixes
+
+    bs = 4
+    system = tuple(range(1, 9))  # two blocks every "chat" request opens with
+    trace = []
+    for t in range(40):
+        if t % 5 == 0:
+            trace.append(TraceRequest(t * 1e6, 10, 1, token_ids=(*system, 500 + t, 600 + t)))
+        else:  # a unique prompt that fills most of the pool
+            trace.append(TraceRequest(t * 1e6, 22, 1, token_ids=tuple(range(1000 * t, 1000 * t + 22))))
+    assert hot_prefixes(trace, bs, 3) == [system]
+    plain = replay(trace, num_blocks=10, block_size=bs)
+    pinned = replay(trace, num_blocks=10, block_size=bs, pin_top=1)
+    assert plain.hit_tokens == 0  # every flood evicts the system prompt
+    assert pinned.hit_tokens == 7 * len(system) and pinned.pinned_blocks == 2 and pinned.pins_refused == 0
+    refused = replay(trace, num_blocks=10, block_size=bs, pin_top=1, max_pinned_fraction=0.1)
+    assert refused.pins_refused == 1 and refused.hit_tokens == 0
