@@ -164,6 +164,21 @@ class EngineArgs:
     enable_kv_cache_events: bool = _opt(
         False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)"
     )
+    max_pinned_fraction: float = _opt(
+        0.5,
+        "share of the KV cache's blocks that pinned prefixes may hold (LLM.pin_prefix, POST /v1/cache/pin); a "
+        "pin past it is refused with an error naming this option (default: 0.5)",
+        type=float,
+    )
+    kv_cache_metrics: bool = _opt(
+        False,
+        "sampled KV block residency metrics, as vLLM's: vllm:kv_block_lifetime_seconds, "
+        "vllm:kv_block_idle_before_evict_seconds, vllm:kv_block_reuse_gap_seconds, plus the reuse distance in "
+        "blocks and evictions by cause (default: off)",
+    )
+    kv_cache_metrics_sample: float = _opt(
+        0.01, "share of the KV blocks the residency metrics follow (default: 0.01, as vLLM)", type=float
+    )
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
         None,
         "publish KV events as vLLM does, a JSON object of vLLM's KVEventsConfig, e.g. "
@@ -352,6 +367,10 @@ class EngineArgs:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._check_multimodal()
         self.default_pooling = parse_pooler_config(self.pooler_config)
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
+        if not 0.0 < self.kv_cache_metrics_sample <= 1.0:
+            raise ValueError(f"kv_cache_metrics_sample must be in (0, 1], got {self.kv_cache_metrics_sample}")
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
         self._check_tiers()

@@ -300,8 +300,57 @@ class LLM:
                 bar.close()
         return [done[r] for r in request_ids]
 
-    def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_pinned: bool = False) -> bool:
+        """Forget the cached prefixes (refused, False, while requests run); pinned prefixes are
+        dropped too unless `keep_pinned`."""
+        return self.llm_engine.reset_prefix_cache(keep_pinned)
+
+    # -- pinned prefixes: kept cached under any load (prefixkv/cache/pins.py) ---------------------
+    def _prefix_ids(self, prefix: str | list[int] | list[dict], chat_template: str | None) -> list[int]:
+        engine = self.llm_engine
+        if isinstance(prefix, str):
+            return engine.tokenize(prefix)
+        if prefix and all(isinstance(m, dict) for m in prefix):  # chat messages: rendered as chat() renders them
+            text = engine.tokenizer.apply_chat_template(
+                prefix, add_generation_prompt=False, tokenize=False, chat_template=chat_template
+            )
+            return engine.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[arg-type]
+        if prefix and all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):
+            return list(prefix)  # type: ignore[arg-type]
+        raise ValueError("pin_prefix takes a text, a list of token ids or a list of chat messages")
+
+    def pin_prefix(
+        self,
+        prefix: str | list[int] | list[dict],
+        *,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
+    ) -> int:
+        """Compute `prefix` (a text, token ids, or chat messages such as a system prompt) once and
+        keep its KV blocks cached until `unpin_prefix` - no eviction under any load. Returns the
+        tokens pinned (its whole blocks). A prefix is per tenant (`cache_salt`) and per adapter,
+        as its blocks are. Refused (PinError, a ValueError) past `max_pinned_fraction` of the
+        cache."""
+        ids = self._prefix_ids(prefix, chat_template)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        out = self.generate({"prompt_token_ids": ids}, params, False, lora_request, cache_salt=cache_salt)[0]
+        if out.error is not None:
+            raise ValueError(f"the prefix could not be computed: {out.error}")
+        return self.llm_engine.pin_prefix(ids, cache_salt, lora_request)
+
+    def unpin_prefix(
+        self,
+        prefix: str | list[int] | list[dict],
+        *,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
+    ) -> int:
+        """Release the pin of `prefix` (as pinned: same tenant and adapter); returns the tokens it
+        held, 0 when it was not pinned. Its blocks stay cached, evictable again."""
+        ids = self._prefix_ids(prefix, chat_template)
+        return self.llm_engine.unpin_prefix(ids, cache_salt, lora_request)
 
     def get_prefix_cache_stats(self):
         """Requests, queried tokens, hit tokens and hit rate since start."""

@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-from ..cache import KVCacheEvent, KVCacheManager, KVEventBuffer, PrefixCacheStats, get_hash_function, none_hash
+from ..cache import (
+    KVCacheEvent,
+    KVCacheManager,
+    KVEventBuffer,
+    PrefixCacheStats,
+    ResidencyMetrics,
+    get_hash_function,
+    none_hash,
+)
 from ..constraints.grammar import GrammarEngine
 from ..constraints.token_constraints import RequestConstraints
 from ..constraints.validation import check_vocab
@@ -211,6 +219,8 @@ class LLMEngine:
             hash_algo=hash_fn,
             eviction_policy=config.eviction_policy,
             enable_kv_cache_events=config.enable_kv_cache_events,
+            max_pinned_fraction=config.max_pinned_fraction,
+            residency=ResidencyMetrics(config.kv_cache_metrics_sample) if config.kv_cache_metrics else None,
             max_loras=config.max_loras if config.enable_lora else None,
             policy=config.scheduling_policy,
             kv_connector=kv_connector.scheduler,
@@ -750,11 +760,42 @@ class LLMEngine:
             publisher.shutdown()
 
     # -- cache control and statistics ----------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
-        ok = self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_pinned: bool = False) -> bool:
+        ok = self.scheduler.reset_prefix_cache(keep_pinned)
         self._drain_kv_events()
         self._update_stats()
         return ok
+
+    # -- pinned prefixes (prefixkv/cache/pins.py) ------------------------------------------------
+    def _prefix_request(
+        self, prompt_token_ids: list[int], cache_salt: str | None, lora_request: LoRARequest | None
+    ) -> Request:
+        """A request naming the prefix's blocks exactly as an admitted one would (its adapter
+        resolved to the identity its blocks carry)."""
+        if not prompt_token_ids:
+            raise ValueError("a prefix to pin has at least one token")
+        lora = self.resolve_lora(lora_request)[0] if lora_request is not None else None
+        return Request(f"pin-{next(self._seq_ids)}", prompt_token_ids, lora_request=lora, cache_salt=cache_salt)
+
+    def pin_prefix(
+        self, prompt_token_ids: list[int], cache_salt: str | None = None, lora_request: LoRARequest | None = None
+    ) -> int:
+        """Pin the cached whole blocks of this prefix (compute it first: `LLM.pin_prefix` does);
+        returns the tokens pinned. PinError (a ValueError) when nothing of it is cached or the pin
+        would pass max_pinned_fraction."""
+        pin = self.scheduler.kv_cache_manager.pin(self._prefix_request(prompt_token_ids, cache_salt, lora_request))
+        self._update_stats()
+        return pin.num_tokens
+
+    def unpin_prefix(
+        self, prompt_token_ids: list[int], cache_salt: str | None = None, lora_request: LoRARequest | None = None
+    ) -> int:
+        """Release the pin of this prefix (same tenant, same adapter); returns the tokens it held,
+        0 when it was not pinned."""
+        request = self._prefix_request(prompt_token_ids, cache_salt, lora_request)
+        pin = self.scheduler.kv_cache_manager.unpin(request)
+        self._update_stats()
+        return 0 if pin is None else pin.num_tokens
 
     def get_stats(self) -> EngineStats:
         """The latest snapshot; safe to call from any thread. The KV tiers' counters are read

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
+from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats, ResidencyMetrics
 from ..multimodal.encoder_input import EncoderInput
 from ..request import Request, RequestStatus
 from ..tiers import NULL_SCHEDULER_CONNECTOR, SchedulerConnector
@@ -36,6 +36,8 @@ class Scheduler:
         hash_algo: Any = "sha256_cbor",
         eviction_policy: Any = "lru",
         enable_kv_cache_events: bool = False,
+        max_pinned_fraction: float = 0.5,
+        residency: ResidencyMetrics | None = None,
         max_loras: int | None = None,
         policy: str = "fcfs",
         kv_connector: SchedulerConnector = NULL_SCHEDULER_CONNECTOR,
@@ -55,6 +57,8 @@ class Scheduler:
             hash_seed=None,
             eviction_policy=eviction_policy,
             enable_kv_cache_events=enable_kv_cache_events,
+            max_pinned_fraction=max_pinned_fraction,
+            residency=residency,
         )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -324,9 +328,10 @@ class Scheduler:
         return sampled, failed
 
     # -- the cache, through its owner ----------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached identity; refused (False) while any request holds blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_pinned: bool = False) -> bool:
+        """Forget every cached identity (the pinned prefixes' too, unless `keep_pinned`); refused
+        (False) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache(keep_pinned)
 
     @property
     def kv_cache_usage(self) -> float:
