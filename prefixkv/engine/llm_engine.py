@@ -809,6 +809,7 @@ class LLMEngine:
     def _update_stats(self) -> None:
         s = self.scheduler
         cache = s.prefix_cache_stats
+        residency = s.kv_cache_manager.residency
         self._stats = EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
@@ -825,6 +826,9 @@ class LLMEngine:
             + (self.kv_event_publisher.num_dropped_events if self.kv_event_publisher is not None else 0),
             num_blocks=self.num_blocks,
             block_size=self.config.block_size,
+            num_pinned_prefixes=len(s.kv_cache_manager.pins),
+            num_pinned_blocks=s.kv_cache_manager.pins.num_pinned_blocks,
+            kv_block_evictions=tuple(residency.evictions.items()) if residency is not None else (),
             max_model_len=self.max_model_len,
             **self._cpu_thread_stats(),
             **self._lora_stats(),

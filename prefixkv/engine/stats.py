@@ -25,6 +25,10 @@ class EngineStats:
     num_kv_events_dropped: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    # pinned prefixes (cache/pins.py) and, with kv_cache_metrics, evictions by cause (cache/residency.py)
+    num_pinned_prefixes: int = 0
+    num_pinned_blocks: int = 0
+    kv_block_evictions: tuple[tuple[str, int], ...] = ()
     max_model_len: int = 0
     # CPU threads (cpu_thread_policy adaptive, engine/cpu_threads.py): the last step's count (0: the
     # policy is off), other processes' load on our cores in cores, steps run on another count than

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models,
 GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version,
-GET /metrics, and POST /reset_prefix_cache in dev mode only (VLLM_SERVER_DEV_MODE=1, as vLLM). The routes' work lives in
+GET /metrics, POST /v1/cache/pin and /v1/cache/unpin (cache_control.py), and POST /reset_prefix_cache
+in dev mode only (VLLM_SERVER_DEV_MODE=1, as vLLM). The routes' work lives in
 completions.py and chat.py (shared parts in serving.py, the stream loop in streaming.py), errors
 in errors.py, auth and limits in middleware.py, the process (flags, signals) in launch.py.
 """
@@ -21,6 +22,7 @@ from .. import __version__
 from ..engine.llm_engine import LLMEngine
 from ..lora.request import LoRARequest
 from .async_engine import AsyncEngine
+from .cache_control import add_cache_control_routes
 from .chat import OpenAIServingChat
 from .completions import OpenAIServingCompletion
 from .embeddings import OpenAIServingEmbedding
@@ -155,6 +157,12 @@ def create_app(
     @app.post("/pooling")
     async def create_pooling(req: PoolingRequest, raw: Request):
         return await embeddings.create_pooling(req, raw)
+
+    def adapter(model: str | None) -> LoRARequest | None:
+        completions.check_model(model)  # 404 for a model this server does not serve
+        return completions.lora_for(model)
+
+    add_cache_control_routes(app, async_engine, adapter)
 
     if allow_runtime_lora_updating is None:
         allow_runtime_lora_updating = runtime_lora_updating_from_env()

@@ -92,6 +92,9 @@ LATENCY_BUCKETS = [
     7680.0,
 ]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+# block residency (--kv-cache-metrics): seconds from a blink to an hour, and blocks allocated in between
+RESIDENCY_BUCKETS = [0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600]
+REUSE_DISTANCE_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144]
 _ITL_STALE_S = 600.0  # a request seen last this long ago was aborted: forget its last token time
 
 
@@ -166,6 +169,18 @@ class _EngineCollector:
         yield counter(
             "prefixkv:prefix_cache_requests", "Requests looked up in the prefix cache.", stats.prefix_cache_requests
         )
+        yield gauge("prefixkv:pinned_prefixes", "Prefixes pinned in the KV cache.", stats.num_pinned_prefixes)
+        yield gauge("prefixkv:pinned_blocks", "KV blocks held by pinned prefixes.", stats.num_pinned_blocks)
+        if stats.kv_block_evictions:  # --kv-cache-metrics
+            evictions = CounterMetricFamily(
+                "prefixkv:kv_block_evictions",
+                "Cached KV blocks that lost their identity, by cause: capacity (reused for new content), "
+                "unreachable (an unloaded adapter's), reset (reset_prefix_cache).",
+                labels=[*names, "cause"],
+            )
+            for cause, n in stats.kv_block_evictions:
+                evictions.add_metric([*values, cause], float(n))
+            yield evictions
         yield counter(
             "prefixkv:requests_errored",
             "Requests the engine failed on their own (the rest went on).",
@@ -302,6 +317,30 @@ class ServerMetrics:
         self.gen_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS
         )
+        # --kv-cache-metrics: vLLM's sampled block residency histograms, and the reuse distance
+        self.residency = engine.scheduler.kv_cache_manager.residency
+        if self.residency is not None:
+            self.block_lifetime = histogram(
+                "vllm:kv_block_lifetime_seconds",
+                "Histogram of KV cache block lifetime from allocation to eviction. Sampled metrics.",
+                RESIDENCY_BUCKETS,
+            )
+            self.block_idle = histogram(
+                "vllm:kv_block_idle_before_evict_seconds",
+                "Histogram of idle time before KV cache block eviction. Sampled metrics.",
+                RESIDENCY_BUCKETS,
+            )
+            self.block_reuse_gap = histogram(
+                "vllm:kv_block_reuse_gap_seconds",
+                "Histogram of time between consecutive accesses to the same KV cache block. Sampled metrics.",
+                RESIDENCY_BUCKETS,
+            )
+            self.block_reuse_distance = histogram(
+                "prefixkv:kv_block_reuse_distance_blocks",
+                "Histogram of KV blocks allocated between consecutive accesses to the same block (a cache of "
+                "more blocks than this would have kept it). Sampled metrics.",
+                REUSE_DISTANCE_BUCKETS,
+            )
         self.success = Counter(
             "vllm:request_success", "Count of successfully processed requests.", names + ["finished_reason"], registry=r
         )
@@ -317,6 +356,16 @@ class ServerMetrics:
         latency per request that got new tokens (the time since its previous ones, as vLLM)."""
         if num_tokens > 0:
             self.iteration_tokens.observe(num_tokens)
+        if self.residency is not None:
+            seen = self.residency.take()
+            for value in seen.lifetime_s:
+                self.block_lifetime.observe(value)
+            for value in seen.idle_before_evict_s:
+                self.block_idle.observe(value)
+            for value in seen.reuse_gap_s:
+                self.block_reuse_gap.observe(value)
+            for blocks in seen.reuse_distance_blocks:
+                self.block_reuse_distance.observe(blocks)
         now = time.time()
         last = self._last_token
         for out in outputs:
