@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,12 +24,12 @@ from ..model.generation_config import sampling_defaults
 from ..model.tokenizer import Tokenizer
 from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
 from ..progress import Stages
-from ..sampling_params import SamplingParams
 from ..stage_outputs import stage_output_specs
 from ..tiers import TierManager, build_kv_connector
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
 from .device import resolve_device_dtype
 from .gpu_memory import cuda_kv_budget
+from .input_processor import InputProcessor
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -48,7 +48,7 @@ class EngineParts:
     dtype: torch.dtype
     loaded: LoadedModel
     tokenizer: Tokenizer
-    default_sampling_params: SamplingParams
+    default_sampling_params: dict[str, Any]  # the model creator's (generation_config.json)
     block_tensors: BlockTensors
     num_blocks: int
     max_model_len: int
@@ -60,6 +60,7 @@ class EngineParts:
     mm_processor: MultiModalInputProcessor | None  # None: a text-only model
     encoder_cache: EncoderCache | None
     kv_event_publisher: EventPublisher | None  # None: events wait in the engine for take_kv_events()
+    input_processor: InputProcessor
 
 
 def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> EngineParts:
@@ -151,6 +152,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         mm_processor=mm_processor,
         encoder_cache=encoder_cache,
         kv_event_publisher=create_publisher(kv_events_config),
+        input_processor=InputProcessor(config, tokenizer, model_config, max_model_len, mm_processor),
     )
     logger.info("engine ready in %s", stages.summary())
     return parts

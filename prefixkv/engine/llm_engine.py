@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -22,15 +20,13 @@ from ..engine_args import EngineArgs
 from ..lora.request import LoRARequest
 from ..model import LoadedModel
 from ..outputs import RequestOutput
-from ..request import MultiModalItem, Request, RequestStatus
+from ..request import MultiModalItem, RequestStatus
 from ..sampling_params import SamplingParams
 from .builder import build_engine
 from .feature_stats import feature_stats
-from .input_processor import EngineRequest, InputProcessor
-from .model_runner_output import ModelRunnerOutput
-from .output_processor import logprob_entry, status_for
-from .request_group import RequestGroup, make_group
-from .scheduler_output import SchedulerOutput
+from .input_processor import EngineRequest
+from .request_group import arrival_of, make_group
+from .request_groups import RequestGroups
 from .stats import EngineStats
 
 logger = logging.getLogger("prefixkv")
@@ -48,22 +44,14 @@ class LLMEngine:
         self.device, self.dtype = parts.device, parts.dtype
         self.loaded, self.model_config, self.tokenizer = parts.loaded, parts.loaded.config, parts.tokenizer
         self.default_sampling_params = parts.default_sampling_params
-        self.block_tensors, self.num_blocks, self.max_model_len = (
-            parts.block_tensors,
-            parts.num_blocks,
-            parts.max_model_len,
-        )
+        self.block_tensors, self.num_blocks = parts.block_tensors, parts.num_blocks
+        self.max_model_len = parts.max_model_len
         self.scheduler, self.runner, self.lora_manager = parts.scheduler, parts.runner, parts.lora_manager
         self.tiers, self.cpu_threads, self.encoder_cache = parts.tiers, parts.cpu_threads, parts.encoder_cache
         self.stage_outputs = parts.scheduler.stage_outputs
-        self.mm_processor = parts.mm_processor
-        self.input_processor = InputProcessor(
-            config, self.tokenizer, self.model_config, self.max_model_len, self.mm_processor
-        )
+        self.mm_processor, self.input_processor = parts.mm_processor, parts.input_processor
         self.eos_ids = self.input_processor.eos_ids
-        self._groups: dict[str, RequestGroup] = {}
-        self._child_of: dict[str, tuple[RequestGroup, int]] = {}  # engine-private sequence id -> (group, index)
-        self._group_ids = itertools.count()  # ids for requests that bring none
+        self.groups = RequestGroups(self.scheduler, self.tokenizer, self.eos_ids, self.max_model_len)
         self._seq_ids = itertools.count()  # engine-private sequence ids: never derived from a client's string
         # events leave the process through a publisher when kv_events_config says so (kv_events/);
         # otherwise they wait in _kv_events for take_kv_events()
@@ -71,8 +59,6 @@ class LLMEngine:
         self.kv_event_publisher = parts.kv_event_publisher
         # counters for metrics
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_requests_errored = 0
         self.num_steps = 0
         self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
@@ -123,20 +109,8 @@ class LLMEngine:
         """Queue a request the input processor admitted; returns the request id. Atomic: the
         adapter, id and arrival time are checked and the sequences built before anything is registered."""
         lora, lora_id = self.resolve_lora(req.lora_request) if req.lora_request is not None else (None, 0)
-        if request_id is None:
-            request_id = str(next(self._group_ids))
-            while request_id in self._groups:  # a client may have taken it
-                request_id = str(next(self._group_ids))
-        elif not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        elif request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if arrival_time is None:
-            arrival = time.time()
-        elif isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time):
-            arrival = float(arrival_time)
-        else:
-            raise ValueError(f"arrival_time must be a finite number, got {arrival_time!r}")
+        request_id = self.groups.new_request_id(request_id)
+        arrival = arrival_of(arrival_time)
         grammars = self.input_processor.grammar_engine if req.grammar is not None else None
         group = make_group(
             req,
@@ -151,10 +125,7 @@ class LLMEngine:
             self.stage_outputs is not None,
         )
         # -- commit: nothing below can fail --
-        self._groups[request_id] = group
-        for i, child in enumerate(group.children):
-            self._child_of[child.request_id] = (group, i)
-            self.scheduler.add_request(child)
+        self.groups.add(group)
         self.num_prompt_tokens += len(group.prompt_token_ids) * req.params.n
         self._update_stats()
         return request_id
@@ -196,36 +167,23 @@ class LLMEngine:
         _, held = self.kv_cache_manager.evict_where(lambda extras: any(k in retired for k in extras))
         if not held:
             retired.clear()
-        in_use = {c.lora_id for g in self._groups.values() for c in g.children if not c.is_finished}
+        in_use = {c.lora_id for g in self.groups.groups.values() for c in g.children if not c.is_finished}
         manager.forget_unused(in_use)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks are freed at once. Unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            group = self._groups.get(rid)
+            group = self.groups.groups.get(rid)
             if group is not None:
-                self._end_group(group, RequestStatus.FINISHED_ABORTED)
+                self.groups.end(group, RequestStatus.FINISHED_ABORTED)
         if self.lora_manager is not None and self.lora_manager.retired:
             self._evict_retired_loras()
         if self.cpu_threads is not None and not self.has_unfinished_requests():
             self.cpu_threads.restore()  # idle after an abort too (a disconnect, an interrupted generate)
         self._update_stats()
 
-    def _end_group(self, group: RequestGroup, status: RequestStatus) -> None:
-        """Finish every unfinished sequence of a group with `status` and forget the group."""
-        for child, state in zip(group.children, group.states):
-            if not child.is_finished:
-                state.abort()
-                self.scheduler.finish_request(child, status)
-        self._forget(group)
-
-    def _forget(self, group: RequestGroup) -> None:
-        self._groups.pop(group.request_id, None)
-        for child in group.children:
-            self._child_of.pop(child.request_id, None)
-
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self.groups.groups)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -240,7 +198,7 @@ class LLMEngine:
                 outputs = []
             else:
                 stuck = self.scheduler.waiting and not scheduler_output.preempted_req_ids
-                outputs = self._fail_unschedulable() if stuck else []
+                outputs = self.groups.fail_unschedulable() if stuck else []
         else:
             self.num_steps += 1
             self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
@@ -249,10 +207,10 @@ class LLMEngine:
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)
-                outputs = self._fail_step(scheduler_output, e)
+                outputs = self.groups.fail_step(scheduler_output, e)
             else:
                 sampled, failed = self.scheduler.update_from_output(scheduler_output, runner_output)
-                outputs = self._process_outputs(runner_output, sampled, failed)
+                outputs = self.groups.process_outputs(runner_output, sampled, failed)
         if self.lora_manager is not None and self.lora_manager.retired and any(o.finished for o in outputs):
             self._evict_retired_loras()  # held blocks of retired adapters may be free now
         if self.cpu_threads is not None and not self.has_unfinished_requests():
@@ -261,111 +219,6 @@ class LLMEngine:
         self._update_stats()
         return outputs
 
-    def _process_outputs(
-        self, runner_output: ModelRunnerOutput, sampled: list[Request], failed: list[Request]
-    ) -> list[RequestOutput]:
-        """The output processor's half of the step: prompt logprobs, detokenized text, stop
-        conditions (a stopped sequence is finished in the scheduler), failed groups."""
-        for req_id, scored in runner_output.prompt_logprobs.items():
-            group = self._child_of[req_id][0]
-            entries = group.prompt_logprobs
-            if entries is None:  # only groups that asked are scored
-                continue
-            prompt = group.prompt_token_ids
-            for pos, p_lp, p_rank, p_top in zip(
-                itertools.count(scored.first), scored.logprobs, scored.ranks, scored.top
-            ):
-                entries.append(logprob_entry(self.tokenizer, prompt[pos], p_lp, p_rank, p_top))
-        for req_id, (_, rows) in runner_output.hidden_states.items():
-            hidden = self._child_of[req_id][0].hidden_states
-            if hidden is not None:
-                hidden.append(rows)
-        touched: dict[str, RequestGroup] = {}
-        now = time.time()
-        lps, tops, ranks = runner_output.logprobs, runner_output.top_logprobs, runner_output.ranks
-        for row, req in enumerate(sampled):
-            self.num_generation_tokens += 1
-            group, idx = self._child_of[req.request_id]
-            touched[group.request_id] = group
-            token = runner_output.sampled_token_ids[row]
-            lp: float | None = None
-            top: list[tuple[int, float]] | None = None
-            rank: int | None = None
-            if lps is not None and tops is not None and ranks is not None and req.sampling_params.logprobs is not None:
-                lp, top, rank = lps[row], tops[row], ranks[row]
-            try:
-                done = group.states[idx].update(req, token, self.eos_ids, self.max_model_len, lp, top, rank)
-            except Exception as e:  # noqa: BLE001 (e.g. detokenizing: this request fails alone)
-                req.error = f"processing the output failed: {type(e).__name__}: {e}"
-                failed.append(req)
-                continue
-            if done:
-                req.finished_time = now
-                self.scheduler.finish_request(req, status_for(group.states[idx].finish_reason or "stop"))
-        for req in failed:
-            entry = self._child_of.get(req.request_id)
-            if entry is not None:
-                self._fail_group(entry[0], req.error or "the request failed")
-                touched[entry[0].request_id] = entry[0]
-        outputs = []
-        for group in touched.values():
-            out = group.output()
-            outputs.append(out)
-            if out.finished:
-                self._forget(group)
-        return outputs
-
-    def _fail_group(self, group: RequestGroup, message: str) -> None:
-        if group.error is None:
-            group.error = message
-            self.num_requests_errored += 1
-            logger.warning("request %s failed: %s", group.request_id, message)
-        for child, state in zip(group.children, group.states):
-            if child.request_id in self.scheduler.requests:
-                self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
-            if child.status is RequestStatus.FINISHED_ERROR or state.finish_reason is None:
-                state.abort()
-
-    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """The forward pass failed: the batch's new blocks were entered in the cache table but
-        hold no valid KV. Fail the batch's requests and forget every cached identity so no later
-        request hits them; if other requests hold blocks the table cannot be reset under them,
-        so they fail too. The engine keeps serving."""
-        logger.exception("the model failed in a step of %d requests", len(scheduler_output.scheduled))
-        message = f"the model failed: {type(exc).__name__}: {exc}"
-        groups = self._groups_of([sr.req_id for sr in scheduler_output.scheduled])
-        for group in groups:
-            self._fail_group(group, message)
-        if not self.scheduler.reset_prefix_cache():
-            others = self._groups_of([r.request_id for r in self.scheduler.running])
-            for group in others:
-                self._fail_group(group, message)
-            groups += others
-            self.scheduler.reset_prefix_cache()
-        outputs = [g.output() for g in groups]
-        for group in groups:
-            self._forget(group)
-        return outputs
-
-    def _fail_unschedulable(self) -> list[RequestOutput]:
-        """Nothing could be scheduled although requests wait (a request that can never fit):
-        fail the head of the queue rather than spin."""
-        head = self.scheduler.waiting[0]
-        group = self._child_of[head.request_id][0]
-        self._fail_group(group, "the request cannot be scheduled: it does not fit in the KV cache")
-        out = group.output()
-        self._forget(group)
-        return [out]
-
-    def _groups_of(self, req_ids: list[str]) -> list[RequestGroup]:
-        seen: dict[str, RequestGroup] = {}
-        for rid in req_ids:
-            entry = self._child_of.get(rid)
-            if entry is not None:
-                seen.setdefault(entry[0].request_id, entry[0])
-        return list(seen.values())
-
-    # -- KV events -----------------------------------------------------------------------------
     def _drain_kv_events(self) -> None:
         events = self.scheduler.take_kv_events()
         if events:
@@ -417,9 +270,9 @@ class LLMEngine:
             prefix_cache_queries=cache.queries,
             prefix_cache_hits=cache.hits,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
+            num_generation_tokens=self.groups.num_generation_tokens,
             num_preemptions=s.num_preemptions,
-            num_requests_errored=self.num_requests_errored,
+            num_requests_errored=self.groups.num_requests_errored,
             num_kv_events_dropped=self._kv_events.num_dropped
             + s.num_dropped_kv_events
             + (self.kv_event_publisher.num_dropped_events if self.kv_event_publisher is not None else 0),

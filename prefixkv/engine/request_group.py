@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,6 +58,15 @@ class RequestGroup:
             error=self.error,
             hidden_states=torch.cat(self.hidden_states) if finished and self.hidden_states else None,
         )
+
+
+def arrival_of(arrival_time: float | None) -> float:
+    """The request's arrival time: as given, or now."""
+    if arrival_time is None:
+        return time.time()
+    if isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time):
+        return float(arrival_time)
+    raise ValueError(f"arrival_time must be a finite number, got {arrival_time!r}")
 
 
 def make_group(
