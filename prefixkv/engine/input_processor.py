@@ -108,10 +108,12 @@ class InputProcessor:
         self.validate_params(params)
         if mm_items and self.mm_processor is None:
             raise ValueError("multimodal items were given but this model is text-only: it takes no images")
-        ids = list(prompt_token_ids)
-        return self._request(
-            ids, params, prompt_text, lora_request, cache_salt, priority, tuple(mm_items), hidden_states_from
-        )
+        items = tuple(mm_items)
+        if items:
+            ids = list(prompt_token_ids)
+        else:  # no images: a prompt that names one is refused
+            ids, items = self.process_multimodal(prompt_token_ids, None)
+        return self._request(ids, params, prompt_text, lora_request, cache_salt, priority, items, hidden_states_from)
 
     def _request(
         self,

@@ -62,6 +62,7 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self.input_processor = engine.input_processor  # thread-safe: used outside the engine thread
+        self.default_sampling_params = engine.default_sampling_params  # the model's, fixed at start
         self.on_finished = on_finished
         self.on_step = on_step  # (outputs, tokens computed) after every step, on the engine thread
         self.on_aborted = on_aborted

@@ -166,7 +166,7 @@ class OpenAIServing:
     def params(self, req: Any, max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams; fields it leaves out take the model's defaults
         (--generation-config), and its max_tokens is at most theirs (as vLLM's get_max_tokens)."""
-        defaults = getattr(self.engine, "default_sampling_params", None) or {}
+        defaults = self.async_engine.default_sampling_params or {}
         default_max = defaults.get("max_tokens")
         if isinstance(default_max, int) and isinstance(max_tokens, int) and default_max < max_tokens:
             max_tokens = default_max
