@@ -2,7 +2,7 @@
 
 The builder (builder.py) makes the parts; the input processor (input_processor.py) admits a
 prompt; the scheduler owns the KV cache manager and the request bookkeeping; the model runner owns
-the model and sampling. This class owns what the client sees: request groups (request_group.py),
+the model and sampling. This class owns what the client sees: request groups (request_group.py, request_groups.py),
 detokenized outputs and stop conditions (output_processor.py), errors, KV events and the stats
 snapshot.
 """
