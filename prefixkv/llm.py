@@ -360,23 +360,16 @@ class LLM:
         if any(mm is not None for _, _, mm in items):
             raise ValueError("embed()/encode() of prompts with multi_modal_data is not supported by prefixkv yet")
         engine = self.llm_engine
-        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
-        for ids in tokenized:
-            engine.input_processor.validate_prompt(ids)
         # one greedy token is drawn and dropped: the prompt's last position is computed like any prefill
         sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+        processed = [  # every prompt checked before any runs
+            engine.input_processor.process(item, sampling, cache_salt=salt, hidden_states_from=params.first_position)
+            for item, salt, _ in items
+        ]
         request_ids: list[str] = []
         try:
-            for (item, salt, _), ids in zip(items, tokenized):
-                request_ids.append(
-                    engine.add_request(
-                        ids,
-                        sampling,
-                        cache_salt=salt,
-                        prompt_text=item if isinstance(item, str) else None,
-                        hidden_states_from=params.first_position,
-                    )
-                )
+            for req in processed:
+                request_ids.append(engine.add_processed(req))
         except BaseException:
             engine.abort_request(request_ids)
             raise
