@@ -31,7 +31,7 @@ _UNSUPPORTED_CALL_ARGS = {
     "guided_options_request": "guided decoding is not implemented",
     "prompt_adapter_request": "prompt adapters are not implemented",
     "tokenization_kwargs": "tokenization options are not implemented",
-    "truncate_prompt_tokens": "prompt truncation is not implemented",
+    "truncate_prompt_tokens": "give it in SamplingParams(truncate_prompt_tokens=...)",
     "tools": "tool calling is not implemented",
     "documents": "documents are not implemented",
     "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
@@ -180,30 +180,21 @@ class LLM:
             if lora is not None:
                 # every adapter validated before anything runs, and read again: changed files load anew
                 engine.resolve_lora(lora, reload=True)
-        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
-        tokenized = [engine.truncate_prompt(ids, params) for ids, params in zip(tokenized, params_list)]
-        processed = []  # images decoded, placeholders expanded: every prompt checked before any runs
-        for ids, params, (_, _, mm) in zip(tokenized, params_list, items):
-            ids, mm_items = engine.process_multimodal(ids, mm)
-            engine.validate_prompt(ids)
-            engine.validate_params(params)
-            processed.append((ids, mm_items))
+        processed = [  # every prompt checked (images decoded, placeholders expanded) before any runs
+            engine.input_processor.process(
+                item,
+                params,
+                lora_request=lora,
+                cache_salt=salt if salt is not None else cache_salt,
+                priority=prio,
+                multi_modal_data=mm,
+            )
+            for (item, salt, mm), params, lora, prio in zip(items, params_list, loras, priorities)
+        ]
         ids_in_order: list[str] = []
         try:
-            for (item, salt, _), (ids, mm_items), params, lora, prio in zip(
-                items, processed, params_list, loras, priorities
-            ):
-                ids_in_order.append(
-                    engine.add_request(
-                        ids,
-                        params,
-                        lora_request=lora,
-                        cache_salt=salt if salt is not None else cache_salt,
-                        prompt_text=item if isinstance(item, str) else None,
-                        priority=prio,
-                        mm_items=mm_items,
-                    )
-                )
+            for req in processed:
+                ids_in_order.append(engine.add_processed(req))
         except BaseException:
             engine.abort_request(ids_in_order)  # all or nothing
             raise
@@ -236,7 +227,7 @@ class LLM:
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer  # the engine's own (get_tokenizer() builds transformers')
-        engine = self.llm_engine
+        inputs = self.llm_engine.input_processor
 
         def render(conv: list[dict]) -> str:
             return tok.apply_chat_template(  # type: ignore[return-value]
@@ -253,7 +244,7 @@ class LLM:
         for conv in conversations:
             if has_image_parts(conv):  # image_url / image_pil parts (prefixkv/multimodal/chat.py)
                 text, images = chat_prompt_with_images(
-                    conv, render, engine.image_token, engine.config.allowed_local_media_path, engine.max_images
+                    conv, render, inputs.image_token, inputs.config.allowed_local_media_path, inputs.max_images
                 )
                 ids = tok.encode(text, add_special_tokens=False)
                 prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
@@ -337,7 +328,7 @@ class LLM:
         out = self.generate({"prompt_token_ids": ids}, params, False, lora_request, cache_salt=cache_salt)[0]
         if out.error is not None:
             raise ValueError(f"the prefix could not be computed: {out.error}")
-        return self.llm_engine.pin_prefix(ids, cache_salt, lora_request)
+        return self.llm_engine.pins.pin(ids, cache_salt, lora_request)
 
     def unpin_prefix(
         self,
@@ -350,7 +341,7 @@ class LLM:
         """Release the pin of `prefix` (as pinned: same tenant and adapter); returns the tokens it
         held, 0 when it was not pinned. Its blocks stay cached, evictable again."""
         ids = self._prefix_ids(prefix, chat_template)
-        return self.llm_engine.unpin_prefix(ids, cache_salt, lora_request)
+        return self.llm_engine.pins.unpin(ids, cache_salt, lora_request)
 
     def get_prefix_cache_stats(self):
         """Requests, queried tokens, hit tokens and hit rate since start."""
@@ -418,23 +409,16 @@ class LLM:
         if any(mm is not None for _, _, mm in items):
             raise ValueError("embed()/encode() of prompts with multi_modal_data is not supported by prefixkv yet")
         engine = self.llm_engine
-        tokenized = [engine.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
-        for ids in tokenized:
-            engine.validate_prompt(ids)
         # one greedy token is drawn and dropped: the prompt's last position is computed like any prefill
         sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+        processed = [  # every prompt checked before any runs
+            engine.input_processor.process(item, sampling, cache_salt=salt, hidden_states_from=params.first_position)
+            for item, salt, _ in items
+        ]
         request_ids: list[str] = []
         try:
-            for (item, salt, _), ids in zip(items, tokenized):
-                request_ids.append(
-                    engine.add_request(
-                        ids,
-                        sampling,
-                        cache_salt=salt,
-                        prompt_text=item if isinstance(item, str) else None,
-                        hidden_states_from=params.first_position,
-                    )
-                )
+            for req in processed:
+                request_ids.append(engine.add_processed(req))
         except BaseException:
             engine.abort_request(request_ids)
             raise

@@ -184,3 +184,11 @@ def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
 
 
 SamplingParams.__init__ = _init  # type: ignore[method-assign]
+
+
+def truncate_prompt_tokens(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `k` tokens (-1: max_model_len; None: all of them), as vLLM's truncate_prompt_tokens."""
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids

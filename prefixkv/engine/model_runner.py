@@ -41,9 +41,12 @@ class ModelRunner:
         lora_manager: LoRAManager | None = None,
         *,
         kv_connector: WorkerConnector = NULL_WORKER_CONNECTOR,
+        stage_outputs: StageOutputCache | None = None,
+        mm: MultiModalEmbedder | None = None,
     ) -> None:
         """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
-        tiers, which no step asks for anything."""
+        tiers, which no step asks for anything. `stage_outputs`: the scheduler's stage-output
+        cache, when on. `mm`: the image embedder of a vision-language model."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
@@ -56,9 +59,9 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
-        self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
+        self.stage_outputs = stage_outputs
         self.kv_connector = kv_connector
-        self.mm: MultiModalEmbedder | None = None  # set by the engine for a vision-language model
+        self.mm = mm
         self.lora_manager = lora_manager
         if lora_manager is not None:
             lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats, ResidencyMetrics
+from ..memory.block_tensors import BlockTensors
 from ..multimodal.encoder_input import EncoderInput
 from ..request import Request, RequestStatus
+from ..stage_outputs import StageOutputCache
 from ..tiers import NULL_SCHEDULER_CONNECTOR, SchedulerConnector
 from .model_runner_output import ModelRunnerOutput
 from .scheduler_output import ScheduledRequest, SchedulerOutput
-
-if TYPE_CHECKING:
-    from ..stage_outputs import StageOutputCache
 
 
 class Scheduler:
@@ -41,9 +40,11 @@ class Scheduler:
         max_loras: int | None = None,
         policy: str = "fcfs",
         kv_connector: SchedulerConnector = NULL_SCHEDULER_CONNECTOR,
+        stage_output_tensors: BlockTensors | None = None,
     ) -> None:
         """`kv_connector`: the scheduler half of the KV tiers (prefixkv/tiers); the null one
-        without tiers."""
+        without tiers. `stage_output_tensors`: the block tensors holding the stage outputs, when
+        the stage-output cache is on; its validity follows this scheduler's block pool."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
         self.policy = policy
@@ -72,7 +73,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # left since the last schedule()
-        self.stage_outputs: StageOutputCache | None = None  # set by the engine when the stage-output cache is on
+        self.stage_outputs: StageOutputCache | None = None
+        if stage_output_tensors is not None:
+            blocks = self.kv_cache_manager.block_pool.blocks
+            self.stage_outputs = StageOutputCache(stage_output_tensors, blocks, block_size)
         self.kv_connector = kv_connector
 
     # -- requests in and out -------------------------------------------------------------------

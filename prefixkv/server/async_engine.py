@@ -6,7 +6,9 @@ has used torch run up to 2-7x slower here (a 4-sequence decode step: 67 ms again
 docs/serving.md). `start()` runs the loop in a background thread instead, for embedding the app
 in another server.
 
-Every engine call happens on the engine thread. The event loop talks to it through a command
+Every engine call happens on the engine thread. Admission (`input_processor`: tokenization,
+images, validation, grammars) touches no engine state, so the server runs it outside the loop;
+the engine thread only registers the admitted request. The event loop talks to it through a command
 queue that the thread drains between steps (add, abort, reset-prefix-cache), and outputs come
 back through per-request asyncio queues fed with `loop.call_soon_threadsafe`. The thread waits on
 a condition variable when it has nothing to do, so an idle server burns no CPU.
@@ -25,6 +27,7 @@ from typing import Any
 
 from ..engine.llm_engine import LLMEngine
 from ..outputs import RequestOutput
+from ..request import MultiModalItem
 from ..sampling_params import SamplingParams
 from .errors import EngineDeadError
 
@@ -58,6 +61,8 @@ class AsyncEngine:
         on_step: Callable[[list[RequestOutput], int], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.input_processor = engine.input_processor  # thread-safe: used outside the engine thread
+        self.default_sampling_params = engine.default_sampling_params  # the model's, fixed at start
         self.on_finished = on_finished
         self.on_step = on_step  # (outputs, tokens computed) after every step, on the engine thread
         self.on_aborted = on_aborted
@@ -221,7 +226,7 @@ class AsyncEngine:
         lora_request: Any = None,
         hidden_states_from: int | None = None,
         priority: int = 0,
-        mm_items: Any = None,
+        mm_items: tuple[MultiModalItem, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -230,18 +235,20 @@ class AsyncEngine:
         arrival = time.time()
         added = loop.create_future()
 
+        # admitted here, off the engine loop: a bad request fails before anything is queued
+        req = self.input_processor.admit(
+            prompt_token_ids,
+            params,
+            prompt_text=prompt,
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+            priority=priority,
+            mm_items=mm_items,
+            hidden_states_from=hidden_states_from,
+        )
+
         def add() -> None:
-            self.engine.add_request(
-                prompt_token_ids,
-                params,
-                request_id=request_id,
-                cache_salt=cache_salt,
-                arrival_time=arrival,
-                lora_request=lora_request,
-                **({} if hidden_states_from is None else {"hidden_states_from": hidden_states_from}),
-                **({} if priority == 0 else {"priority": priority}),
-                **({} if not mm_items else {"mm_items": mm_items}),
-            )
+            self.engine.add_processed(req, request_id=request_id, arrival_time=arrival)
             self._streams[request_id] = stream
 
         def done(_result, exc):

@@ -51,7 +51,7 @@ def _prefix_ids(engine: Any, body: PrefixBody) -> list[int]:
         ids = list(body.prompt or [])
     if not ids:
         raise APIError("the prefix is empty", 400, param="prompt")
-    engine.validate_prompt(ids)
+    engine.input_processor.validate_prompt(ids)
     return ids
 
 
@@ -82,7 +82,7 @@ def add_cache_control_routes(app: FastAPI, async_engine: AsyncEngine, adapter: A
         if last is None or last.error is not None:
             raise APIError(f"the prefix could not be computed: {last.error if last else 'no output'}", 500)
         try:
-            tokens = await async_engine.call(lambda engine: engine.pin_prefix(ids, body.cache_salt, lora))
+            tokens = await async_engine.call(lambda engine: engine.pins.pin(ids, body.cache_salt, lora))
         except ValueError as e:  # PinError: past the bound, or evicted before it could be pinned
             raise APIError(str(e), 400, param="max_pinned_fraction" if "max-pinned" in str(e) else None) from e
         return {"object": "cache.pin", "pinned_tokens": tokens, "prompt_tokens": len(ids)}
@@ -90,7 +90,7 @@ def add_cache_control_routes(app: FastAPI, async_engine: AsyncEngine, adapter: A
     @app.post("/v1/cache/unpin")
     async def unpin(body: PrefixBody):
         ids, lora = await resolve(body)
-        tokens = await async_engine.call(lambda engine: engine.unpin_prefix(ids, body.cache_salt, lora))
+        tokens = await async_engine.call(lambda engine: engine.pins.unpin(ids, body.cache_salt, lora))
         if not tokens:
             raise APIError("no pin of this prefix for this tenant and model", 404)
         return {"object": "cache.unpin", "unpinned_tokens": tokens}

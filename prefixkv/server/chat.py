@@ -116,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> tuple[list[int], tuple]:
         """Image parts (data URLs; local files under --allowed-local-media-path; never the network):
         decoded, templated, expanded to placeholders and hashed in a worker thread."""
-        engine = self.engine
+        inputs = self.inputs
         if req.continue_final_message:
             raise APIError("continue_final_message with image parts is not supported", 400, param="messages")
         for m in messages:
@@ -126,10 +126,10 @@ class OpenAIServingChat(OpenAIServing):
 
         def build() -> tuple[list[int], tuple]:
             text, images = chat_prompt_with_images(
-                messages, render, engine.image_token, engine.config.allowed_local_media_path, engine.max_images
+                messages, render, inputs.image_token, inputs.config.allowed_local_media_path, inputs.max_images
             )
             ids = self.tokenizer.encode(text, req.add_special_tokens)
-            return engine.process_multimodal(ids, {"image": images})
+            return inputs.process_multimodal(ids, {"image": images})
 
         try:
             return await asyncio.to_thread(build)

@@ -14,7 +14,8 @@ from fastapi import Request
 from ..engine.llm_engine import LLMEngine
 from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..request import MultiModalItem
+from ..sampling_params import SamplingParams, truncate_prompt_tokens
 from .async_engine import AsyncEngine
 from .errors import APIError
 from .limits import RequestLimits
@@ -38,8 +39,9 @@ class OpenAIServing:
         self.limits = limits
         self.count_error = count_error
         self.loras: LoRARegistry | None = None  # set by create_app when LoRA is on
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+        self.inputs = async_engine.input_processor  # admission, outside the engine thread
+        self.tokenizer = self.inputs.tokenizer
+        self.max_model_len = self.inputs.max_model_len
         # The longest text one token can stand for: a prompt longer than the context times this
         # cannot fit, so it is refused before it is tokenized (a 50 MB prompt costs nothing).
         vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
@@ -108,7 +110,7 @@ class OpenAIServing:
     def check_length(self, ids: list[int], max_tokens: int | None, what: str) -> int:
         """Validate a tokenized prompt; return the effective max_tokens."""
         try:
-            self.engine.validate_prompt(ids)
+            self.inputs.validate_prompt(ids)
         except ValueError as e:
             if len(ids) >= self.max_model_len:
                 raise APIError(
@@ -164,7 +166,7 @@ class OpenAIServing:
     def params(self, req: Any, max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams; fields it leaves out take the model's defaults
         (--generation-config), and its max_tokens is at most theirs (as vLLM's get_max_tokens)."""
-        defaults = getattr(self.engine, "default_sampling_params", None) or {}
+        defaults = self.async_engine.default_sampling_params or {}
         default_max = defaults.get("max_tokens")
         if isinstance(default_max, int) and isinstance(max_tokens, int) and default_max < max_tokens:
             max_tokens = default_max
@@ -182,8 +184,7 @@ class OpenAIServing:
             raise APIError(
                 f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}", 400, param="truncate_prompt_tokens"
             )
-        k = self.max_model_len if k == -1 else k
-        return ids[-k:] if len(ids) > k else ids
+        return truncate_prompt_tokens(ids, k, self.max_model_len)
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile (or find cached) the structured-outputs grammar in a worker thread, so the
@@ -191,7 +192,7 @@ class OpenAIServing:
         if params.structured_outputs is None:
             return
         try:
-            await asyncio.to_thread(self.engine.compile_grammar, params)
+            await asyncio.to_thread(self.inputs.compile_grammar, params)
         except ValueError as e:
             raise APIError(str(e), 400) from e
 
@@ -222,7 +223,7 @@ class OpenAIServing:
         lora_request: LoRARequest | None = None,
         hidden_states_from: int | None = None,
         priority: int = 0,
-        mm_items: list[tuple] | None = None,
+        mm_items: list[tuple[MultiModalItem, ...]] | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
@@ -239,7 +240,7 @@ class OpenAIServing:
                 lora_request=lora_request,
                 hidden_states_from=hidden_states_from,
                 priority=priority,
-                mm_items=mm_items[i] if mm_items else None,
+                mm_items=mm_items[i] if mm_items else (),
             )
             for i, (p, t, rid) in enumerate(zip(prompts, texts, ids))
         ]

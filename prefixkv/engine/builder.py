@@ -1,0 +1,247 @@
+"""Builds every part of an engine once and hands each its collaborators through its constructor.
+
+Order matters where one part measures another: the CPU kernels compile before the thread policy's
+first window opens (the compiler's CPU time would read as a neighbour's); the thread policy starts
+before the model loads (its first window spans the loading); every per-block tensor is registered
+before the KV budget is divided among them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..cache import ResidencyMetrics, get_hash_function, none_hash
+from ..engine_args import DEFAULT_KV_CACHE_BYTES, EngineArgs
+from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
+from ..lora.manager import LoRAManager
+from ..memory.block_tensors import BlockTensors, kv_cache_specs
+from ..model import LoadedModel, load_model
+from ..model.generation_config import sampling_defaults
+from ..model.tokenizer import Tokenizer
+from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
+from ..progress import Stages
+from ..stage_outputs import stage_output_specs
+from ..tiers import TierManager, build_kv_connector
+from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
+from .device import resolve_device_dtype
+from .gpu_memory import cuda_kv_budget
+from .input_processor import InputProcessor
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from ..multimodal import EncoderCache, MultiModalInputProcessor
+
+logger = logging.getLogger("prefixkv")
+
+
+@dataclass
+class EngineParts:
+    """What an engine is made of, each part already wired to its collaborators."""
+
+    config: EngineArgs
+    device: torch.device
+    dtype: torch.dtype
+    loaded: LoadedModel
+    tokenizer: Tokenizer
+    default_sampling_params: dict[str, Any]  # the model creator's (generation_config.json)
+    block_tensors: BlockTensors
+    num_blocks: int
+    max_model_len: int
+    scheduler: Scheduler
+    runner: ModelRunner
+    tiers: TierManager | None  # KV tiers below the pool (prefixkv/tiers), for their counters
+    lora_manager: LoRAManager | None
+    cpu_threads: AdaptiveCpuThreads | None  # thread count per step under CPU contention; None: fixed
+    mm_processor: MultiModalInputProcessor | None  # None: a text-only model
+    encoder_cache: EncoderCache | None
+    kv_event_publisher: EventPublisher | None  # None: events wait in the engine for take_kv_events()
+    input_processor: InputProcessor
+
+
+def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> EngineParts:
+    device, dtype = resolve_device_dtype(config, loaded)
+    stages = Stages(logger)  # each stage timed, announced when slow (progress.py), one line when ready
+    cpu_threads = _cpu_thread_policy(config, device, stages)
+    if loaded is None:
+        with stages.stage("model", f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'}"):
+            loaded = load_model(config.model, dtype=dtype, device=device)
+    tokenizer = loaded.tokenizer
+    if config.tokenizer is not None and config.tokenizer != config.model:
+        tokenizer = _separate_tokenizer(config.tokenizer, loaded.config.vocab_size)
+    model_config = loaded.config
+    bs = config.block_size
+    block_tensors = BlockTensors(kv_cache_specs(model_config, bs, dtype))
+    if config.enable_stage_output_cache:  # the hidden states of cached blocks, in the same budget
+        for spec in stage_output_specs(model_config, bs, dtype):
+            block_tensors.register(spec)
+    num_blocks = _num_blocks(config, device, loaded, block_tensors)
+    max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks)
+    with stages.stage("KV cache", f"allocating the KV cache ({num_blocks} blocks)"):
+        block_tensors.allocate(num_blocks, device)
+    # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
+    hash_fn = get_hash_function(config.prefix_caching_hash_algo)
+    kv_connector = build_kv_connector(
+        config, block_tensors, loaded, tokenizer, dtype=dtype, device=device, root_hash=none_hash(hash_fn)
+    )
+    scheduler = Scheduler(
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_caching=config.enable_prefix_caching,
+        hash_algo=hash_fn,
+        eviction_policy=config.eviction_policy,
+        enable_kv_cache_events=config.enable_kv_cache_events,
+        max_pinned_fraction=config.max_pinned_fraction,
+        residency=ResidencyMetrics(config.kv_cache_metrics_sample) if config.kv_cache_metrics else None,
+        max_loras=config.max_loras if config.enable_lora else None,
+        policy=config.scheduling_policy,
+        kv_connector=kv_connector.scheduler,
+        stage_output_tensors=block_tensors if config.enable_stage_output_cache else None,
+    )
+    lora_manager = None
+    if config.enable_lora:
+        lora_manager = LoRAManager(
+            model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, dtype=dtype, device=device
+        )
+    mm_processor, encoder_cache, embedder = None, None, None
+    if loaded.multimodal is not None:  # a vision-language checkpoint (prefixkv/multimodal/)
+        from ..multimodal import EncoderCache, MultiModalEmbedder, MultiModalInputProcessor
+
+        mm = loaded.multimodal
+        limit = (config.limit_mm_per_prompt or {}).get("image")
+        mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
+        encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
+        embedder = MultiModalEmbedder(mm.encoder, encoder_cache)
+    on_cpu = device.type == "cpu"
+    layout = "laying the weights out for the CPU's kernels" if on_cpu else "building the model runner"
+    with stages.stage("weight layout" if on_cpu else "runner", layout):
+        runner = ModelRunner(
+            loaded,
+            block_tensors,
+            dtype,
+            device,
+            _default_generator(config.seed),
+            lora_manager,
+            kv_connector=kv_connector.worker,
+            stage_outputs=scheduler.stage_outputs,
+            mm=embedder,
+        )
+    cpu_threads = _checked_thread_policy(cpu_threads, runner, dtype, stages)
+    kv_events_config = config.kv_events_config
+    assert kv_events_config is None or isinstance(kv_events_config, KVEventsConfig)  # EngineArgs parsed it
+    parts = EngineParts(
+        config=config,
+        device=device,
+        dtype=dtype,
+        loaded=loaded,
+        tokenizer=tokenizer,
+        # the model creator's sampling defaults (generation_config.json), as vLLM's --generation-config
+        default_sampling_params=sampling_defaults(loaded.source or config.model, config.generation_config),
+        block_tensors=block_tensors,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        scheduler=scheduler,
+        runner=runner,
+        tiers=kv_connector.manager,
+        lora_manager=lora_manager,
+        cpu_threads=cpu_threads,
+        mm_processor=mm_processor,
+        encoder_cache=encoder_cache,
+        kv_event_publisher=create_publisher(kv_events_config),
+        input_processor=InputProcessor(config, tokenizer, model_config, max_model_len, mm_processor),
+    )
+    logger.info("engine ready in %s", stages.summary())
+    return parts
+
+
+def _cpu_thread_policy(config: EngineArgs, device: torch.device, stages: Stages) -> AdaptiveCpuThreads | None:
+    """Compile the CPU kernels, then open the adaptive thread policy's first window (None on CUDA,
+    when fixed, or without /proc/stat to measure the neighbours by)."""
+    if device.type != "cpu":
+        return None
+    adaptive = config.cpu_thread_policy == "adaptive"
+    with stages.stage("CPU kernels", KERNELS_BUILD):  # announced: the first start on a machine compiles
+        prepare_cpu_kernels(row_split_too=adaptive)
+    if not adaptive:
+        return None
+    threads = AdaptiveCpuThreads()
+    return threads if threads.available else None
+
+
+def _checked_thread_policy(
+    threads: AdaptiveCpuThreads | None, runner: ModelRunner, dtype: torch.dtype, stages: Stages
+) -> AdaptiveCpuThreads | None:
+    """The adaptive policy only where outputs do not depend on the thread count."""
+    if threads is None:
+        return None
+    check = "checking that outputs do not depend on the thread count (once per machine and model)"
+    with stages.stage("thread check", check):
+        agree = thread_counts_agree(runner.model, threads.configured)
+    if not agree:
+        logger.warning(
+            "this CPU's %s kernels give other bits on other thread counts: the thread count stays "
+            "fixed (cpu_thread_policy='adaptive' would make outputs depend on the neighbours' load)",
+            str(dtype).removeprefix("torch."),
+        )
+        return None
+    threads.watch_layers(runner.decoder_layers())  # a long step beside a neighbour times its layers on two counts
+    return threads
+
+
+def _num_blocks(config: EngineArgs, device: torch.device, loaded: LoadedModel, block_tensors: BlockTensors) -> int:
+    if config.gpu_memory_utilization is not None and device.type != "cuda":
+        logger.info("gpu_memory_utilization=%s changes nothing on the CPU", config.gpu_memory_utilization)
+    if config.num_blocks is not None:
+        return config.num_blocks
+    bs = config.block_size
+    if device.type == "cuda" and config.gpu_memory_utilization is not None:
+        budget = cuda_kv_budget(
+            loaded.model, config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs, bs
+        )
+    else:
+        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+    num_blocks = block_tensors.num_blocks_for(budget)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {bs} tokens")
+    return num_blocks
+
+
+def _max_model_len(config: EngineArgs, max_position_embeddings: int, num_blocks: int) -> int:
+    bs = config.block_size
+    capacity = num_blocks * bs
+    if config.max_model_len is None:
+        return min(max_position_embeddings, capacity)
+    if config.max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} does not fit in the KV budget "
+            f"of {num_blocks} blocks x {bs} = {capacity} tokens; raise "
+            "kv_cache_memory_bytes / num_blocks or lower max_model_len"
+        )
+    return config.max_model_len
+
+
+def _default_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()  # a random seed, as vLLM's seed=None
+    else:
+        generator.manual_seed(seed % 2**64)
+    return generator
+
+
+def _separate_tokenizer(path: str, model_vocab: int) -> Tokenizer:
+    from ..model.loader import load_tokenizer
+
+    tok = load_tokenizer(path)
+    if tok.vocab_size > model_vocab:
+        raise ValueError(
+            f"tokenizer {path!r} has {tok.vocab_size} tokens; the model's vocabulary has {model_vocab}: "
+            "its ids would index past the embedding table"
+        )
+    return tok

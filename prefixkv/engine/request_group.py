@@ -1,0 +1,134 @@
+"""A user request as the engine keeps it: n sequences sampled from one admitted prompt."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..constraints.grammar import GrammarEngine
+from ..constraints.token_constraints import RequestConstraints
+from ..lora.request import LoRARequest
+from ..model.tokenizer import Tokenizer
+from ..outputs import Logprob, RequestMetrics, RequestOutput
+from ..request import Request
+from .input_processor import EngineRequest
+from .output_processor import OutputState
+
+
+@dataclass
+class RequestGroup:
+    """n sequences sampled from one prompt (they share its cached blocks)."""
+
+    request_id: str  # the client's id (unique among live groups)
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    states: list[OutputState]
+    arrival_time: float
+    # [None, entry for prompt token 1, ...] while prompt logprobs are wanted (filled by child 0)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None
+    hidden_states: list[torch.Tensor] | None = None  # prompt hidden states as they arrive, when asked
+
+    def output(self) -> RequestOutput:
+        """What the client sees of the group now (cumulative text and tokens)."""
+        first = self.children[0]
+        finished = self.error is not None or all(c.is_finished for c in self.children)
+        first_token = min((c.first_token_time for c in self.children if c.first_token_time), default=None)
+        metrics = RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first_token,
+            last_token_time=time.time(),
+            finished_time=max((c.finished_time or 0.0) for c in self.children) if finished else None,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion(c) for s, c in zip(self.states, self.children)],
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=metrics,
+            prompt_logprobs=self.prompt_logprobs,
+            error=self.error,
+            hidden_states=torch.cat(self.hidden_states) if finished and self.hidden_states else None,
+        )
+
+
+def arrival_of(arrival_time: float | None) -> float:
+    """The request's arrival time: as given, or now."""
+    if arrival_time is None:
+        return time.time()
+    if isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time):
+        return float(arrival_time)
+    raise ValueError(f"arrival_time must be a finite number, got {arrival_time!r}")
+
+
+def make_group(
+    req: EngineRequest,
+    lora: LoRARequest | None,
+    lora_id: int,
+    request_id: str,
+    arrival: float,
+    seq_ids: Iterator[int],
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    grammar_engine: GrammarEngine | None,
+    reads_stage_outputs: bool,
+) -> RequestGroup:
+    """The group's n sequences: each with its seeded generator and its own walk of the grammar.
+    `lora`, `lora_id`: the request's adapter, resolved, and its engine id (0: the base model).
+    `grammar_engine`: needed when the request has a grammar. `reads_stage_outputs`: cache hits
+    give their hidden states back (the stage-output cache is on), so prompt logprobs and hidden
+    states need not skip the prefix cache."""
+    params, ids = req.params, list(req.prompt_token_ids)
+    children, states = [], []
+    constraints = RequestConstraints.build(params, tokenizer, vocab_size)
+    for i in range(params.n):
+        # seed + i wraps modulo 2**64 (what torch takes): any valid seed works for any n
+        gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else None
+        child = Request(
+            f"seq-{next(seq_ids)}",
+            ids,
+            sampling_params=params,
+            lora_request=lora,
+            cache_salt=req.cache_salt,
+            prompt=req.prompt,
+            arrival_time=arrival,
+            generator=gen,
+            priority=req.priority,
+            mm_items=req.mm_items,
+        )
+        child.lora_id = lora_id
+        if req.grammar is not None:  # each sequence walks its own grammar
+            assert grammar_engine is not None
+            grammar = grammar_engine.matcher(req.grammar)
+            child.constraints = (
+                constraints.shares_with(grammar)
+                if constraints is not None
+                else RequestConstraints(vocab_size, grammar=grammar)
+            )
+        else:
+            child.constraints = constraints
+        children.append(child)
+        states.append(OutputState(i, params, tokenizer))
+    group = RequestGroup(request_id, req.prompt, ids, children, states, arrival)
+    hidden_from = req.hidden_states_from
+    # the last position is always computed; others may be cache hits
+    reads_prompt = params.prompt_logprobs is not None or (hidden_from is not None and hidden_from < len(ids) - 1)
+    if params.prompt_logprobs is not None:
+        group.prompt_logprobs = [None]
+    if hidden_from is not None:
+        group.hidden_states = []
+        children[0].prompt_hidden_upto = hidden_from
+    if reads_prompt:
+        if reads_stage_outputs:
+            children[0].reads_stage_outputs = True
+        else:
+            children[0].skip_prefix_cache_read = True
+    return group

@@ -1,0 +1,175 @@
+"""The live request groups: their sequences' outputs turned into the client's, and their failures.
+
+The engine registers each admitted group here; each step's sampled tokens come back through
+`process_outputs`, which detokenizes, applies stop conditions and finishes stopped sequences in the
+scheduler. A failure (a request's own, a failed forward pass, a request that can never fit) ends
+the groups it touches with `RequestOutput.error` rather than raising.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from ..model.tokenizer import Tokenizer
+from ..outputs import RequestOutput
+from ..request import Request, RequestStatus
+from .model_runner_output import ModelRunnerOutput
+from .output_processor import logprob_entry, status_for
+from .request_group import RequestGroup
+from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
+
+logger = logging.getLogger("prefixkv")
+
+
+class RequestGroups:
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, eos_ids: set[int], max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.groups: dict[str, RequestGroup] = {}  # by the client's request id
+        self.child_of: dict[str, tuple[RequestGroup, int]] = {}  # engine-private sequence id -> (group, index)
+        self.num_generation_tokens = 0
+        self.num_requests_errored = 0
+        self._ids = itertools.count()  # ids for requests that bring none
+
+    def new_request_id(self, request_id: str | None) -> str:
+        """The client's id, checked to be free, or a fresh one."""
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.groups:  # a client may have taken it
+                request_id = str(next(self._ids))
+        elif not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        elif request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return request_id
+
+    def add(self, group: RequestGroup) -> None:
+        """Register a group and queue its sequences; cannot fail."""
+        self.groups[group.request_id] = group
+        for i, child in enumerate(group.children):
+            self.child_of[child.request_id] = (group, i)
+            self.scheduler.add_request(child)
+
+    def end(self, group: RequestGroup, status: RequestStatus) -> None:
+        """Finish every unfinished sequence of a group with `status` and forget the group."""
+        for child, state in zip(group.children, group.states):
+            if not child.is_finished:
+                state.abort()
+                self.scheduler.finish_request(child, status)
+        self.forget(group)
+
+    def forget(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for child in group.children:
+            self.child_of.pop(child.request_id, None)
+
+    def process_outputs(
+        self, runner_output: ModelRunnerOutput, sampled: list[Request], failed: list[Request]
+    ) -> list[RequestOutput]:
+        """The output processor's half of the step: prompt logprobs, detokenized text, stop
+        conditions (a stopped sequence is finished in the scheduler), failed groups."""
+        for req_id, scored in runner_output.prompt_logprobs.items():
+            group = self.child_of[req_id][0]
+            entries = group.prompt_logprobs
+            if entries is None:  # only groups that asked are scored
+                continue
+            prompt = group.prompt_token_ids
+            for pos, p_lp, p_rank, p_top in zip(
+                itertools.count(scored.first), scored.logprobs, scored.ranks, scored.top
+            ):
+                entries.append(logprob_entry(self.tokenizer, prompt[pos], p_lp, p_rank, p_top))
+        for req_id, (_, rows) in runner_output.hidden_states.items():
+            hidden = self.child_of[req_id][0].hidden_states
+            if hidden is not None:
+                hidden.append(rows)
+        touched: dict[str, RequestGroup] = {}
+        now = time.time()
+        lps, tops, ranks = runner_output.logprobs, runner_output.top_logprobs, runner_output.ranks
+        for row, req in enumerate(sampled):
+            self.num_generation_tokens += 1
+            group, idx = self.child_of[req.request_id]
+            touched[group.request_id] = group
+            token = runner_output.sampled_token_ids[row]
+            lp: float | None = None
+            top: list[tuple[int, float]] | None = None
+            rank: int | None = None
+            if lps is not None and tops is not None and ranks is not None and req.sampling_params.logprobs is not None:
+                lp, top, rank = lps[row], tops[row], ranks[row]
+            try:
+                done = group.states[idx].update(req, token, self.eos_ids, self.max_model_len, lp, top, rank)
+            except Exception as e:  # noqa: BLE001 (e.g. detokenizing: this request fails alone)
+                req.error = f"processing the output failed: {type(e).__name__}: {e}"
+                failed.append(req)
+                continue
+            if done:
+                req.finished_time = now
+                self.scheduler.finish_request(req, status_for(group.states[idx].finish_reason or "stop"))
+        for req in failed:
+            entry = self.child_of.get(req.request_id)
+            if entry is not None:
+                self.fail(entry[0], req.error or "the request failed")
+                touched[entry[0].request_id] = entry[0]
+        outputs = []
+        for group in touched.values():
+            out = group.output()
+            outputs.append(out)
+            if out.finished:
+                self.forget(group)
+        return outputs
+
+    def fail(self, group: RequestGroup, message: str) -> None:
+        if group.error is None:
+            group.error = message
+            self.num_requests_errored += 1
+            logger.warning("request %s failed: %s", group.request_id, message)
+        for child, state in zip(group.children, group.states):
+            if child.request_id in self.scheduler.requests:
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
+            if child.status is RequestStatus.FINISHED_ERROR or state.finish_reason is None:
+                state.abort()
+
+    def fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The forward pass failed: the batch's new blocks were entered in the cache table but
+        hold no valid KV. Fail the batch's requests and forget every cached identity so no later
+        request hits them; if other requests hold blocks the table cannot be reset under them,
+        so they fail too. The engine keeps serving."""
+        logger.exception("the model failed in a step of %d requests", len(scheduler_output.scheduled))
+        message = f"the model failed: {type(exc).__name__}: {exc}"
+        groups = self.groups_of([sr.req_id for sr in scheduler_output.scheduled])
+        for group in groups:
+            self.fail(group, message)
+        if not self.scheduler.reset_prefix_cache():
+            others = self.groups_of([r.request_id for r in self.scheduler.running])
+            for group in others:
+                self.fail(group, message)
+            groups += others
+            self.scheduler.reset_prefix_cache()
+        outputs = [g.output() for g in groups]
+        for group in groups:
+            self.forget(group)
+        return outputs
+
+    def fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing could be scheduled although requests wait (a request that can never fit):
+        fail the head of the queue rather than spin."""
+        head = self.scheduler.waiting[0]
+        group = self.child_of[head.request_id][0]
+        self.fail(group, "the request cannot be scheduled: it does not fit in the KV cache")
+        out = group.output()
+        self.forget(group)
+        return [out]
+
+    def groups_of(self, req_ids: list[str]) -> list[RequestGroup]:
+        seen: dict[str, RequestGroup] = {}
+        for rid in req_ids:
+            entry = self.child_of.get(rid)
+            if entry is not None:
+                seen.setdefault(entry[0].request_id, entry[0])
+        return list(seen.values())
+
+    # -- KV events -----------------------------------------------------------------------------
