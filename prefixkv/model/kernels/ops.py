@@ -32,100 +32,89 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from .build import ARCH_ENV, arch, arch_runs_here, build, compiler, flags_for
+from .reference import (
+    reference_add_rms_norm,
+    reference_decode_attention_lse,
+    reference_prefill_attention,
+    reference_rotary,
+    reference_silu_and_mul,
+)
+
 logger = logging.getLogger(__name__)
 
+
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
-SOURCES = [
-    Path(__file__).with_name("csrc") / name
-    for name in (
-        "decode_attention.cpp",
-        "prefill_attention.cpp",
-        "add_rms_norm.cpp",
-        "silu_and_mul.cpp",
-        "rotary.cpp",
-        "small_linear.cpp",
-        "decode_layers.cpp",
-        "write_kv.cpp",
-    )
-]
-# part of the cache key, not compiled alone
-HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h", "kernels.h", "vec16.h")]
-BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-# What the kernels are compiled for: "native" (every instruction this CPU has), or an x86-64 level
-# ("x86-64-v3": AVX2 + FMA, the CPU of most cloud VMs; "x86-64-v4": AVX-512), so that a machine with
-# AVX-512 builds and tests the AVX2 variant too. PREFIXKV_CPU_ARCH picks the one a process loads.
-ARCH_ENV = "PREFIXKV_CPU_ARCH"
-ARCHES = ("native", "x86-64-v3", "x86-64-v4")
-# the CPU flags each x86-64 level needs (a build for a level this CPU lacks would die of SIGILL)
-_ARCH_CPU_FLAGS = {
-    "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe"),
-    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
-}
 
 
-def arch() -> str:
-    """The target this process builds the kernels for ($PREFIXKV_CPU_ARCH, else "native")."""
-    chosen = os.environ.get(ARCH_ENV, "native") or "native"
-    if chosen not in ARCHES:
-        raise ValueError(f"{ARCH_ENV}={chosen!r}: expected one of {', '.join(ARCHES)}")
-    return chosen
-
-
-def arch_runs_here(target: str) -> bool:
-    """Whether this CPU executes code built for `target` (native always does)."""
-    if target == "native":
-        return True
-    have = set(cpu_flags().split())
-    return all(flag in have for flag in _ARCH_CPU_FLAGS[target])
-
-
-def flags_for(target: str) -> list[str]:
-    """The compiler flags of a build for `target` (see ARCHES)."""
-    return [*BASE_FLAGS, f"-march={target}"]
-
-
-FLAGS = flags_for("native")
 HEAD_DIMS = (32, 64, 128)
+
+
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
+
+
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
+
 _enabled = os.environ.get(ENV_SWITCH, "1") != "0"
+
+
 _lock = threading.Lock()
+
+
 _loaded = False
+
+
 _function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
 _norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
 _prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
 # what bfloat16 prefill attention multiplies on: 1 the tile unit (AMX), 2 vector dot products
 # (AVX512-BF16), 0 float32 vectors (bf16_prefill_attention_unit)
 _prefill_unit = 0
+
+
 _silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
 _rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
 _small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
 _small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
+
+
 _decode_layers_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
 _write_kv_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
 _library_name: str | None = None
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     """Which native kernels run for one dtype, as timed against the PyTorch path on this machine
-    (model/kernel_choice.py). `prefill_max_tokens`: the longest prompt or chunk (new tokens) the
+    (kernels/choice.py). `prefill_max_tokens`: the longest prompt or chunk (new tokens) the
     native prefill attention takes (0: none; None: no limit but the dtype's default);
     `small_linear_max_rows`: the most rows the small-batch linear takes (and so the one-call decode
     step's batch; None: SMALL_LINEAR_MAX_ROWS)."""
@@ -185,76 +174,11 @@ def enabled() -> bool:
     return _enabled
 
 
-def cache_dir() -> Path:
-    if os.environ.get("PREFIXKV_CACHE_DIR"):
-        return Path(os.environ["PREFIXKV_CACHE_DIR"]) / "kernels"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "prefixkv" / "kernels"
-
-
-def _cpuinfo_line(prefix: str) -> str:
-    """The first line of /proc/cpuinfo starting with `prefix` (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(prefix):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo (empty where there is none)."""
-    return _cpuinfo_line("flags")
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (empty where there is none)."""
-    return _cpuinfo_line("model name").partition(":")[2].strip()
-
-
-def _build(
-    compiler: str,
-    sources: list[Path] = SOURCES,
-    headers: list[Path] = HEADERS,
-    flags: list[str] = FLAGS,
-    link: tuple[str, ...] = (),
-    name: str = "prefixkv-cpu",
-) -> Path:
-    """Compile `sources` into the cache folder once per machine (see the module's docstring) and
-    return the library's path; `link` comes after the sources (libraries to link against)."""
-    source = b"\0".join(path.read_bytes() for path in sources + headers)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        b"\0".join(
-            x.encode() if isinstance(x, str) else x
-            for x in (source, " ".join([*flags, *link]), version, torch.__version__, cpu_flags())
-        )
-    ).hexdigest()[:16]
-    folder = cache_dir()
-    target = folder / f"{name}-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    logger.info("building native CPU kernels %s (once per machine, ~10-60 s) ...", target.name)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 # Each entry point's arguments, as its C declaration spells them (int64_t sizes, float scales, the
 # dtype as a code first, the thread count last).
 _I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
 _SIGNATURES: dict[str, list[Any]] = {
     # (dtype, D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, threads)
     "prefixkv_decode_attention": [_I, _I64, *[_P] * 7, *[_I64] * 4, _F, _I],
@@ -277,14 +201,6 @@ _SIGNATURES: dict[str, list[Any]] = {
 }
 
 
-def compiler() -> str:
-    """The C++ compiler the kernels are built with ($CXX, else c++ or g++); RuntimeError if none."""
-    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if found is None:
-        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) found")
-    return found
-
-
 def _load() -> ctypes.CDLL:
     if not sys.platform.startswith("linux"):
         raise RuntimeError("only built on Linux")
@@ -294,7 +210,7 @@ def _load() -> ctypes.CDLL:
     if not arch_runs_here(target):
         raise RuntimeError(f"{ARCH_ENV}={target}: this CPU lacks its instructions")
     global _library_name
-    path = _build(compiler(), flags=flags_for(target))
+    path = build(compiler(), flags=flags_for(target))
     lib = ctypes.CDLL(str(path))
     _library_name = path.name
     for name, argtypes in _SIGNATURES.items():
@@ -369,6 +285,8 @@ def prefill_max_new_tokens(dtype: torch.dtype) -> int:
 
 
 NO_LIMIT = 1 << 62
+
+
 # bfloat16 prompts up to this many new tokens go to the native prefill kernel, longer ones to
 # PyTorch's flash kernel (whose products also use the CPU's bfloat16 units), unless a measured
 # choice says otherwise (`bench/prefill_attention.py`, one layer of the default model: on the tile
@@ -470,30 +388,6 @@ def _run(
     return out if rc == 0 else None
 
 
-def reference_decode_attention(
-    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """The PyTorch formulation of `decode_attention` (gather, then SDPA): the kernel's oracle."""
-    return reference_decode_attention_lse(q, k_flat, v_flat, slots, lens, scale)[0]
-
-
-def reference_decode_attention_lse(
-    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference_decode_attention` and the log-sum-exp [B, Hq] of each row's scaled scores."""
-    B, Hq, D = q.shape
-    L, Hkv = slots.shape[1], k_flat.shape[1]
-    mask = torch.arange(L)[None, :] < lens[:, None]
-    kc = k_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2).float()
-    vc = v_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2).float()
-    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
-    scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.softmax(scores, dim=-1), vc)
-    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
-
-
 def bf16_prefill_attention_unit() -> str:
     """What bfloat16 prefill attention multiplies on here: "amx" (the tile unit), "dot" (the vector
     bfloat16 dot-product instruction, AVX512-BF16), or "vectors" (float32 multiply-adds)."""
@@ -577,35 +471,6 @@ def _run_prefill(
     return bool(rc == 0)
 
 
-def reference_prefill_attention(
-    q: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
-    seqs: torch.Tensor,
-    slots: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor | None = None,
-) -> None:
-    """The PyTorch formulation of `prefill_attention` (gather, masked softmax in float32): its oracle."""
-    Hq, D = q.shape[1], q.shape[2]
-    Hkv = k_flat.shape[1]
-    for row0, n, kv, offset in seqs.tolist():
-        idx = slots[offset : offset + kv]
-        kc = k_flat.index_select(0, idx).float().transpose(0, 1)  # [Hkv, kv, D]
-        vc = v_flat.index_select(0, idx).float().transpose(0, 1)
-        qs = q[row0 : row0 + n].float().view(n, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(Hkv, -1, D)
-        scores = torch.matmul(qs, kc.transpose(1, 2)) * scale  # [Hkv, n * G, kv]
-        qpos = (torch.arange(n) + kv - n).repeat_interleave(Hq // Hkv)
-        scores = scores.masked_fill(torch.arange(kv)[None, :] > qpos[:, None], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [Hkv, n * G, D]
-        out[row0 : row0 + n] = o.view(Hkv, n, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(n, Hq, D).to(out.dtype)
-        if lse is not None:
-            lse[row0 : row0 + n] = (
-                torch.logsumexp(scores, dim=-1).view(Hkv, n, Hq // Hkv).permute(1, 0, 2).reshape(n, Hq)
-            )
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for the fused gate/up projection's output [..., 2 * I] (gate first), as
     `F.silu(g) * u` computes it; None where the kernel does not apply."""
@@ -627,12 +492,6 @@ def _run_silu(fn: ctypes._CFuncPtr, code: int, gate_up: torch.Tensor) -> torch.T
     rows = gate_up.numel() // (2 * inner)
     rc = fn(code, gate_up.data_ptr(), out.data_ptr(), rows, inner, torch.get_num_threads())
     return out if rc == 0 else None
-
-
-def reference_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The PyTorch formulation of `silu_and_mul`: its oracle."""
-    g, u = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(g) * u
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -673,21 +532,6 @@ def _run_rotary(
     T, H, D = x.shape
     rc = fn(code, x.data_ptr(), x.stride(0), T, H, D, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
     return bool(rc == 0)
-
-
-def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The PyTorch formulation of `rotary_`, out of place into a new contiguous tensor (what
-    layers.RotaryEmbedding.apply runs where the kernel does not).
-
-    transformers' x * cos + rotate_half(x) * sin, bit for bit: with the sine's sign folded into the
-    table, rotate_half becomes a swap of the halves, and x2 * (-s) = -(x2 * s) and a + (-b) = a - b
-    are exact in IEEE arithmetic. Four operations over whole rows, where the half-by-half form
-    takes seven."""
-    half = x.shape[-1] // 2
-    cos, sin = cos.reshape(x.shape[0], 1, -1), sin.reshape(x.shape[0], 1, -1)
-    out = x * cos
-    out += torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
-    return out
 
 
 def write_kv(
@@ -737,6 +581,8 @@ def write_kv(
 
 
 SMALL_LINEAR_BLOCK = 16  # output columns per block of the packed weight (kBlock in the source)
+
+
 SMALL_LINEAR_MAX_ROWS = 16  # rows past which oneDNN's kernels are faster (bench/small_linear.py)
 
 
@@ -959,16 +805,6 @@ def _run_norm(
         torch.get_num_threads(),
     )
     return out if rc == 0 else None
-
-
-def reference_add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The PyTorch formulation of `add_rms_norm` (out of place): (h + delta, its norm)."""
-    if delta is not None:
-        h = h + delta
-    normed = torch.nn.functional.rms_norm(h.float(), (h.shape[-1],), None, eps).to(h.dtype)
-    return h, weight * normed
 
 
 def _self_check(
