@@ -18,10 +18,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-
 _CSRC = Path(__file__).parent.parent / "csrc"
-
-
 SOURCES = [
     _CSRC / name
     for name in (
@@ -35,24 +32,14 @@ SOURCES = [
         "write_kv.cpp",
     )
 ]
-
-
 # part of the cache key, not compiled alone
 HEADERS = [_CSRC / name for name in ("bf16.h", "exp.h", "kernels.h", "vec16.h")]
-
-
 BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-
-
 # What the kernels are compiled for: "native" (every instruction this CPU has), or an x86-64 level
 # ("x86-64-v3": AVX2 + FMA, the CPU of most cloud VMs; "x86-64-v4": AVX-512), so that a machine with
 # AVX-512 builds and tests the AVX2 variant too. PREFIXKV_CPU_ARCH picks the one a process loads.
 ARCH_ENV = "PREFIXKV_CPU_ARCH"
-
-
 ARCHES = ("native", "x86-64-v3", "x86-64-v4")
-
-
 # the CPU flags each x86-64 level needs (a build for a level this CPU lacks would die of SIGILL)
 _ARCH_CPU_FLAGS = {
     "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe"),

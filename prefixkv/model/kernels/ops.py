@@ -53,61 +53,25 @@ from .reference import (
 )
 
 logger = logging.getLogger(__name__)
-
-
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
-
-
 HEAD_DIMS = (32, 64, 128)
-
-
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
-
-
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
 _enabled = os.environ.get(ENV_SWITCH, "1") != "0"
-
-
 _lock = threading.Lock()
-
-
 _loaded = False
-
-
 _function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-
-
 _norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-
-
 _prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-
-
 # what bfloat16 prefill attention multiplies on: 1 the tile unit (AMX), 2 vector dot products
 # (AVX512-BF16), 0 float32 vectors (bf16_prefill_attention_unit)
 _prefill_unit = 0
-
-
 _silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-
-
 _rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-
-
 _small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-
-
 _small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
-
-
 _decode_layers_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-
-
 _write_kv_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-
-
 _library_name: str | None = None
 
 
@@ -177,8 +141,6 @@ def enabled() -> bool:
 # Each entry point's arguments, as its C declaration spells them (int64_t sizes, float scales, the
 # dtype as a code first, the thread count last).
 _I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
 _SIGNATURES: dict[str, list[Any]] = {
     # (dtype, D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, threads)
     "prefixkv_decode_attention": [_I, _I64, *[_P] * 7, *[_I64] * 4, _F, _I],
@@ -285,8 +247,6 @@ def prefill_max_new_tokens(dtype: torch.dtype) -> int:
 
 
 NO_LIMIT = 1 << 62
-
-
 # bfloat16 prompts up to this many new tokens go to the native prefill kernel, longer ones to
 # PyTorch's flash kernel (whose products also use the CPU's bfloat16 units), unless a measured
 # choice says otherwise (`bench/prefill_attention.py`, one layer of the default model: on the tile
@@ -581,8 +541,6 @@ def write_kv(
 
 
 SMALL_LINEAR_BLOCK = 16  # output columns per block of the packed weight (kBlock in the source)
-
-
 SMALL_LINEAR_MAX_ROWS = 16  # rows past which oneDNN's kernels are faster (bench/small_linear.py)
 
 
