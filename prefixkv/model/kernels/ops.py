@@ -32,18 +32,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .build import ARCH_ENV, arch, arch_runs_here, build, compiler, flags_for
+from .library import CpuKernels, load
 from .reference import (
     reference_add_rms_norm,
     reference_decode_attention_lse,
@@ -60,19 +59,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _enabled = os.environ.get(ENV_SWITCH, "1") != "0"
 _lock = threading.Lock()
 _loaded = False
-_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-# what bfloat16 prefill attention multiplies on: 1 the tile unit (AMX), 2 vector dot products
-# (AVX512-BF16), 0 float32 vectors (bf16_prefill_attention_unit)
-_prefill_unit = 0
-_silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
-_decode_layers_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_write_kv_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_library_name: str | None = None
+_kernels: CpuKernels | None = None  # set once, by the first _kernels_or_none()
+_library_name: str | None = None  # named even where the kernels failed their check
 
 
 @dataclass(frozen=True)
@@ -118,7 +106,7 @@ def _chosen(name: str, dtype: torch.dtype) -> bool:
 def library_name() -> str | None:
     """The file name of the loaded kernel library (its key names source, flags, compiler, torch and
     CPU), or None where no kernels are loaded."""
-    _function_or_none()
+    _kernels_or_none()
     return _library_name
 
 
@@ -138,59 +126,14 @@ def enabled() -> bool:
     return _enabled
 
 
-# Each entry point's arguments, as its C declaration spells them (int64_t sizes, float scales, the
-# dtype as a code first, the thread count last).
-_I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_SIGNATURES: dict[str, list[Any]] = {
-    # (dtype, D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, threads)
-    "prefixkv_decode_attention": [_I, _I64, *[_P] * 7, *[_I64] * 4, _F, _I],
-    # (dtype, D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, threads)
-    "prefixkv_prefill_attention": [_I, _I64, _P, _I64, *[_P] * 6, *[_I64] * 3, _F, _I],
-    "prefixkv_prefill_attention_unit": [],
-    # (dtype, gu, out, rows, I, threads)
-    "prefixkv_silu_and_mul": [_I, _P, _P, _I64, _I64, _I],
-    # (dtype, x, row_stride, T, H, D, cos, sin, threads)
-    "prefixkv_rotary": [_I, _P, *[_I64] * 4, _P, _P, _I],
-    # (dtype, h, delta, weight, out, rows, dim, eps, threads)
-    "prefixkv_add_rms_norm": [_I, *[_P] * 4, _I64, _I64, _F, _I],
-    "prefixkv_small_linear_available": [],
-    # (dtype, x, x_row_stride, packed weight, bias, y, M, K, N, threads)
-    "prefixkv_small_linear": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
-    # (dtype, dims, weights, caches, h, x, cos, sin, slot_mapping, slots, lens, eps, scale, threads)
-    "prefixkv_decode_layers": [_I, *[_P] * 10, _F, _F, _I],
-    # (element size, k, k_row_stride, v, v_row_stride, slots, T, row, k_cache, v_cache, num_slots, threads)
-    "prefixkv_write_kv": [_I64, _P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I64, _I],
-}
-
-
-def _load() -> ctypes.CDLL:
-    if not sys.platform.startswith("linux"):
-        raise RuntimeError("only built on Linux")
-    if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
-        raise RuntimeError("this torch has no OpenMP runtime to share")
-    target = arch()
-    if not arch_runs_here(target):
-        raise RuntimeError(f"{ARCH_ENV}={target}: this CPU lacks its instructions")
-    global _library_name
-    path = build(compiler(), flags=flags_for(target))
-    lib = ctypes.CDLL(str(path))
-    _library_name = path.name
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int  # 0, or non-zero for what the kernel does not take
-        fn.argtypes = argtypes
-    return lib
-
-
-def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _loaded, _function, _norm_function, _prefill_function, _prefill_unit, _silu_function, _rotary_function
-    global _small_linear_function, _small_linear_dtypes, _decode_layers_function, _write_kv_function
+def _kernels_or_none() -> CpuKernels | None:
+    global _loaded, _kernels, _library_name
     if _loaded:
-        return _function
+        return _kernels
     with _lock:
         if not _loaded:
             try:
-                lib = _load()
+                lib, _library_name = load()
                 if _self_check(
                     lib.prefixkv_decode_attention,
                     lib.prefixkv_add_rms_norm,
@@ -198,34 +141,40 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                     lib.prefixkv_silu_and_mul,
                     lib.prefixkv_rotary,
                 ):
-                    _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
-                    _prefill_function = lib.prefixkv_prefill_attention
-                    _prefill_unit = int(lib.prefixkv_prefill_attention_unit())
-                    _silu_function = lib.prefixkv_silu_and_mul
-                    _rotary_function = lib.prefixkv_rotary
-                    _write_kv_function = lib.prefixkv_write_kv
+                    kernels = CpuKernels(
+                        decode_attention=lib.prefixkv_decode_attention,
+                        add_rms_norm=lib.prefixkv_add_rms_norm,
+                        prefill_attention=lib.prefixkv_prefill_attention,
+                        prefill_unit=int(lib.prefixkv_prefill_attention_unit()),
+                        silu_and_mul=lib.prefixkv_silu_and_mul,
+                        rotary=lib.prefixkv_rotary,
+                        write_kv=lib.prefixkv_write_kv,
+                    )
                     built = lib.prefixkv_small_linear_available()
                     dtypes = [dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if built & bit]
                     agree = [dt for dt in dtypes if _small_linear_agrees(lib.prefixkv_small_linear, dt)]
                     if agree == dtypes:  # possibly none: then small_linear_available() is False throughout
-                        _small_linear_function = lib.prefixkv_small_linear
-                        _small_linear_dtypes = frozenset(agree)
-                        # built of the checked kernels' own pieces (csrc/kernels.h)
-                        _decode_layers_function = lib.prefixkv_decode_layers
+                        kernels = dataclasses.replace(
+                            kernels,
+                            small_linear=lib.prefixkv_small_linear,
+                            small_linear_dtypes=frozenset(agree),
+                            decode_layers=lib.prefixkv_decode_layers,
+                        )
                     else:
                         logger.warning("the small-batch linear kernel disagreed with F.linear; not used")
+                    _kernels = kernels
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 logger.info("CPU kernels not used (%s); the PyTorch path runs", e)
             _loaded = True
-    return _function
+    return _kernels
 
 
 def available() -> bool:
     """Whether the native kernels are built, checked and switched on here (builds them on the first
     call); which of them run for a dtype is `choice`'s to say."""
-    return _enabled and _function_or_none() is not None
+    return _enabled and _kernels_or_none() is not None
 
 
 def decode_attention_available(dtype: torch.dtype) -> bool:
@@ -307,8 +256,8 @@ def decode_attention(
         or not _chosen("decode_attention", q.dtype)
     ):
         return None
-    fn = _function_or_none()
-    return None if fn is None else _run(fn, code, q, k_flat, v_flat, slots, lens, scale, lse)
+    kernels = _kernels_or_none()
+    return None if kernels is None else _run(kernels.decode_attention, code, q, k_flat, v_flat, slots, lens, scale, lse)
 
 
 def _run(
@@ -351,9 +300,8 @@ def _run(
 def bf16_prefill_attention_unit() -> str:
     """What bfloat16 prefill attention multiplies on here: "amx" (the tile unit), "dot" (the vector
     bfloat16 dot-product instruction, AVX512-BF16), or "vectors" (float32 multiply-adds)."""
-    if not _enabled or _function_or_none() is None:
-        return "vectors"
-    return {1: "amx", 2: "dot"}.get(_prefill_unit, "vectors")
+    kernels = _kernels_or_none() if _enabled else None
+    return "vectors" if kernels is None else {1: "amx", 2: "dot"}.get(kernels.prefill_unit, "vectors")
 
 
 def prefill_attention(
@@ -394,9 +342,10 @@ def prefill_attention(
         or (lse is not None and (lse.dtype != torch.float32 or lse.shape != (T, Hq) or not lse.is_contiguous()))
     ):
         return False
-    if _function_or_none() is None or _prefill_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return False
-    return _run_prefill(_prefill_function, code, q, k_flat, v_flat, seqs, slots, scale, out, lse)
+    return _run_prefill(kernels.prefill_attention, code, q, k_flat, v_flat, seqs, slots, scale, out, lse)
 
 
 def _run_prefill(
@@ -441,9 +390,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     if not _chosen("silu_and_mul", gate_up.dtype):
         return None
-    if _function_or_none() is None or _silu_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return None
-    return _run_silu(_silu_function, code, gate_up)
+    return _run_silu(kernels.silu_and_mul, code, gate_up)
 
 
 def _run_silu(fn: ctypes._CFuncPtr, code: int, gate_up: torch.Tensor) -> torch.Tensor | None:  # type: ignore[name-defined]
@@ -477,9 +427,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         or not (cos.is_contiguous() and sin.is_contiguous())
     ):
         return False
-    if _function_or_none() is None or _rotary_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return False
-    return _run_rotary(_rotary_function, code, x, cos, sin)
+    return _run_rotary(kernels.rotary, code, x, cos, sin)
 
 
 def _run_rotary(
@@ -521,9 +472,10 @@ def write_kv(
         or not _chosen("write_kv", k.dtype)
     ):
         return False
-    if _function_or_none() is None or _write_kv_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return False
-    rc = _write_kv_function(
+    rc = kernels.write_kv(
         k.element_size(),
         k.data_ptr(),
         k.stride(0),
@@ -560,12 +512,8 @@ SMALL_LINEAR_PAIR = 2  # blocks side by side in each step of the layout (kPair i
 def small_linear_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `small_linear` runs here for `dtype`: the kernels are on, the CPU has AVX-512 or
     AVX2 + FMA (float32) or AVX512-BF16 (bfloat16), and the timing chose it (kernel_choice)."""
-    return (
-        _enabled
-        and _function_or_none() is not None
-        and dtype in _small_linear_dtypes
-        and _chosen("small_linear", dtype)
-    )
+    kernels = _kernels_or_none() if _enabled else None
+    return kernels is not None and dtype in kernels.small_linear_dtypes and _chosen("small_linear", dtype)
 
 
 def small_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -617,7 +565,8 @@ def small_linear(
     """x [M, K] @ W.T (+ bias, float32 [N]) with W laid out by `small_linear_weight` (same dtype as
     x); [M, N] in x's dtype, or None where the kernel does not apply. Meant for the few rows of a
     decode step (weight-streaming bound); oneDNN is faster for many rows."""
-    if not _enabled or _small_linear_function is None or x.dtype not in _small_linear_dtypes:
+    kernels = _kernels  # loaded by small_linear_available, which decides whether weights are laid out
+    if not _enabled or kernels is None or kernels.small_linear is None or x.dtype not in kernels.small_linear_dtypes:
         return None
     if x.dim() != 2 or x.stride(1) != 1 or packed.dtype != x.dtype:
         return None
@@ -627,7 +576,7 @@ def small_linear(
         return None  # not the layout of an [out_features, K] weight
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
         return None
-    return _run_small_linear(_small_linear_function, x, packed, out_features, bias)
+    return _run_small_linear(kernels.small_linear, x, packed, out_features, bias)
 
 
 def _run_small_linear(
@@ -675,7 +624,7 @@ def _small_linear_agrees(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> bool:  # t
 def decode_layers_available(dtype: torch.dtype) -> bool:
     """Whether `decode_layers` runs here for `dtype` (it is built of the small-batch linear, so it
     runs where that does)."""
-    return small_linear_available(dtype) and _decode_layers_function is not None
+    return small_linear_available(dtype) and _kernels is not None and _kernels.decode_layers is not None
 
 
 def decode_layers(
@@ -696,9 +645,10 @@ def decode_layers(
     arguments are described there); h is updated in place and x becomes the final norm's output.
     False where it does not run (then nothing was changed). The caller (LlamaModel) checks shapes,
     layouts and dtypes once per model and per step; this only guards the call."""
-    fn = _decode_layers_function
+    kernels = _kernels
+    fn = None if kernels is None else kernels.decode_layers
     code = _DTYPE_CODES.get(h.dtype)
-    if not _enabled or fn is None or code is None or h.dtype not in _small_linear_dtypes:
+    if not _enabled or kernels is None or fn is None or code is None or h.dtype not in kernels.small_linear_dtypes:
         return False
     rc = fn(
         code,
@@ -736,9 +686,10 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         or not _chosen("add_rms_norm", h.dtype)
     ):
         return None
-    if _function_or_none() is None or _norm_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return None
-    return _run_norm(_norm_function, code, h, delta, weight, eps)
+    return _run_norm(kernels.add_rms_norm, code, h, delta, weight, eps)
 
 
 def _run_norm(

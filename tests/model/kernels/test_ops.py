@@ -116,7 +116,7 @@ def test_a_failing_build_falls_back_with_a_log_line(tmp_path, monkeypatch, caplo
     monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", shutil.which("false") or "false")
     monkeypatch.setattr(ops, "_loaded", False)
-    monkeypatch.setattr(ops, "_function", None)
+    monkeypatch.setattr(ops, "_kernels", None)
     with caplog.at_level(logging.INFO, logger="prefixkv.model.kernels.ops"):
         assert not ops.available()
     assert "PyTorch path runs" in caplog.text
