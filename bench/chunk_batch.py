@@ -20,8 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefixkv.memory.block_tensors import allocate_kv_cache  # noqa: E402
-from prefixkv.model import cpu_kernels, load_model  # noqa: E402
+from prefixkv.model import load_model  # noqa: E402
 from prefixkv.model.attention import _ChunkBatch  # noqa: E402
+from prefixkv.model.kernels import ops  # noqa: E402
 from tests.model.model_helpers import make_step  # noqa: E402
 
 
@@ -53,12 +54,12 @@ def main() -> None:
     def step(batched: bool):
         _ChunkBatch.SMALL_PADDED_WORK, _ChunkBatch.MAX_PADDED_WORK = (small, most) if batched else (0, 0.0)
         ids, pos, meta = make_step(seqs, bs)
-        with cpu_kernels.disabled(), torch.inference_mode():
+        with ops.disabled(), torch.inference_mode():
             out = model(ids, pos, caches, meta)
         _ChunkBatch.SMALL_PADDED_WORK, _ChunkBatch.MAX_PADDED_WORK = small, most
         return out
 
-    with cpu_kernels.disabled(), torch.inference_mode():  # the prefix once, into the shared blocks
+    with ops.disabled(), torch.inference_mode():  # the prefix once, into the shared blocks
         ids, pos, meta = make_step([(prefix, pre_blocks, 0)], bs)
         model(ids, pos, caches, meta)
     outs = {mode: step(mode) for mode in (True, False)}
@@ -71,17 +72,17 @@ def main() -> None:
             step(mode)
             sync()
             times[mode].append(time.perf_counter() - t)
-    ops = {}
+    aten = {}
     for mode in (True, False):
         with torch.profiler.profile() as p:
             step(mode)
-        ops[mode] = sum(e.count for e in p.key_averages() if e.key.startswith("aten::"))
+        aten[mode] = sum(e.count for e in p.key_averages() if e.key.startswith("aten::"))
     print(
         f"{args.requests} requests x ~{args.suffix} new tokens behind a {args.prefix}-token cached prefix, "
         f"{args.device}, {args.dtype}, PyTorch attention path; medians of {args.reps}"
     )
     for mode, name in ((True, "one padded attention"), (False, "one attention a chunk")):
-        print(f"  {name:22s}: {statistics.median(times[mode]) * 1e3:8.1f} ms a step, {ops[mode]:6d} aten operators")
+        print(f"  {name:22s}: {statistics.median(times[mode]) * 1e3:8.1f} ms a step, {aten[mode]:6d} aten operators")
     print(f"  largest difference of the last hidden states: {diff:.2e}")
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.prefill_attention import median_ms  # noqa: E402
-from prefixkv.model import cpu_kernels  # noqa: E402
+from prefixkv.model.kernels import ops  # noqa: E402
 
 BLOCK = 16
 
@@ -75,7 +75,7 @@ def measure(dtype: torch.dtype, batch: int, hq: int, hkv: int, d: int, args: arg
     scale = d**-0.5
 
     def native(layer: int):
-        return cpu_kernels.decode_attention(q, ks[layer], vs[layer], slots, lens, scale)
+        return ops.decode_attention(q, ks[layer], vs[layer], slots, lens, scale)
 
     def reference(layer: int):
         k, v = ks[layer], vs[layer]

@@ -14,7 +14,7 @@ it with plain F.linear weights, alternated in the same run, which is what the la
 inside the whole model, where the weights stream from memory layer after layer, the ranking can
 differ from a one-matmul microbenchmark's (bench/levers.py), whose weights stay in cache.
 `--torch-attention-too` also times each model with the native CPU kernels off
-(prefixkv/model/cpu_kernels.py: prefill and decode attention, add + RMSNorm), so PyTorch's SDPA
+(prefixkv/model/kernels/ops.py: prefill and decode attention, add + RMSNorm), so PyTorch's SDPA
 (after a gather, for decode) in their place, alternated rep by rep and step by step.
 `--layer-by-layer-too` also times each model's decode steps with its layers called one by one
 from Python (`fused_decode` off) where the engine runs them in one native call
@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument(
         "--torch-attention-too",
         action="store_true",
-        help="CPU: also time each model with the native kernels off (prefixkv/model/cpu_kernels.py: "
+        help="CPU: also time each model with the native kernels off (prefixkv/model/kernels/ops.py: "
         "PyTorch's SDPA for prefill and decode attention), alternated rep by rep and step by step",
     )
     ap.add_argument(
@@ -144,7 +144,8 @@ def main() -> None:
         for line in ceiling.lines():
             print("  " + line)
     from prefixkv.memory.block_tensors import allocate_kv_cache
-    from prefixkv.model import AttentionMetadata, cpu_kernels, default_model_path, load_model
+    from prefixkv.model import AttentionMetadata, default_model_path, load_model
+    from prefixkv.model.kernels import ops
 
     dev = args.device
     dtype = getattr(torch, args.dtype)
@@ -200,7 +201,7 @@ def main() -> None:
 
     def ours_prefill(m=model, torch_attention=False):
         meta = AttentionMetadata(slots, [0, n], [n], blocks[None])
-        with cpu_kernels.disabled() if torch_attention else contextlib.nullcontext():
+        with ops.disabled() if torch_attention else contextlib.nullcontext():
             h = m(ids, pos, caches, meta)
             return m.compute_logits(h[-1:])
 
@@ -264,7 +265,7 @@ def main() -> None:
                     caches, nxt = state[name]
                     meta = step_meta(lens, 1)  # a fresh one per forward (its plan is cached inside)
                     m.fused_decode = name not in layer_by_layer
-                    with cpu_kernels.disabled() if name in torch_attention else contextlib.nullcontext():
+                    with ops.disabled() if name in torch_attention else contextlib.nullcontext():
                         dt, logits = timed(lambda: m.compute_logits(m(nxt, positions, caches, meta)), dev)
                     state[name] = (caches, logits.argmax(-1))
                     ts[name].append(dt)

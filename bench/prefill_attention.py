@@ -4,7 +4,7 @@
         [--heads 9,3] [--head-dim 64] [--reps 9] [--threads N]
 
 One prompt of each length attends to itself, the default model's shapes (9 query heads on 3 KV
-heads, head dim 64). The native kernel (prefixkv/model/cpu_kernels.py) reads K and V in place
+heads, head dim 64). The native kernel (prefixkv/model/kernels/ops.py) reads K and V in place
 from a paged cache through scattered slots, as the engine calls it; SDPA gets the contiguous K/V
 (is_causal, GQA), as the PyTorch path runs a prompt without cached context. Prints medians per
 call, the FLOP/s each reaches (2 x 2 x heads x head dim x causal pairs), the speed-up, and the
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from prefixkv.model import cpu_kernels  # noqa: E402
+from prefixkv.model.kernels import ops  # noqa: E402
 
 
 def median_ms(fn, reps: int) -> float:
@@ -54,7 +54,7 @@ def measure(
     out = torch.empty_like(q)
 
     def native() -> None:
-        assert cpu_kernels.prefill_attention(q, k_flat, v_flat, seqs, slots, D**-0.5, out)
+        assert ops.prefill_attention(q, k_flat, v_flat, seqs, slots, D**-0.5, out)
 
     def sdpa() -> torch.Tensor:
         qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not cpu_kernels.available():
+    if not ops.available():
         print("the native CPU kernels are not available here (no compiler?): nothing to compare")
         return 1
     Hq, Hkv = (int(x) for x in args.heads.split(","))
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         unit = ""
         if dtype == torch.bfloat16:
             unit = {"amx": " (tile unit, AMX)", "dot": " (dot products, AVX512-BF16)", "vectors": " (vectors)"}[
-                cpu_kernels.bf16_prefill_attention_unit()
+                ops.bf16_prefill_attention_unit()
             ]
         for n in (int(x) for x in args.lengths.split(",")):
             ours, theirs, diff = measure(dtype, n, Hq, Hkv, D, args.reps, g)

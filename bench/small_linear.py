@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from prefixkv.model import cpu_kernels  # noqa: E402
+from prefixkv.model.kernels import ops  # noqa: E402
 from prefixkv.model.layers import PackedLinear  # noqa: E402
 
 # (name, out features, in features) of the default model (SmolLM2-135M)
@@ -39,19 +39,19 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    if not cpu_kernels.small_linear_available(dtype):
+    if not ops.small_linear_available(dtype):
         sys.exit(f"the native small-batch kernel does not run {args.dtype} here (no AVX-512 / AVX512-BF16, or off)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     g = torch.Generator().manual_seed(0)
     for name, N, K in SHAPES:
         copies = [torch.randn(N, K, generator=g).to(dtype) for _ in range(4 if N > 10_000 else 30)]
         onednn = [PackedLinear(w) for w in copies]
-        native = [cpu_kernels.small_linear_weight(w) for w in copies]
+        native = [ops.small_linear_weight(w) for w in copies]
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, K, generator=g).to(dtype)
             kernels = {
                 "oneDNN": lambda i, x=x, onednn=onednn: onednn[i](x),
-                "native": lambda i, x=x, native=native, N=N: cpu_kernels.small_linear(x, native[i], N),
+                "native": lambda i, x=x, native=native, N=N: ops.small_linear(x, native[i], N),
             }
             if dtype == torch.float32:  # what DualLayoutLinear runs for 1-2 float32 rows
                 kernels["F.linear"] = lambda i, x=x, copies=copies: torch.nn.functional.linear(x, copies[i])

@@ -110,8 +110,10 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .model import cpu_kernels, kernel_choice, loader
+    from .model import loader
     from .model.config import ModelConfig
+    from .model.kernels import build, ops
+    from .model.kernels import choice as kernel_choice
 
     if args.remeasure:
         os.environ[kernel_choice.ENV_MODE] = "measure"
@@ -122,15 +124,15 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         reader = loader._open_gguf(path)
         config = ModelConfig.from_gguf_metadata(reader.metadata, {t.name for t in reader.tensors})
     dtype = getattr(torch, args.dtype)
-    print(f"CPU: {cpu_kernels.cpu_model() or 'unknown'}; build target {cpu_kernels.arch()}")
-    if not cpu_kernels.available():
+    print(f"CPU: {build.cpu_model() or 'unknown'}; build target {build.arch()}")
+    if not ops.available():
         print("native CPU kernels: not available here (see the log line above); the PyTorch path runs")
         return 0
-    print(f"library: {cpu_kernels.library_name()}")
+    print(f"library: {ops.library_name()}")
     shapes = kernel_choice.KernelShapes.of(config, dtype)
     for line in kernel_choice.describe(shapes):
         print(f"  {line}")
-    made = cpu_kernels.choice(dtype)
+    made = ops.choice(dtype)
     if made is not None:
         print(kernel_choice.summary(made))
     return 0

@@ -9,9 +9,9 @@ import os
 # 2x faster with passive waiting under load (docs/benchmarks.md, "CPU contention"). Set before
 # torch loads its OpenMP runtime; subprocesses inherit it. A value the caller set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Which native kernels run is timed on the machine at a model's first load (model/kernel_choice.py);
+# Which native kernels run is timed on the machine at a model's first load (model/kernels/choice.py);
 # the suite runs every kernel where it applies instead, so that what a test exercises does not
-# depend on the machine's load. tests/model/test_model_kernel_choice.py times for real.
+# depend on the machine's load. tests/model/kernels/test_choice.py times for real.
 os.environ.setdefault("PREFIXKV_KERNEL_CHOICE", "native")
 
 import pytest  # noqa: E402

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from prefixkv.model import cpu_kernels, default_model_path, row_split, warmup, weight_cache
+from prefixkv.model import default_model_path, row_split, warmup, weight_cache
+from prefixkv.model.kernels import ops
 from prefixkv.progress import Stages, announced
 
 
@@ -45,7 +46,7 @@ def test_the_engine_logs_its_stages(caplog):
 
 def test_warmup_builds_the_kernels_and_caches_the_weights(tmp_path, monkeypatch, caplog):
     calls = []
-    monkeypatch.setattr(cpu_kernels, "available", lambda: calls.append("kernels") or True)
+    monkeypatch.setattr(ops, "available", lambda: calls.append("kernels") or True)
     monkeypatch.setattr(row_split, "available", lambda: calls.append("row_split") or False)
     monkeypatch.setattr(weight_cache, "folder", lambda: tmp_path)
     with caplog.at_level(logging.INFO, logger="prefixkv"):

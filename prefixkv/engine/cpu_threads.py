@@ -58,7 +58,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..model import cpu_kernels, row_split
+from ..model import row_split
+from ..model.kernels import build
 
 if TYPE_CHECKING:
     from ..model import LlamaModel
@@ -443,7 +444,7 @@ def _cpu_identity() -> str:
 
 
 def _agreement_file(key: str) -> Path:
-    return cpu_kernels.cache_dir().parent / "thread-agreement" / f"{key}.json"
+    return build.cache_dir().parent / "thread-agreement" / f"{key}.json"
 
 
 def _measure_agreement(model: LlamaModel, configured: int) -> bool:

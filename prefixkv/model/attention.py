@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from .kernels import ops
 
 
 def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], int]:
@@ -126,7 +126,7 @@ class _Plan:
         in_place = (
             device.type == "cpu"
             and all(qsl[i + 1] - qsl[i] == 1 for i in others)
-            and cpu_kernels.decode_attention_available(dtype)
+            and ops.decode_attention_available(dtype)
         )
         P = 0 if W is not None or in_place else self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
         self.prefix_slots: torch.Tensor | None = None
@@ -150,7 +150,7 @@ class _Plan:
         # one padded attention a layer, not one each: on a GPU every chunk's gather and attention
         # are launches of the host's time, and a step of requests behind a cached prefix has many.
         self.chunk_batch: _ChunkBatch | None = None
-        if chunk_specs and (device.type != "cpu" or not cpu_kernels.prefill_max_new_tokens(dtype)):
+        if chunk_specs and (device.type != "cpu" or not ops.prefill_max_new_tokens(dtype)):
             self.chunk_batch = _ChunkBatch.of(chunk_specs, bt, block_size, W, device)
         if self.chunk_batch is None:
             for a, b, s, lo, i in chunk_specs:
@@ -240,7 +240,7 @@ class _KernelBatch:
     ) -> tuple[_KernelBatch | None, list[Any]]:
         """(start, end, keys read, their slots, plan entry) -> the kernel's batch and the entries
         left to the PyTorch path."""
-        limit = cpu_kernels.prefill_max_new_tokens(dtype)
+        limit = ops.prefill_max_new_tokens(dtype)
         rows: list[list[int]] = []
         runs: list[torch.Tensor] = []
         rest: list[Any] = []
@@ -432,7 +432,7 @@ def paged_attention(
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)
     # 1) write this step's K/V
-    if T and not cpu_kernels.write_kv(k, v, k_flat, v_flat, plan.slot_mapping):
+    if T and not ops.write_kv(k, v, k_flat, v_flat, plan.slot_mapping):
         k_flat.index_copy_(0, plan.slot_mapping, k.to(kv_cache.dtype))
         v_flat.index_copy_(0, plan.slot_mapping, v.to(kv_cache.dtype))
     gqa = Hq != Hkv
@@ -449,7 +449,7 @@ def paged_attention(
     fresh = plan.fresh_rest
     if plan.fresh_kernel is not None:
         batch = plan.fresh_kernel
-        if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
+        if not ops.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
             fresh = plan.fresh
     for a, b, mask in fresh:
         o = F.scaled_dot_product_attention(
@@ -471,7 +471,7 @@ def paged_attention(
     chunked = plan.chunked_rest
     if plan.chunked_kernel is not None:
         batch = plan.chunked_kernel
-        if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
+        if not ops.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
             chunked = plan.chunked
     if plan.chunk_batch is not None:
         out[plan.chunk_batch.out_rows] = plan.chunk_batch.attend(q, k_flat, v_flat, scale)
@@ -489,7 +489,7 @@ def paged_attention(
         slots = plan.decode_slots  # [Bd, L]
         Bd, L = slots.shape
         qd = q if plan.decode_all else q[plan.decode_rows]
-        o = cpu_kernels.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale)
+        o = ops.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale)
         if o is None:
             kc = _gather(k_flat, slots).transpose(1, 2)  # [Bd, Hkv, L, D]
             vc = _gather(v_flat, slots).transpose(1, 2)
@@ -521,7 +521,7 @@ def _cascade(
         qd = q[plan.decode_rows]
         # each decode's own suffix: the native kernel in place on CPU, else gather + SDPA
         lse = torch.empty(Bd, qd.shape[1], dtype=torch.float32, device=qd.device)
-        o = cpu_kernels.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale, lse)
+        o = ops.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale, lse)
         if o is None:
             o, lse = _attend_batched(
                 qd,
@@ -537,7 +537,7 @@ def _cascade(
     if plan.chunked_kernel is not None:
         batch = plan.chunked_kernel
         suffix = torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:2], dtype=torch.float32)
-        if not cpu_kernels.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, *suffix):
+        if not ops.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, *suffix):
             suffix = None
     if plan.chunk_batch is not None:  # every chunk in one padded attention (no native kernel here)
         batch_o, batch_lse = plan.chunk_batch.attend_with_lse(q, k_flat, v_flat, scale)

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels, row_split
+from . import row_split
 from .config import ModelConfig
+from .kernels import ops, reference
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +23,7 @@ class RMSNorm(nn.Module):
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu_kernels.add_rms_norm(x, None, self.weight, self.eps)  # one native pass on CPU
+        out = ops.add_rms_norm(x, None, self.weight, self.eps)  # one native pass on CPU
         if out is not None:
             return out
         if x.dtype == torch.float32:
@@ -34,7 +35,7 @@ class RMSNorm(nn.Module):
         """(h + delta, the norm of it) - the residual stream and the next sublayer's input. Where
         the native kernel runs (CPU) both come from one pass and h is updated in place: pass a
         tensor the model owns."""
-        out = cpu_kernels.add_rms_norm(h, delta, self.weight, self.eps)
+        out = ops.add_rms_norm(h, delta, self.weight, self.eps)
         if out is not None:
             return h, out
         h = h + delta
@@ -106,16 +107,16 @@ class RotaryEmbedding(nn.Module):
     def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`apply`, in place in x where the native kernel takes it (on CPU: one pass, no new
         tensor, the same values bit for bit); else a new tensor. Use the result, not x."""
-        if cpu_kernels.rotary_(x, cos, sin):
+        if ops.rotary_(x, cos, sin):
             return x
         return RotaryEmbedding.apply(x, cos, sin)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D] (any strides); cos, signed sin: [T, 1, D] (from cos_sin). Returns a new
-        contiguous tensor, transformers' rotation bit for bit (cpu_kernels.reference_rotary);
+        contiguous tensor, transformers' rotation bit for bit (reference.reference_rotary);
         callers rotate q and k together (one call per layer)."""
-        return cpu_kernels.reference_rotary(x, cos, sin)
+        return reference.reference_rotary(x, cos, sin)
 
 
 class GatedMLP(nn.Module):
@@ -129,7 +130,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        act = cpu_kernels.silu_and_mul(gu)  # one native pass on CPU
+        act = ops.silu_and_mul(gu)  # one native pass on CPU
         if act is None:
             g, u = gu.split(self.intermediate, dim=-1)
             act = F.silu(g) * u
@@ -182,9 +183,9 @@ class DualLayoutLinear(nn.Module):
     of rows: many rows oneDNN-packed (no per-call repacking of the weight), a decode step's few rows
     a kernel that streams the weight once.
 
-    The few-row kernel is the native `cpu_kernels.small_linear` where the CPU has it (AVX-512 or AVX2 for
+    The few-row kernel is the native `ops.small_linear` where the CPU has it (AVX-512 or AVX2 for
     float32, AVX512-BF16 for bfloat16), up to the rows timed faster here (kernel_choice; at most
-    cpu_kernels.SMALL_LINEAR_MAX_ROWS): on an AMD Zen 4 without AMX
+    ops.SMALL_LINEAR_MAX_ROWS): on an AMD Zen 4 without AMX
     it beat oneDNN's packed kernel 1.1-2.5x at 1-16 rows in both dtypes, and MKL's F.linear 2-5x in
     float32 (`bench/small_linear.py`, docs/benchmarks.md). Elsewhere float32 takes F.linear on the
     [out, in] weight (MKL's matrix-vector path) up to `SMALL_ROWS` rows: on an Intel Sapphire Rapids
@@ -201,10 +202,10 @@ class DualLayoutLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
         self.bias = None if bias is None else bias.detach()
-        self.small: torch.Tensor | None = cpu_kernels.small_linear_weight(weight)
+        self.small: torch.Tensor | None = ops.small_linear_weight(weight)
         self.weight: torch.Tensor | None = None
         if self.small is not None:
-            self.small_rows = cpu_kernels.small_linear_max_rows(weight.dtype)  # as timed here (kernel_choice)
+            self.small_rows = ops.small_linear_max_rows(weight.dtype)  # as timed here (kernel_choice)
             self.small_bias = None if bias is None else bias.detach().float().contiguous()
         else:
             self.small_rows = self.SMALL_ROWS
@@ -218,7 +219,7 @@ class DualLayoutLinear(nn.Module):
         y = None
         if flat.shape[0] <= self.small_rows:
             if self.small is not None:
-                y = cpu_kernels.small_linear(flat, self.small, self.out_features, self.small_bias)
+                y = ops.small_linear(flat, self.small, self.out_features, self.small_bias)
             elif self.weight is not None:
                 y = F.linear(flat, self.weight, self.bias)
         else:
@@ -233,7 +234,7 @@ def dual_layout_works(dtype: torch.dtype) -> bool:
     in float32 F.linear where there is none) on top of oneDNN's packed one."""
     if not packed_linear_works(dtype):
         return False
-    return dtype == torch.float32 or cpu_kernels.small_linear_available(dtype)
+    return dtype == torch.float32 or ops.small_linear_available(dtype)
 
 
 def packed_linear_works(dtype: torch.dtype = torch.bfloat16) -> bool:

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import cpu_kernels, kernel_choice
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .kernel_choice import KernelShapes
+from .kernels import choice as kernel_choice
+from .kernels import ops
+from .kernels.choice import KernelShapes
 from .layers import (
     DualLayoutLinear,
     GatedMLP,
@@ -215,7 +216,7 @@ class LlamaModel(nn.Module):
             # batch size measured; at a decode step's rows only the native kernel beats it (1.1-1.4x)
             packed = packed_linear_works(self.dtype)
             kind = DualLayoutLinear if dual else TransposedLinear
-            native_head = dual and cpu_kernels.small_linear_available(self.dtype)
+            native_head = dual and ops.small_linear_available(self.dtype)
             head_kind = DualLayoutLinear if native_head else PackedLinear if packed else TransposedLinear
         elif self.dtype == torch.bfloat16 and packed_linear_works(self.dtype):
             # the head too: at 1-16 rows the native kernel reads its 57 MB 1.0-1.5x faster
@@ -323,7 +324,7 @@ def build_model(
 
 
 class _DecodeLayers:
-    """Every decoder layer of a decode step in one native call (cpu_kernels.decode_layers,
+    """Every decoder layer of a decode step in one native call (ops.decode_layers,
     csrc/decode_layers.cpp): at one to a few sequences the layer-by-layer path spends as much time
     in Python dispatch and per-piece thread start-up as in streaming the weights. The same kernels'
     own pieces compute every value, so its results are the layer-by-layer path's bit for bit.
@@ -351,7 +352,7 @@ class _DecodeLayers:
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5  # Attention.scale
-        self.max_rows = cpu_kernels.small_linear_max_rows(model.dtype)
+        self.max_rows = ops.small_linear_max_rows(model.dtype)
         self._caches: list[int] = []  # the addresses of the caches last checked, and as a tensor
         self._caches_tensor = torch.zeros(0, dtype=torch.int64)
 
@@ -362,12 +363,12 @@ class _DecodeLayers:
         norm, no sliding window, no bias but q/k/v's, the attention kernel's head dims and groups,
         one norm epsilon."""
         cfg = model.config
-        if not len(model.layers) or not cpu_kernels.decode_layers_available(model.dtype):
+        if not len(model.layers) or not ops.decode_layers_available(model.dtype):
             return None
-        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim not in cpu_kernels.HEAD_DIMS:
+        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim not in ops.HEAD_DIMS:
             return None
         Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        if Hq % Hkv or Hq // Hkv > cpu_kernels.MAX_GROUP:
+        if Hq % Hkv or Hq // Hkv > ops.MAX_GROUP:
             return None
         for layer in model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -424,7 +425,7 @@ class _DecodeLayers:
         dims = torch.tensor(
             [B, H, Hq, Hkv, D, self.intermediate, slots.shape[1], len(kv_caches), cache[0].numel()], dtype=torch.int64
         )
-        return cpu_kernels.decode_layers(
+        return ops.decode_layers(
             dims,
             self.weights,
             addresses,

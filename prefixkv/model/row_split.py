@@ -18,8 +18,8 @@ tests/model/test_model_row_split.py, so outputs never depend on whether a step s
 
 The operator calls a torch operator, so unlike cpu_kernels' plain-C kernels it is built against
 torch's headers (~7 s once per machine on the 2-vCPU Zen 4) into the same cache folder
-(cpu_kernels._build). Where anything is missing - no compiler or headers, no oneDNN, a failed build
-or check, kernels switched off (PREFIXKV_CPU_KERNELS=0, `cpu_kernels.disabled()`) - products stay
+(build.build). Where anything is missing - no compiler or headers, no oneDNN, a failed build
+or check, kernels switched off (PREFIXKV_CPU_KERNELS=0, `ops.disabled()`) - products stay
 whole, with one log line saying why.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_kernels
+from .kernels import build, ops
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _load() -> Any:
     if not torch.backends.openmp.is_available():
         raise RuntimeError("this torch has no OpenMP runtime to share")
     flags, link = _build_flags()
-    path = cpu_kernels._build(cpu_kernels.compiler(), [SOURCE], [], flags, link, name="prefixkv-row-split")
+    path = build.build(build.compiler(), [SOURCE], [], flags, link, name="prefixkv-row-split")
     torch.ops.load_library(str(path))
     return torch.ops.prefixkv.row_split_linear
 
@@ -134,7 +134,7 @@ def _op_or_none() -> Any:
 
 def available() -> bool:
     """Whether products can be split here (builds the operator on the first call)."""
-    return cpu_kernels.enabled() and _op_or_none() is not None
+    return ops.enabled() and _op_or_none() is not None
 
 
 def linear(
@@ -143,7 +143,7 @@ def linear(
     """flat [rows, in] times a weight packed by mkldnn::_reorder_linear_weight (+ bias), its rows
     handed out in blocks - or None where that does not apply (not active, fewer than `MIN_ROWS`
     rows, one thread, not built here): then the caller multiplies whole."""
-    if not _active or flat.shape[0] < MIN_ROWS or not cpu_kernels.enabled():
+    if not _active or flat.shape[0] < MIN_ROWS or not ops.enabled():
         return None
     if _op is None or torch.get_num_threads() < 2 or not flat.is_contiguous() or flat.device.type != "cpu":
         return None

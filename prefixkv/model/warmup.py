@@ -1,7 +1,7 @@
 """What a first start does once per machine, done ahead: ``python -m prefixkv.model.warmup``
 (`make install` runs it).
 
-- builds the native CPU kernels (cpu_kernels.py, ~10-60 s: the compiler) and the row-split
+- builds the native CPU kernels (kernels/, ~10-60 s: the compiler) and the row-split
   operator (row_split.py), each checked against the PyTorch path as at any first use;
 - dequantizes the embedded model into the weight cache (weight_cache.py) in float32, the CPU's
   default dtype (``--dtype bfloat16`` adds that one too), so the first `prefixkv generate` or
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from . import cpu_kernels, row_split
+from . import row_split
+from .kernels import build, ops
 
 logger = logging.getLogger("prefixkv")
 
@@ -33,7 +34,7 @@ def prepare_cpu_kernels(row_split_too: bool = True) -> dict[str, bool]:
     when `row_split_too` (only the adaptive thread policy uses it). Returns which are usable; both
     False where the kernels are switched off (PREFIXKV_CPU_KERNELS=0) or cannot be built (the
     modules log why)."""
-    ready = {"kernels": cpu_kernels.available()}
+    ready = {"kernels": ops.available()}
     if row_split_too:
         ready["row_split"] = row_split.available()
     return ready
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-model", action="store_true", help="build the kernels only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="prefixkv: %(message)s", stream=sys.stderr)
-    if not cpu_kernels.enabled():
+    if not ops.enabled():
         logger.info("native CPU kernels switched off (PREFIXKV_CPU_KERNELS=0): nothing to build")
     else:
         logger.info("%s...", KERNELS_BUILD)
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ready" if ready["kernels"] else "not used",
             "ready" if ready["row_split"] else "not used",
             time.perf_counter() - start,
-            cpu_kernels.cache_dir(),
+            build.cache_dir(),
         )
     if not args.no_model:
         from . import load_model, weight_cache

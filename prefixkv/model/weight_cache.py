@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import cpu_kernels
+from .kernels import build
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def enabled() -> bool:
 
 def folder() -> Path:
     """Where the entries are kept: beside the native kernels' builds."""
-    return cpu_kernels.cache_dir().parent / "weights"
+    return build.cache_dir().parent / "weights"
 
 
 def entry_path(gguf_path: str, dtype: torch.dtype) -> Path:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixkv.model import AttentionMetadata, cpu_kernels
+from prefixkv.model import AttentionMetadata
 from prefixkv.model.attention import _ChunkBatch, paged_attention
+from prefixkv.model.kernels import ops
 
 BS = 16
 
@@ -40,7 +41,7 @@ def _attend(seqs, Hq, Hkv, dtype, window=None, batched=True, monkeypatch=None):
     if not batched:
         monkeypatch.setattr(_ChunkBatch, "MAX_PADDED_WORK", 0.0)
         monkeypatch.setattr(_ChunkBatch, "SMALL_PADDED_WORK", 0)
-    with cpu_kernels.disabled():
+    with ops.disabled():
         plan = meta.plan(BS, torch.device("cpu"), window, dtype)
         out = paged_attention(q, k, v, cache, meta, window=window)
     monkeypatch.undo()

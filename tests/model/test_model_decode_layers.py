@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from prefixkv.memory.block_tensors import allocate_kv_cache
-from prefixkv.model import cpu_kernels, load_model
+from prefixkv.model import load_model
+from prefixkv.model.kernels import ops
 
 from .model_helpers import make_step
 from .test_model_hf_folder import _common, _write_tokenizer
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _needs_kernel(dtype):
-    if not cpu_kernels.decode_layers_available(dtype):
+    if not ops.decode_layers_available(dtype):
         pytest.skip(f"no small-batch linear for {dtype} on this CPU: decode steps run layer by layer")
 
 
@@ -61,14 +62,14 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.ran = 0
-        real = cpu_kernels.decode_layers
+        real = ops.decode_layers
 
         def spy(*args, **kwargs):
             done = real(*args, **kwargs)
             self.ran += bool(done)
             return done
 
-        monkeypatch.setattr(cpu_kernels, "decode_layers", spy)
+        monkeypatch.setattr(ops, "decode_layers", spy)
 
 
 def _decode_both_ways(lm, lengths, steps, spy, *, shared_blocks=0, seed=0):
@@ -150,7 +151,7 @@ def test_sequences_sharing_a_prefix_read_it_each_without_the_cascade(default_mod
     _needs_kernel(dtype)
     two_decodes = [(list(range(100, 180)), [0, 1, 2, 3, 4, 5], 79)] * 2
     assert make_step(two_decodes, BS)[2].plan(BS, torch.device("cpu")).prefix_slots is None
-    with cpu_kernels.disabled():  # a fresh step: the plan is cached per metadata
+    with ops.disabled():  # a fresh step: the plan is cached per metadata
         assert make_step(two_decodes, BS)[2].plan(BS, torch.device("cpu")).prefix_slots is not None
     spy = _Spy(monkeypatch)
     assert _decode_both_ways(default_models[dtype], [80, 90, 100], 3, spy, shared_blocks=4) == 3
@@ -174,7 +175,7 @@ def test_steps_it_leaves_to_the_layers(default_models, monkeypatch):
     model(ids, pos, caches, meta)
     assert spy.ran == 0
     # with the kernels off
-    with cpu_kernels.disabled():
+    with ops.disabled():
         ids, pos, meta = make_step([(a + [7, 8], [0, 1], 21)], BS)
         model(ids, pos, caches, meta)
     assert spy.ran == 0

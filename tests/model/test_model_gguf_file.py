@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from prefixkv.memory.block_tensors import allocate_kv_cache
-from prefixkv.model import cpu_kernels, load_model
+from prefixkv.model import load_model
+from prefixkv.model.kernels import ops
 from prefixkv.model.layers import DualLayoutLinear, PackedLinear, TransposedLinear, packed_linear_works
 from prefixkv.model.tokenizer import _bytes_to_unicode
 
@@ -171,7 +172,7 @@ def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bou
     plain, packed = load_model(str(path), dtype=torch.bfloat16), load_model(str(path), dtype=torch.bfloat16)
     assert packed.model.pack_for_cpu() and not packed.model.pack_for_cpu()
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
-    dual = cpu_kernels.small_linear_available() and bound == "default"
+    dual = ops.small_linear_available() and bound == "default"
     for layer in (packed.model.layers[0].self_attn.qkv_proj, packed.model.packed_head):
         assert isinstance(layer, DualLayoutLinear if dual else PackedLinear)
     ids = list(range(40, 60))
@@ -202,13 +203,13 @@ def test_fp32_laid_out_weights_match_plain_fp32(tmp_path, monkeypatch, kind, bou
     dual = packed_linear_works(torch.float32) and bound == "default"
     assert isinstance(fast.model.layers[0].self_attn.qkv_proj, DualLayoutLinear if dual else TransposedLinear)
     # the head: a second layout only for the native kernel (AVX-512), else oneDNN-packed alone
-    native_head = dual and cpu_kernels.small_linear_available(torch.float32)
+    native_head = dual and ops.small_linear_available(torch.float32)
     head = DualLayoutLinear if native_head else PackedLinear if packed_linear_works(torch.float32) else TransposedLinear
     assert isinstance(fast.model.packed_head, head)
     # 1-2 rows: the native kernel where the CPU has it, else F.linear on the plain weight
     layer = fast.model.layers[0].self_attn.qkv_proj
     if dual:
-        assert (layer.small is not None) == cpu_kernels.small_linear_available(torch.float32)
+        assert (layer.small is not None) == ops.small_linear_available(torch.float32)
     ids = list(range(40, 60))
     out = []
     for lm in (plain, fast):

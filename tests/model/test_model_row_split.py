@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
-from prefixkv.model import cpu_kernels, row_split
+from prefixkv.model import row_split
+from prefixkv.model.kernels import build, ops
 from prefixkv.model.layers import DualLayoutLinear, PackedLinear, packed_linear_works
 
 pytestmark = pytest.mark.skipif(not row_split.available(), reason="row-split products are not built here")
@@ -80,7 +81,7 @@ def test_layers_split_only_while_on_and_only_many_rows(kind, monkeypatch, two_th
         try:
             got = layer(many)
             layer(few)
-            with cpu_kernels.disabled():  # native kernels switched off: whole again
+            with ops.disabled():  # native kernels switched off: whole again
                 layer(many)
         finally:
             row_split.set_active(False)
@@ -106,11 +107,11 @@ def test_built_once_and_reused():
     """The operator the module loaded came from the kernels' cache, and asking again rebuilds
     nothing (cpu_kernels' own test covers building into a fresh folder)."""
     flags, link = row_split._build_flags()
-    build = (cpu_kernels.compiler(), [row_split.SOURCE], [], flags, link)
-    path = cpu_kernels._build(*build, name="prefixkv-row-split")
-    assert path.name.startswith("prefixkv-row-split-") and path.parent == cpu_kernels.cache_dir()
+    args = (build.compiler(), [row_split.SOURCE], [], flags, link)
+    path = build.build(*args, name="prefixkv-row-split")
+    assert path.name.startswith("prefixkv-row-split-") and path.parent == build.cache_dir()
     stamp = path.stat().st_mtime_ns
-    assert cpu_kernels._build(*build, name="prefixkv-row-split") == path and path.stat().st_mtime_ns == stamp
+    assert build.build(*args, name="prefixkv-row-split") == path and path.stat().st_mtime_ns == stamp
 
 
 @TWO_CPUS

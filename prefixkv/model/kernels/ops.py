@@ -32,100 +32,41 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
+import dataclasses
 import logging
 import os
-import shutil
 import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
+from .library import CpuKernels, load
+from .reference import (
+    reference_add_rms_norm,
+    reference_decode_attention_lse,
+    reference_prefill_attention,
+    reference_rotary,
+    reference_silu_and_mul,
+)
+
 logger = logging.getLogger(__name__)
-
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
-SOURCES = [
-    Path(__file__).with_name("csrc") / name
-    for name in (
-        "decode_attention.cpp",
-        "prefill_attention.cpp",
-        "add_rms_norm.cpp",
-        "silu_and_mul.cpp",
-        "rotary.cpp",
-        "small_linear.cpp",
-        "decode_layers.cpp",
-        "write_kv.cpp",
-    )
-]
-# part of the cache key, not compiled alone
-HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "exp.h", "kernels.h", "vec16.h")]
-BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-# What the kernels are compiled for: "native" (every instruction this CPU has), or an x86-64 level
-# ("x86-64-v3": AVX2 + FMA, the CPU of most cloud VMs; "x86-64-v4": AVX-512), so that a machine with
-# AVX-512 builds and tests the AVX2 variant too. PREFIXKV_CPU_ARCH picks the one a process loads.
-ARCH_ENV = "PREFIXKV_CPU_ARCH"
-ARCHES = ("native", "x86-64-v3", "x86-64-v4")
-# the CPU flags each x86-64 level needs (a build for a level this CPU lacks would die of SIGILL)
-_ARCH_CPU_FLAGS = {
-    "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe"),
-    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
-}
-
-
-def arch() -> str:
-    """The target this process builds the kernels for ($PREFIXKV_CPU_ARCH, else "native")."""
-    chosen = os.environ.get(ARCH_ENV, "native") or "native"
-    if chosen not in ARCHES:
-        raise ValueError(f"{ARCH_ENV}={chosen!r}: expected one of {', '.join(ARCHES)}")
-    return chosen
-
-
-def arch_runs_here(target: str) -> bool:
-    """Whether this CPU executes code built for `target` (native always does)."""
-    if target == "native":
-        return True
-    have = set(cpu_flags().split())
-    return all(flag in have for flag in _ARCH_CPU_FLAGS[target])
-
-
-def flags_for(target: str) -> list[str]:
-    """The compiler flags of a build for `target` (see ARCHES)."""
-    return [*BASE_FLAGS, f"-march={target}"]
-
-
-FLAGS = flags_for("native")
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
 _enabled = os.environ.get(ENV_SWITCH, "1") != "0"
 _lock = threading.Lock()
 _loaded = False
-_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_norm_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_prefill_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-# what bfloat16 prefill attention multiplies on: 1 the tile unit (AMX), 2 vector dot products
-# (AVX512-BF16), 0 float32 vectors (bf16_prefill_attention_unit)
-_prefill_unit = 0
-_silu_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_rotary_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_small_linear_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
-_decode_layers_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_write_kv_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_library_name: str | None = None
+_kernels: CpuKernels | None = None  # set once, by the first _kernels_or_none()
+_library_name: str | None = None  # named even where the kernels failed their check
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     """Which native kernels run for one dtype, as timed against the PyTorch path on this machine
-    (model/kernel_choice.py). `prefill_max_tokens`: the longest prompt or chunk (new tokens) the
+    (kernels/choice.py). `prefill_max_tokens`: the longest prompt or chunk (new tokens) the
     native prefill attention takes (0: none; None: no limit but the dtype's default);
     `small_linear_max_rows`: the most rows the small-batch linear takes (and so the one-call decode
     step's batch; None: SMALL_LINEAR_MAX_ROWS)."""
@@ -165,7 +106,7 @@ def _chosen(name: str, dtype: torch.dtype) -> bool:
 def library_name() -> str | None:
     """The file name of the loaded kernel library (its key names source, flags, compiler, torch and
     CPU), or None where no kernels are loaded."""
-    _function_or_none()
+    _kernels_or_none()
     return _library_name
 
 
@@ -185,134 +126,14 @@ def enabled() -> bool:
     return _enabled
 
 
-def cache_dir() -> Path:
-    if os.environ.get("PREFIXKV_CACHE_DIR"):
-        return Path(os.environ["PREFIXKV_CACHE_DIR"]) / "kernels"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "prefixkv" / "kernels"
-
-
-def _cpuinfo_line(prefix: str) -> str:
-    """The first line of /proc/cpuinfo starting with `prefix` (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(prefix):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo (empty where there is none)."""
-    return _cpuinfo_line("flags")
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (empty where there is none)."""
-    return _cpuinfo_line("model name").partition(":")[2].strip()
-
-
-def _build(
-    compiler: str,
-    sources: list[Path] = SOURCES,
-    headers: list[Path] = HEADERS,
-    flags: list[str] = FLAGS,
-    link: tuple[str, ...] = (),
-    name: str = "prefixkv-cpu",
-) -> Path:
-    """Compile `sources` into the cache folder once per machine (see the module's docstring) and
-    return the library's path; `link` comes after the sources (libraries to link against)."""
-    source = b"\0".join(path.read_bytes() for path in sources + headers)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        b"\0".join(
-            x.encode() if isinstance(x, str) else x
-            for x in (source, " ".join([*flags, *link]), version, torch.__version__, cpu_flags())
-        )
-    ).hexdigest()[:16]
-    folder = cache_dir()
-    target = folder / f"{name}-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    logger.info("building native CPU kernels %s (once per machine, ~10-60 s) ...", target.name)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-# Each entry point's arguments, as its C declaration spells them (int64_t sizes, float scales, the
-# dtype as a code first, the thread count last).
-_I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_SIGNATURES: dict[str, list[Any]] = {
-    # (dtype, D, q, k, v, slots, lens, out, lse, B, L, Hkv, G, scale, threads)
-    "prefixkv_decode_attention": [_I, _I64, *[_P] * 7, *[_I64] * 4, _F, _I],
-    # (dtype, D, q, q_stride, k, v, seqs, slots, out, lse, S, Hkv, G, scale, threads)
-    "prefixkv_prefill_attention": [_I, _I64, _P, _I64, *[_P] * 6, *[_I64] * 3, _F, _I],
-    "prefixkv_prefill_attention_unit": [],
-    # (dtype, gu, out, rows, I, threads)
-    "prefixkv_silu_and_mul": [_I, _P, _P, _I64, _I64, _I],
-    # (dtype, x, row_stride, T, H, D, cos, sin, threads)
-    "prefixkv_rotary": [_I, _P, *[_I64] * 4, _P, _P, _I],
-    # (dtype, h, delta, weight, out, rows, dim, eps, threads)
-    "prefixkv_add_rms_norm": [_I, *[_P] * 4, _I64, _I64, _F, _I],
-    "prefixkv_small_linear_available": [],
-    # (dtype, x, x_row_stride, packed weight, bias, y, M, K, N, threads)
-    "prefixkv_small_linear": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
-    # (dtype, dims, weights, caches, h, x, cos, sin, slot_mapping, slots, lens, eps, scale, threads)
-    "prefixkv_decode_layers": [_I, *[_P] * 10, _F, _F, _I],
-    # (element size, k, k_row_stride, v, v_row_stride, slots, T, row, k_cache, v_cache, num_slots, threads)
-    "prefixkv_write_kv": [_I64, _P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I64, _I],
-}
-
-
-def compiler() -> str:
-    """The C++ compiler the kernels are built with ($CXX, else c++ or g++); RuntimeError if none."""
-    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if found is None:
-        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) found")
-    return found
-
-
-def _load() -> ctypes.CDLL:
-    if not sys.platform.startswith("linux"):
-        raise RuntimeError("only built on Linux")
-    if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
-        raise RuntimeError("this torch has no OpenMP runtime to share")
-    target = arch()
-    if not arch_runs_here(target):
-        raise RuntimeError(f"{ARCH_ENV}={target}: this CPU lacks its instructions")
-    global _library_name
-    path = _build(compiler(), flags=flags_for(target))
-    lib = ctypes.CDLL(str(path))
-    _library_name = path.name
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int  # 0, or non-zero for what the kernel does not take
-        fn.argtypes = argtypes
-    return lib
-
-
-def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _loaded, _function, _norm_function, _prefill_function, _prefill_unit, _silu_function, _rotary_function
-    global _small_linear_function, _small_linear_dtypes, _decode_layers_function, _write_kv_function
+def _kernels_or_none() -> CpuKernels | None:
+    global _loaded, _kernels, _library_name
     if _loaded:
-        return _function
+        return _kernels
     with _lock:
         if not _loaded:
             try:
-                lib = _load()
+                lib, _library_name = load()
                 if _self_check(
                     lib.prefixkv_decode_attention,
                     lib.prefixkv_add_rms_norm,
@@ -320,34 +141,40 @@ def _function_or_none() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined
                     lib.prefixkv_silu_and_mul,
                     lib.prefixkv_rotary,
                 ):
-                    _function, _norm_function = lib.prefixkv_decode_attention, lib.prefixkv_add_rms_norm
-                    _prefill_function = lib.prefixkv_prefill_attention
-                    _prefill_unit = int(lib.prefixkv_prefill_attention_unit())
-                    _silu_function = lib.prefixkv_silu_and_mul
-                    _rotary_function = lib.prefixkv_rotary
-                    _write_kv_function = lib.prefixkv_write_kv
+                    kernels = CpuKernels(
+                        decode_attention=lib.prefixkv_decode_attention,
+                        add_rms_norm=lib.prefixkv_add_rms_norm,
+                        prefill_attention=lib.prefixkv_prefill_attention,
+                        prefill_unit=int(lib.prefixkv_prefill_attention_unit()),
+                        silu_and_mul=lib.prefixkv_silu_and_mul,
+                        rotary=lib.prefixkv_rotary,
+                        write_kv=lib.prefixkv_write_kv,
+                    )
                     built = lib.prefixkv_small_linear_available()
                     dtypes = [dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if built & bit]
                     agree = [dt for dt in dtypes if _small_linear_agrees(lib.prefixkv_small_linear, dt)]
                     if agree == dtypes:  # possibly none: then small_linear_available() is False throughout
-                        _small_linear_function = lib.prefixkv_small_linear
-                        _small_linear_dtypes = frozenset(agree)
-                        # built of the checked kernels' own pieces (csrc/kernels.h)
-                        _decode_layers_function = lib.prefixkv_decode_layers
+                        kernels = dataclasses.replace(
+                            kernels,
+                            small_linear=lib.prefixkv_small_linear,
+                            small_linear_dtypes=frozenset(agree),
+                            decode_layers=lib.prefixkv_decode_layers,
+                        )
                     else:
                         logger.warning("the small-batch linear kernel disagreed with F.linear; not used")
+                    _kernels = kernels
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 logger.info("CPU kernels not used (%s); the PyTorch path runs", e)
             _loaded = True
-    return _function
+    return _kernels
 
 
 def available() -> bool:
     """Whether the native kernels are built, checked and switched on here (builds them on the first
     call); which of them run for a dtype is `choice`'s to say."""
-    return _enabled and _function_or_none() is not None
+    return _enabled and _kernels_or_none() is not None
 
 
 def decode_attention_available(dtype: torch.dtype) -> bool:
@@ -429,8 +256,8 @@ def decode_attention(
         or not _chosen("decode_attention", q.dtype)
     ):
         return None
-    fn = _function_or_none()
-    return None if fn is None else _run(fn, code, q, k_flat, v_flat, slots, lens, scale, lse)
+    kernels = _kernels_or_none()
+    return None if kernels is None else _run(kernels.decode_attention, code, q, k_flat, v_flat, slots, lens, scale, lse)
 
 
 def _run(
@@ -470,36 +297,11 @@ def _run(
     return out if rc == 0 else None
 
 
-def reference_decode_attention(
-    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """The PyTorch formulation of `decode_attention` (gather, then SDPA): the kernel's oracle."""
-    return reference_decode_attention_lse(q, k_flat, v_flat, slots, lens, scale)[0]
-
-
-def reference_decode_attention_lse(
-    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference_decode_attention` and the log-sum-exp [B, Hq] of each row's scaled scores."""
-    B, Hq, D = q.shape
-    L, Hkv = slots.shape[1], k_flat.shape[1]
-    mask = torch.arange(L)[None, :] < lens[:, None]
-    kc = k_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2).float()
-    vc = v_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D).transpose(1, 2).float()
-    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
-    scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.softmax(scores, dim=-1), vc)
-    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
-
-
 def bf16_prefill_attention_unit() -> str:
     """What bfloat16 prefill attention multiplies on here: "amx" (the tile unit), "dot" (the vector
     bfloat16 dot-product instruction, AVX512-BF16), or "vectors" (float32 multiply-adds)."""
-    if not _enabled or _function_or_none() is None:
-        return "vectors"
-    return {1: "amx", 2: "dot"}.get(_prefill_unit, "vectors")
+    kernels = _kernels_or_none() if _enabled else None
+    return "vectors" if kernels is None else {1: "amx", 2: "dot"}.get(kernels.prefill_unit, "vectors")
 
 
 def prefill_attention(
@@ -540,9 +342,10 @@ def prefill_attention(
         or (lse is not None and (lse.dtype != torch.float32 or lse.shape != (T, Hq) or not lse.is_contiguous()))
     ):
         return False
-    if _function_or_none() is None or _prefill_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return False
-    return _run_prefill(_prefill_function, code, q, k_flat, v_flat, seqs, slots, scale, out, lse)
+    return _run_prefill(kernels.prefill_attention, code, q, k_flat, v_flat, seqs, slots, scale, out, lse)
 
 
 def _run_prefill(
@@ -577,35 +380,6 @@ def _run_prefill(
     return bool(rc == 0)
 
 
-def reference_prefill_attention(
-    q: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
-    seqs: torch.Tensor,
-    slots: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor | None = None,
-) -> None:
-    """The PyTorch formulation of `prefill_attention` (gather, masked softmax in float32): its oracle."""
-    Hq, D = q.shape[1], q.shape[2]
-    Hkv = k_flat.shape[1]
-    for row0, n, kv, offset in seqs.tolist():
-        idx = slots[offset : offset + kv]
-        kc = k_flat.index_select(0, idx).float().transpose(0, 1)  # [Hkv, kv, D]
-        vc = v_flat.index_select(0, idx).float().transpose(0, 1)
-        qs = q[row0 : row0 + n].float().view(n, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(Hkv, -1, D)
-        scores = torch.matmul(qs, kc.transpose(1, 2)) * scale  # [Hkv, n * G, kv]
-        qpos = (torch.arange(n) + kv - n).repeat_interleave(Hq // Hkv)
-        scores = scores.masked_fill(torch.arange(kv)[None, :] > qpos[:, None], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [Hkv, n * G, D]
-        out[row0 : row0 + n] = o.view(Hkv, n, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(n, Hq, D).to(out.dtype)
-        if lse is not None:
-            lse[row0 : row0 + n] = (
-                torch.logsumexp(scores, dim=-1).view(Hkv, n, Hq // Hkv).permute(1, 0, 2).reshape(n, Hq)
-            )
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for the fused gate/up projection's output [..., 2 * I] (gate first), as
     `F.silu(g) * u` computes it; None where the kernel does not apply."""
@@ -616,9 +390,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     if not _chosen("silu_and_mul", gate_up.dtype):
         return None
-    if _function_or_none() is None or _silu_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return None
-    return _run_silu(_silu_function, code, gate_up)
+    return _run_silu(kernels.silu_and_mul, code, gate_up)
 
 
 def _run_silu(fn: ctypes._CFuncPtr, code: int, gate_up: torch.Tensor) -> torch.Tensor | None:  # type: ignore[name-defined]
@@ -627,12 +402,6 @@ def _run_silu(fn: ctypes._CFuncPtr, code: int, gate_up: torch.Tensor) -> torch.T
     rows = gate_up.numel() // (2 * inner)
     rc = fn(code, gate_up.data_ptr(), out.data_ptr(), rows, inner, torch.get_num_threads())
     return out if rc == 0 else None
-
-
-def reference_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The PyTorch formulation of `silu_and_mul`: its oracle."""
-    g, u = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(g) * u
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -658,9 +427,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         or not (cos.is_contiguous() and sin.is_contiguous())
     ):
         return False
-    if _function_or_none() is None or _rotary_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return False
-    return _run_rotary(_rotary_function, code, x, cos, sin)
+    return _run_rotary(kernels.rotary, code, x, cos, sin)
 
 
 def _run_rotary(
@@ -673,21 +443,6 @@ def _run_rotary(
     T, H, D = x.shape
     rc = fn(code, x.data_ptr(), x.stride(0), T, H, D, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
     return bool(rc == 0)
-
-
-def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The PyTorch formulation of `rotary_`, out of place into a new contiguous tensor (what
-    layers.RotaryEmbedding.apply runs where the kernel does not).
-
-    transformers' x * cos + rotate_half(x) * sin, bit for bit: with the sine's sign folded into the
-    table, rotate_half becomes a swap of the halves, and x2 * (-s) = -(x2 * s) and a + (-b) = a - b
-    are exact in IEEE arithmetic. Four operations over whole rows, where the half-by-half form
-    takes seven."""
-    half = x.shape[-1] // 2
-    cos, sin = cos.reshape(x.shape[0], 1, -1), sin.reshape(x.shape[0], 1, -1)
-    out = x * cos
-    out += torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
-    return out
 
 
 def write_kv(
@@ -717,9 +472,10 @@ def write_kv(
         or not _chosen("write_kv", k.dtype)
     ):
         return False
-    if _function_or_none() is None or _write_kv_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return False
-    rc = _write_kv_function(
+    rc = kernels.write_kv(
         k.element_size(),
         k.data_ptr(),
         k.stride(0),
@@ -756,12 +512,8 @@ SMALL_LINEAR_PAIR = 2  # blocks side by side in each step of the layout (kPair i
 def small_linear_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `small_linear` runs here for `dtype`: the kernels are on, the CPU has AVX-512 or
     AVX2 + FMA (float32) or AVX512-BF16 (bfloat16), and the timing chose it (kernel_choice)."""
-    return (
-        _enabled
-        and _function_or_none() is not None
-        and dtype in _small_linear_dtypes
-        and _chosen("small_linear", dtype)
-    )
+    kernels = _kernels_or_none() if _enabled else None
+    return kernels is not None and dtype in kernels.small_linear_dtypes and _chosen("small_linear", dtype)
 
 
 def small_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -813,7 +565,8 @@ def small_linear(
     """x [M, K] @ W.T (+ bias, float32 [N]) with W laid out by `small_linear_weight` (same dtype as
     x); [M, N] in x's dtype, or None where the kernel does not apply. Meant for the few rows of a
     decode step (weight-streaming bound); oneDNN is faster for many rows."""
-    if not _enabled or _small_linear_function is None or x.dtype not in _small_linear_dtypes:
+    kernels = _kernels  # loaded by small_linear_available, which decides whether weights are laid out
+    if not _enabled or kernels is None or kernels.small_linear is None or x.dtype not in kernels.small_linear_dtypes:
         return None
     if x.dim() != 2 or x.stride(1) != 1 or packed.dtype != x.dtype:
         return None
@@ -823,7 +576,7 @@ def small_linear(
         return None  # not the layout of an [out_features, K] weight
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
         return None
-    return _run_small_linear(_small_linear_function, x, packed, out_features, bias)
+    return _run_small_linear(kernels.small_linear, x, packed, out_features, bias)
 
 
 def _run_small_linear(
@@ -871,7 +624,7 @@ def _small_linear_agrees(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> bool:  # t
 def decode_layers_available(dtype: torch.dtype) -> bool:
     """Whether `decode_layers` runs here for `dtype` (it is built of the small-batch linear, so it
     runs where that does)."""
-    return small_linear_available(dtype) and _decode_layers_function is not None
+    return small_linear_available(dtype) and _kernels is not None and _kernels.decode_layers is not None
 
 
 def decode_layers(
@@ -892,9 +645,10 @@ def decode_layers(
     arguments are described there); h is updated in place and x becomes the final norm's output.
     False where it does not run (then nothing was changed). The caller (LlamaModel) checks shapes,
     layouts and dtypes once per model and per step; this only guards the call."""
-    fn = _decode_layers_function
+    kernels = _kernels
+    fn = None if kernels is None else kernels.decode_layers
     code = _DTYPE_CODES.get(h.dtype)
-    if not _enabled or fn is None or code is None or h.dtype not in _small_linear_dtypes:
+    if not _enabled or kernels is None or fn is None or code is None or h.dtype not in kernels.small_linear_dtypes:
         return False
     rc = fn(
         code,
@@ -932,9 +686,10 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         or not _chosen("add_rms_norm", h.dtype)
     ):
         return None
-    if _function_or_none() is None or _norm_function is None:
+    kernels = _kernels_or_none()
+    if kernels is None:
         return None
-    return _run_norm(_norm_function, code, h, delta, weight, eps)
+    return _run_norm(kernels.add_rms_norm, code, h, delta, weight, eps)
 
 
 def _run_norm(
@@ -959,16 +714,6 @@ def _run_norm(
         torch.get_num_threads(),
     )
     return out if rc == 0 else None
-
-
-def reference_add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The PyTorch formulation of `add_rms_norm` (out of place): (h + delta, its norm)."""
-    if delta is not None:
-        h = h + delta
-    normed = torch.nn.functional.rms_norm(h.float(), (h.shape[-1],), None, eps).to(h.dtype)
-    return h, weight * normed
 
 
 def _self_check(

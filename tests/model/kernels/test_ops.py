@@ -1,4 +1,4 @@
-"""The native CPU kernels (prefixkv/model/cpu_kernels.py: decode and prefill attention, residual add +
+"""The native CPU kernels (prefixkv/model/kernels/ops.py: decode and prefill attention, residual add +
 RMSNorm)
 against the PyTorch path they replace: same outputs up to float rounding, in the model and alone,
 and a clean fallback where they cannot run."""
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from prefixkv.memory.block_tensors import allocate_kv_cache
-from prefixkv.model import cpu_kernels, load_model
+from prefixkv.model import load_model
+from prefixkv.model.kernels import build, ops, reference
 
-from .model_helpers import make_step, run_logits
+from ..model_helpers import make_step, run_logits
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler: the PyTorch path runs"
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.skipif(
 
 def test_the_kernel_is_built_and_used_here():
     # this machine has a compiler and torch has OpenMP: a silent fallback would hide a regression
-    assert cpu_kernels.available()
-    assert list(cpu_kernels.cache_dir().glob("prefixkv-cpu-*.so"))
+    assert ops.available()
+    assert list(build.cache_dir().glob("prefixkv-cpu-*.so"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -41,13 +42,13 @@ def test_decode_attention_equals_gather_then_sdpa(dtype, head_dim, groups):
     lens = torch.tensor([70, 1, 33, 69, 2])
     # q as the model has it: a strided slice of a wider tensor
     q = torch.randn(B, Hq + 3, head_dim, generator=g).to(dtype)[:, :Hq]
-    got = cpu_kernels.decode_attention(q, k, v, slots, lens, head_dim**-0.5)
+    got = ops.decode_attention(q, k, v, slots, lens, head_dim**-0.5)
     assert got is not None and got.dtype == dtype and got.shape == (B, Hq, head_dim)
-    want = cpu_kernels.reference_decode_attention(q, k, v, slots, lens, head_dim**-0.5)
+    want = reference.reference_decode_attention(q, k, v, slots, lens, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     # a slice of the batch (rows with a stride into the caller's q) gives the same rows as the whole
-    few = cpu_kernels.decode_attention(q[1:3], k, v, slots[1:3], lens[1:3], head_dim**-0.5)
+    few = ops.decode_attention(q[1:3], k, v, slots[1:3], lens[1:3], head_dim**-0.5)
     assert few is not None
     torch.testing.assert_close(few.float(), want[1:3].float(), rtol=tol, atol=tol)
 
@@ -55,16 +56,16 @@ def test_decode_attention_equals_gather_then_sdpa(dtype, head_dim, groups):
 def test_shapes_it_does_not_take_fall_back():
     q, kv = torch.randn(2, 4, 16), torch.randn(10, 2, 16)
     slots, lens = torch.zeros(2, 3, dtype=torch.long), torch.tensor([3, 1])
-    assert cpu_kernels.decode_attention(q, kv, kv, slots, lens, 0.25) is None  # head_dim 16
+    assert ops.decode_attention(q, kv, kv, slots, lens, 0.25) is None  # head_dim 16
     q, kv = torch.randn(2, 4, 64).half(), torch.randn(10, 2, 64).half()
-    assert cpu_kernels.decode_attention(q, kv, kv, slots, lens, 0.125) is None  # float16
+    assert ops.decode_attention(q, kv, kv, slots, lens, 0.125) is None  # float16
     q, kv = torch.randn(2, 4, 64), torch.randn(10, 2, 64)
-    assert cpu_kernels.decode_attention(q, kv, kv.bfloat16(), slots, lens, 0.125) is None  # mixed dtypes
-    assert cpu_kernels.decode_attention(q, kv, kv, slots.int(), lens, 0.125) is None  # int32 slots
-    with cpu_kernels.disabled():
-        assert not cpu_kernels.available()
-        assert cpu_kernels.decode_attention(q, kv, kv, slots, lens, 0.125) is None
-    assert cpu_kernels.available()
+    assert ops.decode_attention(q, kv, kv.bfloat16(), slots, lens, 0.125) is None  # mixed dtypes
+    assert ops.decode_attention(q, kv, kv, slots.int(), lens, 0.125) is None  # int32 slots
+    with ops.disabled():
+        assert not ops.available()
+        assert ops.decode_attention(q, kv, kv, slots, lens, 0.125) is None
+    assert ops.available()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,7 +84,7 @@ def test_default_model_steps_match_the_pytorch_path(dtype):
         if use_kernel:
             prefill, _ = run_logits(lm.model, caches, seqs, 16)
         else:
-            with cpu_kernels.disabled():
+            with ops.disabled():
                 prefill, _ = run_logits(lm.model, caches, seqs, 16)
         steps = [prefill[-3:].float()]  # the last prompt's last three rows
         for step in range(4):
@@ -91,7 +92,7 @@ def test_default_model_steps_match_the_pytorch_path(dtype):
             if use_kernel:
                 logits, _ = run_logits(lm.model, caches, seqs, 16)
             else:
-                with cpu_kernels.disabled():
+                with ops.disabled():
                     logits, _ = run_logits(lm.model, caches, seqs, 16)
             steps.append(logits.float())
         outputs.append(torch.stack(steps))
@@ -104,23 +105,23 @@ def test_default_model_steps_match_the_pytorch_path(dtype):
 def test_built_once_into_the_cache_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
     compiler = shutil.which("c++") or shutil.which("g++")
-    first = cpu_kernels._build(compiler)
+    first = build.build(compiler)
     assert first.parent == tmp_path / "kernels" and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernels._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert build.build(compiler) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no build leftovers
 
 
 def test_a_failing_build_falls_back_with_a_log_line(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", shutil.which("false") or "false")
-    monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    monkeypatch.setattr(cpu_kernels, "_function", None)
-    with caplog.at_level(logging.INFO, logger="prefixkv.model.cpu_kernels"):
-        assert not cpu_kernels.available()
+    monkeypatch.setattr(ops, "_loaded", False)
+    monkeypatch.setattr(ops, "_kernels", None)
+    with caplog.at_level(logging.INFO, logger="prefixkv.model.kernels.ops"):
+        assert not ops.available()
     assert "PyTorch path runs" in caplog.text
     q, kv, slots = torch.randn(2, 4, 64), torch.randn(10, 2, 64), torch.zeros(2, 3, dtype=torch.long)
-    assert cpu_kernels.decode_attention(q, kv, kv, slots, torch.tensor([3, 1]), 0.1) is None
+    assert ops.decode_attention(q, kv, kv, slots, torch.tensor([3, 1]), 0.1) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,28 +131,28 @@ def test_add_rms_norm_equals_add_then_transformers_norm(dtype, rows):
     h = (torch.randn(rows, 576, generator=g) * 4).to(dtype)
     delta = torch.randn(rows, 576, generator=g).to(dtype)
     weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
-    want_h, want = cpu_kernels.reference_add_rms_norm(h, delta, weight, 1e-5)
+    want_h, want = reference.reference_add_rms_norm(h, delta, weight, 1e-5)
     stream = h.clone()
-    got = cpu_kernels.add_rms_norm(stream, delta, weight, 1e-5)
+    got = ops.add_rms_norm(stream, delta, weight, 1e-5)
     assert got is not None
     assert torch.equal(stream, want_h)  # the residual add, in place, rounded as PyTorch's `h + delta`
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     h_before = h.clone()
-    alone = cpu_kernels.add_rms_norm(h, None, weight, 1e-5)  # norm only: h untouched
+    alone = ops.add_rms_norm(h, None, weight, 1e-5)  # norm only: h untouched
     assert alone is not None and torch.equal(h, h_before)
     torch.testing.assert_close(
-        alone.float(), cpu_kernels.reference_add_rms_norm(h, None, weight, 1e-5)[1].float(), rtol=tol, atol=tol
+        alone.float(), reference.reference_add_rms_norm(h, None, weight, 1e-5)[1].float(), rtol=tol, atol=tol
     )
 
 
 def test_add_rms_norm_refuses_what_it_cannot_take_and_changes_nothing():
     h, weight = torch.randn(4, 64), torch.ones(64)
     before = h.clone()
-    assert cpu_kernels.add_rms_norm(h.t(), None, torch.ones(4), 1e-5) is None  # not contiguous
-    assert cpu_kernels.add_rms_norm(h, torch.randn(4, 64).bfloat16(), weight, 1e-5) is None  # mixed dtypes
-    assert cpu_kernels.add_rms_norm(h, torch.randn(4, 32), weight, 1e-5) is None  # shapes differ
-    assert cpu_kernels.add_rms_norm(h.half(), None, weight.half(), 1e-5) is None  # float16
+    assert ops.add_rms_norm(h.t(), None, torch.ones(4), 1e-5) is None  # not contiguous
+    assert ops.add_rms_norm(h, torch.randn(4, 64).bfloat16(), weight, 1e-5) is None  # mixed dtypes
+    assert ops.add_rms_norm(h, torch.randn(4, 32), weight, 1e-5) is None  # shapes differ
+    assert ops.add_rms_norm(h.half(), None, weight.half(), 1e-5) is None  # float16
     assert torch.equal(h, before)
 
 
@@ -168,8 +169,8 @@ def test_the_model_never_writes_into_the_callers_input_embeddings():
 def assert_decode_with_lse_matches_reference(q, k, v, slots, lens):
     """The kernel's output and log-sum-exps against the PyTorch reference (scale 1/8)."""
     lse = torch.empty(q.shape[0], q.shape[1])
-    got = cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, lse)
-    want, want_lse = cpu_kernels.reference_decode_attention_lse(q, k, v, slots, lens, 0.125)
+    got = ops.decode_attention(q, k, v, slots, lens, 0.125, lse)
+    want, want_lse = reference.reference_decode_attention_lse(q, k, v, slots, lens, 0.125)
     assert got is not None
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     tol = 1e-5 if q.dtype == torch.float32 else 2e-2
@@ -198,7 +199,7 @@ def test_decode_attention_log_sum_exp_for_the_cascade_merge(dtype):
     lens = torch.tensor([50, 3, 1, 27])
     q = torch.randn(4, 9, 64, generator=g).to(dtype)
     assert_decode_with_lse_matches_reference(q, k, v, slots, lens)
-    assert cpu_kernels.decode_attention(q, k, v, slots, lens, 0.125, torch.empty(4, 9).double()) is None
+    assert ops.decode_attention(q, k, v, slots, lens, 0.125, torch.empty(4, 9).double()) is None
 
 
 def test_shared_prefix_decodes_through_the_cascade_match_the_pytorch_path():
@@ -216,14 +217,14 @@ def test_shared_prefix_decodes_through_the_cascade_match_the_pytorch_path():
     for use_kernel in (True, False):
         caches = allocate_kv_cache(lm.config, 12, 16)
         seqs = [prefix + s for s in suffixes]
-        with contextlib.nullcontext() if use_kernel else cpu_kernels.disabled():
+        with contextlib.nullcontext() if use_kernel else ops.disabled():
             run_logits(lm.model, caches, [(seqs[0], blocks[0], 0)], 16)
             # two chunks after the shared prefix: the cascade again, the prefill kernel for the suffixes
             chunks, _ = run_logits(lm.model, caches, [(s, b, 96) for s, b in zip(seqs[1:], blocks[1:])], 16)
         steps = [chunks[-3:]]
         for step in range(3):
             batch = [(s + list(range(300, 301 + step)), b, len(s) + step) for s, b in zip(seqs, blocks)]
-            with contextlib.nullcontext() if use_kernel else cpu_kernels.disabled():
+            with contextlib.nullcontext() if use_kernel else ops.disabled():
                 ids, pos, meta = make_step(batch, 16)
                 # the PyTorch path attends to the prefix once (the cascade); with the kernel each
                 # sequence reads its whole context in place, faster on a CPU
@@ -261,8 +262,8 @@ def test_prefill_attention_equals_the_masked_softmax(dtype, head_dim, groups):
     q, k, v, seqs, slots = _prefill_case(dtype, head_dim, Hq, Hkv, [(70, 70), (5, 45), (130, 133), (1, 1)])
     got, want = torch.full(q.shape, 7.0, dtype=dtype), torch.full(q.shape, 7.0, dtype=dtype)
     got_lse, want_lse = torch.zeros(q.shape[:2]), torch.zeros(q.shape[:2])
-    assert cpu_kernels.prefill_attention(q, k, v, seqs, slots, head_dim**-0.5, got, got_lse)
-    cpu_kernels.reference_prefill_attention(q, k, v, seqs, slots, head_dim**-0.5, want, want_lse)
+    assert ops.prefill_attention(q, k, v, seqs, slots, head_dim**-0.5, got, got_lse)
+    reference.reference_prefill_attention(q, k, v, seqs, slots, head_dim**-0.5, want, want_lse)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
@@ -275,17 +276,17 @@ def test_a_prefill_rows_values_do_not_depend_on_the_rows_computed_with_it(dtype)
     once - the kernel's part of "caching on equals caching off"."""
     q, k, v, seqs, slots = _prefill_case(dtype, 64, 9, 3, [(150, 150), (20, 60)], seed=3)
     whole = torch.zeros(q.shape, dtype=dtype)
-    assert cpu_kernels.prefill_attention(q, k, v, seqs[:1], slots, 0.125, whole)
+    assert ops.prefill_attention(q, k, v, seqs[:1], slots, 0.125, whole)
     chunk_q = q[113:150]
     # the chunk alone: its queries are rows 0..36, its 150 keys the prompt's slots
     alone = torch.zeros(chunk_q.shape, dtype=dtype)
-    assert cpu_kernels.prefill_attention(chunk_q, k, v, torch.tensor([[0, 37, 150, 0]]), slots, 0.125, alone)
+    assert ops.prefill_attention(chunk_q, k, v, torch.tensor([[0, 37, 150, 0]]), slots, 0.125, alone)
     assert torch.equal(alone, whole[113:150])
     # beside the second sequence, in one call
     both_q = torch.cat([q[150:170], chunk_q]).contiguous()
     both = torch.zeros(both_q.shape, dtype=dtype)
     two = torch.tensor([[0, 20, 60, 150], [20, 37, 150, 0]])
-    assert cpu_kernels.prefill_attention(both_q, k, v, two, slots, 0.125, both)
+    assert ops.prefill_attention(both_q, k, v, two, slots, 0.125, both)
     assert torch.equal(both[20:], whole[113:150])
 
 
@@ -302,19 +303,19 @@ def test_prefill_attention_refuses_what_it_cannot_take_and_writes_nothing():
         (q.transpose(0, 1).contiguous().transpose(0, 1), k, v, seqs, slots, out),  # heads not contiguous
     ]
     for args in bad:
-        assert not cpu_kernels.prefill_attention(*args[:5], 0.125, args[5])
+        assert not ops.prefill_attention(*args[:5], 0.125, args[5])
     assert torch.equal(out, torch.full(q.shape, 7.0))
-    with cpu_kernels.disabled():
-        assert not cpu_kernels.prefill_attention(q, k, v, seqs, slots, 0.125, out)
+    with ops.disabled():
+        assert not ops.prefill_attention(q, k, v, seqs, slots, 0.125, out)
     assert torch.equal(out, torch.full(q.shape, 7.0))
 
 
 @pytest.fixture
 def restore_choices():
-    before = dict(cpu_kernels._choices)
+    before = dict(ops._choices)
     yield
-    cpu_kernels._choices.clear()
-    cpu_kernels._choices.update(before)
+    ops._choices.clear()
+    ops._choices.update(before)
 
 
 def test_the_plan_gives_the_native_prefill_kernel_prompts_up_to_the_chosen_length(restore_choices):
@@ -325,8 +326,8 @@ def test_the_plan_gives_the_native_prefill_kernel_prompts_up_to_the_chosen_lengt
     from prefixkv.model.attention import AttentionMetadata
 
     for dtype in (torch.float32, torch.bfloat16):
-        cpu_kernels.set_choice(dtype, None)
-    long, short = cpu_kernels.prefill_max_new_tokens(torch.bfloat16) + 1, 40
+        ops.set_choice(dtype, None)
+    long, short = ops.prefill_max_new_tokens(torch.bfloat16) + 1, 40
     columns = long // 16 + 1
     blocks = torch.arange(2 * columns).view(2, columns)
     slots = torch.cat([blocks[i, pos // 16] * 16 + pos % 16 for i, pos in enumerate(map(torch.arange, (short, long)))])
@@ -338,13 +339,13 @@ def test_the_plan_gives_the_native_prefill_kernel_prompts_up_to_the_chosen_lengt
     assert bf16.fresh_kernel is not None and bf16.fresh_kernel.seqs[:, 1].tolist() == [short]
     assert [b - a for a, b, _ in bf16.fresh_rest] == [long]
 
-    cpu_kernels.set_choice(torch.float32, cpu_kernels.KernelChoice(prefill_max_tokens=short))
+    ops.set_choice(torch.float32, ops.KernelChoice(prefill_max_tokens=short))
     meta = AttentionMetadata(slots, [0, short, short + long], [short, long], blocks)
     capped = meta.plan(16, torch.device("cpu"), None, torch.float32)
     assert capped.fresh_kernel is not None and capped.fresh_kernel.seqs[:, 1].tolist() == [short]
     assert [b - a for a, b, _ in capped.fresh_rest] == [long]
 
-    cpu_kernels.set_choice(torch.float32, cpu_kernels.KernelChoice(prefill_max_tokens=0))
+    ops.set_choice(torch.float32, ops.KernelChoice(prefill_max_tokens=0))
     # a 5-token chunk after 32 cached tokens, and a fresh prompt
     blocks = torch.arange(8).view(2, 4)
     slots = torch.cat([torch.arange(32, 37), blocks[1, torch.arange(20) // 16] * 16 + torch.arange(20) % 16])
@@ -363,8 +364,8 @@ def test_silu_and_mul_equals_silu_then_mul(dtype, shape):
     g = torch.Generator().manual_seed(sum(shape))
     gate_up = (torch.randn(*shape, generator=g) * 4).to(dtype)
     gate_up[..., 0] = 0.0  # silu(0) = 0 exactly
-    got = cpu_kernels.silu_and_mul(gate_up)
-    want = cpu_kernels.reference_silu_and_mul(gate_up)
+    got = ops.silu_and_mul(gate_up)
+    want = reference.reference_silu_and_mul(gate_up)
     assert got is not None and got.dtype == dtype and got.shape == want.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
@@ -375,11 +376,11 @@ def test_silu_and_mul_equals_silu_then_mul(dtype, shape):
 
 
 def test_silu_and_mul_refuses_what_it_cannot_take():
-    assert cpu_kernels.silu_and_mul(torch.randn(4, 10).half()) is None  # float16
-    assert cpu_kernels.silu_and_mul(torch.randn(10, 4).t()) is None  # not contiguous
-    assert cpu_kernels.silu_and_mul(torch.randn(4, 9)) is None  # odd width: no gate/up halves
-    with cpu_kernels.disabled():
-        assert cpu_kernels.silu_and_mul(torch.randn(4, 10)) is None
+    assert ops.silu_and_mul(torch.randn(4, 10).half()) is None  # float16
+    assert ops.silu_and_mul(torch.randn(10, 4).t()) is None  # not contiguous
+    assert ops.silu_and_mul(torch.randn(4, 9)) is None  # odd width: no gate/up halves
+    with ops.disabled():
+        assert ops.silu_and_mul(torch.randn(4, 10)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -408,12 +409,12 @@ def test_rotary_refuses_what_it_cannot_take_and_changes_nothing():
     x = torch.randn(4, 2, 64)
     cos, sin = torch.randn(4, 64), torch.randn(4, 64)
     before = x.clone()
-    assert not cpu_kernels.rotary_(x, cos.bfloat16(), sin)  # mixed dtypes
-    assert not cpu_kernels.rotary_(x, cos[:3], sin[:3])  # a table per row is needed
-    assert not cpu_kernels.rotary_(x.transpose(0, 1), cos, sin)  # heads not contiguous
-    assert not cpu_kernels.rotary_(x.half(), cos.half(), sin.half())  # float16
-    with cpu_kernels.disabled():
-        assert not cpu_kernels.rotary_(x, cos, sin)
+    assert not ops.rotary_(x, cos.bfloat16(), sin)  # mixed dtypes
+    assert not ops.rotary_(x, cos[:3], sin[:3])  # a table per row is needed
+    assert not ops.rotary_(x.transpose(0, 1), cos, sin)  # heads not contiguous
+    assert not ops.rotary_(x.half(), cos.half(), sin.half())  # float16
+    with ops.disabled():
+        assert not ops.rotary_(x, cos, sin)
     assert torch.equal(x, before)
 
 
@@ -432,7 +433,7 @@ def test_write_kv_equals_index_copy(dtype, tokens):
     want = cache.clone()
     want[0].index_copy_(0, slots, k)
     want[1].index_copy_(0, slots, v)
-    assert cpu_kernels.write_kv(k, v, cache[0], cache[1], slots)
+    assert ops.write_kv(k, v, cache[0], cache[1], slots)
     assert torch.equal(cache, want)
 
 
@@ -440,14 +441,14 @@ def test_write_kv_refuses_what_it_cannot_take_and_writes_nothing():
     k, v = torch.randn(4, 2, 64), torch.randn(4, 2, 64)
     cache = torch.zeros(2, 16, 2, 64)
     slots = torch.tensor([3, 0, 9, 15])
-    assert not cpu_kernels.write_kv(k, v, cache[0], cache[1], torch.tensor([3, 0, 9, 16]))  # out of range
-    assert not cpu_kernels.write_kv(k, v, cache[0], cache[1], torch.tensor([3, 0, -1, 2]))  # negative
-    assert not cpu_kernels.write_kv(k, v, cache[0], cache[1], slots.int())  # int32 slots
-    assert not cpu_kernels.write_kv(k.bfloat16(), v.bfloat16(), cache[0], cache[1], slots)  # dtype differs
-    assert not cpu_kernels.write_kv(k.transpose(1, 2), v.transpose(1, 2), cache[0], cache[1], slots[:2])
-    assert not cpu_kernels.write_kv(k, v, cache[0].transpose(1, 2), cache[1].transpose(1, 2), slots)
-    with cpu_kernels.disabled():
-        assert not cpu_kernels.write_kv(k, v, cache[0], cache[1], slots)
+    assert not ops.write_kv(k, v, cache[0], cache[1], torch.tensor([3, 0, 9, 16]))  # out of range
+    assert not ops.write_kv(k, v, cache[0], cache[1], torch.tensor([3, 0, -1, 2]))  # negative
+    assert not ops.write_kv(k, v, cache[0], cache[1], slots.int())  # int32 slots
+    assert not ops.write_kv(k.bfloat16(), v.bfloat16(), cache[0], cache[1], slots)  # dtype differs
+    assert not ops.write_kv(k.transpose(1, 2), v.transpose(1, 2), cache[0], cache[1], slots[:2])
+    assert not ops.write_kv(k, v, cache[0].transpose(1, 2), cache[1].transpose(1, 2), slots)
+    with ops.disabled():
+        assert not ops.write_kv(k, v, cache[0], cache[1], slots)
     assert not cache.any()
 
 
@@ -458,14 +459,14 @@ def test_write_kv_refuses_what_it_cannot_take_and_writes_nothing():
 @pytest.mark.parametrize("out_features", [37, 80, 960])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_equals_f_linear(dtype, rows, out_features, with_bias):
-    if not cpu_kernels.small_linear_available(dtype):
+    if not ops.small_linear_available(dtype):
         pytest.skip(f"CPU without the instructions for {dtype} (AVX-512 / AVX512-BF16): linears stay on oneDNN")
     g = torch.Generator().manual_seed(rows * out_features)
     weight = torch.randn(out_features, 576, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g) if with_bias else None
     # x as the model has it: rows of a wider tensor (a stride larger than K)
     x = torch.randn(rows, 600, generator=g).to(dtype)[:, :576]
-    got = cpu_kernels.small_linear(x, cpu_kernels.small_linear_weight(weight), out_features, bias)
+    got = ops.small_linear(x, ops.small_linear_weight(weight), out_features, bias)
     assert got is not None and got.dtype == dtype and got.shape == (rows, out_features)
     want = torch.nn.functional.linear(x.float(), weight.float(), bias)
     if dtype == torch.float32:  # the same products, summed in another order
@@ -479,21 +480,21 @@ def test_small_linear_equals_f_linear(dtype, rows, out_features, with_bias):
 
 
 @pytest.mark.skipif(
-    not cpu_kernels.small_linear_available(torch.bfloat16), reason="CPU without AVX512-BF16: linears stay on oneDNN"
+    not ops.small_linear_available(torch.bfloat16), reason="CPU without AVX512-BF16: linears stay on oneDNN"
 )
 def test_small_linear_refuses_what_it_cannot_take():
     weight = torch.randn(32, 64).to(torch.bfloat16)
-    packed = cpu_kernels.small_linear_weight(weight)
+    packed = ops.small_linear_weight(weight)
     assert packed is not None and packed.shape == (1, 32, 2, 16, 2)
-    assert cpu_kernels.small_linear_weight(weight.half()) is None  # float16
-    assert cpu_kernels.small_linear_weight(torch.randn(32, 63).to(torch.bfloat16)) is None  # bfloat16, K odd
+    assert ops.small_linear_weight(weight.half()) is None  # float16
+    assert ops.small_linear_weight(torch.randn(32, 63).to(torch.bfloat16)) is None  # bfloat16, K odd
     x = torch.randn(2, 64).to(torch.bfloat16)
-    assert cpu_kernels.small_linear(x.float(), packed, 32) is None  # float32 input, bfloat16 weights
-    assert cpu_kernels.small_linear(x.t().contiguous().t(), packed, 32) is None  # columns apart
-    assert cpu_kernels.small_linear(torch.randn(2, 62).to(torch.bfloat16), packed, 32) is None  # K mismatch
-    assert cpu_kernels.small_linear(x, packed, 32, torch.randn(32).bfloat16()) is None  # bias not float32
-    assert cpu_kernels.small_linear(x, packed, 33) is None  # more outputs than the weight has blocks for
-    assert cpu_kernels.small_linear(x, packed, 32, torch.randn(31)) is None  # bias of another length
-    with cpu_kernels.disabled():
-        assert cpu_kernels.small_linear(x, packed, 32) is None
-    assert cpu_kernels.small_linear(x, packed, 32) is not None
+    assert ops.small_linear(x.float(), packed, 32) is None  # float32 input, bfloat16 weights
+    assert ops.small_linear(x.t().contiguous().t(), packed, 32) is None  # columns apart
+    assert ops.small_linear(torch.randn(2, 62).to(torch.bfloat16), packed, 32) is None  # K mismatch
+    assert ops.small_linear(x, packed, 32, torch.randn(32).bfloat16()) is None  # bias not float32
+    assert ops.small_linear(x, packed, 33) is None  # more outputs than the weight has blocks for
+    assert ops.small_linear(x, packed, 32, torch.randn(31)) is None  # bias of another length
+    with ops.disabled():
+        assert ops.small_linear(x, packed, 32) is None
+    assert ops.small_linear(x, packed, 32) is not None

@@ -4,7 +4,7 @@ A native kernel proven correct is not yet proven fast: the same source built for
 lose to PyTorch (the float32 prefill attention built for AVX2 ran 7-15x slower than SDPA on an AMD
 Zen 3 before its AVX2 loops were written). So at a model's first load on a machine each kernel is
 timed against the path the engine takes without it, on that model's shapes and dtype, and the
-faster runs (`cpu_kernels.KernelChoice`):
+faster runs (`ops.KernelChoice`):
 
 - prefill attention at 128, 512 and 2,048 new tokens against SDPA over contiguous K/V (what a
   prompt without cached context runs without it): the native kernel takes prompts and chunks up
@@ -47,8 +47,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .config import ModelConfig
+from ..config import ModelConfig
+from . import build, ops
+from .reference import reference_rotary, reference_silu_and_mul
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class Timed:
         return f"{self.what}: native {self.native_ms:.3f} ms, PyTorch {self.torch_ms:.3f} ms -> {winner}"
 
 
-_made: dict[KernelShapes, tuple[cpu_kernels.KernelChoice, list[str]]] = {}
+_made: dict[KernelShapes, tuple[ops.KernelChoice, list[str]]] = {}
 
 
 def mode() -> str:
@@ -119,14 +120,14 @@ def warn_if_bfloat16_is_emulated(dtype: torch.dtype) -> bool:
     float32 itself (44-47 against 32-34 CPU-seconds for the demo's prefill on an AMD Zen 3).
     Returns whether it warned."""
     global _warned_bf16
-    flags = set(cpu_kernels.cpu_flags().split())
+    flags = set(build.cpu_flags().split())
     if dtype != torch.bfloat16 or _warned_bf16 or "avx2" not in flags or flags & {"avx512_bf16", "amx_bf16"}:
         return False
     _warned_bf16 = True
     logger.warning(
         "bfloat16 on this CPU (%s) has no bfloat16 arithmetic (no AVX512-BF16, no AMX): products widen to "
         "float32 and round back, typically slower than --dtype float32, which is also exact",
-        cpu_kernels.cpu_model() or "unknown",
+        build.cpu_model() or "unknown",
     )
     return True
 
@@ -134,17 +135,17 @@ def warn_if_bfloat16_is_emulated(dtype: torch.dtype) -> bool:
 _warned_bf16 = False
 
 
-def choose(shapes: KernelShapes) -> cpu_kernels.KernelChoice | None:
+def choose(shapes: KernelShapes) -> ops.KernelChoice | None:
     """Time (or read from disk) which kernels run for a model of `shapes`, put the answer in force
-    for its dtype (cpu_kernels.set_choice) and return it; None where no native kernel runs here or
+    for its dtype (ops.set_choice) and return it; None where no native kernel runs here or
     PREFIXKV_KERNEL_CHOICE=native (then every applicable one runs)."""
     dtype = getattr(torch, shapes.dtype)
-    if not cpu_kernels.available() or mode() == "native":
+    if not ops.available() or mode() == "native":
         return None
     if shapes not in _made:
         _made[shapes] = _stored_or_measured(shapes)
     made, _ = _made[shapes]
-    cpu_kernels.set_choice(dtype, made)
+    ops.set_choice(dtype, made)
     return made
 
 
@@ -161,23 +162,23 @@ def describe(shapes: KernelShapes) -> list[str]:
 def _key(shapes: KernelShapes) -> str:
     parts = [
         str(FORMAT_VERSION),
-        cpu_kernels.library_name() or "",
-        cpu_kernels.cpu_model(),
+        ops.library_name() or "",
+        build.cpu_model(),
         json.dumps(asdict(shapes), sort_keys=True),
     ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
 def _file(key: str) -> Path:
-    return cpu_kernels.cache_dir().parent / "kernel-choice" / f"{key}.json"
+    return build.cache_dir().parent / "kernel-choice" / f"{key}.json"
 
 
-def _stored_or_measured(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
+def _stored_or_measured(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
     path = _file(_key(shapes))
     if mode() != "measure":
         try:
             data = json.loads(path.read_text())
-            made = cpu_kernels.KernelChoice(**data["choice"])
+            made = ops.KernelChoice(**data["choice"])
             lines = [str(x) for x in data["lines"]]
             logger.info("CPU kernels (measured before, %s): %s", path.name, summary(made))
             return made, lines
@@ -191,7 +192,7 @@ def _stored_or_measured(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice,
     )
     start = time.perf_counter()
     made, lines = measure(shapes)
-    lines.insert(0, f"{cpu_kernels.arch()} build {cpu_kernels.library_name()}, one thread, {cpu_kernels.cpu_model()}")
+    lines.insert(0, f"{build.arch()} build {ops.library_name()}, one thread, {build.cpu_model()}")
     logger.info("CPU kernels (timed in %.1f s): %s", time.perf_counter() - start, summary(made))
     for line in lines:
         logger.debug("  %s", line)
@@ -206,7 +207,7 @@ def _stored_or_measured(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice,
     return made, lines
 
 
-def summary(made: cpu_kernels.KernelChoice) -> str:
+def summary(made: ops.KernelChoice) -> str:
     caps = ("prefill_max_tokens", "small_linear_max_rows")
     native = [name for name, on in asdict(made).items() if name not in caps and on]
     torch_path = [name for name, on in asdict(made).items() if name not in caps and not on]
@@ -238,23 +239,23 @@ def _time(native: Callable[[], object], reference: Callable[[], object], what: s
     return Timed(what, min(a) * 1e3, min(b) * 1e3)
 
 
-def measure(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
+def measure(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
     """Time every kernel that applies to `shapes` against its PyTorch path (see the module's
     docstring); the choice and one line per comparison."""
     dtype = getattr(torch, shapes.dtype)
-    before, threads = cpu_kernels.choice(dtype), torch.get_num_threads()
-    cpu_kernels.set_choice(dtype, None)  # every kernel callable while timing
+    before, threads = ops.choice(dtype), torch.get_num_threads()
+    ops.set_choice(dtype, None)  # every kernel callable while timing
     torch.set_num_threads(1)
     try:
         g = torch.Generator().manual_seed(0)
         timed: dict[str, list[Timed]] = {}
-        attention = shapes.head_dim in cpu_kernels.HEAD_DIMS and (
-            shapes.heads % shapes.kv_heads == 0 and shapes.heads // shapes.kv_heads <= cpu_kernels.MAX_GROUP
+        attention = shapes.head_dim in ops.HEAD_DIMS and (
+            shapes.heads % shapes.kv_heads == 0 and shapes.heads // shapes.kv_heads <= ops.MAX_GROUP
         )
         if attention:
             timed["prefill"] = [_prefill(shapes, dtype, n, g) for n in PREFILL_LENGTHS]
             timed["decode_attention"] = [_decode_attention(shapes, dtype, b, g) for b in (1, 8)]
-        if cpu_kernels.small_linear_available(dtype):
+        if ops.small_linear_available(dtype):
             timed["small_linear"] = [_small_linear(shapes, dtype, m, g) for m in SMALL_LINEAR_ROWS]
         timed["add_rms_norm"] = [_norm(shapes, dtype, rows, g) for rows in (1, 256)]
         timed["silu_and_mul"] = [_silu(shapes, dtype, rows, g) for rows in (1, 256)]
@@ -262,7 +263,7 @@ def measure(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
             timed["rotary"] = [_rotary(shapes, dtype, rows, g) for rows in (1, 256)]
             timed["write_kv"] = [_write_kv(shapes, dtype, rows, g) for rows in (1, 256)]
     finally:
-        cpu_kernels.set_choice(dtype, before)
+        ops.set_choice(dtype, before)
         torch.set_num_threads(threads)
 
     def wins(name: str) -> bool:  # where it applies: the sum over the sizes timed
@@ -271,7 +272,7 @@ def measure(shapes: KernelShapes) -> tuple[cpu_kernels.KernelChoice, list[str]]:
 
     prefill_cap = _cap(timed.get("prefill"), PREFILL_LENGTHS)
     rows_cap = _cap(timed.get("small_linear"), SMALL_LINEAR_ROWS)
-    made = cpu_kernels.KernelChoice(
+    made = ops.KernelChoice(
         prefill_max_tokens=prefill_cap,
         small_linear_max_rows=rows_cap,
         decode_attention=wins("decode_attention"),
@@ -309,7 +310,7 @@ def _prefill(shapes: KernelShapes, dtype: torch.dtype, n: int, g: torch.Generato
     gqa = Hq != Hkv
 
     def native() -> None:
-        cpu_kernels.prefill_attention(q, k, v, seqs, slots, D**-0.5, out)
+        ops.prefill_attention(q, k, v, seqs, slots, D**-0.5, out)
 
     def reference() -> None:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=D**-0.5, enable_gqa=gqa)
@@ -327,7 +328,7 @@ def _decode_attention(shapes: KernelShapes, dtype: torch.dtype, batch: int, g: t
     lens = torch.full((batch,), L)
 
     def native() -> None:
-        cpu_kernels.decode_attention(q, k, v, slots, lens, D**-0.5)
+        ops.decode_attention(q, k, v, slots, lens, D**-0.5)
 
     def reference() -> None:  # attention.paged_attention's path without the kernel
         kc = k.index_select(0, slots.reshape(-1)).view(batch, L, Hkv, D).transpose(1, 2)
@@ -340,13 +341,13 @@ def _decode_attention(shapes: KernelShapes, dtype: torch.dtype, batch: int, g: t
 def _small_linear(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generator) -> Timed:
     weight = (torch.randn(2 * shapes.intermediate, shapes.hidden, generator=g) * 0.02).to(dtype)
     x = torch.randn(rows, shapes.hidden, generator=g).to(dtype)
-    small = cpu_kernels.small_linear_weight(weight)
+    small = ops.small_linear_weight(weight)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
     N = weight.shape[0]
 
     def native() -> None:
         assert small is not None
-        cpu_kernels.small_linear(x, small, N)
+        ops.small_linear(x, small, N)
 
     def onednn() -> None:
         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -367,7 +368,7 @@ def _norm(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generato
     weight = torch.ones(shapes.hidden, dtype=dtype)
 
     def native() -> None:
-        cpu_kernels.add_rms_norm(h, delta, weight, 1e-5)
+        ops.add_rms_norm(h, delta, weight, 1e-5)
 
     def reference() -> None:  # layers.RMSNorm.add_and_norm without the kernel
         s = h + delta
@@ -383,10 +384,10 @@ def _silu(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generato
     gate_up = torch.randn(rows, 2 * shapes.intermediate, generator=g).to(dtype)
 
     def native() -> None:
-        cpu_kernels.silu_and_mul(gate_up)
+        ops.silu_and_mul(gate_up)
 
     def reference() -> None:
-        cpu_kernels.reference_silu_and_mul(gate_up)
+        reference_silu_and_mul(gate_up)
 
     return _time(native, reference, f"SiLU x up, {rows} rows")
 
@@ -399,10 +400,10 @@ def _rotary(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Genera
     sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
 
     def native() -> None:
-        cpu_kernels.rotary_(x, cos, sin)
+        ops.rotary_(x, cos, sin)
 
     def reference() -> None:
-        cpu_kernels.reference_rotary(x, cos, sin)
+        reference_rotary(x, cos, sin)
 
     return _time(native, reference, f"rotary, {rows} rows")
 
@@ -417,7 +418,7 @@ def _write_kv(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Gene
     slots = torch.randperm(k_flat.shape[0], generator=g)[:rows]
 
     def native() -> None:
-        cpu_kernels.write_kv(k, v, k_flat, v_flat, slots)
+        ops.write_kv(k, v, k_flat, v_flat, slots)
 
     def reference() -> None:
         k_flat.index_copy_(0, slots, k)

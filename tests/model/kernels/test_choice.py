@@ -1,4 +1,4 @@
-"""Kernels chosen by measured speed (prefixkv/model/kernel_choice.py): the timing picks the faster
+"""Kernels chosen by measured speed (prefixkv/model/kernels/choice.py): the timing picks the faster
 path and caps the prefill kernel where it loses; the answer is kept on disk and read back, a
 broken file is measured again; the choice is in force for its dtype; a model runs and answers the
 same whichever kernels were chosen; and every build this CPU can execute passes the kernels'
@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
-from prefixkv.model import cpu_kernels, kernel_choice
-from prefixkv.model.kernel_choice import KernelShapes, Timed
+from prefixkv.model.kernels import build, ops
+from prefixkv.model.kernels import choice as kernel_choice
+from prefixkv.model.kernels.choice import KernelShapes, Timed
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels here")
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no native CPU kernels here")
 
 SHAPES = KernelShapes(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=32, dtype="float32")
 
@@ -29,12 +30,12 @@ def fresh(monkeypatch, tmp_path):
     """A cache folder of the test's own, timing switched on, and the choices as they were after."""
     monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(kernel_choice.ENV_MODE, "auto")
-    before = dict(cpu_kernels._choices)
+    before = dict(ops._choices)
     kernel_choice._made.clear()
     yield tmp_path
     kernel_choice._made.clear()
-    cpu_kernels._choices.clear()
-    cpu_kernels._choices.update(before)
+    ops._choices.clear()
+    ops._choices.update(before)
 
 
 def fake_timer(slower: set[str]):
@@ -53,25 +54,25 @@ def fake_timer(slower: set[str]):
 def test_the_faster_path_is_chosen_and_the_prefill_kernel_capped_where_it_loses(fresh, monkeypatch):
     monkeypatch.setattr(kernel_choice, "_time", fake_timer({"rotary", "prefill attention, 2048"}))
     made = kernel_choice.choose(SHAPES)
-    assert made == cpu_kernels.choice(torch.float32)
+    assert made == ops.choice(torch.float32)
     assert made.prefill_max_tokens == 512  # won at 128 and 512, lost at 2,048
     assert not made.rotary and made.decode_attention and made.add_rms_norm and made.silu_and_mul
-    assert cpu_kernels.prefill_max_new_tokens(torch.float32) == 512
-    assert cpu_kernels.decode_attention_available(torch.float32)
+    assert ops.prefill_max_new_tokens(torch.float32) == 512
+    assert ops.decode_attention_available(torch.float32)
     x = torch.randn(3, 4, 32)
     angles = torch.rand(3, 16)
     cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((-angles.sin(), angles.sin()), -1)
-    assert not cpu_kernels.rotary_(x, cos, sin)  # PyTorch's then
-    assert cpu_kernels.rotary_(x.bfloat16(), cos.bfloat16(), sin.bfloat16())  # another dtype: untouched
+    assert not ops.rotary_(x, cos, sin)  # PyTorch's then
+    assert ops.rotary_(x.bfloat16(), cos.bfloat16(), sin.bfloat16())  # another dtype: untouched
 
 
 def test_the_small_linear_takes_steps_up_to_the_most_rows_it_won_at(fresh, monkeypatch):
-    if not cpu_kernels.small_linear_available(torch.float32):
+    if not ops.small_linear_available(torch.float32):
         pytest.skip("no small-batch linear kernel here")
     monkeypatch.setattr(kernel_choice, "_time", fake_timer({"small linear, 8 rows", "small linear, 16 rows"}))
     made = kernel_choice.choose(SHAPES)
     assert made.small_linear and made.small_linear_max_rows == 4
-    assert cpu_kernels.small_linear_max_rows(torch.float32) == 4
+    assert ops.small_linear_max_rows(torch.float32) == 4
     from prefixkv.model.layers import DualLayoutLinear
 
     layer = DualLayoutLinear(torch.randn(48, 64))
@@ -82,8 +83,8 @@ def test_a_prefill_kernel_that_loses_at_the_shortest_length_takes_nothing(fresh,
     monkeypatch.setattr(kernel_choice, "_time", fake_timer({"prefill attention, 128", "decode attention"}))
     made = kernel_choice.choose(SHAPES)
     assert made.prefill_max_tokens == 0 and not made.decode_attention
-    assert cpu_kernels.prefill_max_new_tokens(torch.float32) == 0
-    assert not cpu_kernels.decode_attention_available(torch.float32)
+    assert ops.prefill_max_new_tokens(torch.float32) == 0
+    assert not ops.decode_attention_available(torch.float32)
 
 
 def test_the_answer_is_kept_on_disk_and_a_broken_file_is_measured_again(fresh, monkeypatch):
@@ -116,7 +117,7 @@ def test_native_mode_skips_the_timing(fresh, monkeypatch):
 def test_real_timing_gives_a_choice_and_its_lines(fresh):
     """Timed for real on a small shape: every comparison has a line and a positive time."""
     made, lines = kernel_choice.measure(SHAPES)
-    assert isinstance(made, cpu_kernels.KernelChoice)
+    assert isinstance(made, ops.KernelChoice)
     assert any(line.startswith("prefill attention, 128 tokens") for line in lines)
     assert all("native " in line and "PyTorch " in line for line in lines)
 
@@ -130,8 +131,8 @@ def test_outputs_are_the_same_whichever_kernels_were_chosen(fresh, monkeypatch):
     prompt = "The capital of France is Paris. The capital of Italy is"
     results = []
     for choice in (
-        cpu_kernels.KernelChoice(),
-        cpu_kernels.KernelChoice(
+        ops.KernelChoice(),
+        ops.KernelChoice(
             prefill_max_tokens=0,
             decode_attention=False,
             small_linear=False,
@@ -140,17 +141,17 @@ def test_outputs_are_the_same_whichever_kernels_were_chosen(fresh, monkeypatch):
             rotary=False,
             write_kv=False,
         ),
-        cpu_kernels.KernelChoice(prefill_max_tokens=4, rotary=False, silu_and_mul=False),
+        ops.KernelChoice(prefill_max_tokens=4, rotary=False, silu_and_mul=False),
     ):
         monkeypatch.setattr(kernel_choice, "measure", lambda shapes, c=choice: (c, ["fixed"]))
         kernel_choice._made.clear()
         llm = LLM(dtype="float32", max_model_len=256, cpu_thread_policy="fixed")
-        assert cpu_kernels.choice(torch.float32) == choice
+        assert ops.choice(torch.float32) == choice
         results.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
     assert results[0] == results[1] == results[2]
 
 
-OTHER_ARCHES = [a for a in cpu_kernels.ARCHES if a != "native"]
+OTHER_ARCHES = [a for a in build.ARCHES if a != "native"]
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHES)
@@ -158,10 +159,10 @@ def test_each_build_this_cpu_runs_passes_the_kernel_tests(arch, tmp_path):
     """The kernels compiled for another x86-64 level than this CPU's own pass the equality tests
     where this CPU executes that level: an AVX-512 machine tests the AVX2 build its users on
     AVX2-only CPUs run."""
-    if not cpu_kernels.arch_runs_here(arch):
+    if not build.arch_runs_here(arch):
         pytest.skip(f"this CPU does not execute {arch} code")
-    tests = Path(__file__).with_name("test_model_cpu_kernels.py")
-    env = {**os.environ, cpu_kernels.ARCH_ENV: arch}
+    tests = Path(__file__).with_name("test_ops.py")
+    env = {**os.environ, build.ARCH_ENV: arch}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tests)],
         env=env,
@@ -177,11 +178,11 @@ def test_bfloat16_without_bfloat16_arithmetic_is_said_once(monkeypatch, caplog):
     """On an AVX2 CPU without AVX512-BF16 or AMX, asking for bfloat16 logs one warning that it is
     emulated (slower than float32); with the instructions, or for float32, nothing."""
     monkeypatch.setattr(kernel_choice, "_warned_bf16", False)
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma avx512f avx512_bf16")
+    monkeypatch.setattr(build, "cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma avx512f avx512_bf16")
     assert not kernel_choice.warn_if_bfloat16_is_emulated(torch.bfloat16)
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma")
+    monkeypatch.setattr(build, "cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma")
     assert not kernel_choice.warn_if_bfloat16_is_emulated(torch.float32)
-    with caplog.at_level("WARNING", logger="prefixkv.model.kernel_choice"):
+    with caplog.at_level("WARNING", logger="prefixkv.model.kernels.choice"):
         assert kernel_choice.warn_if_bfloat16_is_emulated(torch.bfloat16)
         assert not kernel_choice.warn_if_bfloat16_is_emulated(torch.bfloat16)  # once
     assert [r.getMessage() for r in caplog.records if "no bfloat16 arithmetic" in r.getMessage()]

@@ -1,0 +1,146 @@
+"""Builds the native CPU kernels' library with the system C++ compiler, once per machine.
+
+The library lands in a cache folder (``$PREFIXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixkv`` or
+``~/.cache/prefixkv``), keyed by the source, the flags, the compiler, torch's version and the CPU's
+flags; concurrent processes write it atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+_CSRC = Path(__file__).parent.parent / "csrc"
+SOURCES = [
+    _CSRC / name
+    for name in (
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "add_rms_norm.cpp",
+        "silu_and_mul.cpp",
+        "rotary.cpp",
+        "small_linear.cpp",
+        "decode_layers.cpp",
+        "write_kv.cpp",
+    )
+]
+# part of the cache key, not compiled alone
+HEADERS = [_CSRC / name for name in ("bf16.h", "exp.h", "kernels.h", "vec16.h")]
+BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# What the kernels are compiled for: "native" (every instruction this CPU has), or an x86-64 level
+# ("x86-64-v3": AVX2 + FMA, the CPU of most cloud VMs; "x86-64-v4": AVX-512), so that a machine with
+# AVX-512 builds and tests the AVX2 variant too. PREFIXKV_CPU_ARCH picks the one a process loads.
+ARCH_ENV = "PREFIXKV_CPU_ARCH"
+ARCHES = ("native", "x86-64-v3", "x86-64-v4")
+# the CPU flags each x86-64 level needs (a build for a level this CPU lacks would die of SIGILL)
+_ARCH_CPU_FLAGS = {
+    "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe"),
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
+
+
+def arch() -> str:
+    """The target this process builds the kernels for ($PREFIXKV_CPU_ARCH, else "native")."""
+    chosen = os.environ.get(ARCH_ENV, "native") or "native"
+    if chosen not in ARCHES:
+        raise ValueError(f"{ARCH_ENV}={chosen!r}: expected one of {', '.join(ARCHES)}")
+    return chosen
+
+
+def arch_runs_here(target: str) -> bool:
+    """Whether this CPU executes code built for `target` (native always does)."""
+    if target == "native":
+        return True
+    have = set(cpu_flags().split())
+    return all(flag in have for flag in _ARCH_CPU_FLAGS[target])
+
+
+def flags_for(target: str) -> list[str]:
+    """The compiler flags of a build for `target` (see ARCHES)."""
+    return [*BASE_FLAGS, f"-march={target}"]
+
+
+FLAGS = flags_for("native")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("PREFIXKV_CACHE_DIR"):
+        return Path(os.environ["PREFIXKV_CACHE_DIR"]) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "prefixkv" / "kernels"
+
+
+def _cpuinfo_line(prefix: str) -> str:
+    """The first line of /proc/cpuinfo starting with `prefix` (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(prefix):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo (empty where there is none)."""
+    return _cpuinfo_line("flags")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (empty where there is none)."""
+    return _cpuinfo_line("model name").partition(":")[2].strip()
+
+
+def build(
+    compiler: str,
+    sources: list[Path] = SOURCES,
+    headers: list[Path] = HEADERS,
+    flags: list[str] = FLAGS,
+    link: tuple[str, ...] = (),
+    name: str = "prefixkv-cpu",
+) -> Path:
+    """Compile `sources` into the cache folder once per machine (see the module's docstring) and
+    return the library's path; `link` comes after the sources (libraries to link against)."""
+    source = b"\0".join(path.read_bytes() for path in sources + headers)
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            x.encode() if isinstance(x, str) else x
+            for x in (source, " ".join([*flags, *link]), version, torch.__version__, cpu_flags())
+        )
+    ).hexdigest()[:16]
+    folder = cache_dir()
+    target = folder / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    logger.info("building native CPU kernels %s (once per machine, ~10-60 s) ...", target.name)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def compiler() -> str:
+    """The C++ compiler the kernels are built with ($CXX, else c++ or g++); RuntimeError if none."""
+    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if found is None:
+        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) found")
+    return found
