@@ -150,7 +150,7 @@ def render(args, sizes, policies, paths, limits, results, info, elapsed) -> str:
                 cells.append(f"{r['evictions']} / {r['peak_blocks_in_use']} / {r['waited']}")
             lines.append(f"| {nb} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["### Target: a policy of ours within 95% of the optimum where the seed's (lru) is below 90%", ""]
+    lines += ["### Target: a policy of ours within 95% of the optimum where the default (lru) is below 90%", ""]
     for name in TRACES:
         for nb in sizes:
             opt = results[paths[name], nb, "optimum"]["hit_rate"]
@@ -208,7 +208,7 @@ and point `prefixkv replay` or `bench/replay.py --traces-dir` at them; `examples
   `--conversation-limit 0` for all of it. The synthetic trace is replayed whole.
 * **Policies** (`prefixkv/cache/eviction/`, one file per family, each policy a small class
   registered in `POLICIES`; `KVCacheManager(..., eviction_policy=name)`):
-  * `lru` - the seed's (default): least recently freed first, a request's tail first.
+  * `lru` - the default: least recently freed first, a request's tail first.
   * `unhashed-first` - free blocks without an identity (partial blocks, reserved decode room)
     before any cached block, LRU within each group.
   * `lfu` - fewest hits on the block's current identity first (hits while held included), LRU among
@@ -255,7 +255,7 @@ Each cell below: token-weighted hit rate (fraction of the offline optimum).
 FINDINGS = """
 ## Findings (from the sweep above; the target is not met, and is out of reach online)
 
-* The seed's `lru` is below 90% of the optimum at every size but the largest on both traces.
+* The default `lru` is below 90% of the optimum at every size but the largest on both traces.
   Our best online policy there reaches 47-90% of the optimum: `predicted-reuse` on the synthetic
   trace (48 / 46 / 56 / 71 / 90% at 1000-16000 blocks, against lru's 45 / 41 / 49 / 62 / 82%),
   `adaptive-credit` or `ghost-credit` on the conversation trace (87 / 47 / 48 / 60 / 78%, lru
