@@ -8,7 +8,7 @@ its value changes nothing here."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
@@ -225,7 +225,9 @@ class LLM:
                 f"chat(chat_template_content_format={chat_template_content_format!r}) is not "
                 "supported by prefixkv: message contents are strings"
             )
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            "list[list[dict[str, Any]]]", [messages] if messages and isinstance(messages[0], dict) else messages
+        )
         tok = self.llm_engine.tokenizer  # the engine's own (get_tokenizer() builds transformers')
         inputs = self.llm_engine.input_processor
 
@@ -303,7 +305,10 @@ class LLM:
             return engine.tokenize(prefix)
         if prefix and all(isinstance(m, dict) for m in prefix):  # chat messages: rendered as chat() renders them
             text = engine.tokenizer.apply_chat_template(
-                prefix, add_generation_prompt=False, tokenize=False, chat_template=chat_template
+                cast("list[dict[str, Any]]", prefix),
+                add_generation_prompt=False,
+                tokenize=False,
+                chat_template=chat_template,
             )
             return engine.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[arg-type]
         if prefix and all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 
@@ -19,6 +19,7 @@ from .protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
+    PromptLogprobs,
     random_id,
 )
 from .serving import OpenAIServing
@@ -37,7 +38,7 @@ class OpenAIServingChat(OpenAIServing):
             self.check_text(content, "messages")
             return content
         parts = []
-        for j, part in enumerate(content):  # type: ignore[attr-defined]
+        for j, part in enumerate(cast("list[Any]", content)):
             where = f"{at}.content[{j}]"
             if not isinstance(part, dict):
                 raise APIError(
@@ -120,7 +121,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.continue_final_message:
             raise APIError("continue_final_message with image parts is not supported", 400, param="messages")
         for m in messages:
-            for part in m.get("content") if isinstance(m.get("content"), list) else ():
+            content = m.get("content")
+            for part in content if isinstance(content, list) else ():
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     self.check_text(part["text"], "messages")
 
@@ -205,7 +207,7 @@ class OpenAIServingChat(OpenAIServing):
             model=model,
             choices=choices,
             usage=self.usage([ids], finals),
-            prompt_logprobs=out.prompt_logprobs,
+            prompt_logprobs=cast("PromptLogprobs", out.prompt_logprobs),
             prompt_token_ids=ids if req.return_token_ids else None,
         )
 

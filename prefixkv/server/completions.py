@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import Request
@@ -20,6 +20,7 @@ from .protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     HiddenStates,
+    PromptLogprobs,
     random_id,
 )
 from .serving import OpenAIServing
@@ -108,7 +109,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=lp,
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
-                        prompt_logprobs=out.prompt_logprobs if req.prompt_logprobs is not None else None,
+                        prompt_logprobs=cast("PromptLogprobs", out.prompt_logprobs)
+                        if req.prompt_logprobs is not None
+                        else None,
                         prompt_token_ids=prompts[i] if req.return_token_ids else None,
                         token_ids=list(o.token_ids) if req.return_token_ids else None,
                         hidden_states=hidden_states_of(out.hidden_states) if req.return_hidden_states else None,
@@ -141,7 +144,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=lp,
                         finish_reason=d.choice.finish_reason,
                         stop_reason=d.choice.stop_reason,
-                        prompt_logprobs=d.output.prompt_logprobs if want_prompt_lp else None,
+                        prompt_logprobs=cast("PromptLogprobs", d.output.prompt_logprobs) if want_prompt_lp else None,
                         prompt_token_ids=prompts[i] if req.return_token_ids and d.first else None,
                         token_ids=d.new_token_ids if req.return_token_ids else None,
                     )

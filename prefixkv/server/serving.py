@@ -153,7 +153,8 @@ class OpenAIServing:
         for it in items:
             if isinstance(it, str):
                 self.check_text(it, param)
-        ids, texts = [], []
+        ids: list[list[int]] = []
+        texts: list[str | None] = []
         for it in items:
             if isinstance(it, str):
                 ids.append(await self.tokenize(it, add_special_tokens))
