@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .block import KVCacheBlock
@@ -92,20 +92,18 @@ class ResidencyMetrics:
 
     def on_access(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Cache hits on `blocks`: a reuse of each."""
-        followed = self._followed
-        if not followed:
-            return
-        now = None
-        for block in blocks:
-            state = followed.get(block.block_id)
-            if state is not None:
-                now = self._clock() if now is None else now
-                self._gap.append(now - state.last_use)
-                self._distance.append(self._allocated - state.last_use_clock)
-                state.last_use, state.last_use_clock = now, self._allocated
+        for state, now in self._touched(blocks):
+            self._gap.append(now - state.last_use)
+            self._distance.append(self._allocated - state.last_use_clock)
+            state.last_use, state.last_use_clock = now, self._allocated
 
     def on_release(self, blocks: Iterable[KVCacheBlock]) -> None:
         """`blocks` were freed by their last holder: their idle time starts now."""
+        for state, now in self._touched(blocks):
+            state.last_use, state.last_use_clock = now, self._allocated
+
+    def _touched(self, blocks: Iterable[KVCacheBlock]) -> Iterator[tuple[_Followed, float]]:
+        """The followed ones among `blocks`, with the time (read once, and only if one is)."""
         followed = self._followed
         if not followed:
             return
@@ -114,7 +112,7 @@ class ResidencyMetrics:
             state = followed.get(block.block_id)
             if state is not None:
                 now = self._clock() if now is None else now
-                state.last_use, state.last_use_clock = now, self._allocated
+                yield state, now
 
     def on_evict(self, blocks: Iterable[KVCacheBlock], cause: str) -> None:
         """`blocks` lost their identity for `cause` (not "capacity": on_allocate counts that)."""

@@ -1,4 +1,6 @@
-"""A CPU tier below the KV pool, for the replay simulator: `prefixkv replay --cpu-tier-blocks N`.
+"""Tiers below the KV pool, for the replay simulator: one engine's CPU tier (`prefixkv replay
+--cpu-tier-blocks N`, CPUTier) and a tier all replicas share (`--replicas N --shared-tier-blocks M`,
+SharedTier, the LRU both are built on).
 
 What it models (the CPU tier of prefixkv/tiers/, keyed by the chained content hash):
   * a cached block that the pool evicts is copied to the tier (it enters as most recently used);
@@ -29,71 +31,6 @@ def fast_block_hash(obj: Any) -> bytes:
     told apart exactly by the manager; this only names them for the tier, within one process, and
     costs a fraction of sha256 over CBOR on 512-token blocks."""
     return hash(obj).to_bytes(8, "big", signed=True)
-
-
-class CPUTier:
-    __slots__ = ("capacity", "_blocks", "_in_pool", "num_inserted", "num_dropped", "num_hit_blocks")
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"a CPU tier needs at least 1 block, got {num_blocks}")
-        self.capacity = num_blocks
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
-        # copies of each hash cached in the pool (from the same events): a chain continued in the
-        # tier may run into a block the pool still caches (its parent was evicted first)
-        self._in_pool: Counter[bytes] = Counter()
-        self.num_inserted = 0  # evictions from the pool copied here
-        self.num_dropped = 0  # blocks the tier itself evicted
-        self.num_hit_blocks = 0
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._blocks
-
-    def put(self, block_hash: bytes) -> None:
-        blocks = self._blocks
-        if block_hash in blocks:
-            blocks.move_to_end(block_hash)
-            return
-        blocks[block_hash] = None
-        self.num_inserted += 1
-        if len(blocks) > self.capacity:
-            blocks.popitem(last=False)
-            self.num_dropped += 1
-
-    def on_events(self, events: Iterable[KVCacheEvent]) -> None:
-        """The pool's evictions enter the tier; stores and evictions keep the pool's census."""
-        in_pool = self._in_pool
-        for event in events:
-            if isinstance(event, BlockStored):
-                in_pool.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                for h in event.block_hashes:
-                    self.put(h)
-                    left = in_pool[h] - 1
-                    if left > 0:
-                        in_pool[h] = left
-                    else:
-                        del in_pool[h]
-            elif isinstance(event, AllBlocksCleared):
-                in_pool.clear()  # a pool reset does not reach the tier (it is keyed by content)
-
-    def continue_chain(self, hashes: list[bytes], start: int, stop: int) -> int:
-        """Blocks [start, stop) of a chain found in the tier (touched) - or still cached in the pool
-        past a block the pool lost - consecutively from `start`."""
-        blocks, in_pool = self._blocks, self._in_pool
-        n = start
-        while n < stop:
-            h = hashes[n]
-            if h in blocks:
-                blocks.move_to_end(h)
-            elif h not in in_pool:
-                break
-            n += 1
-        self.num_hit_blocks += n - start
-        return n - start
 
 
 class SharedTier:
@@ -148,3 +85,41 @@ class SharedTier:
             n += 1
         self.num_hit_blocks += n - start
         return n - start
+
+
+class CPUTier(SharedTier):
+    """One engine's CPU tier: a SharedTier fed by its own pool's KV events, which also keep the
+    pool's census (a chain continued in the tier may run into a block the pool still caches, its
+    parent evicted first)."""
+
+    __slots__ = ("_in_pool",)
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a CPU tier needs at least 1 block, got {num_blocks}")
+        super().__init__(num_blocks)
+        self._in_pool: Counter[bytes] = Counter()
+
+    def on_events(self, events: Iterable[KVCacheEvent]) -> None:
+        """The pool's evictions enter the tier; stores and evictions keep the pool's census."""
+        in_pool = self._in_pool
+        for event in events:
+            if isinstance(event, BlockStored):
+                in_pool.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    self.put(h)
+                    left = in_pool[h] - 1
+                    if left > 0:
+                        in_pool[h] = left
+                    else:
+                        del in_pool[h]
+            elif isinstance(event, AllBlocksCleared):
+                in_pool.clear()  # a pool reset does not reach the tier (it is keyed by content)
+
+    def continue_chain(
+        self, hashes: Sequence[bytes], start: int, stop: int, in_pool: Container[bytes] | None = None
+    ) -> int:
+        """Blocks [start, stop) of a chain found in the tier (touched) - or still cached in the pool
+        past a block the pool lost - consecutively from `start`."""
+        return super().continue_chain(hashes, start, stop, self._in_pool if in_pool is None else in_pool)
