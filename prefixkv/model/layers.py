@@ -71,6 +71,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox/HF-style rotary embedding (rotate_half) with a precomputed cos/sin cache."""
 
+    cos_cache: torch.Tensor  # buffers (register_buffer)
+    sin_cache: torch.Tensor
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -112,7 +115,7 @@ class RotaryEmbedding(nn.Module):
         return RotaryEmbedding.apply(x, cos, sin)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """x: [T, H, D] (any strides); cos, signed sin: [T, 1, D] (from cos_sin). Returns a new
         contiguous tensor, transformers' rotation bit for bit (reference.reference_rotary);
         callers rotate q and k together (one call per layer)."""
@@ -137,7 +140,15 @@ class GatedMLP(nn.Module):
         return self.down_proj(act)
 
 
-class PackedLinear(nn.Module):
+class PackedWeights(nn.Module):
+    """A linear layer whose weights live in a kernel's layout; `source_digests` (and, for the
+    head, `source_name`) identify the weights it was made from (`source_digests`)."""
+
+    source_digests: dict[str, str]
+    source_name: str
+
+
+class PackedLinear(PackedWeights):
     """x @ W.T (+ b) with W reordered once into oneDNN's blocked layout. For bfloat16 on CPUs with
     AVX512-BF16 / AMX, F.linear re-lays the weight out on every call; packed, a decode step of the
     default model is ~20% faster (docs/benchmarks.md). Only for inference: no gradients."""
@@ -156,7 +167,7 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-class TransposedLinear(nn.Module):
+class TransposedLinear(PackedWeights):
     """x @ W.T (+ b) for float32 on CPU with W stored transposed, [in, out] contiguous, and
     multiplied by torch.mm / addmm. MKL's kernels for this layout are faster than F.linear's
     (which multiplies by the [out, in] weight transposed on the fly) at decode-sized batches: on
@@ -178,7 +189,7 @@ class TransposedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-class DualLayoutLinear(nn.Module):
+class DualLayoutLinear(PackedWeights):
     """x @ W.T (+ b) on CPU with the weight kept in two layouts and the kernel chosen by the number
     of rows: many rows oneDNN-packed (no per-call repacking of the weight), a decode step's few rows
     a kernel that streams the weight once.
@@ -267,7 +278,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     elif data.dtype.is_floating_point and data.element_size() == 1:
         data = data.view(torch.int8)
     if data.numel():
-        h.update(memoryview(data.reshape(-1).numpy()))
+        h.update(data.reshape(-1).numpy().data)
     return h.hexdigest()
 
 

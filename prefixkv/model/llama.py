@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,8 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, H]."""
 
+    lm_head: nn.Linear | None  # None: tied to the embedding, or laid out in packed_head
+
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
     ) -> None:
@@ -170,7 +172,7 @@ class LlamaModel(nn.Module):
         else:  # the residual stream is updated in place: never the caller's tensor
             h = inputs_embeds.to(dev, copy=True)
         layers = self.layers
-        x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
+        x = cast(DecoderLayer, layers[0]).input_layernorm(h) if len(layers) else self.norm(h)
         fused = self.decode_layers
         # (with LoRA attached, a step without adapters is the base model's: the wrappers add nothing)
         if fused is not None and self.fused_decode and lora_mapping is None:
@@ -192,6 +194,10 @@ class LlamaModel(nn.Module):
     def kernel_shapes(self) -> KernelShapes:
         """What of this model decides the native kernels' speed (kernel_choice)."""
         return KernelShapes.of(self.config, self.dtype)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers, typed (ModuleList indexing gives a plain Module)."""
+        return cast("list[DecoderLayer]", list(self.layers))
 
     def pack_for_cpu(self) -> bool:
         """On CPU, lay every matmul weight out once for the fastest kernel: two layouts, the kernel
@@ -335,13 +341,16 @@ class _DecodeLayers:
 
     def __init__(self, model: LlamaModel) -> None:
         cfg = model.config
-        layers = model.layers
+        layers = model.decoder_layers()
         rows = []
         self._keep: list[torch.Tensor] = []  # what the addresses point into
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            # `of` checked that every one is a DualLayoutLinear with the native layout
+            qkv, o, gate_up, down = (
+                cast(DualLayoutLinear, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            )
             parts = [qkv.small, qkv.small_bias, o.small, gate_up.small, down.small]
             parts += [layer.post_attention_layernorm.weight.data, next_norm.weight.data]
             self._keep += [t for t in parts if t is not None]
@@ -370,7 +379,7 @@ class _DecodeLayers:
         Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         if Hq % Hkv or Hq // Hkv > ops.MAX_GROUP:
             return None
-        for layer in model.layers:
+        for layer in model.decoder_layers():
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if not all(isinstance(m, DualLayoutLinear) and m.small is not None for m in linears):
                 return None
