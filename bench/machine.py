@@ -1,6 +1,9 @@
 """One line naming the machine a benchmark ran on, printed first by every `make bench` script: a
 figure means little without the CPU it was measured on (its model, core count and the vector
-extensions the kernels can use)."""
+extensions the kernels can use).
+
+It reads /proc/cpuinfo itself rather than through prefixkv.model.kernels.build: step_times.py also
+runs under the peers' Pythons (peers/vllm), where prefixkv's own dependencies are not installed."""
 
 from __future__ import annotations
 

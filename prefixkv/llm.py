@@ -299,22 +299,6 @@ class LLM:
         return self.llm_engine.reset_prefix_cache(keep_pinned)
 
     # -- pinned prefixes: kept cached under any load (prefixkv/cache/pins.py) ---------------------
-    def _prefix_ids(self, prefix: str | list[int] | list[dict], chat_template: str | None) -> list[int]:
-        engine = self.llm_engine
-        if isinstance(prefix, str):
-            return engine.tokenize(prefix)
-        if prefix and all(isinstance(m, dict) for m in prefix):  # chat messages: rendered as chat() renders them
-            text = engine.tokenizer.apply_chat_template(
-                cast("list[dict[str, Any]]", prefix),
-                add_generation_prompt=False,
-                tokenize=False,
-                chat_template=chat_template,
-            )
-            return engine.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[arg-type]
-        if prefix and all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):
-            return list(prefix)  # type: ignore[arg-type]
-        raise ValueError("pin_prefix takes a text, a list of token ids or a list of chat messages")
-
     def pin_prefix(
         self,
         prefix: str | list[int] | list[dict],
@@ -328,7 +312,7 @@ class LLM:
         tokens pinned (its whole blocks). A prefix is per tenant (`cache_salt`) and per adapter,
         as its blocks are. Refused (PinError, a ValueError) past `max_pinned_fraction` of the
         cache."""
-        ids = self._prefix_ids(prefix, chat_template)
+        ids = self.llm_engine.pins.token_ids(prefix, chat_template)
         params = SamplingParams(max_tokens=1, temperature=0.0)
         out = self.generate({"prompt_token_ids": ids}, params, False, lora_request, cache_salt=cache_salt)[0]
         if out.error is not None:
@@ -345,7 +329,7 @@ class LLM:
     ) -> int:
         """Release the pin of `prefix` (as pinned: same tenant and adapter); returns the tokens it
         held, 0 when it was not pinned. Its blocks stay cached, evictable again."""
-        ids = self._prefix_ids(prefix, chat_template)
+        ids = self.llm_engine.pins.token_ids(prefix, chat_template)
         return self.llm_engine.pins.unpin(ids, cache_salt, lora_request)
 
     def get_prefix_cache_stats(self):

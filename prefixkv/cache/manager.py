@@ -130,17 +130,7 @@ class KVCacheManager:
             return [], 0
         state = self._state(request)
         num_full = state.chain.extend(request)
-        max_blocks = min(num_full, (request.num_tokens - 1) // self.block_size)
-        tokens, chain = state.chain.tokens, state.chain
-        get_one_block = self.block_pool.cached_blocks.get_one_block
-        hits: list[KVCacheBlock] = []
-        parent = ROOT_UID
-        for i in range(max_blocks):
-            block = get_one_block((parent, tokens[i], chain.extra(i)))
-            if block is None:
-                break
-            hits.append(block)
-            parent = block.uid
+        hits = self._cached_blocks(state.chain, min(num_full, (request.num_tokens - 1) // self.block_size))
         num_hit_tokens = len(hits) * self.block_size
         if record_stats:
             self.stats.record(request.num_tokens, num_hit_tokens)
@@ -274,8 +264,7 @@ class KVCacheManager:
         (and blocks held by pins alone do not count as held)."""
         if keep_pinned:
             return self.block_pool.reset_prefix_cache(self.pins.holds)
-        holds = self.pins.holds
-        if any(b.ref_cnt != holds(b.block_id) for b in self.block_pool.blocks if b.ref_cnt):
+        if not self.block_pool.held_only_by(self.pins.holds):
             return False  # held by requests: the pins stay too
         for pin in self.pins.remove_all():
             self.block_pool.free_blocks(reversed(pin.blocks))
@@ -288,11 +277,15 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         chain = BlockChain(self.block_size, request)
-        get_one_block = self.block_pool.cached_blocks.get_one_block
+        return self._cached_blocks(chain, chain.extend(request))
+
+    def _cached_blocks(self, chain: BlockChain, max_blocks: int) -> list[KVCacheBlock]:
+        """The cached blocks of the chain's first `max_blocks`, up to the first miss."""
+        tokens, get_one_block = chain.tokens, self.block_pool.cached_blocks.get_one_block
         hits: list[KVCacheBlock] = []
         parent = ROOT_UID
-        for i in range(chain.extend(request)):
-            block = get_one_block((parent, chain.tokens[i], chain.extra(i)))
+        for i in range(max_blocks):
+            block = get_one_block((parent, tokens[i], chain.extra(i)))
             if block is None:
                 break
             hits.append(block)

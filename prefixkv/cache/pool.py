@@ -164,18 +164,17 @@ class BlockPool:
         if pinned is None:
             if self.eviction_policy.num_free_blocks != self.num_blocks:
                 return False
-            cleared = [b for b in self.blocks if b.block_key is not None]
+            if self.residency is not None:
+                self.residency.on_evict([b for b in self.blocks if b.block_key is not None], "reset")
             self.cached_blocks.clear()
             for block in self.blocks:
                 block.block_key = None
                 block.uid = 0
                 block.content_hash = None
-            if self.residency is not None:
-                self.residency.on_evict(cleared, "reset")
             if self.events is not None:
                 self.events.append(AllBlocksCleared())
             return True
-        if any(b.ref_cnt != pinned(b.block_id) for b in self.blocks if b.ref_cnt):
+        if not self.held_only_by(pinned):
             return False
         dropped = [b for b in self.blocks if b.block_key is not None and not pinned(b.block_id)]
         if self.residency is not None:
@@ -184,6 +183,10 @@ class BlockPool:
             self.cached_blocks.remove(block)
             self._removed(block)  # a BlockRemoved each: the pinned blocks stay stored
         return True
+
+    def held_only_by(self, pinned: Callable[[int], int]) -> bool:
+        """Whether every held block is held by pins alone (`pinned`: block id -> pins holding it)."""
+        return all(b.ref_cnt == pinned(b.block_id) for b in self.blocks if b.ref_cnt)
 
     @property
     def num_dropped_events(self) -> int:

@@ -63,7 +63,9 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
-        self.pins = PrefixPins(self.scheduler.kv_cache_manager, self.resolve_lora, self._update_stats)
+        self.pins = PrefixPins(
+            self.scheduler.kv_cache_manager, self.input_processor, self.resolve_lora, self._update_stats
+        )
         self._update_stats()
 
     # -- admission -----------------------------------------------------------------------------

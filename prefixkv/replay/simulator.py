@@ -264,11 +264,11 @@ class ManagerBackend:
         return num_hit
 
     def _pin_if_named(self, request: Request) -> None:
-        prefix = self._to_pin.pop(tuple(request.all_token_ids[: self.block_size]), None)
+        first = tuple(request.all_token_ids[: self.block_size])
+        prefix = self._to_pin.get(first)
         if prefix is None or list(prefix) != request.all_token_ids[: len(prefix)]:
-            if prefix is not None:  # this request shares the first block only: wait for one that has all
-                self._to_pin[prefix[: self.block_size]] = prefix
-            return
+            return  # not named, or it shares the first block only: wait for a request that has all
+        del self._to_pin[first]
         try:
             self.mgr.pin(_TraceRequest("pin", list(prefix)))
         except PinError:
@@ -300,7 +300,9 @@ def replay(
     time_model = time_model or TimeModel()
     policy_cls = get_policy(policy)
     pins = hot_prefixes(trace, block_size, pin_top)
-    backend = ManagerBackend(num_blocks, block_size, policy_cls, cpu_tier_blocks, False, pins, max_pinned_fraction)
+    backend = ManagerBackend(
+        num_blocks, block_size, policy_cls, cpu_tier_blocks, pins=pins, max_pinned_fraction=max_pinned_fraction
+    )
     result = ReplayResult(policy_cls.name, num_blocks, block_size, cpu_tier_blocks=cpu_tier_blocks)
     run_schedule(trace, backend, block_size, time_model, result)
     mgr = backend.mgr

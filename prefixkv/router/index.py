@@ -246,7 +246,7 @@ class PrefixIndex:
         - a block only a tier holds (its own, or the shared one) counting `tier_discount`."""
         if self._shared_tier or any(self._own_tiers.values()):
             return self._match_with_tiers(hashes)
-        return self._match_pool(hashes)  # type: ignore[return-value]
+        return self._match_pool(hashes)
 
     def _match_with_tiers(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, float]:
         holders, shared, discount = self._holders, self._shared_tier, self.tier_discount
@@ -266,13 +266,13 @@ class PrefixIndex:
                 result[replica] = score
         return result
 
-    def _match_pool(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+    def _match_pool(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, float]:
         holders = self._holders
         first = holders.get(hashes[0]) if hashes else None
         if not first:
             return {}
         alive = set(first)
-        result: dict[ReplicaId, int] = {}
+        result: dict[ReplicaId, float] = {}
         for depth in range(1, len(hashes)):
             here = holders.get(hashes[depth])
             if here is None:

@@ -38,17 +38,10 @@ class PrefixBody(BaseModel):
 def _prefix_ids(engine: Any, body: PrefixBody) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give the prefix as exactly one of prompt (text or token ids) or messages", 400)
-    if body.messages is not None:
-        if not body.messages:
-            raise APIError("messages is empty", 400, param="messages")
-        text = engine.tokenizer.apply_chat_template(
-            body.messages, add_generation_prompt=False, tokenize=False, chat_template=body.chat_template
-        )
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    elif isinstance(body.prompt, str):
-        ids = engine.tokenize(body.prompt)
-    else:
-        ids = list(body.prompt or [])
+    if body.messages is not None and not body.messages:
+        raise APIError("messages is empty", 400, param="messages")
+    prefix = body.messages if body.messages is not None else body.prompt
+    ids = engine.pins.token_ids(prefix, body.chat_template) if prefix else []
     if not ids:
         raise APIError("the prefix is empty", 400, param="prompt")
     engine.input_processor.validate_prompt(ids)
