@@ -106,6 +106,9 @@ def _anything(_v: Any) -> bool:
     return True
 
 
+DEFAULT_KV_CACHE_METRICS_SAMPLE = 0.01  # vLLM's
+
+
 @dataclass
 class EngineArgs:
     """Engine options, with vLLM's names and defaults. `EngineConfig` is the same class."""
@@ -177,7 +180,9 @@ class EngineArgs:
         "blocks and evictions by cause (default: off)",
     )
     kv_cache_metrics_sample: float = _opt(
-        0.01, "share of the KV blocks the residency metrics follow (default: 0.01, as vLLM)", type=float
+        DEFAULT_KV_CACHE_METRICS_SAMPLE,
+        "share of the KV blocks the residency metrics follow (default: 0.01, as vLLM)",
+        type=float,
     )
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = _opt(  # noqa: RUF009 (it returns a field)
         None,
@@ -371,6 +376,8 @@ class EngineArgs:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if not 0.0 < self.kv_cache_metrics_sample <= 1.0:
             raise ValueError(f"kv_cache_metrics_sample must be in (0, 1], got {self.kv_cache_metrics_sample}")
+        if self.kv_cache_metrics_sample != DEFAULT_KV_CACHE_METRICS_SAMPLE and not self.kv_cache_metrics:
+            raise ValueError("kv_cache_metrics_sample (--kv-cache-metrics-sample) needs kv_cache_metrics on")
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
         self._check_tiers()

@@ -71,3 +71,9 @@ def test_pins_are_per_tenant_bounded_and_kept_by_reset_only_when_asked(default_l
         llm.pin_prefix([])
     with pytest.raises(ValueError, match="max_pinned_fraction"):
         EngineConfig(max_pinned_fraction=2.0)
+
+
+def test_a_residency_sample_without_the_metrics_is_refused():
+    with pytest.raises(ValueError, match="needs kv_cache_metrics"):
+        EngineConfig(kv_cache_metrics_sample=0.5)
+    assert EngineConfig(kv_cache_metrics=True, kv_cache_metrics_sample=0.5).kv_cache_metrics_sample == 0.5
