@@ -173,6 +173,11 @@ class EngineArgs:
         "pin past it is refused with an error naming this option (default: 0.5)",
         type=float,
     )
+    pinned_prefixes_file: str | None = _opt(
+        None,
+        "a JSON file the pinned prefixes are written to after each pin and unpin, and pinned again from at start "
+        "(their blocks read from a KV tier where one holds them, else computed); default: pins end with the process",
+    )
     kv_cache_metrics: bool = _opt(
         False,
         "sampled KV block residency metrics, as vLLM's: vllm:kv_block_lifetime_seconds, "

@@ -2,9 +2,8 @@
 
 The builder (builder.py) makes the parts; the input processor (input_processor.py) admits a
 prompt; the scheduler owns the KV cache manager and the request bookkeeping; the model runner owns
-the model and sampling. This class owns what the client sees: request groups (request_group.py, request_groups.py),
-detokenized outputs and stop conditions (output_processor.py), errors, KV events and the stats
-snapshot.
+the model and sampling. This class owns what the client sees: request groups (request_group*.py),
+detokenized outputs and stop conditions (output_processor.py), errors, KV events, stats, pins.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from ..sampling_params import SamplingParams
 from .builder import build_engine
 from .feature_stats import feature_stats
 from .input_processor import EngineRequest
-from .prefix_pins import PrefixPins
+from .prefix_pins import PrefixPins, computed_by, pin_manifest
 from .request_group import arrival_of, make_group
 from .request_groups import RequestGroups
 from .stats import EngineStats
@@ -63,10 +62,11 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
-        self.pins = PrefixPins(
-            self.scheduler.kv_cache_manager, self.input_processor, self.resolve_lora, self._update_stats
-        )
+        manifest = pin_manifest(config, parts.loaded.source or str(config.model))  # pins kept over restarts
+        inputs, kv = self.input_processor, self.kv_cache_manager
+        self.pins = PrefixPins(kv, inputs, self.resolve_lora, self._update_stats, manifest)
         self._update_stats()
+        self.pins.restore(computed_by(self))
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -250,6 +250,7 @@ class LLMEngine:
     # -- cache control and statistics ----------------------------------------------------------
     def reset_prefix_cache(self, keep_pinned: bool = False) -> bool:
         ok = self.scheduler.reset_prefix_cache(keep_pinned)
+        self.pins.forget_dropped()
         self._drain_kv_events()
         self._update_stats()
         return ok
