@@ -162,10 +162,7 @@ class LLM:
         if len(priorities) != len(items):
             raise ValueError(f"{len(priorities)} priorities for {len(items)} prompts")
         for p in priorities:  # checked before anything is queued
-            if p != 0 and self.llm_engine.config.scheduling_policy != "priority":
-                raise ValueError(
-                    f"Got priority {p} but priority scheduling is not enabled (LLM(..., scheduling_policy='priority'))"
-                )
+            self.llm_engine.input_processor.check_priority(p)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):

@@ -102,7 +102,7 @@ def test_priority_scheduling_lower_first(tiny):
     outs = llm.generate(["x", "y"], params, priority=[3, -1], use_tqdm=False)
     assert [o.prompt for o in outs] == ["x", "y"]  # results stay in input order
     fcfs = make(tiny / "model", generation_config="vllm")
-    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+    with pytest.raises(ValueError, match="neither priority scheduling nor priority eviction is enabled"):
         fcfs.generate("x", params, priority=[1], use_tqdm=False)
     with pytest.raises(ValueError, match="scheduling_policy"):
         make(tiny / "model", scheduling_policy="lifo")

@@ -126,13 +126,7 @@ class InputProcessor:
         mm_items: tuple[MultiModalItem, ...],
         hidden_states_from: int | None,
     ) -> EngineRequest:
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(
-                f"Got priority {priority} but priority scheduling is not enabled "
-                "(scheduling_policy='priority' / --scheduling-policy priority)"
-            )
+        self.check_priority(priority)
         grammar = self.compile_grammar(params)
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")  # noqa: TRY004
@@ -148,6 +142,19 @@ class InputProcessor:
         return EngineRequest(
             text, tuple(ids), params, lora_request, cache_salt, priority, mm_items, hidden_states_from, grammar
         )
+
+    def check_priority(self, priority: int) -> None:
+        """vLLM's request `priority` (lower: more important) orders the waiting queue with the
+        priority scheduling policy and the eviction of a request's cached blocks with the priority
+        eviction policy; with neither it would change nothing, so it is refused."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority" and self.config.eviction_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but neither priority scheduling nor priority eviction is enabled "
+                "(scheduling_policy='priority' / --scheduling-policy priority, or eviction_policy='priority' / "
+                "--eviction-policy priority)"
+            )
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)

@@ -77,3 +77,22 @@ def test_a_residency_sample_without_the_metrics_is_refused():
     with pytest.raises(ValueError, match="needs kv_cache_metrics"):
         EngineConfig(kv_cache_metrics_sample=0.5)
     assert EngineConfig(kv_cache_metrics=True, kv_cache_metrics_sample=0.5).kv_cache_metrics_sample == 0.5
+
+
+@pytest.mark.parametrize("policy", ["priority", "lru"])
+def test_request_priority_orders_retention_without_priority_scheduling(default_lm, policy):
+    """vLLM's `priority` with the priority eviction policy (first come first served scheduling):
+    an important request's prefix outlives a flood of less important ones; under LRU it does not."""
+    llm = make_llm(default_lm, eviction_policy=policy)
+    document = "Reference manual, chapter one: " + " ".join(f"clause{j}" for j in range(100))
+    first = llm.generate(document, GREEDY, priority=[-5] if policy == "priority" else None, use_tqdm=False)[0]
+    for i in range(6):
+        prompt = f"Story {i}: " + " ".join(f"w{i}x{j}" for j in range(60))
+        llm.generate(prompt, GREEDY, priority=[10] if policy == "priority" else None, use_tqdm=False)
+    again = llm.generate(document, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    if policy == "priority":
+        assert again.num_cached_tokens >= 96  # its whole blocks, kept through the flood
+    else:
+        assert again.num_cached_tokens == 0
+    assert free_again(llm)
