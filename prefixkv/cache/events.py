@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # The tier an event is about, vLLM's `medium` names: the KV pool is "GPU" in vLLM whatever the
@@ -60,6 +61,10 @@ class KVEventBuffer:
         if len(events) == self.max_pending:
             self.num_dropped += 1  # the deque drops the oldest
         events.append(event)
+
+    def extend(self, new: Iterable[KVCacheEvent]) -> None:
+        for event in new:
+            self.append(event)
 
     def drain(self) -> list[KVCacheEvent]:
         """Every pending event, oldest first; the buffer is empty afterwards."""

@@ -53,8 +53,7 @@ class LLMEngine:
         self.eos_ids = self.input_processor.eos_ids
         self.groups = RequestGroups(self.scheduler, self.tokenizer, self.eos_ids, self.max_model_len)
         self._seq_ids = itertools.count()  # engine-private sequence ids: never derived from a client's string
-        # events leave the process through a publisher when kv_events_config says so (kv_events/);
-        # otherwise they wait in _kv_events for take_kv_events()
+        # events leave through a publisher when kv_events_config says so, else wait for take_kv_events()
         self._kv_events = KVEventBuffer(MAX_PENDING_KV_EVENTS)
         self.kv_event_publisher = parts.kv_event_publisher
         # counters for metrics
@@ -219,25 +218,26 @@ class LLMEngine:
             self._evict_retired_loras()  # held blocks of retired adapters may be free now
         if self.cpu_threads is not None and not self.has_unfinished_requests():
             self.cpu_threads.restore()  # idle: the caller's torch code gets its own thread count back
-        self._drain_kv_events()
+        self.drain_kv_events()
         self._update_stats()
         return outputs
 
-    def _drain_kv_events(self) -> None:
+    def drain_kv_events(self) -> bool:
+        """Hand the waiting KV events to the publisher (one batch per step, as vLLM; never blocks)
+        or the buffer. After each step, and from an idle server: True while a tier's writer still
+        has saves to make, whose events come later."""
         events = self.scheduler.take_kv_events()
-        if events:
-            if self.kv_event_publisher is not None:  # one batch per step, as vLLM; never blocks
-                self.kv_event_publisher.publish(events)
-                return
-            buffer = self._kv_events
-            for event in events:
-                buffer.append(event)
+        if events and self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(events)
+        elif events:
+            self._kv_events.extend(events)
+        return self.tiers is not None and self.tiers.writes_pending()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Every KV event not taken yet, oldest first ([] when a kv_events_config publisher sends them). At most
         MAX_PENDING_KV_EVENTS wait between calls; older ones are dropped and counted in
         `get_stats().num_kv_events_dropped`."""
-        self._drain_kv_events()
+        self.drain_kv_events()
         return self._kv_events.drain()
 
     def shutdown(self) -> None:
@@ -251,7 +251,7 @@ class LLMEngine:
     def reset_prefix_cache(self, keep_pinned: bool = False) -> bool:
         ok = self.scheduler.reset_prefix_cache(keep_pinned)
         self.pins.forget_dropped()
-        self._drain_kv_events()
+        self.drain_kv_events()
         self._update_stats()
         return ok
 

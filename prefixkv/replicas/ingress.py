@@ -80,6 +80,16 @@ def _router_metrics(replicas: ReplicaSet, chooser: ReplicaChooser, retries: int)
             f'prefixkv:router_index_blocks{{engine="{r.index}"}} {chooser.index.num_blocks(r.index)}'
             for r in replicas.replicas
         ]
+        lines += [
+            "# HELP prefixkv:router_index_tier_blocks Blocks the router's index believes sit in a tier: each "
+            "replica's own (engine=N) and the one every replica reads, such as a shared Redis (engine=\"shared\").",
+            "# TYPE prefixkv:router_index_tier_blocks gauge",
+        ]
+        lines += [
+            f'prefixkv:router_index_tier_blocks{{engine="{r.index}"}} {chooser.index.num_tier_blocks(r.index)}'
+            for r in replicas.replicas
+        ]
+        lines.append(f'prefixkv:router_index_tier_blocks{{engine="shared"}} {chooser.index.num_tier_blocks(None)}')
     lines += [
         "# HELP prefixkv:router_retries_total Requests sent again to another replica after theirs died.",
         "# TYPE prefixkv:router_retries_total counter",

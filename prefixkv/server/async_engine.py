@@ -32,6 +32,7 @@ from ..sampling_params import SamplingParams
 from .errors import EngineDeadError
 
 logger = logging.getLogger("prefixkv.server")
+IDLE_EVENTS_POLL_S = 0.05  # while idle with tier saves in flight: how often their KV events are sent
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
@@ -134,7 +135,11 @@ class AsyncEngine:
                     if keep_going is not None and not keep_going():
                         self._stop = True
                         break
-                    self._cv.wait(0.5 if keep_going is not None else None)
+                    # idle, yet a tier's writer may still be saving the last requests' blocks: their
+                    # events go out as they come (a router learns of the tier's blocks), not with the
+                    # next request's first step
+                    saving = engine.drain_kv_events()
+                    self._cv.wait(IDLE_EVENTS_POLL_S if saving else 0.5 if keep_going is not None else None)
                 if self._stop:
                     break
                 commands = list(self._commands)

@@ -231,6 +231,10 @@ class TierManager:
         for tier in self.tiers:
             tier.down_until = 0.0
 
+    def writes_pending(self) -> bool:
+        """Whether a background writer still has saves to make (each adds its KV event when done)."""
+        return any(tier.writer is not None and tier.writer.pending for tier in self.tiers)
+
     def flush(self) -> None:
         """Wait until every queued save reached its store (or was dropped)."""
         for tier in self.tiers:

@@ -81,6 +81,7 @@ class Cluster:
 def ray_serve():
     """The HTTP port of a local Ray + Serve, shared by the modules of tests/replicas."""
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the replicas' POST /reset_prefix_cache (the workers inherit it)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
