@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 
+import lm_eval
 import pytest
 
 from .conftest import ROOT
-
-lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -e '.[eval]'")
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 TASKS = ["prefixkv_mc", "prefixkv_qa"]
