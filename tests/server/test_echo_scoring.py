@@ -136,3 +136,7 @@ def test_max_tokens_0_refusals(server):
     )
     assert chat.status_code == 400 and "max_tokens" in chat.json()["error"]["message"]
     assert server.healthy()
+    from prefixkv import SamplingParams
+
+    with pytest.raises(ValueError, match="max_tokens"):  # offline too, as vLLM's SamplingParams
+        SamplingParams(max_tokens=0)
