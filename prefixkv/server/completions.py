@@ -26,6 +26,7 @@ from .protocol import (
     CompletionResponseChoice,
     HiddenStates,
     PromptLogprobs,
+    UsageInfo,
     random_id,
 )
 from .serving import OpenAIServing
@@ -55,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
         offset: int,
     ) -> CompletionLogProbs:
         """Logprobs of generated tokens whose text starts at `offset` of the choice's text, with
-        the echoed prompt's tokens first when `echo` (the prompt's text goes out with them)."""
+        the echoed prompt's tokens first when `echo` is set (the prompt's text goes out with them)."""
         if not echo or out.prompt_logprobs is None:
             return completion_logprobs(entries, token_ids, k, offset)
         first = self.tokenizer.decode(prompt_ids[:1])
@@ -148,7 +149,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(f"min_tokens must be in [0, max_tokens], got {req.min_tokens}", 400, param="min_tokens")
         return True
 
-    def completion_usage(self, prompts: list[list[int]], outs: dict[int, RequestOutput], prompt_only: bool) -> Any:
+    def completion_usage(
+        self, prompts: list[list[int]], outs: dict[int, RequestOutput], prompt_only: bool
+    ) -> UsageInfo:
         usage = self.usage(prompts, outs)
         if prompt_only:  # the token the engine sampled is not part of the answer
             usage.completion_tokens = 0
