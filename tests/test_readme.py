@@ -214,6 +214,10 @@ def help_argv(cmd: str) -> tuple[tuple[str, ...], list[str]] | None:
     if prog.endswith(("python", "python3")) and rest and rest[0].startswith("bench/"):
         assert (ROOT / rest[0]).is_file(), f"{cmd!r}: no such script"
         return (PY, rest[0]), flags
+    if Path(prog).name in ("lm_eval", "lm-eval"):  # lm-evaluation-harness (the eval extra) on local tasks
+        if "--include_path" in rest:
+            assert (ROOT / rest[rest.index("--include_path") + 1]).is_dir(), f"{cmd!r}: no such task folder"
+        return (str(BIN / "lm_eval"), "run"), flags
     if prog.endswith(("python", "python3")) and rest[:2] == ["-m", "prefixkv.cli"]:
         rest = rest[2:]
     elif Path(prog).name != "prefixkv":

@@ -20,6 +20,7 @@ What it does:
 4. config.json keeps transformers 5's rope_parameters.rope_theta (100000); vLLM 0.32 reads
    rope_parameters, so no top-level rope_theta is needed (--add-rope-theta adds it anyway).
 """
+
 import argparse
 import json
 import os
@@ -34,37 +35,46 @@ GGUF_DIR, GGUF_FILE = os.path.split(default_model_path())
 PEERS_DIR = Path(os.environ.get("PREFIXKV_PEERS", Path(__file__).resolve().parents[2] / "peers"))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(PEERS_DIR / "smollm2-135m-hf"))
-    ap.add_argument("--add-rope-theta", action="store_true")
-    args = ap.parse_args()
+def build(out: str, add_rope_theta: bool = False) -> None:
+    """Write the HF folder of the default GGUF to `out` (also used by tests/server/test_lm_eval.py)."""
     tok = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE, dtype=torch.float32)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    model.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
 
-    path = os.path.join(args.out, "tokenizer.json")
+    path = os.path.join(out, "tokenizer.json")
     t = json.load(open(path))
     if t["pre_tokenizer"].get("type") == "ByteLevel":
-        t["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": True},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+        t["pre_tokenizer"] = {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Digits", "individual_digits": True},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            ],
+        }
         json.dump(t, open(path, "w"), ensure_ascii=False, indent=2)
         print("tokenizer.json: restored Digits(individual_digits) pre-tokenizer")
-    if args.add_rope_theta:
-        cpath = os.path.join(args.out, "config.json")
+    if add_rope_theta:
+        cpath = os.path.join(out, "config.json")
         c = json.load(open(cpath))
         c.setdefault("rope_theta", c.get("rope_parameters", {}).get("rope_theta", 100000.0))
         json.dump(c, open(cpath, "w"), indent=2)
 
-    tok = AutoTokenizer.from_pretrained(args.out)
+    tok = AutoTokenizer.from_pretrained(out)
     assert tok("123")["input_ids"] == [33, 34, 35], tok("123")["input_ids"]  # digits one by one
-    print("saved", args.out)
+    print("saved", out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(PEERS_DIR / "smollm2-135m-hf"))
+    ap.add_argument("--add-rope-theta", action="store_true")
+    args = ap.parse_args()
+    build(args.out, args.add_rope_theta)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
 """POST /v1/completions: one or several prompts (text or token ids), streamed or not, with echo,
-logprobs and vLLM's prompt_logprobs."""
+logprobs and vLLM's prompt_logprobs.
+
+`echo` with `max_tokens: 0` scores a prompt without generating (lm-evaluation-harness's
+log-likelihood requests): as vLLM, the engine request runs with max_tokens=1 - its one token is
+sampled in the prefill's last step, so no extra forward pass - and the response drops that token:
+the choice is the prompt, its logprobs the prompt's, finish_reason "length", no completion tokens."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from .protocol import (
     CompletionResponseChoice,
     HiddenStates,
     PromptLogprobs,
+    UsageInfo,
     random_id,
 )
 from .serving import OpenAIServing
@@ -43,14 +49,14 @@ class OpenAIServingCompletion(OpenAIServing):
         self,
         out: RequestOutput,
         prompt_ids: list[int],
-        echo: str,
+        echo: bool,
         entries: list,
         token_ids: list[int],
         k: int,
         offset: int,
     ) -> CompletionLogProbs:
         """Logprobs of generated tokens whose text starts at `offset` of the choice's text, with
-        the echoed prompt's tokens first when `echo` goes out with them."""
+        the echoed prompt's tokens first when `echo` is set (the prompt's text goes out with them)."""
         if not echo or out.prompt_logprobs is None:
             return completion_logprobs(entries, token_ids, k, offset)
         first = self.tokenizer.decode(prompt_ids[:1])
@@ -65,6 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 f"logprobs must be in [0, {self.limits.max_logprobs}], got {req.logprobs}", 400, param="logprobs"
             )
         self.check_common(req)
+        prompt_only = self.check_prompt_only(req)
         prompts, texts = await self.prompts(req)
         if req.truncate_prompt_tokens is not None:
             cut = [self.truncate(p, req) for p in prompts]
@@ -75,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.check_length(ids, req.max_tokens, "prompt")
         if len(prompts) > 1 and req.max_tokens is None:
             max_tokens = self.max_model_len - max(len(p) for p in prompts)
-        params = self.params(req, max_tokens)
+        params = self.params(req, 1 if prompt_only else max_tokens)
         if req.return_hidden_states:
             if req.stream:
                 raise APIError("return_hidden_states is not supported with stream", 400, param="return_hidden_states")
@@ -93,45 +100,78 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
         gens = self.start(prompts, texts, params, rid, req.cache_salt, self.lora_for(req.model), priority=req.priority)
         if req.stream:
-            return self.stream(req, gens, prompts, echo, rid, created, model, n, k)
+            return self.stream(req, gens, prompts, echo, rid, created, model, n, k, prompt_only)
         finals = await self.collect(raw, gens)
         choices = []
         for i in range(len(prompts)):
             out = finals[i]
             for o in out.outputs:
+                token_ids, entries = ([], []) if prompt_only else (list(o.token_ids), o.logprobs)
                 lp = None
-                if req.logprobs is not None and o.logprobs is not None:
-                    lp = self.logprobs(out, prompts[i], echo[i], o.logprobs, o.token_ids, k, 0)
+                if req.logprobs is not None and entries is not None:
+                    lp = self.logprobs(out, prompts[i], req.echo, entries, token_ids, k, 0)
                 choices.append(
                     CompletionResponseChoice(
                         index=i * n + o.index,
-                        text=echo[i] + o.text,
+                        text=echo[i] + ("" if prompt_only else o.text),
                         logprobs=lp,
-                        finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason,
+                        finish_reason=_finish_reason(o.finish_reason, prompt_only),
+                        stop_reason=None if prompt_only else o.stop_reason,
                         prompt_logprobs=cast("PromptLogprobs", out.prompt_logprobs)
                         if req.prompt_logprobs is not None
                         else None,
                         prompt_token_ids=prompts[i] if req.return_token_ids else None,
-                        token_ids=list(o.token_ids) if req.return_token_ids else None,
+                        token_ids=token_ids if req.return_token_ids else None,
                         hidden_states=hidden_states_of(out.hidden_states) if req.return_hidden_states else None,
                     )
                 )
         return CompletionResponse(
-            id=rid, created=created, model=model, choices=choices, usage=self.usage(prompts, finals)
+            id=rid,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=self.completion_usage(prompts, finals, prompt_only),
         )
 
-    def stream(self, req, gens, prompts, echo, rid, created, model, n, k):
+    @staticmethod
+    def check_prompt_only(req: CompletionRequest) -> bool:
+        """Whether the request scores its prompt without generating (echo with max_tokens 0);
+        max_tokens 0 without echo would answer nothing at all, and is refused as vLLM does."""
+        if req.max_tokens != 0:
+            return False
+        if not req.echo:
+            raise APIError(
+                "max_tokens must be >= 1, got 0 (max_tokens 0 returns only the prompt: send it with echo=true)",
+                400,
+                param="max_tokens",
+            )
+        if req.min_tokens:
+            raise APIError(f"min_tokens must be in [0, max_tokens], got {req.min_tokens}", 400, param="min_tokens")
+        return True
+
+    def completion_usage(
+        self, prompts: list[list[int]], outs: dict[int, RequestOutput], prompt_only: bool
+    ) -> UsageInfo:
+        usage = self.usage(prompts, outs)
+        if prompt_only:  # the token the engine sampled is not part of the answer
+            usage.completion_tokens = 0
+            usage.total_tokens = usage.prompt_tokens
+        return usage
+
+    def stream(self, req, gens, prompts, echo, rid, created, model, n, k, prompt_only):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
         def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
             i = d.prompt_index
-            text = (echo[i] + d.text) if d.first and echo[i] else d.text
+            generated, entries, token_ids, new_ids = d.text, d.logprobs, d.token_ids, d.new_token_ids
+            if prompt_only:
+                generated, entries, token_ids, new_ids = "", [], [], []
+            text = (echo[i] + generated) if d.first and echo[i] else generated
             lp = None
-            if req.logprobs is not None and d.logprobs is not None:
+            if req.logprobs is not None and entries is not None:
                 offset = d.text_start + (0 if d.first else len(echo[i]))
-                lp = self.logprobs(d.output, prompts[i], echo[i] if d.first else "", d.logprobs, d.token_ids, k, offset)
+                lp = self.logprobs(d.output, prompts[i], req.echo and d.first, entries, token_ids, k, offset)
             want_prompt_lp = d.first and req.prompt_logprobs is not None
             chunk = CompletionResponse(
                 id=rid,
@@ -142,23 +182,32 @@ class OpenAIServingCompletion(OpenAIServing):
                         index=d.index,
                         text=text,
                         logprobs=lp,
-                        finish_reason=d.choice.finish_reason,
-                        stop_reason=d.choice.stop_reason,
+                        finish_reason=_finish_reason(d.choice.finish_reason, prompt_only),
+                        stop_reason=None if prompt_only else d.choice.stop_reason,
                         prompt_logprobs=cast("PromptLogprobs", d.output.prompt_logprobs) if want_prompt_lp else None,
                         prompt_token_ids=prompts[i] if req.return_token_ids and d.first else None,
-                        token_ids=d.new_token_ids if req.return_token_ids else None,
+                        token_ids=new_ids if req.return_token_ids else None,
                     )
                 ],
             )
             if continuous:
-                chunk.usage = self.usage(prompts, state.latest)
+                chunk.usage = self.completion_usage(prompts, state.latest, prompt_only)
             return chunk_dict(chunk)
 
         def usage_chunk(state: StreamState) -> dict:
             return CompletionResponse(
-                id=rid, created=created, model=model, choices=[], usage=self.usage(prompts, state.finals)
+                id=rid,
+                created=created,
+                model=model,
+                choices=[],
+                usage=self.completion_usage(prompts, state.finals, prompt_only),
             ).model_dump()
 
         return sse_stream(
             gens, n, make_chunk, usage_chunk=usage_chunk if include_usage else None, on_error=self.count_error
         )
+
+
+def _finish_reason(reason: str | None, prompt_only: bool) -> str | None:
+    """A prompt-only choice ends at its budget of 0 tokens, whatever its dropped token did."""
+    return "length" if prompt_only and reason in ("stop", "length") else reason

@@ -43,12 +43,14 @@ def echoed_completion_logprobs(
     k: int,
 ) -> CompletionLogProbs:
     """OpenAI's echo + logprobs: the prompt's tokens come first and offsets start at 0 (the first
-    prompt token has no logprob; its text still counts)."""
+    prompt token has no logprob and no top logprobs, both null as OpenAI's and vLLM's; its text
+    still counts)."""
     entries_all: list[dict[int, Logprob]] = [{}]
     entries_all += [e or {} for e in prompt_logprobs[1:]]
     entries_all += entries
     lp = completion_logprobs(entries_all, prompt_ids + token_ids, k, 0)
     lp.tokens[0] = first_prompt_token_text
+    lp.top_logprobs[0] = None
     lp.text_offset[1:] = [x + len(first_prompt_token_text) for x in lp.text_offset[1:]]
     return lp
 
