@@ -14,17 +14,18 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from ..outputs import RequestOutput
+from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from .chat import OpenAIServingChat
 from .errors import APIError, as_api_error
+from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest
 from .responses_protocol import (
     ResponsesRequest,
@@ -35,7 +36,7 @@ from .responses_protocol import (
     input_messages,
 )
 from .responses_store import ResponseStore, StoredResponse, max_stored_from_env
-from .streaming import StreamState, choice_deltas
+from .streaming import ChoiceDelta, StreamState, choice_deltas
 from .tools import ToolPlan, ToolStream
 
 # The chat admission names chat's fields; a Responses client sent these instead.
@@ -52,8 +53,8 @@ def _hex_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 
@@ -115,6 +116,8 @@ class OpenAIServingResponses:
             "tool_choice": chat_tool_choice(req.tool_choice),
             "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": chat_response_format(req.text),
+            "logprobs": req.wants_logprobs,
+            "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -159,7 +162,9 @@ class OpenAIServingResponses:
         out = (await self.chat.collect(raw, gens))[0]
         text, calls = plan.parse(out.outputs[0].text) if plan is not None else (out.outputs[0].text, [])
         items = [call_item(_hex_id("fc"), c.id, c.function.name, c.function.arguments) for c in calls]
-        return JSONResponse(turn.finish(out, text, items))
+        o = out.outputs[0]
+        logprobs = turn.logprobs(o.logprobs, list(o.token_ids)) if o.logprobs is not None else []
+        return JSONResponse(turn.finish(out, text, items, logprobs))
 
     # -- stored responses --------------------------------------------------------------------
     def stored(self, response_id: str) -> StoredResponse:
@@ -258,14 +263,28 @@ class _Turn:
             "user": req.user,
         }
 
+    def logprobs(self, entries: list[dict[int, Logprob]], token_ids: list[int]) -> list[dict[str, Any]]:
+        """The tokens' logprobs in OpenAI's shape (chat's: token, logprob, bytes, top_logprobs)."""
+        if not self.req.wants_logprobs:
+            return []
+        content = chat_logprobs(entries, token_ids, self.req.top_logprobs or 0).content or []
+        return [c.model_dump() for c in content]
+
     def finish(
-        self, out: RequestOutput, text: str | None, calls: list[dict[str, Any]], msg_id: str | None = None
+        self,
+        out: RequestOutput,
+        text: str | None,
+        calls: list[dict[str, Any]],
+        logprobs: list[dict[str, Any]],
+        msg_id: str | None = None,
     ) -> dict[str, Any]:
         """The finished response's body (stored when asked): a message item unless the output is
         only calls, then the function calls."""
         incomplete = out.outputs[0].finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
-        output = [] if text is None and calls else [message_item(msg_id or _hex_id("msg"), text or "", status)]
+        output = (
+            [] if text is None and calls else [message_item(msg_id or _hex_id("msg"), text or "", status, logprobs)]
+        )
         body = self.body(status, output + calls, usage_of(self.prompt, out), incomplete)
         if self.req.store:
             turn = assistant_message(text or "", calls)
@@ -288,6 +307,7 @@ class _Turn:
         msg_id: str | None = None
         text = ""
         calls: dict[int, dict[str, Any]] = {}  # by the call's index: id, name, arguments so far
+        logprobs: list[dict[str, Any]] = []
         state = StreamState()
 
         def open_message() -> list[str]:
@@ -301,7 +321,9 @@ class _Turn:
             ]
 
         try:
-            async with contextlib.aclosing(choice_deltas(gens, 1, state)) as deltas:
+            # closed at once when the client goes away: that aborts the request and frees its blocks
+            deltas = cast("AsyncGenerator[ChoiceDelta, None]", choice_deltas(gens, 1, state))
+            async with contextlib.aclosing(deltas):
                 async for d in deltas:
                     content: str | None = d.text
                     if tools is not None:
@@ -311,25 +333,28 @@ class _Turn:
                             if c.function is not None:
                                 acc["name"] = c.function.name or acc["name"]
                                 acc["arguments"] += c.function.arguments or ""
-                    if content:
+                    new_logprobs = self.logprobs(d.logprobs, d.token_ids) if d.logprobs is not None else []
+                    logprobs += new_logprobs
+                    # the end of text (EOS) has a logprob and no text: an empty delta carries it
+                    if content or (new_logprobs and tools is None):
                         if msg_id is None:
                             for e in open_message():
                                 yield e
-                        text += content
+                        text += content or ""
                         yield event(
                             "response.output_text.delta",
                             item_id=msg_id,
                             output_index=0,
                             content_index=0,
-                            delta=content,
-                            logprobs=[],
+                            delta=content or "",
+                            logprobs=new_logprobs,
                         )
             out = state.finals[0]
             if msg_id is None and not calls:
                 for e in open_message():
                     yield e
             items = [call_item(_hex_id("fc"), c["id"], c["name"] or "", c["arguments"]) for c in calls.values()]
-            body = self.finish(out, text if msg_id is not None else None, items, msg_id)
+            body = self.finish(out, text if msg_id is not None else None, items, logprobs, msg_id)
             index = 0
             if msg_id is not None:
                 message = body["output"][0]
@@ -340,7 +365,7 @@ class _Turn:
                     output_index=0,
                     content_index=0,
                     text=text,
-                    logprobs=[],
+                    logprobs=logprobs,
                 )
                 yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
                 yield event("response.output_item.done", output_index=0, item=message)

@@ -3,7 +3,8 @@ the translation of its input items into chat messages.
 
 What is implemented: text (and image) input as a string or a list of items, `instructions`,
 `max_output_tokens`, `temperature`, `top_p`, `stream`, `previous_response_id`, `store`,
-`text.format` (structured outputs), function `tools` / `tool_choice` / `parallel_tool_calls`.
+`text.format` (structured outputs), function `tools` / `tool_choice` / `parallel_tool_calls`,
+`include: ["message.output_text.logprobs"]` with `top_logprobs`.
 Fields that change nothing a local engine produces (`metadata`, `user`, `safety_identifier`,
 `prompt_cache_key`, `service_tier`) are accepted and echoed. Everything else is refused by name."""
 
@@ -18,9 +19,7 @@ from .errors import APIError
 # Known Responses fields that prefixkv does not implement, with why (400 naming the field).
 REFUSED = {
     "background": "background responses are not supported: wait for the response, or stream it",
-    "include": "extra output (logprobs, reasoning, tool results) is not supported",
     "reasoning": "reasoning options are not supported (no reasoning items are produced)",
-    "top_logprobs": "logprobs are not supported on /v1/responses; use /v1/chat/completions",
     "max_tool_calls": "max_tool_calls is not supported (tools run on the client: at most one turn of calls)",
     "conversation": "conversation objects are not supported: chain responses with previous_response_id",
     "prompt": "stored prompt templates are not supported",
@@ -30,6 +29,8 @@ REFUSED = {
     "moderation": "moderation is not supported",
     "stop": "the Responses API has no stop sequences: use /v1/chat/completions",
 }
+
+LOGPROBS = "message.output_text.logprobs"  # the one `include` entry implemented
 
 # OpenAI's built-in tools run on OpenAI's servers: nothing here can run them.
 BUILTIN_TOOLS = (
@@ -67,6 +68,8 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     # accepted, echoed: nothing a local engine produces depends on them
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -82,6 +85,10 @@ class ResponsesRequest(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
+
     def refusals(self) -> list[tuple[str, str]]:
         """(field, why) for every field sent that is not implemented; null counts as not sent."""
         out = [
@@ -89,6 +96,11 @@ class ResponsesRequest(BaseModel):
             for name, value in (self.model_extra or {}).items()
             if value is not None and value != [] and name != "background"
         ]
+        for entry in self.include or ():
+            if entry != LOGPROBS:
+                out.append(("include", f"{entry!r} is not supported (only {LOGPROBS!r})"))
+        if self.top_logprobs and not self.wants_logprobs:
+            out.append(("top_logprobs", f"top_logprobs needs include [{LOGPROBS!r}]"))
         if self.background:
             out.append(("background", REFUSED["background"]))
         if self.truncation == "auto":
