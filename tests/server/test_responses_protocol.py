@@ -1,0 +1,105 @@
+"""The Responses API's translations alone, no model: input items -> chat messages, flat tools and
+choices -> chat's, refusals by name, and the stored responses' LRU bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixkv.server.errors import APIError
+from prefixkv.server.responses_protocol import (
+    ResponsesRequest,
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+)
+from prefixkv.server.responses_store import ResponseStore, StoredResponse, max_stored_from_env
+
+
+def test_input_items_become_chat_messages():
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
+    ]
+    messages = input_messages(items)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[1]["content"] == [{"type": "text", "text": "Weather?"}]
+    # the calls of one turn are one assistant message
+    assert [c["id"] for c in messages[2]["tool_calls"]] == ["c1", "c2"]
+    assert messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}
+    assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [],
+        [{"type": "reasoning", "summary": []}],
+        [{"type": "item_reference", "id": "msg_1"}],
+        [{"role": "tool", "content": "x"}],
+        [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}],
+        [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}],
+        [{"type": "function_call", "name": "f"}],
+        ["not an item"],
+    ],
+)
+def test_unsupported_items_are_refused(items):
+    with pytest.raises(APIError) as e:
+        input_messages(items)
+    assert e.value.status == 400 and e.value.param == "input"
+
+
+def test_tools_choices_and_formats():
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}]
+    assert chat_tools(tools) == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
+    ]
+    with pytest.raises(APIError, match="web_search"):
+        chat_tools([{"type": "web_search"}])
+    assert chat_tool_choice({"type": "function", "name": "f"}) == {"type": "function", "function": {"name": "f"}}
+    assert chat_tool_choice("required") == "required"
+    fmt = {"type": "json_schema", "name": "city", "schema": {"type": "object"}, "strict": True}
+    assert chat_response_format({"format": fmt}) == {
+        "type": "json_schema",
+        "json_schema": {"name": "city", "schema": {"type": "object"}, "strict": True},
+    }
+    assert chat_response_format(None) is None
+    with pytest.raises(APIError) as e:
+        chat_response_format({"format": {"type": "grammar"}})
+    assert e.value.param == "text.format"
+
+
+def test_refusals_name_the_field():
+    def names(**fields):
+        return [n for n, _ in ResponsesRequest(input="Hi", **fields).refusals()]
+
+    assert names(store=False, metadata={"a": "b"}, user="u", background=False, include=[], truncation="disabled") == []
+    assert names(include=["message.output_text.logprobs"], top_logprobs=3) == []
+    assert names(background=True) == ["background"]
+    assert names(top_logprobs=3) == ["top_logprobs"]
+    assert names(include=["file_search_call.results"]) == ["include"]
+    assert names(text={"format": {"type": "text"}, "verbosity": "low"}) == ["text.verbosity"]
+    assert names(reasoning={"effort": "low"}, frobnicate=1) == ["reasoning", "frobnicate"]
+    assert names(reasoning=None) == []  # null is not sent
+
+
+def test_store_keeps_the_most_recently_used(monkeypatch):
+    store = ResponseStore(2)
+    for rid in ("a", "b"):
+        store.put(rid, StoredResponse({"id": rid}, [], None))
+    assert store.get("a") is not None  # a is now the most recent: b goes first
+    store.put("c", StoredResponse({"id": "c"}, [], None))
+    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    assert store.delete("a") and not store.delete("a")
+    none = ResponseStore(0)
+    none.put("x", StoredResponse({}, [], None))
+    assert none.get("x") is None
+    monkeypatch.setenv("PREFIXKV_RESPONSES_MAX_STORED", "7")
+    assert max_stored_from_env() == 7
+    monkeypatch.setenv("PREFIXKV_RESPONSES_MAX_STORED", "-1")
+    with pytest.raises(ValueError, match="PREFIXKV_RESPONSES_MAX_STORED"):
+        max_stored_from_env()
