@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError
 
@@ -55,7 +55,7 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | list[Any]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(default=None, strict=True)  # true is not 1
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
@@ -173,6 +173,8 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             output, call_id = item.get("output"), item.get("call_id")
             if not isinstance(call_id, str):
                 raise APIError(f"{where}: a function_call_output needs a call_id string", 400, param="input")
+            if not isinstance(output, (str, list)):
+                raise APIError(f"{where}.output must be a string or a list of parts", 400, param="input")
             text = output if isinstance(output, str) else _text_of(output, where)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         else:
