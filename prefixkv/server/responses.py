@@ -132,9 +132,12 @@ class OpenAIServingResponses:
             others = f" (also: {', '.join(n for n, _ in refused[1:])})" if len(refused) > 1 else ""
             raise APIError(f"unsupported field {name!r}: {why}{others}", 400, param=name)
         model = self.chat.check_model(req.model)
-        m = req.max_output_tokens
-        if m is not None and (isinstance(m, bool) or m < 1):
-            raise APIError(f"max_output_tokens must be an integer >= 1, got {m!r}", 400, param="max_output_tokens")
+        if req.max_output_tokens is not None and req.max_output_tokens < 1:
+            raise APIError(
+                f"max_output_tokens must be an integer >= 1, got {req.max_output_tokens}",
+                400,
+                param="max_output_tokens",
+            )
         if req.instructions is not None:
             self.chat.check_text(req.instructions, "instructions")
         conversation = [*self.conversation_before(req), *input_messages(req.input)]
@@ -160,9 +163,9 @@ class OpenAIServingResponses:
         if req.stream:
             return StreamingResponse(turn.events(gens, plan), media_type="text/event-stream")
         out = (await self.chat.collect(raw, gens))[0]
-        text, calls = plan.parse(out.outputs[0].text) if plan is not None else (out.outputs[0].text, [])
-        items = [call_item(_hex_id("fc"), c.id, c.function.name, c.function.arguments) for c in calls]
         o = out.outputs[0]
+        text, calls = plan.parse(o.text) if plan is not None else (o.text, [])
+        items = [call_item(_hex_id("fc"), c.id, c.function.name, c.function.arguments) for c in calls]
         logprobs = turn.logprobs(o.logprobs, list(o.token_ids)) if o.logprobs is not None else []
         return JSONResponse(turn.finish(out, text, items, logprobs))
 
