@@ -25,7 +25,7 @@ from .responses_protocol import (
     chat_tools,
     input_messages,
 )
-from .responses_store import ResponseStore, StoredResponse, max_stored_from_env
+from .responses_store import ResponseStore, StoredResponse, max_stored_bytes_from_env, max_stored_from_env
 from .responses_turn import ResponseTurn, call_item, hex_id
 
 # The chat admission names chat's fields; a Responses client sent these instead.
@@ -51,8 +51,9 @@ class OpenAIServingResponses:
         if prev is None or prev.cache_salt != req.cache_salt:  # another tenant's id is as unknown as a wrong one
             raise APIError(
                 f"Previous response with id '{req.previous_response_id}' not found. Responses are kept in "
-                f"memory only, the {self.store.max_entries} most recently used (PREFIXKV_RESPONSES_MAX_STORED), "
-                "and never with store=false.",
+                f"memory only, the {self.store.max_entries} most recently used (PREFIXKV_RESPONSES_MAX_STORED) "
+                f"within {self.store.max_bytes} characters (PREFIXKV_RESPONSES_MAX_STORED_BYTES), and never "
+                "with store=false.",
                 400,
                 param="previous_response_id",
             )
@@ -164,4 +165,6 @@ class OpenAIServingResponses:
 
 def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
     """The Responses routes, served by the chat route's admission and engine path."""
-    OpenAIServingResponses(chat, store or ResponseStore(max_stored_from_env())).add_routes(app)
+    if store is None:
+        store = ResponseStore(max_stored_from_env(), max_stored_bytes_from_env())
+    OpenAIServingResponses(chat, store).add_routes(app)

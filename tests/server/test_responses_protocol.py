@@ -13,7 +13,12 @@ from prefixkv.server.responses_protocol import (
     chat_tools,
     input_messages,
 )
-from prefixkv.server.responses_store import ResponseStore, StoredResponse, max_stored_from_env
+from prefixkv.server.responses_store import (
+    ResponseStore,
+    StoredResponse,
+    max_stored_bytes_from_env,
+    max_stored_from_env,
+)
 
 
 def test_input_items_become_chat_messages():
@@ -98,8 +103,21 @@ def test_store_keeps_the_most_recently_used(monkeypatch):
     none = ResponseStore(0)
     none.put("x", StoredResponse({}, [], None))
     assert none.get("x") is None
+    # the byte bound: characters of every string held; an entry over it alone is not kept
+    small = ResponseStore(100, max_bytes=300)
+    for rid in "abc":
+        assert small.put(rid, StoredResponse({"id": rid}, [{"role": "user", "content": "x" * 80}], None))
+    assert small.get("a") is None and small.get("c") is not None and small.size <= 300
+    assert not small.put("big", StoredResponse({}, [{"role": "user", "content": "x" * 400}], None))
+    assert small.get("big") is None
+    small.delete("b")
+    small.delete("c")
+    assert small.size == 0
     monkeypatch.setenv("PREFIXKV_RESPONSES_MAX_STORED", "7")
     assert max_stored_from_env() == 7
     monkeypatch.setenv("PREFIXKV_RESPONSES_MAX_STORED", "-1")
     with pytest.raises(ValueError, match="PREFIXKV_RESPONSES_MAX_STORED"):
         max_stored_from_env()
+    monkeypatch.setenv("PREFIXKV_RESPONSES_MAX_STORED_BYTES", "1M")
+    with pytest.raises(ValueError, match="PREFIXKV_RESPONSES_MAX_STORED_BYTES"):
+        max_stored_bytes_from_env()
