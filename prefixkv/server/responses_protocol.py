@@ -61,7 +61,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     previous_response_id: str | None = None
-    store: bool | None = True
+    store: bool | None = True  # null counts as not sent: stored
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -105,7 +105,7 @@ class ResponseTurn:
             "reasoning": None,
             "safety_identifier": req.safety_identifier,
             "service_tier": "default",
-            "store": bool(req.store),
+            "store": req.store is not False,
             "temperature": self.params.temperature,
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
@@ -137,7 +137,7 @@ class ResponseTurn:
         status = "incomplete" if incomplete else "completed"
         output = [] if text is None and calls else [message_item(msg_id or hex_id("msg"), text or "", status, logprobs)]
         body = self.body(status, output + calls, usage_of(self.prompt, out), incomplete)
-        if self.req.store:
+        if self.req.store is not False:  # null is the default: stored
             turn = assistant_message(text or "", calls)
             self.store.put(self.rid, StoredResponse(body, [*self.conversation, turn], self.req.cache_salt))
         return body

@@ -225,7 +225,7 @@ def test_store_bound_delete_and_refusals(server, client):
     with pytest.raises(BadRequestError):
         tiny(previous_response_id=oldest.id)
 
-    kept = tiny()
+    kept = tiny(store=None)  # null is the default: stored
     assert client.responses.retrieve(kept.id).id == kept.id
     client.responses.delete(kept.id)
     with pytest.raises(NotFoundError):
