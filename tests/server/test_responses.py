@@ -298,3 +298,97 @@ def test_langchain_use_responses_api(server):
     chunks = list(llm.stream("Say hello."))
     assert "".join(c.text for c in chunks).strip()
     server.wait_idle()
+
+
+@pytest.mark.parametrize("wild", [False, True], ids=["typed", "wild"])
+def test_random_bodies_never_5xx(server, wild):
+    """Bodies shaped like the Responses schema - typed ones, which reach the engine, and wild ones
+    with junk anywhere: never a 5xx (streamed: never an error event of one), the server keeps
+    serving, and no KV block is held afterwards."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**65), 2**65),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=12),
+        st.sampled_from(["\ud800", "", "<|im_end|>", "message.output_text.logprobs", "function", "required"]),
+    )
+    junk = st.recursive(
+        scalars,
+        lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+        max_leaves=6,
+    )
+
+    def mostly(typed):
+        return st.one_of(typed, junk) if wild else typed
+
+    texts = st.one_of(st.text(max_size=20), st.sampled_from(["Hello", "Hello", "\ud800", "<|im_end|>"]))
+    part = st.fixed_dictionaries(
+        {"type": mostly(st.sampled_from(["input_text", "output_text", "input_image"])), "text": mostly(texts)}
+    )
+    item = st.one_of(
+        st.fixed_dictionaries(
+            {"role": mostly(st.sampled_from(["user", "system", "developer", "assistant"]))},
+            optional={"type": st.just("message"), "content": mostly(st.one_of(texts, st.lists(part, max_size=2)))},
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("function_call"), "call_id": mostly(texts), "name": mostly(texts)},
+            optional={"arguments": mostly(st.just('{"city": "Paris"}'))},
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("function_call_output"), "call_id": mostly(texts), "output": mostly(texts)}
+        ),
+    )
+    tool = st.fixed_dictionaries(
+        {"type": mostly(st.just("function")), "name": mostly(st.sampled_from(["f", "get_weather"]))},
+        optional={"parameters": mostly(st.just({"type": "object", "properties": {"a": {"type": "integer"}}}))},
+    )
+    fields = {
+        "instructions": mostly(texts),
+        "temperature": mostly(st.one_of(st.floats(0, 2), st.floats(allow_nan=True, allow_infinity=True))),
+        "top_p": mostly(st.floats(0.01, 1)),
+        "stream": mostly(st.booleans()),
+        "store": mostly(st.booleans()),
+        "tools": mostly(st.lists(tool, max_size=2)),
+        "tool_choice": mostly(st.sampled_from(["none", "required", "auto", {"type": "function", "name": "f"}])),
+        "text": mostly(st.sampled_from([{"format": {"type": "json_object"}}, {"format": {"type": "text"}}])),
+        "include": mostly(st.lists(st.just("message.output_text.logprobs"), max_size=1)),
+        "top_logprobs": mostly(st.integers(0, 3)),
+        "cache_salt": mostly(texts),
+        "priority": mostly(st.integers(-5, 5)),
+        "metadata": mostly(st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2)),
+    }
+    bodies = st.fixed_dictionaries(
+        {
+            "input": mostly(st.one_of(texts, st.lists(item, min_size=1, max_size=2))),
+            "max_output_tokens": mostly(st.integers(1, 4)),
+        },
+        optional=fields,
+    )
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(bodies)
+    def run(body):
+        try:
+            content = json.dumps(body)
+        except (ValueError, TypeError):
+            return
+        if isinstance(body.get("max_output_tokens"), int) and body["max_output_tokens"] > 4:
+            return  # valid and long: costs time, proves nothing more
+        with httpx.stream(
+            "POST",
+            server.base + "/v1/responses",
+            content=content,
+            headers={"Content-Type": "application/json"},
+            timeout=120,
+        ) as r:
+            text = "".join(r.iter_text())
+        assert r.status_code < 500, (body, text)
+        assert "InternalServerError" not in text, (body, text)
+
+    run()
+    assert server.healthy()
+    server.wait_idle()
