@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from ..sampling_params import SamplingParams
 from .chat import OpenAIServingChat
 from .errors import APIError
 from .protocol import ChatCompletionRequest
@@ -27,6 +28,7 @@ from .responses_protocol import (
 )
 from .responses_store import ResponseStore, StoredResponse, max_stored_bytes_from_env, max_stored_from_env
 from .responses_turn import ResponseTurn, call_item, hex_id
+from .tools import ToolPlan
 
 # The chat admission names chat's fields; a Responses client sent these instead.
 _PARAM_NAMES = {
@@ -36,6 +38,14 @@ _PARAM_NAMES = {
     "prompt": "input",
     "response_format": "text.format",
 }
+
+
+Admitted = tuple[list[int], tuple, SamplingParams, ToolPlan | None]  # OpenAIServingChat.admit's
+
+
+def _too_long(e: APIError) -> bool:
+    """The chat admission's context-length refusal (check_length's message): what truncation fixes."""
+    return "maximum context length" in e.message
 
 
 class OpenAIServingResponses:
@@ -84,6 +94,35 @@ class OpenAIServingResponses:
             msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
             raise APIError(msg, 400) from None
 
+    async def admit(self, req: ResponsesRequest, messages: list[dict[str, Any]]) -> Admitted:
+        try:
+            return await self.chat.admit(self.chat_request(req, messages))
+        except APIError as e:
+            e.param = _PARAM_NAMES.get(e.param or "", e.param)
+            raise
+
+    async def admit_truncated(
+        self, req: ResponsesRequest, system: list[dict[str, Any]], conversation: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], Admitted]:
+        """truncation "auto", for a conversation too long as a whole: the longest tail of it that
+        fits, found by bisection (each try renders and tokenizes, so a long chain costs a few tries,
+        not one per message). A tail starts at a message that is not a tool result (its call is
+        gone); the last message always stays."""
+        n = len(conversation)
+        starts = [i for i in range(1, n) if conversation[i]["role"] != "tool" or i == n - 1]
+        lo, hi = -1, len(starts) - 1  # lo: known too long (-1: the whole); hi: fits, `admitted` is its
+        admitted = await self.admit(req, system + conversation[starts[hi] :])  # too long even alone: the 400
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                admitted = await self.admit(req, system + conversation[starts[mid] :])
+                hi = mid
+            except APIError as e:
+                if not _too_long(e):
+                    raise
+                lo = mid
+        return conversation[starts[hi] :], admitted
+
     async def create(self, req: ResponsesRequest, raw: Request):
         refused = req.refusals()
         if refused:
@@ -101,12 +140,12 @@ class OpenAIServingResponses:
             self.chat.check_text(req.instructions, "instructions")
         conversation = [*self.conversation_before(req), *input_messages(req.input)]
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        chat_req = self.chat_request(req, system + conversation)
         try:
-            ids, mm_items, params, plan = await self.chat.admit(chat_req)
+            ids, mm_items, params, plan = await self.admit(req, system + conversation)
         except APIError as e:
-            e.param = _PARAM_NAMES.get(e.param or "", e.param)
-            raise
+            if req.truncation != "auto" or not _too_long(e) or len(conversation) < 2:
+                raise
+            conversation, (ids, mm_items, params, plan) = await self.admit_truncated(req, system, conversation)
         rid = hex_id("resp")
         gens = self.chat.start(
             [ids],

@@ -4,7 +4,7 @@ the translation of its input items into chat messages.
 What is implemented: text (and image) input as a string or a list of items, `instructions`,
 `max_output_tokens`, `temperature`, `top_p`, `stream`, `previous_response_id`, `store`,
 `text.format` (structured outputs), function `tools` / `tool_choice` / `parallel_tool_calls`,
-`include: ["message.output_text.logprobs"]` with `top_logprobs`.
+`include: ["message.output_text.logprobs"]` with `top_logprobs`, `truncation`.
 Fields that change nothing a local engine produces (`metadata`, `user`, `safety_identifier`,
 `prompt_cache_key`, `service_tier`) are accepted and echoed. Everything else is refused by name."""
 
@@ -103,8 +103,6 @@ class ResponsesRequest(BaseModel):
             out.append(("top_logprobs", f"top_logprobs needs include [{LOGPROBS!r}]"))
         if self.background:
             out.append(("background", REFUSED["background"]))
-        if self.truncation == "auto":
-            out.append(("truncation", 'truncation "auto" is not supported: an input longer than the context is a 400'))
         if self.stream_options and self.stream_options.get("include_obfuscation"):
             out.append(("stream_options", "include_obfuscation is not supported"))
         for key, value in (self.text or {}).items():

@@ -111,7 +111,7 @@ class ResponseTurn:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
             "top_p": self.params.top_p,
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,
         }

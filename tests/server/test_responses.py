@@ -16,6 +16,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from .conftest import long_text
+
 pytestmark = pytest.mark.slow  # a real server subprocess
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -240,7 +242,7 @@ def test_store_bound_delete_and_refusals(server, client):
         "include": {"include": ["reasoning.encrypted_content"]},
         "reasoning": {"reasoning": {"effort": "low"}},
         "top_logprobs": {"top_logprobs": 2},
-        "truncation": {"truncation": "auto"},
+        "stream_options": {"stream_options": {"include_obfuscation": True}},
         "conversation": {"conversation": "conv_1"},
         "text.verbosity": {"text": {"verbosity": "low"}},
         "tools": {"tools": [{"type": "web_search"}]},
@@ -261,6 +263,35 @@ def test_store_bound_delete_and_refusals(server, client):
     r = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, "input": long_input}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     assert server.healthy()
+    server.wait_idle()
+
+
+def test_truncation_auto_drops_the_oldest_messages(server, client):
+    from openai import BadRequestError
+
+    first = client.responses.create(
+        model=MODEL, input=long_text(1, 700), max_output_tokens=4, temperature=0, instructions="Be brief."
+    )
+    second_input = long_text(2, 600)
+    with pytest.raises(BadRequestError) as e:  # the whole conversation no longer fits the context
+        client.responses.create(model=MODEL, previous_response_id=first.id, input=second_input, max_output_tokens=8)
+    assert e.value.body["param"] in ("input", "max_output_tokens")
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=second_input,
+        max_output_tokens=8,
+        temperature=0,
+        instructions="Be brief.",
+        truncation="auto",
+    )
+    assert second.truncation == "auto"
+    # what ran: the instructions, then the conversation from its second message (the first turn's
+    # long input dropped, its short answer kept) and the new input
+    system = {"role": "system", "content": "Be brief."}
+    kept = [system, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": second_input}]
+    expected = chat_text(server, kept, 8)[0]
+    assert second.output_text == expected and second.usage.input_tokens < first.usage.input_tokens + 100
     server.wait_idle()
 
 

@@ -92,6 +92,45 @@ def test_refusals_name_the_field():
     assert names(reasoning=None) == []  # null is not sent
 
 
+def test_truncation_keeps_the_longest_tail_that_fits():
+    """The bisection alone: an admission that fits up to a number of characters stands in for the
+    chat admission's token count."""
+    import asyncio
+
+    from prefixkv.server.responses import OpenAIServingResponses
+
+    class Sized(OpenAIServingResponses):
+        def __init__(self, limit: int) -> None:
+            self.limit, self.tries = limit, 0
+
+        async def admit(self, req, messages):
+            self.tries += 1
+            size = sum(len(m["content"]) for m in messages)
+            if size > self.limit:
+                raise APIError(f"This model's maximum context length is {self.limit} tokens.", 400, param="prompt")
+            return [size], (), None, None
+
+    def msg(role: str, n: int) -> dict:
+        return {"role": role, "content": "x" * n}
+
+    system = [msg("system", 5)]
+    conversation = [msg("user", 50), msg("assistant", 10), msg("tool", 10), msg("user", 30), msg("user", 20)]
+    req = ResponsesRequest(input="x", truncation="auto")
+    for limit, kept in [(75, 1), (80, 1), (70, 3), (55, 3), (54, 4), (25, 4)]:
+        serving = Sized(limit)
+        tail, (ids, *_) = asyncio.run(serving.admit_truncated(req, system, conversation))
+        assert tail == conversation[kept:] and ids == [5 + sum(len(m["content"]) for m in tail)]
+    # a tail never starts at a tool result: within 70 it would fit from the tool result on (65)
+    tail, _ = asyncio.run(Sized(70).admit_truncated(req, system, conversation))
+    assert tail[0]["role"] == "user" and len(tail) == 2
+    long_chain = [msg("user", 10) for _ in range(1000)]
+    serving = Sized(105)
+    tail, _ = asyncio.run(serving.admit_truncated(req, system, long_chain))
+    assert len(tail) == 10 and serving.tries <= 12  # bisection: a few tries, not one per message
+    with pytest.raises(APIError, match="maximum context length"):  # too long even alone
+        asyncio.run(Sized(10).admit_truncated(req, system, conversation))
+
+
 def test_store_keeps_the_most_recently_used(monkeypatch):
     store = ResponseStore(2)
     for rid in ("a", "b"):
