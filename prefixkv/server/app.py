@@ -46,6 +46,7 @@ from .protocol import (
     ModelList,
     PoolingRequest,
 )
+from .responses import add_responses_routes
 from .stats_logger import StatsLogger
 from .tokenization import OpenAIServingTokenization
 
@@ -163,6 +164,7 @@ def create_app(
         return completions.lora_for(model)
 
     add_cache_control_routes(app, async_engine, adapter)
+    add_responses_routes(app, chat)  # /v1/responses: chat admission and engine path, Responses shapes
 
     if allow_runtime_lora_updating is None:
         allow_runtime_lora_updating = runtime_lora_updating_from_env()

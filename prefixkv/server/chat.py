@@ -9,6 +9,7 @@ from typing import Any, cast
 from fastapi import Request
 
 from ..multimodal.chat import chat_prompt_with_images, has_image_parts
+from ..sampling_params import SamplingParams
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import (
@@ -138,8 +139,9 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:  # bad images, URLs, counts: the caller's
             raise APIError(str(e), 400, param="messages") from e
 
-    async def create(self, req: ChatCompletionRequest, raw: Request):
-        model = self.check_model(req.model)
+    async def admit(self, req: ChatCompletionRequest) -> tuple[list[int], tuple, SamplingParams, ToolPlan | None]:
+        """A chat request's checks, prompt tokens (and image items), sampling parameters (grammar
+        compiled) and tool plan: everything before the engine. /v1/responses admits through here too."""
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= self.limits.max_logprobs:
             raise APIError(
                 f"top_logprobs must be in [0, {self.limits.max_logprobs}], got {req.top_logprobs}",
@@ -169,6 +171,11 @@ class OpenAIServingChat(OpenAIServing):
         if plan is not None and plan.parser is not None and plan.parser.keeps_special_tokens:
             params.skip_special_tokens = False  # the parser reads a special token (mistral's [TOOL_CALLS])
         await self.compile_grammar(params)
+        return ids, mm_items, params, plan
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        model = self.check_model(req.model)
+        ids, mm_items, params, plan = await self.admit(req)
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
         k = req.top_logprobs or 0
