@@ -156,3 +156,31 @@ def test_refused_by_name(patch, message):
     d.update(patch)
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_lora_on_gemma_matches_peft(tmp_path, kind):
+    """LoRA adapters wrap the same fused projections in Gemma's block: greedy tokens equal
+    transformers + peft's, caching on."""
+    from prefixkv.lora import LoRARequest
+
+    from ..lora.conftest import ADAPTERS, peft_greedy, write_adapter
+
+    base, adapter = tmp_path / "base", tmp_path / "all"
+    base.mkdir()
+    _make(kind).save_pretrained(base, safe_serialization=True)
+    _write_tokenizer(base)
+    write_adapter(base, adapter, seed=7, **ADAPTERS["all"])
+    rng = random.Random(kind)
+    shared = [rng.randrange(256) for _ in range(40)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 9))] for _ in range(2)]
+    expected = peft_greedy(base, adapter, prompts, MAX_NEW)
+    assert expected != peft_greedy(base, None, prompts, MAX_NEW)
+    llm = LLM(str(base), dtype="float32", num_blocks=64, block_size=16, max_model_len=128, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    lora = LoRARequest("all", 1, str(adapter))
+    for _ in range(2):  # the second time from the cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert llm.llm_engine.prefix_cache_stats.hits > 0
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
