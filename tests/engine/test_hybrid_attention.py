@@ -184,3 +184,35 @@ def test_lora_on_gemma_matches_peft(tmp_path, kind):
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert llm.llm_engine.prefix_cache_stats.hits > 0
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
+def test_gemma_with_a_disk_tier_and_the_stage_output_cache(tmp_path):
+    """The per-block features are model-agnostic: a new engine is served Gemma 3's blocks from a
+    disk tier (same tokens), and pooled embeddings from the stage-output cache equal transformers'
+    final hidden states."""
+    hf = _make("gemma3")
+    model = tmp_path / "model"
+    hf.save_pretrained(model, safe_serialization=True)
+    _write_tokenizer(model)
+    rng = random.Random(3)
+    prompt = [rng.randrange(256) for _ in range(60)]
+    expected = hf_greedy(hf, prompt, MAX_NEW)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    base = dict(dtype="float32", num_blocks=64, block_size=16, max_model_len=128)
+    tier = f"disk:{tmp_path / 'kv'}"
+    first = LLM(str(model), **base, kv_tier=tier)
+    assert first.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    first.llm_engine.tiers.flush()
+    second = LLM(str(model), **base, kv_tier=tier)
+    out = second.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected and out.num_cached_tokens >= 48
+
+    llm = LLM(str(model), **base, enable_stage_output_cache=True)
+    docs = [prompt[:40] + [rng.randrange(256) for _ in range(n)] for n in (3, 9)]
+    with torch.no_grad():
+        ref = [hf(torch.tensor([d]), output_hidden_states=True).hidden_states[-1][0] for d in docs]
+    outs = llm.embed([{"prompt_token_ids": d} for d in docs], pooling="all", normalize=False, use_tqdm=False)
+    for o, h in zip(outs, ref):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), h, atol=1e-4, rtol=1e-4)
+    assert outs[1].num_cached_tokens >= 32
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
