@@ -216,3 +216,35 @@ def test_gemma_with_a_disk_tier_and_the_stage_output_cache(tmp_path):
         torch.testing.assert_close(torch.tensor(o.outputs.embedding), h, atol=1e-4, rtol=1e-4)
     assert outs[1].num_cached_tokens >= 32
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
+def test_hub_style_gemma_configs_are_read_as_transformers_reads_them():
+    """config.json as transformers 4 wrote it for the released checkpoints (no layer_types, no
+    rope_parameters): the per-layer kinds, windows and rotary bases transformers derives."""
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    gemma3 = ModelConfig.from_hf_dict(
+        dict(
+            common,
+            architectures=["Gemma3ForCausalLM"],
+            num_hidden_layers=7,
+            head_dim=16,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            rope_theta=1_000_000,
+            rope_local_base_freq=10_000,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            query_pre_attn_scalar=256,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        )
+    )
+    assert gemma3.layer_windows == [512] * 5 + [None, 512]
+    assert (gemma3.rope_theta, gemma3.rope_local_theta) == (1_000_000, 10_000)
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert gemma3.qk_norm and gemma3.tie_word_embeddings and gemma3.hidden_activation == "gelu_pytorch_tanh"
+    gemma2 = ModelConfig.from_hf_dict(
+        dict(common, model_type="gemma2", num_hidden_layers=4, sliding_window=4096, query_pre_attn_scalar=144)
+    )
+    assert gemma2.architecture == "Gemma2ForCausalLM" and gemma2.layer_windows == [4096, None, 4096, None]
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    assert gemma2.query_pre_attn_scalar == 144 and not gemma2.qk_norm
