@@ -27,7 +27,9 @@ import msgpack
 from ..cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 ExternalBlockHash = int | bytes
-KV_CACHE_SPEC_KIND = "full_attention"  # every layer of the models here is full attention, one KV group
+# one KV group: a block holds every layer's K/V and is kept as full attention keeps it, sliding
+# layers' included (docs/design.md, "Per-layer attention kinds")
+KV_CACHE_SPEC_KIND = "full_attention"
 
 
 def int_block_hashes() -> bool:

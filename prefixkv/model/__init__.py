@@ -2,7 +2,8 @@
 
 from .attention import AttentionMetadata, kv_cache_block_shape, paged_attention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .llama import LlamaModel, build_model
+from .families import build_model, model_class
+from .llama import LlamaModel
 from .loader import LoadedModel, default_model_path, load_model
 from .tokenizer import Tokenizer
 
@@ -17,5 +18,6 @@ __all__ = [
     "default_model_path",
     "kv_cache_block_shape",
     "load_model",
+    "model_class",
     "paged_attention",
 ]

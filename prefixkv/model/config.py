@@ -12,7 +12,32 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+
+# The Gemma family's block (model/gemma.py): sandwich norms, GeGLU, scaled embeddings, soft-capping.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+# HF `model_type` -> architecture, for a config.json without `architectures`.
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+# Architectures refused with a reason of their own (a near miss of a supported one).
+_REFUSED = {
+    "Gemma3ForConditionalGeneration": "the vision-language Gemma 3 is not supported; text-only Gemma 3 "
+    "checkpoints (Gemma3ForCausalLM, model_type 'gemma3_text', e.g. gemma-3-1b) are",
+}
+
+# The two attention kinds of `ModelConfig.layer_types`, with HF's names.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES = {
@@ -26,6 +51,8 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def check_architecture(name: str) -> str:
+    if name in _REFUSED:
+        raise ValueError(f"Unsupported model architecture {name!r}: {_REFUSED[name]}")
     if name not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"Unsupported model architecture {name!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -55,12 +82,44 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    sliding_window: int | None = None  # every layer attends to at most this many latest tokens
+    sliding_window: int | None = None  # a sliding layer attends to at most this many latest tokens
+    # per layer FULL_ATTENTION or SLIDING_ATTENTION; empty: every layer slides where sliding_window
+    # is set (Mistral), else none does
+    layer_types: list[str] = field(default_factory=list)
+    # the Gemma family's traits (None / defaults: absent)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # sliding layers' rotary base, unscaled (Gemma 3); None: rope_theta
+    hidden_activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if not self.layer_types:
+            kind = SLIDING_ATTENTION if self.sliding_window is not None else FULL_ATTENTION
+            self.layer_types = [kind] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} hidden layers"
+            )
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"unsupported attention layer type(s) {unknown}; supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}"
+            )
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
+        if self.hidden_activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(
+                f"unsupported hidden_activation {self.hidden_activation!r}; supported: 'silu', 'gelu_pytorch_tanh'"
+            )
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value!r}")
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -88,43 +147,52 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, the window it attends within (None: the whole context)."""
+        return [self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types]
+
+    @property
+    def any_sliding(self) -> bool:
+        """Whether some layer attends within a window."""
+        return SLIDING_ATTENTION in self.layer_types
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.architecture in GEMMA_ARCHITECTURES
+
     # ------------------------------------------------------------------ HF
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
             mt: Any = d.get("model_type")  # whatever config.json holds, named in the error
-            archs = [
-                {
-                    "llama": "LlamaForCausalLM",
-                    "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM",
-                }.get(mt, f"<model_type {mt!r}>")
-            ]
+            archs = [_MODEL_TYPES.get(mt, f"<model_type {mt!r}>")]
         arch = check_architecture(archs[0])
-        # transformers >= 5 keeps rope_theta (and scaling) in `rope_parameters`;
-        # older configs have top-level `rope_theta` and `rope_scaling`.
-        rope_params = d.get("rope_parameters") or {}
-        rope_theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling")
-        if scaling is None and rope_params:
-            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
+        gemma = arch in GEMMA_ARCHITECTURES
+        rope_theta, scaling, local_theta = _rope_settings(d, arch)
         n_heads = d["num_attention_heads"]
-        qk_norm = arch == "Qwen3ForCausalLM"
-        window = d.get("sliding_window") if arch == "MistralForCausalLM" else None
-        layer_types = d.get("layer_types") or []
-        if (d.get("use_sliding_window") and arch != "MistralForCausalLM") or len(set(layer_types)) > 1:
-            raise ValueError(
-                "sliding-window attention on some layers only (use_sliding_window / mixed "
-                "layer_types) is not supported; every layer must attend the same way"
-            )
+        window, layer_types = _attention_layers(d, arch)
         if arch == "Qwen2ForCausalLM":
             attention_bias = True
         else:
             attention_bias = bool(d.get("attention_bias", False))
+        extra: dict[str, Any] = {}
+        if gemma:
+            if attention_bias:
+                raise ValueError(f"{arch} with attention_bias=true is not supported")
+            if d.get("use_bidirectional_attention"):
+                raise ValueError(f"{arch} with use_bidirectional_attention=true (an embedding model) is not supported")
+            extra = dict(
+                query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+                # transformers' Gemma 3 reads no attention soft-capping (its config key is unused)
+                attn_logit_softcapping=(d.get("attn_logit_softcapping", 50.0) if arch == "Gemma2ForCausalLM" else None),
+                final_logit_softcapping=d.get("final_logit_softcapping", 30.0 if arch == "Gemma2ForCausalLM" else None),
+                rope_local_theta=local_theta,
+                hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
+            )
+        elif d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{arch} with hidden_act={d.get('hidden_act')!r} is not supported (silu only)")
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -138,12 +206,14 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            qk_norm=qk_norm,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id", []),  # an int or None too: __post_init__ makes it a list
             sliding_window=window,
+            layer_types=layer_types,
+            **extra,
         )
 
     @classmethod
@@ -200,3 +270,61 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=[] if eos is None else [int(eos)],
         )
+
+
+def _rope_settings(d: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rotary base, scaling or None, the sliding layers' own base or None) from an HF config.
+    transformers >= 5 keeps them in `rope_parameters` - per layer type for Gemma 3 - and older
+    configs at the top level (`rope_theta`, `rope_scaling`, Gemma 3's `rope_local_base_freq`)."""
+    gemma3 = arch == "Gemma3ForCausalLM"
+    rope_params = d.get("rope_parameters") or {}
+    local: dict[str, Any] = {}
+    if FULL_ATTENTION in rope_params or SLIDING_ATTENTION in rope_params:
+        local = rope_params.get(SLIDING_ATTENTION) or {}
+        rope_params = rope_params.get(FULL_ATTENTION) or {}
+    default_theta = 1_000_000.0 if gemma3 else 10000.0
+    rope_theta = rope_params.get("rope_theta", d.get("rope_theta", default_theta))
+    scaling = d.get("rope_scaling")
+    if scaling is None and rope_params:
+        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    local_theta = None
+    if gemma3:
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma 3's sliding layers with rope type {local['rope_type']!r} are not supported")
+        local_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+    return float(rope_theta), scaling, local_theta
+
+
+def _attention_layers(d: dict[str, Any], arch: str) -> tuple[int | None, list[str]]:
+    """(window, per-layer attention kinds) from an HF config, as transformers reads them: Mistral
+    slides on every layer; Qwen2 / Qwen3 with `use_sliding_window` from layer `max_window_layers`
+    on; Gemma 2 on every other layer from the first; Gemma 3 on all but every
+    `sliding_window_pattern`-th; an explicit `layer_types` list wins everywhere."""
+    n = d["num_hidden_layers"]
+    layer_types = list(d.get("layer_types") or [])
+    window = d.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        if layer_types and set(layer_types) != {SLIDING_ATTENTION if window else FULL_ATTENTION}:
+            raise ValueError("MistralForCausalLM with mixed layer_types is not supported")
+        return window, []
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window = window if d.get("use_sliding_window") else None
+        if not layer_types:
+            first = d.get("max_window_layers", n)
+            layer_types = [SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION for i in range(n)]
+    elif arch == "Gemma2ForCausalLM":
+        window = window if window is not None else 4096
+        layer_types = layer_types or [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n)]
+    elif arch == "Gemma3ForCausalLM":
+        window = window if window is not None else 4096
+        pattern = d.get("sliding_window_pattern", 6)
+        layer_types = layer_types or [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+    else:  # Llama has no window (transformers ignores the key)
+        if SLIDING_ATTENTION in layer_types:
+            raise ValueError(f"{arch} with sliding_attention layers is not supported")
+        return None, []
+    if SLIDING_ATTENTION not in layer_types:
+        return None, layer_types
+    return window, layer_types

@@ -123,16 +123,23 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU, or with
+    activation="gelu_pytorch_tanh" GELU's tanh approximation (GeGLU, Gemma)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported MLP activation {activation!r}")
+        self.gelu = activation == "gelu_pytorch_tanh"
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
+        if self.gelu:
+            g, u = gu.split(self.intermediate, dim=-1)
+            return self.down_proj(F.gelu(g, approximate="tanh") * u)
         act = ops.silu_and_mul(gu)  # one native pass on CPU
         if act is None:
             g, u = gu.split(self.intermediate, dim=-1)

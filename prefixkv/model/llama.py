@@ -40,7 +40,10 @@ CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Layer `layer_idx`'s attention: its window is the config's for that layer (layer_windows);
+    `norm` is the q/k norm's class where the config has one."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -51,10 +54,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
-        self.window = config.sliding_window
+        self.window = config.layer_windows[layer_idx]
+        self.softcap: float | None = None  # attention logit soft-capping (Gemma 2)
 
     def forward(self, x, cos, sin, kv_cache, meta):
         T = x.shape[0]
@@ -73,15 +77,15 @@ class Attention(nn.Module):
                 qkv[:, :k_end].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
             )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window)
+        o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
@@ -105,6 +109,8 @@ class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, H]."""
 
     lm_head: nn.Linear | None  # None: tied to the embedding, or laid out in packed_head
+    # whether the layers are DecoderLayer's, which the fused decode kernel computes (_DecodeLayers)
+    fused_decode_layout = True
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
@@ -117,8 +123,8 @@ class LlamaModel(nn.Module):
             self.embed_tokens = nn.Embedding(
                 config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
             )
-            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
+            self.norm = self.make_norm(config.hidden_size, config.rms_norm_eps)
             if not config.tie_word_embeddings:
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.to_empty(device=device)
@@ -133,11 +139,42 @@ class LlamaModel(nn.Module):
         self.decode_layers: _DecodeLayers | None = None
         self.fused_decode = True  # False: layer by layer always (tests and benchmarks compare the two)
 
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """Decoder layer `layer_idx` (a family with another block overrides this)."""
+        return DecoderLayer(config, layer_idx)
+
+    def make_norm(self, dim: int, eps: float) -> RMSNorm:
+        """The final norm (a family with another norm overrides this)."""
+        return RMSNorm(dim, eps)
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
     # ------------------------------------------------------------ forward
+    def begin_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        lora_mapping: object | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward's checks and the step's LoRA mapping handed over; ids and positions on the
+        model's device."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} kv caches, got {len(kv_caches)}")
+        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"input_ids ({input_ids.shape[0]}) / positions ({positions.shape[0]}) must match "
+                f"the {meta.num_tokens} new tokens of the metadata"
+            )
+        if self.lora_context is not None:
+            self.lora_context.mapping = lora_mapping
+        elif lora_mapping is not None:
+            raise ValueError("a LoRA mapping was passed but no LoRA is attached to this model")
+        return input_ids.to(self.device), positions.to(self.device)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -151,20 +188,8 @@ class LlamaModel(nn.Module):
         """`lora_mapping`: the step's per-token adapter index (prefixkv.lora.LoRAMapping), None: base.
         `inputs_embeds` [T, H]: the input embeddings to use instead of looking up `input_ids` (a
         multimodal step splices image embeddings in at the placeholder positions)."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} kv caches, got {len(kv_caches)}")
-        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
-            raise ValueError(
-                f"input_ids ({input_ids.shape[0]}) / positions ({positions.shape[0]}) must match "
-                f"the {meta.num_tokens} new tokens of the metadata"
-            )
-        if self.lora_context is not None:
-            self.lora_context.mapping = lora_mapping
-        elif lora_mapping is not None:
-            raise ValueError("a LoRA mapping was passed but no LoRA is attached to this model")
+        input_ids, positions = self.begin_step(input_ids, positions, kv_caches, meta, lora_mapping)
         dev = self.device
-        input_ids = input_ids.to(dev)
-        positions = positions.to(dev)
         # positions are < the longest context of the step (no device sync needed)
         cos, sin = self.rotary.cos_sin(positions, max(meta.seq_lens, default=0))
         if inputs_embeds is None:
@@ -320,15 +345,6 @@ class LlamaModel(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
 
-def build_model(
-    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
-) -> LlamaModel:
-    """A randomly initialised model (for tests)."""
-    model = LlamaModel(config, dtype=dtype, device=device)
-    model.init_random_weights(seed)
-    return model.eval()
-
-
 class _DecodeLayers:
     """Every decoder layer of a decode step in one native call (ops.decode_layers,
     csrc/decode_layers.cpp): at one to a few sequences the layer-by-layer path spends as much time
@@ -374,7 +390,7 @@ class _DecodeLayers:
         cfg = model.config
         if not len(model.layers) or not ops.decode_layers_available(model.dtype):
             return None
-        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim not in ops.HEAD_DIMS:
+        if not model.fused_decode_layout or cfg.qk_norm or cfg.any_sliding or cfg.head_dim not in ops.HEAD_DIMS:
             return None
         Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         if Hq % Hkv or Hq // Hkv > ops.MAX_GROUP:

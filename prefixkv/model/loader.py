@@ -22,6 +22,7 @@ import torch
 
 from . import weight_cache
 from .config import ModelConfig
+from .families import model_class
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .tokenizer import Tokenizer
@@ -170,7 +171,7 @@ def _load_hf_folder(folder: str, dtype, device) -> LoadedModel:
         return LoadedModel(model=lm, tokenizer=tok, config=lm.config, source=folder, multimodal=mm)
     config = ModelConfig.from_hf_folder(folder)
     tokenizer = Tokenizer.from_hf_folder(folder, extra_eos_ids=config.eos_token_id)
-    model = LlamaModel(config, dtype=dtype, device=device)
+    model = model_class(config)(config, dtype=dtype, device=device)
     model.load_hf_weights(_iter_safetensors(folder))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=folder)
 

@@ -146,7 +146,7 @@ def test_sliding_window_batched_steps_match_transformers(tmp_path):
         torch.testing.assert_close(out[a:b], ref[c : len(s)], atol=1e-4, rtol=1e-4)
 
 
-def test_mixed_sliding_window_layers_are_refused():
+def test_mixed_sliding_window_layers_are_read_per_layer():
     base = dict(
         architectures=["Qwen2ForCausalLM"],
         vocab_size=50,
@@ -155,9 +155,12 @@ def test_mixed_sliding_window_layers_are_refused():
         num_attention_heads=4,
         intermediate_size=48,
     )
-    with pytest.raises(ValueError, match="sliding-window"):
-        ModelConfig.from_hf_dict(dict(base, use_sliding_window=True, sliding_window=8, max_window_layers=1))
-    assert ModelConfig.from_hf_dict(dict(base, use_sliding_window=False, sliding_window=8)).sliding_window is None
+    mixed = ModelConfig.from_hf_dict(dict(base, use_sliding_window=True, sliding_window=8, max_window_layers=1))
+    assert mixed.layer_windows == [None, 8]
+    off = ModelConfig.from_hf_dict(dict(base, use_sliding_window=False, sliding_window=8))
+    assert off.sliding_window is None and off.layer_windows == [None, None]
+    with pytest.raises(ValueError, match="sliding_attention"):
+        ModelConfig.from_hf_dict(dict(base, architectures=["LlamaForCausalLM"], layer_types=["sliding_attention"] * 2))
 
 
 def test_build_model_random_init():

@@ -1,0 +1,22 @@
+"""Which decoder class builds a config: the Llama decoder, or a family with its own block."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .gemma import GemmaModel
+from .llama import LlamaModel
+
+
+def model_class(config: ModelConfig) -> type[LlamaModel]:
+    return GemmaModel if config.is_gemma else LlamaModel
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
+) -> LlamaModel:
+    """A randomly initialised model of the config's family (for tests)."""
+    model = model_class(config)(config, dtype=dtype, device=device)
+    model.init_random_weights(seed)
+    return model.eval()

@@ -1,0 +1,250 @@
+"""Sliding-window and full-attention layers interleaved in one model (Gemma 2, Gemma 3 text,
+Qwen2 with use_sliding_window + max_window_layers), as tiny random checkpoints built with
+transformers' own classes: greedy outputs equal transformers' (eager attention, which applies
+Gemma 2's soft-capping) with prompts longer than the window, with caching off and on, chunked
+prefill and preemption; every KV block free after."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.model import ModelConfig
+
+from ..conftest import hf_greedy
+from ..model.test_model_hf_folder import _common, _write_tokenizer
+from .test_correctness import check_prompt_logprobs, hf_prompt_logprobs
+
+MAX_NEW = 8
+WINDOW = 16
+
+
+def _make(kind: str, **extra):
+    import transformers as tf
+
+    common = _common(max_position_embeddings=256, **extra)
+    if kind == "gemma2":
+        cfg = tf.Gemma2Config(
+            **common,
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            # caps small enough to bite on these random weights
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        )
+        cls = tf.Gemma2ForCausalLM
+    elif kind == "gemma3":
+        cfg = tf.Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            sliding_window_pattern=2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        )
+        cls = tf.Gemma3ForCausalLM
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(
+            **{**common, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        )
+        cls = tf.Qwen2ForCausalLM
+    else:
+        raise AssertionError(kind)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = cls(cfg).eval()
+    gemma = kind.startswith("gemma")
+    with torch.no_grad():  # norms around 1 (Gemma's weights hold w of 1 + w)
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
+            elif kind == "gemma2" and ("q_proj" in name or "k_proj" in name):
+                p.copy_(0.3 * torch.randn_like(p))  # scores large enough for the cap to bite
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return m
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen2"])
+def test_hybrid_attention_matches_transformers(tmp_path, kind):
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    types = hf.config.layer_types
+    assert "sliding_attention" in types and "full_attention" in types
+    cfg = ModelConfig.from_hf_folder(str(tmp_path))
+    assert cfg.layer_types == types and cfg.sliding_window == WINDOW
+
+    rng = random.Random(kind)
+    shared = [rng.randrange(256) for _ in range(70)]  # > 4 windows
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    settings = [
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True),
+        dict(max_num_batched_tokens=9),  # chunks after cached context, shorter than the window
+        dict(num_blocks=9),  # too few for three: preemption, resumed from the cache
+    ]
+    for kwargs in settings:
+        kwargs = {
+            "dtype": "float32",
+            "device": "cpu",
+            "num_blocks": 64,
+            "block_size": 16,
+            "max_model_len": 128,
+            **kwargs,
+        }
+        llm = LLM(str(tmp_path), **kwargs)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, kwargs
+        engine = llm.llm_engine
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        if kwargs.get("enable_prefix_caching", True):
+            assert engine.prefix_cache_stats.hits > 0
+        if kwargs["num_blocks"] == 9:
+            assert engine.scheduler.num_preemptions > 0
+        if kwargs.get("max_num_batched_tokens"):  # every prompt position, in chunks: the final cap too
+            scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+            for out in llm.generate(prompts[:2], scored, use_tqdm=False):
+                check_prompt_logprobs(out, hf_prompt_logprobs(hf, out.prompt_token_ids), 1)
+            assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_window_and_caps_change_the_output():
+    """The oracle above can fail: without the window or the attention soft-cap transformers' own
+    Gemma 2 predicts other tokens at many of these prompt positions, and without the final cap
+    (monotonic: the same tokens) other logprobs."""
+    rng = random.Random(1)
+    prompt = torch.tensor([[rng.randrange(256) for _ in range(80)]])
+
+    def logits(model) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(prompt).logits[0], dim=-1)
+
+    base = logits(_make("gemma2"))
+    no_window = logits(_make("gemma2", layer_types=["full_attention"] * 2))
+    no_cap = _make("gemma2")
+    for layer in no_cap.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    no_final_cap = _make("gemma2")
+    no_final_cap.config.final_logit_softcapping = None
+    for other in (no_window, logits(no_cap)):
+        assert (other.argmax(-1) != base.argmax(-1)).sum() > 10
+    assert (logits(no_final_cap) - base).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "vision-language Gemma 3"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_activation": "relu"}, "hidden_activation"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "chunked_attention"),
+    ],
+)
+def test_refused_by_name(patch, message):
+    d = _make("gemma3").config.to_dict()
+    d.update(patch)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_lora_on_gemma_matches_peft(tmp_path, kind):
+    """LoRA adapters wrap the same fused projections in Gemma's block: greedy tokens equal
+    transformers + peft's, caching on."""
+    from prefixkv.lora import LoRARequest
+
+    from ..lora.conftest import ADAPTERS, peft_greedy, write_adapter
+
+    base, adapter = tmp_path / "base", tmp_path / "all"
+    base.mkdir()
+    _make(kind).save_pretrained(base, safe_serialization=True)
+    _write_tokenizer(base)
+    write_adapter(base, adapter, seed=7, **ADAPTERS["all"])
+    rng = random.Random(kind)
+    shared = [rng.randrange(256) for _ in range(40)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 9))] for _ in range(2)]
+    expected = peft_greedy(base, adapter, prompts, MAX_NEW)
+    assert expected != peft_greedy(base, None, prompts, MAX_NEW)
+    llm = LLM(str(base), dtype="float32", num_blocks=64, block_size=16, max_model_len=128, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    lora = LoRARequest("all", 1, str(adapter))
+    for _ in range(2):  # the second time from the cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert llm.llm_engine.prefix_cache_stats.hits > 0
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
+def test_gemma_with_a_disk_tier_and_the_stage_output_cache(tmp_path):
+    """The per-block features are model-agnostic: a new engine is served Gemma 3's blocks from a
+    disk tier (same tokens), and pooled embeddings from the stage-output cache equal transformers'
+    final hidden states."""
+    hf = _make("gemma3")
+    model = tmp_path / "model"
+    hf.save_pretrained(model, safe_serialization=True)
+    _write_tokenizer(model)
+    rng = random.Random(3)
+    prompt = [rng.randrange(256) for _ in range(60)]
+    expected = hf_greedy(hf, prompt, MAX_NEW)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    base = dict(dtype="float32", num_blocks=64, block_size=16, max_model_len=128)
+    tier = f"disk:{tmp_path / 'kv'}"
+    first = LLM(str(model), **base, kv_tier=tier)
+    assert first.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    first.llm_engine.tiers.flush()
+    second = LLM(str(model), **base, kv_tier=tier)
+    out = second.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected and out.num_cached_tokens >= 48
+
+    llm = LLM(str(model), **base, enable_stage_output_cache=True)
+    docs = [prompt[:40] + [rng.randrange(256) for _ in range(n)] for n in (3, 9)]
+    with torch.no_grad():
+        ref = [hf(torch.tensor([d]), output_hidden_states=True).hidden_states[-1][0] for d in docs]
+    outs = llm.embed([{"prompt_token_ids": d} for d in docs], pooling="all", normalize=False, use_tqdm=False)
+    for o, h in zip(outs, ref):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), h, atol=1e-4, rtol=1e-4)
+    assert outs[1].num_cached_tokens >= 32
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
+def test_hub_style_gemma_configs_are_read_as_transformers_reads_them():
+    """config.json as transformers 4 wrote it for the released checkpoints (no layer_types, no
+    rope_parameters): the per-layer kinds, windows and rotary bases transformers derives."""
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    gemma3 = ModelConfig.from_hf_dict(
+        dict(
+            common,
+            architectures=["Gemma3ForCausalLM"],
+            num_hidden_layers=7,
+            head_dim=16,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            rope_theta=1_000_000,
+            rope_local_base_freq=10_000,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            query_pre_attn_scalar=256,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        )
+    )
+    assert gemma3.layer_windows == [512] * 5 + [None, 512]
+    assert (gemma3.rope_theta, gemma3.rope_local_theta) == (1_000_000, 10_000)
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert gemma3.qk_norm and gemma3.tie_word_embeddings and gemma3.hidden_activation == "gelu_pytorch_tanh"
+    gemma2 = ModelConfig.from_hf_dict(
+        dict(common, model_type="gemma2", num_hidden_layers=4, sliding_window=4096, query_pre_attn_scalar=144)
+    )
+    assert gemma2.architecture == "Gemma2ForCausalLM" and gemma2.layer_windows == [4096, None, 4096, None]
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    assert gemma2.query_pre_attn_scalar == 144 and not gemma2.qk_norm
