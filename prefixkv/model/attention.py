@@ -511,13 +511,13 @@ def paged_attention(
         k_flat.index_copy_(0, plan.slot_mapping, k.to(kv_cache.dtype))
         v_flat.index_copy_(0, plan.slot_mapping, v.to(kv_cache.dtype))
     gqa = Hq != Hkv
-
-    if plan.decode_all:
-        out = None
-    else:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if scale is None:
         scale = D**-0.5
+    if plan.decode_all:  # one query per sequence: no output buffer to fill row by row
+        if plan.prefix_slots is not None:
+            return _cascade(q, k_flat, v_flat, plan, plan.prefix_slots, None, scale)
+        return _decode(q, k_flat, v_flat, plan, scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     # 2a) prefills without cached context: on CPU the native kernel (reading the just-written
     # cache in place); else SDPA over the local K/V (the same values)
@@ -539,7 +539,7 @@ def paged_attention(
         out[a:b] = o[0].transpose(0, 1)
 
     if plan.prefix_slots is not None:
-        return _cascade(q, k_flat, v_flat, plan, out, scale)
+        return _cascade(q, k_flat, v_flat, plan, plan.prefix_slots, out, scale)
 
     # 2b) chunks after cached context: the native kernel reads the context in place on CPU; else
     # gather it through the block table
@@ -558,35 +558,43 @@ def paged_attention(
         )
         out[a:b] = o[0].transpose(0, 1)
 
-    # 2c) decodes: on CPU the native kernel reads each context in place (cpu_kernels); else
-    # gather every context at once and run one padded SDPA
     if plan.decode_rows is not None:
-        slots = plan.decode_slots  # [Bd, L]
-        Bd, L = slots.shape
-        qd = q if plan.decode_all else q[plan.decode_rows]
-        o = ops.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale)
-        if o is None:
-            kc = _gather(k_flat, slots).transpose(1, 2)  # [Bd, Hkv, L, D]
-            vc = _gather(v_flat, slots).transpose(1, 2)
-            # GQA without expanding K/V: the G query heads of a group become G "query rows".
-            qd = qd.view(Bd, Hkv, Hq // Hkv, D)
-            o = F.scaled_dot_product_attention(
-                qd, kc.to(q.dtype), vc.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
-            ).reshape(Bd, Hq, D)
-        if plan.decode_all:
-            return o
-        out[plan.decode_rows] = o
+        out[plan.decode_rows] = _decode(q, k_flat, v_flat, plan, scale)
     return out
 
 
+def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+    """The decode rows' attention: on CPU the native kernel reads each context in place
+    (kernels/ops.py); else every context gathered at once for one padded SDPA."""
+    slots = plan.decode_slots  # [Bd, L]
+    Bd, L = slots.shape
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_flat.shape[1]
+    qd = q if plan.decode_all else q[plan.decode_rows]
+    o = ops.decode_attention(qd, k_flat, v_flat, slots, plan.decode_lens, scale)
+    if o is None:
+        kc = _gather(k_flat, slots).transpose(1, 2)  # [Bd, Hkv, L, D]
+        vc = _gather(v_flat, slots).transpose(1, 2)
+        # GQA without expanding K/V: the G query heads of a group become G "query rows".
+        qd = qd.view(Bd, Hkv, Hq // Hkv, D)
+        o = F.scaled_dot_product_attention(
+            qd, kc.to(q.dtype), vc.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
+        ).reshape(Bd, Hq, D)
+    return o
+
+
 def _cascade(
-    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan, out: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    plan: _Plan,
+    prefix_slots: torch.Tensor,
+    out: torch.Tensor | None,
+    scale: float,
 ) -> torch.Tensor:
     """Shared prefix once for every reading sequence, then each one's own suffix, merged."""
     rows = plan.group_rows
-    o_pre, lse_pre = _attend(
-        q[rows], _gather(k_flat, plan.prefix_slots), _gather(v_flat, plan.prefix_slots), None, scale
-    )
+    o_pre, lse_pre = _attend(q[rows], _gather(k_flat, prefix_slots), _gather(v_flat, prefix_slots), None, scale)
     if out is None:
         out = torch.empty_like(q)
     done = 0

@@ -82,7 +82,7 @@ def _router_metrics(replicas: ReplicaSet, chooser: ReplicaChooser, retries: int)
         ]
         lines += [
             "# HELP prefixkv:router_index_tier_blocks Blocks the router's index believes sit in a tier: each "
-            "replica's own (engine=N) and the one every replica reads, such as a shared Redis (engine=\"shared\").",
+            'replica\'s own (engine=N) and the one every replica reads, such as a shared Redis (engine="shared").',
             "# TYPE prefixkv:router_index_tier_blocks gauge",
         ]
         lines += [
