@@ -7,7 +7,7 @@ block identity and where to add a model, a policy or a route: docs/design.md.
 from .lora.request import LoRARequest
 from .multimodal.item import MultiModalItem
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
