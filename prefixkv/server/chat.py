@@ -9,6 +9,7 @@ from typing import Any, cast
 from fastapi import Request
 
 from ..multimodal.chat import chat_prompt_with_images, has_image_parts
+from .beam_search import beam_search_params, beam_usage, check_beam_fields, run_beam_search
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import (
@@ -147,6 +148,7 @@ class OpenAIServingChat(OpenAIServing):
                 param="top_logprobs",
             )
         self.check_common(req)
+        check_beam_fields(req)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
         plan = plan_tools(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
@@ -159,6 +161,10 @@ class OpenAIServingChat(OpenAIServing):
             )
         ids = self.truncate(ids, req)
         max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
+        if req.use_beam_search:
+            if mm_items:
+                raise APIError("image parts are not supported with use_beam_search", 400, param="messages")
+            return await self.beam_search(req, raw, ids, max_tokens, model)
         params = self.params(req, max_tokens)
         if plan is not None and plan.structured_outputs is not None:  # required / named: the call's grammar
             if params.structured_outputs is not None:
@@ -209,6 +215,31 @@ class OpenAIServingChat(OpenAIServing):
             usage=self.usage([ids], finals),
             prompt_logprobs=cast("PromptLogprobs", out.prompt_logprobs),
             prompt_token_ids=ids if req.return_token_ids else None,
+        )
+
+    async def beam_search(
+        self, req: ChatCompletionRequest, raw: Request, ids: list[int], max_tokens: int, model: str
+    ) -> ChatCompletionResponse:
+        """use_beam_search: n beams as n choices, best first (server/beam_search.py)."""
+        params = beam_search_params(req, max_tokens, self)
+        rid = req.request_id or random_id("chatcmpl")
+        lora = self.lora_for(req.model)
+        beams, cached = await run_beam_search(
+            self, raw, [ids], params, rid, req.cache_salt, lora, req.priority, req.skip_special_tokens
+        )
+        choices = [
+            ChatCompletionResponseChoice(
+                index=j,
+                message=ChatResponseMessage(content=b.text),
+                finish_reason=b.finish_reason,
+                stop_reason=b.stop_reason,
+                token_ids=b.token_ids if req.return_token_ids else None,
+            )
+            for j, b in enumerate(beams[0])
+        ]
+        usage = beam_usage([ids], beams, cached)
+        return ChatCompletionResponse(
+            id=rid, model=model, choices=choices, usage=usage, prompt_token_ids=ids if req.return_token_ids else None
         )
 
     def stream(self, req, gens, prompts, rid, created, model, n, k, plan=None):
