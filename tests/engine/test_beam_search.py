@@ -82,6 +82,50 @@ def test_equals_transformers_beam_search(tiny, caching):
         assert stats.hits == 0
 
 
+@torch.inference_mode()
+def vllm_beams(hf, prompt, width, max_new, eos, length_penalty):
+    """vLLM's beam search written plainly over transformers' full forward passes: every EOS in a
+    beam's top 2 * width finishes a beam, the best `width` others go on; the end ranks both by
+    cum_logprob / (length, a final EOS not counted) ** length_penalty."""
+    beams, finished = [(list(prompt), 0.0)], []
+    for _ in range(max_new):
+        candidates = []
+        for tokens, cum in beams:
+            logp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
+            values, ids = torch.topk(logp, 2 * width)
+            for v, t in zip(values.tolist(), ids.tolist()):
+                (finished if t == eos else candidates).append((tokens + [t], cum + v))
+        beams = sorted(candidates, key=lambda c: c[1], reverse=True)[:width]
+
+    def score(c):
+        return c[1] / (len(c[0]) - (c[0][-1] == eos)) ** length_penalty
+
+    return [t for t, _ in sorted(finished + beams, key=score, reverse=True)[:width]]
+
+
+def test_with_eos_equals_vllms_rules(tiny):
+    """EOS on: this checkpoint's EOS (257) is often among the top candidates, so beams finish early;
+    with no length penalty the short finished beams rank first."""
+    folder, hf = tiny
+    llm = make(folder)
+    # the first prompt's best beams pass through EOS at their second token
+    prompts = [[215, 20, 132, 248, 207, 155, 244, 183, 111, 71, 144, 71, 48, 128, 75, 158, 50], [7, 250, 3, 9]]
+    finished = {}
+    for length_penalty in (0.0, 1.0):
+        params = BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_NEW, length_penalty=length_penalty)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+        finished[length_penalty] = 0
+        for prompt, out in zip(prompts, outs):
+            want = vllm_beams(hf, prompt, WIDTH, MAX_NEW, 257, length_penalty)
+            assert [s.tokens for s in out.sequences] == want, length_penalty
+            for seq in out.sequences:
+                ended = seq.tokens[-1] == 257
+                finished[length_penalty] += ended
+                assert (seq.finish_reason, seq.stop_reason) == (("stop", 257) if ended else ("length", None))
+    assert finished[0.0] > 0  # the EOS rule was exercised
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
 def test_length_penalty_and_batching_and_text_prompts(tiny):
     folder, hf = tiny
     llm = make(folder)
