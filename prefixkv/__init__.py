@@ -22,6 +22,10 @@ def __getattr__(name: str):
         from .engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name in ("BeamSearchOutput", "BeamSearchSequence"):  # vLLM's vllm.beam_search types
+        from .engine import beam_output
+
+        return getattr(beam_output, name)
     if name == "EngineArgs":
         from .engine_args import EngineArgs
 
@@ -35,6 +39,8 @@ __all__ = [
     "EngineArgs",
     "SamplingParams",
     "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
