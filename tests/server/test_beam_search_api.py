@@ -129,3 +129,15 @@ def test_what_beam_search_does_not_implement_is_refused_by_name(server):
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
     assert server.healthy()
     server.wait_idle()
+
+
+def test_a_client_gone_mid_search_leaves_nothing_held(server):
+    before = server.metrics()["vllm:request_success_total"]
+    prompts = [[3, i] * 10 for i in range(8)]
+    body = {"prompt": prompts, "n": 8, "max_tokens": 70, "use_beam_search": True, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):  # 70 steps of 64 beams: seconds
+        httpx.post(server.base + "/v1/completions", json=body, timeout=0.5)
+    m = server.wait_idle()  # the step running when it left was aborted; no later step started
+    assert m["vllm:kv_cache_usage_perc"] == 0
+    assert m["vllm:request_success_total"] - before < 64 * 70 / 2  # cut short: most steps never ran
+    assert post(server, "/v1/completions", {**body, "max_tokens": 2}).status_code == 200
