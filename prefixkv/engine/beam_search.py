@@ -9,8 +9,10 @@ aside as finished, the best `beam_width` others are the next step's beams. After
 `beam_width` returned.
 
 Score (vLLM's get_beam_search_score): cum_logprob / length ** length_penalty, length counting the
-prompt and the output, a final EOS not counted. The log-probabilities are the model's raw ones,
-so temperature changes nothing, as in vLLM.
+prompt and the output but not the EOS that finished a beam (vLLM drops a final EOS under
+ignore_eos too; here it is a token like any other then, as in transformers). The
+log-probabilities are the model's raw ones, so temperature changes nothing, as in vLLM.
+`max_tokens` stops where the context does: a beam never grows past max_model_len tokens.
 
 The beams of a prompt share the prompt and most of their tokens: the engine's automatic prefix
 cache hands each step's requests the blocks the previous step computed, so a step computes only
