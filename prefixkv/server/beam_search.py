@@ -4,10 +4,10 @@ requests that find their shared prefix blocks cached.
 
 What a beam search request may carry: `n` (the beam width), `max_tokens`, `ignore_eos`,
 `length_penalty`, `temperature` (as in vLLM it changes no score), `include_stop_str_in_output`,
-`skip_special_tokens`, `return_token_ids`, the prompt's own fields (cache_salt, priority,
-truncate_prompt_tokens). Any field that would shape the output another way - sampling filters,
-penalties, stop conditions, constraints, logprobs, echo, streaming, `early_stopping` - is refused
-by name, never ignored."""
+`skip_special_tokens`, `return_token_ids`, logprobs (up to the 2 * n candidates each step ranks),
+the prompt's own fields (cache_salt, priority, truncate_prompt_tokens). Any field that would
+shape the output another way - sampling filters, penalties, stop conditions, constraints, echo,
+prompt logprobs, streaming, `early_stopping` - is refused by name, never ignored."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from fastapi import Request
 
 from ..engine.beam_search import BeamSearch, check_beam_width, step_params, top_logprobs
 from ..lora.request import LoRARequest
+from ..outputs import Logprob
 from ..sampling_params import BeamSearchParams
 from .errors import APIError
 from .protocol import PromptTokensDetails, UsageInfo
@@ -29,8 +30,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "stream": (False,),
     "early_stopping": (False,),
     "echo": (False,),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
     "top_p": (None, 1.0),
     "top_k": (None, 0, -1),
@@ -58,6 +57,15 @@ class BeamChoice:
     token_ids: list[int]
     finish_reason: str
     stop_reason: int | str | None
+    logprobs: list[dict[int, Logprob]]  # per token: the step's top 2 * n candidates
+
+
+def top_logprobs_asked(req: Any) -> int | None:
+    """How many top logprobs a choice carries: completions' `logprobs`, chat's `top_logprobs`
+    (when `logprobs` is true); None: no logprobs."""
+    if hasattr(req, "top_logprobs"):  # chat
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def check_beam_fields(req: Any) -> None:
@@ -99,6 +107,14 @@ def beam_search_params(req: Any, max_tokens: int, serving: OpenAIServing) -> Bea
         check_beam_width(params, max_logprobs)
     except (ValueError, TypeError) as e:
         raise APIError(str(e), 400, param="n" if "beam_width" in str(e) else None) from e
+    k = top_logprobs_asked(req)
+    if k is not None and k > 2 * params.beam_width:
+        name = "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs"
+        raise APIError(
+            f"{name}={k} with use_beam_search: at most 2 * n = {2 * params.beam_width}, the candidates a step ranks",
+            400,
+            param=name,
+        )
     return params
 
 
@@ -153,7 +169,8 @@ async def run_beam_search(
             # as vLLM: the EOS that ended a beam is in its text and tokens only when asked
             shown = out[:-1] if seq.finish_reason == "stop" and not params.include_stop_str_in_output else out
             reason = seq.finish_reason or "length"
-            beams.append(BeamChoice(decode(shown, skip_special_tokens), shown, reason, seq.stop_reason))
+            text = decode(shown, skip_special_tokens)
+            beams.append(BeamChoice(text, shown, reason, seq.stop_reason, seq.logprobs[: len(shown)]))
         choices.append(beams)
     return choices, cached
 

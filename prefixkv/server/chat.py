@@ -231,6 +231,7 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponseChoice(
                 index=j,
                 message=ChatResponseMessage(content=b.text),
+                logprobs=chat_logprobs(b.logprobs, b.token_ids, req.top_logprobs or 0) if req.logprobs else None,
                 finish_reason=b.finish_reason,
                 stop_reason=b.stop_reason,
                 token_ids=b.token_ids if req.return_token_ids else None,

@@ -141,6 +141,9 @@ class OpenAIServingCompletion(OpenAIServing):
             CompletionResponseChoice(
                 index=i * n + j,
                 text=b.text,
+                logprobs=completion_logprobs(b.logprobs, b.token_ids, req.logprobs, 0)
+                if req.logprobs is not None
+                else None,
                 finish_reason=b.finish_reason,
                 stop_reason=b.stop_reason,
                 prompt_token_ids=prompts[i] if req.return_token_ids else None,

@@ -51,15 +51,20 @@ def test_completions_equal_transformers(server, tiny):
         "ignore_eos": True,
         "return_token_ids": True,
         "length_penalty": 1.0,
+        "logprobs": 2,
     }
     r = post(server, "/v1/completions", body)
     assert r.status_code == 200, r.text
     res = r.json()
     assert [c["index"] for c in res["choices"]] == list(range(2 * WIDTH))
     for i, prompt in enumerate(prompts):
-        want, _ = hf_beams(hf, prompt, WIDTH, MAX_NEW)
+        want, scores = hf_beams(hf, prompt, WIDTH, MAX_NEW)
         choices = res["choices"][i * WIDTH : (i + 1) * WIDTH]
         assert [c["token_ids"] for c in choices] == want
+        assert [sum(c["logprobs"]["token_logprobs"]) for c in choices] == pytest.approx(scores, abs=1e-4)
+        # the top 2 plus the beam's token when it is not among them (a beam often takes a lower
+        # one); keyed by text, so tokens that decode alike (partial UTF-8 bytes) are one entry
+        assert all(1 <= len(top) <= 3 for c in choices for top in c["logprobs"]["top_logprobs"])
         assert all(c["finish_reason"] == "length" and c["prompt_token_ids"] == prompt for c in choices)
         tok = Tokenizer.from_file(str(tiny[0] / "tokenizer.json"))
         assert [c["text"] for c in choices] == [tok.decode(t) for t in want]
@@ -88,10 +93,14 @@ def test_openai_client_and_chat(server, tiny):
         messages=msgs,
         n=2,
         max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
         extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True},
     )
-    want, _ = hf_beams(hf, ids, 2, 4)
+    want, scores = hf_beams(hf, ids, 2, 4)
     assert [c.model_extra["token_ids"] for c in chat.choices] == want
+    assert [sum(t.logprob for t in c.logprobs.content) for c in chat.choices] == pytest.approx(scores, abs=1e-4)
+    assert all(len(t.top_logprobs) == 3 for c in chat.choices for t in c.logprobs.content)
     tok = Tokenizer.from_file(str(tiny[0] / "tokenizer.json"))
     assert [c.message.content for c in chat.choices] == [tok.decode(t) for t in want]
     server.wait_idle()
@@ -101,7 +110,7 @@ def test_what_beam_search_does_not_implement_is_refused_by_name(server):
     base = {"prompt": "x", "max_tokens": 2, "n": 2, "use_beam_search": True}
     for field, value in [
         ("stream", True),
-        ("logprobs", 1),
+        ("logprobs", 5),  # more than the 2 * n candidates a step ranks
         ("echo", True),
         ("early_stopping", True),
         ("top_p", 0.5),
@@ -132,7 +141,7 @@ def test_what_beam_search_does_not_implement_is_refused_by_name(server):
 
 
 def test_a_client_gone_mid_search_leaves_nothing_held(server):
-    before = server.metrics()["vllm:request_success_total"]
+    before = server.metrics().get("vllm:request_success_total", 0.0)  # absent before any request
     prompts = [[3, i] * 10 for i in range(8)]
     body = {"prompt": prompts, "n": 8, "max_tokens": 70, "use_beam_search": True, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):  # 70 steps of 64 beams: seconds
