@@ -132,7 +132,6 @@ def run_beam_search(
     searches: Sequence[BeamSearch],
     params: BeamSearchParams,
     cache_salts: Sequence[str | None],
-    on_step: Callable[[], None] | None = None,
 ) -> None:
     """Drive `searches` (all with `params`) to their end on `engine` - offline: this thread steps
     the engine - every live beam of every search in one batch per step. An interrupt or a
@@ -155,8 +154,6 @@ def run_beam_search(
         for search in searches:
             if search.live:
                 search.advance([next(tops) for _ in search.live])
-        if on_step is not None:
-            on_step()
 
 
 def _run(engine: LLMEngine, request_ids: list[str]) -> dict[str, RequestOutput]:
