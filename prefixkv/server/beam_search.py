@@ -131,7 +131,7 @@ async def run_beam_search(
 ) -> tuple[list[list[BeamChoice]], list[int]]:
     """Each prompt's best beams as choices, and each prompt's cached tokens (its first step's
     prefix-cache hit). All live beams of all prompts run as one batch per step; a client that
-    goes away aborts the step's requests (`collect`)."""
+    goes away aborts the step's requests (`collect`) and no further step starts."""
     inputs = serving.inputs
     eos_ids = inputs.eos_ids
     searches = [BeamSearch(p, params, eos_ids, serving.max_model_len, lora_request) for p in prompts]
@@ -142,6 +142,8 @@ async def run_beam_search(
         work = [(k, beam) for k, s in enumerate(searches) for beam in s.live]
         if not work:
             break
+        if step and await raw.is_disconnected():  # `collect` checks only while a step runs long
+            raise APIError("client disconnected", 499)
         gens = serving.start(
             [beam.tokens for _, beam in work],
             [None] * len(work),
