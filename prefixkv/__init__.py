@@ -7,7 +7,7 @@ block identity and where to add a model, a policy or a route: docs/design.md.
 from .lora.request import LoRARequest
 from .multimodal.item import MultiModalItem
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,10 @@ def __getattr__(name: str):
         from .engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name in ("BeamSearchOutput", "BeamSearchSequence"):  # vLLM's vllm.beam_search types
+        from .engine import beam_output
+
+        return getattr(beam_output, name)
     if name == "EngineArgs":
         from .engine_args import EngineArgs
 
@@ -34,6 +38,9 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from .engine.beam_output import BeamSearchOutput
+from .engine.beam_search import BeamSearch, check_beam_width, outputs_of, run_beam_search
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
 from .multimodal.chat import chat_prompt_with_images, has_image_parts
 from .outputs import RequestOutput
 from .request import LoRARequest
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 from .stage_outputs import EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput, pool
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
@@ -261,9 +263,58 @@ class LLM:
             out.prompt = text  # as vLLM: the rendered conversation
         return outs
 
-    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's LLM.beam_search: not implemented (refused, never approximated)."""
-        raise ValueError("LLM.beam_search is not implemented by prefixkv: use sampling (n > 1) or greedy decoding")
+    def beam_search(
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (prefixkv/engine/beam_search.py): for each prompt (a string, token
+        ids or a {"prompt"/"prompt_token_ids", "cache_salt"} dict) the best `params.beam_width`
+        sequences, best first; each sequence's `tokens` and `text` hold the prompt and the output.
+        Every step's beams share their cached prefix blocks. `concurrency_limit`: how many prompts
+        are searched at once (None: all)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search() params must be a BeamSearchParams, got {type(params).__name__}")  # noqa: TRY004
+        engine = self.llm_engine
+        inputs = engine.input_processor
+        check_beam_width(params, min(engine.config.max_logprobs, inputs.vocab_size))
+        if concurrency_limit is not None and (
+            not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool) or concurrency_limit < 1
+        ):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
+        items = _as_prompt_list(prompts, None)
+        if any(mm is not None for _, _, mm in items):
+            raise ValueError("beam_search() of prompts with multi_modal_data is not supported by prefixkv")
+        loras = _lora_list(lora_request, len(items))
+        for lora in loras:
+            if lora is not None:
+                engine.resolve_lora(lora, reload=True)
+        token_ids = [inputs.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
+        for ids in token_ids:  # every prompt checked before any runs
+            inputs.validate_prompt(ids)
+        searches = [
+            BeamSearch(ids, params, engine.eos_ids, engine.max_model_len, lora) for ids, lora in zip(token_ids, loras)
+        ]
+        salts = [salt for _, salt, _ in items]
+        batch = concurrency_limit or len(searches)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(searches), desc="Beam search", dynamic_ncols=True)
+        try:
+            for start in range(0, len(searches), batch):
+                run_beam_search(engine, searches[start : start + batch], params, salts[start : start + batch])
+                if bar is not None:
+                    bar.update(len(searches[start : start + batch]))
+        finally:
+            if bar is not None:
+                bar.close()
+        tok = engine.tokenizer
+        return outputs_of(searches, lambda ids: tok.decode(ids, skip_special_tokens=False))
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -192,3 +192,38 @@ def truncate_prompt_tokens(ids: list[int], k: int | None, max_model_len: int) ->
         return ids
     k = max_model_len if k == -1 else k
     return ids[-k:] if len(ids) > k else ids
+
+
+LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # a sequence length to a larger power overflows a float
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (`LLM.beam_search`; `use_beam_search` on the server). The
+    search keeps the `beam_width` best sequences by vLLM's score: cumulative log-probability over
+    (prompt + output length, EOS not counted) ** length_penalty. As in vLLM, the scores are the
+    model's raw log-probabilities: `temperature` is checked and changes nothing."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first bad field (again when a search starts: the dataclass
+        is mutable)."""
+        _int("beam_width", self.beam_width, 1)
+        _int("max_tokens", self.max_tokens, 1)
+        _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _number("length_penalty", self.length_penalty, *LENGTH_PENALTY_RANGE)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004
+        if self.structured_outputs is not None:
+            raise ValueError("BeamSearchParams structured_outputs is not supported by prefixkv")

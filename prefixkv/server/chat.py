@@ -10,6 +10,7 @@ from fastapi import Request
 
 from ..multimodal.chat import chat_prompt_with_images, has_image_parts
 from ..sampling_params import SamplingParams
+from .beam_search import beam_search_params, beam_usage, check_beam_fields, run_beam_search
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import (
@@ -142,25 +143,7 @@ class OpenAIServingChat(OpenAIServing):
     async def admit(self, req: ChatCompletionRequest) -> tuple[list[int], tuple, SamplingParams, ToolPlan | None]:
         """A chat request's checks, prompt tokens (and image items), sampling parameters (grammar
         compiled) and tool plan: everything before the engine. /v1/responses admits through here too."""
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= self.limits.max_logprobs:
-            raise APIError(
-                f"top_logprobs must be in [0, {self.limits.max_logprobs}], got {req.top_logprobs}",
-                400,
-                param="top_logprobs",
-            )
-        self.check_common(req)
-        if req.prompt_logprobs is not None and req.stream:
-            raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
-        plan = plan_tools(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
-        ids, mm_items = await self.prompt(req, plan)
-        if req.truncate_prompt_tokens is not None and mm_items:
-            raise APIError(
-                "truncate_prompt_tokens with image parts is not supported (it would cut image placeholders)",
-                400,
-                param="truncate_prompt_tokens",
-            )
-        ids = self.truncate(ids, req)
-        max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
+        ids, mm_items, plan, max_tokens = await self.admit_prompt(req)
         params = self.params(req, max_tokens)
         if plan is not None and plan.structured_outputs is not None:  # required / named: the call's grammar
             if params.structured_outputs is not None:
@@ -173,8 +156,37 @@ class OpenAIServingChat(OpenAIServing):
         await self.compile_grammar(params)
         return ids, mm_items, params, plan
 
+    async def admit_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], tuple, ToolPlan | None, int]:
+        """The checks, prompt tokens, image items, tool plan and max_tokens (beam search stops here)."""
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= self.limits.max_logprobs:
+            raise APIError(
+                f"top_logprobs must be in [0, {self.limits.max_logprobs}], got {req.top_logprobs}",
+                400,
+                param="top_logprobs",
+            )
+        self.check_common(req)
+        check_beam_fields(req)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError("prompt_logprobs is not supported with streaming chat", 400, param="prompt_logprobs")
+        plan = plan_tools(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
+        ids, mm_items = await self.prompt(req, plan)
+        if req.truncate_prompt_tokens is not None and mm_items:
+            raise APIError(
+                "truncate_prompt_tokens with image parts is not supported (it would cut image placeholders)",
+                400,
+                param="truncate_prompt_tokens",
+            )
+        ids = self.truncate(ids, req)
+        max_tokens = self.check_length(ids, req.requested_max_tokens(), "messages")
+        return ids, mm_items, plan, max_tokens
+
     async def create(self, req: ChatCompletionRequest, raw: Request):
         model = self.check_model(req.model)
+        if req.use_beam_search:
+            ids, mm_items, _, max_tokens = await self.admit_prompt(req)
+            if mm_items:
+                raise APIError("image parts are not supported with use_beam_search", 400, param="messages")
+            return await self.beam_search(req, raw, ids, max_tokens, model)
         ids, mm_items, params, plan = await self.admit(req)
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
@@ -216,6 +228,32 @@ class OpenAIServingChat(OpenAIServing):
             usage=self.usage([ids], finals),
             prompt_logprobs=cast("PromptLogprobs", out.prompt_logprobs),
             prompt_token_ids=ids if req.return_token_ids else None,
+        )
+
+    async def beam_search(
+        self, req: ChatCompletionRequest, raw: Request, ids: list[int], max_tokens: int, model: str
+    ) -> ChatCompletionResponse:
+        """use_beam_search: n beams as n choices, best first (server/beam_search.py)."""
+        params = beam_search_params(req, max_tokens, self)
+        rid = req.request_id or random_id("chatcmpl")
+        lora = self.lora_for(req.model)
+        beams, cached = await run_beam_search(
+            self, raw, [ids], params, rid, req.cache_salt, lora, req.priority, req.skip_special_tokens
+        )
+        choices = [
+            ChatCompletionResponseChoice(
+                index=j,
+                message=ChatResponseMessage(content=b.text),
+                logprobs=chat_logprobs(b.logprobs, b.token_ids, req.top_logprobs or 0) if req.logprobs else None,
+                finish_reason=b.finish_reason,
+                stop_reason=b.stop_reason,
+                token_ids=b.token_ids if req.return_token_ids else None,
+            )
+            for j, b in enumerate(beams[0])
+        ]
+        usage = beam_usage([ids], beams, cached)
+        return ChatCompletionResponse(
+            id=rid, model=model, choices=choices, usage=usage, prompt_token_ids=ids if req.return_token_ids else None
         )
 
     def stream(self, req, gens, prompts, rid, created, model, n, k, plan=None):

@@ -17,6 +17,7 @@ import numpy as np
 from fastapi import Request
 
 from ..outputs import RequestOutput
+from .beam_search import beam_search_params, beam_usage, check_beam_fields, run_beam_search
 from .errors import APIError
 from .logprobs import completion_logprobs, echoed_completion_logprobs
 from .protocol import (
@@ -72,6 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         self.check_common(req)
         prompt_only = self.check_prompt_only(req)
+        check_beam_fields(req)
         prompts, texts = await self.prompts(req)
         if req.truncate_prompt_tokens is not None:
             cut = [self.truncate(p, req) for p in prompts]
@@ -82,6 +84,9 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.check_length(ids, req.max_tokens, "prompt")
         if len(prompts) > 1 and req.max_tokens is None:
             max_tokens = self.max_model_len - max(len(p) for p in prompts)
+        if req.use_beam_search:
+            room = self.max_model_len - max(len(p) for p in prompts)
+            return await self.beam_search(req, raw, prompts, room if max_tokens is None else max_tokens, model)
         params = self.params(req, 1 if prompt_only else max_tokens)
         if req.return_hidden_states:
             if req.stream:
@@ -157,6 +162,34 @@ class OpenAIServingCompletion(OpenAIServing):
             usage.completion_tokens = 0
             usage.total_tokens = usage.prompt_tokens
         return usage
+
+    async def beam_search(
+        self, req: CompletionRequest, raw: Request, prompts: list[list[int]], max_tokens: int, model: str
+    ) -> CompletionResponse:
+        """use_beam_search: n beams per prompt, as n choices, best first (server/beam_search.py)."""
+        params = beam_search_params(req, max_tokens, self)
+        rid = req.request_id or random_id("cmpl")
+        lora = self.lora_for(req.model)
+        beams, cached = await run_beam_search(
+            self, raw, prompts, params, rid, req.cache_salt, lora, req.priority, req.skip_special_tokens
+        )
+        n = params.beam_width
+        choices = [
+            CompletionResponseChoice(
+                index=i * n + j,
+                text=b.text,
+                logprobs=completion_logprobs(b.logprobs, b.token_ids, req.logprobs, 0)
+                if req.logprobs is not None
+                else None,
+                finish_reason=b.finish_reason,
+                stop_reason=b.stop_reason,
+                prompt_token_ids=prompts[i] if req.return_token_ids else None,
+                token_ids=b.token_ids if req.return_token_ids else None,
+            )
+            for i, prompt_beams in enumerate(beams)
+            for j, b in enumerate(prompt_beams)
+        ]
+        return CompletionResponse(id=rid, model=model, choices=choices, usage=beam_usage(prompts, beams, cached))
 
     def stream(self, req, gens, prompts, echo, rid, created, model, n, k, prompt_only):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -39,8 +39,6 @@ UNSUPPORTED_FIELDS = {
     "parallel_tool_calls": "tool calling is on /v1/chat/completions",
     "functions": "function calling is not implemented yet",
     "function_call": "function calling is not implemented yet",
-    "use_beam_search": "beam search is not implemented",
-    "length_penalty": "beam search is not implemented",
     "prompt_embeds": "prompt embeddings are not supported",
     "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
     "mm_processor_kwargs": "multimodal inputs are not supported yet",
@@ -101,6 +99,10 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None  # vLLM extra
     response_format: ResponseFormat | None = None  # OpenAI's: text, json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM extra: StructuredOutputsParams' fields
+    # vLLM extras: beam search with n beams (server/beam_search.py); early_stopping only False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def _params(
         self,

@@ -251,7 +251,7 @@ def test_unimplemented_fields_are_refused_by_name(server):
     for field, value in [
         ("functions", [{"name": "f"}]),
         ("tools", []),
-        ("use_beam_search", True),
+        ("early_stopping", True),
         ("guided_json", {"type": "object"}),
         ("no_such_field", 1),
         ("best_of", 2),

@@ -173,7 +173,7 @@ def test_request_fields_for_effect(server, client):
     assert res["prompt_token_ids"] == post(server, "/tokenize", {"prompt": "Q: Count to five."}).json()["tokens"]
 
     # still refused, by name
-    for field, value in (("use_beam_search", True), ("truncate_prompt_tokens", 0)):
+    for field, value in (("early_stopping", True), ("truncate_prompt_tokens", 0)):
         r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
     server.wait_idle()
