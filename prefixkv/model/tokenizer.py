@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from .chat_template import compile_chat_template
 
 # llama.cpp token types (gguf.TokenType)
 _TT_CONTROL = 3
@@ -74,24 +75,6 @@ def _token_content(tok: Any) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return str(tok)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ValueError(f"Chat template error: {message}")
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
 
 
 def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
@@ -212,11 +195,11 @@ class Tokenizer:
         """The model's template (compiled once), or `template` (a per-request one, compiled and
         kept in a small cache: clients resend the same few)."""
         if template is not None:
-            return _compile_template(template)
+            return compile_chat_template(template)
         if self._template is None:
             if not self.chat_template:
                 raise ValueError("This tokenizer has no chat template")
-            self._template = _compile_template(self.chat_template)
+            self._template = compile_chat_template(self.chat_template)
         return self._template
 
     def apply_chat_template(
