@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -18,7 +19,10 @@ from .chat_template import compile_chat_template
 _TT_CONTROL = 3
 _TT_USER_DEFINED = 4
 
-# Split regexes for llama.cpp pre-tokenizer names (tokenizer.ggml.pre).
+# llama.cpp's splits for byte-level BPE (llm_tokenizer_bpe in its llama-vocab.cpp). Each regex of
+# a list splits every piece the previous one left: its matches and the text between them both
+# become pieces, which is what `Split(..., behavior="isolated")` does.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -27,12 +31,70 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# llama.cpp: STARCODER / REFACT / COMMAND_R / SMOLLM / CODESHELL / EXAONE / MINERVA use
-# {"\p{N}", <gpt2 regex>}: every digit is its own piece, then the GPT-2 byte-level split.
-# That is exactly SmolLM2's tokenizer.json: Digits(individual_digits=True) + ByteLevel.
-_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_LLAMA3_LIKE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"}
-_QWEN2_LIKE = {"qwen2", "deepseek-r1-qwen", "megrez"}
+
+
+@dataclass(frozen=True)
+class GGUFPreTokenizer:
+    """What a `tokenizer.ggml.pre` name means to llama.cpp: the splits before byte-level BPE,
+    whether a piece found whole in the vocabulary skips the merges, and whether BOS is added when
+    the file does not say (`tokenizer.ggml.add_bos_token`)."""
+
+    splits: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+    def build(self) -> Any:
+        if self.splits == (_DIGIT_SPLIT, _GPT2_SPLIT):
+            # HF's own form of this split (SmolLM2's tokenizer.json), identical pieces
+            return pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
+            )
+        steps: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in self.splits]
+        return pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+_DIGIT_SPLIT = r"\p{N}"
+_DEFAULT = GGUFPreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"))
+_GPT2 = GGUFPreTokenizer((_GPT2_SPLIT,))
+_DIGITS_THEN_GPT2 = GGUFPreTokenizer((_DIGIT_SPLIT, _GPT2_SPLIT))
+_LLAMA3 = GGUFPreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
+_LLAMA3_SPLIT_ONLY = GGUFPreTokenizer((_LLAMA3_SPLIT,))
+_QWEN2 = GGUFPreTokenizer((_QWEN2_SPLIT,))
+
+# The llama.cpp names implemented here. Others (deepseek-*, falcon, tekken, gpt-4o / llama4, bloom,
+# chameleon, glm4, kimi-k2, ... and names llama.cpp does not know) are refused: llama.cpp itself
+# falls back to "default" for an unknown name, which tokenizes such a model wrongly.
+GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
+    "default": _DEFAULT,
+    **dict.fromkeys(
+        ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum"), _GPT2
+    ),
+    **dict.fromkeys(("exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"), _GPT2),
+    **dict.fromkeys(
+        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"), _DIGITS_THEN_GPT2
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"), _LLAMA3
+    ),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_SPLIT_ONLY),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"), _QWEN2),
+}
+
+
+def gguf_pre_tokenizer_spec(pre: str | None) -> GGUFPreTokenizer:
+    """llama.cpp's meaning of `tokenizer.ggml.pre` = `pre`; a file without the key (converted
+    before llama.cpp wrote it) is "default", as llama.cpp reads it. Unknown names are refused."""
+    name = "default" if pre is None else str(pre)
+    spec = GGUF_PRE_TOKENIZERS.get(name)
+    if spec is None:
+        raise ValueError(
+            f"Unsupported GGUF pre-tokenizer tokenizer.ggml.pre={name!r}: its text split is not implemented here, "
+            f"and another split would give other token ids. Supported: {', '.join(sorted(GGUF_PRE_TOKENIZERS))}"
+        )
+    return spec
 
 
 @lru_cache(maxsize=1)
@@ -46,27 +108,6 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-def gguf_pre_tokenizer(pre: str | None):
-    """The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` = `pre` (byte-level BPE)."""
-    if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    split = _LLAMA3_SPLIT if pre in _LLAMA3_LIKE else _QWEN2_SPLIT if pre in _QWEN2_LIKE else None
-    if split is not None:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    # "default" / "gpt2" / unknown: plain GPT-2 byte-level regex.
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
 def _token_content(tok: Any) -> str | None:
@@ -296,8 +337,11 @@ class Tokenizer:
 
         vocab = {spell(t): i for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        pre = gguf_pre_tokenizer_spec(meta.get("tokenizer.ggml.pre"))
+        tok = HFTokenizer(
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges)
+        )
+        tok.pre_tokenizer = pre.build()
         tok.decoder = decoders.ByteLevel()
         control = [
             AddedToken(t, normalized=False, special=True)
@@ -325,7 +369,7 @@ class Tokenizer:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=list(dict.fromkeys(eos_ids)),
             chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             pad_token_id=None if pad is None else int(pad),
         )
