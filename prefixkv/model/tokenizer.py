@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from .chat_template import compile_chat_template
 
@@ -135,6 +136,49 @@ def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
     return text[: at + len(final)]
 
 
+class TextStream:
+    """The text of a growing token sequence, one step per new token: `tokenizers`' DecodeStream,
+    one native call per token over a short window of recent tokens. A step returns the text the
+    new tokens complete, or "" while they end inside a character (a UTF-8 sequence split over byte
+    tokens); the pieces joined equal `decode` of the sequence up to its last complete character.
+
+    A byte-fallback decoder turns a whole run of byte tokens into U+FFFD when the run is invalid
+    UTF-8, which rewrites text already returned; DecodeStream then raises, and the stream goes on
+    with the same window decoded from Python (what the final, whole decode replaces anyway)."""
+
+    __slots__ = ("_backend", "_skip", "_stream", "_seen", "_window")
+
+    def __init__(self, backend: HFTokenizer, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._skip = skip_special_tokens
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._seen = 0  # tokens of the sequence stepped so far
+        self._window = (0, 0)  # tokens [start, read): decoded for context, [read, ...): not yet returned
+
+    def step(self, ids: Sequence[int]) -> str:
+        """The text completed by the tokens `ids` (the whole sequence so far) gained since the last step."""
+        start, self._seen = self._seen, len(ids)
+        if self._seen <= start:
+            return ""
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, ids[-1] if self._seen - start == 1 else list(ids[start:]))
+            except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception for the rewritten prefix)
+                self._stream = None
+            else:
+                if piece is None:
+                    return ""
+                self._window = (self._window[1], self._seen)
+                return piece
+        first, read = self._window
+        before = self._backend.decode(list(ids[first:read]), skip_special_tokens=self._skip)
+        text = self._backend.decode(list(ids[first:]), skip_special_tokens=self._skip)
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self._window = (read, self._seen)
+            return text[len(before) :]
+        return ""
+
+
 class Tokenizer:
     """Text <-> token ids, chat template rendering and streaming detokenization."""
 
@@ -200,31 +244,9 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------- streaming
-    @staticmethod
-    def initial_offsets(prompt_ids: Sequence[int]) -> tuple[int, int]:
-        """(prefix_offset, read_offset) to start streaming the text generated after a prompt."""
-        n = len(prompt_ids)
-        return max(n - 5, 0), n
-
-    def decode_incremental(
-        self,
-        all_ids: Sequence[int],
-        prefix_offset: int,
-        read_offset: int,
-        skip_special_tokens: bool = True,
-    ) -> tuple[str, int, int]:
-        """vLLM-style incremental detokenization.
-
-        Decodes `all_ids[prefix_offset:read_offset]` (already emitted) and
-        `all_ids[prefix_offset:]`; emits the difference unless it ends in an incomplete
-        UTF-8 sequence (U+FFFD), in which case nothing is emitted and offsets stay.
-        Returns (new_text, new_prefix_offset, new_read_offset).
-        """
-        prefix_text = self.decode(all_ids[prefix_offset:read_offset], skip_special_tokens)
-        new_text = self.decode(all_ids[prefix_offset:], skip_special_tokens)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            return new_text[len(prefix_text) :], read_offset, len(all_ids)
-        return "", prefix_offset, read_offset
+    def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
+        """A stream that turns generated tokens into text as they arrive (see TextStream)."""
+        return TextStream(self._tok, skip_special_tokens)
 
     # ---------------------------------------------------- chat template
     def set_chat_template(self, template: str | None) -> None:
