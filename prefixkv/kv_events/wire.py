@@ -22,12 +22,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
+try:
+    import msgpack
+except ImportError:  # the kv-events extra: refused by name when a publisher is asked for (publisher.py)
+    msgpack = None  # type: ignore[assignment]
 
 from ..cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 ExternalBlockHash = int | bytes
 KV_CACHE_SPEC_KIND = "full_attention"  # every layer of the models here is full attention, one KV group
+
+
+def msgpack_missing() -> bool:
+    return msgpack is None
 
 
 def int_block_hashes() -> bool:

@@ -162,13 +162,15 @@ class TextStream:
             return ""
         if self._stream is not None:
             try:
-                piece = self._stream.step(self._backend, ids[-1] if self._seen - start == 1 else list(ids[start:]))
+                if self._seen - start == 1:
+                    piece = self._stream.step(self._backend, ids[-1]) or ""
+                else:  # several at once: token by token (older tokenizers take no list)
+                    piece = "".join(self._stream.step(self._backend, t) or "" for t in ids[start:])
             except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception for the rewritten prefix)
                 self._stream = None
             else:
-                if piece is None:
-                    return ""
-                self._window = (self._window[1], self._seen)
+                if piece:
+                    self._window = (self._window[1], self._seen)
                 return piece
         first, read = self._window
         before = self._backend.decode(list(ids[first:read]), skip_special_tokens=self._skip)
