@@ -25,7 +25,7 @@ from typing import Any
 try:
     import msgpack
 except ImportError:  # the kv-events extra: refused by name when a publisher is asked for (publisher.py)
-    msgpack = None  # type: ignore[assignment]
+    msgpack = None
 
 from ..cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 

@@ -8,13 +8,16 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from .chat_template import compile_chat_template
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 # llama.cpp token types (gguf.TokenType)
 _TT_CONTROL = 3
@@ -204,7 +207,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
-        self._template = None
+        self._template: Template | None = None
 
     # ------------------------------------------------------------ basics
     @property

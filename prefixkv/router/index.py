@@ -39,7 +39,7 @@ from typing import Any
 try:
     import msgpack
 except ImportError:  # only `apply_payload` reads ZeroMQ payloads; it names the extra
-    msgpack = None  # type: ignore[assignment]
+    msgpack = None
 
 BlockHash = Hashable  # bytes or int (vLLM's ExternalBlockHash), whatever the replicas publish
 ReplicaId = Hashable
