@@ -24,10 +24,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONAL = ["redis", "zmq", "msgpack", "imagehash", "scipy", "ray"]  # the extras' packages
 INSTALL_TIMEOUT_S = 900
+UNSHIPPED = (".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "peers", ".device")
+
+
+# the installed package, never the checkout
+ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
 def _run(cmd: list[str], timeout: float, **kw: object) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)  # type: ignore[call-overload]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, **kw)  # type: ignore[call-overload]
     assert done.returncode == 0, f"{cmd}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -40,9 +45,11 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_clean_venv_install_serves_the_default_model(tmp_path: Path) -> None:
+    src = tmp_path / "src"  # a copy, so that building leaves nothing in the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*UNSHIPPED))
     wheels = tmp_path / "wheels"
     _run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
         300,
     )
     (wheel,) = wheels.glob("prefixkv-*.whl")
@@ -58,17 +65,17 @@ def test_clean_venv_install_serves_the_default_model(tmp_path: Path) -> None:
 
     check = (
         "import importlib.util, json, prefixkv, prefixkv.server.app, prefixkv.cli;"
+        f"assert prefixkv.__file__.startswith({str(venv)!r}), prefixkv.__file__;"
         f"print(json.dumps([m for m in {OPTIONAL!r} if importlib.util.find_spec(m)]))"
     )
     present = json.loads(_run([str(py), "-c", check], 120, cwd=tmp_path).stdout.strip().splitlines()[-1])
     assert present == [], f"optional packages installed without their extras: {present}"
 
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed package, not the checkout
     server = subprocess.Popen(
         [str(venv / "bin" / "prefixkv"), "serve", "--host", "127.0.0.1", "--port", str(port)],
         cwd=tmp_path,
-        env=env,
+        env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
