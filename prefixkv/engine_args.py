@@ -251,6 +251,12 @@ class EngineArgs:
     enable_lora: bool = _opt(False, "serve PEFT LoRA adapters (LoRARequest / --lora-modules) (default: off)")
     max_loras: int = _opt(1, "most LoRA adapters in one batch, resident on the device (default: 1)", type=int)
     max_lora_rank: int = _opt(16, "highest LoRA rank accepted (default: 16)", type=int)
+    structured_outputs_backend: str = _opt(
+        "auto",
+        "grammar engine of structured outputs: xgrammar (the xgrammar extra), guidance (llguidance, always "
+        "installed) or auto (xgrammar when installed, else guidance) (default: auto)",
+        choices=["auto", "xgrammar", "guidance"],
+    )
     # Multimodal (vision-language checkpoints; docs/multimodal.md)
     mm_hash: str = _opt(
         "exact",

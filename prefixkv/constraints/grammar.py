@@ -1,5 +1,7 @@
-"""The grammar engine of structured outputs: xgrammar (chosen over llguidance for its per-token
-mask cost on this project's vocabularies: docs/structured_outputs.md, bench/structured.py).
+"""The grammar engine of structured outputs, with two backends: xgrammar (the `xgrammar` extra:
+faster masks, docs/structured_outputs.md, bench/structured.py; it pulls in triton, ~1 GB on a CPU
+install) and llguidance (guidance.py, always installed). `backend` "auto" takes xgrammar when it is
+installed, else llguidance (logged); "xgrammar" without it installed is refused naming the extra.
 
 `GrammarEngine` is built once per engine, lazily on the first structured request: xgrammar's
 tokenizer info from prefixkv's own tokenizer (the token strings of the HF `tokenizers` backend,
@@ -12,7 +14,9 @@ applies it to a logits row, and is advanced on each accepted token.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -21,10 +25,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .guidance import GuidanceBackend
+
 if TYPE_CHECKING:
     from ..model import Tokenizer
     from .structured_params import StructuredOutputsParams
 
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "xgrammar", "guidance")
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped first)
 _XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^\s]+:\d+: ")  # "[17:51:09] /project/cpp/x.cc:83: "
 
@@ -46,20 +55,45 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def choose_backend(backend: str) -> str:
+    """The backend `backend` names: "auto" is xgrammar when installed, else guidance (llguidance)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown structured outputs backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    have_xgrammar = importlib.util.find_spec("xgrammar") is not None
+    if backend == "xgrammar" and not have_xgrammar:
+        raise ImportError(
+            "structured_outputs_backend='xgrammar' needs the xgrammar package: pip install 'prefixkv[xgrammar]' "
+            "(or use the 'guidance' backend, installed with prefixkv)"
+        )
+    if backend == "auto":
+        return "xgrammar" if have_xgrammar else "guidance"
+    return backend
+
+
 class GrammarEngine:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], backend: str = "auto") -> None:
+        self.backend = choose_backend(backend)
+        logger.info("structured outputs: the %s grammar backend (asked: %s)", self.backend, backend)
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._lock = threading.Lock()  # the cache
+        self._compile_lock = threading.Lock()  # one compilation at a time (server worker threads)
+        self._guidance: GuidanceBackend | None = None
+        if self.backend == "guidance":
+            self._guidance = GuidanceBackend(tokenizer, vocab_size, stop_token_ids)
+            return
         import xgrammar as xgr
 
         self._xgr = xgr
-        backend = tokenizer.backend
+        backend_tok = tokenizer.backend
         encoded = [""] * vocab_size  # rows the tokenizer lacks (padded embeddings) stay special
-        for piece, i in backend.get_vocab(with_added_tokens=True).items():
+        for piece, i in backend_tok.get_vocab(with_added_tokens=True).items():
             if i < vocab_size:
                 encoded[i] = piece
-        for i, added in backend.get_added_tokens_decoder().items():
+        for i, added in backend_tok.get_added_tokens_decoder().items():
             if added.special and i < vocab_size and i not in stop_token_ids:
                 encoded[i] = ""  # xgrammar treats empty tokens as special: never allowed by a grammar
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend_tok.to_str())
         self.tokenizer_info = xgr.TokenizerInfo(
             encoded,
             meta["vocab_type"],
@@ -67,11 +101,7 @@ class GrammarEngine:
             stop_token_ids=sorted(stop_token_ids),
             add_prefix_space=bool(meta["add_prefix_space"]),
         )
-        self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
-        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-        self._lock = threading.Lock()  # the cache
-        self._compile_lock = threading.Lock()  # one compilation at a time (server worker threads)
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of `spec` (cached). ValueError naming the problem when the schema,
@@ -91,6 +121,11 @@ class GrammarEngine:
             hit = self._cache.get(key)
             if hit is not None:
                 return hit
+        compiled: Any
+        if self._guidance is not None:
+            compiled = self._guidance.compile(kind, text, any_ws)
+            self._keep(key, compiled)
+            return compiled
         c = self._compiler
         try:
             if kind == "json":
@@ -110,13 +145,18 @@ class GrammarEngine:
         except (RuntimeError, ValueError, TypeError) as e:
             what = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice"}
             raise ValueError(f"invalid structured outputs {what.get(kind, 'grammar')}: {_clean(e)}") from None
+        self._keep(key, compiled)
+        return compiled
+
+    def _keep(self, key: tuple[Any, ...], compiled: Any) -> None:
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-        return compiled
 
     def matcher(self, compiled: Any) -> RequestGrammar:
+        if self._guidance is not None:
+            return RequestGrammar(self._guidance.matcher(compiled), self.vocab_size)
         return RequestGrammar(self._xgr.GrammarMatcher(compiled), self.vocab_size)
 
 

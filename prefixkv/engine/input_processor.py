@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..constraints.grammar import GrammarEngine
+from ..constraints.grammar import GrammarEngine, choose_backend
 from ..constraints.validation import check_vocab
 from ..engine_args import EngineArgs
 from ..lora.request import LoRARequest
@@ -63,6 +63,7 @@ class InputProcessor:
             self.image_token = tokenizer.id_to_token(mm_processor.mm.image_token_id)
             self.max_images = mm_processor.max_images
         self.eos_ids = set(tokenizer.eos_token_ids)
+        choose_backend(config.structured_outputs_backend)  # refused at start: unknown, or xgrammar missing
         self._grammar_engine: GrammarEngine | None = None  # built on the first structured request
         self._grammar_lock = threading.Lock()
 
@@ -211,7 +212,9 @@ class InputProcessor:
         """The structured-outputs grammar engine (built once, on first use: ~0.1 s)."""
         with self._grammar_lock:
             if self._grammar_engine is None:
-                self._grammar_engine = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.eos_ids))
+                self._grammar_engine = GrammarEngine(
+                    self.tokenizer, self.vocab_size, sorted(self.eos_ids), self.config.structured_outputs_backend
+                )
             return self._grammar_engine
 
     def compile_grammar(self, params: SamplingParams) -> Any:

@@ -37,7 +37,7 @@ class OutputState:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self._holdback = max((len(s) for s in params.stop or ()), default=1) - 1
-        self._prefix_offset = self._read_offset = 0  # incremental detokenizer state
+        self._stream = tokenizer.decode_stream(params.skip_special_tokens) if params.detokenize else None
 
     def update(
         self,
@@ -55,11 +55,8 @@ class OutputState:
             self.logprobs.append(logprob_entry(self.tokenizer, token, logprob, rank, top or []))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob
         n_out = req.num_output_tokens
-        if p.detokenize:  # a few tokens decoded per step; incomplete characters wait their turn
-            piece, self._prefix_offset, self._read_offset = self.tokenizer.decode_incremental(
-                req.output_token_ids, self._prefix_offset, self._read_offset, p.skip_special_tokens
-            )
-            self.full_text += piece
+        if self._stream is not None:  # one native decode call per token; incomplete characters wait
+            self.full_text += self._stream.step(req.output_token_ids)
         grammar = req.constraints.grammar if req.constraints is not None else None
         if grammar is not None:  # the grammar sees every accepted token; its end is the output's
             grammar.accept(token)

@@ -25,11 +25,14 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-import zmq
+try:
+    import zmq
+except ImportError:  # the kv-events extra: refused by name when a publisher is asked for
+    zmq = None  # type: ignore[assignment]
 
 from ..cache import KVCacheEvent
 from .config import KVEventsConfig
-from .wire import encode_batch, hash_converter
+from .wire import encode_batch, hash_converter, msgpack_missing
 
 logger = logging.getLogger("prefixkv")
 
@@ -206,5 +209,10 @@ def create_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0)
     if config is None or not config.publishes:
         return None
     if config.publisher == "zmq":
+        if zmq is None or msgpack_missing():
+            raise ImportError(
+                "KV cache events (kv_events_config / --kv-events-config) need pyzmq and msgpack: "
+                "pip install 'prefixkv[kv-events]'"
+            )
         return ZmqEventPublisher(config, data_parallel_rank)
     raise ValueError(f"unknown event publisher {config.publisher!r}")  # config already refused it

@@ -22,7 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
+try:
+    import msgpack
+except ImportError:  # the kv-events extra: refused by name when a publisher is asked for (publisher.py)
+    msgpack = None
 
 from ..cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
@@ -30,6 +33,10 @@ ExternalBlockHash = int | bytes
 # one KV group: a block holds every layer's K/V and is kept as full attention keeps it, sliding
 # layers' included (docs/design.md, "Per-layer attention kinds")
 KV_CACHE_SPEC_KIND = "full_attention"
+
+
+def msgpack_missing() -> bool:
+    return msgpack is None
 
 
 def int_block_hashes() -> bool:

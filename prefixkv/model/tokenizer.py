@@ -6,18 +6,27 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from .chat_template import compile_chat_template
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 # llama.cpp token types (gguf.TokenType)
 _TT_CONTROL = 3
 _TT_USER_DEFINED = 4
 
-# Split regexes for llama.cpp pre-tokenizer names (tokenizer.ggml.pre).
+# llama.cpp's splits for byte-level BPE (llm_tokenizer_bpe in its llama-vocab.cpp). Each regex of
+# a list splits every piece the previous one left: its matches and the text between them both
+# become pieces, which is what `Split(..., behavior="isolated")` does.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -26,12 +35,70 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# llama.cpp: STARCODER / REFACT / COMMAND_R / SMOLLM / CODESHELL / EXAONE / MINERVA use
-# {"\p{N}", <gpt2 regex>}: every digit is its own piece, then the GPT-2 byte-level split.
-# That is exactly SmolLM2's tokenizer.json: Digits(individual_digits=True) + ByteLevel.
-_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_LLAMA3_LIKE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"}
-_QWEN2_LIKE = {"qwen2", "deepseek-r1-qwen", "megrez"}
+
+
+@dataclass(frozen=True)
+class GGUFPreTokenizer:
+    """What a `tokenizer.ggml.pre` name means to llama.cpp: the splits before byte-level BPE,
+    whether a piece found whole in the vocabulary skips the merges, and whether BOS is added when
+    the file does not say (`tokenizer.ggml.add_bos_token`)."""
+
+    splits: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+    def build(self) -> Any:
+        if self.splits == (_DIGIT_SPLIT, _GPT2_SPLIT):
+            # HF's own form of this split (SmolLM2's tokenizer.json), identical pieces
+            return pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
+            )
+        steps: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in self.splits]
+        return pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+_DIGIT_SPLIT = r"\p{N}"
+_DEFAULT = GGUFPreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"))
+_GPT2 = GGUFPreTokenizer((_GPT2_SPLIT,))
+_DIGITS_THEN_GPT2 = GGUFPreTokenizer((_DIGIT_SPLIT, _GPT2_SPLIT))
+_LLAMA3 = GGUFPreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
+_LLAMA3_SPLIT_ONLY = GGUFPreTokenizer((_LLAMA3_SPLIT,))
+_QWEN2 = GGUFPreTokenizer((_QWEN2_SPLIT,))
+
+# The llama.cpp names implemented here. Others (deepseek-*, falcon, tekken, gpt-4o / llama4, bloom,
+# chameleon, glm4, kimi-k2, ... and names llama.cpp does not know) are refused: llama.cpp itself
+# falls back to "default" for an unknown name, which tokenizes such a model wrongly.
+GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
+    "default": _DEFAULT,
+    **dict.fromkeys(
+        ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum"), _GPT2
+    ),
+    **dict.fromkeys(("exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"), _GPT2),
+    **dict.fromkeys(
+        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"), _DIGITS_THEN_GPT2
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"), _LLAMA3
+    ),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_SPLIT_ONLY),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"), _QWEN2),
+}
+
+
+def gguf_pre_tokenizer_spec(pre: str | None) -> GGUFPreTokenizer:
+    """llama.cpp's meaning of `tokenizer.ggml.pre` = `pre`; a file without the key (converted
+    before llama.cpp wrote it) is "default", as llama.cpp reads it. Unknown names are refused."""
+    name = "default" if pre is None else str(pre)
+    spec = GGUF_PRE_TOKENIZERS.get(name)
+    if spec is None:
+        raise ValueError(
+            f"Unsupported GGUF pre-tokenizer tokenizer.ggml.pre={name!r}: its text split is not implemented here, "
+            f"and another split would give other token ids. Supported: {', '.join(sorted(GGUF_PRE_TOKENIZERS))}"
+        )
+    return spec
 
 
 @lru_cache(maxsize=1)
@@ -47,51 +114,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def gguf_pre_tokenizer(pre: str | None):
-    """The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` = `pre` (byte-level BPE)."""
-    if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    split = _LLAMA3_SPLIT if pre in _LLAMA3_LIKE else _QWEN2_SPLIT if pre in _QWEN2_LIKE else None
-    if split is not None:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    # "default" / "gpt2" / unknown: plain GPT-2 byte-level regex.
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
 def _token_content(tok: Any) -> str | None:
     if tok is None:
         return None
     if isinstance(tok, dict):
         return tok.get("content")
     return str(tok)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ValueError(f"Chat template error: {message}")
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
 
 
 def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
@@ -109,6 +137,51 @@ def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
             "continue_final_message: the final message's content does not appear in the rendered chat template"
         )
     return text[: at + len(final)]
+
+
+class TextStream:
+    """The text of a growing token sequence, one step per new token: `tokenizers`' DecodeStream,
+    one native call per token over a short window of recent tokens. A step returns the text the
+    new tokens complete, or "" while they end inside a character (a UTF-8 sequence split over byte
+    tokens); the pieces joined equal `decode` of the sequence up to its last complete character.
+
+    A byte-fallback decoder turns a whole run of byte tokens into U+FFFD when the run is invalid
+    UTF-8, which rewrites text already returned; DecodeStream then raises, and the stream goes on
+    with the same window decoded from Python (what the final, whole decode replaces anyway)."""
+
+    __slots__ = ("_backend", "_skip", "_stream", "_seen", "_window")
+
+    def __init__(self, backend: HFTokenizer, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._skip = skip_special_tokens
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._seen = 0  # tokens of the sequence stepped so far
+        self._window = (0, 0)  # tokens [start, read): decoded for context, [read, ...): not yet returned
+
+    def step(self, ids: Sequence[int]) -> str:
+        """The text completed by the tokens `ids` (the whole sequence so far) gained since the last step."""
+        start, self._seen = self._seen, len(ids)
+        if self._seen <= start:
+            return ""
+        if self._stream is not None:
+            try:
+                if self._seen - start == 1:
+                    piece = self._stream.step(self._backend, ids[-1]) or ""
+                else:  # several at once: token by token (older tokenizers take no list)
+                    piece = "".join(self._stream.step(self._backend, t) or "" for t in ids[start:])
+            except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception for the rewritten prefix)
+                self._stream = None
+            else:
+                if piece:
+                    self._window = (self._window[1], self._seen)
+                return piece
+        first, read = self._window
+        before = self._backend.decode(list(ids[first:read]), skip_special_tokens=self._skip)
+        text = self._backend.decode(list(ids[first:]), skip_special_tokens=self._skip)
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self._window = (read, self._seen)
+            return text[len(before) :]
+        return ""
 
 
 class Tokenizer:
@@ -134,7 +207,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
-        self._template = None
+        self._template: Template | None = None
 
     # ------------------------------------------------------------ basics
     @property
@@ -176,31 +249,9 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------- streaming
-    @staticmethod
-    def initial_offsets(prompt_ids: Sequence[int]) -> tuple[int, int]:
-        """(prefix_offset, read_offset) to start streaming the text generated after a prompt."""
-        n = len(prompt_ids)
-        return max(n - 5, 0), n
-
-    def decode_incremental(
-        self,
-        all_ids: Sequence[int],
-        prefix_offset: int,
-        read_offset: int,
-        skip_special_tokens: bool = True,
-    ) -> tuple[str, int, int]:
-        """vLLM-style incremental detokenization.
-
-        Decodes `all_ids[prefix_offset:read_offset]` (already emitted) and
-        `all_ids[prefix_offset:]`; emits the difference unless it ends in an incomplete
-        UTF-8 sequence (U+FFFD), in which case nothing is emitted and offsets stay.
-        Returns (new_text, new_prefix_offset, new_read_offset).
-        """
-        prefix_text = self.decode(all_ids[prefix_offset:read_offset], skip_special_tokens)
-        new_text = self.decode(all_ids[prefix_offset:], skip_special_tokens)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            return new_text[len(prefix_text) :], read_offset, len(all_ids)
-        return "", prefix_offset, read_offset
+    def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
+        """A stream that turns generated tokens into text as they arrive (see TextStream)."""
+        return TextStream(self._tok, skip_special_tokens)
 
     # ---------------------------------------------------- chat template
     def set_chat_template(self, template: str | None) -> None:
@@ -212,11 +263,11 @@ class Tokenizer:
         """The model's template (compiled once), or `template` (a per-request one, compiled and
         kept in a small cache: clients resend the same few)."""
         if template is not None:
-            return _compile_template(template)
+            return compile_chat_template(template)
         if self._template is None:
             if not self.chat_template:
                 raise ValueError("This tokenizer has no chat template")
-            self._template = _compile_template(self.chat_template)
+            self._template = compile_chat_template(self.chat_template)
         return self._template
 
     def apply_chat_template(
@@ -313,8 +364,11 @@ class Tokenizer:
 
         vocab = {spell(t): i for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        pre = gguf_pre_tokenizer_spec(meta.get("tokenizer.ggml.pre"))
+        tok = HFTokenizer(
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges)
+        )
+        tok.pre_tokenizer = pre.build()
         tok.decoder = decoders.ByteLevel()
         control = [
             AddedToken(t, normalized=False, special=True)
@@ -342,7 +396,7 @@ class Tokenizer:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=list(dict.fromkeys(eos_ids)),
             chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             pad_token_id=None if pad is None else int(pad),
         )

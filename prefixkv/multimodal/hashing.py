@@ -30,6 +30,16 @@ def exact_identity(pixels: np.ndarray) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def require_phash() -> None:
+    """`mm_hash="phash"` needs imagehash (and scipy), the `phash` extra: refused at start-up without it."""
+    try:
+        import imagehash  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "mm_hash='phash' (--mm-hash phash) needs the imagehash package: pip install 'prefixkv[phash]'"
+        ) from e
+
+
 def perceptual_identity(image: Image.Image) -> str:
     import imagehash
 

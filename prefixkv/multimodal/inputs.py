@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from ..model.llava.loader import MultiModalModel
-from .hashing import item_identity
+from .hashing import item_identity, require_phash
 from .item import MultiModalItem
 
 MAX_IMAGE_PIXELS = 50_000_000  # a larger image is refused before it is decoded (decompression bombs)
@@ -73,6 +73,8 @@ class MultiModalInputProcessor:
     """Expands a prompt's image tokens and builds its items; stateless (safe from any thread)."""
 
     def __init__(self, mm: MultiModalModel, hash_mode: str = "exact", max_images: int | None = None) -> None:
+        if hash_mode == "phash":
+            require_phash()
         self.mm = mm
         self.hash_mode = hash_mode
         self.max_images = max_images

@@ -26,7 +26,7 @@ by every replica; either is cheaper than recomputing it but not free, so `match`
 discounts blocks in a shared pool the same way). Until a tier event arrives, `match` is the plain
 pool match.
 
-Pure Python, no prefixkv imports beyond the standard library and msgpack: the same object can sit
+Pure Python, no prefixkv imports beyond the standard library and msgpack (for `apply_batch`): the same object can sit
 behind Ray Serve or any other front end.
 """
 
@@ -36,7 +36,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-import msgpack
+try:
+    import msgpack
+except ImportError:  # only `apply_payload` reads ZeroMQ payloads; it names the extra
+    msgpack = None
 
 BlockHash = Hashable  # bytes or int (vLLM's ExternalBlockHash), whatever the replicas publish
 ReplicaId = Hashable
@@ -218,6 +221,8 @@ class PrefixIndex:
 
     def apply_batch(self, replica: ReplicaId, payload: bytes) -> None:
         """One ZeroMQ payload: msgpack [ts, events, data_parallel_rank]."""
+        if msgpack is None:
+            raise ImportError("reading KV event payloads needs msgpack: pip install 'prefixkv[kv-events]'")
         batch = msgpack.unpackb(payload, raw=False)
         self.apply_events(replica, batch[1])
 

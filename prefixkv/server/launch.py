@@ -150,10 +150,10 @@ def load_chat_template(value: str) -> str:
                 f"the chat template {value!r} looks like a file path, but it cannot be opened: {e.strerror or e}"
             ) from e
         text = codecs.decode(value, "unicode_escape")
-    from ..model.tokenizer import _compile_template
+    from ..model.chat_template import compile_chat_template
 
     try:
-        _compile_template(text)
+        compile_chat_template(text)
     except Exception as e:  # jinja2's TemplateSyntaxError and friends
         raise argparse.ArgumentTypeError(f"the chat template does not compile: {e}") from e
     return text

@@ -25,9 +25,14 @@ class RedisStore:
     fast = False
 
     def __init__(self, url: str, timeout_s: float | None = None) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as e:
+            raise ImportError(
+                f"the Redis KV tier {url!r} needs the redis package: pip install 'prefixkv[redis]'"
+            ) from e
 
         parts = urlsplit(url)
         query = parse_qs(parts.query)

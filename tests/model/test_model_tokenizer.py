@@ -104,35 +104,20 @@ def test_chat_template(default_lm, hf_gguf_tokenizer):
     assert not tok.apply_chat_template(msgs2, add_generation_prompt=False).endswith("assistant\n")
 
 
-def _stream(tok, prompt_ids, gen_ids):
-    all_ids = list(prompt_ids)
-    prefix, read = tok.initial_offsets(all_ids)
-    pieces = []
-    for t in gen_ids:
-        all_ids.append(t)
-        text, prefix, read = tok.decode_incremental(all_ids, prefix, read)
-        pieces.append(text)
-    return pieces
-
-
-def test_incremental_decode_equals_full(default_lm):
+def test_stream_decode_equals_full(default_lm):
     tok = default_lm.tokenizer
-    prompt = tok.encode("<|im_start|>assistant\n")
     text = "Emoji 🙂🎉 and 日本語, café 12 ñ — done.<|im_end|>"
     gen = tok.encode(text)
     # multi-byte characters really are split across several tokens here
     assert any("\ufffd" in tok.decode([t]) for t in gen)
-    pieces = _stream(tok, prompt, gen)
+    stream = tok.decode_stream()
+    pieces = [stream.step(gen[:i]) for i in range(1, len(gen) + 1)]
     assert "".join(pieces) == tok.decode(gen)
     assert all("\ufffd" not in p for p in pieces)
     # with skip_special_tokens=False the stop token text is streamed too
-    all_ids = prompt + gen
-    prefix, read = tok.initial_offsets(prompt)
-    out = ""
-    for i in range(len(prompt) + 1, len(all_ids) + 1):
-        t, prefix, read = tok.decode_incremental(all_ids[:i], prefix, read, skip_special_tokens=False)
-        out += t
-    assert out == tok.decode(gen, skip_special_tokens=False)
+    stream = tok.decode_stream(skip_special_tokens=False)
+    text = "".join(stream.step(gen[:i]) for i in range(1, len(gen) + 1))
+    assert text == tok.decode(gen, skip_special_tokens=False)
 
 
 def test_hf_folder_tokenizer(tmp_path, default_lm):

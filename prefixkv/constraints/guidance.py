@@ -1,0 +1,109 @@
+"""The llguidance backend of the grammar engine (grammar.py): each constraint as an llguidance
+grammar over prefixkv's own tokenizer (its HF `tokenizers` JSON; llguidance never lets a grammar
+emit a special token it does not name). JSON without free whitespace uses xgrammar's separators
+(", " and ": "), so both backends accept the same compact form."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ..model import Tokenizer
+
+_KINDS = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice"}
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` with xgrammar's strict mode written out, so both backends accept one language: an
+    object takes no properties beyond those listed and a tuple no items beyond its prefixItems,
+    unless the schema says otherwise."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
+    for key in (*_SUBSCHEMA_LISTS, "items", "additionalProperties", "not", "if", "then", "else"):
+        if key in out:
+            out[key] = strict_schema(out[key])
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    if "prefixItems" in out and "items" not in out:
+        out["items"] = False
+    return out
+
+
+class GuidanceBackend:
+    name = "guidance"
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import llguidance
+        import llguidance.torch
+
+        self._llg = llguidance
+        self._fill = llguidance.torch.fill_next_token_bitmask
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(stop_token_ids)
+        )
+        self._stop = frozenset(stop_token_ids)
+
+    def compile(self, kind: str, text: str, any_ws: bool) -> str:
+        m = self._llg.LLMatcher
+        try:
+            if kind in ("json", "json_object"):
+                schema = json.dumps(strict_schema(json.loads(text))) if kind == "json" else '{"type": "object"}'
+                options: dict[str, Any] = (
+                    {"whitespace_flexible": True}
+                    if any_ws
+                    else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+                )
+                grammar = m.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+            elif kind == "regex":
+                grammar = m.grammar_from_regex(text)
+            elif kind == "choice":
+                grammar = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+            else:
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                grammar = m.grammar_from_lark(gbnf_to_lark(text))
+            error = m.validate_grammar(grammar, self._tokenizer)
+        except Exception as e:  # noqa: BLE001 (the schema compiler and the GBNF converter raise their own types)
+            error = str(e)
+        if error:
+            raise ValueError(f"invalid structured outputs {_KINDS.get(kind, 'grammar')}: {error.strip()}")
+        return grammar
+
+    def matcher(self, compiled: str) -> GuidanceMatcher:
+        matcher = self._llg.LLMatcher(self._tokenizer, compiled)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured outputs grammar: {matcher.get_error()}")
+        return GuidanceMatcher(matcher, self._fill, self._stop)
+
+
+class GuidanceMatcher:
+    """xgrammar's matcher interface over an llguidance one: terminated once a stop token is accepted."""
+
+    def __init__(self, matcher: Any, fill: Any, stop: frozenset[int]) -> None:
+        self._matcher = matcher
+        self._fill = fill
+        self._stop = stop
+        self._terminated = False
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor) -> None:
+        self._fill(self._matcher, bitmask, 0)
+
+    def accept_token(self, token: int) -> bool:
+        if not self._matcher.consume_token(token) or self._matcher.is_error():
+            return False
+        self._terminated = token in self._stop
+        return True
+
+    def is_terminated(self) -> bool:
+        return self._terminated
