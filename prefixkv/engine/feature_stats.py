@@ -31,7 +31,10 @@ def feature_stats(parts: EngineParts) -> dict[str, Any]:
 
 def cache_control_stats(manager: KVCacheManager) -> dict[str, Any]:
     residency = manager.residency
+    cache = manager.stats
     return dict(
+        prefix_cache_preempted_queries=cache.preempted_queries,
+        prefix_cache_preempted_hits=cache.preempted_hits,
         num_pinned_prefixes=len(manager.pins),
         num_pinned_blocks=manager.pins.num_pinned_blocks,
         kv_block_evictions=tuple(residency.evictions.items()) if residency is not None else (),

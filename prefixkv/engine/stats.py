@@ -18,6 +18,9 @@ class EngineStats:
     prefix_cache_requests: int = 0  # admissions looked up in the prefix cache
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
+    # preempted requests admitted again, re-reading their own blocks: kept apart from the above
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0

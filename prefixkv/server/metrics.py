@@ -169,6 +169,16 @@ class _EngineCollector:
         yield counter(
             "prefixkv:prefix_cache_requests", "Requests looked up in the prefix cache.", stats.prefix_cache_requests
         )
+        yield counter(
+            "prefixkv:prefix_cache_preempted_queries",
+            "Tokens looked up by preempted requests admitted again (not in vllm:prefix_cache_queries).",
+            stats.prefix_cache_preempted_queries,
+        )
+        yield counter(
+            "prefixkv:prefix_cache_preempted_hits",
+            "Of those, tokens found: a preempted request re-reading its own blocks (not in vllm:prefix_cache_hits).",
+            stats.prefix_cache_preempted_hits,
+        )
         yield gauge("prefixkv:pinned_prefixes", "Prefixes pinned in the KV cache.", stats.num_pinned_prefixes)
         yield gauge("prefixkv:pinned_blocks", "KV blocks held by pinned prefixes.", stats.num_pinned_blocks)
         if stats.kv_block_evictions:  # --kv-cache-metrics
