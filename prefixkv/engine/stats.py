@@ -14,6 +14,8 @@ from typing import Any
 class EngineStats:
     num_running: int = 0  # requests (sequences) in the running set
     num_waiting: int = 0  # waiting or preempted
+    num_waiting_capacity: int = 0  # of those, waiting for room (blocks, budget, the running cap)
+    num_waiting_deferred: int = 0  # of those, waiting for a KV tier load
     kv_cache_usage: float = 0.0  # fraction of blocks held by requests
     prefix_cache_requests: int = 0  # admissions looked up in the prefix cache
     prefix_cache_queries: int = 0  # tokens looked up

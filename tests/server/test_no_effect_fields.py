@@ -44,9 +44,10 @@ def test_fields_without_effect_are_accepted_unchanged_and_logged_once(server, cl
         res = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0, **FIELDS)
         assert res.choices[0].message.content == plain.choices[0].message.content
     done = client.completions.create(model=NAME, prompt="One, two,", max_tokens=4, temperature=0, extra_body=FIELDS)
-    assert done.choices[0].text == client.completions.create(
-        model=NAME, prompt="One, two,", max_tokens=4, temperature=0
-    ).choices[0].text
+    assert (
+        done.choices[0].text
+        == client.completions.create(model=NAME, prompt="One, two,", max_tokens=4, temperature=0).choices[0].text
+    )
     log = server.output()
     for name in FIELDS:
         assert log.count(f"request field {name!r} accepted") == 1, name
@@ -70,3 +71,48 @@ def test_reasoning_effort_reaches_the_template_and_verbosity_is_refused(server, 
     r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "verbosity": "low"})
     assert r.status_code == 400 and "verbosity" in r.json()["error"]["message"], r.text
     server.wait_idle()
+
+
+def test_the_dashboards_families_parse_and_move(server, client):
+    """vLLM's Grafana dashboard reads these; prometheus_client's own parser reads our exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, tuple[str, dict[tuple, float]]]:
+        text = httpx.get(server.base + "/metrics", timeout=10).text
+        return {
+            f.name: (f.type, {(s.name, tuple(sorted(s.labels.items()))): s.value for s in f.samples})
+            for f in text_string_to_metric_families(text)
+        }
+
+    def total(families, name, suffix) -> float:
+        return sum(v for (n, _), v in families[name][1].items() if n == name + suffix)
+
+    server.wait_idle()
+    before = scrape()
+    prompt = "Shared instructions for the dashboard test. " * 4
+    for _ in range(2):  # the second reads the first's blocks
+        client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=5, n=2, temperature=0.8, seed=1, extra_body={"ignore_eos": True}
+        )
+    server.wait_idle()
+    after = scrape()
+    expected = {
+        "vllm:request_max_num_generation_tokens": "histogram",
+        "vllm:request_params_n": "histogram",
+        "vllm:request_params_max_tokens": "histogram",
+        "vllm:prompt_tokens_cached": "counter",
+        "vllm:num_requests_waiting_by_reason": "gauge",
+    }
+    for name, kind in expected.items():
+        assert after[name][0] == kind, name
+    assert total(after, "vllm:request_params_n", "_sum") - total(before, "vllm:request_params_n", "_sum") == 4
+    assert (
+        total(after, "vllm:request_params_max_tokens", "_sum") - total(before, "vllm:request_params_max_tokens", "_sum")
+        == 10
+    )
+    gen = total(after, "vllm:request_max_num_generation_tokens", "_sum")
+    assert gen - total(before, "vllm:request_max_num_generation_tokens", "_sum") == 10  # 5 each, no stop
+    cached = total(after, "vllm:prompt_tokens_cached", "_total") - total(before, "vllm:prompt_tokens_cached", "_total")
+    assert cached >= 16  # the second request's whole blocks
+    reasons = {dict(k[1])["reason"]: v for k, v in after["vllm:num_requests_waiting_by_reason"][1].items()}
+    assert reasons == {"capacity": 0.0, "deferred": 0.0}
