@@ -34,6 +34,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    max_tokens: int | None = None  # what the request asked for (its SamplingParams.max_tokens)
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -133,7 +133,7 @@ class KVCacheManager:
         hits = self._cached_blocks(state.chain, min(num_full, (request.num_tokens - 1) // self.block_size))
         num_hit_tokens = len(hits) * self.block_size
         if record_stats:
-            self.stats.record(request.num_tokens, num_hit_tokens)
+            self.stats.record(request.num_tokens, num_hit_tokens, getattr(request, "num_preemptions", 0) > 0)
         return hits, num_hit_tokens
 
     # -- allocation ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ def feature_stats(parts: EngineParts) -> dict[str, Any]:
     """EngineStats' fields of the CPU thread policy, LoRA, the KV tiers, multimodal inputs, and
     the cache's pins and residency metrics."""
     return {
+        **waiting_stats(parts.scheduler),
         **cache_control_stats(parts.scheduler.kv_cache_manager),
         **cpu_thread_stats(parts.cpu_threads),
         **lora_stats(parts.lora_manager, parts.scheduler),
@@ -29,9 +30,19 @@ def feature_stats(parts: EngineParts) -> dict[str, Any]:
     }
 
 
+def waiting_stats(scheduler: Scheduler) -> dict[str, Any]:
+    """Why requests wait, as vLLM's vllm:num_requests_waiting_by_reason says it: for room (KV
+    blocks, the token budget, the running cap) or deferred (a KV tier load in flight)."""
+    deferred = scheduler.num_loading
+    return dict(num_waiting_capacity=len(scheduler.waiting) - deferred, num_waiting_deferred=deferred)
+
+
 def cache_control_stats(manager: KVCacheManager) -> dict[str, Any]:
     residency = manager.residency
+    cache = manager.stats
     return dict(
+        prefix_cache_preempted_queries=cache.preempted_queries,
+        prefix_cache_preempted_hits=cache.preempted_hits,
         num_pinned_prefixes=len(manager.pins),
         num_pinned_blocks=manager.pins.num_pinned_blocks,
         kv_block_evictions=tuple(residency.evictions.items()) if residency is not None else (),

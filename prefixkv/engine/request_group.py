@@ -45,6 +45,7 @@ class RequestGroup:
             first_token_time=first_token,
             last_token_time=time.time(),
             finished_time=max((c.finished_time or 0.0) for c in self.children) if finished else None,
+            max_tokens=first.sampling_params.max_tokens if first.sampling_params is not None else None,
         )
         return RequestOutput(
             request_id=self.request_id,

@@ -198,7 +198,7 @@ class Scheduler:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
             if kv.enable_caching and not req.skip_prefix_cache_read:
-                kv.stats.record(req.num_tokens, num_hit)
+                kv.stats.record(req.num_tokens, num_hit, preempted=req.num_preemptions > 0)
             connector.admitted(req, len(hits), kv)
             num_hit += num_loaded
             req.num_computed_tokens = num_hit

@@ -14,10 +14,15 @@ from typing import Any
 class EngineStats:
     num_running: int = 0  # requests (sequences) in the running set
     num_waiting: int = 0  # waiting or preempted
+    num_waiting_capacity: int = 0  # of those, waiting for room (blocks, budget, the running cap)
+    num_waiting_deferred: int = 0  # of those, waiting for a KV tier load
     kv_cache_usage: float = 0.0  # fraction of blocks held by requests
     prefix_cache_requests: int = 0  # admissions looked up in the prefix cache
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
+    # preempted requests admitted again, re-reading their own blocks: kept apart from the above
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0

@@ -122,34 +122,40 @@ class ReplicaChooser:
             feed.cancel()
 
     # -- one request -------------------------------------------------------------------------------
-    async def request_hashes(
+    async def request_route(
         self, path: str, body: bytes, adapter_key: Callable[[str], Awaitable[LoRABlockKey | None]]
-    ) -> list[ExternalBlockHash]:
-        """The block hashes of a routed request's prompt ([] when they cannot be known here);
-        `adapter_key` names the block key of the adapter the body's `model` may name."""
-        hasher = self.hasher
-        if hasher is None:
-            return []
+    ) -> tuple[list[ExternalBlockHash], str | None]:
+        """The block hashes of a routed request's prompt ([] when they cannot be known here) and
+        its `prompt_cache_key` (None when absent); `adapter_key` names the block key of the
+        adapter the body's `model` may name."""
         try:
             parsed = json.loads(body)
         except ValueError:  # the replica answers the 400
-            return []
+            return [], None
         if not isinstance(parsed, dict):
-            return []
+            return [], None
+        cache_key = parsed.get("prompt_cache_key")
+        cache_key = cache_key if isinstance(cache_key, str) else None  # a wrong type: the replica's 400
+        hasher = self.hasher
+        if hasher is None:
+            return [], cache_key
         model = parsed.get("model")
         key = None
         if isinstance(model, str) and model not in self.base_names:
             key = await adapter_key(model)
             if key is None:  # an unknown model (the replica answers 404) or no answer: by load
-                return []
-        return await asyncio.to_thread(hasher.hashes, path, parsed, key)  # off the event loop
+                return [], cache_key
+        return await asyncio.to_thread(hasher.hashes, path, parsed, key), cache_key  # off the event loop
 
-    def choose(self, hashes: list[ExternalBlockHash], live: list[Replica], exclude: set[int]) -> Replica | None:
-        """The replica among `live` (but those in `exclude`) that gets a request with `hashes`."""
+    def choose(
+        self, hashes: list[ExternalBlockHash], live: list[Replica], exclude: set[int], cache_key: str | None = None
+    ) -> Replica | None:
+        """The replica among `live` (but those in `exclude`) that gets a request with `hashes`
+        (and `cache_key`, its prompt_cache_key)."""
         candidates = [r for r in live if r.index not in exclude]
         if not candidates:
             return None
-        i = self.policy.choose(hashes, [r.index for r in candidates], [r.load() for r in candidates])
+        i = self.policy.choose(hashes, [r.index for r in candidates], [r.load() for r in candidates], cache_key)
         return candidates[i]
 
     def sent(self, replica: Replica, hashes: list[ExternalBlockHash]) -> int:

@@ -162,13 +162,14 @@ class Ingress:
         if path in BROADCAST_PATHS:
             return await self._broadcast(replicas, call)
         hashes: list[ExternalBlockHash] = []
+        cache_key: str | None = None
         if path in ROUTED_PATHS and request.method == "POST":
-            hashes = await chooser.request_hashes(path, body, replicas.adapter_key)
+            hashes, cache_key = await chooser.request_route(path, body, replicas.adapter_key)
         routed = path in ROUTED_PATHS
         tried: set[int] = set()
         t0 = time.monotonic()
         for _ in range(1 + self.args.router_retries):
-            r = chooser.choose(hashes, replicas.live(), tried) if routed else replicas.least_loaded()
+            r = chooser.choose(hashes, replicas.live(), tried, cache_key) if routed else replicas.least_loaded()
             if r is None:
                 break
             tried.add(r.index)

@@ -24,6 +24,7 @@ num_requests_running / kv_cache_usage_perc gauges, which a live router reads fro
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,20 +40,44 @@ class ReplicaLoad:
     kv_usage: float = 0.0
 
 
+def key_affinity(cache_key: str, replica: object) -> bytes:
+    """Rendezvous (highest random weight) hashing: the replica with the largest weight for a key
+    keeps it while replicas come and go (only the keys of a replica that leaves move)."""
+    return hashlib.blake2b(f"{cache_key}\x00{replica}".encode(), digest_size=8).digest()
+
+
 class Router:
     """choose(hashes, loads) -> index into `loads` (one entry per live replica, in the order of
-    `replicas`; the index's replica ids are the same entries of `replicas`)."""
+    `replicas`; the index's replica ids are the same entries of `replicas`). `cache_key` (the
+    request's prompt_cache_key, OpenAI's hint that requests share a prefix): among the replicas
+    the policy would take alike, the key's own replica, so a key's requests meet on one replica
+    before any of its blocks are known (the index's match, where it has one, still comes first)."""
 
     name = "base"
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
+    def choose(
+        self,
+        hashes: Sequence[BlockHash],
+        replicas: Sequence[object],
+        loads: Sequence[ReplicaLoad],
+        cache_key: str | None = None,
+    ) -> int:
         raise NotImplementedError
 
-    def _least_loaded(self, candidates: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
-        """Fewest queued, then fewest running; among equals, in turn (no replica is favoured)."""
+    def _least_loaded(
+        self,
+        candidates: Sequence[int],
+        loads: Sequence[ReplicaLoad],
+        replicas: Sequence[object] = (),
+        cache_key: str | None = None,
+    ) -> int:
+        """The key's replica among `candidates` when a key is given; else fewest queued, then
+        fewest running, and among equals in turn (no replica is favoured)."""
+        if cache_key is not None and replicas:
+            return max(candidates, key=lambda i: key_affinity(cache_key, replicas[i]))
         best = min((loads[i].queue, loads[i].running) for i in candidates)
         tied = [i for i in candidates if (loads[i].queue, loads[i].running) == best]
         self._turn += 1
@@ -62,7 +87,15 @@ class Router:
 class RoundRobinRouter(Router):
     name = "round-robin"
 
-    def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
+    def choose(
+        self,
+        hashes: Sequence[BlockHash],
+        replicas: Sequence[object],
+        loads: Sequence[ReplicaLoad],
+        cache_key: str | None = None,
+    ) -> int:
+        if cache_key is not None:
+            return self._least_loaded(range(len(loads)), loads, replicas, cache_key)
         self._turn += 1
         return self._turn % len(loads)
 
@@ -85,9 +118,15 @@ class PrefixRouter(Router):
         best = max(scores, default=0)
         return best - min(scores, default=0), [i for i, m in zip(candidates, scores) if m == best]
 
-    def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
+    def choose(
+        self,
+        hashes: Sequence[BlockHash],
+        replicas: Sequence[object],
+        loads: Sequence[ReplicaLoad],
+        cache_key: str | None = None,
+    ) -> int:
         _, tied = self._best_match(hashes, replicas, range(len(loads)))
-        return self._least_loaded(tied, loads)
+        return self._least_loaded(tied, loads, replicas, cache_key)
 
 
 class PrefixLoadRouter(PrefixRouter):
@@ -115,7 +154,13 @@ class PrefixLoadRouter(PrefixRouter):
         self.balance_rel = balance_rel
         self.min_match_blocks = min_match_blocks
 
-    def choose(self, hashes: Sequence[BlockHash], replicas: Sequence[object], loads: Sequence[ReplicaLoad]) -> int:
+    def choose(
+        self,
+        hashes: Sequence[BlockHash],
+        replicas: Sequence[object],
+        loads: Sequence[ReplicaLoad],
+        cache_key: str | None = None,
+    ) -> int:
         ok = [i for i, ld in enumerate(loads) if ld.queue < self.max_queue and ld.kv_usage < self.max_kv_usage]
         if not ok:  # everyone is saturated: the balance gate alone decides who may take it
             ok = list(range(len(loads)))
@@ -123,7 +168,7 @@ class PrefixLoadRouter(PrefixRouter):
         limit = self.balance_rel * least + self.balance_abs
         ok = [i for i in ok if loads[i].queue <= limit]
         best, tied = self._best_match(hashes, replicas, ok)
-        return self._least_loaded(tied if best >= self.min_match_blocks else ok, loads)
+        return self._least_loaded(tied if best >= self.min_match_blocks else ok, loads, replicas, cache_key)
 
 
 def make_router(name: str, index: PrefixIndex | None = None, **knobs: float) -> Router:

@@ -79,6 +79,11 @@ class OpenAIServingChat(OpenAIServing):
                 )
         if plan is not None:
             kwargs["tools"] = plan.tools
+        if getattr(req, "reasoning_effort", None) is not None:
+            if "reasoning_effort" in kwargs and kwargs["reasoning_effort"] != req.reasoning_effort:
+                why = "reasoning_effort and chat_template_kwargs['reasoning_effort'] disagree"
+                raise APIError(why, 400, param="reasoning_effort")
+            kwargs["reasoning_effort"] = req.reasoning_effort
 
         def render(messages: list[dict]) -> str:
             return self.tokenizer.apply_chat_template(  # type: ignore[return-value]

@@ -95,6 +95,20 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 # block residency (--kv-cache-metrics): seconds from a blink to an hour, and blocks allocated in between
 RESIDENCY_BUCKETS = [0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600]
 REUSE_DISTANCE_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144]
+
+
+def buckets_1_2_5(largest: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `largest` (vLLM's build_1_2_5_buckets)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > largest:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
 _ITL_STALE_S = 600.0  # a request seen last this long ago was aborted: forget its last token time
 
 
@@ -134,6 +148,14 @@ class _EngineCollector:
         stats = e.get_stats()
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of requests waiting, by reason: capacity (KV blocks, token budget) or deferred (a KV tier load).",
+            labels=[*self.labels, "reason"],
+        )
+        by_reason.add_metric([*self.labels.values(), "capacity"], stats.num_waiting_capacity)
+        by_reason.add_metric([*self.labels.values(), "deferred"], stats.num_waiting_deferred)
+        yield by_reason
         if stats.max_loras:  # vLLM's info gauge: the labels carry the adapters, the value a timestamp
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info",
@@ -168,6 +190,16 @@ class _EngineCollector:
         )
         yield counter(
             "prefixkv:prefix_cache_requests", "Requests looked up in the prefix cache.", stats.prefix_cache_requests
+        )
+        yield counter(
+            "prefixkv:prefix_cache_preempted_queries",
+            "Tokens looked up by preempted requests admitted again (not in vllm:prefix_cache_queries).",
+            stats.prefix_cache_preempted_queries,
+        )
+        yield counter(
+            "prefixkv:prefix_cache_preempted_hits",
+            "Of those, tokens found: a preempted request re-reading its own blocks (not in vllm:prefix_cache_hits).",
+            stats.prefix_cache_preempted_hits,
         )
         yield gauge("prefixkv:pinned_prefixes", "Prefixes pinned in the KV cache.", stats.num_pinned_prefixes)
         yield gauge("prefixkv:pinned_blocks", "KV blocks held by pinned prefixes.", stats.num_pinned_blocks)
@@ -242,6 +274,10 @@ class _EngineCollector:
                 stats.mm_encoder_cache_hits,
             )
             yield counter("prefixkv:mm_encoder_runs", "Images run through the vision encoder.", stats.mm_encoder_runs)
+            # vLLM's multimodal cache families (its dashboard's), the same counts
+            queries, hits = stats.mm_encoder_cache_queries, stats.mm_encoder_cache_hits
+            yield counter("vllm:mm_cache_queries", "Multimodal cache queries, in items.", queries)
+            yield counter("vllm:mm_cache_hits", "Multimodal cache hits, in items.", hits)
             yield gauge(
                 "prefixkv:mm_encoder_cache_usage_bytes",
                 "Bytes held by the encoder cache.",
@@ -317,6 +353,22 @@ class ServerMetrics:
         self.gen_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS
         )
+        length_buckets = buckets_1_2_5(engine.max_model_len)
+        self.max_gen_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            length_buckets,
+        )
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", length_buckets
+        )
+        self.prompt_tokens_cached = Counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local prefix cache and KV tiers).",
+            names,
+            registry=r,
+        ).labels(**self.labels)
         # --kv-cache-metrics: vLLM's sampled block residency histograms, and the reuse distance
         self.residency = engine.scheduler.kv_cache_manager.residency
         if self.residency is not None:
@@ -408,6 +460,11 @@ class ServerMetrics:
                 self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         self.prompt_tokens.observe(len(out.prompt_token_ids))
         self.gen_tokens.observe(n_out)
+        self.max_gen_tokens.observe(max((len(o.token_ids) for o in out.outputs), default=0))
+        self.params_n.observe(len(out.outputs))
+        if m is not None and m.max_tokens is not None:
+            self.params_max_tokens.observe(m.max_tokens)
+        self.prompt_tokens_cached.inc(out.num_cached_tokens)
         for o in out.outputs:
             self.success.labels(finished_reason=o.finish_reason or "abort", **self.labels).inc()
 

@@ -45,9 +45,24 @@ UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "reasoning models' options are not supported",
+    "verbosity": "no chat template of a model served here reads it; one that does takes it as "
+    'chat_template_kwargs {"verbosity": ...}',
     "documents": "documents for the chat template are not supported",
     "tool_call_id": "tool calling is not implemented yet",
+}
+
+
+# OpenAI fields whose effect does not apply to a local engine: accepted (type-checked), logged
+# once per process (server/serving.py), never refused - the SDK and agent frameworks send them.
+NO_EFFECT_FIELDS: dict[str, tuple[type, str]] = {
+    "store": (bool, "OpenAI's stored completions: nothing is stored here"),
+    "metadata": (dict, "OpenAI's stored-completion tags: nothing is stored here"),
+    "service_tier": (str, "one processing tier here"),
+    "safety_identifier": (str, "no usage-policy monitoring here"),
+    "prompt_cache_key": (
+        str,
+        "prefix caching is automatic and exact on one engine; with --replicas it is the routing key (docs/replicas.md)",
+    ),
 }
 
 
@@ -56,9 +71,25 @@ def unsupported_fields(extra: dict[str, Any] | None) -> list[tuple[str, str]]:
     sent as null is the same as not sent (clients often send their defaults as null)."""
     out = []
     for name, value in (extra or {}).items():
-        if value is None:
+        if value is None or name in NO_EFFECT_FIELDS:
             continue
         out.append((name, UNSUPPORTED_FIELDS.get(name, "unrecognized request argument")))
+    return out
+
+
+def no_effect_fields(extra: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """(field, why it changes nothing) for the NO_EFFECT_FIELDS a body sends; ValueError naming a
+    field of the wrong type (OpenAI refuses those too)."""
+    out = []
+    for name, value in (extra or {}).items():
+        if value is None or name not in NO_EFFECT_FIELDS:
+            continue
+        kind, why = NO_EFFECT_FIELDS[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{name} must be a {'JSON object' if kind is dict else kind.__name__}")
+        if isinstance(value, dict) and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ValueError(f"{name} must map strings to strings")
+        out.append((name, why))
     return out
 
 
@@ -183,6 +214,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's, for reasoning models: handed to the chat template as `reasoning_effort` (as vLLM
+    # does); a template that does not read it renders as without it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,8 +21,18 @@ from .async_engine import AsyncEngine
 from .errors import APIError
 from .limits import RequestLimits
 from .lora import LoRARegistry
-from .protocol import PromptTokensDetails, UsageInfo, unsupported_fields
+from .protocol import PromptTokensDetails, UsageInfo, no_effect_fields, unsupported_fields
 from .streaming import merge, raise_if_failed
+
+logger = logging.getLogger("prefixkv.server")
+_logged_fields: set[str] = set()
+
+
+def log_no_effect_field_once(name: str, why: str) -> None:
+    """One log line per field name per process: a client sends them on every request."""
+    if name not in _logged_fields:
+        _logged_fields.add(name)
+        logger.info("request field %r accepted; it changes nothing here (%s)", name, why)
 
 
 class OpenAIServing:
@@ -68,6 +79,14 @@ class OpenAIServing:
             name, why = refused[0]
             others = f" (also: {', '.join(n for n, _ in refused[1:])})" if len(refused) > 1 else ""
             raise APIError(f"unsupported field {name!r}: {why}{others}", 400, param=name)
+        try:
+            accepted = no_effect_fields(req.model_extra)
+        except ValueError as e:
+            raise APIError(str(e), 400, param=str(e).split()[0]) from e
+        if getattr(req, "user", None) is not None:
+            accepted.append(("user", "no per-user accounting here"))
+        for name, why in accepted:
+            log_no_effect_field_once(name, why)
         if self.limits.require_cache_salt and not req.cache_salt:
             raise APIError(
                 "this server requires a cache_salt on every request (--require-cache-salt): "
