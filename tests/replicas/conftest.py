@@ -81,8 +81,13 @@ class Cluster:
 def ray_serve():
     """The HTTP port of a local Ray + Serve, shared by the modules of tests/replicas."""
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the replicas' POST /reset_prefix_cache (the workers inherit it)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    # the replicas' POST /reset_prefix_cache: Ray's workers inherit the environment ray.init starts
+    # them from; this process's own apps (other test packages) must not
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    finally:
+        del os.environ["VLLM_SERVER_DEV_MODE"]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
