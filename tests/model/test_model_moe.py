@@ -52,9 +52,8 @@ def make_moe(kind: str, **extra):
         cfg = tf.MixtralConfig(num_local_experts=8, **common)
         cls = tf.MixtralForCausalLM
     elif kind == "qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(
-            num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1], **common
-        )
+        common.setdefault("mlp_only_layers", [1])
+        cfg = tf.Qwen2MoeConfig(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, **common)
         cls = tf.Qwen2MoeForCausalLM
     else:
         raise AssertionError(kind)
@@ -214,7 +213,7 @@ def write_moe_gguf(path, hf, kind, quantize_experts=False):
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_expert_count(8)
@@ -277,7 +276,11 @@ def test_gguf_round_trip(tmp_path, kind):
     path = tmp_path / f"{kind}.gguf"
     write_moe_gguf(path, hf, kind)
     lm = load_model(str(path))
-    want_arch = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+    want_arch = {
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
+    }
     cfg = lm.config
     assert cfg.architecture == want_arch[kind] and cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
     assert cfg.norm_topk_prob == (kind != "qwen2_moe")  # llama.cpp's rule for each architecture
