@@ -39,6 +39,11 @@ TARGETS: dict[str, tuple[str, int]] = {
 _NAME = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
+_MLP_MODULES = ("gate_up_proj", "down_proj")
+_MOE_REFUSAL = (
+    "LoRA on mixture-of-experts MLPs (experts, router, shared expert) is not supported; "
+    "on an MoE layer an adapter may target the attention projections only"
+)
 # config options that only matter for training or initialisation
 _IGNORED_OPTIONS = "init_lora_weights, lora_dropout, task_type, inference_mode, ..."
 
@@ -167,6 +172,8 @@ def load_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Lo
             raise _bad(name, f"tensor {key!r}: DoRA adapters are not supported")
         if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
             raise _bad(name, f"tensor {key!r}: embedding and lm_head adapters are not supported")
+        if any(part in key for part in (".experts.", "shared_expert", "block_sparse_moe")):
+            raise _bad(name, f"tensor {key!r}: {_MOE_REFUSAL}")
         m = _NAME.match(key)
         if m is None:
             raise _bad(name, f"tensor {key!r} is not a LoRA weight of a supported linear layer")
@@ -175,6 +182,8 @@ def load_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Lo
             raise _bad(name, f"tensor {key!r}: target module {target!r} is not supported ({', '.join(TARGETS)})")
         if layer >= config.num_hidden_layers:
             raise _bad(name, f"tensor {key!r}: the model has {config.num_hidden_layers} layers")
+        if TARGETS[target][0] in _MLP_MODULES and config.is_moe_layer(layer):
+            raise _bad(name, f"tensor {key!r}: layer {layer} is a mixture-of-experts layer; {_MOE_REFUSAL}")
         fan_in, fan_out = shapes[target]
         expected = (rank, fan_in) if ab == "A" else (fan_out, rank)
         if tuple(t.shape) != expected:

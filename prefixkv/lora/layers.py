@@ -215,7 +215,9 @@ def attach_lora(
         found: dict[str, LoRALinear] = {}
         for fused, (targets, owner_name) in FUSED.items():
             owner = getattr(layer, owner_name)
-            base = getattr(owner, fused)
+            base = getattr(owner, fused, None)
+            if base is None:  # a mixture-of-experts MLP: no adapter reaches it (adapter.py refuses)
+                continue
             if isinstance(base, LoRALinear):
                 raise ValueError("LoRA is already attached to this model")
             in_features = shapes[targets[0]][0]

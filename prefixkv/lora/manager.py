@@ -154,6 +154,8 @@ class LoRAManager:
     def _load_slot(self, adapter: LoRAAdapter, slot: int) -> None:
         for layer_index, layer in enumerate(self._layers):
             for fused, (targets, _) in FUSED.items():
+                if fused not in layer:  # a mixture-of-experts MLP (layers.attach_lora)
+                    continue
                 pieces = []
                 for t in targets:
                     w = adapter.weights.get((layer_index, t))

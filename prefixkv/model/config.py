@@ -14,6 +14,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    # mixture-of-experts families (model/moe.py)
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 # The Gemma family's block (model/gemma.py): sandwich norms, GeGLU, scaled embeddings, soft-capping.
@@ -27,6 +31,9 @@ _MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # Architectures refused with a reason of their own (a near miss of a supported one).
@@ -45,6 +52,9 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    # "llama" with expert tensors is Mixtral (from_gguf_metadata)
 }
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -92,9 +102,29 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     rope_local_theta: float | None = None  # sliding layers' rotary base, unscaled (Gemma 3); None: rope_theta
     hidden_activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
+    # mixture of experts (model/moe.py); num_experts 0: every layer has the dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each routed expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to one
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one, gated)
+    decoder_sparse_step: int = 1  # layer i is sparse where (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
+        self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers)
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), "
+                    f"got {self.num_experts_per_tok!r}"
+                )
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError(
+                    "a mixture-of-experts config needs moe_intermediate_size >= 1 and decoder_sparse_step >= 1, "
+                    f"got {self.moe_intermediate_size!r} and {self.decoder_sparse_step!r}"
+                )
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         if not self.layer_types:
@@ -161,6 +191,11 @@ class ModelConfig:
     def is_gemma(self) -> bool:
         return self.architecture in GEMMA_ARCHITECTURES
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i has routed experts (transformers' Qwen2/3-MoE rule; every layer
+        of Mixtral)."""
+        return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
     # ------------------------------------------------------------------ HF
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -175,6 +210,8 @@ class ModelConfig:
         window, layer_types = _attention_layers(d, arch)
         if arch == "Qwen2ForCausalLM":
             attention_bias = True
+        elif arch == "Qwen2MoeForCausalLM":
+            attention_bias = bool(d.get("qkv_bias", True))
         else:
             attention_bias = bool(d.get("attention_bias", False))
         extra: dict[str, Any] = {}
@@ -208,12 +245,13 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id", []),  # an int or None too: __post_init__ makes it a list
             sliding_window=window,
             layer_types=layer_types,
             **extra,
+            **_hf_moe_fields(arch, d),
         )
 
     @classmethod
@@ -235,6 +273,9 @@ class ModelConfig:
             )
         arch = GGUF_ARCHITECTURES[g_arch]
         p = g_arch + "."
+        moe = _gguf_moe_fields(g_arch, meta, tensor_names)
+        if g_arch == "llama" and moe:
+            arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as "llama" with expert tensors
         hidden = int(meta[p + "embedding_length"])
         n_heads = int(meta[p + "attention.head_count"])
         n_kv = int(meta.get(p + "attention.head_count_kv", n_heads))
@@ -269,6 +310,7 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=[] if eos is None else [int(eos)],
+            **moe,
         )
 
 
@@ -305,10 +347,14 @@ def _attention_layers(d: dict[str, Any], arch: str) -> tuple[int | None, list[st
     n = d["num_hidden_layers"]
     layer_types = list(d.get("layer_types") or [])
     window = d.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         if layer_types and set(layer_types) != {SLIDING_ATTENTION if window else FULL_ATTENTION}:
-            raise ValueError("MistralForCausalLM with mixed layer_types is not supported")
+            raise ValueError(f"{arch} with mixed layer_types is not supported")
         return window, []
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        if (d.get("use_sliding_window") and window is not None) or SLIDING_ATTENTION in layer_types:
+            raise ValueError(f"{arch} with sliding-window layers is not supported")
+        return None, []
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         window = window if d.get("use_sliding_window") else None
         if not layer_types:
@@ -328,3 +374,60 @@ def _attention_layers(d: dict[str, Any], arch: str) -> tuple[int | None, list[st
     if SLIDING_ATTENTION not in layer_types:
         return None, layer_types
     return window, layer_types
+
+
+def _hf_moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of an HF config (none for a dense architecture). transformers
+    5 writes Qwen3-MoE's expert count as `num_local_experts`, the published checkpoints as
+    `num_experts`: either is read."""
+    if arch == "MixtralForCausalLM":
+        return {
+            "num_experts": int(d.get("num_local_experts") or d.get("num_experts") or 0),
+            "num_experts_per_tok": int(d.get("num_experts_per_tok", 2)),
+            "moe_intermediate_size": int(d["intermediate_size"]),
+            "norm_topk_prob": True,  # Mixtral always renormalises its top-k
+        }
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    fields = {
+        "num_experts": int(d.get("num_experts") or d.get("num_local_experts") or 0),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok", 0)),
+        "moe_intermediate_size": int(d.get("moe_intermediate_size", 0)),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
+        "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
+    }
+    if arch == "Qwen2MoeForCausalLM":
+        fields["shared_expert_intermediate_size"] = int(d.get("shared_expert_intermediate_size", 0))
+    return fields
+
+
+def _gguf_moe_fields(g_arch: str, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a GGUF file's metadata, as llama.cpp reads them: the top-k
+    weights renormalised for Mixtral ("llama") and Qwen3-MoE, not for Qwen2-MoE, unless the file
+    says (`expert_weights_norm`)."""
+    p = g_arch + "."
+    experts = int(meta.get(p + "expert_count", 0) or 0)
+    if not experts:
+        if g_arch in ("qwen2moe", "qwen3moe"):
+            raise ValueError(f"GGUF architecture {g_arch!r} without {p}expert_count")
+        return {}
+    norm = meta.get(p + "expert_weights_norm")
+    if norm is None:
+        norm = g_arch != "qwen2moe"
+    gating = meta.get(p + "expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"GGUF {p}expert_gating_func={gating!r} is not supported (only softmax routing)")
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta.get(p + "expert_used_count", 0)),
+        "moe_intermediate_size": int(meta.get(p + "expert_feed_forward_length") or meta[p + "feed_forward_length"]),
+        "norm_topk_prob": bool(norm),
+    }
+    # which layers are dense: those without a router tensor
+    blocks = int(meta[p + "block_count"])
+    dense = tuple(i for i in range(blocks) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+    fields["mlp_only_layers"] = dense
+    if g_arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = int(meta.get(p + "expert_shared_feed_forward_length", 0))
+    return fields

@@ -30,6 +30,7 @@ from .layers import (
     packed_linear_works,
     source_digests,
 )
+from .moe import build_mlp, expected_pieces, expert_pieces
 
 # Attention kernels on CUDA, in torch's order of preference less cuDNN's: cuDNN's fused attention
 # (torch's first choice on Hopper) builds an execution plan for every new shape, 1.3 ms of host time
@@ -87,7 +88,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = build_mlp(config, layer_idx)  # dense, or routed experts (moe.py)
 
     def forward(self, h, x, cos, sin, kv_cache, meta, next_norm: RMSNorm):
         """h: the residual stream, x: this layer's normed input (input_layernorm(h), computed by
@@ -288,11 +289,20 @@ class LlamaModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
-        def put(target: str, t: torch.Tensor, rows: tuple[int, int] | None = None, src: str = "") -> None:
+        def put(target: str, t: torch.Tensor, rows: tuple[int, ...] | None = None, src: str = "") -> None:
+            """rows: (start, end) of a 2-D parameter, (e, start, end) of expert e's matrix, (e,)
+            all of expert e, None: the whole parameter."""
             if target not in params:
                 raise ValueError(f"checkpoint tensor {src!r} has no place in {cfg.architecture}")
             p = params[target]
-            dst = p.data if rows is None else p.data[rows[0] : rows[1]]
+            if rows is None:
+                dst = p.data
+            elif len(rows) == 1:
+                dst = p.data[rows[0]]
+            elif len(rows) == 2:
+                dst = p.data[rows[0] : rows[1]]
+            else:
+                dst = p.data[rows[0], rows[1] : rows[2]]
             if tuple(dst.shape) != tuple(t.shape):
                 raise ValueError(
                     f"shape mismatch for {src!r}: checkpoint {tuple(t.shape)}, expected {tuple(dst.shape)}"
@@ -318,6 +328,13 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"unexpected checkpoint tensor {name!r}")
             i, rest = m.group(1), m.group(2)
             pre = f"layers.{i}."
+            if rest.startswith("block_sparse_moe."):  # Mixtral's name for the MoE MLP
+                rest = "mlp." + rest[len("block_sparse_moe.") :]
+            pieces = expert_pieces(rest, t, cfg, int(i))
+            if pieces is not None:
+                for target, rows, piece in pieces:
+                    put(pre + target, piece, rows, name)
+                continue
             kind = rest.rsplit(".", 1)[-1]  # weight / bias
             if rest.startswith("self_attn.q_proj."):
                 put(pre + "self_attn.qkv_proj." + kind, t, (0, q), name)
@@ -337,7 +354,10 @@ class LlamaModel(nn.Module):
             if n.endswith("qkv_proj.weight") or n.endswith("qkv_proj.bias"):
                 expected |= {f"{n}[{r}]" for r in [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]}
             elif n.endswith("gate_up_proj.weight"):
-                expected |= {f"{n}[{r}]" for r in [(0, I), (I, 2 * I)]}
+                half = params[n].shape[0] // 2  # the dense MLP's or a shared expert's
+                expected |= {f"{n}[{r}]" for r in [(0, half), (half, 2 * half)]}
+            elif (indices := expected_pieces(n, params[n])) is not None:
+                expected |= {f"{n}[{r}]" for r in indices}
             else:
                 expected.add(f"{n}[None]")
         missing = sorted(expected - loaded)
@@ -396,6 +416,8 @@ class _DecodeLayers:
         if Hq % Hkv or Hq // Hkv > ops.MAX_GROUP:
             return None
         for layer in model.decoder_layers():
+            if not isinstance(layer.mlp, GatedMLP):  # routed experts: layer by layer (moe.py)
+                return None
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if not all(isinstance(m, DualLayoutLinear) and m.small is not None for m in linears):
                 return None

@@ -205,7 +205,19 @@ _GGUF_LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts (model/moe.py): the router, all experts stacked [E, ...] per matrix, and
+    # Qwen2-MoE's shared expert with its gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# older Mixtral GGUFs: one tensor per expert, blk.N.ffn_gate.E.weight
+_GGUF_ONE_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 _GGUF_GLOBAL_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -220,6 +232,9 @@ def gguf_to_hf_name(name: str) -> str | None:
     m = _BLK_RE.match(name)
     if m and m.group(2) in _GGUF_LAYER_MAP:
         return f"model.layers.{m.group(1)}.{_GGUF_LAYER_MAP[m.group(2)]}"
+    one = _GGUF_ONE_EXPERT_RE.match(m.group(2)) if m else None
+    if m and one:
+        return f"model.layers.{m.group(1)}.mlp.experts.{one.group(2)}.{one.group(1)}_proj.weight"
     if name == "rope_freqs.weight":
         return None
     raise ValueError(f"unsupported GGUF tensor {name!r}")

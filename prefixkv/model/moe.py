@@ -1,0 +1,175 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a softmax router picks each token's
+top-k experts, each a gated MLP of its own, and the token's output is their weighted sum (plus, for
+Qwen2-MoE, a shared expert scaled by a sigmoid gate).
+
+Routed on the CPU without a Python loop over tokens: the (token, expert) pairs are sorted by
+expert, each active expert multiplies its contiguous slice of gathered rows in two matmuls, and
+one index_add puts the weighted rows back. The loop is over experts, at most num_experts short
+iterations a layer. Routing follows transformers' modeling_qwen3_moe / modeling_mixtral exactly:
+router logits by F.linear (the router is kept out of the packed kernel layouts so its top-k choice
+sees the same numbers), softmax in float32, top-k, optional renormalisation, then the weights in
+the model's dtype.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import GatedMLP
+
+
+class Projection(nn.Module):
+    """x @ weight.T on a plain parameter: a small matrix (a router) that `pack_linears` leaves in
+    F.linear's hands, as transformers computes it."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """The routed experts' weights as 3-D parameters (transformers 5's layout): `gate_up_proj`
+    [E, 2I, H] (gate rows first) and `down_proj` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
+        """x [T, H], top_index / top_weight [T, k] -> sum over each token's k experts of
+        weight * expert(x) [T, H]."""
+        T, k = top_index.shape
+        flat = top_index.reshape(-1)
+        # pairs sorted by expert (stable: a token's experts keep transformers' summation order)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read a layer
+        tokens = order // k
+        rows = x.index_select(0, tokens)
+        weights = top_weight.reshape(-1, 1).index_select(0, order)
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            end = start + n
+            # torch's SiLU, not the native kernel: at an expert's few rows of a decode step its
+            # start-up cost more than it saved (bench/moe.py: 1 row, 4.4 -> 3.4 ms a layer)
+            g, u = F.linear(rows[start:end], self.gate_up_proj[e]).split(self.intermediate, dim=-1)
+            act = F.silu(g) * u
+            torch.mul(F.linear(act, self.down_proj[e]), weights[start:end], out=out_rows[start:end])
+            start = end
+        return torch.zeros_like(x).index_add_(0, tokens, out_rows)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a mixture-of-experts layer: forward(x [T, H]) -> [T, H]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = Projection(config.num_experts, config.hidden_size)  # the router
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Projection | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Projection(1, config.hidden_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k] in x's dtype."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        top_weight, top_index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weight /= top_weight.sum(dim=-1, keepdim=True)
+        return top_index, top_weight.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_index, top_weight = self.route(x)
+        y = self.experts(x, top_index, top_weight)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+def build_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
+    """Decoder layer `layer_index`'s MLP: routed experts where the config makes it sparse, else
+    the dense gated MLP."""
+    if config.is_moe_layer(layer_index):
+        return SparseMoeBlock(config)
+    return GatedMLP(config.hidden_size, config.intermediate_size)
+
+
+# ------------------------------------------------------------------ checkpoint names
+# One expert's matrix: HF (Qwen) gate_proj / up_proj / down_proj, Mixtral w1 / w3 / w2.
+_ONE_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_KIND = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# All experts stacked [E, ...]: transformers 5's fused gate_up_proj / down_proj, and GGUF's
+# ffn_{gate,up,down}_exps (loader.py names those mlp.experts.{gate,up,down}_proj).
+_STACKED = re.compile(r"^mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
+
+Piece = tuple[str, tuple[int, ...] | None, torch.Tensor]
+
+
+def expert_pieces(rest: str, t: torch.Tensor, config: ModelConfig, layer: int) -> list[Piece] | None:
+    """Where a checkpoint tensor of a mixture-of-experts layer goes: (parameter name below the
+    layer, index, tensor) triples - index (e, start, end): rows start:end of expert e; (e,): all of
+    expert e; (start, end): rows of a 2-D parameter. `rest` is the name below
+    `model.layers.N.`, Mixtral's `block_sparse_moe.` already read as `mlp.`. None where the tensor
+    is not an expert's, a router's or a shared expert's (the caller maps it as for a dense layer)."""
+    if not rest.startswith("mlp.") or not config.is_moe_layer(layer):
+        return None
+    I = config.moe_intermediate_size
+    E = config.num_experts
+    halves = {"gate_proj": (0, I), "up_proj": (I, 2 * I)}
+    m = _ONE_EXPERT.match(rest)
+    if m:
+        e, kind = int(m.group(1)), _KIND.get(m.group(2), m.group(2))
+        if e >= E:
+            raise ValueError(f"expert {e} of layer {layer}: the config has {E} experts")
+        if kind == "down_proj":
+            return [("mlp.experts.down_proj", (e,), t)]
+        return [("mlp.experts.gate_up_proj", (e, *halves[kind]), t)]
+    m = _STACKED.match(rest)
+    if m:
+        kind = m.group(1)
+        if t.dim() != 3 or t.shape[0] != E:
+            raise ValueError(f"layer {layer} {rest}: shape {tuple(t.shape)}, expected [{E}, ...] (one per expert)")
+        if kind == "down_proj":
+            return [("mlp.experts.down_proj", (e,), t[e]) for e in range(E)]
+        if kind == "gate_up_proj":
+            return [
+                ("mlp.experts.gate_up_proj", (e, *halves[k]), h)
+                for e in range(E)
+                for k, h in zip(halves, t[e].split(I))
+            ]
+        return [("mlp.experts.gate_up_proj", (e, *halves[kind]), t[e]) for e in range(E)]
+    S = config.shared_expert_intermediate_size
+    if rest == "mlp.shared_expert.gate_proj.weight":
+        return [("mlp.shared_expert.gate_up_proj.weight", (0, S), t)]
+    if rest == "mlp.shared_expert.up_proj.weight":
+        return [("mlp.shared_expert.gate_up_proj.weight", (S, 2 * S), t)]
+    if rest == "mlp.shared_expert_gate.weight":
+        return [(rest, None, t.reshape(1, -1))]  # GGUF keeps it 1-D
+    return None
+
+
+def expected_pieces(name: str, param: torch.Tensor) -> set[tuple[int, ...]] | None:
+    """The indices `expert_pieces` fills of an experts parameter (None for any other)."""
+    if name.endswith("experts.gate_up_proj"):
+        E, I2 = param.shape[0], param.shape[1]
+        return {(e, 0, I2 // 2) for e in range(E)} | {(e, I2 // 2, I2) for e in range(E)}
+    if name.endswith("experts.down_proj"):
+        return {(e,) for e in range(param.shape[0])}
+    return None
