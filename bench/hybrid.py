@@ -1,12 +1,14 @@
-"""Prefix caching on a model with interleaved sliding-window and full attention (Gemma 3's
-layout): a random Gemma-3-style checkpoint built with transformers' own class (6 layers, hidden
-256, window 128: two sliding layers to one full), a shared 1,000-token prefix and 16 questions of
+"""Prefix caching on today's model families: interleaved sliding-window and full attention (a
+random Gemma-3-style checkpoint built with transformers' own class: 6 layers, hidden 256, window
+128, two sliding layers to one full) and mixture-of-experts (a random Qwen3-MoE: 4 layers, hidden
+256, 16 experts, top 4). Per family a shared 1,000-token prefix and 16 questions of
 20-40 tokens, each sent alone after the one before finished (so a question's time to first token
 is its own prefill): prefix-cache hit rate and median TTFT with caching on vs off, and the share
 of the KV cache a request holds outside every sliding window (blocks every sliding layer could
 free while it runs; prefixkv keeps them all today - see docs/design.md).
 
-    .venv/bin/python bench/hybrid.py [--questions 16] [--prefix 1000] [--dtype float32|bfloat16]
+    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe] [--questions 16] [--prefix 1000]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,31 +33,53 @@ VOCAB = 300
 BLOCK_SIZE = 16
 
 
-def write_checkpoint(folder: Path, window: int) -> dict:
-    """A random Gemma3ForCausalLM (text) saved as an HF folder with a byte-level tokenizer."""
+def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
+    """A random Gemma3ForCausalLM (text) or Qwen3MoeForCausalLM saved as an HF folder with a
+    byte-level tokenizer."""
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from prefixkv.model.tokenizer import _bytes_to_unicode
 
-    cfg = tf.Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=64,
-        query_pre_attn_scalar=64,
-        sliding_window=window,
-        sliding_window_pattern=3,
-        max_position_embeddings=4096,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-    )
-    torch.manual_seed(0)
-    model = tf.Gemma3ForCausalLM(cfg).eval()
+    if family == "qwen3moe":
+        cfg = tf.Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+        torch.manual_seed(0)
+        model: Any = tf.Qwen3MoeForCausalLM(cfg).eval()
+    else:
+        cfg = tf.Gemma3TextConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=window,
+            sliding_window_pattern=3,
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+        torch.manual_seed(0)
+        model = tf.Gemma3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_((0.1 if "norm" in name else 0.05) * torch.randn_like(p))
@@ -66,7 +91,7 @@ def write_checkpoint(folder: Path, window: int) -> dict:
     tok.add_special_tokens(["<s>", "</s>", "<pad>"])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return {"layer_types": list(cfg.layer_types), "window": window}
+    return {"layer_types": list(getattr(cfg, "layer_types", None) or []), "window": window}
 
 
 def run(folder: Path, caching: bool, prompts: list[list[int]], dtype: str) -> dict:
@@ -95,6 +120,7 @@ def run(folder: Path, caching: bool, prompts: list[list[int]], dtype: str) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", nargs="+", default=["gemma3", "qwen3moe"], choices=("gemma3", "qwen3moe"))
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=1000)
     ap.add_argument("--window", type=int, default=128)
@@ -104,12 +130,20 @@ def main() -> None:
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
     prompts = [prefix + [rng.randrange(256) for _ in range(rng.randrange(20, 41))] for _ in range(args.questions)]
+    print(f"prompts: {args.questions} questions after one {args.prefix}-token prefix, sent one after another")
+    for family in args.family:
+        bench_family(family, args, prompts)
+
+
+def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        shape = write_checkpoint(folder, args.window)
+        shape = write_checkpoint(folder, args.window, family)
         types = shape["layer_types"]
-        print(f"model: random Gemma3ForCausalLM, hidden 256, layers {types}, window {args.window}, {args.dtype}")
-        print(f"prompts: {args.questions} questions after one {args.prefix}-token prefix, sent one after another")
+        if family == "qwen3moe":
+            print(f"model: random Qwen3MoeForCausalLM, hidden 256, 4 layers, 16 experts top 4, {args.dtype}")
+        else:
+            print(f"model: random Gemma3ForCausalLM, hidden 256, layers {types}, window {args.window}, {args.dtype}")
         t0 = time.perf_counter()
         off = run(folder, False, prompts, args.dtype)
         on = run(folder, True, prompts, args.dtype)
@@ -124,18 +158,19 @@ def main() -> None:
         )
     speedup = statistics.median(off["ttft"][1:]) / statistics.median(on["ttft"][1:])
     print(f"  TTFT caching on vs off: {speedup:.1f}x lower; greedy outputs equal")
-    # a request's blocks that no sliding layer reads any more: all but the window's (and the one
-    # the window's start falls in); only the full layers need them
-    sliding = types.count("sliding_attention") / len(types)
-    lengths = [len(p) + 4 for p in prompts]
-    blocks = [-(-n // BLOCK_SIZE) for n in lengths]
-    keep = -(-args.window // BLOCK_SIZE) + 1
-    outside = sum(max(0, b - keep) for b in blocks) / sum(blocks)
-    print(
-        f"  KV outside every sliding window: {sliding * outside:.0%} of a request's KV memory "
-        f"({sliding:.0%} of the layers slide, {outside:.0%} of their blocks lie outside the window); "
-        "kept today (every block is cached for the full layers' prefix hits)"
-    )
+    if types:
+        # a request's blocks that no sliding layer reads any more: all but the window's (and the one
+        # the window's start falls in); only the full layers need them
+        sliding = types.count("sliding_attention") / len(types)
+        lengths = [len(p) + 4 for p in prompts]
+        blocks = [-(-n // BLOCK_SIZE) for n in lengths]
+        keep = -(-args.window // BLOCK_SIZE) + 1
+        outside = sum(max(0, b - keep) for b in blocks) / sum(blocks)
+        print(
+            f"  KV outside every sliding window: {sliding * outside:.0%} of a request's KV memory "
+            f"({sliding:.0%} of the layers slide, {outside:.0%} of their blocks lie outside the window); "
+            "kept today (every block is cached for the full layers' prefix hits)"
+        )
     print(f"  ({elapsed:.0f} s in all)")
 
 
