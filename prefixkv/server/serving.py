@@ -21,6 +21,7 @@ from .errors import APIError
 from .limits import RequestLimits
 from .lora import LoRARegistry
 from .protocol import PromptTokensDetails, UsageInfo, unsupported_fields
+from .request_logger import RequestLogger
 from .streaming import merge, raise_if_failed
 
 
@@ -39,6 +40,7 @@ class OpenAIServing:
         self.limits = limits
         self.count_error = count_error
         self.loras: LoRARegistry | None = None  # set by create_app when LoRA is on
+        self.request_logger: RequestLogger | None = None  # set by create_app (--enable-log-requests)
         self.inputs = async_engine.input_processor  # admission, outside the engine thread
         self.tokenizer = self.inputs.tokenizer
         self.max_model_len = self.inputs.max_model_len
@@ -231,6 +233,10 @@ class OpenAIServing:
         name - and so collide with - another request's id, even by sending the same one twice."""
         suffix = secrets.token_hex(8)
         ids = [f"{response_id}-{i}-{suffix}" for i in range(len(prompts))]
+        if self.request_logger is not None:
+            for p, t, rid in zip(prompts, texts, ids):
+                lora = lora_request.lora_name if lora_request else None
+                self.request_logger.log(rid, t, p, params, lora, decode=self.tokenizer.decode)
         return [
             self.async_engine.generate(
                 p,
