@@ -4,10 +4,11 @@ vLLM's interface (`LLM`, `SamplingParams`, an OpenAI-compatible server); the lay
 block identity and where to add a model, a policy or a route: docs/design.md.
 """
 
+from .inputs import PromptType, TextPrompt, TokensPrompt
 from .lora.request import LoRARequest
 from .multimodal.item import MultiModalItem
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,10 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "RequestOutputKind",
+    "TextPrompt",
+    "TokensPrompt",
+    "PromptType",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
