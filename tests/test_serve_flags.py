@@ -208,3 +208,18 @@ def test_cors_flags_parse_json_lists():
         serve_parser().parse_args(["--allowed-origins", "https://a.example"])  # not JSON
     args = serve_parser().parse_args(["--allowed-origins", '["https://a.example"]'])
     assert args.allowed_origins == ["https://a.example"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
+        ["--root-path", "/llm"],
+        ["--allowed-origins", '["*"]'],
+    ],
+)
+def test_http_flags_the_replicated_endpoint_cannot_honour_are_refused(argv):
+    from prefixkv.replicas.args import check_replica_args
+
+    with pytest.raises(ValueError, match="with --replicas"):
+        check_replica_args(serve_parser().parse_args(["--replicas", "2", *argv]))
