@@ -216,6 +216,10 @@ class OpenAIServing:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
+    def _decode_for_log(self, ids: list[int]) -> str:
+        """A prompt that came as token ids (chat), as the log shows it: special tokens kept."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def start(
         self,
         prompts: list[list[int]],
@@ -236,7 +240,7 @@ class OpenAIServing:
         if self.request_logger is not None:
             for p, t, rid in zip(prompts, texts, ids):
                 lora = lora_request.lora_name if lora_request else None
-                self.request_logger.log(rid, t, p, params, lora, decode=self.tokenizer.decode)
+                self.request_logger.log(rid, t, p, params, lora, decode=self._decode_for_log)
         return [
             self.async_engine.generate(
                 p,

@@ -163,5 +163,7 @@ def test_response_role_and_request_log(server):
     assert len(lines) == 1, log
     assert "prompt: '0123456789ab'," in lines[0]  # cut to --max-log-len 12 characters
     assert "max_tokens=2" in lines[0]
-    assert sum("Received request chatcmpl-" in line for line in log.splitlines()) == 3
+    chats = [line for line in log.splitlines() if "Received request chatcmpl-" in line]
+    assert len(chats) == 3
+    assert all("prompt: '<|im_start|>'," in line for line in chats)  # the rendered ids, special tokens kept
     assert "--enable-prompt-tokens-details" in log  # accepted, and said so
