@@ -4,10 +4,11 @@ vLLM's interface (`LLM`, `SamplingParams`, an OpenAI-compatible server); the lay
 block identity and where to add a model, a policy or a route: docs/design.md.
 """
 
+from .inputs import PromptType, TextPrompt, TokensPrompt
 from .lora.request import LoRARequest
 from .multimodal.item import MultiModalItem
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,10 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "RequestOutputKind",
+    "TextPrompt",
+    "TokensPrompt",
+    "PromptType",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

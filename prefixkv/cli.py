@@ -324,6 +324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "replay":
         return cmd_replay(argv[1:])
     parser = build_parser()
+    if argv and argv[0] == "serve":
+        from .replicas.args import serve_parser
+        from .server.config_file import ConfigFileError, expand_config
+
+        try:
+            argv = ["serve", *expand_config(argv[1:], serve_parser())]
+        except ConfigFileError as e:
+            print(f"prefixkv serve: {e}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     if args.version:
         from . import __version__

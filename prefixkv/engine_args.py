@@ -43,6 +43,10 @@ MODEL_HELP = (
 MM_HASH_MODES = ("exact", "phash")  # prefixkv/multimodal/hashing.py
 TIER_SECRET_ENV = "PREFIXKV_KV_TIER_SECRET"  # kv_tier_secret's default (prefixkv/tiers/value.py)
 DEFAULT_MM_ENCODER_CACHE_BYTES = 128 << 20
+# vLLM's --load-format values that name what prefixkv reads (the loader: prefixkv/model/loader.py)
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf")
+TASKS = ("auto", "generate", "embed")  # vLLM's older task= (superseded by runner=)
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's runner=; "draft" (speculative decoding) is refused
 
 
 def parse_mm_limit(text: str) -> dict[str, int]:
@@ -54,6 +58,24 @@ def parse_mm_limit(text: str) -> dict[str, int]:
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"not a limit: {text!r} (e.g. '{{\"image\": 2}}' or image=2)") from e
     return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A flag whose value is a JSON object, as vLLM's dict-valued flags ('{"key": 1}')."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
+def parse_compilation_config(text: str) -> dict[str, Any] | int:
+    """--compilation-config: an optimization level (3) or a JSON object, as vLLM."""
+    return int(text) if text.strip().isdigit() else parse_json_object(text)
 
 
 def _kv(pair: str) -> tuple[str, int]:
@@ -277,54 +299,68 @@ class EngineArgs:
         None, "image_url parts may name local files (file:// URLs) under this folder (default: none may)"
     )
 
-    # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
-    tokenizer_mode: str = _compat("auto", _is_default("auto"), "only 'auto': the model's own tokenizer", cli=False)
-    trust_remote_code: bool = _compat(False, _anything, "no model code is ever downloaded or run")
-    download_dir: str | None = _compat(None, _anything, "models are read from local files only", cli=False)
-    load_format: str = _compat("auto", _is_default("auto"), "weights are read from safetensors or GGUF", cli=False)
-    revision: str | None = _compat(None, _is_default(None), "models are read from local files only", cli=False)
-    tokenizer_revision: str | None = _compat(
-        None, _is_default(None), "models are read from local files only", cli=False
+    # Where weights come from: vLLM's names. prefixkv reads local files only (no download).
+    load_format: str = _opt(
+        "auto",
+        "how the weights are read: auto (an HF folder's *.safetensors, else its pytorch_model*.bin; a .gguf file), "
+        "safetensors, pt (an HF folder holding those files) or gguf (a .gguf file); a format the model does not "
+        "have is refused (default: auto)",
+        choices=list(LOAD_FORMATS),
     )
-    code_revision: str | None = _compat(None, _is_default(None), "no model code is ever run", cli=False)
+
+    # -- vLLM options prefixkv does not implement: refused unless they change nothing ----------
+    tokenizer_mode: str = _compat(
+        "auto", _is_default("auto"), "only 'auto': the model's own tokenizer (tokenizer.json or the GGUF's)"
+    )
+    trust_remote_code: bool = _compat(False, _anything, "no model code is ever downloaded or run")
+    download_dir: str | None = _compat(None, _anything, "models are read from local files only")
+    revision: str | None = _compat(None, _is_default(None), "models are read from local files only")
+    tokenizer_revision: str | None = _compat(None, _is_default(None), "models are read from local files only")
+    code_revision: str | None = _compat(None, _is_default(None), "no model code is ever run")
     hf_overrides: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "model configs are used as written", cli=False
+        None, _is_default(None), "model configs are used as written", type=parse_json_object
     )
     quantization: str | None = _compat(None, _is_default(None), "weights are not quantized (not implemented)")
     kv_cache_dtype: str = _compat("auto", _is_default("auto"), "the KV cache uses the model dtype")
     tensor_parallel_size: int = _compat(1, _is_default(1), "one device only (no tensor parallelism)", type=int)
     pipeline_parallel_size: int = _compat(1, _is_default(1), "one device only (no pipeline parallelism)", type=int)
     data_parallel_size: int = _compat(1, _is_default(1), "one engine per process (no data parallelism)", type=int)
-    distributed_executor_backend: str | None = _compat(None, _anything, "one process, no executor", cli=False)
-    disable_custom_all_reduce: bool = _compat(False, _anything, "one device, no all-reduce", cli=False)
+    distributed_executor_backend: str | None = _compat(None, _anything, "one process, no executor")
+    disable_custom_all_reduce: bool = _compat(False, _anything, "one device, no all-reduce")
     swap_space: float = _compat(4, _anything, "preemption recomputes, nothing is swapped", type=float)
     cpu_offload_gb: float = _compat(0, _is_default(0), "weights are not offloaded (not implemented)", type=float)
     enforce_eager: bool = _compat(False, _anything, "no CUDA graphs are captured")
-    max_seq_len_to_capture: int = _compat(8192, _anything, "no CUDA graphs are captured", cli=False)
+    max_seq_len_to_capture: int = _compat(8192, _anything, "no CUDA graphs are captured", type=int)
     compilation_config: dict[str, Any] | int | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _anything, "nothing is compiled", cli=False
+        None, _anything, "nothing is compiled", type=parse_compilation_config
     )
+    # the server's --disable-log-stats (server/launch.py) is this option's flag: it turns off the
+    # server's periodic stats line, which is all it means
     disable_log_stats: bool = _compat(
         False, _anything, "LLM logs no periodic stats (the server: --disable-log-stats)", cli=False
     )
-    disable_async_output_proc: bool = _compat(False, _anything, "outputs are processed in the step", cli=False)
+    disable_async_output_proc: bool = _compat(False, _anything, "outputs are processed in the step")
     enable_chunked_prefill: bool | None = _compat(
         None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)"
     )
     speculative_config: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "no speculative decoding", cli=False
+        None, _is_default(None), "no speculative decoding", type=parse_json_object
     )
     mm_processor_kwargs: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "the checkpoint's own image processor settings are used", cli=False
+        None, _is_default(None), "the checkpoint's own image processor settings are used", type=parse_json_object
     )
     disable_sliding_window: bool = _compat(
-        False, _is_default(False), "sliding windows are applied as the model config says", cli=False
+        False, _is_default(False), "sliding windows are applied as the model config says"
     )
     task: str = _compat(
         "auto",
-        lambda v: v in ("auto", "generate", "embed"),
+        lambda v: v in TASKS,
         "one engine both generates and embeds (LLM.embed / LLM.encode); no other task",
-        cli=False,
+    )
+    runner: str = _compat(
+        "auto",
+        lambda v: v in RUNNERS,
+        "one engine both generates and pools (generate, auto and pooling all load it); no draft runner",
     )
 
     def __post_init__(self) -> None:
@@ -382,6 +418,7 @@ class EngineArgs:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._check_multimodal()
+        self._check_load_format()
         self.default_pooling = parse_pooler_config(self.pooler_config)
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
@@ -443,6 +480,21 @@ class EngineArgs:
         path = self.allowed_local_media_path
         if path is not None and not isinstance(path, str):
             raise ValueError(f"allowed_local_media_path must be a folder path, got {path!r}")
+
+    def _check_load_format(self) -> None:
+        """load_format other than auto must name the weights the model has: a value prefixkv
+        cannot honour is refused, never ignored."""
+        fmt = self.load_format
+        if fmt == "auto":
+            return
+        if fmt not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format={fmt!r} is not supported by prefixkv: choose one of {', '.join(LOAD_FORMATS)}"
+            )
+        found = weights_format(self.model)
+        if found is not None and found != fmt:
+            what = "the embedded SmolLM2-135M-Instruct" if self.model is None else repr(self.model)
+            raise ValueError(f"load_format={fmt!r} does not match {what}: its weights are {found}")
 
     def _check_compat(self) -> None:
         accepted = []
@@ -507,6 +559,31 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"LLM() got unexpected arguments: {', '.join(unknown)}")
         return cls(model=model, **kwargs)
+
+
+def weights_format(model: str | None) -> str | None:
+    """What the loader reads for `model` (None: the embedded GGUF): gguf, safetensors or pt, as
+    prefixkv/model/loader.py chooses; None when the path names nothing (the loader then says so)."""
+    import glob
+
+    from .model.loader import resolve_hub_id
+
+    if model is None:
+        return "gguf"
+    path = os.path.expanduser(str(model))
+    if not os.path.exists(path):
+        path = resolve_hub_id(str(model)) or path
+    if os.path.isfile(path):
+        return "gguf"
+    if not os.path.isdir(path):
+        return None
+    if not os.path.isfile(os.path.join(path, "config.json")) and glob.glob(os.path.join(path, "*.gguf")):
+        return "gguf"
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        return "safetensors"
+    if glob.glob(os.path.join(path, "pytorch_model*.bin")):
+        return "pt"
+    return None
 
 
 def _is_int(value: Any) -> bool:

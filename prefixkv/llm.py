@@ -17,10 +17,12 @@ from .engine_args import EngineArgs
 from .multimodal.chat import chat_prompt_with_images, has_image_parts
 from .outputs import RequestOutput
 from .request import LoRARequest
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from .stage_outputs import EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput, pool
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
+# a prompt: (text or token ids, its cache_salt, its multi_modal_data, the text its token ids came from)
+PromptItem = tuple[str | list[int], str | None, Any, str | None]
 # vLLM prompt-dict fields prefixkv does not implement
 _UNSUPPORTED_PROMPT_KEYS = {
     "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
@@ -58,6 +60,21 @@ def _lora_list(lora_request: Any, n: int) -> list[Any]:
     return [lora_request] * n
 
 
+def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
+    """generate() returns each request's final output, whatever its output_kind (as vLLM's LLM):
+    the engine is asked for FINAL_ONLY, so it builds no output until a request ends. The caller's
+    params are copied, not changed."""
+    copies: dict[int, SamplingParams] = {}
+    out = []
+    for p in params_list:
+        if p.output_kind is not RequestOutputKind.FINAL_ONLY:
+            if id(p) not in copies:
+                copies[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            p = copies[id(p)]
+        out.append(p)
+    return out
+
+
 def _pooling_params(
     params: PoolingParams | None, pooling: str | None, normalize: bool | None, default: PoolingParams
 ) -> PoolingParams:
@@ -70,8 +87,9 @@ def _pooling_params(
     return PoolingParams(pooling or default.pooling, default.normalize if normalize is None else normalize)
 
 
-def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | list[int], str | None, Any]]:
-    """Each prompt as (text or token ids, its own cache_salt, its multi_modal_data or None)."""
+def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[PromptItem]:
+    """Each prompt as (text or token ids, its own cache_salt, its multi_modal_data or None, the text
+    its token ids came from or None). Dicts are vLLM's TextPrompt / TokensPrompt (prefixkv.inputs)."""
     if prompt_token_ids is not None:
         prompts = prompt_token_ids
     if prompts is None:
@@ -80,9 +98,9 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
         prompts = [prompts]
     elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         prompts = [list(prompts)]  # one prompt of token ids
-    out: list[tuple[str | list[int], str | None, Any]] = []
+    out: list[PromptItem] = []
     for p in prompts:
-        salt = mm = None
+        salt = mm = text = None
         if isinstance(p, dict):
             for key in p:
                 if key in _UNSUPPORTED_PROMPT_KEYS:
@@ -93,15 +111,18 @@ def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | lis
                     raise ValueError(f"unknown prompt field {key!r}; a prompt dict takes {takes}")
             salt, mm = p.get("cache_salt"), p.get("multi_modal_data")
             if "prompt_token_ids" in p:
+                text = p.get("prompt")  # a TokensPrompt may say what text its ids came from
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
                 p = list(p["prompt_token_ids"])
             elif "prompt" in p:
                 p = p["prompt"]
             else:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {sorted(p)}")
         if isinstance(p, str):
-            out.append((p, salt, mm))
+            out.append((p, salt, mm, None))
         elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
-            out.append((list(p), salt, mm))
+            out.append((list(p), salt, mm, text))
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}")
     if not out:
@@ -173,6 +194,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(items):
                 raise ValueError(f"{len(params_list)} sampling params for {len(items)} prompts")
+        params_list = _final_only(params_list)
         engine = self.llm_engine
         loras = _lora_list(lora_request, len(items))
         for lora in loras:
@@ -183,12 +205,13 @@ class LLM:
             engine.input_processor.process(
                 item,
                 params,
+                prompt_text=text,
                 lora_request=lora,
                 cache_salt=salt if salt is not None else cache_salt,
                 priority=prio,
                 multi_modal_data=mm,
             )
-            for (item, salt, mm), params, lora, prio in zip(items, params_list, loras, priorities)
+            for (item, salt, mm, text), params, lora, prio in zip(items, params_list, loras, priorities)
         ]
         ids_in_order: list[str] = []
         try:
@@ -286,19 +309,19 @@ class LLM:
         ):
             raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
         items = _as_prompt_list(prompts, None)
-        if any(mm is not None for _, _, mm in items):
+        if any(mm is not None for _, _, mm, _ in items):
             raise ValueError("beam_search() of prompts with multi_modal_data is not supported by prefixkv")
         loras = _lora_list(lora_request, len(items))
         for lora in loras:
             if lora is not None:
                 engine.resolve_lora(lora, reload=True)
-        token_ids = [inputs.tokenize(p) if isinstance(p, str) else p for p, _, _ in items]
+        token_ids = [inputs.tokenize(p) if isinstance(p, str) else p for p, _, _, _ in items]
         for ids in token_ids:  # every prompt checked before any runs
             inputs.validate_prompt(ids)
         searches = [
             BeamSearch(ids, params, engine.eos_ids, engine.max_model_len, lora) for ids, lora in zip(token_ids, loras)
         ]
-        salts = [salt for _, salt, _ in items]
+        salts = [salt for _, salt, _, _ in items]
         batch = concurrency_limit or len(searches)
         bar = None
         if use_tqdm:
@@ -443,14 +466,14 @@ class LLM:
                 f"pooling_task={pooling_task!r} is not supported by prefixkv: only 'embed' and 'token_embed'"
             )
         items = _as_prompt_list(prompts, None)
-        if any(mm is not None for _, _, mm in items):
+        if any(mm is not None for _, _, mm, _ in items):
             raise ValueError("embed()/encode() of prompts with multi_modal_data is not supported by prefixkv yet")
         engine = self.llm_engine
         # one greedy token is drawn and dropped: the prompt's last position is computed like any prefill
         sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
         processed = [  # every prompt checked before any runs
             engine.input_processor.process(item, sampling, cache_salt=salt, hidden_states_from=params.first_position)
-            for item, salt, _ in items
+            for item, salt, _, _ in items
         ]
         request_ids: list[str] = []
         try:

@@ -64,3 +64,5 @@ class RequestOutput:
     # With SamplingParams(return_hidden_states=True): every position's, prompt then output, i.e.
     # (num_prompt_tokens + num_output_tokens - 1, hidden_size).
     hidden_states: Any = field(default=None, repr=False)
+    # the request's LoRARequest (prefixkv/lora/request.py; a layer above this module), None for the base model
+    lora_request: Any = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from .constraints.structured_params import StructuredOutputsParams
@@ -27,11 +28,19 @@ _UNSUPPORTED: dict[str, Any] = {
     "early_stopping": False,
     "logits_processors": None,
     "guided_decoding": None,
-    "extra_args": None,
     "spaces_between_special_tokens": True,
-    "output_kind": None,
     "flat_logprobs": False,
 }
+
+
+class RequestOutputKind(Enum):
+    """What each RequestOutput of a running request holds (vLLM's): everything so far, only what
+    is new since the previous output, or nothing until the one final output. LLM.generate returns
+    final outputs whatever the kind (it asks the engine for FINAL_ONLY, as vLLM does)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -65,6 +74,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's free-form arguments for custom logits processors and plugins; nothing in prefixkv
+    # reads them (as nothing in vLLM's own tree does): carried on the params, unchanged
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +138,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004
         if self.return_hidden_states and self.n != 1:
             raise ValueError("return_hidden_states needs n=1 (one sequence's hidden states per request)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")  # noqa: TRY004
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")  # noqa: TRY004
         normalize_logit_bias(self.logit_bias)
         check_token_fields(self)
         if self.structured_outputs is not None:

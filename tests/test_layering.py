@@ -19,8 +19,8 @@ The layers, bottom to top (a module may import its own layer and the layers belo
 3. memory          memory/: the per-block tensors and their one budget, huge pages
 4. features        constraints/, lora/, multimodal/, stage_outputs/, kv_events/, tiers/, router/:
                    each plugs into the engine through types it defines itself
-5. requests        sampling_params.py, request.py, engine_args.py, config.py: what the user
-                   asks and how the engine is configured, built from the features' types
+5. requests        sampling_params.py, request.py, engine_args.py, config.py, inputs.py: what the
+                   user asks and how the engine is configured, built from the features' types
 6. engine          engine/: admission, scheduler, model runner
 7. API             llm.py, the package root (its lazy `LLM` / `LLMEngine`), server/, replicas/,
                    pipeline/ (stages of `LLM`s), replay/ (the cache without the model)
@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("model",)),
     ("memory", ("memory",)),
     ("features", ("constraints", "lora", "multimodal", "stage_outputs", "kv_events", "tiers", "router")),
-    ("requests", ("sampling_params", "request", "engine_args", "config")),
+    ("requests", ("sampling_params", "request", "engine_args", "config", "inputs")),
     ("engine", ("engine",)),
     ("API", ("", "llm", "server", "replicas", "pipeline", "replay")),  # "": the package root
     ("entry points", ("cli", "demo")),

@@ -13,8 +13,9 @@ from ..constraints.grammar import GrammarEngine
 from ..constraints.token_constraints import RequestConstraints
 from ..lora.request import LoRARequest
 from ..model.tokenizer import Tokenizer
-from ..outputs import Logprob, RequestMetrics, RequestOutput
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..request import Request
+from ..sampling_params import RequestOutputKind
 from .input_processor import EngineRequest
 from .output_processor import OutputState
 
@@ -33,11 +34,26 @@ class RequestGroup:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
     hidden_states: list[torch.Tensor] | None = None  # prompt hidden states as they arrive, when asked
+    # RequestOutputKind.DELTA: per sequence, [text characters, tokens, logprobs] already given out,
+    # and whether its finish was; None for the other kinds
+    sent: list[list[int]] | None = None
+    lora_request: LoRARequest | None = None  # as the caller gave it (RequestOutput.lora_request)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(c.is_finished for c in self.children)
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        kind: RequestOutputKind = self.children[0].sampling_params.output_kind
+        return kind
 
     def output(self) -> RequestOutput:
-        """What the client sees of the group now (cumulative text and tokens)."""
+        """What the client sees of the group now: everything so far, or with
+        RequestOutputKind.DELTA what is new since the previous output (then each output is given
+        out once: call this only for an output that is delivered)."""
         first = self.children[0]
-        finished = self.error is not None or all(c.is_finished for c in self.children)
+        finished = self.finished
         first_token = min((c.first_token_time for c in self.children if c.first_token_time), default=None)
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
@@ -47,18 +63,48 @@ class RequestGroup:
             finished_time=max((c.finished_time or 0.0) for c in self.children) if finished else None,
             max_tokens=first.sampling_params.max_tokens if first.sampling_params is not None else None,
         )
+        prompt_logprobs = self.prompt_logprobs
+        if self.sent is not None and prompt_logprobs is not None:  # DELTA: given out once, with the first output
+            self.prompt_logprobs = None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion(c) for s, c in zip(self.states, self.children)],
+            outputs=self._deltas()
+            if self.sent is not None
+            else [s.completion(c) for s, c in zip(self.states, self.children)],
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=metrics,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             error=self.error,
             hidden_states=torch.cat(self.hidden_states) if finished and self.hidden_states else None,
+            lora_request=self.lora_request,
         )
+
+    def _deltas(self) -> list[CompletionOutput]:
+        """DELTA: each sequence's text, tokens and logprobs since its previous output; a sequence
+        with nothing new (and no new finish) is left out, as vLLM does."""
+        assert self.sent is not None
+        outs = []
+        for state, child, sent in zip(self.states, self.children, self.sent):
+            text, ids, lps = state.text, child.output_token_ids, state.logprobs
+            ends = state.finish_reason is not None and not sent[3]
+            if len(text) == sent[0] and len(ids) == sent[1] and not ends:
+                continue
+            outs.append(
+                CompletionOutput(
+                    state.index,
+                    text[sent[0] :],
+                    list(ids[sent[1] :]),
+                    state.cumulative_logprob,
+                    list(lps[sent[2] :]) if lps is not None else None,
+                    state.finish_reason,
+                    state.stop_reason,
+                )
+            )
+            sent[:] = [len(text), len(ids), len(lps) if lps is not None else 0, int(ends or bool(sent[3]))]
+        return outs
 
 
 def arrival_of(arrival_time: float | None) -> float:
@@ -118,7 +164,9 @@ def make_group(
             child.constraints = constraints
         children.append(child)
         states.append(OutputState(i, params, tokenizer))
-    group = RequestGroup(request_id, req.prompt, ids, children, states, arrival)
+    group = RequestGroup(request_id, req.prompt, ids, children, states, arrival, lora_request=req.lora_request)
+    if params.output_kind is RequestOutputKind.DELTA:
+        group.sent = [[0, 0, 0, 0] for _ in children]
     hidden_from = req.hidden_states_from
     # the last position is always computed; others may be cache hits
     reads_prompt = params.prompt_logprobs is not None or (hidden_from is not None and hidden_from < len(ids) - 1)

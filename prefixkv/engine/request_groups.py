@@ -15,6 +15,7 @@ import time
 from ..model.tokenizer import Tokenizer
 from ..outputs import RequestOutput
 from ..request import Request, RequestStatus
+from ..sampling_params import RequestOutputKind
 from .model_runner_output import ModelRunnerOutput
 from .output_processor import logprob_entry, status_for
 from .request_group import RequestGroup
@@ -116,9 +117,11 @@ class RequestGroups:
                 touched[entry[0].request_id] = entry[0]
         outputs = []
         for group in touched.values():
-            out = group.output()
-            outputs.append(out)
-            if out.finished:
+            finished = group.finished
+            if not finished and group.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue  # nothing is built for it until it ends
+            outputs.append(group.output())
+            if finished:
                 self.forget(group)
         return outputs
 

@@ -169,6 +169,14 @@ def check_replica_args(args: argparse.Namespace) -> None:
             "--kv-events-config with --replicas: each replica publishes its KV events on an endpoint of "
             "its own, which the router subscribes to; the flag cannot be honoured"
         )
+    # the endpoint is Ray Serve's HTTP proxy, not the uvicorn app these flags configure
+    for dest, flag in (
+        ("ssl_certfile", "--ssl-certfile"),
+        ("root_path", "--root-path"),
+        ("allowed_origins", "--allowed-origins"),
+    ):
+        if getattr(args, dest, None):
+            raise ValueError(f"{flag} with --replicas: the replicated endpoint (Ray Serve's proxy) cannot honour it")
     unused = _given(args, PREFIX_LOAD_KNOBS) if args.router != "prefix-load" else []
     if unused:
         raise ValueError(f"{', '.join(unused)}: knobs of --router prefix-load only, not of {args.router}")

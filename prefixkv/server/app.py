@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import logging
 import os
+from dataclasses import dataclass, field
 
 from fastapi import Body, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
@@ -46,6 +48,7 @@ from .protocol import (
     ModelList,
     PoolingRequest,
 )
+from .request_logger import RequestLogger
 from .responses import add_responses_routes
 from .stats_logger import StatsLogger
 from .tokenization import OpenAIServingTokenization
@@ -53,7 +56,18 @@ from .tokenization import OpenAIServingTokenization
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far above any prompt that fits a context
 
-__all__ = ["APIError", "DEFAULT_MODEL_NAME", "create_app", "error_response"]
+
+@dataclass(frozen=True)
+class CORSOptions:
+    """--allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials (vLLM's)."""
+
+    allow_origins: list[str] = field(default_factory=lambda: ["*"])
+    allow_methods: list[str] = field(default_factory=lambda: ["*"])
+    allow_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+__all__ = ["CORSOptions", "APIError", "DEFAULT_MODEL_NAME", "create_app", "error_response"]
 
 
 def create_app(
@@ -71,6 +85,10 @@ def create_app(
     tool_call_parser: str | None = None,
     allow_runtime_lora_updating: bool | None = None,
     lora_allowed_dir: str | None = None,
+    root_path: str | None = None,
+    cors: CORSOptions | None = None,
+    response_role: str = "assistant",
+    request_logger: RequestLogger | None = None,
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
@@ -80,7 +98,9 @@ def create_app(
     `log_stats_interval`: seconds between vLLM's periodic stats lines (None: none).
     `allow_runtime_lora_updating` (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING) adds POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter; `lora_allowed_dir` (default:
-    $PREFIXKV_LORA_ALLOWED_DIR) confines their loads to that folder."""
+    $PREFIXKV_LORA_ALLOWED_DIR) confines their loads to that folder. `root_path`: the prefix a
+    proxy serves the app under (FastAPI's). `cors`: starlette's CORSMiddleware settings (None: no
+    CORS headers). `response_role`: the chat reply's role. `request_logger`: logs each request."""
     if dev_mode is None:
         dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes")
     names = list(served_model_names or [model_root or DEFAULT_MODEL_NAME])
@@ -108,6 +128,8 @@ def create_app(
     completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error)
     chat = OpenAIServingChat(engine, async_engine, names, limits, count_error)
     chat.tool_parser = tool_call_parser  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
+    chat.response_role = response_role
+    completions.request_logger = chat.request_logger = request_logger
     embeddings = OpenAIServingEmbedding(engine, async_engine, names, limits, count_error)
     tokenization = OpenAIServingTokenization(chat)
     loras: LoRARegistry | None = None
@@ -130,7 +152,7 @@ def create_app(
                 stats_task.cancel()
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
-    app = FastAPI(title="prefixkv", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="prefixkv", version=__version__, lifespan=lifespan, root_path=root_path or "")
     app.state.engine = engine
     app.state.async_engine = async_engine
     app.state.metrics = metrics
@@ -141,6 +163,14 @@ def create_app(
         open_paths = OPEN_PATHS - {"/metrics"} if tenants else OPEN_PATHS
         app.add_middleware(APIKeyMiddleware, api_key=keys, on_reject=lambda: count_error(401), open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, on_reject=lambda: count_error(413))
+    if cors is not None:  # outermost: a browser's preflight is answered before the key is asked for
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors.allow_origins,
+            allow_methods=cors.allow_methods,
+            allow_headers=cors.allow_headers,
+            allow_credentials=cors.allow_credentials,
+        )
     install_error_handlers(app, count_error)
 
     @app.post("/v1/completions")

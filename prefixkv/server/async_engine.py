@@ -51,8 +51,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    """`generate()` is an async iterator of cumulative RequestOutputs for one request; leaving
-    it early (client gone, task cancelled) aborts the request, which frees its blocks at once."""
+    """`generate()` is an async iterator of RequestOutputs for one request, as its params'
+    output_kind says (cumulative by default, which the server's routes use); leaving it early
+    (client gone, task cancelled) aborts the request, which frees its blocks at once."""
 
     def __init__(
         self,

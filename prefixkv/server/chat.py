@@ -31,6 +31,14 @@ from .tools import ToolPlan, ToolStream, finish_for, plan_tools
 
 class OpenAIServingChat(OpenAIServing):
     tool_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice (set by create_app)
+    response_role: str = "assistant"  # --response-role (set by create_app)
+
+    def role_for(self, req: Any) -> str:
+        """The reply's role, as vLLM: --response-role when the prompt asks for a new turn, else the
+        role of the message being continued."""
+        if req.add_generation_prompt and not req.continue_final_message:
+            return self.response_role
+        return req.messages[-1].role if req.messages else self.response_role
 
     def message_text(self, content: object, at: str) -> str:
         """A message's content as text: a string, or a list of text parts (joined by newlines)."""
@@ -216,7 +224,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(
                 ChatCompletionResponseChoice(
                     index=o.index,
-                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    message=ChatResponseMessage(role=self.role_for(req), content=content, tool_calls=calls or None),
                     logprobs=chat_logprobs(o.logprobs, o.token_ids, k)
                     if req.logprobs and o.logprobs is not None
                     else None,
@@ -294,7 +302,7 @@ class OpenAIServingChat(OpenAIServing):
         prelude = [
             chunk_dict(
                 response(
-                    [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role=self.role_for(req), content=""))],
                     self.usage(prompts, {}) if continuous else None,
                     prompts[0] if req.return_token_ids else None,  # as vLLM: on the first chunk
                 )

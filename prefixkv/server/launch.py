@@ -22,6 +22,13 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="read flags from a YAML file, keys as the flags are spelled (max-model-len: 512); flags on the "
+        "command line override the file's",
+    )
+    g.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to bind (default: 127.0.0.1; use 0.0.0.0 to listen on all interfaces)",
@@ -126,7 +133,68 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disable-log-requests",
         action="store_true",
-        help="accepted for vLLM compatibility (prefixkv does not log request contents)",
+        help="vLLM's older spelling of the default: requests are not logged unless --enable-log-requests",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one line per request: its id, the prompt (cut to --max-log-len) and its sampling parameters",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=_non_negative_int,
+        default=None,
+        help="with --enable-log-requests: most prompt characters and prompt token ids logged (default: all)",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="vLLM's switch for usage.prompt_tokens_details.cached_tokens; prefixkv always reports it "
+        "(accepted, logged)",
+    )
+    g.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat completion messages when the request's last message is not from that role "
+        "(vLLM: used with add_generation_prompt) (default: assistant)",
+    )
+    g.add_argument(
+        "--root-path",
+        default=None,
+        help="the path prefix a proxy serves this server under (FastAPI's root_path), e.g. /llm: the OpenAPI "
+        "docs and redirects carry it; routes answer with and without it (default: none)",
+    )
+    cors = p.add_argument_group(
+        "CORS (browsers calling the API from pages of other origins; starlette's CORSMiddleware). Off unless "
+        "--allowed-origins is given (vLLM allows every origin by default)"
+    )
+    cors.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=None,
+        help="JSON list of origins allowed, e.g. '[\"https://app.example\"]' or '[\"*\"]' (default: no CORS)",
+    )
+    cors.add_argument(
+        "--allowed-methods", type=_json_list, default=None, help='JSON list of allowed methods (default: ["*"])'
+    )
+    cors.add_argument(
+        "--allowed-headers", type=_json_list, default=None, help='JSON list of allowed headers (default: ["*"])'
+    )
+    cors.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="allow cookies and Authorization headers on cross-origin requests (default: off)",
+    )
+    tls = p.add_argument_group("TLS (uvicorn's): serve https")
+    tls.add_argument("--ssl-keyfile", default=None, help="the server's private key, PEM (with --ssl-certfile)")
+    tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain, PEM (with --ssl-keyfile)")
+    tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates against")
+    tls.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*; default: 0)",
     )
     g.add_argument(
         "--disable-log-stats",
@@ -179,6 +247,25 @@ def check_server_args(args: argparse.Namespace) -> None:
     runtime = getattr(args, "allow_runtime_lora_updating", None) or runtime_lora_updating_from_env()
     if getattr(args, "allow_runtime_lora_updating", None) and not getattr(args, "enable_lora", False):
         raise SystemExit("error: --allow-runtime-lora-updating needs --enable-lora")
+    if getattr(args, "allowed_origins", None) is None:
+        for dest, flag in (
+            ("allowed_methods", "--allowed-methods"),
+            ("allowed_headers", "--allowed-headers"),
+            ("allow_credentials", "--allow-credentials"),
+        ):
+            if getattr(args, dest, None):
+                raise SystemExit(f"error: {flag} needs --allowed-origins (CORS is off without it)")
+    if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
+        raise SystemExit("error: --ssl-keyfile and --ssl-certfile go together (the key and its certificate)")
+    if not getattr(args, "ssl_certfile", None):
+        for dest, flag in (("ssl_ca_certs", "--ssl-ca-certs"), ("ssl_cert_reqs", "--ssl-cert-reqs")):
+            if getattr(args, dest, None):
+                raise SystemExit(f"error: {flag} needs --ssl-keyfile and --ssl-certfile (TLS)")
+    if getattr(args, "max_log_len", None) is not None and not getattr(args, "enable_log_requests", False):
+        raise SystemExit("error: --max-log-len needs --enable-log-requests (nothing is logged without it)")
+    root = getattr(args, "root_path", None)
+    if root and (not root.startswith("/") or root.endswith("/")):
+        raise SystemExit(f"error: --root-path must start with '/' and not end with one, got {root!r}")
     if getattr(args, "lora_allowed_dir", None) and not runtime:
         raise SystemExit(
             "error: --lora-allowed-dir needs runtime LoRA updating "
@@ -193,6 +280,26 @@ def _lora_module(text: str) -> Any:
         return parse_lora_module(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM's CORS flags: a JSON list of strings ('["https://a.example"]')."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} (e.g. '[\"https://a.example\"]')") from e
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -231,7 +338,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def app_from_args(args: argparse.Namespace, engine: Any, model_name: str, log_stats: bool = True) -> Any:
     """The OpenAI app of `serve`'s flags around a loaded engine: what single-engine serve runs and
     what every engine replica of `serve --replicas` runs (prefixkv/replicas/engine_replica.py)."""
-    from .app import create_app
+    from .app import CORSOptions, create_app
+    from .request_logger import RequestLogger
 
     limits = RequestLimits(
         max_n=args.max_n,
@@ -242,6 +350,19 @@ def app_from_args(args: argparse.Namespace, engine: Any, model_name: str, log_st
     if getattr(args, "chat_template", None):
         engine.tokenizer.set_chat_template(args.chat_template)
         logging.getLogger("prefixkv.server").info("chat template: from --chat-template")
+    log = logging.getLogger("prefixkv.server")
+    if getattr(args, "enable_prompt_tokens_details", False):
+        log.info("--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is always reported")
+    if getattr(args, "disable_log_requests", False):
+        log.info("--disable-log-requests: requests are not logged (the default without --enable-log-requests)")
+    cors = None
+    if getattr(args, "allowed_origins", None) is not None:
+        cors = CORSOptions(
+            allow_origins=args.allowed_origins,
+            allow_methods=args.allowed_methods or ["*"],
+            allow_headers=args.allowed_headers or ["*"],
+            allow_credentials=args.allow_credentials,
+        )
     api_keys = api_keys_of(args)
     return create_app(
         engine,
@@ -256,6 +377,10 @@ def app_from_args(args: argparse.Namespace, engine: Any, model_name: str, log_st
         lora_allowed_dir=getattr(args, "lora_allowed_dir", None),
         log_stats_interval=None if args.disable_log_stats or not log_stats else interval_from_env(),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        root_path=getattr(args, "root_path", None),
+        cors=cors,
+        response_role=getattr(args, "response_role", "assistant"),
+        request_logger=RequestLogger(args.max_log_len) if getattr(args, "enable_log_requests", False) else None,
     )
 
 
@@ -267,7 +392,8 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: soc
     log = logging.getLogger("prefixkv.server")
     api_keys = api_keys_of(args)
     app = app_from_args(args, engine, model_name)
-    log.info("serving on http://%s:%d (API key %s)", args.host, args.port, "required" if api_keys else "off")
+    scheme = "https" if args.ssl_certfile else "http"
+    log.info("serving on %s://%s:%d (API key %s)", scheme, args.host, args.port, "required" if api_keys else "off")
     async_engine = app.state.async_engine
     # The engine loop stays on the main thread (torch runs slower from threads started later, see
     # server/async_engine.py); HTTP runs in a thread, and signals reach it through should_exit.
@@ -282,6 +408,10 @@ def run_server(args: argparse.Namespace, engine: Any, model_name: str, sock: soc
             access_log=not args.disable_uvicorn_access_log,
             timeout_keep_alive=5,
             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
         )
     )
     if sock is None:

@@ -1,5 +1,6 @@
 """Pure ASGI middleware (not BaseHTTPMiddleware, so client disconnects still reach the routes):
-the API key, the request body cap, and refusing new work while the server drains."""
+the API key, the request body cap, and refusing new work while the server drains. CORS is
+starlette's CORSMiddleware (create_app adds it outermost, so preflights never need a key)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ from .errors import error_response
 # Open without a key, as in vLLM: probes and scrapes. Everything else - the API, the admin
 # route that flushes every tenant's cache, the OpenAPI docs - needs it.
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: behind --root-path a request may carry that prefix or not, and
+    both reach the same route (starlette strips it when present), so the checks here do too."""
+    path: str = scope["path"]
+    root = scope.get("root_path") or ""
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 class APIKeyMiddleware:
@@ -39,7 +50,7 @@ class APIKeyMiddleware:
         return sum(secrets.compare_digest(header, e) for e in self.expected) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.open_paths:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and route_path(scope) not in self.open_paths:
             header = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not self._valid(header):
                 if self.on_reject is not None:
@@ -109,7 +120,7 @@ class DrainMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
-            and scope["path"].startswith("/v1/")
+            and route_path(scope).startswith("/v1/")
             and scope["method"] == "POST"
             and self.is_draining()
         ):

@@ -22,6 +22,7 @@ from .errors import APIError
 from .limits import RequestLimits
 from .lora import LoRARegistry
 from .protocol import PromptTokensDetails, UsageInfo, no_effect_fields, unsupported_fields
+from .request_logger import RequestLogger
 from .streaming import merge, raise_if_failed
 
 logger = logging.getLogger("prefixkv.server")
@@ -50,6 +51,7 @@ class OpenAIServing:
         self.limits = limits
         self.count_error = count_error
         self.loras: LoRARegistry | None = None  # set by create_app when LoRA is on
+        self.request_logger: RequestLogger | None = None  # set by create_app (--enable-log-requests)
         self.inputs = async_engine.input_processor  # admission, outside the engine thread
         self.tokenizer = self.inputs.tokenizer
         self.max_model_len = self.inputs.max_model_len
@@ -233,6 +235,10 @@ class OpenAIServing:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
+    def _decode_for_log(self, ids: list[int]) -> str:
+        """A prompt that came as token ids (chat), as the log shows it: special tokens kept."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def start(
         self,
         prompts: list[list[int]],
@@ -250,6 +256,10 @@ class OpenAIServing:
         name - and so collide with - another request's id, even by sending the same one twice."""
         suffix = secrets.token_hex(8)
         ids = [f"{response_id}-{i}-{suffix}" for i in range(len(prompts))]
+        if self.request_logger is not None:
+            for p, t, rid in zip(prompts, texts, ids):
+                lora = lora_request.lora_name if lora_request else None
+                self.request_logger.log(rid, t, p, params, lora, decode=self._decode_for_log)
         return [
             self.async_engine.generate(
                 p,

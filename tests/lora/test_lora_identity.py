@@ -117,3 +117,11 @@ def test_new_weights_retire_the_old_version(lora_fixture, tmp_path):
     engine.resolve_lora(LoRARequest("x", 1, str(path)), reload=True)
     assert not any(k[2] for k, _ in engine.kv_cache_manager.block_pool.cached_blocks.items())
     assert not old_ids & set(engine.lora_manager.adapters)  # the old version's host copy is gone
+
+
+def test_request_output_carries_the_lora_request(lora_fixture):
+    fx = lora_fixture
+    llm = LLM(str(fx.base), **ARGS)
+    lora = LoRARequest("qv", 1, fx.adapters["qv"])
+    outs = llm.generate([{"prompt_token_ids": fx.prompts[0]}] * 2, PARAMS, use_tqdm=False, lora_request=[lora, None])
+    assert outs[0].lora_request is lora and outs[1].lora_request is None

@@ -24,9 +24,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None, scheme: str = "http", verify=True) -> None:
+        """`scheme` https with `verify` (the CA file to trust): a server started with TLS flags."""
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{scheme}://127.0.0.1:{self.port}"
+        self.verify = verify
         self.log = tempfile.NamedTemporaryFile("w+", prefix="prefixkv-serve-", suffix=".log", delete=False)
         cmd = [
             sys.executable,
@@ -52,7 +54,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base + "/health", timeout=2, verify=verify).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -1,0 +1,158 @@
+"""vLLM's offline API pieces: runner=, prefixkv.inputs' TextPrompt / TokensPrompt,
+SamplingParams.output_kind (RequestOutputKind) at the engine, the async engine and LLM.generate,
+and SamplingParams.extra_args."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prefixkv import LLM, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
+from prefixkv.config import EngineConfig
+from prefixkv.engine.llm_engine import LLMEngine
+from prefixkv.engine_args import EngineArgs
+from prefixkv.server.async_engine import AsyncEngine
+
+PROMPT = "Write a short story about a lighthouse keeper and a storm."
+
+
+@pytest.fixture(scope="module")
+def llm(default_lm):
+    return LLM.from_engine(
+        LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=128, max_model_len=512), loaded=default_lm)
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_blocks_held_after(llm):
+    yield
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("runner", ["auto", "generate", "pooling"])
+def test_runner_is_accepted_like_task(runner):
+    assert EngineArgs.from_kwargs(None, runner=runner).runner == runner
+
+
+def test_runner_draft_is_refused_by_name():
+    with pytest.raises(ValueError, match="runner='draft' is not supported"):
+        LLM(runner="draft")  # refused before any model loads
+
+
+def test_text_and_tokens_prompts(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    ids = llm.llm_engine.tokenize(PROMPT)
+    plain = llm.generate(PROMPT, greedy)[0]
+    by_text = llm.generate(TextPrompt(prompt=PROMPT), greedy)[0]
+    by_ids = llm.generate(TokensPrompt(prompt_token_ids=ids), greedy)[0]
+    named = llm.generate(TokensPrompt(prompt_token_ids=ids, prompt=PROMPT), greedy)[0]
+    for out in (by_text, by_ids, named):
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert (by_text.prompt, by_ids.prompt, named.prompt) == (PROMPT, None, PROMPT)
+    long = PROMPT * 4  # whole blocks, so a repeat hits the cache
+    assert llm.generate(TextPrompt(prompt=long), greedy)[0].num_cached_tokens == 0
+    assert llm.generate(TextPrompt(prompt=long), greedy)[0].num_cached_tokens > 0
+    assert llm.generate(TextPrompt(prompt=long, cache_salt="tenant-b"), greedy)[0].num_cached_tokens == 0
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.generate(TokensPrompt(prompt_token_ids=ids, mm_processor_kwargs={}), greedy)  # type: ignore[typeddict-unknown-key]
+
+
+def _drive(engine, prompt, params):
+    rid = engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def _params(kind, **kw):
+    return SamplingParams(
+        temperature=0.8, seed=7, n=2, max_tokens=12, logprobs=2, ignore_eos=True, output_kind=kind, **kw
+    )
+
+
+def test_output_kinds_at_the_engine(llm):
+    engine = llm.llm_engine
+    cumulative = _drive(engine, PROMPT, _params(RequestOutputKind.CUMULATIVE))
+    assert len(cumulative) > 2 and cumulative[-1].finished
+    final = cumulative[-1]
+
+    only = _drive(engine, PROMPT, _params(RequestOutputKind.FINAL_ONLY))
+    assert len(only) == 1 and only[0].finished  # no partial output
+    for a, b in zip(only[0].outputs, final.outputs):
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+
+    deltas = _drive(engine, PROMPT, _params(RequestOutputKind.DELTA))
+    assert len(deltas) == len(cumulative) and deltas[-1].finished
+    assert all(not d.finished for d in deltas[:-1])
+    for want in final.outputs:
+        parts = [c for d in deltas for c in d.outputs if c.index == want.index]
+        assert "".join(c.text for c in parts) == want.text
+        assert [t for c in parts for t in c.token_ids] == want.token_ids
+        assert [e for c in parts for e in c.logprobs] == want.logprobs
+        assert parts[-1].cumulative_logprob == pytest.approx(want.cumulative_logprob)
+        assert [c.finish_reason for c in parts].count(want.finish_reason) == 1  # said once, at the end
+        assert all(c.token_ids or c.finish_reason for c in parts)  # nothing empty is sent
+
+
+def test_delta_prompt_logprobs_come_once(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA
+    )
+    outs = _drive(engine, PROMPT, params)
+    assert len(outs) == 4
+    assert len(outs[0].prompt_logprobs) == len(outs[0].prompt_token_ids)
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+
+
+def test_async_engine_streams_deltas(llm):
+    engine = llm.llm_engine
+    full = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    ids = engine.tokenize(PROMPT)
+
+    async def collect(kind):
+        outs = []
+        async for out in async_engine.generate(
+            ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=kind), f"r-{kind.name}"
+        ):
+            outs.append(out)
+        return outs
+
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    try:
+        deltas = asyncio.run(collect(RequestOutputKind.DELTA))
+        finals = asyncio.run(collect(RequestOutputKind.FINAL_ONLY))
+    finally:
+        async_engine.shutdown()
+    assert len(deltas) > 1 and "".join(o.outputs[0].text for o in deltas if o.outputs) == full.text
+    assert len(finals) == 1 and finals[0].outputs[0].token_ids == full.token_ids
+
+
+def test_llm_generate_returns_final_outputs_whatever_the_kind(llm):
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert len(want.token_ids) == 8
+    for kind in RequestOutputKind:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=kind)
+        got = llm.generate([PROMPT, PROMPT], params)[1].outputs[0]
+        assert (got.text, got.token_ids) == (want.text, want.token_ids)
+        assert params.output_kind is kind  # the caller's params are not changed
+
+
+def test_extra_args_are_carried(llm):
+    params = SamplingParams(temperature=0, max_tokens=3, extra_args={"my_processor": {"k": 1}})
+    assert params.clone(max_tokens=4).extra_args == {"my_processor": {"k": 1}}
+    plain = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+    assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == plain  # nothing in prefixkv reads them
+    with pytest.raises(ValueError, match="extra_args must be a dict"):
+        SamplingParams(extra_args=["x"])
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind=1)
+
+
+def test_base_model_output_has_no_lora_request(llm):
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=1))[0].lora_request is None
