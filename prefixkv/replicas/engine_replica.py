@@ -32,6 +32,7 @@ from ..server.app import DEFAULT_MODEL_NAME
 from ..server.launch import app_from_args
 from .asgi_bridge import call_asgi
 from .event_feed import event_bind_host, tcp_endpoint
+from .response_home import response_id_prefix
 
 logger = logging.getLogger("prefixkv.replicas")
 EVENTS_TOPIC = "kv-events"
@@ -74,7 +75,10 @@ class EngineReplica:
         node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         model_name = config.model or DEFAULT_MODEL_NAME
         # the very app single-engine serve runs; no periodic stats line (the ingress aggregates /metrics)
-        self.app = app_from_args(args, self.engine, model_name, log_stats=False)
+        # its Responses ids name it (resp_r<index>_...): the router sends a chained turn back here
+        self.app = app_from_args(
+            args, self.engine, model_name, log_stats=False, response_id_prefix=response_id_prefix(replica_index)
+        )
         self.async_engine = self.app.state.async_engine
         self.async_engine.start()  # the app's lifespan would; the bridge calls the routes directly
         manager = self.engine.kv_cache_manager

@@ -38,6 +38,7 @@ from .chooser import ReplicaChooser
 from .metrics_merge import merge_expositions
 from .prompt_hashes import ROUTED_PATHS
 from .replica_set import POLL_TIMEOUT_S, REPLICA_GONE, HttpCall, Replica, ReplicaGone, ReplicaSet, describe
+from .response_home import response_home
 
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 BROADCAST_PATHS = ("/reset_prefix_cache", *LORA_PATHS)
@@ -166,10 +167,16 @@ class Ingress:
         if path in ROUTED_PATHS and request.method == "POST":
             hashes, cache_key = await chooser.request_route(path, body, replicas.adapter_key)
         routed = path in ROUTED_PATHS
+        home = response_home(request.method, path, body)  # a stored response lives on one replica
         tried: set[int] = set()
         t0 = time.monotonic()
         for _ in range(1 + self.args.router_retries):
-            r = chooser.choose(hashes, replicas.live(), tried, cache_key) if routed else replicas.least_loaded()
+            if home is not None and home not in tried and replicas.live_one(home) is not None:
+                r = replicas.live_one(home)
+            elif routed:
+                r = chooser.choose(hashes, replicas.live(), tried, cache_key)
+            else:
+                r = replicas.least_loaded()
             if r is None:
                 break
             tried.add(r.index)

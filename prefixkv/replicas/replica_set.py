@@ -127,6 +127,11 @@ class ReplicaSet:
     def live(self) -> list[Replica]:
         return [r for r in self.replicas if r.up]
 
+    def live_one(self, index: int) -> Replica | None:
+        """Replica `index` if it is up."""
+        r = self.replicas[index] if 0 <= index < len(self.replicas) else None
+        return r if r is not None and r.up else None
+
     def least_loaded(self) -> Replica | None:
         live = self.live()
         if not live:

@@ -89,6 +89,7 @@ def create_app(
     cors: CORSOptions | None = None,
     response_role: str = "assistant",
     request_logger: RequestLogger | None = None,
+    response_id_prefix: str = "resp",
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
@@ -194,7 +195,8 @@ def create_app(
         return completions.lora_for(model)
 
     add_cache_control_routes(app, async_engine, adapter)
-    add_responses_routes(app, chat)  # /v1/responses: chat admission and engine path, Responses shapes
+    # /v1/responses: chat admission and engine path, Responses shapes
+    add_responses_routes(app, chat, id_prefix=response_id_prefix)
 
     if allow_runtime_lora_updating is None:
         allow_runtime_lora_updating = runtime_lora_updating_from_env()

@@ -335,7 +335,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def app_from_args(args: argparse.Namespace, engine: Any, model_name: str, log_stats: bool = True) -> Any:
+def app_from_args(
+    args: argparse.Namespace, engine: Any, model_name: str, log_stats: bool = True, response_id_prefix: str = "resp"
+) -> Any:
     """The OpenAI app of `serve`'s flags around a loaded engine: what single-engine serve runs and
     what every engine replica of `serve --replicas` runs (prefixkv/replicas/engine_replica.py)."""
     from .app import CORSOptions, create_app
@@ -381,6 +383,7 @@ def app_from_args(args: argparse.Namespace, engine: Any, model_name: str, log_st
         cors=cors,
         response_role=getattr(args, "response_role", "assistant"),
         request_logger=RequestLogger(args.max_log_len) if getattr(args, "enable_log_requests", False) else None,
+        response_id_prefix=response_id_prefix,
     )
 
 

@@ -49,9 +49,12 @@ def _too_long(e: APIError) -> bool:
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore, id_prefix: str = "resp") -> None:
+        """`id_prefix` starts every response id ("resp", OpenAI's; an engine replica's names the
+        replica, so that a router sends a chained turn to the replica that stores its response)."""
         self.chat = chat
         self.store = store
+        self.id_prefix = id_prefix
 
     # -- admission ---------------------------------------------------------------------------
     def conversation_before(self, req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -146,7 +149,7 @@ class OpenAIServingResponses:
             if req.truncation != "auto" or not _too_long(e) or len(conversation) < 2:
                 raise
             conversation, (ids, mm_items, params, plan) = await self.admit_truncated(req, system, conversation)
-        rid = hex_id("resp")
+        rid = hex_id(self.id_prefix)
         gens = self.chat.start(
             [ids],
             [None],
@@ -202,8 +205,10 @@ class OpenAIServingResponses:
             )
 
 
-def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
+def add_responses_routes(
+    app: FastAPI, chat: OpenAIServingChat, store: ResponseStore | None = None, id_prefix: str = "resp"
+) -> None:
     """The Responses routes, served by the chat route's admission and engine path."""
     if store is None:
         store = ResponseStore(max_stored_from_env(), max_stored_bytes_from_env())
-    OpenAIServingResponses(chat, store).add_routes(app)
+    OpenAIServingResponses(chat, store, id_prefix).add_routes(app)

@@ -71,6 +71,26 @@ def test_same_prefix_lands_on_the_replica_caching_it(cluster):
     cluster.wait_idle()
 
 
+def test_chained_responses_reach_the_replica_that_stores_them(cluster):
+    """Each replica keeps its own responses: turn two (previous_response_id) and a read go to the
+    replica that made turn one, whichever replica the router picked for it."""
+    homes = set()
+    for i in range(4):  # new conversations are spread by load: both replicas make some
+        body = {"model": cluster.model, "input": f"conversation {i}: hello", "max_output_tokens": 3}
+        first = cluster.client.post("/v1/responses", json={**body, "temperature": 0})
+        assert first.status_code == 200, first.text
+        rid = first.json()["id"]
+        homes.add(rid.split("_")[1])
+        follow = {**body, "input": "and then?", "previous_response_id": rid, "temperature": 0}
+        second = cluster.client.post("/v1/responses", json=follow)
+        assert second.status_code == 200, second.text
+        assert second.json()["id"].split("_")[1] == rid.split("_")[1]
+        assert second.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0  # turn one's prefix
+        assert cluster.client.get(f"/v1/responses/{rid}").status_code == 200
+    assert homes <= {"r0", "r1"}
+    cluster.wait_idle()
+
+
 def test_metrics_have_both_replicas_and_blocks_are_free(cluster):
     complete(cluster, "warm both? " * 3)
     m = cluster.wait_idle()
