@@ -1,0 +1,42 @@
+"""One oracle for a tiny random checkpoint served through the whole engine: greedy tokens equal
+transformers' with caching off, with shared prefixes cached (hits > 0), with chunked prefill and
+under preemption, and every KV block free afterwards."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from prefixkv import LLM, SamplingParams
+
+from ..conftest import hf_greedy
+from ..model.test_model_hf_folder import _write_tokenizer
+
+
+def assert_engine_matches_transformers(folder: Path, hf: Any, seed: str, max_new: int) -> None:
+    hf.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(40)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+    prompts.append([rng.randrange(256) for _ in range(7)])
+    expected = [hf_greedy(hf, p, max_new) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    settings: list[dict[str, Any]] = [
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True),
+        dict(max_num_batched_tokens=9),
+        dict(num_blocks=12, block_size=8, max_model_len=96),
+    ]
+    for kwargs in settings:
+        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": 8, "max_model_len": 96, **kwargs}
+        llm = LLM(str(folder), **kwargs)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, kwargs
+        engine = llm.llm_engine
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        if kwargs.get("enable_prefix_caching", True):
+            assert engine.prefix_cache_stats.hits > 0
+        if kwargs["num_blocks"] == 12:
+            assert engine.scheduler.num_preemptions > 0
