@@ -72,6 +72,7 @@ class Request:
         arrival_time: float | None = None,
         generator: Any = None,
         priority: int = 0,
+        cache_priority: int | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -94,6 +95,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority  # --scheduling-policy priority: lower goes first (vLLM)
+        # --eviction-policy priority: a lower value's blocks are evicted last (the request's
+        # `priority` unless it asked for another)
+        self.cache_priority = priority if cache_priority is None else cache_priority
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

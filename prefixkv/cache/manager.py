@@ -249,8 +249,8 @@ class KVCacheManager:
         if state is not None:
             if self._on_request_free is not None:
                 self._on_request_free(request.num_prompt_tokens, request.num_output_tokens)
-            if self._on_request_priority is not None:  # an optional member of a request: vLLM's priority
-                self._on_request_priority(getattr(request, "priority", 0))
+            if self._on_request_priority is not None:  # optional members of a request (prefixkv.request)
+                self._on_request_priority(getattr(request, "cache_priority", getattr(request, "priority", 0)))
             self.block_pool.free_blocks(reversed(state.blocks))
 
     def evict_where(self, match: Callable[[ExtraKeys], bool]) -> tuple[int, int]:

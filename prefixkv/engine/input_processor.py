@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..constraints.grammar import GrammarEngine, choose_backend
@@ -39,6 +39,7 @@ class EngineRequest:
     mm_items: tuple[MultiModalItem, ...]
     hidden_states_from: int | None  # the prompt position whose final hidden states are returned on
     grammar: Any  # the compiled grammar of params.structured_outputs, or None
+    cache_priority: int | None = None  # eviction order of its blocks, when not its priority's
 
 
 class InputProcessor:
@@ -103,6 +104,7 @@ class InputProcessor:
         priority: int = 0,
         mm_items: Sequence[MultiModalItem] = (),
         hidden_states_from: int | None = None,
+        cache_priority: int | None = None,
     ) -> EngineRequest:
         """Token ids already truncated, their images already expanded (`process_multimodal`, so
         the caller knows the prompt's length first), admitted. ValueError as `process`."""
@@ -114,7 +116,11 @@ class InputProcessor:
             ids = list(prompt_token_ids)
         else:  # no images: a prompt that names one is refused
             ids, items = self.process_multimodal(prompt_token_ids, None)
-        return self._request(ids, params, prompt_text, lora_request, cache_salt, priority, items, hidden_states_from)
+        req = self._request(ids, params, prompt_text, lora_request, cache_salt, priority, items, hidden_states_from)
+        if cache_priority is not None:
+            self.check_cache_priority(cache_priority)
+            req = replace(req, cache_priority=cache_priority)
+        return req
 
     def _request(
         self,
@@ -143,6 +149,17 @@ class InputProcessor:
         return EngineRequest(
             text, tuple(ids), params, lora_request, cache_salt, priority, mm_items, hidden_states_from, grammar
         )
+
+    def check_cache_priority(self, cache_priority: int) -> None:
+        """A request's own eviction priority (prefixkv's `cache_priority`): read by the priority
+        eviction policy only, refused with any other."""
+        if isinstance(cache_priority, bool) or not isinstance(cache_priority, int):
+            raise ValueError(f"cache_priority must be an integer, got {cache_priority!r}")
+        if self.config.eviction_policy != "priority":
+            raise ValueError(
+                f"cache_priority orders eviction only with eviction_policy='priority' (--eviction-policy priority); "
+                f"this engine evicts by {self.config.eviction_policy!r}"
+            )
 
     def check_priority(self, priority: int) -> None:
         """vLLM's request `priority` (lower: more important) orders the waiting queue with the

@@ -149,6 +149,7 @@ def make_group(
             arrival_time=arrival,
             generator=gen,
             priority=req.priority,
+            cache_priority=req.cache_priority,
             mm_items=req.mm_items,
         )
         child.lora_id = lora_id

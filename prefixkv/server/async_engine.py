@@ -233,6 +233,7 @@ class AsyncEngine:
         hidden_states_from: int | None = None,
         priority: int = 0,
         mm_items: tuple[MultiModalItem, ...] = (),
+        cache_priority: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -251,6 +252,7 @@ class AsyncEngine:
             priority=priority,
             mm_items=mm_items,
             hidden_states_from=hidden_states_from,
+            cache_priority=cache_priority,
         )
 
         def add() -> None:

@@ -204,19 +204,23 @@ class OpenAIServingChat(OpenAIServing):
         rid = req.request_id or random_id("chatcmpl")
         created = int(time.time())
         k = req.top_logprobs or 0
+        await self.check_pin(req, [ids])
+        lora = self.lora_for(req.model)
         gens = self.start(
             [ids],
             [None],
             params,
             rid,
             req.cache_salt,
-            self.lora_for(req.model),
+            lora,
             mm_items=[mm_items],
             priority=req.priority,
+            cache_priority=req.cache_priority,
         )
         if req.stream:
             return self.stream(req, gens, [ids], rid, created, model, params.n, k, plan)
         finals = await self.collect(raw, gens)
+        pinned = await self.pin_prompts([ids], req.cache_salt, lora) if req.pin else None
         out = finals[0]
         choices = []
         for o in out.outputs:
@@ -238,7 +242,7 @@ class OpenAIServingChat(OpenAIServing):
             created=created,
             model=model,
             choices=choices,
-            usage=self.usage([ids], finals),
+            usage=self.usage([ids], finals, pinned),
             prompt_logprobs=cast("PromptLogprobs", out.prompt_logprobs),
             prompt_token_ids=ids if req.return_token_ids else None,
         )

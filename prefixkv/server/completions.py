@@ -103,10 +103,15 @@ class OpenAIServingCompletion(OpenAIServing):
         echo = [
             (t if t is not None else self.tokenizer.decode(ids)) if req.echo else "" for ids, t in zip(prompts, texts)
         ]
-        gens = self.start(prompts, texts, params, rid, req.cache_salt, self.lora_for(req.model), priority=req.priority)
+        await self.check_pin(req, prompts)
+        lora = self.lora_for(req.model)
+        gens = self.start(
+            prompts, texts, params, rid, req.cache_salt, lora, priority=req.priority, cache_priority=req.cache_priority
+        )
         if req.stream:
             return self.stream(req, gens, prompts, echo, rid, created, model, n, k, prompt_only)
         finals = await self.collect(raw, gens)
+        pinned = await self.pin_prompts(prompts, req.cache_salt, lora) if req.pin else None
         choices = []
         for i in range(len(prompts)):
             out = finals[i]
@@ -135,7 +140,7 @@ class OpenAIServingCompletion(OpenAIServing):
             created=created,
             model=model,
             choices=choices,
-            usage=self.completion_usage(prompts, finals, prompt_only),
+            usage=self.completion_usage(prompts, finals, prompt_only, pinned),
         )
 
     @staticmethod
@@ -155,9 +160,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return True
 
     def completion_usage(
-        self, prompts: list[list[int]], outs: dict[int, RequestOutput], prompt_only: bool
+        self, prompts: list[list[int]], outs: dict[int, RequestOutput], prompt_only: bool, pinned: int | None = None
     ) -> UsageInfo:
-        usage = self.usage(prompts, outs)
+        usage = self.usage(prompts, outs, pinned)
         if prompt_only:  # the token the engine sampled is not part of the answer
             usage.completion_tokens = 0
             usage.total_tokens = usage.prompt_tokens

@@ -120,6 +120,10 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # prefixkv's cache control (docs/serving.md): this request's blocks' eviction priority under
+    # --eviction-policy priority, and pinning its prompt once it has run
+    cache_priority: int | None = None
+    pin: bool = False
     request_id: str | None = None
     prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
     priority: int = 0  # vLLM extra: with --scheduling-policy priority, lower is scheduled first
@@ -269,6 +273,7 @@ class DetokenizeResponse(BaseModel):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    pinned_tokens: int | None = None  # prefixkv's `pin`: the prompt tokens now pinned (None: not asked)
 
 
 class UsageInfo(BaseModel):

@@ -224,7 +224,7 @@ class OpenAIServing:
 
     # -- running ---------------------------------------------------------------------------
     @staticmethod
-    def usage(prompts: list[list[int]], outs: dict[int, RequestOutput]) -> UsageInfo:
+    def usage(prompts: list[list[int]], outs: dict[int, RequestOutput], pinned: int | None = None) -> UsageInfo:
         prompt_tokens = sum(len(p) for p in prompts)
         completion_tokens = sum(len(o.token_ids) for out in outs.values() for o in out.outputs)
         cached = sum(out.num_cached_tokens for out in outs.values())
@@ -232,7 +232,7 @@ class OpenAIServing:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, pinned_tokens=pinned),
         )
 
     def _decode_for_log(self, ids: list[int]) -> str:
@@ -250,6 +250,7 @@ class OpenAIServing:
         hidden_states_from: int | None = None,
         priority: int = 0,
         mm_items: list[tuple[MultiModalItem, ...]] | None = None,
+        cache_priority: int | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
@@ -271,9 +272,53 @@ class OpenAIServing:
                 hidden_states_from=hidden_states_from,
                 priority=priority,
                 mm_items=mm_items[i] if mm_items else (),
+                cache_priority=cache_priority,
             )
             for i, (p, t, rid) in enumerate(zip(prompts, texts, ids))
         ]
+
+    async def check_pin(self, req: Any, prompts: list[list[int]]) -> None:
+        """`pin`: the request's prompt stays cached after it, as POST /v1/cache/pin keeps a prefix.
+        Refused with streaming and beam search, and - before anything runs - when the prompts'
+        whole blocks could pass the pin bound (--max-pinned-fraction)."""
+        if not getattr(req, "pin", False):
+            return
+        if req.stream:
+            raise APIError(
+                "pin is not supported with stream (pin the prefix with POST /v1/cache/pin)", 400, param="pin"
+            )
+        if getattr(req, "use_beam_search", False):
+            raise APIError("pin is not supported with use_beam_search", 400, param="pin")
+
+        def room(engine: Any) -> tuple[int, int]:
+            pins = engine.kv_cache_manager.pins
+            return pins.max_blocks - pins.num_pinned_blocks, engine.config.block_size
+
+        free, block_size = await self.async_engine.call(room)
+        need = sum(len(p) // block_size for p in prompts)
+        if need > free:
+            raise APIError(
+                f"pinning the prompt could hold {need} more blocks and {free} are left under the pin bound "
+                "(--max-pinned-fraction)",
+                400,
+                param="pin",
+            )
+
+    async def pin_prompts(self, prompts: list[list[int]], cache_salt: str | None, lora: LoRARequest | None) -> int:
+        """Pin each prompt's cached whole blocks (after its request ran); the tokens now pinned. A
+        pin that cannot be taken any more (its blocks evicted in between, the bound reached by
+        another pin) is logged and left out of the count the response reports."""
+
+        def pin_all(engine: Any) -> int:
+            pinned = 0
+            for ids in prompts:
+                try:
+                    pinned += int(engine.pins.pin(ids, cache_salt, lora))
+                except ValueError as e:
+                    logger.warning("a request's pin was not taken: %s", e)
+            return pinned
+
+        return int(await self.async_engine.call(pin_all))
 
     async def collect(self, raw: Request, gens: list[AsyncIterator[RequestOutput]]) -> dict[int, RequestOutput]:
         """Run to completion; a client that goes away aborts the requests."""

@@ -1,0 +1,82 @@
+"""Cache control per request, on a real server: `pin` keeps a request's prompt cached after it
+(bounded, refused with streaming), `cache_priority` orders which cached blocks the priority
+eviction policy gives up first, and is refused where no policy reads it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from .conftest import API_KEY, API_NAME, long_text
+
+KEY = "cache-key"
+
+
+@pytest.fixture(scope="module")
+def server(make_server):
+    return make_server(
+        "--api-key",
+        KEY,
+        "--num-gpu-blocks-override",
+        "96",
+        "--max-pinned-fraction",
+        "0.5",
+        "--eviction-policy",
+        "priority",
+    )
+
+
+def post(server, path, body, key=KEY):
+    return httpx.post(server.base + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def complete(server, prompt, **extra):
+    r = post(
+        server, "/v1/completions", {"model": API_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def flood(server, seed, **extra):
+    for i in range(4):  # each ~700 tokens: together well past the 96 blocks
+        complete(server, long_text(seed + i, 500), **extra)
+
+
+def test_pin_keeps_the_prompt_through_a_flood_and_is_bounded(server):
+    prompt = long_text(7, 220)
+    first = complete(server, prompt, pin=True)
+    pinned = first["usage"]["prompt_tokens_details"]["pinned_tokens"]
+    assert pinned == first["usage"]["prompt_tokens"] // 16 * 16 and pinned > 0
+    assert complete(server, "no pin asked")["usage"]["prompt_tokens_details"]["pinned_tokens"] is None
+    flood(server, 100)
+    again = complete(server, prompt)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= pinned - 16  # its last block is recomputed
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    r = post(server, "/v1/completions", {"model": API_NAME, "prompt": prompt, "pin": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pin"
+    huge = long_text(8, 700)  # more whole blocks than the bound has left
+    r = post(server, "/v1/completions", {"model": API_NAME, "prompt": huge, "max_tokens": 1, "pin": True})
+    assert r.status_code == 400 and "--max-pinned-fraction" in r.json()["error"]["message"], r.text
+    r = post(server, "/v1/cache/unpin", {"prompt": prompt})
+    assert r.status_code == 200 and r.json()["unpinned_tokens"] == pinned
+    assert server.wait_idle()["prefixkv:pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("important", [True, False])
+def test_cache_priority_orders_what_a_flood_evicts(server, important):
+    doc = long_text(20 if important else 21, 220)
+    first = complete(server, doc, cache_priority=-5 if important else 10)
+    flood(server, 200 if important else 300, cache_priority=10 if important else -5)
+    cached = complete(server, doc)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if important:
+        assert cached >= first["usage"]["prompt_tokens"] // 16 * 16 - 16
+    else:
+        assert cached == 0
+    server.wait_idle()
+
+
+def test_cache_priority_is_refused_where_no_policy_reads_it(api_server):
+    body = {"model": API_NAME, "prompt": "x", "max_tokens": 1, "cache_priority": 3}
+    r = post(api_server, "/v1/completions", body, key=API_KEY)
+    assert r.status_code == 400 and "cache_priority" in r.json()["error"]["message"], r.text
