@@ -131,6 +131,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             kv_connector=kv_connector.worker,
             stage_outputs=scheduler.stage_outputs,
             mm=embedder,
+            block_size=bs,
         )
     cpu_threads = _checked_thread_policy(cpu_threads, runner, dtype, stages)
     kv_events_config = config.kv_events_config

@@ -1,0 +1,115 @@
+"""Mamba2 (recurrent state per block) through the model and the whole engine, against transformers'
+Mamba2ForCausalLM on a tiny random checkpoint: greedy tokens equal with caching off and on (a shared
+prefix's state restored from the hit's last block), under chunked prefill split mid-block and under
+preemption, every block free afterwards."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.memory.block_tensors import allocate_kv_cache
+from prefixkv.model import AttentionMetadata, load_model
+
+from ..model.test_model_hf_folder import _write_tokenizer
+
+MAX_NEW = 8
+
+
+def make_mamba2(seed: int = 0):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Mamba2Config(
+        vocab_size=258,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_heads=4,
+        head_dim=32,
+        expand=2,
+        state_size=16,
+        n_groups=1,
+        chunk_size=16,
+        conv_kernel=4,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=257,
+        tie_word_embeddings=False,
+        architectures=["Mamba2ForCausalLM"],
+    )
+    model = Mamba2ForCausalLM(config).eval()
+    with torch.no_grad():  # an input-dependent state that matters: larger mixing weights than the init's
+        for layer in model.backbone.layers:
+            layer.mixer.in_proj.weight.normal_(0, 0.2)
+            layer.mixer.out_proj.weight.normal_(0, 0.2)
+    return model
+
+
+def hf_greedy_full(hf, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from whole-sequence forwards (transformers' chunked scan every time)."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(tok)
+            ids.append(tok)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mamba2")
+    hf = make_mamba2()
+    hf.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    return hf, str(folder)
+
+
+def test_mamba2_model_matches_transformers(checkpoint):
+    """One prefill split into two chunks (the second starting mid-block), then a decode step."""
+    hf, folder = checkpoint
+    loaded = load_model(folder)
+    model, bs = loaded.model, 8
+    states = allocate_kv_cache(loaded.config, 8, bs)
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    table = torch.tensor([[3, 5, 1, 6]])
+    got = []
+    for a, b in ((0, 11), (11, 20), (20, 21)):
+        meta = AttentionMetadata(torch.zeros(b - a, dtype=torch.long), [0, b - a], [b], table)
+        got.append(model.compute_logits(model(ids[a:b], torch.arange(a, b), states, meta)))
+    torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_mamba2_engine_matches_transformers(checkpoint):
+    hf, folder = checkpoint
+    rng = random.Random(0)
+    shared = [rng.randrange(256) for _ in range(40)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+    prompts.append([rng.randrange(256) for _ in range(7)])
+    expected = [hf_greedy_full(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    settings = [
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True),
+        dict(max_num_batched_tokens=9),
+        dict(num_blocks=12, block_size=8, max_model_len=96),
+    ]
+    for kwargs in settings:
+        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": 8, "max_model_len": 96, **kwargs}
+        llm = LLM(folder, **kwargs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
+        engine = llm.llm_engine
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        if kwargs.get("enable_prefix_caching", True):
+            assert engine.prefix_cache_stats.hits > 0
+            again = llm.generate([prompts[0]], params, use_tqdm=False)[0]
+            assert again.num_cached_tokens > 0
+            assert again.outputs[0].token_ids == expected[0]
+        if kwargs["num_blocks"] == 12:
+            assert engine.scheduler.num_preemptions > 0
