@@ -64,7 +64,9 @@ class _Plan:
     # the recurrence in dependency order: (segments, the segment each continues from, -1: the
     # request's initial state, and their requests)
     rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    conv_writes: list[tuple[int, int, int, list[tuple[int, int]]]]  # (row0, row1, request, [(local end, block)])
+    # per request: (row0, row1, block read or -1, [(local end, block written)])
+    conv_writes: list[tuple[int, int, int, list[tuple[int, int]]]]
+    decode_only: bool  # one new token a request and no request reads a block written in this step
 
 
 def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
@@ -107,7 +109,7 @@ def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
             writes.append((seg_end - start, table[pos // bs]))
             written[table[pos // bs]] = (s, k)
             pos, prev = seg_end, s
-        conv_writes.append((q0, q1, r, writes))
+        conv_writes.append((q0, q1, read if start else -1, writes))
 
     def t(x: list[Any], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype, device=device)
@@ -120,6 +122,7 @@ def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
         seg_blocks=t(seg_blocks),
         rounds=[(t([x[0] for x in rnd]), t([x[1] for x in rnd]), t([x[2] for x in rnd])) for rnd in round_of],
         conv_writes=conv_writes,
+        decode_only=T == len(meta.seq_lens) and len(round_of) == 1,
     )
     meta._plans[key] = plan
     return plan
@@ -175,12 +178,19 @@ class Mamba2Mixer(nn.Module):
         """The causal depthwise conv (+ silu) of every request's rows, continuing from the conv state
         of the block before its chunk; the state after each touched block's last row written back."""
         w = self.conv1d.weight
+        if plan.decode_only:  # every request at once: its row after its block's last K - 1 inputs
+            prev = conv_state.index_select(0, plan.read_blocks)
+            prev = torch.where(plan.has_prev[:, None, None], prev, torch.zeros_like(prev))
+            seq = torch.cat([prev, xbc[:, :, None].to(prev.dtype)], dim=2)  # [R, conv_dim, K]
+            conv_state[plan.seg_blocks] = seq[:, :, 1:]
+            out = F.conv1d(seq.to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim)[:, :, 0]
+            return F.silu(out.to(xbc.dtype))
         zeros = conv_state.new_zeros(conv_state.shape[1:])
         out = torch.empty_like(xbc)
         # request by request in batch order: a block a request reads was written by itself or by an
         # earlier request (a hit on a block computed in this same step)
-        for q0, q1, r, writes in plan.conv_writes:
-            prev = conv_state[plan.read_blocks[r]] if plan.has_prev[r] else zeros
+        for q0, q1, read, writes in plan.conv_writes:
+            prev = conv_state[read] if read >= 0 else zeros
             seq = torch.cat([prev, xbc[q0:q1].t().to(prev.dtype)], dim=1)  # [conv_dim, K - 1 + n]
             out[q0:q1] = F.conv1d(seq[None].to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim)[0].t()
             for local_end, block in writes:
@@ -198,6 +208,14 @@ class Mamba2Mixer(nn.Module):
         x = xs.float().view(T, H, P)
         Bh = B.float().view(T, G, N).repeat_interleave(H // G, dim=1)
         Ch = C.float().view(T, G, N).repeat_interleave(H // G, dim=1)
+        if plan.decode_only:  # the one-token recurrence, every request at once
+            st = ssm.index_select(0, plan.read_blocks).float()
+            st = torch.where(plan.has_prev[:, None, None, None], st, torch.zeros_like(st))
+            dA = torch.exp(dt * A)[:, :, None, None]
+            st = st * dA + (dt[:, :, None] * x)[..., None] * Bh[:, :, None, :]
+            ssm[plan.seg_blocks] = st.to(ssm.dtype)
+            y1 = torch.einsum("thpn,thn->thp", st, Ch) + self.D.float()[:, None] * x
+            return y1.reshape(T, H * P)
 
         def padded(t: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [S, bs, ...], zero rows as padding
             z = torch.cat([t, t.new_zeros(1, *t.shape[1:])])

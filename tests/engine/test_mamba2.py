@@ -48,15 +48,11 @@ def make_mamba2(seed: int = 0):
     return model
 
 
-def hf_greedy_full(hf, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens from whole-sequence forwards (transformers' chunked scan every time)."""
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            tok = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-    return out
+def hf_generate(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate (its chunked scan for the prompt, its one-token state update
+    after), exactly n tokens."""
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=257)
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +87,7 @@ def test_mamba2_engine_matches_transformers(checkpoint):
     shared = [rng.randrange(256) for _ in range(40)]
     prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
     prompts.append([rng.randrange(256) for _ in range(7)])
-    expected = [hf_greedy_full(hf, p, MAX_NEW) for p in prompts]
+    expected = [hf_generate(hf, p, MAX_NEW) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     settings = [
         dict(enable_prefix_caching=False),
@@ -141,5 +137,5 @@ def test_mamba2_prompt_logprobs_with_stage_output_cache(checkpoint):
     lp = [next(iter(d.values())).logprob for d in first.prompt_logprobs[1:]]
     lp2 = [next(iter(d.values())).logprob for d in second.prompt_logprobs[1:]]
     assert lp == pytest.approx(lp2, abs=1e-5)
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy_full(hf, prompt, 2)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids == hf_generate(hf, prompt, 2)
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
