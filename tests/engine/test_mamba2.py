@@ -19,7 +19,7 @@ from ..model.test_model_hf_folder import _write_tokenizer
 MAX_NEW = 8
 
 
-def make_mamba2(seed: int = 0):
+def make_mamba2(seed: int = 0, tie: bool = False):
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
     torch.manual_seed(seed)
@@ -37,7 +37,7 @@ def make_mamba2(seed: int = 0):
         bos_token_id=256,
         eos_token_id=257,
         pad_token_id=257,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         architectures=["Mamba2ForCausalLM"],
     )
     model = Mamba2ForCausalLM(config).eval()
@@ -64,10 +64,14 @@ def checkpoint(tmp_path_factory):
     return hf, str(folder)
 
 
-def test_mamba2_model_matches_transformers(checkpoint):
+@pytest.mark.parametrize("tie", [False, True])
+def test_mamba2_model_matches_transformers(tmp_path, tie):
     """One prefill split into two chunks (the second starting mid-block), then a decode step."""
-    hf, folder = checkpoint
-    loaded = load_model(folder)
+    hf = make_mamba2(tie=tie)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert (loaded.model.lm_head is None) == tie
     model, bs = loaded.model, 8
     states = allocate_kv_cache(loaded.config, 8, bs)
     ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(1))
@@ -139,3 +143,16 @@ def test_mamba2_prompt_logprobs_with_stage_output_cache(checkpoint):
     assert lp == pytest.approx(lp2, abs=1e-5)
     assert second.outputs[0].token_ids == first.outputs[0].token_ids == hf_generate(hf, prompt, 2)
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
+def test_mamba2_config_from_model_type_and_refusals():
+    from prefixkv.model import ModelConfig
+
+    base = dict(model_type="mamba2", hidden_size=64, num_heads=4, head_dim=32, expand=2, n_groups=1, state_size=16)
+    cfg = ModelConfig.from_hf_dict({**base, "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    assert cfg.architecture == "Mamba2ForCausalLM" and cfg.is_recurrent
+    assert cfg.intermediate_size == 128 and cfg.ssm_time_step_limit == (0.0, float("inf"))
+    with pytest.raises(ValueError, match="num_heads x head_dim"):
+        ModelConfig.from_hf_dict({**base, "head_dim": 16})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf_dict({**base, "hidden_act": "gelu"})
