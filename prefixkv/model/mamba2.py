@@ -16,6 +16,7 @@ whether the prefix came from the cache or not, so caching on equals caching off.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -277,6 +278,14 @@ class Mamba2Model(LlamaModel):
     plumbing with Mamba2 blocks."""
 
     fused_decode_layout = False
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        # no rotary table: the base class sizes one by max_position_embeddings, which a model
+        # without positions sets as high as it likes
+        super().__init__(dataclasses.replace(config, max_position_embeddings=1), dtype, device)
+        self.config = config
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return Mamba2Block(config)
