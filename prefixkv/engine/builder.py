@@ -74,6 +74,8 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     if config.tokenizer is not None and config.tokenizer != config.model:
         tokenizer = _separate_tokenizer(config.tokenizer, loaded.config.vocab_size)
     model_config = loaded.config
+    if model_config.is_recurrent:
+        _refuse_for_recurrent(config, model_config.architecture)
     bs = config.block_size
     block_tensors = BlockTensors(kv_cache_specs(model_config, bs, dtype))
     if config.enable_stage_output_cache:  # the hidden states of cached blocks, in the same budget
@@ -131,6 +133,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             kv_connector=kv_connector.worker,
             stage_outputs=scheduler.stage_outputs,
             mm=embedder,
+            block_size=bs,
         )
     cpu_threads = _checked_thread_policy(cpu_threads, runner, dtype, stages)
     kv_events_config = config.kv_events_config
@@ -158,6 +161,25 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     )
     logger.info("engine ready in %s", stages.summary())
     return parts
+
+
+def _refuse_for_recurrent(config: EngineArgs, architecture: str) -> None:
+    """A recurrent model's blocks hold its state, not K/V rows: the features that move or adapt
+    K/V rows are refused by name rather than run wrong."""
+    refused = [
+        name
+        for name, on in (
+            ("kv_offloading_size", bool(config.kv_offloading_size)),
+            ("kv_tier", bool(config.kv_tier)),
+            ("enable_lora", config.enable_lora),
+        )
+        if on
+    ]
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)} cannot be used with the recurrent {architecture}: its blocks hold the "
+            "layers' recurrent state, which the KV tiers do not move and LoRA does not adapt"
+        )
 
 
 def _cpu_thread_policy(config: EngineArgs, device: torch.device, stages: Stages) -> AdaptiveCpuThreads | None:

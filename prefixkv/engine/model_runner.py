@@ -43,19 +43,24 @@ class ModelRunner:
         kv_connector: WorkerConnector = NULL_WORKER_CONNECTOR,
         stage_outputs: StageOutputCache | None = None,
         mm: MultiModalEmbedder | None = None,
+        block_size: int | None = None,
     ) -> None:
         """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
         tiers, which no step asks for anything. `stage_outputs`: the scheduler's stage-output
-        cache, when on. `mm`: the image embedder of a vision-language model."""
+        cache, when on. `mm`: the image embedder of a vision-language model. `block_size`: tokens
+        per block (None: the K/V tensors' block axis; a recurrent model's state has none)."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
         self.config = loaded.config
         self.block_tensors = block_tensors
-        self.kv_caches = block_tensors.kv_caches
-        if not self.kv_caches:
+        if not block_tensors.num_blocks:
             raise ValueError("allocate the block tensors before building the runner")
-        self.block_size = self.kv_caches[0].shape[2]
+        if block_size is None:
+            block_size = block_tensors.kv_caches[0].shape[2]
+        self.block_size = block_size
+        # per layer what the model reads and writes: K/V tensors, or a recurrent layer's state
+        self.kv_caches = block_tensors.layer_caches(self.config, block_size)
         self.device = device
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)

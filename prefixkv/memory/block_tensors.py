@@ -11,10 +11,12 @@ only declares its KV layout (`model.attention.kv_cache_block_shape`) and does th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..model import ModelConfig, kv_cache_block_shape
+from ..model.mamba2 import RecurrentState, recurrent_state_shapes
 from . import huge_pages
 
 
@@ -106,14 +108,38 @@ class BlockTensors:
         """One K/V tensor per layer, as the model's forward takes them."""
         return self.group(KV_PREFIX)
 
+    def layer_caches(self, config: ModelConfig, block_size: int) -> list[Any]:
+        """What the model's forward takes per layer: the K/V tensors, or for a recurrent model one
+        `RecurrentState` (SSM and conv state per block) a layer."""
+        if not config.is_recurrent:
+            return self.kv_caches
+        return [
+            RecurrentState(self.tensors[f"{STATE_PREFIX}{i}.ssm"], self.tensors[f"{STATE_PREFIX}{i}.conv"], block_size)
+            for i in range(config.num_hidden_layers)
+        ]
+
 
 KV_PREFIX = "kv."
+# a recurrent layer's state after each block's last computed token, in place of K/V rows
+STATE_PREFIX = "state."
+
+
+def recurrent_state_specs(config: ModelConfig, dtype: torch.dtype) -> list[BlockTensorSpec]:
+    """Per recurrent layer: its SSM state and its conv state, one slot per block."""
+    ssm, conv = recurrent_state_shapes(config)
+    specs = []
+    for layer in range(config.num_hidden_layers):
+        specs.append(BlockTensorSpec(f"{STATE_PREFIX}{layer}.ssm", ssm, dtype))
+        specs.append(BlockTensorSpec(f"{STATE_PREFIX}{layer}.conv", conv, dtype))
+    return specs
 
 
 def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
     """One spec per attention layer, in the layout the model's paged attention reads."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    if config.is_recurrent:  # the per-block state takes the K/V rows' place
+        return recurrent_state_specs(config, dtype)
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
     shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim)
     return [
@@ -132,10 +158,11 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> list[torch.Tensor]:
-    """Zeroed K/V caches for every layer (for code that runs the model without an engine)."""
+) -> list[Any]:
+    """Zeroed K/V caches (a recurrent model: states) for every layer (for code that runs the model
+    without an engine)."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
     tensors = BlockTensors(kv_cache_specs(config, block_size, dtype))
     tensors.allocate(num_blocks, device)
-    return tensors.kv_caches
+    return tensors.layer_caches(config, block_size)

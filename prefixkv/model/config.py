@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    # recurrent: a state-space mixer in every layer (model/mamba2.py)
+    "Mamba2ForCausalLM",
 )
 
 # The Gemma family's block (model/gemma.py): sandwich norms, GeGLU, scaled embeddings, soft-capping.
@@ -34,6 +36,7 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
 }
 
 # Architectures refused with a reason of their own (a near miss of a supported one).
@@ -110,6 +113,15 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one, gated)
     decoder_sparse_step: int = 1  # layer i is sparse where (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # Mamba2's state-space mixer (model/mamba2.py); ssm_state_size 0: no recurrent layer. Its heads
+    # are num_attention_heads x head_dim (= intermediate_size), its B/C groups ssm_n_groups.
+    ssm_state_size: int = 0
+    ssm_n_groups: int = 1
+    ssm_conv_kernel: int = 4
+    ssm_use_conv_bias: bool = True
+    ssm_use_bias: bool = False  # in_proj / out_proj biases
+    ssm_time_step_limit: tuple[float, float] = (0.0, float("inf"))  # dt clamped into it
+    residual_in_fp32: bool = False  # the residual stream kept in float32
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -191,6 +203,11 @@ class ModelConfig:
     def is_gemma(self) -> bool:
         return self.architecture in GEMMA_ARCHITECTURES
 
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the layers keep a recurrent state per block instead of K/V rows."""
+        return self.ssm_state_size > 0
+
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer i has routed experts (transformers' Qwen2/3-MoE rule; every layer
         of Mixtral)."""
@@ -204,6 +221,8 @@ class ModelConfig:
             mt: Any = d.get("model_type")  # whatever config.json holds, named in the error
             archs = [_MODEL_TYPES.get(mt, f"<model_type {mt!r}>")]
         arch = check_architecture(archs[0])
+        if arch == "Mamba2ForCausalLM":
+            return cls(**_hf_mamba2_fields(d))
         gemma = arch in GEMMA_ARCHITECTURES
         rope_theta, scaling, local_theta = _rope_settings(d, arch)
         n_heads = d["num_attention_heads"]
@@ -431,3 +450,48 @@ def _gguf_moe_fields(g_arch: str, meta: dict[str, Any], tensor_names: set[str]) 
     if g_arch == "qwen2moe":
         fields["shared_expert_intermediate_size"] = int(meta.get(p + "expert_shared_feed_forward_length", 0))
     return fields
+
+
+def _hf_mamba2_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A Mamba2 config.json (transformers' Mamba2Config names and defaults) as ModelConfig fields."""
+    hidden = int(d.get("hidden_size", 768))
+    intermediate = int(d.get("expand", 2) * hidden)
+    heads, head_dim = int(d.get("num_heads", 128)), int(d.get("head_dim", 64))
+    if heads * head_dim != intermediate:
+        raise ValueError(
+            f"Mamba2ForCausalLM with num_heads x head_dim ({heads} x {head_dim}) != expand x hidden_size "
+            f"({intermediate}) is not supported"
+        )
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Mamba2ForCausalLM with hidden_act={d.get('hidden_act')!r} is not supported (silu only)")
+    groups = int(d.get("n_groups", 8))
+    if heads % groups:
+        raise ValueError(f"Mamba2ForCausalLM with num_heads ({heads}) not a multiple of n_groups ({groups})")
+    limit = d.get("time_step_limit") or (0.0, float("inf"))
+    return dict(
+        architecture="Mamba2ForCausalLM",
+        vocab_size=int(d.get("vocab_size", 32768)),
+        hidden_size=hidden,
+        num_hidden_layers=int(d.get("num_hidden_layers", 64)),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+        rms_norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 1 << 20)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id", []),
+        ssm_state_size=int(d.get("state_size", 128)),
+        ssm_n_groups=groups,
+        ssm_conv_kernel=int(d.get("conv_kernel", 4)),
+        ssm_use_conv_bias=bool(d.get("use_conv_bias", True)),
+        ssm_use_bias=bool(d.get("use_bias", False)),
+        ssm_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+        residual_in_fp32=bool(d.get("residual_in_fp32", True)),
+    )
+
+
+def _json_float(v: Any) -> float:
+    """A float from config.json, where transformers 5 writes infinity as {"__float__": "Infinity"}."""
+    return float(v["__float__"] if isinstance(v, dict) else v)

@@ -7,9 +7,12 @@ import torch
 from .config import ModelConfig
 from .gemma import GemmaModel
 from .llama import LlamaModel
+from .mamba2 import Mamba2Model
 
 
 def model_class(config: ModelConfig) -> type[LlamaModel]:
+    if config.is_recurrent:
+        return Mamba2Model
     return GemmaModel if config.is_gemma else LlamaModel
 
 
