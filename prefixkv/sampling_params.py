@@ -8,6 +8,7 @@ request is added."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -41,6 +42,12 @@ class RequestOutputKind(Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@functools.cache
+def _log_extra_args_once() -> None:
+    """extra_args change nothing here (no custom logits processor reads them): said once, not silently."""
+    logging.getLogger("prefixkv").info("SamplingParams.extra_args accepted; nothing in prefixkv reads them")
 
 
 @dataclass
@@ -142,6 +149,8 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")  # noqa: TRY004
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")  # noqa: TRY004
+        if self.extra_args:
+            _log_extra_args_once()
         normalize_logit_bias(self.logit_bias)
         check_token_fields(self)
         if self.structured_outputs is not None:
