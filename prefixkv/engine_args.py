@@ -186,6 +186,12 @@ class EngineArgs:
         "which free cached block is reused first (default: lru, as vLLM; see docs/replay.md)",
         choices=list(POLICIES),
     )
+    disable_hybrid_kv_cache_manager: bool = _opt(
+        False,
+        "keep every layer's K/V in one block per position for models that mix full and sliding-window "
+        "attention, instead of a KV-cache group per layer kind that frees blocks out of the window "
+        "(default: groups on; vLLM's flag)",
+    )
     enable_kv_cache_events: bool = _opt(
         False, "record BlockStored / BlockRemoved / AllBlocksCleared events for a publisher (default: off)"
     )

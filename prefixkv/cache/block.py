@@ -23,6 +23,7 @@ class KVCacheBlock:
         "block_key",
         "uid",
         "content_hash",
+        "group_idx",
         "prev_free_block",
         "next_free_block",
         "policy_data",
@@ -34,6 +35,7 @@ class KVCacheBlock:
         self.block_key: BlockKey | None = None
         self.uid = 0
         self.content_hash: bytes | None = None
+        self.group_idx = 0  # the KV-cache group whose identity it holds (sliding_window.py)
         # KVCacheBlock or None; typed Any because LRUPolicy follows them without checks: a block in
         # the free queue always has both (sentinels at the ends), one outside it has neither.
         self.prev_free_block: Any = None

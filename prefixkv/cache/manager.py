@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .block import KVCacheBlock
-from .events import MEDIUM_POOL, BlockStored, KVCacheEvent
+from .events import FULL_ATTENTION, MEDIUM_POOL, SLIDING_WINDOW, BlockStored, KVCacheEvent
 from .eviction import EvictionPolicy, get_policy, overrides
 from .identity import ROOT_UID, BlockChain, ExtraKeys, HashFunction, get_hash_function, none_hash
 from .pins import Pin, PinError, PinnedPrefixes
 from .pool import BlockPool
 from .protocol import CacheRequest
 from .residency import ResidencyMetrics
+from .sliding_window import GroupTable, SlidingWindowGroups, group_key
 from .stats import PrefixCacheStats
 
 
@@ -21,6 +23,10 @@ class _RequestBlocks:
     chain: BlockChain
     blocks: list[KVCacheBlock] = field(default_factory=list)  # the block table, append-only
     num_cached_blocks: int = 0  # leading blocks already entered in the table
+    # a hybrid model's sliding-window groups (sliding_window.py): a table each, None where released,
+    # and where each group's live blocks begin
+    groups: list[GroupTable] = field(default_factory=list)
+    first_live: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -39,6 +45,9 @@ class KVCacheManager:
       max_pinned_fraction  share of the blocks that pins may hold (pins.py); a pin past it is
                     refused with PinError.
       residency     sampled residency metrics (residency.py; vLLM's --kv-cache-metrics), None: off.
+      group_windows  a hybrid model's KV-cache groups after group 0 (full-attention layers): each
+                    one's sliding window in tokens, None for more full-attention layers
+                    (sliding_window.py); empty: one group.
     """
 
     def __init__(
@@ -54,6 +63,7 @@ class KVCacheManager:
         max_pending_kv_events: int = 10_000,
         max_pinned_fraction: float = 0.5,
         residency: ResidencyMetrics | None = None,
+        group_windows: Sequence[int | None] = (),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -70,6 +80,7 @@ class KVCacheManager:
             residency,
         )
         self.residency = residency
+        self.sliding = SlidingWindowGroups(group_windows, block_size) if group_windows else None
         self.pins = PinnedPrefixes(num_blocks, max_pinned_fraction)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
@@ -97,6 +108,14 @@ class KVCacheManager:
         state = self._requests.get(request_id)
         return [b.block_id for b in state.blocks] if state is not None else []
 
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The block ids of the request's sliding-window groups (1, 2, ...): 0 where a block was
+        released (never read: it is out of every query's window); [] without such groups."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        return [[0 if b is None else b.block_id for b in table] for table in state.groups]
+
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         state = self._requests.get(request_id)
         return list(state.blocks) if state is not None else []
@@ -117,6 +136,9 @@ class KVCacheManager:
         state = self._requests.get(request.request_id)
         if state is None:
             state = _RequestBlocks(BlockChain(self.block_size, request))
+            if self.sliding is not None:
+                state.groups = [[] for _ in self.sliding.groups]
+                state.first_live = [0] * len(self.sliding)
             self._requests[request.request_id] = state
         return state
 
@@ -131,6 +153,8 @@ class KVCacheManager:
         state = self._state(request)
         num_full = state.chain.extend(request)
         hits = self._cached_blocks(state.chain, min(num_full, (request.num_tokens - 1) // self.block_size))
+        if self.sliding is not None and hits:  # as far as every group holds its window
+            del hits[self._group_hits(state.chain, hits)[0] :]
         num_hit_tokens = len(hits) * self.block_size
         if record_stats:
             self.stats.record(request.num_tokens, num_hit_tokens, getattr(request, "num_preemptions", 0) > 0)
@@ -171,7 +195,20 @@ class KVCacheManager:
             if block.ref_cnt == 0:
                 num_evictable_hits += 1
         pool = self.block_pool
-        if num_new_blocks + num_evictable_hits > pool.num_free_blocks:
+        group_hits: list[GroupTable] = []
+        num_group_blocks = 0
+        if self.sliding is not None:
+            if state.blocks:  # blocks out of every window go back before new ones are taken
+                self._release_out_of_window(state, request.num_computed_tokens)
+            if new_computed_blocks:
+                h, group_hits = self._group_hits(state.chain, new_computed_blocks)
+                if h != len(new_computed_blocks):
+                    raise ValueError("cache hits must be a prefix every KV-cache group holds (get_computed_blocks)")
+                num_evictable_hits += sum(1 for t in group_hits for b in t if b is not None and b.ref_cnt == 0)
+            have = len(state.blocks) + len(new_computed_blocks)
+            num_group_blocks = max(num_required - have, 0)
+        num_all_new = num_new_blocks + num_group_blocks * len(state.groups)
+        if num_all_new + num_evictable_hits > pool.num_free_blocks:
             if not state.blocks:
                 del self._requests[request.request_id]  # nothing held: leave no trace
             return None
@@ -180,8 +217,14 @@ class KVCacheManager:
             pool.touch(new_computed_blocks)
             state.blocks.extend(new_computed_blocks)
             state.num_cached_blocks = len(new_computed_blocks)
+            for table, hit in zip(state.groups, group_hits):
+                pool.touch([b for b in hit if b is not None])
+                table.extend(hit)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         state.blocks.extend(new_blocks)
+        if num_group_blocks:
+            for table in state.groups:
+                table.extend(pool.get_new_blocks(num_group_blocks))
 
         if self.enable_caching:
             self._cache_full_blocks(request, state, min(num_tokens_after, request.num_tokens) // bs)
@@ -201,15 +244,40 @@ class KVCacheManager:
             block = blocks[i]
             insert((parent, tokens[i], chain.extra(i)), block)
             parent = block.uid
+        for g, table in enumerate(state.groups, 1):  # under group 0's identities (sliding_window.py)
+            for i in range(start, num_full):
+                member = table[i]
+                if member is not None:
+                    insert(group_key(blocks[i].uid, g, chain.extra(i)), member)
+                    member.group_idx = g
         state.num_cached_blocks = num_full
         if events is not None:
             events.append(self._stored_event(request, state, start, num_full))
+            for g in range(1, len(state.groups) + 1):
+                events.append(self._stored_event(request, state, start, num_full, g))
 
-    def _stored_event(self, request: CacheRequest, state: _RequestBlocks, start: int, end: int) -> BlockStored:
+    def _stored_event(
+        self, request: CacheRequest, state: _RequestBlocks, start: int, end: int, group: int = 0
+    ) -> BlockStored:
+        """Group `group`'s blocks [start, end) stored: every group's block i carries block i's hash
+        (vLLM's rule: the groups are told apart by group_idx)."""
         hashes = state.chain.hashes_upto(end, self.hash_fn, self.none_hash)
+        table = state.groups[group - 1] if group else state.blocks
         for i in range(start, end):
-            state.blocks[i].content_hash = hashes[i]
-        return self._describe(request, state.chain, hashes, start, end)
+            block = table[i]
+            if block is not None:
+                block.content_hash = hashes[i]
+        event = self._describe(request, state.chain, hashes, start, end)
+        if not group:
+            return event
+        assert self.sliding is not None
+        window = self.sliding.window(group)
+        return dataclasses.replace(
+            event,
+            group_idx=group,
+            kv_cache_spec_kind=FULL_ATTENTION if window is None else SLIDING_WINDOW,
+            kv_cache_spec_sliding_window=window,
+        )
 
     def describe_blocks(self, request: CacheRequest, start: int, end: int, medium: str) -> BlockStored:
         """The BlockStored event of the request's full blocks [start, end) in another tier
@@ -239,6 +307,7 @@ class KVCacheManager:
             # the integer id is not part of the cache protocol (the key is name, path, weights)
             lora_id=getattr(lora, "lora_int_id", None) if lora is not None else None,
             medium=medium,
+            kv_cache_spec_kind=FULL_ATTENTION,
         )
 
     # -- release -------------------------------------------------------------------------------
@@ -251,7 +320,24 @@ class KVCacheManager:
                 self._on_request_free(request.num_prompt_tokens, request.num_output_tokens)
             if self._on_request_priority is not None:  # optional members of a request (prefixkv.request)
                 self._on_request_priority(getattr(request, "cache_priority", getattr(request, "priority", 0)))
-            self.block_pool.free_blocks(reversed(state.blocks))
+            if state.groups:  # position by position from the tail, every group's block before group 0's
+                tail_first: list[KVCacheBlock] = []
+                for i in range(len(state.blocks) - 1, -1, -1):
+                    tail_first.extend(b for t in state.groups if i < len(t) and (b := t[i]) is not None)
+                    tail_first.append(state.blocks[i])
+                self.block_pool.free_blocks(tail_first)
+            else:
+                self.block_pool.free_blocks(reversed(state.blocks))
+
+    def _group_hits(self, chain: BlockChain, anchors: list[KVCacheBlock]) -> tuple[int, list[GroupTable]]:
+        assert self.sliding is not None
+        return self.sliding.longest_hit(anchors, chain.extra, self.block_pool.cached_blocks.get_one_block)
+
+    def _release_out_of_window(self, state: _RequestBlocks, num_computed_tokens: int) -> None:
+        assert self.sliding is not None
+        released = self.sliding.release_out_of_window(state.groups, state.first_live, num_computed_tokens)
+        if released:
+            self.block_pool.free_blocks(released)
 
     def evict_where(self, match: Callable[[ExtraKeys], bool]) -> tuple[int, int]:
         """Evict, first, the free cached blocks whose extra keys satisfy `match` (content that can
@@ -267,17 +353,20 @@ class KVCacheManager:
         if not self.block_pool.held_only_by(self.pins.holds):
             return False  # held by requests: the pins stay too
         for pin in self.pins.remove_all():
-            self.block_pool.free_blocks(reversed(pin.blocks))
+            self.block_pool.free_blocks(reversed(pin.held))
         return self.block_pool.reset_prefix_cache()
 
     # -- pinned prefixes (pins.py) ---------------------------------------------------------------
     def cached_prefix(self, request: CacheRequest) -> list[KVCacheBlock]:
         """The cached blocks of the longest prefix of `request`'s full blocks (all of them may
         hit, unlike a lookup for computing); changes nothing."""
-        if not self.enable_caching:
-            return []
+        return self._cached_prefix(request)[1]
+
+    def _cached_prefix(self, request: CacheRequest) -> tuple[BlockChain, list[KVCacheBlock]]:
         chain = BlockChain(self.block_size, request)
-        return self._cached_blocks(chain, chain.extend(request))
+        if not self.enable_caching:
+            return chain, []
+        return chain, self._cached_blocks(chain, chain.extend(request))
 
     def _cached_blocks(self, chain: BlockChain, max_blocks: int) -> list[KVCacheBlock]:
         """The cached blocks of the chain's first `max_blocks`, up to the first miss."""
@@ -297,7 +386,7 @@ class KVCacheManager:
         its blocks is evicted meanwhile. Pinning a pinned prefix returns its pin. Raises PinError
         when none of it is cached (compute it first) or the pin would pass max_pinned_fraction.
         Only the prefix of `request`'s own tenant (cache salt), adapter and images is reachable."""
-        blocks = self.cached_prefix(request)
+        chain, blocks = self._cached_prefix(request)
         if not blocks:
             raise PinError(
                 f"nothing of this prefix ({request.num_tokens} tokens) is cached in whole blocks of "
@@ -306,9 +395,13 @@ class KVCacheManager:
         pin = self.pins.get(blocks[-1])
         if pin is not None:
             return pin
-        self.pins.check_room(blocks)
-        self.block_pool.touch(blocks)  # one more holder each: out of the policy's free set
-        return self.pins.add(blocks, request.cache_salt, len(blocks) * self.block_size)
+        window: list[KVCacheBlock] = []
+        if self.sliding is not None:  # what a hit on the whole prefix reads of the sliding groups
+            _, tables = self._group_hits(chain, blocks)
+            window = [b for t in tables for b in t if b is not None]
+        self.pins.check_room(blocks + window)
+        self.block_pool.touch(blocks + window)  # one more holder each: out of the policy's free set
+        return self.pins.add(blocks, request.cache_salt, len(blocks) * self.block_size, window)
 
     def unpin(self, request: CacheRequest) -> Pin | None:
         """Release the pin of `request`'s cached prefix (the same prefix that was pinned, as the
@@ -316,14 +409,14 @@ class KVCacheManager:
         blocks = self.cached_prefix(request)
         pin = self.pins.remove(blocks[-1]) if blocks else None
         if pin is not None:
-            self.block_pool.free_blocks(reversed(pin.blocks))
+            self.block_pool.free_blocks(reversed(pin.held))
         return pin
 
     def unpin_all(self, cache_salt: str | None = None, every_tenant: bool = True) -> int:
         """Release every pin (only `cache_salt`'s when `every_tenant` is False); returns how many."""
         pins = self.pins.remove_all(cache_salt, every_tenant)
         for pin in pins:
-            self.block_pool.free_blocks(reversed(pin.blocks))
+            self.block_pool.free_blocks(reversed(pin.held))
         return len(pins)
 
     # -- KV events -----------------------------------------------------------------------------

@@ -27,6 +27,14 @@ class Pin:
     blocks: tuple[KVCacheBlock, ...]
     cache_salt: str | None
     num_tokens: int
+    # a hybrid model's sliding-window groups: their blocks inside the window at the prefix's end,
+    # held beside it so that a hit on the whole prefix stays possible (sliding_window.py)
+    window_blocks: tuple[KVCacheBlock, ...] = ()
+
+    @property
+    def held(self) -> tuple[KVCacheBlock, ...]:
+        """Every block the pin holds."""
+        return self.blocks + self.window_blocks if self.window_blocks else self.blocks
 
 
 class PinnedPrefixes:
@@ -66,10 +74,16 @@ class PinnedPrefixes:
                 f"({self.max_fraction:.0%} of the pool; raise it with --max-pinned-fraction or unpin a prefix)"
             )
 
-    def add(self, blocks: list[KVCacheBlock], cache_salt: str | None, num_tokens: int) -> Pin:
-        pin = Pin(tuple(blocks), cache_salt, num_tokens)
+    def add(
+        self,
+        blocks: list[KVCacheBlock],
+        cache_salt: str | None,
+        num_tokens: int,
+        window_blocks: list[KVCacheBlock] | None = None,
+    ) -> Pin:
+        pin = Pin(tuple(blocks), cache_salt, num_tokens, tuple(window_blocks or ()))
         self._pins[blocks[-1].uid] = pin
-        for block in blocks:
+        for block in pin.held:
             self._holds[block.block_id] = self._holds.get(block.block_id, 0) + 1
         return pin
 
@@ -88,7 +102,7 @@ class PinnedPrefixes:
         return pins
 
     def _release(self, pin: Pin) -> None:
-        for block in pin.blocks:
+        for block in pin.held:
             left = self._holds[block.block_id] - 1
             if left:
                 self._holds[block.block_id] = left

@@ -93,7 +93,7 @@ class BlockPool:
     def _removed(self, block: KVCacheBlock) -> None:
         """An evicted block's content hash leaves with it (a BlockRemoved event when events are on)."""
         if self.events is not None and block.content_hash is not None:
-            self.events.append(BlockRemoved([block.content_hash]))
+            self.events.append(BlockRemoved([block.content_hash], group_idx=block.group_idx))
         block.content_hash = None
 
     def _touch(self, blocks: Iterable[KVCacheBlock]) -> None:

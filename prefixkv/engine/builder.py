@@ -19,7 +19,8 @@ from ..engine_args import DEFAULT_KV_CACHE_BYTES, EngineArgs
 from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
 from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors, kv_cache_specs
-from ..model import LoadedModel, load_model
+from ..memory.kv_groups import KVCacheGroups, plan_kv_groups
+from ..model import LoadedModel, ModelConfig, load_model
 from ..model.generation_config import sampling_defaults
 from ..model.tokenizer import Tokenizer
 from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
@@ -77,12 +78,13 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     if model_config.is_recurrent:
         _refuse_for_recurrent(config, model_config.architecture)
     bs = config.block_size
-    block_tensors = BlockTensors(kv_cache_specs(model_config, bs, dtype))
+    kv_groups = _kv_groups(config, model_config)
+    block_tensors = BlockTensors(kv_cache_specs(model_config, bs, dtype, kv_groups))
     if config.enable_stage_output_cache:  # the hidden states of cached blocks, in the same budget
         for spec in stage_output_specs(model_config, bs, dtype):
             block_tensors.register(spec)
     num_blocks = _num_blocks(config, device, loaded, block_tensors)
-    max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks)
+    max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks, kv_groups)
     with stages.stage("KV cache", f"allocating the KV cache ({num_blocks} blocks)"):
         block_tensors.allocate(num_blocks, device)
     # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
@@ -105,6 +107,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         policy=config.scheduling_policy,
         kv_connector=kv_connector.scheduler,
         stage_output_tensors=block_tensors if config.enable_stage_output_cache else None,
+        kv_group_windows=kv_groups.later_windows if kv_groups is not None else (),
     )
     lora_manager = None
     if config.enable_lora:
@@ -134,6 +137,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             stage_outputs=scheduler.stage_outputs,
             mm=embedder,
             block_size=bs,
+            kv_groups=kv_groups,
         )
     cpu_threads = _checked_thread_policy(cpu_threads, runner, dtype, stages)
     kv_events_config = config.kv_events_config
@@ -234,15 +238,52 @@ def _num_blocks(config: EngineArgs, device: torch.device, loaded: LoadedModel, b
     return num_blocks
 
 
-def _max_model_len(config: EngineArgs, max_position_embeddings: int, num_blocks: int) -> int:
+def _kv_groups(config: EngineArgs, model_config: ModelConfig) -> KVCacheGroups | None:
+    """A KV-cache group per layer kind for a model mixing full and sliding-window attention
+    (memory/kv_groups.py), unless turned off or a feature that moves whole blocks is on."""
+    groups = plan_kv_groups(model_config)
+    if groups is None or config.disable_hybrid_kv_cache_manager:
+        return None
+    keeps_whole_blocks = [
+        name
+        for name, on in (
+            ("kv_tier / kv_offloading_size", bool(config.kv_tier or config.kv_offloading_size)),
+            ("enable_stage_output_cache", config.enable_stage_output_cache),
+        )
+        if on
+    ]
+    if keeps_whole_blocks:
+        logger.info(
+            "%s moves whole blocks of every layer: %s keeps its sliding-window layers' blocks in full "
+            "(no KV-cache groups)",
+            " and ".join(keeps_whole_blocks),
+            model_config.architecture,
+        )
+        return None
+    logger.info(
+        "KV-cache groups: %d of %d layers each, windows %s (blocks out of a window are freed while a request runs)",
+        groups.group_size,
+        model_config.num_hidden_layers,
+        ", ".join("full" if w is None else str(w) for w in groups.windows),
+    )
+    return groups
+
+
+def _max_model_len(
+    config: EngineArgs, max_position_embeddings: int, num_blocks: int, kv_groups: KVCacheGroups | None = None
+) -> int:
     bs = config.block_size
     capacity = num_blocks * bs
+    if kv_groups is not None:  # a request holds a block table per group
+        capacity = kv_groups.max_tokens(num_blocks, config.max_num_batched_tokens, bs)
     if config.max_model_len is None:
         return min(max_position_embeddings, capacity)
     if config.max_model_len > capacity:
+        held = f"{num_blocks} blocks x {bs} = {capacity} tokens"
+        if kv_groups is not None:
+            held = f"{num_blocks} blocks, which hold {capacity} tokens in {len(kv_groups.windows)} KV-cache groups"
         raise ValueError(
-            f"max_model_len={config.max_model_len} does not fit in the KV budget "
-            f"of {num_blocks} blocks x {bs} = {capacity} tokens; raise "
+            f"max_model_len={config.max_model_len} does not fit in the KV budget of {held}; raise "
             "kv_cache_memory_bytes / num_blocks or lower max_model_len"
         )
     return config.max_model_len

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors
+from ..memory.kv_groups import KVCacheGroups
 from ..model import AttentionMetadata, LoadedModel
 from ..stage_outputs.specs import per_token_outputs
 from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
@@ -44,11 +45,13 @@ class ModelRunner:
         stage_outputs: StageOutputCache | None = None,
         mm: MultiModalEmbedder | None = None,
         block_size: int | None = None,
+        kv_groups: KVCacheGroups | None = None,
     ) -> None:
         """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
         tiers, which no step asks for anything. `stage_outputs`: the scheduler's stage-output
         cache, when on. `mm`: the image embedder of a vision-language model. `block_size`: tokens
-        per block (None: the K/V tensors' block axis; a recurrent model's state has none)."""
+        per block (None: the K/V tensors' block axis; a recurrent model's state has none).
+        `kv_groups`: a hybrid model's KV-cache groups (memory/kv_groups.py), None: one group."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
@@ -60,7 +63,8 @@ class ModelRunner:
             block_size = block_tensors.kv_caches[0].shape[2]
         self.block_size = block_size
         # per layer what the model reads and writes: K/V tensors, or a recurrent layer's state
-        self.kv_caches = block_tensors.layer_caches(self.config, block_size)
+        self.kv_caches = block_tensors.layer_caches(self.config, block_size, kv_groups)
+        self.layer_groups = kv_groups.layer_group(self.config.num_hidden_layers) if kv_groups is not None else None
         self.device = device
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
@@ -98,24 +102,25 @@ class ModelRunner:
             end = start + len(sr.token_ids)
             input_ids.extend(sr.token_ids)
             positions.extend(range(start, end))
-            # slots of consecutive positions: whole runs per block, not one lookup per token
-            pos = start
-            while pos < end:
-                block_end = min(end, (pos // bs + 1) * bs)
-                base = table[pos // bs] * bs - (pos // bs) * bs
-                slots.extend(range(base + pos, base + block_end))
-                pos = block_end
+            _extend_slots(slots, table, start, end, bs)
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
-        max_blocks = max(len(sr.block_table) for sr in scheduled)
-        padded = [sr.block_table + [0] * (max_blocks - len(sr.block_table)) for sr in scheduled]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            block_tables=_padded_tables([sr.block_table for sr in scheduled], dev),
         )
+        if self.layer_groups is not None:  # the later KV-cache groups' own blocks
+            for g in range(len(scheduled[0].group_block_tables)):
+                tables = [sr.group_block_tables[g] for sr in scheduled]
+                group_slots: list[int] = []
+                for sr, table in zip(scheduled, tables):
+                    _extend_slots(group_slots, table, sr.start, sr.start + len(sr.token_ids), bs)
+                group_slot_tensor = torch.tensor(group_slots, dtype=torch.long, device=dev)
+                meta.group_tables.append((group_slot_tensor, _padded_tables(tables, dev)))
+            meta.layer_groups = self.layer_groups
         extra: dict[str, object] = {}
         if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
             # the per-token adapter index, grouped by adapter (base-only steps skip this entirely)
@@ -271,3 +276,20 @@ class ModelRunner:
             scored.ranks.extend(ranks)
             scored.top.extend(tops)
         return scored
+
+
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: int) -> None:
+    """Append the cache slots of positions [start, end) through a block table: whole runs per
+    block, not one lookup per token."""
+    pos = start
+    while pos < end:
+        block_end = min(end, (pos // bs + 1) * bs)
+        base = table[pos // bs] * bs - (pos // bs) * bs
+        slots.extend(range(base + pos, base + block_end))
+        pos = block_end
+
+
+def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[B, max_blocks] block ids, padded with 0 (padding is never read)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats, ResidencyMetrics
@@ -41,10 +42,13 @@ class Scheduler:
         policy: str = "fcfs",
         kv_connector: SchedulerConnector = NULL_SCHEDULER_CONNECTOR,
         stage_output_tensors: BlockTensors | None = None,
+        kv_group_windows: Sequence[int | None] = (),
     ) -> None:
         """`kv_connector`: the scheduler half of the KV tiers (prefixkv/tiers); the null one
         without tiers. `stage_output_tensors`: the block tensors holding the stage outputs, when
-        the stage-output cache is on; its validity follows this scheduler's block pool."""
+        the stage-output cache is on; its validity follows this scheduler's block pool.
+        `kv_group_windows`: a hybrid model's KV-cache groups after the first (their windows,
+        None: full attention; cache/sliding_window.py)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
         self.policy = policy
@@ -60,6 +64,7 @@ class Scheduler:
             enable_kv_cache_events=enable_kv_cache_events,
             max_pinned_fraction=max_pinned_fraction,
             residency=residency,
+            group_windows=kv_group_windows,
         )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -251,6 +256,7 @@ class Scheduler:
             token_ids=req.all_token_ids[start : start + num_new],
             start=start,
             block_table=self.kv_cache_manager.get_block_ids(req.request_id),
+            group_block_tables=self.kv_cache_manager.get_group_block_ids(req.request_id),
             sample=start + num_new == req.num_tokens,
             sampling_params=params,
             generator=req.generator,

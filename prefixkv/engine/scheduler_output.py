@@ -42,6 +42,9 @@ class ScheduledRequest:
     # Per-request inputs that features attach to a step.
     lora_id: int = 0  # 0: the base model
     mm_inputs: tuple[EncoderInput, ...] = ()  # multimodal items (or parts of them) in this chunk
+    # a hybrid model's KV-cache groups after the first: a block table each (0 where a block was
+    # released, out of the group's window)
+    group_block_tables: list[list[int]] = field(default_factory=list)
     # block ids whose cached stage outputs (hidden states) are read back: whole blocks ending at `start`
     stage_output_reads: tuple[Any, ...] = ()
 

@@ -30,9 +30,6 @@ except ImportError:  # the kv-events extra: refused by name when a publisher is 
 from ..cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 ExternalBlockHash = int | bytes
-# one KV group: a block holds every layer's K/V and is kept as full attention keeps it, sliding
-# layers' included (docs/design.md, "Per-layer attention kinds")
-KV_CACHE_SPEC_KIND = "full_attention"
 
 
 def msgpack_missing() -> bool:
@@ -62,7 +59,7 @@ def event_to_wire(event: KVCacheEvent, convert: Callable[[bytes], ExternalBlockH
     if isinstance(event, BlockStored):
         parent = event.parent_block_hash
         extra = event.extra_keys if event.extra_keys is not None else [None] * len(event.block_hashes)
-        return {
+        wire = {
             "type": "BlockStored",
             "block_hashes": [convert(h) for h in event.block_hashes],
             "parent_block_hash": convert(parent) if parent is not None else None,
@@ -72,15 +69,19 @@ def event_to_wire(event: KVCacheEvent, convert: Callable[[bytes], ExternalBlockH
             "medium": event.medium,
             "lora_name": event.lora_name,
             "extra_keys": [list(k) if k is not None else None for k in extra],
-            "group_idx": 0,
-            "kv_cache_spec_kind": KV_CACHE_SPEC_KIND,
+            # a hybrid model's groups (docs/design.md, "KV-cache groups"); one group: 0, full attention
+            "group_idx": event.group_idx,
+            "kv_cache_spec_kind": event.kv_cache_spec_kind,
         }
+        if event.kv_cache_spec_sliding_window is not None:
+            wire["kv_cache_spec_sliding_window"] = event.kv_cache_spec_sliding_window
+        return wire
     if isinstance(event, BlockRemoved):
         return {
             "type": "BlockRemoved",
             "block_hashes": [convert(h) for h in event.block_hashes],
             "medium": event.medium,
-            "group_idx": 0,
+            "group_idx": event.group_idx,
         }
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}

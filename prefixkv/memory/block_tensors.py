@@ -18,6 +18,7 @@ import torch
 from ..model import ModelConfig, kv_cache_block_shape
 from ..model.mamba2 import RecurrentState, recurrent_state_shapes
 from . import huge_pages
+from .kv_groups import KVCacheGroups
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,13 @@ class BlockTensors:
         """One K/V tensor per layer, as the model's forward takes them."""
         return self.group(KV_PREFIX)
 
-    def layer_caches(self, config: ModelConfig, block_size: int) -> list[Any]:
-        """What the model's forward takes per layer: the K/V tensors, or for a recurrent model one
-        `RecurrentState` (SSM and conv state per block) a layer."""
+    def layer_caches(self, config: ModelConfig, block_size: int, groups: KVCacheGroups | None = None) -> list[Any]:
+        """What the model's forward takes per layer: the K/V tensors (with KV-cache `groups`, the
+        tensor its group shares, kv_groups.py), or for a recurrent model one `RecurrentState` (SSM
+        and conv state per block) a layer."""
+        if groups is not None:
+            kv = self.kv_caches
+            return [kv[j] for j in groups.layer_tensor(config.num_hidden_layers)]
         if not config.is_recurrent:
             return self.kv_caches
         return [
@@ -134,17 +139,19 @@ def recurrent_state_specs(config: ModelConfig, dtype: torch.dtype) -> list[Block
     return specs
 
 
-def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
-    """One spec per attention layer, in the layout the model's paged attention reads."""
+def kv_cache_specs(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVCacheGroups | None = None
+) -> list[BlockTensorSpec]:
+    """One spec per attention layer, in the layout the model's paged attention reads; with KV-cache
+    `groups`, one per layer of a group (every group's layers share them, kv_groups.py)."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if config.is_recurrent:  # the per-block state takes the K/V rows' place
         return recurrent_state_specs(config, dtype)
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
     shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim)
-    return [
-        BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim) for layer in range(config.num_hidden_layers)
-    ]
+    num_tensors = config.num_hidden_layers if groups is None else groups.group_size
+    return [BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim) for layer in range(num_tensors)]
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:

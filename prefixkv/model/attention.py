@@ -35,6 +35,9 @@ class AttentionMetadata:
     query_start_loc: B+1 ints; new tokens of sequence i are rows qsl[i]:qsl[i+1].
     seq_lens:        B ints; total context of sequence i after this step (cached + new).
     block_tables:    LongTensor [B, max_blocks], padded (padding is never read).
+    group_tables:    a hybrid model's KV-cache groups after the first, (slot_mapping,
+                     block_tables) each, and `layer_groups` each layer's group (0: the fields
+                     above); `for_layer` gives a layer its group's view.
 
     Build a new object per step: index tensors derived from it are computed once (on the
     first layer) and reused by all layers, so do not mutate it after the first forward.
@@ -44,6 +47,8 @@ class AttentionMetadata:
     query_start_loc: list[int]
     seq_lens: list[int]
     block_tables: torch.Tensor
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    layer_groups: list[int] | None = None
     # built once per step for each (block size, device, window, dtype) the layers ask for: layers
     # with and without a window alternate in one forward (Gemma), each kind keeps its own plan
     _plans: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -67,6 +72,19 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """What layer `layer` reads and writes: its KV-cache group's slots and block tables (this
+        object itself without groups, and for group 0)."""
+        groups = self.layer_groups
+        if groups is None or not groups[layer]:
+            return self
+        key = ("group", groups[layer])
+        view = self._plans.get(key)
+        if view is None:
+            slots, tables = self.group_tables[groups[layer] - 1]
+            view = self._plans[key] = AttentionMetadata(slots, self.query_start_loc, self.seq_lens, tables)
+        return view
 
     # ------------------------------------------------------------------
     def plan(

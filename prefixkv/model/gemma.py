@@ -124,7 +124,7 @@ class GemmaModel(LlamaModel):
             for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
                 next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
                 c, s = local if layer.sliding else (cos, sin)
-                h, x = layer(h, x, c, s, cache, meta, next_norm)
+                h, x = layer(h, x, c, s, cache, meta.for_layer(i), next_norm)
         return x
 
     @torch.inference_mode()

@@ -207,7 +207,7 @@ class LlamaModel(nn.Module):
         with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
             for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
                 next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-                h, x = layer(h, x, cos, sin, cache, meta, next_norm)
+                h, x = layer(h, x, cos, sin, cache, meta.for_layer(i), next_norm)
         return x
 
     @torch.inference_mode()

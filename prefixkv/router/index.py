@@ -179,6 +179,8 @@ class PrefixIndex:
         what the replica can hit; a lower tier's (CPU, DISK, REDIS) what it - or, for a shared
         tier, any replica - can load (`tier_stored`)."""
         for ev in events:
+            if ev.get("group_idx") not in (None, 0):
+                continue  # a hybrid model's sliding-window group: group 0's blocks name the prefix
             kind = ev.get("type")
             medium = ev.get("medium", "GPU")
             if kind == "AllBlocksCleared":

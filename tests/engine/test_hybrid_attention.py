@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
+from prefixkv.memory.kv_groups import plan_kv_groups
 from prefixkv.model import ModelConfig
 
 from ..conftest import hf_greedy
@@ -87,11 +88,16 @@ def test_hybrid_attention_matches_transformers(tmp_path, kind):
     prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    groups = plan_kv_groups(cfg)
+    assert groups is not None and len(groups.windows) == (3 if kind == "qwen2" else 2)
     settings = [
         dict(enable_prefix_caching=False),
         dict(enable_prefix_caching=True),
         dict(max_num_batched_tokens=9),  # chunks after cached context, shorter than the window
-        dict(num_blocks=9),  # too few for three: preemption, resumed from the cache
+        # too few for three: preemption, resumed from the cache (a block per group per position;
+        # short chunks, so that several requests run and grow at once)
+        dict(num_blocks=7 + 3 * (len(groups.windows) - 1), max_num_batched_tokens=16, max_model_len=112),
+        dict(num_blocks=9, disable_hybrid_kv_cache_manager=True),  # every layer in one block
     ]
     for kwargs in settings:
         kwargs = {
@@ -109,9 +115,9 @@ def test_hybrid_attention_matches_transformers(tmp_path, kind):
         assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
         if kwargs.get("enable_prefix_caching", True):
             assert engine.prefix_cache_stats.hits > 0
-        if kwargs["num_blocks"] == 9:
+        if kwargs["num_blocks"] < 64:
             assert engine.scheduler.num_preemptions > 0
-        if kwargs.get("max_num_batched_tokens"):  # every prompt position, in chunks: the final cap too
+        if kwargs.get("max_num_batched_tokens") == 9:  # every prompt position, in chunks: the final cap too
             scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
             for out in llm.generate(prompts[:2], scored, use_tqdm=False):
                 check_prompt_logprobs(out, hf_prompt_logprobs(hf, out.prompt_token_ids), 1)
