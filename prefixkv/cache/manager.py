@@ -203,6 +203,8 @@ class KVCacheManager:
             if new_computed_blocks:
                 h, group_hits = self._group_hits(state.chain, new_computed_blocks)
                 if h != len(new_computed_blocks):
+                    if not state.blocks:
+                        del self._requests[request.request_id]
                     raise ValueError("cache hits must be a prefix every KV-cache group holds (get_computed_blocks)")
                 num_evictable_hits += sum(1 for t in group_hits for b in t if b is not None and b.ref_cnt == 0)
             have = len(state.blocks) + len(new_computed_blocks)

@@ -254,3 +254,52 @@ def test_hub_style_gemma_configs_are_read_as_transformers_reads_them():
     assert gemma2.architecture == "Gemma2ForCausalLM" and gemma2.layer_windows == [4096, None, 4096, None]
     assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
     assert gemma2.query_pre_attn_scalar == 144 and not gemma2.qk_norm
+
+
+def test_kv_cache_groups_free_out_of_window_blocks_and_keep_every_output(tmp_path):
+    """Gemma 3's pattern (five sliding layers to one full): a block holds one layer, the sliding
+    groups keep only their window, so a long request holds a fraction of the memory it holds with
+    every layer in one block - with the same tokens, cache hits included."""
+    from prefixkv.kv_events.wire import event_to_wire, hash_converter
+
+    hf = _make("gemma3", num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    assert hf.config.layer_types.count("full_attention") == 1
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random(6)
+    shared = [rng.randrange(256) for _ in range(160)]
+    prompts = [shared + [rng.randrange(256) for _ in range(n)] for n in (5, 9)]
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    held: dict[bool, int] = {}
+    for grouped in (True, False):
+        llm = LLM(
+            str(tmp_path),
+            dtype="float32",
+            kv_cache_memory_bytes=2**20,
+            block_size=16,
+            max_model_len=256,
+            enable_kv_cache_events=True,
+            disable_hybrid_kv_cache_manager=not grouped,
+        )
+        engine = llm.llm_engine
+        layers_per_block = 1 if grouped else 6
+        out = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected[0]
+        engine.add_request(prompts[1], params)  # 160 of its tokens from the cache
+        engine.step()
+        peak = 0
+        while engine.has_unfinished_requests():
+            blocks = engine.kv_cache_manager.num_blocks - engine.kv_cache_manager.num_free_blocks
+            peak = max(peak, blocks * layers_per_block)
+            for o in engine.step():
+                if o.finished:
+                    assert o.outputs[0].token_ids == expected[1] and o.num_cached_tokens == 160
+        held[grouped] = peak
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        stored = [e for e in engine.take_kv_events() if type(e).__name__ == "BlockStored"]
+        groups = {event_to_wire(e, hash_converter())["group_idx"] for e in stored}
+        assert groups == ({0, 1, 2, 3, 4, 5} if grouped else {0})
+    # 11 positions of 16 tokens: 11 x 6 layer-blocks in one group; with groups 11 for the full
+    # layer and at most 3 for each sliding one (16-token window + the decode's block)
+    assert held[False] == 11 * 6 and held[True] <= 11 + 5 * 3
