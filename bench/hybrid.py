@@ -3,9 +3,10 @@ random Gemma-3-style checkpoint built with transformers' own class: 6 layers, hi
 128, two sliding layers to one full) and mixture-of-experts (a random Qwen3-MoE: 4 layers, hidden
 256, 16 experts, top 4). Per family a shared 1,000-token prefix and 16 questions of
 20-40 tokens, each sent alone after the one before finished (so a question's time to first token
-is its own prefill): prefix-cache hit rate and median TTFT with caching on vs off, and the share
-of the KV cache a request holds outside every sliding window (blocks every sliding layer could
-free while it runs; prefixkv keeps them all today - see docs/design.md).
+is its own prefill): prefix-cache hit rate and median TTFT with caching on vs off, and the KV
+memory a question holds at its peak with a KV-cache group per layer kind (the sliding layers'
+blocks out of the window freed while it runs, docs/design.md "KV-cache groups") against every
+layer in one block (--disable-hybrid-kv-cache-manager).
 
     .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe] [--questions 16] [--prefix 1000]
         [--dtype float32|bfloat16]
@@ -94,28 +95,37 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
     return {"layer_types": list(getattr(cfg, "layer_types", None) or []), "window": window}
 
 
-def run(folder: Path, caching: bool, prompts: list[list[int]], dtype: str) -> dict:
+def run(folder: Path, caching: bool, prompts: list[list[int]], dtype: str, groups: bool = True) -> dict:
     llm = LLM(
         str(folder),
         dtype=dtype,
         enable_prefix_caching=caching,
         block_size=BLOCK_SIZE,
         max_model_len=2048,
-        num_blocks=512,
+        kv_cache_memory_bytes=256 * 2**20,
+        disable_hybrid_kv_cache_manager=not groups,
     )
+    engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([[1, 2, 3]], params, use_tqdm=False)  # warm-up, unrelated to the prefix
     llm.reset_prefix_cache()
-    start = llm.llm_engine.prefix_cache_stats.hits, llm.llm_engine.prefix_cache_stats.queries
-    ttft, tokens = [], []
+    start = engine.prefix_cache_stats.hits, engine.prefix_cache_stats.queries
+    ttft, tokens, peaks = [], [], []
+    kv = engine.kv_cache_manager
     for p in prompts:
-        out = llm.generate([p], params, use_tqdm=False)[0]
-        assert out.metrics is not None and out.metrics.time_to_first_token is not None
-        ttft.append(out.metrics.time_to_first_token)
-        tokens.append(out.outputs[0].token_ids)
-    stats = llm.llm_engine.prefix_cache_stats
+        engine.add_request(p, params)
+        peak = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                peak = max(peak, kv.num_blocks - kv.num_free_blocks)  # blocks the question holds
+                if out.finished:
+                    assert out.metrics is not None and out.metrics.time_to_first_token is not None
+                    ttft.append(out.metrics.time_to_first_token)
+                    tokens.append(out.outputs[0].token_ids)
+        peaks.append(peak * engine.block_tensors.bytes_per_block)
+    stats = engine.prefix_cache_stats
     hits, queries = stats.hits - start[0], stats.queries - start[1]
-    return {"ttft": ttft, "hit_rate": hits / queries if queries else 0.0, "tokens": tokens}
+    return {"ttft": ttft, "hit_rate": hits / queries if queries else 0.0, "tokens": tokens, "peak_bytes": peaks}
 
 
 def main() -> None:
@@ -147,6 +157,7 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
         t0 = time.perf_counter()
         off = run(folder, False, prompts, args.dtype)
         on = run(folder, True, prompts, args.dtype)
+        one_group = run(folder, True, prompts, args.dtype, groups=False) if types else None
         elapsed = time.perf_counter() - t0
     assert on["tokens"] == off["tokens"], "caching changed the greedy output"
     for label, r in (("caching off", off), ("caching on", on)):
@@ -158,18 +169,13 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
         )
     speedup = statistics.median(off["ttft"][1:]) / statistics.median(on["ttft"][1:])
     print(f"  TTFT caching on vs off: {speedup:.1f}x lower; greedy outputs equal")
-    if types:
-        # a request's blocks that no sliding layer reads any more: all but the window's (and the one
-        # the window's start falls in); only the full layers need them
-        sliding = types.count("sliding_attention") / len(types)
-        lengths = [len(p) + 4 for p in prompts]
-        blocks = [-(-n // BLOCK_SIZE) for n in lengths]
-        keep = -(-args.window // BLOCK_SIZE) + 1
-        outside = sum(max(0, b - keep) for b in blocks) / sum(blocks)
+    if one_group is not None:
+        assert one_group["tokens"] == on["tokens"], "the KV-cache groups changed the greedy output"
+        grouped, whole = statistics.median(on["peak_bytes"]), statistics.median(one_group["peak_bytes"])
         print(
-            f"  KV outside every sliding window: {sliding * outside:.0%} of a request's KV memory "
-            f"({sliding:.0%} of the layers slide, {outside:.0%} of their blocks lie outside the window); "
-            "kept today (every block is cached for the full layers' prefix hits)"
+            f"  KV a question holds at its peak (median): {grouped / 2**20:.2f} MiB with a KV-cache group per "
+            f"layer kind vs {whole / 2**20:.2f} MiB with every layer in one block ({1 - grouped / whole:.0%} less; "
+            f"TTFT median {statistics.median(one_group['ttft'][1:]) * 1e3:.1f} ms with one group); greedy outputs equal"
         )
     print(f"  ({elapsed:.0f} s in all)")
 

@@ -91,3 +91,14 @@ def test_cluster_simulation_with_a_shared_tier_loads_what_round_robin_scattered(
     assert routed.requests == 48 and routed.total_hit_rate >= shared.total_hit_rate
     with pytest.raises(ValueError, match="load cost"):
         replay_cluster(trace, 2, "prefix", num_blocks=6, block_size=bs, tier_load_cost=2.0)
+
+
+def test_a_hybrid_models_later_groups_do_not_move_the_index():
+    """A sliding-window group's blocks carry group 0's hashes (vLLM's rule); its stores and its
+    removals as the window moves on say nothing of whether the prefix is cached."""
+    index = two_replicas()
+    index.apply_events("a", [stored("GPU", CHAIN), {**stored("GPU", CHAIN), "group_idx": 1}])
+    index.apply_events("a", [{**removed("GPU", CHAIN), "group_idx": 1}])
+    assert index.match(CHAIN) == {"a": 4}
+    index.apply_events("a", [{**removed("GPU", CHAIN[2:]), "group_idx": 0}])
+    assert index.match(CHAIN) == {"a": 2}
