@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from .block import KVCacheBlock
 from .events import FULL_ATTENTION, MEDIUM_POOL, SLIDING_WINDOW, BlockStored, KVCacheEvent
@@ -17,16 +16,21 @@ from .residency import ResidencyMetrics
 from .sliding_window import GroupTable, SlidingWindowGroups, group_key
 from .stats import PrefixCacheStats
 
+# shared by every request of a one-group cache (never appended to)
+_NO_GROUPS: list[GroupTable] = []
 
-@dataclass
+
 class _RequestBlocks:
-    chain: BlockChain
-    blocks: list[KVCacheBlock] = field(default_factory=list)  # the block table, append-only
-    num_cached_blocks: int = 0  # leading blocks already entered in the table
-    # a hybrid model's sliding-window groups (sliding_window.py): a table each, None where released,
-    # and where each group's live blocks begin
-    groups: list[GroupTable] = field(default_factory=list)
-    first_live: list[int] = field(default_factory=list)
+    __slots__ = ("chain", "blocks", "num_cached_blocks", "groups", "first_live")
+
+    def __init__(self, chain: BlockChain) -> None:
+        self.chain = chain
+        self.blocks: list[KVCacheBlock] = []  # the block table, append-only
+        self.num_cached_blocks = 0  # leading blocks already entered in the table
+        # a hybrid model's later KV-cache groups (sliding_window.py): a table each, None where
+        # released, and where each group's live blocks begin
+        self.groups = _NO_GROUPS
+        self.first_live: list[int] = []
 
 
 class KVCacheManager:
@@ -207,10 +211,8 @@ class KVCacheManager:
                         del self._requests[request.request_id]
                     raise ValueError("cache hits must be a prefix every KV-cache group holds (get_computed_blocks)")
                 num_evictable_hits += sum(1 for t in group_hits for b in t if b is not None and b.ref_cnt == 0)
-            have = len(state.blocks) + len(new_computed_blocks)
-            num_group_blocks = max(num_required - have, 0)
-        num_all_new = num_new_blocks + num_group_blocks * len(state.groups)
-        if num_all_new + num_evictable_hits > pool.num_free_blocks:
+            num_group_blocks = num_new_blocks  # every group's table is as long as group 0's
+        if num_new_blocks + num_group_blocks * len(state.groups) + num_evictable_hits > pool.num_free_blocks:
             if not state.blocks:
                 del self._requests[request.request_id]  # nothing held: leave no trace
             return None
@@ -219,9 +221,10 @@ class KVCacheManager:
             pool.touch(new_computed_blocks)
             state.blocks.extend(new_computed_blocks)
             state.num_cached_blocks = len(new_computed_blocks)
-            for table, hit in zip(state.groups, group_hits):
-                pool.touch([b for b in hit if b is not None])
-                table.extend(hit)
+            if group_hits:
+                for table, hit in zip(state.groups, group_hits):
+                    pool.touch([b for b in hit if b is not None])
+                    table.extend(hit)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         state.blocks.extend(new_blocks)
         if num_group_blocks:
@@ -246,17 +249,23 @@ class KVCacheManager:
             block = blocks[i]
             insert((parent, tokens[i], chain.extra(i)), block)
             parent = block.uid
-        for g, table in enumerate(state.groups, 1):  # under group 0's identities (sliding_window.py)
-            for i in range(start, num_full):
-                member = table[i]
-                if member is not None:
-                    insert(group_key(blocks[i].uid, g, chain.extra(i)), member)
-                    member.group_idx = g
+        if state.groups:
+            self._cache_group_blocks(state, start, num_full)
         state.num_cached_blocks = num_full
         if events is not None:
             events.append(self._stored_event(request, state, start, num_full))
             for g in range(1, len(state.groups) + 1):
                 events.append(self._stored_event(request, state, start, num_full, g))
+
+    def _cache_group_blocks(self, state: _RequestBlocks, start: int, num_full: int) -> None:
+        """The later groups' blocks [start, num_full), under group 0's identities (sliding_window.py)."""
+        insert, blocks, chain = self.block_pool.cached_blocks.insert, state.blocks, state.chain
+        for g, table in enumerate(state.groups, 1):
+            for i in range(start, num_full):
+                member = table[i]
+                if member is not None:
+                    insert(group_key(blocks[i].uid, g, chain.extra(i)), member)
+                    member.group_idx = g
 
     def _stored_event(
         self, request: CacheRequest, state: _RequestBlocks, start: int, end: int, group: int = 0
