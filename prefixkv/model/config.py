@@ -323,6 +323,12 @@ class ModelConfig:
                 f"GGUF {p}attention.value_length ({value_length}) != {p}attention.key_length ({head_dim}) "
                 "is not supported"
             )
+        rope_dims = meta.get(p + "rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != head_dim:
+            raise ValueError(
+                f"GGUF {p}rope.dimension_count ({rope_dims}) != the head dimension ({head_dim}): partial "
+                "rotary embeddings are not supported"
+            )
         scaling = None
         stype = meta.get(p + "rope.scaling.type")
         if stype == "linear":
@@ -566,11 +572,11 @@ def _gguf_gemma_fields(g_arch: str, meta: dict[str, Any], hidden: int, n_heads: 
             if len(pattern) != n:
                 raise ValueError(f"GGUF {p}attention.sliding_window_pattern has {len(pattern)} entries for {n} layers")
             layer_types = [SLIDING_ATTENTION if bool(s) else FULL_ATTENTION for s in pattern]
-        else:
+        else:  # llama_hparams::set_swa_pattern: period 0 slides everywhere
             period = int(pattern)
-            if period < 1:
-                raise ValueError(f"GGUF {p}attention.sliding_window_pattern must be positive, got {period}")
-            layer_types = [SLIDING_ATTENTION if i % period < period - 1 else FULL_ATTENTION for i in range(n)]
+            layer_types = [
+                SLIDING_ATTENTION if period == 0 or i % period < period - 1 else FULL_ATTENTION for i in range(n)
+            ]
     fields["layer_types"] = layer_types
     fields["sliding_window"] = window if SLIDING_ATTENTION in layer_types else None
     fields["rope_local_theta"] = None if local_theta is None else float(local_theta)

@@ -185,6 +185,10 @@ def test_gemma_metadata_read_as_llama_cpp_reads_it():
         GEMMA3_NAMES,
     )
     assert g3.layer_types == [SLIDING_ATTENTION, FULL_ATTENTION] * 4
+    g3 = ModelConfig.from_gguf_metadata(
+        _gemma_meta("gemma3", **{"attention.sliding_window": 32, "attention.sliding_window_pattern": 0}), GEMMA3_NAMES
+    )
+    assert g3.layer_types == [SLIDING_ATTENTION] * 8  # llama.cpp's period 0
     g3 = ModelConfig.from_gguf_metadata(_gemma_meta("gemma3", **{"attention.sliding_window_pattern": 3}), GEMMA3_NAMES)
     assert not g3.any_sliding and g3.sliding_window is None  # no window: every layer full
     big = ModelConfig.from_gguf_metadata(
@@ -207,6 +211,7 @@ def test_gemma_metadata_read_as_llama_cpp_reads_it():
         ),
         (_gemma_meta("gemma2", **{"attention.value_length": 32}), set(), "value_length"),
         (_gemma_meta("gemma2", **{"rope.scaling.type": "yarn"}), set(), "rope scaling type 'yarn'"),
+        (_gemma_meta("gemma2", **{"rope.dimension_count": 8}), set(), "partial rotary"),
     ],
 )
 def test_gemma_metadata_refused_by_name(meta, names, match):
