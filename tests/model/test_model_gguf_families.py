@@ -1,7 +1,7 @@
 """GGUF files of Gemma 2, Gemma 3 (text) and Mamba2, written from tiny random transformers
 checkpoints by llama.cpp's converter rules (gguf_convert.py): the config read back as llama.cpp
 reads it, greedy float32 tokens through the engine equal transformers' on the original checkpoint
-with caching off and on (and chunked), Q8_0 matrices dequantized close to the source, and what
+with caching off and on, chunked and preempted, Q8_0 matrices dequantized close to the source, and what
 the metadata says that prefixkv cannot honour refused by name."""
 
 from __future__ import annotations
@@ -116,14 +116,22 @@ def test_gguf_engine_matches_transformers(tmp_path, kind):
     prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 10))] for _ in range(3)]
     expected = [hf_tokens(hf, p) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    for kwargs in (dict(enable_prefix_caching=False), dict(enable_prefix_caching=True, max_num_batched_tokens=9)):
-        llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=48, block_size=8, max_model_len=96, **kwargs)
+    settings: list[dict] = [
+        dict(enable_prefix_caching=False),
+        dict(max_num_batched_tokens=9),  # chunked, after cached context
+        dict(num_blocks=8, max_model_len=64),  # two fit only with a shared prefix: preempted, resumed
+    ]
+    for kwargs in settings:
+        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 48, "block_size": 8, "max_model_len": 96, **kwargs}
+        llm = LLM(str(path), **kwargs)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, kwargs
         engine = llm.llm_engine
         assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-        if kwargs["enable_prefix_caching"]:
+        if kwargs.get("enable_prefix_caching", True):
             assert engine.prefix_cache_stats.hits > 0
+        if kwargs["num_blocks"] == 8:
+            assert engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "mamba2"])
