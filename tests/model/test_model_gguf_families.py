@@ -282,3 +282,20 @@ def test_mamba2_tensors_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="every entry must be negative"):
         mamba2_from_gguf("blk.0.ssm_a", torch.tensor([[-1.0], [0.5]]).numpy())
     assert gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == "mamba2"
+
+
+def test_gemma3_per_layer_pattern_read_from_a_file(tmp_path):
+    """The per-layer form of the pattern (an array of booleans) as gguf-py writes it and GGUFFile reads it."""
+    import gguf
+
+    path = tmp_path / "pattern.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for key, value in _gemma_meta("gemma3", **{"attention.sliding_window": 32}).items():
+        if key != "general.architecture":
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+    w.add_sliding_window_pattern([False, True, True, False, True, True, True, False])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    config = ModelConfig.from_gguf_metadata(GGUFFile(str(path)).metadata, GEMMA3_NAMES)
+    assert [t == SLIDING_ATTENTION for t in config.layer_types] == [False, True, True, False, True, True, True, False]
