@@ -58,6 +58,9 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     # "llama" with expert tensors is Mixtral (from_gguf_metadata)
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
 }
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -292,6 +295,21 @@ class ModelConfig:
             )
         arch = GGUF_ARCHITECTURES[g_arch]
         p = g_arch + "."
+        vocab = meta.get(p + "vocab_size")
+        if vocab is None:
+            if "tokenizer.ggml.tokens" not in meta:
+                raise ValueError(f"GGUF metadata has neither {p}vocab_size nor tokenizer.ggml.tokens")
+            vocab = len(meta["tokenizer.ggml.tokens"])
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        common: dict[str, Any] = dict(
+            vocab_size=int(vocab),
+            num_hidden_layers=int(meta[p + "block_count"]),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=[] if eos is None else [int(eos)],
+        )
+        if g_arch == "mamba2":
+            return cls(**common, **_gguf_mamba2_fields(meta, tensor_names))
         moe = _gguf_moe_fields(g_arch, meta, tensor_names)
         if g_arch == "llama" and moe:
             arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as "llama" with expert tensors
@@ -299,23 +317,38 @@ class ModelConfig:
         n_heads = int(meta[p + "attention.head_count"])
         n_kv = int(meta.get(p + "attention.head_count_kv", n_heads))
         head_dim = int(meta.get(p + "attention.key_length", hidden // n_heads))
-        vocab = meta.get(p + "vocab_size")
-        if vocab is None:
-            if "tokenizer.ggml.tokens" not in meta:
-                raise ValueError(f"GGUF metadata has neither {p}vocab_size nor tokenizer.ggml.tokens")
-            vocab = len(meta["tokenizer.ggml.tokens"])
+        value_length = int(meta.get(p + "attention.value_length", head_dim))
+        if value_length != head_dim:
+            raise ValueError(
+                f"GGUF {p}attention.value_length ({value_length}) != {p}attention.key_length ({head_dim}) "
+                "is not supported"
+            )
+        rope_dims = meta.get(p + "rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != head_dim:
+            raise ValueError(
+                f"GGUF {p}rope.dimension_count ({rope_dims}) != the head dimension ({head_dim}): partial "
+                "rotary embeddings are not supported"
+            )
         scaling = None
         stype = meta.get(p + "rope.scaling.type")
         if stype == "linear":
             scaling = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
         elif stype not in (None, "none"):
             raise ValueError(f"Unsupported GGUF rope scaling type {stype!r}")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
+        gemma: dict[str, Any] = {}
+        if arch in GEMMA_ARCHITECTURES:
+            if "blk.0.attn_q.bias" in tensor_names:
+                raise ValueError(f"GGUF {g_arch!r} with attention biases is not supported")
+            if p + "attention.layer_norm_rms_epsilon" not in meta:  # llama.cpp requires it too
+                raise ValueError(f"GGUF metadata misses {p}attention.layer_norm_rms_epsilon")
+            if (g_arch == "gemma3") != ("blk.0.attn_q_norm.weight" in tensor_names):
+                raise ValueError(
+                    f"GGUF {g_arch!r} {'without' if g_arch == 'gemma3' else 'with'} Q/K norms is not supported"
+                )
+            gemma = _gguf_gemma_fields(g_arch, meta, hidden, n_heads, head_dim)
         return cls(
             architecture=arch,
-            vocab_size=int(vocab),
             hidden_size=hidden,
-            num_hidden_layers=int(meta[p + "block_count"]),
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv,
             head_dim=head_dim,
@@ -324,12 +357,11 @@ class ModelConfig:
             rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             max_position_embeddings=int(meta.get(p + "context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=[] if eos is None else [int(eos)],
+            **common,
             **moe,
+            **gemma,
         )
 
 
@@ -495,3 +527,103 @@ def _hf_mamba2_fields(d: dict[str, Any]) -> dict[str, Any]:
 def _json_float(v: Any) -> float:
     """A float from config.json, where transformers 5 writes infinity as {"__float__": "Infinity"}."""
     return float(v["__float__"] if isinstance(v, dict) else v)
+
+
+# llama.cpp's layer counts of the Gemma 27B models, whose attention scale is 1/sqrt(hidden / heads)
+# (src/llama-model.cpp; every other size: 1/sqrt(head_dim)). The file carries no scale of its own.
+_GGUF_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_gemma_fields(g_arch: str, meta: dict[str, Any], hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+    """The Gemma fields of a `gemma2` / `gemma3` GGUF, read as llama.cpp reads them: Gemma 2 slides
+    on every other layer from the first (window 4096 where the file has none), caps attention
+    scores (default 50) and logits (default 30); Gemma 3 slides on all but every
+    `attention.sliding_window_pattern`-th layer (default 6; a per-layer list of booleans says it
+    layer by layer; no window: every layer full), its sliding layers on `rope.freq_base_swa`
+    (default 10,000), no attention cap, the logit cap only where the file has one."""
+    p = g_arch + "."
+    n = int(meta[p + "block_count"])
+    layers_27b = _GGUF_GEMMA_27B_LAYERS[g_arch]
+    scalar = hidden // n_heads if n == layers_27b else head_dim
+    fields: dict[str, Any] = dict(query_pre_attn_scalar=float(scalar), hidden_activation="gelu_pytorch_tanh")
+    window = meta.get(p + "attention.sliding_window")
+    local_theta = meta.get(p + "rope.freq_base_swa")
+    if g_arch == "gemma2":
+        window = 4096 if window is None else int(window)
+        layer_types = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(n)]
+        fields.update(
+            attn_logit_softcapping=float(meta.get(p + "attn_logit_softcapping", 50.0)),
+            final_logit_softcapping=float(meta.get(p + "final_logit_softcapping", 30.0)),
+        )
+    else:
+        if meta.get(p + "attn_logit_softcapping") is not None:
+            raise ValueError(
+                f"GGUF {p}attn_logit_softcapping is not supported: Gemma 3 caps no attention scores "
+                "(transformers and llama.cpp read no such cap)"
+            )
+        cap = meta.get(p + "final_logit_softcapping")
+        fields["final_logit_softcapping"] = None if cap is None else float(cap)
+        local_theta = 10000.0 if local_theta is None else local_theta
+        window = int(window) if window else None
+        pattern = meta.get(p + "attention.sliding_window_pattern", 6)
+        if window is None:
+            layer_types = [FULL_ATTENTION] * n
+        elif isinstance(pattern, list):
+            if len(pattern) != n:
+                raise ValueError(f"GGUF {p}attention.sliding_window_pattern has {len(pattern)} entries for {n} layers")
+            layer_types = [SLIDING_ATTENTION if bool(s) else FULL_ATTENTION for s in pattern]
+        else:  # llama_hparams::set_swa_pattern: period 0 slides everywhere
+            period = int(pattern)
+            layer_types = [
+                SLIDING_ATTENTION if period == 0 or i % period < period - 1 else FULL_ATTENTION for i in range(n)
+            ]
+    fields["layer_types"] = layer_types
+    fields["sliding_window"] = window if SLIDING_ATTENTION in layer_types else None
+    fields["rope_local_theta"] = None if local_theta is None else float(local_theta)
+    return fields
+
+
+def _gguf_mamba2_fields(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The fields of a `mamba2` GGUF (llama.cpp's convert_hf_to_gguf.py Mamba2Model): heads =
+    `ssm.time_step_rank`, inner size `ssm.inner_size` split evenly among them, B/C groups
+    `ssm.group_count`. llama.cpp clamps no time step and has no in/out projection biases."""
+    p = "mamba2."
+    missing = [
+        k
+        for k in (
+            "embedding_length",
+            "ssm.inner_size",
+            "ssm.state_size",
+            "ssm.time_step_rank",
+            "ssm.conv_kernel",
+            "ssm.group_count",
+            "attention.layer_norm_rms_epsilon",
+        )
+        if p + k not in meta
+    ]
+    if missing:
+        raise ValueError(f"GGUF mamba2 metadata misses {', '.join(p + k for k in missing)}")
+    inner, heads = int(meta[p + "ssm.inner_size"]), int(meta[p + "ssm.time_step_rank"])
+    groups = int(meta[p + "ssm.group_count"])
+    if heads < 1 or inner % heads:
+        raise ValueError(f"GGUF {p}ssm.inner_size ({inner}) is not a multiple of {p}ssm.time_step_rank ({heads})")
+    if groups < 1 or heads % groups:
+        raise ValueError(f"GGUF {p}ssm.time_step_rank ({heads}) is not a multiple of {p}ssm.group_count ({groups})")
+    if any(n in tensor_names for n in ("blk.0.ssm_in.bias", "blk.0.ssm_out.bias")):
+        raise ValueError("GGUF mamba2 with in/out projection biases is not supported (llama.cpp reads none)")
+    return dict(
+        architecture="Mamba2ForCausalLM",
+        hidden_size=int(meta[p + "embedding_length"]),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=inner // heads,
+        intermediate_size=inner,
+        rms_norm_eps=float(meta[p + "attention.layer_norm_rms_epsilon"]),
+        max_position_embeddings=int(meta.get(p + "context_length", 1 << 20)),
+        ssm_state_size=int(meta[p + "ssm.state_size"]),
+        ssm_n_groups=groups,
+        ssm_conv_kernel=int(meta[p + "ssm.conv_kernel"]),
+        ssm_use_conv_bias="blk.0.ssm_conv1d.bias" in tensor_names,
+        ssm_use_bias=False,
+        residual_in_fp32=True,
+    )

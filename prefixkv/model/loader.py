@@ -207,15 +207,49 @@ _GGUF_GLOBAL_MAP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Gemma's sandwich norms: llama.cpp names the norm before the MLP ffn_norm (Llama's
+# post_attention_layernorm) and the norms after attention and after the MLP post_*
+_GGUF_GEMMA_LAYER_MAP = {
+    **_GGUF_LAYER_MAP,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Mamba2 (convert_hf_to_gguf.py Mamba2Model): transformers' backbone.* names
+_GGUF_MAMBA2_LAYER_MAP = {
+    "attn_norm.weight": "norm.weight",
+    "ssm_in.weight": "mixer.in_proj.weight",
+    "ssm_conv1d.weight": "mixer.conv1d.weight",
+    "ssm_conv1d.bias": "mixer.conv1d.bias",
+    "ssm_dt.bias": "mixer.dt_bias",
+    "ssm_a": "mixer.A_log",
+    "ssm_d": "mixer.D",
+    "ssm_norm.weight": "mixer.norm.weight",
+    "ssm_out.weight": "mixer.out_proj.weight",
+}
+_GGUF_MAMBA2_GLOBAL_MAP = {
+    "token_embd.weight": "backbone.embeddings.weight",
+    "output_norm.weight": "backbone.norm_f.weight",
+    "output.weight": "lm_head.weight",
+}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, g_arch: str = "llama") -> str | None:
+    """The transformers name of GGUF tensor `name` in a file of `general.architecture` `g_arch`;
+    None for a tensor the model does not read; ValueError for one it cannot place."""
+    m = _BLK_RE.match(name)
+    if g_arch == "mamba2":
+        if name in _GGUF_MAMBA2_GLOBAL_MAP:
+            return _GGUF_MAMBA2_GLOBAL_MAP[name]
+        if m and m.group(2) in _GGUF_MAMBA2_LAYER_MAP:
+            return f"backbone.layers.{m.group(1)}.{_GGUF_MAMBA2_LAYER_MAP[m.group(2)]}"
+        raise ValueError(f"unsupported GGUF tensor {name!r} in a mamba2 file")
     if name in _GGUF_GLOBAL_MAP:
         return _GGUF_GLOBAL_MAP[name]
-    m = _BLK_RE.match(name)
-    if m and m.group(2) in _GGUF_LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_MAP[m.group(2)]}"
+    layer_map = _GGUF_GEMMA_LAYER_MAP if g_arch in ("gemma2", "gemma3") else _GGUF_LAYER_MAP
+    if m and m.group(2) in layer_map:
+        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     one = _GGUF_ONE_EXPERT_RE.match(m.group(2)) if m else None
     if m and one:
         return f"model.layers.{m.group(1)}.mlp.experts.{one.group(2)}.{one.group(1)}_proj.weight"
@@ -228,6 +262,21 @@ def reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's convert_hf_to_gguf Q/K row permutation (as transformers does)."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def mamba2_from_gguf(name: str, w: np.ndarray) -> np.ndarray:
+    """Undo convert_hf_to_gguf.py's Mamba2 changes: the conv weight squeezed to [channels, kernel]
+    (back to [channels, 1, kernel]), A stored as -exp(A_log) and A / D as [heads, 1], the gated
+    norm's weight as [groups, inner / groups]."""
+    if name.endswith("ssm_conv1d.weight"):
+        return w.reshape(w.shape[0], 1, w.shape[-1])
+    if name.endswith("ssm_a"):
+        if not (w < 0).all():
+            raise ValueError(f"GGUF tensor {name!r} holds A = -exp(A_log): every entry must be negative")
+        return np.log(-w.astype(np.float64)).astype(np.float32).reshape(-1)
+    if name.endswith(("ssm_d", "ssm_norm.weight")):
+        return w.reshape(-1)
+    return w
 
 
 def dequantize_gguf_tensor(t) -> np.ndarray:
@@ -258,12 +307,13 @@ def _load_gguf(path: str, dtype, device) -> LoadedModel:
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_metadata(meta, names)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    permute = meta.get("general.architecture") == "llama"  # llama.cpp permutes Q/K for llama only
-    model = LlamaModel(config, dtype=dtype, device=device)
+    g_arch = str(meta.get("general.architecture"))
+    permute = g_arch == "llama"  # llama.cpp permutes Q/K for llama only
+    model = model_class(config)(config, dtype=dtype, device=device)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, g_arch)
             if hf is None:
                 continue
             w = dequantize_gguf_tensor(t)
@@ -271,13 +321,20 @@ def _load_gguf(path: str, dtype, device) -> LoadedModel:
                 w = reverse_llama_permute(w, config.num_attention_heads)
             elif permute and t.name.endswith("attn_k.weight"):
                 w = reverse_llama_permute(w, config.num_key_value_heads)
+            elif g_arch == "mamba2":
+                w = mamba2_from_gguf(t.name, w)
             yield hf, torch.from_numpy(w)
 
     entry = _weight_cache_entry(path, dtype)
     if entry is None or not _cached_weights(model, entry):
         if entry is not None:
             logger.info("dequantizing %s (once: kept in %s)...", os.path.basename(path), entry.parent)
-        model.load_hf_weights(weights())
+        if config.is_gemma:
+            # llama.cpp stores Gemma's norm weights as 1 + w, which is what GemmaRMSNorm holds:
+            # loaded as they are, past GemmaModel's adding of the 1 to transformers' w
+            LlamaModel.load_hf_weights(model, weights())
+        else:
+            model.load_hf_weights(weights())
         if entry is not None:
             weight_cache.store(entry, {name: p.data for name, p in model.named_parameters()})
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=path)

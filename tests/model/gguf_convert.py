@@ -1,0 +1,137 @@
+"""A transformers Gemma 2 / Gemma 3 / Mamba2 model written to GGUF by the rules of llama.cpp's
+convert_hf_to_gguf.py (classes Gemma2Model, Gemma3Model, Mamba2Model and TextModel's
+set_gguf_parameters): the metadata keys each writes, the tensor names of gguf-py's own
+TensorNameMap, and each class's changes to the tensors - Gemma's norm weights stored as 1 + w;
+Mamba2's A_log stored as A = -exp(A_log), A and D as [heads, 1], the conv weight squeezed to
+[channels, kernel], the gated norm's weight as [groups, inner / groups], dt_bias named
+dt_proj.bias. Tied output weights are left out, as the converter reads them from safetensors
+(where transformers does not write them). The vocabulary is a byte-level BPE ("gpt2") one, what
+the converter writes for a tokenizer.json (Gemma 2's converter writes SentencePiece): the
+tokenizer is not what these files test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixkv.model.tokenizer import _bytes_to_unicode
+
+GGUF_ARCH = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Mamba2ForCausalLM": "mamba2"}
+
+
+def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
+    import gguf
+
+    d = cfg.to_dict()
+    n = cfg.num_hidden_layers
+    w.add_block_count(n)
+    if g_arch == "mamba2":  # Mamba2Model.set_gguf_parameters
+        d_model = d["hidden_size"]
+        d_inner = d.get("intermediate_size") or 2 * d_model
+        w.add_context_length(2**20)
+        w.add_embedding_length(d_model)
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        w.add_ssm_conv_kernel(d.get("conv_kernel") or 4)
+        w.add_ssm_inner_size(d_inner)
+        w.add_ssm_state_size(d.get("state_size") or 128)
+        w.add_ssm_time_step_rank(d_inner // (d.get("head_dim") or 64))
+        w.add_ssm_group_count(d.get("n_groups") or 1)
+        w.add_layer_norm_rms_eps(d.get("layer_norm_epsilon") or 1e-5)
+        return
+    w.add_context_length(d["max_position_embeddings"])
+    w.add_embedding_length(d["hidden_size"])
+    w.add_feed_forward_length(d["intermediate_size"])
+    w.add_head_count(d["num_attention_heads"])
+    w.add_head_count_kv(d["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(d["rms_norm_eps"])
+    w.add_key_length(d["head_dim"])
+    w.add_value_length(d["head_dim"])
+    if g_arch == "gemma2":  # Gemma2Model: no rope keys (llama.cpp's default base, 10,000)
+        w.add_attn_logit_softcapping(d["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(d["final_logit_softcapping"])
+        w.add_sliding_window(d["sliding_window"])
+        return
+    # Gemma3Model after TextModel: rope of the full layers (scaling, base), the sliding layers' base
+    rope = d["rope_parameters"]
+    full = rope.get("full_attention", rope)
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_rope_freq_base(full.get("rope_theta", 1_000_000.0))
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
+    assert d.get("attn_logit_softcapping") is None  # the converter asserts it too
+    if d.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(d["final_logit_softcapping"])
+    if d.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(d["sliding_window"])
+
+
+def _vocabulary(w: Any, vocab: int, bos: int, eos: int) -> None:
+    toks = sorted(_bytes_to_unicode().values()) + ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(vocab - 258)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_types([1] * 256 + [3] * (vocab - 256))
+    w.add_token_merges([])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+
+
+def _tensor(name: str, a: np.ndarray, g_arch: str, cfg: Any) -> np.ndarray:
+    """One tensor as the architecture's modify_tensors changes it (`name`: transformers')."""
+    if g_arch in ("gemma2", "gemma3"):
+        return a + 1 if name.endswith("norm.weight") else a
+    if name.endswith(".A_log"):
+        a = -np.exp(a)
+    if name.endswith("conv1d.weight"):
+        return a.squeeze()
+    if name.endswith((".A_log", ".D")):
+        return a.reshape(*a.shape, 1)
+    if name.endswith("mixer.norm.weight"):
+        inner = a.shape[0]
+        return a.reshape(cfg.n_groups, inner // cfg.n_groups)
+    return a
+
+
+def _quantizable(gguf_name: str, a: np.ndarray) -> bool:
+    """What the converter quantizes at --outtype q8_0: matrices (not norms, not the conv kernel),
+    whose rows fill whole Q8_0 blocks."""
+    if a.ndim < 2 or gguf_name.endswith("_norm.weight") or ".ssm_conv1d." in gguf_name:
+        return False
+    return a.shape[-1] % 32 == 0
+
+
+def write_gguf(path: Path, hf: Any, quantize: bool = False) -> None:
+    """`hf` (a transformers Gemma2/Gemma3/Mamba2ForCausalLM, float32) as a GGUF file at `path`,
+    float32, or Q8_0 matrices where `quantize`."""
+    import gguf
+
+    cfg = hf.config
+    g_arch = GGUF_ARCH[cfg.architectures[0] if cfg.architectures else type(hf).__name__]
+    arch_enum = next(a for a, s in gguf.MODEL_ARCH_NAMES.items() if s == g_arch)
+    names = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), g_arch)
+    _metadata(w, cfg, g_arch)
+    _vocabulary(w, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # not in the safetensors the converter reads
+        src = name.rpartition(".dt_bias")[0] + ".dt_proj.bias" if name.endswith(".dt_bias") else name
+        new = names.get_name(src, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        a = np.ascontiguousarray(_tensor(name, t.float().numpy(), g_arch, cfg), dtype=np.float32)
+        if quantize and _quantizable(new, a):
+            w.add_tensor(
+                new, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0
+            )
+        else:
+            w.add_tensor(new, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
