@@ -32,7 +32,8 @@ def test_gemma3_pattern_groups_by_the_smaller_kind():
     # the K/V tensors: one per layer of a group, shared by every group
     specs = kv_cache_specs(cfg, 16, torch.float32, groups)
     assert len(specs) == 4
-    assert BlockTensors(specs).bytes_per_block * 26 == BlockTensors(kv_cache_specs(cfg, 16, torch.float32)).bytes_per_block * 4
+    every_layer = BlockTensors(kv_cache_specs(cfg, 16, torch.float32)).bytes_per_block
+    assert BlockTensors(specs).bytes_per_block * 26 == every_layer * 4
 
 
 def test_qwen2_max_window_layers_splits_the_larger_kind():

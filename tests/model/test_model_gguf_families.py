@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
+from prefixkv.memory.kv_groups import plan_kv_groups
 from prefixkv.model import load_model
 from prefixkv.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from prefixkv.model.gguf_file import GGUFFile
@@ -119,10 +120,15 @@ def test_gguf_engine_matches_transformers(tmp_path, kind):
     settings: list[dict] = [
         dict(enable_prefix_caching=False),
         dict(max_num_batched_tokens=9),  # chunked, after cached context
-        dict(num_blocks=8, max_model_len=64),  # two fit only with a shared prefix: preempted, resumed
+        # two fit only with a shared prefix: preempted, resumed (every layer in one block; the KV-cache
+        # groups' preemption: tests/engine/test_hybrid_attention.py)
+        dict(num_blocks=8, max_model_len=64, disable_hybrid_kv_cache_manager=True),
     ]
-    for kwargs in settings:
-        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 48, "block_size": 8, "max_model_len": 96, **kwargs}
+    groups = plan_kv_groups(config)  # a block per group and position (memory/kv_groups.py)
+    num_blocks = 48 * (len(groups.windows) if groups is not None else 1)
+    for setting in settings:
+        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": num_blocks, "block_size": 8, "max_model_len": 96}
+        kwargs.update(setting)
         llm = LLM(str(path), **kwargs)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, kwargs
