@@ -52,6 +52,9 @@ class KVCacheManager:
       group_windows  a hybrid model's KV-cache groups after group 0 (full-attention layers): each
                     one's sliding window in tokens, None for more full-attention layers
                     (sliding_window.py); empty: one group.
+      group_kind    what group 0's blocks hold, in vLLM's kv_cache_spec_kind names for the events:
+                    "full_attention" (K/V rows kept as full attention keeps them) or "mamba" (a
+                    recurrent model's state after each block).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class KVCacheManager:
         max_pinned_fraction: float = 0.5,
         residency: ResidencyMetrics | None = None,
         group_windows: Sequence[int | None] = (),
+        group_kind: str = FULL_ATTENTION,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -85,6 +89,7 @@ class KVCacheManager:
         )
         self.residency = residency
         self.sliding = SlidingWindowGroups(group_windows, block_size) if group_windows else None
+        self.group_kind = group_kind
         self.pins = PinnedPrefixes(num_blocks, max_pinned_fraction)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
@@ -318,7 +323,7 @@ class KVCacheManager:
             # the integer id is not part of the cache protocol (the key is name, path, weights)
             lora_id=getattr(lora, "lora_int_id", None) if lora is not None else None,
             medium=medium,
-            kv_cache_spec_kind=FULL_ATTENTION,
+            kv_cache_spec_kind=self.group_kind,
         )
 
     # -- release -------------------------------------------------------------------------------

@@ -108,6 +108,8 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         kv_connector=kv_connector.scheduler,
         stage_output_tensors=block_tensors if config.enable_stage_output_cache else None,
         kv_group_windows=kv_groups.later_windows if kv_groups is not None else (),
+        # a model whose every layer is recurrent: its blocks hold state, vLLM's "mamba" kind
+        kv_group_kind="mamba" if model_config.is_recurrent else "full_attention",
     )
     lora_manager = None
     if config.enable_lora:

@@ -43,12 +43,14 @@ class Scheduler:
         kv_connector: SchedulerConnector = NULL_SCHEDULER_CONNECTOR,
         stage_output_tensors: BlockTensors | None = None,
         kv_group_windows: Sequence[int | None] = (),
+        kv_group_kind: str = "full_attention",
     ) -> None:
         """`kv_connector`: the scheduler half of the KV tiers (prefixkv/tiers); the null one
         without tiers. `stage_output_tensors`: the block tensors holding the stage outputs, when
         the stage-output cache is on; its validity follows this scheduler's block pool.
         `kv_group_windows`: a hybrid model's KV-cache groups after the first (their windows,
-        None: full attention; cache/sliding_window.py)."""
+        None: full attention; cache/sliding_window.py); `kv_group_kind`: what group 0's blocks hold
+        ("full_attention", or "mamba" for a recurrent model's state), as KV events name it."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
         self.policy = policy
@@ -65,6 +67,7 @@ class Scheduler:
             max_pinned_fraction=max_pinned_fraction,
             residency=residency,
             group_windows=kv_group_windows,
+            group_kind=kv_group_kind,
         )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs

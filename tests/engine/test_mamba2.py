@@ -156,3 +156,15 @@ def test_mamba2_config_from_model_type_and_refusals():
         ModelConfig.from_hf_dict({**base, "head_dim": 16})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf_dict({**base, "hidden_act": "gelu"})
+
+
+def test_mamba2_events_name_its_blocks_state(checkpoint):
+    """A recurrent model's blocks hold its state after each block: its BlockStored events say
+    vLLM's "mamba" kind, not full attention."""
+    from prefixkv.cache import BlockStored
+
+    _, folder = checkpoint
+    llm = LLM(folder, dtype="float32", device="cpu", num_blocks=16, block_size=8, enable_kv_cache_events=True)
+    llm.generate([list(range(20))], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    stored = [e for e in llm.llm_engine.take_kv_events() if isinstance(e, BlockStored)]
+    assert stored and {(e.group_idx, e.kv_cache_spec_kind) for e in stored} == {(0, "mamba")}
