@@ -20,6 +20,17 @@ from .input_processor import EngineRequest
 from .output_processor import OutputState
 
 
+@dataclass(slots=True)
+class GivenOut:
+    """What a sequence's DELTA outputs have given out so far: text characters, tokens, logprobs,
+    and whether its finish."""
+
+    chars: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    finish: bool = False
+
+
 @dataclass
 class RequestGroup:
     """n sequences sampled from one prompt (they share its cached blocks)."""
@@ -34,9 +45,8 @@ class RequestGroup:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
     hidden_states: list[torch.Tensor] | None = None  # prompt hidden states as they arrive, when asked
-    # RequestOutputKind.DELTA: per sequence, [text characters, tokens, logprobs] already given out,
-    # and whether its finish was; None for the other kinds
-    sent: list[list[int]] | None = None
+    # RequestOutputKind.DELTA: per sequence, what was already given out; None for the other kinds
+    sent: list[GivenOut] | None = None
     lora_request: LoRARequest | None = None  # as the caller gave it (RequestOutput.lora_request)
 
     @property
@@ -89,21 +99,23 @@ class RequestGroup:
         outs = []
         for state, child, sent in zip(self.states, self.children, self.sent):
             text, ids, lps = state.text, child.output_token_ids, state.logprobs
-            ends = state.finish_reason is not None and not sent[3]
-            if len(text) == sent[0] and len(ids) == sent[1] and not ends:
+            ends = state.finish_reason is not None and not sent.finish
+            if len(text) == sent.chars and len(ids) == sent.tokens and not ends:
                 continue
             outs.append(
                 CompletionOutput(
                     state.index,
-                    text[sent[0] :],
-                    list(ids[sent[1] :]),
+                    text[sent.chars :],
+                    list(ids[sent.tokens :]),
                     state.cumulative_logprob,
-                    list(lps[sent[2] :]) if lps is not None else None,
+                    list(lps[sent.logprobs :]) if lps is not None else None,
                     state.finish_reason,
                     state.stop_reason,
                 )
             )
-            sent[:] = [len(text), len(ids), len(lps) if lps is not None else 0, int(ends or bool(sent[3]))]
+            sent.chars, sent.tokens = len(text), len(ids)
+            sent.logprobs = len(lps) if lps is not None else 0
+            sent.finish = sent.finish or ends
         return outs
 
 
@@ -167,7 +179,7 @@ def make_group(
         states.append(OutputState(i, params, tokenizer))
     group = RequestGroup(request_id, req.prompt, ids, children, states, arrival, lora_request=req.lora_request)
     if params.output_kind is RequestOutputKind.DELTA:
-        group.sent = [[0, 0, 0, 0] for _ in children]
+        group.sent = [GivenOut() for _ in children]
     hidden_from = req.hidden_states_from
     # the last position is always computed; others may be cache hits
     reads_prompt = params.prompt_logprobs is not None or (hidden_from is not None and hidden_from < len(ids) - 1)
