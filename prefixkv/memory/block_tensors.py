@@ -109,12 +109,15 @@ class BlockTensors:
         return self.group(KV_PREFIX)
 
     def layer_caches(self, config: ModelConfig, block_size: int) -> list[Any]:
-        """What the model's forward takes per layer: the K/V tensors, or for a recurrent model one
-        `RecurrentState` (SSM and conv state per block) a layer."""
+        """What the model's forward takes per layer: its K/V tensor, or for a recurrent layer (every
+        layer of Mamba2, the Mamba layers of a hybrid) a `RecurrentState` (SSM and conv state per
+        block)."""
         if not config.is_recurrent:
             return self.kv_caches
         return [
             RecurrentState(self.tensors[f"{STATE_PREFIX}{i}.ssm"], self.tensors[f"{STATE_PREFIX}{i}.conv"], block_size)
+            if config.is_recurrent_layer(i)
+            else self.tensors[f"{KV_PREFIX}{i}"]
             for i in range(config.num_hidden_layers)
         ]
 
@@ -124,27 +127,30 @@ KV_PREFIX = "kv."
 STATE_PREFIX = "state."
 
 
-def recurrent_state_specs(config: ModelConfig, dtype: torch.dtype) -> list[BlockTensorSpec]:
-    """Per recurrent layer: its SSM state and its conv state, one slot per block."""
+def recurrent_state_specs(config: ModelConfig, layer: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
+    """A recurrent layer's SSM state and conv state, one slot per block."""
     ssm, conv = recurrent_state_shapes(config)
-    specs = []
-    for layer in range(config.num_hidden_layers):
-        specs.append(BlockTensorSpec(f"{STATE_PREFIX}{layer}.ssm", ssm, dtype))
-        specs.append(BlockTensorSpec(f"{STATE_PREFIX}{layer}.conv", conv, dtype))
-    return specs
+    return [
+        BlockTensorSpec(f"{STATE_PREFIX}{layer}.ssm", ssm, dtype),
+        BlockTensorSpec(f"{STATE_PREFIX}{layer}.conv", conv, dtype),
+    ]
 
 
 def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
-    """One spec per attention layer, in the layout the model's paged attention reads."""
+    """Per layer, in layer order: an attention layer's K/V, in the layout the model's paged
+    attention reads, or a recurrent layer's per-block state in the K/V rows' place (one block id
+    names both, so a block's bytes count both)."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    if config.is_recurrent:  # the per-block state takes the K/V rows' place
-        return recurrent_state_specs(config, dtype)
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
     shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim)
-    return [
-        BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim) for layer in range(config.num_hidden_layers)
-    ]
+    specs: list[BlockTensorSpec] = []
+    for layer in range(config.num_hidden_layers):
+        if config.is_recurrent_layer(layer):
+            specs.extend(recurrent_state_specs(config, layer, dtype))
+        else:
+            specs.append(BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim))
+    return specs
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:

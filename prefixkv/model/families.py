@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .bamba import BambaModel
 from .config import ModelConfig
 from .gemma import GemmaModel
 from .llama import LlamaModel
@@ -11,6 +12,8 @@ from .mamba2 import Mamba2Model
 
 
 def model_class(config: ModelConfig) -> type[LlamaModel]:
+    if config.architecture == "BambaForCausalLM":
+        return BambaModel
     if config.is_recurrent:
         return Mamba2Model
     return GemmaModel if config.is_gemma else LlamaModel

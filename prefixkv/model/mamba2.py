@@ -45,9 +45,9 @@ class RecurrentState:
 
 def recurrent_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per block and layer: the SSM state's shape and the conv state's."""
-    conv_dim = config.intermediate_size + 2 * config.ssm_n_groups * config.ssm_state_size
+    conv_dim = config.ssm_intermediate_size + 2 * config.ssm_n_groups * config.ssm_state_size
     return (
-        (config.num_attention_heads, config.head_dim, config.ssm_state_size),
+        (config.ssm_num_heads, config.ssm_head_dim, config.ssm_state_size),
         (conv_dim, config.ssm_conv_kernel - 1),
     )
 
@@ -149,9 +149,9 @@ class GatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.heads, self.head_dim = config.ssm_num_heads, config.ssm_head_dim
         self.groups, self.state_size = config.ssm_n_groups, config.ssm_state_size
-        self.intermediate = config.intermediate_size
+        self.intermediate = config.ssm_intermediate_size
         self.conv_dim = self.intermediate + 2 * self.groups * self.state_size
         self.kernel = config.ssm_conv_kernel
         self.dt_limit = config.ssm_time_step_limit
