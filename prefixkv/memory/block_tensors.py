@@ -111,15 +111,18 @@ class BlockTensors:
     def layer_caches(self, config: ModelConfig, block_size: int) -> list[Any]:
         """What the model's forward takes per layer: its K/V tensor, or for a recurrent layer (every
         layer of Mamba2, the Mamba layers of a hybrid) a `RecurrentState` (SSM and conv state per
-        block)."""
+        block), or for a layer with both (Falcon-H1) the pair (K/V tensor, RecurrentState)."""
         if not config.is_recurrent:
             return self.kv_caches
-        return [
-            RecurrentState(self.tensors[f"{STATE_PREFIX}{i}.ssm"], self.tensors[f"{STATE_PREFIX}{i}.conv"], block_size)
-            if config.is_recurrent_layer(i)
-            else self.tensors[f"{KV_PREFIX}{i}"]
-            for i in range(config.num_hidden_layers)
-        ]
+        caches: list[Any] = []
+        for i in range(config.num_hidden_layers):
+            kv = self.tensors[f"{KV_PREFIX}{i}"] if config.is_attention_layer(i) else None
+            state = None
+            if config.is_recurrent_layer(i):
+                ssm, conv = self.tensors[f"{STATE_PREFIX}{i}.ssm"], self.tensors[f"{STATE_PREFIX}{i}.conv"]
+                state = RecurrentState(ssm, conv, block_size)
+            caches.append(state if kv is None else kv if state is None else (kv, state))
+        return caches
 
 
 KV_PREFIX = "kv."
@@ -137,19 +140,19 @@ def recurrent_state_specs(config: ModelConfig, layer: int, dtype: torch.dtype) -
 
 
 def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
-    """Per layer, in layer order: an attention layer's K/V, in the layout the model's paged
-    attention reads, or a recurrent layer's per-block state in the K/V rows' place (one block id
-    names both, so a block's bytes count both)."""
+    """Per layer, in layer order: attention's K/V, in the layout the model's paged attention reads,
+    and/or a Mamba mixer's per-block state (one block id names all, so a block's bytes count
+    all)."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
     shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim)
     specs: list[BlockTensorSpec] = []
     for layer in range(config.num_hidden_layers):
+        if config.is_attention_layer(layer):
+            specs.append(BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim))
         if config.is_recurrent_layer(layer):
             specs.extend(recurrent_state_specs(config, layer, dtype))
-        else:
-            specs.append(BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim))
     return specs
 
 

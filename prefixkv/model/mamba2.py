@@ -146,6 +146,40 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view_as(h).to(dtype)
 
 
+class NormThenGate(nn.Module):
+    """RMS norm of x over groups of `group_size` channels, then times silu(gate), in float32
+    (Falcon-H1's mamba_norm_before_gate)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        g = h.view(*h.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * g.view_as(h) * F.silu(gate.float())).to(x.dtype)
+
+
+class SiluGate(nn.Module):
+    """x * silu(gate), no norm (Falcon-H1 without mamba_rms_norm)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (x.float() * F.silu(gate.float())).to(x.dtype)
+
+
+def gated_norm(config: ModelConfig) -> nn.Module:
+    """The mixer's gate and norm of its scan output, as `config.ssm_norm` says."""
+    dim = config.ssm_intermediate_size
+    if config.ssm_norm == "none":
+        return SiluGate()
+    if config.ssm_norm == "norm_then_gate":
+        return NormThenGate(dim, dim // config.ssm_n_groups, config.rms_norm_eps)
+    return GatedRMSNorm(dim, dim // config.ssm_n_groups, config.rms_norm_eps)
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -164,7 +198,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads))
         self.D = nn.Parameter(torch.empty(self.heads))
-        self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.groups, config.rms_norm_eps)
+        self.norm = gated_norm(config)
         self.out_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.ssm_use_bias)
 
     def forward(self, x: torch.Tensor, state: RecurrentState, meta: AttentionMetadata) -> torch.Tensor:

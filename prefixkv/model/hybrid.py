@@ -1,11 +1,12 @@
-"""Bamba (transformers' BambaForCausalLM): a hybrid of Mamba2 layers and a few Llama-style GQA
-attention layers (at `attn_layer_indices`, rotary over the first half of each head), each
-followed by a SwiGLU MLP, with the residual around both.
+"""Hybrids of Mamba2 and attention: Bamba (transformers' BambaForCausalLM: Mamba2 layers and a few
+Llama-style GQA attention layers at `attn_layer_indices`, rotary over the first half of each
+head) and, with its muP multipliers in model/falcon_h1.py, Falcon-H1 (a Mamba2 mixer and
+attention side by side in every layer, their outputs summed). A SwiGLU MLP follows the mixer
+and/or attention in each layer, with the residual around both.
 
-A Mamba layer is model/mamba2.py's mixer with its per-block state (a `RecurrentState`), an
-attention layer keeps its K/V rows; both live in the same blocks, so a prefix hit of k blocks
-restores the Mamba layers' state at the end of block k - 1 and the attention layers' K/V of
-blocks 0..k-1 together.
+A Mamba mixer is model/mamba2.py's with its per-block state (a `RecurrentState`), attention keeps
+its K/V rows; both live in the same blocks, so a prefix hit of k blocks restores the mixers'
+state at the end of block k - 1 and attention's K/V of blocks 0..k-1 together.
 """
 
 from __future__ import annotations
@@ -47,33 +48,43 @@ class PartialRotaryAttention(Attention):
 
 
 class HybridDecoderLayer(nn.Module):
-    """norm -> Mamba2 mixer or attention -> residual add; norm -> SwiGLU MLP -> residual add."""
+    """norm -> Mamba2 mixer and/or attention (summed) -> residual add; norm -> SwiGLU MLP ->
+    residual add."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.recurrent = config.is_recurrent_layer(layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if self.recurrent:
-            self.mamba = Mamba2Mixer(config)
-        else:
-            self.self_attn = PartialRotaryAttention(config, layer_idx)
+        self.mamba = Mamba2Mixer(config) if config.is_recurrent_layer(layer_idx) else None
+        self.self_attn: Attention | None = None
+        if config.is_attention_layer(layer_idx):
+            partial = config.rotary_dim < config.head_dim
+            self.self_attn = (PartialRotaryAttention if partial else Attention)(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h, x, cos, sin, cache, meta: AttentionMetadata, next_norm: RMSNorm):
         """As the Llama DecoderLayer: h the residual stream, x this layer's normed input; returns
         the new stream and `next_norm` of it. `cache`: a RecurrentState for a Mamba layer, the
-        K/V tensor for an attention layer."""
-        if self.recurrent:
-            if not isinstance(cache, RecurrentState):
-                raise TypeError("a Mamba2 layer takes a RecurrentState (per-block SSM and conv state), not a K/V cache")
-            out = self.mamba(x, cache, meta)
+        K/V tensor for an attention layer, the pair (K/V, RecurrentState) for a layer with both."""
+        if self.mamba is not None and self.self_attn is not None:
+            kv, state = cache
+            out = self.mamba(x, _state(state), meta)
+            out += self.self_attn(x, cos, sin, kv, meta)
+        elif self.mamba is not None:
+            out = self.mamba(x, _state(cache), meta)
         else:
-            if isinstance(cache, RecurrentState):
-                raise TypeError("an attention layer takes a K/V cache, not a RecurrentState")
+            assert self.self_attn is not None
+            if not isinstance(cache, torch.Tensor):
+                raise TypeError(f"an attention layer takes a K/V cache, not a {type(cache).__name__}")
             out = self.self_attn(x, cos, sin, cache, meta)
         h, x = self.post_attention_layernorm.add_and_norm(h, out)
         return next_norm.add_and_norm(h, self.mlp(x))
+
+
+def _state(cache: object) -> RecurrentState:
+    if not isinstance(cache, RecurrentState):
+        raise TypeError("a Mamba2 mixer takes a RecurrentState (per-block SSM and conv state), not a K/V cache")
+    return cache
 
 
 # transformers' Bamba names -> the Llama decoder's, whose loader fuses q/k/v and gate/up
@@ -84,7 +95,7 @@ _RENAMES = (
 )
 
 
-class BambaModel(LlamaModel):
+class HybridModel(LlamaModel):
     """forward(input_ids [T], positions [T], caches (per layer a K/V tensor or a RecurrentState),
     meta) -> final-normed hidden [T, H]: the Llama decoder's loop with hybrid layers."""
 
@@ -101,8 +112,8 @@ class BambaModel(LlamaModel):
         super().init_random_weights(seed, std)
         with torch.no_grad():
             for layer in self.layers:
-                if cast(HybridDecoderLayer, layer).recurrent:
-                    mixer = cast(Mamba2Mixer, layer.mamba)
+                mixer = cast(HybridDecoderLayer, layer).mamba
+                if mixer is not None:
                     mixer.A_log.copy_(torch.log(torch.arange(1, mixer.heads + 1, dtype=torch.float32)))
                     mixer.D.fill_(1.0)
 
