@@ -68,8 +68,8 @@ SSM_NORMS = ("gate_then_norm", "norm_then_gate", "none")
 
 @dataclass(frozen=True)
 class MupMultipliers:
-    """Falcon-H1's muP scalars (1: none). The model folds every one into a weight at load but the
-    logits' (a tied head shares the embedding's weight)."""
+    """Falcon-H1's muP scalars (1: none). The model folds each into a weight at load, but the
+    logits' where the head is tied (it shares the embedding's weight)."""
 
     embedding: float = 1.0  # the input embeddings
     lm_head: float = 1.0  # the logits
