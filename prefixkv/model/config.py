@@ -617,7 +617,8 @@ def _hf_bamba_fields(d: dict[str, Any]) -> dict[str, Any]:
         bos_token_id=d.get("bos_token_id", 1),
         eos_token_id=d.get("eos_token_id", 2),
         layer_types=[FULL_ATTENTION if i in attn else MAMBA for i in range(n_layers)],
-        ssm_state_size=int(d.get("mamba_d_state", 256)),
+        # attention in every layer: no mixer, no state
+        ssm_state_size=int(d.get("mamba_d_state", 256)) if len(attn) < n_layers else 0,
         ssm_num_heads=ssm_heads,
         ssm_head_dim=ssm_head_dim,
         ssm_intermediate_size=ssm_intermediate,

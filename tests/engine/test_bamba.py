@@ -180,6 +180,8 @@ def test_bamba_config_from_model_type_and_refusals():
     for key, value in (("hidden_act", "gelu"), ("attention_bias", True), ("mlp_bias", True)):
         with pytest.raises(ValueError, match=key):
             ModelConfig.from_hf_dict({**base, key: value})
+    attention_only = ModelConfig.from_hf_dict({**base, "attn_layer_indices": [0, 1, 2]})
+    assert not attention_only.is_recurrent and all(attention_only.is_attention_layer(i) for i in range(3))
     with pytest.raises(ValueError, match="attn_layer_indices"):
         ModelConfig.from_hf_dict({**base, "attn_layer_indices": [3]})
     with pytest.raises(ValueError, match="rope scaling"):
