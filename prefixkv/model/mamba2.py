@@ -63,8 +63,9 @@ class _Plan:
     out_index: torch.Tensor  # [T] flat segment slot of each token row
     seg_blocks: torch.Tensor  # [S] block each segment's final state goes to
     # the recurrence in dependency order: (segments, the segment each continues from, -1: the
-    # request's initial state, and their requests)
-    rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # request's initial state, and their requests); a round of one segment as plain ints (one
+    # request's prefill is all such rounds: views, not index ops, a round)
+    rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[int, int, int]]
     # per request: (row0, row1, block read or -1, [(local end, block written)])
     conv_writes: list[tuple[int, int, int, list[tuple[int, int]]]]
     decode_only: bool  # one new token a request and no request reads a block written in this step
@@ -121,7 +122,10 @@ def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
         pad_index=t(pad_rows).reshape(-1, bs),
         out_index=t(out_index),
         seg_blocks=t(seg_blocks),
-        rounds=[(t([x[0] for x in rnd]), t([x[1] for x in rnd]), t([x[2] for x in rnd])) for rnd in round_of],
+        rounds=[
+            rnd[0] if len(rnd) == 1 else (t([x[0] for x in rnd]), t([x[1] for x in rnd]), t([x[2] for x in rnd]))
+            for rnd in round_of
+        ],
         conv_writes=conv_writes,
         decode_only=T == len(meta.seq_lens) and len(round_of) == 1,
     )
@@ -272,12 +276,19 @@ class Mamba2Mixer(nn.Module):
         initial = torch.where(plan.has_prev[:, None, None, None], initial, torch.zeros_like(initial))
         before = chunk_state.new_empty(chunk_state.shape)
         after = chunk_state.new_empty(chunk_state.shape)
-        for segs, prev, reqs in plan.rounds:
+        for rnd in plan.rounds:
+            if isinstance(rnd[0], int):
+                seg, prev_seg, req = cast(tuple[int, int, int], rnd)
+                one = after[prev_seg] if prev_seg >= 0 else initial[req]
+                before[seg] = one
+                after[seg] = one * decay[seg][:, None, None] + chunk_state[seg]
+                continue
+            segs, prev, reqs = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], rnd)
             st = torch.where((prev >= 0)[:, None, None, None], after[prev.clamp(min=0)], initial[reqs])
             before[segs] = st
-            st = st * decay[segs][:, :, None, None] + chunk_state[segs]
-            after[segs] = st
-            ssm[plan.seg_blocks[segs]] = st.to(ssm.dtype)
+            after[segs] = st * decay[segs][:, :, None, None] + chunk_state[segs]
+        # every block a segment ends in, once: all reads of ssm came before (initial)
+        ssm[plan.seg_blocks] = after.to(ssm.dtype)
         y = y + torch.einsum("slhn,shpn->slhp", Cs, before) * torch.exp(cum)[..., None]
         y = y + self.D.float()[:, None] * xp
         return y.reshape(-1, H * P)[plan.out_index]
