@@ -277,16 +277,15 @@ class Mamba2Mixer(nn.Module):
         before = chunk_state.new_empty(chunk_state.shape)
         after = chunk_state.new_empty(chunk_state.shape)
         for rnd in plan.rounds:
-            if isinstance(rnd[0], int):
-                seg, prev_seg, req = cast(tuple[int, int, int], rnd)
-                one = after[prev_seg] if prev_seg >= 0 else initial[req]
-                before[seg] = one
-                after[seg] = one * decay[seg][:, None, None] + chunk_state[seg]
-                continue
-            segs, prev, reqs = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], rnd)
-            st = torch.where((prev >= 0)[:, None, None, None], after[prev.clamp(min=0)], initial[reqs])
-            before[segs] = st
-            after[segs] = st * decay[segs][:, :, None, None] + chunk_state[segs]
+            match rnd:
+                case (int() as seg, int() as prev_seg, int() as req):
+                    one = after[prev_seg] if prev_seg >= 0 else initial[req]
+                    before[seg] = one
+                    after[seg] = one * decay[seg][:, None, None] + chunk_state[seg]
+                case (torch.Tensor() as segs, torch.Tensor() as prev, torch.Tensor() as reqs):
+                    st = torch.where((prev >= 0)[:, None, None, None], after[prev.clamp(min=0)], initial[reqs])
+                    before[segs] = st
+                    after[segs] = st * decay[segs][:, :, None, None] + chunk_state[segs]
         # every block a segment ends in, once: all reads of ssm came before (initial)
         ssm[plan.seg_blocks] = after.to(ssm.dtype)
         y = y + torch.einsum("slhn,shpn->slhp", Cs, before) * torch.exp(cum)[..., None]
