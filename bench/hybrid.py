@@ -1,14 +1,17 @@
 """Prefix caching on today's model families: interleaved sliding-window and full attention (a
 random Gemma-3-style checkpoint built with transformers' own class: 6 layers, hidden 256, window
-128, two sliding layers to one full) and mixture-of-experts (a random Qwen3-MoE: 4 layers, hidden
-256, 16 experts, top 4). Per family a shared 1,000-token prefix and 16 questions of
-20-40 tokens, each sent alone after the one before finished (so a question's time to first token
-is its own prefill): prefix-cache hit rate and median TTFT with caching on vs off, and the KV
-memory a question holds at its peak with a KV-cache group per layer kind (the sliding layers'
-blocks out of the window freed while it runs, docs/design.md "KV-cache groups") against every
-layer in one block (--disable-hybrid-kv-cache-manager).
+128, two sliding layers to one full), mixture-of-experts (a random Qwen3-MoE: 4 layers, hidden
+256, 16 experts, top 4) and the attention + Mamba2 hybrids (a random Bamba: 6 layers, hidden 256,
+attention at layers 2 and 5, the rest Mamba2 mixers with 8 heads of 64 and state 64; a random
+Falcon-H1: 4 layers, hidden 256, each with attention and such a mixer side by side). Per family
+a shared 1,000-token prefix and 16 questions of 20-40 tokens, each sent alone after the one
+before finished (so a question's time to first token is its own prefill): prefix-cache hit rate
+and median TTFT with caching on vs off, and for the sliding-window family the KV memory a
+question holds at its peak with a KV-cache group per layer kind (the sliding layers' blocks out
+of the window freed while it runs, docs/design.md "KV-cache groups") against every layer in one
+block (--disable-hybrid-kv-cache-manager).
 
-    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe] [--questions 16] [--prefix 1000]
+    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1] [--questions 16] [--prefix 1000]
         [--dtype float32|bfloat16]
 """
 
@@ -32,11 +35,13 @@ from prefixkv import LLM, SamplingParams  # noqa: E402
 
 VOCAB = 300
 BLOCK_SIZE = 16
+BAMBA_ATTENTION = [2, 5]
+FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1")
 
 
 def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
-    """A random Gemma3ForCausalLM (text) or Qwen3MoeForCausalLM saved as an HF folder with a
-    byte-level tokenizer."""
+    """A random Gemma3ForCausalLM (text), Qwen3MoeForCausalLM, BambaForCausalLM or
+    FalconH1ForCausalLM saved as an HF folder with a byte-level tokenizer."""
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -62,6 +67,46 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
         )
         torch.manual_seed(0)
         model: Any = tf.Qwen3MoeForCausalLM(cfg).eval()
+    elif family == "bamba":
+        cfg = tf.BambaConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            attn_layer_indices=BAMBA_ATTENTION,
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=64,
+            mamba_expand=2,
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+        torch.manual_seed(0)
+        model = tf.BambaForCausalLM(cfg).eval()
+    elif family == "falconh1":
+        cfg = tf.FalconH1Config(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            mamba_d_ssm=512,
+            mamba_n_heads=8,
+            mamba_n_groups=1,
+            mamba_d_state=64,
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+        torch.manual_seed(0)
+        model = tf.FalconH1ForCausalLM(cfg).eval()
     else:
         cfg = tf.Gemma3TextConfig(
             vocab_size=VOCAB,
@@ -130,7 +175,7 @@ def run(folder: Path, caching: bool, prompts: list[list[int]], dtype: str, group
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", nargs="+", default=["gemma3", "qwen3moe"], choices=("gemma3", "qwen3moe"))
+    ap.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=1000)
     ap.add_argument("--window", type=int, default=128)
@@ -152,12 +197,22 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
         types = shape["layer_types"]
         if family == "qwen3moe":
             print(f"model: random Qwen3MoeForCausalLM, hidden 256, 4 layers, 16 experts top 4, {args.dtype}")
+        elif family == "bamba":
+            print(
+                f"model: random BambaForCausalLM, hidden 256, 6 layers (attention at {BAMBA_ATTENTION}, "
+                f"the rest Mamba2: 8 heads x 64, state 64), {args.dtype}"
+            )
+        elif family == "falconh1":
+            print(
+                "model: random FalconH1ForCausalLM, hidden 256, 4 layers, each attention and a Mamba2 mixer "
+                f"(8 heads x 64, state 64) side by side, {args.dtype}"
+            )
         else:
             print(f"model: random Gemma3ForCausalLM, hidden 256, layers {types}, window {args.window}, {args.dtype}")
         t0 = time.perf_counter()
         off = run(folder, False, prompts, args.dtype)
         on = run(folder, True, prompts, args.dtype)
-        one_group = run(folder, True, prompts, args.dtype, groups=False) if types else None
+        one_group = run(folder, True, prompts, args.dtype, groups=False) if "sliding_attention" in types else None
         elapsed = time.perf_counter() - t0
     assert on["tokens"] == off["tokens"], "caching changed the greedy output"
     for label, r in (("caching off", off), ("caching on", on)):

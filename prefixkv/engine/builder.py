@@ -108,8 +108,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         kv_connector=kv_connector.scheduler,
         stage_output_tensors=block_tensors if config.enable_stage_output_cache else None,
         kv_group_windows=kv_groups.later_windows if kv_groups is not None else (),
-        # a model whose every layer is recurrent: its blocks hold state, vLLM's "mamba" kind
-        kv_group_kind="mamba" if model_config.is_recurrent else "full_attention",
+        kv_group_kind=_group_kind(model_config),
     )
     lora_manager = None
     if config.enable_lora:
@@ -238,6 +237,14 @@ def _num_blocks(config: EngineArgs, device: torch.device, loaded: LoadedModel, b
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {bs} tokens")
     return num_blocks
+
+
+def _group_kind(model_config: ModelConfig) -> str:
+    """What group 0's blocks hold, in vLLM's kv_cache_spec_kind names: a model with no attention
+    layer keeps only its state after each block ("mamba"); any other keeps every block's K/V rows
+    as full attention does (a hybrid's state beside them)."""
+    n = model_config.num_hidden_layers
+    return "mamba" if not any(model_config.is_attention_layer(i) for i in range(n)) else "full_attention"
 
 
 def _kv_groups(config: EngineArgs, model_config: ModelConfig) -> KVCacheGroups | None:

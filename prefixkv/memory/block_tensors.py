@@ -110,18 +110,24 @@ class BlockTensors:
         return self.group(KV_PREFIX)
 
     def layer_caches(self, config: ModelConfig, block_size: int, groups: KVCacheGroups | None = None) -> list[Any]:
-        """What the model's forward takes per layer: the K/V tensors (with KV-cache `groups`, the
-        tensor its group shares, kv_groups.py), or for a recurrent model one `RecurrentState` (SSM
-        and conv state per block) a layer."""
+        """What the model's forward takes per layer: its K/V tensor (with KV-cache `groups`, the
+        tensor its group shares, kv_groups.py), or for a recurrent layer (every layer of Mamba2,
+        the Mamba layers of a hybrid) a `RecurrentState` (SSM and conv state per block), or for a
+        layer with both (Falcon-H1) the pair (K/V tensor, RecurrentState)."""
         if groups is not None:
-            kv = self.kv_caches
-            return [kv[j] for j in groups.layer_tensor(config.num_hidden_layers)]
+            shared = self.kv_caches
+            return [shared[j] for j in groups.layer_tensor(config.num_hidden_layers)]
         if not config.is_recurrent:
             return self.kv_caches
-        return [
-            RecurrentState(self.tensors[f"{STATE_PREFIX}{i}.ssm"], self.tensors[f"{STATE_PREFIX}{i}.conv"], block_size)
-            for i in range(config.num_hidden_layers)
-        ]
+        caches: list[Any] = []
+        for i in range(config.num_hidden_layers):
+            kv = self.tensors[f"{KV_PREFIX}{i}"] if config.is_attention_layer(i) else None
+            state = None
+            if config.is_recurrent_layer(i):
+                ssm, conv = self.tensors[f"{STATE_PREFIX}{i}.ssm"], self.tensors[f"{STATE_PREFIX}{i}.conv"]
+                state = RecurrentState(ssm, conv, block_size)
+            caches.append(state if kv is None else kv if state is None else (kv, state))
+        return caches
 
 
 KV_PREFIX = "kv."
@@ -129,29 +135,35 @@ KV_PREFIX = "kv."
 STATE_PREFIX = "state."
 
 
-def recurrent_state_specs(config: ModelConfig, dtype: torch.dtype) -> list[BlockTensorSpec]:
-    """Per recurrent layer: its SSM state and its conv state, one slot per block."""
+def recurrent_state_specs(config: ModelConfig, layer: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
+    """A recurrent layer's SSM state and conv state, one slot per block."""
     ssm, conv = recurrent_state_shapes(config)
-    specs = []
-    for layer in range(config.num_hidden_layers):
-        specs.append(BlockTensorSpec(f"{STATE_PREFIX}{layer}.ssm", ssm, dtype))
-        specs.append(BlockTensorSpec(f"{STATE_PREFIX}{layer}.conv", conv, dtype))
-    return specs
+    return [
+        BlockTensorSpec(f"{STATE_PREFIX}{layer}.ssm", ssm, dtype),
+        BlockTensorSpec(f"{STATE_PREFIX}{layer}.conv", conv, dtype),
+    ]
 
 
 def kv_cache_specs(
     config: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVCacheGroups | None = None
 ) -> list[BlockTensorSpec]:
-    """One spec per attention layer, in the layout the model's paged attention reads; with KV-cache
-    `groups`, one per layer of a group (every group's layers share them, kv_groups.py)."""
+    """Per layer, in layer order: attention's K/V, in the layout the model's paged attention reads,
+    and/or a Mamba mixer's per-block state (one block id names all, so a block's bytes count
+    all). With KV-cache `groups` (attention only), one K/V spec per layer of a group: every
+    group's layers share them (kv_groups.py)."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    if config.is_recurrent:  # the per-block state takes the K/V rows' place
-        return recurrent_state_specs(config, dtype)
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
     shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim)
-    num_tensors = config.num_hidden_layers if groups is None else groups.group_size
-    return [BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim) for layer in range(num_tensors)]
+    if groups is not None:
+        return [BlockTensorSpec(f"{KV_PREFIX}{j}", shape, dtype, block_dim) for j in range(groups.group_size)]
+    specs: list[BlockTensorSpec] = []
+    for layer in range(config.num_hidden_layers):
+        if config.is_attention_layer(layer):
+            specs.append(BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim))
+        if config.is_recurrent_layer(layer):
+            specs.extend(recurrent_state_specs(config, layer, dtype))
+    return specs
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:

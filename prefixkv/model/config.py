@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -20,6 +20,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     # recurrent: a state-space mixer in every layer (model/mamba2.py)
     "Mamba2ForCausalLM",
+    # hybrids of Mamba2 and attention (model/hybrid.py): layers of either kind (Bamba), both in
+    # every layer side by side (Falcon-H1, model/falcon_h1.py)
+    "BambaForCausalLM",
+    "FalconH1ForCausalLM",
 )
 
 # The Gemma family's block (model/gemma.py): sandwich norms, GeGLU, scaled embeddings, soft-capping.
@@ -37,6 +41,8 @@ _MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
 }
 
 # Architectures refused with a reason of their own (a near miss of a supported one).
@@ -45,9 +51,38 @@ _REFUSED = {
     "checkpoints (Gemma3ForCausalLM, model_type 'gemma3_text', e.g. gemma-3-1b) are",
 }
 
-# The two attention kinds of `ModelConfig.layer_types`, with HF's names.
+# The layer kinds of `ModelConfig.layer_types`: two attention kinds, with HF's names; a recurrent
+# (Mamba2 mixer) layer, which keeps a state per block in place of K/V rows; and a layer with both a
+# Mamba2 mixer and full attention side by side, keeping both (HF's Falcon-H1 name).
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+MAMBA = "mamba"
+HYBRID = "hybrid"
+_LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, MAMBA, HYBRID)
+
+# How the Mamba2 mixer gates its scan output y with silu(gate) before out_proj: gated then the
+# group RMS norm (Mamba2, Bamba; Falcon-H1 with mamba_norm_before_gate false), the norm then gated
+# (Falcon-H1's default where mamba_rms_norm), or gated without a norm (Falcon-H1 without it).
+SSM_NORMS = ("gate_then_norm", "norm_then_gate", "none")
+
+
+@dataclass(frozen=True)
+class MupMultipliers:
+    """Falcon-H1's muP scalars (1: none). The model folds each into a weight at load, but the
+    logits' where the head is tied (it shares the embedding's weight)."""
+
+    embedding: float = 1.0  # the input embeddings
+    lm_head: float = 1.0  # the logits
+    attention_in: float = 1.0  # attention's input (q, k, v)
+    key: float = 1.0  # k, before rotary
+    attention_out: float = 1.0  # o_proj's output
+    ssm_in: float = 1.0  # the mixer's input
+    ssm_out: float = 1.0  # the mixer's output
+    # the mixer's in_proj output, by part: gate, x, B, C, dt
+    ssm_parts: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp_gate: float = 1.0  # the MLP's gate projection, before the activation
+    mlp_down: float = 1.0  # the MLP's output
+
 
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES = {
@@ -117,14 +152,22 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is sparse where (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     # Mamba2's state-space mixer (model/mamba2.py); ssm_state_size 0: no recurrent layer. Its heads
-    # are num_attention_heads x head_dim (= intermediate_size), its B/C groups ssm_n_groups.
+    # are ssm_num_heads x ssm_head_dim (= ssm_intermediate_size), its B/C groups ssm_n_groups; 0
+    # takes num_attention_heads, head_dim and intermediate_size (a pure Mamba2 model's).
     ssm_state_size: int = 0
+    ssm_num_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_intermediate_size: int = 0
     ssm_n_groups: int = 1
     ssm_conv_kernel: int = 4
     ssm_use_conv_bias: bool = True
     ssm_use_bias: bool = False  # in_proj / out_proj biases
     ssm_time_step_limit: tuple[float, float] = (0.0, float("inf"))  # dt clamped into it
+    ssm_norm: str = "gate_then_norm"  # one of SSM_NORMS
     residual_in_fp32: bool = False  # the residual stream kept in float32
+    # the share of each attention head's dimensions that rotary rotates (the first ones; Bamba: 0.5)
+    partial_rotary_factor: float = 1.0
+    mup: MupMultipliers = field(default_factory=MupMultipliers)
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -143,20 +186,36 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         if not self.layer_types:
-            kind = SLIDING_ATTENTION if self.sliding_window is not None else FULL_ATTENTION
+            if self.ssm_state_size:  # a pure state-space model: every layer recurrent
+                kind = MAMBA
+            else:
+                kind = SLIDING_ATTENTION if self.sliding_window is not None else FULL_ATTENTION
             self.layer_types = [kind] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} hidden layers"
             )
-        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        unknown = sorted(set(self.layer_types) - set(_LAYER_KINDS))
         if unknown:
-            raise ValueError(
-                f"unsupported attention layer type(s) {unknown}; supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}"
-            )
+            raise ValueError(f"unsupported layer type(s) {unknown}; supported: {', '.join(_LAYER_KINDS)}")
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
+        if (MAMBA in self.layer_types or HYBRID in self.layer_types) != (self.ssm_state_size > 0):
+            raise ValueError("layer_types names mamba or hybrid layers exactly when ssm_state_size is set")
+        if self.ssm_norm not in SSM_NORMS:
+            raise ValueError(f"ssm_norm must be one of {SSM_NORMS}, got {self.ssm_norm!r}")
+        if self.ssm_state_size:
+            self.ssm_num_heads = self.ssm_num_heads or self.num_attention_heads
+            self.ssm_head_dim = self.ssm_head_dim or self.head_dim or self.hidden_size // self.num_attention_heads
+            self.ssm_intermediate_size = self.ssm_intermediate_size or self.intermediate_size
+            if self.ssm_num_heads * self.ssm_head_dim != self.ssm_intermediate_size:
+                raise ValueError(
+                    f"the Mamba2 mixer's heads x head_dim ({self.ssm_num_heads} x {self.ssm_head_dim}) must equal "
+                    f"its intermediate size ({self.ssm_intermediate_size})"
+                )
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
         if self.hidden_activation not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
                 f"unsupported hidden_activation {self.hidden_activation!r}; supported: 'silu', 'gelu_pytorch_tanh'"
@@ -208,8 +267,22 @@ class ModelConfig:
 
     @property
     def is_recurrent(self) -> bool:
-        """Whether the layers keep a recurrent state per block instead of K/V rows."""
+        """Whether some layer keeps a recurrent state per block instead of K/V rows (every layer of
+        Mamba2, the Mamba layers of a hybrid)."""
         return self.ssm_state_size > 0
+
+    def is_recurrent_layer(self, i: int) -> bool:
+        """Whether decoder layer i has a Mamba2 mixer (a state per block)."""
+        return self.layer_types[i] in (MAMBA, HYBRID)
+
+    def is_attention_layer(self, i: int) -> bool:
+        """Whether decoder layer i has attention (K/V rows per block)."""
+        return self.layer_types[i] != MAMBA
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each attention head's dimensions rotary rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer i has routed experts (transformers' Qwen2/3-MoE rule; every layer
@@ -226,6 +299,10 @@ class ModelConfig:
         arch = check_architecture(archs[0])
         if arch == "Mamba2ForCausalLM":
             return cls(**_hf_mamba2_fields(d))
+        if arch == "BambaForCausalLM":
+            return cls(**_hf_bamba_fields(d))
+        if arch == "FalconH1ForCausalLM":
+            return cls(**_hf_falcon_h1_fields(d))
         gemma = arch in GEMMA_ARCHITECTURES
         rope_theta, scaling, local_theta = _rope_settings(d, arch)
         n_heads = d["num_attention_heads"]
@@ -626,4 +703,146 @@ def _gguf_mamba2_fields(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         ssm_use_conv_bias="blk.0.ssm_conv1d.bias" in tensor_names,
         ssm_use_bias=False,
         residual_in_fp32=True,
+    )
+
+
+def _hf_bamba_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A Bamba config.json (transformers' BambaConfig names and defaults) as ModelConfig fields:
+    Mamba2 layers, attention (Llama's, GQA, rotary on half of each head) at `attn_layer_indices`,
+    a SwiGLU MLP after either."""
+    arch = "BambaForCausalLM"
+    hidden = int(d.get("hidden_size", 4096))
+    n_layers = int(d.get("num_hidden_layers", 32))
+    n_heads = int(d.get("num_attention_heads", 32))
+    ssm_intermediate = int(d.get("mamba_expand", 2) * hidden)
+    ssm_heads = int(d.get("mamba_n_heads", 128))
+    ssm_head_dim = d.get("mamba_d_head", "auto")
+    ssm_head_dim = ssm_intermediate // ssm_heads if ssm_head_dim in (None, "auto") else int(ssm_head_dim)
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if d.get(key, supported) != supported:
+            raise ValueError(f"{arch} with {key}={d.get(key)!r} is not supported ({supported!r} only)")
+    groups = int(d.get("mamba_n_groups", 1))
+    if ssm_heads % groups:
+        raise ValueError(f"{arch} with mamba_n_heads ({ssm_heads}) not a multiple of mamba_n_groups ({groups})")
+    attn = {int(i) for i in d.get("attn_layer_indices") or ()}
+    if not attn <= set(range(n_layers)):
+        raise ValueError(f"{arch} attn_layer_indices {sorted(attn)} outside its {n_layers} layers")
+    rope_theta, scaling, _ = _rope_settings(d, arch)
+    if scaling is not None:
+        raise ValueError(f"{arch} with rope scaling {scaling!r} is not supported")
+    limit = d.get("time_step_limit") or (0.0, float("inf"))
+    return dict(
+        architecture=arch,
+        vocab_size=int(d.get("vocab_size", 128000)),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+        head_dim=int(d.get("head_dim") or hidden // n_heads),
+        intermediate_size=int(d.get("intermediate_size", 14336)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        rope_theta=rope_theta,
+        # transformers' BambaConfig takes 0.5 where rope_parameters does not say
+        partial_rotary_factor=float((d.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 262144)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id", 1),
+        eos_token_id=d.get("eos_token_id", 2),
+        layer_types=[FULL_ATTENTION if i in attn else MAMBA for i in range(n_layers)],
+        # attention in every layer: no mixer, no state
+        ssm_state_size=int(d.get("mamba_d_state", 256)) if len(attn) < n_layers else 0,
+        ssm_num_heads=ssm_heads,
+        ssm_head_dim=ssm_head_dim,
+        ssm_intermediate_size=ssm_intermediate,
+        ssm_n_groups=groups,
+        ssm_conv_kernel=int(d.get("mamba_d_conv", 4)),
+        ssm_use_conv_bias=bool(d.get("mamba_conv_bias", True)),
+        ssm_use_bias=bool(d.get("mamba_proj_bias", False)),
+        ssm_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+    )
+
+
+def _hf_falcon_h1_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A Falcon-H1 config.json (transformers' FalconH1Config names and defaults) as ModelConfig
+    fields: a Mamba2 mixer and attention side by side in every layer, a SwiGLU MLP after, muP
+    multipliers throughout."""
+    arch = "FalconH1ForCausalLM"
+    hidden = int(d.get("hidden_size", 4096))
+    n_layers = int(d.get("num_hidden_layers", 32))
+    n_heads = int(d.get("num_attention_heads", 32))
+    d_ssm = d.get("mamba_d_ssm", 1024)
+    ssm_intermediate = int(d.get("mamba_expand", 2) * hidden) if d_ssm is None else int(d_ssm)
+    ssm_heads = int(d.get("mamba_n_heads", 128))
+    ssm_head_dim = d.get("mamba_d_head", "auto")
+    ssm_head_dim = ssm_intermediate // ssm_heads if ssm_head_dim in (None, "auto") else int(ssm_head_dim)
+    for key, supported in (
+        ("hidden_act", "silu"),
+        ("attention_bias", False),
+        ("mlp_bias", False),
+        ("projectors_bias", False),
+        ("mamba_proj_bias", False),
+    ):
+        if d.get(key, supported) != supported:
+            raise ValueError(f"{arch} with {key}={d.get(key)!r} is not supported ({supported!r} only)")
+    groups = int(d.get("mamba_n_groups", 1))
+    if ssm_heads % groups:
+        raise ValueError(f"{arch} with mamba_n_heads ({ssm_heads}) not a multiple of mamba_n_groups ({groups})")
+    rope_theta, scaling, _ = _rope_settings(d, arch)
+    if scaling is not None:
+        raise ValueError(f"{arch} with rope scaling {scaling!r} is not supported")
+    limit = d.get("time_step_limit") or (0.0, float("inf"))
+    if not d.get("mamba_rms_norm", False):
+        ssm_norm = "none"
+    else:
+        ssm_norm = "norm_then_gate" if d.get("mamba_norm_before_gate", True) else "gate_then_norm"
+    mlp = d.get("mlp_multipliers") or (1.0, 1.0)
+    ssm_parts = d.get("ssm_multipliers") or (1.0,) * 5
+    if len(mlp) != 2 or len(ssm_parts) != 5:
+        raise ValueError(f"{arch} needs 2 mlp_multipliers and 5 ssm_multipliers, got {mlp!r} and {ssm_parts!r}")
+
+    def scalar(key: str) -> float:
+        value = d.get(key)
+        return 1.0 if value is None else float(value)
+
+    mup = MupMultipliers(
+        embedding=scalar("embedding_multiplier"),
+        lm_head=scalar("lm_head_multiplier"),
+        attention_in=scalar("attention_in_multiplier"),
+        key=scalar("key_multiplier"),
+        attention_out=scalar("attention_out_multiplier"),
+        ssm_in=scalar("ssm_in_multiplier"),
+        ssm_out=scalar("ssm_out_multiplier"),
+        ssm_parts=cast(tuple[float, float, float, float, float], tuple(float(m) for m in ssm_parts)),
+        mlp_gate=float(mlp[0]),
+        mlp_down=float(mlp[1]),
+    )
+    if mup.embedding == 0:
+        raise ValueError(f"{arch} with embedding_multiplier 0 is not supported")
+    return dict(
+        architecture=arch,
+        vocab_size=int(d.get("vocab_size", 128000)),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+        head_dim=int(d.get("head_dim") or hidden // n_heads),
+        intermediate_size=int(d.get("intermediate_size", 14336)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        rope_theta=rope_theta,
+        partial_rotary_factor=float((d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id", 1),
+        eos_token_id=d.get("eos_token_id", 2),
+        layer_types=[HYBRID] * n_layers,
+        ssm_state_size=int(d.get("mamba_d_state", 256)),
+        ssm_num_heads=ssm_heads,
+        ssm_head_dim=ssm_head_dim,
+        ssm_intermediate_size=ssm_intermediate,
+        ssm_n_groups=groups,
+        ssm_conv_kernel=int(d.get("mamba_d_conv", 4)),
+        ssm_use_conv_bias=bool(d.get("mamba_conv_bias", True)),
+        ssm_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+        ssm_norm=ssm_norm,
+        mup=mup,
     )

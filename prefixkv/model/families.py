@@ -5,12 +5,18 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .falcon_h1 import FalconH1Model
 from .gemma import GemmaModel
+from .hybrid import HybridModel
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
 
 
 def model_class(config: ModelConfig) -> type[LlamaModel]:
+    if config.architecture == "BambaForCausalLM":
+        return HybridModel
+    if config.architecture == "FalconH1ForCausalLM":
+        return FalconH1Model
     if config.is_recurrent:
         return Mamba2Model
     return GemmaModel if config.is_gemma else LlamaModel

@@ -132,7 +132,7 @@ class LlamaModel(nn.Module):
         self.to(dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
-        self.rotary = RotaryEmbedding(config, dtype, device)
+        self.rotary = self.make_rotary(config, dtype, device)
         self.dtype = dtype
         self.packed_head: PackedLinear | TransposedLinear | DualLayoutLinear | None = None  # set by pack_for_cpu
         self.lora_context: Any = None  # set by prefixkv.lora.layers.attach_lora: where a step's LoRA mapping goes
@@ -143,6 +143,10 @@ class LlamaModel(nn.Module):
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         """Decoder layer `layer_idx` (a family with another block overrides this)."""
         return DecoderLayer(config, layer_idx)
+
+    def make_rotary(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RotaryEmbedding:
+        """The rotary table, over each head's whole width (a family rotating part of it overrides this)."""
+        return RotaryEmbedding(config, dtype, device)
 
     def make_norm(self, dim: int, eps: float) -> RMSNorm:
         """The final norm (a family with another norm overrides this)."""

@@ -45,9 +45,9 @@ class RecurrentState:
 
 def recurrent_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per block and layer: the SSM state's shape and the conv state's."""
-    conv_dim = config.intermediate_size + 2 * config.ssm_n_groups * config.ssm_state_size
+    conv_dim = config.ssm_intermediate_size + 2 * config.ssm_n_groups * config.ssm_state_size
     return (
-        (config.num_attention_heads, config.head_dim, config.ssm_state_size),
+        (config.ssm_num_heads, config.ssm_head_dim, config.ssm_state_size),
         (conv_dim, config.ssm_conv_kernel - 1),
     )
 
@@ -63,8 +63,9 @@ class _Plan:
     out_index: torch.Tensor  # [T] flat segment slot of each token row
     seg_blocks: torch.Tensor  # [S] block each segment's final state goes to
     # the recurrence in dependency order: (segments, the segment each continues from, -1: the
-    # request's initial state, and their requests)
-    rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # request's initial state, and their requests); a round of one segment as plain ints (one
+    # request's prefill is all such rounds: views, not index ops, a round)
+    rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[int, int, int]]
     # per request: (row0, row1, block read or -1, [(local end, block written)])
     conv_writes: list[tuple[int, int, int, list[tuple[int, int]]]]
     decode_only: bool  # one new token a request and no request reads a block written in this step
@@ -121,7 +122,10 @@ def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
         pad_index=t(pad_rows).reshape(-1, bs),
         out_index=t(out_index),
         seg_blocks=t(seg_blocks),
-        rounds=[(t([x[0] for x in rnd]), t([x[1] for x in rnd]), t([x[2] for x in rnd])) for rnd in round_of],
+        rounds=[
+            rnd[0] if len(rnd) == 1 else (t([x[0] for x in rnd]), t([x[1] for x in rnd]), t([x[2] for x in rnd]))
+            for rnd in round_of
+        ],
         conv_writes=conv_writes,
         decode_only=T == len(meta.seq_lens) and len(round_of) == 1,
     )
@@ -146,12 +150,46 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view_as(h).to(dtype)
 
 
+class NormThenGate(nn.Module):
+    """RMS norm of x over groups of `group_size` channels, then times silu(gate), in float32
+    (Falcon-H1's mamba_norm_before_gate)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        g = h.view(*h.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * g.view_as(h) * F.silu(gate.float())).to(x.dtype)
+
+
+class SiluGate(nn.Module):
+    """x * silu(gate), no norm (Falcon-H1 without mamba_rms_norm)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (x.float() * F.silu(gate.float())).to(x.dtype)
+
+
+def gated_norm(config: ModelConfig) -> nn.Module:
+    """The mixer's gate and norm of its scan output, as `config.ssm_norm` says."""
+    dim = config.ssm_intermediate_size
+    if config.ssm_norm == "none":
+        return SiluGate()
+    if config.ssm_norm == "norm_then_gate":
+        return NormThenGate(dim, dim // config.ssm_n_groups, config.rms_norm_eps)
+    return GatedRMSNorm(dim, dim // config.ssm_n_groups, config.rms_norm_eps)
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.heads, self.head_dim = config.ssm_num_heads, config.ssm_head_dim
         self.groups, self.state_size = config.ssm_n_groups, config.ssm_state_size
-        self.intermediate = config.intermediate_size
+        self.intermediate = config.ssm_intermediate_size
         self.conv_dim = self.intermediate + 2 * self.groups * self.state_size
         self.kernel = config.ssm_conv_kernel
         self.dt_limit = config.ssm_time_step_limit
@@ -164,7 +202,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads))
         self.D = nn.Parameter(torch.empty(self.heads))
-        self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.groups, config.rms_norm_eps)
+        self.norm = gated_norm(config)
         self.out_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.ssm_use_bias)
 
     def forward(self, x: torch.Tensor, state: RecurrentState, meta: AttentionMetadata) -> torch.Tensor:
@@ -238,12 +276,18 @@ class Mamba2Mixer(nn.Module):
         initial = torch.where(plan.has_prev[:, None, None, None], initial, torch.zeros_like(initial))
         before = chunk_state.new_empty(chunk_state.shape)
         after = chunk_state.new_empty(chunk_state.shape)
-        for segs, prev, reqs in plan.rounds:
-            st = torch.where((prev >= 0)[:, None, None, None], after[prev.clamp(min=0)], initial[reqs])
-            before[segs] = st
-            st = st * decay[segs][:, :, None, None] + chunk_state[segs]
-            after[segs] = st
-            ssm[plan.seg_blocks[segs]] = st.to(ssm.dtype)
+        for rnd in plan.rounds:
+            match rnd:
+                case (int() as seg, int() as prev_seg, int() as req):
+                    one = after[prev_seg] if prev_seg >= 0 else initial[req]
+                    before[seg] = one
+                    after[seg] = one * decay[seg][:, None, None] + chunk_state[seg]
+                case (torch.Tensor() as segs, torch.Tensor() as prev, torch.Tensor() as reqs):
+                    st = torch.where((prev >= 0)[:, None, None, None], after[prev.clamp(min=0)], initial[reqs])
+                    before[segs] = st
+                    after[segs] = st * decay[segs][:, :, None, None] + chunk_state[segs]
+        # every block a segment ends in, once: all reads of ssm came before (initial)
+        ssm[plan.seg_blocks] = after.to(ssm.dtype)
         y = y + torch.einsum("slhn,shpn->slhp", Cs, before) * torch.exp(cum)[..., None]
         y = y + self.D.float()[:, None] * xp
         return y.reshape(-1, H * P)[plan.out_index]

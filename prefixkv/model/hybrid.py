@@ -1,0 +1,131 @@
+"""Hybrids of Mamba2 and attention: Bamba (transformers' BambaForCausalLM: Mamba2 layers and a few
+Llama-style GQA attention layers at `attn_layer_indices`, rotary over the first half of each
+head) and, with its muP multipliers in model/falcon_h1.py, Falcon-H1 (a Mamba2 mixer and
+attention side by side in every layer, their outputs summed). A SwiGLU MLP follows the mixer
+and/or attention in each layer, with the residual around both.
+
+A Mamba mixer is model/mamba2.py's with its per-block state (a `RecurrentState`), attention keeps
+its K/V rows; both live in the same blocks, so a prefix hit of k blocks restores the mixers'
+state at the end of block k - 1 and attention's K/V of blocks 0..k-1 together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from typing import cast
+
+import torch
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .llama import Attention, LlamaModel
+from .mamba2 import Mamba2Mixer, RecurrentState
+
+
+class PartialRotaryAttention(Attention):
+    """Llama's attention, rotary applied to the first `config.rotary_dim` dimensions of each q and
+    k head only (cos / sin come that wide)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.rotary_dim = config.rotary_dim
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        k_end = self.q_size + self.kv_size
+        qk = qkv[:, :k_end].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        rot = qk[..., : self.rotary_dim]
+        rot.copy_(RotaryEmbedding.apply(rot, cos, sin))  # in place: qkv is this layer's own temporary
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class HybridDecoderLayer(nn.Module):
+    """norm -> Mamba2 mixer and/or attention (summed) -> residual add; norm -> SwiGLU MLP ->
+    residual add."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mamba = Mamba2Mixer(config) if config.is_recurrent_layer(layer_idx) else None
+        self.self_attn: Attention | None = None
+        if config.is_attention_layer(layer_idx):
+            partial = config.rotary_dim < config.head_dim
+            self.self_attn = (PartialRotaryAttention if partial else Attention)(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h, x, cos, sin, cache, meta: AttentionMetadata, next_norm: RMSNorm):
+        """As the Llama DecoderLayer: h the residual stream, x this layer's normed input; returns
+        the new stream and `next_norm` of it. `cache`: a RecurrentState for a Mamba layer, the
+        K/V tensor for an attention layer, the pair (K/V, RecurrentState) for a layer with both."""
+        if self.mamba is not None and self.self_attn is not None:
+            kv, state = cache
+            out = self.mamba(x, _state(state), meta)
+            out += self.self_attn(x, cos, sin, kv, meta)
+        elif self.mamba is not None:
+            out = self.mamba(x, _state(cache), meta)
+        else:
+            assert self.self_attn is not None
+            if not isinstance(cache, torch.Tensor):
+                raise TypeError(f"an attention layer takes a K/V cache, not a {type(cache).__name__}")
+            out = self.self_attn(x, cos, sin, cache, meta)
+        h, x = self.post_attention_layernorm.add_and_norm(h, out)
+        return next_norm.add_and_norm(h, self.mlp(x))
+
+
+def _state(cache: object) -> RecurrentState:
+    if not isinstance(cache, RecurrentState):
+        raise TypeError("a Mamba2 mixer takes a RecurrentState (per-block SSM and conv state), not a K/V cache")
+    return cache
+
+
+# transformers' Bamba names -> the Llama decoder's, whose loader fuses q/k/v and gate/up
+_RENAMES = (
+    (re.compile(r"^model\.final_layernorm\."), "model.norm."),
+    (re.compile(r"^(model\.layers\.\d+)\.feed_forward\."), r"\1.mlp."),
+    (re.compile(r"^(model\.layers\.\d+)\.pre_ff_layernorm\."), r"\1.post_attention_layernorm."),
+)
+
+
+class HybridModel(LlamaModel):
+    """forward(input_ids [T], positions [T], caches (per layer a K/V tensor or a RecurrentState),
+    meta) -> final-normed hidden [T, H]: the Llama decoder's loop with hybrid layers."""
+
+    fused_decode_layout = False  # the native decode kernel computes Llama layers only
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return HybridDecoderLayer(config, layer_idx)
+
+    def make_rotary(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RotaryEmbedding:
+        # the rotated part's frequencies: transformers' base ** (-2i / rotary_dim)
+        return RotaryEmbedding(dataclasses.replace(config, head_dim=config.rotary_dim), dtype, device)
+
+    def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        super().init_random_weights(seed, std)
+        with torch.no_grad():
+            for layer in self.layers:
+                mixer = cast(HybridDecoderLayer, layer).mamba
+                if mixer is not None:
+                    mixer.A_log.copy_(torch.log(torch.arange(1, mixer.heads + 1, dtype=torch.float32)))
+                    mixer.D.fill_(1.0)
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """transformers' names (model.layers.N.{mamba.*, self_attn.*, feed_forward.*,
+        input_layernorm, pre_ff_layernorm}, model.final_layernorm, lm_head); ValueError on an
+        unknown name, a wrong shape or a missing one."""
+
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for pattern, to in _RENAMES:
+                    name = pattern.sub(to, name)
+                yield name, tensor
+
+        super().load_hf_weights(renamed())
