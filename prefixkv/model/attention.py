@@ -128,7 +128,7 @@ class _Plan:
             raise ValueError(f"block_tables has {bt.shape[1]} columns but a sequence needs {max(needed_blocks)} blocks")
         self.slot_mapping = meta.slot_mapping.to(device=device, dtype=torch.long)
         # (start, end, mask): prefill without cached context; mask None = plain causal
-        self.fresh: list[tuple[int, int, torch.Tensor | None]] = []
+        self.fresh: list[tuple[int, int, torch.Tensor | _Band | None]] = []
         others: list[int] = []  # sequences that read cached context: chunked prefills and decodes
         for i, s in enumerate(seq_lens):
             a, b = qsl[i], qsl[i + 1]
@@ -136,8 +136,10 @@ class _Plan:
             if n == 0:
                 continue
             if n == s and n > 1:
-                mask = None
-                if W is not None and n > W:
+                mask: torch.Tensor | _Band | None = None
+                if W is not None and n > _Band.MIN_WINDOWS * W:
+                    mask = _Band(n, W, device)  # each query against its own window only
+                elif W is not None and n > W:
                     qpos = torch.arange(n, device=device)
                     diff = qpos[:, None] - qpos[None, :]
                     mask = (diff >= 0) & (diff < W)
@@ -254,6 +256,39 @@ class _Plan:
 
 
 CASCADE_MIN_TOKENS = 64
+
+
+class _Band:
+    """A sliding-window prefill as one batched attention over windows: the prompt's queries in
+    chunks of `window` rows, each chunk against the window + chunk - 1 keys it can see, rather
+    than every query against every key under an n x n mask (n x 2W work and memory, not n x n)."""
+
+    MIN_WINDOWS = 2  # below this many windows of prompt the plain masked attention is as cheap
+
+    def __init__(self, n: int, window: int, device: torch.device) -> None:
+        C, L = window, 2 * window - 1
+        self.n, self.chunk = n, C
+        self.num_chunks = -(-n // C)
+        first = torch.arange(self.num_chunks, device=device) * C - (window - 1)  # each chunk's first key
+        pos = first[:, None] + torch.arange(L, device=device)[None, :]  # [chunks, L] key positions
+        valid = (pos >= 0) & (pos < n)
+        self.keys = pos.clamp(0, n - 1)
+        i = torch.arange(C, device=device)[:, None]
+        j = torch.arange(L, device=device)[None, :]
+        # query i of a chunk sits at key column i + window - 1: it sees columns i .. i + window - 1
+        band = (j >= i) & (j <= i + window - 1)
+        self.mask = (band[None] & valid[:, None, :])[:, None]  # [chunks, 1, C, L]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+        """q [n, Hq, D], k / v [n, Hkv, D] -> [n, Hq, D]."""
+        n, C, nc = self.n, self.chunk, self.num_chunks
+        qp = q.new_zeros(nc * C, *q.shape[1:])
+        qp[:n] = q
+        qc = qp.view(nc, C, *q.shape[1:]).transpose(1, 2)  # [chunks, Hq, C, D]
+        kc = k[self.keys].transpose(1, 2)  # [chunks, Hkv, L, D]
+        vc = v[self.keys].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(nc * C, *q.shape[1:])[:n]
 
 
 class _KernelBatch:
@@ -545,6 +580,9 @@ def paged_attention(
         if not ops.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, out):
             fresh = plan.fresh
     for a, b, mask in fresh:
+        if isinstance(mask, _Band):
+            out[a:b] = mask.attend(q[a:b], k[a:b], v[a:b], scale, gqa)
+            continue
         o = F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1).unsqueeze(0),
             k[a:b].transpose(0, 1).unsqueeze(0),
