@@ -237,6 +237,9 @@ def test_qwen3_next_config_from_model_type_and_refusals():
     assert [cfg.is_attention_layer(i) for i in range(4)] == [False, False, False, True]
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     assert cfg.rotary_dim == 4
+    # the published checkpoints' older keys: rotary settings at the top level
+    published = ModelConfig.from_hf_dict({**base, "rope_theta": 1e7, "partial_rotary_factor": 0.5})
+    assert published.rope_theta == 1e7 and published.rotary_dim == 8
     dense = ModelConfig.from_hf_dict({**base, "num_experts": 0})
     assert not any(dense.is_moe_layer(i) for i in range(4)) and dense.shared_expert_intermediate_size == 0
     attention_only = ModelConfig.from_hf_dict({**base, "layer_types": ["full_attention"] * 4})
@@ -274,3 +277,20 @@ def test_qwen3_next_skips_the_mtp_head(checkpoint, tmp_path):
         ref = hf(ids[None]).logits[0]
     got = loaded.model.compute_logits(loaded.model(ids, torch.arange(5), caches, meta))
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_next_prompt_logprobs_with_stage_output_cache(checkpoint):
+    """Prompt logprobs over a cached prefix (its hidden states from the stage-output cache) equal
+    the uncached ones."""
+    hf, folder = checkpoint
+    rng = random.Random(1)
+    prompt = [rng.randrange(256) for _ in range(30)]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0, ignore_eos=True)
+    llm = LLM(folder, dtype="float32", device="cpu", num_blocks=32, block_size=8, enable_stage_output_cache=True)
+    first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert second.num_cached_tokens > 0
+    lp = [next(iter(d.values())).logprob for d in first.prompt_logprobs[1:]]
+    lp2 = [next(iter(d.values())).logprob for d in second.prompt_logprobs[1:]]
+    assert lp == pytest.approx(lp2, abs=1e-5)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids == hf_generate(hf, prompt, 2)
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
