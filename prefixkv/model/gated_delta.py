@@ -146,27 +146,30 @@ class GatedDeltaNet(nn.Module):
         intra = (qs @ ks.transpose(-1, -2)) * pair
         q_decayed = qs * cum.exp()[..., None]
         k_decayed = (ks * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
-        decay = cum[..., -1].exp()[..., None, None]
+        decay = cum[..., -1].exp()[..., None]
 
+        # across segments S <- A S + B: the chunk's decay less what its keys' deltas remove, and
+        # what they write
+        A = -(k_decayed @ w)
+        A.diagonal(dim1=-2, dim2=-1).add_(decay)
+        B = k_decayed @ u
         initial = ssm.index_select(0, plan.read_blocks).float()  # all reads before any write
         initial = torch.where(plan.has_prev[:, None, None, None], initial, torch.zeros_like(initial))
-        S, Hv, dk, dv = qs.shape[0], qs.shape[1], qs.shape[3], vs.shape[3]
-        before = initial.new_empty(S, Hv, dk, dv)
-        after = torch.empty_like(before)
-        v_new = torch.empty_like(u)
+        before = torch.empty_like(B)
+        after = torch.empty_like(B)
         for rnd in plan.rounds:
             match rnd:
-                case (int() as seg, int() as prev_seg, int() as req):  # a lone segment as plain ints
-                    segs, prev = torch.tensor([seg], device=u.device), torch.tensor([prev_seg], device=u.device)
-                    reqs = torch.tensor([req], device=u.device)
+                case (int() as seg, int() as prev_seg, int() as req):  # one segment: views, no index ops
+                    one = after[prev_seg] if prev_seg >= 0 else initial[req]
+                    before[seg] = one
+                    torch.baddbmm(B[seg], A[seg], one, out=after[seg])
                 case (torch.Tensor() as segs, torch.Tensor() as prev, torch.Tensor() as reqs):
-                    pass
-            st = torch.where((prev >= 0)[:, None, None, None], after[prev.clamp(min=0)], initial[reqs])
-            before[segs] = st
-            vn = u[segs] - w[segs] @ st
-            v_new[segs] = vn
-            st = st * decay[segs] + k_decayed[segs] @ vn
-            after[segs] = st
-            ssm[plan.seg_blocks[segs]] = st.to(ssm.dtype)
-        y = q_decayed @ before + intra @ v_new  # [S, Hv, bs, dv]
-        return y.transpose(1, 2).reshape(S * bs, Hv, dv)[plan.out_index]
+                    st = torch.where((prev >= 0)[:, None, None, None], after[prev.clamp(min=0)], initial[reqs])
+                    before[segs] = st
+                    # the lone segment's operation (baddbmm), over [segments x heads]
+                    flat = torch.baddbmm(B[segs].flatten(0, 1), A[segs].flatten(0, 1), st.flatten(0, 1))
+                    after[segs] = flat.view_as(st)
+        # every segment its own block: no block is computed twice in a step
+        ssm[plan.seg_blocks] = after.to(ssm.dtype)
+        y = q_decayed @ before + intra @ (u - w @ before)  # [S, Hv, bs, dv]
+        return y.transpose(1, 2).flatten(0, 1)[plan.out_index]
