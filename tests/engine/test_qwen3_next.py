@@ -26,11 +26,11 @@ MAX_NEW = 8
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-def make_qwen3_next(seed: int = 0, tie: bool = False):
+def make_qwen3_next(seed: int = 0, tie: bool = False, **overrides):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3NextConfig(
+    settings = dict(
         vocab_size=258,
         hidden_size=64,
         intermediate_size=96,
@@ -55,7 +55,7 @@ def make_qwen3_next(seed: int = 0, tie: bool = False):
         tie_word_embeddings=tie,
         attn_implementation="eager",
     )
-    model = Qwen3NextForCausalLM(config).eval()
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**{**settings, **overrides})).eval()
     with torch.no_grad():  # an input-dependent state and attention that matter: larger weights than the init's
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:  # a plain norm weight
@@ -126,19 +126,31 @@ def test_chunked_delta_rule_matches_transformers_recurrence():
         torch.testing.assert_close(state.ssm[block], ref_states[last], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_qwen3_next_model_matches_transformers(tmp_path, tie):
+@pytest.mark.parametrize(
+    "tie, overrides, sparse",
+    [
+        (False, {}, [True, True, False, True]),
+        (True, {}, [True, True, False, True]),
+        # dense MLPs; one value head per q/k head
+        (False, dict(num_experts=0, linear_num_value_heads=2), [False] * 4),
+        (False, dict(decoder_sparse_step=2, mlp_only_layers=[]), [False, True, False, True]),
+    ],
+)
+def test_qwen3_next_model_matches_transformers(tmp_path, tie, overrides, sparse):
     """One prefill split into two chunks (the second starting mid-block), then a decode step;
     layers get K/V tensors and recurrent states by their kind; MLPs routed or dense as the config
     says."""
-    hf = make_qwen3_next(tie=tie)
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    hf = make_qwen3_next(tie=tie, **overrides)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
     loaded = load_model(str(tmp_path))
     assert (loaded.model.lm_head is None) == tie
     config, model, bs = loaded.config, loaded.model, 8
     assert config.rotary_dim == 4  # transformers' default partial_rotary_factor 0.25 of head_dim 16
-    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [True, True, False, True]
+    assert [isinstance(layer.mlp, Qwen3NextSparseMoeBlock) for layer in hf.model.layers] == sparse
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == sparse
     caches = allocate_kv_cache(config, 8, bs)
     kinds = [isinstance(c, RecurrentState) for c in caches]
     assert kinds == [t == "linear_attention" for t in LAYER_TYPES]
