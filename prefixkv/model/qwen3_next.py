@@ -31,11 +31,9 @@ class GatedAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         H = config.hidden_size
@@ -57,7 +55,7 @@ class GatedAttention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta):
         T = x.shape[0]
         q, gate = self.query_gate_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self._rotate(self.q_norm(q.contiguous()), cos, sin)
+        q = self._rotate(self.q_norm(q.contiguous()), cos, sin)  # contiguous: the native norm's rows
         k = self._rotate(self.k_norm(self.key_proj(x).view(T, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.value_proj(x).view(T, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window)
@@ -96,8 +94,11 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 # transformers' attention projections -> this model's (LlamaModel's loader would fuse q/k/v)
-_RENAMES = {"self_attn.q_proj.": "self_attn.query_gate_proj.", "self_attn.k_proj.": "self_attn.key_proj."}
-_RENAMES["self_attn.v_proj."] = "self_attn.value_proj."
+_RENAMES = {
+    "self_attn.q_proj.": "self_attn.query_gate_proj.",
+    "self_attn.k_proj.": "self_attn.key_proj.",
+    "self_attn.v_proj.": "self_attn.value_proj.",
+}
 # the zero-centred norms, stored as 1 + w
 _CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 
