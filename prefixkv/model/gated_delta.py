@@ -10,8 +10,9 @@ of k blocks restores the state at the end of block k - 1.
 Prefill runs the chunked form (transformers' torch_chunk_gated_delta_rule; the WY / UT
 transform) with each block-aligned segment of mamba2.py's plan as one chunk: within a segment a
 few batched matmuls and one triangular inverse, across a request's segments the state recurrence
-in order (S <- A S + B, A and B a segment's own). The state at a block boundary is computed from the previous boundary's by the same
-operations whether the prefix came from the cache or not. Decode: the one-token recurrence.
+in order (S <- A S + B, A and B a segment's own). The state at a block boundary is computed from
+the previous boundary's by the same operations whether the prefix came from the cache or not.
+Decode: the one-token recurrence.
 """
 
 from __future__ import annotations
