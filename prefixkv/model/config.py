@@ -24,6 +24,9 @@ SUPPORTED_ARCHITECTURES = (
     # every layer side by side (Falcon-H1, model/falcon_h1.py)
     "BambaForCausalLM",
     "FalconH1ForCausalLM",
+    # gated delta net (linear attention) layers and gated full attention, MoE MLPs
+    # (model/qwen3_next.py)
+    "Qwen3NextForCausalLM",
 )
 
 # The Gemma family's block (model/gemma.py): sandwich norms, GeGLU, scaled embeddings, soft-capping.
@@ -43,6 +46,7 @@ _MODEL_TYPES = {
     "mamba2": "Mamba2ForCausalLM",
     "bamba": "BambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 # Architectures refused with a reason of their own (a near miss of a supported one).
@@ -58,7 +62,10 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 MAMBA = "mamba"
 HYBRID = "hybrid"
-_LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, MAMBA, HYBRID)
+# a gated delta net layer (Qwen3-Next's linear attention): a recurrent state per block, as MAMBA
+LINEAR_ATTENTION = "linear_attention"
+_LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, MAMBA, HYBRID, LINEAR_ATTENTION)
+_RECURRENT_KINDS = (MAMBA, HYBRID, LINEAR_ATTENTION)
 
 # How the Mamba2 mixer gates its scan output y with silu(gate) before out_proj: gated then the
 # group RMS norm (Mamba2, Bamba; Falcon-H1 with mamba_norm_before_gate false), the norm then gated
@@ -168,6 +175,14 @@ class ModelConfig:
     # the share of each attention head's dimensions that rotary rotates (the first ones; Bamba: 0.5)
     partial_rotary_factor: float = 1.0
     mup: MupMultipliers = field(default_factory=MupMultipliers)
+    # the gated delta net of LINEAR_ATTENTION layers (model/gated_delta.py): q/k heads of
+    # linear_key_head_dim, v heads of linear_value_head_dim (a multiple of the q/k heads), a causal
+    # conv of linear_conv_kernel over q, k and v
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -203,6 +218,15 @@ class ModelConfig:
             raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
         if (MAMBA in self.layer_types or HYBRID in self.layer_types) != (self.ssm_state_size > 0):
             raise ValueError("layer_types names mamba or hybrid layers exactly when ssm_state_size is set")
+        if (LINEAR_ATTENTION in self.layer_types) != (self.linear_num_value_heads > 0):
+            raise ValueError("layer_types names linear_attention layers exactly when linear_num_value_heads is set")
+        if self.linear_num_value_heads and (
+            not self.linear_num_key_heads or self.linear_num_value_heads % self.linear_num_key_heads
+        ):
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
         if self.ssm_norm not in SSM_NORMS:
             raise ValueError(f"ssm_norm must be one of {SSM_NORMS}, got {self.ssm_norm!r}")
         if self.ssm_state_size:
@@ -268,16 +292,16 @@ class ModelConfig:
     @property
     def is_recurrent(self) -> bool:
         """Whether some layer keeps a recurrent state per block instead of K/V rows (every layer of
-        Mamba2, the Mamba layers of a hybrid)."""
-        return self.ssm_state_size > 0
+        Mamba2, the Mamba layers of a hybrid, Qwen3-Next's linear attention layers)."""
+        return self.ssm_state_size > 0 or self.linear_num_value_heads > 0
 
     def is_recurrent_layer(self, i: int) -> bool:
-        """Whether decoder layer i has a Mamba2 mixer (a state per block)."""
-        return self.layer_types[i] in (MAMBA, HYBRID)
+        """Whether decoder layer i has a Mamba2 mixer or a gated delta net (a state per block)."""
+        return self.layer_types[i] in _RECURRENT_KINDS
 
     def is_attention_layer(self, i: int) -> bool:
         """Whether decoder layer i has attention (K/V rows per block)."""
-        return self.layer_types[i] != MAMBA
+        return self.layer_types[i] not in (MAMBA, LINEAR_ATTENTION)
 
     @property
     def rotary_dim(self) -> int:
@@ -303,6 +327,8 @@ class ModelConfig:
             return cls(**_hf_bamba_fields(d))
         if arch == "FalconH1ForCausalLM":
             return cls(**_hf_falcon_h1_fields(d))
+        if arch == "Qwen3NextForCausalLM":
+            return cls(**_hf_qwen3_next_fields(d))
         gemma = arch in GEMMA_ARCHITECTURES
         rope_theta, scaling, local_theta = _rope_settings(d, arch)
         n_heads = d["num_attention_heads"]
@@ -845,4 +871,63 @@ def _hf_falcon_h1_fields(d: dict[str, Any]) -> dict[str, Any]:
         ssm_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
         ssm_norm=ssm_norm,
         mup=mup,
+    )
+
+
+def _hf_qwen3_next_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3-Next config.json (transformers' Qwen3NextConfig names and defaults) as ModelConfig
+    fields: gated delta net layers and gated full attention layers (q/k norm, rotary over the first
+    quarter of each head), a mixture-of-experts MLP with a gated shared expert where
+    `decoder_sparse_step` / `mlp_only_layers` say, a dense one elsewhere."""
+    arch = "Qwen3NextForCausalLM"
+    hidden = int(d.get("hidden_size", 2048))
+    n_layers = int(d.get("num_hidden_layers", 48))
+    n_heads = int(d.get("num_attention_heads", 16))
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False)):
+        if d.get(key, supported) != supported:
+            raise ValueError(f"{arch} with {key}={d.get(key)!r} is not supported ({supported!r} only)")
+    layer_types = list(d.get("layer_types") or [])
+    if not layer_types:
+        interval = int(d.get("full_attention_interval", 4))
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)]
+    unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+    if unknown:
+        raise ValueError(f"{arch} with layer type(s) {unknown} is not supported (linear_attention, full_attention)")
+    rope_theta, scaling, _ = _rope_settings(d, arch)
+    if scaling is not None:
+        raise ValueError(f"{arch} with rope scaling {scaling!r} is not supported")
+    rope_params = d.get("rope_parameters") or {}
+    # transformers' Qwen3NextConfig takes 0.25 where neither place says
+    partial = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    num_experts = int(d.get("num_experts", 512))
+    return dict(
+        architecture=arch,
+        vocab_size=int(d.get("vocab_size", 151936)),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or 2),
+        head_dim=int(d.get("head_dim") or 256),
+        intermediate_size=int(d.get("intermediate_size", 5632)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        partial_rotary_factor=float(partial),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id", []),
+        layer_types=layer_types,
+        num_experts=num_experts,
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 10)) if num_experts else 0,
+        moe_intermediate_size=int(d.get("moe_intermediate_size", 512)) if num_experts else 0,
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 512)) if num_experts else 0,
+        decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)) if LINEAR_ATTENTION in layer_types else 0,
+        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+        linear_conv_kernel=int(d.get("linear_conv_kernel_dim", 4)),
     )

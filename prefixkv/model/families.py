@@ -10,6 +10,7 @@ from .gemma import GemmaModel
 from .hybrid import HybridModel
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
+from .qwen3_next import Qwen3NextModel
 
 
 def model_class(config: ModelConfig) -> type[LlamaModel]:
@@ -17,6 +18,8 @@ def model_class(config: ModelConfig) -> type[LlamaModel]:
         return HybridModel
     if config.architecture == "FalconH1ForCausalLM":
         return FalconH1Model
+    if config.architecture == "Qwen3NextForCausalLM":
+        return Qwen3NextModel
     if config.is_recurrent:
         return Mamba2Model
     return GemmaModel if config.is_gemma else LlamaModel

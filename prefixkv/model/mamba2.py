@@ -133,6 +133,32 @@ def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
     return plan
 
 
+def block_causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """The causal depthwise conv (+ silu) of every request's rows x [T, channels], continuing from
+    the conv state of the block before its chunk; the state after each touched block's last row
+    written back (conv_state [num_blocks, channels, kernel - 1])."""
+    w, channels = conv1d.weight, x.shape[1]
+    kernel = w.shape[-1]
+    if plan.decode_only:  # every request at once: its row after its block's last K - 1 inputs
+        prev = conv_state.index_select(0, plan.read_blocks)
+        prev = torch.where(plan.has_prev[:, None, None], prev, torch.zeros_like(prev))
+        seq = torch.cat([prev, x[:, :, None].to(prev.dtype)], dim=2)  # [R, channels, K]
+        conv_state[plan.seg_blocks] = seq[:, :, 1:]
+        out = F.conv1d(seq.to(w.dtype), w, conv1d.bias, groups=channels)[:, :, 0]
+        return F.silu(out.to(x.dtype))
+    zeros = conv_state.new_zeros(conv_state.shape[1:])
+    out = torch.empty_like(x)
+    # request by request in batch order: a block a request reads was written by itself or by an
+    # earlier request (a hit on a block computed in this same step)
+    for q0, q1, read, writes in plan.conv_writes:
+        prev = conv_state[read] if read >= 0 else zeros
+        seq = torch.cat([prev, x[q0:q1].t().to(prev.dtype)], dim=1)  # [channels, K - 1 + n]
+        out[q0:q1] = F.conv1d(seq[None].to(w.dtype), w, conv1d.bias, groups=channels)[0].t()
+        for local_end, block in writes:
+            conv_state[block] = seq[:, local_end : local_end + kernel - 1]
+    return F.silu(out)
+
+
 class GatedRMSNorm(nn.Module):
     """RMS norm of x * silu(gate) in float32, over groups of `group_size` channels."""
 
@@ -214,27 +240,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 
     def _conv(self, xbc: torch.Tensor, conv_state: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """The causal depthwise conv (+ silu) of every request's rows, continuing from the conv state
-        of the block before its chunk; the state after each touched block's last row written back."""
-        w = self.conv1d.weight
-        if plan.decode_only:  # every request at once: its row after its block's last K - 1 inputs
-            prev = conv_state.index_select(0, plan.read_blocks)
-            prev = torch.where(plan.has_prev[:, None, None], prev, torch.zeros_like(prev))
-            seq = torch.cat([prev, xbc[:, :, None].to(prev.dtype)], dim=2)  # [R, conv_dim, K]
-            conv_state[plan.seg_blocks] = seq[:, :, 1:]
-            out = F.conv1d(seq.to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim)[:, :, 0]
-            return F.silu(out.to(xbc.dtype))
-        zeros = conv_state.new_zeros(conv_state.shape[1:])
-        out = torch.empty_like(xbc)
-        # request by request in batch order: a block a request reads was written by itself or by an
-        # earlier request (a hit on a block computed in this same step)
-        for q0, q1, read, writes in plan.conv_writes:
-            prev = conv_state[read] if read >= 0 else zeros
-            seq = torch.cat([prev, xbc[q0:q1].t().to(prev.dtype)], dim=1)  # [conv_dim, K - 1 + n]
-            out[q0:q1] = F.conv1d(seq[None].to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim)[0].t()
-            for local_end, block in writes:
-                conv_state[block] = seq[:, local_end : local_end + self.kernel - 1]
-        return F.silu(out)
+        return block_causal_conv(self.conv1d, xbc, conv_state, plan)
 
     def _scan(
         self, xs: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, ssm: torch.Tensor, plan: _Plan
