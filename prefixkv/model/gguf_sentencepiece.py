@@ -17,6 +17,8 @@ llama.cpp's algorithm, and how it is expressed here:
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Any
 
 from tokenizers import AddedToken, decoders, models, normalizers
@@ -29,6 +31,8 @@ TT_CONTROL = 3
 TT_USER_DEFINED = 4
 TT_UNUSED = 5
 TT_BYTE = 6
+
+logger = logging.getLogger("prefixkv")
 
 _SPACE = "\u2581"
 # llama.cpp's defaults for a SentencePiece vocabulary whose file names no such token
@@ -74,18 +78,31 @@ def _check_supported(meta: dict[str, Any], tokens: list[str], scores: list[float
         )
 
 
-def _merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
-    """Every cut of a token into two tokens, best-scoring whole token first. Among cuts of equal
-    score the longer left part goes first: of two overlapping pairs making the same token that is
-    the leftmost one, which llama.cpp's queue picks."""
+def _merges(vocab: dict[str, int], scores: list[float], added: set[int]) -> list[tuple[str, str]]:
+    """Every cut of a token into two tokens, best-scoring whole token first. llama.cpp breaks a
+    tie between equal scores by position (the leftmost pair); a rank cannot, so equal-score tokens
+    go in id order (a SentencePiece BPE model's merge order; its pieces' scores all differ), and
+    the cuts of one token longer left part first (of two overlapping pairs making that token, the
+    leftmost). A vocabulary with equal-score tokens is logged, but for the `added` ones (cut out of
+    the text before any merge)."""
     ranked: list[tuple[float, int, int, int, str, str]] = []
     for token, i in vocab.items():
         n = len(token)
         for k in range(1, n):
-            left, right = token[:k], token[k:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[i], -k, k - n, i, left, right))
+            left = token[:k]
+            if left in vocab:
+                right = token[k:]
+                if right in vocab:
+                    ranked.append((-scores[i], i, -k, k - n, left, right))
     ranked.sort()
+    per_score = Counter(score for score, i in {(r[0], r[1]) for r in ranked} if i not in added)
+    tied = sum(n for n in per_score.values() if n > 1)
+    if tied:
+        logger.warning(
+            "GGUF SentencePiece vocabulary: %d merge-made tokens share a score with another; they merge in id "
+            "order, where llama.cpp takes the leftmost pair, so a text where two of them overlap may get other ids",
+            tied,
+        )
     return [(left, right) for *_, left, right in ranked]
 
 
@@ -100,9 +117,10 @@ def build_spm_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
 
     # a text that appears twice keeps its last id, as llama.cpp's token_to_id map does
     vocab = {t: i for i, t in enumerate(tokens)}
+    added = {i for i, ty in enumerate(types) if ty in (TT_CONTROL, TT_UNKNOWN, TT_USER_DEFINED)}
     unk = next((t for t, ty in zip(tokens, types) if ty == TT_UNKNOWN), None)
     tok = HFTokenizer(
-        models.BPE(vocab=vocab, merges=_merges(vocab, scores), unk_token=unk, fuse_unk=False, byte_fallback=True)
+        models.BPE(vocab=vocab, merges=_merges(vocab, scores, added), unk_token=unk, fuse_unk=False, byte_fallback=True)
     )
     replace = normalizers.Replace(" ", _SPACE)
     tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if add_space_prefix else replace

@@ -254,6 +254,18 @@ def test_special_ids_and_bos(case):
         assert tok.eos_token_ids == {sp.eos_id()}
 
 
+def test_equal_scores_are_logged(caplog):
+    """Tokens of one score merge in id order where llama.cpp takes the leftmost pair: said in the log."""
+    meta = gguf_meta(train("bpe", gemma=False), gemma=False)
+    with caplog.at_level("WARNING", logger="prefixkv"):
+        Tokenizer.from_gguf_metadata(meta)
+    assert "share a score" not in caplog.text  # a trained model's pieces all score differently
+    meta["tokenizer.ggml.scores"] = [round(s / 100) for s in meta["tokenizer.ggml.scores"]]
+    with caplog.at_level("WARNING", logger="prefixkv"):
+        Tokenizer.from_gguf_metadata(meta)
+    assert "share a score" in caplog.text
+
+
 def test_llama_cpp_defaults_where_the_file_says_nothing():
     sp = train("bpe", gemma=False)
     meta = gguf_meta(sp, gemma=False)
@@ -294,6 +306,7 @@ def test_gemma_gguf_with_sentencepiece_vocabulary_generates(tmp_path, monkeypatc
     import transformers as tf
 
     from prefixkv import LLM, SamplingParams
+    from prefixkv.sampling_params import StructuredOutputsParams
 
     from . import gguf_convert
 
@@ -348,5 +361,10 @@ def test_gemma_gguf_with_sentencepiece_vocabulary_generates(tmp_path, monkeypatc
     assert result.prompt_token_ids == ids
     assert result.outputs[0].token_ids == expected
     assert result.outputs[0].text == sp.decode(expected)
+    # a grammar over this vocabulary: pieces with U+2581 and byte tokens spell the choices
+    choices = ["yes", "no", "maybe not", "日本"]
+    so = StructuredOutputsParams(choice=choices)
+    for out in llm.generate([prompt] * 3, SamplingParams(temperature=1.0, seed=3, max_tokens=8, structured_outputs=so)):
+        assert out.outputs[0].text in choices and out.outputs[0].finish_reason == "stop"
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
