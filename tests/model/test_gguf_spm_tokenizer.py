@@ -53,8 +53,17 @@ TEXTS = [
     "text with <s> inside and </s> after",
     "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
     "<end_of_turn><end_of_turn>  <start_of_turn>",
+    "[INST] What is the prefix cache? [/INST] It keeps blocks.",
+    "call <tool>search</tool> then <tool><tool> twice",
     "Hello world  and   three",
 ]
+
+
+# added tokens of the tokenizer config (trained as user-defined pieces); the special ones (CONTROL) the
+# converter marks control, the rest user-defined
+GEMMA_ADDED = ["<start_of_turn>", "<end_of_turn>", "\u2581\u2581", "\u2581\u2581\u2581"]
+LLAMA_ADDED = ["[INST]", "[/INST]", "<tool>"]
+CONTROL = {"<start_of_turn>", "<end_of_turn>", "[INST]", "[/INST]"}
 
 
 def train(model_type: str, gemma: bool) -> spm.SentencePieceProcessor:
@@ -73,9 +82,7 @@ def train(model_type: str, gemma: bool) -> spm.SentencePieceProcessor:
         remove_extra_whitespaces=False,
         add_dummy_prefix=not gemma,
         split_digits=True,
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>", "\u2581\u2581", "\u2581\u2581\u2581"]
-        if gemma
-        else [],
+        user_defined_symbols=GEMMA_ADDED if gemma else LLAMA_ADDED,
         minloglevel=2,
         **ids,
     )
@@ -83,8 +90,9 @@ def train(model_type: str, gemma: bool) -> spm.SentencePieceProcessor:
 
 
 def gguf_meta(sp: spm.SentencePieceProcessor, gemma: bool) -> dict:
-    """The converter's tokenizer metadata. Gemma's tokenizer config lists the chat markers as
-    special (control) and the whitespace runs as plain added tokens (user-defined)."""
+    """The converter's tokenizer metadata. The tokenizer config lists the chat markers as special
+    (control) and the rest (Gemma's whitespace runs, a tool tag) as plain added tokens
+    (user-defined, U+2581 written as spaces)."""
     tokens, scores, types = [], [], []
     for i in range(sp.get_piece_size()):
         tokens.append(sp.id_to_piece(i))
@@ -92,12 +100,11 @@ def gguf_meta(sp: spm.SentencePieceProcessor, gemma: bool) -> dict:
         types.append(
             2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i) else 1
         )
-    if gemma:
-        for i, t in enumerate(tokens):
-            if t in ("<start_of_turn>", "<end_of_turn>"):
-                types[i], scores[i] = 3, -1000.0
-            elif t and set(t) == {"\u2581"} and len(t) > 1:
-                types[i], scores[i], tokens[i] = 4, -1000.0, t.replace("\u2581", " ")
+    for i, t in enumerate(tokens):
+        if t in CONTROL:
+            types[i], scores[i] = 3, -1000.0
+        elif t in GEMMA_ADDED + LLAMA_ADDED:
+            types[i], scores[i], tokens[i] = 4, -1000.0, t.replace("\u2581", " ")
     meta = {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.pre": "default",
