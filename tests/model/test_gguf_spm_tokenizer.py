@@ -8,6 +8,7 @@ texts; decoding round-trips. A whole Gemma 2 GGUF with such a vocabulary generat
 
 from __future__ import annotations
 
+import functools
 import heapq
 import io
 from pathlib import Path
@@ -66,6 +67,7 @@ LLAMA_ADDED = ["[INST]", "[/INST]", "<tool>"]
 CONTROL = {"<start_of_turn>", "<end_of_turn>", "[INST]", "[/INST]"}
 
 
+@functools.cache  # trained once per kind for the whole file
 def train(model_type: str, gemma: bool) -> spm.SentencePieceProcessor:
     """A SentencePiece model as Llama 2 (bos 1, eos 2, unk 0, space prefix) or Gemma (pad 0, eos 1,
     bos 2, unk 3, no space prefix, chat markers and whitespace runs as user-defined pieces) has it."""
@@ -291,6 +293,7 @@ def test_llama_cpp_defaults_where_the_file_says_nothing():
         ({"tokenizer.ggml.precompiled_charsmap": b"\x01\x02"}, "precompiled_charsmap"),
         ({"tokenizer.ggml.remove_extra_whitespaces": True}, "remove_extra_whitespaces"),
         ({"tokenizer.ggml.scores": [0.0]}, "one value per token"),
+        ({"general.name": "Phi-3-mini-4k-instruct"}, "phi-3 .RSTRIP"),
     ],
 )
 def test_refused_by_name(change, match):
