@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import heapq
 import io
+import random
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,18 @@ def test_encode_equals_llama_cpp_and_sentencepiece(case):
         assert got == llama_cpp_encode(meta, text), (text, [tok.id_to_token(i) for i in got])
         if model_type == "bpe":  # a unigram model's own Viterbi search is not what llama.cpp runs
             assert got == sentencepiece_encode(sp, meta, text), text
+
+
+def test_random_texts_equal_llama_cpp(case):
+    """Random mixes of words, space and newline runs, accents, CJK, emoji, broken and whole
+    special-token texts."""
+    _, _, _, meta, tok = case
+    rng = random.Random(7)
+    words = " ".join(LINES).split(" ") + specials(meta) + ["<", "start_", "[/", "INST", "tool>"]
+    atoms = words + [" ", "  ", "   ", "\n", "\t", "é", "東", "🦊", "\u200b", "ǅ"]
+    for _ in range(300):
+        text = "".join(rng.choice(atoms) + rng.choice(["", " "]) for _ in range(rng.randrange(1, 12)))
+        assert tok.encode(text) == llama_cpp_encode(meta, text), text
 
 
 def test_decode_round_trips(case):
