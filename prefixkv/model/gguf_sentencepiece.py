@@ -36,7 +36,7 @@ logger = logging.getLogger("prefixkv")
 
 _SPACE = "\u2581"
 # llama.cpp's defaults for a SentencePiece vocabulary whose file names no such token
-SPM_DEFAULT_IDS = {"bos": 1, "eos": 2, "unk": 0}
+SPM_DEFAULT_IDS = {"bos": 1, "eos": 2}
 # tokens llama.cpp takes as end of turn when the file names no eot_token_id (it looks them up by text)
 EOT_TEXTS = (
     "<|eot_id|>",
@@ -112,9 +112,8 @@ def _merges(vocab: dict[str, int], scores: list[float], added: set[int]) -> list
     return [(left, right) for *_, left, right in ranked]
 
 
-def build_spm_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
-    """The `tokenizers` Tokenizer of the SentencePiece vocabulary in GGUF metadata `meta`, and
-    whether it adds a space prefix (`tokenizer.ggml.add_space_prefix`)."""
+def build_spm_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
+    """The `tokenizers` Tokenizer of the SentencePiece vocabulary in GGUF metadata `meta`."""
     tokens: list[str] = [str(t) for t in meta["tokenizer.ggml.tokens"]]
     scores = [float(s) for s in meta.get("tokenizer.ggml.scores") or []]
     types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or []]
@@ -146,4 +145,4 @@ def build_spm_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
     ]
     if user:
         tok.add_tokens(user)
-    return tok, add_space_prefix
+    return tok

@@ -410,7 +410,7 @@ class Tokenizer:
         """A SentencePiece vocabulary; special ids and BOS/EOS as llama.cpp reads them: BOS 1 and
         EOS 2 where the file names none, BOS added unless the file says not, and a token llama.cpp
         recognizes by its text (Gemma's <end_of_turn>) ends generation where no eot_token_id is given."""
-        tok, _ = build_spm_tokenizer(meta)
+        tok = build_spm_tokenizer(meta)
         tokens = list(meta["tokenizer.ggml.tokens"])
 
         def special_id(key: str, default: int | None) -> int | None:
