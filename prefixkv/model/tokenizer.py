@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from .chat_template import compile_chat_template
+from .gguf_sentencepiece import EOT_TEXTS, SPM_DEFAULT_IDS, build_spm_tokenizer
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -350,9 +351,12 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         model_type = meta.get("tokenizer.ggml.model")
+        if model_type == "llama":
+            return cls._from_gguf_sentencepiece(meta)
         if model_type != "gpt2":
             raise ValueError(
-                f"Unsupported GGUF tokenizer model {model_type!r}; only byte-level BPE ('gpt2') is supported"
+                f"Unsupported GGUF tokenizer model tokenizer.ggml.model={model_type!r}: its tokenization is not "
+                "implemented here. Supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
             )
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -399,4 +403,31 @@ class Tokenizer:
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             pad_token_id=None if pad is None else int(pad),
+        )
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, meta: dict[str, Any]) -> Tokenizer:
+        """A SentencePiece vocabulary; special ids and BOS/EOS as llama.cpp reads them: BOS 1 and
+        EOS 2 where the file names none, BOS added unless the file says not, and a token llama.cpp
+        recognizes by its text (Gemma's <end_of_turn>) ends generation where no eot_token_id is given."""
+        tok = build_spm_tokenizer(meta)
+        tokens = list(meta["tokenizer.ggml.tokens"])
+
+        def special_id(key: str, default: int | None) -> int | None:
+            value = meta.get(f"tokenizer.ggml.{key}_token_id", default)
+            return None if value is None or not 0 <= int(value) < len(tokens) else int(value)
+
+        eos = special_id("eos", SPM_DEFAULT_IDS["eos"])
+        eot = special_id("eot", None)
+        if eot is None:
+            eot = next((i for i, t in enumerate(tokens) if t in EOT_TEXTS), None)
+        eos_ids = [x for x in (eos, eot) if x is not None]
+        return cls(
+            tok,
+            bos_token_id=special_id("bos", SPM_DEFAULT_IDS["bos"]),
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            pad_token_id=special_id("padding", None),
         )
