@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..model import Tokenizer
 from ..outputs import CompletionOutput, Logprob
 from ..request import Request, RequestStatus
@@ -21,12 +23,18 @@ def logprob_entry(
     return entry
 
 
+# prompt tokens a sequence's text is decoded after (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+DETOKENIZE_CONTEXT = 5
+
+
 class OutputState:
     """Text for one sequence. While the sequence runs, `text` withholds what may still change:
     a tail that could begin a stop string, or an incomplete UTF-8 character - so streamed text
     only ever grows."""
 
-    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, index: int, params: SamplingParams, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
         self.index = index
         self.params = params
         self.tokenizer = tokenizer
@@ -37,7 +45,13 @@ class OutputState:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self._holdback = max((len(s) for s in params.stop or ()), default=1) - 1
-        self._stream = tokenizer.decode_stream(params.skip_special_tokens) if params.detokenize else None
+        # the text reads on from the prompt's last tokens, as vLLM's (its first word keeps its space)
+        self._context = (
+            tokenizer.reading_context(prompt_token_ids, params.skip_special_tokens, DETOKENIZE_CONTEXT)
+            if params.detokenize
+            else []
+        )
+        self._stream = tokenizer.decode_stream(params.skip_special_tokens, self._context) if params.detokenize else None
 
     def update(
         self,
@@ -90,7 +104,7 @@ class OutputState:
             # the final text is one full decode: characters still held back are flushed, and an
             # EOS / stop token stays in token_ids (as in vLLM) but not in the text
             ids = req.output_token_ids[:-1] if strip_last_token else req.output_token_ids
-            self.full_text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+            self.full_text = self.tokenizer.decode_after(self._context, ids, self.params.skip_special_tokens)
         self.text = self.full_text
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -176,7 +176,7 @@ def make_group(
         else:
             child.constraints = constraints
         children.append(child)
-        states.append(OutputState(i, params, tokenizer))
+        states.append(OutputState(i, params, tokenizer, ids))
     group = RequestGroup(request_id, req.prompt, ids, children, states, arrival, lora_request=req.lora_request)
     if params.output_kind is RequestOutputKind.DELTA:
         group.sent = [GivenOut() for _ in children]

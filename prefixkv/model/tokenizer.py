@@ -148,16 +148,23 @@ class TextStream:
 
     A byte-fallback decoder turns a whole run of byte tokens into U+FFFD when the run is invalid
     UTF-8, which rewrites text already returned; DecodeStream then raises, and the stream goes on
-    with the same window decoded from Python (what the final, whole decode replaces anyway)."""
+    with the same window decoded from Python (what the final, whole decode replaces anyway).
 
-    __slots__ = ("_backend", "_skip", "_stream", "_seen", "_window")
+    `context`: tokens before the sequence (the prompt's last few), decoded for context only, as
+    vLLM's detokenizer does: a decoder that drops the first token's leading space (SentencePiece's
+    Metaspace, "first") drops it only at the start of the prompt, so "▁Paris" after a prompt reads
+    " Paris" (`Tokenizer.decode_after` gives the whole text the same way)."""
 
-    def __init__(self, backend: HFTokenizer, skip_special_tokens: bool) -> None:
+    __slots__ = ("_backend", "_skip", "_stream", "_seen", "_window", "_context")
+
+    def __init__(self, backend: HFTokenizer, skip_special_tokens: bool, context: Sequence[int] = ()) -> None:
         self._backend = backend
         self._skip = skip_special_tokens
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._context = list(context)
+        self._stream: DecodeStream | None = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
         self._seen = 0  # tokens of the sequence stepped so far
-        self._window = (0, 0)  # tokens [start, read): decoded for context, [read, ...): not yet returned
+        # tokens of context + sequence [start, read): decoded for context, [read, ...): not yet returned
+        self._window = (0, len(self._context))
 
     def step(self, ids: Sequence[int]) -> str:
         """The text completed by the tokens `ids` (the whole sequence so far) gained since the last step."""
@@ -177,10 +184,11 @@ class TextStream:
                     self._window = (self._window[1], self._seen)
                 return piece
         first, read = self._window
-        before = self._backend.decode(list(ids[first:read]), skip_special_tokens=self._skip)
-        text = self._backend.decode(list(ids[first:]), skip_special_tokens=self._skip)
+        seq = self._context + list(ids)
+        before = self._backend.decode(seq[first:read], skip_special_tokens=self._skip)
+        text = self._backend.decode(seq[first:], skip_special_tokens=self._skip)
         if len(text) > len(before) and not text.endswith("\ufffd"):
-            self._window = (read, self._seen)
+            self._window = (read, len(seq))
             return text[len(before) :]
         return ""
 
@@ -249,10 +257,30 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def reading_context(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True, n: int = 5) -> list[int]:
+        """The prompt's last tokens (at most `n`) that a generated sequence's text is read after:
+        from the first of them whose text is whole (a context that starts inside a character split
+        over byte tokens would decode to U+FFFD and shift what follows); [] when none is."""
+        tail = list(prompt_ids[-n:]) if n > 0 else []
+        for k in range(len(tail)):
+            if "\ufffd" not in self._tok.decode(tail[k:], skip_special_tokens=skip_special_tokens):
+                return tail[k:]
+        return []
+
+    def decode_after(self, context: Sequence[int], ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids` as it reads after the tokens `context` (a generated sequence after its
+        prompt, see TextStream); `decode(ids)` where the context's text is not a prefix of the whole."""
+        if not context:
+            return self.decode(ids, skip_special_tokens)
+        before = self._tok.decode(list(context), skip_special_tokens=skip_special_tokens)
+        text = self._tok.decode([*context, *ids], skip_special_tokens=skip_special_tokens)
+        return text[len(before) :] if text.startswith(before) else self.decode(ids, skip_special_tokens)
+
     # ------------------------------------------------------- streaming
-    def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
-        """A stream that turns generated tokens into text as they arrive (see TextStream)."""
-        return TextStream(self._tok, skip_special_tokens)
+    def decode_stream(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> TextStream:
+        """A stream that turns generated tokens into text as they arrive, read after the tokens
+        `context` (see TextStream)."""
+        return TextStream(self._tok, skip_special_tokens, context)
 
     # ---------------------------------------------------- chat template
     def set_chat_template(self, template: str | None) -> None:

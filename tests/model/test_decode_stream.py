@@ -103,3 +103,35 @@ def test_invalid_byte_run_does_not_fail(sentencepiece_like: Tokenizer) -> None:
     pieces = [stream.step(ids[:i]) for i in range(1, len(ids) + 1)]
     assert pieces[0] == "[" and pieces[-1] == " world"
     assert tok.decode(ids) == "\ufffd\ufffd  world"
+
+
+@pytest.mark.parametrize("which", ["byte_level", "sentencepiece_like"])
+def test_stream_after_a_prompt_equals_decode_after(request, which: str) -> None:
+    """Read after the prompt's last tokens (vLLM's detokenizer): the streamed pieces joined equal
+    `decode_after` of the tokens so far at every complete point."""
+    tok = request.getfixturevalue(which)
+    rng = random.Random(f"context-{which}")
+    compared = 0
+    for _ in range(40):
+        context = tok.reading_context(tok.encode(rng.choice(TEXTS)))
+        ids = _random_ids(tok, rng, rng.randrange(1, 30), which == "byte_level")
+        stream = tok.decode_stream(context=context)
+        text = ""
+        for i in range(1, len(ids) + 1):
+            text += stream.step(ids[:i])
+            full = tok.decode_after(context, ids[:i])
+            if not full.endswith("\ufffd"):
+                assert text == full, (context, ids[:i], text, full)
+                compared += 1
+    assert compared > 300
+
+
+def test_the_first_word_after_a_prompt_keeps_its_space(sentencepiece_like: Tokenizer) -> None:
+    """A SentencePiece decoder strips the space before the text's first word; after a prompt the
+    generated "▁world" reads " world", as vLLM gives it (and the whole decode says "world")."""
+    tok = sentencepiece_like
+    prompt, out = [tok.token_to_id("▁Hello")], [tok.token_to_id("▁world"), tok.token_to_id("!")]
+    assert tok.decode(out) == "world!"
+    assert tok.decode_after(prompt, out) == " world!"
+    stream = tok.decode_stream(context=prompt)
+    assert stream.step(out[:1]) + stream.step(out) == " world!"
