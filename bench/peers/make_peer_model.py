@@ -35,15 +35,14 @@ GGUF_DIR, GGUF_FILE = os.path.split(default_model_path())
 PEERS_DIR = Path(os.environ.get("PREFIXKV_PEERS", Path(__file__).resolve().parents[2] / "peers"))
 
 
-def build(out: str, add_rope_theta: bool = False) -> None:
-    """Write the HF folder of the default GGUF to `out` (also used by tests/server/test_lm_eval.py)."""
+def build(out: str, add_rope_theta: bool = False, model: torch.nn.Module | None = None) -> None:
+    """Write the HF folder of the default GGUF to `out` (also used by tests/server/test_lm_eval.py).
+    `model`: transformers' float32 dequantization of that GGUF, already loaded (the test suite's
+    reference model), saved instead of dequantizing again; it is left as it was given."""
     tok = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE, dtype=torch.float32)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    model.save_pretrained(out)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE, dtype=torch.float32)
+    save_dequantized(model, out)
     tok.save_pretrained(out)
 
     path = os.path.join(out, "tokenizer.json")
@@ -67,6 +66,23 @@ def build(out: str, add_rope_theta: bool = False) -> None:
     tok = AutoTokenizer.from_pretrained(out)
     assert tok("123")["input_ids"] == [33, 34, 35], tok("123")["input_ids"]  # digits one by one
     print("saved", out)
+
+
+def save_dequantized(model: torch.nn.Module, out: str) -> None:
+    """Save without the GGUF quantizer marker (save_pretrained refuses a model that carries it; the
+    weights are plain float32 tensors), then put the marker back."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    qconfig = getattr(model.config, "quantization_config", None)
+    model.hf_quantizer = None
+    if qconfig is not None:
+        del model.config.quantization_config
+    try:
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        model.save_pretrained(out)
+    finally:
+        model.hf_quantizer = quantizer
+        if qconfig is not None:
+            model.config.quantization_config = qconfig
 
 
 def main():

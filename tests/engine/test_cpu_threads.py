@@ -4,6 +4,7 @@ outputs are the same bit for bit whatever the count."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -30,7 +31,17 @@ from prefixkv.model import row_split
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the foreign load is read from /proc/stat")
 
+# The KV these tests need (four prompts of up to ~600 tokens, float32: 46 KB a token), not the
+# default 1 GiB: several default-model engines are built here, one after another.
+KV = 128 << 20
 WORDS = "river mountain quiet engine paper lantern violet harbor copper signal garden winter".split()
+
+
+@pytest.fixture(autouse=True)
+def one_engine_at_a_time():
+    """A test's default-model engines are freed before the next test builds its own."""
+    yield
+    gc.collect()
 
 
 def text(n: int, seed: int) -> str:
@@ -188,11 +199,22 @@ def test_foreign_load_sees_a_busy_neighbour():
 def test_outputs_do_not_depend_on_the_thread_count(dtype):
     """The premise of changing threads per step: logprobs bit for bit at 1, 2 and 4 threads (decode
     attention over 400+ keys splits its keys; the split must follow the data, not the threads)."""
-    llm = LLM(device="cpu", dtype=dtype, max_model_len=1024, cpu_thread_policy="fixed", enable_prefix_caching=False)
+    llm = LLM(
+        device="cpu",
+        dtype=dtype,
+        max_model_len=1024,
+        kv_cache_memory_bytes=KV,
+        cpu_thread_policy="fixed",
+        enable_prefix_caching=False,
+    )
     if not thread_counts_agree(llm.llm_engine.runner.model, torch.get_num_threads()):
         # a CPU whose library kernels split by threads (an Intel Xeon with AMX in bfloat16, seen on a
         # GPU machine): the premise fails there, so the engine must not change counts at all
-        assert LLM(device="cpu", dtype=dtype, max_model_len=1024).llm_engine.cpu_threads is None
+        del llm
+        gc.collect()
+        assert (
+            LLM(device="cpu", dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=KV).llm_engine.cpu_threads is None
+        )
         pytest.skip("this CPU's kernels give other bits on other thread counts: adaptive threads are off")
     prompts = [text(420, 1), "Tell me a story.", text(60, 2), text(150, 3)]
     base = outputs(llm, prompts)
@@ -206,13 +228,16 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype):
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread has no fewer to drop to")
 def test_engine_adapts_beside_a_neighbour_and_outputs_stay():
     prompts = [text(300, 4), "Write a haiku about rivers."]
-    fixed = LLM(device="cpu", max_model_len=1024, cpu_thread_policy="fixed")
+    fixed = LLM(device="cpu", max_model_len=1024, kv_cache_memory_bytes=KV, cpu_thread_policy="fixed")
     want = outputs(fixed, prompts)
     assert fixed.llm_engine.get_stats().cpu_threads == 0  # fixed: nothing adapted, no gauge
     del fixed
+    gc.collect()  # one default-model engine alive at a time
     configured = torch.get_num_threads()
     with busy_neighbour():
-        adaptive = LLM(device="cpu", max_model_len=1024)  # adaptive is the default; its first window spans the load
+        adaptive = LLM(
+            device="cpu", max_model_len=1024, kv_cache_memory_bytes=KV
+        )  # adaptive is the default; its first window spans the load
         got = outputs(adaptive, prompts)
     stats = adaptive.llm_engine.get_stats()
     assert stats.cpu_steps_adapted > 0  # the decode steps ran on fewer threads
@@ -365,7 +390,7 @@ def test_an_abort_that_leaves_the_engine_idle_gives_the_thread_count_back():
     """A request aborted mid-decode (a client gone, an interrupted generate) must not leave the
     process on the fewer threads its last step ran on: the caller's torch code gets its count back."""
     configured = torch.get_num_threads()
-    llm = LLM(device="cpu", max_model_len=512)
+    llm = LLM(device="cpu", max_model_len=512, kv_cache_memory_bytes=KV)
     engine = llm.llm_engine
     threads = engine.cpu_threads
     assert threads is not None

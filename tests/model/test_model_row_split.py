@@ -5,6 +5,7 @@ whole model's outputs do not change when a step splits."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -114,12 +115,26 @@ def test_built_once_and_reused():
     assert build.build(*args, name="prefixkv-row-split") == path and path.stat().st_mtime_ns == stamp
 
 
+@pytest.fixture
+def one_engine_at_a_time():
+    """The engine of one dtype is freed before the next dtype's is built."""
+    yield
+    gc.collect()
+
+
 @TWO_CPUS
+@pytest.mark.usefixtures("one_engine_at_a_time")
 @pytest.mark.parametrize("dtype", [str(dt).removeprefix("torch.") for dt in DTYPES])  # the dtypes the model packs
 def test_model_outputs_do_not_change_when_steps_split(dtype, monkeypatch, two_threads):
     """Every prompt position's logprobs (a ~390-token step: 6 blocks of products) and the generated
     tokens' logprobs bit for bit, split or whole."""
-    llm = LLM(dtype=dtype, max_model_len=1024, cpu_thread_policy="fixed", enable_prefix_caching=False)
+    llm = LLM(
+        dtype=dtype,
+        max_model_len=1024,
+        kv_cache_memory_bytes=64 << 20,  # a ~400-token step, not the default 1 GiB
+        cpu_thread_policy="fixed",
+        enable_prefix_caching=False,
+    )
     words = "river mountain quiet engine paper lantern violet harbor copper signal garden winter".split()
     prompts = [" ".join(words[(i * 5 + s) % len(words)] for i in range(n)) for s, n in ((0, 300), (1, 90))]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)

@@ -31,7 +31,7 @@ def test_embeddings_equal_llm_embed(server):
     docs = [long_text(31, 120) + " First question?", long_text(31, 120) + " Second question?", "Hello"]
     res = client.embeddings.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", input=docs)  # base64 on the wire
     got = torch.tensor([d.embedding for d in res.data])
-    llm = LLM(max_model_len=1024, pooler_config=MEAN)
+    llm = LLM(max_model_len=1024, kv_cache_memory_bytes=64 << 20, pooler_config=MEAN)
     ref = torch.stack([torch.as_tensor(o.outputs.embedding) for o in llm.embed(docs)])
     assert got.shape == ref.shape and torch.allclose(got, ref.float(), atol=1e-4)
     assert torch.allclose(got.norm(dim=-1), torch.ones(3), atol=1e-4)
@@ -94,7 +94,7 @@ def test_completion_return_hidden_states_equals_offline(server):
     h = r.json()["choices"][0]["hidden_states"]
     got = torch.from_numpy(np.frombuffer(base64.b64decode(h["data"]), dtype="<f4").reshape(h["shape"]).copy())
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, return_hidden_states=True)
-    ref = LLM(max_model_len=1024).generate([prompt], params, use_tqdm=False)[0]
+    ref = LLM(max_model_len=1024, kv_cache_memory_bytes=64 << 20).generate([prompt], params, use_tqdm=False)[0]
     assert got.shape == (len(ref.prompt_token_ids) + 4, ref.hidden_states.shape[1])
     assert torch.allclose(got, ref.hidden_states.float(), atol=1e-4)
     for extra, needle in [

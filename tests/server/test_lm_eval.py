@@ -21,16 +21,17 @@ MODEL = "smol"
 
 
 @pytest.fixture(scope="module")
-def hf_folder(request, tmp_path_factory):
+def hf_folder(request, tmp_path_factory, hf_ref_model):
     """transformers' float32 copy of the default GGUF (bench/peers/make_peer_model.py), built once
-    into pytest's cache folder (a temporary one with -p no:cacheprovider): the hf backend's model
-    and both backends' tokenizer."""
+    into pytest's cache folder (a temporary one with -p no:cacheprovider) from the session's
+    reference model (dequantized once for the whole suite): the hf backend's model and both
+    backends' tokenizer."""
     cache = getattr(request.config, "cache", None)
     folder = str(cache.mkdir("smollm2-135m-hf") if cache else tmp_path_factory.mktemp("smollm2-135m-hf"))
     if not os.path.exists(os.path.join(folder, "model.safetensors")):
         from bench.peers.make_peer_model import build
 
-        build(folder)
+        build(folder, model=hf_ref_model)
     return folder
 
 
