@@ -1,12 +1,16 @@
 """One oracle for a tiny random checkpoint served through the whole engine: greedy tokens equal
 transformers' with caching off, with shared prefixes cached (hits > 0), with chunked prefill and
-under preemption, and every KV block free afterwards."""
+under preemption, and every KV block free afterwards; for a recurrent family (its state restored
+on a hit) also a prompt served again from the cache, and the features it refuses by name."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 from typing import Any
+
+import pytest
+import torch
 
 from prefixkv import LLM, SamplingParams
 
@@ -40,3 +44,54 @@ def assert_engine_matches_transformers(folder: Path, hf: Any, seed: str, max_new
             assert engine.prefix_cache_stats.hits > 0
         if kwargs["num_blocks"] == 12:
             assert engine.scheduler.num_preemptions > 0
+
+
+def hf_generate(hf: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate (a recurrent model: its chunked scan for the prompt, its
+    one-token state update after), exactly n tokens."""
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=257)
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_recurrent_engine_matches_transformers(folder: str, hf: Any, max_new: int) -> None:
+    """The oracle above for a saved recurrent or hybrid checkpoint, against transformers' own
+    generate; with caching on, a prompt served again restores its state from the cache."""
+    rng = random.Random(0)
+    shared = [rng.randrange(256) for _ in range(40)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+    prompts.append([rng.randrange(256) for _ in range(7)])
+    expected = [hf_generate(hf, p, max_new) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    settings: list[dict[str, Any]] = [
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True),
+        dict(max_num_batched_tokens=9),
+        dict(num_blocks=12, block_size=8, max_model_len=96),
+    ]
+    for kwargs in settings:
+        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": 8, "max_model_len": 96, **kwargs}
+        llm = LLM(folder, **kwargs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
+        engine = llm.llm_engine
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        if kwargs.get("enable_prefix_caching", True):
+            assert engine.prefix_cache_stats.hits > 0
+            again = llm.generate([prompts[0]], params, use_tqdm=False)[0]
+            assert again.num_cached_tokens > 0
+            assert again.outputs[0].token_ids == expected[0]
+            assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        if kwargs["num_blocks"] == 12:
+            assert engine.scheduler.num_preemptions > 0
+
+
+# what a recurrent family refuses by name: the tiers move K/V rows, LoRA adapts projections
+KV_SHAPED_FEATURES = [
+    (dict(kv_offloading_size=0.01), "kv_offloading_size"),
+    (dict(enable_lora=True), "enable_lora"),
+]
+
+
+def assert_refused(folder: str, kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        LLM(folder, dtype="float32", device="cpu", num_blocks=16, block_size=8, **kwargs)

@@ -17,6 +17,7 @@ from prefixkv.model import AttentionMetadata, ModelConfig, load_model
 from prefixkv.model.mamba2 import RecurrentState
 
 from ..model.test_model_hf_folder import _write_tokenizer
+from .engine_oracle import KV_SHAPED_FEATURES, assert_recurrent_engine_matches_transformers, assert_refused, hf_generate
 
 MAX_NEW = 8
 ATTN_LAYERS = [1, 3]
@@ -58,12 +59,6 @@ def make_bamba(seed: int = 0, tie: bool = False):
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
                     proj.weight.normal_(0, 0.3)
     return model
-
-
-def hf_generate(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy generate, exactly n tokens."""
-    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=257)
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -116,46 +111,12 @@ def test_bamba_block_bytes_count_both_kinds(checkpoint):
 
 def test_bamba_engine_matches_transformers(checkpoint):
     hf, folder = checkpoint
-    rng = random.Random(0)
-    shared = [rng.randrange(256) for _ in range(40)]
-    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
-    prompts.append([rng.randrange(256) for _ in range(7)])
-    expected = [hf_generate(hf, p, MAX_NEW) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    settings = [
-        dict(enable_prefix_caching=False),
-        dict(enable_prefix_caching=True),
-        dict(max_num_batched_tokens=9),
-        dict(num_blocks=12, block_size=8, max_model_len=96),
-    ]
-    for kwargs in settings:
-        kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": 8, "max_model_len": 96, **kwargs}
-        llm = LLM(folder, **kwargs)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
-        engine = llm.llm_engine
-        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-        if kwargs.get("enable_prefix_caching", True):
-            assert engine.prefix_cache_stats.hits > 0
-            again = llm.generate([prompts[0]], params, use_tqdm=False)[0]
-            assert again.num_cached_tokens > 0
-            assert again.outputs[0].token_ids == expected[0]
-            assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-        if kwargs["num_blocks"] == 12:
-            assert engine.scheduler.num_preemptions > 0
+    assert_recurrent_engine_matches_transformers(folder, hf, MAX_NEW)
 
 
-@pytest.mark.parametrize(
-    "kwargs, name",
-    [
-        (dict(kv_offloading_size=0.01), "kv_offloading_size"),
-        (dict(enable_lora=True), "enable_lora"),
-    ],
-)
+@pytest.mark.parametrize("kwargs, name", KV_SHAPED_FEATURES)
 def test_bamba_refuses_kv_shaped_features(checkpoint, kwargs, name):
-    _, folder = checkpoint
-    with pytest.raises(ValueError, match=name):
-        LLM(folder, dtype="float32", device="cpu", num_blocks=16, block_size=8, **kwargs)
+    assert_refused(checkpoint[1], kwargs, name)
 
 
 def test_bamba_config_from_model_type_and_refusals():
