@@ -95,3 +95,34 @@ KV_SHAPED_FEATURES = [
 def assert_refused(folder: str, kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(ValueError, match=name):
         LLM(folder, dtype="float32", device="cpu", num_blocks=16, block_size=8, **kwargs)
+
+
+def assert_disk_tier_and_stage_outputs(tmp_path: Path, hf: Any, block_size: int, max_new: int) -> None:
+    """The per-block features are model-agnostic: a new engine is served the model's blocks from a
+    disk tier (same tokens), and pooled embeddings from the stage-output cache equal transformers'
+    final hidden states, the second document's over a hit."""
+    model = tmp_path / "model"
+    hf.save_pretrained(model, safe_serialization=True)
+    _write_tokenizer(model)
+    rng = random.Random(3)
+    prompt = [rng.randrange(256) for _ in range(4 * block_size - 4)]
+    expected = hf_greedy(hf, prompt, max_new)
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    base = dict(dtype="float32", num_blocks=64, block_size=block_size, max_model_len=8 * block_size)
+    tier = f"disk:{tmp_path / 'kv'}"
+    first = LLM(str(model), **base, kv_tier=tier)
+    assert first.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    first.llm_engine.tiers.flush()
+    second = LLM(str(model), **base, kv_tier=tier)
+    out = second.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected and out.num_cached_tokens >= 3 * block_size
+
+    llm = LLM(str(model), **base, enable_stage_output_cache=True)
+    docs = [prompt[: 2 * block_size + 8] + [rng.randrange(256) for _ in range(n)] for n in (3, 9)]
+    with torch.no_grad():
+        ref = [hf(torch.tensor([d]), output_hidden_states=True).hidden_states[-1][0] for d in docs]
+    outs = llm.embed([{"prompt_token_ids": d} for d in docs], pooling="all", normalize=False, use_tqdm=False)
+    for o, h in zip(outs, ref):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), h, atol=1e-4, rtol=1e-4)
+    assert outs[1].num_cached_tokens >= 2 * block_size
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks

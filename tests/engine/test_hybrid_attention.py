@@ -17,6 +17,7 @@ from prefixkv.model import ModelConfig
 
 from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _common, _write_tokenizer
+from .engine_oracle import assert_disk_tier_and_stage_outputs
 from .test_correctness import check_prompt_logprobs, hf_prompt_logprobs
 
 MAX_NEW = 8
@@ -196,32 +197,7 @@ def test_gemma_with_a_disk_tier_and_the_stage_output_cache(tmp_path):
     """The per-block features are model-agnostic: a new engine is served Gemma 3's blocks from a
     disk tier (same tokens), and pooled embeddings from the stage-output cache equal transformers'
     final hidden states."""
-    hf = _make("gemma3")
-    model = tmp_path / "model"
-    hf.save_pretrained(model, safe_serialization=True)
-    _write_tokenizer(model)
-    rng = random.Random(3)
-    prompt = [rng.randrange(256) for _ in range(60)]
-    expected = hf_greedy(hf, prompt, MAX_NEW)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    base = dict(dtype="float32", num_blocks=64, block_size=16, max_model_len=128)
-    tier = f"disk:{tmp_path / 'kv'}"
-    first = LLM(str(model), **base, kv_tier=tier)
-    assert first.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == expected
-    first.llm_engine.tiers.flush()
-    second = LLM(str(model), **base, kv_tier=tier)
-    out = second.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == expected and out.num_cached_tokens >= 48
-
-    llm = LLM(str(model), **base, enable_stage_output_cache=True)
-    docs = [prompt[:40] + [rng.randrange(256) for _ in range(n)] for n in (3, 9)]
-    with torch.no_grad():
-        ref = [hf(torch.tensor([d]), output_hidden_states=True).hidden_states[-1][0] for d in docs]
-    outs = llm.embed([{"prompt_token_ids": d} for d in docs], pooling="all", normalize=False, use_tqdm=False)
-    for o, h in zip(outs, ref):
-        torch.testing.assert_close(torch.tensor(o.outputs.embedding), h, atol=1e-4, rtol=1e-4)
-    assert outs[1].num_cached_tokens >= 32
-    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+    assert_disk_tier_and_stage_outputs(tmp_path, _make("gemma3"), 16, MAX_NEW)
 
 
 def test_hub_style_gemma_configs_are_read_as_transformers_reads_them():
