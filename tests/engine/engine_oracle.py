@@ -126,3 +126,20 @@ def assert_disk_tier_and_stage_outputs(tmp_path: Path, hf: Any, block_size: int,
         torch.testing.assert_close(torch.tensor(o.outputs.embedding), h, atol=1e-4, rtol=1e-4)
     assert outs[1].num_cached_tokens >= 2 * block_size
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
+def assert_prompt_logprobs_over_stage_outputs(folder: str, hf: Any) -> None:
+    """Prompt logprobs over a cached prefix (its hidden states from the stage-output cache) equal
+    the uncached ones, and the tokens transformers'."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(256) for _ in range(30)]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0, ignore_eos=True)
+    llm = LLM(folder, dtype="float32", device="cpu", num_blocks=32, block_size=8, enable_stage_output_cache=True)
+    first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert second.num_cached_tokens > 0
+    assert first.prompt_logprobs is not None and second.prompt_logprobs is not None
+    lp = [next(iter(d.values())).logprob for d in first.prompt_logprobs[1:] if d is not None]
+    lp2 = [next(iter(d.values())).logprob for d in second.prompt_logprobs[1:] if d is not None]
+    assert len(lp) == len(prompt) - 1 and lp == pytest.approx(lp2, abs=1e-5)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids == hf_generate(hf, prompt, 2)
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks

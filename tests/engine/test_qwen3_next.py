@@ -8,12 +8,9 @@ afterwards."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from prefixkv import LLM, SamplingParams
 from prefixkv.memory.block_tensors import BlockTensors, allocate_kv_cache, kv_cache_specs
 from prefixkv.model import AttentionMetadata, ModelConfig, load_model
 from prefixkv.model.gated_delta import GatedDeltaNet
@@ -21,7 +18,12 @@ from prefixkv.model.mamba2 import RecurrentState
 from prefixkv.model.moe import SparseMoeBlock
 
 from ..model.test_model_hf_folder import _write_tokenizer
-from .engine_oracle import KV_SHAPED_FEATURES, assert_recurrent_engine_matches_transformers, assert_refused, hf_generate
+from .engine_oracle import (
+    KV_SHAPED_FEATURES,
+    assert_prompt_logprobs_over_stage_outputs,
+    assert_recurrent_engine_matches_transformers,
+    assert_refused,
+)
 
 MAX_NEW = 8
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -256,14 +258,4 @@ def test_qwen3_next_prompt_logprobs_with_stage_output_cache(checkpoint):
     """Prompt logprobs over a cached prefix (its hidden states from the stage-output cache) equal
     the uncached ones."""
     hf, folder = checkpoint
-    rng = random.Random(1)
-    prompt = [rng.randrange(256) for _ in range(30)]
-    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0, ignore_eos=True)
-    llm = LLM(folder, dtype="float32", device="cpu", num_blocks=32, block_size=8, enable_stage_output_cache=True)
-    first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
-    assert second.num_cached_tokens > 0
-    lp = [next(iter(d.values())).logprob for d in first.prompt_logprobs[1:]]
-    lp2 = [next(iter(d.values())).logprob for d in second.prompt_logprobs[1:]]
-    assert lp == pytest.approx(lp2, abs=1e-5)
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids == hf_generate(hf, prompt, 2)
-    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+    assert_prompt_logprobs_over_stage_outputs(folder, hf)
