@@ -732,27 +732,23 @@ def _gguf_mamba2_fields(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
     )
 
 
-def _hf_bamba_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """A Bamba config.json (transformers' BambaConfig names and defaults) as ModelConfig fields:
-    Mamba2 layers, attention (Llama's, GQA, rotary on half of each head) at `attn_layer_indices`,
-    a SwiGLU MLP after either."""
-    arch = "BambaForCausalLM"
+def _hf_mamba2_hybrid_fields(
+    d: dict[str, Any], arch: str, ssm_intermediate: int, unsupported: tuple[tuple[str, Any], ...]
+) -> dict[str, Any]:
+    """What Bamba and Falcon-H1 configs (transformers' names and defaults) share as ModelConfig
+    fields: the attention's and the MLP's sizes, rotary, and the Mamba2 mixer's heads, groups,
+    conv and time-step limit; `unsupported`: (key, the one value supported) pairs refused by name."""
     hidden = int(d.get("hidden_size", 4096))
-    n_layers = int(d.get("num_hidden_layers", 32))
     n_heads = int(d.get("num_attention_heads", 32))
-    ssm_intermediate = int(d.get("mamba_expand", 2) * hidden)
     ssm_heads = int(d.get("mamba_n_heads", 128))
     ssm_head_dim = d.get("mamba_d_head", "auto")
     ssm_head_dim = ssm_intermediate // ssm_heads if ssm_head_dim in (None, "auto") else int(ssm_head_dim)
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), *unsupported):
         if d.get(key, supported) != supported:
             raise ValueError(f"{arch} with {key}={d.get(key)!r} is not supported ({supported!r} only)")
     groups = int(d.get("mamba_n_groups", 1))
     if ssm_heads % groups:
         raise ValueError(f"{arch} with mamba_n_heads ({ssm_heads}) not a multiple of mamba_n_groups ({groups})")
-    attn = {int(i) for i in d.get("attn_layer_indices") or ()}
-    if not attn <= set(range(n_layers)):
-        raise ValueError(f"{arch} attn_layer_indices {sorted(attn)} outside its {n_layers} layers")
     rope_theta, scaling, _ = _rope_settings(d, arch)
     if scaling is not None:
         raise ValueError(f"{arch} with rope scaling {scaling!r} is not supported")
@@ -761,31 +757,48 @@ def _hf_bamba_fields(d: dict[str, Any]) -> dict[str, Any]:
         architecture=arch,
         vocab_size=int(d.get("vocab_size", 128000)),
         hidden_size=hidden,
-        num_hidden_layers=n_layers,
+        num_hidden_layers=int(d.get("num_hidden_layers", 32)),
         num_attention_heads=n_heads,
         num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
         head_dim=int(d.get("head_dim") or hidden // n_heads),
         intermediate_size=int(d.get("intermediate_size", 14336)),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
         rope_theta=rope_theta,
-        # transformers' BambaConfig takes 0.5 where rope_parameters does not say
-        partial_rotary_factor=float((d.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)),
-        max_position_embeddings=int(d.get("max_position_embeddings", 262144)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id", 1),
         eos_token_id=d.get("eos_token_id", 2),
-        layer_types=[FULL_ATTENTION if i in attn else MAMBA for i in range(n_layers)],
-        # attention in every layer: no mixer, no state
-        ssm_state_size=int(d.get("mamba_d_state", 256)) if len(attn) < n_layers else 0,
+        ssm_state_size=int(d.get("mamba_d_state", 256)),
         ssm_num_heads=ssm_heads,
         ssm_head_dim=ssm_head_dim,
         ssm_intermediate_size=ssm_intermediate,
         ssm_n_groups=groups,
         ssm_conv_kernel=int(d.get("mamba_d_conv", 4)),
         ssm_use_conv_bias=bool(d.get("mamba_conv_bias", True)),
-        ssm_use_bias=bool(d.get("mamba_proj_bias", False)),
         ssm_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
     )
+
+
+def _hf_bamba_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A Bamba config.json (transformers' BambaConfig names and defaults) as ModelConfig fields:
+    Mamba2 layers, attention (Llama's, GQA, rotary on half of each head) at `attn_layer_indices`,
+    a SwiGLU MLP after either."""
+    arch = "BambaForCausalLM"
+    ssm_intermediate = int(d.get("mamba_expand", 2) * int(d.get("hidden_size", 4096)))
+    fields = _hf_mamba2_hybrid_fields(d, arch, ssm_intermediate, ())
+    n_layers = fields["num_hidden_layers"]
+    attn = {int(i) for i in d.get("attn_layer_indices") or ()}
+    if not attn <= set(range(n_layers)):
+        raise ValueError(f"{arch} attn_layer_indices {sorted(attn)} outside its {n_layers} layers")
+    fields.update(
+        # transformers' BambaConfig takes 0.5 where rope_parameters does not say
+        partial_rotary_factor=float((d.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 262144)),
+        layer_types=[FULL_ATTENTION if i in attn else MAMBA for i in range(n_layers)],
+        ssm_use_bias=bool(d.get("mamba_proj_bias", False)),
+    )
+    if len(attn) == n_layers:  # attention in every layer: no mixer, no state
+        fields["ssm_state_size"] = 0
+    return fields
 
 
 def _hf_falcon_h1_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -793,30 +806,11 @@ def _hf_falcon_h1_fields(d: dict[str, Any]) -> dict[str, Any]:
     fields: a Mamba2 mixer and attention side by side in every layer, a SwiGLU MLP after, muP
     multipliers throughout."""
     arch = "FalconH1ForCausalLM"
-    hidden = int(d.get("hidden_size", 4096))
-    n_layers = int(d.get("num_hidden_layers", 32))
-    n_heads = int(d.get("num_attention_heads", 32))
     d_ssm = d.get("mamba_d_ssm", 1024)
-    ssm_intermediate = int(d.get("mamba_expand", 2) * hidden) if d_ssm is None else int(d_ssm)
-    ssm_heads = int(d.get("mamba_n_heads", 128))
-    ssm_head_dim = d.get("mamba_d_head", "auto")
-    ssm_head_dim = ssm_intermediate // ssm_heads if ssm_head_dim in (None, "auto") else int(ssm_head_dim)
-    for key, supported in (
-        ("hidden_act", "silu"),
-        ("attention_bias", False),
-        ("mlp_bias", False),
-        ("projectors_bias", False),
-        ("mamba_proj_bias", False),
-    ):
-        if d.get(key, supported) != supported:
-            raise ValueError(f"{arch} with {key}={d.get(key)!r} is not supported ({supported!r} only)")
-    groups = int(d.get("mamba_n_groups", 1))
-    if ssm_heads % groups:
-        raise ValueError(f"{arch} with mamba_n_heads ({ssm_heads}) not a multiple of mamba_n_groups ({groups})")
-    rope_theta, scaling, _ = _rope_settings(d, arch)
-    if scaling is not None:
-        raise ValueError(f"{arch} with rope scaling {scaling!r} is not supported")
-    limit = d.get("time_step_limit") or (0.0, float("inf"))
+    ssm_intermediate = int(d.get("mamba_expand", 2) * int(d.get("hidden_size", 4096))) if d_ssm is None else int(d_ssm)
+    fields = _hf_mamba2_hybrid_fields(
+        d, arch, ssm_intermediate, (("projectors_bias", False), ("mamba_proj_bias", False))
+    )
     if not d.get("mamba_rms_norm", False):
         ssm_norm = "none"
     else:
@@ -844,34 +838,14 @@ def _hf_falcon_h1_fields(d: dict[str, Any]) -> dict[str, Any]:
     )
     if mup.embedding == 0:
         raise ValueError(f"{arch} with embedding_multiplier 0 is not supported")
-    return dict(
-        architecture=arch,
-        vocab_size=int(d.get("vocab_size", 128000)),
-        hidden_size=hidden,
-        num_hidden_layers=n_layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
-        head_dim=int(d.get("head_dim") or hidden // n_heads),
-        intermediate_size=int(d.get("intermediate_size", 14336)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-        rope_theta=rope_theta,
+    fields.update(
         partial_rotary_factor=float((d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)),
         max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_token_id=d.get("bos_token_id", 1),
-        eos_token_id=d.get("eos_token_id", 2),
-        layer_types=[HYBRID] * n_layers,
-        ssm_state_size=int(d.get("mamba_d_state", 256)),
-        ssm_num_heads=ssm_heads,
-        ssm_head_dim=ssm_head_dim,
-        ssm_intermediate_size=ssm_intermediate,
-        ssm_n_groups=groups,
-        ssm_conv_kernel=int(d.get("mamba_d_conv", 4)),
-        ssm_use_conv_bias=bool(d.get("mamba_conv_bias", True)),
-        ssm_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+        layer_types=[HYBRID] * fields["num_hidden_layers"],
         ssm_norm=ssm_norm,
         mup=mup,
     )
+    return fields
 
 
 def _hf_qwen3_next_fields(d: dict[str, Any]) -> dict[str, Any]:

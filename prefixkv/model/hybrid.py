@@ -11,7 +11,6 @@ state at the end of block k - 1 and attention's K/V of blocks 0..k-1 together.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from typing import cast
@@ -103,10 +102,6 @@ class HybridModel(LlamaModel):
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return HybridDecoderLayer(config, layer_idx)
-
-    def make_rotary(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RotaryEmbedding:
-        # the rotated part's frequencies: transformers' base ** (-2i / rotary_dim)
-        return RotaryEmbedding(dataclasses.replace(config, head_dim=config.rotary_dim), dtype, device)
 
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
         super().init_random_weights(seed, std)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import Any, cast
@@ -145,7 +146,10 @@ class LlamaModel(nn.Module):
         return DecoderLayer(config, layer_idx)
 
     def make_rotary(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RotaryEmbedding:
-        """The rotary table, over each head's whole width (a family rotating part of it overrides this)."""
+        """The rotary table over the part of each head that rotates (`rotary_dim`: the whole head
+        unless the config's partial_rotary_factor says less): transformers' base ** (-2i / rotary_dim)."""
+        if config.rotary_dim != config.head_dim:
+            config = dataclasses.replace(config, head_dim=config.rotary_dim)
         return RotaryEmbedding(config, dtype, device)
 
     def make_norm(self, dim: int, eps: float) -> RMSNorm:

@@ -9,7 +9,6 @@ Every norm but the delta net's is zero-centred, x / rms(x) * (1 + w): model/gemm
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import cast
 
@@ -122,10 +121,6 @@ class Qwen3NextModel(LlamaModel):
 
     def make_norm(self, dim: int, eps: float) -> RMSNorm:
         return GemmaRMSNorm(dim, eps)
-
-    def make_rotary(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RotaryEmbedding:
-        # the rotated part's frequencies: transformers' base ** (-2i / rotary_dim)
-        return RotaryEmbedding(dataclasses.replace(config, head_dim=config.rotary_dim), dtype, device)
 
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
         super().init_random_weights(seed, std)
