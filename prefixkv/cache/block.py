@@ -35,7 +35,7 @@ class KVCacheBlock:
         self.block_key: BlockKey | None = None
         self.uid = 0
         self.content_hash: bytes | None = None
-        self.group_idx = 0  # the KV-cache group whose identity it holds (sliding_window.py)
+        self.group_idx = 0  # the KV-cache group of the identity `content_hash` names (sliding_window.py)
         # KVCacheBlock or None; typed Any because LRUPolicy follows them without checks: a block in
         # the free queue always has both (sentinels at the ends), one outside it has neither.
         self.prev_free_block: Any = None

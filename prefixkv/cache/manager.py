@@ -270,7 +270,6 @@ class KVCacheManager:
                 member = table[i]
                 if member is not None:
                     insert(group_key(blocks[i].uid, g, chain.extra(i)), member)
-                    member.group_idx = g
 
     def _stored_event(
         self, request: CacheRequest, state: _RequestBlocks, start: int, end: int, group: int = 0
@@ -281,8 +280,9 @@ class KVCacheManager:
         table = state.groups[group - 1] if group else state.blocks
         for i in range(start, end):
             block = table[i]
-            if block is not None:
+            if block is not None:  # the group goes with the hash: its BlockRemoved names it
                 block.content_hash = hashes[i]
+                block.group_idx = group
         event = self._describe(request, state.chain, hashes, start, end)
         if not group:
             return event

@@ -128,3 +128,21 @@ def test_an_unloaded_adapters_blocks_go_in_every_group():
     evicted, held = mgr.evict_where(lambda extras: any(k[0] == "lora" for k in extras))
     assert (evicted, held) == (5 + 5, 0)
     assert mgr.get_computed_blocks(Request("b", toks(20) + [3], lora_request="x"))[1] == 0
+
+
+def test_a_block_reused_by_another_group_is_removed_under_that_group():
+    """A block freed by one group and reused by another carries the new group: its eviction's
+    BlockRemoved names the group whose identity it held."""
+    mgr = hybrid(num_blocks=8, windows=(4,), enable_kv_cache_events=True)
+    for i in range(8):  # the pool turns over: each reuse takes blocks whichever group last held them
+        r = Request(f"r{i}", toks(8 + 4 * (i % 3), 1000 + 100 * i))
+        prefill(mgr, r)
+        mgr.free(r)
+    checked = 0
+    for block in mgr.block_pool.blocks:
+        if block.content_hash is not None:
+            assert block.block_key is not None
+            marker = block.block_key[1][0]
+            assert block.group_idx == (-marker if marker < 0 else 0), block
+            checked += 1
+    assert checked == 8
