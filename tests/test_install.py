@@ -60,7 +60,9 @@ def test_clean_venv_install_serves_the_default_model(tmp_path: Path) -> None:
     _run([base, "-m", "venv", str(venv)], 120)
     py, pip = venv / "bin" / "python", [str(venv / "bin" / "python"), "-m", "pip"]
     t0 = time.monotonic()
-    _run([*pip, "install", "-q", str(wheel)], INSTALL_TIMEOUT_S)
+    # without byte-compiling every module installed (torch's and transformers' thousands: a minute
+    # of this test's time); what runs compiles what it imports
+    _run([*pip, "install", "-q", "--no-compile", str(wheel)], INSTALL_TIMEOUT_S)
     install_s = time.monotonic() - t0
     size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink())
     print(f"install: {install_s:.0f} s, venv {size / 2**30:.2f} GiB")
