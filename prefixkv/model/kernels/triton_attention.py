@@ -282,7 +282,7 @@ def _prefill_kernel(
 
 def _pow2(n: int, least: int = 16) -> int:
     """Block extents: powers of two (tl.arange) and at least 16 (tl.dot's smallest tile)."""
-    return max(least, triton.next_power_of_2(n))
+    return max(least, int(triton.next_power_of_2(n)))
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -320,8 +320,8 @@ def decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sms, batch * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_context, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    wanted = -(-2 * sms // (batch * num_kv_heads))
+    return max(1, min(wanted, -(-max_context // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
 def paged_decode(
@@ -373,8 +373,7 @@ def paged_decode(
         block_tables,
         seq_lens,
     )
-    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    cache_strides += (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     head = (scale, start, window or 0, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0))
     if splits == 1:
         lse_out = lse if lse is not None else out  # not written without HAS_LSE
@@ -426,7 +425,7 @@ def paged_decode(
         lse_arg.stride(1),
         NUM_SPLITS=splits,
         D=D,
-        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_S=_pow2(splits, 1),
         BLOCK_D=_pow2(D),
         HAS_LSE=lse is not None,
     )
