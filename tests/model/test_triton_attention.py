@@ -2,10 +2,14 @@
 softmax over the gathered context: ragged lengths crossing block boundaries, GQA, a sliding window,
 a start past a shared prefix, padding rows, split contexts; float32 to rounding, bfloat16 and
 float16 close. On CPU under Triton's interpreter (tests/model/triton_interpreter.py), compiled on a
-GPU."""
+GPU; and compiled for an H100 without one (tests/model/triton_compile.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -152,3 +156,18 @@ def test_prefill_matches_reference(ta: ModuleType, dtype, hq, hkv, chunks, windo
         torch.testing.assert_close(out[rows].double(), o, atol=atol, rtol=rtol)
         torch.testing.assert_close(lse[rows].double(), ref_lse, atol=1e-4, rtol=1e-4)
     assert (out[~written] == 7.0).all() and (lse[~written] == 7.0).all()  # other rows untouched
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper(tmp_path):
+    """Triton's compiler takes every kernel variant the entry points launch down to an H100's
+    machine code, here without a GPU (in a process of its own: this one may run the interpreter)."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.model.triton_compile", "90"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("sm_90 ") == 9, done.stdout

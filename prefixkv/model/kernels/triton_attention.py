@@ -17,6 +17,8 @@ which is how the CPU tests check them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -285,20 +287,64 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, int(triton.next_power_of_2(n)))
 
 
-def _precision(q: torch.Tensor) -> str:
-    """IEEE float32 products where they are float32 (not TF32's 10-bit mantissa)."""
-    return "ieee" if _dot_dtype(q) == tl.float32 else "tf32"
-
-
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _dot_dtype(q: torch.Tensor) -> tl.dtype:
-    """What the products take: q's dtype on a GPU (float32 accumulation either way); float32 off
-    one, where Triton's interpreter multiplies bfloat16 blocks wrongly (their raw bits)."""
-    if q.dtype not in _DOT_DTYPES:
-        raise ValueError(f"no Triton attention for {q.dtype}: float32, bfloat16 or float16")
-    return _DOT_DTYPES[q.dtype] if q.device.type == "cuda" else tl.float32
+def _products(dtype: torch.dtype, on_gpu: bool) -> dict[str, Any]:
+    """What the products take: q's dtype on a GPU (float32 accumulation either way), float32 off
+    one, where Triton's interpreter multiplies bfloat16 blocks wrongly (their raw bits); float32
+    products at IEEE precision (not TF32's 10-bit mantissa)."""
+    if dtype not in _DOT_DTYPES:
+        raise ValueError(f"no Triton attention for {dtype}: float32, bfloat16 or float16")
+    dot = _DOT_DTYPES[dtype] if on_gpu else tl.float32
+    return dict(DOT_DTYPE=dot, PRECISION="ieee" if dot == tl.float32 else "tf32")
+
+
+# Launch options on a GPU: 8 warps keep a 128-wide head's tiles out of local memory (ptxas spilled
+# them at 4, tests/model/triton_compile.py); 2 stages of K/V tiles in flight.
+LAUNCH = dict(num_warps=8, num_stages=2)
+
+
+def decode_constants(
+    dtype: torch.dtype, on_gpu: bool, group: int, head_dim: int, block_size: int, splits: int, window: bool, lse: bool
+) -> dict[str, Any]:
+    """The decode kernel's compile-time arguments and launch options (tiles of 64 keys on a GPU, 32
+    in float32 there - its IEEE products take twice the registers - and 16 under the interpreter)."""
+    keys = (32 if dtype == torch.float32 else 64) if on_gpu else 16
+    return dict(
+        G=group,
+        D=head_dim,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=splits,
+        BLOCK_G=_pow2(group),
+        BLOCK_N=keys,
+        BLOCK_D=_pow2(head_dim),
+        HAS_WINDOW=window,
+        HAS_LSE=lse or splits > 1,
+        **_products(dtype, on_gpu),
+        **LAUNCH,
+    )
+
+
+def prefill_constants(
+    dtype: torch.dtype, on_gpu: bool, group: int, head_dim: int, block_size: int, max_new: int, window: bool, lse: bool
+) -> dict[str, Any]:
+    """The prefill kernel's compile-time arguments and launch options: tiles of 64 queries x 64 keys
+    on a GPU (32 x 32 in float32), 16 keys and at most 32 queries under the interpreter."""
+    tile = (32 if dtype == torch.float32 else 64) if on_gpu else 16
+    rows = 16 if max_new <= 16 else max(tile, 32)
+    return dict(
+        G=group,
+        D=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=rows,
+        BLOCK_N=tile,
+        BLOCK_D=_pow2(head_dim),
+        HAS_WINDOW=window,
+        HAS_LSE=lse,
+        **_products(dtype, on_gpu),
+        **LAUNCH,
+    )
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -354,18 +400,8 @@ def paged_decode(
     splits = num_splits or decode_splits(B, hkv, block_tables.shape[1] * block_size, q.device)
     if B == 0:
         return out
-    common = dict(
-        G=g,
-        D=D,
-        BLOCK_SIZE=block_size,
-        NUM_SPLITS=splits,
-        BLOCK_G=_pow2(g),
-        BLOCK_N=64 if q.device.type == "cuda" else 16,
-        BLOCK_D=_pow2(D),
-        HAS_WINDOW=window is not None,
-        PRECISION=_precision(q),
-        DOT_DTYPE=_dot_dtype(q),
-    )
+    on_gpu = q.device.type == "cuda"
+    common = decode_constants(q.dtype, on_gpu, g, D, block_size, splits, window is not None, lse is not None)
     args = (
         q,
         k_cache,
@@ -388,7 +424,6 @@ def paged_decode(
             lse_out.stride(0),
             lse_out.stride(1),
             0,
-            HAS_LSE=lse is not None,
             **common,
         )
         return out
@@ -405,7 +440,6 @@ def paged_decode(
         part_lse.stride(0),
         part_lse.stride(1),
         part_lse.stride(2),
-        HAS_LSE=True,
         **common,
     )
     lse_arg = lse if lse is not None else part_lse  # not written without HAS_LSE
@@ -461,10 +495,11 @@ def paged_prefill(
     Hq, D = q.shape[1], q.shape[2]
     if C == 0 or max_new == 0:
         return out
-    block_m = 16 if max_new <= 16 else (32 if q.device.type != "cuda" else 64)
-    block_n = 16 if q.device.type != "cuda" else 64
+    constants = prefill_constants(
+        q.dtype, q.device.type == "cuda", g, D, block_size, max_new, window is not None, lse is not None
+    )
     lse_arg = lse if lse is not None else out  # not written without HAS_LSE
-    _prefill_kernel[(triton.cdiv(max_new, block_m), C, Hq)](
+    _prefill_kernel[(-(-max_new // constants["BLOCK_M"]), C, Hq)](
         q,
         k_cache,
         v_cache,
@@ -490,15 +525,6 @@ def paged_prefill(
         out.stride(1),
         lse_arg.stride(0),
         lse_arg.stride(1),
-        G=g,
-        D=D,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=_pow2(D),
-        HAS_WINDOW=window is not None,
-        HAS_LSE=lse is not None,
-        PRECISION=_precision(q),
-        DOT_DTYPE=_dot_dtype(q),
+        **constants,
     )
     return out
