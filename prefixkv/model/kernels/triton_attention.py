@@ -370,6 +370,14 @@ def decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch
     return max(1, min(wanted, -(-max_context // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
+def decode_workspace(
+    batch: int, num_heads: int, head_dim: int, splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split decode's partial outputs [B, Hq, splits, D] and log-sum-exps [B, Hq, splits]."""
+    part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=device)
+    return part_o, torch.empty(batch, num_heads, splits, dtype=torch.float32, device=device)
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -383,6 +391,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     num_splits: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one new query a sequence over its context, read in place.
 
@@ -391,7 +400,8 @@ def paged_decode(
     gets zeros (lse -inf). Keys from `start` on, or from seq_len - `window` on with a window.
     Writes into `out` ([B, Hq, D], q's dtype) if given, and the log-sum-exp into `lse` ([B, Hq],
     float32) if given. `num_splits` (default: decode_splits) splits each context as flash-decoding
-    does, partial results merged by a second kernel.
+    does, partial results merged by a second kernel, in `workspace` if given (decode_workspace's),
+    else in buffers allocated here.
     """
     block_size, hkv, g = _check_cache(q, k_cache, v_cache)
     B, Hq, D = q.shape
@@ -427,8 +437,7 @@ def paged_decode(
             **common,
         )
         return out
-    part_o = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+    part_o, part_lse = workspace if workspace is not None else decode_workspace(B, Hq, D, splits, q.device)
     _decode_kernel[(B, hkv, splits)](
         *args,
         part_o,
