@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -99,7 +100,7 @@ def main() -> None:
                         os.environ[ENV] = path
                         m = meta()
                         outs[path] = paged_attention(q, k, v, cache, m)  # builds the plan
-                        ms[path] = median_ms(lambda m=m: paged_attention(q, k, v, cache, m), args.reps, sync)
+                        ms[path] = median_ms(partial(paged_attention, q, k, v, cache, m), args.reps, sync)
                     diff = (outs["gather"].float() - outs["triton"].float()).abs().max().item()
                     speed = ms["gather"] / ms["triton"]
                     print(

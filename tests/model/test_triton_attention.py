@@ -72,6 +72,7 @@ TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16:
         (torch.float32, 4, 2, [40, 37], None, 32, 1),  # keys from a shared prefix's end on
         (torch.bfloat16, 4, 2, [30, 7, 0], None, 0, 2),
         (torch.float16, 4, 2, [30, 7], 10, 0, 1),
+        (torch.float32, 6, 2, [30, 7], None, 0, 2),  # groups of 3 heads (padded)
     ],
 )
 def test_decode_matches_reference(ta: ModuleType, dtype, hq, hkv, seq_lens, window, start, splits):
@@ -122,6 +123,7 @@ def test_decode_without_lse_and_splits_agree(ta: ModuleType):
         (torch.float32, 4, 2, [(6, 38), (4, 36)], None, 32),
         (torch.bfloat16, 4, 2, [(18, 40), (2, 9)], None, 0),
         (torch.float16, 4, 4, [(7, 25)], 6, 0),
+        (torch.float32, 6, 2, [(9, 30), (3, 3), (17, 17)], None, 0),  # groups of 3 heads (padded to 4)
     ],
 )
 def test_prefill_matches_reference(ta: ModuleType, dtype, hq, hkv, chunks, window, start):

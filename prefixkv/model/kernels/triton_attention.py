@@ -208,6 +208,7 @@ def _prefill_kernel(
     D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -215,25 +216,27 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """One program per (tile of BLOCK_M new tokens, sequence, query head): the tile's queries
+    """One program per (tile of BLOCK_M new tokens, sequence, KV head): the tile's tokens times
+    the KV head's G query heads as the rows of one product (each key tile read once for all G),
     against the sequence's context and the new tokens up to each (causal). Tiles past a sequence's
     new tokens read and write nothing."""
     tile = tl.program_id(0)
     c = tl.program_id(1)
-    h = tl.program_id(2)
-    kvh = h // G
+    kvh = tl.program_id(2)
     n_new = tl.load(q_len_ptr + c)
     row0 = tl.load(q_start_ptr + c)
     seq_len = tl.load(seq_lens_ptr + c)
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
+    tok = tile * BLOCK_M + offs_r // BLOCK_G  # row r: token r // BLOCK_G, head r % BLOCK_G of the group
+    heads = kvh * G + offs_r % BLOCK_G
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    m_ok = offs_m < n_new
-    rows = (row0 + offs_m).to(tl.int64)
-    qpos = seq_len - n_new + offs_m  # each query's position in its sequence
+    m_ok = (tok < n_new) & (offs_r % BLOCK_G < G)
+    rows = (row0 + tok).to(tl.int64)
+    qpos = seq_len - n_new + tok  # each query's position in its sequence
     q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=m_ok[:, None] & d_ok[None, :],
         other=0.0,
     ).to(DOT_DTYPE)
@@ -243,9 +246,9 @@ def _prefill_kernel(
         lo = tl.maximum(lo, first_q - window + 1)
     hi = tl.minimum(seq_len, first_q + BLOCK_M)  # the tile's last query sees keys up to itself
     hi = tl.where(tile * BLOCK_M < n_new, hi, lo)  # a tile past the new tokens: no keys
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         ok = pos < hi
@@ -257,7 +260,7 @@ def _prefill_kernel(
             mask=kv_ok,
             other=0.0,
         ).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M * BLOCK_G, BLOCK_N]
         visible = ok[None, :] & (pos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             visible = visible & (qpos[:, None] - pos[None, :] < window)
@@ -276,10 +279,11 @@ def _prefill_kernel(
         m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
+    o_at = o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_at, o, mask=m_ok[:, None] & d_ok[None, :])
     if HAS_LSE:
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + rows * stride_lt + h * stride_lh, lse, mask=m_ok)
+        tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse, mask=m_ok)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -329,15 +333,19 @@ def decode_constants(
 def prefill_constants(
     dtype: torch.dtype, on_gpu: bool, group: int, head_dim: int, block_size: int, max_new: int, window: bool, lse: bool
 ) -> dict[str, Any]:
-    """The prefill kernel's compile-time arguments and launch options: tiles of 64 queries x 64 keys
-    on a GPU (32 x 32 in float32), 16 keys and at most 32 queries under the interpreter."""
+    """The prefill kernel's compile-time arguments and launch options: tiles of 64 query rows (a
+    tile's tokens times the group's heads) x 64 keys on a GPU, 32 x 32 in float32; 32 rows x 16 keys
+    under the interpreter; no more tokens a tile than the longest chunk's, no fewer than 16 rows."""
     tile = (32 if dtype == torch.float32 else 64) if on_gpu else 16
-    rows = 16 if max_new <= 16 else max(tile, 32)
+    heads = _pow2(group, 1)
+    rows = max(tile, 32)
+    tokens = max(min(rows // heads, _pow2(max_new, 1)), -(-16 // heads))
     return dict(
         G=group,
         D=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_M=rows,
+        BLOCK_M=tokens,
+        BLOCK_G=heads,
         BLOCK_N=tile,
         BLOCK_D=_pow2(head_dim),
         HAS_WINDOW=window,
@@ -499,16 +507,15 @@ def paged_prefill(
     on, with a sliding `window` if given. Writes those rows of `out` ([T, Hq, D]) and of `lse`
     ([T, Hq], float32) if given; other rows are left alone.
     """
-    block_size, _, g = _check_cache(q, k_cache, v_cache)
-    C = q_len.shape[0]
-    Hq, D = q.shape[1], q.shape[2]
+    block_size, hkv, g = _check_cache(q, k_cache, v_cache)
+    C, D = q_len.shape[0], q.shape[2]
     if C == 0 or max_new == 0:
         return out
     constants = prefill_constants(
         q.dtype, q.device.type == "cuda", g, D, block_size, max_new, window is not None, lse is not None
     )
     lse_arg = lse if lse is not None else out  # not written without HAS_LSE
-    _prefill_kernel[(-(-max_new // constants["BLOCK_M"]), C, Hq)](
+    _prefill_kernel[(-(-max_new // constants["BLOCK_M"]), C, hkv)](
         q,
         k_cache,
         v_cache,
