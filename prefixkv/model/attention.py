@@ -349,10 +349,14 @@ class _TritonChunks:
         self.tables = bt32[list(seqs)]
         self.max_new = max(news)
         self.specs = specs
+        self._out_rows: torch.Tensor | None = None
 
     def out_rows(self, device: torch.device) -> torch.Tensor:
-        """The chunks' rows of the step, in chunk order (the cascade's order)."""
-        return torch.tensor([r for a, b, *_ in self.specs for r in range(a, b)], device=device)
+        """The chunks' rows of the step, in chunk order (the cascade's order); built by the first
+        layer that merges them."""
+        if self._out_rows is None:
+            self._out_rows = torch.tensor([r for a, b, *_ in self.specs for r in range(a, b)], device=device)
+        return self._out_rows
 
     def attend(
         self,

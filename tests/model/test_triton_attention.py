@@ -47,6 +47,7 @@ def _reference(q, k_cache, v_cache, table, seq_len, qpos, scale, window=None, st
     block_size, hkv, d = k_cache.shape[1:]
     M, hq, _ = q.shape
     pos = torch.arange(seq_len, device=q.device)
+    qpos = qpos.to(q.device)
     slots = table.long()[pos // block_size] * block_size + pos % block_size if seq_len else pos
     k = k_cache.reshape(-1, hkv, d)[slots].double().repeat_interleave(hq // hkv, 1)  # [L, Hq, D]
     v = v_cache.reshape(-1, hkv, d)[slots].double().repeat_interleave(hq // hkv, 1)
@@ -152,7 +153,7 @@ def test_prefill_matches_reference(ta: ModuleType, dtype, hq, hkv, chunks, windo
         window=window, start=start, lse=lse,
     )  # fmt: skip
     atol, rtol = TOL[dtype]
-    written = torch.zeros(T, dtype=torch.bool)
+    written = torch.zeros(T, dtype=torch.bool, device=device())
     for c, (n, s) in enumerate(chunks):
         rows = slice(starts[c], starts[c] + n)
         written[rows] = True
