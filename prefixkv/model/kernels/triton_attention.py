@@ -17,6 +17,7 @@ which is how the CPU tests check them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -367,13 +368,18 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     return block_size, hkv, hq // hkv
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """How many splits the context of each (sequence, KV head) is read in: enough programs to fill
     the GPU's multiprocessors twice, none reading fewer than MIN_KEYS_PER_SPLIT keys. A function of
     the launch's static shapes only (batch, heads, block tables' width), never of the lengths."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     wanted = -(-2 * sms // (batch * num_kv_heads))
     return max(1, min(wanted, -(-max_context // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
