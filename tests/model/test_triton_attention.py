@@ -227,3 +227,49 @@ def test_static_decode_replays_in_a_cuda_graph(ta: ModuleType):
         graph.replay()
         want = ta.paged_decode(q.to(torch.bfloat16), k_cache, v_cache, tables, lens, 0.25, num_splits=2)
         torch.testing.assert_close(static.out[: len(seq_lens)], want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["cascade", "mixed", "window"],
+)
+def test_paged_attention_paths_agree(ta: ModuleType, monkeypatch, case):
+    """model/attention.paged_attention with the Triton path against the device's own (CPU: the
+    native kernels and the gather), on one step mixing a fresh prompt, chunks after cached context
+    and decodes; 'cascade': every reader shares 9 leading blocks, attended to once and merged."""
+    from prefixkv.model.attention import AttentionMetadata, paged_attention
+    from prefixkv.model.attention_path import ENV
+
+    gen = torch.Generator().manual_seed(len(case))
+    bs, hq, hkv, d, num_blocks = 8, 4, 2, 16, 64
+    # (total keys, new tokens) per sequence
+    seqs = [(80, 1), (90, 10), (75, 1), (12, 12)] + ([] if case == "cascade" else [(30, 6)])
+    window = 20 if case == "window" else None
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shared, perm = perm[:9], perm[9:]
+    tables = []
+    for i, (s, _) in enumerate(seqs):
+        n = -(-s // bs)
+        own = shared[:n] if i < 3 else []
+        tables.append(own + perm[: n - len(own)])
+        perm = perm[n - len(own) :]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device())
+    slots = torch.cat(
+        [torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(s - n, s)]) for i, (s, n) in enumerate(seqs)]
+    )
+    qsl = [0]
+    for _, n in seqs:
+        qsl.append(qsl[-1] + n)
+    T = qsl[-1]
+    cache = torch.randn(2, num_blocks, bs, hkv, d, generator=gen).to(device())
+    q, k, v = (torch.randn(T, h, d, generator=gen).to(device()) for h in (hq, hkv, hkv))
+    outs = {}
+    for path in ("gather", "triton"):
+        monkeypatch.setenv(ENV, path)
+        meta = AttentionMetadata(slots.to(device()), qsl, [s for s, _ in seqs], bt)
+        outs[path] = paged_attention(q, k, v, cache.clone(), meta, window=window)
+        plan = meta.plan(bs, q.device, window, q.dtype)
+        assert plan.triton == (path == "triton")
+        assert (plan.prefix_tokens == 72) == (case == "cascade")
+    torch.testing.assert_close(outs["triton"], outs["gather"], atol=2e-5, rtol=1e-5)
