@@ -10,7 +10,9 @@ context.
         --batches 1,2 --contexts 40 --new 5 --heads 4,2 --head-dim 16 --reps 1
 
 Each sequence's context lies in blocks of 16 slots scattered over the cache (as after churn), no
-two sequences sharing one (no cascade: each reads its whole context). `decode`: one new token a
+two sequences sharing one (no cascade: each reads its whole context) unless --shared N: then every
+sequence's first N tokens are the same blocks, which both paths attend to once (the cascade) before
+each sequence's own suffix. `decode`: one new token a
 sequence; `prefill`: --new tokens a sequence after its context. A call writes the step's K/V and
 attends, as a layer does; the step's plan (index tensors) is built once before timing, as for a
 model's every layer after its first. Prints medians (ms) of each path, the speed-up, and the
@@ -49,13 +51,16 @@ def median_ms(fn, reps: int, sync) -> float:
     return statistics.median(times) * 1e3
 
 
-def case(batch: int, context: int, new: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str):
+def case(batch: int, context: int, new: int, shared: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str):
     """The step's tensors: q/k/v of the new tokens, a layer's cache, and the step's metadata."""
     g = torch.Generator().manual_seed(batch * 7 + context)
     total = context + new
     per_seq = -(-total // BLOCK)
-    num_blocks = batch * per_seq + 1
-    order = torch.randperm(num_blocks, generator=g)[: batch * per_seq].view(batch, per_seq)
+    common = shared // BLOCK
+    num_blocks = batch * (per_seq - common) + common + 1
+    pool = torch.randperm(num_blocks, generator=g)
+    own = pool[common : common + batch * (per_seq - common)].view(batch, per_seq - common)
+    order = torch.cat([pool[:common].expand(batch, common), own], dim=1)
     cache = torch.randn(2, num_blocks, BLOCK, hkv, d, generator=g).to(dtype).to(device)
     pos = torch.arange(context, total)
     slots = (order[:, pos // BLOCK] * BLOCK + pos % BLOCK).reshape(-1)
@@ -76,6 +81,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--new", type=int, default=64, help="new tokens a sequence at prefill")
+    ap.add_argument("--shared", type=int, default=0, help="leading context tokens every sequence shares")
     ap.add_argument("--kinds", default="decode,prefill")
     ap.add_argument("--heads", default="9,3", help="query heads, KV heads (the default model's)")
     ap.add_argument("--head-dim", type=int, default=64)
@@ -86,7 +92,10 @@ def main() -> None:
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    print(f"# {name}, {args.dtype}, {hq} query heads on {hkv} KV heads of {args.head_dim}, blocks of {BLOCK}")
+    print(
+        f"# {name}, {args.dtype}, {hq} query heads on {hkv} KV heads of {args.head_dim}, blocks of {BLOCK}, "
+        f"{args.shared} context tokens shared"
+    )
     print("| kind | batch | context | gather ms | triton ms | speed-up | max diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for kind in args.kinds.split(","):
@@ -94,7 +103,7 @@ def main() -> None:
         for context in (int(x) for x in args.contexts.split(",")):
             for batch in (int(x) for x in args.batches.split(",")):
                 try:
-                    q, k, v, cache, meta = case(batch, context, new, hq, hkv, args.head_dim, dtype, device)
+                    q, k, v, cache, meta = case(batch, context, new, args.shared, hq, hkv, args.head_dim, dtype, device)
                     ms, outs = {}, {}
                     for path in ("gather", "triton"):
                         os.environ[ENV] = path
