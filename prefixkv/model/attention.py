@@ -131,6 +131,7 @@ class _Plan:
         # Triton's kernels read chunks' and decodes' context through the block tables in place
         self.triton = uses_triton(device)
         bt32 = meta.block_tables.to(device=device, dtype=torch.int32) if self.triton else None
+        self.scratch: dict[tuple[Any, ...], Any] = {}  # buffers the step's layers share (Triton's)
         # (start, end, mask): prefill without cached context; mask None = plain causal
         self.fresh: list[tuple[int, int, torch.Tensor | _Band | None]] = []
         others: list[int] = []  # sequences that read cached context: chunked prefills and decodes
@@ -385,12 +386,21 @@ def _blocks(flat: torch.Tensor, plan: _Plan) -> torch.Tensor:
 def _triton_decode(
     q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan, scale: float, lse: torch.Tensor | None
 ) -> torch.Tensor:
-    """The decode rows' attention by Triton's kernel, each context read in place."""
-    assert plan.decode_tables is not None
+    """The decode rows' attention by Triton's kernel, each context read in place; a split context's
+    workspace allocated by the step's first layer and reused by the others."""
+    tables = plan.decode_tables
+    assert tables is not None
+    kernels = triton_kernels()
     qd = q if plan.decode_all else q[plan.decode_rows]
-    return triton_kernels().paged_decode(
-        qd, _blocks(k_flat, plan), _blocks(v_flat, plan), plan.decode_tables, plan.decode_seq_lens, scale,
-        window=plan.window, start=plan.prefix_tokens, lse=lse,
+    Bd, Hq, D = qd.shape
+    key = ("triton decode", Hq, D)
+    if key not in plan.scratch:
+        splits = kernels.decode_splits(Bd, k_flat.shape[1], tables.shape[1] * plan.block_size, q.device)
+        plan.scratch[key] = (splits, kernels.decode_workspace(Bd, Hq, D, splits, q.device) if splits > 1 else None)
+    splits, workspace = plan.scratch[key]
+    return kernels.paged_decode(
+        qd, _blocks(k_flat, plan), _blocks(v_flat, plan), tables, plan.decode_seq_lens, scale,
+        window=plan.window, start=plan.prefix_tokens, lse=lse, num_splits=splits, workspace=workspace,
     )  # fmt: skip
 
 
