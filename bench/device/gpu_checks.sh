@@ -2,9 +2,17 @@
 # Run on the lent GPU machine, from the repository root, right after `bash bench/device/stage.sh 1`
 # (docs/benchmarks.md, "CUDA: the day a GPU is lent"): the CUDA checks of issue 16 in one command,
 # each bounded so that the whole ends by $BUDGET seconds (default 540), every log in $OUT.
-# $STEPS picks and orders them (default: equality model_speed shared_prefix suite model_speed_hf):
+# $STEPS picks and orders them (default: equality model_speed shared_prefix suite model_speed_hf;
+# issue 40's Triton attention: STEPS="equality paged"):
 #   equality        the CUDA-vs-CPU model equality and tests/engine/test_cuda.py (the engine on the
-#                   GPU against the transformers oracle, caching on and off, blocks freed)
+#                   GPU against the transformers oracle, caching on and off, blocks freed), the
+#                   Triton paged-attention kernels and the engine on them (compiled here), and
+#                   tests/engine/test_cuda.py again with PREFIXKV_CUDA_ATTENTION=triton
+#   paged           bench/paged_attention.py: one layer's attention, Triton's kernels reading the
+#                   blocks in place against the gather path, decode and prefill after 1k/8k context
+#                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
+#                   sequences behind a shared 1k prefix (the cascade); then model_speed's decode
+#                   with each path
 #   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
 #   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
@@ -42,8 +50,21 @@ speed=(python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1,3
 for step in $STEPS; do
     case $step in
     equality)
-        bounded 150 equality.log python3 -m pytest -q -p no:cacheprovider -rfE \
-            tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py ;;
+        bounded 200 equality.log python3 -m pytest -q -p no:cacheprovider -rfE \
+            tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
+            tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py
+        bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
+            tests/engine/test_cuda.py ;;
+    paged)
+        bounded 100 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
+            --batches 1,32,256 --contexts 1024,8192 --new 64
+        bounded 60 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
+            --batches 1,32 --contexts 8192 --new 64 --heads 32,8 --head-dim 128
+        bounded 40 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
+            --batches 32 --contexts 1536 --shared 1024 --new 64
+        for path in gather triton; do
+            bounded 60 paged.log env PREFIXKV_CUDA_ATTENTION=$path "${speed[@]}" --no-hf
+        done ;;
     model_speed) bounded 100 model_speed.log "${speed[@]}" --no-hf ;;
     shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
     suite)

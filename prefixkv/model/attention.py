@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .attention_path import triton_kernels, uses_triton
 from .kernels import ops
 
 
@@ -127,6 +128,10 @@ class _Plan:
         if needed_blocks and max(needed_blocks) > bt.shape[1]:
             raise ValueError(f"block_tables has {bt.shape[1]} columns but a sequence needs {max(needed_blocks)} blocks")
         self.slot_mapping = meta.slot_mapping.to(device=device, dtype=torch.long)
+        # Triton's kernels read chunks' and decodes' context through the block tables in place
+        self.triton = uses_triton(device)
+        bt32 = meta.block_tables.to(device=device, dtype=torch.int32) if self.triton else None
+        self.scratch: dict[tuple[Any, ...], Any] = {}  # buffers the step's layers share (Triton's)
         # (start, end, mask): prefill without cached context; mask None = plain causal
         self.fresh: list[tuple[int, int, torch.Tensor | _Band | None]] = []
         others: list[int] = []  # sequences that read cached context: chunked prefills and decodes
@@ -155,12 +160,14 @@ class _Plan:
         # batch measured (32 and 64 sequences on a 480-token prefix, bfloat16: 52 / 90 ms a step
         # against 64 / 110; docs/benchmarks.md).
         in_place = (
-            device.type == "cpu"
+            not self.triton
+            and device.type == "cpu"
             and all(qsl[i + 1] - qsl[i] == 1 for i in others)
             and ops.decode_attention_available(dtype)
         )
         P = 0 if W is not None or in_place else self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
         self.prefix_slots: torch.Tensor | None = None
+        self.prefix_tokens = P
         if P:
             pos = torch.arange(P, device=device)
             self.prefix_slots = bt[others[0], pos // block_size] * block_size + pos % block_size
@@ -181,9 +188,12 @@ class _Plan:
         # one padded attention a layer, not one each: on a GPU every chunk's gather and attention
         # are launches of the host's time, and a step of requests behind a cached prefix has many.
         self.chunk_batch: _ChunkBatch | None = None
-        if chunk_specs and (device.type != "cpu" or not ops.prefill_max_new_tokens(dtype)):
+        self.triton_chunks: _TritonChunks | None = None
+        if chunk_specs and bt32 is not None:
+            self.triton_chunks = _TritonChunks(chunk_specs, bt32, device)
+        elif chunk_specs and (device.type != "cpu" or not ops.prefill_max_new_tokens(dtype)):
             self.chunk_batch = _ChunkBatch.of(chunk_specs, bt, block_size, W, device)
-        if self.chunk_batch is None:
+        if self.chunk_batch is None and self.triton_chunks is None:
             for a, b, s, lo, i in chunk_specs:
                 pos = torch.arange(lo, s, device=device)
                 slots = bt[i, pos // block_size] * block_size + pos % block_size
@@ -196,7 +206,13 @@ class _Plan:
         self.decode_rows: torch.Tensor | None = None
         self.decode_all = False
         self.decode_mask = None
-        if decode:
+        self.decode_tables: torch.Tensor | None = None  # Triton's: block tables and lengths, int32
+        if decode and bt32 is not None:
+            self.decode_tables = bt32[decode]
+            self.decode_seq_lens = torch.tensor([seq_lens[i] for i in decode], dtype=torch.int32, device=device)
+            self.decode_all = len(decode) == meta.num_tokens
+            self.decode_rows = torch.tensor([qsl[i] for i in decode], device=device)
+        elif decode:
             # each decode reads its keys from `starts` on: P, or where its window begins
             starts_list = [P] * len(decode) if W is None else [max(0, seq_lens[i] - W) for i in decode]
             lens_list = [seq_lens[i] - lo for i, lo in zip(decode, starts_list)]
@@ -319,6 +335,73 @@ class _KernelBatch:
         if not rows:
             return None, rest
         return _KernelBatch(torch.tensor(rows, dtype=torch.long), torch.cat(runs)), rest
+
+
+class _TritonChunks:
+    """Chunks after cached context for Triton's prefill kernel, which reads each context through
+    its block table in place: rows q_start .. + q_len of the step, seq_lens keys, int32 each."""
+
+    def __init__(self, specs: list[tuple[int, int, int, int, int]], bt32: torch.Tensor, device: torch.device) -> None:
+        starts, ends, lengths, _, seqs = zip(*specs)
+        news = [b - a for a, b in zip(starts, ends)]
+        self.q_start = torch.tensor(starts, dtype=torch.int32, device=device)
+        self.q_len = torch.tensor(news, dtype=torch.int32, device=device)
+        self.seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.tables = bt32[list(seqs)]
+        self.max_new = max(news)
+        self.specs = specs
+        self._out_rows: torch.Tensor | None = None
+
+    def out_rows(self, device: torch.device) -> torch.Tensor:
+        """The chunks' rows of the step, in chunk order (the cascade's order); built by the first
+        layer that merges them."""
+        if self._out_rows is None:
+            self._out_rows = torch.tensor([r for a, b, *_ in self.specs for r in range(a, b)], device=device)
+        return self._out_rows
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        plan: _Plan,
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        """Writes the chunks' rows of `out` (and of `lse`): keys from the cascade's prefix end on."""
+        k_cache, v_cache = _blocks(k_flat, plan), _blocks(v_flat, plan)
+        triton_kernels().paged_prefill(
+            q, k_cache, v_cache, self.tables, self.q_start, self.q_len, self.seq_lens, self.max_new, scale, out,
+            window=plan.window, start=plan.prefix_tokens, lse=lse,
+        )  # fmt: skip
+
+
+def _blocks(flat: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """A layer's [num_slots, Hkv, D] keys or values as the [num_blocks, block_size, Hkv, D] blocks
+    Triton's kernels read."""
+    return flat.view(-1, plan.block_size, *flat.shape[1:])
+
+
+def _triton_decode(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan, scale: float, lse: torch.Tensor | None
+) -> torch.Tensor:
+    """The decode rows' attention by Triton's kernel, each context read in place; a split context's
+    workspace allocated by the step's first layer and reused by the others."""
+    tables = plan.decode_tables
+    assert tables is not None
+    kernels = triton_kernels()
+    qd = q if plan.decode_all else q[plan.decode_rows]
+    Bd, Hq, D = qd.shape
+    key = ("triton decode", Hq, D)
+    if key not in plan.scratch:
+        splits = kernels.decode_splits(Bd, k_flat.shape[1], tables.shape[1] * plan.block_size, q.device)
+        plan.scratch[key] = (splits, kernels.decode_workspace(Bd, Hq, D, splits, q.device) if splits > 1 else None)
+    splits, workspace = plan.scratch[key]
+    return kernels.paged_decode(
+        qd, _blocks(k_flat, plan), _blocks(v_flat, plan), tables, plan.decode_seq_lens, scale,
+        window=plan.window, start=plan.prefix_tokens, lse=lse, num_splits=splits, workspace=workspace,
+    )  # fmt: skip
 
 
 class _ChunkBatch:
@@ -606,6 +689,8 @@ def paged_attention(
             chunked = plan.chunked
     if plan.chunk_batch is not None:
         out[plan.chunk_batch.out_rows] = plan.chunk_batch.attend(q, k_flat, v_flat, scale)
+    if plan.triton_chunks is not None:
+        plan.triton_chunks.attend(q, k_flat, v_flat, plan, scale, out)
     for a, b, slots, mask in chunked:
         kc = _gather(k_flat, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         vc = _gather(v_flat, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
@@ -620,8 +705,10 @@ def paged_attention(
 
 
 def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
-    """The decode rows' attention: on CPU the native kernel reads each context in place
-    (kernels/ops.py); else every context gathered at once for one padded SDPA."""
+    """The decode rows' attention: Triton's kernel or, on CPU, the native one reads each context in
+    place (kernels/ops.py); else every context gathered at once for one padded SDPA."""
+    if plan.decode_tables is not None:
+        return _triton_decode(q, k_flat, v_flat, plan, scale, None)
     slots = plan.decode_slots  # [Bd, L]
     Bd, L = slots.shape
     Hq, D = q.shape[1], q.shape[2]
@@ -654,7 +741,14 @@ def _cascade(
     if out is None:
         out = torch.empty_like(q)
     done = 0
-    if plan.decode_rows is not None:
+    if plan.decode_rows is not None and plan.decode_tables is not None:
+        # each decode's own suffix: Triton's kernel in place, from the prefix's end on
+        Bd = plan.decode_rows.numel()
+        suffix_lse = torch.empty(Bd, q.shape[1], dtype=torch.float32, device=q.device)
+        suffix_o = _triton_decode(q, k_flat, v_flat, plan, scale, suffix_lse)
+        out[plan.decode_rows] = _merge(o_pre[:Bd], lse_pre[:Bd], suffix_o, suffix_lse)
+        done = Bd
+    elif plan.decode_rows is not None:
         Bd = plan.decode_rows.numel()
         slots = plan.decode_slots
         qd = q[plan.decode_rows]
@@ -678,6 +772,14 @@ def _cascade(
         suffix = torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:2], dtype=torch.float32)
         if not ops.prefill_attention(q, k_flat, v_flat, batch.seqs, batch.slots, scale, *suffix):
             suffix = None
+    if plan.triton_chunks is not None:  # every chunk's suffix by Triton's kernel, in place
+        suffix_o = torch.empty_like(q)
+        suffix_lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        plan.triton_chunks.attend(q, k_flat, v_flat, plan, scale, suffix_o, suffix_lse)
+        rows = plan.triton_chunks.out_rows(q.device)
+        n = rows.numel()
+        out[rows] = _merge(o_pre[done : done + n], lse_pre[done : done + n], suffix_o[rows], suffix_lse[rows])
+        return out
     if plan.chunk_batch is not None:  # every chunk in one padded attention (no native kernel here)
         batch_o, batch_lse = plan.chunk_batch.attend_with_lse(q, k_flat, v_flat, scale)
         n = batch_o.shape[0]

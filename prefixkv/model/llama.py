@@ -470,8 +470,9 @@ class _DecodeLayers:
         if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3:] != (Hkv, D):
             return False
         plan = meta.plan(cache.shape[2], cache.device, None, self.dtype)
-        # (a cascade, prefix_slots, is planned only where the decode kernel is off: _Plan)
-        if not plan.decode_all or plan.decode_rows is None or plan.prefix_slots is not None:
+        # (a cascade, prefix_slots, is planned only where the decode kernel is off: _Plan; Triton's
+        # kernels, forced on a CPU under its interpreter, take the step's attention instead)
+        if plan.triton or not plan.decode_all or plan.decode_rows is None or plan.prefix_slots is not None:
             return False
         addresses = self._cache_addresses(kv_caches)
         if addresses is None:

@@ -1,0 +1,71 @@
+"""Compiles the Triton attention kernels for a GPU without one: Triton's own compiler down to the
+GPU's machine code (ptxas, shipped in Triton's wheel), with the compile-time arguments the kernels'
+entry points give their launches. Run as a script, in a process that has not imported Triton
+under its interpreter:
+
+    python -m tests.model.triton_compile [capability ...]   (default 90: H100, H200)
+
+Prints one line a variant and exits non-zero at the first that does not compile."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from prefixkv.model.kernels import triton_attention as ta
+
+POINTERS = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32"}
+TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+
+def _signature(fn: Any, dtype: torch.dtype, constants: dict[str, Any]) -> dict[str, str]:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constants:
+            sig[name] = "constexpr"
+        elif name in POINTERS:
+            sig[name] = POINTERS[name]
+        elif name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr"):
+            sig[name] = TYPES[dtype]
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"  # log-sum-exps, partial results
+        else:
+            sig[name] = "fp32" if name == "scale" else "i32"
+    return sig
+
+
+def variants() -> list[tuple[Any, torch.dtype, dict[str, Any]]]:
+    """(kernel, dtype, constants): the default model's shapes (9 query heads on 3 KV heads of 64)
+    and an 8B Llama's (32 on 8 of 128), each kernel's options."""
+    out: list[tuple[Any, torch.dtype, dict[str, Any]]] = []
+    for dtype, group, dim in ((torch.bfloat16, 3, 64), (torch.bfloat16, 4, 128), (torch.float16, 3, 64)):
+        out.append((ta._decode_kernel, dtype, ta.decode_constants(dtype, True, group, dim, 16, 4, False, True)))
+        out.append((ta._prefill_kernel, dtype, ta.prefill_constants(dtype, True, group, dim, 16, 512, True, True)))
+    out.append((ta._decode_kernel, torch.float32, ta.decode_constants(torch.float32, True, 3, 64, 16, 1, True, False)))
+    out.append(
+        (ta._prefill_kernel, torch.float32, ta.prefill_constants(torch.float32, True, 3, 64, 16, 9, False, False))
+    )
+    reduce = dict(NUM_SPLITS=4, D=64, BLOCK_S=4, BLOCK_D=64, HAS_LSE=True)
+    out.append((ta._reduce_kernel, torch.bfloat16, reduce))
+    return out
+
+
+def main(capabilities: list[int]) -> None:
+    for cap in capabilities:
+        for fn, dtype, constants in variants():
+            start = time.perf_counter()
+            options = {k: constants.pop(k) for k in ("num_warps", "num_stages") if k in constants}
+            src = ASTSource(fn=fn, signature=_signature(fn, dtype, constants), constexprs=constants)
+            kernel = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options)
+            took = time.perf_counter() - start
+            print(f"sm_{cap} {fn.__name__} {dtype}: {len(kernel.asm['cubin'])} bytes in {took:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main([int(c) for c in sys.argv[1:]] or [90])

@@ -1,0 +1,47 @@
+"""The Triton attention kernels where a test can run them: compiled on a GPU when one is there, else
+on CPU tensors under Triton's interpreter.
+
+The interpreter is chosen when `@triton.jit` decorates a function - Triton's own library functions
+(`tl.zeros`, `tl.cdiv`, ...) included, decorated when `triton.language` is first imported. So on a
+machine without a GPU, ``TRITON_INTERPRET=1`` is set for the rest of the process (compiled Triton
+cannot run there anyway) and, if Triton's Python modules were already imported without it, they
+are imported afresh (its compiled extension, `triton._C`, stays: it cannot be loaded twice)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+MODULE = "prefixkv.model.kernels.triton_attention"
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _interpreted() -> bool:
+    lang = sys.modules.get("triton.language")
+    if lang is None:
+        return True  # imported from now on under the variable
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(lang.zeros, InterpretedFunction)
+
+
+def kernels_module() -> ModuleType:
+    """The kernels' module, runnable on `device()`."""
+    pytest.importorskip("triton")
+    if device().type == "cuda":
+        return importlib.import_module(MODULE)
+    os.environ["TRITON_INTERPRET"] = "1"
+    if not _interpreted():
+        stale = [m for m in sys.modules if m == MODULE or m == "triton" or m.startswith("triton.")]
+        for name in stale:
+            if not name.startswith("triton._C"):
+                del sys.modules[name]
+    return importlib.import_module(MODULE)
