@@ -29,6 +29,7 @@ from .responses_protocol import (
 from .responses_store import ResponseStore, StoredResponse, max_stored_bytes_from_env, max_stored_from_env
 from .responses_turn import ResponseTurn, call_item, hex_id
 from .tools import ToolPlan
+from .unicode_check import refuse_unencodable
 
 # The chat admission names chat's fields; a Responses client sent these instead.
 _PARAM_NAMES = {
@@ -127,6 +128,7 @@ class OpenAIServingResponses:
         return conversation[starts[hi] :], admitted
 
     async def create(self, req: ResponsesRequest, raw: Request):
+        refuse_unencodable(req)
         refused = req.refusals()
         if refused:
             name, why = refused[0]

@@ -24,6 +24,7 @@ from .lora import LoRARegistry
 from .protocol import PromptTokensDetails, UsageInfo, no_effect_fields, unsupported_fields
 from .request_logger import RequestLogger
 from .streaming import merge, raise_if_failed
+from .unicode_check import refuse_unencodable
 
 logger = logging.getLogger("prefixkv.server")
 _logged_fields: set[str] = set()
@@ -74,8 +75,9 @@ class OpenAIServing:
         return self.loras.get(model) if self.loras is not None else None
 
     def check_fields(self, req: Any) -> None:
-        """What every route refuses before any work: fields prefixkv does not implement, and a
-        missing salt where the server requires one."""
+        """What every route refuses before any work: text that cannot be written back, fields
+        prefixkv does not implement, and a missing salt where the server requires one."""
+        refuse_unencodable(req)
         refused = unsupported_fields(req.model_extra)
         if refused:
             name, why = refused[0]

@@ -237,6 +237,16 @@ def test_malformed_text_is_a_400_not_a_500(server):
         (chat, '{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', "text"),
         (chat, '{"messages": [{"role": "user", "content": ["just a string"]}]}', "dictionary"),
         (chat, '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "image_url"),
+        # a field the response echoes (request_id is its id): refused before the response starts,
+        # streamed or not (a stream used to die after its status line)
+        ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "request_id": "\\ud800"}', "request_id"),
+        ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "request_id": "\\ud800", "stream": true}', "request_id"),
+        (
+            chat,
+            '{"messages": [{"role": "user", "content": "x"}], "request_id": "\\ud800", "stream": true}',
+            "request_id",
+        ),
+        ("/v1/responses", '{"input": "x", "max_output_tokens": 2, "metadata": {"k": "\\udfff"}}', "metadata.k"),
     ]
     for path, body, needle in cases:
         r = post(server, path, body)
