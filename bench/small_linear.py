@@ -18,9 +18,10 @@ import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+from bench.machine import EMULATIONS, describe, emulate  # noqa: E402
 from prefixkv.model.kernels import ops  # noqa: E402
 from prefixkv.model.layers import PackedLinear  # noqa: E402
 
@@ -35,7 +36,10 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--emulate", choices=sorted(EMULATIONS), help="as on a CPU with only these instructions")
     args = ap.parse_args()
+    emulate(args.emulate)
+    print(describe(), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
