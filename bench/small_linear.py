@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="which of the model's products")
     ap.add_argument("--emulate", choices=sorted(EMULATIONS), help="as on a CPU with only these instructions")
     args = ap.parse_args()
     emulate(args.emulate)
@@ -47,7 +48,7 @@ def main() -> None:
         sys.exit(f"the native small-batch kernel does not run {args.dtype} here (no AVX-512 / AVX512-BF16, or off)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     g = torch.Generator().manual_seed(0)
-    for name, N, K in SHAPES:
+    for name, N, K in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
         copies = [torch.randn(N, K, generator=g).to(dtype) for _ in range(4 if N > 10_000 else 30)]
         onednn = [PackedLinear(w) for w in copies]
         native = [ops.small_linear_weight(w) for w in copies]
