@@ -1,13 +1,15 @@
 """One linear at decode-sized row counts: oneDNN's packed kernel (PackedLinear) against the native
 small-batch kernel (prefixkv/model/csrc/small_linear.cpp, what DualLayoutLinear runs for a decode
-step's few rows where the CPU has AVX512-BF16 / AVX-512), on the default model's four layer shapes
-and its head; in float32 also F.linear on the plain weight.
+step's few rows where the CPU has AVX512-BF16 / AVX-512, or AVX2 + FMA in float32), on the default
+model's four layer shapes and its head; in float32 also F.linear on the plain weight.
 
 Each timed call uses the next of 30 copies of the weight (4 of the head), so the weights stream
-from memory as they do layer after layer in the model, not from cache. Medians of --reps rounds of
---calls calls each, the two kernels alternated round by round; GB/s = weight bytes / time.
+from memory as they do layer after layer in the model, not from cache. Medians (or with --fastest,
+the fastest) of --reps rounds of --calls calls each, the kernels alternated round by round; GB/s =
+weight bytes / time. `--emulate avx2`: as on an AVX2-only CPU (bench/machine.py).
 
     .venv/bin/python bench/small_linear.py --rows 1,2,4,8,16 [--dtype float32]
+    .venv/bin/python bench/small_linear.py --dtype float32 --emulate avx2 --threads 1 --fastest --reps 15
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+from bench.machine import EMULATIONS, describe, emulate  # noqa: E402
 from prefixkv.model.kernels import ops  # noqa: E402
 from prefixkv.model.layers import PackedLinear  # noqa: E402
 
@@ -35,7 +38,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument(
+        "--fastest", action="store_true", help="each kernel's fastest round, not the median (one thread, busy machine)"
+    )
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="which of the model's products")
+    ap.add_argument("--emulate", choices=sorted(EMULATIONS), help="as on a CPU with only these instructions")
     args = ap.parse_args()
+    emulate(args.emulate)
+    print(describe(), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -43,7 +53,7 @@ def main() -> None:
         sys.exit(f"the native small-batch kernel does not run {args.dtype} here (no AVX-512 / AVX512-BF16, or off)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     g = torch.Generator().manual_seed(0)
-    for name, N, K in SHAPES:
+    for name, N, K in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
         copies = [torch.randn(N, K, generator=g).to(dtype) for _ in range(4 if N > 10_000 else 30)]
         onednn = [PackedLinear(w) for w in copies]
         native = [ops.small_linear_weight(w) for w in copies]
@@ -64,6 +74,8 @@ def main() -> None:
                     for c in range(args.calls):
                         fn(c % len(copies))
                     times[kname].append((time.perf_counter() - t0) / args.calls)
+            pick = min if args.fastest else statistics.median
+            times = {k: [pick(v)] for k, v in times.items()}
             size = N * K * copies[0].element_size()
             cells = "  ".join(
                 f"{k} {statistics.median(v) * 1e6:7.1f} us ({size / statistics.median(v) / 1e9:5.1f} GB/s)"

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.ceiling import Ceiling, decode_bytes, fraction, measure, prefill_flops  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import EMULATIONS, describe, emulate  # noqa: E402
 from bench.peer_runner import DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, available  # noqa: E402
 
 
@@ -130,8 +130,16 @@ def main() -> None:
     ap.add_argument("--peer-vllm", action="store_true", help="both engines side by side, --rounds times")
     ap.add_argument("--rounds", type=int, default=None, help="with --peer-vllm: rounds of both engines (3)")
     ap.add_argument("--vllm-python", default=None, help=f"with --peer-vllm: vLLM's Python ({DEFAULT_VLLM_PYTHON})")
+    ap.add_argument(
+        "--emulate",
+        choices=sorted(EMULATIONS),
+        help="run prefixkv as on a CPU with only these instructions (bench/machine.py; not with --peer-vllm)",
+    )
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip the ceiling fractions")
     args = ap.parse_args()
+    if args.emulate and (args.peer_vllm or args.engine != "prefixkv"):
+        sys.exit("--emulate applies to prefixkv alone: vLLM's own build uses every instruction of this CPU")
+    emulate(args.emulate)
     print(describe(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     if args.peer_vllm:

@@ -440,7 +440,9 @@ def _cpu_identity() -> str:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor() or platform.machine()
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    # an emulated CPU (PREFIXKV_EMULATE_CPU) runs other code: keyed apart
+    identity = "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    return identity + f"\nemulating {build.emulated()}" if build.emulated() else identity
 
 
 def _agreement_file(key: str) -> Path:

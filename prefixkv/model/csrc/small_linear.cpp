@@ -1,6 +1,6 @@
-// y = x @ W^T (+ b) for the few rows of a decode step, in float32 (AVX-512 multiply-adds) or
-// bfloat16 (the CPU's bfloat16 dot-product instruction, AVX512-BF16 vdpbf16ps: 16 lanes, each the
-// sum of two bfloat16 products added to a float32 accumulator).
+// y = x @ W^T (+ b) for the few rows of a decode step, in float32 (AVX-512, or AVX2 + FMA,
+// multiply-adds) or bfloat16 (the CPU's bfloat16 dot-product instruction, AVX512-BF16 vdpbf16ps:
+// 16 lanes, each the sum of two bfloat16 products added to a float32 accumulator).
 //
 // Why: a decode step multiplies 1-16 rows by every weight of the model, so its time is the time to
 // stream the weights from memory. oneDNN's kernels are built for many rows; at 1-8 bfloat16 rows
@@ -58,60 +58,73 @@ struct Step<float> {
 };
 
 // MT rows (<= 3) times the two blocks of pair q. A 16-column block is two 8-lane registers, so 3
-// rows x 4 accumulators and a broadcast fill the 16 AVX2 registers (the weights come in as memory
-// operands). Every output lane sums its products over K in the same order as the AVX-512 tile, so
-// the two builds give the same bits.
+// rows x 4 accumulators and a broadcast fill the 16 AVX2 registers (the weights of a step come in
+// partly as memory operands). Every output lane sums its products over K in the same order as the
+// AVX-512 tile, so the two builds give the same bits. The accumulators are indexed by constants
+// only (the epilogue copies them out first): an array indexed at run time stays in memory, and GCC
+// then stores all twelve to the stack at every step: 1.5-1.8x slower at 8-16 rows.
 template <int MT>
-inline void tile8(const float* x, int64_t ldx, const float* wp, int64_t steps, int64_t q, int64_t N, const float* bias,
-                  float* y, int64_t ldy) {
+inline void tile8(const float* x, int64_t ldx, const float* wp, int64_t steps, int64_t q, int64_t N,
+                  const float* bias, float* y, int64_t ldy) {
     constexpr int kStep = kPair * kBlock;  // floats of one step of a pair
-    __m256 acc[MT][4];
+    constexpr int kVectors = kStep / 8;
+    __m256 acc[MT][kVectors];
+#pragma GCC unroll 3
     for (int m = 0; m < MT; ++m)
-        for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm256_setzero_ps();
     const float* w = wp + q * steps * kStep;
     for (int64_t p = 0; p < steps; ++p, w += kStep) {
-        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-        const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
+        __m256 wv[kVectors];
+#pragma GCC unroll 4
+        for (int j = 0; j < kVectors; ++j) wv[j] = _mm256_loadu_ps(w + 8 * j);
+#pragma GCC unroll 3
         for (int m = 0; m < MT; ++m) {
             const __m256 xm = _mm256_broadcast_ss(x + m * ldx + p);
-            acc[m][0] = _mm256_fmadd_ps(w0, xm, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(w1, xm, acc[m][1]);
-            acc[m][2] = _mm256_fmadd_ps(w2, xm, acc[m][2]);
-            acc[m][3] = _mm256_fmadd_ps(w3, xm, acc[m][3]);
+#pragma GCC unroll 4
+            for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm256_fmadd_ps(wv[j], xm, acc[m][j]);
         }
     }
+    alignas(32) float out[MT][kStep];
+#pragma GCC unroll 3
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < kVectors; ++j) _mm256_store_ps(out[m] + 8 * j, acc[m][j]);
     for (int b = 0; b < kPair; ++b) {
         const int64_t col = (q * kPair + b) * kBlock;
         if (col >= N) break;  // the zero block padding the last pair
         const int valid = N - col < kBlock ? static_cast<int>(N - col) : kBlock;
-        float add[kBlock] = {};
-        if (bias != nullptr) memcpy(add, bias + col, valid * sizeof(float));
         for (int m = 0; m < MT; ++m) {
-            float out[kBlock];
-            _mm256_storeu_ps(out, _mm256_add_ps(acc[m][2 * b], _mm256_loadu_ps(add)));
-            _mm256_storeu_ps(out + 8, _mm256_add_ps(acc[m][2 * b + 1], _mm256_loadu_ps(add + 8)));
-            memcpy(y + m * ldy + col, out, valid * sizeof(float));
+            float* dst = y + m * ldy + col;
+            const float* src = out[m] + b * kBlock;
+            if (bias == nullptr)
+                memcpy(dst, src, valid * sizeof(float));
+            else
+                for (int i = 0; i < valid; ++i) dst[i] = src[i] + bias[col + i];
         }
     }
 }
 
-// one task: the pairs of blocks [b0, b0 + kGroup) for MT rows, three rows at a time (each pair's
-// weights, K x 128 bytes, come from L1/L2 again for the next three)
+// MT rows of pair q, three at a time at most: each tile reads the pair's weights as one stream
+// (K x 128 bytes, from L2 again for the next rows). Tiles of one block (6 rows x 2 vectors, fewer
+// weight loads per multiply-add) read every other cache line a pass, and were slower at 3-8 rows
+// with the weights streaming from memory as in a model.
+template <int MT>
+inline void pair_rows(const float* x, int64_t ldx, const float* wp, int64_t steps, int64_t q, int64_t N,
+                      const float* bias, float* y, int64_t ldy) {
+    constexpr int kFirst = MT <= 3 ? MT : MT == 4 ? 2 : 3;  // 4 rows: 2 + 2, not 3 + 1
+    tile8<kFirst>(x, ldx, wp, steps, q, N, bias, y, ldy);
+    if constexpr (MT > kFirst)
+        pair_rows<MT - kFirst>(x + kFirst * ldx, ldx, wp, steps, q, N, bias, y + kFirst * ldy, ldy);
+}
+
+// one task: the pairs of blocks [b0, b0 + kGroup) for MT rows
 template <typename T, int MT>
 inline void slab(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0, int64_t blocks, int64_t N,
                  const float* bias, T* y, int64_t ldy) {
     constexpr int kTaskPairs = kGroup / kPair;
     const int64_t q0 = b0 / kPair, pairs = (blocks + kPair - 1) / kPair;
-    for (int64_t q = q0; q < q0 + kTaskPairs && q < pairs; ++q)
-        for (int m0 = 0; m0 < MT; m0 += 3) {
-            const float* xm = x + m0 * ldx;
-            float* ym = y + m0 * ldy;
-            switch (MT - m0 < 3 ? MT - m0 : 3) {
-                case 1: tile8<1>(xm, ldx, wp, steps, q, N, bias, ym, ldy); break;
-                case 2: tile8<2>(xm, ldx, wp, steps, q, N, bias, ym, ldy); break;
-                default: tile8<3>(xm, ldx, wp, steps, q, N, bias, ym, ldy); break;
-            }
-        }
+    for (int64_t q = q0; q < q0 + kTaskPairs && q < pairs; ++q) pair_rows<MT>(x, ldx, wp, steps, q, N, bias, y, ldy);
 }
 #else
 // One step of a block: 64 bytes of weights (16 columns x the inputs of one step) times the row's

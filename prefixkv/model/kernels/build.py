@@ -47,11 +47,49 @@ _ARCH_CPU_FLAGS = {
 }
 
 
+# A benchmark- and test-only switch: PREFIXKV_EMULATE_CPU=avx2 makes a CPU with AVX-512 act as an
+# AVX2-only one (an AMD Zen 3, the CPU of most cloud VMs) for this process. The flags read from
+# /proc/cpuinfo lose AVX-512, AMX and the AVX-VNNI family (so bfloat16 counts as without arithmetic,
+# and the build and kernel-choice caches are keyed apart from the native ones), "native" builds for
+# x86-64-v3, and the model name says "emulated". PyTorch must be capped alike before it is imported
+# (the variables below; bench/machine.py's `emulation_env` sets them for a benchmark's processes):
+# on its own, the switch would time our AVX2 kernels against oneDNN's AVX-512 ones. It emulates the
+# instructions, not a Zen 3's speed (caches, clocks and memory stay this machine's).
+EMULATE_ENV = "PREFIXKV_EMULATE_CPU"
+EMULATIONS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+_EMULATED_ARCH = {"avx2": "x86-64-v3"}
+# flags an AVX2-only CPU lacks (prefixes of /proc/cpuinfo's names)
+_DROPPED_FLAGS = {"avx2": ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")}
+
+
+def emulated() -> str | None:
+    """The CPU this process emulates ($PREFIXKV_EMULATE_CPU, e.g. "avx2"), or None; ValueError where
+    the name is unknown or PyTorch was not capped alike (see EMULATIONS)."""
+    chosen = os.environ.get(EMULATE_ENV, "")
+    if not chosen:
+        return None
+    if chosen not in EMULATIONS:
+        raise ValueError(f"{EMULATE_ENV}={chosen!r}: expected one of {', '.join(EMULATIONS)}")
+    missing = [f"{k}={v}" for k, v in EMULATIONS[chosen].items() if os.environ.get(k) != v]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.lower() != chosen:
+        missing.append(f"(ATen runs {capability}: set before torch is imported)")
+    if missing:
+        raise ValueError(f"{EMULATE_ENV}={chosen} needs PyTorch capped alike: {' '.join(missing)}")
+    return chosen
+
+
 def arch() -> str:
-    """The target this process builds the kernels for ($PREFIXKV_CPU_ARCH, else "native")."""
+    """The target this process builds the kernels for ($PREFIXKV_CPU_ARCH, else "native"; under
+    $PREFIXKV_EMULATE_CPU, "native" is the emulated CPU's level)."""
     chosen = os.environ.get(ARCH_ENV, "native") or "native"
     if chosen not in ARCHES:
         raise ValueError(f"{ARCH_ENV}={chosen!r}: expected one of {', '.join(ARCHES)}")
+    emulation = emulated()
+    if emulation is not None and chosen == "native":
+        return _EMULATED_ARCH[emulation]
     return chosen
 
 
@@ -90,13 +128,22 @@ def _cpuinfo_line(prefix: str) -> str:
 
 
 def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo (empty where there is none)."""
-    return _cpuinfo_line("flags")
+    """The flags line of /proc/cpuinfo (empty where there is none), less what an emulated CPU
+    lacks (emulated())."""
+    line = _cpuinfo_line("flags")
+    emulation = emulated()
+    if emulation is None or not line:
+        return line
+    name, _, flags = line.partition(":")
+    kept = [f for f in flags.split() if not f.startswith(_DROPPED_FLAGS[emulation])]
+    return f"{name}: {' '.join(kept)}"
 
 
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (empty where there is none)."""
-    return _cpuinfo_line("model name").partition(":")[2].strip()
+    """The CPU's model name from /proc/cpuinfo (empty where there is none), naming an emulation."""
+    name = _cpuinfo_line("model name").partition(":")[2].strip()
+    emulation = emulated()
+    return name if emulation is None else f"{name} (emulating {emulation} only: {EMULATE_ENV})"
 
 
 def build(
