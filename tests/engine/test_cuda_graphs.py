@@ -128,7 +128,7 @@ def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, monkeyp
         SimpleNamespace(token_ids=[99], start=14, block_table=[2, 4, 5, 6]),
     ]
     hidden = graphs.run(rows).clone()
-    slots = [3 * bs + 1, 1 * bs + 2, 6 * bs + 2]
+    slots = [7 * bs + 1, 1 * bs + 2, 6 * bs + 2]  # position p: block_table[p // bs], offset p % bs
     # the eager forward writes the same K/V to the same slots; nothing else but the null block changed
     for c, old in zip(caches, before_null):
         changed = (c[:, :null] != old).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
