@@ -104,7 +104,8 @@ class DecodeGraphs:
         self.metas = {s: static_decode_meta(self.inputs.view(s)) for s in self.sizes}
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_bytes = 0
+        self.graph_bytes = 0  # the card's free memory the capture took
+        self.capture_seconds = 0.0
         self.replays = 0  # steps that took this path (a test checks the path ran)
 
     # -- a step ------------------------------------------------------------------------------------
@@ -194,12 +195,13 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize(device)
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
-        logger.info(
-            "CUDA graphs captured for decode batch sizes %s (contexts up to %d tokens) in %.1f s, %.0f MiB",
-            _ranges(self.sizes),
-            self.max_context,
-            time.perf_counter() - start,
-            self.graph_bytes / MIB,
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("CUDA graphs captured: %s", self.summary())
+
+    def summary(self) -> str:
+        return (
+            f"decode batch sizes {_ranges(self.sizes)} (contexts up to {self.max_context} tokens) in "
+            f"{self.capture_seconds:.1f} s, {self.graph_bytes / MIB:.0f} MiB"
         )
 
 
