@@ -95,7 +95,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     if mode:
         max_blocks = -(-min(config.max_seq_len_to_capture, max_model_len) // bs)
         caches = block_tensors.layer_caches(model_config, bs, None)
-        graphs = DecodeGraphs(loaded.model, caches, sizes, max_blocks, bs, num_blocks, device, mode)
+        graphs = DecodeGraphs(loaded.model, caches, sizes, max_blocks, bs, num_blocks, device, mode, max_model_len)
     # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
     hash_fn = get_hash_function(config.prefix_caching_hash_algo)
     kv_connector = build_kv_connector(

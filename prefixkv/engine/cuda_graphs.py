@@ -91,12 +91,17 @@ class DecodeGraphs:
         null_block: int,
         device: torch.device,
         mode: str,
+        max_model_len: int = 0,
     ) -> None:
+        """`null_block`: a block of the caches no sequence holds, where padding rows write.
+        `max_model_len`: the longest context any step (eager ones too) may have: the model's
+        position tables are built that far before a capture, never replaced after."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
+        self.max_model_len = max_model_len
         self.block_size = block_size
         self.null_slot = null_block * block_size
         self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device)
@@ -169,6 +174,7 @@ class DecodeGraphs:
         reuse the larger one's memory), after two eager runs of each (Triton compiles, the
         allocator settles). Buffers hold padding rows only: nothing real is written or read."""
         buf = self.inputs
+        self.model.reserve_positions(max(self.max_model_len, self.max_context))
         buf.slot_mapping.fill_(self.null_slot)
         buf.seq_lens.zero_()
         buf.input_ids.zero_()

@@ -218,6 +218,12 @@ class LlamaModel(nn.Module):
                 h, x = layer(h, x, cos, sin, cache, meta.for_layer(i), next_norm)
         return x
 
+    def reserve_positions(self, n: int) -> None:
+        """Build the rotary tables for positions below `n` now: a captured step keeps reading the
+        tables it was recorded with, so no later step may replace them by growing them."""
+        if n > self.rotary.max_positions:
+            self.rotary.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), n - 1)
+
     def static_decode_unsupported(self) -> str | None:
         """Why a decode step of this model cannot run over fixed buffers (static_decode.py, what a
         CUDA graph captures); None where it can: the plain decoder layers, attention without soft

@@ -102,8 +102,8 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
 def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, monkeypatch):
     """One decode step of three sequences padded to four: the buffers' forward (captured and
     replayed on a GPU) against the model's eager forward on the same cache through Triton's
-    kernels; the replay against the same buffers' forward run eagerly, bit for bit; the null
-    block the only block the padding row writes."""
+    kernels; the replay against the same buffers' forward run eagerly, bit for bit; the padding
+    row writes no block but the null one."""
     monkeypatch.setenv("PREFIXKV_CUDA_ATTENTION", "triton")
     dev = device()
     hf = _make("qwen3")  # q/k norms: the other attention variant the graphs take
@@ -120,8 +120,11 @@ def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, monkeyp
         c.copy_(torch.randn(c.shape, generator=gen))
     null = num_blocks - 1
     before_null = [c[:, :null].clone() for c in caches]
-    graphs = DecodeGraphs(model, caches, [1, 2, 4], 4, bs, null, dev, "capture" if dev.type == "cuda" else "static")
+    mode = "capture" if dev.type == "cuda" else "static"
+    graphs = DecodeGraphs(model, caches, [1, 2, 4], 4, bs, null, dev, mode, max_model_len=200)
     graphs.capture()
+    # the position tables a graph reads are built for every step the engine may run, never regrown
+    assert model.rotary.max_positions >= 200
     rows = [
         SimpleNamespace(token_ids=[5], start=9, block_table=[3, 0, 7]),
         SimpleNamespace(token_ids=[17], start=2, block_table=[1]),
