@@ -3,7 +3,7 @@
 # (docs/benchmarks.md, "CUDA: the day a GPU is lent"): the CUDA checks of issue 16 in one command,
 # each bounded so that the whole ends by $BUDGET seconds (default 540), every log in $OUT.
 # $STEPS picks and orders them (default: equality graphs model_speed shared_prefix suite model_speed_hf;
-# issue 40's Triton attention: STEPS="equality paged"; its CUDA graphs: STEPS="equality graphs"):
+# issue 40's Triton attention: STEPS="equality paged"; its CUDA graphs: STEPS="equality graphs large"):
 #   equality        the CUDA-vs-CPU model equality and tests/engine/test_cuda.py (the engine on the
 #                   GPU against the transformers oracle, caching on and off, blocks freed), the
 #                   Triton paged-attention kernels and the engine on them (compiled here), and
@@ -20,6 +20,9 @@
 #                   sequences behind a shared 1k prefix (the cascade); then model_speed's decode
 #                   with each path
 #   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256
+#   large           a random-weight Llama-3.2-1B-shaped checkpoint written here
+#                   (bench/device/random_checkpoint.py, SmolLM2's vocabulary; $SHAPE: llama-3b, llama-8b),
+#                   then the graphs step's measurement and model_speed (with transformers) on it
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
 #   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
 #                   Ray there, so those are left out)
@@ -75,6 +78,12 @@ for step in $STEPS; do
     graphs)
         bounded 150 graphs.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --context 256 --steps 24 --rounds 2 ;;
+    large)
+        big=/tmp/random-${SHAPE:-llama-1b}
+        bounded 120 large.log python3 bench/device/random_checkpoint.py "$big" --shape "${SHAPE:-llama-1b}"
+        bounded 150 large.log python3 bench/decode_graphs.py --model "$big" --device cuda --dtype bfloat16 \
+            --batches 1,32,256 --context 256 --steps 24 --rounds 2
+        bounded 120 large.log "${speed[@]}" --model "$big" --no-cudnn-attention ;;
     model_speed) bounded 100 model_speed.log "${speed[@]}" --no-hf ;;
     shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
     suite)
