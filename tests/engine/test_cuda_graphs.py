@@ -101,14 +101,15 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == expected
 
 
-def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, monkeypatch):
+@pytest.mark.parametrize("kind", ["qwen3", "mistral-swa"])  # q/k norms; a 7-token sliding window
+def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, monkeypatch, kind):
     """One decode step of three sequences padded to four: the buffers' forward (captured and
     replayed on a GPU) against the model's eager forward on the same cache through Triton's
     kernels; the replay against the same buffers' forward run eagerly, bit for bit; the padding
     row writes no block but the null one."""
     monkeypatch.setenv("PREFIXKV_CUDA_ATTENTION", "triton")
     dev = device()
-    hf = _make("qwen3")  # q/k norms: the other attention variant the graphs take
+    hf = _make(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32, device=dev).model
