@@ -132,22 +132,15 @@ class DecodeGraphs:
         b = len(scheduled)
         size = self.size_for(b)
         bs = self.block_size
-        ids = [0] * size
-        positions = [0] * size
-        slots = [self.null_slot] * size
-        lens = [0] * size
-        width = 0
-        for i, sr in enumerate(scheduled):
-            pos = sr.start
-            ids[i] = sr.token_ids[0]
-            positions[i] = pos
-            slots[i] = sr.block_table[pos // bs] * bs + pos % bs
-            lens[i] = pos + 1
-            width = max(width, (pos + bs) // bs)
+        pad = size - b  # padding rows: token 0 at position 0, written to the null slot, length 0
+        ids = [sr.token_ids[0] for sr in scheduled] + [0] * pad
+        positions = [sr.start for sr in scheduled] + [0] * pad
+        slots = [sr.block_table[p // bs] * bs + p % bs for sr, p in zip(scheduled, positions)]
+        slots += [self.null_slot] * pad
+        lens = [p + 1 for p in positions[:b]] + [0] * pad
+        width = (max(positions[:b]) + bs) // bs
         buf = self.inputs
-        buf.input_ids[:size].copy_(torch.tensor(ids, dtype=torch.long))
-        buf.positions[:size].copy_(torch.tensor(positions, dtype=torch.long))
-        buf.slot_mapping[:size].copy_(torch.tensor(slots, dtype=torch.long))
+        buf.tokens[:, :size].copy_(torch.tensor([ids, positions, slots], dtype=torch.long))
         buf.seq_lens[:size].copy_(torch.tensor(lens, dtype=torch.int32))
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
         rows = [sr.block_table[: (sr.start + bs) // bs] for sr in scheduled]

@@ -26,9 +26,9 @@ class StaticDecodeInputs:
     def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.device = device
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=device)
+        # ids, positions and slots as the rows of one tensor: a step copies them in at once
+        self.tokens = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.tokens
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
 
