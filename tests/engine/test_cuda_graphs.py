@@ -96,6 +96,20 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
             assert engine.prefix_cache_stats.hits > 0
         if kwargs.get("num_blocks") == 7:
             assert engine.scheduler.num_preemptions > 0
+    # what the graphs take: one new token a row, at most the largest size, contexts within the width
+    runner = engine.runner
+
+    def row(**kw):
+        fields = dict(token_ids=[1], start=5, block_table=[0], lora_id=0, mm_inputs=(), want_hidden_states=False)
+        return SimpleNamespace(**{**fields, **kw})
+
+    assert graphs.sizes == [1, 2]  # (the last engine's max_num_seqs=3 dropped size 4)
+    assert runner.takes_graph([row()] * 2)
+    assert not runner.takes_graph([row()] * 3)  # past the largest size
+    assert not runner.takes_graph([row(token_ids=[1, 2])])  # a chunk
+    assert not runner.takes_graph([row(start=48)])  # past max_model_len's blocks
+    for eager_only in (dict(lora_id=1), dict(mm_inputs=("image",)), dict(want_hidden_states=True)):
+        assert not runner.takes_graph([row(), row(**eager_only)])
     eager = LLM(str(tmp_path), **{**base, "enforce_eager": True})
     assert eager.llm_engine.runner.graphs is None
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == expected
