@@ -87,6 +87,8 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     mode = _graph_mode(config, device, loaded, kv_groups)
     sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
     num_blocks = _num_blocks(config, device, loaded, block_tensors, sizes if mode == "capture" else [])
+    if mode and config.num_blocks is None and num_blocks > 1:
+        num_blocks -= 1  # the graphs' null block comes out of a byte budget (a given count stays the pool's)
     max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks, kv_groups)
     with stages.stage("KV cache", f"allocating the KV cache ({num_blocks} blocks)"):
         # with graphs, one more block than the scheduler's: where padding rows write (never read)
