@@ -54,8 +54,8 @@ class ModelRunner:
         cache, when on. `mm`: the image embedder of a vision-language model. `block_size`: tokens
         per block (None: the K/V tensors' block axis; a recurrent model's state has none).
         `kv_groups`: a hybrid model's KV-cache groups (memory/kv_groups.py), None: one group.
-        `graphs`: decode steps over fixed buffers, captured as CUDA graphs (cuda_graphs.py); built
-        over this runner's caches by `attach_graphs` when None is given."""
+        `graphs`: decode steps over fixed buffers, captured as CUDA graphs (cuda_graphs.py), built
+        over the same KV tensors; None: every step eager."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
