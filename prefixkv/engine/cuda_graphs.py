@@ -6,8 +6,8 @@ Per batch size of `capture_sizes` (vLLM's: 1, 2, 4, then multiples of 8 up to `m
 at most MAX_CAPTURE_SIZE) the model's decode forward up to the final hidden states is recorded
 once over fixed buffers (model/static_decode.py) after an eager warm-up (Triton compiles there).
 A step whose every sequence has one new token, fits the largest size and the buffers' context
-width (`max_seq_len_to_capture`), and needs nothing the graph lacks (`DecodeGraphs.takes`'s
-callers list what: LoRA adapters, image inputs, prompt logprobs / hidden states) copies its ids,
+width (`max_seq_len_to_capture`), and needs nothing the graph lacks (no LoRA adapter, image
+input, prompt logprobs or hidden states: `ModelRunner.takes_graph`) copies its ids,
 positions, slots, block tables and lengths into the buffers, padded up to the next size, and
 replays. Padding rows write their K/V to a null block the scheduler never hands out and have
 length 0 (nothing read). Everything else runs eagerly.
