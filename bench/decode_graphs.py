@@ -73,7 +73,9 @@ def main() -> None:
         t0 = time.perf_counter()
         engines[name] = LLM(args.model, enforce_eager=eager, **common)
         graphs = engines[name].llm_engine.runner.graphs
-        what = f"graphs captured: {graphs.summary()}" if graphs is not None and graphs.graphs else "no graphs"
+        what = "no graphs"
+        if graphs is not None:
+            what = f"graphs captured: {graphs.summary()}" if graphs.graphs else "static buffers, not captured"
         print(f"{name}: built in {time.perf_counter() - t0:.1f} s; {what}", flush=True)
     vocab = engines["eager"].llm_engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
