@@ -1,7 +1,7 @@
 """Model forward speed: prefixkv's paged model vs transformers, same weights, same process.
 
     .venv/bin/python bench/model_speed.py [--prompt 1024] [--context 256] [--steps 20] [--reps 3]
-        [--dtype float32|bfloat16] [--device cpu|cuda] [--plain-too] [--batches 1,8]
+        [--dtype float32|bfloat16] [--device cpu|cuda] [--plain-too] [--batches 1,8] [--model FOLDER]
         [--layouts engine,transposed,packed,plain,dual] [--torch-attention-too]
 
 Reports medians: prefill tok/s for one --prompt-token prompt, and decode ms/step at each of
@@ -124,6 +124,12 @@ def main() -> None:
     )
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling first")
     ap.add_argument(
+        "--model",
+        default=None,
+        help="an HF checkpoint folder (default: the embedded SmolLM2-135M GGUF); e.g. the random-weight "
+        "1B-8B shapes of bench/device/random_checkpoint.py",
+    )
+    ap.add_argument(
         "--no-cudnn-attention",
         action="store_true",
         help="CUDA: turn torch's cuDNN attention off process-wide, for transformers' side (prefixkv's model "
@@ -149,7 +155,7 @@ def main() -> None:
 
     dev = args.device
     dtype = getattr(torch, args.dtype)
-    lm = load_model(None, dtype=dtype, device=dev)
+    lm = load_model(args.model, dtype=dtype, device=dev)
     model, cfg = lm.model, lm.config
     if dev == "cpu" and not args.no_pack:
         print(f"weights laid out for the CPU (as the engine runs): {model.pack_for_cpu()}")
@@ -157,12 +163,12 @@ def main() -> None:
     # weights as plain nn.Linear (F.linear), alternated with it in this process
     ours_models = {"ours": model}
     if args.plain_too:
-        ours_models["ours, plain"] = load_model(None, dtype=dtype, device=dev).model
+        ours_models["ours, plain"] = load_model(args.model, dtype=dtype, device=dev).model
     if args.layouts:
         ours_models = {}
         for name in args.layouts.split(","):
             fresh = name != "engine" or args.no_pack
-            ours_models[name] = load_model(None, dtype=dtype, device=dev).model if fresh else model
+            ours_models[name] = load_model(args.model, dtype=dtype, device=dev).model if fresh else model
             print(f"layout {name}: {lay_out(ours_models[name], name)}")
     # names timed with the PyTorch decode attention instead of the native kernel (--torch-attention-too)
     torch_attention: set[str] = set()
@@ -182,12 +188,17 @@ def main() -> None:
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        path = default_model_path()
-        hf = (
-            AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
-            .to(dev)
-            .eval()
-        )
+        if args.model:
+            hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(dev).eval()
+        else:
+            path = default_model_path()
+            hf = (
+                AutoModelForCausalLM.from_pretrained(
+                    os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
+                )
+                .to(dev)
+                .eval()
+            )
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}, {args.dtype}")
 
     # ------------------------------------------------------------ prefill

@@ -129,6 +129,8 @@ def _anything(_v: Any) -> bool:
 
 
 DEFAULT_KV_CACHE_METRICS_SAMPLE = 0.01  # vLLM's
+# vLLM's; every one but NONE captures pure decode steps whole here, other steps eager (same outputs)
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
 @dataclass
@@ -257,6 +259,20 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt(
         2048, "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", type=int
     )
+    enforce_eager: bool = _opt(
+        False,
+        "never capture CUDA graphs: every step runs eagerly (default: on a GPU with Triton, decode steps "
+        "of up to 512 sequences are captured once per batch size and replayed; a CPU is always eager)",
+    )
+    max_seq_len_to_capture: int = _opt(
+        8192, "longest context a captured decode step reads; longer ones run eagerly (default: 8192)", type=int
+    )
+    compilation_config: dict[str, Any] | int | None = _opt(  # noqa: RUF009 (it returns a field)
+        None,
+        "vLLM's: a level (nothing is compiled here) or JSON; read: cudagraph_capture_sizes (the decode batch "
+        "sizes captured), max_capture_size, cudagraph_mode (NONE: no graphs); other keys change nothing",
+        type=parse_compilation_config,
+    )
     scheduling_policy: str = _opt(
         "fcfs",
         "fcfs: first come first served; priority: by each request's `priority` (lower first, then arrival), "
@@ -335,11 +351,6 @@ class EngineArgs:
     disable_custom_all_reduce: bool = _compat(False, _anything, "one device, no all-reduce")
     swap_space: float = _compat(4, _anything, "preemption recomputes, nothing is swapped", type=float)
     cpu_offload_gb: float = _compat(0, _is_default(0), "weights are not offloaded (not implemented)", type=float)
-    enforce_eager: bool = _compat(False, _anything, "no CUDA graphs are captured")
-    max_seq_len_to_capture: int = _compat(8192, _anything, "no CUDA graphs are captured", type=int)
-    compilation_config: dict[str, Any] | int | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _anything, "nothing is compiled", type=parse_compilation_config
-    )
     # the server's --disable-log-stats (server/launch.py) is this option's flag: it turns off the
     # server's periodic stats line, which is all it means
     disable_log_stats: bool = _compat(
@@ -404,6 +415,7 @@ class EngineArgs:
             ("max_model_len", 2),
             ("max_loras", 1),
             ("max_lora_rank", 1),
+            ("max_seq_len_to_capture", 1),
         ):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
@@ -423,6 +435,7 @@ class EngineArgs:
             raise ValueError(f"unknown cpu_thread_policy {self.cpu_thread_policy!r}; choose adaptive or fixed")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        self._check_compilation_config()
         self._check_multimodal()
         self._check_load_format()
         self.default_pooling = parse_pooler_config(self.pooler_config)
@@ -435,6 +448,32 @@ class EngineArgs:
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; choose one of {', '.join(POLICIES)}")
         self._check_tiers()
+
+    def _check_compilation_config(self) -> None:
+        """What of vLLM's compilation_config means something here: the CUDA graphs' sizes and
+        mode; a level or any other key is accepted and logged (nothing is compiled)."""
+        cc = self.compilation_config
+        if cc is None:
+            return
+        if not isinstance(cc, dict):
+            if not _is_int(cc):
+                raise ValueError(f"compilation_config must be a level or a dict, got {cc!r}")
+            _log_once(f"compilation_config={cc!r}: nothing is compiled here")
+            return
+        sizes = cc.get("cudagraph_capture_sizes")
+        if sizes is not None and (not isinstance(sizes, list) or not all(_is_int(x) and x > 0 for x in sizes)):
+            raise ValueError(f"compilation_config cudagraph_capture_sizes must be positive integers, got {sizes!r}")
+        cap = cc.get("max_capture_size")
+        if cap is not None and (not _is_int(cap) or cap < 1):
+            raise ValueError(f"compilation_config max_capture_size must be a positive integer, got {cap!r}")
+        mode = cc.get("cudagraph_mode")
+        if mode is not None and str(mode).upper() not in CUDAGRAPH_MODES:
+            raise ValueError(f"compilation_config cudagraph_mode {mode!r}: choose one of {', '.join(CUDAGRAPH_MODES)}")
+        others = sorted(set(cc) - {"cudagraph_capture_sizes", "max_capture_size", "cudagraph_mode"})
+        if others:
+            _log_once(f"compilation_config {', '.join(others)}: nothing is compiled here")
+        if mode is not None and str(mode).upper() != "NONE":
+            _log_once(f"compilation_config cudagraph_mode={mode}: decode steps are captured whole, others run eagerly")
 
     def _check_tiers(self) -> None:
         from .tiers import parse_spec, split_specs

@@ -2,18 +2,27 @@
 # Run on the lent GPU machine, from the repository root, right after `bash bench/device/stage.sh 1`
 # (docs/benchmarks.md, "CUDA: the day a GPU is lent"): the CUDA checks of issue 16 in one command,
 # each bounded so that the whole ends by $BUDGET seconds (default 540), every log in $OUT.
-# $STEPS picks and orders them (default: equality model_speed shared_prefix suite model_speed_hf;
-# issue 40's Triton attention: STEPS="equality paged"):
+# $STEPS picks and orders them (default: equality graphs model_speed shared_prefix suite model_speed_hf;
+# issue 40's Triton attention: STEPS="equality paged"; its CUDA graphs: STEPS="equality graphs large"):
 #   equality        the CUDA-vs-CPU model equality and tests/engine/test_cuda.py (the engine on the
 #                   GPU against the transformers oracle, caching on and off, blocks freed), the
 #                   Triton paged-attention kernels and the engine on them (compiled here), and
-#                   tests/engine/test_cuda.py again with PREFIXKV_CUDA_ATTENTION=triton
+#                   tests/engine/test_cuda.py again with PREFIXKV_CUDA_ATTENTION=triton; every engine
+#                   there replays its decode steps as CUDA graphs (the default on a GPU), and
+#                   tests/engine/test_cuda_graphs.py compares a replay with the same forward run
+#                   eagerly, bit for bit
+#   graphs          bench/decode_graphs.py: decode ms/step through the engine at batch 1/32/256
+#                   (bfloat16, 256-token contexts), CUDA graphs against enforce_eager=True,
+#                   alternated; the capture's sizes, time and memory in the log
 #   paged           bench/paged_attention.py: one layer's attention, Triton's kernels reading the
 #                   blocks in place against the gather path, decode and prefill after 1k/8k context
 #                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
 #                   sequences behind a shared 1k prefix (the cascade); then model_speed's decode
 #                   with each path
 #   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256
+#   large           a random-weight Llama-3.2-1B-shaped checkpoint written here
+#                   (bench/device/random_checkpoint.py, SmolLM2's vocabulary; $SHAPE: llama-3b, llama-8b),
+#                   then the graphs step's measurement and model_speed (with transformers) on it
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
 #   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
 #                   Ray there, so those are left out)
@@ -23,7 +32,7 @@
 #                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
 set -u
 BUDGET=${BUDGET:-540}
-STEPS=${STEPS:-equality model_speed shared_prefix suite model_speed_hf}
+STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -52,7 +61,8 @@ for step in $STEPS; do
     equality)
         bounded 200 equality.log python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
-            tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py
+            tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
+            tests/engine/test_cuda_graphs.py
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
     paged)
@@ -65,6 +75,15 @@ for step in $STEPS; do
         for path in gather triton; do
             bounded 60 paged.log env PREFIXKV_CUDA_ATTENTION=$path "${speed[@]}" --no-hf
         done ;;
+    graphs)
+        bounded 150 graphs.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
+            --batches 1,32,256 --context 256 --steps 24 --rounds 2 ;;
+    large)
+        big=/tmp/random-${SHAPE:-llama-1b}
+        bounded 120 large.log python3 bench/device/random_checkpoint.py "$big" --shape "${SHAPE:-llama-1b}"
+        bounded 150 large.log python3 bench/decode_graphs.py --model "$big" --device cuda --dtype bfloat16 \
+            --batches 1,32,256 --context 256 --steps 24 --rounds 2
+        bounded 120 large.log "${speed[@]}" --model "$big" --no-cudnn-attention ;;
     model_speed) bounded 100 model_speed.log "${speed[@]}" --no-hf ;;
     shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
     suite)

@@ -20,7 +20,7 @@ from ..kv_events import EventPublisher, KVEventsConfig, create_publisher
 from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors, kv_cache_specs
 from ..memory.kv_groups import KVCacheGroups, plan_kv_groups
-from ..model import LoadedModel, ModelConfig, load_model
+from ..model import LlamaModel, LoadedModel, ModelConfig, load_model
 from ..model.generation_config import sampling_defaults
 from ..model.tokenizer import Tokenizer
 from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
@@ -28,6 +28,7 @@ from ..progress import Stages
 from ..stage_outputs import stage_output_specs
 from ..tiers import TierManager, build_kv_connector
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
+from .cuda_graphs import DecodeGraphs, capture_sizes, graph_mode
 from .device import resolve_device_dtype
 from .gpu_memory import cuda_kv_budget
 from .input_processor import InputProcessor
@@ -83,10 +84,20 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     if config.enable_stage_output_cache:  # the hidden states of cached blocks, in the same budget
         for spec in stage_output_specs(model_config, bs, dtype):
             block_tensors.register(spec)
-    num_blocks = _num_blocks(config, device, loaded, block_tensors)
+    mode = _graph_mode(config, device, loaded, kv_groups)
+    sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
+    num_blocks = _num_blocks(config, device, loaded, block_tensors, sizes if mode == "capture" else [])
+    if mode and config.num_blocks is None and num_blocks > 1:
+        num_blocks -= 1  # the graphs' null block comes out of a byte budget (a given count stays the pool's)
     max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks, kv_groups)
     with stages.stage("KV cache", f"allocating the KV cache ({num_blocks} blocks)"):
-        block_tensors.allocate(num_blocks, device)
+        # with graphs, one more block than the scheduler's: where padding rows write (never read)
+        block_tensors.allocate(num_blocks + (1 if mode else 0), device)
+    graphs = None
+    if mode:
+        max_blocks = -(-min(config.max_seq_len_to_capture, max_model_len) // bs)
+        caches = block_tensors.layer_caches(model_config, bs, None)
+        graphs = DecodeGraphs(loaded.model, caches, sizes, max_blocks, bs, num_blocks, device, mode, max_model_len)
     # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
     hash_fn = get_hash_function(config.prefix_caching_hash_algo)
     kv_connector = build_kv_connector(
@@ -139,7 +150,11 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             mm=embedder,
             block_size=bs,
             kv_groups=kv_groups,
+            graphs=graphs,
         )
+    if graphs is not None:  # after the runner: LoRA's wrappers are in the model then
+        with stages.stage("CUDA graphs", f"capturing decode steps of {len(sizes)} batch sizes"):
+            graphs.capture()
     cpu_threads = _checked_thread_policy(cpu_threads, runner, dtype, stages)
     kv_events_config = config.kv_events_config
     assert kv_events_config is None or isinstance(kv_events_config, KVEventsConfig)  # EngineArgs parsed it
@@ -221,7 +236,37 @@ def _checked_thread_policy(
     return threads
 
 
-def _num_blocks(config: EngineArgs, device: torch.device, loaded: LoadedModel, block_tensors: BlockTensors) -> int:
+_MODE_NAMES = {None: "eager", "capture": "CUDA graphs", "static": "static buffers, not captured"}
+
+
+def _graph_mode(
+    config: EngineArgs, device: torch.device, loaded: LoadedModel, kv_groups: KVCacheGroups | None
+) -> str | None:
+    """Whether decode steps are captured as CUDA graphs (cuda_graphs.py), logged on CUDA."""
+    mode, why = graph_mode(device, config.enforce_eager, config.compilation_config)
+    if mode is not None:
+        model = loaded.model
+        unsupported = model.static_decode_unsupported() if isinstance(model, LlamaModel) else "not a decoder model"
+        for reason, off in (
+            (f"{loaded.config.architecture}: {unsupported}", unsupported is not None),
+            ("KV-cache groups (a hybrid sliding-window layout)", kv_groups is not None),
+            ("the stage-output cache", config.enable_stage_output_cache),
+        ):
+            if off:
+                mode, why = None, f"eager for {reason}"
+                break
+    if device.type == "cuda" or mode is not None:
+        logger.info("decode steps: %s (%s)", _MODE_NAMES[mode], why)
+    return mode
+
+
+def _num_blocks(
+    config: EngineArgs,
+    device: torch.device,
+    loaded: LoadedModel,
+    block_tensors: BlockTensors,
+    graph_sizes: list[int],
+) -> int:
     if config.gpu_memory_utilization is not None and device.type != "cuda":
         logger.info("gpu_memory_utilization=%s changes nothing on the CPU", config.gpu_memory_utilization)
     if config.num_blocks is not None:
@@ -229,7 +274,12 @@ def _num_blocks(config: EngineArgs, device: torch.device, loaded: LoadedModel, b
     bs = config.block_size
     if device.type == "cuda" and config.gpu_memory_utilization is not None:
         budget = cuda_kv_budget(
-            loaded.model, config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs, bs
+            loaded.model,
+            config.gpu_memory_utilization,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            bs,
+            max(graph_sizes, default=0),
         )
     else:
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES

@@ -27,6 +27,7 @@ from .scheduler_output import ScheduledRequest, SchedulerOutput
 if TYPE_CHECKING:
     from ..multimodal.embedding import MultiModalEmbedder
     from ..stage_outputs import StageOutputCache
+    from .cuda_graphs import DecodeGraphs
 
 PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scoring a prompt
 
@@ -46,12 +47,15 @@ class ModelRunner:
         mm: MultiModalEmbedder | None = None,
         block_size: int | None = None,
         kv_groups: KVCacheGroups | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
         tiers, which no step asks for anything. `stage_outputs`: the scheduler's stage-output
         cache, when on. `mm`: the image embedder of a vision-language model. `block_size`: tokens
         per block (None: the K/V tensors' block axis; a recurrent model's state has none).
-        `kv_groups`: a hybrid model's KV-cache groups (memory/kv_groups.py), None: one group."""
+        `kv_groups`: a hybrid model's KV-cache groups (memory/kv_groups.py), None: one group.
+        `graphs`: decode steps over fixed buffers, captured as CUDA graphs (cuda_graphs.py), built
+        over the same KV tensors; None: every step eager."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
@@ -74,6 +78,17 @@ class ModelRunner:
         self.lora_manager = lora_manager
         if lora_manager is not None:
             lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers
+        self.graphs = graphs
+
+    def takes_graph(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether a step replays a captured decode: every sequence one new token within the
+        graphs' sizes, and none needing what the graph does not compute - a LoRA adapter, image
+        inputs, prompt logprobs or hidden states; the stage-output cache and KV-cache groups keep
+        every step eager (no graphs are built with them)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.takes(scheduled):
+            return False
+        return not any(sr.lora_id or sr.mm_inputs or sr.want_hidden_states for sr in scheduled)
 
     def decoder_layers(self) -> list[nn.Module]:
         """The model's decoder layers, in the order each forward calls them (none for a model
@@ -87,11 +102,40 @@ class ModelRunner:
         prompt positions of those with `want_hidden_states`. Raises only when the forward pass
         itself fails (then no KV written in this step can be trusted)."""
         scheduled = scheduler_output.scheduled
-        bs = self.block_size
+        dev = self.device
         if scheduler_output.kv_loads:  # blocks from the tiers, before the forward reads them
             self.kv_connector.load(scheduler_output.kv_loads)
             if self.stage_outputs is not None:  # their stage rows came too
                 self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
+        if self.takes_graph(scheduled):
+            assert self.graphs is not None
+            hidden = self.graphs.run(scheduled)
+            query_start_loc = list(range(len(scheduled) + 1))
+        else:
+            hidden, query_start_loc = self._forward(scheduled)
+        out = ModelRunnerOutput()
+        if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
+            out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
+        for i, sr in enumerate(scheduled):
+            if sr.want_hidden_states:
+                try:
+                    self._prompt_outputs(sr, hidden[query_start_loc[i] : query_start_loc[i + 1]], out)
+                except Exception as e:  # noqa: BLE001 (this request fails alone)
+                    what = (
+                        "scoring prompt logprobs" if sr.sampling_params.prompt_logprobs is not None else "hidden states"
+                    )
+                    out.errors[sr.req_id] = f"{what} failed: {e}"
+        rows = [
+            query_start_loc[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in out.errors
+        ]
+        if rows:
+            to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
+            self._sample(self.compute_logits(hidden[torch.tensor(rows, device=dev)]), to_sample, out)
+        return out
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+        """The eager forward of any step: its final hidden states and each request's first row."""
+        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -136,25 +180,7 @@ class ModelRunner:
         if stage is not None:  # every computed row, through the KV slot mapping; full blocks become readable
             stage.write(per_token_outputs(hidden, len(input_ids)), meta.slot_mapping)
             stage.commit(self._full_blocks(scheduled))
-        out = ModelRunnerOutput()
-        if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
-            out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
-        for i, sr in enumerate(scheduled):
-            if sr.want_hidden_states:
-                try:
-                    self._prompt_outputs(sr, hidden[query_start_loc[i] : query_start_loc[i + 1]], out)
-                except Exception as e:  # noqa: BLE001 (this request fails alone)
-                    what = (
-                        "scoring prompt logprobs" if sr.sampling_params.prompt_logprobs is not None else "hidden states"
-                    )
-                    out.errors[sr.req_id] = f"{what} failed: {e}"
-        rows = [
-            query_start_loc[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in out.errors
-        ]
-        if rows:
-            to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
-            self._sample(self.compute_logits(hidden[torch.tensor(rows, device=dev)]), to_sample, out)
-        return out
+        return hidden, query_start_loc
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,13 +12,16 @@ prefill that follows a prefix-cache hit only computes its new tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from .attention_path import triton_kernels, uses_triton
 from .kernels import ops
+
+if TYPE_CHECKING:
+    from .static_decode import StaticDecodeView
 
 
 def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], int]:
@@ -39,6 +42,9 @@ class AttentionMetadata:
     group_tables:    a hybrid model's KV-cache groups after the first, (slot_mapping,
                      block_tables) each, and `layer_groups` each layer's group (0: the fields
                      above); `for_layer` gives a layer its group's view.
+    static:          a decode step over fixed buffers (static_decode.py, what a CUDA graph
+                     captures): every row one decode, attention reads the view's tensors only
+                     (`seq_lens` then holds an upper bound for each row, `static_decode_meta`).
 
     Build a new object per step: index tensors derived from it are computed once (on the
     first layer) and reused by all layers, so do not mutate it after the first forward.
@@ -50,6 +56,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     layer_groups: list[int] | None = None
+    static: StaticDecodeView | None = None
     # built once per step for each (block size, device, window, dtype) the layers ask for: layers
     # with and without a window alternate in one forward (Gemma), each kind keeps its own plan
     _plans: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -630,6 +637,10 @@ def paged_attention(
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     block_size = kv_cache.shape[2]
+    if meta.static is not None:
+        if softcap is not None:
+            raise ValueError("soft-capped attention has no static decode path")
+        return _static_decode(q, k, v, kv_cache, meta.static, D**-0.5 if scale is None else scale, window)
     if softcap is not None:
         k_flat = kv_cache[0].view(-1, Hkv, D)
         v_flat = kv_cache[1].view(-1, Hkv, D)
@@ -702,6 +713,35 @@ def paged_attention(
     if plan.decode_rows is not None:
         out[plan.decode_rows] = _decode(q, k_flat, v_flat, plan, scale)
     return out
+
+
+def static_decode_meta(view: StaticDecodeView) -> AttentionMetadata:
+    """The metadata of a decode step over fixed buffers: one new token a row, each row's length
+    bounded by the buffers' width (what the rotary table is built up to before a capture)."""
+    size = view.size
+    meta = AttentionMetadata(view.slot_mapping, list(range(size + 1)), [view.max_context] * size, view.block_tables)
+    meta.static = view
+    return meta
+
+
+def _static_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    view: StaticDecodeView,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """A static decode step's layer: K/V written at the view's slots, then Triton's decode over
+    the view's tables and lengths; nothing allocated that depends on the values, no read-back."""
+    Hkv, D = k.shape[1], k.shape[2]
+    k_flat = kv_cache[0].view(-1, Hkv, D)
+    v_flat = kv_cache[1].view(-1, Hkv, D)
+    if not ops.write_kv(k, v, k_flat, v_flat, view.slot_mapping):
+        k_flat.index_copy_(0, view.slot_mapping, k.to(kv_cache.dtype))
+        v_flat.index_copy_(0, view.slot_mapping, v.to(kv_cache.dtype))
+    return view.attend(q, k_flat, v_flat, scale, window)
 
 
 def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:

@@ -209,7 +209,7 @@ class LlamaModel(nn.Module):
         x = cast(DecoderLayer, layers[0]).input_layernorm(h) if len(layers) else self.norm(h)
         fused = self.decode_layers
         # (with LoRA attached, a step without adapters is the base model's: the wrappers add nothing)
-        if fused is not None and self.fused_decode and lora_mapping is None:
+        if fused is not None and self.fused_decode and lora_mapping is None and meta.static is None:
             if fused.run(h, x, cos, sin, kv_caches, meta):
                 return x
         with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
@@ -217,6 +217,27 @@ class LlamaModel(nn.Module):
                 next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
                 h, x = layer(h, x, cos, sin, cache, meta.for_layer(i), next_norm)
         return x
+
+    def reserve_positions(self, n: int) -> None:
+        """Build the rotary tables for positions below `n` now: a captured step keeps reading the
+        tables it was recorded with, so no later step may replace them by growing them."""
+        if n > self.rotary.max_positions:
+            self.rotary.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), n - 1)
+
+    def static_decode_unsupported(self) -> str | None:
+        """Why a decode step of this model cannot run over fixed buffers (static_decode.py, what a
+        CUDA graph captures); None where it can: the plain decoder layers, attention without soft
+        capping, dense MLPs (routed experts pick their rows by the values)."""
+        if type(self).forward is not LlamaModel.forward:
+            return f"{type(self).__name__} has its own forward"
+        for layer in self.layers:
+            if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
+                return f"{type(layer).__name__} layers"
+            if layer.self_attn.softcap is not None:
+                return "soft-capped attention"
+            if not isinstance(layer.mlp, GatedMLP):
+                return "routed experts (MoE)"
+        return None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""A random-weight checkpoint of a model shape users serve, for the GPU figures: random weights
+read and multiply at the same speed as trained ones, so nothing needs downloading. Written as an
+HF folder with transformers' own classes (config.json, safetensors) and the default model's
+tokenizer (SmolLM2's vocabulary, from the embedded GGUF), so the engine and transformers load it as
+they load any checkpoint.
+
+    python3 bench/device/random_checkpoint.py OUT [--shape llama-1b|llama-3b|llama-8b] [--device cuda]
+        [--layers N]
+
+The weights are drawn on --device (a GPU draws a 1B model's in well under a second) in bfloat16;
+--layers overrides the shape's depth (a CPU smoke with --layers 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+# Llama 3.2 1B / 3B and Llama 3.1 8B's shapes, with SmolLM2's 49,152-token vocabulary
+SHAPES: dict[str, dict[str, object]] = {
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "llama-3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def write_tokenizer(out: Path) -> int:
+    """The default model's tokenizer as tokenizer.json + tokenizer_config.json; its vocabulary size."""
+    from prefixkv.model.loader import default_model_path, load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    tok.backend.save(str(out / "tokenizer.json"))
+    cfg = {
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "add_bos_token": tok.add_bos_token,
+        "chat_template": tok.chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    return int(tok.vocab_size)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=0, help="override the shape's layer count")
+    args = ap.parse_args()
+    import transformers as tf
+
+    start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(out)
+    shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    config = tf.LlamaConfig(
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        **shape,
+    )
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(args.device):
+            model = tf.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(out, safe_serialization=True)
+    print(
+        f"{args.shape}{f' ({args.layers} layers)' if args.layers else ''}: {params / 1e9:.2f}B parameters, "
+        f"bfloat16, written to {out} in {time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

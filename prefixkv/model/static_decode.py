@@ -1,0 +1,79 @@
+"""A decode step over inputs of a fixed shape: what a CUDA graph captures once and replays.
+
+A graph replays the launches it recorded on the addresses it recorded, so everything a step varies
+lives in tensors allocated once - the slot each new token's K/V goes to, each sequence's block
+table (int32, a fixed width) and length (int32) - and the forward reads them without a host
+read-back or a shape that depends on them. A batch is padded up to the graph's size: a padding row
+writes its K/V to a slot no sequence reads (the caller's null block) and has length 0, which the
+decode kernel reads nothing for.
+
+Every new token is a decode (one a sequence); attention is Triton's paged decode kernel
+(kernels/triton_attention.paged_decode) reading every context in place - no cascade, no gather,
+the split count a function of the fixed shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_path import triton_kernels
+
+
+class StaticDecodeInputs:
+    """Buffers for decode steps of up to `max_batch` sequences of up to `max_blocks` blocks each;
+    `view(size)` gives a step of `size` rows its slices (the same storage)."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
+        self.device = device
+        # ids, positions and slots as the rows of one tensor: a step copies them in at once
+        self.tokens = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.tokens
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+
+    @property
+    def max_context(self) -> int:
+        return self.max_blocks * self.block_size
+
+    def view(self, size: int) -> StaticDecodeView:
+        if not 0 < size <= self.max_batch:
+            raise ValueError(f"a static decode of {size} rows does not fit buffers of {self.max_batch}")
+        return StaticDecodeView(self, size)
+
+
+class StaticDecodeView:
+    """The first `size` rows of the buffers, and the split decode's workspace for that size (one
+    per query-head shape, allocated by the first layer that asks and shared by the others)."""
+
+    def __init__(self, inputs: StaticDecodeInputs, size: int) -> None:
+        self.size = size
+        self.block_size = inputs.block_size
+        self.input_ids = inputs.input_ids[:size]
+        self.positions = inputs.positions[:size]
+        self.slot_mapping = inputs.slot_mapping[:size]
+        self.block_tables = inputs.block_tables[:size]
+        self.seq_lens = inputs.seq_lens[:size]
+        self.max_context = inputs.max_context
+        self._work: dict[tuple[int, int, int], tuple[int, tuple[torch.Tensor, torch.Tensor] | None]] = {}
+
+    def attend(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
+        """q [size, Hq, D] against each row's context, K/V [num_slots, Hkv, D] read in place (this
+        step's already written)."""
+        kernels = triton_kernels()
+        _, Hq, D = q.shape
+        Hkv = k_flat.shape[1]
+        key = (Hq, Hkv, D)
+        work = self._work.get(key)
+        if work is None:
+            splits = kernels.decode_splits(self.size, Hkv, self.max_context, q.device)
+            space = kernels.decode_workspace(self.size, Hq, D, splits, q.device) if splits > 1 else None
+            work = self._work[key] = (splits, space)
+        splits, space = work
+        bs = self.block_size
+        return kernels.paged_decode(
+            q, k_flat.view(-1, bs, *k_flat.shape[1:]), v_flat.view(-1, bs, *v_flat.shape[1:]),
+            self.block_tables, self.seq_lens, scale, window=window, num_splits=splits, workspace=space,
+        )  # fmt: skip

@@ -1,0 +1,163 @@
+"""Decode steps over fixed buffers (engine/cuda_graphs.py, model/static_decode.py): what a CUDA
+graph captures and replays. On a CPU the same buffers, padding, null block and forward run without
+a capture, under Triton's interpreter (PREFIXKV_CUDA_GRAPHS=static); on a GPU they are captured and
+the replay is compared with the same forward run eagerly, bit for bit. Tiny random checkpoints."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.engine.cuda_graphs import DecodeGraphs, capture_sizes, default_capture_sizes, graph_mode
+from prefixkv.engine_args import EngineArgs
+from prefixkv.memory.block_tensors import allocate_kv_cache
+from prefixkv.model import AttentionMetadata, load_model
+
+from ..conftest import hf_greedy
+from ..model.test_model_hf_folder import _make, _write_tokenizer
+from ..model.triton_interpreter import device, kernels_module
+
+
+def test_capture_sizes_are_vllms():
+    assert default_capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert default_capture_sizes(5) == [1, 2, 4]
+    assert default_capture_sizes(1024)[-1] == 512
+    assert capture_sizes(256, {"max_capture_size": 16}) == [1, 2, 4, 8, 16]
+    assert capture_sizes(4, {"cudagraph_capture_sizes": [8, 2, 1, 4]}) == [1, 2, 4]
+    assert capture_sizes(64, 3) == default_capture_sizes(64)
+
+
+def test_graph_mode_and_flags(monkeypatch):
+    cuda = torch.device("cuda")
+    assert graph_mode(cuda, True, None)[0] is None
+    assert graph_mode(cuda, False, {"cudagraph_mode": "NONE"})[0] is None
+    monkeypatch.delenv("PREFIXKV_CUDA_GRAPHS", raising=False)
+    assert graph_mode(torch.device("cpu"), False, None)[0] is None  # a CPU is eager
+    triton = importlib.util.find_spec("triton") is not None
+    assert graph_mode(cuda, False, {"cudagraph_mode": "FULL_DECODE_ONLY"})[0] == ("capture" if triton else None)
+    for bad in ({"cudagraph_capture_sizes": [0]}, {"max_capture_size": "8"}, {"cudagraph_mode": "SOME"}):
+        with pytest.raises(ValueError, match="compilation_config"):
+            EngineArgs(compilation_config=bad)
+    with pytest.raises(ValueError, match="max_seq_len_to_capture"):
+        EngineArgs(max_seq_len_to_capture=0)
+    EngineArgs(compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2]})
+
+
+@pytest.fixture
+def static_graphs(monkeypatch):
+    """Graphs without a capture on a CPU (under Triton's interpreter), captured on a GPU."""
+    kernels_module()
+    if device().type == "cpu":
+        monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static")
+
+
+def test_engine_through_static_decode_matches_transformers(tmp_path, static_graphs):
+    """Greedy float32 tokens equal transformers' with the decode steps over the fixed buffers:
+    caching off and on (prefix hits), a batch shrinking and growing across the sizes (1, 2, 4:
+    three sequences pad to four), preemption; every block free after."""
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random(40)
+    shared = [rng.randrange(256) for _ in range(20)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 8))] for _ in range(4)]
+    prompts.append([rng.randrange(256) for _ in range(6)])
+    lengths = [6, 2, 4, 3, 5]  # sequences finish at different steps: the batch shrinks
+    expected = [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    base = dict(
+        dtype="float32",
+        device=str(device()),
+        num_blocks=64,
+        block_size=8,
+        max_model_len=48,
+        max_num_seqs=4,  # the fifth joins as the first leave: the batch grows again
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+    )
+    for kwargs in (
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True),
+        dict(num_blocks=7, max_num_seqs=3),
+    ):
+        llm = LLM(str(tmp_path), **{**base, **kwargs})
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, kwargs
+        engine = llm.llm_engine
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.replays > 0
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        assert engine.block_tensors.kv_caches[0].shape[1] == engine.num_blocks + 1  # the null block
+        if kwargs.get("enable_prefix_caching", True):
+            assert engine.prefix_cache_stats.hits > 0
+        if kwargs.get("num_blocks") == 7:
+            assert engine.scheduler.num_preemptions > 0
+    # what the graphs take: one new token a row, at most the largest size, contexts within the width
+    runner = engine.runner
+
+    def row(**kw):
+        fields = dict(token_ids=[1], start=5, block_table=[0], lora_id=0, mm_inputs=(), want_hidden_states=False)
+        return SimpleNamespace(**{**fields, **kw})
+
+    assert graphs.sizes == [1, 2]  # (the last engine's max_num_seqs=3 dropped size 4)
+    assert runner.takes_graph([row()] * 2)
+    assert not runner.takes_graph([row()] * 3)  # past the largest size
+    assert not runner.takes_graph([row(token_ids=[1, 2])])  # a chunk
+    assert not runner.takes_graph([row(start=48)])  # past max_model_len's blocks
+    for eager_only in (dict(lora_id=1), dict(mm_inputs=("image",)), dict(want_hidden_states=True)):
+        assert not runner.takes_graph([row(), row(**eager_only)])
+    eager = LLM(str(tmp_path), **{**base, "enforce_eager": True})
+    assert eager.llm_engine.runner.graphs is None
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == expected
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral-swa"])  # q/k norms; a 7-token sliding window
+def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, monkeypatch, kind):
+    """One decode step of three sequences padded to four: the buffers' forward (captured and
+    replayed on a GPU) against the model's eager forward on the same cache through Triton's
+    kernels; the replay against the same buffers' forward run eagerly, bit for bit; the padding
+    row writes no block but the null one."""
+    monkeypatch.setenv("PREFIXKV_CUDA_ATTENTION", "triton")
+    dev = device()
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device=dev).model
+    if dev.type == "cpu":
+        model.pack_for_cpu()
+    assert model.static_decode_unsupported() is None
+    bs, num_blocks = 4, 13
+    caches = allocate_kv_cache(model.config, num_blocks, bs, dtype=torch.float32, device=dev)
+    gen = torch.Generator().manual_seed(0)
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=gen))
+    null = num_blocks - 1
+    before_null = [c[:, :null].clone() for c in caches]
+    mode = "capture" if dev.type == "cuda" else "static"
+    graphs = DecodeGraphs(model, caches, [1, 2, 4], 4, bs, null, dev, mode, max_model_len=200)
+    graphs.capture()
+    # the position tables a graph reads are built for every step the engine may run, never regrown
+    assert model.rotary.max_positions >= 200
+    rows = [
+        SimpleNamespace(token_ids=[5], start=9, block_table=[3, 0, 7]),
+        SimpleNamespace(token_ids=[17], start=2, block_table=[1]),
+        SimpleNamespace(token_ids=[99], start=14, block_table=[2, 4, 5, 6]),
+    ]
+    hidden = graphs.run(rows).clone()
+    slots = [7 * bs + 1, 1 * bs + 2, 6 * bs + 2]  # position p: block_table[p // bs], offset p % bs
+    # the eager forward writes the same K/V to the same slots; nothing else but the null block changed
+    for c, old in zip(caches, before_null):
+        changed = (c[:, :null] != old).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
+        assert set(changed) <= {s // bs for s in slots}
+    tables = torch.tensor([[3, 0, 7, 0], [1, 0, 0, 0], [2, 4, 5, 6]])
+    meta = AttentionMetadata(torch.tensor(slots), [0, 1, 2, 3], [10, 3, 15], tables)
+    eager = model(torch.tensor([5, 17, 99]), torch.tensor([9, 2, 14]), caches, meta)
+    torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+    again = graphs._forward(4)[:3]  # the same buffers, eagerly: the very kernels the graph replays
+    assert torch.equal(hidden, again)
+    if dev.type == "cuda":
+        assert graphs.graphs.keys() == {1, 2, 4}
