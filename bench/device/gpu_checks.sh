@@ -36,6 +36,8 @@ STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# captured decode steps are opt-in until this script has verified them on a GPU
+export PREFIXKV_CUDA_GRAPHS=${PREFIXKV_CUDA_GRAPHS:-capture}
 start=$SECONDS
 bounded() {  # bounded SECONDS LOG CMD...: run CMD for at most SECONDS (less if the budget is short)
     local t=$1 log=$2 left

@@ -65,8 +65,8 @@ def graph_mode(
     if isinstance(compilation_config, dict) and str(compilation_config.get("cudagraph_mode", "")).upper() == "NONE":
         return None, "compilation_config cudagraph_mode NONE"
     wanted = os.environ.get(ENV, "").strip().lower()
-    if wanted not in ("", "static"):
-        raise ValueError(f"{ENV}={wanted!r}: expected 'static' or nothing")
+    if wanted not in ("", "static", "capture"):
+        raise ValueError(f"{ENV}={wanted!r}: expected 'capture', 'static' or nothing")
     if device.type == "cpu":
         if wanted == "static" and os.environ.get("TRITON_INTERPRET") == "1":
             return "static", f"{ENV}=static under Triton's interpreter"
@@ -75,7 +75,11 @@ def graph_mode(
         return None, f"no CUDA graphs on {device.type}"
     if importlib.util.find_spec("triton") is None:
         return None, "Triton is not installed (the captured decode attention is Triton's)"
-    return ("static" if wanted == "static" else "capture"), "CUDA with Triton"
+    if not wanted:
+        # opt-in until a lent GPU has run the capture against eager (bench/device/gpu_checks.sh
+        # sets it): an unverified path is not what a user's outputs should rest on
+        return None, f"captured decode is not yet verified on a GPU ({ENV}=capture turns it on)"
+    return wanted, f"CUDA with Triton, {ENV}={wanted}"
 
 
 class DecodeGraphs:

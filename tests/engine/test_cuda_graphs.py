@@ -39,7 +39,10 @@ def test_graph_mode_and_flags(monkeypatch):
     monkeypatch.delenv("PREFIXKV_CUDA_GRAPHS", raising=False)
     assert graph_mode(torch.device("cpu"), False, None)[0] is None  # a CPU is eager
     triton = importlib.util.find_spec("triton") is not None
+    assert graph_mode(cuda, False, None)[0] is None  # opt-in until verified on a GPU
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "capture")
     assert graph_mode(cuda, False, {"cudagraph_mode": "FULL_DECODE_ONLY"})[0] == ("capture" if triton else None)
+    assert graph_mode(cuda, True, None)[0] is None
     for bad in ({"cudagraph_capture_sizes": [0]}, {"max_capture_size": "8"}, {"cudagraph_mode": "SOME"}):
         with pytest.raises(ValueError, match="compilation_config"):
             EngineArgs(compilation_config=bad)
@@ -52,8 +55,7 @@ def test_graph_mode_and_flags(monkeypatch):
 def static_graphs(monkeypatch):
     """Graphs without a capture on a CPU (under Triton's interpreter), captured on a GPU."""
     kernels_module()
-    if device().type == "cpu":
-        monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static")
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
 
 
 def test_engine_through_static_decode_matches_transformers(tmp_path, static_graphs):
