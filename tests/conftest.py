@@ -28,6 +28,40 @@ def _malloc_trim() -> None:
         pass
 
 
+# `make test` runs the suite on pytest-xdist's workers, a file to a worker at a time (--dist
+# loadfile: a module's fixtures, such as its server, start once). Much of the suite waits on
+# subprocesses (servers, pip, Ray), so two workers on two cores finish in well under the time one
+# takes; more workers than the memory holds would swap: each holds a model or two and a server.
+WORKER_MEMORY_BYTES = 6 << 30
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, as many as the available memory holds."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = 2 * WORKER_MEMORY_BYTES
+    return max(1, min(len(os.sched_getaffinity(0)), available // WORKER_MEMORY_BYTES))
+
+
+SLOW_TEST_SECONDS = 5  # what a test marked slow takes unless its marker says (slow(seconds=N))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first, by their slow tests' estimated seconds, each file's tests kept
+    together and in order: the workers start on the longest files and the short ones fill in
+    around them (a long file taken last leaves the other worker idle until it ends; `make test`
+    passes --no-loadscope-reorder so that xdist keeps this order)."""
+    seconds: dict[object, float] = {}
+    for item in items:
+        marker = item.get_closest_marker("slow")
+        if marker is not None:
+            seconds[item.path] = seconds.get(item.path, 0) + marker.kwargs.get("seconds", SLOW_TEST_SECONDS)
+    items.sort(key=lambda item: -seconds.get(item.path, 0))  # stable: files stay contiguous
+
+
 @pytest.fixture(autouse=True, scope="module")
 def release_memory_between_modules():
     """Engines, models and KV caches a module built may be garbage only in reference cycles, and

@@ -45,7 +45,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=90)
 def test_clean_venv_install_serves_the_default_model(tmp_path: Path) -> None:
     src = tmp_path / "src"  # a copy, so that building leaves nothing in the checkout
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*UNSHIPPED))

@@ -71,7 +71,7 @@ def prompt_only_scoring(**kwargs):
     return PromptOnly(**kwargs)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 def test_lm_eval_local_completions_equals_hf_backend(make_server, hf_folder, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

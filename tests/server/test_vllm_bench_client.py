@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(ROOT / "peers" / "vllm" / "bin" / "python"))
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.slow(seconds=30),
     pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM peer venv at {VLLM_PYTHON}"),
 ]
 
