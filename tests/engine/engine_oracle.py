@@ -35,15 +35,24 @@ def assert_engine_matches_transformers(folder: Path, hf: Any, seed: str, max_new
     ]
     for kwargs in settings:
         kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": 8, "max_model_len": 96, **kwargs}
-        llm = LLM(str(folder), **kwargs)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == expected, kwargs
-        engine = llm.llm_engine
-        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-        if kwargs.get("enable_prefix_caching", True):
-            assert engine.prefix_cache_stats.hits > 0
+        engine = serve_and_compare(folder, prompts, params, expected, kwargs).llm_engine
         if kwargs["num_blocks"] == 12:
             assert engine.scheduler.num_preemptions > 0
+
+
+def serve_and_compare(
+    folder: Path | str, prompts: list[list[int]], params: SamplingParams, expected: list[list[int]], kwargs: dict
+) -> LLM:
+    """An LLM on `folder` with `kwargs` generates `expected` for `prompts`, every KV block is free
+    after, and with caching on (the default) the shared prefixes hit; the LLM, for more checks."""
+    llm = LLM(str(folder), **kwargs)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected, kwargs
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    if kwargs.get("enable_prefix_caching", True):
+        assert engine.prefix_cache_stats.hits > 0
+    return llm
 
 
 def hf_generate(hf: Any, prompt: list[int], n: int) -> list[int]:

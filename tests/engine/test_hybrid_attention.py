@@ -17,7 +17,7 @@ from prefixkv.model import ModelConfig
 
 from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _common, _write_tokenizer
-from .engine_oracle import assert_disk_tier_and_stage_outputs
+from .engine_oracle import assert_disk_tier_and_stage_outputs, serve_and_compare
 from .test_correctness import check_prompt_logprobs, hf_prompt_logprobs
 
 MAX_NEW = 8
@@ -109,13 +109,8 @@ def test_hybrid_attention_matches_transformers(tmp_path, kind):
             "max_model_len": 128,
             **kwargs,
         }
-        llm = LLM(str(tmp_path), **kwargs)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == expected, kwargs
+        llm = serve_and_compare(tmp_path, prompts, params, expected, kwargs)
         engine = llm.llm_engine
-        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-        if kwargs.get("enable_prefix_caching", True):
-            assert engine.prefix_cache_stats.hits > 0
         if kwargs["num_blocks"] < 64:
             assert engine.scheduler.num_preemptions > 0
         if kwargs.get("max_num_batched_tokens") == 9:  # every prompt position, in chunks: the final cap too

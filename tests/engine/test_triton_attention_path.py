@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from prefixkv import LLM, SamplingParams
+from prefixkv import SamplingParams
 from prefixkv.model.attention import CASCADE_MIN_TOKENS
 
 from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _make, _write_tokenizer
 from ..model.triton_interpreter import device, kernels_module
+from .engine_oracle import serve_and_compare
 
 MAX_NEW = 4
 
@@ -53,13 +54,7 @@ def test_engine_on_triton_kernels_matches_transformers(tmp_path, triton_calls, k
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     base = dict(dtype="float32", device=str(device()), num_blocks=64, block_size=8, max_model_len=96)
     for kwargs in (dict(enable_prefix_caching=False), dict(enable_prefix_caching=True), dict(max_num_batched_tokens=9)):
-        llm = LLM(str(tmp_path), **{**base, **kwargs})
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == expected, kwargs
-        engine = llm.llm_engine
-        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-        if kwargs.get("enable_prefix_caching", True):
-            assert engine.prefix_cache_stats.hits > 0
+        serve_and_compare(tmp_path, prompts, params, expected, {**base, **kwargs})
     assert triton_calls["paged_decode", False] and triton_calls["paged_prefill", False]
     if kind == "llama":  # the shared prefix attended to once (the cascade), each suffix in place
         assert triton_calls["paged_decode", True] and triton_calls["paged_prefill", True]

@@ -11,12 +11,13 @@ import random
 import pytest
 import torch
 
-from prefixkv import LLM, SamplingParams
+from prefixkv import SamplingParams
 from prefixkv.memory.kv_groups import plan_kv_groups
 from prefixkv.model import load_model
 from prefixkv.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from prefixkv.model.gguf_file import GGUFFile
 
+from ..engine.engine_oracle import serve_and_compare
 from .gguf_convert import write_gguf
 
 VOCAB = 272  # a multiple of 16: the Mamba2 converter pads the token list to one
@@ -129,13 +130,7 @@ def test_gguf_engine_matches_transformers(tmp_path, kind):
     for setting in settings:
         kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": num_blocks, "block_size": 8, "max_model_len": 96}
         kwargs.update(setting)
-        llm = LLM(str(path), **kwargs)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == expected, kwargs
-        engine = llm.llm_engine
-        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-        if kwargs.get("enable_prefix_caching", True):
-            assert engine.prefix_cache_stats.hits > 0
+        engine = serve_and_compare(path, prompts, params, expected, kwargs).llm_engine
         if kwargs["num_blocks"] == 8:
             assert engine.scheduler.num_preemptions > 0
 

@@ -31,6 +31,14 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def _paged_tile(head_ptr, blk, off, stride_b, stride_s, offs_d, mask, DOT_DTYPE: tl.constexpr):
+    """A tile of one KV head's keys or values read in place: row i at offset off[i] of block
+    blk[i] of the paged cache (`head_ptr`: the cache's first element of that head)."""
+    at = head_ptr + blk[:, None] * stride_b + off[:, None] * stride_s + offs_d[None, :]
+    return tl.load(at, mask=mask, other=0.0).to(DOT_DTYPE)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -104,22 +112,14 @@ def _decode_kernel(
         blk = tl.load(bt_ptr + b * stride_btb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         off = pos % BLOCK_SIZE
         kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        ).to(DOT_DTYPE)
+        k = _paged_tile(k_ptr + kvh * stride_kh, blk, off, stride_kb, stride_ks, offs_d, kv_ok, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N], float32
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        ).to(DOT_DTYPE)
+        v = _paged_tile(v_ptr + kvh * stride_vh, blk, off, stride_vb, stride_vs, offs_d, kv_ok, DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m_i = m_new
     has = l_i > 0
@@ -256,11 +256,7 @@ def _prefill_kernel(
         blk = tl.load(bt_ptr + c * stride_btb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         off = pos % BLOCK_SIZE
         kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        ).to(DOT_DTYPE)
+        k = _paged_tile(k_ptr + kvh * stride_kh, blk, off, stride_kb, stride_ks, offs_d, kv_ok, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M * BLOCK_G, BLOCK_N]
         visible = ok[None, :] & (pos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -271,11 +267,7 @@ def _prefill_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        ).to(DOT_DTYPE)
+        v = _paged_tile(v_ptr + kvh * stride_vh, blk, off, stride_vb, stride_vs, offs_d, kv_ok, DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m_i = m_new
     has = l_i > 0
