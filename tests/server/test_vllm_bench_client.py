@@ -30,11 +30,15 @@ def tokenizer_folder(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def server(make_server):  # one for both backends: each run ends with the server idle (checked)
+    return make_server("--served-model-name", "smol")
+
+
 @pytest.mark.parametrize(
     ("backend", "endpoint"), [("openai-chat", "/v1/chat/completions"), ("vllm", "/v1/completions")]
 )
-def test_vllm_bench_serve_runs_clean(make_server, tokenizer_folder, backend, endpoint):
-    server = make_server("--served-model-name", "smol")
+def test_vllm_bench_serve_runs_clean(server, tokenizer_folder, backend, endpoint):
     argv = [VLLM_PYTHON, str(ROOT / "bench" / "peers" / "vllm_bench_serve.py"), "--backend", backend]
     argv += ["--base-url", server.base, "--endpoint", endpoint, "--model", "smol", "--tokenizer", str(tokenizer_folder)]
     argv += ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "8"]
