@@ -4,6 +4,7 @@ install-time warm-up (prefixkv/model/warmup.py)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import torch
@@ -32,7 +33,10 @@ def test_stages_sum_up_in_one_line():
     with stages.stage("instant", "nothing"):
         pass
     line = stages.summary()
-    assert "(model 0.1 s)" in line and "instant" not in line
+    # at least the sleep; a loaded machine (the suite's other worker) may add to it
+    found = re.search(r"\(model (\d+\.\d) s\)", line)
+    assert found and float(found.group(1)) >= 0.1, line
+    assert "instant" not in line
 
 
 def test_the_engine_logs_its_stages(caplog):
