@@ -442,7 +442,8 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
     # an emulated CPU (PREFIXKV_EMULATE_CPU) runs other code: keyed apart
     identity = "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-    return identity + f"\nemulating {build.emulated()}" if build.emulated() else identity
+    emulation = build.emulated()
+    return identity + f"\nemulating {emulation}" if emulation else identity
 
 
 def _agreement_file(key: str) -> Path:

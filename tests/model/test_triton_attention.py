@@ -6,13 +6,11 @@ GPU; and compiled for an H100 without one (tests/model/triton_compile.py)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
@@ -176,57 +174,6 @@ def test_kernels_compile_for_hopper(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("sm_90 ") == 9, done.stdout
-
-
-def _static_case(ta: ModuleType, static: Any, gen: torch.Generator, seq_lens: list[int], k_cache, v_cache):
-    """A step of len(seq_lens) sequences through `static` against the plain entry point."""
-    tables = _tables(seq_lens, 8, 5, k_cache.shape[0], gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device())
-    q = torch.randn(len(seq_lens), static.q.shape[1], static.q.shape[2], generator=gen).to(device())
-    static.prepare(q, tables, lens)
-    return q, tables, lens
-
-
-def test_static_decode_reuses_its_buffers(ta: ModuleType):
-    """The fixed-shape entry (CUDA graphs' input): two steps of different batches and lengths
-    through the same buffers give the plain entry's results; padding rows are zeros."""
-    static_mod = importlib.import_module("prefixkv.model.kernels.triton_static_decode")
-    gen = torch.Generator().manual_seed(11)
-    k_cache, v_cache = _cache(24, 8, 2, 16, torch.float32, gen)
-    static = static_mod.StaticDecode(4, 6, 4, 2, 16, 8, torch.float32, device(), num_splits=2)
-    buffers = [t.data_ptr() for t in (static.q, static.out, static.block_tables, static.seq_lens, *static.workspace)]
-    for seq_lens in ([33, 9, 17], [40, 2]):
-        q, tables, lens = _static_case(ta, static, gen, seq_lens, k_cache, v_cache)
-        got = static.run(k_cache, v_cache, 0.25)
-        assert got is static.out
-        want = ta.paged_decode(q, k_cache, v_cache, tables, lens, 0.25, num_splits=2)
-        torch.testing.assert_close(got[: len(seq_lens)], want, atol=0, rtol=0)
-        assert (got[len(seq_lens) :] == 0).all()
-    assert [t.data_ptr() for t in (static.q, static.out, static.block_tables, static.seq_lens, *static.workspace)] == (
-        buffers
-    )
-    with pytest.raises(ValueError, match="does not fit"):
-        static.prepare(torch.zeros(5, 4, 16), torch.zeros(5, 6, dtype=torch.int32), torch.zeros(5, dtype=torch.int32))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_static_decode_replays_in_a_cuda_graph(ta: ModuleType):
-    """Captured once, replayed after new inputs are prepared: the eager results, bit for bit."""
-    static_mod = importlib.import_module("prefixkv.model.kernels.triton_static_decode")
-    gen = torch.Generator().manual_seed(12)
-    k_cache, v_cache = _cache(24, 8, 2, 16, torch.bfloat16, gen)
-    static = static_mod.StaticDecode(4, 5, 4, 2, 16, 8, torch.bfloat16, device(), num_splits=2)
-    _static_case(ta, static, gen, [30, 5, 12], k_cache, v_cache)
-    static.run(k_cache, v_cache, 0.25)  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static.run(k_cache, v_cache, 0.25)
-    for seq_lens in ([17, 33], [1, 40, 8, 25]):
-        q, tables, lens = _static_case(ta, static, gen, seq_lens, k_cache, v_cache)
-        graph.replay()
-        want = ta.paged_decode(q.to(torch.bfloat16), k_cache, v_cache, tables, lens, 0.25, num_splits=2)
-        torch.testing.assert_close(static.out[: len(seq_lens)], want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
