@@ -2,7 +2,8 @@
 prefixkv and for vLLM (run it with each engine's Python): the time of one cold 478-token prompt
 with one output token (prefix caching off), and the time per decode step at each of --batches (1
 and 8) after --context-token prompts (256) ((time of 33 output tokens - time of 1) / 32). Prompts are random token ids
-(seeded), the same for both engines. Medians; one JSON line at the end.
+(seeded), the same for both engines; every request greedy unless --sampling gives SamplingParams
+fields (`--sampling temperature=0.7,top_p=0.9`: both engines sample). Medians; one JSON line at the end.
 
     .venv/bin/python bench/step_times.py --dtype bfloat16
     peers/vllm/bin/python bench/step_times.py --engine vllm --dtype bfloat16
@@ -77,12 +78,29 @@ def ceiling_lines(
     return lines
 
 
+def sampling_fields(text: str) -> dict[str, float | int]:
+    """--sampling's "temperature=0.7,top_p=0.9" as SamplingParams fields."""
+    fields: dict[str, float | int] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty"):
+            raise argparse.ArgumentTypeError(f"--sampling: {key!r} is not a field this script passes")
+        fields[key] = int(value) if key == "top_k" else float(value)
+    return fields
+
+
+def sampling_text(fields: dict[str, float | int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in fields.items()) if fields else "greedy"
+
+
 def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
     """--peer-vllm: both engines, each round in fresh processes, the order swapped every round."""
     if not available(args.vllm_python):
         sys.exit(f"--peer-vllm: no vLLM Python at {args.vllm_python} (bench/peers/README.md)")
     common = ["--dtype", args.dtype, "--prompt", str(args.prompt), "--reps", str(args.reps)]
     common += ["--batches", args.batches, "--context", str(args.context), "--no-ceiling"]
+    if args.sampling:
+        common += ["--sampling", ",".join(f"{k}={v}" for k, v in args.sampling.items())]
     commands = {
         "prefixkv": [sys.executable, os.path.abspath(__file__), *common],
         "vllm": [args.vllm_python, os.path.abspath(__file__), "--engine", "vllm", "--model", args.model, *common],
@@ -100,7 +118,8 @@ def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
             print(f"round {r + 1} {name}: {proc.stdout.strip().splitlines()[-2]}", flush=True)
     keys = [f"prefill_{args.prompt}_ms"] + [f"decode_batch{b}_ms" for b in batches]
     medians = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in rounds.items()}
-    print(f"\n{args.dtype}, medians of {args.rounds} rounds (each round's figure is itself a median):")
+    how = f"{args.dtype}, {sampling_text(args.sampling)}"
+    print(f"\n{how}, medians of {args.rounds} rounds (each round's figure is itself a median):")
     print("| figure | prefixkv | vLLM-CPU | prefixkv / vLLM | rounds, prefixkv | rounds, vLLM |")
     print("|---|---:|---:|---:|---|---|")
     for k in keys:
@@ -134,6 +153,13 @@ def main() -> None:
         "--emulate",
         choices=sorted(EMULATIONS),
         help="run prefixkv as on a CPU with only these instructions (bench/machine.py; not with --peer-vllm)",
+    )
+    ap.add_argument(
+        "--sampling",
+        type=sampling_fields,
+        default={},
+        metavar="K=V,...",
+        help="SamplingParams fields of every request, both engines (e.g. temperature=0.7,top_p=0.9); default greedy",
     )
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip the ceiling fractions")
     args = ap.parse_args()
@@ -179,7 +205,7 @@ def main() -> None:
             return TokensPrompt(prompt_token_ids=ids)
 
         def generate(prompts: list[object], max_tokens: int) -> None:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            params = SamplingParams(**{"temperature": 0, **args.sampling}, max_tokens=max_tokens, ignore_eos=True)
             llm.generate(prompts, params, use_tqdm=False)
     else:
         from prefixkv import LLM, SamplingParams
@@ -190,7 +216,8 @@ def main() -> None:
             return {"prompt_token_ids": ids}
 
         def generate(prompts: list[object], max_tokens: int) -> None:
-            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            params = SamplingParams(**{"temperature": 0, **args.sampling}, max_tokens=max_tokens, ignore_eos=True)
+            llm.generate(prompts, params)
 
     rng = random.Random(0)
 
@@ -219,7 +246,8 @@ def main() -> None:
         result[f"decode_batch{batch}_ms"] = statistics.median(steps) * 1e3
     steps_text = ", ".join(f"batch {b} {result[f'decode_batch{b}_ms']:.1f} ms" for b in batches)
     print(
-        f"{args.engine} {args.dtype}: prefill {args.prompt} tokens {result[f'prefill_{args.prompt}_ms']:.1f} ms; "
+        f"{args.engine} {args.dtype} ({sampling_text(args.sampling)}): "
+        f"prefill {args.prompt} tokens {result[f'prefill_{args.prompt}_ms']:.1f} ms; "
         f"decode step ({args.context}-token prompts) {steps_text}"
     )
     result["load_average"] = os.getloadavg()[0]

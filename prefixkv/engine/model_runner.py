@@ -130,8 +130,17 @@ class ModelRunner:
         ]
         if rows:
             to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
-            self._sample(self.compute_logits(hidden[torch.tensor(rows, device=dev)]), to_sample, out)
+            self._sample(self._sampling_logits(hidden[torch.tensor(rows, device=dev)], to_sample), to_sample, out)
         return out
+
+    def _sampling_logits(self, hidden: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """float32 logits to sample from, left on the model's device (a GPU samples its own batch:
+        only the chosen tokens cross to the host) unless a request's constraints, which edit rows
+        with host tensors, need them on the CPU."""
+        logits = self.model.compute_logits(hidden).float()
+        if logits.device.type != "cpu" and any(sr.constraints is not None for sr in reqs):
+            return logits.cpu()
+        return logits
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
         """The eager forward of any step: its final hidden states and each request's first row."""
@@ -201,7 +210,7 @@ class ModelRunner:
             reqs = [sr for sr, ok in zip(reqs, keep) if ok]
             if not reqs:
                 return
-            logits = logits[torch.tensor(keep)]
+            logits = logits[torch.tensor(keep, device=logits.device)]
         gens = [sr.generator or self.default_generator for sr in reqs]
         states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         try:

@@ -4,6 +4,7 @@ per-request seeds, and log-probabilities of the raw distribution."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,25 +36,107 @@ def _apply_penalties(
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
 
 
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Scaled, filtered logits of one row (−inf where a token may not be drawn)."""
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p
-        # the first token always stays: a top_p below float32's least value (5e-324) compares as 0.0,
-        # and 0 >= 0 would drop every token (found by tests/server/test_fuzz.py)
-        drop[0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
-    return logits
+# Inverse-CDF draws over more than four blocks of this many tokens go block by block: float64
+# prefix sums of the block totals, then of the one block drawn, not of the whole row.
+DRAW_BLOCK = 256
+
+
+def _pick(weights: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of one index per row of `weights` [B, N] (>= 0, each row with a positive
+    entry) from uniforms `r` [B] in [0, 1): index i with probability weights[i] / row sum. The
+    prefix sums are float64 (a float32 sum over a vocabulary rounds small weights away), taken
+    blockwise over long rows."""
+    B, N = weights.shape
+    if N <= 4 * DRAW_BLOCK:
+        return _search(weights.double().cumsum(1), r)
+    nb = -(-N // DRAW_BLOCK)
+    if nb * DRAW_BLOCK != N:
+        weights = torch.nn.functional.pad(weights, (0, nb * DRAW_BLOCK - N))
+    blocks = weights.view(B, nb, DRAW_BLOCK)
+    block_cum = blocks.sum(-1).double().cumsum(1)
+    block = _search(block_cum, r)
+    rows = torch.arange(B, device=weights.device)
+    before = torch.where(block > 0, block_cum[rows, (block - 1).clamp(min=0)], 0.0)
+    inside = block_cum[rows, block] - before
+    r_inner = ((r.double() * block_cum[:, -1] - before) / inside).clamp(0.0, 1.0)
+    return block * DRAW_BLOCK + _search(blocks[rows, block].double().cumsum(1), r_inner)
+
+
+def _search(cum: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The first index whose prefix sum exceeds r x total, never past the last positive weight."""
+    total = cum[:, -1:].contiguous()
+    idx = torch.searchsorted(cum, r.to(cum.dtype)[:, None] * total, right=True)
+    last = torch.searchsorted(cum, total)  # where the sum reaches its total: the last positive weight
+    return torch.minimum(idx, last).squeeze(1)
+
+
+def _draw(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """Sample one token per row of logits `x` [B, vocab] (penalties and constraints applied): one
+    uniform per row from the row's own generator picks a token in proportion to
+    `filtered_weights` - the same draws whatever else is in the batch."""
+    r = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    return _pick(filtered_weights(x, params), r.to(x.device)).tolist()
+
+
+def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's unnormalized sampling probabilities [B, vocab] (0 for a filtered-out token).
+
+    Temperature, then top-k, min-p and top-p - top-p over what the other two left (they commute),
+    as in vLLM. Each filter keeps the tokens at or above a value of the scaled logits, so each
+    raises the row's floor: min-p's is log(min_p) below the best, top-k's the k-th best value, and
+    top-p's the value of the last token of the shortest run (in descending order) whose mass
+    reaches top_p of what the others left. Ties at a floor all stay, so the kept set never depends
+    on how a sort orders equal values."""
+    B, V = x.shape
+    dev = x.device
+    z = x - x.amax(dim=1, keepdim=True)  # the best token at 0: every weight exp(z) is at most 1
+    if any(p.temperature != 1.0 for p in params):
+        z *= torch.tensor([1.0 / p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
+    weights = torch.exp(z)
+    # min-p keeps p >= min_p * p_max, i.e. z >= log(min_p): no softmax needed
+    floor = torch.tensor(
+        [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params], dtype=x.dtype, device=dev
+    )[:, None]
+    top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+    if any(top_k):
+        rows = [i for i, k in enumerate(top_k) if k]
+        ranked = torch.topk(z if len(rows) == B else z[rows], max(top_k[i] for i in rows)).values
+        kth = ranked[torch.arange(len(rows)), torch.tensor([top_k[i] - 1 for i in rows])]
+        floor[rows] = torch.maximum(floor[rows], kth[:, None])
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        rows = slice(None) if len(nucleus) == B else torch.tensor(nucleus, device=dev)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=torch.float64, device=dev)
+        floor[rows] = _nucleus_floors(z[rows], weights[rows], floor[rows], top_p)
+    return weights.masked_fill_(z < floor, 0.0)
+
+
+def _nucleus_floors(z: torch.Tensor, weights: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p's floors [N, 1] for rows `z` [N, vocab] (each row's best at 0) with `weights` =
+    exp(z) and the floors [N, 1] the other filters set: per row the value of the last token, in
+    descending order, whose preceding mass is below top_p of the mass above the floor (the best
+    token at least).
+
+    Only tokens of weight at least (1 - top_p) x mass / vocab are sorted: the mass at or below a
+    lighter token is under (1 - top_p) x mass, so the mass before it already reaches top_p x mass.
+    Every row's candidates are sorted together (by value, then stably by row), so the step costs
+    the same few tensor operations for one row or a batch."""
+    n, V = z.shape
+    above = torch.where(z >= floor, weights, 0.0) if bool((floor > -math.inf).any()) else weights
+    mass = above.sum(dim=1).double()
+    bound = top_p * mass
+    rows, cols = torch.nonzero(above >= ((1.0 - top_p) * mass / V)[:, None].to(above.dtype), as_tuple=True)
+    vals = z[rows, cols]
+    order = torch.sort(vals, descending=True, stable=True).indices
+    order = order[torch.sort(rows[order], stable=True).indices]  # grouped by row, each descending
+    rows, vals = rows[order], vals[order]
+    w = torch.exp(vals).double()  # the same values as `weights`: exp of the same inputs
+    counts = torch.bincount(rows, minlength=n)
+    starts = torch.cumsum(counts, 0) - counts
+    cum = torch.cumsum(w, 0)
+    before = cum - w - (cum - w)[starts][rows]  # the mass before each candidate within its row
+    kept = torch.bincount(rows, weights=(before < bound[rows]).double(), minlength=n).long().clamp(min=1)
+    return torch.maximum(floor, vals[starts + kept - 1][:, None])
 
 
 def score_tokens(
@@ -95,26 +178,37 @@ def sample(
     if all_greedy_plain:
         tokens = logits.argmax(dim=-1).tolist()
     else:
-        tokens = []
+        x = logits
         for row, p in enumerate(params):
-            x = logits[row].clone()
-            _apply_penalties(x, p, prompt_ids[row], output_ids[row])
             c = constraints[row] if constraints else None
-            if c is not None:
-                c.apply(x, output_ids[row])
             blocked = eos_ids[row] if eos_ids else None
+            if not (
+                c is not None or blocked or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            ):
+                continue
+            if x is logits:
+                x = logits.clone()  # penalties and constraints edit rows in place, never the caller's logits
+            xr = x[row]
+            _apply_penalties(xr, p, prompt_ids[row], output_ids[row])
+            if c is not None:
+                c.apply(xr, output_ids[row])
             if blocked:  # min_tokens not reached: EOS may not be drawn
-                x[list(blocked)] = float("-inf")
-            if c is not None and float(x.max()) == float("-inf"):  # this row fails alone
+                xr[list(blocked)] = float("-inf")
+            if c is not None and float(xr.max()) == float("-inf"):  # this row fails alone
                 raise ValueError(
                     "no token is allowed by this request's constraints (allowed_token_ids, bad_words, "
                     "logit_bias, structured outputs, min_tokens)"
                 )
-            if p.greedy:
-                tokens.append(int(x.argmax()))
-                continue
-            probs = torch.softmax(_filter(x, p), dim=-1)
-            tokens.append(int(torch.multinomial(probs, 1, generator=generators[row])))
+        drawn = [row for row, p in enumerate(params) if not p.greedy]
+        if len(drawn) == len(params):
+            tokens = _draw(x, params, generators)
+        else:
+            tokens = x.argmax(dim=-1).tolist()
+            if drawn:
+                rows = torch.tensor(drawn, device=x.device)
+                picked = _draw(x[rows], [params[i] for i in drawn], [generators[i] for i in drawn])
+                for row, token in zip(drawn, picked):
+                    tokens[row] = token
     if raw_logprobs is None:
         return SampleResult(tokens, None, None)
     chosen_t = raw_logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]

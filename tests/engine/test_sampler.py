@@ -1,0 +1,137 @@
+"""The sampler against a plain reference: the distribution each row is drawn from (temperature,
+top-k, min-p, top-p) equals the one a full sort of the vocabulary gives, the inverse-CDF draw
+picks each token in proportion to its weight, and a seeded row draws the same token whatever
+else is in its batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prefixkv.engine.sampler import DRAW_BLOCK, _pick, filtered_weights, sample
+from prefixkv.sampling_params import SamplingParams
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The textbook filters over one row, with a full sort: float64 probabilities [vocab]."""
+    x = logits.double() / p.temperature
+    if 0 < p.top_k < x.numel():
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], -math.inf)  # ties at the k-th stay
+    if p.min_p > 0:
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+    if p.top_p < 1:
+        ordered, order = torch.sort(x, descending=True)
+        probs = torch.softmax(ordered, -1)
+        keep = probs.cumsum(-1) - probs < p.top_p
+        keep[0] = True
+        last = ordered[keep][-1]
+        x = x.masked_fill(x < last, -math.inf)  # ties with the last kept token stay too
+    return torch.softmax(x, -1)
+
+
+PARAMS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.0, top_p=0.99),
+    dict(temperature=1.0, top_p=0.5),
+    dict(temperature=1.0, top_k=50),
+    dict(temperature=0.5, top_k=300, top_p=0.8, min_p=0.01),
+    dict(temperature=1.3, min_p=0.05, top_p=0.95),
+    dict(temperature=2.0, min_p=0.2),
+]
+
+
+@pytest.mark.parametrize("vocab", [300, 5000, 49152])
+@pytest.mark.parametrize("spread", [0.1, 1.0, 6.0])
+def test_each_row_is_drawn_from_the_filtered_distribution(vocab, spread):
+    gen = torch.Generator().manual_seed(vocab + int(spread * 10))
+    logits = torch.randn(len(PARAMS), vocab, generator=gen) * spread
+    logits[0, :7] = -math.inf  # constrained-away tokens
+    params = [SamplingParams(**kw) for kw in PARAMS]
+    weights = filtered_weights(logits.clone(), params).double()
+    for row, p in enumerate(params):
+        got = weights[row] / weights[row].sum()
+        want = reference_probs(logits[row], p)
+        assert torch.equal(got > 0, want > 0), (p, int((got > 0).sum()), int((want > 0).sum()))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-9)
+
+
+def test_ties_at_a_floor_all_stay():
+    """Top-k's k-th value and top-p's last value keep every token equal to them, so which tokens
+    are kept never depends on how a sort orders equal values."""
+    row = torch.full((1, 100), -5.0)
+    row[0, [3, 40, 77]] = 2.0  # three tied best tokens
+    row[0, [10, 20]] = 1.0
+    top2 = filtered_weights(row.clone(), [SamplingParams(temperature=1.0, top_k=2)])[0]
+    assert set(torch.nonzero(top2).flatten().tolist()) == {3, 40, 77}
+    tiny_p = filtered_weights(row.clone(), [SamplingParams(temperature=1.0, top_p=1e-9)])[0]
+    assert set(torch.nonzero(tiny_p).flatten().tolist()) == {3, 40, 77}
+    four = filtered_weights(row.clone(), [SamplingParams(temperature=1.0, top_k=4)])[0]
+    assert set(torch.nonzero(four).flatten().tolist()) == {3, 40, 77, 10, 20}
+
+
+@pytest.mark.parametrize("n", [7, 4 * DRAW_BLOCK + 1, 6 * DRAW_BLOCK])
+def test_the_draw_picks_each_token_in_proportion(n):
+    """Uniforms on an even grid: each index is picked round(M x its probability) times, give or
+    take one; a zero weight never; through the blockwise path too (n above four blocks)."""
+    gen = torch.Generator().manual_seed(n)
+    w = torch.rand(n, generator=gen) ** 4
+    w[torch.randperm(n, generator=gen)[: n // 3]] = 0.0  # zero weights between positive ones
+    w[n - 1] = 0.0  # the last positive weight is not the last index
+    w[1] = 1e-7 * float(w.sum())  # a token the grid sees at most once
+    M = 20_000
+    r = (torch.arange(M, dtype=torch.float64) + 0.5) / M
+    picks = _pick(w.expand(M, -1).contiguous(), r)
+    counts = torch.bincount(picks, minlength=n).double()
+    expected = M * w.double() / w.double().sum()
+    assert (counts - expected).abs().max() <= 1.0 + 1e-9
+    assert counts[w == 0].sum() == 0
+    assert int(picks.max()) < n - 1 and int(picks.min()) >= 0
+    # a uniform that rounds up to the total still lands on a positive weight, never past the last
+    edge = _pick(w[None], torch.tensor([1.0], dtype=torch.float64))
+    assert int(edge) == int(torch.nonzero(w).max())
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 2000, generator=gen) * 3
+    mine = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+
+    def draw(rows: list[int], params: list[SamplingParams]) -> int:
+        gens = [torch.Generator().manual_seed(11) if p is mine else torch.Generator().manual_seed(99) for p in params]
+        out = sample(logits[rows], params, gens, [[1]] * len(rows), [[2]] * len(rows))
+        return out.token_ids[params.index(mine)]
+
+    alone = draw([0], [mine])
+    others = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0)]
+    assert draw([1, 0, 2], [others[1], mine, others[2]]) == alone
+    assert draw([3, 4, 0, 5], [others[0], others[2], mine, others[1]]) == alone
+    assert draw([0, 1], [mine, others[0]]) == alone
+
+
+def test_penalties_do_not_edit_the_callers_logits():
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1.5), SamplingParams(temperature=0.0)]
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    sample(logits, params, gens, [[1, 2, 3]] * 2, [[4, 5]] * 2)
+    assert torch.equal(logits, before)
+
+
+def test_draws_follow_the_distribution_through_the_generators():
+    """Many seeded draws of one row: each kept token's frequency is within five standard errors
+    of its probability, and no filtered-out token is ever drawn."""
+    logits = torch.randn(1, 1500, generator=torch.Generator().manual_seed(5)) * 2
+    p = SamplingParams(temperature=0.9, top_p=0.8)
+    want = reference_probs(logits[0], p)
+    draws = 4000
+    params = [p] * draws
+    gens = [torch.Generator().manual_seed(i) for i in range(draws)]
+    tokens = sample(logits.expand(draws, -1).contiguous(), params, gens, [[1]] * draws, [[2]] * draws).token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=1500).double() / draws
+    assert freq[want == 0].sum() == 0
+    stderr = (want * (1 - want) / draws).sqrt()
+    assert ((freq - want).abs() <= 5 * stderr + 1e-12).all()
