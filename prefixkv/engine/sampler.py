@@ -105,9 +105,9 @@ def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         floor[rows] = torch.maximum(floor[rows], kth[:, None])
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        rows = slice(None) if len(nucleus) == B else torch.tensor(nucleus, device=dev)
+        which = slice(None) if len(nucleus) == B else torch.tensor(nucleus, device=dev)
         top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=torch.float64, device=dev)
-        floor[rows] = _nucleus_floors(z[rows], weights[rows], floor[rows], top_p)
+        floor[which] = _nucleus_floors(z[which], weights[which], floor[which], top_p)
     return weights.masked_fill_(z < floor, 0.0)
 
 
