@@ -69,12 +69,14 @@ class Result:
     error: str = ""
 
 
-async def one_request(http: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int) -> Result:
+async def one_request(
+    http: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int, sampling: dict[str, float]
+) -> Result:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        **sampling,
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
@@ -127,15 +129,23 @@ def scrape(base: str) -> dict[str, float]:
 
 
 async def run_workload(
-    base: str, model: str, prompts: list[str], rate: float, max_tokens: int, seed: int
+    base: str,
+    model: str,
+    prompts: list[str],
+    rate: float,
+    max_tokens: int,
+    seed: int,
+    sampling: dict[str, float] | None = None,
 ) -> tuple[list[Result], float]:
+    """`sampling`: the requests' sampling fields (default greedy, temperature 0)."""
+    sampling = {"temperature": 0.0} if sampling is None else sampling
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         tasks = []
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
-            tasks.append(asyncio.create_task(one_request(http, base, model, p, max_tokens)))
+            tasks.append(asyncio.create_task(one_request(http, base, model, p, max_tokens, sampling)))
             if rate != float("inf") and i + 1 < len(prompts):
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
@@ -242,7 +252,10 @@ def bench_server(label: str, base: str, args, seed: int | None = None) -> list[S
     for i, kind in enumerate(args.workloads):
         prompts = make_prompts(kind, args.num_requests, args.prefix_words, args.suffix_words, seed=seed + i)
         before = scrape(base)
-        results, duration = asyncio.run(run_workload(base, model, prompts, args.request_rate, args.max_tokens, seed))
+        sampling = {"temperature": args.temperature, "top_p": args.top_p}
+        results, duration = asyncio.run(
+            run_workload(base, model, prompts, args.request_rate, args.max_tokens, seed, sampling)
+        )
         s = summarize(label, kind, results, duration, before, scrape(base))
         errors = [r.error for r in results if not r.ok]
         if errors:
@@ -352,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suffix-words", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     ap.add_argument("--kv-cache-memory-bytes", default="1G", help="for the started prefixkv server")
     ap.add_argument(
         "--max-num-batched-tokens",
