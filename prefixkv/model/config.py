@@ -222,6 +222,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """From config.json's contents, read by its family's reader (model/configs/)."""
         return cls(**hf_fields(d))
 
     @classmethod
@@ -234,4 +235,5 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+        """From a GGUF file's metadata and tensor names, read by its family's reader (model/configs/)."""
         return cls(**gguf_fields(meta, tensor_names))
