@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..model import ModelConfig, kv_cache_block_shape
-from ..model.config import LINEAR_ATTENTION
 from ..model.gated_delta import gated_delta_state_shapes
+from ..model.layer_kinds import LINEAR_ATTENTION
 from ..model.mamba2 import RecurrentState, recurrent_state_shapes
 from . import huge_pages
 from .kv_groups import KVCacheGroups

@@ -1,4 +1,5 @@
-"""Which decoder class builds a config: the Llama decoder, or a family with its own block."""
+"""Which decoder class builds a config, by architecture: the Llama decoder, or a family with its
+own block. Each architecture that model/configs/registry.py reads has its line here."""
 
 from __future__ import annotations
 
@@ -12,17 +13,29 @@ from .llama import LlamaModel
 from .mamba2 import Mamba2Model
 from .qwen3_next import Qwen3NextModel
 
+MODEL_CLASSES: dict[str, type[LlamaModel]] = {
+    "LlamaForCausalLM": LlamaModel,
+    "MistralForCausalLM": LlamaModel,
+    "Qwen2ForCausalLM": LlamaModel,
+    "Qwen3ForCausalLM": LlamaModel,
+    "Gemma2ForCausalLM": GemmaModel,
+    "Gemma3ForCausalLM": GemmaModel,
+    # the Llama decoder with model/moe.py's MLP
+    "MixtralForCausalLM": LlamaModel,
+    "Qwen2MoeForCausalLM": LlamaModel,
+    "Qwen3MoeForCausalLM": LlamaModel,
+    "Mamba2ForCausalLM": Mamba2Model,
+    "BambaForCausalLM": HybridModel,
+    "FalconH1ForCausalLM": FalconH1Model,
+    "Qwen3NextForCausalLM": Qwen3NextModel,
+}
+
 
 def model_class(config: ModelConfig) -> type[LlamaModel]:
-    if config.architecture == "BambaForCausalLM":
-        return HybridModel
-    if config.architecture == "FalconH1ForCausalLM":
-        return FalconH1Model
-    if config.architecture == "Qwen3NextForCausalLM":
-        return Qwen3NextModel
-    if config.is_recurrent:
-        return Mamba2Model
-    return GemmaModel if config.is_gemma else LlamaModel
+    cls = MODEL_CLASSES.get(config.architecture)
+    if cls is None:
+        raise ValueError(f"no decoder class builds {config.architecture!r} (model/families.py MODEL_CLASSES)")
+    return cls
 
 
 def build_model(

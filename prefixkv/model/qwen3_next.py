@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
-from .config import LINEAR_ATTENTION, ModelConfig
+from .config import ModelConfig
 from .gated_delta import GatedDeltaNet
 from .gemma import GemmaRMSNorm
+from .layer_kinds import LINEAR_ATTENTION
 from .layers import RMSNorm, RotaryEmbedding
 from .llama import LlamaModel
 from .mamba2 import RecurrentState

@@ -14,8 +14,9 @@ import torch
 from prefixkv import SamplingParams
 from prefixkv.memory.kv_groups import plan_kv_groups
 from prefixkv.model import load_model
-from prefixkv.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from prefixkv.model.config import ModelConfig
 from prefixkv.model.gguf_file import GGUFFile
+from prefixkv.model.layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION
 
 from ..engine.engine_oracle import serve_and_compare
 from .gguf_convert import write_gguf

@@ -1,0 +1,106 @@
+"""The attention decoder's fields that the Llama, Gemma and mixture-of-experts families read
+alike, from config.json and from GGUF metadata."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION
+
+
+def hf_decoder_fields(
+    d: dict[str, Any],
+    arch: str,
+    rope_theta: float,
+    scaling: dict[str, Any] | None,
+    window: int | None,
+    layer_types: list[str],
+    attention_bias: bool,
+    qk_norm: bool,
+    tie_by_default: bool = False,
+) -> dict[str, Any]:
+    """The sizes, norms, rotary, tokens and attention layers of an HF config; what differs by
+    family (rotary, windows, biases, q/k norms) the family's reader has read already."""
+    n_heads = d["num_attention_heads"]
+    return dict(
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+        intermediate_size=d["intermediate_size"],
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=scaling,
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", tie_by_default)),
+        attention_bias=attention_bias,
+        qk_norm=qk_norm,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id", []),  # an int or None too: __post_init__ makes it a list
+        sliding_window=window,
+        layer_types=layer_types,
+    )
+
+
+def check_silu(d: dict[str, Any], arch: str) -> None:
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{arch} with hidden_act={d.get('hidden_act')!r} is not supported (silu only)")
+
+
+def every_layer_slides(d: dict[str, Any], arch: str) -> tuple[int | None, list[str]]:
+    """(window, layer kinds) where every layer slides if `sliding_window` is set (Mistral, Mixtral);
+    mixed `layer_types` are refused."""
+    layer_types = list(d.get("layer_types") or [])
+    window = d.get("sliding_window")
+    if layer_types and set(layer_types) != {SLIDING_ATTENTION if window else FULL_ATTENTION}:
+        raise ValueError(f"{arch} with mixed layer_types is not supported")
+    return window, []
+
+
+def window_if_sliding(window: int | None, layer_types: list[str]) -> tuple[int | None, list[str]]:
+    """A window only where some layer slides."""
+    return (window if SLIDING_ATTENTION in layer_types else None), layer_types
+
+
+def gguf_decoder_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+    """The sizes, norms, rotary and attention of a GGUF file's metadata, as llama.cpp reads them;
+    a value head size other than the key's and partial rotary are refused."""
+    p = g_arch + "."
+    hidden = int(meta[p + "embedding_length"])
+    n_heads = int(meta[p + "attention.head_count"])
+    n_kv = int(meta.get(p + "attention.head_count_kv", n_heads))
+    head_dim = int(meta.get(p + "attention.key_length", hidden // n_heads))
+    value_length = int(meta.get(p + "attention.value_length", head_dim))
+    if value_length != head_dim:
+        raise ValueError(
+            f"GGUF {p}attention.value_length ({value_length}) != {p}attention.key_length ({head_dim}) is not supported"
+        )
+    rope_dims = meta.get(p + "rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(
+            f"GGUF {p}rope.dimension_count ({rope_dims}) != the head dimension ({head_dim}): partial "
+            "rotary embeddings are not supported"
+        )
+    scaling = None
+    stype = meta.get(p + "rope.scaling.type")
+    if stype == "linear":
+        scaling = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+    elif stype not in (None, "none"):
+        raise ValueError(f"Unsupported GGUF rope scaling type {stype!r}")
+    return dict(
+        architecture=arch,
+        hidden_size=hidden,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        intermediate_size=int(meta[p + "feed_forward_length"]),
+        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(meta.get(p + "context_length", 2048)),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+    )

@@ -1,0 +1,75 @@
+"""Qwen3-Next (model/qwen3_next.py: gated delta net layers and gated full attention, MoE MLPs):
+its config.json reader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION
+from .family import ConfigFamily
+from .rope import rope_settings
+
+
+def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A Qwen3-Next config.json (transformers' Qwen3NextConfig names and defaults) as ModelConfig
+    fields: gated delta net layers and gated full attention layers (q/k norm, rotary over the first
+    quarter of each head), a mixture-of-experts MLP with a gated shared expert where
+    `decoder_sparse_step` / `mlp_only_layers` say, a dense one elsewhere."""
+    hidden = int(d.get("hidden_size", 2048))
+    n_layers = int(d.get("num_hidden_layers", 48))
+    n_heads = int(d.get("num_attention_heads", 16))
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False)):
+        if d.get(key, supported) != supported:
+            raise ValueError(f"{arch} with {key}={d.get(key)!r} is not supported ({supported!r} only)")
+    layer_types = list(d.get("layer_types") or [])
+    if not layer_types:
+        interval = int(d.get("full_attention_interval", 4))
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)]
+    unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+    if unknown:
+        raise ValueError(f"{arch} with layer type(s) {unknown} is not supported (linear_attention, full_attention)")
+    rope_theta, scaling, _ = rope_settings(d)
+    if scaling is not None:
+        raise ValueError(f"{arch} with rope scaling {scaling!r} is not supported")
+    rope_params = d.get("rope_parameters") or {}
+    # transformers' Qwen3NextConfig takes 0.25 where neither place says
+    partial = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    num_experts = int(d.get("num_experts", 512))
+    return dict(
+        architecture=arch,
+        vocab_size=int(d.get("vocab_size", 151936)),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or 2),
+        head_dim=int(d.get("head_dim") or 256),
+        intermediate_size=int(d.get("intermediate_size", 5632)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        partial_rotary_factor=float(partial),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id", []),
+        layer_types=layer_types,
+        num_experts=num_experts,
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 10)) if num_experts else 0,
+        moe_intermediate_size=int(d.get("moe_intermediate_size", 512)) if num_experts else 0,
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 512)) if num_experts else 0,
+        decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)) if LINEAR_ATTENTION in layer_types else 0,
+        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+        linear_conv_kernel=int(d.get("linear_conv_kernel_dim", 4)),
+    )
+
+
+FAMILY = ConfigFamily(
+    architectures=("Qwen3NextForCausalLM",),
+    hf_fields=_hf_fields,
+    model_types={"qwen3_next": "Qwen3NextForCausalLM"},
+)
