@@ -24,16 +24,51 @@ class SampleResult:
     ranks: list[int] | None = None  # rank of each sampled token in the raw distribution (1 = best)
 
 
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
 def _apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+    x: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
 ) -> None:
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and output_ids:
-        ids, counts = torch.unique(torch.tensor(output_ids, device=logits.device), return_counts=True)
-        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+    """vLLM's penalties on `rows` of `x` [B, vocab], in place: a repetition penalty on every
+    token of the prompt or the output so far (divides a positive logit, multiplies a negative
+    one), presence and frequency penalties on the output's tokens (once, and per occurrence).
+    Every row's tokens become indices into the flattened batch, so the whole batch takes a few
+    operations over the tokens seen rather than over the vocabulary."""
+    V = x.shape[1]
+    dev = x.device
+    flat = x.view(-1)
+    rep = [r for r in rows if params[r].repetition_penalty != 1.0]
+    if rep:
+        seen = torch.unique(_flat_ids(rep, [prompt_ids[r] + output_ids[r] for r in rep], V, dev))
+        penalty = _per_row(rep, [params[r].repetition_penalty for r in rep], x)[seen // V]
+        vals = flat[seen]
+        flat[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    counted = [r for r in rows if (params[r].presence_penalty or params[r].frequency_penalty) and output_ids[r]]
+    if counted:
+        ids, counts = torch.unique(_flat_ids(counted, [output_ids[r] for r in counted], V, dev), return_counts=True)
+        row_of = ids // V
+        freq = _per_row(counted, [params[r].frequency_penalty for r in counted], x)[row_of]
+        presence = _per_row(counted, [params[r].presence_penalty for r in counted], x)[row_of]
+        flat[ids] -= freq * counts.to(x.dtype) + presence
+
+
+def _flat_ids(rows: list[int], tokens: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:
+    """Row r's token t as r x V + t, every row's tokens in one tensor."""
+    parts = [torch.tensor(t, dtype=torch.long) + r * V for r, t in zip(rows, tokens)]
+    return torch.cat(parts).to(dev)
+
+
+def _per_row(rows: list[int], values: list[float], x: torch.Tensor) -> torch.Tensor:
+    """A value per row of `x` [B, ...] (0 for rows not listed), for indexing by row."""
+    out = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    out[rows] = torch.tensor(values, dtype=x.dtype, device=x.device)
+    return out
 
 
 # Inverse-CDF draws over more than four blocks of this many tokens go block by block: float64
@@ -167,29 +202,20 @@ def sample(
     logits = logits.float()
     want_logprobs = any(p.logprobs is not None for p in params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    all_greedy_plain = (
-        all(
-            p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            for p in params
-        )
-        and not eos_ids
-        and not constraints
-    )
+    all_greedy_plain = all(p.greedy and not _penalized(p) for p in params) and not eos_ids and not constraints
     if all_greedy_plain:
         tokens = logits.argmax(dim=-1).tolist()
     else:
         x = logits
-        for row, p in enumerate(params):
+        penalized = [row for row, p in enumerate(params) if _penalized(p)]
+        if penalized or constraints or eos_ids:
+            x = logits.clone()  # penalties and constraints edit rows in place, never the caller's logits
+        if penalized:
+            _apply_penalties(x, penalized, params, prompt_ids, output_ids)
+        for row in range(len(params)) if constraints or eos_ids else ():
             c = constraints[row] if constraints else None
             blocked = eos_ids[row] if eos_ids else None
-            if not (
-                c is not None or blocked or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            ):
-                continue
-            if x is logits:
-                x = logits.clone()  # penalties and constraints edit rows in place, never the caller's logits
             xr = x[row]
-            _apply_penalties(xr, p, prompt_ids[row], output_ids[row])
             if c is not None:
                 c.apply(xr, output_ids[row])
             if blocked:  # min_tokens not reached: EOS may not be drawn

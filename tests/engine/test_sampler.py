@@ -135,3 +135,49 @@ def test_draws_follow_the_distribution_through_the_generators():
     assert freq[want == 0].sum() == 0
     stderr = (want * (1 - want) / draws).sqrt()
     assert ((freq - want).abs() <= 5 * stderr + 1e-12).all()
+
+
+def reference_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """vLLM's penalties on one row, token by token."""
+    row = row.clone()
+    if p.repetition_penalty != 1.0:
+        for t in set(prompt) | set(output):
+            row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(output):
+        row[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return row
+
+
+def test_penalties_of_a_batch_equal_each_rows_own():
+    """Rows with different penalties (and none) in one batch: each greedy pick is the argmax of
+    its own penalized row."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 400, generator=gen)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7),
+        SamplingParams(temperature=0.0, repetition_penalty=0.6, frequency_penalty=-0.4),
+        SamplingParams(temperature=0.0, presence_penalty=2.0),
+    ]
+    top = logits.topk(6, dim=1).indices.tolist()
+    prompts = [row[:3] + [7, 7] for row in top]  # the best tokens seen, so the penalties decide
+    outputs = [row[3:] + row[3:4] for row in top]
+    outputs[4] = []  # nothing generated yet: presence changes nothing
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    got = sample(logits, params, gens, prompts, outputs).token_ids
+    want = [int(reference_penalties(logits[i], p, prompts[i], outputs[i]).argmax()) for i, p in enumerate(params)]
+    assert got == want
+    assert got[1] == int(logits[1].argmax()) and got[4] == int(logits[4].argmax())
+    assert got[0] != int(logits[0].argmax())  # the penalty moved the pick
+
+
+def test_frequency_counts_each_occurrence():
+    """A negative frequency penalty lifts a token by its count: the second best, generated three
+    times, overtakes the best, generated once."""
+    logits = torch.zeros(1, 50)
+    logits[0, 10], logits[0, 20] = 3.0, 2.0
+    params = [SamplingParams(temperature=0.0, frequency_penalty=-1.0)]
+    out = sample(logits, params, [torch.Generator()], [[1]], [[10, 20, 20, 20]]).token_ids
+    assert out == [20]
+    assert torch.equal(logits[0, [10, 20]], torch.tensor([3.0, 2.0]))  # the caller's logits untouched
