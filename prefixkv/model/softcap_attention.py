@@ -1,11 +1,11 @@
 """Soft-capped attention (Gemma 2): the scores become cap * tanh(scores / cap) before the mask and
-the softmax, in transformers' order (its eager attention). No fused kernel (SDPA, the native ones)
-takes a cap, so this is the explicit softmax - in bounded memory: each sequence's new tokens go by
-chunks of query rows, and a chunk scores only the keys its rows can see (the causal end at its
-last row; with a sliding window, from its first row's window start). At most
+the softmax, as transformers' eager attention computes them. No fused kernel (SDPA, the native
+ones) takes a cap, so this is the explicit softmax - in bounded memory: each sequence's new tokens
+go by chunks of query rows, and a chunk scores only the keys its rows can see (up to its last
+row's position; with a sliding window, from its first row's window start). At most
 [Hq, chunk, keys] scores live at once, never the [n, n] of a whole prompt; the causal and window
-masks are built from positions, for the few columns of a chunk that need one.
-"""
+masks are built from positions, for the few columns of a chunk that need one. A decode reads its
+context (or its window) whole and needs no mask."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from typing import NamedTuple
 
 import torch
 
-# Query rows per chunk, and the most scores (rows x heads x keys) a chunk may hold: a long context
-# takes fewer rows. 256 rows was as fast as any other size measured from 64 to 1024 at Gemma 2 2B's
-# shapes, float32 and bfloat16 (docs/benchmarks.md); tests lower both to cross chunk edges.
-QUERY_CHUNK = 256
+# Query rows per chunk, and the most scores (rows x heads x keys) a chunk may hold: a context past
+# MAX_CHUNK_SCORES / (heads x QUERY_CHUNK) keys takes fewer rows. At Gemma 2 2B's shapes 128 and
+# 256 rows ran alike from 512 to 8,192 tokens, float32 and bfloat16, and 32-64 rows slower at
+# 8,192 (each chunk packs its keys for the product anew); 128 holds half the scores of 256
+# (docs/benchmarks.md). Tests lower both to cross chunk edges.
+QUERY_CHUNK = 128
 MAX_CHUNK_SCORES = 1 << 24
 
 
@@ -121,9 +123,10 @@ def _chunk(
     Hkv, L = k.shape[0], k.shape[1]
     G = Hq // Hkv
     # GQA without expanding K/V: a KV head's G query heads are G x c rows of one product
-    qh = q.view(c, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c, D)
+    # the queries scaled by scale / cap first: one pass over c x D values, not over c x L scores
+    qh = (q * (scale / softcap)).view(c, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c, D)
     scores = torch.bmm(qh, k.transpose(1, 2))  # [Hkv, G * c, L]
-    scores.mul_(scale).div_(softcap).tanh_().mul_(softcap)
+    scores.tanh_().mul_(softcap)
     s4 = scores.view(Hkv, G, c, L)
     if c > 1:  # the last c - 1 keys lie past the chunk's first queries
         s4[..., L - c + 1 :].masked_fill_(plan.mask(c, offset - (L - c + 1), c - 1, None), float("-inf"))
