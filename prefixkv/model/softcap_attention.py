@@ -64,8 +64,8 @@ class SoftcapPlan:
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A buffer of `shape` the step's layers and sequences take in turn (each done with it
-        before the next asks): a context's keys gathered into fresh memory each time cost more in
-        page faults than in copying (a decode at 8,192 tokens: 115 ms a layer in float32)."""
+        before the next asks): a context's keys gathered into fresh memory every layer cost more in
+        page faults than in copying (docs/journal/2026-11-27-softcap.md)."""
         numel = 1
         for d in shape:
             numel *= d
@@ -75,8 +75,8 @@ class SoftcapPlan:
         return buf[:numel].view(shape)
 
     def mask(self, rows: int, offset: int, cols: int, window: int | None) -> torch.Tensor:
-        """[rows, cols] True where the key is hidden from the query: query i at position offset + i
-        of key j's position - beyond it (causal), or `window` or more before it."""
+        """[rows, cols] True where key j is hidden from query i, which sits at key position
+        offset + i: the key lies past it (causal), or `window` or more positions before it."""
         key = (rows, offset, cols, -1 if window is None else window)
         m = self.masks.get(key)
         if m is None:
@@ -116,9 +116,9 @@ def softcapped_attention(
         rows = max(1, min(QUERY_CHUNK, MAX_CHUNK_SCORES // (Hq * keys)))
         for c0 in range(0, n, rows):
             c1 = min(n, c0 + rows)
-            p0 = first_query + c0  # the chunk's first query position; it sees keys up to p0 + c1 - c0 - 1
-            lo = first_key if W is None else max(first_key, p0 - W + 1)
-            hi = first_query + c1
+            p0 = first_query + c0  # the chunk's first query position
+            lo = first_key if W is None else max(first_key, p0 - W + 1)  # the first key it sees
+            hi = first_query + c1  # past the last key its last query sees
             out[a + c0 : a + c1] = _chunk(
                 q[a + c0 : a + c1], kc[:, lo - first_key : hi - first_key], vc[:, lo - first_key : hi - first_key],
                 p0 - lo, plan, scale, softcap,
