@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .attention_path import triton_kernels, uses_triton
 from .kernels import ops
+from .softcap_attention import SoftcapPlan, softcapped_attention
 
 if TYPE_CHECKING:
     from .static_decode import StaticDecodeView
@@ -105,12 +106,14 @@ class AttentionMetadata:
             p = self._plans[key] = _Plan(self, block_size, device, window, dtype)
         return p
 
-    def softcap_plan(self, block_size: int, device: torch.device, window: int | None) -> list[_SoftcapEntry]:
-        """Per sequence with new tokens, what the soft-capped path reads (built once per step and window)."""
+    def softcap_plan(self, block_size: int, device: torch.device, window: int | None) -> SoftcapPlan:
+        """What the soft-capped layers read (built once per step and window)."""
         key = ("softcap", block_size, device, window)
         p = self._plans.get(key)
         if p is None:
-            p = self._plans[key] = _softcap_entries(self, block_size, device, window)
+            p = self._plans[key] = SoftcapPlan(
+                self.query_start_loc, self.seq_lens, self.block_tables, block_size, device, window
+            )
         return p
 
 
@@ -564,59 +567,6 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
 
 
-_SoftcapEntry = tuple[int, int, torch.Tensor, torch.Tensor]  # (first row, end row, key slots, mask [n, L])
-
-
-def _softcap_entries(
-    meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None
-) -> list[_SoftcapEntry]:
-    bt = meta.block_tables.to(device=device, dtype=torch.long)
-    qsl = meta.query_start_loc
-    entries = []
-    for i, s in enumerate(meta.seq_lens):
-        a, b = qsl[i], qsl[i + 1]
-        n = b - a
-        if n == 0:
-            continue
-        lo = 0 if window is None else max(0, s - n - window + 1)  # the first key any query sees
-        pos = torch.arange(lo, s, device=device)
-        slots = bt[i, pos // block_size] * block_size + pos % block_size
-        qpos = torch.arange(s - n, s, device=device)
-        mask = pos[None, :] <= qpos[:, None]
-        if window is not None:
-            mask &= qpos[:, None] - pos[None, :] < window
-        entries.append((a, b, slots, mask))
-    return entries
-
-
-def _softcapped_attention(
-    q: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
-    entries: list[_SoftcapEntry],
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """Attention with the scores soft-capped before the mask and softmax - cap * tanh(scores / cap),
-    in transformers' order (Gemma 2's eager attention) - one sequence at a time. No fused kernel
-    (SDPA, the native ones) takes a cap, so this is the explicit softmax over the gathered context."""
-    T, Hq, D = q.shape
-    Hkv = k_flat.shape[1]
-    G = Hq // Hkv
-    out = torch.empty_like(q)
-    for a, b, slots, mask in entries:
-        n = b - a
-        qh = q[a:b].view(n, Hkv, G, D).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-        kc = _gather(k_flat, slots).permute(1, 0, 2)[:, None].to(q.dtype)  # [Hkv, 1, L, D]
-        vc = _gather(v_flat, slots).permute(1, 0, 2)[:, None].to(q.dtype)
-        scores = torch.matmul(qh, kc.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[a:b] = torch.matmul(probs, vc).permute(2, 0, 1, 3).reshape(n, Hq, D)
-    return out
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -632,7 +582,8 @@ def paged_attention(
     Writes k/v into ``kv_cache`` at ``meta.slot_mapping`` and returns attention output
     [T, Hq, D] with causal masking over each sequence's full (cached + new) context - or, with
     a sliding `window`, over its last `window` positions up to each query (Mistral's rule).
-    With `softcap`, the scores are soft-capped first (Gemma 2), on the plain PyTorch path.
+    With `softcap`, the scores are soft-capped first (Gemma 2), by chunks of queries in PyTorch
+    (softcap_attention.py).
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -648,8 +599,8 @@ def paged_attention(
         if T:
             k_flat.index_copy_(0, slots, k.to(kv_cache.dtype))
             v_flat.index_copy_(0, slots, v.to(kv_cache.dtype))
-        entries = meta.softcap_plan(block_size, q.device, window)
-        return _softcapped_attention(q, k_flat, v_flat, entries, D**-0.5 if scale is None else scale, softcap)
+        plan_capped = meta.softcap_plan(block_size, q.device, window)
+        return softcapped_attention(q, k, v, k_flat, v_flat, plan_capped, D**-0.5 if scale is None else scale, softcap)
     plan = meta.plan(block_size, q.device, window, q.dtype)
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)
