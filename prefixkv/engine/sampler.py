@@ -45,7 +45,7 @@ def _apply_penalties(
     flat = x.view(-1)
     rep = [r for r in rows if params[r].repetition_penalty != 1.0]
     if rep:
-        seen = torch.unique(_flat_ids(rep, [prompt_ids[r] + output_ids[r] for r in rep], V, dev))
+        seen = torch.unique(_flat_ids(rep, [[*prompt_ids[r], *output_ids[r]] for r in rep], V, dev))
         penalty = _per_row(rep, [params[r].repetition_penalty for r in rep], x)[seen // V]
         vals = flat[seen]
         flat[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
@@ -209,7 +209,7 @@ def sample(
         x = logits
         penalized = [row for row, p in enumerate(params) if _penalized(p)]
         if penalized or constraints or eos_ids:
-            x = logits.clone()  # penalties and constraints edit rows in place, never the caller's logits
+            x = logits.clone(memory_format=torch.contiguous_format)  # edited in place: never the caller's logits
         if penalized:
             _apply_penalties(x, penalized, params, prompt_ids, output_ids)
         for row in range(len(params)) if constraints or eos_ids else ():
