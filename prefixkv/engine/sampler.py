@@ -237,15 +237,18 @@ def sample(
                     tokens[row] = token
     if raw_logprobs is None:
         return SampleResult(tokens, None, None)
-    chosen_t = raw_logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    dev = raw_logprobs.device
+    chosen_t = raw_logprobs[torch.arange(len(tokens), device=dev), torch.tensor(tokens, device=dev)]
     ranks = ((raw_logprobs > chosen_t[:, None]).sum(dim=-1) + 1).tolist()
     chosen = chosen_t.tolist()
-    top: list[list[tuple[int, float]]] = []
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    by_k: dict[int, list[int]] = {}
     for row, p in enumerate(params):
-        k = p.logprobs or 0
-        if k:
-            vals, idx = torch.topk(raw_logprobs[row], k)
-            top.append(list(zip(idx.tolist(), vals.tolist())))
-        else:
-            top.append([])
+        if p.logprobs:
+            by_k.setdefault(p.logprobs, []).append(row)
+    for k, rows in by_k.items():  # one top-k per distinct k: a row's list never depends on its batch
+        picked = raw_logprobs if len(rows) == len(params) else raw_logprobs[torch.tensor(rows, device=dev)]
+        vals, idx = torch.topk(picked, k)
+        for row, i, v in zip(rows, idx.tolist(), vals.tolist()):
+            top[row] = list(zip(i, v))
     return SampleResult(tokens, chosen, top, ranks)

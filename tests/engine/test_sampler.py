@@ -181,3 +181,28 @@ def test_frequency_counts_each_occurrence():
     out = sample(logits, params, [torch.Generator()], [[1]], [[10, 20, 20, 20]]).token_ids
     assert out == [20]
     assert torch.equal(logits[0, [10, 20]], torch.tensor([3.0, 2.0]))  # the caller's logits untouched
+
+
+def test_logprobs_of_a_batch_are_each_rows_own():
+    """Rows asking for different numbers of top logprobs (and none) in one batch: each gets its
+    own row's best k, its sampled token's logprob and rank under the raw distribution."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(8)) * 2
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, logprobs=5, seed=1),
+        SamplingParams(temperature=0.0, logprobs=3),
+    ]
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    out = sample(logits, params, gens, [[1]] * 4, [[2]] * 4)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs is not None and out.ranks is not None and out.top_logprobs is not None
+    for row, p in enumerate(params):
+        token = out.token_ids[row]
+        assert out.logprobs[row] == pytest.approx(float(raw[row, token]))
+        assert out.ranks[row] == int((raw[row] > raw[row, token]).sum()) + 1
+        k = p.logprobs or 0
+        vals, idx = torch.topk(raw[row], k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        assert [t for t, _ in out.top_logprobs[row]] == idx.tolist()
+        assert [v for _, v in out.top_logprobs[row]] == pytest.approx(vals.tolist())
+    assert out.ranks[0] == 1 and out.ranks[3] == 1  # greedy: the best token
