@@ -246,9 +246,9 @@ def sample(
     for row, p in enumerate(params):
         if p.logprobs:
             by_k.setdefault(p.logprobs, []).append(row)
-    for k, rows in by_k.items():  # one top-k per distinct k: a row's list never depends on its batch
-        picked = raw_logprobs if len(rows) == len(params) else raw_logprobs[torch.tensor(rows, device=dev)]
+    for k, members in by_k.items():  # one top-k per distinct k: a row's list never depends on its batch
+        picked = raw_logprobs if len(members) == len(params) else raw_logprobs[torch.tensor(members, device=dev)]
         vals, idx = torch.topk(picked, k)
-        for row, i, v in zip(rows, idx.tolist(), vals.tolist()):
+        for row, i, v in zip(members, idx.tolist(), vals.tolist()):
             top[row] = list(zip(i, v))
     return SampleResult(tokens, chosen, top, ranks)
