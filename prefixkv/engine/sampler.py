@@ -247,8 +247,8 @@ def sample(
         if p.logprobs:
             by_k.setdefault(p.logprobs, []).append(row)
     for k, members in by_k.items():  # one top-k per distinct k: a row's list never depends on its batch
-        picked = raw_logprobs if len(members) == len(params) else raw_logprobs[torch.tensor(members, device=dev)]
-        vals, idx = torch.topk(picked, k)
+        of_k = raw_logprobs if len(members) == len(params) else raw_logprobs[torch.tensor(members, device=dev)]
+        vals, idx = torch.topk(of_k, k)
         for row, i, v in zip(members, idx.tolist(), vals.tolist()):
             top[row] = list(zip(i, v))
     return SampleResult(tokens, chosen, top, ranks)
