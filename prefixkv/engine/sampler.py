@@ -136,7 +136,7 @@ def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     if any(top_k):
         rows = [i for i, k in enumerate(top_k) if k]
         ranked = torch.topk(z if len(rows) == B else z[rows], max(top_k[i] for i in rows)).values
-        kth = ranked[torch.arange(len(rows)), torch.tensor([top_k[i] - 1 for i in rows])]
+        kth = ranked[torch.arange(len(rows), device=dev), torch.tensor([top_k[i] - 1 for i in rows], device=dev)]
         floor[rows] = torch.maximum(floor[rows], kth[:, None])
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
@@ -180,13 +180,19 @@ def score_tokens(
     """Log-probabilities of given next tokens under the raw distribution of each row of `logits`
     [N, vocab]: each target's logprob and rank (1 = best), and the row's top `k` (token, logprob)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
-    ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    chosen, ranks = _chosen_and_ranks(logprobs, targets)
     top: list[list[tuple[int, float]]] = [[] for _ in targets]
     if k:
         vals, idx = torch.topk(logprobs, k, dim=-1)
         top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-    return chosen.tolist(), ranks, top
+    return chosen, ranks, top
+
+
+def _chosen_and_ranks(logprobs: torch.Tensor, tokens: list[int]) -> tuple[list[float], list[int]]:
+    """Each row's logprob of its token and that token's rank (1 = best) under `logprobs` [N, vocab]."""
+    dev = logprobs.device
+    chosen = logprobs[torch.arange(len(tokens), device=dev), torch.tensor(tokens, device=dev)]
+    return chosen.tolist(), ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
 
 
 def sample(
@@ -238,9 +244,7 @@ def sample(
     if raw_logprobs is None:
         return SampleResult(tokens, None, None)
     dev = raw_logprobs.device
-    chosen_t = raw_logprobs[torch.arange(len(tokens), device=dev), torch.tensor(tokens, device=dev)]
-    ranks = ((raw_logprobs > chosen_t[:, None]).sum(dim=-1) + 1).tolist()
-    chosen = chosen_t.tolist()
+    chosen, ranks = _chosen_and_ranks(raw_logprobs, tokens)
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     by_k: dict[int, list[int]] = {}
     for row, p in enumerate(params):

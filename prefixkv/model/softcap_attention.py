@@ -9,6 +9,7 @@ context (or its window) whole and needs no mask."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -66,9 +67,7 @@ class SoftcapPlan:
         """A buffer of `shape` the step's layers and sequences take in turn (each done with it
         before the next asks): a context's keys gathered into fresh memory every layer cost more in
         page faults than in copying (docs/journal/2026-11-27-softcap.md)."""
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         buf = self._scratch.get((name, dtype))
         if buf is None or buf.numel() < numel:
             buf = self._scratch[(name, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
