@@ -63,6 +63,7 @@ class EngineParts:
     encoder_cache: EncoderCache | None
     kv_event_publisher: EventPublisher | None  # None: events wait in the engine for take_kv_events()
     input_processor: InputProcessor
+    async_scheduling: bool  # decode steps scheduled while the previous one runs (llm_engine.py)
 
 
 def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> EngineParts:
@@ -135,6 +136,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
         encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
         embedder = MultiModalEmbedder(mm.encoder, encoder_cache)
+    async_scheduling = _async_scheduling(config, model_config, kv_groups, kv_connector.manager is not None)
     on_cpu = device.type == "cpu"
     layout = "laying the weights out for the CPU's kernels" if on_cpu else "building the model runner"
     with stages.stage("weight layout" if on_cpu else "runner", layout):
@@ -151,6 +153,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             block_size=bs,
             kv_groups=kv_groups,
             graphs=graphs,
+            defer_reads=async_scheduling,
         )
     if graphs is not None:  # after the runner: LoRA's wrappers are in the model then
         with stages.stage("CUDA graphs", f"capturing decode steps of {len(sizes)} batch sizes"):
@@ -178,6 +181,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         encoder_cache=encoder_cache,
         kv_event_publisher=create_publisher(kv_events_config),
         input_processor=InputProcessor(config, tokenizer, model_config, max_model_len, mm_processor),
+        async_scheduling=async_scheduling,
     )
     logger.info("engine ready in %s", stages.summary())
     return parts
@@ -287,6 +291,27 @@ def _num_blocks(
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {bs} tokens")
     return num_blocks
+
+
+def _async_scheduling(
+    config: EngineArgs, model_config: ModelConfig, kv_groups: KVCacheGroups | None, has_tiers: bool
+) -> bool:
+    """Whether steps may be scheduled ahead (async_scheduling): not where a step's blocks are
+    more than K/V rows written in stream order - KV-cache groups, recurrent state, the stage-output
+    cache, tier transfers. Said once when asked for and off."""
+    if not config.async_scheduling:
+        return False
+    n = model_config.num_hidden_layers
+    for reason, off in (
+        ("KV-cache groups (a hybrid sliding-window layout)", kv_groups is not None),
+        ("a recurrent model's state", not all(model_config.is_attention_layer(i) for i in range(n))),
+        ("the stage-output cache", config.enable_stage_output_cache),
+        ("the KV tiers", has_tiers),
+    ):
+        if off:
+            logger.info("async_scheduling is off for %s: every step runs in order (outputs are the same)", reason)
+            return False
+    return True
 
 
 def _group_kind(model_config: ModelConfig) -> str:

@@ -130,9 +130,13 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= batch)
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    def run(
+        self, scheduled: list[ScheduledRequest], carried: tuple[list[int], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """The step's final hidden states [len(scheduled), H]: a view of the graph's output,
-        overwritten by the next step."""
+        overwritten by the next step. `carried`: rows whose input token is on the device already
+        (the previous step's draws, async scheduling). The buffers are filled in stream order from
+        page-locked copies: the host never waits for the device here."""
         b = len(scheduled)
         size = self.size_for(b)
         bs = self.block_size
@@ -144,12 +148,16 @@ class DecodeGraphs:
         lens = [p + 1 for p in positions[:b]] + [0] * pad
         width = (max(positions[:b]) + bs) // bs
         buf = self.inputs
-        buf.tokens[:, :size].copy_(torch.tensor([ids, positions, slots], dtype=torch.long))
-        buf.seq_lens[:size].copy_(torch.tensor(lens, dtype=torch.int32))
+        buf.tokens[:, :size].copy_(_pinned(torch.tensor([ids, positions, slots], dtype=torch.long)), non_blocking=True)
+        buf.seq_lens[:size].copy_(_pinned(torch.tensor(lens, dtype=torch.int32)), non_blocking=True)
+        if carried is not None:
+            carried_rows, tokens = carried
+            index = _pinned(torch.tensor(carried_rows, dtype=torch.long)).to(tokens.device, non_blocking=True)
+            buf.tokens[0].index_copy_(0, index, tokens)
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
         rows = [sr.block_table[: (sr.start + bs) // bs] for sr in scheduled]
         tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-        buf.block_tables[:b, :width].copy_(tables)
+        buf.block_tables[:b, :width].copy_(_pinned(tables), non_blocking=True)
         self.replays += 1
         graph = self.graphs.get(size)
         if graph is not None:
@@ -213,3 +221,8 @@ def _ranges(sizes: list[int]) -> str:
     if len(sizes) <= 6:
         return ", ".join(map(str, sizes))
     return f"{', '.join(map(str, sizes[:3]))}, {sizes[3]}..{sizes[-1]} ({len(sizes)} sizes)"
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in page-locked memory where a GPU is (a copy from it need not wait for the device)."""
+    return t.pin_memory() if torch.cuda.is_available() else t

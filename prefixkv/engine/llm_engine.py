@@ -24,9 +24,11 @@ from ..sampling_params import SamplingParams
 from .builder import build_engine
 from .feature_stats import feature_stats
 from .input_processor import EngineRequest
+from .pending_output import PendingOutput
 from .prefix_pins import PrefixPins, computed_by, pin_manifest
 from .request_group import arrival_of, make_group
 from .request_groups import RequestGroups
+from .scheduler_output import SchedulerOutput
 from .stats import EngineStats
 
 logger = logging.getLogger("prefixkv")
@@ -52,6 +54,10 @@ class LLMEngine:
         self.mm_processor, self.input_processor = parts.mm_processor, parts.input_processor
         self.eos_ids = self.input_processor.eos_ids
         self.groups = RequestGroups(self.scheduler, self.tokenizer, self.eos_ids, self.max_model_len)
+        self.async_scheduling = parts.async_scheduling
+        # a step launched and not yet booked (async scheduling): its schedule, and its pending
+        # tokens or the failure of its launch
+        self._in_flight: tuple[SchedulerOutput, PendingOutput | Exception] | None = None
         self._seq_ids = itertools.count()  # engine-private sequence ids: never derived from a client's string
         # events leave through a publisher when kv_events_config says so, else wait for take_kv_events()
         self._kv_events = KVEventBuffer(MAX_PENDING_KV_EVENTS)
@@ -59,6 +65,7 @@ class LLMEngine:
         # counters for metrics
         self.num_prompt_tokens = 0
         self.num_steps = 0
+        self.num_steps_ahead = 0  # steps scheduled before the previous one's tokens were read
         self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
         self._stats = EngineStats()
         manifest = pin_manifest(config, parts.loaded.source or str(config.model))  # pins kept over restarts
@@ -181,8 +188,10 @@ class LLMEngine:
                 self.groups.end(group, RequestStatus.FINISHED_ABORTED)
         if self.lora_manager is not None and self.lora_manager.retired:
             self._evict_retired_loras()
-        if self.cpu_threads is not None and not self.has_unfinished_requests():
-            self.cpu_threads.restore()  # idle after an abort too (a disconnect, an interrupted generate)
+        if not self.has_unfinished_requests():
+            self._drop_in_flight()
+            if self.cpu_threads is not None:
+                self.cpu_threads.restore()  # idle after an abort too (a disconnect, an interrupted generate)
         self._update_stats()
 
     def has_unfinished_requests(self) -> bool:
@@ -193,34 +202,68 @@ class LLMEngine:
         """Run one step: schedule -> execute -> update -> emit. Returns an output for every
         request that produced a token (cumulative text and tokens), finished or failed in this
         step. Per-request failures finish that request with `RequestOutput.error`; a failing
-        forward pass fails the batch's requests the same way. Neither raises."""
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output:
-            if self.scheduler.num_loading:  # requests wait for slow-tier loads (tiers/): nap until one is done
+        forward pass fails the batch's requests the same way. Neither raises.
+
+        With async_scheduling the next step is scheduled and launched before this one's tokens
+        are read (`Scheduler.schedule_ahead`): a GPU computes it while the host books this one.
+        The returned outputs are still this step's; one step stays in flight between calls."""
+        in_flight, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if in_flight is None:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output:
+                in_flight = (scheduler_output, self._launch(scheduler_output, None))
+            elif self.scheduler.num_loading:  # requests wait for slow-tier loads (tiers/): nap until one is done
                 self.scheduler.wait_for_tier_loads(TIER_LOAD_NAP_S)
-                outputs = []
-            else:
-                stuck = self.scheduler.waiting and not scheduler_output.preempted_req_ids
-                outputs = self.groups.fail_unschedulable() if stuck else []
-        else:
-            self.num_steps += 1
-            self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
-            if self.cpu_threads is not None:
-                self.cpu_threads.before_step(scheduler_output.num_scheduled_tokens)
-            try:
-                runner_output = self.runner.execute(scheduler_output)
-            except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)
-                outputs = self.groups.fail_step(scheduler_output, e)
-            else:
-                sampled, failed = self.scheduler.update_from_output(scheduler_output, runner_output)
-                outputs = self.groups.process_outputs(runner_output, sampled, failed)
+            elif self.scheduler.waiting and not scheduler_output.preempted_req_ids:
+                outputs = self.groups.fail_unschedulable()
+        if in_flight is not None:
+            scheduler_output, launched = in_flight
+            if self.async_scheduling and isinstance(launched, PendingOutput):
+                ahead = self.scheduler.schedule_ahead(scheduler_output, self.max_model_len)
+                if ahead is not None:
+                    self.num_steps_ahead += 1
+                    self._in_flight = (ahead, self._launch(ahead, launched))
+            outputs = self._book(scheduler_output, launched)
         if self.lora_manager is not None and self.lora_manager.retired and any(o.finished for o in outputs):
             self._evict_retired_loras()  # held blocks of retired adapters may be free now
-        if self.cpu_threads is not None and not self.has_unfinished_requests():
-            self.cpu_threads.restore()  # idle: the caller's torch code gets its own thread count back
+        if not self.has_unfinished_requests():
+            self._drop_in_flight()  # every request in it has ended: nothing of it is wanted
+            if self.cpu_threads is not None:
+                self.cpu_threads.restore()  # idle: the caller's torch code gets its own thread count back
         self.drain_kv_events()
         self._update_stats()
         return outputs
+
+    def _launch(self, scheduler_output: SchedulerOutput, previous: PendingOutput | None) -> PendingOutput | Exception:
+        """Start a step on the runner; a failure of its forward is returned, to fail its batch when booked."""
+        self.num_steps += 1
+        self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
+        if self.cpu_threads is not None:
+            self.cpu_threads.before_step(scheduler_output.num_scheduled_tokens)
+        try:
+            return self.runner.launch(scheduler_output, previous)
+        except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)
+            return e
+
+    def _book(self, scheduler_output: SchedulerOutput, launched: PendingOutput | Exception) -> list[RequestOutput]:
+        """Read a launched step's tokens (waiting for the device if need be) and book them:
+        computed and sampled tokens, detokenized text, stop conditions."""
+        try:
+            if isinstance(launched, Exception):
+                raise launched
+            runner_output = launched.result()
+        except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)
+            return self.groups.fail_step(scheduler_output, e)
+        sampled, failed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.groups.process_outputs(runner_output, sampled, failed)
+
+    def _drop_in_flight(self) -> None:
+        """Read and forget the step in flight: its requests have all ended (a stop seen a step
+        late, an abort), so it books nothing; afterwards nothing on the device writes their blocks."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            self._book(*in_flight)
 
     def drain_kv_events(self) -> bool:
         """Hand the waiting KV events to the publisher (one batch per step, as vLLM; never blocks)

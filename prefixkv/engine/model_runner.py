@@ -21,7 +21,8 @@ from ..model import AttentionMetadata, LoadedModel
 from ..stage_outputs.specs import per_token_outputs
 from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
-from .sampler import SampleResult, sample, score_tokens
+from .pending_output import PendingOutput
+from .sampler import SampledTensors, SampleResult, sample_tensors, score_tokens, to_device
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class ModelRunner:
         block_size: int | None = None,
         kv_groups: KVCacheGroups | None = None,
         graphs: DecodeGraphs | None = None,
+        defer_reads: bool = False,
     ) -> None:
         """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
         tiers, which no step asks for anything. `stage_outputs`: the scheduler's stage-output
@@ -55,7 +57,9 @@ class ModelRunner:
         per block (None: the K/V tensors' block axis; a recurrent model's state has none).
         `kv_groups`: a hybrid model's KV-cache groups (memory/kv_groups.py), None: one group.
         `graphs`: decode steps over fixed buffers, captured as CUDA graphs (cuda_graphs.py), built
-        over the same KV tensors; None: every step eager."""
+        over the same KV tensors; None: every step eager. `defer_reads`: a step's logits are checked
+        for non-finite rows when its tokens are read, not before sampling (async scheduling: the
+        host must not wait for the device between launching a step and launching the next)."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
@@ -79,6 +83,7 @@ class ModelRunner:
         if lora_manager is not None:
             lora_manager.attach(self.model)  # after packing: the wrappers call the packed base layers
         self.graphs = graphs
+        self.defer_reads = defer_reads
 
     def takes_graph(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether a step replays a captured decode: every sequence one new token within the
@@ -96,23 +101,31 @@ class ModelRunner:
         layers = getattr(self.model, "layers", None)
         return list(layers) if isinstance(layers, nn.ModuleList) else []
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Compute every scheduled chunk; sample for the requests with `sample` set and score the
         prompt positions of those with `want_hidden_states`. Raises only when the forward pass
         itself fails (then no KV written in this step can be trusted)."""
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput, previous: PendingOutput | None = None) -> PendingOutput:
+        """`execute`, its sampled tokens left where they were drawn: on a GPU the host goes on while
+        the device computes (with `defer_reads`, nothing in a step without constraints or top-p
+        waits for it). Rows scheduled with `input_from_previous` read their input token from
+        `previous`'s draws on the device."""
         scheduled = scheduler_output.scheduled
         dev = self.device
         if scheduler_output.kv_loads:  # blocks from the tiers, before the forward reads them
             self.kv_connector.load(scheduler_output.kv_loads)
             if self.stage_outputs is not None:  # their stage rows came too
                 self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
+        carried = self._carried_inputs(scheduled, previous)
         if self.takes_graph(scheduled):
             assert self.graphs is not None
-            hidden = self.graphs.run(scheduled)
+            hidden = self.graphs.run(scheduled, carried)
             query_start_loc = list(range(len(scheduled) + 1))
         else:
-            hidden, query_start_loc = self._forward(scheduled)
+            hidden, query_start_loc = self._forward(scheduled, carried)
         out = ModelRunnerOutput()
         if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
             out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
@@ -125,13 +138,27 @@ class ModelRunner:
                         "scoring prompt logprobs" if sr.sampling_params.prompt_logprobs is not None else "hidden states"
                     )
                     out.errors[sr.req_id] = f"{what} failed: {e}"
+        pending = PendingOutput(out)
         rows = [
             query_start_loc[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in out.errors
         ]
         if rows:
             to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
-            self._sample(self._sampling_logits(hidden[torch.tensor(rows, device=dev)], to_sample), to_sample, out)
-        return out
+            logits = self._sampling_logits(hidden[to_device(torch.tensor(rows), dev)], to_sample)
+            self._sample(logits, to_sample, pending)
+        return pending
+
+    def _carried_inputs(
+        self, scheduled: list[ScheduledRequest], previous: PendingOutput | None
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The rows of this step whose input token the previous step is drawing, and those tokens
+        on the device (None: every input id is on the host)."""
+        rows = [i for i, sr in enumerate(scheduled) if sr.input_from_previous]
+        if not rows:
+            return None
+        if previous is None:
+            raise RuntimeError("a step reads the previous step's tokens, but there is no previous step")
+        return rows, previous.tokens_of([scheduled[i].req_id for i in rows], self.device)
 
     def _sampling_logits(self, hidden: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """float32 logits to sample from, left on the model's device (a GPU samples its own batch:
@@ -142,8 +169,11 @@ class ModelRunner:
             return logits.cpu()
         return logits
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
-        """The eager forward of any step: its final hidden states and each request's first row."""
+    def _forward(
+        self, scheduled: list[ScheduledRequest], carried: tuple[list[int], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The eager forward of any step: its final hidden states and each request's first row.
+        `carried`: rows whose one input token is on the device already (`_carried_inputs`)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -160,7 +190,7 @@ class ModelRunner:
             seq_lens.append(end)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=_padded_tables([sr.block_table for sr in scheduled], dev),
@@ -171,19 +201,23 @@ class ModelRunner:
                 group_slots: list[int] = []
                 for sr, table in zip(scheduled, tables):
                     _extend_slots(group_slots, table, sr.start, sr.start + len(sr.token_ids), bs)
-                group_slot_tensor = torch.tensor(group_slots, dtype=torch.long, device=dev)
+                group_slot_tensor = to_device(torch.tensor(group_slots, dtype=torch.long), dev)
                 meta.group_tables.append((group_slot_tensor, _padded_tables(tables, dev)))
             meta.layer_groups = self.layer_groups
         extra: dict[str, object] = {}
         if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
             # the per-token adapter index, grouped by adapter (base-only steps skip this entirely)
             extra["lora_mapping"] = self.lora_manager.prepare([(sr.lora_id, len(sr.token_ids)) for sr in scheduled])
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        ids = to_device(torch.tensor(input_ids, dtype=torch.long), dev)
+        if carried is not None:
+            rows, tokens = carried
+            ids[to_device(torch.tensor([query_start_loc[i] for i in rows]), dev)] = tokens
         if self.mm is not None and any(sr.mm_inputs for sr in scheduled):
             # image embeddings at the placeholder positions; the model only sees the embeddings
             placements = [(query_start_loc[i], sr.mm_inputs) for i, sr in enumerate(scheduled) if sr.mm_inputs]
             extra["inputs_embeds"] = self.mm.inputs_embeds(self.model.embed_tokens, ids, placements)
-        hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta, **extra)
+        pos = to_device(torch.tensor(positions, dtype=torch.long), dev)
+        hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
 
         stage = self.stage_outputs
         if stage is not None:  # every computed row, through the KV slot mapping; full blocks become readable
@@ -198,11 +232,16 @@ class ModelRunner:
         return logits.float().cpu() if logits.device.type != "cpu" else logits.float()
 
     # -- sampling ------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], pending: PendingOutput) -> None:
         # A row sums to a finite number iff every logit in it is finite (real logits are far from
         # overflowing a float32 sum); one pass, ~6x cheaper than isfinite() over the whole matrix.
         finite = torch.isfinite(logits.sum(dim=-1))
-        if not bool(finite.all()):  # a broken row fails its request, not the batch
+        out = pending.out
+        if self.defer_reads:
+            # checked when the tokens are read: a broken row draws from zeros, and is dropped then
+            logits = torch.where(finite[:, None], logits, 0.0)
+            pending.finite = finite
+        elif not bool(finite.all()):  # a broken row fails its request, not the batch
             keep = finite.tolist()
             for sr, ok in zip(reqs, keep):
                 if not ok:
@@ -217,23 +256,30 @@ class ModelRunner:
             if not all(sr.sampling_params.greedy for sr in reqs):
                 # a failed batch is redone row by row from the same generator states
                 states = {id(g): (g, g.get_state()) for g in gens}
-            result = self._sample_rows(logits, reqs, gens)
+            pending.sampled = self._sample_rows(logits, reqs, gens)
         except Exception:  # noqa: BLE001 (find the failing rows one by one)
             for g, state in states.values():
                 g.set_state(state)
-            result = self._sample_one_by_one(logits, reqs, gens, out)
+            if pending.finite is not None:  # read now: the broken rows are dropped before the retry
+                keep = pending.finite.tolist()
+                pending.finite = None
+                for sr, ok in zip(reqs, keep):
+                    if not ok:
+                        out.errors[sr.req_id] = "the model produced non-finite logits"
+                ok_rows = [i for i, ok in enumerate(keep) if ok]
+                reqs, gens = [reqs[i] for i in ok_rows], [gens[i] for i in ok_rows]
+                logits = logits[torch.tensor(ok_rows, dtype=torch.long, device=logits.device)]
+            pending.sampled = self._sample_one_by_one(logits, reqs, gens, out)
             reqs = [sr for sr in reqs if sr.req_id not in out.errors]
-        out.req_ids = [sr.req_id for sr in reqs]
-        out.sampled_token_ids = result.token_ids
-        out.logprobs, out.ranks, out.top_logprobs = result.logprobs, result.ranks, result.top_logprobs
+        pending.req_ids = [sr.req_id for sr in reqs]
 
     def _sample_rows(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest], gens: list[torch.Generator]
-    ) -> SampleResult:
+    ) -> SampledTensors:
         eos = self.eos_token_ids
         eos_block = [eos if sr.block_eos else None for sr in reqs]
         constraints = [sr.constraints for sr in reqs]
-        return sample(
+        return sample_tensors(
             logits,
             [sr.sampling_params for sr in reqs],
             gens,  # type: ignore[arg-type]
@@ -250,7 +296,7 @@ class ModelRunner:
         results: list[SampleResult] = []
         for row, sr in enumerate(reqs):
             try:
-                results.append(self._sample_rows(logits[row : row + 1], [sr], gens[row : row + 1]))
+                results.append(self._sample_rows(logits[row : row + 1], [sr], gens[row : row + 1]).result())
             except Exception as e:  # noqa: BLE001 (this request fails alone)
                 out.errors[sr.req_id] = f"sampling failed: {type(e).__name__}: {e}"
         merged = SampleResult([r.token_ids[0] for r in results], None, None)
@@ -327,4 +373,4 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: 
 def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """[B, max_blocks] block ids, padded with 0 (padding is never read)."""
     width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+    return to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long), device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 
 from ..model.tokenizer import Tokenizer
 from ..outputs import RequestOutput
@@ -91,7 +92,11 @@ class RequestGroups:
         touched: dict[str, RequestGroup] = {}
         now = time.time()
         lps, tops, ranks = runner_output.logprobs, runner_output.top_logprobs, runner_output.ranks
-        for row, req in enumerate(sampled):
+        rows: Iterable[int] = range(len(sampled))
+        if len(sampled) != len(runner_output.req_ids):  # rows of ended requests were skipped (async scheduling)
+            row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+            rows = [row_of[req.request_id] for req in sampled]
+        for row, req in zip(rows, sampled):
             self.num_generation_tokens += 1
             group, idx = self.child_of[req.request_id]
             touched[group.request_id] = group
@@ -141,7 +146,7 @@ class RequestGroups:
         hold no valid KV. Fail the batch's requests and forget every cached identity so no later
         request hits them; if other requests hold blocks the table cannot be reset under them,
         so they fail too. The engine keeps serving."""
-        logger.exception("the model failed in a step of %d requests", len(scheduler_output.scheduled))
+        logger.error("the model failed in a step of %d requests", len(scheduler_output.scheduled), exc_info=exc)
         message = f"the model failed: {type(exc).__name__}: {exc}"
         groups = self.groups_of([sr.req_id for sr in scheduler_output.scheduled])
         for group in groups:

@@ -24,6 +24,29 @@ class SampleResult:
     ranks: list[int] | None = None  # rank of each sampled token in the raw distribution (1 = best)
 
 
+@dataclass
+class SampledTensors:
+    """A batch's draws still on the logits' device: nothing here has waited for the device, so
+    a GPU step can be followed by the next one before these are read (`result()` reads them)."""
+
+    tokens: torch.Tensor  # [B] the sampled token ids
+    num_rows: int
+    chosen: torch.Tensor | None = None  # [B] each sampled token's logprob (None: nobody asked)
+    ranks: torch.Tensor | None = None  # [B] its rank (1 = best)
+    # one top-k per distinct k: the rows asking for k, their (values, indices) [rows, k]
+    tops: list[tuple[list[int], torch.Tensor, torch.Tensor]] | None = None
+
+    def result(self) -> SampleResult:
+        tokens: list[int] = self.tokens.tolist()
+        if self.chosen is None or self.ranks is None or self.tops is None:
+            return SampleResult(tokens, None, None)
+        top: list[list[tuple[int, float]]] = [[] for _ in range(self.num_rows)]
+        for members, vals, idx in self.tops:
+            for row, i, v in zip(members, idx.tolist(), vals.tolist()):
+                top[row] = list(zip(i, v))
+        return SampleResult(tokens, self.chosen.tolist(), top, self.ranks.tolist())
+
+
 def _penalized(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
@@ -105,12 +128,20 @@ def _search(cum: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last).squeeze(1)
 
 
-def _draw(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+def _draw(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row of logits `x` [B, vocab] (penalties and constraints applied): one
     uniform per row from the row's own generator picks a token in proportion to
     `filtered_weights` - the same draws whatever else is in the batch."""
     r = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    return _pick(filtered_weights(x, params), r.to(x.device)).tolist()
+    return _pick(filtered_weights(x, params), to_device(r, x.device))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait for the device: a GPU copies it
+    from page-locked memory in stream order (a plain copy from pageable memory synchronizes)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -180,19 +211,18 @@ def score_tokens(
     """Log-probabilities of given next tokens under the raw distribution of each row of `logits`
     [N, vocab]: each target's logprob and rank (1 = best), and the row's top `k` (token, logprob)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen, ranks = _chosen_and_ranks(logprobs, targets)
+    chosen, ranks = _chosen_and_ranks(logprobs, torch.tensor(targets, device=logprobs.device))
     top: list[list[tuple[int, float]]] = [[] for _ in targets]
     if k:
         vals, idx = torch.topk(logprobs, k, dim=-1)
         top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-    return chosen, ranks, top
+    return chosen.tolist(), ranks.tolist(), top
 
 
-def _chosen_and_ranks(logprobs: torch.Tensor, tokens: list[int]) -> tuple[list[float], list[int]]:
-    """Each row's logprob of its token and that token's rank (1 = best) under `logprobs` [N, vocab]."""
-    dev = logprobs.device
-    chosen = logprobs[torch.arange(len(tokens), device=dev), torch.tensor(tokens, device=dev)]
-    return chosen.tolist(), ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
+def _chosen_and_ranks(logprobs: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logprob of its token [N] and that token's rank (1 = best) under `logprobs` [N, vocab]."""
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return chosen, (logprobs > chosen[:, None]).sum(dim=-1) + 1
 
 
 def sample(
@@ -205,12 +235,28 @@ def sample(
     constraints: list[RequestConstraints | None] | None = None,
 ) -> SampleResult:
     """Sample one token per row of `logits` [N, vocab] (float32)."""
+    return sample_tensors(logits, params, generators, prompt_ids, output_ids, eos_ids, constraints).result()
+
+
+def sample_tensors(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    eos_ids: list[set[int] | None] | None = None,
+    constraints: list[RequestConstraints | None] | None = None,
+) -> SampledTensors:
+    """`sample`, its results left on the logits' device. Rows without constraints or top-p
+    never make the host wait for the device (constraints edit rows on the host; top-p's
+    candidates are a data-dependent set)."""
     logits = logits.float()
+    n = len(params)
     want_logprobs = any(p.logprobs is not None for p in params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     all_greedy_plain = all(p.greedy and not _penalized(p) for p in params) and not eos_ids and not constraints
     if all_greedy_plain:
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1)
     else:
         x = logits
         penalized = [row for row, p in enumerate(params) if _penalized(p)]
@@ -218,7 +264,7 @@ def sample(
             x = logits.clone(memory_format=torch.contiguous_format)  # edited in place: never the caller's logits
         if penalized:
             _apply_penalties(x, penalized, params, prompt_ids, output_ids)
-        for row in range(len(params)) if constraints or eos_ids else ():
+        for row in range(n) if constraints or eos_ids else ():
             c = constraints[row] if constraints else None
             blocked = eos_ids[row] if eos_ids else None
             xr = x[row]
@@ -232,27 +278,24 @@ def sample(
                     "logit_bias, structured outputs, min_tokens)"
                 )
         drawn = [row for row, p in enumerate(params) if not p.greedy]
-        if len(drawn) == len(params):
+        if len(drawn) == n:
             tokens = _draw(x, params, generators)
         else:
-            tokens = x.argmax(dim=-1).tolist()
+            tokens = x.argmax(dim=-1)
             if drawn:
-                rows = torch.tensor(drawn, device=x.device)
-                picked = _draw(x[rows], [params[i] for i in drawn], [generators[i] for i in drawn])
-                for row, token in zip(drawn, picked):
-                    tokens[row] = token
+                rows = to_device(torch.tensor(drawn), x.device)
+                tokens[rows] = _draw(x[rows], [params[i] for i in drawn], [generators[i] for i in drawn])
     if raw_logprobs is None:
-        return SampleResult(tokens, None, None)
+        return SampledTensors(tokens, n)
     dev = raw_logprobs.device
     chosen, ranks = _chosen_and_ranks(raw_logprobs, tokens)
-    top: list[list[tuple[int, float]]] = [[] for _ in params]
     by_k: dict[int, list[int]] = {}
     for row, p in enumerate(params):
         if p.logprobs:
             by_k.setdefault(p.logprobs, []).append(row)
+    tops = []
     for k, members in by_k.items():  # one top-k per distinct k: a row's list never depends on its batch
-        of_k = raw_logprobs if len(members) == len(params) else raw_logprobs[torch.tensor(members, device=dev)]
+        of_k = raw_logprobs if len(members) == n else raw_logprobs[to_device(torch.tensor(members), dev)]
         vals, idx = torch.topk(of_k, k)
-        for row, i, v in zip(members, idx.tolist(), vals.tolist()):
-            top[row] = list(zip(i, v))
-    return SampleResult(tokens, chosen, top, ranks)
+        tops.append((members, vals, idx))
+    return SampledTensors(tokens, n, chosen, ranks, tops)

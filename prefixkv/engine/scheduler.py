@@ -224,6 +224,63 @@ class Scheduler:
         connector.plan(out, self.requests, kv)
         return out
 
+    def schedule_ahead(self, in_flight: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+        """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
+        scheduling): every request it samples for computes, next, the token being sampled now,
+        read by the runner from that step's draws. None when the next step needs what only the
+        tokens or the ordinary `schedule()` can give: a request whose sampling reads its own
+        output (penalties, constraints), hidden states or prompt logprobs, a running request the
+        step left out, a waiting request that could be admitted, blocks that would need a
+        preemption, tier transfers.
+
+        A request that the count of its tokens ends after `in_flight` (max_tokens, the model's
+        length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,
+        and the token computed for it then is dropped (update_from_output skips ended requests)."""
+        if in_flight.kv_loads or in_flight.kv_saves:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        stepping = {sr.req_id for sr in in_flight.scheduled}
+        if any(r.request_id not in stepping for r in self.running):
+            return None
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        going_on: list[Request] = []
+        num_new_blocks = 0
+        for sr in in_flight.scheduled:
+            req = self.requests.get(sr.req_id)
+            if req is None:  # ended since it was launched
+                continue
+            if not sr.sample or not _samples_ahead(sr):
+                return None
+            params = req.sampling_params
+            n_out = req.num_output_tokens + 1  # with the token being sampled
+            if (params.max_tokens is not None and n_out >= params.max_tokens) or req.num_tokens + 1 >= max_model_len:
+                continue  # its last token is the one being sampled
+            going_on.append(req)
+            num_new_blocks += max(0, -(-(req.num_tokens + 1) // bs) - len(kv.get_block_ids(req.request_id)))
+        if not going_on or len(going_on) > self.max_num_batched_tokens:
+            return None
+        if num_new_blocks > kv.num_free_blocks:
+            return None
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        for req in going_on:
+            # room for the token being sampled: its position is the request's current length
+            num_in_flight = req.num_tokens - req.num_computed_tokens
+            allocated = kv.allocate_slots(req, num_in_flight + 1)
+            assert allocated is not None, "blocks were counted above"
+            sr = self._scheduled(req, 0)
+            sr.token_ids = [0]  # a stand-in: the runner reads the token from the step in flight
+            sr.start = req.num_tokens
+            sr.block_table = kv.get_block_ids(req.request_id)
+            sr.sample = True
+            sr.input_from_previous = True
+            sr.block_eos = req.num_output_tokens + 1 < req.sampling_params.min_tokens
+            out.scheduled.append(sr)
+        out.num_scheduled_tokens = len(going_on)
+        return out
+
     # -- KV tiers (prefixkv/tiers), through the connector -------------------------------------
     @property
     def num_loading(self) -> int:
@@ -325,7 +382,9 @@ class Scheduler:
         sampled: list[Request] = []
         now = time.time()
         for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            req = requests[req_id]
+            req = requests.get(req_id)
+            if req is None:  # it ended while the step ran (async scheduling: a stop seen a step late, an abort)
+                continue
             req.append_output_token_ids(token)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -364,3 +423,11 @@ class Scheduler:
     @property
     def num_dropped_kv_events(self) -> int:
         return self.kv_cache_manager.num_dropped_kv_events
+
+
+def _samples_ahead(sr: ScheduledRequest) -> bool:
+    """Whether a request can be sampled for before its previous token is known: nothing it
+    samples with reads its own output so far, and the runner needs no hidden state of it."""
+    p = sr.sampling_params
+    penalized = p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+    return sr.constraints is None and not penalized and not sr.want_hidden_states and not sr.stage_output_reads

@@ -47,6 +47,9 @@ class ScheduledRequest:
     group_block_tables: list[list[int]] = field(default_factory=list)
     # block ids whose cached stage outputs (hidden states) are read back: whole blocks ending at `start`
     stage_output_reads: tuple[Any, ...] = ()
+    # async scheduling: the one input token is the one the previous step is sampling for this
+    # request (`token_ids` holds a stand-in); the runner takes it from that step's draws
+    input_from_previous: bool = False
 
 
 @dataclass(slots=True)

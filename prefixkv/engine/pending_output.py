@@ -1,0 +1,71 @@
+"""A step the model runner has launched whose sampled tokens may still be computing on the device.
+
+With async scheduling (llm_engine.py) the engine launches the next step before it reads this
+one's tokens: the next step's decoding rows take their input ids straight from `tokens` on the
+device, and the host books this step (`result()`) while the device computes the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .model_runner_output import ModelRunnerOutput
+from .sampler import SampledTensors, SampleResult, to_device
+
+
+@dataclass(slots=True)
+class PendingOutput:
+    out: ModelRunnerOutput  # all but the sampled rows: prompt logprobs, hidden states, errors, tier saves
+    req_ids: list[str] = field(default_factory=list)  # the sampled rows' requests, in row order
+    sampled: SampledTensors | SampleResult | None = None
+    # [rows] whether each row's logits were finite, checked when the tokens are read (None: checked
+    # before sampling); a row that was not is sampled from zeros and its token dropped here
+    finite: torch.Tensor | None = None
+    _result: ModelRunnerOutput | None = None
+
+    def tokens_of(self, req_ids: list[str], device: torch.device) -> torch.Tensor:
+        """The tokens sampled for `req_ids` [len(req_ids)] on `device`, without waiting for them (0
+        for a request this step sampled nothing for: its step failed, and so will the request)."""
+        if isinstance(self.sampled, SampledTensors):
+            tokens = self.sampled.tokens
+        elif isinstance(self.sampled, SampleResult):
+            tokens = torch.tensor(self.sampled.token_ids, dtype=torch.long, device=device)
+        else:
+            return torch.zeros(len(req_ids), dtype=torch.long, device=device)
+        row_of = {rid: i for i, rid in enumerate(self.req_ids)}
+        rows = [row_of.get(rid, -1) for rid in req_ids]
+        padded = torch.cat([tokens.to(device), torch.zeros(1, dtype=tokens.dtype, device=device)])
+        index = torch.tensor([r if r >= 0 else len(tokens) for r in rows], dtype=torch.long)
+        return padded[to_device(index, device)]
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output, waiting for the device if it has not finished (once; then cached)."""
+        if self._result is not None:
+            return self._result
+        out = self.out
+        sampled = self.sampled
+        if sampled is not None:
+            got = sampled.result() if isinstance(sampled, SampledTensors) else sampled
+            keep = self.finite.tolist() if self.finite is not None else None
+            if keep is not None and not all(keep):
+                for rid, ok in zip(self.req_ids, keep):
+                    if not ok:
+                        out.errors[rid] = "the model produced non-finite logits"
+                got = _rows(got, keep)
+            out.req_ids = [rid for rid, ok in zip(self.req_ids, keep or [True] * len(self.req_ids)) if ok]
+            out.sampled_token_ids = got.token_ids
+            out.logprobs, out.ranks, out.top_logprobs = got.logprobs, got.ranks, got.top_logprobs
+        self._result = out
+        return out
+
+
+def _rows(got: SampleResult, keep: list[bool]) -> SampleResult:
+    def pick(values: list[Any] | None) -> list[Any] | None:
+        return None if values is None else [v for v, ok in zip(values, keep) if ok]
+
+    return SampleResult(
+        [t for t, ok in zip(got.token_ids, keep) if ok], pick(got.logprobs), pick(got.top_logprobs), pick(got.ranks)
+    )

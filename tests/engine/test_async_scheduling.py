@@ -1,0 +1,249 @@
+"""Async scheduling (EngineArgs.async_scheduling, Scheduler.schedule_ahead, ModelRunner.launch):
+each decode step is scheduled and launched before the previous step's tokens are read, its input
+ids taken from that step's draws on the device. Outputs must equal the in-order engine's token for
+token (greedy float32 against transformers too; seeded sampling; every kind of stop, aborts,
+arrivals, penalties that force in-order steps) and every block must be free afterwards."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.engine.llm_engine import LLMEngine
+
+from ..conftest import hf_greedy
+from ..model.test_model_hf_folder import _make, _write_tokenizer
+from ..model.triton_interpreter import device, kernels_module
+
+BASE: dict[str, Any] = dict(dtype="float32", device="cpu", num_blocks=64, block_size=8, max_model_len=96)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[Path, Any]:
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="async-sched-"))
+    hf = _make("llama")
+    hf.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    return folder, hf
+
+
+def _prompts(seed: int, n: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(20)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 10))] for _ in range(n - 1)]
+    return [*prompts, [rng.randrange(256) for _ in range(6)]]
+
+
+def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[tuple]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (
+            tuple(c.token_ids),
+            c.text,
+            c.finish_reason,
+            c.stop_reason,
+            None if c.logprobs is None else [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in c.logprobs],
+        )
+        for o in outs
+        for c in o.outputs
+    ]
+
+
+def _all_free(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert engine._in_flight is None
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_greedy_equals_transformers_and_steps_run_ahead(tiny):
+    """Caching off and on (hits), chunked prefill, preemption: greedy tokens equal transformers',
+    steps were scheduled ahead, and every block is free after."""
+    folder, hf = tiny
+    prompts = _prompts(1)
+    expected = [hf_greedy(hf, p, 14) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    for kwargs in (
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True),
+        dict(max_num_batched_tokens=9),
+        dict(num_blocks=12, max_model_len=48),
+    ):
+        llm = LLM(str(folder), **{**BASE, **kwargs}, async_scheduling=True)
+        engine = llm.llm_engine
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, kwargs
+        assert engine.num_steps_ahead > 0, kwargs
+        _all_free(llm)
+        if kwargs.get("num_blocks") == 12:
+            assert engine.scheduler.num_preemptions > 0
+
+
+def test_every_stop_and_sampling_equal_the_in_order_engine(tiny):
+    """Stops on a token (stop_token_ids, a stop string, EOS), by count (max_tokens 1 / 2 / 7, the
+    model's length), min_tokens, logprobs, seeded sampling with top-p / top-k: the same tokens,
+    text, finish and stop reasons as steps run in order."""
+    folder, _ = tiny
+    prompts = _prompts(2, 8)
+    sync = LLM(str(folder), **BASE)
+    ahead = LLM(str(folder), **BASE, async_scheduling=True)
+    probe = _outputs(sync, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    third = [toks[3] for toks, *_ in probe]  # each prompt's 4th greedy token: a stop mid-sequence
+    text = [t for _, t, *_ in probe]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[third[0]], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, stop=[text[1][2:4]] if len(text[1]) > 4 else None),
+        SamplingParams(temperature=0, max_tokens=1, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=9, logprobs=1),
+        SamplingParams(temperature=1.2, top_k=5, seed=11, max_tokens=7, min_tokens=5, stop_token_ids=[third[5]]),
+        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),  # ends at max_model_len
+        SamplingParams(temperature=0.7, min_p=0.05, seed=3, max_tokens=10),
+    ]
+    want = _outputs(sync, prompts, params)
+    steps_before = ahead.llm_engine.num_steps_ahead
+    assert _outputs(ahead, prompts, params) == want
+    assert ahead.llm_engine.num_steps_ahead > steps_before
+    assert [w[2] for w in want].count("length") >= 3 and "stop" in [w[2] for w in want]
+    _all_free(ahead)
+    _all_free(sync)
+
+
+def test_penalties_and_constraints_run_in_order(tiny):
+    """A request whose sampling reads its own output keeps the batch in order while it runs; the
+    outputs equal the in-order engine's."""
+    folder, _ = tiny
+    prompts = _prompts(3, 3)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={5: 3.0}),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    want = _outputs(LLM(str(folder), **BASE), prompts, params)
+    ahead = LLM(str(folder), **BASE, async_scheduling=True)
+    assert _outputs(ahead, prompts, params) == want
+    assert ahead.llm_engine.num_steps_ahead == 0
+    _all_free(ahead)
+
+
+def test_aborts_and_arrivals_between_steps(tiny):
+    """Requests aborted while a step is in flight drop out (their blocks free), requests added
+    between steps are admitted (a step in order), and the rest equal the in-order engine's."""
+    folder, _ = tiny
+    prompts = _prompts(4, 6)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run(engine: LLMEngine) -> dict[str, tuple[int, ...]]:
+        done: dict[str, tuple[int, ...]] = {}
+        for i in range(3):
+            engine.add_request(prompts[i], params, request_id=f"r{i}")
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = tuple(out.outputs[0].token_ids)
+            steps += 1
+            if steps == 3:
+                engine.abort_request("r1")
+                engine.add_request(prompts[3], params, request_id="r3")
+            if steps == 5:
+                engine.add_request(prompts[4], params, request_id="r4")
+                engine.abort_request(["r0", "nobody"])
+        return done
+
+    sync = LLM(str(folder), **BASE).llm_engine
+    ahead = LLM(str(folder), **BASE, async_scheduling=True).llm_engine
+    want = run(sync)
+    assert run(ahead) == want
+    assert set(want) == {"r2", "r3", "r4"}
+    assert ahead.num_steps_ahead > 0
+    assert ahead._in_flight is None
+    assert ahead.kv_cache_manager.num_free_blocks == ahead.num_blocks
+
+    # every request aborted while a step is in flight: nothing is left running on their blocks
+    for i in range(2):
+        ahead.add_request(prompts[i], params, request_id=f"x{i}")
+    for _ in range(4):
+        ahead.step()
+    assert ahead._in_flight is not None
+    ahead.abort_request(["x0", "x1"])
+    assert ahead._in_flight is None
+    assert ahead.kv_cache_manager.num_free_blocks == ahead.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_non_finite_row_fails_alone(tiny, async_scheduling):
+    """A row of NaN logits fails its request ("non-finite"); its batch's others go on unharmed -
+    checked before sampling in order, when the tokens are read ahead."""
+    folder, _ = tiny
+    prompts = _prompts(5, 3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = _outputs(LLM(str(folder), **BASE), prompts[1:], params)
+    llm = LLM(str(folder), **BASE, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    model = engine.runner.model
+    compute_logits = model.compute_logits
+    calls = {"n": 0}
+
+    def broken_first_row(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        calls["n"] += 1
+        if calls["n"] == 4 and len(logits) == 3:  # a decode step of all three
+            logits = logits.clone()
+            logits[0] = float("nan")
+        return logits
+
+    model.compute_logits = broken_first_row
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert calls["n"] >= 4
+    assert outs[0].error is not None and "non-finite" in outs[0].error
+    got = [
+        (tuple(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason, None)
+        for o in outs[1:]
+    ]
+    assert got == want
+    _all_free(llm)
+
+
+def test_the_decode_buffers_take_the_carried_tokens(tmp_path, monkeypatch):
+    """With the decode steps over fixed buffers (CUDA graphs' inputs; on a CPU the same buffers,
+    not captured, under Triton's interpreter) the carried tokens go into the buffers' ids on the
+    device: greedy tokens equal transformers'."""
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    prompts = _prompts(6, 3)
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        device=str(device()),
+        num_blocks=32,
+        block_size=8,
+        max_model_len=64,
+        async_scheduling=True,
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    engine = llm.llm_engine
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    assert engine.num_steps_ahead > 0
+    _all_free(llm)
+
+
+def test_off_where_blocks_hold_more_than_kv_rows(tiny, caplog):
+    """The stage-output cache (a block's hidden states too) keeps every step in order, said once."""
+    folder, _ = tiny
+    with caplog.at_level("INFO", logger="prefixkv"):
+        llm = LLM(str(folder), **BASE, async_scheduling=True, enable_stage_output_cache=True)
+    assert llm.llm_engine.async_scheduling is False
+    assert "async_scheduling is off for the stage-output cache" in caplog.text
