@@ -92,11 +92,11 @@ class RequestGroups:
         touched: dict[str, RequestGroup] = {}
         now = time.time()
         lps, tops, ranks = runner_output.logprobs, runner_output.top_logprobs, runner_output.ranks
-        rows: Iterable[int] = range(len(sampled))
+        sampled_rows: Iterable[int] = range(len(sampled))
         if len(sampled) != len(runner_output.req_ids):  # rows of ended requests were skipped (async scheduling)
             row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
-            rows = [row_of[req.request_id] for req in sampled]
-        for row, req in zip(rows, sampled):
+            sampled_rows = [row_of[req.request_id] for req in sampled]
+        for row, req in zip(sampled_rows, sampled):
             self.num_generation_tokens += 1
             group, idx = self.child_of[req.request_id]
             touched[group.request_id] = group
