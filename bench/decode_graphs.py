@@ -1,14 +1,16 @@
-"""Decode ms/step through the engine, decode steps replayed as CUDA graphs against enforce_eager=True,
-in one process, the two engines alternated round by round.
+"""Decode ms/step through the engine, decode steps replayed as CUDA graphs against enforce_eager=True
+and against graphs with async scheduling (each step launched before the previous one's tokens are
+read), in one process, the engines alternated round by round.
 
     python bench/decode_graphs.py [--device cuda] [--dtype bfloat16] [--batches 1,32,256]
-        [--context 256] [--steps 24] [--rounds 2] [--model PATH]
+        [--context 256] [--steps 24] [--rounds 2] [--model PATH] [--engines graphs,eager,async]
 
 Per batch B: B prompts of --context random tokens are prefilled, then --steps engine steps in which
 every sequence decodes one token (scheduling, the forward, sampling, outputs: what a user waits on)
 are timed one by one; the median of every round's steps is printed per engine, with how many of
-those steps the graphs took, and whether the two engines' greedy tokens agreed (bfloat16: the eager
-path's attention is another kernel, so a difference is possible, not a failure).
+those steps the graphs took, and whether each engine's greedy tokens agreed with the first one's
+(bfloat16: the eager path's attention is another kernel, so a difference is possible, not a failure;
+async scheduling computes the same steps, so its tokens must equal the graphs' own).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None, help="a checkpoint folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--kv-gib", type=float, default=4.0, help="each engine's KV cache (GiB)")
+    ap.add_argument(
+        "--engines",
+        default="graphs,eager,async",
+        help="graphs (the default engine), eager (enforce_eager=True), async (graphs + async_scheduling)",
+    )
     args = ap.parse_args()
     print(describe(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
@@ -68,16 +75,18 @@ def main() -> None:
         max_model_len=args.context + args.steps + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep the steps alike
     )
+    variants = {"graphs": {}, "eager": {"enforce_eager": True}, "async": {"async_scheduling": True}}
     engines = {}
-    for name, eager in (("graphs", False), ("eager", True)):
+    for name in args.engines.split(","):
         t0 = time.perf_counter()
-        engines[name] = LLM(args.model, enforce_eager=eager, **common)
+        engines[name] = LLM(args.model, **variants[name], **common)
         graphs = engines[name].llm_engine.runner.graphs
         what = "no graphs"
         if graphs is not None:
             what = f"graphs captured: {graphs.summary()}" if graphs.graphs else "static buffers, not captured"
         print(f"{name}: built in {time.perf_counter() - t0:.1f} s; {what}", flush=True)
-    vocab = engines["eager"].llm_engine.model_config.vocab_size
+    first = next(iter(engines))
+    vocab = engines[first].llm_engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     for B in batches:
         prompts = torch.randint(100, vocab, (B, args.context), generator=g).tolist()
@@ -90,12 +99,16 @@ def main() -> None:
                 times[name] += ts[2:]  # the first steps after a prefill settle the allocator
                 taken[name] += n
                 outs[name] = toks
-        same = sum(a == b for a, b in zip(outs["graphs"], outs["eager"]))
         line = f"decode batch {B} ctx {args.context}:"
+        base = statistics.median(times[first])
         for name in engines:
-            line += f"  {name} {statistics.median(times[name]) * 1000:7.2f} ms/step ({taken[name]} graph steps)"
-        ratio = statistics.median(times["eager"]) / statistics.median(times["graphs"])
-        print(f"{line}  eager/graphs x{ratio:.2f}; greedy tokens equal in {same}/{B} sequences", flush=True)
+            ms = statistics.median(times[name])
+            line += f"  {name} {ms * 1000:7.2f} ms/step ({taken[name]} graph steps"
+            if name != first:
+                same = sum(a == b for a, b in zip(outs[name], outs[first]))
+                line += f", x{ms / base:.2f} of {first}, tokens equal in {same}/{B}"
+            line += ")"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

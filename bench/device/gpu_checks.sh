@@ -12,8 +12,9 @@
 #                   tests/engine/test_cuda_graphs.py compares a replay with the same forward run
 #                   eagerly, bit for bit
 #   graphs          bench/decode_graphs.py: decode ms/step through the engine at batch 1/32/256
-#                   (bfloat16, 256-token contexts), CUDA graphs against enforce_eager=True,
-#                   alternated; the capture's sizes, time and memory in the log
+#                   (bfloat16, 256-token contexts), CUDA graphs against enforce_eager=True and
+#                   against graphs with async scheduling, alternated; the capture's sizes, time and
+#                   memory in the log
 #   paged           bench/paged_attention.py: one layer's attention, Triton's kernels reading the
 #                   blocks in place against the gather path, decode and prefill after 1k/8k context
 #                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
@@ -64,7 +65,8 @@ for step in $STEPS; do
         bounded 200 equality.log python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
             tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
-            tests/engine/test_cuda_graphs.py
+            tests/engine/test_cuda_graphs.py \
+            tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
     paged)
@@ -78,7 +80,7 @@ for step in $STEPS; do
             bounded 60 paged.log env PREFIXKV_CUDA_ATTENTION=$path "${speed[@]}" --no-hf
         done ;;
     graphs)
-        bounded 150 graphs.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
+        bounded 200 graphs.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --context 256 --steps 24 --rounds 2 ;;
     large)
         big=/tmp/random-${SHAPE:-llama-1b}

@@ -110,3 +110,41 @@ def test_cuda_gpu_memory_utilization_sizes_the_kv_cache():
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
     assert len(out.outputs[0].token_ids) == 8
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_cuda_async_scheduling_equals_transformers_and_launches_without_waiting(
+    cuda_lm, prompts, expected, monkeypatch
+):
+    """Async scheduling on the GPU: greedy float32 tokens equal transformers' eagerly and with the
+    decode steps as CUDA graphs; and a decode step launched ahead over the graphs' buffers makes
+    the host wait for nothing (torch's sync debug mode reports every synchronizing call), so the
+    host books one step while the device computes the next."""
+    import warnings
+
+    engine = cuda_engine(cuda_lm, async_scheduling=True)
+    assert run(engine, prompts[1]) == expected[1]
+    assert engine.num_steps_ahead > 0
+
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "capture")
+    engine = cuda_engine(cuda_lm, async_scheduling=True, max_num_seqs=8)
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "no graphs were captured"
+    launch = engine.runner.launch
+    waits: list[str] = []
+
+    def watched(scheduler_output, previous=None):
+        if not any(sr.input_from_previous for sr in scheduler_output.scheduled):
+            return launch(scheduler_output, previous)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                pending = launch(scheduler_output, previous)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        waits.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+        return pending
+
+    monkeypatch.setattr(engine.runner, "launch", watched)
+    assert run(engine, prompts[0]) == expected[0]
+    assert engine.num_steps_ahead > 0 and engine.runner.graphs.replays > 0
+    assert not waits, waits[:3]
