@@ -189,20 +189,22 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
         dev = self.device
+        tables = _padded_tables([sr.block_table for sr in scheduled])
         meta = AttentionMetadata(
             slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=_padded_tables([sr.block_table for sr in scheduled], dev),
+            block_tables=to_device(tables, dev),
+            host_block_tables=tables if dev.type != "cpu" else None,
         )
         if self.layer_groups is not None:  # the later KV-cache groups' own blocks
             for g in range(len(scheduled[0].group_block_tables)):
-                tables = [sr.group_block_tables[g] for sr in scheduled]
+                group_tables = [sr.group_block_tables[g] for sr in scheduled]
                 group_slots: list[int] = []
-                for sr, table in zip(scheduled, tables):
+                for sr, table in zip(scheduled, group_tables):
                     _extend_slots(group_slots, table, sr.start, sr.start + len(sr.token_ids), bs)
                 group_slot_tensor = to_device(torch.tensor(group_slots, dtype=torch.long), dev)
-                meta.group_tables.append((group_slot_tensor, _padded_tables(tables, dev)))
+                meta.group_tables.append((group_slot_tensor, to_device(_padded_tables(group_tables), dev)))
             meta.layer_groups = self.layer_groups
         extra: dict[str, object] = {}
         if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
@@ -370,7 +372,7 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: 
         pos = block_end
 
 
-def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """[B, max_blocks] block ids, padded with 0 (padding is never read)."""
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[B, max_blocks] block ids on the host, padded with 0 (padding is never read)."""
     width = max(len(t) for t in tables)
-    return to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long), device)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)

@@ -157,18 +157,19 @@ def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     dev = x.device
     z = x - x.amax(dim=1, keepdim=True)  # the best token at 0: every weight exp(z) is at most 1
     if any(p.temperature != 1.0 for p in params):
-        z *= torch.tensor([1.0 / p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
+        z *= to_device(torch.tensor([1.0 / p.temperature for p in params], dtype=x.dtype), dev)[:, None]
     weights = torch.exp(z)
     # min-p keeps p >= min_p * p_max, i.e. z >= log(min_p): no softmax needed
-    floor = torch.tensor(
-        [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params], dtype=x.dtype, device=dev
+    floor = to_device(
+        torch.tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params], dtype=x.dtype), dev
     )[:, None]
     top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
     if any(top_k):
         rows = [i for i, k in enumerate(top_k) if k]
-        ranked = torch.topk(z if len(rows) == B else z[rows], max(top_k[i] for i in rows)).values
-        kth = ranked[torch.arange(len(rows), device=dev), torch.tensor([top_k[i] - 1 for i in rows], device=dev)]
-        floor[rows] = torch.maximum(floor[rows], kth[:, None])
+        some = slice(None) if len(rows) == B else to_device(torch.tensor(rows), dev)
+        ranked = torch.topk(z[some], max(top_k[i] for i in rows)).values
+        kth = ranked.gather(1, to_device(torch.tensor([[top_k[i] - 1] for i in rows]), dev))
+        floor[some] = torch.maximum(floor[some], kth)
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
         which = slice(None) if len(nucleus) == B else torch.tensor(nucleus, device=dev)

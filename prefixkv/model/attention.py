@@ -43,6 +43,7 @@ class AttentionMetadata:
     group_tables:    a hybrid model's KV-cache groups after the first, (slot_mapping,
                      block_tables) each, and `layer_groups` each layer's group (0: the fields
                      above); `for_layer` gives a layer its group's view.
+    host_block_tables: the same tables on the host, when `block_tables` is on a GPU (optional).
     static:          a decode step over fixed buffers (static_decode.py, what a CUDA graph
                      captures): every row one decode, attention reads the view's tensors only
                      (`seq_lens` then holds an upper bound for each row, `static_decode_meta`).
@@ -58,6 +59,9 @@ class AttentionMetadata:
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     layer_groups: list[int] | None = None
     static: StaticDecodeView | None = None
+    # `block_tables` on the host too, where they live on a GPU: the cascade is decided from them
+    # without waiting for the device
+    host_block_tables: torch.Tensor | None = None
     # built once per step for each (block size, device, window, dtype) the layers ask for: layers
     # with and without a window alternate in one forward (Gemma), each kind keeps its own plan
     _plans: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -115,6 +119,13 @@ class AttentionMetadata:
                 self.query_start_loc, self.seq_lens, self.block_tables, block_size, device, window
             )
         return p
+
+
+def _on(values: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on `device`; a GPU copies it from page-locked memory in stream order,
+    so building a step's plan never makes the host wait for the device (async scheduling)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class _Plan:
@@ -175,7 +186,8 @@ class _Plan:
             and all(qsl[i + 1] - qsl[i] == 1 for i in others)
             and ops.decode_attention_available(dtype)
         )
-        P = 0 if W is not None or in_place else self._common_prefix_tokens(others, qsl, seq_lens, bt, block_size)
+        host_bt = meta.host_block_tables if meta.host_block_tables is not None else bt
+        P = 0 if W is not None or in_place else self._common_prefix_tokens(others, qsl, seq_lens, host_bt, block_size)
         self.prefix_slots: torch.Tensor | None = None
         self.prefix_tokens = P
         if P:
@@ -219,21 +231,21 @@ class _Plan:
         self.decode_tables: torch.Tensor | None = None  # Triton's: block tables and lengths, int32
         if decode and bt32 is not None:
             self.decode_tables = bt32[decode]
-            self.decode_seq_lens = torch.tensor([seq_lens[i] for i in decode], dtype=torch.int32, device=device)
+            self.decode_seq_lens = _on([seq_lens[i] for i in decode], device, torch.int32)
             self.decode_all = len(decode) == meta.num_tokens
-            self.decode_rows = torch.tensor([qsl[i] for i in decode], device=device)
+            self.decode_rows = _on([qsl[i] for i in decode], device)
         elif decode:
             # each decode reads its keys from `starts` on: P, or where its window begins
             starts_list = [P] * len(decode) if W is None else [max(0, seq_lens[i] - W) for i in decode]
             lens_list = [seq_lens[i] - lo for i, lo in zip(decode, starts_list)]
-            lens = torch.tensor(lens_list, device=device)
+            lens = _on(lens_list, device)
             L = max(lens_list)
             if W is None:
                 pos = torch.arange(L, device=device) + P
                 rows = bt[decode][:, pos // block_size]  # [Bd, L]
             else:  # per-row starts; positions past a row's end are clamped (and masked below)
-                pos = torch.arange(L, device=device)[None, :] + torch.tensor(starts_list, device=device)[:, None]
-                pos = torch.minimum(pos, torch.tensor([seq_lens[i] - 1 for i in decode], device=device)[:, None])
+                pos = torch.arange(L, device=device)[None, :] + _on(starts_list, device)[:, None]
+                pos = torch.minimum(pos, _on([seq_lens[i] - 1 for i in decode], device)[:, None])
                 rows = bt[decode].gather(1, pos // block_size)
             self.decode_slots = rows * block_size + pos % block_size
             if min(lens_list) != L or P:
@@ -244,11 +256,11 @@ class _Plan:
                     self.decode_mask.view(len(decode), L), self.decode_slots, self.decode_slots[:, :1]
                 )
             self.decode_all = len(decode) == meta.num_tokens
-            self.decode_rows = torch.tensor([qsl[i] for i in decode], device=device)
+            self.decode_rows = _on([qsl[i] for i in decode], device)
             self.decode_lens = lens  # valid positions of each row of decode_slots
         if P:
             chunk_rows = [r for a, b in self.chunk_ranges for r in range(a, b)]
-            self.group_rows = torch.tensor([qsl[i] for i in decode] + chunk_rows, device=device)
+            self.group_rows = _on([qsl[i] for i in decode] + chunk_rows, device)
         # The native prefill kernel (CPU, no window): which prompts and chunks it takes, described
         # once for all layers. Long bfloat16 prompts stay with PyTorch's flash kernel, faster there
         # (bf16_kernel_max_new_tokens).
@@ -354,9 +366,9 @@ class _TritonChunks:
     def __init__(self, specs: list[tuple[int, int, int, int, int]], bt32: torch.Tensor, device: torch.device) -> None:
         starts, ends, lengths, _, seqs = zip(*specs)
         news = [b - a for a, b in zip(starts, ends)]
-        self.q_start = torch.tensor(starts, dtype=torch.int32, device=device)
-        self.q_len = torch.tensor(news, dtype=torch.int32, device=device)
-        self.seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.q_start = _on(starts, device, torch.int32)
+        self.q_len = _on(news, device, torch.int32)
+        self.seq_lens = _on(lengths, device, torch.int32)
         self.tables = bt32[list(seqs)]
         self.max_new = max(news)
         self.specs = specs
@@ -366,7 +378,7 @@ class _TritonChunks:
         """The chunks' rows of the step, in chunk order (the cascade's order); built by the first
         layer that merges them."""
         if self._out_rows is None:
-            self._out_rows = torch.tensor([r for a, b, *_ in self.specs for r in range(a, b)], device=device)
+            self._out_rows = _on([r for a, b, *_ in self.specs for r in range(a, b)], device)
         return self._out_rows
 
     def attend(
@@ -449,7 +461,7 @@ class _ChunkBatch:
             n * k for n, k in zip(news, keys)
         ):
             return None
-        start, end, length, first, seq = (torch.tensor(col, device=device) for col in zip(*specs))
+        start, end, length, first, seq = (_on(col, device) for col in zip(*specs))
         new = end - start
         m = torch.arange(M, device=device)[None, :]
         j = torch.arange(L, device=device)[None, :]
@@ -463,8 +475,8 @@ class _ChunkBatch:
         kpos = torch.minimum(kpos, (length - 1)[:, None])  # padding reads the last real key (masked)
         slots = bt[seq].gather(1, kpos // block_size) * block_size + kpos % block_size
         rows = torch.where(q_real, start[:, None] + m, start[:, None])
-        picked = torch.tensor([c * M + r for c, n in enumerate(news) for r in range(n)], device=device)
-        out_rows = torch.tensor([r for a, b, *_ in specs for r in range(a, b)], device=device)
+        picked = _on([c * M + r for c, n in enumerate(news) for r in range(n)], device)
+        out_rows = _on([r for a, b, *_ in specs for r in range(a, b)], device)
         return _ChunkBatch(rows, slots, mask[:, None], picked, out_rows)
 
     def _gathered(

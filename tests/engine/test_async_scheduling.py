@@ -115,6 +115,34 @@ def test_every_stop_and_sampling_equal_the_in_order_engine(tiny):
     _all_free(sync)
 
 
+def test_min_tokens_and_an_eos_drawn_ahead(tiny, tmp_path):
+    """EOS ids that greedy decoding reaches (a second one in generation_config.json): a request
+    under min_tokens must not draw them in a step scheduled ahead, one without stops on them a
+    step late; both equal the in-order engine."""
+    import json
+    import shutil
+
+    folder, _ = tiny
+    prompts = _prompts(7, 4)
+    probe = _outputs(LLM(str(folder), **BASE), prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    eos = probe[0][0][2]  # prompt 0's third greedy token
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, eos]}))
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=5),
+        SamplingParams(temperature=0, max_tokens=10),
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=3),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=10, min_tokens=4),
+    ]
+    want = _outputs(LLM(str(tmp_path), **BASE), [prompts[0], *prompts[:3]], params)
+    assert len(want[0][0]) >= 5 and eos not in want[0][0][:4]  # min_tokens kept it out
+    assert want[1][2] == "stop" and len(want[1][0]) == 2  # without min_tokens it stops there
+    ahead = LLM(str(tmp_path), **BASE, async_scheduling=True)
+    assert _outputs(ahead, [prompts[0], *prompts[:3]], params) == want
+    assert ahead.llm_engine.num_steps_ahead > 0
+    _all_free(ahead)
+
+
 def test_penalties_and_constraints_run_in_order(tiny):
     """A request whose sampling reads its own output keeps the batch in order while it runs; the
     outputs equal the in-order engine's."""
