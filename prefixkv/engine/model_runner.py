@@ -1,5 +1,6 @@
 """Turns a `SchedulerOutput` into tensors - token ids, positions, slot mapping, block tables - runs
-the model, samples the next tokens and scores prompt logprobs, and returns a `ModelRunnerOutput`.
+the model, samples the next tokens and scores prompt logprobs, and returns a `PendingOutput` whose
+`result()` is the step's `ModelRunnerOutput` (the tokens read from the device only then).
 Knows nothing of hashing; the per-block tensors it reads are the `BlockTensors` registry's.
 
 Sampling lives here (as in vLLM): the logits never leave the runner. A request whose sampling
@@ -101,18 +102,15 @@ class ModelRunner:
         layers = getattr(self.model, "layers", None)
         return list(layers) if isinstance(layers, nn.ModuleList) else []
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Compute every scheduled chunk; sample for the requests with `sample` set and score the
-        prompt positions of those with `want_hidden_states`. Raises only when the forward pass
-        itself fails (then no KV written in this step can be trusted)."""
-        return self.launch(scheduler_output).result()
-
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput, previous: PendingOutput | None = None) -> PendingOutput:
-        """`execute`, its sampled tokens left where they were drawn: on a GPU the host goes on while
-        the device computes (with `defer_reads`, nothing in a step without constraints or top-p
-        waits for it). Rows scheduled with `input_from_previous` read their input token from
-        `previous`'s draws on the device."""
+        """Compute every scheduled chunk; sample for the requests with `sample` set and score the
+        prompt positions of those with `want_hidden_states`. Raises only when the forward pass
+        itself fails (then no KV written in this step can be trusted). The sampled tokens stay
+        where they were drawn until `PendingOutput.result()` reads them: on a GPU the host goes on
+        while the device computes (with `defer_reads`, nothing in a greedy step waits for it).
+        Rows scheduled with `input_from_previous` read their input token from `previous`'s draws
+        on the device."""
         scheduled = scheduler_output.scheduled
         dev = self.device
         if scheduler_output.kv_loads:  # blocks from the tiers, before the forward reads them
