@@ -325,6 +325,7 @@ class LLMEngine:
             + s.num_dropped_kv_events
             + (self.kv_event_publisher.num_dropped_events if self.kv_event_publisher is not None else 0),
             num_blocks=self.num_blocks,
+            num_steps_ahead=self.num_steps_ahead,
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
             **feature_stats(self.parts),

@@ -44,6 +44,8 @@ class EngineStats:
     cpu_steps_adapted: int = 0
     cpu_steps_probed: int = 0
     cpu_steps_row_split: int = 0
+    # async_scheduling: steps scheduled and launched before the previous step's tokens were read
+    num_steps_ahead: int = 0
     # LoRA (enable_lora): names of the adapters of running / waiting requests, and max_loras (0: off)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()

@@ -234,6 +234,9 @@ class _EngineCollector:
             yield counter("prefixkv:cpu_steps_probed", probed_doc, stats.cpu_steps_probed)
             split_doc = "Long steps beside a neighbour whose products handed their rows to threads as they came free."
             yield counter("prefixkv:cpu_steps_row_split", split_doc, stats.cpu_steps_row_split)
+        if e.async_scheduling:
+            ahead_doc = "Steps scheduled and launched before the previous step's tokens were read (--async-scheduling)."
+            yield counter("prefixkv:steps_scheduled_ahead", ahead_doc, stats.num_steps_ahead)
         cfg = e.config
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
