@@ -270,8 +270,8 @@ class EngineArgs:
         "the next on the device and the host books a step while the device computes the next; a sequence "
         "that stops on a token has one more computed and dropped. Steps whose sampling reads a request's "
         "output (penalties, constraints, grammars), prompt logprobs or hidden states run in order, as do "
-        "the KV tiers, the stage-output cache, KV-cache groups and recurrent models. Outputs are the same "
-        "either way (default: off)",
+        "the KV tiers, the stage-output cache, KV-cache groups and recurrent models. Greedy and seeded "
+        "outputs are the same either way (default: off)",
     )
     max_seq_len_to_capture: int = _opt(
         8192, "longest context a captured decode step reads; longer ones run eagerly (default: 8192)", type=int

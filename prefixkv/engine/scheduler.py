@@ -164,13 +164,83 @@ class Scheduler:
                 i += 1
 
         # Then waiting ones, in arrival order, unless this step had to preempt.
+        if not out.preempted_req_ids:
+            budget = self._admit_waiting(out, budget, now)
+        out.num_scheduled_tokens = self.max_num_batched_tokens - budget
+        connector.plan(out, self.requests, kv)
+        return out
+
+    def schedule_ahead(self, in_flight: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+        """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
+        scheduling): every request it samples for computes, next, the token being sampled now,
+        read by the runner from that step's draws. None when the next step needs what only the
+        tokens or the ordinary `schedule()` can give: a request whose sampling reads its own
+        output (penalties, constraints), hidden states or prompt logprobs, a running request the
+        step left out or still prefilling, blocks that would need a preemption, tier transfers.
+        Waiting requests are admitted behind the decodes as `schedule()` admits them (their prompts
+        are known).
+
+        A request that the count of its tokens ends after `in_flight` (max_tokens, the model's
+        length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,
+        and the token computed for it then is dropped (update_from_output skips ended requests)."""
+        if in_flight.kv_loads or in_flight.kv_saves:
+            return None
+        stepping = {sr.req_id for sr in in_flight.scheduled}
+        if any(r.request_id not in stepping for r in self.running):
+            return None
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        going_on: list[Request] = []
+        num_new_blocks = 0
+        for sr in in_flight.scheduled:
+            req = self.requests.get(sr.req_id)
+            if req is None:  # ended since it was launched
+                continue
+            if not sr.sample or not _samples_ahead(sr):
+                return None
+            params = req.sampling_params
+            n_out = req.num_output_tokens + 1  # with the token being sampled
+            if (params.max_tokens is not None and n_out >= params.max_tokens) or req.num_tokens + 1 >= max_model_len:
+                continue  # its last token is the one being sampled
+            going_on.append(req)
+            num_new_blocks += max(0, -(-(req.num_tokens + 1) // bs) - len(kv.get_block_ids(req.request_id)))
+        if not going_on or len(going_on) > self.max_num_batched_tokens:
+            return None
+        if num_new_blocks > kv.num_free_blocks:
+            return None
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        for req in going_on:
+            # room for the token being sampled: its position is the request's current length
+            num_in_flight = req.num_tokens - req.num_computed_tokens
+            allocated = kv.allocate_slots(req, num_in_flight + 1)
+            assert allocated is not None, "blocks were counted above"
+            sr = self._scheduled(req, 0)
+            sr.token_ids = [0]  # a stand-in: the runner reads the token from the step in flight
+            sr.start = req.num_tokens
+            sr.block_table = kv.get_block_ids(req.request_id)
+            sr.sample = True
+            sr.input_from_previous = True
+            sr.block_eos = req.num_output_tokens + 1 < req.sampling_params.min_tokens
+            out.scheduled.append(sr)
+        budget = self._admit_waiting(out, self.max_num_batched_tokens - len(going_on), time.time())
+        out.num_scheduled_tokens = self.max_num_batched_tokens - budget
+        self.kv_connector.plan(out, self.requests, kv)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """Admit waiting requests into `out` in arrival order (priority order with that policy), each
+        looked up in the prefix cache, until the token budget, the sequence limit or the blocks run
+        out (nothing is preempted for them); returns the budget left."""
+        kv = self.kv_cache_manager
+        connector = self.kv_connector
         loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras else None
         skipped: list[Request] = []  # waiting for an adapter slot: back at the front afterwards
         # An older request waits for an adapter slot: newer requests of the resident adapters are
         # not admitted either, or a steady stream of them would hold the slots forever (a request
         # for another adapter waited > 45 s behind 38 newer ones of the resident adapter).
         lora_blocked = False
-        while self.waiting and budget > 0 and not out.preempted_req_ids and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not connector.load_ready(req.request_id):
                 skipped.append(self.waiting.popleft())  # its tier load is in flight: the others go on
@@ -220,66 +290,7 @@ class Scheduler:
             if loras is not None and req.lora_id:
                 loras.add(req.lora_id)
         self.waiting.extendleft(reversed(skipped))
-        out.num_scheduled_tokens = self.max_num_batched_tokens - budget
-        connector.plan(out, self.requests, kv)
-        return out
-
-    def schedule_ahead(self, in_flight: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
-        """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
-        scheduling): every request it samples for computes, next, the token being sampled now,
-        read by the runner from that step's draws. None when the next step needs what only the
-        tokens or the ordinary `schedule()` can give: a request whose sampling reads its own
-        output (penalties, constraints), hidden states or prompt logprobs, a running request the
-        step left out, a waiting request that could be admitted, blocks that would need a
-        preemption, tier transfers.
-
-        A request that the count of its tokens ends after `in_flight` (max_tokens, the model's
-        length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,
-        and the token computed for it then is dropped (update_from_output skips ended requests)."""
-        if in_flight.kv_loads or in_flight.kv_saves:
-            return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return None
-        stepping = {sr.req_id for sr in in_flight.scheduled}
-        if any(r.request_id not in stepping for r in self.running):
-            return None
-        kv = self.kv_cache_manager
-        bs = self.block_size
-        going_on: list[Request] = []
-        num_new_blocks = 0
-        for sr in in_flight.scheduled:
-            req = self.requests.get(sr.req_id)
-            if req is None:  # ended since it was launched
-                continue
-            if not sr.sample or not _samples_ahead(sr):
-                return None
-            params = req.sampling_params
-            n_out = req.num_output_tokens + 1  # with the token being sampled
-            if (params.max_tokens is not None and n_out >= params.max_tokens) or req.num_tokens + 1 >= max_model_len:
-                continue  # its last token is the one being sampled
-            going_on.append(req)
-            num_new_blocks += max(0, -(-(req.num_tokens + 1) // bs) - len(kv.get_block_ids(req.request_id)))
-        if not going_on or len(going_on) > self.max_num_batched_tokens:
-            return None
-        if num_new_blocks > kv.num_free_blocks:
-            return None
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
-        self._finished_ids = []
-        for req in going_on:
-            # room for the token being sampled: its position is the request's current length
-            num_in_flight = req.num_tokens - req.num_computed_tokens
-            allocated = kv.allocate_slots(req, num_in_flight + 1)
-            assert allocated is not None, "blocks were counted above"
-            sr = self._scheduled(req, 0)
-            sr.token_ids = [0]  # a stand-in: the runner reads the token from the step in flight
-            sr.start = req.num_tokens
-            sr.block_table = kv.get_block_ids(req.request_id)
-            sr.sample = True
-            sr.input_from_previous = True
-            sr.block_eos = req.num_output_tokens + 1 < req.sampling_params.min_tokens
-            out.scheduled.append(sr)
-        out.num_scheduled_tokens = len(going_on)
-        return out
+        return budget
 
     # -- KV tiers (prefixkv/tiers), through the connector -------------------------------------
     @property

@@ -162,7 +162,8 @@ def test_penalties_and_constraints_run_in_order(tiny):
 
 def test_aborts_and_arrivals_between_steps(tiny):
     """Requests aborted while a step is in flight drop out (their blocks free), requests added
-    between steps are admitted (a step in order), and the rest equal the in-order engine's."""
+    between steps are admitted behind the decodes of a step scheduled ahead, and the rest equal
+    the in-order engine's."""
     folder, _ = tiny
     prompts = _prompts(4, 6)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -190,7 +191,8 @@ def test_aborts_and_arrivals_between_steps(tiny):
     want = run(sync)
     assert run(ahead) == want
     assert set(want) == {"r2", "r3", "r4"}
-    assert ahead.num_steps_ahead > 0
+    # only the first step ran in order (and one whose requests all end): arrivals join steps ahead
+    assert ahead.num_steps - ahead.num_steps_ahead <= 2, (ahead.num_steps, ahead.num_steps_ahead)
     assert ahead._in_flight is None
     assert ahead.kv_cache_manager.num_free_blocks == ahead.num_blocks
 
