@@ -1,6 +1,7 @@
 """Greedy float32 tokens through prefixkv equal transformers + peft's, for each adapter alone and
-for all of them in one mixed batch with the base model; caching on and off, chunked prefill, and
-more adapters in flight than max_loras (requests wait, all finish). Every KV block free after."""
+for all of them in one mixed batch with the base model; caching on and off, chunked prefill,
+more adapters in flight than max_loras (requests wait, all finish), async scheduling. Every KV
+block free after."""
 
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def test_each_adapter_alone(lora_fixture):
         dict(enable_prefix_caching=True, max_loras=3, max_num_batched_tokens=7),  # chunked prefill
         dict(enable_prefix_caching=True, max_loras=2),  # more adapters in flight than slots: they wait
         dict(enable_prefix_caching=True, max_loras=1, max_num_batched_tokens=11),
+        # decode steps scheduled before the previous one's tokens are read (engine/scheduler.py)
+        dict(enable_prefix_caching=True, max_loras=3, async_scheduling=True),
+        dict(enable_prefix_caching=True, max_loras=1, max_num_batched_tokens=11, async_scheduling=True),
     ],
 )
 def test_mixed_batch(lora_fixture, settings):
@@ -77,6 +81,8 @@ def test_mixed_batch(lora_fixture, settings):
     _all_free(llm)
     if settings["max_loras"] < len(fx.adapters):
         assert llm.llm_engine.lora_manager.num_loads > len(fx.adapters)  # slots were reused
+    if settings.get("async_scheduling"):
+        assert llm.llm_engine.num_steps_ahead > 0
 
 
 def test_preemption_with_adapters(lora_fixture):
