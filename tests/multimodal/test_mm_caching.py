@@ -123,6 +123,13 @@ def test_caching_on_equals_off_for_many_requests(llava, reference):
     assert [o.outputs[0].token_ids for o in outs] == [reference(p) for p in prompts]
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert _free(small)
+    # decode steps scheduled before the previous step's tokens are read; prompts with images
+    # admitted behind them
+    ahead = _llm(llava[0], max_num_batched_tokens=40, async_scheduling=True)
+    outs = ahead.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference(p) for p in prompts]
+    assert ahead.llm_engine.num_steps_ahead > 0
+    assert _free(ahead)
 
 
 def test_encoder_cache_lru_and_budget():
