@@ -23,7 +23,7 @@ from ..stage_outputs.specs import per_token_outputs
 from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .pending_output import PendingOutput
-from .sampler import SampledTensors, SampleResult, sample_tensors, score_tokens, to_device
+from .sampler import SampledTensors, SampleResult, sample, score_tokens, to_device
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -279,7 +279,7 @@ class ModelRunner:
         eos = self.eos_token_ids
         eos_block = [eos if sr.block_eos else None for sr in reqs]
         constraints = [sr.constraints for sr in reqs]
-        return sample_tensors(
+        return sample(
             logits,
             [sr.sampling_params for sr in reqs],
             gens,  # type: ignore[arg-type]

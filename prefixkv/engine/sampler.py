@@ -234,23 +234,11 @@ def sample(
     output_ids: list[list[int]],
     eos_ids: list[set[int] | None] | None = None,
     constraints: list[RequestConstraints | None] | None = None,
-) -> SampleResult:
-    """Sample one token per row of `logits` [N, vocab] (float32)."""
-    return sample_tensors(logits, params, generators, prompt_ids, output_ids, eos_ids, constraints).result()
-
-
-def sample_tensors(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    prompt_ids: list[list[int]],
-    output_ids: list[list[int]],
-    eos_ids: list[set[int] | None] | None = None,
-    constraints: list[RequestConstraints | None] | None = None,
 ) -> SampledTensors:
-    """`sample`, its results left on the logits' device. Rows without constraints or top-p
-    never make the host wait for the device (constraints edit rows on the host; top-p's
-    candidates are a data-dependent set)."""
+    """Sample one token per row of `logits` [N, vocab] (float32), the results left on the logits'
+    device until `.result()` reads them. Rows without constraints or top-p never make the host
+    wait for the device (constraints edit rows on the host; top-p's candidates are a
+    data-dependent set)."""
     logits = logits.float()
     n = len(params)
     want_logprobs = any(p.logprobs is not None for p in params)

@@ -102,7 +102,7 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
 
     def draw(rows: list[int], params: list[SamplingParams]) -> int:
         gens = [torch.Generator().manual_seed(11) if p is mine else torch.Generator().manual_seed(99) for p in params]
-        out = sample(logits[rows], params, gens, [[1]] * len(rows), [[2]] * len(rows))
+        out = sample(logits[rows], params, gens, [[1]] * len(rows), [[2]] * len(rows)).result()
         return out.token_ids[params.index(mine)]
 
     alone = draw([0], [mine])
@@ -117,7 +117,7 @@ def test_penalties_do_not_edit_the_callers_logits():
     before = logits.clone()
     params = [SamplingParams(temperature=1.0, repetition_penalty=1.5), SamplingParams(temperature=0.0)]
     gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
-    sample(logits, params, gens, [[1, 2, 3]] * 2, [[4, 5]] * 2)
+    sample(logits, params, gens, [[1, 2, 3]] * 2, [[4, 5]] * 2).result()
     assert torch.equal(logits, before)
 
 
@@ -130,7 +130,8 @@ def test_draws_follow_the_distribution_through_the_generators():
     draws = 4000
     params = [p] * draws
     gens = [torch.Generator().manual_seed(i) for i in range(draws)]
-    tokens = sample(logits.expand(draws, -1).contiguous(), params, gens, [[1]] * draws, [[2]] * draws).token_ids
+    batch = logits.expand(draws, -1).contiguous()
+    tokens = sample(batch, params, gens, [[1]] * draws, [[2]] * draws).result().token_ids
     freq = torch.bincount(torch.tensor(tokens), minlength=1500).double() / draws
     assert freq[want == 0].sum() == 0
     stderr = (want * (1 - want) / draws).sqrt()
@@ -165,7 +166,7 @@ def test_penalties_of_a_batch_equal_each_rows_own():
     outputs = [row[3:] + row[3:4] for row in top]
     outputs[4] = []  # nothing generated yet: presence changes nothing
     gens = [torch.Generator().manual_seed(i) for i in range(5)]
-    got = sample(logits, params, gens, prompts, outputs).token_ids
+    got = sample(logits, params, gens, prompts, outputs).result().token_ids
     want = [int(reference_penalties(logits[i], p, prompts[i], outputs[i]).argmax()) for i, p in enumerate(params)]
     assert got == want
     assert got[1] == int(logits[1].argmax()) and got[4] == int(logits[4].argmax())
@@ -178,7 +179,7 @@ def test_frequency_counts_each_occurrence():
     logits = torch.zeros(1, 50)
     logits[0, 10], logits[0, 20] = 3.0, 2.0
     params = [SamplingParams(temperature=0.0, frequency_penalty=-1.0)]
-    out = sample(logits, params, [torch.Generator()], [[1]], [[10, 20, 20, 20]]).token_ids
+    out = sample(logits, params, [torch.Generator()], [[1]], [[10, 20, 20, 20]]).result().token_ids
     assert out == [20]
     assert torch.equal(logits[0, [10, 20]], torch.tensor([3.0, 2.0]))  # the caller's logits untouched
 
@@ -194,7 +195,7 @@ def test_logprobs_of_a_batch_are_each_rows_own():
         SamplingParams(temperature=0.0, logprobs=3),
     ]
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    out = sample(logits, params, gens, [[1]] * 4, [[2]] * 4)
+    out = sample(logits, params, gens, [[1]] * 4, [[2]] * 4).result()
     raw = torch.log_softmax(logits, dim=-1)
     assert out.logprobs is not None and out.ranks is not None and out.top_logprobs is not None
     for row, p in enumerate(params):
