@@ -87,7 +87,7 @@ def test_greedy_equals_transformers_and_steps_run_ahead(tiny):
 
 def test_every_stop_and_sampling_equal_the_in_order_engine(tiny):
     """Stops on a token (stop_token_ids, a stop string, EOS), by count (max_tokens 1 / 2 / 7, the
-    model's length), min_tokens, logprobs, seeded sampling with top-p / top-k: the same tokens,
+    model's length), min_tokens, logprobs, seeded sampling with top-p / top-k / min-p and n=3: the same tokens,
     text, finish and stop reasons as steps run in order."""
     folder, _ = tiny
     prompts = _prompts(2, 8)
@@ -104,7 +104,7 @@ def test_every_stop_and_sampling_equal_the_in_order_engine(tiny):
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=9, logprobs=1),
         SamplingParams(temperature=1.2, top_k=5, seed=11, max_tokens=7, min_tokens=5, stop_token_ids=[third[5]]),
         SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),  # ends at max_model_len
-        SamplingParams(temperature=0.7, min_p=0.05, seed=3, max_tokens=10),
+        SamplingParams(temperature=0.7, min_p=0.05, seed=3, max_tokens=10, n=3),  # three sequences, one prompt
     ]
     want = _outputs(sync, prompts, params)
     steps_before = ahead.llm_engine.num_steps_ahead
