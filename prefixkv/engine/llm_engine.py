@@ -66,7 +66,9 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_steps = 0
         self.num_steps_ahead = 0  # steps scheduled before the previous one's tokens were read
-        self.last_step_num_tokens = 0  # tokens computed by the last step (vllm:iteration_tokens_total)
+        # tokens computed by the last step booked (vllm:iteration_tokens_total): with async
+        # scheduling, the step whose outputs the last step() returned, not the one in flight
+        self.last_step_num_tokens = 0
         self._stats = EngineStats()
         manifest = pin_manifest(config, parts.loaded.source or str(config.model))  # pins kept over restarts
         inputs, kv = self.input_processor, self.kv_cache_manager
@@ -225,6 +227,7 @@ class LLMEngine:
                     self.num_steps_ahead += 1
                     self._in_flight = (ahead, self._launch(ahead, launched))
             outputs = self._book(scheduler_output, launched)
+            self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
         if self.lora_manager is not None and self.lora_manager.retired and any(o.finished for o in outputs):
             self._evict_retired_loras()  # held blocks of retired adapters may be free now
         if not self.has_unfinished_requests():
@@ -238,7 +241,6 @@ class LLMEngine:
     def _launch(self, scheduler_output: SchedulerOutput, previous: PendingOutput | None) -> PendingOutput | Exception:
         """Start a step on the runner; a failure of its forward is returned, to fail its batch when booked."""
         self.num_steps += 1
-        self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
         if self.cpu_threads is not None:
             self.cpu_threads.before_step(scheduler_output.num_scheduled_tokens)
         try:
