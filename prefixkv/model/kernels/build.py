@@ -177,7 +177,8 @@ def build(
             [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            said = done.stderr.strip()[-500:]
+            raise RuntimeError(f"{compiler} failed with exit status {done.returncode}" + (f": {said}" if said else ""))
         os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
     finally:
         if os.path.exists(tmp):
