@@ -126,6 +126,16 @@ printf '%s\n' '#!/bin/sh' '# a stand-in for a compiler that cannot build the ker
     'echo "failing-c++: error: a stand-in'"'"'s failure" >&2' 'exit 1' >"$ROOT/opt/failing-c++"
 chmod +x "$ROOT/opt/failing-c++"
 run_check failing-compiler CXX=/opt/failing-c++
+# Under qemu-user /proc/cpuinfo is the host's, so g++ -march=native finds no Arm CPU and builds for
+# plain armv8-a (NEON). What -march=native picks on an AWS Graviton 3 (Neoverse V1: SVE, bfloat16),
+# built through a wrapper (its --version differs, so the build cache keys it apart) and run on
+# qemu's "max" CPU, which has SVE: every native kernel forced.
+printf '%s\n' '#!/bin/bash' '# g++ for an Arm Neoverse V1 (AWS Graviton 3) in place of -march=native' \
+    'if [ "$1" = --version ]; then g++ --version | sed "1s/\$/ [-mcpu=neoverse-v1]/"; exit; fi' \
+    'args=(); for a in "$@"; do [ "$a" = -march=native ] || args+=("$a"); done' \
+    'exec g++ "${args[@]}" -mcpu=neoverse-v1' >"$ROOT/opt/g++-neoverse-v1"
+chmod +x "$ROOT/opt/g++-neoverse-v1"
+run_check neoverse-v1 CXX=/opt/g++-neoverse-v1 PREFIXKV_KERNEL_CHOICE=native
 
 say "prefixkv generate (the CLI), greedy, on the same checkpoint; each token prints as a word (w0 ... w299)"
 start=$SECONDS
