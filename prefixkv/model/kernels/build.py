@@ -116,10 +116,13 @@ def cache_dir() -> Path:
     return Path(base) / "prefixkv" / "kernels"
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
 def _cpuinfo_line(prefix: str) -> str:
     """The first line of /proc/cpuinfo starting with `prefix` (empty where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in CPUINFO.read_text().splitlines():
             if line.startswith(prefix):
                 return line
     except OSError:
@@ -128,9 +131,9 @@ def _cpuinfo_line(prefix: str) -> str:
 
 
 def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo (empty where there is none), less what an emulated CPU
-    lacks (emulated())."""
-    line = _cpuinfo_line("flags")
+    """The flags line of /proc/cpuinfo (an ARM CPU's "Features" line; empty where there is none),
+    less what an emulated CPU lacks (emulated())."""
+    line = _cpuinfo_line("flags") or _cpuinfo_line("Features")
     emulation = emulated()
     if emulation is None or not line:
         return line
@@ -142,6 +145,10 @@ def cpu_flags() -> str:
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (empty where there is none), naming an emulation."""
     name = _cpuinfo_line("model name").partition(":")[2].strip()
+    if not name:  # an ARM CPU's names it by implementer and part numbers (0x41 0xd40: Arm Neoverse V1)
+        implementer = _cpuinfo_line("CPU implementer").partition(":")[2].strip()
+        part = _cpuinfo_line("CPU part").partition(":")[2].strip()
+        name = f"CPU implementer {implementer}, part {part}" if implementer or part else ""
     emulation = emulated()
     return name if emulation is None else f"{name} (emulating {emulation} only: {EMULATE_ENV})"
 
