@@ -20,7 +20,8 @@ The operator calls a torch operator, so unlike cpu_kernels' plain-C kernels it i
 torch's headers (~7 s once per machine on the 2-vCPU Zen 4) into the same cache folder
 (build.build). Where anything is missing - no compiler or headers, no oneDNN, a failed build
 or check, kernels switched off (PREFIXKV_CPU_KERNELS=0, `ops.disabled()`) - products stay
-whole, with one log line saying why.
+whole, with one log line saying why (none of its own where the kernels' line gave the same cause:
+no compiler, or one that fails, says so once).
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def _checked_op() -> Any:
     try:
         op = _load()
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.info("row-split products not used (%s)", e)
+        # the same cause as the kernels' own (no compiler, say): their line said it, one line is enough
+        said = str(e) == ops.load_failure()
+        logger.log(logging.DEBUG if said else logging.INFO, "row-split products not used (%s)", e)
         return None
     if not _agrees(op):
         logger.warning("row-split products disagreed with whole ones; not used")

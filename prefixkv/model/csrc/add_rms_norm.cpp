@@ -7,6 +7,8 @@
 // Rows are handed out 8 at a time (dynamic): a thread the OS preempts for a neighbour process
 // holds up only its last few rows, not a static half of them.
 // Built and loaded like decode_attention.cpp (prefixkv/model/cpu_kernels.py).
+#include "target.h"  // first: what the file compiles for
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -16,6 +16,8 @@
 //         with attention over another part of the context (the cascade's shared prefix)
 // Scores, softmax and the weighted sum are computed in float32 for both float32 and bfloat16 (on
 // AVX512-BF16 the softmax weights are rounded to bfloat16 for the weighted sum, see ValueRows).
+#include "target.h"  // first: what the file compiles for
+
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>

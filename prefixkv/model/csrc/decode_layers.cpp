@@ -23,6 +23,8 @@
 //   cos, sin [B, D] rotary tables of each sequence's position; slot_mapping [B] int64, where each
 //           new token's K and V go; slots [B, L] int64, lens [B] int64: each context's slots
 // Returns 0, or non-zero for what it does not take (the caller then runs the layers one by one).
+#include "target.h"  // first: what the file compiles for
+
 #include <stdint.h>
 #include <string.h>
 

@@ -30,6 +30,8 @@
 //   slots int64            the slots of each sequence's kv keys, one run per sequence
 //   out   [T, Hkv, G, D]   only the sequences' rows are written
 //   lse   [T, Hkv, G] float32, or null: log-sum-exp of each row's scaled scores (for merging)
+#include "target.h"  // first: what the file compiles for
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

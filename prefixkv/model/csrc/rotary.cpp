@@ -14,6 +14,8 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+#include "target.h"  // first: what the file compiles for
+
 #include <stdint.h>
 #include <string.h>
 

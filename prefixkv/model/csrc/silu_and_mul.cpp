@@ -5,6 +5,8 @@
 // bfloat16, a widening and a rounding per element: ~9% of a bfloat16 prefill of the default model.
 // Rounding as PyTorch: in bfloat16 silu(gate) is rounded to bfloat16 before the product, which is
 // rounded again. Built and loaded like decode_attention.cpp (prefixkv/model/cpu_kernels.py).
+#include "target.h"  // first: what the file compiles for
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -21,6 +21,8 @@
 // Accumulation is in float32; a bfloat16 result is rounded once, to nearest even, as oneDNN and
 // PyTorch round a bfloat16 linear's float32 accumulator (the products' order differs: results agree
 // with them up to rounding, not bit for bit).
+#include "target.h"  // first: what the file compiles for
+
 #include <stdint.h>
 #include <string.h>
 

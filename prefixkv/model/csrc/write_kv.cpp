@@ -6,6 +6,8 @@
 // ~10 ms of a float32 478-token prefill of the default model); these copies take a few tens of
 // microseconds. Element size only: the copy moves bytes, any dtype. Built and loaded like
 // decode_attention.cpp (prefixkv/model/cpu_kernels.py).
+#include "target.h"  // first: what the file compiles for
+
 #include <stdint.h>
 #include <string.h>
 

@@ -33,7 +33,7 @@ SOURCES = [
     )
 ]
 # part of the cache key, not compiled alone
-HEADERS = [_CSRC / name for name in ("bf16.h", "exp.h", "kernels.h", "vec16.h")]
+HEADERS = [_CSRC / name for name in ("bf16.h", "exp.h", "kernels.h", "target.h", "vec16.h")]
 BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # What the kernels are compiled for: "native" (every instruction this CPU has), or an x86-64 level
 # ("x86-64-v3": AVX2 + FMA, the CPU of most cloud VMs; "x86-64-v4": AVX-512), so that a machine with
@@ -116,10 +116,13 @@ def cache_dir() -> Path:
     return Path(base) / "prefixkv" / "kernels"
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
 def _cpuinfo_line(prefix: str) -> str:
     """The first line of /proc/cpuinfo starting with `prefix` (empty where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in CPUINFO.read_text().splitlines():
             if line.startswith(prefix):
                 return line
     except OSError:
@@ -128,9 +131,9 @@ def _cpuinfo_line(prefix: str) -> str:
 
 
 def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo (empty where there is none), less what an emulated CPU
-    lacks (emulated())."""
-    line = _cpuinfo_line("flags")
+    """The flags line of /proc/cpuinfo (an ARM CPU's "Features" line; empty where there is none),
+    less what an emulated CPU lacks (emulated())."""
+    line = _cpuinfo_line("flags") or _cpuinfo_line("Features")
     emulation = emulated()
     if emulation is None or not line:
         return line
@@ -142,6 +145,10 @@ def cpu_flags() -> str:
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (empty where there is none), naming an emulation."""
     name = _cpuinfo_line("model name").partition(":")[2].strip()
+    if not name:  # an ARM CPU's names it by implementer and part numbers (0x41 0xd40: Arm Neoverse V1)
+        implementer = _cpuinfo_line("CPU implementer").partition(":")[2].strip()
+        part = _cpuinfo_line("CPU part").partition(":")[2].strip()
+        name = f"CPU implementer {implementer}, part {part}" if implementer or part else ""
     emulation = emulated()
     return name if emulation is None else f"{name} (emulating {emulation} only: {EMULATE_ENV})"
 
@@ -177,7 +184,8 @@ def build(
             [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            said = done.stderr.strip()[-500:]
+            raise RuntimeError(f"{compiler} failed with exit status {done.returncode}" + (f": {said}" if said else ""))
         os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
     finally:
         if os.path.exists(tmp):

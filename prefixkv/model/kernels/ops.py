@@ -55,6 +55,7 @@ _lock = threading.Lock()
 _loaded = False
 _kernels: CpuKernels | None = None  # set once, by the first _kernels_or_none()
 _library_name: str | None = None  # named even where the kernels failed their check
+_load_failure: str | None = None  # why the library could not be built or loaded, where it could not
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,19 @@ def enabled() -> bool:
     return _enabled
 
 
+def load_failure() -> str | None:
+    """Why the kernels' library could not be built or loaded (the reason their log line gave), or
+    None: loaded, or not tried yet (this does not try)."""
+    return _load_failure
+
+
 def _kernels_or_none() -> CpuKernels | None:
-    global _loaded, _kernels, _library_name
+    global _loaded, _kernels, _library_name, _load_failure
     if _loaded:
         return _kernels
     with _lock:
         if not _loaded:
+            _load_failure = None
             try:
                 lib, _library_name = load()
                 if self_check.kernels_agree(
@@ -160,6 +168,7 @@ def _kernels_or_none() -> CpuKernels | None:
                 else:
                     logger.warning("CPU kernels disagreed with the PyTorch path; not used")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _load_failure = str(e)
                 logger.info("CPU kernels not used (%s); the PyTorch path runs", e)
             _loaded = True
     return _kernels

@@ -7,6 +7,7 @@ test_ops.py's."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -44,3 +45,23 @@ def test_the_row_split_products_compile_for_aarch64(tmp_path):
         [CROSS, *flags, str(row_split.SOURCE)], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_every_kernel_source_includes_target_h_first():
+    for source in build.SOURCES:
+        includes = [line for line in source.read_text().splitlines() if line.startswith("#include")]
+        assert includes[0].startswith('#include "target.h"'), source.name
+
+
+def test_an_sve_cpus_build_keeps_neon_vectors(tmp_path):
+    """-march=native on an SVE CPU (here a Neoverse V1's, AWS Graviton 3) turns SVE on with no fixed
+    vector length, where GCC 12 lowers the 16-float vectors to scalar code (csrc/target.h): built
+    with SVE off, they are NEON's. SiLU x up at -O3 (half a second): NEON multiply-adds, no SVE."""
+    source = build.SOURCES[[s.name for s in build.SOURCES].index("silu_and_mul.cpp")]
+    flags = [f for f in build.BASE_FLAGS if f != "-shared"] + ["-mcpu=neoverse-v1", "-S", "-o", "out.s"]
+    done = subprocess.run([CROSS, *flags, str(source)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    asm = (tmp_path / "out.s").read_text()
+    neon_fmla = re.findall(r"\bfmla\s+v\d+\.4s", asm)
+    sve = re.findall(r"\bz\d+\.[bhsd]\b", asm)
+    assert neon_fmla and not sve, (len(neon_fmla), len(sve))

@@ -124,6 +124,32 @@ def test_a_failing_build_falls_back_with_a_log_line(tmp_path, monkeypatch, caplo
     assert ops.decode_attention(q, kv, kv, slots, torch.tensor([3, 1]), 0.1) is None
 
 
+@pytest.mark.parametrize("cause", ["no compiler", "a failing compiler"])
+def test_one_cause_one_log_line_for_the_kernels_and_the_row_split_products(tmp_path, monkeypatch, caplog, cause):
+    """What a start logs where the compiler cannot build (as on an emulated aarch64 Debian without
+    g++, bench/emulated_aarch64.sh): the kernels' line, and no second one from the row-split
+    operator (model/row_split.py) saying the same."""
+    from prefixkv.model import row_split
+    from prefixkv.model.warmup import prepare_cpu_kernels
+
+    monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
+    if cause == "no compiler":
+        monkeypatch.delenv("CXX", raising=False)
+        monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    else:
+        monkeypatch.setenv("CXX", shutil.which("false") or "false")
+    for module, loaded in ((ops, "_kernels"), (row_split, "_op")):
+        monkeypatch.setattr(module, "_loaded", False)
+        monkeypatch.setattr(module, loaded, None)
+    monkeypatch.setattr(ops, "_load_failure", None)
+    with caplog.at_level(logging.INFO, logger="prefixkv"):
+        assert prepare_cpu_kernels() == {"kernels": False, "row_split": False}
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "not used" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("CPU kernels not used (") and "PyTorch path runs" in said[0], said
+    if cause == "no compiler":
+        assert "no C++ compiler" in said[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576: the parallel branch
 def test_add_rms_norm_equals_add_then_transformers_norm(dtype, rows):
