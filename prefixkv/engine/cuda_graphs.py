@@ -28,6 +28,7 @@ import torch
 
 from ..model import LlamaModel
 from ..model.attention import static_decode_meta
+from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs
 from .scheduler_output import ScheduledRequest
 
@@ -148,16 +149,17 @@ class DecodeGraphs:
         lens = [p + 1 for p in positions[:b]] + [0] * pad
         width = (max(positions[:b]) + bs) // bs
         buf = self.inputs
-        buf.tokens[:, :size].copy_(_pinned(torch.tensor([ids, positions, slots], dtype=torch.long)), non_blocking=True)
-        buf.seq_lens[:size].copy_(_pinned(torch.tensor(lens, dtype=torch.int32)), non_blocking=True)
+        dev = buf.tokens.device
+        buf.tokens[:, :size].copy_(pinned_for(torch.tensor([ids, positions, slots]), dev), non_blocking=True)
+        buf.seq_lens[:size].copy_(pinned_for(torch.tensor(lens, dtype=torch.int32), dev), non_blocking=True)
         if carried is not None:
             carried_rows, tokens = carried
-            index = _pinned(torch.tensor(carried_rows, dtype=torch.long)).to(tokens.device, non_blocking=True)
+            index = tensor_on(carried_rows, tokens.device, torch.long)
             buf.tokens[0].index_copy_(0, index, tokens)
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
         rows = [sr.block_table[: (sr.start + bs) // bs] for sr in scheduled]
         tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-        buf.block_tables[:b, :width].copy_(_pinned(tables), non_blocking=True)
+        buf.block_tables[:b, :width].copy_(pinned_for(tables, dev), non_blocking=True)
         self.replays += 1
         graph = self.graphs.get(size)
         if graph is not None:
@@ -221,8 +223,3 @@ def _ranges(sizes: list[int]) -> str:
     if len(sizes) <= 6:
         return ", ".join(map(str, sizes))
     return f"{', '.join(map(str, sizes[:3]))}, {sizes[3]}..{sizes[-1]} ({len(sizes)} sizes)"
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """`t` in page-locked memory where a GPU is (a copy from it need not wait for the device)."""
-    return t.pin_memory() if torch.cuda.is_available() else t

@@ -19,11 +19,12 @@ from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors
 from ..memory.kv_groups import KVCacheGroups
 from ..model import AttentionMetadata, LoadedModel
+from ..model.host_copy import to_device
 from ..stage_outputs.specs import per_token_outputs
 from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .pending_output import PendingOutput
-from .sampler import SampledTensors, SampleResult, sample, score_tokens, to_device
+from .sampler import SampledTensors, SampleResult, sample, score_tokens
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:

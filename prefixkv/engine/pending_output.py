@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from ..model.host_copy import to_device
 from .model_runner_output import ModelRunnerOutput
-from .sampler import SampledTensors, SampleResult, to_device
+from .sampler import SampledTensors, SampleResult
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..model.host_copy import to_device
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -134,14 +135,6 @@ def _draw(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
     `filtered_weights` - the same draws whatever else is in the batch."""
     r = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     return _pick(filtered_weights(x, params), to_device(r, x.device))
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait for the device: a GPU copies it
-    from page-locked memory in stream order (a plain copy from pageable memory synchronizes)."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

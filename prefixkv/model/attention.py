@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_path import triton_kernels, uses_triton
+from .host_copy import tensor_on
 from .kernels import ops
 from .softcap_attention import SoftcapPlan, softcapped_attention
 
@@ -119,13 +120,6 @@ class AttentionMetadata:
                 self.query_start_loc, self.seq_lens, self.block_tables, block_size, device, window
             )
         return p
-
-
-def _on(values: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host list as a tensor on `device`; a GPU copies it from page-locked memory in stream order,
-    so building a step's plan never makes the host wait for the device (async scheduling)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class _Plan:
@@ -231,21 +225,21 @@ class _Plan:
         self.decode_tables: torch.Tensor | None = None  # Triton's: block tables and lengths, int32
         if decode and bt32 is not None:
             self.decode_tables = bt32[decode]
-            self.decode_seq_lens = _on([seq_lens[i] for i in decode], device, torch.int32)
+            self.decode_seq_lens = tensor_on([seq_lens[i] for i in decode], device, torch.int32)
             self.decode_all = len(decode) == meta.num_tokens
-            self.decode_rows = _on([qsl[i] for i in decode], device)
+            self.decode_rows = tensor_on([qsl[i] for i in decode], device)
         elif decode:
             # each decode reads its keys from `starts` on: P, or where its window begins
             starts_list = [P] * len(decode) if W is None else [max(0, seq_lens[i] - W) for i in decode]
             lens_list = [seq_lens[i] - lo for i, lo in zip(decode, starts_list)]
-            lens = _on(lens_list, device)
+            lens = tensor_on(lens_list, device)
             L = max(lens_list)
             if W is None:
                 pos = torch.arange(L, device=device) + P
                 rows = bt[decode][:, pos // block_size]  # [Bd, L]
             else:  # per-row starts; positions past a row's end are clamped (and masked below)
-                pos = torch.arange(L, device=device)[None, :] + _on(starts_list, device)[:, None]
-                pos = torch.minimum(pos, _on([seq_lens[i] - 1 for i in decode], device)[:, None])
+                pos = torch.arange(L, device=device)[None, :] + tensor_on(starts_list, device)[:, None]
+                pos = torch.minimum(pos, tensor_on([seq_lens[i] - 1 for i in decode], device)[:, None])
                 rows = bt[decode].gather(1, pos // block_size)
             self.decode_slots = rows * block_size + pos % block_size
             if min(lens_list) != L or P:
@@ -256,11 +250,11 @@ class _Plan:
                     self.decode_mask.view(len(decode), L), self.decode_slots, self.decode_slots[:, :1]
                 )
             self.decode_all = len(decode) == meta.num_tokens
-            self.decode_rows = _on([qsl[i] for i in decode], device)
+            self.decode_rows = tensor_on([qsl[i] for i in decode], device)
             self.decode_lens = lens  # valid positions of each row of decode_slots
         if P:
             chunk_rows = [r for a, b in self.chunk_ranges for r in range(a, b)]
-            self.group_rows = _on([qsl[i] for i in decode] + chunk_rows, device)
+            self.group_rows = tensor_on([qsl[i] for i in decode] + chunk_rows, device)
         # The native prefill kernel (CPU, no window): which prompts and chunks it takes, described
         # once for all layers. Long bfloat16 prompts stay with PyTorch's flash kernel, faster there
         # (bf16_kernel_max_new_tokens).
@@ -366,9 +360,9 @@ class _TritonChunks:
     def __init__(self, specs: list[tuple[int, int, int, int, int]], bt32: torch.Tensor, device: torch.device) -> None:
         starts, ends, lengths, _, seqs = zip(*specs)
         news = [b - a for a, b in zip(starts, ends)]
-        self.q_start = _on(starts, device, torch.int32)
-        self.q_len = _on(news, device, torch.int32)
-        self.seq_lens = _on(lengths, device, torch.int32)
+        self.q_start = tensor_on(starts, device, torch.int32)
+        self.q_len = tensor_on(news, device, torch.int32)
+        self.seq_lens = tensor_on(lengths, device, torch.int32)
         self.tables = bt32[list(seqs)]
         self.max_new = max(news)
         self.specs = specs
@@ -378,7 +372,7 @@ class _TritonChunks:
         """The chunks' rows of the step, in chunk order (the cascade's order); built by the first
         layer that merges them."""
         if self._out_rows is None:
-            self._out_rows = _on([r for a, b, *_ in self.specs for r in range(a, b)], device)
+            self._out_rows = tensor_on([r for a, b, *_ in self.specs for r in range(a, b)], device)
         return self._out_rows
 
     def attend(
@@ -461,7 +455,7 @@ class _ChunkBatch:
             n * k for n, k in zip(news, keys)
         ):
             return None
-        start, end, length, first, seq = (_on(col, device) for col in zip(*specs))
+        start, end, length, first, seq = (tensor_on(col, device) for col in zip(*specs))
         new = end - start
         m = torch.arange(M, device=device)[None, :]
         j = torch.arange(L, device=device)[None, :]
@@ -475,8 +469,8 @@ class _ChunkBatch:
         kpos = torch.minimum(kpos, (length - 1)[:, None])  # padding reads the last real key (masked)
         slots = bt[seq].gather(1, kpos // block_size) * block_size + kpos % block_size
         rows = torch.where(q_real, start[:, None] + m, start[:, None])
-        picked = _on([c * M + r for c, n in enumerate(news) for r in range(n)], device)
-        out_rows = _on([r for a, b, *_ in specs for r in range(a, b)], device)
+        picked = tensor_on([c * M + r for c, n in enumerate(news) for r in range(n)], device)
+        out_rows = tensor_on([r for a, b, *_ in specs for r in range(a, b)], device)
         return _ChunkBatch(rows, slots, mask[:, None], picked, out_rows)
 
     def _gathered(
