@@ -10,7 +10,8 @@ fields (`--sampling temperature=0.7,top_p=0.9`: both engines sample). Medians; o
 
 vLLM runs as `vllm serve` would on this machine (its compiled model, not eager), engine core in
 the process, `VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1`; model: peers/smollm2-135m-hf
-(bench/peers/README.md), the HF copy of the GGUF prefixkv embeds.
+(bench/peers/README.md), the HF copy of the GGUF prefixkv embeds, or `--model DIR`, an HF folder
+both engines load (bench/device/random_checkpoint.py writes model shapes users serve).
 
 Side by side in one command (`--peer-vllm --rounds N`): each round runs both engines, each in a
 fresh process of its own Python, the order swapped every round (so that the machine's drift falls
@@ -102,7 +103,7 @@ def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
     if args.sampling:
         common += ["--sampling", ",".join(f"{k}={v}" for k, v in args.sampling.items())]
     commands = {
-        "prefixkv": [sys.executable, os.path.abspath(__file__), *common],
+        "prefixkv": [sys.executable, os.path.abspath(__file__), "--model", args.model, *common],
         "vllm": [args.vllm_python, os.path.abspath(__file__), "--engine", "vllm", "--model", args.model, *common],
     }
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
@@ -145,7 +146,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--batches", default="1,8", help="decode batch sizes")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence")
-    ap.add_argument("--model", default=DEFAULT_VLLM_MODEL, help="vLLM's HF folder")
+    ap.add_argument(
+        "--model",
+        default=DEFAULT_VLLM_MODEL,
+        help="an HF folder both engines load (default: the HF copy of the embedded model; prefixkv reads the GGUF)",
+    )
     ap.add_argument("--peer-vllm", action="store_true", help="both engines side by side, --rounds times")
     ap.add_argument("--rounds", type=int, default=None, help="with --peer-vllm: rounds of both engines (3)")
     ap.add_argument("--vllm-python", default=None, help=f"with --peer-vllm: vLLM's Python ({DEFAULT_VLLM_PYTHON})")
@@ -210,7 +215,9 @@ def main() -> None:
     else:
         from prefixkv import LLM, SamplingParams
 
-        llm = LLM(dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False)
+        # the default HF folder is vLLM's copy of the GGUF prefixkv embeds: prefixkv loads its own
+        model = None if args.model == DEFAULT_VLLM_MODEL else args.model
+        llm = LLM(model=model, dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False)
 
         def as_prompt(ids: list[int]) -> object:
             return {"prompt_token_ids": ids}

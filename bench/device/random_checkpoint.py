@@ -4,7 +4,7 @@ HF folder with transformers' own classes (config.json, safetensors) and the defa
 tokenizer (SmolLM2's vocabulary, from the embedded GGUF), so the engine and transformers load it as
 they load any checkpoint.
 
-    python3 bench/device/random_checkpoint.py OUT [--shape llama-1b|llama-3b|llama-8b] [--device cuda]
+    python3 bench/device/random_checkpoint.py OUT [--shape llama-1b|llama-3b|llama-8b|qwen2.5-0.5b] [--device cuda]
         [--layers N]
 
 The weights are drawn on --device (a GPU draws a 1B model's in well under a second) in bfloat16;
@@ -23,8 +23,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-# Llama 3.2 1B / 3B and Llama 3.1 8B's shapes, with SmolLM2's 49,152-token vocabulary
+# Llama 3.2 1B / 3B, Llama 3.1 8B and Qwen2.5 0.5B's shapes, with SmolLM2's 49,152-token vocabulary
+# ("family" picks transformers' config class; Llama's when absent)
 SHAPES: dict[str, dict[str, object]] = {
+    "qwen2.5-0.5b": dict(
+        family="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
     "llama-1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
@@ -87,21 +99,26 @@ def main() -> None:
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-    config = tf.LlamaConfig(
+    family = shape.pop("family", "llama")
+    config_class, model_class = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    }[str(family)]
+    settings: dict[str, object] = dict(rope_theta=500000.0, rms_norm_eps=1e-5)
+    settings.update(shape)
+    config = config_class(
         vocab_size=vocab,
         max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
         bos_token_id=None,
         eos_token_id=None,
-        **shape,
+        **settings,
     )
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(args.device):
-            model = tf.LlamaForCausalLM(config)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(default_dtype)
     params = sum(p.numel() for p in model.parameters())

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model.host_copy import to_device
+from ..model.host_copy import tensor_on, to_device
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -165,9 +165,12 @@ def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         floor[some] = torch.maximum(floor[some], kth)
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        which = slice(None) if len(nucleus) == B else torch.tensor(nucleus, device=dev)
-        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=torch.float64, device=dev)
-        floor[which] = _nucleus_floors(z[which], weights[which], floor[which], top_p)
+        which = slice(None) if len(nucleus) == B else tensor_on(nucleus, dev)
+        top_p = tensor_on([params[i].top_p for i in nucleus], dev, torch.float64)
+        # a CPU sorts only the candidates (a data-dependent set: a GPU would wait to learn its
+        # size); a GPU sorts whole rows in one launch and never makes the host wait
+        nucleus_floors = _nucleus_floors if dev.type == "cpu" else _nucleus_floors_sorted
+        floor[which] = nucleus_floors(z[which], weights[which], floor[which], top_p)
     return weights.masked_fill_(z < floor, 0.0)
 
 
@@ -197,6 +200,21 @@ def _nucleus_floors(z: torch.Tensor, weights: torch.Tensor, floor: torch.Tensor,
     before = cum - w - (cum - w)[starts][rows]  # the mass before each candidate within its row
     kept = torch.bincount(rows, weights=(before < bound[rows]).double(), minlength=n).long().clamp(min=1)
     return torch.maximum(floor, vals[starts + kept - 1][:, None])
+
+
+def _nucleus_floors_sorted(
+    z: torch.Tensor, weights: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """`_nucleus_floors` by a sort of whole rows: every shape known before the device runs, so
+    no step of it waits for the device (the candidates' count would)."""
+    hidden = z < floor
+    vals, order = torch.sort(z.masked_fill(hidden, -math.inf), dim=1, descending=True, stable=True)
+    above = weights.masked_fill(hidden, 0.0)
+    bound = top_p * above.sum(dim=1).double()
+    w = above.gather(1, order).double()
+    before = torch.cumsum(w, 1) - w  # the mass before each token within its row
+    kept = (before < bound[:, None]).sum(dim=1).clamp(min=1)
+    return torch.maximum(floor, vals.gather(1, (kept - 1)[:, None]))
 
 
 def score_tokens(
@@ -229,9 +247,9 @@ def sample(
     constraints: list[RequestConstraints | None] | None = None,
 ) -> SampledTensors:
     """Sample one token per row of `logits` [N, vocab] (float32), the results left on the logits'
-    device until `.result()` reads them. Rows without constraints or top-p never make the host
-    wait for the device (constraints edit rows on the host; top-p's candidates are a
-    data-dependent set)."""
+    device until `.result()` reads them. Rows without constraints or penalties never make the
+    host wait for the device (constraints edit rows on the host; penalties count tokens with
+    `unique`, whose size is data-dependent)."""
     logits = logits.float()
     n = len(params)
     want_logprobs = any(p.logprobs is not None for p in params)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from prefixkv.engine.sampler import DRAW_BLOCK, _pick, filtered_weights, sample
+from prefixkv.engine.sampler import DRAW_BLOCK, _nucleus_floors, _nucleus_floors_sorted, _pick, filtered_weights, sample
 from prefixkv.sampling_params import SamplingParams
 
 
@@ -71,6 +71,29 @@ def test_ties_at_a_floor_all_stay():
     assert set(torch.nonzero(tiny_p).flatten().tolist()) == {3, 40, 77}
     four = filtered_weights(row.clone(), [SamplingParams(temperature=1.0, top_k=4)])[0]
     assert set(torch.nonzero(four).flatten().tolist()) == {3, 40, 77, 10, 20}
+
+
+@pytest.mark.parametrize("spread", [0.1, 1.0, 6.0])
+def test_top_p_floors_by_whole_row_sort_equal_the_candidates(spread):
+    """The GPU's top-p (a sort of whole rows: no size the host must wait for) sets each row's
+    floor where the CPU's (a sort of the candidates) does, over floors the other filters raised,
+    rows of ties and every top_p from almost nothing to almost everything."""
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    n, V = 12, 5000
+    x = torch.randn(n, V, generator=gen) * spread
+    x[3] = torch.randint(0, 4, (V,), generator=gen).float()  # four values, thousands of ties
+    x[4, :] = 0.0  # one value
+    x[5, :100] = -math.inf  # constrained-away tokens
+    z = x - x.amax(dim=1, keepdim=True)
+    weights = torch.exp(z)
+    floors = torch.full((n, 1), -math.inf)
+    floors[6:9] = torch.tensor([[-0.5], [-2.0], [-30.0]])  # min-p's or top-k's floors
+    floors[9] = torch.topk(z[9], 40).values[-1]
+    for top_p in (1e-9, 0.1, 0.5, 0.9, 0.99, 0.999999):
+        p = torch.full((n,), top_p, dtype=torch.float64)
+        by_candidates = _nucleus_floors(z, weights, floors, p)
+        by_sort = _nucleus_floors_sorted(z, weights, floors, p)
+        assert torch.equal(by_sort, by_candidates), (top_p, (by_sort != by_candidates).nonzero().tolist())
 
 
 @pytest.mark.parametrize("n", [7, 4 * DRAW_BLOCK + 1, 6 * DRAW_BLOCK])
