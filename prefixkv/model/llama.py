@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any, cast
@@ -32,6 +33,8 @@ from .layers import (
     source_digests,
 )
 from .moe import build_mlp, expected_pieces, expert_pieces
+
+logger = logging.getLogger(__name__)
 
 # Attention kernels on CUDA, in torch's order of preference less cuDNN's: cuDNN's fused attention
 # (torch's first choice on Hopper) builds an execution plan for every new shape, 1.3 ms of host time
@@ -99,10 +102,34 @@ class DecoderLayer(nn.Module):
         return next_norm.add_and_norm(h, self.mlp(x))
 
 
-# layer weights up to this size also keep a second layout (DualLayoutLinear): 2 GiB of weights
-# (~500M parameters in float32, ~1B in bfloat16) doubled; larger models keep one copy
-# (TransposedLinear in float32, PackedLinear in bfloat16)
+# layer weights up to this size keep a second layout (DualLayoutLinear) on any machine: 2 GiB
+# (~500M parameters in float32, ~1B in bfloat16) doubled; larger ones where the second copy takes
+# at most DUAL_LAYOUT_MEMORY_SHARE of the memory still available (a 1B model in float32 decodes
+# 1.46x faster with it on an AMD Zen 4: the oneDNN layout streams the weights slower than the
+# native kernel); else one copy, packed for oneDNN (PackedLinear)
 DUAL_LAYOUT_MAX_BYTES = 2 << 30
+DUAL_LAYOUT_MEMORY_SHARE = 1 / 3
+
+
+def memory_available_bytes() -> int | None:
+    """What the kernel says could be allocated without swapping (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def keeps_two_layouts(layer_bytes: int) -> bool:
+    """Whether layer weights of this size may keep a second copy (DualLayoutLinear)."""
+    if layer_bytes <= DUAL_LAYOUT_MAX_BYTES:
+        return True
+    available = memory_available_bytes()
+    return available is not None and layer_bytes <= DUAL_LAYOUT_MEMORY_SHARE * available
+
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -258,10 +285,10 @@ class LlamaModel(nn.Module):
         """On CPU, lay every matmul weight out once for the fastest kernel: two layouts, the kernel
         chosen by the step's rows (DualLayoutLinear: oneDNN-packed for many rows; for a decode
         step's few the native small-batch kernel, or float32 F.linear where the CPU has none), or
-        one where a second copy of the weights would pass DUAL_LAYOUT_MAX_BYTES or the CPU has no
-        second kernel (float32 transposed for MKL, TransposedLinear; bfloat16 oneDNN-packed,
-        PackedLinear). Returns whether it did; a no-op elsewhere, when already done, or where this
-        torch/CPU cannot."""
+        one where a second copy of the weights would not fit (`keeps_two_layouts`) or the CPU has no
+        second kernel (oneDNN-packed, PackedLinear; float32 transposed for MKL, TransposedLinear,
+        where this torch has no oneDNN). Returns whether it did; a no-op elsewhere, when already
+        done, or where this torch/CPU cannot."""
         if self.device.type != "cpu" or self.packed_head is not None:
             return False
         if self.dtype in (torch.float32, torch.bfloat16):
@@ -271,12 +298,25 @@ class LlamaModel(nn.Module):
         head_kind: LinearKind
         linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
         layer_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        dual = dual_layout_works(self.dtype) and layer_bytes <= DUAL_LAYOUT_MAX_BYTES
+        dual = dual_layout_works(self.dtype) and keeps_two_layouts(layer_bytes)
+        if layer_bytes > DUAL_LAYOUT_MAX_BYTES and dual_layout_works(self.dtype):  # memory decided
+            available = memory_available_bytes()
+            logger.info(
+                "layer weights %.1f GB, %.1f GB of memory available: %s",
+                layer_bytes / 1e9,
+                (available or 0) / 1e9,
+                "kept in two layouts (oneDNN's for prefill, the native decode kernel's)"
+                if dual
+                else "one layout (oneDNN's); a second, for the native decode kernel, would take more than "
+                f"{DUAL_LAYOUT_MEMORY_SHARE:.0%} of it",
+            )
         if self.dtype == torch.float32:
             # the head (vocabulary x hidden) oneDNN-packed, faster than MKL's F.linear at every
-            # batch size measured; at a decode step's rows only the native kernel beats it (1.1-1.4x)
+            # batch size measured; at a decode step's rows only the native kernel beats it (1.1-1.4x).
+            # One layout alone: oneDNN-packed too. On Llama 3.2 1B's products it beat MKL's
+            # transposed layout 1.1-1.3x at 1 and 478 rows and 1.9-4x at 8 (docs/benchmarks.md)
             packed = packed_linear_works(self.dtype)
-            kind = DualLayoutLinear if dual else TransposedLinear
+            kind = DualLayoutLinear if dual else PackedLinear if packed else TransposedLinear
             native_head = dual and ops.small_linear_available(self.dtype)
             head_kind = DualLayoutLinear if native_head else PackedLinear if packed else TransposedLinear
         elif self.dtype == torch.bfloat16 and packed_linear_works(self.dtype):

@@ -167,6 +167,7 @@ def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bou
 
     if bound == "exceeded":
         monkeypatch.setattr(llama, "DUAL_LAYOUT_MAX_BYTES", 1024)
+        monkeypatch.setattr(llama, "DUAL_LAYOUT_MEMORY_SHARE", 0.0)
     path = tmp_path / f"tiny-{kind}.gguf"
     _write_gguf(path, kind)
     plain, packed = load_model(str(path), dtype=torch.bfloat16), load_model(str(path), dtype=torch.bfloat16)
@@ -184,24 +185,43 @@ def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bou
     assert (out[0] - out[1]).abs().max() < 0.03 * out[0].abs().max()
 
 
+def test_a_second_layout_is_kept_where_memory_allows(monkeypatch):
+    """Up to DUAL_LAYOUT_MAX_BYTES of layer weights anywhere; more only where the second copy takes
+    at most a third of the memory still available; never where that is unknown."""
+    from prefixkv.model import llama
+
+    gib = 1 << 30
+    monkeypatch.setattr(llama, "memory_available_bytes", lambda: 12 * gib)
+    assert llama.keeps_two_layouts(2 * gib) and llama.keeps_two_layouts(4 * gib)
+    assert not llama.keeps_two_layouts(4 * gib + 1)
+    monkeypatch.setattr(llama, "memory_available_bytes", lambda: None)
+    assert llama.keeps_two_layouts(2 * gib) and not llama.keeps_two_layouts(2 * gib + 1)
+    monkeypatch.undo()
+    available = llama.memory_available_bytes()
+    assert available is None or available > 0
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through both kernels
 @pytest.mark.parametrize("bound", ["default", "exceeded"])
 def test_fp32_laid_out_weights_match_plain_fp32(tmp_path, monkeypatch, kind, bound):
     """ModelRunner lays float32 CPU weights out twice (DualLayoutLinear: plain for 1-2 rows,
-    oneDNN-packed for more) or, past the size bound, transposed for MKL: logits equal plain
+    oneDNN-packed for more) or, past the size bound, oneDNN-packed alone: logits equal plain
     F.linear's up to float32 rounding, the same greedy tokens, and doing it twice is a no-op. The
     steps of 18, 1 and 2 new tokens go through both kernels of the dual layout."""
     from prefixkv.model import llama
 
     if bound == "exceeded":
         monkeypatch.setattr(llama, "DUAL_LAYOUT_MAX_BYTES", 1024)
+        monkeypatch.setattr(llama, "DUAL_LAYOUT_MEMORY_SHARE", 0.0)
     path = tmp_path / f"tiny-{kind}.gguf"
     _write_gguf(path, kind)
     plain, fast = load_model(str(path)), load_model(str(path))
     assert fast.model.pack_for_cpu() and not fast.model.pack_for_cpu()
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.model.modules())
     dual = packed_linear_works(torch.float32) and bound == "default"
-    assert isinstance(fast.model.layers[0].self_attn.qkv_proj, DualLayoutLinear if dual else TransposedLinear)
+    packed = packed_linear_works(torch.float32)
+    single = PackedLinear if packed else TransposedLinear
+    assert isinstance(fast.model.layers[0].self_attn.qkv_proj, DualLayoutLinear if dual else single)
     # the head: a second layout only for the native kernel (AVX-512), else oneDNN-packed alone
     native_head = dual and ops.small_linear_available(torch.float32)
     head = DualLayoutLinear if native_head else PackedLinear if packed_linear_works(torch.float32) else TransposedLinear
