@@ -5,8 +5,8 @@ one it replaced (or a rejected alternative), on the default model's shapes, alte
 
 - linear: the four layer matmuls of one decode/prefill step summed, and the LM head, at M rows:
   F.linear on the [out, in] weight (before), torch.mm on the weight stored transposed
-  (TransposedLinear, what the engine runs in float32) and oneDNN-packed (PackedLinear, what it runs
-  in bfloat16; weighed for float32 and not kept).
+  (TransposedLinear, the float32 fallback where torch has no oneDNN) and oneDNN-packed (PackedLinear,
+  what a model too large for a second layout runs; docs/benchmarks.md "Model shapes users serve").
 - rotary: q and k rotated apart, half by half (seven operations each, before), against
   RotaryEmbedding.apply over both at once (four operations); bit for bit the same values.
 - gather: a decode step's K (or V) gathered through the block table by advanced indexing (before)
