@@ -33,9 +33,15 @@ def engine_for(loaded, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg), loaded=loaded)
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+def run(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int = MAX_NEW,
+    params: list[SamplingParams] | None = None,
+) -> list[list[int]]:
+    """Every prompt to the end, greedy unless `params` (taken in turn), checking no block is left held."""
+    params = params or [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)]
+    ids = [engine.add_request(p, params[i % len(params)]) for i, p in enumerate(prompts)]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -156,19 +156,8 @@ def test_cuda_async_scheduling_equals_transformers_and_launches_without_waiting(
         SamplingParams(temperature=0.8, min_p=0.05, seed=3, max_tokens=MAX_NEW, ignore_eos=True),
     ]
     steps_ahead = engine.num_steps_ahead
-    ahead = run_sampled(engine, prompts[0], sampled)
+    ahead = run(engine, prompts[0], params=sampled)
     assert engine.num_steps_ahead > steps_ahead
     assert not waits, waits[:3]
     in_order = cuda_engine(cuda_lm, max_num_seqs=8)
-    assert run_sampled(in_order, prompts[0], sampled) == ahead
-
-
-def run_sampled(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    ids = [engine.add_request(p, params[i % len(params)]) for i, p in enumerate(prompts)]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "blocks leaked"
-    return [done[i] for i in ids]
+    assert run(in_order, prompts[0], params=sampled) == ahead
