@@ -103,10 +103,10 @@ class DecoderLayer(nn.Module):
 
 
 # layer weights up to this size keep a second layout (DualLayoutLinear) on any machine: 2 GiB
-# (~500M parameters in float32, ~1B in bfloat16) doubled; larger ones where the second copy takes
-# at most DUAL_LAYOUT_MEMORY_SHARE of the memory still available (a 1B model in float32 decodes
-# 1.46x faster with it on an AMD Zen 4: the oneDNN layout streams the weights slower than the
-# native kernel); else one copy, packed for oneDNN (PackedLinear)
+# (~500M parameters in float32, ~1B in bfloat16) doubled; larger ones, for the native decode
+# kernel, where the second copy takes at most DUAL_LAYOUT_MEMORY_SHARE of the memory still
+# available (a 1B model in float32 decodes 1.46x faster with it on an AMD Zen 4: the oneDNN layout
+# streams the weights slower than the native kernel); else one copy, packed for oneDNN (PackedLinear)
 DUAL_LAYOUT_MAX_BYTES = 2 << 30
 DUAL_LAYOUT_MEMORY_SHARE = 1 / 3
 
@@ -123,12 +123,14 @@ def memory_available_bytes() -> int | None:
     return None
 
 
-def keeps_two_layouts(layer_bytes: int) -> bool:
-    """Whether layer weights of this size may keep a second copy (DualLayoutLinear)."""
+def keeps_two_layouts(layer_bytes: int, native_kernel: bool) -> bool:
+    """Whether layer weights of this size may keep a second copy (DualLayoutLinear). Past the
+    fixed bound only for the native decode kernel: float32's other second kernel, F.linear at 1-2
+    rows, lost to oneDNN's packed one on a 1B model's products (7.0 against 5.2 ms at one row)."""
     if layer_bytes <= DUAL_LAYOUT_MAX_BYTES:
         return True
     available = memory_available_bytes()
-    return available is not None and layer_bytes <= DUAL_LAYOUT_MEMORY_SHARE * available
+    return native_kernel and available is not None and layer_bytes <= DUAL_LAYOUT_MEMORY_SHARE * available
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -298,8 +300,9 @@ class LlamaModel(nn.Module):
         head_kind: LinearKind
         linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
         layer_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        dual = dual_layout_works(self.dtype) and keeps_two_layouts(layer_bytes)
-        if layer_bytes > DUAL_LAYOUT_MAX_BYTES and dual_layout_works(self.dtype):  # memory decided
+        native_kernel = ops.small_linear_available(self.dtype)
+        dual = dual_layout_works(self.dtype) and keeps_two_layouts(layer_bytes, native_kernel)
+        if layer_bytes > DUAL_LAYOUT_MAX_BYTES and native_kernel and dual_layout_works(self.dtype):  # memory decided
             available = memory_available_bytes()
             logger.info(
                 "layer weights %.1f GB, %.1f GB of memory available: %s",
@@ -317,7 +320,7 @@ class LlamaModel(nn.Module):
             # transposed layout 1.1-1.3x at 1 and 478 rows and 1.9-4x at 8 (docs/benchmarks.md)
             packed = packed_linear_works(self.dtype)
             kind = DualLayoutLinear if dual else PackedLinear if packed else TransposedLinear
-            native_head = dual and ops.small_linear_available(self.dtype)
+            native_head = dual and native_kernel
             head_kind = DualLayoutLinear if native_head else PackedLinear if packed else TransposedLinear
         elif self.dtype == torch.bfloat16 and packed_linear_works(self.dtype):
             # the head too: at 1-16 rows the native kernel reads its 57 MB 1.0-1.5x faster

@@ -186,16 +186,18 @@ def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bou
 
 
 def test_a_second_layout_is_kept_where_memory_allows(monkeypatch):
-    """Up to DUAL_LAYOUT_MAX_BYTES of layer weights anywhere; more only where the second copy takes
-    at most a third of the memory still available; never where that is unknown."""
+    """Up to DUAL_LAYOUT_MAX_BYTES of layer weights anywhere; more only for the native decode
+    kernel and where the second copy takes at most a third of the memory still available; never
+    where that is unknown."""
     from prefixkv.model import llama
 
     gib = 1 << 30
     monkeypatch.setattr(llama, "memory_available_bytes", lambda: 12 * gib)
-    assert llama.keeps_two_layouts(2 * gib) and llama.keeps_two_layouts(4 * gib)
-    assert not llama.keeps_two_layouts(4 * gib + 1)
+    assert llama.keeps_two_layouts(2 * gib, True) and llama.keeps_two_layouts(4 * gib, True)
+    assert not llama.keeps_two_layouts(4 * gib + 1, True)
+    assert llama.keeps_two_layouts(2 * gib, False) and not llama.keeps_two_layouts(2 * gib + 1, False)
     monkeypatch.setattr(llama, "memory_available_bytes", lambda: None)
-    assert llama.keeps_two_layouts(2 * gib) and not llama.keeps_two_layouts(2 * gib + 1)
+    assert llama.keeps_two_layouts(2 * gib, True) and not llama.keeps_two_layouts(2 * gib + 1, True)
     monkeypatch.undo()
     available = llama.memory_available_bytes()
     assert available is None or available > 0
