@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..model.host_copy import to_device
+from ..model.host_copy import tensor_on, to_device
 from .model_runner_output import ModelRunnerOutput
 from .sampler import SampledTensors, SampleResult
 
@@ -33,7 +33,7 @@ class PendingOutput:
         if isinstance(self.sampled, SampledTensors):
             tokens = self.sampled.tokens
         elif isinstance(self.sampled, SampleResult):
-            tokens = torch.tensor(self.sampled.token_ids, dtype=torch.long, device=device)
+            tokens = tensor_on(self.sampled.token_ids, device, torch.long)
         else:
             return torch.zeros(len(req_ids), dtype=torch.long, device=device)
         row_of = {rid: i for i, rid in enumerate(self.req_ids)}

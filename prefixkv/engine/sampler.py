@@ -48,10 +48,6 @@ class SampledTensors:
         return SampleResult(tokens, self.chosen.tolist(), top, self.ranks.tolist())
 
 
-def _penalized(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-
-
 def _apply_penalties(
     x: torch.Tensor,
     rows: list[int],
@@ -254,12 +250,12 @@ def sample(
     n = len(params)
     want_logprobs = any(p.logprobs is not None for p in params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    all_greedy_plain = all(p.greedy and not _penalized(p) for p in params) and not eos_ids and not constraints
+    all_greedy_plain = all(p.greedy and not p.penalized for p in params) and not eos_ids and not constraints
     if all_greedy_plain:
         tokens = logits.argmax(dim=-1)
     else:
         x = logits
-        penalized = [row for row, p in enumerate(params) if _penalized(p)]
+        penalized = [row for row, p in enumerate(params) if p.penalized]
         if penalized or constraints or eos_ids:
             x = logits.clone(memory_format=torch.contiguous_format)  # edited in place: never the caller's logits
         if penalized:

@@ -439,6 +439,9 @@ class Scheduler:
 def _samples_ahead(sr: ScheduledRequest) -> bool:
     """Whether a request can be sampled for before its previous token is known: nothing it
     samples with reads its own output so far, and the runner needs no hidden state of it."""
-    p = sr.sampling_params
-    penalized = p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-    return sr.constraints is None and not penalized and not sr.want_hidden_states and not sr.stage_output_reads
+    return (
+        sr.constraints is None
+        and not sr.sampling_params.penalized
+        and not sr.want_hidden_states
+        and not sr.stage_output_reads
+    )
