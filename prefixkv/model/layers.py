@@ -12,7 +12,7 @@ from torch import nn
 
 from . import row_split
 from .config import ModelConfig
-from .kernels import ops, reference
+from .kernels import calls, ops, reference
 
 
 class RMSNorm(nn.Module):
@@ -247,6 +247,41 @@ class DualLayoutLinear(PackedWeights):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+class NativeLinear(PackedWeights):
+    """x @ W.T (+ b) on CPU with one copy of the weight, in the native kernels' layout
+    (`ops.small_linear_weight`): a decode step's few rows by the small-batch linear (the weight
+    streamed once per step), more rows by the blocked one (`ops.blocked_linear`, a prefill's). Both
+    sum every output in the same order with the same instructions, so a row's result is the same
+    bits whichever kernel ran and however many rows shared the call: a prompt's logits do not depend
+    on how it was chunked, cached or batched.
+
+    Where the blocked kernel timed at least as fast as oneDNN's on the model's products
+    (kernel_choice), this takes half the memory of DualLayoutLinear at the same speed, and it lets
+    models too large for a second copy decode with the native kernel. Only for inference."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        small = ops.small_linear_weight(weight)
+        if small is None:
+            raise ValueError(f"no native linear kernel for {weight.dtype} [{weight.shape[0]}, {weight.shape[1]}] here")
+        self.small: torch.Tensor = small
+        self.small_rows = ops.small_linear_max_rows(weight.dtype)
+        self.bias = None if bias is None else bias.detach()
+        self.small_bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        kernel = ops.small_linear if flat.shape[0] <= self.small_rows else ops.blocked_linear
+        y = kernel(flat, self.small, self.out_features, self.small_bias)
+        if y is None:  # the kernels switched off after the layout was made (ops.disabled): slow, exact
+            weight = calls.small_linear_unlayout(self.small, self.out_features)
+            y = F.linear(flat, weight, None if self.bias is None else self.bias.to(flat.dtype))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 def dual_layout_works(dtype: torch.dtype) -> bool:
     """Whether DualLayoutLinear has a second kernel for `dtype` here (the native small-batch kernel;
     in float32 F.linear where there is none) on top of oneDNN's packed one."""
@@ -269,7 +304,7 @@ def packed_linear_works(dtype: torch.dtype = torch.bfloat16) -> bool:
     return bool(torch.allclose(got, F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
 
 
-LinearKind = type[PackedLinear] | type[TransposedLinear] | type[DualLayoutLinear]
+LinearKind = type[PackedLinear] | type[TransposedLinear] | type[DualLayoutLinear] | type[NativeLinear]
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -300,8 +335,8 @@ def source_digests(weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str,
 
 
 def pack_linears(module: nn.Module, kind: LinearKind = PackedLinear) -> int:
-    """Replace every nn.Linear below `module` by a `kind` (PackedLinear, TransposedLinear or
-    DualLayoutLinear), each with the digests of the weights it replaces (`source_digests`);
+    """Replace every nn.Linear below `module` by a `kind` (PackedLinear, TransposedLinear,
+    DualLayoutLinear or NativeLinear), each with the digests of the weights it replaces (`source_digests`);
     returns how many."""
     places = [
         (parent, name, child)

@@ -23,6 +23,7 @@ from .layers import (
     DualLayoutLinear,
     GatedMLP,
     LinearKind,
+    NativeLinear,
     PackedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -164,7 +165,9 @@ class LlamaModel(nn.Module):
             self.lm_head = None
         self.rotary = self.make_rotary(config, dtype, device)
         self.dtype = dtype
-        self.packed_head: PackedLinear | TransposedLinear | DualLayoutLinear | None = None  # set by pack_for_cpu
+        self.packed_head: PackedLinear | TransposedLinear | DualLayoutLinear | NativeLinear | None = (
+            None  # set by pack_for_cpu
+        )
         self.lora_context: Any = None  # set by prefixkv.lora.layers.attach_lora: where a step's LoRA mapping goes
         # every layer of a small decode step in one native call (CPU, after pack_for_cpu; _DecodeLayers)
         self.decode_layers: _DecodeLayers | None = None
@@ -298,6 +301,12 @@ class LlamaModel(nn.Module):
             kernel_choice.choose(self.kernel_shapes())  # before the layouts: they follow the choice
         kind: LinearKind
         head_kind: LinearKind
+        if ops.blocked_linear_available(self.dtype):
+            # one copy, the native layout, for prefill and decode: the blocked kernel timed as fast
+            # as oneDNN's on this model's products here (kernel_choice)
+            logger.info("matmul weights in one layout, the native kernels' (prefill and decode alike)")
+            self._pack_linears(NativeLinear, NativeLinear)
+            return True
         linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
         layer_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
         native_kernel = ops.small_linear_available(self.dtype)
@@ -327,6 +336,10 @@ class LlamaModel(nn.Module):
             kind = head_kind = DualLayoutLinear if dual else PackedLinear
         else:
             return False
+        self._pack_linears(kind, head_kind)
+        return True
+
+    def _pack_linears(self, kind: LinearKind, head_kind: LinearKind) -> None:
         pack_linears(self.layers, kind)
         self.decode_layers = _DecodeLayers.of(self)
         if self.lm_head is None:  # tied: the embedding keeps its own (gather) layout
@@ -337,7 +350,6 @@ class LlamaModel(nn.Module):
             self.packed_head.source_digests = source_digests(self.lm_head.weight, None)
             self.packed_head.source_name = "lm_head"
             self.lm_head = None  # its only use is compute_logits, which now takes packed_head
-        return True
 
     # ------------------------------------------------------------ weights
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
@@ -455,9 +467,10 @@ class _DecodeLayers:
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-            # `of` checked that every one is a DualLayoutLinear with the native layout
+            # `of` checked that every one has the native layout
             qkv, o, gate_up, down = (
-                cast(DualLayoutLinear, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                cast(DualLayoutLinear | NativeLinear, m)
+                for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             )
             parts = [qkv.small, qkv.small_bias, o.small, gate_up.small, down.small]
             parts += [layer.post_attention_layernorm.weight.data, next_norm.weight.data]
@@ -476,7 +489,7 @@ class _DecodeLayers:
     @staticmethod
     def of(model: LlamaModel) -> _DecodeLayers | None:
         """The fused path for `model`, or None where its shape is not what the kernel takes: every
-        layer matmul in the small-batch layout (DualLayoutLinear with the native kernel), no q/k
+        layer matmul in the small-batch layout (NativeLinear, or DualLayoutLinear with the native kernel), no q/k
         norm, no sliding window, no bias but q/k/v's, the attention kernel's head dims and groups,
         one norm epsilon."""
         cfg = model.config
@@ -491,7 +504,7 @@ class _DecodeLayers:
             if not isinstance(layer.mlp, GatedMLP):  # routed experts: layer by layer (moe.py)
                 return None
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if not all(isinstance(m, DualLayoutLinear) and m.small is not None for m in linears):
+            if not all(isinstance(m, (DualLayoutLinear, NativeLinear)) and m.small is not None for m in linears):
                 return None
             if any(m.bias is not None for m in linears[1:]):
                 return None

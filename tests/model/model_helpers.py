@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
 import torch
 
 from prefixkv.model import AttentionMetadata
+from prefixkv.model.kernels import ops
 
 
 def make_step(seqs, block_size):
@@ -45,3 +50,17 @@ def scattered_blocks(n_tokens, block_size, pool, generator):
     nb = (n_tokens + block_size - 1) // block_size
     perm = torch.randperm(pool, generator=generator)[:nb].tolist()
     return perm
+
+
+@contextlib.contextmanager
+def without_blocked_linear(*dtypes: torch.dtype) -> Iterator[None]:
+    """Models packed inside the block lay their weights out as where the many-row native linear lost
+    its timing to oneDNN (kernel_choice): oneDNN's layout, and a second for decode where it fits."""
+    before = {dt: ops.choice(dt) for dt in dtypes}
+    for dt, made in before.items():
+        ops.set_choice(dt, dataclasses.replace(made or ops.KernelChoice(), blocked_linear=False))
+    try:
+        yield
+    finally:
+        for dt, made in before.items():
+            ops.set_choice(dt, made)

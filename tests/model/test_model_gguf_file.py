@@ -1,6 +1,7 @@
 """Single-file GGUF loading: a tiny model written with gguf.GGUFWriter (Q8_0 matrices, llama.cpp
 Q/K row permutation for llama), loaded by us and by transformers from the same file."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -10,10 +11,10 @@ import torch
 from prefixkv.memory.block_tensors import allocate_kv_cache
 from prefixkv.model import load_model
 from prefixkv.model.kernels import ops
-from prefixkv.model.layers import DualLayoutLinear, PackedLinear, TransposedLinear, packed_linear_works
+from prefixkv.model.layers import DualLayoutLinear, NativeLinear, PackedLinear, TransposedLinear, packed_linear_works
 from prefixkv.model.tokenizer import _bytes_to_unicode
 
-from .model_helpers import run_logits
+from .model_helpers import run_logits, without_blocked_linear
 
 VOCAB = 288
 
@@ -156,13 +157,14 @@ def test_default_model_file_found(default_gguf_path):
 
 @pytest.mark.skipif(not packed_linear_works(), reason="no oneDNN bfloat16 linear on this CPU/torch")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through both kernels
-@pytest.mark.parametrize("bound", ["default", "exceeded"])
+@pytest.mark.parametrize("bound", ["native", "default", "exceeded"])
 def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bound):
-    """ModelRunner lays bfloat16 CPU weights out for oneDNN and, where the CPU has AVX512-BF16 and
-    the weights are under the size bound, a second time for the native small-batch kernel
+    """ModelRunner lays bfloat16 CPU weights out once for the native kernels where the many-row one
+    was chosen ("native": NativeLinear); else for oneDNN and, where the CPU has AVX512-BF16 and the
+    weights are under the size bound, a second time for the native small-batch kernel
     (DualLayoutLinear): same logits as plain F.linear up to bfloat16 rounding, the head laid out
-    too, and doing it twice is a no-op. The prefill of 18 rows goes through oneDNN, the steps of
-    1 and 2 rows through the small-batch kernel."""
+    too, and doing it twice is a no-op. The prefill of 18 rows goes through oneDNN (or the blocked
+    kernel), the steps of 1 and 2 rows through the small-batch kernel."""
     from prefixkv.model import llama
 
     if bound == "exceeded":
@@ -171,11 +173,13 @@ def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bou
     path = tmp_path / f"tiny-{kind}.gguf"
     _write_gguf(path, kind)
     plain, packed = load_model(str(path), dtype=torch.bfloat16), load_model(str(path), dtype=torch.bfloat16)
-    assert packed.model.pack_for_cpu() and not packed.model.pack_for_cpu()
+    with contextlib.nullcontext() if bound == "native" else without_blocked_linear(torch.bfloat16):
+        assert packed.model.pack_for_cpu() and not packed.model.pack_for_cpu()
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
+    native = bound == "native" and ops.blocked_linear_available(torch.bfloat16)
     dual = ops.small_linear_available() and bound == "default"
     for layer in (packed.model.layers[0].self_attn.qkv_proj, packed.model.packed_head):
-        assert isinstance(layer, DualLayoutLinear if dual else PackedLinear)
+        assert isinstance(layer, NativeLinear if native else DualLayoutLinear if dual else PackedLinear)
     ids = list(range(40, 60))
     out = []
     for lm in (plain, packed):
@@ -204,12 +208,13 @@ def test_a_second_layout_is_kept_where_memory_allows(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through both kernels
-@pytest.mark.parametrize("bound", ["default", "exceeded"])
+@pytest.mark.parametrize("bound", ["native", "default", "exceeded"])
 def test_fp32_laid_out_weights_match_plain_fp32(tmp_path, monkeypatch, kind, bound):
-    """ModelRunner lays float32 CPU weights out twice (DualLayoutLinear: plain for 1-2 rows,
+    """ModelRunner lays float32 CPU weights out once for the native kernels where the many-row one
+    was chosen ("native": NativeLinear); else twice (DualLayoutLinear: plain for 1-2 rows,
     oneDNN-packed for more) or, past the size bound, oneDNN-packed alone: logits equal plain
     F.linear's up to float32 rounding, the same greedy tokens, and doing it twice is a no-op. The
-    steps of 18, 1 and 2 new tokens go through both kernels of the dual layout."""
+    steps of 18, 1 and 2 new tokens go through both kernels of either two-kernel layer."""
     from prefixkv.model import llama
 
     if bound == "exceeded":
@@ -218,19 +223,22 @@ def test_fp32_laid_out_weights_match_plain_fp32(tmp_path, monkeypatch, kind, bou
     path = tmp_path / f"tiny-{kind}.gguf"
     _write_gguf(path, kind)
     plain, fast = load_model(str(path)), load_model(str(path))
-    assert fast.model.pack_for_cpu() and not fast.model.pack_for_cpu()
+    with contextlib.nullcontext() if bound == "native" else without_blocked_linear(torch.float32):
+        assert fast.model.pack_for_cpu() and not fast.model.pack_for_cpu()
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.model.modules())
-    dual = packed_linear_works(torch.float32) and bound == "default"
+    native = bound == "native" and ops.blocked_linear_available(torch.float32)
+    dual = packed_linear_works(torch.float32) and bound != "exceeded"
     packed = packed_linear_works(torch.float32)
     single = PackedLinear if packed else TransposedLinear
-    assert isinstance(fast.model.layers[0].self_attn.qkv_proj, DualLayoutLinear if dual else single)
+    want = NativeLinear if native else DualLayoutLinear if dual else single
+    assert isinstance(fast.model.layers[0].self_attn.qkv_proj, want)
     # the head: a second layout only for the native kernel (AVX-512), else oneDNN-packed alone
     native_head = dual and ops.small_linear_available(torch.float32)
     head = DualLayoutLinear if native_head else PackedLinear if packed_linear_works(torch.float32) else TransposedLinear
-    assert isinstance(fast.model.packed_head, head)
+    assert isinstance(fast.model.packed_head, NativeLinear if native else head)
     # 1-2 rows: the native kernel where the CPU has it, else F.linear on the plain weight
     layer = fast.model.layers[0].self_attn.qkv_proj
-    if dual:
+    if want is DualLayoutLinear:
         assert (layer.small is not None) == ops.small_linear_available(torch.float32)
     ids = list(range(40, 60))
     out = []

@@ -27,38 +27,32 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "linear_step.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#if defined(PREFIXKV_LINEAR_AVX512) || defined(PREFIXKV_LINEAR_AVX2)
 #define PREFIXKV_SMALL_LINEAR_F32 1
-#if defined(__AVX512BF16__)
-#define PREFIXKV_SMALL_LINEAR_BF16 1
 #endif
-#elif defined(__AVX2__) && defined(__FMA__)
-// AVX2 + FMA (x86-64-v3): float32 only (no bfloat16 arithmetic there), same layout (tile8 below)
-#include <immintrin.h>
-#define PREFIXKV_SMALL_LINEAR_F32 1
+#ifdef PREFIXKV_LINEAR_AVX2
 #define PREFIXKV_SMALL_LINEAR_AVX2 1
+#endif
+#ifdef PREFIXKV_LINEAR_BF16
+#define PREFIXKV_SMALL_LINEAR_BF16 1
 #endif
 
 namespace {
 
 #ifdef PREFIXKV_SMALL_LINEAR_F32
+template <typename T>
+using Step = prefixkv::LinearStep<T>;
 
-constexpr int kBlock = 16;      // output columns per weight block (one vector of float32 lanes)
-constexpr int kPair = 2;        // blocks side by side in each step of the layout: one tile's columns
+
+constexpr int kBlock = prefixkv::kLinearBlock;
+constexpr int kPair = prefixkv::kLinearPair;  // one tile's columns: a pair of blocks
 constexpr int kGroup = 4;       // blocks per task: a 4 x 16-column slab (K x 256 bytes at most) stays in L2
 constexpr int kRowTile = 8;     // rows per pass over a slab: 8 x 2 accumulators
 static_assert(kGroup % kPair == 0, "a task takes whole pairs");
 
 #ifdef PREFIXKV_SMALL_LINEAR_AVX2
-template <typename T>
-struct Step;
-template <>
-struct Step<float> {
-    static constexpr int kInputs = 1;
-};
-
 // MT rows (<= 3) times the two blocks of pair q. A 16-column block is two 8-lane registers, so 3
 // rows x 4 accumulators and a broadcast fill the 16 AVX2 registers (the weights of a step come in
 // partly as memory operands). Every output lane sums its products over K in the same order as the
@@ -129,49 +123,6 @@ inline void slab(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0
     for (int64_t q = q0; q < q0 + kTaskPairs && q < pairs; ++q) pair_rows<MT>(x, ldx, wp, steps, q, N, bias, y, ldy);
 }
 #else
-// One step of a block: 64 bytes of weights (16 columns x the inputs of one step) times the row's
-// inputs of that step, added to the row's 16 accumulators.
-template <typename T>
-struct Step;
-
-template <>
-struct Step<float> {  // one input per step: a float32 multiply-add
-    static constexpr int kInputs = 1;
-    static __m512 madd(__m512 acc, __m512i w, const float* x) {
-        return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_set1_ps(*x), acc);
-    }
-    static void store(float* y, __m512 v, int valid) {
-        if (valid == kBlock)
-            _mm512_storeu_ps(y, v);
-        else
-            _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << valid) - 1), v);
-    }
-};
-
-#ifdef PREFIXKV_SMALL_LINEAR_BF16
-template <>
-struct Step<uint16_t> {  // two inputs per step: the pair's two bfloat16 products in one instruction
-    static constexpr int kInputs = 2;
-    static __m512 madd(__m512 acc, __m512i w, const uint16_t* x) {
-        int32_t pair;
-        memcpy(&pair, x, sizeof pair);
-        return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(pair));
-    }
-    // round to nearest even (inputs are finite sums of finite products; a NaN cannot arise from
-    // finite weights and activations, and an infinite one stays infinite)
-    static void store(uint16_t* y, __m512 v, int valid) {
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
-        const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-        if (valid == kBlock)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), half);
-        else
-            _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << valid) - 1), half);
-    }
-};
-#endif
-
 // MT rows (<= kRowTile) times the blocks of NP pairs from pair q on: MT x 2NP accumulators in
 // registers, each 64-byte weight load used by all MT rows, each pair's weights read front to back.
 template <typename T, int MT, int NP>

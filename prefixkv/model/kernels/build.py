@@ -28,12 +28,13 @@ SOURCES = [
         "silu_and_mul.cpp",
         "rotary.cpp",
         "small_linear.cpp",
+        "blocked_linear.cpp",
         "decode_layers.cpp",
         "write_kv.cpp",
     )
 ]
 # part of the cache key, not compiled alone
-HEADERS = [_CSRC / name for name in ("bf16.h", "exp.h", "kernels.h", "target.h", "vec16.h")]
+HEADERS = [_CSRC / name for name in ("bf16.h", "exp.h", "kernels.h", "linear_step.h", "target.h", "vec16.h")]
 BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # What the kernels are compiled for: "native" (every instruction this CPU has), or an x86-64 level
 # ("x86-64-v3": AVX2 + FMA, the CPU of most cloud VMs; "x86-64-v4": AVX-512), so that a machine with

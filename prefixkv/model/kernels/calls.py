@@ -179,3 +179,13 @@ def small_linear_layout(weight: torch.Tensor) -> torch.Tensor:
         tail[: N - whole * columns] = weight[whole * columns :]
         out[whole:].copy_(arranged(tail, 1))
     return out
+
+
+def small_linear_unlayout(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [out_features, K] weight that `small_linear_layout` laid out as `packed` (a new tensor)."""
+    if packed.dim() == 4:  # float32 [pairs, K, pair, block]
+        rows = packed.permute(0, 2, 3, 1)
+    else:  # bfloat16 [pairs, K/2, pair, block, 2]
+        rows = packed.permute(0, 2, 3, 1, 4)
+    pairs = packed.shape[0]
+    return rows.reshape(pairs * SMALL_LINEAR_BLOCK * SMALL_LINEAR_PAIR, -1)[:out_features].contiguous()

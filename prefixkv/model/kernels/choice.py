@@ -13,6 +13,9 @@ faster runs (`ops.KernelChoice`):
 - the small-batch linear (1, 2, 4, 8 and 16 rows of the gate/up product) against the faster of
   oneDNN's packed kernel and F.linear: it takes steps up to the most rows it won at (and so does
   the one-call decode step, built of it);
+- the many-row linear (a prefill's 256 rows of the gate/up and down products) against oneDNN's packed
+  kernel: where it wins, every matmul keeps one copy of its weights, in the small-batch layout,
+  for prefill and decode alike (layers.NativeLinear), instead of a second, oneDNN's, for prefills;
 - residual add + RMSNorm, SiLU x up, rotary and the K/V cache write at a decode step's rows and a
   prefill's, against their PyTorch formulations.
 
@@ -61,7 +64,7 @@ SMALL_LINEAR_ROWS = (1, 2, 4, 8, 16)
 # machine move a few percent run to run, and the native paths also save allocations and copies
 # the isolated timing does not see
 TOLERANCE = 1.05
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: blocked_linear
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,8 @@ def measure(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
             timed["decode_attention"] = [_decode_attention(shapes, dtype, b, g) for b in (1, 8)]
         if ops.small_linear_available(dtype):
             timed["small_linear"] = [_small_linear(shapes, dtype, m, g) for m in SMALL_LINEAR_ROWS]
+        if ops.blocked_linear_available(dtype):
+            timed["blocked_linear"] = [_blocked_linear(shapes, dtype, product, g) for product in ("gate_up", "down")]
         timed["add_rms_norm"] = [_norm(shapes, dtype, rows, g) for rows in (1, 256)]
         timed["silu_and_mul"] = [_silu(shapes, dtype, rows, g) for rows in (1, 256)]
         if attention:
@@ -277,6 +282,7 @@ def measure(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
         small_linear_max_rows=rows_cap,
         decode_attention=wins("decode_attention"),
         small_linear="small_linear" in timed and rows_cap != 0,
+        blocked_linear="blocked_linear" in timed and rows_cap != 0 and wins("blocked_linear"),
         add_rms_norm=wins("add_rms_norm"),
         silu_and_mul=wins("silu_and_mul"),
         rotary=wins("rotary"),
@@ -360,6 +366,28 @@ def _small_linear(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.
         other = _time(native, mkl, "")
         first.torch_ms = min(first.torch_ms, other.torch_ms)
     return first
+
+
+BLOCKED_LINEAR_ROWS = 256
+
+
+def _blocked_linear(shapes: KernelShapes, dtype: torch.dtype, product: str, g: torch.Generator) -> Timed:
+    H, I = shapes.hidden, shapes.intermediate
+    N, K = (2 * I, H) if product == "gate_up" else (H, I)
+    weight = (torch.randn(N, K, generator=g) * 0.02).to(dtype)
+    x = torch.randn(BLOCKED_LINEAR_ROWS, K, generator=g).to(dtype)
+    native_weight = ops.small_linear_weight(weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+
+    def native() -> None:
+        assert native_weight is not None
+        ops.blocked_linear(x, native_weight, N)
+
+    def onednn() -> None:
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    big = BLOCKED_LINEAR_ROWS * N * K > 2e9  # a 1B model's products: ~0.1-0.2 s a call on one thread
+    return _time(native, onednn, f"many-row linear, {BLOCKED_LINEAR_ROWS} rows x {K} -> {N}", reps=3 if big else 7)
 
 
 def _norm(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generator) -> Timed:

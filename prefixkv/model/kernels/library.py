@@ -30,6 +30,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "prefixkv_small_linear_available": [],
     # (dtype, x, x_row_stride, packed weight, bias, y, M, K, N, threads)
     "prefixkv_small_linear": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
+    "prefixkv_blocked_linear_available": [],
+    # (dtype, x, x_row_stride, packed weight, bias, y, M, K, N, threads): small_linear's arguments
+    "prefixkv_blocked_linear": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I],
     # (dtype, dims, weights, caches, h, x, cos, sin, slot_mapping, slots, lens, eps, scale, threads)
     "prefixkv_decode_layers": [_I, *[_P] * 10, _F, _F, _I],
     # (element size, k, k_row_stride, v, v_row_stride, slots, T, row, k_cache, v_cache, num_slots, threads)
@@ -72,3 +75,5 @@ class CpuKernels:
     small_linear: Any | None = None  # None where it disagreed with F.linear
     small_linear_dtypes: frozenset[torch.dtype] = frozenset()  # those it has passed its check for
     decode_layers: Any | None = None  # built of the checked kernels' own pieces (csrc/kernels.h)
+    blocked_linear: Any | None = None  # None where it disagreed with the small-batch linear
+    blocked_linear_dtypes: frozenset[torch.dtype] = frozenset()

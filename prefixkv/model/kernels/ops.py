@@ -13,6 +13,9 @@
   once in 64-byte column blocks, streamed once per step (float32 with AVX-512 or AVX2 + FMA,
   bfloat16 with AVX512-BF16), where oneDNN's kernels, built for many rows, read the weights at half
   the speed;
+- the many-row linear (csrc/blocked_linear.cpp): a prefill's rows times the same layout, a blocked
+  matrix product at oneDNN's speed whose every row is the small-batch linear's bit for bit, so one
+  copy of the weights serves prefill and decode;
 - every layer of a small decode step in one call (csrc/decode_layers.cpp): the pieces above,
   each the very function its own kernel runs (csrc/kernels.h), inside one OpenMP region - no
   Python, new tensor or thread start-up between them; bit for bit the layer-by-layer results.
@@ -51,6 +54,7 @@ from .library import CpuKernels, load
 logger = logging.getLogger(__name__)
 ENV_SWITCH = "PREFIXKV_CPU_KERNELS"
 _enabled = os.environ.get(ENV_SWITCH, "1") != "0"
+DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # the linear kernels' *_available() bits
 _lock = threading.Lock()
 _loaded = False
 _kernels: CpuKernels | None = None  # set once, by the first _kernels_or_none()
@@ -70,6 +74,7 @@ class KernelChoice:
     small_linear_max_rows: int | None = None
     decode_attention: bool = True
     small_linear: bool = True
+    blocked_linear: bool = True
     add_rms_norm: bool = True
     silu_and_mul: bool = True
     rotary: bool = True
@@ -153,7 +158,7 @@ def _kernels_or_none() -> CpuKernels | None:
                         write_kv=lib.prefixkv_write_kv,
                     )
                     built = lib.prefixkv_small_linear_available()
-                    dtypes = [dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if built & bit]
+                    dtypes = [dt for dt, bit in DTYPE_BITS.items() if built & bit]
                     agree = [dt for dt in dtypes if self_check.small_linear_agrees(lib.prefixkv_small_linear, dt)]
                     if agree == dtypes:  # possibly none: then small_linear_available() is False throughout
                         kernels = dataclasses.replace(
@@ -162,6 +167,16 @@ def _kernels_or_none() -> CpuKernels | None:
                             small_linear_dtypes=frozenset(agree),
                             decode_layers=lib.prefixkv_decode_layers,
                         )
+                        many = lib.prefixkv_blocked_linear_available()
+                        built_many = [dt for dt in agree if many & DTYPE_BITS[dt]]
+                        small, blocked_fn = lib.prefixkv_small_linear, lib.prefixkv_blocked_linear
+                        blocked = [dt for dt in built_many if self_check.blocked_linear_agrees(blocked_fn, small, dt)]
+                        if blocked:
+                            kernels = dataclasses.replace(
+                                kernels, blocked_linear=blocked_fn, blocked_linear_dtypes=frozenset(blocked)
+                            )
+                        if blocked != built_many:
+                            logger.warning("the many-row linear kernel disagreed with the small-batch one; not used")
                     else:
                         logger.warning("the small-batch linear kernel disagreed with F.linear; not used")
                     _kernels = kernels
@@ -452,15 +467,51 @@ def small_linear(
     kernels = _kernels  # loaded by small_linear_available, which decides whether weights are laid out
     if not _enabled or kernels is None or kernels.small_linear is None or x.dtype not in kernels.small_linear_dtypes:
         return None
-    if x.dim() != 2 or x.stride(1) != 1 or packed.dtype != x.dtype:
+    if not _linear_args_fit(x, packed, out_features, bias):
         return None
+    return calls.small_linear_call(kernels.small_linear, x, packed, out_features, bias)
+
+
+def _linear_args_fit(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> bool:
+    """Whether x, a weight laid out by `small_linear_weight` and bias fit the linear kernels."""
+    if x.dim() != 2 or x.stride(1) != 1 or packed.dtype != x.dtype:
+        return False
     K = x.shape[1]
     inputs = packed.shape[1] * (2 if x.dtype == torch.bfloat16 else 1)
     if inputs != K or packed.shape[0] != calls.small_linear_pairs(out_features) or not packed.is_contiguous():
-        return None  # not the layout of an [out_features, K] weight
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
+        return False  # not the layout of an [out_features, K] weight
+    return bias is None or (bias.dtype == torch.float32 and bias.shape == (out_features,) and bias.is_contiguous())
+
+
+def blocked_linear_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `blocked_linear` runs here for `dtype`: where `small_linear` does, the kernel passed its
+    check, and the timing chose it over oneDNN's for a prefill's rows (kernel_choice)."""
+    kernels = _kernels_or_none() if _enabled else None
+    return (
+        small_linear_available(dtype)
+        and kernels is not None
+        and dtype in kernels.blocked_linear_dtypes
+        and _chosen("blocked_linear", dtype)
+    )
+
+
+def blocked_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """`small_linear` for any number of rows (a prefill's): the same arguments, the same bits for every
+    row; a blocked product that runs at oneDNN's speed where `small_linear` (which streams the
+    weights once per 8 rows) would not. None where the kernel does not apply."""
+    kernels = _kernels
+    if (
+        not _enabled
+        or kernels is None
+        or kernels.blocked_linear is None
+        or x.dtype not in kernels.blocked_linear_dtypes
+    ):
         return None
-    return calls.small_linear_call(kernels.small_linear, x, packed, out_features, bias)
+    if not _linear_args_fit(x, packed, out_features, bias):
+        return None
+    return calls.small_linear_call(kernels.blocked_linear, x, packed, out_features, bias)
 
 
 def decode_layers_available(dtype: torch.dtype) -> bool:

@@ -97,3 +97,29 @@ def small_linear_agrees(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> bool:  # ty
             if got is None or not torch.allclose(got.float(), want, rtol=tol, atol=tol):
                 return False
     return True
+
+
+def blocked_linear_agrees(
+    blocked: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    small: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    dtype: torch.dtype,
+) -> bool:
+    """The freshly loaded many-row linear against the small-batch one it must equal bit for bit (and
+    so F.linear up to rounding, small_linear_agrees): 1, 13 and 250 rows (a partial tile, two chunks),
+    37 outputs, 64 inputs, with and without bias, the rows 3 values longer than K."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(37, 64, generator=g).to(dtype)
+    bias = torch.randn(37, generator=g)
+    packed = calls.small_linear_layout(weight)
+    for rows in (1, 13, 250):
+        x = torch.randn(rows, 67, generator=g).to(dtype)[:, :64]
+        for b in (None, bias):
+            got = calls.small_linear_call(blocked, x, packed, 37, b)
+            want = calls.small_linear_call(small, x, packed, 37, b)
+            if (
+                got is None
+                or want is None
+                or not torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+            ):
+                return False
+    return True
