@@ -251,9 +251,8 @@ class NativeLinear(PackedWeights):
     """x @ W.T (+ b) on CPU with one copy of the weight, in the native kernels' layout
     (`ops.small_linear_weight`): a decode step's few rows by the small-batch linear (the weight
     streamed once per step), more rows by the blocked one (`ops.blocked_linear`, a prefill's). Both
-    sum every output in the same order with the same instructions, so a row's result is the same
-    bits whichever kernel ran and however many rows shared the call: a prompt's logits do not depend
-    on how it was chunked, cached or batched.
+    sum every output in the same order with the same instructions, so a row's product is the same
+    bits whichever kernel ran and however many rows shared the call.
 
     Where the blocked kernel timed at least as fast as oneDNN's on the model's products
     (kernel_choice), this takes half the memory of DualLayoutLinear at the same speed, and it lets

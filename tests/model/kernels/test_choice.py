@@ -123,6 +123,24 @@ def test_real_timing_gives_a_choice_and_its_lines(fresh):
     assert all("native " in line and "PyTorch " in line for line in lines)
 
 
+def test_the_weights_keep_one_layout_only_where_the_many_row_linear_won(fresh, monkeypatch):
+    """Timed faster than oneDNN (within the tolerance) at a prefill's rows, the many-row native
+    linear runs and the layers keep one copy, the native layout (NativeLinear); timed slower, it does
+    not run, and the layers keep oneDNN's layout for prefills."""
+    if not ops.blocked_linear_available(torch.float32):
+        pytest.skip("no many-row native linear here")
+    monkeypatch.setattr(kernel_choice, "_time", fake_timer({"many-row linear"}))
+    made = kernel_choice.choose(SHAPES)
+    assert made.small_linear and not made.blocked_linear and not ops.blocked_linear_available(torch.float32)
+    kernel_choice._made.clear()
+    monkeypatch.setenv(kernel_choice.ENV_MODE, "measure")  # not the answer kept on disk above
+    monkeypatch.setattr(kernel_choice, "_time", fake_timer(set()))
+    assert kernel_choice.choose(SHAPES).blocked_linear and ops.blocked_linear_available(torch.float32)
+    lines = kernel_choice.measure(SHAPES)[1]
+    assert [line for line in lines if line.startswith("many-row linear, 256 rows x 64 -> 192")]
+    assert [line for line in lines if line.startswith("many-row linear, 256 rows x 96 -> 64")]
+
+
 def test_outputs_are_the_same_whichever_kernels_were_chosen(fresh, monkeypatch):
     """The default model, greedy float32: every kernel native, every one PyTorch's, and a mixed
     choice give the same tokens (the paths agree within rounding; the test prompt is one where
@@ -137,12 +155,14 @@ def test_outputs_are_the_same_whichever_kernels_were_chosen(fresh, monkeypatch):
             prefill_max_tokens=0,
             decode_attention=False,
             small_linear=False,
+            blocked_linear=False,
             add_rms_norm=False,
             silu_and_mul=False,
             rotary=False,
             write_kv=False,
         ),
         ops.KernelChoice(prefill_max_tokens=4, rotary=False, silu_and_mul=False),
+        ops.KernelChoice(blocked_linear=False),  # oneDNN's layout for prefills, the native one for decode
     ):
         monkeypatch.setattr(kernel_choice, "measure", lambda shapes, c=choice: (c, ["fixed"]))
         kernel_choice._made.clear()
@@ -151,7 +171,7 @@ def test_outputs_are_the_same_whichever_kernels_were_chosen(fresh, monkeypatch):
         results.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
         del llm
         gc.collect()  # one default-model engine alive at a time
-    assert results[0] == results[1] == results[2]
+    assert results[0] == results[1] == results[2] == results[3]
 
 
 OTHER_ARCHES = [a for a in build.ARCHES if a != "native"]

@@ -524,3 +524,75 @@ def test_small_linear_refuses_what_it_cannot_take():
     with ops.disabled():
         assert ops.small_linear(x, packed, 32) is None
     assert ops.small_linear(x, packed, 32) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# 1-13: one partial tile; 130 and 263: chunks of equal size, tiles and a partial one in each
+@pytest.mark.parametrize("rows", [1, 13, 130, 263])
+@pytest.mark.parametrize("out_features", [37, 80, 960])
+@pytest.mark.parametrize("in_features", [576, 2304])  # 2,304: passes over spans of the steps, partial sums kept
+def test_blocked_linear_is_the_small_linears_bits(dtype, rows, out_features, in_features):
+    """Every row of the many-row linear is the small-batch linear's, bit for bit (so a prompt's
+    logits do not depend on how many rows its step had), at 1, 2 and 3 threads; and F.linear's up
+    to rounding."""
+    if not ops.blocked_linear_available(dtype):
+        pytest.skip(f"no many-row native linear for {dtype} here")
+    g = torch.Generator().manual_seed(rows + out_features + in_features)
+    weight = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(dtype)
+    bias = torch.randn(out_features, generator=g)
+    packed = ops.small_linear_weight(weight)
+    x = torch.randn(rows, in_features + 24, generator=g).to(dtype)[:, :in_features]
+    before = torch.get_num_threads()
+    try:
+        for b in (None, bias):
+            want = ops.small_linear(x, packed, out_features, b)
+            assert want is not None
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                got = ops.blocked_linear(x, packed, out_features, b)
+                assert got is not None and got.dtype == dtype and got.shape == (rows, out_features)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (b is None, threads)
+    finally:
+        torch.set_num_threads(before)
+    reference = torch.nn.functional.linear(x.float(), weight.float(), bias)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2 * 2**-8, atol=2e-2)
+    torch.testing.assert_close(got.float(), reference, **tol)
+
+
+def test_blocked_linear_refuses_what_it_cannot_take():
+    if not ops.blocked_linear_available(torch.float32):
+        pytest.skip("no many-row native linear here")
+    weight = torch.randn(32, 64)
+    packed = ops.small_linear_weight(weight)
+    x = torch.randn(40, 64)
+    assert ops.blocked_linear(x.t().contiguous().t(), packed, 32) is None  # columns apart
+    assert ops.blocked_linear(torch.randn(40, 62), packed, 32) is None  # K mismatch
+    assert ops.blocked_linear(x, packed, 33) is None  # more outputs than the weight has blocks for
+    assert ops.blocked_linear(x, packed, 32, torch.randn(31)) is None  # bias of another length
+    assert ops.blocked_linear(x.bfloat16(), packed, 32) is None  # another dtype than the weight's
+    with ops.disabled():
+        assert ops.blocked_linear(x, packed, 32) is None
+    assert torch.equal(ops.blocked_linear(torch.randn(0, 64), packed, 32), torch.empty(0, 32))
+
+
+def test_a_native_linear_layer_takes_any_rows_and_works_with_the_kernels_off():
+    """NativeLinear (one copy, the native layout): the small-batch kernel for a decode step's rows,
+    the blocked one for more, the same bits for a row either way; with the kernels switched off
+    after the layout was made, F.linear on the weight read back from it."""
+    from prefixkv.model.layers import NativeLinear
+
+    if not ops.blocked_linear_available(torch.float32):
+        pytest.skip("no many-row native linear here")
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(70, 64, generator=g), torch.randn(70, generator=g)
+    layer = NativeLinear(weight, bias)
+    x = torch.randn(2, 150, 64, generator=g)  # leading dims flattened: 300 rows
+    many = layer(x)
+    assert many.shape == (2, 150, 70)
+    few = layer(x[0, :3])
+    assert torch.equal(few, many[0, :3])
+    torch.testing.assert_close(many, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    with ops.disabled():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, bias))
+    with pytest.raises(ValueError, match="no native linear kernel"):
+        NativeLinear(weight.half())
