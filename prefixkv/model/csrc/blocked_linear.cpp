@@ -206,6 +206,7 @@ void copy_tile(const T* x, int64_t ldx, int64_t m0, int64_t rows, int64_t steps,
 template <typename T>
 void linear(const T* x, int64_t ldx, const T* wp, const float* bias, T* y, int64_t M, int64_t K, int64_t N,
             int num_threads) {
+    if (M == 0) return;
     const int64_t steps = K / Step<T>::kInputs, pairs = (N + 2 * kLinearBlock - 1) / (2 * kLinearBlock);
     // tasks: kGroupPairs pairs (fewer where the pairs would not keep every thread busy) times a
     // share of the chunk's tiles (more than one share where the pairs alone are too few tasks)
@@ -249,38 +250,13 @@ void linear(const T* x, int64_t ldx, const T* wp, const float* bias, T* y, int64
 
 // Which dtypes this build has the kernel for: bit 0 float32 (AVX-512 or AVX2 + FMA), bit 1 bfloat16
 // (AVX512-BF16) - those of small_linear.cpp.
-extern "C" int prefixkv_blocked_linear_available() {
-    int dtypes = 0;
-#ifdef PREFIXKV_BLOCKED_LINEAR
-    dtypes |= 1;
-#endif
-#ifdef PREFIXKV_LINEAR_BF16
-    dtypes |= 2;
-#endif
-    return dtypes;
-}
+extern "C" int prefixkv_blocked_linear_available() { return prefixkv::linear_dtypes(); }
 
 // dtype 0: float32, 1: bfloat16. x [M, K] (rows ldx apart), wp laid out as for small_linear.cpp for
 // N outputs, bias [N] float32 or null, y [M, N]. Returns 0, or non-zero for what it does not handle.
-extern "C" int prefixkv_blocked_linear(int dtype, const void* x, int64_t ldx, const void* wp, const float* bias,
-                                       void* y, int64_t M, int64_t K, int64_t N, int num_threads) {
-    if (M < 0 || K < 1 || N < 1 || ldx < K || num_threads < 1) return 1;
-    if (M == 0) return 0;
-#ifdef PREFIXKV_BLOCKED_LINEAR
-    if (dtype == 0) {
-        linear(static_cast<const float*>(x), ldx, static_cast<const float*>(wp), bias, static_cast<float*>(y), M, K, N,
-               num_threads);
-        return 0;
-    }
-#endif
-#ifdef PREFIXKV_LINEAR_BF16
-    if (dtype == 1) {
-        if (K % 2) return 1;
-        linear(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(wp), bias, static_cast<uint16_t*>(y),
-               M, K, N, num_threads);
-        return 0;
-    }
-#endif
-    (void)dtype, (void)x, (void)wp, (void)bias, (void)y;
-    return 4;
+extern "C" int prefixkv_blocked_linear(int dtype, const void* x, int64_t ldx, const void* wp, const float* bias, void* y,
+                             int64_t M, int64_t K, int64_t N, int num_threads) {
+    return prefixkv::call_linear(dtype, x, ldx, wp, y, M, K, N, num_threads, [&](auto* xs, auto* ws, auto* ys) {
+        linear(xs, ldx, ws, bias, ys, M, K, N, num_threads);
+    });
 }

@@ -68,4 +68,43 @@ struct LinearStep<uint16_t> {  // two inputs per step: the pair's two bfloat16 p
 };
 #endif
 
+// Which dtypes this build has the linear kernels for: bit 0 float32 (AVX-512 or AVX2 + FMA), bit 1
+// bfloat16 (AVX512-BF16).
+inline int linear_dtypes() {
+    int dtypes = 0;
+#if defined(PREFIXKV_LINEAR_AVX512) || defined(PREFIXKV_LINEAR_AVX2)
+    dtypes |= 1;
+#endif
+#ifdef PREFIXKV_LINEAR_BF16
+    dtypes |= 2;
+#endif
+    return dtypes;
+}
+
+// The linear kernels' entry points (dtype 0: float32, 1: bfloat16; x [M, K], rows ldx apart; wp laid
+// out as small_linear.cpp says for N outputs; bias [N] float32 or null; y [M, N]): checks the
+// arguments and calls run(x, wp, y) with the pointers of the dtype's element type. Returns 0, or
+// non-zero for what the kernels do not take (bfloat16 with K odd; no kernel for the dtype in this
+// build: 4).
+template <typename Run>
+inline int call_linear(int dtype, const void* x, int64_t ldx, const void* wp, void* y, int64_t M, int64_t K,
+                       int64_t N, int num_threads, Run run) {
+    if (M < 0 || K < 1 || N < 1 || ldx < K || num_threads < 1) return 1;
+#if defined(PREFIXKV_LINEAR_AVX512) || defined(PREFIXKV_LINEAR_AVX2)
+    if (dtype == 0) {
+        run(static_cast<const float*>(x), static_cast<const float*>(wp), static_cast<float*>(y));
+        return 0;
+    }
+#endif
+#ifdef PREFIXKV_LINEAR_BF16
+    if (dtype == 1) {
+        if (K % 2) return 1;
+        run(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(wp), static_cast<uint16_t*>(y));
+        return 0;
+    }
+#endif
+    (void)dtype, (void)x, (void)wp, (void)y, (void)run;
+    return 4;
+}
+
 }  // namespace prefixkv

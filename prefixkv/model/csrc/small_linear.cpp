@@ -248,38 +248,14 @@ void prefixkv::small_linear_task(int dtype, int64_t task, const void* x, int64_t
 
 // Which dtypes this build has the kernel for: bit 0 float32 (AVX-512 or AVX2 + FMA), bit 1 bfloat16
 // (AVX512-BF16).
-extern "C" int prefixkv_small_linear_available() {
-    int dtypes = 0;
-#ifdef PREFIXKV_SMALL_LINEAR_F32
-    dtypes |= 1;
-#endif
-#ifdef PREFIXKV_SMALL_LINEAR_BF16
-    dtypes |= 2;
-#endif
-    return dtypes;
-}
+extern "C" int prefixkv_small_linear_available() { return prefixkv::linear_dtypes(); }
 
 // dtype 0: float32, 1: bfloat16. x [M, K] (rows ldx apart), wp packed as above for N outputs,
 // bias [N] float32 or null, y [M, N]. Returns 0, or non-zero for what it does not handle (bfloat16
 // with K odd, or no kernel for the dtype in this build).
 extern "C" int prefixkv_small_linear(int dtype, const void* x, int64_t ldx, const void* wp, const float* bias, void* y,
-                                     int64_t M, int64_t K, int64_t N, int num_threads) {
-    if (M < 0 || K < 1 || N < 1 || ldx < K || num_threads < 1) return 1;
-#ifdef PREFIXKV_SMALL_LINEAR_F32
-    if (dtype == 0) {
-        linear(static_cast<const float*>(x), ldx, static_cast<const float*>(wp), bias, static_cast<float*>(y), M, K, N,
-               num_threads);
-        return 0;
-    }
-#endif
-#ifdef PREFIXKV_SMALL_LINEAR_BF16
-    if (dtype == 1) {
-        if (K % 2) return 1;
-        linear(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(wp), bias, static_cast<uint16_t*>(y),
-               M, K, N, num_threads);
-        return 0;
-    }
-#endif
-    (void)dtype, (void)x, (void)wp, (void)bias, (void)y;
-    return 4;
+                             int64_t M, int64_t K, int64_t N, int num_threads) {
+    return prefixkv::call_linear(dtype, x, ldx, wp, y, M, K, N, num_threads, [&](auto* xs, auto* ws, auto* ys) {
+        linear(xs, ldx, ws, bias, ys, M, K, N, num_threads);
+    });
 }
