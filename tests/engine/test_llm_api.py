@@ -213,17 +213,24 @@ def test_reset_prefix_cache(llm):
 
 
 def test_bfloat16_on_cpu_packs_weights_and_serves(llm):
-    """dtype="bfloat16" on CPU: oneDNN-packed weights where the CPU supports them (and a second
-    layout for decode-sized steps where it has AVX512-BF16); the engine generates, caches and frees
-    like the float32 one (whose outputs the exactness tests check)."""
+    """dtype="bfloat16" on CPU: one copy of the weights in the native layout where the CPU has
+    AVX512-BF16 and the many-row native linear runs; else oneDNN-packed weights where the CPU
+    supports them (and a second layout for decode-sized steps where it has AVX512-BF16); the engine
+    generates, caches and frees like the float32 one (whose outputs the exactness tests check)."""
     from prefixkv.model.kernels import ops
-    from prefixkv.model.layers import DualLayoutLinear, PackedLinear, packed_linear_works
+    from prefixkv.model.layers import DualLayoutLinear, NativeLinear, PackedLinear, packed_linear_works
 
     b16 = LLM(device="cpu", dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=512)
     engine = b16.llm_engine
     assert (engine.runner.model.packed_head is not None) == packed_linear_works()
     if packed_linear_works():
-        kind = DualLayoutLinear if ops.small_linear_available() else PackedLinear
+        kind = (
+            NativeLinear
+            if ops.blocked_linear_available()
+            else DualLayoutLinear
+            if ops.small_linear_available()
+            else PackedLinear
+        )
         assert isinstance(engine.runner.model.layers[0].mlp.down_proj, kind)
     doc = "A shared document about prefix caching. " * 8
     outs = b16.generate([doc + "First question?", doc + "Second question?"], GREEDY)
