@@ -5,7 +5,7 @@
 //
 // A blocked matrix product (GotoBLAS's scheme). The layout already is what such a product packs its
 // weights into: a pair of 16-column blocks, K steps of 2 x 64 contiguous bytes. The rows are
-// copied per chunk of kChunkRows into tiles of kRows rows, step-major ([steps][rows], the inputs of
+// copied per chunk (kSpanBytes of them per span of steps) into tiles of kRows rows, step-major ([steps][rows], the inputs of
 // one step side by side), so that the inner loop reads one short stream of inputs besides the
 // weights: read in place, kRows rows kLdx apart compete for the same few L1 sets (rows 8 KB apart
 // map onto one set) and the kernel ran at 0.65x oneDNN's speed. A tile holds kRows x 32 float32
@@ -41,16 +41,21 @@ using prefixkv::kLinearPair;
 template <typename T>
 using Step = prefixkv::LinearStep<T>;
 
-// rows copied at a time, and steps per pass: a span of a chunk's copied inputs (120 x 1,024 x 4
-// bytes, 480 KB) and a task's pairs' span of weights (2 x 128 KB) share the L2 (1 MB on a Zen 4).
-// Timed against 240 x 512, 240 x 1,024 and 480 x 256 / 512 on Llama 3.2 1B's and SmolLM2-135M's
-// products at 478 rows (2 threads, AMD Zen 4): the largest, down (8,192 -> 2,048), ran 1.03x
-// oneDNN's time, against 1.06-1.27x.
-constexpr int64_t kChunkRows = 120;
+// Steps per pass, and rows copied at a time: a span of a chunk's copied inputs (kSpanBytes: 120 rows
+// x 1,024 steps x 4 bytes) and a task's pairs' span of weights (2 x 128 KB) share the L2 (1 MB on a
+// Zen 4); fewer steps, more rows (at most kMaxChunkRows), so that a short K reads each weight once
+// for more rows (SmolLM2's products at 256-478 rows, one thread: 1.04-1.08x oneDNN's time with up
+// to 240 rows, 1.07-1.10x with 120). Timed against 240 x 512, 240 x 1,024 and 480 x 256 / 512 on Llama 3.2 1B's and
+// SmolLM2-135M's products at 478 rows (2 threads, AMD Zen 4): the largest, down (8,192 -> 2,048),
+// ran 1.03x oneDNN's time, against 1.06-1.27x.
 constexpr int64_t kSpan = 1024;
+constexpr int64_t kSpanBytes = 120 * kSpan * 4;
+constexpr int64_t kMaxChunkRows = 240;
 constexpr int64_t kGroupPairs = 2;   // pairs of column blocks per task
 #ifdef PREFIXKV_LINEAR_AVX512
-constexpr int kRows = 12;  // 12 rows x 2 blocks: 24 accumulators of the 32 zmm registers
+// 12 rows x 2 blocks: 24 accumulators of the 32 zmm registers. 14 rows (28) timed the same; the
+// inputs as the multiply-adds' own broadcast operands ({1to16}, no vbroadcastss) 2.1x slower
+constexpr int kRows = 12;
 #else
 constexpr int kRows = 6;  // 6 rows x 1 block (2 ymm each): 12 accumulators of the 16 ymm registers
 #endif
@@ -175,14 +180,14 @@ void tile_rows(int mt, const Unit* a, const T* w, int64_t s0, int64_t s1, float*
 // one task: pairs [q0, q1) for rows [r0, r1) of the chunk (`a`: its copied inputs; y: its first row)
 template <typename T>
 void task(const Unit* a, int64_t r0, int64_t r1, const T* wp, int64_t steps, int64_t q0, int64_t q1, int64_t N,
-          const float* bias, T* y, float* part) {
+          const float* bias, T* y, float* part, int64_t part_rows) {
     constexpr int64_t kElems = 64 / sizeof(T);
     const int64_t pair_elems = steps * kLinearPair * kElems;
     for (int64_t s0 = 0; s0 < steps; s0 += kSpan) {
         const int64_t s1 = s0 + kSpan < steps ? s0 + kSpan : steps;
         for (int64_t q = q0; q < q1; ++q) {
             const T* w = wp + q * pair_elems + s0 * kLinearPair * kElems;
-            float* pq = part + (q - q0) * kChunkRows * kLinearPair * kLinearBlock;
+            float* pq = part + (q - q0) * part_rows * kLinearPair * kLinearBlock;
             for (int64_t m = r0; m < r1; m += kRows) {
                 const int mt = r1 - m < kRows ? static_cast<int>(r1 - m) : kRows;
                 tile_rows<T>(mt, a + m * steps, w, s0, s1, pq + (m - r0) * kLinearPair * kLinearBlock, s0 == 0,
@@ -214,18 +219,23 @@ void linear(const T* x, int64_t ldx, const T* wp, const float* bias, T* y, int64
     int64_t group = pairs / wanted;
     group = group < 1 ? 1 : group > kGroupPairs ? kGroupPairs : group;
     const int64_t groups = (pairs + group - 1) / group;
-    // chunks of equal size (whole tiles), not kChunkRows and a remainder: 128 rows as 72 + 56, where
+    // chunks of equal size (whole tiles), not the most rows and a remainder: 128 rows as 72 + 56, where
     // 120 + 8 read every weight a second time for one partial tile
-    const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+    const int64_t span_steps = steps < kSpan ? steps : kSpan;
+    int64_t max_rows = kSpanBytes / (span_steps * static_cast<int64_t>(sizeof(Unit))) / kRows * kRows;
+    max_rows = max_rows < kRows ? kRows : max_rows > kMaxChunkRows ? kMaxChunkRows / kRows * kRows : max_rows;
+    const int64_t chunks = (M + max_rows - 1) / max_rows;
     const int64_t chunk_rows = ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
     // the copied inputs of one chunk, kept by the calling thread from call to call (at most
-    // kChunkRows x K values: 3.9 MB for K = 8,192 in float32)
+    // kMaxChunkRows x K values, and 120 x K past 1,024 steps: 3.9 MB for K = 8,192 in float32)
     static thread_local std::vector<Unit> copied;
-    if (copied.size() < static_cast<size_t>(kChunkRows * steps)) copied.resize(kChunkRows * steps);
+    if (copied.size() < static_cast<size_t>(chunk_rows * steps)) copied.resize(chunk_rows * steps);
     Unit* a = copied.data();
 #pragma omp parallel num_threads(num_threads)
     {
-        static thread_local std::vector<float> part(kGroupPairs * kChunkRows * kLinearPair * kLinearBlock);
+        static thread_local std::vector<float> part;
+        if (part.size() < static_cast<size_t>(kGroupPairs * chunk_rows * kLinearPair * kLinearBlock))
+            part.resize(kGroupPairs * chunk_rows * kLinearPair * kLinearBlock);
         for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
             const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows, tiles = (rows + kRows - 1) / kRows;
             int64_t shares = (wanted + groups - 1) / groups;
@@ -239,7 +249,7 @@ void linear(const T* x, int64_t ldx, const T* wp, const float* bias, T* y, int64
                 const int64_t g = i / shares, r0 = i % shares * share_rows;
                 const int64_t r1 = r0 + share_rows < rows ? r0 + share_rows : rows;
                 const int64_t q0 = g * group, q1 = q0 + group < pairs ? q0 + group : pairs;
-                task(a, r0, r1, wp, steps, q0, q1, N, bias, y + m0 * N, part.data());
+                task(a, r0, r1, wp, steps, q0, q1, N, bias, y + m0 * N, part.data(), chunk_rows);
             }
         }
     }
