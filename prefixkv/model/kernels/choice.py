@@ -301,15 +301,19 @@ def measure(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
 
 def _cap(runs: list[Timed] | None, sizes: tuple[int, ...]) -> int | None:
     """None where the native path won at every size (or was not timed), else the largest size it
-    won at with every smaller one won too (0: none)."""
+    won at whose sizes up to it it won in sum; 0 where it lost at the smallest. A loss between two
+    wins is taken for noise: one at 2 rows of the small-batch linear, between wins at 1, 4, 8 and 16
+    (a neighbour's burst that outlived both rounds of `_time`), once capped it at 1 row."""
     if not runs or all(t.native_wins for t in runs):
         return None
-    cap = 0
-    for size, t in zip(sizes, runs):
-        if not t.native_wins:
-            break
-        cap = size
-    return cap
+    if not runs[0].native_wins:
+        return 0
+    for k in range(len(runs) - 1, 0, -1):
+        native = sum(t.native_ms for t in runs[: k + 1])
+        reference = sum(t.torch_ms for t in runs[: k + 1])
+        if runs[k].native_wins and native <= TOLERANCE * reference:
+            return sizes[k]
+    return sizes[0]
 
 
 def _prefill(shapes: KernelShapes, dtype: torch.dtype, n: int, g: torch.Generator) -> Timed:

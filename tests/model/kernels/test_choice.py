@@ -123,6 +123,20 @@ def test_real_timing_gives_a_choice_and_its_lines(fresh):
     assert all("native " in line and "PyTorch " in line for line in lines)
 
 
+def test_a_loss_between_wins_does_not_cap_a_kernel(fresh, monkeypatch):
+    """The small-batch linear losing at 2 rows only (noise, physically it streams the weights
+    faster at every row count timed) still takes steps up to 16 rows; losing at 8 and 16 caps it at 4."""
+    if not ops.small_linear_available(torch.float32):
+        pytest.skip("no small-batch linear kernel here")
+    monkeypatch.setattr(kernel_choice, "_time", fake_timer({"small linear, 2 rows"}))
+    assert kernel_choice.choose(SHAPES).small_linear_max_rows == 16
+    runs = [Timed("", 1.0, 2.0), Timed("", 1.0, 0.5), Timed("", 1.0, 2.0)]
+    assert kernel_choice._cap(runs, (1, 2, 4)) == 4
+    assert kernel_choice._cap(runs[:2], (1, 2)) == 1
+    assert kernel_choice._cap([Timed("", 1.0, 2.0), Timed("", 3.0, 0.5), Timed("", 1.0, 2.0)], (1, 2, 4)) == 1
+    assert kernel_choice._cap([Timed("", 1.0, 0.5), Timed("", 1.0, 2.0)], (1, 2)) == 0  # lost at the smallest
+
+
 def test_the_weights_keep_one_layout_only_where_the_many_row_linear_won(fresh, monkeypatch):
     """Timed faster than oneDNN (within the tolerance) at a prefill's rows, the many-row native
     linear runs and the layers keep one copy, the native layout (NativeLinear); timed slower, it does
