@@ -301,16 +301,20 @@ class LlamaModel(nn.Module):
             kernel_choice.choose(self.kernel_shapes())  # before the layouts: they follow the choice
         kind: LinearKind
         head_kind: LinearKind
-        if ops.blocked_linear_available(self.dtype):
-            # one copy, the native layout, for prefill and decode: the blocked kernel timed as fast
-            # as oneDNN's on this model's products here (kernel_choice)
-            logger.info("matmul weights in one layout, the native kernels' (prefill and decode alike)")
-            self._pack_linears(NativeLinear, NativeLinear)
-            return True
         linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
         layer_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
         native_kernel = ops.small_linear_available(self.dtype)
         dual = dual_layout_works(self.dtype) and keeps_two_layouts(layer_bytes, native_kernel)
+        if ops.blocked_linear_faster(self.dtype) or (ops.blocked_linear_available(self.dtype) and not dual):
+            # one copy, the native layout, for prefill and decode: the blocked kernel timed at least
+            # as fast as oneDNN's on this model's products here, or within the tolerance where a
+            # second copy would not fit (kernel_choice)
+            logger.info(
+                "matmul weights (%.1f GB) in one layout, the native kernels' (prefill and decode alike)",
+                layer_bytes / 1e9,
+            )
+            self._pack_linears(NativeLinear, NativeLinear)
+            return True
         if layer_bytes > DUAL_LAYOUT_MAX_BYTES and native_kernel and dual_layout_works(self.dtype):  # memory decided
             available = memory_available_bytes()
             logger.info(

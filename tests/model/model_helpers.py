@@ -53,12 +53,15 @@ def scattered_blocks(n_tokens, block_size, pool, generator):
 
 
 @contextlib.contextmanager
-def without_blocked_linear(*dtypes: torch.dtype) -> Iterator[None]:
+def without_blocked_linear(*dtypes: torch.dtype, tolerated: bool = False) -> Iterator[None]:
     """Models packed inside the block lay their weights out as where the many-row native linear lost
-    its timing to oneDNN (kernel_choice): oneDNN's layout, and a second for decode where it fits."""
+    its timing to oneDNN (kernel_choice): oneDNN's layout, and a second for decode where it fits.
+    `tolerated`: as where it timed within the tolerance but slower - one native layout only where a
+    second copy would not fit."""
     before = {dt: ops.choice(dt) for dt in dtypes}
     for dt, made in before.items():
-        ops.set_choice(dt, dataclasses.replace(made or ops.KernelChoice(), blocked_linear=False))
+        choice = dataclasses.replace(made or ops.KernelChoice(), blocked_linear=tolerated, blocked_linear_faster=False)
+        ops.set_choice(dt, choice)
     try:
         yield
     finally:

@@ -14,8 +14,10 @@ faster runs (`ops.KernelChoice`):
   oneDNN's packed kernel and F.linear: it takes steps up to the most rows it won at (and so does
   the one-call decode step, built of it);
 - the many-row linear (a prefill's 256 rows of the gate/up and down products) against oneDNN's packed
-  kernel: where it wins, every matmul keeps one copy of its weights, in the small-batch layout,
-  for prefill and decode alike (layers.NativeLinear), instead of a second, oneDNN's, for prefills;
+  kernel: where it is at least as fast, every matmul keeps one copy of its weights, in the
+  small-batch layout, for prefill and decode alike (layers.NativeLinear), instead of a second,
+  oneDNN's, for prefills; where it is within the tolerance, only where the second copy would not
+  fit (a prefill a few percent slower, not every decode step on oneDNN's slower streaming);
 - residual add + RMSNorm, SiLU x up, rotary and the K/V cache write at a decode step's rows and a
   prefill's, against their PyTorch formulations.
 
@@ -64,7 +66,7 @@ SMALL_LINEAR_ROWS = (1, 2, 4, 8, 16)
 # machine move a few percent run to run, and the native paths also save allocations and copies
 # the isolated timing does not see
 TOLERANCE = 1.05
-FORMAT_VERSION = 2  # 2: blocked_linear
+FORMAT_VERSION = 3  # 2: blocked_linear, 3: blocked_linear_faster
 
 
 @dataclass(frozen=True)
@@ -279,9 +281,9 @@ def measure(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
         ops.set_choice(dtype, before)
         torch.set_num_threads(threads)
 
-    def wins(name: str) -> bool:  # where it applies: the sum over the sizes timed
+    def wins(name: str, tolerance: float = TOLERANCE) -> bool:  # where it applies: the sum over the sizes timed
         runs = timed.get(name)
-        return not runs or sum(t.native_ms for t in runs) <= TOLERANCE * sum(t.torch_ms for t in runs)
+        return not runs or sum(t.native_ms for t in runs) <= tolerance * sum(t.torch_ms for t in runs)
 
     prefill_cap = _cap(timed.get("prefill"), PREFILL_LENGTHS)
     rows_cap = _cap(timed.get("small_linear"), SMALL_LINEAR_ROWS)
@@ -291,6 +293,7 @@ def measure(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
         decode_attention=wins("decode_attention"),
         small_linear="small_linear" in timed and rows_cap != 0,
         blocked_linear="blocked_linear" in timed and rows_cap != 0 and wins("blocked_linear"),
+        blocked_linear_faster="blocked_linear" in timed and rows_cap != 0 and wins("blocked_linear", 1.0),
         add_rms_norm=wins("add_rms_norm"),
         silu_and_mul=wins("silu_and_mul"),
         rotary=wins("rotary"),

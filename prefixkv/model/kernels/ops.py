@@ -74,7 +74,8 @@ class KernelChoice:
     small_linear_max_rows: int | None = None
     decode_attention: bool = True
     small_linear: bool = True
-    blocked_linear: bool = True
+    blocked_linear: bool = True  # timed within the tolerance of oneDNN's speed
+    blocked_linear_faster: bool = True  # and at least as fast
     add_rms_norm: bool = True
     silu_and_mul: bool = True
     rotary: bool = True
@@ -493,6 +494,12 @@ def blocked_linear_available(dtype: torch.dtype = torch.bfloat16) -> bool:
         and dtype in kernels.blocked_linear_dtypes
         and _chosen("blocked_linear", dtype)
     )
+
+
+def blocked_linear_faster(dtype: torch.dtype) -> bool:
+    """Whether `blocked_linear` runs here for `dtype` and timed at least as fast as oneDNN (not only
+    within the tolerance): then one copy of the weights is kept even where two would fit."""
+    return blocked_linear_available(dtype) and _chosen("blocked_linear_faster", dtype)
 
 
 def blocked_linear(
