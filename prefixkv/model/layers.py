@@ -254,9 +254,10 @@ class NativeLinear(PackedWeights):
     sum every output in the same order with the same instructions, so a row's product is the same
     bits whichever kernel ran and however many rows shared the call.
 
-    Where the blocked kernel timed at least as fast as oneDNN's on the model's products
-    (kernel_choice), this takes half the memory of DualLayoutLinear at the same speed, and it lets
-    models too large for a second copy decode with the native kernel. Only for inference."""
+    Kept where the blocked kernel timed at least as fast as oneDNN's on the model's products
+    (kernel_choice): half the memory of DualLayoutLinear at the same speed; and, within 5% of it,
+    where a second copy would not fit: those models' decode steps on the native kernel (1.4x faster
+    than oneDNN's layout alone for Llama 3.2 1B, docs/benchmarks.md). Only for inference."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -14,8 +14,8 @@
   bfloat16 with AVX512-BF16), where oneDNN's kernels, built for many rows, read the weights at half
   the speed;
 - the many-row linear (csrc/blocked_linear.cpp): a prefill's rows times the same layout, a blocked
-  matrix product at oneDNN's speed whose every row is the small-batch linear's bit for bit, so one
-  copy of the weights serves prefill and decode;
+  matrix product within a few percent of oneDNN's speed (AMD Zen 4) whose every row is the
+  small-batch linear's bit for bit, so one copy of the weights serves prefill and decode;
 - every layer of a small decode step in one call (csrc/decode_layers.cpp): the pieces above,
   each the very function its own kernel runs (csrc/kernels.h), inside one OpenMP region - no
   Python, new tensor or thread start-up between them; bit for bit the layer-by-layer results.
@@ -506,8 +506,8 @@ def blocked_linear(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """`small_linear` for any number of rows (a prefill's): the same arguments, the same bits for every
-    row; a blocked product that runs at oneDNN's speed where `small_linear` (which streams the
-    weights once per 8 rows) would not. None where the kernel does not apply."""
+    row; a blocked product within a few percent of oneDNN's speed, where `small_linear` (which
+    streams the weights once per 8 rows) falls far behind. None where the kernel does not apply."""
     kernels = _kernels
     if (
         not _enabled
