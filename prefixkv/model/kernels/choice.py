@@ -213,9 +213,12 @@ def _stored_or_measured(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[st
 
 
 def summary(made: ops.KernelChoice) -> str:
-    caps = ("prefill_max_tokens", "small_linear_max_rows")
+    caps = ("prefill_max_tokens", "small_linear_max_rows", "blocked_linear_faster")
     native = [name for name, on in asdict(made).items() if name not in caps and on]
     torch_path = [name for name, on in asdict(made).items() if name not in caps and not on]
+    if made.blocked_linear:
+        where = "one layout" if made.blocked_linear_faster else "one layout where two do not fit"
+        native[native.index("blocked_linear")] = f"blocked_linear ({where})"
     cap = made.prefill_max_tokens
     prefill = "any length" if cap is None else "none" if cap == 0 else f"up to {cap} new tokens"
     rows = made.small_linear_max_rows
@@ -392,17 +395,22 @@ def _blocked_linear(shapes: KernelShapes, dtype: torch.dtype, product: str, g: t
     weight = (torch.randn(N, K, generator=g) * 0.02).to(dtype)
     x = torch.randn(BLOCKED_LINEAR_ROWS, K, generator=g).to(dtype)
     native_weight = ops.small_linear_weight(weight)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    # without oneDNN the models' matmuls are F.linear / torch.mm
+    onednn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if onednn else weight
 
     def native() -> None:
         assert native_weight is not None
         ops.blocked_linear(x, native_weight, N)
 
-    def onednn() -> None:
-        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    def reference() -> None:
+        if onednn:
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        else:
+            F.linear(x, weight)
 
     big = BLOCKED_LINEAR_ROWS * N * K > 2e9  # a 1B model's products: ~0.1-0.2 s a call on one thread
-    return _time(native, onednn, f"many-row linear, {BLOCKED_LINEAR_ROWS} rows x {K} -> {N}", reps=3 if big else 7)
+    return _time(native, reference, f"many-row linear, {BLOCKED_LINEAR_ROWS} rows x {K} -> {N}", reps=3 if big else 7)
 
 
 def _norm(shapes: KernelShapes, dtype: torch.dtype, rows: int, g: torch.Generator) -> Timed:
