@@ -46,8 +46,8 @@ using Step = prefixkv::LinearStep<T>;
 // Zen 4); fewer steps, more rows (at most kMaxChunkRows), so that a short K reads each weight once
 // for more rows (SmolLM2's products at 256-478 rows, one thread: 1.04-1.08x oneDNN's time with up
 // to 240 rows, 1.07-1.10x with 120). Timed against 240 x 512, 240 x 1,024 and 480 x 256 / 512 on Llama 3.2 1B's and
-// SmolLM2-135M's products at 478 rows (2 threads, AMD Zen 4): the largest, down (8,192 -> 2,048),
-// ran 1.03x oneDNN's time, against 1.06-1.27x.
+// SmolLM2-135M's products at 478 rows (2 threads, AMD Zen 4): in that sweep the largest, down
+// (8,192 -> 2,048), ran 1.03x oneDNN's time, against 1.06-1.27x (1.07x re-measured later, noisier).
 constexpr int64_t kSpan = 1024;
 constexpr int64_t kSpanBytes = 120 * kSpan * 4;
 constexpr int64_t kMaxChunkRows = 240;
