@@ -1,13 +1,15 @@
-"""Decode ms/step through the engine, decode steps replayed as CUDA graphs against enforce_eager=True
-and against graphs with async scheduling (each step launched before the previous one's tokens are
-read), in one process, the engines alternated round by round.
+"""Decode ms/step through the engine, decode steps replayed as CUDA graphs against enforce_eager=True,
+against graphs with async scheduling (each step launched before the previous one's tokens are
+read) and against graphs of PyTorch's norms, rotary and SiLU (PREFIXKV_CUDA_KERNELS=0, the fused
+Triton kernels off), in one process, the engines alternated round by round.
 
     python bench/decode_graphs.py [--device cuda] [--dtype bfloat16] [--batches 1,32,256]
-        [--context 256] [--steps 24] [--rounds 2] [--model PATH] [--engines graphs,eager,async]
+        [--context 256] [--steps 24] [--rounds 2] [--model PATH] [--engines graphs,eager,async,unfused]
 
-Per batch B: B prompts of --context random tokens are prefilled, then --steps engine steps in which
-every sequence decodes one token (scheduling, the forward, sampling, outputs: what a user waits on)
-are timed one by one; the median of every round's steps is printed per engine, with how many of
+Per batch B: B prompts of --context random tokens are prefilled (in chunks of the engine's token
+budget; sequences prefilled early decode meanwhile), then --steps engine steps in which every
+sequence decodes one token (scheduling, the forward, sampling, outputs: what a user waits on) are
+timed one by one; the median of every round's steps is printed per engine, with how many of
 those steps the graphs took, and whether each engine's greedy tokens agreed with the first one's
 (bfloat16: the eager path's attention is another kernel, so a difference is possible, not a failure;
 async scheduling computes the same steps, so its tokens must equal the graphs' own).
@@ -16,6 +18,8 @@ async scheduling computes the same steps, so its tokens must equal the graphs' o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -28,12 +32,31 @@ from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 
 
+@contextlib.contextmanager
+def environment(overrides: dict[str, str]):
+    """The variables set for the block (an engine's build, its steps), then restored."""
+    before = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[float], int, list[list[int]]]:
     """Seconds of each all-decode step, how many of them replayed a graph, the tokens generated."""
     engine = llm.llm_engine
     graphs = engine.runner.graphs
     replays = graphs.replays if graphs is not None else 0
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    # the prompts take several steps to prefill where they exceed the token budget: the first
+    # sequences decode meanwhile, and must still be decoding when the last one starts
+    budget = engine.scheduler.max_num_batched_tokens
+    prefill_steps = -(-sum(len(p) for p in prompts) // budget)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1 + prefill_steps, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     times: list[float] = []
     tokens: dict[str, list[int]] = {}
@@ -41,12 +64,13 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[f
         t0 = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t0
-        if engine.last_step_num_tokens == len(prompts):  # every sequence decoded one token
+        # every sequence got a token from one scheduled token: each decoded one
+        if engine.last_step_num_tokens == len(prompts) == len(outs):
             times.append(dt)
         for o in outs:
             tokens[o.request_id] = list(o.outputs[0].token_ids)
     taken = (graphs.replays - replays) if graphs is not None else 0
-    return times, taken, [tokens.get(i, []) for i in ids]
+    return times[:steps], taken, [tokens.get(i, []) for i in ids]
 
 
 def main() -> None:
@@ -61,9 +85,10 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=4.0, help="each engine's KV cache (GiB)")
     ap.add_argument(
         "--engines",
-        default="graphs,eager,async",
+        default="graphs,eager,async,unfused",
         help="graphs (the default engine; on a CPU call it default), eager (enforce_eager=True), "
-        "async (the default engine + async_scheduling)",
+        "async (the default engine + async_scheduling), unfused (the default engine with "
+        "PREFIXKV_CUDA_KERNELS=0: PyTorch's norms, rotary and SiLU)",
     )
     args = ap.parse_args()
     print(describe(), flush=True)
@@ -77,11 +102,19 @@ def main() -> None:
         enable_prefix_caching=False,  # random prompts share nothing; keep the steps alike
     )
     # "default" is "graphs" under its CPU name: a CPU never captures, so there it is the eager engine
-    variants = {"graphs": {}, "default": {}, "eager": {"enforce_eager": True}, "async": {"async_scheduling": True}}
+    variants = {
+        "graphs": {},
+        "default": {},
+        "eager": {"enforce_eager": True},
+        "async": {"async_scheduling": True},
+        "unfused": {},
+    }
+    envs = {name: {"PREFIXKV_CUDA_KERNELS": "0"} if name == "unfused" else {} for name in variants}
     engines = {}
     for name in args.engines.split(","):
         t0 = time.perf_counter()
-        engines[name] = LLM(args.model, **variants[name], **common)
+        with environment(envs[name]):  # a graph keeps the kernels it was captured with
+            engines[name] = LLM(args.model, **variants[name], **common)
         graphs = engines[name].llm_engine.runner.graphs
         what = "no graphs"
         if graphs is not None:
@@ -97,11 +130,15 @@ def main() -> None:
         outs: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):
             for name, llm in engines.items():
-                ts, n, toks = decode_steps(llm, prompts, args.steps)
+                with environment(envs[name]):
+                    ts, n, toks = decode_steps(llm, prompts, args.steps)
                 times[name] += ts[2:]  # the first steps after a prefill settle the allocator
                 taken[name] += n
                 outs[name] = toks
         line = f"decode batch {B} ctx {args.context}:"
+        if not all(times.values()):
+            print(f"decode batch {B}: no step decoded every sequence at once (the KV cache too small?)")
+            continue
         base = statistics.median(times[first])
         for name in engines:
             ms = statistics.median(times[name])

@@ -3,18 +3,23 @@
 # (docs/benchmarks.md, "CUDA: the day a GPU is lent"): the CUDA checks of issue 16 in one command,
 # each bounded so that the whole ends by $BUDGET seconds (default 540), every log in $OUT.
 # $STEPS picks and orders them (default: equality graphs model_speed shared_prefix suite model_speed_hf;
-# issue 40's Triton attention: STEPS="equality paged"; its CUDA graphs: STEPS="equality graphs large"):
+# issue 40's Triton attention: STEPS="equality paged"; its CUDA graphs and fused kernels:
+# STEPS="equality graphs large", or STEPS="verify graphs large" where the lease is short):
 #   equality        the CUDA-vs-CPU model equality and tests/engine/test_cuda.py (the engine on the
 #                   GPU against the transformers oracle, caching on and off, blocks freed), the
 #                   Triton paged-attention kernels and the engine on them (compiled here), and
 #                   tests/engine/test_cuda.py again with PREFIXKV_CUDA_ATTENTION=triton; every engine
 #                   there replays its decode steps as CUDA graphs (the default on a GPU), and
 #                   tests/engine/test_cuda_graphs.py compares a replay with the same forward run
-#                   eagerly, bit for bit
+#                   eagerly, bit for bit; tests/model/test_triton_fused.py the fused norm, rotary
+#                   and SiLU kernels against PyTorch's
+#   verify          the shorter equality: the fused kernels, tests/engine/test_cuda.py and the graphs
+#                   tests
 #   graphs          bench/decode_graphs.py: decode ms/step through the engine at batch 1/32/256
-#                   (bfloat16, 256-token contexts), CUDA graphs against enforce_eager=True and
-#                   against graphs with async scheduling, alternated; the capture's sizes, time and
-#                   memory in the log
+#                   (bfloat16, 256-token contexts), CUDA graphs against enforce_eager=True, against
+#                   graphs with async scheduling and against graphs without the fused kernels
+#                   (PREFIXKV_CUDA_KERNELS=0), alternated; the capture's sizes, time and memory in
+#                   the log
 #   paged           bench/paged_attention.py: one layer's attention, Triton's kernels reading the
 #                   blocks in place against the gather path, decode and prefill after 1k/8k context
 #                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
@@ -23,7 +28,8 @@
 #   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256
 #   large           a random-weight Llama-3.2-1B-shaped checkpoint written here
 #                   (bench/device/random_checkpoint.py, SmolLM2's vocabulary; $SHAPE: llama-3b, llama-8b),
-#                   then the graphs step's measurement and model_speed (with transformers) on it
+#                   then the graphs step's measurement and model_speed (with transformers, a
+#                   1,024- and an 8,192-token prefill) on it
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
 #   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
 #                   Ray there, so those are left out)
@@ -37,8 +43,6 @@ STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# captured decode steps are opt-in until this script has verified them on a GPU
-export PREFIXKV_CUDA_GRAPHS=${PREFIXKV_CUDA_GRAPHS:-capture}
 start=$SECONDS
 bounded() {  # bounded SECONDS LOG CMD...: run CMD for at most SECONDS (less if the budget is short)
     local t=$1 log=$2 left
@@ -65,10 +69,13 @@ for step in $STEPS; do
         bounded 200 equality.log python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
             tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
-            tests/engine/test_cuda_graphs.py \
+            tests/engine/test_cuda_graphs.py tests/model/test_triton_fused.py \
             tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
+    verify)
+        bounded 150 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py \
+            tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py ;;
     paged)
         bounded 100 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --contexts 1024,8192 --new 64
@@ -87,7 +94,9 @@ for step in $STEPS; do
         bounded 120 large.log python3 bench/device/random_checkpoint.py "$big" --shape "${SHAPE:-llama-1b}"
         bounded 150 large.log python3 bench/decode_graphs.py --model "$big" --device cuda --dtype bfloat16 \
             --batches 1,32,256 --context 256 --steps 24 --rounds 2
-        bounded 120 large.log "${speed[@]}" --model "$big" --no-cudnn-attention ;;
+        bounded 120 large.log "${speed[@]}" --model "$big" --no-cudnn-attention
+        bounded 90 large.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \
+            --prompt 8192 --context 8192 --model "$big" --no-cudnn-attention ;;
     model_speed) bounded 100 model_speed.log "${speed[@]}" --no-hf ;;
     shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
     suite)

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import row_split
 from .config import ModelConfig
-from .kernels import calls, ops, reference
+from .kernels import calls, gpu_fused, ops, reference
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = ops.add_rms_norm(x, None, self.weight, self.eps)  # one native pass on CPU
+        if out is None:
+            out = gpu_fused.add_rms_norm(x, None, self.weight, self.eps)  # one Triton kernel on a GPU
         if out is not None:
             return out
         if x.dtype == torch.float32:
@@ -36,6 +38,8 @@ class RMSNorm(nn.Module):
         the native kernel runs (CPU) both come from one pass and h is updated in place: pass a
         tensor the model owns."""
         out = ops.add_rms_norm(h, delta, self.weight, self.eps)
+        if out is None:
+            out = gpu_fused.add_rms_norm(h, delta, self.weight, self.eps)
         if out is not None:
             return h, out
         h = h + delta
@@ -110,7 +114,7 @@ class RotaryEmbedding(nn.Module):
     def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`apply`, in place in x where the native kernel takes it (on CPU: one pass, no new
         tensor, the same values bit for bit); else a new tensor. Use the result, not x."""
-        if ops.rotary_(x, cos, sin):
+        if ops.rotary_(x, cos, sin) or gpu_fused.rotary_(x, cos, sin):
             return x
         return RotaryEmbedding.apply(x, cos, sin)
 
@@ -141,6 +145,8 @@ class GatedMLP(nn.Module):
             g, u = gu.split(self.intermediate, dim=-1)
             return self.down_proj(F.gelu(g, approximate="tanh") * u)
         act = ops.silu_and_mul(gu)  # one native pass on CPU
+        if act is None:
+            act = gpu_fused.silu_and_mul(gu)  # one Triton kernel on a GPU
         if act is None:
             g, u = gu.split(self.intermediate, dim=-1)
             act = F.silu(g) * u

@@ -39,7 +39,7 @@ def test_graph_mode_and_flags(monkeypatch):
     monkeypatch.delenv("PREFIXKV_CUDA_GRAPHS", raising=False)
     assert graph_mode(torch.device("cpu"), False, None)[0] is None  # a CPU is eager
     triton = importlib.util.find_spec("triton") is not None
-    assert graph_mode(cuda, False, None)[0] is None  # opt-in until verified on a GPU
+    assert graph_mode(cuda, False, None)[0] == ("capture" if triton else None)  # the default on a GPU
     monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "capture")
     assert graph_mode(cuda, False, {"cudagraph_mode": "FULL_DECODE_ONLY"})[0] == ("capture" if triton else None)
     assert graph_mode(cuda, True, None)[0] is None

@@ -1,7 +1,7 @@
-"""Compiles the Triton attention kernels for a GPU without one: Triton's own compiler down to the
-GPU's machine code (ptxas, shipped in Triton's wheel), with the compile-time arguments the kernels'
-entry points give their launches. Run as a script, in a process that has not imported Triton
-under its interpreter:
+"""Compiles the Triton kernels (attention; the fused norm, rotary and SiLU) for a GPU without one:
+Triton's own compiler down to the GPU's machine code (ptxas, shipped in Triton's wheel), with the
+compile-time arguments the kernels' entry points give their launches. Run as a script, in a process
+that has not imported Triton under its interpreter:
 
     python -m tests.model.triton_compile [capability ...]   (default 90: H100, H200)
 
@@ -19,9 +19,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from prefixkv.model.kernels import triton_attention as ta
+from prefixkv.model.kernels import triton_fused as tf
 
 POINTERS = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32"}
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+# pointers to the model's dtype (the rest point to float32 partial results)
+DATA_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "h_ptr", "delta_ptr", "w_ptr", "out_ptr", "x_ptr", "cos_ptr"}
+DATA_POINTERS |= {"sin_ptr", "gu_ptr"}
 
 
 def _signature(fn: Any, dtype: torch.dtype, constants: dict[str, Any]) -> dict[str, str]:
@@ -31,12 +35,12 @@ def _signature(fn: Any, dtype: torch.dtype, constants: dict[str, Any]) -> dict[s
             sig[name] = "constexpr"
         elif name in POINTERS:
             sig[name] = POINTERS[name]
-        elif name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr"):
+        elif name in DATA_POINTERS:
             sig[name] = TYPES[dtype]
         elif name.endswith("_ptr"):
             sig[name] = "*fp32"  # log-sum-exps, partial results
         else:
-            sig[name] = "fp32" if name == "scale" else "i32"
+            sig[name] = "fp32" if name in ("scale", "eps") else "i32"
     return sig
 
 
@@ -53,6 +57,14 @@ def variants() -> list[tuple[Any, torch.dtype, dict[str, Any]]]:
     )
     reduce = dict(NUM_SPLITS=4, D=64, BLOCK_S=4, BLOCK_D=64, HAS_LSE=True)
     out.append((ta._reduce_kernel, torch.bfloat16, reduce))
+    # the fused steps: the default model's widths in bfloat16, an 8B Llama's in float32
+    norm = tf._add_rms_norm_kernel
+    out.append((norm, torch.bfloat16, dict(HAS_DELTA=True, WEIGHT_IN_F32=False, BLOCK=1024, **tf.EXACT)))
+    out.append((norm, torch.float32, dict(HAS_DELTA=False, WEIGHT_IN_F32=True, BLOCK=4096, **tf.EXACT)))
+    out.append((tf._rotary_kernel, torch.bfloat16, dict(D=64, BLOCK_H=16, BLOCK_D=64, **tf.EXACT)))
+    out.append((tf._rotary_kernel, torch.float32, dict(D=128, BLOCK_H=64, BLOCK_D=128, **tf.EXACT)))
+    out.append((tf._silu_and_mul_kernel, torch.bfloat16, dict(BLOCK=tf.SILU_BLOCK, **tf.EXACT)))
+    out.append((tf._silu_and_mul_kernel, torch.float32, dict(BLOCK=tf.SILU_BLOCK, **tf.EXACT)))
     return out
 
 
@@ -60,7 +72,7 @@ def main(capabilities: list[int]) -> None:
     for cap in capabilities:
         for fn, dtype, constants in variants():
             start = time.perf_counter()
-            options = {k: constants.pop(k) for k in ("num_warps", "num_stages") if k in constants}
+            options = {k: constants.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in constants}
             src = ASTSource(fn=fn, signature=_signature(fn, dtype, constants), constexprs=constants)
             kernel = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options)
             took = time.perf_counter() - start

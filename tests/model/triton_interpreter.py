@@ -1,4 +1,4 @@
-"""The Triton attention kernels where a test can run them: compiled on a GPU when one is there, else
+"""The Triton kernels (attention, the fused steps) where a test can run them: compiled on a GPU when one is there, else
 on CPU tensors under Triton's interpreter.
 
 The interpreter is chosen when `@triton.jit` decorates a function - Triton's own library functions
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 MODULE = "prefixkv.model.kernels.triton_attention"
+FUSED = "prefixkv.model.kernels.triton_fused"
 
 
 def device() -> torch.device:
@@ -33,15 +34,16 @@ def _interpreted() -> bool:
     return isinstance(lang.zeros, InterpretedFunction)
 
 
-def kernels_module() -> ModuleType:
-    """The kernels' module, runnable on `device()`."""
+def kernels_module(module: str = MODULE) -> ModuleType:
+    """A kernels' module (the attention's by default), runnable on `device()`."""
     pytest.importorskip("triton")
     if device().type == "cuda":
-        return importlib.import_module(MODULE)
+        return importlib.import_module(module)
     os.environ["TRITON_INTERPRET"] = "1"
     if not _interpreted():
-        stale = [m for m in sys.modules if m == MODULE or m == "triton" or m.startswith("triton.")]
+        kernels = (MODULE, FUSED)
+        stale = [m for m in sys.modules if m in kernels or m == "triton" or m.startswith("triton.")]
         for name in stale:
             if not name.startswith("triton._C"):
                 del sys.modules[name]
-    return importlib.import_module(MODULE)
+    return importlib.import_module(module)

@@ -1,0 +1,90 @@
+"""Where the fused Triton steps (triton_fused.py) run: on CUDA tensors, unless
+``PREFIXKV_CUDA_KERNELS=0`` (then PyTorch's formulation runs there, as with the CPU's
+``PREFIXKV_CPU_KERNELS=0``). Each function returns None (rotary_: False) where its kernel does not
+apply, and the caller runs the PyTorch formulation; the conditions are the CPU kernels' (ops.py).
+
+Triton is imported on the first CUDA tensor (it takes seconds); where it is missing, the PyTorch path
+runs with one log line. The CPU tests set `run_on_cpu` with Triton's interpreter on
+(tests/model/triton_interpreter.py) to run the kernels inside a model on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("prefixkv")
+
+ENV_SWITCH = "PREFIXKV_CUDA_KERNELS"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+run_on_cpu = False  # tests only: CPU tensors through the kernels, under TRITON_INTERPRET=1
+_module: ModuleType | None = None
+_missing_logged = False
+
+
+def _kernels(t: torch.Tensor) -> ModuleType | None:
+    global _module, _missing_logged
+    kind = t.device.type
+    if kind == "cuda":
+        if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+            return None
+    elif not (kind == "cpu" and run_on_cpu):
+        return None
+    if _module is None:
+        if importlib.util.find_spec("triton") is None:
+            if not _missing_logged:
+                _missing_logged = True
+                logger.info("Triton is not installed: the GPU runs norms, rotary and SiLU as PyTorch operators")
+            return None
+        from . import triton_fused
+
+        _module = triton_fused
+        logger.info("the GPU runs norms, rotary and SiLU as fused Triton kernels (%s=0 turns them off)", ENV_SWITCH)
+    return _module
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """h += delta (in place, in h's dtype) and returns weight * rms_norm(h), as ops.add_rms_norm."""
+    kernels = _kernels(h)
+    if (
+        kernels is None
+        or h.dtype not in DTYPES
+        or weight.dtype != h.dtype
+        or not h.is_contiguous()
+        or (delta is not None and (delta.dtype != h.dtype or delta.shape != h.shape or not delta.is_contiguous()))
+        or weight.numel() != h.shape[-1]
+        or not weight.is_contiguous()
+    ):
+        return None
+    out: torch.Tensor = kernels.add_rms_norm(h, delta, weight, eps)
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotates x [T, H, D] in place by layers.RotaryEmbedding's tables, as ops.rotary_."""
+    kernels = _kernels(x)
+    if kernels is None or x.dim() != 3 or x.dtype not in DTYPES:
+        return False
+    T, H, D = x.shape
+    if cos.numel() != T * D or sin.numel() != T * D or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return False
+    cos, sin = cos.reshape(T, D), sin.reshape(T, D)
+    if x.stride(2) != 1 or x.stride(1) != D or D % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    kernels.rotary_(x, cos, sin)
+    return True
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of the fused gate/up projection's output, as ops.silu_and_mul."""
+    kernels = _kernels(gate_up)
+    if kernels is None or gate_up.dtype not in DTYPES or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+        return None
+    if gate_up.shape[-1] == 0:
+        return None
+    out: torch.Tensor = kernels.silu_and_mul(gate_up)
+    return out

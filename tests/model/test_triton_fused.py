@@ -1,0 +1,157 @@
+"""The fused Triton steps a GPU runs (model/kernels/triton_fused.py: residual add + RMSNorm, rotary,
+SiLU-and-multiply) against PyTorch's formulation (kernels/reference.py), and inside a model: on a GPU
+compiled, on a CPU under Triton's interpreter (triton_interpreter.py). Their compile for an H100
+without one is in test_triton_attention.py (triton_compile.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from prefixkv.model.kernels import gpu_fused
+from prefixkv.model.kernels.reference import reference_add_rms_norm, reference_rotary, reference_silu_and_mul
+
+from .triton_interpreter import FUSED, device, kernels_module
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def tf() -> ModuleType:
+    return kernels_module(FUSED)
+
+
+def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype).to(device())
+
+
+def _ulps(dtype: torch.dtype) -> float:
+    """A tolerance of one rounding step or two: float32's, or bfloat16's. Triton's interpreter
+    truncates float32 to bfloat16 where a GPU rounds to nearest, a step more."""
+    if dtype == torch.float32:
+        return 1e-5
+    return 2**-7 if device().type == "cuda" else 2**-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (5, 64), (3, 200)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_pytorch(tf, dtype, rows, n, with_delta):
+    gen = torch.Generator().manual_seed(rows * n)
+    h = _randn(rows, n, dtype=dtype, gen=gen)
+    delta = _randn(rows, n, dtype=dtype, gen=gen) if with_delta else None
+    weight = _randn(n, dtype=dtype, gen=gen)
+    want_h, want = reference_add_rms_norm(h.clone(), delta, weight, 1e-6)
+    got = tf.add_rms_norm(h, delta, weight, 1e-6)
+    # the residual sum, in place, rounded as PyTorch rounds it (the interpreter: truncated)
+    if dtype == torch.float32 or device().type == "cuda":
+        assert torch.equal(h, want_h)
+    else:
+        torch.testing.assert_close(h.float(), want_h.float(), rtol=_ulps(dtype), atol=_ulps(dtype))
+    assert got.dtype == dtype and got.shape == want.shape
+    # the row's sum of squares in another order: one rounding step of the dtype at most
+    torch.testing.assert_close(got.float(), want.float(), rtol=_ulps(dtype), atol=_ulps(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (9, 3, 64)])
+def test_rotary_in_place_on_the_qkv_rows_equals_pytorch(tf, dtype, heads, kv_heads, d):
+    """q and k rotated together inside the qkv projection's rows (rows further apart than the
+    heads), bit for bit PyTorch's rotation; v's columns untouched."""
+    gen = torch.Generator().manual_seed(heads * d)
+    T = 7
+    qkv = _randn(T, (heads + 2 * kv_heads) * d, dtype=dtype, gen=gen)
+    before = qkv.clone()
+    angles = torch.rand(T, d // 2, generator=gen) * 6.0
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype).to(device())
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype).to(device())
+    qk = qkv[:, : (heads + kv_heads) * d].view(T, heads + kv_heads, d)
+    want = reference_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+    assert gpu_fused.rotary_(qk, cos.unsqueeze(1), sin.unsqueeze(1)) is (device().type == "cuda")
+    tf.rotary_(qk, cos, sin)
+    if dtype == torch.float32 or device().type == "cuda":
+        assert torch.equal(qk, want)
+    else:  # the interpreter truncates each product to bfloat16 where PyTorch and a GPU round it
+        torch.testing.assert_close(qk.float(), want.float(), rtol=_ulps(dtype), atol=_ulps(dtype))
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (3, 2 * 96), (2, 2, 2 * 1100)])
+def test_silu_and_mul_matches_pytorch(tf, dtype, shape):
+    gen = torch.Generator().manual_seed(shape[-1])
+    gate_up = _randn(*shape, dtype=dtype, gen=gen) * 4
+    got = tf.silu_and_mul(gate_up)
+    want = reference_silu_and_mul(gate_up)
+    assert got.shape == want.shape and got.dtype == dtype
+    # Triton's exponential against PyTorch's: one rounding step of the dtype at most
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * _ulps(dtype), atol=2 * _ulps(dtype))
+
+
+def test_the_switch_and_the_conditions(tf, monkeypatch):
+    """CUDA only (a CPU tensor only with the tests' `run_on_cpu`), not with PREFIXKV_CUDA_KERNELS=0,
+    and only on the layouts the kernels take."""
+    x = torch.ones(2, 8)
+    monkeypatch.setattr(gpu_fused, "run_on_cpu", False)
+    assert gpu_fused.add_rms_norm(x, None, torch.ones(8), 1e-6) is None
+    monkeypatch.setattr(gpu_fused, "run_on_cpu", True)
+    assert gpu_fused.add_rms_norm(x, None, torch.ones(8), 1e-6) is not None
+    assert gpu_fused.add_rms_norm(x.t(), None, torch.ones(2), 1e-6) is None  # not contiguous
+    assert gpu_fused.add_rms_norm(x, None, torch.ones(8, dtype=torch.float64), 1e-6) is None
+    assert gpu_fused.silu_and_mul(torch.ones(2, 7)) is None  # no gate/up halves
+    assert not gpu_fused.rotary_(torch.ones(2, 3, 8).transpose(0, 1), torch.ones(3, 8), torch.ones(3, 8))
+    if torch.cuda.is_available():
+        monkeypatch.setenv(gpu_fused.ENV_SWITCH, "0")
+        assert gpu_fused.silu_and_mul(torch.ones(2, 8, device="cuda")) is None
+
+
+@pytest.fixture
+def fused_calls(tf, monkeypatch) -> Counter:
+    """The fused kernels on `device()` (CPU tensors under the interpreter, the CPU's native kernels
+    off), their calls counted."""
+    from prefixkv.model.kernels import ops
+
+    calls: Counter = Counter()
+    monkeypatch.setattr(gpu_fused, "run_on_cpu", device().type == "cpu")
+    monkeypatch.setattr(gpu_fused, "_module", None)
+    monkeypatch.setattr(ops, "_enabled", False)
+    for name in ("add_rms_norm", "rotary_", "silu_and_mul"):
+        real = getattr(tf, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(tf, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_engine_on_fused_kernels_matches_transformers(tmp_path, fused_calls, kind):
+    """Greedy float32 tokens of the engine with every norm, rotation and SiLU on the fused kernels
+    equal transformers', with caching off and on; every block free after."""
+    from prefixkv import SamplingParams
+
+    from ..conftest import hf_greedy
+    from ..engine.engine_oracle import serve_and_compare
+    from .test_model_hf_folder import _make, _write_tokenizer
+
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random(kind)
+    shared = [rng.randrange(256) for _ in range(20)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 6))] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 4) for p in prompts]
+    base = dict(dtype="float32", device=str(device()), num_blocks=32, block_size=8, max_model_len=64)
+    for caching in (False, True):
+        serve_and_compare(tmp_path, prompts, params, expected, {**base, "enable_prefix_caching": caching})
+    # two norms a layer and the final one, one rotation and one SiLU a layer, every step
+    assert fused_calls["add_rms_norm"] > 2 * fused_calls["rotary_"] > 0
+    assert fused_calls["silu_and_mul"] == fused_calls["rotary_"]
