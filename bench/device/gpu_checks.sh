@@ -26,6 +26,7 @@
 #                   sequences behind a shared 1k prefix (the cascade); then model_speed's decode
 #                   with each path
 #   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256
+#   fused_eager     model_speed (eager: no graphs) with the fused kernels and without
 #   large           a random-weight Llama-3.2-1B-shaped checkpoint written here
 #                   (bench/device/random_checkpoint.py, SmolLM2's vocabulary; $SHAPE: llama-3b, llama-8b),
 #                   then the graphs step's measurement and model_speed (with transformers, a
@@ -93,11 +94,15 @@ for step in $STEPS; do
         big=/tmp/random-${SHAPE:-llama-1b}
         bounded 120 large.log python3 bench/device/random_checkpoint.py "$big" --shape "${SHAPE:-llama-1b}"
         bounded 150 large.log python3 bench/decode_graphs.py --model "$big" --device cuda --dtype bfloat16 \
-            --batches 1,32,256 --context 256 --steps 24 --rounds 2
+            --batches 1,32,256 --context 256 --steps 16 --rounds 2 --engines graphs,unfused,async
         bounded 120 large.log "${speed[@]}" --model "$big" --no-cudnn-attention
         bounded 90 large.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \
             --prompt 8192 --context 8192 --model "$big" --no-cudnn-attention ;;
     model_speed) bounded 100 model_speed.log "${speed[@]}" --no-hf ;;
+    fused_eager)
+        for on in 1 0; do
+            bounded 45 fused_eager.log env PREFIXKV_CUDA_KERNELS=$on "${speed[@]}" --no-hf --no-ceiling
+        done ;;
     shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
     suite)
         bounded 240 suite.log python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --timeout 150 \
