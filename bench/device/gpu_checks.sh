@@ -70,12 +70,12 @@ for step in $STEPS; do
         bounded 200 equality.log python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
             tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
-            tests/engine/test_cuda_graphs.py tests/model/test_triton_fused.py \
+            tests/engine/test_cuda_graphs.py tests/model/test_triton_fused.py tests/model/test_host_copy.py \
             tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
     verify)
-        bounded 150 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py \
+        bounded 150 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py tests/model/test_host_copy.py \
             tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py ;;
     paged)
         bounded 100 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \

@@ -273,6 +273,7 @@ class ModelRunner:
             pending.sampled = self._sample_one_by_one(logits, reqs, gens, out)
             reqs = [sr for sr in reqs if sr.req_id not in out.errors]
         pending.req_ids = [sr.req_id for sr in reqs]
+        pending.start_reading()  # before the engine launches a next step (async scheduling)
 
     def _sample_rows(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest], gens: list[torch.Generator]

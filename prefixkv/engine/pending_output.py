@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..model.host_copy import tensor_on, to_device
+from ..model.host_copy import HostCopies, tensor_on, to_device
 from .model_runner_output import ModelRunnerOutput
 from .sampler import SampledTensors, SampleResult
 
@@ -25,7 +25,16 @@ class PendingOutput:
     # [rows] whether each row's logits were finite, checked when the tokens are read (None: checked
     # before sampling); a row that was not is sampled from zeros and its token dropped here
     finite: torch.Tensor | None = None
+    _finite_host: HostCopies | None = None
     _result: ModelRunnerOutput | None = None
+
+    def start_reading(self) -> None:
+        """Start copying the draws and row checks to the host, in stream order, before a later step
+        is launched: `result()` then waits for this step alone (host_copy.HostCopies)."""
+        if isinstance(self.sampled, SampledTensors):
+            self.sampled.start_reading()
+        if self.finite is not None:
+            self._finite_host = HostCopies([self.finite])
 
     def tokens_of(self, req_ids: list[str], device: torch.device) -> torch.Tensor:
         """The tokens sampled for `req_ids` [len(req_ids)] on `device`, without waiting for them (0
@@ -50,7 +59,10 @@ class PendingOutput:
         sampled = self.sampled
         if sampled is not None:
             got = sampled.result() if isinstance(sampled, SampledTensors) else sampled
-            keep = self.finite.tolist() if self.finite is not None else None
+            keep = None
+            if self.finite is not None:
+                finite = self._finite_host.wait()[0] if self._finite_host is not None else self.finite
+                keep = finite.tolist()
             if keep is not None and not all(keep):
                 for rid, ok in zip(self.req_ids, keep):
                     if not ok:

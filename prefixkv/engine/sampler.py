@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model.host_copy import tensor_on, to_device
+from ..model.host_copy import HostCopies, tensor_on, to_device
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,15 +37,32 @@ class SampledTensors:
     # one top-k per distinct k: the rows asking for k, their (values, indices) [rows, k]
     tops: list[tuple[list[int], torch.Tensor, torch.Tensor]] | None = None
 
+    host: HostCopies | None = None  # their copies on the way to the host (start_reading)
+
+    def start_reading(self) -> None:
+        """Copy the draws to the host now, in stream order: `result()` then waits for this step's
+        sampling alone, not for a step launched after it."""
+        tensors = [self.tokens]
+        if self.chosen is not None and self.ranks is not None and self.tops is not None:
+            tensors += [self.chosen, self.ranks]
+            for _, vals, idx in self.tops:
+                tensors += [vals, idx]
+        self.host = HostCopies(tensors)
+
     def result(self) -> SampleResult:
-        tokens: list[int] = self.tokens.tolist()
+        if self.host is None:
+            self.start_reading()
+        assert self.host is not None
+        read = self.host.wait()
+        tokens: list[int] = read[0].tolist()
         if self.chosen is None or self.ranks is None or self.tops is None:
             return SampleResult(tokens, None, None)
         top: list[list[tuple[int, float]]] = [[] for _ in range(self.num_rows)]
-        for members, vals, idx in self.tops:
+        for k, (members, _, _) in enumerate(self.tops):
+            vals, idx = read[3 + 2 * k], read[4 + 2 * k]
             for row, i, v in zip(members, idx.tolist(), vals.tolist()):
                 top[row] = list(zip(i, v))
-        return SampleResult(tokens, self.chosen.tolist(), top, self.ranks.tolist())
+        return SampleResult(tokens, read[1].tolist(), top, read[2].tolist())
 
 
 def _apply_penalties(

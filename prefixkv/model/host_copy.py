@@ -31,3 +31,29 @@ def pinned_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor `t` ready for `buffer.copy_(..., non_blocking=True)` into a buffer on `device`:
     page-locked where that is a GPU."""
     return t if device.type == "cpu" else t.pin_memory()
+
+
+class HostCopies:
+    """Device tensors copied to page-locked host memory in stream order, read once those copies are
+    done (`wait`). Started right after the operations that make the tensors, the copies sit in the
+    stream before anything launched later, so reading them waits for those operations alone - not,
+    as `.tolist()` on the device tensor would, for a step launched after them (async scheduling).
+    On a CPU: the tensors themselves."""
+
+    __slots__ = ("tensors", "_done")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._done: torch.cuda.Event | None = None
+        if not tensors or tensors[0].device.type != "cuda":
+            self.tensors = tensors
+            return
+        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        self.tensors = [host.copy_(t, non_blocking=True) for host, t in zip(pinned, tensors)]
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        return self.tensors

@@ -26,3 +26,18 @@ def test_cpu_takes_triton_only_under_the_interpreter(monkeypatch):
     assert not uses_triton(torch.device("cpu"))
     monkeypatch.delenv(ENV)
     assert not uses_triton(torch.device("cpu"))  # gather is the default
+
+
+def test_cuda_takes_triton_by_default_and_gather_without_it(monkeypatch):
+    """Triton's kernels are a GPU's default (measured faster on an H100); where Triton is missing
+    the default falls back to the gather, and only an explicit request is an error."""
+    import importlib.util
+
+    monkeypatch.delenv(ENV, raising=False)
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert uses_triton(torch.device("cuda")) is has_triton
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else object())
+    assert not uses_triton(torch.device("cuda"))
+    monkeypatch.setenv(ENV, "triton")
+    with pytest.raises(RuntimeError, match="Triton is not installed"):
+        uses_triton(torch.device("cuda"))
