@@ -93,12 +93,16 @@ def main() -> None:
     args = ap.parse_args()
     print(describe(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
+    budget = 2048  # the engine's default token budget
+    # room for the decode steps taken while the largest batch is still prefilling (decode_steps)
+    prefill_steps = -(-max(batches) * args.context // budget)
     common = dict(
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=max(batches),
+        max_num_batched_tokens=budget,
         kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
-        max_model_len=args.context + args.steps + 16,
+        max_model_len=args.context + args.steps + prefill_steps + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep the steps alike
     )
     # "default" is "graphs" under its CPU name: a CPU never captures, so there it is the eager engine

@@ -264,14 +264,15 @@ class EngineArgs:
         "never capture CUDA graphs: every step runs eagerly (default: on a GPU with Triton, decode steps "
         "of up to 512 sequences are captured once per batch size and replayed; a CPU is always eager)",
     )
-    async_scheduling: bool = _opt(
-        False,
+    async_scheduling: bool | None = _opt(
+        None,
         "schedule each decode step while the previous one runs, as vLLM: its tokens go from one step to "
         "the next on the device and the host books a step while the device computes the next; a sequence "
         "that stops on a token has one more computed and dropped. Steps whose sampling reads a request's "
         "output (penalties, constraints, grammars), prompt logprobs or hidden states run in order, as do "
         "the KV tiers, the stage-output cache, KV-cache groups and recurrent models. Greedy and seeded "
-        "outputs are the same either way (default: off)",
+        "outputs are the same either way (default: on a GPU, where it took 0.71-0.95x the in-order "
+        "step's time on an H100; off on a CPU, which computes at launch and gains nothing)",
     )
     max_seq_len_to_capture: int = _opt(
         8192, "longest context a captured decode step reads; longer ones run eagerly (default: 8192)", type=int
@@ -586,7 +587,7 @@ class EngineArgs:
             group = compat if "compat" in meta else g
             flag = meta["flag"] or "--" + f.name.replace("_", "-")
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
-            if isinstance(f.default, bool) or f.name == "enable_chunked_prefill":
+            if isinstance(f.default, bool) or f.name in ("enable_chunked_prefill", "async_scheduling"):
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.name == "kv_tier":  # repeatable
                 kwargs["action"] = "append"

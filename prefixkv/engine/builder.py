@@ -136,7 +136,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
         encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
         embedder = MultiModalEmbedder(mm.encoder, encoder_cache)
-    async_scheduling = _async_scheduling(config, model_config, kv_groups, kv_connector.manager is not None)
+    async_scheduling = _async_scheduling(config, model_config, kv_groups, kv_connector.manager is not None, device)
     on_cpu = device.type == "cpu"
     layout = "laying the weights out for the CPU's kernels" if on_cpu else "building the model runner"
     with stages.stage("weight layout" if on_cpu else "runner", layout):
@@ -294,12 +294,17 @@ def _num_blocks(
 
 
 def _async_scheduling(
-    config: EngineArgs, model_config: ModelConfig, kv_groups: KVCacheGroups | None, has_tiers: bool
+    config: EngineArgs,
+    model_config: ModelConfig,
+    kv_groups: KVCacheGroups | None,
+    has_tiers: bool,
+    device: torch.device,
 ) -> bool:
-    """Whether steps may be scheduled ahead (async_scheduling): not where a step's blocks are
-    more than K/V rows written in stream order - KV-cache groups, recurrent state, the stage-output
-    cache, tier transfers. Said once when asked for and off."""
-    if not config.async_scheduling:
+    """Whether steps may be scheduled ahead (async_scheduling; unset: on a GPU): not where a step's
+    blocks are more than K/V rows written in stream order - KV-cache groups, recurrent state, the
+    stage-output cache, tier transfers. Said once when asked for and off."""
+    asked = config.async_scheduling
+    if not (asked or (asked is None and device.type == "cuda")):
         return False
     n = model_config.num_hidden_layers
     for reason, off in (
@@ -309,7 +314,8 @@ def _async_scheduling(
         ("the KV tiers", has_tiers),
     ):
         if off:
-            logger.info("async_scheduling is off for %s: every step runs in order (outputs are the same)", reason)
+            if asked:
+                logger.info("async_scheduling is off for %s: every step runs in order (outputs are the same)", reason)
             return False
     return True
 

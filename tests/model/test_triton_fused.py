@@ -72,8 +72,12 @@ def test_rotary_in_place_on_the_qkv_rows_equals_pytorch(tf, dtype, heads, kv_hea
     sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype).to(device())
     qk = qkv[:, : (heads + kv_heads) * d].view(T, heads + kv_heads, d)
     want = reference_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
-    assert gpu_fused.rotary_(qk, cos.unsqueeze(1), sin.unsqueeze(1)) is (device().type == "cuda")
+    # the model's entry point takes it on a GPU (a CPU keeps its own kernels), here on a copy
+    probe = qk.clone()
+    assert gpu_fused.rotary_(probe, cos.unsqueeze(1), sin.unsqueeze(1)) is (device().type == "cuda")
     tf.rotary_(qk, cos, sin)
+    if device().type == "cuda":
+        assert torch.equal(probe, qk)
     if dtype == torch.float32 or device().type == "cuda":
         assert torch.equal(qk, want)
     else:  # the interpreter truncates each product to bfloat16 where PyTorch and a GPU round it
@@ -96,15 +100,18 @@ def test_silu_and_mul_matches_pytorch(tf, dtype, shape):
 def test_the_switch_and_the_conditions(tf, monkeypatch):
     """CUDA only (a CPU tensor only with the tests' `run_on_cpu`), not with PREFIXKV_CUDA_KERNELS=0,
     and only on the layouts the kernels take."""
-    x = torch.ones(2, 8)
     monkeypatch.setattr(gpu_fused, "run_on_cpu", False)
-    assert gpu_fused.add_rms_norm(x, None, torch.ones(8), 1e-6) is None
-    monkeypatch.setattr(gpu_fused, "run_on_cpu", True)
-    assert gpu_fused.add_rms_norm(x, None, torch.ones(8), 1e-6) is not None
-    assert gpu_fused.add_rms_norm(x.t(), None, torch.ones(2), 1e-6) is None  # not contiguous
-    assert gpu_fused.add_rms_norm(x, None, torch.ones(8, dtype=torch.float64), 1e-6) is None
-    assert gpu_fused.silu_and_mul(torch.ones(2, 7)) is None  # no gate/up halves
-    assert not gpu_fused.rotary_(torch.ones(2, 3, 8).transpose(0, 1), torch.ones(3, 8), torch.ones(3, 8))
+    assert gpu_fused.add_rms_norm(torch.ones(2, 8), None, torch.ones(8), 1e-6) is None
+    # CPU tensors through the kernels only under the interpreter; a GPU's compiled kernels take its own
+    monkeypatch.setattr(gpu_fused, "run_on_cpu", device().type == "cpu")
+    x = torch.ones(2, 8, device=device())
+    assert gpu_fused.add_rms_norm(x, None, torch.ones(8, device=device()), 1e-6) is not None
+    ones = torch.ones(8, dtype=torch.float64, device=device())
+    assert gpu_fused.add_rms_norm(x.t(), None, torch.ones(2, device=device()), 1e-6) is None  # not contiguous
+    assert gpu_fused.add_rms_norm(x, None, ones, 1e-6) is None  # another dtype
+    assert gpu_fused.silu_and_mul(torch.ones(2, 7, device=device())) is None  # no gate/up halves
+    heads_apart = torch.ones(2, 3, 8, device=device()).transpose(0, 1)
+    assert not gpu_fused.rotary_(heads_apart, torch.ones(3, 8, device=device()), torch.ones(3, 8, device=device()))
     if torch.cuda.is_available():
         monkeypatch.setenv(gpu_fused.ENV_SWITCH, "0")
         assert gpu_fused.silu_and_mul(torch.ones(2, 8, device="cuda")) is None
