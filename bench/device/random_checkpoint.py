@@ -4,8 +4,8 @@ HF folder with transformers' own classes (config.json, safetensors) and the defa
 tokenizer (SmolLM2's vocabulary, from the embedded GGUF), so the engine and transformers load it as
 they load any checkpoint.
 
-    python3 bench/device/random_checkpoint.py OUT [--shape llama-1b|llama-3b|llama-8b|qwen2.5-0.5b] [--device cuda]
-        [--layers N]
+    python3 bench/device/random_checkpoint.py OUT [--shape llama-1b|llama-3b|llama-8b|qwen2.5-0.5b|tiny] [--device cuda]
+        [--layers N] [--byte-tokenizer]
 
 The weights are drawn on --device (a GPU draws a 1B model's in well under a second) in bfloat16;
 --layers overrides the shape's depth (a CPU smoke with --layers 1).
@@ -26,6 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 # Llama 3.2 1B / 3B, Llama 3.1 8B and Qwen2.5 0.5B's shapes, with SmolLM2's 49,152-token vocabulary
 # ("family" picks transformers' config class; Llama's when absent)
 SHAPES: dict[str, dict[str, object]] = {
+    # a model whose forward costs next to nothing: what the engine's own work per step costs
+    # (bench/host_overhead.py)
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     "qwen2.5-0.5b": dict(
         family="qwen2",
         hidden_size=896,
@@ -83,19 +93,39 @@ def write_tokenizer(out: Path) -> int:
     return int(tok.vocab_size)
 
 
+def write_byte_tokenizer(out: Path) -> int:
+    """A byte-level tokenizer of 256 byte tokens and two special ones (no merges): a vocabulary so
+    small that the logits cost nothing; its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from prefixkv.model.tokenizer import _bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(sorted(_bytes_to_unicode().values()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return tok.get_vocab_size()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=0, help="override the shape's layer count")
+    ap.add_argument(
+        "--byte-tokenizer", action="store_true", help="a byte-level tokenizer of 258 tokens instead of SmolLM2's"
+    )
     args = ap.parse_args()
     import transformers as tf
 
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(out)
+    vocab = write_byte_tokenizer(out) if args.byte_tokenizer else write_tokenizer(out)
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers

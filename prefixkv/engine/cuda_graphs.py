@@ -30,6 +30,7 @@ from ..model import LlamaModel
 from ..model.attention import static_decode_meta
 from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs
+from .block_table_tensor import padded_block_tables
 from .scheduler_output import ScheduledRequest
 
 logger = logging.getLogger("prefixkv")
@@ -157,8 +158,8 @@ class DecodeGraphs:
             index = tensor_on(carried_rows, tokens.device, torch.long)
             buf.tokens[0].index_copy_(0, index, tokens)
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
-        rows = [sr.block_table[: (sr.start + bs) // bs] for sr in scheduled]
-        tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+        blocks_read = [p // bs + 1 for p in positions[:b]]
+        tables = padded_block_tables([sr.block_table for sr in scheduled], torch.int32, blocks_read)
         buf.block_tables[:b, :width].copy_(pinned_for(tables, dev), non_blocking=True)
         self.replays += 1
         graph = self.graphs.get(size)

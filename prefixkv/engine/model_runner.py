@@ -22,6 +22,7 @@ from ..model import AttentionMetadata, LoadedModel
 from ..model.host_copy import to_device
 from ..stage_outputs.specs import per_token_outputs
 from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
+from .block_table_tensor import padded_block_tables
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .pending_output import PendingOutput
 from .sampler import SampledTensors, SampleResult, sample, score_tokens
@@ -188,7 +189,7 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
         dev = self.device
-        tables = _padded_tables([sr.block_table for sr in scheduled])
+        tables = padded_block_tables([sr.block_table for sr in scheduled], torch.long)
         meta = AttentionMetadata(
             slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), dev),
             query_start_loc=query_start_loc,
@@ -203,7 +204,8 @@ class ModelRunner:
                 for sr, table in zip(scheduled, group_tables):
                     _extend_slots(group_slots, table, sr.start, sr.start + len(sr.token_ids), bs)
                 group_slot_tensor = to_device(torch.tensor(group_slots, dtype=torch.long), dev)
-                meta.group_tables.append((group_slot_tensor, to_device(_padded_tables(group_tables), dev)))
+                group_tensor = to_device(padded_block_tables(group_tables, torch.long), dev)
+                meta.group_tables.append((group_slot_tensor, group_tensor))
             meta.layer_groups = self.layer_groups
         extra: dict[str, object] = {}
         if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
@@ -370,9 +372,3 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: 
         base = table[pos // bs] * bs - (pos // bs) * bs
         slots.extend(range(base + pos, base + block_end))
         pos = block_end
-
-
-def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
-    """[B, max_blocks] block ids on the host, padded with 0 (padding is never read)."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
