@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.* (the repo's root)
+
 # prompts as token ids: two share a 40-token prefix (a prefix-cache hit on the second pass), one is
 # a single token
 PROMPTS = [
@@ -38,7 +40,7 @@ def make_checkpoint(folder: Path) -> None:
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from prefixkv.model.tokenizer import _bytes_to_unicode
+    from bench.byte_tokenizer import write_byte_tokenizer
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(
@@ -53,13 +55,7 @@ def make_checkpoint(folder: Path) -> None:
         eos_token_id=257,
     )
     tf.LlamaForCausalLM(cfg).save_pretrained(folder)
-    vocab = {ch: i for i, ch in enumerate(sorted(_bytes_to_unicode().values()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_byte_tokenizer(folder)
     # a second tokenizer, one word a token (w0 ... w299, decoded without spaces): text that names its tokens
     words = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(300)}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

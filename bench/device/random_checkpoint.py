@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+from bench.byte_tokenizer import write_byte_tokenizer  # noqa: E402
 
 # Llama 3.2 1B / 3B, Llama 3.1 8B and Qwen2.5 0.5B's shapes, with SmolLM2's 49,152-token vocabulary
 # ("family" picks transformers' config class; Llama's when absent)
@@ -93,23 +94,6 @@ def write_tokenizer(out: Path) -> int:
     return int(tok.vocab_size)
 
 
-def write_byte_tokenizer(out: Path) -> int:
-    """A byte-level tokenizer of 256 byte tokens and two special ones (no merges): a vocabulary so
-    small that the logits cost nothing; its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from prefixkv.model.tokenizer import _bytes_to_unicode
-
-    vocab = {ch: i for i, ch in enumerate(sorted(_bytes_to_unicode().values()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return tok.get_vocab_size()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -125,7 +109,7 @@ def main() -> None:
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_byte_tokenizer(out) if args.byte_tokenizer else write_tokenizer(out)
+    vocab = write_byte_tokenizer(out) if args.byte_tokenizer else write_tokenizer(out)  # bench/byte_tokenizer.py
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers

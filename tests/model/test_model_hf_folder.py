@@ -2,15 +2,14 @@
 compared with transformers' forward."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTok
-from tokenizers import decoders, models, pre_tokenizers
 
+from bench.byte_tokenizer import write_byte_tokenizer
 from prefixkv.memory.block_tensors import allocate_kv_cache
 from prefixkv.model import ModelConfig, build_model, load_model
-from prefixkv.model.tokenizer import _bytes_to_unicode
 
 from .model_helpers import run_logits
 
@@ -20,13 +19,7 @@ VOCAB = 300
 
 
 def _write_tokenizer(folder):
-    vocab = {ch: i for i, ch in enumerate(sorted(_bytes_to_unicode().values()))}
-    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_byte_tokenizer(Path(folder))
 
 
 def _common(**kw):
