@@ -112,9 +112,15 @@ def test_the_switch_and_the_conditions(tf, monkeypatch):
     assert gpu_fused.silu_and_mul(torch.ones(2, 7, device=device())) is None  # no gate/up halves
     heads_apart = torch.ones(2, 3, 8, device=device()).transpose(0, 1)
     assert not gpu_fused.rotary_(heads_apart, torch.ones(3, 8, device=device()), torch.ones(3, 8, device=device()))
+    monkeypatch.delenv(gpu_fused.ENV_SWITCH, raising=False)
+    assert gpu_fused.switched_on()
+    monkeypatch.setenv(gpu_fused.ENV_SWITCH, "0")
+    assert not gpu_fused.switched_on()
     if torch.cuda.is_available():
-        monkeypatch.setenv(gpu_fused.ENV_SWITCH, "0")
         assert gpu_fused.silu_and_mul(torch.ones(2, 8, device="cuda")) is None
+    monkeypatch.setenv(gpu_fused.ENV_SWITCH, "off")  # not a value it takes: refused, not ignored
+    with pytest.raises(ValueError, match="PREFIXKV_CUDA_KERNELS='off'"):
+        gpu_fused.switched_on()
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Where the fused Triton steps (triton_fused.py) run: on CUDA tensors, unless
 ``PREFIXKV_CUDA_KERNELS=0`` (then PyTorch's formulation runs there, as with the CPU's
-``PREFIXKV_CPU_KERNELS=0``). Each function returns None (rotary_: False) where its kernel does not
-apply, and the caller runs the PyTorch formulation; the conditions are the CPU kernels' (ops.py).
+``PREFIXKV_CPU_KERNELS=0``; any value but 0 or 1 is refused by name). Each function returns None
+(rotary_: False) where its kernel does not apply, and the caller runs the PyTorch formulation; the
+conditions are the CPU kernels' (ops.py).
 
 Triton is imported on the first CUDA tensor (it takes seconds); where it is missing, the PyTorch path
 runs with one log line. The CPU tests set `run_on_cpu` with Triton's interpreter on
@@ -26,11 +27,20 @@ _module: ModuleType | None = None
 _missing_logged = False
 
 
+def switched_on() -> bool:
+    """Whether PREFIXKV_CUDA_KERNELS leaves the fused kernels on (unset: on); a value it does not
+    take is refused by name, not ignored."""
+    switch = os.environ.get(ENV_SWITCH, "1").strip()
+    if switch not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH}={switch!r}: expected 0 (PyTorch's operators) or 1 (the fused kernels)")
+    return switch == "1"
+
+
 def _kernels(t: torch.Tensor) -> ModuleType | None:
     global _module, _missing_logged
     kind = t.device.type
     if kind == "cuda":
-        if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+        if not switched_on():
             return None
     elif not (kind == "cpu" and run_on_cpu):
         return None
@@ -82,9 +92,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of the fused gate/up projection's output, as ops.silu_and_mul."""
     kernels = _kernels(gate_up)
-    if kernels is None or gate_up.dtype not in DTYPES or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
-        return None
-    if gate_up.shape[-1] == 0:
+    width = gate_up.shape[-1]
+    if kernels is None or gate_up.dtype not in DTYPES or not gate_up.is_contiguous() or width % 2 or width == 0:
         return None
     out: torch.Tensor = kernels.silu_and_mul(gate_up)
     return out

@@ -1,11 +1,14 @@
 """A GPU's row-wise steps fused into one Triton kernel each: the residual add with the RMSNorm after
 it, the rotary embedding of a layer's queries and keys, and SiLU-and-multiply. The same three steps
 as the CPU's native kernels (`ops.add_rms_norm`, `ops.rotary_`, `ops.silu_and_mul`), with their
-semantics: PyTorch's formulation (kernels/reference.py) runs each as 4-9 kernels.
+semantics: PyTorch's formulation (kernels/reference.py) runs each as several kernels (a norm: a
+float32 copy, the norm, a copy back, the weight's product, the residual add; the rotation four;
+SiLU-and-multiply two).
 
-Why: a decode step of a small model is a few hundred tiny kernels, and on a GPU each costs a few
-microseconds whatever its size - inside a CUDA graph too. The default model's step (30 layers) ran
-~1,250 kernels for ~2.2 ms on an H100; these three take ~20 of each layer's ~31.
+Why: a decode step of a small model is hundreds of tiny kernels, and on a GPU each costs a few
+microseconds whatever its size - inside a CUDA graph too. With these, a captured decode step of the
+default model took 1.57 ms on an H100 at batch 1, against 2.31 ms with PyTorch's formulation
+(bench/decode_graphs.py, docs/benchmarks.md).
 
 Rounding follows the PyTorch formulation: every intermediate that PyTorch stores in the model's
 dtype is rounded to it here too (the residual sum, the normalized row before the weight, each
