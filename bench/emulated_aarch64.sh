@@ -13,15 +13,16 @@
 # a few minutes a run. Timings under qemu mean nothing about an ARM CPU's speed: this checks that
 # prefixkv builds, falls back and generates correctly there, no more.
 #
-# Environment: ARM_ROOT (the root's folder), ARM_TORCH (the torch to install; default 2.9.1, the
-# newest tried whose aarch64 wheel on PyPI is CPU-only: 2.13.0's aarch64 wheel is a CUDA build that
-# pulls in ~3 GB of CUDA packages), ARM_MIRROR (the Debian mirror).
+# Environment: ARM_ROOT (the root's folder), ARM_TORCH (the torch to install; default the Makefile's
+# TORCH_ARM, what `make install` puts on an ARM machine: the newest torch whose aarch64 wheel on PyPI
+# is CPU-only), ARM_MIRROR (the Debian mirror).
 set -euo pipefail
 say() { printf '\n== [%s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 ROOT=${ARM_ROOT:-/var/tmp/prefixkv-arm64/root}
-TORCH=${ARM_TORCH:-2.9.1}
+TORCH=${ARM_TORCH:-$(sed -n 's/^TORCH_ARM := //p' "$REPO/Makefile")}
+[ -n "$TORCH" ] || { echo "no TORCH_ARM in $REPO/Makefile" >&2; exit 1; }
 MIRROR=${ARM_MIRROR:-http://deb.debian.org/debian}
 [ "$(id -u)" = 0 ] || { echo "run as root (debootstrap, binfmt_misc, chroot)" >&2; exit 1; }
 

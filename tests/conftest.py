@@ -66,8 +66,10 @@ def pytest_collection_modifyitems(config, items):
 def release_memory_between_modules():
     """Engines, models and KV caches a module built may be garbage only in reference cycles, and
     freed weights land in glibc's heap, which keeps the pages: collected and trimmed here, the
-    suite's resident peak is one module's working set, not the sum of every module's."""
+    suite's resident peak is one module's working set, not the sum of every module's. The last
+    engine built froze its objects out of the collector's reach (engine/gc_heap.py): thawed first."""
     yield
+    gc.unfreeze()
     gc.collect()
     _malloc_trim()
 

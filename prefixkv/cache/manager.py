@@ -21,11 +21,12 @@ _NO_GROUPS: list[GroupTable] = []
 
 
 class _RequestBlocks:
-    __slots__ = ("chain", "blocks", "num_cached_blocks", "groups", "first_live")
+    __slots__ = ("chain", "blocks", "block_ids", "num_cached_blocks", "groups", "first_live")
 
     def __init__(self, chain: BlockChain) -> None:
         self.chain = chain
         self.blocks: list[KVCacheBlock] = []  # the block table, append-only
+        self.block_ids: list[int] = []  # its ids, kept beside it: read for every request every step
         self.num_cached_blocks = 0  # leading blocks already entered in the table
         # a hybrid model's later KV-cache groups (sliding_window.py): a table each, None where
         # released, and where each group's live blocks begin
@@ -115,7 +116,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         state = self._requests.get(request_id)
-        return [b.block_id for b in state.blocks] if state is not None else []
+        return list(state.block_ids) if state is not None else []
 
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """The block ids of the request's sliding-window groups (1, 2, ...): 0 where a block was
@@ -225,6 +226,7 @@ class KVCacheManager:
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
             state.blocks.extend(new_computed_blocks)
+            state.block_ids.extend([b.block_id for b in new_computed_blocks])
             state.num_cached_blocks = len(new_computed_blocks)
             if group_hits:
                 for table, hit in zip(state.groups, group_hits):
@@ -232,6 +234,7 @@ class KVCacheManager:
                     table.extend(hit)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         state.blocks.extend(new_blocks)
+        state.block_ids.extend([b.block_id for b in new_blocks])
         if num_group_blocks:
             for table in state.groups:
                 table.extend(pool.get_new_blocks(num_group_blocks))

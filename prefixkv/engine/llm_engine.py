@@ -23,6 +23,7 @@ from ..request import MultiModalItem, RequestStatus
 from ..sampling_params import SamplingParams
 from .builder import build_engine
 from .feature_stats import feature_stats
+from .gc_heap import freeze_long_lived_objects, thaw_long_lived_objects
 from .input_processor import EngineRequest
 from .pending_output import PendingOutput
 from .prefix_pins import PrefixPins, computed_by, pin_manifest
@@ -41,6 +42,7 @@ MAX_PENDING_KV_EVENTS = 10_000  # engine-level buffer for the publisher: beyond 
 
 class LLMEngine:
     def __init__(self, config: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        thaw_long_lived_objects()  # an engine dropped before is collected with this one's freeze
         self.parts = parts = build_engine(config, loaded)
         self.config = config
         self.device, self.dtype = parts.device, parts.dtype
@@ -75,6 +77,7 @@ class LLMEngine:
         self.pins = PrefixPins(kv, inputs, self.resolve_lora, self._update_stats, manifest)
         self._update_stats()
         self.pins.restore(computed_by(self))
+        freeze_long_lived_objects()  # built: what lives as long as the engine leaves the collector's walks
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -61,7 +61,7 @@ class RequestGroups:
         """Finish every unfinished sequence of a group with `status` and forget the group."""
         for child, state in zip(group.children, group.states):
             if not child.is_finished:
-                state.abort()
+                state.abort(child)
                 self.scheduler.finish_request(child, status)
         self.forget(group)
 
@@ -139,7 +139,7 @@ class RequestGroups:
             if child.request_id in self.scheduler.requests:
                 self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
             if child.status is RequestStatus.FINISHED_ERROR or state.finish_reason is None:
-                state.abort()
+                state.abort(child)
 
     def fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """The forward pass failed: the batch's new blocks were entered in the cache table but

@@ -98,6 +98,46 @@ def test_output_kinds_at_the_engine(llm):
         assert all(c.token_ids or c.finish_reason for c in parts)  # nothing empty is sent
 
 
+def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(llm):
+    """FINAL_ONLY without stop strings skips the token-by-token detokenization (nobody reads the
+    text before the end); its text is the same, also for a sequence cut short, and stop strings
+    still stop it at the same place."""
+    engine = llm.llm_engine
+    final = _drive(engine, PROMPT, _params(RequestOutputKind.CUMULATIVE))[-1]
+    rid = engine.add_request(PROMPT, _params(RequestOutputKind.FINAL_ONLY))
+    group = engine.groups.groups[rid]
+    assert all(state._stream is None for state in group.states)  # no incremental decode
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert [(c.text, c.token_ids) for c in outs[-1].outputs] == [(c.text, c.token_ids) for c in final.outputs]
+
+    # cut short (a failed group's outputs carry the text so far): the same text as a stream's
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        rid = engine.add_request(PROMPT, _params(kind))
+        for _ in range(4):
+            engine.step()
+        group = engine.groups.groups[rid]
+        engine.groups.fail(group, "cut short for the test")
+        engine.groups.forget(group)
+        if kind is RequestOutputKind.CUMULATIVE:
+            streamed = [s.text for s in group.states]
+        else:
+            assert [s.text for s in group.states] == streamed and all(streamed)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    # stop strings need the text as it grows: decoded token by token, stopped where a stream stops
+    stop = final.outputs[0].text[10:14]
+    want = _drive(engine, PROMPT, _params(RequestOutputKind.CUMULATIVE, stop=[stop]))[-1]
+    got = _drive(engine, PROMPT, _params(RequestOutputKind.FINAL_ONLY, stop=[stop]))
+    assert len(got) == 1
+    assert [(c.text, c.token_ids, c.finish_reason) for c in got[0].outputs] == [
+        (c.text, c.token_ids, c.finish_reason) for c in want.outputs
+    ]
+    assert want.outputs[0].finish_reason == "stop"
+
+
 def test_delta_prompt_logprobs_come_once(llm):
     engine = llm.llm_engine
     params = SamplingParams(

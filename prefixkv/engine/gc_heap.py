@@ -1,0 +1,40 @@
+"""The engine's long-lived objects kept out of Python's full garbage collections (vLLM freezes its
+start-up heap the same way).
+
+A built engine holds hundreds of thousands of objects that live as long as it does - one
+`KVCacheBlock` per block of the cache (131,072 for a small model's default cache), the modules
+imported on the way. Python's oldest-generation collection walks all of them: a pause of 139-165 ms
+of every request in flight, once every 40 decode steps at batch 256 with logprobs=5 (a tiny model,
+2-vCPU AMD EPYC Zen 4; logprob entries are what survives into the old generation). Frozen, those
+objects are skipped: the longest collection in the same runs took 10-18 ms, and 1-2 ms at batch 64.
+
+A frozen object is never collected, so an engine's build thaws the heap first: an engine built and
+dropped earlier in the process (its objects form cycles: only the collector frees them) is
+collected with the new one's freeze, not kept for good."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+logger = logging.getLogger("prefixkv")
+
+
+def thaw_long_lived_objects() -> None:
+    """Objects frozen before (an earlier engine's) go back to the collector: before a build."""
+    gc.unfreeze()
+
+
+def freeze_long_lived_objects() -> None:
+    """Collect what is garbage now, then move every object still alive to the permanent
+    generation (gc.freeze): after a build."""
+    start = time.perf_counter()
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    logger.debug(
+        "%d long-lived objects kept out of garbage collection (%.0f ms)",
+        gc.get_freeze_count(),
+        (time.perf_counter() - start) * 1e3,
+    )
