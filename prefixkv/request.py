@@ -100,6 +100,7 @@ class Request:
         self.cache_priority = priority if cache_priority is None else cache_priority
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # when its latest token was booked
         self.finished_time: float | None = None
         self.num_cached_tokens = -1  # prompt tokens served from the cache at first admission
         self.num_preemptions = 0

@@ -81,6 +81,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # left since the last schedule()
+        # the last booked step's inter-token latencies: for each sequence that got a token and had
+        # one before, the seconds between the two bookings (vLLM's inter_token_latency)
+        self.last_inter_token_latencies: list[float] = []
         self.stage_outputs: StageOutputCache | None = None
         if stage_output_tensors is not None:
             blocks = self.kv_cache_manager.block_pool.blocks
@@ -392,6 +395,8 @@ class Scheduler:
                 req.prompt_hidden_upto = first + len(rows)
         sampled: list[Request] = []
         now = time.time()
+        latencies: list[float] = []
+        self.last_inter_token_latencies = latencies
         for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = requests.get(req_id)
             if req is None:  # it ended while the step ran (async scheduling: a stop seen a step late, an abort)
@@ -399,6 +404,9 @@ class Scheduler:
             req.append_output_token_ids(token)
             if req.first_token_time is None:
                 req.first_token_time = now
+            else:
+                latencies.append(now - (req.last_token_time or now))
+            req.last_token_time = now
             sampled.append(req)
         failed: list[Request] = []
         for req_id, message in runner_output.errors.items():

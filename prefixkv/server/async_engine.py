@@ -60,13 +60,14 @@ class AsyncEngine:
         engine: LLMEngine,
         on_finished: Callable[[RequestOutput], None] | None = None,
         on_aborted: Callable[[], None] | None = None,
-        on_step: Callable[[list[RequestOutput], int], None] | None = None,
+        on_step: Callable[[int, list[float]], None] | None = None,
     ) -> None:
         self.engine = engine
         self.input_processor = engine.input_processor  # thread-safe: used outside the engine thread
         self.default_sampling_params = engine.default_sampling_params  # the model's, fixed at start
         self.on_finished = on_finished
-        self.on_step = on_step  # (outputs, tokens computed) after every step, on the engine thread
+        # (tokens computed, inter-token latencies) after every step, on the engine thread
+        self.on_step = on_step
         self.on_aborted = on_aborted
         self._cv = threading.Condition()
         self._commands: deque[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None] | None]] = deque()
@@ -166,7 +167,7 @@ class AsyncEngine:
             self.last_step_time = time.time()
             if self.on_step is not None:
                 try:
-                    self.on_step(outputs, engine.last_step_num_tokens)
+                    self.on_step(engine.last_step_num_tokens, engine.scheduler.last_inter_token_latencies)
                 except Exception:
                     logger.exception("metrics callback failed")
             for out in outputs:

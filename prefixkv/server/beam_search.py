@@ -151,6 +151,7 @@ async def run_beam_search(
             f"{response_id}-beam{step}",
             cache_salt,
             lora_request,
+            stream=False,
             priority=priority,
         )
         finals = await serving.collect(raw, gens)

@@ -213,6 +213,7 @@ class OpenAIServingChat(OpenAIServing):
             rid,
             req.cache_salt,
             lora,
+            stream=bool(req.stream),
             mm_items=[mm_items],
             priority=req.priority,
             cache_priority=req.cache_priority,

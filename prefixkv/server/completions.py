@@ -106,7 +106,15 @@ class OpenAIServingCompletion(OpenAIServing):
         await self.check_pin(req, prompts)
         lora = self.lora_for(req.model)
         gens = self.start(
-            prompts, texts, params, rid, req.cache_salt, lora, priority=req.priority, cache_priority=req.cache_priority
+            prompts,
+            texts,
+            params,
+            rid,
+            req.cache_salt,
+            lora,
+            stream=bool(req.stream),
+            priority=req.priority,
+            cache_priority=req.cache_priority,
         )
         if req.stream:
             return self.stream(req, gens, prompts, echo, rid, created, model, n, k, prompt_only)

@@ -50,7 +50,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         for ids in prompts:
             self.check_length(ids, 1, "input")
         rid = req.request_id or random_id(prefix)
-        gens = self.start(prompts, texts, _ONE_TOKEN, rid, req.cache_salt, hidden_states_from=params.first_position)
+        gens = self.start(
+            prompts, texts, _ONE_TOKEN, rid, req.cache_salt, stream=False, hidden_states_from=params.first_position
+        )
         finals = await self.collect(raw, gens)
         vectors = []
         for i in range(len(prompts)):

@@ -109,9 +109,6 @@ def buckets_1_2_5(largest: int) -> list[float]:
         scale *= 10
 
 
-_ITL_STALE_S = 600.0  # a request seen last this long ago was aborted: forget its last token time
-
-
 def iteration_buckets(max_num_batched_tokens: int) -> list[float]:
     """Powers of two up to the step's token budget (vLLM's are its CUDA graph sizes + the budget)."""
     out, b = [], 1
@@ -344,7 +341,6 @@ class ServerMetrics:
             "Histogram of number of tokens per engine_step.",
             iteration_buckets(engine.config.max_num_batched_tokens),
         )
-        self._last_token: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time), engine thread only
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -406,9 +402,10 @@ class ServerMetrics:
             "prefixkv:http_request_errors", "Requests answered with an error status.", names + ["status"], registry=r
         )
 
-    def on_step(self, outputs: list[RequestOutput], num_tokens: int) -> None:
+    def on_step(self, num_tokens: int, inter_token_latencies: list[float]) -> None:
         """Called on the engine thread after every step: tokens per step, and one inter-token
-        latency per request that got new tokens (the time since its previous ones, as vLLM)."""
+        latency per sequence that got a token after an earlier one (the engine's bookings, as vLLM
+        counts them: whatever the request's output kind, streamed or not)."""
         if num_tokens > 0:
             self.iteration_tokens.observe(num_tokens)
         if self.residency is not None:
@@ -421,20 +418,8 @@ class ServerMetrics:
                 self.block_reuse_gap.observe(value)
             for blocks in seen.reuse_distance_blocks:
                 self.block_reuse_distance.observe(blocks)
-        now = time.time()
-        last = self._last_token
-        for out in outputs:
-            n = sum(len(o.token_ids) for o in out.outputs)
-            prev = last.get(out.request_id)
-            if prev is not None and n > prev[0]:
-                self.itl.observe(max(0.0, now - prev[1]))
-            if out.finished:
-                last.pop(out.request_id, None)
-            elif n > 0 and (prev is None or n > prev[0]):
-                last[out.request_id] = (n, now)
-        if len(last) > 4096:  # aborted requests never finish here: forget the stale ones
-            for rid in [r for r, (_, t) in last.items() if now - t > _ITL_STALE_S]:
-                del last[rid]
+        for seconds in inter_token_latencies:
+            self.itl.observe(seconds)
 
     def on_finished(self, out: RequestOutput) -> None:
         """Called on the engine thread when a request finishes."""

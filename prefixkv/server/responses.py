@@ -159,6 +159,7 @@ class OpenAIServingResponses:
             req.request_id or rid,
             req.cache_salt,
             self.chat.lora_for(req.model),
+            stream=bool(req.stream),
             mm_items=[mm_items],
             priority=req.priority,
         )

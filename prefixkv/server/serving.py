@@ -16,7 +16,7 @@ from ..engine.llm_engine import LLMEngine
 from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
 from ..request import MultiModalItem
-from ..sampling_params import SamplingParams, truncate_prompt_tokens
+from ..sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_tokens
 from .async_engine import AsyncEngine
 from .errors import APIError
 from .limits import RequestLimits
@@ -249,6 +249,8 @@ class OpenAIServing:
         response_id: str,
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
+        *,
+        stream: bool,
         hidden_states_from: int | None = None,
         priority: int = 0,
         mm_items: list[tuple[MultiModalItem, ...]] | None = None,
@@ -256,7 +258,13 @@ class OpenAIServing:
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
-        name - and so collide with - another request's id, even by sending the same one twice."""
+        name - and so collide with - another request's id, even by sending the same one twice.
+
+        `stream`: the caller reads the outputs as they grow; else only each request's final one
+        (`collect`), and the engine is asked for nothing else (FINAL_ONLY, as vLLM's server asks):
+        no output built per step, no text decoded token by token unless stop strings need it."""
+        if not stream and params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
         suffix = secrets.token_hex(8)
         ids = [f"{response_id}-{i}-{suffix}" for i in range(len(prompts))]
         if self.request_logger is not None:

@@ -179,6 +179,24 @@ def test_request_fields_for_effect(server, client):
     server.wait_idle()
 
 
+def test_inter_token_latency_counts_every_token_after_the_first_streamed_or_not(server, client):
+    """The engine books the latencies (not the outputs the routes read): a non-streamed request,
+    which asks the engine for its final output only, counts as a streamed one does."""
+    server.wait_idle()
+    before = server.metrics()["vllm:inter_token_latency_seconds_count"]
+    out = client.completions.create(
+        model=NAME, prompt="Once upon", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == 6
+    after_plain = server.wait_idle()["vllm:inter_token_latency_seconds_count"]
+    assert after_plain - before == 5
+    stream = client.completions.create(
+        model=NAME, prompt="Once upon", max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == out.choices[0].text
+    assert server.wait_idle()["vllm:inter_token_latency_seconds_count"] - after_plain == 5
+
+
 def test_metrics_with_vllm_032_names_and_the_stats_line(server):
     """Runs last: the requests above are in the histograms, and the periodic line was logged."""
     m = server.metrics()
