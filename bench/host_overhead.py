@@ -4,7 +4,7 @@ this is what a step costs beyond the device's time, and at large batches it can 
 an H100 a decode step of the default model at batch 256 took 9.45 ms, and 9.00 ms with async
 scheduling hiding the host's work behind the device's.
 
-    python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind CUMULATIVE]
+    python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
 
 On a CPU, with a random model of two layers 64 wide and a byte-level vocabulary of 258 tokens
 (bench/device/random_checkpoint.py --shape tiny --byte-tokenizer), so that the forward, the logits
@@ -54,7 +54,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
-    ap.add_argument("--output-kind", default="CUMULATIVE", choices=[k.name for k in RequestOutputKind])
+    ap.add_argument(
+        "--output-kind",
+        default="FINAL_ONLY",
+        choices=[k.name for k in RequestOutputKind],
+        help="FINAL_ONLY: what LLM.generate and the server's unstreamed requests ask for; CUMULATIVE, DELTA: streams",
+    )
     ap.add_argument("--model", default=None, help="a checkpoint folder (default: a tiny random one, written here)")
     args = ap.parse_args()
     print(describe(), flush=True)
