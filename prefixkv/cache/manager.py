@@ -185,6 +185,17 @@ class KVCacheManager:
         step are entered in the cache table at once."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if not new_computed_blocks and not num_new_computed_tokens and self.sliding is None:
+            # the common decode step: the tokens fit in the blocks held, nothing to take
+            held = self._requests.get(request.request_id)
+            if held is not None:
+                num_tokens_after = request.num_computed_tokens + num_new_tokens
+                if num_tokens_after + num_lookahead_tokens <= len(held.blocks) * self.block_size:
+                    if self.enable_caching:
+                        self._cache_full_blocks(
+                            request, held, min(num_tokens_after, request.num_tokens) // self.block_size
+                        )
+                    return []
         new_computed_blocks = new_computed_blocks or []
         if num_new_computed_tokens is None:
             num_new_computed_tokens = len(new_computed_blocks) * self.block_size
