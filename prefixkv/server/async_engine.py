@@ -50,6 +50,12 @@ class _Stream:
             pass
 
 
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """On the event loop: a step's outputs into their streams' queues."""
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
 class AsyncEngine:
     """`generate()` is an async iterator of RequestOutputs for one request, as its params'
     output_kind says (cumulative by default, which the server's routes use); leaving it early
@@ -170,6 +176,9 @@ class AsyncEngine:
                     self.on_step(engine.last_step_num_tokens, engine.scheduler.last_inter_token_latencies)
                 except Exception:
                     logger.exception("metrics callback failed")
+            # one hand-over per event loop and step, not one per output: each wakes the loop
+            # through its self-pipe (a system call), 256 of them a step at batch 256
+            deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if out.finished:
@@ -180,7 +189,12 @@ class AsyncEngine:
                         except Exception:
                             logger.exception("metrics callback failed")
                 if stream is not None:
-                    stream.put(out)
+                    deliveries.setdefault(stream.loop, []).append((stream.queue, out))
+            for loop, items in deliveries.items():
+                try:
+                    loop.call_soon_threadsafe(_deliver, items)
+                except RuntimeError:  # the event loop is closed: nobody is listening any more
+                    pass
         # shutting down: abort what is left so no client waits forever
         self._fail_all(EngineDeadError("the server is shutting down"))
 
