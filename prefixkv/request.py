@@ -39,10 +39,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self in FINISHED_STATUSES
 
 
-_FINISHED = frozenset(
+FINISHED_STATUSES = frozenset(
     (
         RequestStatus.FINISHED_STOPPED,
         RequestStatus.FINISHED_LENGTH,

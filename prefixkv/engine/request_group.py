@@ -14,7 +14,7 @@ from ..constraints.token_constraints import RequestConstraints
 from ..lora.request import LoRARequest
 from ..model.tokenizer import Tokenizer
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..request import Request
+from ..request import FINISHED_STATUSES, Request
 from ..sampling_params import RequestOutputKind
 from .input_processor import EngineRequest
 from .output_processor import OutputState
@@ -51,20 +51,30 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or all(c.is_finished for c in self.children)
+        if self.error is not None:
+            return True
+        for child in self.children:  # a loop, not all(): read for every request every step
+            if child.status not in FINISHED_STATUSES:
+                return False
+        return True
 
     @property
     def output_kind(self) -> RequestOutputKind:
         kind: RequestOutputKind = self.children[0].sampling_params.output_kind
         return kind
 
-    def output(self) -> RequestOutput:
+    def output(self, finished: bool | None = None) -> RequestOutput:
         """What the client sees of the group now: everything so far, or with
         RequestOutputKind.DELTA what is new since the previous output (then each output is given
-        out once: call this only for an output that is delivered)."""
+        out once: call this only for an output that is delivered). `finished`: `self.finished`,
+        where the caller has it."""
         first = self.children[0]
-        finished = self.finished
-        first_token = min((c.first_token_time for c in self.children if c.first_token_time), default=None)
+        if finished is None:
+            finished = self.finished
+        if len(self.children) == 1:
+            first_token = first.first_token_time or None
+        else:
+            first_token = min((c.first_token_time for c in self.children if c.first_token_time), default=None)
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
             first_scheduled_time=first.first_scheduled_time,

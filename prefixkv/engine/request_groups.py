@@ -125,7 +125,7 @@ class RequestGroups:
             finished = group.finished
             if not finished and group.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue  # nothing is built for it until it ends
-            outputs.append(group.output())
+            outputs.append(group.output(finished))
             if finished:
                 self.forget(group)
         return outputs
