@@ -5,12 +5,19 @@ an H100 a decode step of the default model at batch 256 took 9.45 ms, and 9.00 m
 scheduling hiding the host's work behind the device's.
 
     python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
+        [--device cuda --dtype bfloat16 --device-time] [--model DIR | --model default]
 
-On a CPU, with a random model of two layers 64 wide and a byte-level vocabulary of 258 tokens
-(bench/device/random_checkpoint.py --shape tiny --byte-tokenizer), so that the forward, the logits
-and the sampling cost little; each phase is timed around the engine's own methods. Prints per
-phase the microseconds per request per step (the median of the rounds), and the host's total: the
-step less the model's forward.
+By default on a CPU, with a random model of two layers 64 wide and a byte-level vocabulary of 258
+tokens (bench/device/random_checkpoint.py --shape tiny --byte-tokenizer), so that the forward, the
+logits and the sampling cost little; each phase is timed around the engine's own methods. Prints
+per phase the microseconds per request per step (the median of the rounds), and the host's total:
+the step less the model's forward.
+
+On a GPU (`--device cuda`; the engine's defaults there: CUDA graphs, async scheduling) a replayed
+step calls no forward, and with async scheduling the phases overlap the device's work, so the
+step's time is the larger of the two. `--device-time` profiles one more round (torch.profiler):
+the device kernels a step launches and the time the device is busy per step, beside the step's
+wall time - which of host and device bounds it. `--model default` is the embedded default model.
 """
 
 from __future__ import annotations
@@ -48,6 +55,39 @@ def timed(obj: Any, name: str, label: str, acc: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
+def device_time(engine: Any, batch: int, prompt: int, params: SamplingParams) -> None:
+    """One more round under torch.profiler: device kernels (and copies) a decode step, the device's
+    busy time a step (their durations summed), against the step's wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(batch):
+        engine.add_request([32 + (7 * i + j) % 200 for j in range(prompt)], params)
+    engine.step()  # the prefill, outside the profile
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    steps = 0
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        wall = (time.perf_counter() - start) / steps * 1e3
+    on_device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not on_device:
+        print(f"batch {batch:4d}: {wall:.3f} ms a step under the profiler; no device kernels here", flush=True)
+        return
+    busy = sum(e.time_range.elapsed_us() for e in on_device) / steps / 1e3
+    print(
+        f"batch {batch:4d}: {wall:.3f} ms a step under the profiler, the device busy {busy:.3f} ms of it "
+        f"({len(on_device) / steps:.0f} kernels and copies a step)",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,256")
@@ -60,7 +100,12 @@ def main() -> None:
         choices=[k.name for k in RequestOutputKind],
         help="FINAL_ONLY: what LLM.generate and the server's unstreamed requests ask for; CUMULATIVE, DELTA: streams",
     )
-    ap.add_argument("--model", default=None, help="a checkpoint folder (default: a tiny random one, written here)")
+    ap.add_argument(
+        "--model", default=None, help="a checkpoint folder, or 'default' (default: a tiny random one, written here)"
+    )
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device-time", action="store_true", help="profile a round: kernels and busy time a step")
     args = ap.parse_args()
     print(describe(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
@@ -72,9 +117,9 @@ def main() -> None:
             tiny = ["--shape", "tiny", "--device", "cpu", "--byte-tokenizer"]
             subprocess.run([sys.executable, str(script), model, *tiny], check=True)
         llm = LLM(
-            model,
-            dtype="float32",
-            device="cpu",
+            None if model == "default" else model,
+            dtype=args.dtype,
+            device=args.device,
             max_num_seqs=max(batches),
             max_num_batched_tokens=max(2048, max(batches) * args.prompt),
             enable_prefix_caching=False,
@@ -117,6 +162,11 @@ def main() -> None:
                 f"model forward {med['model forward']:.1f}",
                 flush=True,
             )
+            if args.device_time:
+                try:
+                    device_time(engine, B, args.prompt, params)
+                except Exception as e:  # noqa: BLE001 (a profiler that cannot run here: say so, go on)
+                    print(f"batch {B:4d}: no device profile ({type(e).__name__}: {e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,10 @@
 #                   Ray there, so those are left out)
 #   model_speed_hf  model_speed beside transformers on the same GPU (cuDNN attention off for it too)
 #   profile         bench/profile_decode.py: where a decode step's host and device time go
+#   host            bench/host_overhead.py --device-time with the engine's GPU defaults (graphs, async
+#                   scheduling), at batch 1/32/256: the host's work per step beside the device's busy
+#                   time and kernel count, for the tiny model, the default model and, after `large`, the
+#                   1B shape - which of the two bounds a step
 #   threads         whether this machine's CPU gives the same bits on every thread count
 #                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
 set -u
@@ -109,6 +113,12 @@ for step in $STEPS; do
             --continue-on-collection-errors --ignore=tests/replicas --ignore=tests/server/test_langchain.py -k "not redis" ;;
     model_speed_hf) bounded 120 model_speed_hf.log "${speed[@]}" --no-cudnn-attention ;;
     profile) bounded 70 profile.log python3 bench/profile_decode.py --device cuda --batch 1 --steps 10 --top 25 ;;
+    host)
+        for m in "" default /tmp/random-${SHAPE:-llama-1b}; do
+            [ -z "$m" ] || [ "$m" = default ] || [ -d "$m" ] || continue
+            bounded 90 host.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32,256 \
+                --rounds 2 --steps 24 --device-time ${m:+--model "$m"}
+        done ;;
     threads)
         bounded 120 threads.log python3 -m pytest -q -p no:cacheprovider -rfEs \
             tests/engine/test_cpu_threads.py -k "thread_count or adapts" ;;
