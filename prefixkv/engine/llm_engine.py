@@ -71,6 +71,8 @@ class LLMEngine:
         # tokens computed by the last step booked (vllm:iteration_tokens_total): with async
         # scheduling, the step whose outputs the last step() returned, not the one in flight
         self.last_step_num_tokens = 0
+        # the inter-token latencies the last step booked (vllm:inter_token_latency_seconds)
+        self.last_step_inter_token_latencies: list[float] = []
         self._stats = EngineStats()
         manifest = pin_manifest(config, parts.loaded.source or str(config.model))  # pins kept over restarts
         inputs, kv = self.input_processor, self.kv_cache_manager
@@ -214,6 +216,9 @@ class LLMEngine:
         The returned outputs are still this step's; one step stays in flight between calls."""
         in_flight, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
+        # what this step books; nothing when it books nothing (a wait for a tier load, a failure)
+        self.last_step_num_tokens = 0
+        self.last_step_inter_token_latencies = []
         if in_flight is None:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output:
@@ -261,6 +266,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 (any failure of the forward fails the batch, not the engine)
             return self.groups.fail_step(scheduler_output, e)
         sampled, failed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.last_step_inter_token_latencies = self.scheduler.last_inter_token_latencies
         return self.groups.process_outputs(runner_output, sampled, failed)
 
     def _drop_in_flight(self) -> None:

@@ -173,7 +173,7 @@ class AsyncEngine:
             self.last_step_time = time.time()
             if self.on_step is not None:
                 try:
-                    self.on_step(engine.last_step_num_tokens, engine.scheduler.last_inter_token_latencies)
+                    self.on_step(engine.last_step_num_tokens, engine.last_step_inter_token_latencies)
                 except Exception:
                     logger.exception("metrics callback failed")
             # one hand-over per event loop and step, not one per output: each wakes the loop

@@ -138,6 +138,22 @@ def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(llm):
     assert want.outputs[0].finish_reason == "stop"
 
 
+def test_each_step_books_one_latency_per_token_after_a_sequences_first(llm):
+    """`last_step_inter_token_latencies` (the server's inter-token latency histogram): what the
+    step just taken booked, whatever the output kind; the first token of a sequence books none."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request(PROMPT, params)
+    engine.add_request(PROMPT + " Again.", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    per_step = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        per_step.append(list(engine.last_step_inter_token_latencies))
+    assert per_step[0] == []  # the prefill: every sequence's first token
+    assert sum(len(s) for s in per_step) == 2 * (5 - 1) + (3 - 1)
+    assert all(0.0 <= x < 60 for s in per_step for x in s)
+
+
 def test_delta_prompt_logprobs_come_once(llm):
     engine = llm.llm_engine
     params = SamplingParams(
