@@ -58,7 +58,8 @@ def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 class AsyncEngine:
     """`generate()` is an async iterator of RequestOutputs for one request, as its params'
-    output_kind says (cumulative by default, which the server's routes use); leaving it early
+    output_kind says (cumulative by default, what the routes stream; FINAL_ONLY for what they do
+    not stream: `OpenAIServing.start`); leaving it early
     (client gone, task cancelled) aborts the request, which frees its blocks at once."""
 
     def __init__(
