@@ -55,6 +55,16 @@ def timed(obj: Any, name: str, label: str, acc: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
+def tiny_checkpoint(folder: str) -> str:
+    """A random model of two layers 64 wide with a byte-level vocabulary, written in `folder`:
+    a model whose forward, logits and sampling cost little beside the engine's own work."""
+    path = str(Path(folder) / "tiny")
+    script = Path(__file__).resolve().parent / "device" / "random_checkpoint.py"
+    tiny = ["--shape", "tiny", "--device", "cpu", "--byte-tokenizer"]
+    subprocess.run([sys.executable, str(script), path, *tiny], check=True)
+    return path
+
+
 def device_time(engine: Any, batch: int, prompt: int, params: SamplingParams) -> None:
     """One more round under torch.profiler: device kernels (and copies) a decode step, the device's
     busy time a step (their durations summed), against the step's wall time."""
@@ -110,12 +120,7 @@ def main() -> None:
     print(describe(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            model = str(Path(tmp) / "tiny")
-            script = Path(__file__).resolve().parent / "device" / "random_checkpoint.py"
-            tiny = ["--shape", "tiny", "--device", "cpu", "--byte-tokenizer"]
-            subprocess.run([sys.executable, str(script), model, *tiny], check=True)
+        model = args.model if args.model is not None else tiny_checkpoint(tmp)
         llm = LLM(
             None if model == "default" else model,
             dtype=args.dtype,

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.host_overhead import tiny_checkpoint  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv import SamplingParams  # noqa: E402
 from prefixkv.config import EngineConfig  # noqa: E402
@@ -50,12 +50,7 @@ def main() -> None:
     print(describe(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            model = str(Path(tmp) / "tiny")
-            script = Path(__file__).resolve().parent / "device" / "random_checkpoint.py"
-            tiny = ["--shape", "tiny", "--device", "cpu", "--byte-tokenizer"]
-            subprocess.run([sys.executable, str(script), model, *tiny], check=True)
+        model = args.model if args.model is not None else tiny_checkpoint(tmp)
         engine = LLMEngine(
             EngineConfig(
                 model=model,
