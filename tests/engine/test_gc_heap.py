@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.sampling_params import SamplingParams
@@ -15,7 +17,8 @@ def _engine(default_lm) -> LLMEngine:
     return LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=512, max_model_len=256), loaded=default_lm)
 
 
-def test_a_built_engine_is_frozen_and_a_dropped_one_is_freed_by_the_next_build(default_lm):
+def test_a_built_engine_is_frozen_and_a_dropped_one_is_freed_by_the_next_build(default_lm, monkeypatch):
+    monkeypatch.setenv("PREFIXKV_FREEZE_GC", "1")  # the default; the suite turns it off (conftest)
     first = _engine(default_lm)
     blocks = first.kv_cache_manager.block_pool.blocks
     assert gc.get_freeze_count() > len(blocks)
@@ -31,3 +34,13 @@ def test_a_built_engine_is_frozen_and_a_dropped_one_is_freed_by_the_next_build(d
     second = _engine(default_lm)
     assert alive() is None  # the next build collected it
     assert gc.get_freeze_count() > len(second.kv_cache_manager.block_pool.blocks)
+
+
+def test_the_switch_is_0_or_1(default_lm, monkeypatch):
+    monkeypatch.setenv("PREFIXKV_FREEZE_GC", "0")
+    gc.unfreeze()
+    _engine(default_lm)
+    assert gc.get_freeze_count() == 0  # off: the collector as Python sets it
+    monkeypatch.setenv("PREFIXKV_FREEZE_GC", "yes")
+    with pytest.raises(ValueError, match="PREFIXKV_FREEZE_GC='yes'"):
+        _engine(default_lm)
