@@ -121,6 +121,8 @@ class KVCacheManager:
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """The block ids of the request's sliding-window groups (1, 2, ...): 0 where a block was
         released (never read: it is out of every query's window); [] without such groups."""
+        if self.sliding is None:  # asked for every request every step: no lookup where none exist
+            return []
         state = self._requests.get(request_id)
         if state is None:
             return []

@@ -43,11 +43,10 @@ def thaw_long_lived_objects() -> None:
 
 def freeze_long_lived_objects() -> None:
     """Collect what is garbage now, then move every object still alive to the permanent
-    generation (gc.freeze): after a build."""
+    generation (gc.freeze): after a build, which thawed the heap first."""
     if not enabled():
         return
     start = time.perf_counter()
-    gc.unfreeze()
     gc.collect()
     gc.freeze()
     logger.debug(

@@ -58,11 +58,11 @@ class OutputState:
             else []
         )
         # the incremental text: wanted while the sequence runs (streamed or cumulative outputs, stop
-        # strings to find)
-        self._incremental = params.detokenize and (
+        # strings to find); None: the text is the one decode at the end
+        incremental = params.detokenize and (
             params.output_kind is not RequestOutputKind.FINAL_ONLY or bool(params.stop)
         )
-        self._stream = tokenizer.decode_stream(params.skip_special_tokens, self._context) if self._incremental else None
+        self._stream = tokenizer.decode_stream(params.skip_special_tokens, self._context) if incremental else None
 
     def update(
         self,
@@ -124,7 +124,7 @@ class OutputState:
     def abort(self, req: Request | None = None) -> None:
         """The sequence ends early (aborted, failed): its text so far (`req`: the sequence, for
         the text that was not decoded token by token)."""
-        if req is not None and self.params.detokenize and not self._incremental:
+        if req is not None and self.params.detokenize and self._stream is None:
             self.full_text = self.tokenizer.decode_after(
                 self._context, req.output_token_ids, self.params.skip_special_tokens
             )

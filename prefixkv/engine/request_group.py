@@ -71,10 +71,7 @@ class RequestGroup:
         first = self.children[0]
         if finished is None:
             finished = self.finished
-        if len(self.children) == 1:
-            first_token = first.first_token_time or None
-        else:
-            first_token = min((c.first_token_time for c in self.children if c.first_token_time), default=None)
+        first_token = min((c.first_token_time for c in self.children if c.first_token_time), default=None)
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
             first_scheduled_time=first.first_scheduled_time,

@@ -84,7 +84,6 @@ class Scheduler:
         # the last booked step's inter-token latencies: for each sequence that got a token and had
         # one before, the seconds between the two bookings (vLLM's inter_token_latency)
         self.last_inter_token_latencies: list[float] = []
-        self._kv_groups = bool(kv_group_windows)  # later KV-cache groups: tables of their own
         self.stage_outputs: StageOutputCache | None = None
         if stage_output_tensors is not None:
             blocks = self.kv_cache_manager.block_pool.blocks
@@ -331,7 +330,7 @@ class Scheduler:
             token_ids=req.all_token_ids[start : start + num_new],
             start=start,
             block_table=self.kv_cache_manager.get_block_ids(req.request_id),
-            group_block_tables=self.kv_cache_manager.get_group_block_ids(req.request_id) if self._kv_groups else [],
+            group_block_tables=self.kv_cache_manager.get_group_block_ids(req.request_id),
             sample=start + num_new == req.num_tokens,
             sampling_params=params,
             generator=req.generator,
