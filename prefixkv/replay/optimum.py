@@ -103,6 +103,7 @@ class BeladyBackend:
         self.free_plain = num_blocks  # free blocks without identity
         # request -> ((depth, node) it holds, plain blocks it holds, (depth, node) of its duplicates)
         self.live: dict[int, tuple[list[tuple[int, int]], int, list[tuple[int, int]]]] = {}
+        self.dup_holders: dict[int, list[int]] = {}  # node -> running requests holding a duplicate copy
         self.last_admitted = -1
         self._stamp = 0
         self._evictions = 0
@@ -145,6 +146,7 @@ class BeladyBackend:
             node = chain[depth]
             if node in ref:
                 dups.append((depth, node))
+                self.dup_holders.setdefault(node, []).append(index)
                 continue
             ref[node] = 1
             held.append((depth, node))
@@ -169,12 +171,31 @@ class BeladyBackend:
             r = ref[node] - 1
             if r:
                 ref[node] = r
+            elif self.dup_holders.get(node):
+                # A running request holds its own copy: that copy carries the identity on (held:
+                # a hit for whoever looks the block up, never evicted), and this one is redundant,
+                # a plain free block. Freed as a cached block instead, it was evicted before a
+                # later request could hit the copy still held, which an online policy did hit.
+                heirs = self.dup_holders[node]
+                heir = heirs.pop(0)
+                if not heirs:
+                    del self.dup_holders[node]
+                heir_held, heir_plain, heir_dups = self.live[heir]
+                heir_dups.remove((depth, node))
+                heir_held.append((depth, node))
+                self.live[heir] = (heir_held, heir_plain - 1, heir_dups)
+                self.free_plain += 1
             else:
                 del ref[node]
                 self._free_node(node, depth)
         # A duplicate copy is cached too (the manager keeps every copy): it is redundant while
         # another copy lives, and carries the identity on when none does.
         for depth, node in reversed(dups):
+            holders = self.dup_holders.get(node)
+            if holders is not None and index in holders:  # not promoted to carry the identity
+                holders.remove(index)
+                if not holders:
+                    del self.dup_holders[node]
             if node not in ref and node not in free_cached:
                 self.free_plain -= 1
                 self._free_node(node, depth)

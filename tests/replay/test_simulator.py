@@ -187,3 +187,15 @@ def test_pin_top_keeps_the_system_prompt_a_flood_would_evict():
     assert pinned.hit_tokens == 7 * len(system) and pinned.pinned_blocks == 2 and pinned.pins_refused == 0
     refused = replay(trace, num_blocks=10, block_size=bs, pin_top=1, max_pinned_fraction=0.1)
     assert refused.pins_refused == 1 and refused.hit_tokens == 0
+
+
+def test_a_copy_still_held_carries_the_identity_in_the_optimum():
+    """Found by the property above: r4 and r5 each recompute block [0, 10] (their lookup range is
+    empty); when r4 ends, r5's copy - still held - carries the identity, so r7 hits it. The optimum
+    had freed r4's copy as the cached one and evicted it for r6, and LRU (which hits r5's copy)
+    beat it: 2 hit tokens against 0."""
+    tm = TimeModel(0.0, 10.0, False)
+    trace = [tok(0, (0, 10, 0, 10, 0, 10), out=1)] + [tok(0, (0, 10))] * 4
+    trace += [tok(0, (0, 10), out=1), tok(0, (1, 11, 20)), tok(0, (0, 10, 20))]
+    assert replay(trace, 3, 2, "lru", tm).hit_tokens == 2
+    assert replay_optimum(trace, 3, 2, tm).hit_tokens == 2
