@@ -94,13 +94,11 @@ def default_gguf_path():
 
 @pytest.fixture(scope="session")
 def hf_ref_model(default_gguf_path):
-    """transformers' own dequantization of the same GGUF: the oracle for model outputs."""
-    from transformers import AutoModelForCausalLM
+    """transformers' own dequantization of the same GGUF: the oracle for model outputs (read once
+    per machine and kept: tests/reference_copy.py)."""
+    from .reference_copy import reference_model
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_gguf_path), gguf_file=os.path.basename(default_gguf_path), dtype=torch.float32
-    )
-    return model.eval()
+    return reference_model(default_gguf_path)
 
 
 @torch.inference_mode()

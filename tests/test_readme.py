@@ -12,8 +12,9 @@ What runs and how (choices, so that the suite stays lean and never recurses):
   - every other command must finish on its own with exit status 0.
 * docs/*.md (and the README again) ```bash blocks: every command that names a bench script or a
   prefixkv subcommand is checked cheaply - the script exists, and every --flag it is given is
-  listed by its --help (the benchmarks themselves take minutes to hours: `make bench`). `make X`
-  lines must name a Makefile target. pytest lines are skipped (recursion).
+  listed by its --help (every Python program's --help run in one process: tests/help_texts.py; the
+  benchmarks themselves take minutes to hours: `make bench`). `make X` lines must name a Makefile
+  target. pytest lines are skipped (recursion).
 * docs/serving.md's OpenAI-client snippet runs against a server started with the flags it assumes
   (--api-key sk-local --served-model-name smol) on a free port.
 
@@ -23,6 +24,7 @@ deselects it).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -193,7 +195,22 @@ def test_readme_serve_command_serves(cmd):
 
 @cache
 def help_text(argv: tuple[str, ...]) -> str:
-    return run([*argv, "--help"], timeout=300).stdout
+    if argv[0] != PY:  # another program (lm_eval): on its own
+        return run([*argv, "--help"], timeout=300).stdout
+    result = python_help_texts()[json.dumps(list(argv[1:]))]
+    assert result["status"] == 0, f"{argv[1:]} --help exited {result['status']}:\n{result['err'][-3000:]}"
+    return str(result["out"])
+
+
+@cache
+def python_help_texts() -> dict[str, dict[str, object]]:
+    """The --help of every Python program the docs name, all run in one process (tests/help_texts.py):
+    one import of torch instead of one per program."""
+    programs = sorted(
+        {checked[0][1:] for _, cmd in DOC_COMMANDS if (checked := help_argv(cmd)) is not None and checked[0][0] == PY}
+    )
+    out = run([PY, str(ROOT / "tests" / "help_texts.py"), json.dumps([list(p) for p in programs])], timeout=600).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
 
 
 def help_argv(cmd: str) -> tuple[tuple[str, ...], list[str]] | None:

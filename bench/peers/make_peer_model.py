@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -35,11 +36,12 @@ GGUF_DIR, GGUF_FILE = os.path.split(default_model_path())
 PEERS_DIR = Path(os.environ.get("PREFIXKV_PEERS", Path(__file__).resolve().parents[2] / "peers"))
 
 
-def build(out: str, add_rope_theta: bool = False, model: torch.nn.Module | None = None) -> None:
+def build(out: str, add_rope_theta: bool = False, model: torch.nn.Module | None = None, tokenizer: Any = None) -> None:
     """Write the HF folder of the default GGUF to `out` (also used by tests/server/test_lm_eval.py).
-    `model`: transformers' float32 dequantization of that GGUF, already loaded (the test suite's
-    reference model), saved instead of dequantizing again; it is left as it was given."""
-    tok = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE)
+    `model`, `tokenizer`: transformers' float32 dequantization of that GGUF and its tokenizer
+    conversion, already loaded (the test suite's reference), saved instead of reading the GGUF
+    again; they are left as they were given."""
+    tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE, dtype=torch.float32)
     save_dequantized(model, out)

@@ -63,6 +63,7 @@ def _write_gguf(path, kind):
     toks = sorted(_bytes_to_unicode().values()) + ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(VOCAB - 258)]
     w.add_token_list(toks)
     w.add_token_types([1] * 256 + [3] * (VOCAB - 256))
+    w.add_token_scores([0.0] * VOCAB)  # transformers' tokenizer conversion reads them
     w.add_token_merges([])
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
@@ -254,3 +255,40 @@ def test_fp32_laid_out_weights_match_plain_fp32(tmp_path, monkeypatch, kind, bou
         out.append(torch.cat([run_logits(lm.model, caches, [(ids[:n], [3, 1, 6], c)], 8)[0] for n, c in steps]))
     assert torch.allclose(out[0], out[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
+
+
+def test_the_suites_saved_reference_reads_as_the_gguf(tmp_path, monkeypatch):
+    """tests/reference_copy.py, the suite's oracle kept per machine: the saved copy reloads with the
+    parameters, outputs and tokenization transformers reads from the GGUF; the file is read once; a
+    copy that does not reload as read is refused; another file gets a copy of its own."""
+    pytest.importorskip("accelerate", reason="transformers needs `accelerate` to load a GGUF model")
+    from .. import reference_copy
+
+    monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "tiny-llama.gguf")
+    _write_gguf(path, "llama")
+    fresh, fresh_tok = reference_copy.read_gguf(path)
+    model, tok = reference_copy.reference_model(path), reference_copy.reference_tokenizer(path)
+    want, got = fresh.state_dict(), model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+    text = "héllo wörld, 123"
+    assert tok(text)["input_ids"] == fresh_tok(text)["input_ids"]
+
+    def no_reading(_path):
+        raise AssertionError("the GGUF was read again")
+
+    monkeypatch.setattr(reference_copy, "read_gguf", no_reading)
+    assert torch.equal(reference_copy.reference_model(path).lm_head.weight, fresh.lm_head.weight)
+
+    with torch.no_grad():
+        fresh.lm_head.weight[0, 0] += 1.0
+    with pytest.raises(RuntimeError, match="does not reload"):
+        reference_copy.check_copy(fresh, reference_copy.copy_folder(path))
+
+    other = str(tmp_path / "tiny-qwen2.gguf")
+    _write_gguf(other, "qwen2")
+    with pytest.raises(AssertionError, match="read again"):
+        reference_copy.copy_folder(other)

@@ -21,17 +21,19 @@ MODEL = "smol"
 
 
 @pytest.fixture(scope="module")
-def hf_folder(request, tmp_path_factory, hf_ref_model):
+def hf_folder(request, tmp_path_factory, hf_ref_model, default_gguf_path):
     """transformers' float32 copy of the default GGUF (bench/peers/make_peer_model.py), built once
     into pytest's cache folder (a temporary one with -p no:cacheprovider) from the session's
-    reference model (dequantized once for the whole suite): the hf backend's model and both
-    backends' tokenizer."""
+    reference model and tokenizer (read from the GGUF once per machine: tests/reference_copy.py):
+    the hf backend's model and both backends' tokenizer."""
     cache = getattr(request.config, "cache", None)
     folder = str(cache.mkdir("smollm2-135m-hf") if cache else tmp_path_factory.mktemp("smollm2-135m-hf"))
     if not os.path.exists(os.path.join(folder, "model.safetensors")):
         from bench.peers.make_peer_model import build
 
-        build(folder, model=hf_ref_model)
+        from ..reference_copy import reference_tokenizer
+
+        build(folder, model=hf_ref_model, tokenizer=reference_tokenizer(default_gguf_path))
     return folder
 
 
