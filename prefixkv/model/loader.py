@@ -336,7 +336,8 @@ def _load_gguf(path: str, dtype, device) -> LoadedModel:
         else:
             model.load_hf_weights(weights())
         if entry is not None:
-            weight_cache.store(entry, {name: p.data for name, p in model.named_parameters()})
+            params = {name: p.data for name, p in model.named_parameters()}
+            weight_cache.store(entry, params, source=os.path.realpath(path))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=path)
 
 

@@ -17,6 +17,13 @@ the versions of torch, numpy and gguf (the dequantization), and the source of th
 the file into parameters (loader.py, gguf_file.py, llama.py). A changed file or code writes a new
 entry and removes the older ones of the same model and dtype, so the folder holds one per pair.
 
+The folder is bounded. An entry names the GGUF it was made from; writing one removes every entry
+whose GGUF is gone (a deleted venv, clone or temporary folder: each new location of a model is a
+model of its own, so without this a machine that makes fresh clones - CI - gained ~540 MB a clone),
+entries of another format version, and then the least recently used entries (a load marks its
+entry used) until the folder holds at most ``PREFIXKV_WEIGHT_CACHE_MAX_GB`` GiB (20 by default;
+the entry just written always stays).
+
 The file: a header (magic, version, JSON length), a JSON table (per tensor its name, dtype, shape,
 offset and CRC-32) and the data, every tensor 64-byte aligned. It is written to a temporary file
 and renamed into place (a concurrent process sees all of it or none). Before use its size is
@@ -49,8 +56,10 @@ from .kernels import build
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PREFIXKV_WEIGHT_CACHE"
+ENV_MAX_GB = "PREFIXKV_WEIGHT_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 20.0
 MAGIC = b"PKVW"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the table names the GGUF the entry was made from ("source")
 ALIGN = 64
 # the file's head and tail that go into its key: the default model's header (metadata with its
 # 49k-token vocabulary, the tensor table) is ~2 MiB; 5 ms of hashing
@@ -65,6 +74,18 @@ CHUNK = 16 << 20  # the data is checked in pieces of this size, each with its CR
 def enabled() -> bool:
     """Whether loads use and write the cache (``PREFIXKV_WEIGHT_CACHE=0``: never)."""
     return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def max_bytes() -> int:
+    """The bound on the folder's size (``PREFIXKV_WEIGHT_CACHE_MAX_GB``, in GiB; 20 by default)."""
+    text = os.environ.get(ENV_MAX_GB, "")
+    try:
+        gib = float(text) if text else DEFAULT_MAX_GB
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:
+        raise ValueError(f"{ENV_MAX_GB} must be a number of GiB >= 0, got {text!r}")
+    return int(gib * (1 << 30))
 
 
 def folder() -> Path:
@@ -93,6 +114,7 @@ def entry_path(gguf_path: str, dtype: torch.dtype) -> Path:
     here = Path(__file__).parent
     for name in _CODE:
         key.update((here / name).read_bytes())
+    max_bytes()  # a bad bound is refused at the load, not at some later write
     model = hashlib.sha256(f"{real}\0{dtype}".encode()).hexdigest()[:12]
     return folder() / f"{model}-{key.hexdigest()[:20]}.pkvw"
 
@@ -153,6 +175,10 @@ def load(path: Path, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]
     want = {name: (p.dtype, tuple(p.shape)) for name, p in params.items()}
     if {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()} != want:
         return None  # another model layout (the key should have told them apart): dequantized again
+    try:
+        os.utime(path)  # used now: the size bound removes the least recently used entries first
+    except OSError:
+        pass
     return tensors
 
 
@@ -164,9 +190,9 @@ def _discard(path: Path, why: str) -> None:
         pass
 
 
-def store(path: Path, params: dict[str, torch.Tensor]) -> None:
-    """Write `params` (CPU tensors) as the entry `path`, atomically, and remove the older entries of
-    the same model and dtype. A cache that cannot be written (read-only, full) only logs."""
+def store(path: Path, params: dict[str, torch.Tensor], source: str | None = None) -> None:
+    """Write `params` (CPU tensors) as the entry `path` of the GGUF `source`, atomically, then tidy
+    the folder (`tidy`). A cache that cannot be written (read-only, full) only logs."""
     arrays: list[np.ndarray] = []
     entries: list[dict[str, Any]] = []
     offset = 0  # from the data's start
@@ -180,7 +206,7 @@ def store(path: Path, params: dict[str, torch.Tensor]) -> None:
         offset += raw.nbytes
     # the header's length is fixed before the CRCs are known: room for the widest ones
     chunks = -(-offset // CHUNK)
-    widest = {"tensors": entries, "data": 10**12, "size": 10**12, "crc32": [2**32 - 1] * chunks}
+    widest = {"tensors": entries, "data": 10**12, "size": 10**12, "crc32": [2**32 - 1] * chunks, "source": source}
     data = -(-(_PREFIX.size + len(json.dumps(widest)) + 64 * len(entries)) // ALIGN) * ALIGN
     for e in entries:
         e["offset"] += data
@@ -197,7 +223,8 @@ def store(path: Path, params: dict[str, torch.Tensor]) -> None:
                 f.flush()
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as written:
                     crcs = _crc32s(memoryview(written), data, size)  # of what the file holds
-                body = json.dumps({"tensors": entries, "data": data, "size": size, "crc32": crcs}).encode()
+                table = {"tensors": entries, "data": data, "size": size, "crc32": crcs, "source": source}
+                body = json.dumps(table).encode()
                 if _PREFIX.size + len(body) > data:
                     raise AssertionError("weight-cache header overflow")
                 f.seek(0)
@@ -209,11 +236,55 @@ def store(path: Path, params: dict[str, torch.Tensor]) -> None:
     except OSError as e:
         logger.info("weight cache not written (%s); the next start dequantizes again", e)
         return
-    family = path.name.split("-", 1)[0]
+    tidy(path)
+
+
+def tidy(keep: Path) -> None:
+    """Remove what no load will use again, beside the entry `keep` just written: older entries of its
+    model and dtype, entries whose GGUF is gone, entries of another format version, a killed
+    writer's temporary file; then the least recently used entries while the folder is over its bound."""
+    family = keep.name.split("-", 1)[0]
     stale = time.time() - STALE_TEMP_S  # a writer killed mid-write leaves its temporary file
-    for old in [*path.parent.glob(f"{family}-*.pkvw"), *path.parent.glob(".weights-*")]:
+    kept: list[tuple[float, int, Path]] = []
+    for old in keep.parent.iterdir():
         try:
-            if old != path and (old.suffix == ".pkvw" or old.stat().st_mtime < stale):
-                old.unlink()
+            if old.name.startswith(".weights-"):
+                if old.stat().st_mtime < stale:
+                    old.unlink()
+            elif old.suffix == ".pkvw" and old != keep:
+                if old.name.split("-", 1)[0] == family or not _source_exists(old):
+                    old.unlink()
+                else:
+                    st = old.stat()
+                    kept.append((st.st_mtime, st.st_size, old))
         except OSError:
             pass
+    try:
+        total = keep.stat().st_size + sum(size for _, size, _ in kept)
+    except OSError:
+        return
+    bound = max_bytes()
+    for _, size, old in sorted(kept):  # the least recently used first
+        if total <= bound:
+            break
+        try:
+            old.unlink()
+            total -= size
+        except OSError:
+            pass
+
+
+def _source_exists(path: Path) -> bool:
+    """Whether the GGUF the entry was made from is still there (False for another format version)."""
+    with open(path, "rb") as f:
+        prefix = f.read(_PREFIX.size)
+        if len(prefix) < _PREFIX.size:
+            return False
+        magic, version, n = _PREFIX.unpack(prefix)
+        if magic != MAGIC or version != FORMAT_VERSION:
+            return False
+        try:
+            source = json.loads(f.read(n)).get("source")
+        except (ValueError, AttributeError):
+            return False
+    return isinstance(source, str) and os.path.exists(source)

@@ -141,3 +141,44 @@ def test_the_key_follows_the_file(tmp_path, default_gguf_path):
         f.write(b"x")
     os.utime(copy, ns=(1, 1))
     assert weight_cache.entry_path(str(copy), torch.float32) != touched
+
+
+def test_the_folder_keeps_what_loads_can_use_within_its_bound(tmp_path, monkeypatch):
+    """Writing an entry removes the entries whose GGUF is gone (a deleted clone, venv or temporary
+    folder) and those of another format version, then the least recently used ones while the folder
+    is over PREFIXKV_WEIGHT_CACHE_MAX_GB; the entry written stays, and a load marks its entry used."""
+    monkeypatch.delenv(weight_cache.ENV_MAX_GB, raising=False)
+    folder = tmp_path / "weights"
+    params = {"w": torch.randn(64, 64)}
+
+    def made(name: str) -> tuple:
+        source = tmp_path / f"{name}.gguf"
+        source.write_bytes(b"GGUF")
+        entry = folder / f"{name}-key.pkvw"
+        weight_cache.store(entry, params, source=str(source))
+        return entry, source
+
+    (a, _), (b, b_source) = made("a"), made("b")
+    assert entries(folder) == [a, b]
+    b_source.unlink()
+    c, _ = made("c")
+    assert entries(folder) == [a, c]  # b's GGUF is gone
+    older = folder / "older-key.pkvw"  # an entry of the format before (no source named)
+    older.write_bytes(weight_cache._PREFIX.pack(weight_cache.MAGIC, 1, 2) + b"{}")
+    d, _ = made("d")
+    assert entries(folder) == [a, c, d]
+
+    size = a.stat().st_size
+    monkeypatch.setenv(weight_cache.ENV_MAX_GB, str(2.5 * size / 2**30))  # room for two entries
+    for entry, t in ((a, 100), (c, 200), (d, 300)):
+        os.utime(entry, (t, t))
+    assert weight_cache.load(a, {"w": torch.nn.Parameter(params["w"], requires_grad=False)}) is not None
+    e, _ = made("e")
+    assert entries(folder) == [a, e]  # c and d were the least recently used (a was just loaded)
+    monkeypatch.setenv(weight_cache.ENV_MAX_GB, "0")
+    f, _ = made("f")
+    assert entries(folder) == [f]  # the entry written stays, whatever the bound
+
+    monkeypatch.setenv(weight_cache.ENV_MAX_GB, "lots")
+    with pytest.raises(ValueError, match=weight_cache.ENV_MAX_GB):
+        weight_cache.entry_path(str(tmp_path / "a.gguf"), torch.float32)
