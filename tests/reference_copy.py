@@ -10,7 +10,9 @@ cache folder the kernels and the weight cache use, under ``test-references/``, k
 those; later runs load the saved copy (~1 s). `tests/model/test_reference_copy.py` checks that the
 saved copy equals a fresh reading, parameters and tokenization both.
 
-Two workers starting together take a file lock: one reads and saves, the other waits and loads."""
+Two workers starting together take a file lock: one reads and saves, the other waits and loads. A
+new copy replaces the older copies of a file of the same name (other bytes or versions), so the
+folder holds one ~540 MB copy of the default model, not one per upgrade."""
 
 from __future__ import annotations
 
@@ -66,6 +68,9 @@ def copy_folder(gguf_path: str) -> Path:
                 (tmp / "complete").touch()
                 shutil.rmtree(folder, ignore_errors=True)
                 os.rename(tmp, folder)
+                for older in root.glob(f"{Path(gguf_path).stem}-*"):  # another file or version's: not read again
+                    if older.is_dir() and older != folder:
+                        shutil.rmtree(older, ignore_errors=True)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return folder
