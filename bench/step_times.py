@@ -14,11 +14,13 @@ the process, `VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1`; model: pe
 both engines load (bench/device/random_checkpoint.py writes model shapes users serve).
 
 Side by side in one command (`--peer-vllm --rounds N`): each round runs both engines, each in a
-fresh process of its own Python, the order swapped every round (so that the machine's drift falls
+fresh process of its own Python, the order rotated every round (so that the machine's drift falls
 on both), and the table prints each figure's median over the rounds, every round's value and the
-ratio prefixkv / vLLM:
+ratio prefixkv / vLLM. `--kernels-off` adds prefixkv with `PREFIXKV_CPU_KERNELS=0` (PyTorch's
+kernels alone) to the same rounds, and the ratio prefixkv / kernels off:
 
     .venv/bin/python bench/step_times.py --dtype float32 --peer-vllm --rounds 5 --batches 1
+    .venv/bin/python bench/step_times.py --dtype float32 --peer-vllm --kernels-off --rounds 6
 
 Every figure also prints its fraction of this machine's ceiling (bench/ceiling.py, measured in
 the same process first; `--no-ceiling` skips it): a prefill as FLOP/s achieved over the dtype's
@@ -94,24 +96,30 @@ def sampling_text(fields: dict[str, float | int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in fields.items()) if fields else "greedy"
 
 
+KERNELS_OFF = "prefixkv, kernels off"
+
+
 def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
-    """--peer-vllm: both engines, each round in fresh processes, the order swapped every round."""
+    """--peer-vllm: the engines, each round in fresh processes, the order rotated every round."""
     if not available(args.vllm_python):
         sys.exit(f"--peer-vllm: no vLLM Python at {args.vllm_python} (bench/peers/README.md)")
     common = ["--dtype", args.dtype, "--prompt", str(args.prompt), "--reps", str(args.reps)]
     common += ["--batches", args.batches, "--context", str(args.context), "--no-ceiling"]
     if args.sampling:
         common += ["--sampling", ",".join(f"{k}={v}" for k, v in args.sampling.items())]
-    commands = {
-        "prefixkv": [sys.executable, os.path.abspath(__file__), "--model", args.model, *common],
-        "vllm": [args.vllm_python, os.path.abspath(__file__), "--engine", "vllm", "--model", args.model, *common],
-    }
+    ours = [sys.executable, os.path.abspath(__file__), "--model", args.model, *common]
+    theirs = [args.vllm_python, os.path.abspath(__file__), "--engine", "vllm", "--model", args.model, *common]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
-    rounds: dict[str, list[dict]] = {name: [] for name in commands}
+    contenders = {"prefixkv": (ours, env), "vllm": (theirs, env)}
+    if args.kernels_off:  # the same engine on PyTorch's kernels alone: what the native ones must beat
+        contenders[KERNELS_OFF] = (ours, dict(env, PREFIXKV_CPU_KERNELS="0"))
+    names = list(contenders)
+    rounds: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.rounds):
-        order = ["prefixkv", "vllm"] if r % 2 == 0 else ["vllm", "prefixkv"]
-        for name in order:
-            proc = subprocess.run(commands[name], capture_output=True, text=True, env=env, timeout=3600)
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            command, name_env = contenders[name]
+            proc = subprocess.run(command, capture_output=True, text=True, env=name_env, timeout=3600)
             if proc.returncode != 0:
                 sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
             result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -121,19 +129,24 @@ def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
     medians = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in rounds.items()}
     how = f"{args.dtype}, {sampling_text(args.sampling)}"
     print(f"\n{how}, medians of {args.rounds} rounds (each round's figure is itself a median):")
-    print("| figure | prefixkv | vLLM-CPU | prefixkv / vLLM | rounds, prefixkv | rounds, vLLM |")
-    print("|---|---:|---:|---:|---|---|")
+    off = [KERNELS_OFF] if args.kernels_off else []
+    header = ["figure", "prefixkv", "vLLM-CPU", *off, "prefixkv / vLLM"]
+    header += ["prefixkv / kernels off"] * bool(off) + [f"rounds, {name}" for name in names]
+    print("| " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * (3 + 2 * len(off)) + "---|" * len(names))
     for k in keys:
-        ours, theirs = medians["prefixkv"][k], medians["vllm"][k]
-        cells = [", ".join(f"{x[k]:.1f}" for x in rounds[name]) for name in ("prefixkv", "vllm")]
-        print(f"| {k} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.3f} | {cells[0]} | {cells[1]} |")
+        m = {name: medians[name][k] for name in names}
+        cells = [f"{m['prefixkv']:.1f}", f"{m['vllm']:.1f}"] + [f"{m[name]:.1f}" for name in off]
+        cells += [f"{m['prefixkv'] / m['vllm']:.3f}"] + [f"{m['prefixkv'] / m[name]:.3f}" for name in off]
+        cells += [", ".join(f"{x[k]:.1f}" for x in rounds[name]) for name in names]
+        print(f"| {k} | " + " | ".join(cells) + " |")
     loads = [x["load_average"] for rs in rounds.values() for x in rs]
     print(f"load average at the runs' ends: {min(loads):.2f}-{max(loads):.2f}")
-    if args.ceiling:  # one measurement for both engines' figures
+    if args.ceiling:  # one measurement for every engine's figures
         import torch
 
         shape, ceiling = hf_shape(args.model), measure((getattr(torch, args.dtype),), quick=True)
-        for name in ("prefixkv", "vllm"):
+        for name in names:
             print(name, "- " + "\n".join(ceiling_lines(medians[name], shape, args, batches, ceiling)))
     print(json.dumps({"dtype": args.dtype, "medians": medians, "rounds": rounds}))
 
@@ -154,6 +167,11 @@ def main() -> None:
     ap.add_argument("--peer-vllm", action="store_true", help="both engines side by side, --rounds times")
     ap.add_argument("--rounds", type=int, default=None, help="with --peer-vllm: rounds of both engines (3)")
     ap.add_argument("--vllm-python", default=None, help=f"with --peer-vllm: vLLM's Python ({DEFAULT_VLLM_PYTHON})")
+    ap.add_argument(
+        "--kernels-off",
+        action="store_true",
+        help="with --peer-vllm: prefixkv with PREFIXKV_CPU_KERNELS=0 as a third contender in the same rounds",
+    )
     ap.add_argument(
         "--emulate",
         choices=sorted(EMULATIONS),
@@ -178,8 +196,8 @@ def main() -> None:
             sys.exit("--peer-vllm runs both engines: not with --engine")
         args.rounds = 3 if args.rounds is None else args.rounds
         args.vllm_python = args.vllm_python or DEFAULT_VLLM_PYTHON
-    elif args.rounds is not None or args.vllm_python is not None:
-        sys.exit("--rounds and --vllm-python apply only with --peer-vllm")
+    elif args.rounds is not None or args.vllm_python is not None or args.kernels_off:
+        sys.exit("--rounds, --vllm-python and --kernels-off apply only with --peer-vllm")
     if (
         args.reps < 1
         or args.prompt < 1

@@ -41,7 +41,10 @@ typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
 
 inline vec16 loadv(const float* p) { return *reinterpret_cast<const vec16_unaligned*>(p); }
 inline void storev(float* p, vec16 x) { *reinterpret_cast<vec16_unaligned*>(p) = x; }
-inline vec16 splat(float x) { return vec16{} + x; }
+// a broadcast written as one, not as `vec16{} + x`: 0 + x is not x for x = -0.0, so without
+// -ffast-math GCC computed the scalar sum and then broadcast it from a register (an add and a
+// shuffle before every multiply-add that used it); this form is one broadcast from memory
+inline vec16 splat(float x) { return vec16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline vec16 vmax(vec16 a, vec16 b) { return a > b ? a : b; }
 inline ivec16 lane_index() { return ivec16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
@@ -55,7 +58,7 @@ typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec8_unaligned __attribute__((vector_size(32), aligned(4)));
 inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8_unaligned*>(p); }
 inline void store8(float* p, vec8 x) { *reinterpret_cast<vec8_unaligned*>(p) = x; }
-inline vec8 splat8(float x) { return vec8{} + x; }
+inline vec8 splat8(float x) { return vec8{x, x, x, x, x, x, x, x}; }  // as splat: one broadcast
 inline vec8 vmax8(vec8 a, vec8 b) { return a > b ? a : b; }
 typedef int32_t ivec8 __attribute__((vector_size(32)));
 inline ivec8 lane_index8() { return ivec8{0, 1, 2, 3, 4, 5, 6, 7}; }
