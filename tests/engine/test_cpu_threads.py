@@ -197,8 +197,11 @@ def test_foreign_load_sees_a_busy_neighbour():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_outputs_do_not_depend_on_the_thread_count(dtype):
-    """The premise of changing threads per step: logprobs bit for bit at 1, 2 and 4 threads (decode
-    attention over 400+ keys splits its keys; the split must follow the data, not the threads)."""
+    """The premise of changing threads per step: logprobs bit for bit on every count the engine may
+    drop to - 1 and configured - 1 - as on the configured count (decode attention over 400+ keys
+    splits its keys; the split must follow the data, not the threads). Never more than configured:
+    the adaptive policy only lowers the count, and more threads than cores only wait on each other
+    (on 2 cores, 4 threads took 11 s of this test's 64 in bfloat16 on an AMD Zen 3)."""
     llm = LLM(
         device="cpu",
         dtype=dtype,
@@ -219,7 +222,8 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype):
     prompts = [text(420, 1), "Tell me a story.", text(60, 2), text(150, 3)]
     base = outputs(llm, prompts)
     single = outputs(llm, prompts[:1])  # one sequence: the fewest tasks, the most split
-    for n in (1, 4):
+    configured = torch.get_num_threads()
+    for n in sorted({1, max(1, configured - 1)} - {configured}) or [1]:
         with torch_threads(n):
             assert outputs(llm, prompts) == base, f"{n} threads"
             assert outputs(llm, prompts[:1]) == single, f"{n} threads, one sequence"
