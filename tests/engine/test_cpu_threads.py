@@ -200,8 +200,7 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype):
     """The premise of changing threads per step: logprobs bit for bit on every count the engine may
     drop to - 1 and configured - 1 - as on the configured count (decode attention over 400+ keys
     splits its keys; the split must follow the data, not the threads). Never more than configured:
-    the adaptive policy only lowers the count, and more threads than cores only wait on each other
-    (on 2 cores, 4 threads took 11 s of this test's 64 in bfloat16 on an AMD Zen 3)."""
+    the adaptive policy only lowers the count, and more threads than cores only wait on each other."""
     llm = LLM(
         device="cpu",
         dtype=dtype,
