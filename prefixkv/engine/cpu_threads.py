@@ -423,6 +423,12 @@ def thread_counts_agree(model: LlamaModel, configured: int) -> bool:
     return bool(agree)
 
 
+def agreement_counts(configured: int) -> list[int]:
+    """The thread counts whose outputs must agree: every count the adaptive policy may drop to from
+    `configured` (it never raises it) - 1 and configured - 1 - and the configured one."""
+    return sorted({1, max(1, configured - 1), configured})
+
+
 def _agreement_key(model: LlamaModel, configured: int) -> str:
     key = hashlib.sha256()
     for part in (repr(model.config), str(model.dtype), str(configured), torch.__version__, _cpu_identity()):
@@ -455,7 +461,7 @@ def _measure_agreement(model: LlamaModel, configured: int) -> bool:
     from ..model import AttentionMetadata
 
     config = model.config
-    counts = sorted({1, max(1, configured - 1), configured})
+    counts = agreement_counts(configured)
     block = 16
     n = CHECK_PROMPT_TOKENS
     blocks = (n + 1 + block - 1) // block
