@@ -130,13 +130,26 @@ def quiet_or_skip(cpus: frozenset[int]) -> None:
         pytest.skip(f"other processes keep {load.cores:.2f} cores of ours busy already")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system time of process `pid` so far (/proc/<pid>/stat, fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / cpu_threads._TICKS_PER_S
+
+
 def test_a_niced_neighbour_is_not_competition():
     """A nice-19 busy loop of our session runs on what our threads leave: a process at nice 0 does not
-    count it - while the same windows counted whole show a core of it."""
+    count it - while the same windows counted whole show the loop's time. The loop gets a core only
+    where nothing at a higher priority wants it: beside the suite's other busy workers it may get
+    almost none, and then there is nothing of it to leave out."""
     cpus = frozenset(os.sched_getaffinity(0))
-    with neighbour_at_nice(19):
+    with neighbour_at_nice(19) as loop:
+        spent, at = process_cpu_seconds(loop.pid), time.monotonic()
         seen, whole = windows(ForeignLoad(cpus, nice=0))
-    assert max(w - s for s, w in zip(seen, whole)) >= 0.6, (seen, whole)  # its core, left out
+        loop_cores = (process_cpu_seconds(loop.pid) - spent) / (time.monotonic() - at)
+    if loop_cores < 0.5:
+        pytest.skip(f"busier processes left the nice-19 loop {loop_cores:.2f} of a core")
+    assert max(w - s for s, w in zip(seen, whole)) >= 0.8 * loop_cores, (seen, whole, loop_cores)  # left out
 
 
 def test_a_niced_neighbour_leaves_a_quiet_machine_quiet():
