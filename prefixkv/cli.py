@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from .engine_args import MODEL_HELP, EngineArgs, parse_bytes  # noqa: F401  (parse_bytes: part of this CLI's API)
-from .replicas.args import add_serve_args, check_single_engine_args
+from .replicas.args import add_serve_args, check_replica_args, check_single_engine_args
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens_default: int | None) -> None:
@@ -169,17 +169,24 @@ def _load_engine(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .engine.llm_engine import LLMEngine
-    from .server.app import DEFAULT_MODEL_NAME
     from .server.launch import PortInUse, bind_socket, check_server_args, run_server
 
+    # flags refused before Ray, torch and the model are imported: a mistake costs no start-up
     check_server_args(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    if args.replicas != 1:  # 0 and below are refused there, before Ray starts
+    if args.replicas != 1:
+        try:
+            check_replica_args(args)  # 0 and below among them
+        except ValueError as e:
+            print(f"prefixkv serve: {e}", file=sys.stderr)
+            return 2
         from .replicas.app import serve_replicas  # imports Ray
 
         return serve_replicas(args)
     check_single_engine_args(args)
+    from .engine.llm_engine import LLMEngine
+    from .server.app import DEFAULT_MODEL_NAME
+
     log = logging.getLogger("prefixkv.server")
     config = engine_config(args)
     try:

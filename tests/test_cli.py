@@ -48,6 +48,24 @@ def test_top_level_help_lists_commands():
     assert run_cli().returncode == 2  # no command: help on stdout, usage error
 
 
+def test_flags_are_read_and_refused_without_importing_torch():
+    """`prefixkv --help`, every command's flags and a refused `serve` flag answer without importing
+    torch (2-4 s of CPU a process): the package and its feature packages import it on first use."""
+    check = (
+        "import sys\n"
+        "from prefixkv import cli\n"
+        "parser = cli.build_parser()\n"
+        "for command in ('serve', 'generate', 'chat'):\n"
+        "    parser.parse_args([command])\n"
+        "code = cli.main(['serve', '--replicas', '0'])\n"
+        "assert code == 2, code\n"
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('prefixkv')]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--replicas must be >= 1" in done.stderr
+
+
 def test_serve_help_has_vllm_flags():
     r = run_cli("serve", "--help")
     assert r.returncode == 0

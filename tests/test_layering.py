@@ -13,7 +13,8 @@ already running and are not.
 The layers, bottom to top (a module may import its own layer and the layers below):
 
 1. foundation      cache/ (block identity, pool, eviction; imports nothing else of prefixkv),
-                   outputs.py (RequestOutput and friends), progress.py (start-up stages), sizes.py (byte sizes)
+                   outputs.py (RequestOutput and friends), progress.py (start-up stages), sizes.py (byte sizes),
+                   lazy_exports.py (a package's names imported on first use)
 2. model           model/: configs, tokenizer, loader, decoders, kernels, and model/llava/
                    (the vision-language family's config, encoder, preprocessing and loader)
 3. memory          memory/: the per-block tensors and their one budget, huge pages
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "prefixkv"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("cache", "outputs", "progress", "sizes")),
+    ("foundation", ("cache", "outputs", "progress", "sizes", "lazy_exports")),
     ("model", ("model",)),
     ("memory", ("memory",)),
     ("features", ("constraints", "lora", "multimodal", "stage_outputs", "kv_events", "tiers", "router")),

@@ -89,11 +89,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
     from ..server.launch import PortInUse, bind_socket
 
-    try:
-        check_replica_args(args)
-    except ValueError as e:
-        print(f"prefixkv serve: {e}", file=sys.stderr)
-        return 2
+    # its flags were checked by the CLI, before this module imported Ray
     try:  # fail at once on a taken port, not after Ray and N models have started
         bind_socket(args.host, args.port).close()
     except PortInUse as e:

@@ -20,15 +20,17 @@ import json
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 from ..lora.request import LoRARequest
-from .async_engine import AsyncEngine
 from .errors import APIError
 from .protocol import LoadLoRAAdapterRequest, ModelCard, UnloadLoRAAdapterRequest
+
+if TYPE_CHECKING:  # the engine (torch) is not imported where `serve` only checks its flags
+    from .async_engine import AsyncEngine
 
 log = logging.getLogger("prefixkv.server")
 

@@ -8,10 +8,15 @@ pooling.py   PoolingParams and LAST / MEAN / CLS / ALL pooling of a prompt's hid
 outputs.py   vLLM's EmbeddingRequestOutput / PoolingRequestOutput shapes
 """
 
-from .outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
+from typing import TYPE_CHECKING
+
+from ..lazy_exports import lazy_exports
 from .pooling import POOLING_TYPES, PoolingParams, parse_pooler_config, pool
-from .specs import STAGE_PREFIX, per_token_outputs, stage_output_specs
-from .store import StageOutputCache
+
+if TYPE_CHECKING:
+    from .outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
+    from .specs import STAGE_PREFIX, per_token_outputs, stage_output_specs
+    from .store import StageOutputCache
 
 __all__ = [
     "POOLING_TYPES",
@@ -27,3 +32,18 @@ __all__ = [
     "pool",
     "stage_output_specs",
 ]
+
+# pooling's parameters come with the package (the engine's flags parse them); the rest needs torch
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "EmbeddingOutput": ".outputs",
+        "EmbeddingRequestOutput": ".outputs",
+        "PoolingOutput": ".outputs",
+        "PoolingRequestOutput": ".outputs",
+        "STAGE_PREFIX": ".specs",
+        "per_token_outputs": ".specs",
+        "stage_output_specs": ".specs",
+        "StageOutputCache": ".store",
+    },
+)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where pooling runs: the CLI reads --pooler-config without torch
+    import torch
 
 POOLING_TYPES = ("last", "mean", "cls", "all")
 
@@ -42,6 +43,8 @@ class PoolingParams:
 def pool(hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
     """`hidden`: the prompt's final hidden states `(num_tokens, D)` (for LAST, at least the last
     row). Returns `(D,)`, or `(num_tokens, D)` for ALL; float32."""
+    import torch
+
     h = hidden.float()
     kind = params.pooling
     if kind == "last":
