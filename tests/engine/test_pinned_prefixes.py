@@ -11,17 +11,30 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
-SYSTEM = [{"role": "system", "content": "You are a terse assistant for the Acme support desk. " * 6}]
+SYSTEM = [{"role": "system", "content": "You are a terse assistant for the Acme support desk. " * 6}]  # 84 tokens
+# The cache a flood runs through: small, so that three short prompts take more blocks than it holds,
+# while each fits beside a 5-block pin or a 6-block prefix kept by priority.
+FLOOD_BLOCKS = 12
+FLOOD = SamplingParams(temperature=0, max_tokens=1)
 
 
-def make_llm(default_lm, **kw):
-    config = EngineConfig(dtype="float32", device="cpu", num_blocks=40, block_size=16, max_model_len=512, **kw)
+def make_llm(default_lm, num_blocks=40, **kw):
+    config = EngineConfig(
+        dtype="float32", device="cpu", num_blocks=num_blocks, block_size=16, max_model_len=num_blocks * 16, **kw
+    )
     return LLM.from_engine(LLMEngine(config, loaded=default_lm))
 
 
-def flood(llm, n=6):
-    for i in range(n):  # unique prompts of ~250 tokens: together far more than the 40 blocks
-        llm.generate(f"Story {i}: " + " ".join(f"w{i}x{j}" for j in range(60)), GREEDY, use_tqdm=False)
+def flood(llm, first=0, priority=None):
+    """Three unique prompts (74 tokens and one generated: 5 blocks each), none cached before,
+    that together take more blocks than the cache holds: every unpinned block is evicted in turn."""
+    taken = 0
+    for i in range(first, first + 3):
+        prompt = f"Story {i}: " + " ".join(f"w{i}x{j}" for j in range(16))
+        out = llm.generate(prompt, FLOOD, priority=None if priority is None else [priority], use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        taken += -(-(len(out.prompt_token_ids) + 1) // 16)
+    assert taken > llm.llm_engine.num_blocks
 
 
 def free_again(llm):
@@ -31,14 +44,14 @@ def free_again(llm):
 
 
 def test_a_pinned_system_prompt_survives_a_flood_and_outputs_do_not_change(default_lm):
-    llm = make_llm(default_lm, kv_cache_metrics=True, kv_cache_metrics_sample=1.0)
+    llm = make_llm(default_lm, FLOOD_BLOCKS, kv_cache_metrics=True, kv_cache_metrics_sample=1.0)
     pinned = llm.pin_prefix(SYSTEM)
     assert pinned >= 64 and pinned % 16 == 0
     flood(llm)
     conversation = [*SYSTEM, {"role": "user", "content": "Where is my order?"}]
     out = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens >= pinned  # the system prompt came from the cache
-    plain = make_llm(default_lm, enable_prefix_caching=False)
+    plain = make_llm(default_lm, FLOOD_BLOCKS, enable_prefix_caching=False)
     assert out.outputs[0].token_ids == plain.chat(conversation, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     metrics = llm.llm_engine.scheduler.kv_cache_manager.residency
     assert metrics is not None and metrics.evictions["capacity"] > 0
@@ -46,9 +59,9 @@ def test_a_pinned_system_prompt_survives_a_flood_and_outputs_do_not_change(defau
     assert free_again(llm)
     assert llm.unpin_prefix(SYSTEM) == pinned
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
-    flood(llm)
+    flood(llm, first=3)
     again = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
-    assert again.num_cached_tokens < pinned  # unpinned: the flood evicted it
+    assert again.num_cached_tokens == 0  # unpinned: the flood evicted it
 
 
 def test_pins_are_per_tenant_bounded_and_kept_by_reset_only_when_asked(default_lm):
@@ -83,16 +96,16 @@ def test_a_residency_sample_without_the_metrics_is_refused():
 def test_request_priority_orders_retention_without_priority_scheduling(default_lm, policy):
     """vLLM's `priority` with the priority eviction policy (first come first served scheduling):
     an important request's prefix outlives a flood of less important ones; under LRU it does not."""
-    llm = make_llm(default_lm, eviction_policy=policy)
-    document = "Reference manual, chapter one: " + " ".join(f"clause{j}" for j in range(100))
+    llm = make_llm(default_lm, FLOOD_BLOCKS, eviction_policy=policy)
+    document = "Reference manual, chapter one: " + " ".join(f"clause{j}" for j in range(30))
     first = llm.generate(document, GREEDY, priority=[-5] if policy == "priority" else None, use_tqdm=False)[0]
-    for i in range(6):
-        prompt = f"Story {i}: " + " ".join(f"w{i}x{j}" for j in range(60))
-        llm.generate(prompt, GREEDY, priority=[10] if policy == "priority" else None, use_tqdm=False)
+    flood(llm, priority=10 if policy == "priority" else None)
     again = llm.generate(document, GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    whole_blocks = (len(first.prompt_token_ids) - 1) // 16 * 16  # a prompt's last token is always computed
+    assert whole_blocks >= 80
     if policy == "priority":
-        assert again.num_cached_tokens >= 96  # its whole blocks, kept through the flood
+        assert again.num_cached_tokens == whole_blocks  # its whole blocks, kept through the flood
     else:
         assert again.num_cached_tokens == 0
     assert free_again(llm)

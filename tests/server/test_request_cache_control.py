@@ -10,6 +10,7 @@ import pytest
 from .conftest import API_KEY, API_NAME, long_text
 
 KEY = "cache-key"
+BLOCKS = 16  # a small cache, so that a short flood runs through all of it
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,9 @@ def server(make_server):
         "--api-key",
         KEY,
         "--num-gpu-blocks-override",
-        "96",
+        str(BLOCKS),
+        "--max-model-len",
+        str(BLOCKS * 16),
         "--max-pinned-fraction",
         "0.5",
         "--eviction-policy",
@@ -39,23 +42,25 @@ def complete(server, prompt, **extra):
 
 
 def flood(server, seed, **extra):
-    for i in range(4):  # each ~700 tokens: together well past the 96 blocks
-        complete(server, long_text(seed + i, 500), **extra)
+    for i in range(3):  # each ~105 tokens (7 blocks): together past the 16 blocks
+        complete(server, long_text(seed + i, 100), **extra)
 
 
 def test_pin_keeps_the_prompt_through_a_flood_and_is_bounded(server):
-    prompt = long_text(7, 220)
+    prompt = long_text(7, 100)
     first = complete(server, prompt, pin=True)
     pinned = first["usage"]["prompt_tokens_details"]["pinned_tokens"]
     assert pinned == first["usage"]["prompt_tokens"] // 16 * 16 and pinned > 0
-    assert complete(server, "no pin asked")["usage"]["prompt_tokens_details"]["pinned_tokens"] is None
+    unpinned = long_text(9, 60)
+    assert complete(server, unpinned)["usage"]["prompt_tokens_details"]["pinned_tokens"] is None
     flood(server, 100)
+    assert complete(server, unpinned)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the flood evicts
     again = complete(server, prompt)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= pinned - 16  # its last block is recomputed
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     r = post(server, "/v1/completions", {"model": API_NAME, "prompt": prompt, "pin": True, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "pin"
-    huge = long_text(8, 700)  # more whole blocks than the bound has left
+    huge = long_text(8, 60)  # more whole blocks than the bound has left
     r = post(server, "/v1/completions", {"model": API_NAME, "prompt": huge, "max_tokens": 1, "pin": True})
     assert r.status_code == 400 and "--max-pinned-fraction" in r.json()["error"]["message"], r.text
     r = post(server, "/v1/cache/unpin", {"prompt": prompt})
@@ -65,7 +70,7 @@ def test_pin_keeps_the_prompt_through_a_flood_and_is_bounded(server):
 
 @pytest.mark.parametrize("important", [True, False])
 def test_cache_priority_orders_what_a_flood_evicts(server, important):
-    doc = long_text(20 if important else 21, 220)
+    doc = long_text(20 if important else 21, 100)
     first = complete(server, doc, cache_priority=-5 if important else 10)
     flood(server, 200 if important else 300, cache_priority=10 if important else -5)
     cached = complete(server, doc)["usage"]["prompt_tokens_details"]["cached_tokens"]
