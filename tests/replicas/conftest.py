@@ -1,6 +1,12 @@
 """Two engine replicas of a tiny random Llama on Ray Serve, behind the prefix-aware router: Ray and
 Serve start once for the package (`ray_serve`, ~10 s each way on 2 cores), and each test module
-deploys its own application on them (module-scoped fixture) and deletes it at its end."""
+deploys its own application on them (module-scoped fixture) and deletes it at its end. A deploy
+costs ~30 CPU-seconds, nearly all of it each replica's worker process importing torch, Ray Serve
+and prefixkv; the requests the tests send cost little next to it.
+
+`make test` hands each xdist worker a file at a time, and a worker that leaves this package tears
+`ray_serve` down: the modules that deploy one application each share one estimate, slow(seconds=30),
+so that they sit together in the queue and tend to run back to back on one worker, on one Ray start."""
 
 from __future__ import annotations
 
@@ -85,7 +91,15 @@ def ray_serve():
     # them from; this process's own apps (other test packages) must not
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     try:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+        # no Ray metrics collection: nothing here reads Ray's own metrics (the /metrics checked are
+        # prefixkv's), and its agent's collecting and exporting costs CPU the whole time
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            logging_level="warning",
+            log_to_driver=False,
+            _system_config={"enable_metrics_collection": False},
+        )
     finally:
         del os.environ["VLLM_SERVER_DEV_MODE"]
     port = free_port()
@@ -95,8 +109,13 @@ def ray_serve():
     ray.shutdown()
 
 
-def start_cluster(tmp_path_factory, port: int, **flags: Any) -> Cluster:
-    model = flags.pop("model", None) or make_tiny(tmp_path_factory.mktemp("tiny-llama"))
+@pytest.fixture(scope="package")
+def replica_model(tmp_path_factory) -> str:
+    """One tiny Llama folder for every module's application (the same seeded weights each time)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def start_cluster(model: str, port: int, **flags: Any) -> Cluster:
     builder = {
         "model": model,
         "replicas": 2,
@@ -120,6 +139,9 @@ def start_cluster(tmp_path_factory, port: int, **flags: Any) -> Cluster:
     return cluster
 
 
-def stop_cluster(cluster: Cluster) -> None:
+def stop_cluster(cluster: Cluster, wait: bool = False) -> None:
+    """Delete the application: its engines and ingress; Ray and Serve stay for the next module.
+    Not waited for unless `wait`: each replica drains for 2 s or more, idle, and the next module's
+    serve.run replaces whatever is left (package teardown's serve.shutdown stops the rest)."""
     cluster.client.close()
-    serve.delete(APP_NAME)  # its engines and ingress; Ray and Serve stay for the next module
+    serve.delete(APP_NAME, _blocking=wait)

@@ -8,12 +8,12 @@ import pytest
 from .conftest import BLOCK, start_cluster, stop_cluster
 from .test_routing import complete, per_engine
 
-pytestmark = pytest.mark.slow  # its own application on the package's Ray + Serve
+pytestmark = pytest.mark.slow(seconds=30)  # its own application on the package's Ray + Serve: its deploy
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, ray_serve):
-    c = start_cluster(tmp_path_factory, ray_serve, router="prefix", router_index="approx")
+def cluster(ray_serve, replica_model):
+    c = start_cluster(replica_model, ray_serve, router="prefix", router_index="approx")
     yield c
     stop_cluster(c)
 

@@ -7,14 +7,15 @@ import pytest
 
 from .conftest import start_cluster, stop_cluster
 
-pytestmark = pytest.mark.slow  # Ray + Serve + two engines
+pytestmark = pytest.mark.slow(seconds=30)  # its own application on the package's Ray + Serve: its deploy
 
 KEY = "replicas-tenant-key"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, ray_serve):
-    c = start_cluster(tmp_path_factory, ray_serve, require_cache_salt=True, api_key=KEY)
+def cluster(ray_serve, replica_model):
+    # the route under test is the router's own: one engine behind it is enough (one process less)
+    c = start_cluster(replica_model, ray_serve, replicas=1, require_cache_salt=True, api_key=KEY)
     yield c
     stop_cluster(c)
 

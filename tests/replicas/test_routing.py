@@ -11,22 +11,21 @@ import pytest
 
 from .conftest import BLOCK, start_cluster, stop_cluster
 
-pytestmark = pytest.mark.slow  # Ray + Serve + two engines: ~20 s for the module
+# Ray + Serve + two engines: ~85 s for the module on 2 cores, most of it the package's Ray start
+# and this module's deploy (the first test's setup)
+pytestmark = pytest.mark.slow(seconds=8)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, ray_serve):
+def cluster(tmp_path_factory, ray_serve, replica_model):
     from ..lora.conftest import write_adapter
-    from ..tiers.conftest import make_tiny
 
-    model = make_tiny(tmp_path_factory.mktemp("tiny-llama"))
     adapter = tmp_path_factory.mktemp("adapter") / "qv"
-    write_adapter(model, adapter, seed=7, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    write_adapter(replica_model, adapter, seed=7, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     # max_queue=1: a replica with one request not yet past prefill is saturated (the shed test)
     c = start_cluster(
-        tmp_path_factory,
+        replica_model,
         ray_serve,
-        model=model,
         router="prefix-load",
         max_queue=1,
         balance_abs=1,

@@ -13,14 +13,14 @@ import pytest
 from ..tiers.conftest import redis_server  # noqa: F401 (a fixture)
 from .conftest import BLOCK, start_cluster, stop_cluster
 
-pytestmark = pytest.mark.slow  # Ray + Serve + two engines + redis-server
+pytestmark = pytest.mark.slow(seconds=30)  # its own application (and a redis-server) on the package's Ray + Serve
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, ray_serve, redis_server):  # noqa: F811
-    c = start_cluster(tmp_path_factory, ray_serve, router="prefix-load", kv_tier=redis_server.url)
+def cluster(ray_serve, replica_model, redis_server):  # noqa: F811
+    c = start_cluster(replica_model, ray_serve, router="prefix-load", kv_tier=redis_server.url)
     yield c
-    stop_cluster(c)
+    stop_cluster(c, wait=True)  # its replicas gone before redis_server stops under their tier writers
 
 
 def tier_blocks(cluster) -> dict[str, float]:
