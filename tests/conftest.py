@@ -104,11 +104,14 @@ def hf_ref_model(default_gguf_path):
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with transformers' KV cache, ignoring EOS (so lengths always match)."""
+    tokens: list[int] = []
+    if max_new_tokens <= 0:
+        return tokens
     out = model(torch.tensor([prompt_ids]), use_cache=True)
-    past, tokens = out.past_key_values, []
-    for _ in range(max_new_tokens):
-        tok = int(out.logits[0, -1].argmax())
-        tokens.append(tok)
-        out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+    past = out.past_key_values
+    while True:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if len(tokens) >= max_new_tokens:  # the last token needs no forward of its own
+            return tokens
+        out = model(torch.tensor([tokens[-1:]]), past_key_values=past, use_cache=True)
         past = out.past_key_values
-    return tokens

@@ -4,6 +4,9 @@ content hash. Prefix caching never changes outputs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from prefixkv.engine.llm_engine import LLMEngine
 
 from ..conftest import hf_greedy
 
+T = TypeVar("T")
 MAX_NEW = 12
 DOC = (
     "Prefix caching keeps the key and value tensors of a shared prompt so that later requests "
@@ -135,6 +139,26 @@ def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
+def once_per_prompt(oracle: Callable[[list[int]], T]) -> Callable[[list[int]], T]:
+    """`oracle`, computed once per prompt: for a module-scoped fixture whose tests share prompts
+    (transformers' forward is the most expensive part of checking a short run)."""
+    computed: dict[tuple[int, ...], T] = {}
+
+    def get(ids: list[int]) -> T:
+        key = tuple(ids)
+        if key not in computed:
+            computed[key] = oracle(ids)
+        return computed[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(hf_ref_model):
+    """transformers' prompt logprobs, computed once per prompt in this module."""
+    return once_per_prompt(lambda ids: hf_prompt_logprobs(hf_ref_model, ids))
+
+
 def run_prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], k: int, n: int = 1, max_tokens: int = 2) -> list:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=k, n=n, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -163,26 +187,25 @@ def check_prompt_logprobs(out, ref: torch.Tensor, k: int) -> None:
         assert len(entry) in (k, k + 1)
 
 
-def test_prompt_logprobs_equal_transformers_and_bypass_cache_reads(default_lm, prompts, hf_ref_model):
+def test_prompt_logprobs_equal_transformers_and_bypass_cache_reads(default_lm, prompts, expected, hf_logprobs):
     """Prompt logprobs need logits at every prompt position, so the request computes its whole
     prompt even when the prefix is cached (as vLLM does), in chunks of a tiny token budget."""
     shared = prompts[1][:2]
     engine = engine_for(default_lm, max_num_batched_tokens=24)
-    run(engine, shared[:1])  # the document is now cached
+    run(engine, shared[:1], max_tokens=1)  # the document is now cached (one token: caching needs no more)
     hits_before = engine.prefix_cache_stats.hits
     outs = run_prompt_logprobs(engine, shared, k=3)
     for out, ids in zip(outs, shared):
         assert out.num_cached_tokens == 0
-        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 3)
+        check_prompt_logprobs(out, hf_logprobs(ids), 3)
     assert engine.prefix_cache_stats.hits == hits_before  # not looked up, not counted
     # ...but written: a plain request afterwards hits what they computed
     again = run_prompt_logprobs(engine, shared[:1], k=0)[0]
     assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == len(shared[0])
-    out = engine_for(default_lm)
-    assert run(out, shared[:1]) == run(engine, shared[:1])
+    assert run(engine, shared[:1]) == expected[1][:1]
 
 
-def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, prompts, hf_ref_model):
+def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, prompts, hf_logprobs):
     two = prompts[1][:2]
     per_prompt = -(-max(len(p) for p in two) // 8)
     # both prompts fit at admission, their answers do not: one is preempted and recomputed,
@@ -193,7 +216,7 @@ def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, p
     outs = run_prompt_logprobs(engine, two, k=1, max_tokens=MAX_NEW)
     assert engine.scheduler.num_preemptions > 0
     for out, ids in zip(outs, two):
-        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 1)
+        check_prompt_logprobs(out, hf_logprobs(ids), 1)
     out = run_prompt_logprobs(engine_for(default_lm), two[:1], k=1, n=2)[0]
     assert len(out.outputs) == 2
-    check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, two[0]), 1)
+    check_prompt_logprobs(out, hf_logprobs(two[0]), 1)

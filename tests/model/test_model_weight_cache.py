@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -30,6 +31,31 @@ def fresh(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def fresh_params():
+    """fresh(dtype), dequantized once per dtype in this module (~5 s each; the tests only read them)."""
+    made: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+
+    def get(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        if dtype not in made:
+            made[dtype] = fresh(dtype)
+        return made[dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def float32_entry(tmp_path_factory):
+    """An entry as a cold float32 load writes it, made once: each damage test damages a copy."""
+    folder = tmp_path_factory.mktemp("pristine") / "weights"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(weight_cache, "folder", lambda: folder)
+        mp.delenv(weight_cache.ENV_SWITCH, raising=False)
+        load_model(None, dtype=torch.float32)
+    (entry,) = entries(folder)
+    return entry
+
+
 def assert_same(model: LlamaModel, want: dict[str, torch.Tensor]) -> None:
     got = dict(model.named_parameters())
     assert got.keys() == want.keys()
@@ -42,8 +68,8 @@ def entries(folder) -> list:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_warm_load_equals_fresh_dequantization(cache_folder, monkeypatch, dtype):
-    want = fresh(dtype)
+def test_warm_load_equals_fresh_dequantization(cache_folder, monkeypatch, fresh_params, dtype):
+    want = fresh_params(dtype)
     assert not entries(cache_folder)  # the switch kept the cache out
     cold = load_model(None, dtype=dtype).model  # dequantizes and writes the entry
     assert_same(cold, want)
@@ -85,10 +111,11 @@ def damage_empty(path) -> None:
 
 
 @pytest.mark.parametrize("damage", [damage_truncate, damage_flip, damage_header, damage_empty])
-def test_a_damaged_entry_is_rebuilt_never_used(cache_folder, caplog, damage):
-    want = fresh(torch.float32)
-    load_model(None, dtype=torch.float32)
-    (entry,) = entries(cache_folder)
+def test_a_damaged_entry_is_rebuilt_never_used(cache_folder, caplog, fresh_params, float32_entry, damage):
+    want = fresh_params(torch.float32)
+    cache_folder.mkdir(parents=True)
+    entry = cache_folder / float32_entry.name  # where this load looks for its entry
+    shutil.copyfile(float32_entry, entry)
     damage(entry)
     with caplog.at_level(logging.INFO, logger="prefixkv"):
         model = load_model(None, dtype=torch.float32).model

@@ -11,9 +11,9 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine_args import EngineArgs
 from prefixkv.llm import LLM
-from prefixkv.stage_outputs import PoolingParams
+from prefixkv.stage_outputs import PoolingParams, pool
 
-from ..engine.test_correctness import check_prompt_logprobs, hf_prompt_logprobs, run_prompt_logprobs
+from ..engine.test_correctness import check_prompt_logprobs, once_per_prompt, run_prompt_logprobs
 
 DOC = (
     "Prefix caching keeps the key and value tensors of a shared prompt so that later requests "
@@ -35,7 +35,31 @@ def docs(default_lm):
 
 @torch.inference_mode()
 def hf_hidden(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].float()
+    # the LM head on the last position only: the hidden states are what is wanted, not the logits
+    return model(torch.tensor([ids]), output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0].float()
+
+
+@pytest.fixture(scope="module")
+def hf_oracle(hf_ref_model):
+    """A prompt's hf_prompt_logprobs and hf_hidden (the same values) from one forward, once per
+    prompt in this module: its tests share their documents."""
+
+    @torch.inference_mode()
+    def both(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = hf_ref_model(torch.tensor([ids]), output_hidden_states=True)
+        return torch.log_softmax(out.logits[0].float(), dim=-1), out.hidden_states[-1][0].float()
+
+    return once_per_prompt(both)
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(hf_oracle):
+    return lambda ids: hf_oracle(ids)[0]
+
+
+@pytest.fixture(scope="module")
+def hf_rows(hf_oracle):
+    return lambda ids: hf_oracle(ids)[1]
 
 
 def hf_pool(h: torch.Tensor, pooling: str, normalize: bool) -> torch.Tensor:
@@ -62,53 +86,75 @@ def test_flag_and_budget(default_lm):
 
 
 # -- unlock 1: prompt logprobs with prefix hits ----------------------------------------------------
+@pytest.fixture(scope="module")
+def cache_off_prompt_logprobs(default_lm, docs):
+    """The second document's prompt logprobs (top 2) from the engine without either cache: the
+    reference of both token budgets below (it computes every position whatever the budget)."""
+    off = engine_for(default_lm, enable_stage_output_cache=False, enable_prefix_caching=False)
+    return run_prompt_logprobs(off, docs[1:2], k=2)[0]
+
+
 @pytest.mark.parametrize("budget", [2048, 24])  # one-shot prefill and chunked prefill
-def test_prompt_logprobs_read_hits(default_lm, docs, hf_ref_model, budget):
+def test_prompt_logprobs_read_hits(default_lm, docs, hf_logprobs, cache_off_prompt_logprobs, budget):
     engine = engine_for(default_lm, max_num_batched_tokens=budget)
     run_prompt_logprobs(engine, docs[:1], k=2)  # caches the document (and writes its hidden states)
     outs = run_prompt_logprobs(engine, docs[1:], k=2)
     for out, ids in zip(outs, docs[1:]):
         assert out.num_cached_tokens == 128  # no longer recomputed
-        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 2)
+        check_prompt_logprobs(out, hf_logprobs(ids), 2)
     assert engine.stage_outputs.num_rows_read >= 2 * 128
     # the engine without the cache: the same tokens and ranks; logprobs within 1e-4 (float32 rounding:
     # rows after a hit take the paged-context attention path, as KV prefix caching does)
-    off = engine_for(default_lm, enable_stage_output_cache=False, enable_prefix_caching=False)
-    ref = run_prompt_logprobs(off, docs[1:2], k=2)[0]
+    ref = cache_off_prompt_logprobs
     for got, want in zip(outs[0].prompt_logprobs[1:], ref.prompt_logprobs[1:]):
         assert list(got) == list(want) and [g.rank for g in got.values()] == [w.rank for w in want.values()]
         assert [g.logprob for g in got.values()] == pytest.approx([w.logprob for w in want.values()], abs=1e-4)
 
 
-def test_prompt_logprobs_with_preemption_and_n(default_lm, docs, hf_ref_model):
+def test_prompt_logprobs_with_preemption_and_n(default_lm, docs, hf_logprobs):
     two = [docs[0], default_lm.tokenizer.encode("An unrelated prompt about gardens and rain. " * 30)[: len(docs[0])]]
     per_prompt = -(-max(len(p) for p in two) // 8)
     engine = engine_for(default_lm, num_blocks=2 * per_prompt + 1, block_size=8, max_model_len=8 * per_prompt + 20)
     outs = run_prompt_logprobs(engine, two, k=1, max_tokens=12)
     assert engine.scheduler.num_preemptions > 0
     for out, ids in zip(outs, two):
-        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 1)
+        check_prompt_logprobs(out, hf_logprobs(ids), 1)
     out = run_prompt_logprobs(engine_for(default_lm), docs[:1], k=1, n=2)[0]
-    check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, docs[0]), 1)
+    check_prompt_logprobs(out, hf_logprobs(docs[0]), 1)
 
 
 # -- unlock 2: embeddings ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cache_off_hidden(default_lm, docs):
+    """The engine without either cache on the three documents in one batch: each one's final hidden
+    states as its pooling reads them - every row (CLS, MEAN, ALL ask from the first position) and
+    the last row alone (LAST asks from the last position: another path through the engine). The
+    engine's embedding is `pool` of these, so `pool` of them is, bit for bit, what the engine
+    without the cache returns for every pooling and normalization: one run for each path."""
+    off = LLM.from_engine(engine_for(default_lm, enable_stage_output_cache=False, enable_prefix_caching=False))
+    return {
+        kind: [o.outputs.data for o in off.encode(docs, PoolingParams(kind, normalize=False), use_tqdm=False)]
+        for kind in ("all", "last")
+    }
+
+
 @pytest.mark.parametrize("pooling", ["mean", "last", "cls", "all"])
 @pytest.mark.parametrize("normalize", [True, False])
-def test_embed_equals_transformers_and_cache_off(default_lm, docs, hf_ref_model, pooling, normalize):
+def test_embed_equals_transformers_and_cache_off(default_lm, docs, hf_rows, cache_off_hidden, pooling, normalize):
     on = LLM.from_engine(engine_for(default_lm))
     outs = on.embed([{"prompt_token_ids": d} for d in docs], pooling=pooling, normalize=normalize, use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0, 128, 128]  # the batch waits one step for the prefix rows
-    off = LLM.from_engine(engine_for(default_lm, enable_stage_output_cache=False, enable_prefix_caching=False))
-    ref = off.embed([{"prompt_token_ids": d} for d in docs], pooling=pooling, normalize=normalize, use_tqdm=False)
-    for out, r, ids in zip(outs, ref, docs):
+    params = PoolingParams(pooling, normalize)
+    off_rows = cache_off_hidden["last" if pooling == "last" else "all"]
+    for out, rows, ids in zip(outs, off_rows, docs):
         got = torch.tensor(out.outputs.embedding)
-        want = hf_pool(hf_hidden(hf_ref_model, ids), pooling, normalize)
+        want = hf_pool(hf_rows(ids), pooling, normalize)
         assert got.shape == want.shape
         # float32 rounding: prefixkv's CPU attention kernels sum in another order than transformers'
         # SDPA (the unnormalized rows of "all" differ by up to ~6e-5 in a few of 84,672 values)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got, torch.tensor(r.outputs.embedding), atol=1e-4, rtol=1e-4)  # batch shapes differ
+        off = pool(rows.reshape(-1, rows.shape[-1]), params)  # the engine without the cache
+        torch.testing.assert_close(got, off, atol=1e-4, rtol=1e-4)  # batch shapes differ
 
 
 def test_embed_hit_rows_are_bit_exact_and_aligned_chunks_equal_exactly(default_lm, docs):
@@ -150,7 +196,7 @@ def products_round_rows_alike(loaded, rows: int, more: int) -> bool:
     return True
 
 
-def test_embed_after_eviction_recomputes_never_reads_stale(default_lm, docs, hf_ref_model):
+def test_embed_after_eviction_recomputes_never_reads_stale(default_lm, docs, hf_rows):
     tok = default_lm.tokenizer
     # 12 blocks of 16: one document at a time; the others' blocks evict and reuse the first's
     engine = engine_for(default_lm, num_blocks=12, max_model_len=180)
@@ -161,7 +207,7 @@ def test_embed_after_eviction_recomputes_never_reads_stale(default_lm, docs, hf_
     assert engine.kv_cache_manager.block_pool.num_evictions > 0
     again = llm.embed([{"prompt_token_ids": docs[1]}], pooling="mean", use_tqdm=False)[0]
     assert again.num_cached_tokens == 0  # the prefix was evicted with its rows
-    want = hf_pool(hf_hidden(hf_ref_model, docs[1]), "mean", True)
+    want = hf_pool(hf_rows(docs[1]), "mean", True)
     torch.testing.assert_close(torch.tensor(again.outputs.embedding), want, atol=2e-5, rtol=1e-4)
     assert first.outputs.hidden_size == default_lm.config.hidden_size
 
@@ -199,7 +245,7 @@ def test_pooler_config_sets_the_default_pooling_and_refuses_what_it_cannot_do():
             EngineArgs(pooler_config=bad)
 
 
-def test_hidden_states_from_default_engine_without_the_cache(default_lm, docs, hf_ref_model):
+def test_hidden_states_from_default_engine_without_the_cache(default_lm, docs, hf_rows):
     """Without the stage cache a request that wants hidden states before its last position
     computes its whole prompt (it skips prefix reads), so the values are the same."""
     engine = engine_for(default_lm, enable_stage_output_cache=False)
@@ -213,6 +259,6 @@ def test_hidden_states_from_default_engine_without_the_cache(default_lm, docs, h
                 done[out.request_id] = out
     h = done[rid].hidden_states
     assert h.shape == (len(docs[1]) - 5, default_lm.config.hidden_size)
-    torch.testing.assert_close(h, hf_hidden(hf_ref_model, docs[1])[5:], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(h, hf_rows(docs[1])[5:], atol=2e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="not a position"):
         engine.add_request(docs[1], params, hidden_states_from=len(docs[1]))
