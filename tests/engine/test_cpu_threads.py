@@ -221,7 +221,6 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype):
         max_model_len=1024,
         kv_cache_memory_bytes=KV,
         cpu_thread_policy="fixed",
-        enable_prefix_caching=False,
     )
     if not thread_counts_agree(llm.llm_engine.runner.model, torch.get_num_threads()):
         # a CPU whose library kernels split by threads (an Intel Xeon with AMX in bfloat16, seen on a
@@ -233,16 +232,25 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype):
         )
         pytest.skip("this CPU's kernels give other bits on other thread counts: adaptive threads are off")
     prompts = [text(420, 1), "Tell me a story.", text(60, 2), text(150, 3)]
-    base = outputs(llm, prompts)
-    single = outputs(llm, prompts[:1])  # one sequence: the fewest tasks, the most split
+
+    def both() -> tuple[list, list]:
+        """The batch computed whole, then the long prompt alone - one sequence: the fewest tasks, the
+        most split - from the batch's cached blocks (its prefill is the batch's; its last block and
+        its decode steps are computed again), and the cache emptied for the next count."""
+        batch, single = outputs(llm, prompts), outputs(llm, prompts[:1])
+        assert llm.reset_prefix_cache()
+        return batch, single
+
     configured = torch.get_num_threads()
     others = [n for n in agreement_counts(configured) if n != configured]
     if not others:
         pytest.skip("one thread configured: the engine has no other count to drop to")
+    base, single = both()
     for n in others:
         with torch_threads(n):
-            assert outputs(llm, prompts) == base, f"{n} threads"
-            assert outputs(llm, prompts[:1]) == single, f"{n} threads, one sequence"
+            batch, alone = both()
+        assert batch == base, f"{n} threads"
+        assert alone == single, f"{n} threads, one sequence"
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread has no fewer to drop to")
@@ -424,16 +432,15 @@ def test_an_abort_that_leaves_the_engine_idle_gives_the_thread_count_back():
     assert torch.get_num_threads() == configured and not row_split.active()
 
 
-def test_the_thread_check_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+def test_the_thread_check_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch, default_lm):
     """The start-up check costs two or three forwards (1.7 s float32 on 2 cores): its answer is
     kept on disk, keyed by the CPU, torch and prefixkv's model code, and read back by later engines;
     an unreadable answer is measured again."""
     from prefixkv.engine import cpu_threads
-    from prefixkv.model import load_model
 
     monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_threads, "_AGREEMENT", {})
-    model = load_model(None).model
+    model = default_lm.model
     measured = []
     real = cpu_threads._measure_agreement
     monkeypatch.setattr(cpu_threads, "_measure_agreement", lambda m, c: measured.append(c) or real(m, c))
