@@ -17,6 +17,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STARTUP_TIMEOUT = 180.0  # the model loads in ~8 s alone; allow for a busy machine
 
 
+# One client for the tests' own requests: httpx.post/get/stream build a client per call, and a
+# client's set-up (its TLS context) costs ~70 ms of CPU, more than most requests cost the server.
+# No keep-alive: each request still opens a connection of its own, as with those calls. httpx's
+# Client may be shared between threads.
+HTTP_LIMITS = httpx.Limits(max_keepalive_connections=0)
+HTTP = httpx.Client(limits=HTTP_LIMITS)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -29,6 +37,8 @@ class Server:
         self.port = free_port()
         self.base = f"{scheme}://127.0.0.1:{self.port}"
         self.verify = verify
+        # a TLS server's client trusts its CA; a plain one shares the module's
+        self.http = HTTP if verify is True else httpx.Client(verify=verify, limits=HTTP_LIMITS)
         self.log = tempfile.NamedTemporaryFile("w+", prefix="prefixkv-serve-", suffix=".log", delete=False)
         cmd = [
             sys.executable,
@@ -54,7 +64,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.base + "/health", timeout=2, verify=verify).status_code == 200:
+                if self.http.get(self.base + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -76,13 +86,15 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self.http is not HTTP:
+            self.http.close()
         self.log.close()
         os.unlink(self.log.name)
 
     # -- helpers -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """vllm:/prefixkv: samples by name (labels dropped; summed over label sets)."""
-        text = httpx.get(self.base + "/metrics", timeout=10).text
+        text = self.http.get(self.base + "/metrics", timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("#") or not line.strip():
@@ -93,7 +105,7 @@ class Server:
         return out
 
     def healthy(self) -> bool:
-        return httpx.get(self.base + "/health", timeout=10).status_code == 200
+        return self.http.get(self.base + "/health", timeout=10).status_code == 200
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
         """Poll /metrics until no request runs or waits and the KV usage is back to 0."""

@@ -4,15 +4,14 @@ same GGUF - after the prompt's prefix was cached, with and without the stage-out
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 import torch
 
-from .conftest import API_KEY, long_text
+from .conftest import API_KEY, HTTP, long_text
 
 MODEL = "smol"  # a name the shared api_server serves
-SHARED = long_text(7, 120)  # a few-shot prefix the scored prompts share
+SHARED = long_text(7, 40)  # a few-shot prefix the scored prompts share: two full blocks to cache
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ENDINGS = [" The answer is blue.", " The answer is a quiet harbor."]
 
@@ -122,13 +121,13 @@ def test_max_tokens_0_refusals(server):
         ({"prompt": "Hello", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
         ({"prompt": "Hello", "max_tokens": -1, "echo": True}, None),
     ):
-        r = httpx.post(url, json=body, headers=AUTH, timeout=30)
+        r = HTTP.post(url, json=body, headers=AUTH, timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert "max_tokens" in err["message"] or "min_tokens" in err["message"]
         if param:
             assert err["param"] == param
-    chat = httpx.post(
+    chat = HTTP.post(
         server.base + "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0},
         headers=AUTH,

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 import torch
 
-from .conftest import long_text
+from .conftest import HTTP, long_text
 
 pytestmark = pytest.mark.slow  # a real server subprocess
 
@@ -24,21 +23,26 @@ def server(make_server):
     return make_server("--pooler-config", MEAN, "--enable-stage-output-cache")
 
 
-def test_embeddings_equal_llm_embed(server):
+@pytest.fixture(scope="module")
+def llm():
+    """The offline reference, configured as the server (the pooler config sets only embeddings' defaults)."""
     from prefixkv import LLM
 
+    return LLM(max_model_len=1024, kv_cache_memory_bytes=64 << 20, pooler_config=MEAN)
+
+
+def test_embeddings_equal_llm_embed(server, llm):
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
-    docs = [long_text(31, 120) + " First question?", long_text(31, 120) + " Second question?", "Hello"]
+    docs = [long_text(31, 40) + " First question?", long_text(31, 40) + " Second question?", "Hello"]
     res = client.embeddings.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", input=docs)  # base64 on the wire
     got = torch.tensor([d.embedding for d in res.data])
-    llm = LLM(max_model_len=1024, kv_cache_memory_bytes=64 << 20, pooler_config=MEAN)
     ref = torch.stack([torch.as_tensor(o.outputs.embedding) for o in llm.embed(docs)])
     assert got.shape == ref.shape and torch.allclose(got, ref.float(), atol=1e-4)
     assert torch.allclose(got.norm(dim=-1), torch.ones(3), atol=1e-4)
     assert [d.index for d in res.data] == [0, 1, 2]
     assert res.usage.prompt_tokens > 0
     # as floats, unnormalized; the shared prefix is a hit
-    r = httpx.post(
+    r = HTTP.post(
         server.base + "/v1/embeddings",
         json={"input": docs[:2], "encoding_format": "float", "normalize": False},
         timeout=120,
@@ -49,11 +53,11 @@ def test_embeddings_equal_llm_embed(server):
     assert torch.allclose(torch.nn.functional.normalize(raw, dim=-1), got[:2], atol=1e-4)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # /pooling: "embed" is the same MEAN vector; "token_embed" one vector per token (base64 float32)
-    r = httpx.post(server.base + "/pooling", json={"input": docs[2], "task": "embed"}, timeout=120)
+    r = HTTP.post(server.base + "/pooling", json={"input": docs[2], "task": "embed"}, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["data"][0]["object"] == "pooling"
     assert torch.allclose(torch.tensor(r.json()["data"][0]["data"]), got[2], atol=1e-4)
-    r = httpx.post(server.base + "/pooling", json={"input": docs[0], "task": "token_embed"}, timeout=120)
+    r = HTTP.post(server.base + "/pooling", json={"input": docs[0], "task": "token_embed"}, timeout=120)
     rows = torch.tensor(r.json()["data"][0]["data"])
     ref_rows = llm.encode([docs[0]], pooling_task="token_embed")[0].outputs.data
     assert rows.shape == ref_rows.shape and rows.shape[0] == r.json()["usage"]["prompt_tokens"]
@@ -64,7 +68,7 @@ def test_embeddings_equal_llm_embed(server):
 
 def test_embedding_refusals(server):
     url = server.base + "/v1/embeddings"
-    r = httpx.post(server.base + "/pooling", json={"input": "x", "task": "classify"}, timeout=60)
+    r = HTTP.post(server.base + "/pooling", json={"input": "x", "task": "classify"}, timeout=60)
     assert r.status_code == 400 and "classify" in r.text
     for body, needle in [
         ({"input": "x", "dimensions": 8}, "dimensions"),
@@ -75,35 +79,35 @@ def test_embedding_refusals(server):
         ({"input": "word " * 1100}, "context"),
     ]:
         content = body if isinstance(body, str) else json.dumps(body)
-        r = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+        r = HTTP.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
         assert 400 <= r.status_code < 500 and needle.lower() in r.text.lower(), (body, r.text)
     server.wait_idle()
 
 
-def test_completion_return_hidden_states_equals_offline(server):
+def test_completion_return_hidden_states_equals_offline(server, llm):
     import base64
 
     import numpy as np
 
-    from prefixkv import LLM, SamplingParams
+    from prefixkv import SamplingParams
 
     prompt = long_text(33, 60) + " In short,"
     body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_hidden_states": True}
-    r = httpx.post(server.base + "/v1/completions", json=body, timeout=120)
+    r = HTTP.post(server.base + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     h = r.json()["choices"][0]["hidden_states"]
     got = torch.from_numpy(np.frombuffer(base64.b64decode(h["data"]), dtype="<f4").reshape(h["shape"]).copy())
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, return_hidden_states=True)
-    ref = LLM(max_model_len=1024, kv_cache_memory_bytes=64 << 20).generate([prompt], params, use_tqdm=False)[0]
+    ref = llm.generate([prompt], params, use_tqdm=False)[0]
     assert got.shape == (len(ref.prompt_token_ids) + 4, ref.hidden_states.shape[1])
     assert torch.allclose(got, ref.hidden_states.float(), atol=1e-4)
     for extra, needle in [
         ({"stream": True}, "stream"),
         ({"n": 2}, "n=1"),
     ]:
-        r = httpx.post(server.base + "/v1/completions", json={**body, **extra}, timeout=60)
+        r = HTTP.post(server.base + "/v1/completions", json={**body, **extra}, timeout=60)
         assert r.status_code == 400 and needle in r.text, r.text
     chat = {"messages": [{"role": "user", "content": "hi"}], "return_hidden_states": True}
-    r = httpx.post(server.base + "/v1/chat/completions", json=chat, timeout=60)
+    r = HTTP.post(server.base + "/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 400 and "return_hidden_states" in r.text
     server.wait_idle()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from .conftest import HTTP
 
 pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make test-fast
 
@@ -134,7 +135,7 @@ def _check(server, path: str, body: dict) -> None:
         content = json.dumps(body)
     except (ValueError, TypeError):
         return
-    with httpx.stream(
+    with HTTP.stream(
         "POST", server.base + path, content=content, headers={"Content-Type": "application/json"}, timeout=120
     ) as r:
         text = "".join(r.iter_text())
@@ -177,5 +178,5 @@ def test_fuzz_chat(server, kind, data):
 def test_after_fuzzing_nothing_is_held(server):
     assert server.healthy()
     server.wait_idle()
-    r = httpx.post(server.base + "/v1/completions", json={"prompt": "Still here?", "max_tokens": 2}, timeout=60)
+    r = HTTP.post(server.base + "/v1/completions", json={"prompt": "Still here?", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200

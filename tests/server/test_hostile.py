@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import long_text
+from .conftest import HTTP, long_text
 
 pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make test-fast
 
@@ -38,7 +38,7 @@ def server(make_server):
 def post(server, path: str, body: dict | str | bytes, timeout: float = 120, **kw) -> httpx.Response:
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     headers = {**AUTH, "Content-Type": "application/json", **kw.pop("headers", {})}
-    return httpx.post(server.base + path, content=content, headers=headers, timeout=timeout, **kw)
+    return HTTP.post(server.base + path, content=content, headers=headers, timeout=timeout, **kw)
 
 
 def complete(server, body: dict) -> dict:
@@ -50,7 +50,7 @@ def complete(server, body: dict) -> dict:
 def stream(server, body: dict, result: dict) -> None:
     """Collect a streamed completion into result: text per choice, error events, [DONE] seen."""
     result.update(text={}, errors=[], done=False)
-    with httpx.stream(
+    with HTTP.stream(
         "POST", server.base + "/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=120
     ) as r:
         result["status"] = r.status_code
@@ -69,12 +69,21 @@ def stream(server, body: dict, result: dict) -> None:
                 result["text"][c["index"]] = result["text"].get(c["index"], "") + c["text"]
 
 
+VICTIM = {"prompt": long_text(1, 60), "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def victim_text(server) -> str:
+    """The victim's greedy text, computed alone before any attack: every attacked victim must equal it."""
+    return complete(server, VICTIM)["choices"][0]["text"]
+
+
 class Victim:
     """An innocent streamed request running in a thread while the attack happens."""
 
-    def __init__(self, server, seed: int, max_tokens: int = 40) -> None:
-        self.body = {"prompt": long_text(seed, 60), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        self.expected = complete(server, self.body)["choices"][0]["text"]  # alone, before the attack
+    def __init__(self, server, expected: str) -> None:
+        self.body = VICTIM
+        self.expected = expected
         self.result: dict = {}
         self.thread = threading.Thread(target=stream, args=(server, self.body, self.result))
         self.thread.start()
@@ -169,8 +178,8 @@ def _body(field: str, value: str, extra: str = "") -> str:
     return '{"prompt": "Count: one, two,", "max_tokens": 4, ' + f'{extra}"{field}": {value}}}'
 
 
-def test_bad_numbers_are_400_and_never_hurt_a_running_request(server):
-    victim = Victim(server, 1)
+def test_bad_numbers_are_400_and_never_hurt_a_running_request(server, victim_text):
+    victim = Victim(server, victim_text)
     for field, value in INVALID:
         r = post(server, "/v1/completions", _body(field, value))
         assert r.status_code == 400, (field, value, r.status_code, r.text)
@@ -188,8 +197,8 @@ def test_bad_numbers_are_400_and_never_hurt_a_running_request(server):
     server.wait_idle()
 
 
-def test_streamed_bad_values_are_refused_before_the_stream_starts(server):
-    victim = Victim(server, 2)
+def test_streamed_bad_values_are_refused_before_the_stream_starts(server, victim_text):
+    victim = Victim(server, victim_text)
     r = post(server, "/v1/completions", _body("temperature", "Infinity", '"stream": true, '))
     assert r.status_code == 400 and "temperature" in r.text
     victim.check()
@@ -225,8 +234,8 @@ def test_idle_server_uses_no_cpu_after_refusals(server):
     assert used < 0.2, f"the idle server used {used:.2f} s of CPU in 2 s after {len(refusals)} refusals"
 
 
-def test_malformed_text_is_a_400_not_a_500(server):
-    victim = Victim(server, 3)
+def test_malformed_text_is_a_400_not_a_500(server, victim_text):
+    victim = Victim(server, victim_text)
     chat = "/v1/chat/completions"
     cases = [
         ("/v1/completions", '{"prompt": "\\ud800 lone surrogate", "max_tokens": 2}', "Unicode"),
@@ -278,8 +287,8 @@ def test_unimplemented_fields_are_refused_by_name(server):
     assert post(server, "/v1/completions", {**base, "tools": None, "user": "me"}).status_code == 200
 
 
-def test_limits_on_size_and_count(server):
-    victim = Victim(server, 4)
+def test_limits_on_size_and_count(server, victim_text):
+    victim = Victim(server, victim_text)
     # over the body cap: 413 from Content-Length, before the body is read
     r = post(server, "/v1/completions", json.dumps({"prompt": "word " * 300_000}))
     assert r.status_code == 413, r.text
@@ -291,7 +300,7 @@ def test_limits_on_size_and_count(server):
             yield b"word " * 1000
         yield b'"}'
 
-    r = httpx.post(
+    r = HTTP.post(
         server.base + "/v1/completions",
         content=chunks(),
         headers={**AUTH, "Content-Type": "application/json"},
@@ -302,7 +311,7 @@ def test_limits_on_size_and_count(server):
     big = json.dumps({"prompt": "word " * 190_000})
     r = post(server, "/v1/completions", big)
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
-    assert httpx.get(server.base + "/health", timeout=5).status_code == 200
+    assert HTTP.get(server.base + "/health", timeout=5).status_code == 200
     # under the character bound: tokenized (in a worker thread), then refused by its token count
     r = post(server, "/v1/completions", {"prompt": " ".join(f"w{i}" for i in range(12_000)), "max_tokens": 1})
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
@@ -321,12 +330,13 @@ def test_salts_isolate_tenants_in_chat_prompt_logprobs_and_after_reset(server):
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    chat = {"messages": [{"role": "user", "content": long_text(21, 150)}], "max_tokens": 2, "temperature": 0}
+    # prompts of a few blocks: the cache holds their full blocks, per tenant
+    chat = {"messages": [{"role": "user", "content": long_text(21, 40)}], "max_tokens": 2, "temperature": 0}
     assert cached("/v1/chat/completions", chat, "chat-a") == 0
     assert cached("/v1/chat/completions", chat, "chat-b") == 0
     assert cached("/v1/chat/completions", chat, "chat-a") > 0
     # a prompt_logprobs request computes its whole prompt but still caches it - in its tenant only
-    scored = {"prompt": long_text(22, 150), "max_tokens": 2, "prompt_logprobs": 1}
+    scored = {"prompt": long_text(22, 40), "max_tokens": 2, "prompt_logprobs": 1}
     assert cached("/v1/completions", scored, "lp-a") == 0
     plain = {"prompt": scored["prompt"], "max_tokens": 2}
     assert cached("/v1/completions", plain, "lp-b") == 0

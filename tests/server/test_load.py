@@ -29,7 +29,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
         with c.stream(
             "POST",
             server.base + "/v1/completions",
-            json={"prompt": long_text(10, 150), "max_tokens": 400, "stream": True, "ignore_eos": True},
+            json={"prompt": long_text(10, 40), "max_tokens": 400, "stream": True, "ignore_eos": True},
         ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()  # keep the iterator: dropping it closes the connection

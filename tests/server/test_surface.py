@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import API_KEY, API_KEY2, long_text
+from .conftest import API_KEY, API_KEY2, HTTP, long_text
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_chat_role_chunk_comes_after_the_first_token(server):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", server.base + "/v1/chat/completions", json=body, headers=auth(), timeout=120) as r:
+    with HTTP.stream("POST", server.base + "/v1/chat/completions", json=body, headers=auth(), timeout=120) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(json.loads(line[6:]) for line in lines if line.startswith("data: "))
@@ -61,7 +61,7 @@ def test_chat_role_chunk_comes_after_the_first_token(server):
 
 
 def post(server, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
-    return httpx.post(server.base + path, json=body, headers=auth(key) if key else {}, timeout=120)
+    return HTTP.post(server.base + path, json=body, headers=auth(key) if key else {}, timeout=120)
 
 
 def test_tokenize_detokenize_as_vllm(server, client):
@@ -101,8 +101,8 @@ def test_tokenize_detokenize_as_vllm(server, client):
 
 
 def test_ping_models_by_id_and_reset(server, client):
-    assert httpx.post(server.base + "/ping", timeout=10).status_code == 200  # POST too, and open
-    assert httpx.get(server.base + "/ping", timeout=10).status_code == 200
+    assert HTTP.post(server.base + "/ping", timeout=10).status_code == 200  # POST too, and open
+    assert HTTP.get(server.base + "/ping", timeout=10).status_code == 200
     card = client.models.retrieve(NAME)
     assert card.id == NAME and card.object == "model"
     with pytest.raises(openai.NotFoundError):
@@ -212,7 +212,7 @@ def test_metrics_with_vllm_032_names_and_the_stats_line(server):
     assert m["vllm:request_time_per_output_token_seconds_count"] == m["vllm:time_per_output_token_seconds_count"]
     # no step computed more than --max-num-batched-tokens (2048)
     assert m["vllm:iteration_tokens_total_sum"] <= 2048 * m["vllm:iteration_tokens_total_count"]
-    text = httpx.get(server.base + "/metrics", timeout=10).text
+    text = HTTP.get(server.base + "/metrics", timeout=10).text
     info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
     assert 'block_size="16"' in info and 'enable_prefix_caching="True"' in info and info.endswith(" 1.0")
     log = server.output()
