@@ -3,6 +3,7 @@ parameters bit for bit, and a damaged entry is found, removed and written again 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -34,14 +35,7 @@ def fresh(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def fresh_params():
     """fresh(dtype), dequantized once per dtype in this module (~5 s each; the tests only read them)."""
-    made: dict[torch.dtype, dict[str, torch.Tensor]] = {}
-
-    def get(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        if dtype not in made:
-            made[dtype] = fresh(dtype)
-        return made[dtype]
-
-    return get
+    return functools.cache(fresh)
 
 
 @pytest.fixture(scope="module")
