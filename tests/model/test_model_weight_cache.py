@@ -1,5 +1,10 @@
 """The dequantized-weights cache (prefixkv/model/weight_cache.py): a warm load gives the fresh load's
-parameters bit for bit, and a damaged entry is found, removed and written again - never used."""
+parameters bit for bit, and a damaged entry is found, removed and written again - never used.
+
+The loads are of a tiny GGUF (Q8_0 matrices, written by tests/model/test_model_gguf_file.py's
+helper from transformers' own Llama): the cache keeps whatever a GGUF's load dequantizes, so its
+checks do not need the default model, whose every cold load costs ~5 s of dequantization and a
+540 MB write (eight of them here)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,15 @@ import torch
 from prefixkv.model import load_model, weight_cache
 from prefixkv.model.llama import LlamaModel
 
+from .test_model_gguf_file import _write_gguf
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    _write_gguf(path, "llama")
+    return str(path)
+
 
 @pytest.fixture
 def cache_folder(tmp_path, monkeypatch):
@@ -22,30 +36,30 @@ def cache_folder(tmp_path, monkeypatch):
     return tmp_path / "weights"
 
 
-def fresh(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def fresh(gguf_path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The parameters as a load without the cache makes them (dequantized now)."""
     os.environ[weight_cache.ENV_SWITCH] = "0"
     try:
-        model = load_model(None, dtype=dtype).model
+        model = load_model(gguf_path, dtype=dtype).model
     finally:
         del os.environ[weight_cache.ENV_SWITCH]
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
-def fresh_params():
-    """fresh(dtype), dequantized once per dtype in this module (~5 s each; the tests only read them)."""
-    return functools.cache(fresh)
+def fresh_params(gguf_path):
+    """fresh(dtype), dequantized once per dtype in this module (the tests only read them)."""
+    return functools.cache(functools.partial(fresh, gguf_path))
 
 
 @pytest.fixture(scope="module")
-def float32_entry(tmp_path_factory):
+def float32_entry(tmp_path_factory, gguf_path):
     """An entry as a cold float32 load writes it, made once: each damage test damages a copy."""
     folder = tmp_path_factory.mktemp("pristine") / "weights"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(weight_cache, "folder", lambda: folder)
         mp.delenv(weight_cache.ENV_SWITCH, raising=False)
-        load_model(None, dtype=torch.float32)
+        load_model(gguf_path, dtype=torch.float32)
     (entry,) = entries(folder)
     return entry
 
@@ -62,10 +76,10 @@ def entries(folder) -> list:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_warm_load_equals_fresh_dequantization(cache_folder, monkeypatch, fresh_params, dtype):
+def test_warm_load_equals_fresh_dequantization(cache_folder, monkeypatch, gguf_path, fresh_params, dtype):
     want = fresh_params(dtype)
     assert not entries(cache_folder)  # the switch kept the cache out
-    cold = load_model(None, dtype=dtype).model  # dequantizes and writes the entry
+    cold = load_model(gguf_path, dtype=dtype).model  # dequantizes and writes the entry
     assert_same(cold, want)
     (entry,) = entries(cache_folder)
 
@@ -73,12 +87,12 @@ def test_warm_load_equals_fresh_dequantization(cache_folder, monkeypatch, fresh_
         raise AssertionError("the warm load dequantized")
 
     monkeypatch.setattr(LlamaModel, "load_hf_weights", no_dequantization)
-    warm = load_model(None, dtype=dtype).model
+    warm = load_model(gguf_path, dtype=dtype).model
     assert_same(warm, want)
     assert entries(cache_folder) == [entry]
     # the parameters are the file's mapping (copy-on-write): writing one leaves the file as it is
     warm.norm.weight.data.add_(1.0)
-    assert_same(load_model(None, dtype=dtype).model, want)
+    assert_same(load_model(gguf_path, dtype=dtype).model, want)
 
 
 def damage_truncate(path) -> None:
@@ -105,14 +119,14 @@ def damage_empty(path) -> None:
 
 
 @pytest.mark.parametrize("damage", [damage_truncate, damage_flip, damage_header, damage_empty])
-def test_a_damaged_entry_is_rebuilt_never_used(cache_folder, caplog, fresh_params, float32_entry, damage):
+def test_a_damaged_entry_is_rebuilt_never_used(cache_folder, caplog, gguf_path, fresh_params, float32_entry, damage):
     want = fresh_params(torch.float32)
     cache_folder.mkdir(parents=True)
     entry = cache_folder / float32_entry.name  # where this load looks for its entry
     shutil.copyfile(float32_entry, entry)
     damage(entry)
     with caplog.at_level(logging.INFO, logger="prefixkv"):
-        model = load_model(None, dtype=torch.float32).model
+        model = load_model(gguf_path, dtype=torch.float32).model
     assert "damaged" in caplog.text and "dequantizing" in caplog.text
     assert_same(model, want)
     assert entries(cache_folder) == [entry]  # written again, whole
