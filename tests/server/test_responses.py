@@ -21,11 +21,15 @@ pytestmark = pytest.mark.slow  # a real server subprocess
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MAX_STORED = 4
+# A short context: the truncation test needs two turns that together overflow it, and every
+# prompt token of those turns is prefilled (three times) - at 1024 they were most of the module's
+# time. Every other request here fits in it with room to spare.
+MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server(env={"PREFIXKV_RESPONSES_MAX_STORED": str(MAX_STORED)})
+    return make_server("--max-model-len", str(MAX_MODEL_LEN), env={"PREFIXKV_RESPONSES_MAX_STORED": str(MAX_STORED)})
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +145,7 @@ def test_stream_events_in_order(server, client):
     assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
 
     # a client that goes away mid-stream aborts the request: every block is free again
-    raw = client.responses.create(model=MODEL, input="Count to fifty.", max_output_tokens=300, stream=True)
+    raw = client.responses.create(model=MODEL, input="Count to fifty.", max_output_tokens=200, stream=True)
     for i, _ in enumerate(raw):
         if i == 6:
             break
@@ -268,11 +272,11 @@ def test_store_bound_delete_and_refusals(server, client):
 def test_truncation_auto_drops_the_oldest_messages(server, client):
     from openai import BadRequestError
 
-    # each turn about half the context (1024): the two together are over it by ~60 tokens
+    # each turn about half the context (MAX_MODEL_LEN): the two together are over it by ~40 tokens
     first = client.responses.create(
-        model=MODEL, input=long_text(1, 520), max_output_tokens=4, temperature=0, instructions="Be brief."
+        model=MODEL, input=long_text(1, 125), max_output_tokens=4, temperature=0, instructions="Be brief."
     )
-    second_input = long_text(2, 500)
+    second_input = long_text(2, 120)
     with pytest.raises(BadRequestError) as e:  # the whole conversation no longer fits the context
         client.responses.create(model=MODEL, previous_response_id=first.id, input=second_input, max_output_tokens=8)
     assert e.value.body["param"] in ("input", "max_output_tokens")

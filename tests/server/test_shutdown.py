@@ -16,9 +16,10 @@ pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make te
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    # 10 s to drain: the short request finishes well within it even on a loaded 2-core machine,
-    # the 900-token ones (>20 s alone) cannot
-    return make_server("--api-key", "", "--require-cache-salt", "--shutdown-timeout", "10")
+    # 5 s to drain: the short request, in the engine before the signal, needs 4 decode steps (~1.5 s
+    # on a loaded 2-core machine); the 900-token ones (>20 s alone) cannot finish. The drain's
+    # length is what the test costs: the long requests decode all through it.
+    return make_server("--api-key", "", "--require-cache-salt", "--shutdown-timeout", "5")
 
 
 def test_empty_api_key_means_no_key(server):
@@ -37,7 +38,7 @@ def test_require_cache_salt(server):
 
 def test_sigterm_drains_then_ends_what_is_left_and_exits_0(server):
     long = {"prompt": "Tell me a long story.", "max_tokens": 900, "ignore_eos": True, "cache_salt": "t"}
-    short = {"prompt": "Say hi.", "max_tokens": 8, "ignore_eos": True, "cache_salt": "t"}
+    short = {"prompt": "Say hi.", "max_tokens": 4, "ignore_eos": True, "cache_salt": "t"}
     results: dict = {"events": [], "done": False}
 
     def stream() -> None:
@@ -60,7 +61,16 @@ def test_sigterm_drains_then_ends_what_is_left_and_exits_0(server):
         time.sleep(0.05)
     short_thread = threading.Thread(target=plain, args=("short", short))
     short_thread.start()
-    time.sleep(0.2)
+    # the signal comes once the short request is in the engine (a fixed wait lost the race on a
+    # loaded machine: the short request came after the signal and was refused)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] >= 3:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the three requests were not in the engine after 60 s: {m}")
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     # While requests are in flight the listener stays open: a new connection gets a 503 naming
