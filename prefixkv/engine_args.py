@@ -621,7 +621,7 @@ def weights_format(model: str | None) -> str | None:
     prefixkv/model/loader.py chooses; None when the path names nothing (the loader then says so)."""
     import glob
 
-    from .model.loader import resolve_hub_id
+    from .model.tokenizer_loader import resolve_hub_id
 
     if model is None:
         return "gguf"

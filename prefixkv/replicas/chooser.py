@@ -26,10 +26,9 @@ import ray
 
 from ..engine_args import EngineArgs
 from ..kv_events.wire import ExternalBlockHash
-from ..model import default_model_path
-from ..model.loader import load_tokenizer
+from ..model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from ..model.tokenizer_loader import load_tokenizer
 from ..router import PrefixIndex, Router, make_router
-from ..server.app import DEFAULT_MODEL_NAME
 from .args import router_knobs
 from .event_feed import EventFeed
 from .prompt_hashes import LoRABlockKey, PromptHasher

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from .. import __version__
 from ..engine.llm_engine import LLMEngine
 from ..lora.request import LoRARequest
+from ..model.default_model import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
 from .async_engine import AsyncEngine
 from .cache_control import add_cache_control_routes
 from .chat import OpenAIServingChat
@@ -53,7 +54,6 @@ from .responses import add_responses_routes
 from .stats_logger import StatsLogger
 from .tokenization import OpenAIServingTokenization
 
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far above any prompt that fits a context
 
 

@@ -11,9 +11,12 @@ stats.py (counters), spec.py (--kv-tier entries), registry.py (backends by schem
 (the protocol: bytes by key), and the backends cpu.py, disk.py, redis.py.
 """
 
+from typing import TYPE_CHECKING
+
+from ..lazy_exports import lazy_exports
+
 # each backend registers itself when imported: a new one is one file and one line here
 from . import cpu, disk, redis  # noqa: F401
-from .build import NULL_CONNECTOR, KVConnector, build_kv_connector
 from .connector import SchedulerConnector, WorkerConnector
 from .cpu import CPUStore
 from .disk import DiskStore
@@ -24,6 +27,9 @@ from .registry import TierBackend, build_stores, parse_spec, register_backend
 from .spec import TierSpec, split_specs
 from .stats import TierStats
 from .store import KVStore
+
+if TYPE_CHECKING:
+    from .build import NULL_CONNECTOR, KVConnector, build_kv_connector
 
 __all__ = [
     "CPUStore",
@@ -48,3 +54,9 @@ __all__ = [
     "register_backend",
     "split_specs",
 ]
+
+# the connector's worker half moves tensors (torch): imported on first use, so that checking
+# --kv-tier flags (EngineArgs, the replicas' router) imports no torch
+__getattr__ = lazy_exports(
+    __name__, {"NULL_CONNECTOR": ".build", "KVConnector": ".build", "build_kv_connector": ".build"}
+)

@@ -1,8 +1,9 @@
 """Two engine replicas of a tiny random Llama on Ray Serve, behind the prefix-aware router: Ray and
 Serve start once for the package (`ray_serve`, ~10 s each way on 2 cores), and each test module
 deploys its own application on them (module-scoped fixture) and deletes it at its end. A deploy
-costs ~30 CPU-seconds, nearly all of it each replica's worker process importing torch, Ray Serve
-and prefixkv; the requests the tests send cost little next to it.
+costs ~20-25 CPU-seconds, nearly all of it each engine replica's worker process importing torch,
+Ray Serve and prefixkv (the ingress imports no torch); the requests the tests send cost little next
+to it. While an application is up, the router's polls and Serve's controller cost CPU all along.
 
 `make test` hands each xdist worker a file at a time, and a worker that leaves this package tears
 `ray_serve` down: the modules that deploy one application each share one estimate, slow(seconds=30),
@@ -90,6 +91,9 @@ def ray_serve():
     # the replicas' POST /reset_prefix_cache: Ray's workers inherit the environment ray.init starts
     # them from; this process's own apps (other test packages) must not
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    # Serve's controller reconciles every 0.1 s by default, ~5% of a core the whole time an
+    # application is up; every 0.5 s a deploy or a restart is seen a few tenths of a second later
+    os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "0.5"
     try:
         # no Ray metrics collection: nothing here reads Ray's own metrics (the /metrics checked are
         # prefixkv's), and its agent's collecting and exporting costs CPU the whole time
@@ -101,7 +105,7 @@ def ray_serve():
             _system_config={"enable_metrics_collection": False},
         )
     finally:
-        del os.environ["VLLM_SERVER_DEV_MODE"]
+        del os.environ["VLLM_SERVER_DEV_MODE"], os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
@@ -125,8 +129,9 @@ def start_cluster(model: str, port: int, **flags: Any) -> Cluster:
         "dtype": "float32",
         "replica_torch_threads": 1,
         "replica_num_cpus": 1,
-        "router_poll_interval": 0.2,
         "chat_template": CHAT_TEMPLATE,
+        # the router polls each replica at the default --router-poll-interval (0.5 s): two actor
+        # calls per replica a poll, ~6% of a core in each process at 0.2 s
         **flags,
     }
     args = parse_builder_args(builder)

@@ -221,6 +221,17 @@ def test_lora_requests_sharing_a_prefix_land_on_the_replica_caching_them(cluster
     cluster.wait_idle()
 
 
+def test_the_ingress_imports_no_torch(cluster):
+    """The router tokenizes and hashes and never runs the model: its process pays no torch import
+    (~3 s of CPU), also after serving requests (the chooser, --kv-tier checks, LoRA hashing)."""
+    ray = pytest.importorskip("ray")
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#ingress#" in a["name"]]
+    assert len(names) == 1, names
+    ingress = ray.get_actor(names[0], namespace="serve")
+    loaded = ingress.__ray_call__.remote(lambda _: "torch" in __import__("sys").modules)
+    assert ray.get(loaded, timeout=30) is False
+
+
 # Last in the module: it kills a replica (Serve restarts it, the test waits for that).
 def test_killed_replica_is_routed_around_and_rejoins(cluster):
     import time
