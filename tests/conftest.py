@@ -70,12 +70,17 @@ def pytest_collection_modifyitems(config, items):
 def release_memory_between_modules():
     """Engines, models and KV caches a module built may be garbage only in reference cycles, and
     freed weights land in glibc's heap, which keeps the pages: collected and trimmed here, the
-    suite's resident peak is one module's working set, not the sum of every module's. The last
-    engine built froze its objects out of the collector's reach (engine/gc_heap.py): thawed first."""
+    suite's resident peak is one module's working set, not the sum of every module's.
+
+    What is still alive then lives for the rest of the session (imported modules, the session's
+    models, the modules' globals): frozen out of the collector's walks (gc.freeze, as an engine
+    does with its own heap: engine/gc_heap.py), so that this collection and Python's own full ones
+    walk what the next module makes, not the ~450k objects of torch, transformers and the reference
+    models each time (0.5 s a walk in a worker holding them)."""
     yield
-    gc.unfreeze()
     gc.collect()
     _malloc_trim()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
