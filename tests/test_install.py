@@ -57,7 +57,7 @@ def test_clean_venv_install_serves_the_default_model(tmp_path: Path) -> None:
     (wheel,) = wheels.glob("prefixkv-*.whl")
     venv = tmp_path / "venv"
     base = getattr(sys, "_base_executable", sys.executable)  # the interpreter behind this venv
-    # this venv's pip installs into it (--python): ensurepip's own copy would cost ~8 CPU-s
+    # the checkout's pip installs into this venv (--python): ensurepip's own copy took 9 s here
     _run([base, "-m", "venv", "--without-pip", str(venv)], 120)
     py, pip = venv / "bin" / "python", [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
     t0 = time.monotonic()

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make te
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    # 5 s to drain: the short request, in the engine before the signal, needs 4 decode steps (~1.5 s
-    # on a loaded 2-core machine); the 900-token ones (>20 s alone) cannot finish. The drain's
-    # length is what the test costs: the long requests decode all through it.
+    # 5 s to drain: the short request, in the engine before the signal, needs 4 decode steps; the
+    # 900-token ones (>20 s alone) cannot finish. The drain's length is what the test costs: the
+    # long requests decode all through it.
     return make_server("--api-key", "", "--require-cache-salt", "--shutdown-timeout", "5")
 
 
