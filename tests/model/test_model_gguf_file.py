@@ -159,6 +159,7 @@ def test_default_model_file_found(default_gguf_path):
 @pytest.mark.skipif(not packed_linear_works(), reason="no oneDNN bfloat16 linear on this CPU/torch")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through both kernels
 @pytest.mark.parametrize("bound", ["native", "default", "exceeded"])
+@pytest.mark.usefixtures("every_native_kernel")  # "native": the many-row linear
 def test_bf16_laid_out_weights_match_plain_bf16(tmp_path, monkeypatch, kind, bound):
     """ModelRunner lays bfloat16 CPU weights out once for the native kernels where the many-row one
     was chosen ("native": NativeLinear); else for oneDNN and, where the CPU has AVX512-BF16 and the
@@ -211,6 +212,7 @@ def test_a_second_layout_is_kept_where_memory_allows(monkeypatch):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases go through both kernels
 # tolerated-*: the many-row native linear timed within the tolerance but slower than oneDNN
 @pytest.mark.parametrize("bound", ["native", "default", "exceeded", "tolerated-default", "tolerated-exceeded"])
+@pytest.mark.usefixtures("every_native_kernel")  # "native": the many-row linear
 def test_fp32_laid_out_weights_match_plain_fp32(tmp_path, monkeypatch, kind, bound):
     """ModelRunner lays float32 CPU weights out once for the native kernels where the many-row one
     was chosen ("native": NativeLinear); else twice (DualLayoutLinear: plain for 1-2 rows,

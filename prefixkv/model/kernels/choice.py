@@ -32,9 +32,10 @@ name covers source, flags, compiler, torch and the CPU's flags), the CPU's model
 and dtype, so it is measured once per machine and model shape (~2-5 s). One log line says what
 runs where and why; `describe` gives it again (`prefixkv kernels`).
 
-PREFIXKV_KERNEL_CHOICE=native skips the timing and runs every kernel where it applies (the test
-suite does, for paths that do not depend on the machine's timing); =measure re-times even where
-an answer is on disk.
+PREFIXKV_KERNEL_CHOICE=native skips the timing and runs every kernel where it applies;
+=native,-blocked_linear,-rotary (any of `NATIVE_KERNELS` after a minus) runs every one but those,
+on the PyTorch path (the test suite runs a fixed set so that what a test exercises does not depend
+on the machine's load); =measure re-times even where an answer is on disk.
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ logger = logging.getLogger(__name__)
 
 ENV_MODE = "PREFIXKV_KERNEL_CHOICE"
 MODES = ("auto", "native", "measure")
+# the kernels PREFIXKV_KERNEL_CHOICE=native,-name leaves to the PyTorch path, by name
+NATIVE_KERNELS = (
+    "prefill_attention",
+    "decode_attention",
+    "small_linear",
+    "blocked_linear",
+    "add_rms_norm",
+    "silu_and_mul",
+    "rotary",
+    "write_kv",
+)
 PREFILL_LENGTHS = (128, 512, 2048)
 SMALL_LINEAR_ROWS = (1, 2, 4, 8, 16)
 # the native kernel is kept unless PyTorch is faster by more than this: timings on a busy 2-vCPU
@@ -113,10 +125,38 @@ _made: dict[KernelShapes, tuple[ops.KernelChoice, list[str]]] = {}
 
 
 def mode() -> str:
-    chosen = os.environ.get(ENV_MODE, "auto") or "auto"
-    if chosen not in MODES:
-        raise ValueError(f"{ENV_MODE}={chosen!r}: expected one of {', '.join(MODES)}")
-    return chosen
+    """auto, native or measure (PREFIXKV_KERNEL_CHOICE; `native_exclusions` reads what follows native)."""
+    return _parsed()[0]
+
+
+def native_exclusions() -> frozenset[str]:
+    """The kernels PREFIXKV_KERNEL_CHOICE=native,-name,... leaves to the PyTorch path."""
+    return _parsed()[1]
+
+
+def _parsed() -> tuple[str, frozenset[str]]:
+    value = os.environ.get(ENV_MODE, "auto") or "auto"
+    chosen, *rest = [part.strip() for part in value.split(",")]
+    names = [part.removeprefix("-") for part in rest]
+    if (
+        chosen not in MODES
+        or (rest and chosen != "native")
+        or any(not part.startswith("-") for part in rest)
+        or any(name not in NATIVE_KERNELS for name in names)
+    ):
+        raise ValueError(
+            f"{ENV_MODE}={value!r}: expected one of {', '.join(MODES)}, or native followed by kernels to "
+            f"leave to PyTorch (native,-blocked_linear); kernels: {', '.join(NATIVE_KERNELS)}"
+        )
+    return chosen, frozenset(names)
+
+
+def _without(names: frozenset[str]) -> ops.KernelChoice:
+    """Every kernel native but `names`."""
+    off = {name: False for name in names if name != "prefill_attention"}
+    if "blocked_linear" in names:
+        off["blocked_linear_faster"] = False
+    return ops.KernelChoice(prefill_max_tokens=0 if "prefill_attention" in names else None, **off)
 
 
 def warn_if_bfloat16_is_emulated(dtype: torch.dtype) -> bool:
@@ -143,10 +183,18 @@ _warned_bf16 = False
 def choose(shapes: KernelShapes) -> ops.KernelChoice | None:
     """Time (or read from disk) which kernels run for a model of `shapes`, put the answer in force
     for its dtype (ops.set_choice) and return it; None where no native kernel runs here or
-    PREFIXKV_KERNEL_CHOICE=native (then every applicable one runs)."""
+    PREFIXKV_KERNEL_CHOICE=native (then every applicable one runs; with kernels named after it,
+    every one but those, and that choice is returned)."""
     dtype = getattr(torch, shapes.dtype)
-    if not ops.available() or mode() == "native":
+    if not ops.available():
         return None
+    if mode() == "native":
+        excluded = native_exclusions()
+        if not excluded:
+            return None
+        fixed = _without(excluded)
+        ops.set_choice(dtype, fixed)
+        return fixed
     if shapes not in _made:
         _made[shapes] = _stored_or_measured(shapes)
     made, _ = _made[shapes]
@@ -156,10 +204,12 @@ def choose(shapes: KernelShapes) -> ops.KernelChoice | None:
 
 def describe(shapes: KernelShapes) -> list[str]:
     """The lines of the choice for `shapes` (made if need be)."""
-    choose(shapes)
+    fixed = choose(shapes)
     found = _made.get(shapes)
     if found is None:
-        reason = "PREFIXKV_KERNEL_CHOICE=native" if mode() == "native" else "no native kernels here"
+        if fixed is not None:
+            return [f"{summary(fixed)} ({ENV_MODE}={os.environ.get(ENV_MODE)})"]
+        reason = f"{ENV_MODE}=native" if mode() == "native" else "no native kernels here"
         return [f"every kernel's native path where it applies ({reason})"]
     return found[1]
 

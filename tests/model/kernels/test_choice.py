@@ -114,9 +114,16 @@ def test_native_mode_skips_the_timing(fresh, monkeypatch):
     monkeypatch.setenv(kernel_choice.ENV_MODE, "native")
     monkeypatch.setattr(kernel_choice, "_time", lambda *a, **k: pytest.fail("timed"))
     assert kernel_choice.choose(SHAPES) is None
-    monkeypatch.setenv(kernel_choice.ENV_MODE, "sometimes")
-    with pytest.raises(ValueError, match="PREFIXKV_KERNEL_CHOICE"):
-        kernel_choice.choose(SHAPES)
+    monkeypatch.setenv(kernel_choice.ENV_MODE, "native,-blocked_linear, -prefill_attention")
+    fixed = kernel_choice.choose(SHAPES)
+    assert fixed == ops.KernelChoice(prefill_max_tokens=0, blocked_linear=False, blocked_linear_faster=False)
+    assert ops.choice(torch.float32) == fixed and not ops.blocked_linear_available(torch.float32)
+    assert ops.prefill_max_new_tokens(torch.float32) == 0
+    assert "blocked_linear" in kernel_choice.describe(SHAPES)[0]
+    for bad in ("sometimes", "native,-fast_path", "native,rotary", "auto,-rotary"):
+        monkeypatch.setenv(kernel_choice.ENV_MODE, bad)
+        with pytest.raises(ValueError, match="PREFIXKV_KERNEL_CHOICE"):
+            kernel_choice.choose(SHAPES)
 
 
 def test_real_timing_gives_a_choice_and_its_lines(fresh):
