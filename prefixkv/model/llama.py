@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .empty_weights import materialize
 from .kernels import choice as kernel_choice
 from .kernels import ops
 from .kernels.choice import KernelShapes
@@ -159,7 +160,7 @@ class LlamaModel(nn.Module):
             self.norm = self.make_norm(config.hidden_size, config.rms_norm_eps)
             if not config.tie_word_embeddings:
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.to_empty(device=device)
+        materialize(self, device, dtype)
         self.to(dtype)
         if config.tie_word_embeddings:
             self.lm_head = None

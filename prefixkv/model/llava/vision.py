@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..empty_weights import materialize
 from .config import LlavaConfig, VisionConfig
 
 
@@ -128,7 +129,7 @@ class VisionEncoder(nn.Module):
                 config.projector_hidden_act,
                 config.projector_bias,
             )
-        self.to_empty(device=device)
+        materialize(self, device, dtype)
         self.to(dtype)
         self.dtype = dtype
 
