@@ -15,9 +15,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # the suite runs a fixed set instead, so that what a test exercises does not depend on the
 # machine's load: every kernel where it applies, but a prefill's products on oneDNN, where the
 # timing put them for the default model on the CPUs measured (the native many-row linear timed
-# 5-8% slower on a Zen 4, 2.4x on a Zen 3: forced there, it took a fifth of tests/model and
-# tests/engine's CPU time). Its own tests, and the tests of its single weight layout, ask for it
-# (the `every_native_kernel` fixture); tests/model/kernels/test_choice.py times for real.
+# 2-5% slower on a Zen 4, 2.4x on a Zen 3, where forcing it made two default-model test files
+# take 107-117 CPU-s instead of 91-92). Its own tests, and the tests of its single weight layout,
+# ask for it (the `every_native_kernel` fixture); tests/model/kernels/test_choice.py times for real.
 os.environ.setdefault("PREFIXKV_KERNEL_CHOICE", "native,-blocked_linear")
 # An engine's build freezes the heap out of the collector's walks after a full collection
 # (engine/gc_heap.py): ~0.5 s a build in a worker holding reference models, 90 s over 185 builds
