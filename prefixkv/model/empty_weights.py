@@ -4,9 +4,8 @@ weights are loaded.
 `nn.Module.to_empty` does this through `torch.empty_like`, whose meta-tensor path runs in
 torch._refs; its first call in a process imports sympy (via torch.fx's symbolic shapes): 0.6-0.9
 CPU-s of every process that builds a model on an AMD Zen 3, an engine's start and each test
-server's alike. Here
-each tensor is made with `torch.empty` directly, floating-point ones already in the model's dtype
-(no second copy from `.to(dtype)`)."""
+server's alike. Here each tensor is made with `torch.empty` directly, floating-point ones already
+in the model's dtype (no second copy from `.to(dtype)`)."""
 
 from __future__ import annotations
 

@@ -32,15 +32,13 @@ SHAPES = KernelShapes(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """A cache folder of the test's own, timing switched on, and the choices as they were after."""
+    """A cache folder of the test's own and timing switched on (the folder's conftest puts the
+    choices back as they were after the test)."""
     monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(kernel_choice.ENV_MODE, "auto")
-    before = dict(ops._choices)
     kernel_choice._made.clear()
     yield tmp_path
     kernel_choice._made.clear()
-    ops._choices.clear()
-    ops._choices.update(before)
 
 
 def fake_timer(slower: set[str]):

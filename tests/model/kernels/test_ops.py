@@ -339,21 +339,14 @@ def test_prefill_attention_refuses_what_it_cannot_take_and_writes_nothing():
     assert torch.equal(out, torch.full(q.shape, 7.0))
 
 
-@pytest.fixture
-def restore_choices():
-    before = dict(ops._choices)
-    yield
-    ops._choices.clear()
-    ops._choices.update(before)
-
-
-def test_the_plan_gives_the_native_prefill_kernel_prompts_up_to_the_chosen_length(restore_choices):
+def test_the_plan_gives_the_native_prefill_kernel_prompts_up_to_the_chosen_length():
     """Without a measured choice the plan gives the native kernel float32 prompts of any length and
     bfloat16 ones up to the default for what the CPU multiplies on (past it PyTorch's flash kernel
     is faster); a measured limit caps either dtype, and a limit of 0 leaves every prompt, and every
     chunk after cached context, to PyTorch (the chunks in one padded attention)."""
     from prefixkv.model.attention import AttentionMetadata
 
+    # the choices set here are undone after the test by this folder's conftest (every_native_kernel)
     for dtype in (torch.float32, torch.bfloat16):
         ops.set_choice(dtype, None)
     long, short = ops.prefill_max_new_tokens(torch.bfloat16) + 1, 40
