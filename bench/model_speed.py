@@ -20,6 +20,11 @@ differ from a one-matmul microbenchmark's (bench/levers.py), whose weights stay 
 from Python (`fused_decode` off) where the engine runs them in one native call
 (csrc/decode_layers.cpp), alternated step by step: what that call buys.
 
+`--hf-compile` also times transformers' model under `torch.compile` (fullgraph, static shapes, a
+StaticCache; on CUDA mode "reduce-overhead", which replays CUDA graphs, as transformers documents for
+fast generation), alternated with the others: the strongest plain-PyTorch peer on the same card.
+Its compile time (each decode batch size compiles again) is printed, not timed.
+
 Each figure also prints its fraction of this machine's ceiling, measured in the same process first
 (bench/ceiling.py; `--no-ceiling` skips it): prefill as FLOP/s achieved (2 x parameters x tokens plus
 causal attention and the LM head row) over the dtype's measured GEMM FLOP/s, decode as bytes read
@@ -86,6 +91,72 @@ def lay_out(model, name: str) -> str:
     return type(model.layers[0].mlp.down_proj).__name__
 
 
+COMPILED = "transformers+compile"
+
+
+class CompiledTransformers:
+    """transformers' model under torch.compile (fullgraph, static shapes) over a StaticCache: on
+    CUDA mode "reduce-overhead" (CUDA graphs), elsewhere inductor's default. A decode batch keeps
+    its cache and feeds each step's greedy token back, as generate does."""
+
+    WARM_STEPS = 3  # the compile, then the graphs' recording (cudagraph trees record on a later call)
+
+    def __init__(self, hf, device: str) -> None:
+        self.hf, self.device = hf, torch.device(device)
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        self.forward = torch.compile(hf.forward, mode=mode, fullgraph=True, dynamic=False)
+        self.prefill_cache = None
+        self.cache = None
+        self.tok: torch.Tensor | None = None
+        self.position = 0
+
+    def _call(self, ids: torch.Tensor, cache, start: int):
+        if self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)
+        with torch.inference_mode():
+            out = self.forward(
+                input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True, logits_to_keep=1
+            )
+        return out.logits[:, -1].argmax(-1, keepdim=True).clone()
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        from transformers import StaticCache
+
+        if self.prefill_cache is None:
+            self.prefill_cache = StaticCache(config=self.hf.config, max_cache_len=ids.numel())
+        with torch.inference_mode():  # its tensors were made in inference mode (at the first call)
+            self.prefill_cache.reset()
+        return self._call(ids[None].to(self.device), self.prefill_cache, 0)
+
+    def start_decode(self, prompts: torch.Tensor, steps: int) -> None:
+        """Prefills `prompts` [B, C] eagerly into a fresh StaticCache with room for the warm-up and
+        `steps` steps, then runs the warm-up steps (compiling for this batch size)."""
+        from transformers import StaticCache
+
+        B, C = prompts.shape
+        self.cache = StaticCache(config=self.hf.config, max_cache_len=C + self.WARM_STEPS + steps + 1)
+        positions = torch.arange(C, device=self.device)
+        with torch.inference_mode():
+            out = self.hf(
+                input_ids=prompts,
+                past_key_values=self.cache,
+                cache_position=positions,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.position = C
+        for _ in range(self.WARM_STEPS):
+            self.step()
+
+    def step(self) -> torch.Tensor:
+        assert self.tok is not None
+        self.tok = self._call(self.tok, self.cache, self.position)
+        self.position += 1
+        return self.tok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=1024)
@@ -135,7 +206,14 @@ def main() -> None:
         help="CUDA: turn torch's cuDNN attention off process-wide, for transformers' side (prefixkv's model "
         "never uses it: it plans every new shape, 1.3 ms of host time a decode call on an H200)",
     )
+    ap.add_argument(
+        "--hf-compile",
+        action="store_true",
+        help="also time transformers under torch.compile with a StaticCache (CUDA: CUDA graphs)",
+    )
     args = ap.parse_args()
+    if args.hf_compile and args.no_hf:
+        raise SystemExit("--hf-compile times transformers: not with --no-hf")
     print(describe(), flush=True)
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -220,19 +298,30 @@ def main() -> None:
         with torch.inference_mode():
             return hf(ids[None].to(dev), use_cache=True, logits_to_keep=1).logits
 
+    compiled = CompiledTransformers(hf, dev) if args.hf_compile else None
+
+    def hf_compiled_prefill():
+        assert compiled is not None
+        return compiled.prefill(ids)
+
     # ours and transformers alternate rep by rep so load drift on a shared machine hits both
     fns = [(name, lambda m=m, t=name in torch_attention: ours_prefill(m, t)) for name, m in ours_models.items()]
     fns += [("transformers", hf_prefill)] if hf is not None else []
+    fns += [(COMPILED, hf_compiled_prefill)] if compiled is not None else []
     times = {name: [] for name, _ in fns}
     print(f"  ... prefill, {n} tokens: warm-up and {args.reps} reps", flush=True)
-    for _name, fn in fns:
-        fn()  # warm-up
+    for name, fn in fns:
+        start = time.perf_counter()
+        for _ in range(3 if name == COMPILED else 1):  # compiled: the compile, then its graphs' recording
+            fn()  # warm-up
+        if name == COMPILED:
+            print(f"  ... {COMPILED}: prefill compiled and warmed up in {time.perf_counter() - start:.1f} s")
     for _ in range(args.reps):
         for name, fn in fns:
             times[name].append(timed(fn, dev)[0])
     for name, _ in fns:
         med = statistics.median(times[name])
-        line = f"prefill {n} tok  {name:12s}: median {med * 1000:8.1f} ms  = {n / med:8.1f} tok/s"
+        line = f"prefill {n} tok  {name:21s}: median {med * 1000:8.1f} ms  = {n / med:8.1f} tok/s"
         if ceiling is not None:
             achieved = prefill_flops(cfg, n) / med
             line += f"  ({achieved / 1e9:.0f} GFLOP/s, {fraction(achieved, ceiling.flops_of(dtype))})"
@@ -269,6 +358,11 @@ def main() -> None:
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
             ts: dict[str, list[float]] = {name: [] for name in ours_models}
             ts_hf = []
+            ts_compiled: list[float] = []
+            if compiled is not None:
+                start = time.perf_counter()
+                compiled.start_decode(prompts.to(dev), args.steps)
+                print(f"  ... {COMPILED}: batch {B} compiled and warmed up in {time.perf_counter() - start:.1f} s")
             for _ in range(args.steps):
                 lens = [x + 1 for x in lens]
                 positions = torch.tensor([x - 1 for x in lens])
@@ -285,6 +379,8 @@ def main() -> None:
                     past = out.past_key_values
                     tok = out.logits[:, -1].argmax(-1, keepdim=True)
                     ts_hf.append(dt)
+                if compiled is not None:
+                    ts_compiled.append(timed(compiled.step, dev)[0])
         ref = statistics.median(ts_hf[2:]) if hf is not None else None
         for name in ours_models:
             ours = statistics.median(ts[name][2:])
@@ -295,6 +391,10 @@ def main() -> None:
                 read = decode_bytes(cfg, dtype, B, C + args.steps // 2) / ours
                 line += f"   reads {read / 1e9:.1f} GB/s, {fraction(read, ceiling.bytes_per_s)}"
             print(line)
+        if compiled is not None:
+            t = statistics.median(ts_compiled[2:])
+            ours = statistics.median(ts["ours"][2:]) if "ours" in ts else t
+            print(f"decode batch {B} ctx {C}  {COMPILED}: {t * 1000:7.1f} ms/step   (ours: speedup x{t / ours:.2f})")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -25,7 +25,10 @@
 #                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
 #                   sequences behind a shared 1k prefix (the cascade); then model_speed's decode
 #                   with each path
-#   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256
+#   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256;
+#                   then the default model's 8,192-token prefill
+#   compiled        model_speed beside transformers and transformers under torch.compile (StaticCache,
+#                   CUDA graphs: --hf-compile) for the default model and, after `large`, the 1B shape
 #   fused_eager     model_speed (eager: no graphs) with the fused kernels and without
 #   large           a random-weight Llama-3.2-1B-shaped checkpoint written here
 #                   (bench/device/random_checkpoint.py, SmolLM2's vocabulary; $SHAPE: llama-3b, llama-8b),
@@ -102,7 +105,18 @@ for step in $STEPS; do
         bounded 120 large.log "${speed[@]}" --model "$big" --no-cudnn-attention
         bounded 90 large.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \
             --prompt 8192 --context 8192 --model "$big" --no-cudnn-attention ;;
-    model_speed) bounded 100 model_speed.log "${speed[@]}" --no-hf ;;
+    model_speed)
+        bounded 100 model_speed.log "${speed[@]}" --no-hf
+        bounded 60 model_speed.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \
+            --prompt 8192 --context 8192 --no-hf ;;
+    compiled)
+        for m in default /tmp/random-${SHAPE:-llama-1b}; do
+            model=()
+            [ "$m" = default ] || model=(--model "$m")
+            [ "$m" = default ] || [ -d "$m" ] || continue
+            bounded 200 compiled.log "${speed[@]}" --hf-compile --no-cudnn-attention --no-ceiling \
+                --steps 12 --reps 2 "${model[@]}"
+        done ;;
     fused_eager)
         for on in 1 0; do
             bounded 45 fused_eager.log env PREFIXKV_CUDA_KERNELS=$on "${speed[@]}" --no-hf --no-ceiling

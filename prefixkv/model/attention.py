@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .attention_path import triton_kernels, uses_triton
 from .host_copy import tensor_on
-from .kernels import ops
+from .kernels import gpu_fused, ops
 from .softcap_attention import SoftcapPlan, softcapped_attention
 
 if TYPE_CHECKING:
@@ -573,6 +573,34 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
 
 
+def rotate_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None = None,
+    qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> bool:
+    """Where a GPU's fused kernels run: q and k rotated in place (layers.RotaryEmbedding's tables
+    `cos`, `sin`) and this step's k, v written to ``kv_cache`` at the step's slots, in one kernel
+    instead of three (the rotation, then two index copies); the caller then passes
+    ``kv_written=True`` to `paged_attention`. `qk_norms` (q's norm weight, k's, eps): q and k
+    RMS-normed first, in the same kernel. False elsewhere, with nothing done. Not for
+    soft-capped layers (their write is their own)."""
+    if not q.shape[0] or not gpu_fused.runs_on(q):
+        return False
+    Hkv, D = k.shape[1], k.shape[2]
+    if meta.static is not None:
+        slots = meta.static.slot_mapping
+    else:
+        slots = meta.plan(kv_cache.shape[2], q.device, window, q.dtype).slot_mapping
+    k_flat, v_flat = kv_cache[0].view(-1, Hkv, D), kv_cache[1].view(-1, Hkv, D)
+    return gpu_fused.rotary_write_kv_(q, k, v, cos, sin, k_flat, v_flat, slots, qk_norms)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -582,10 +610,12 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens, already rotated).
 
-    Writes k/v into ``kv_cache`` at ``meta.slot_mapping`` and returns attention output
+    Writes k/v into ``kv_cache`` at ``meta.slot_mapping`` (unless `kv_written`: done already, by
+    `rotate_and_write_kv`) and returns attention output
     [T, Hq, D] with causal masking over each sequence's full (cached + new) context - or, with
     a sliding `window`, over its last `window` positions up to each query (Mistral's rule).
     With `softcap`, the scores are soft-capped first (Gemma 2), by chunks of queries in PyTorch
@@ -597,8 +627,11 @@ def paged_attention(
     if meta.static is not None:
         if softcap is not None:
             raise ValueError("soft-capped attention has no static decode path")
-        return _static_decode(q, k, v, kv_cache, meta.static, D**-0.5 if scale is None else scale, window)
+        scale = D**-0.5 if scale is None else scale
+        return _static_decode(q, k, v, kv_cache, meta.static, scale, window, kv_written)
     if softcap is not None:
+        if kv_written:
+            raise ValueError("a soft-capped layer writes its own K/V")
         k_flat = kv_cache[0].view(-1, Hkv, D)
         v_flat = kv_cache[1].view(-1, Hkv, D)
         slots = meta.slot_mapping.to(device=q.device, dtype=torch.long)
@@ -611,7 +644,7 @@ def paged_attention(
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)
     # 1) write this step's K/V
-    if T and not ops.write_kv(k, v, k_flat, v_flat, plan.slot_mapping):
+    if T and not kv_written and not ops.write_kv(k, v, k_flat, v_flat, plan.slot_mapping):
         k_flat.index_copy_(0, plan.slot_mapping, k.to(kv_cache.dtype))
         v_flat.index_copy_(0, plan.slot_mapping, v.to(kv_cache.dtype))
     gqa = Hq != Hkv
@@ -689,13 +722,15 @@ def _static_decode(
     view: StaticDecodeView,
     scale: float,
     window: int | None,
+    kv_written: bool,
 ) -> torch.Tensor:
-    """A static decode step's layer: K/V written at the view's slots, then Triton's decode over
-    the view's tables and lengths; nothing allocated that depends on the values, no read-back."""
+    """A static decode step's layer: K/V written at the view's slots (unless `kv_written`), then
+    Triton's decode over the view's tables and lengths; nothing allocated that depends on the
+    values, no read-back."""
     Hkv, D = k.shape[1], k.shape[2]
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)
-    if not ops.write_kv(k, v, k_flat, v_flat, view.slot_mapping):
+    if not kv_written and not ops.write_kv(k, v, k_flat, v_flat, view.slot_mapping):
         k_flat.index_copy_(0, view.slot_mapping, k.to(kv_cache.dtype))
         v_flat.index_copy_(0, view.slot_mapping, v.to(kv_cache.dtype))
     return view.attend(q, k_flat, v_flat, scale, window)

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata, paged_attention, rotate_and_write_kv
 from .config import ModelConfig
 from .empty_weights import materialize
 from .kernels import choice as kernel_choice
-from .kernels import ops
+from .kernels import gpu_fused, ops
 from .kernels.choice import KernelShapes
 from .layers import (
     DualLayoutLinear,
@@ -67,24 +67,39 @@ class Attention(nn.Module):
         self.window = config.layer_windows[layer_idx]
         self.softcap: float | None = None  # attention logit soft-capping (Gemma 2)
 
+    def qk_norm_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """The q/k norms' weights and eps where they norm as RMSNorm does in `dtype` (a weight of
+        that dtype: GemmaRMSNorm's float32 one in bfloat16 scales in float32 instead), for the
+        fused kernel; None without q/k norms."""
+        if not self.qk_norm:
+            return None
+        weights = (self.q_norm.weight, self.k_norm.weight)
+        if self.q_norm.eps != self.k_norm.eps or any(w.dtype != dtype for w in weights):
+            return None
+        return weights[0], weights[1], self.q_norm.eps
+
     def forward(self, x, cos, sin, kv_cache, meta):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = RotaryEmbedding.apply(self.q_norm(qkv[:, :q_end].view(T, self.num_heads, self.head_dim)), cos, sin)
-            k = RotaryEmbedding.apply(
-                self.k_norm(qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)), cos, sin
-            )
-        else:
-            # q and k sit side by side in each row of qkv: one rotation over their heads together
-            # (in place on CPU: qkv is this layer's own temporary)
-            qk = RotaryEmbedding.apply_(
-                qkv[:, :k_end].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
-            )
+        q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)
+        # on a GPU one kernel norms (q/k norms) and rotates q and k in place and writes k, v to the cache
+        written = (
+            self.softcap is None
+            and gpu_fused.runs_on(qkv)
+            and rotate_and_write_kv(q, k, v, cos, sin, kv_cache, meta, self.window, self.qk_norm_weights(x.dtype))
+        )
+        if not written and self.qk_norm:  # the norms' outputs are this layer's own: rotated in place
+            q = RotaryEmbedding.apply_(self.q_norm(q), cos, sin)
+            k = RotaryEmbedding.apply_(self.k_norm(k), cos, sin)
+        elif not written:  # q and k side by side in each row of qkv: one rotation (in place on CPU)
+            qk = RotaryEmbedding.apply_(qkv[:, :k_end].view(T, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap)
+        o = paged_attention(
+            q, k, v, kv_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap, kv_written=written
+        )
         return self.o_proj(o.reshape(T, self.q_size))
 
 

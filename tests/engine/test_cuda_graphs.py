@@ -17,10 +17,11 @@ from prefixkv.engine.cuda_graphs import DecodeGraphs, capture_sizes, default_cap
 from prefixkv.engine_args import EngineArgs
 from prefixkv.memory.block_tensors import allocate_kv_cache
 from prefixkv.model import AttentionMetadata, load_model
+from prefixkv.model.kernels import gpu_fused
 
 from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _make, _write_tokenizer
-from ..model.triton_interpreter import device, kernels_module
+from ..model.triton_interpreter import FUSED, device, kernels_module
 
 
 def test_capture_sizes_are_vllms():
@@ -49,6 +50,15 @@ def test_graph_mode_and_flags(monkeypatch):
     with pytest.raises(ValueError, match="max_seq_len_to_capture"):
         EngineArgs(max_seq_len_to_capture=0)
     EngineArgs(compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2]})
+
+
+@pytest.fixture
+def fused_steps(monkeypatch):
+    """The fused steps a GPU runs by default (the q/k norms and rotation with the K/V write, the
+    norms, SiLU): on a CPU under the interpreter too."""
+    kernels_module(FUSED)
+    monkeypatch.setattr(gpu_fused, "run_on_cpu", device().type == "cpu")
+    monkeypatch.setattr(gpu_fused, "_module", None)
 
 
 @pytest.fixture
@@ -118,11 +128,12 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mistral-swa"])  # q/k norms; a 7-token sliding window
-def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, monkeypatch, kind):
+def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, fused_steps, monkeypatch, kind):
     """One decode step of three sequences padded to four: the buffers' forward (captured and
     replayed on a GPU) against the model's eager forward on the same cache through Triton's
-    kernels; the replay against the same buffers' forward run eagerly, bit for bit; the padding
-    row writes no block but the null one."""
+    kernels, the fused steps on both (the K/V written at the buffers' slots); the replay against
+    the same buffers' forward run eagerly, bit for bit; the padding row writes no block but the
+    null one."""
     monkeypatch.setenv("PREFIXKV_CUDA_ATTENTION", "triton")
     dev = device()
     hf = _make(kind)

@@ -86,6 +86,64 @@ def test_rotary_in_place_on_the_qkv_rows_equals_pytorch(tf, dtype, heads, kv_hea
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (9, 3, 64), (3, 3, 24)])
+@pytest.mark.parametrize("layout", ["qkv_rows", "own", "normed"])
+def test_rotary_write_kv_equals_the_rotation_then_the_writes(tf, dtype, heads, kv_heads, d, layout):
+    """One kernel: q and k rotated in place bit for bit as rotary_ rotates them, and k, v copied to
+    their slots of the caches as index_copy_ copies them; no other slot touched. Layouts: q, k, v
+    inside the qkv projection's rows, or q and k their own tensors; "normed": q and k RMS-normed
+    by their weights first (a q/k norm), as add_rms_norm norms each head."""
+    gen = torch.Generator().manual_seed(heads * d + len(layout))
+    T, num_slots = 6, 40
+    width = (heads + 2 * kv_heads) * d
+    qkv = _randn(T, width, dtype=dtype, gen=gen)
+    q = qkv[:, : heads * d].view(T, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(T, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(T, kv_heads, d)
+    if layout == "own":
+        q, k = q.clone(), k.clone()
+    angles = torch.rand(T, d // 2, generator=gen) * 6.0
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype).to(device())
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype).to(device())
+    k_cache = _randn(num_slots, kv_heads, d, dtype=dtype, gen=gen)
+    v_cache = _randn(num_slots, kv_heads, d, dtype=dtype, gen=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:T].to(device())
+    norms = None
+    want_q, want_k = q.clone(), k.clone()
+    if layout == "normed":
+        norms = (_randn(d, dtype=dtype, gen=gen), _randn(d, dtype=dtype, gen=gen), 1e-6)
+        want_q = tf.add_rms_norm(want_q.contiguous(), None, norms[0], norms[2])
+        want_k = tf.add_rms_norm(want_k.contiguous(), None, norms[1], norms[2])
+    tf.rotary_(want_q, cos, sin)
+    tf.rotary_(want_k, cos, sin)
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    want_kc.index_copy_(0, slots, want_k)
+    want_vc.index_copy_(0, slots, v)
+    v_before = v.clone()
+    tf.rotary_write_kv_(q, k, v, cos, sin, k_cache, v_cache, slots, norms)
+    if norms is None or dtype == torch.float32 or device().type == "cuda":
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    else:  # the interpreter's truncation to bfloat16 lands elsewhere in the norm's two roundings
+        torch.testing.assert_close(q.float(), want_q.float(), rtol=2 * _ulps(dtype), atol=2 * _ulps(dtype))
+        torch.testing.assert_close(k.float(), want_k.float(), rtol=2 * _ulps(dtype), atol=2 * _ulps(dtype))
+        want_kc.index_copy_(0, slots, k)  # the copy itself still exact
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+    assert torch.equal(v, v_before)
+
+
+def test_rotary_write_kv_writes_no_slot_out_of_range(tf):
+    """A slot past the cache (or negative) is not written: the kernel never writes past it."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (_randn(3, 2, 8, dtype=torch.float32, gen=gen) for _ in range(3))
+    cos, sin = torch.ones(3, 8, device=device()), torch.zeros(3, 8, device=device())
+    caches = torch.zeros(2, 5, 2, 8, device=device())  # k's and v's, 4 slots each and one beyond
+    slots = torch.tensor([1, 4, -1], device=device())
+    tf.rotary_write_kv_(q, k, v, cos, sin, caches[0, :4], caches[1, :4], slots)
+    assert torch.equal(caches[0, 1], k[0]) and torch.equal(caches[1, 1], v[0])
+    assert caches[:, [0, 2, 3, 4]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 2 * 1536), (3, 2 * 96), (2, 2, 2 * 1100)])
 def test_silu_and_mul_matches_pytorch(tf, dtype, shape):
     gen = torch.Generator().manual_seed(shape[-1])
@@ -112,6 +170,26 @@ def test_the_switch_and_the_conditions(tf, monkeypatch):
     assert gpu_fused.silu_and_mul(torch.ones(2, 7, device=device())) is None  # no gate/up halves
     heads_apart = torch.ones(2, 3, 8, device=device()).transpose(0, 1)
     assert not gpu_fused.rotary_(heads_apart, torch.ones(3, 8, device=device()), torch.ones(3, 8, device=device()))
+    # the rotation with the cache write: each argument's condition refused alone
+    dev = device()
+    q, k, tables = torch.ones(3, 4, 8, device=dev), torch.ones(3, 2, 8, device=dev), torch.ones(3, 8, device=dev)
+    cache, slots = torch.zeros(10, 2, 8, device=device()), torch.arange(3, device=device())
+    args = dict(q=q, k=k, v=k.clone(), cos=tables, sin=tables, k_cache=cache, v_cache=cache.clone(), slots=slots)
+    assert gpu_fused.rotary_write_kv_(**args)
+    weight = torch.ones(8, device=device())
+    assert gpu_fused.rotary_write_kv_(**args, norms=(weight, weight, 1e-6))
+    assert not gpu_fused.rotary_write_kv_(**args, norms=(weight, weight.double(), 1e-6))  # another dtype
+    assert not gpu_fused.rotary_write_kv_(**args, norms=(weight, torch.ones(16, device=device())[::2], 1e-6))
+    refused = {
+        "q": q.transpose(0, 1).contiguous().transpose(0, 1),  # heads not contiguous in a row
+        "v": torch.ones(3, 2, 8, dtype=torch.float64, device=device()),
+        "cos": torch.ones(2, 8, device=device()),
+        "k_cache": torch.zeros(10, 2, 16, device=device())[:, :, :8],
+        "v_cache": torch.zeros(11, 2, 8, device=device()),
+        "slots": slots.to(torch.int32),
+    }
+    for name, bad in refused.items():
+        assert not gpu_fused.rotary_write_kv_(**{**args, name: bad}), name
     monkeypatch.delenv(gpu_fused.ENV_SWITCH, raising=False)
     assert gpu_fused.switched_on()
     monkeypatch.setenv(gpu_fused.ENV_SWITCH, "0")
@@ -133,7 +211,7 @@ def fused_calls(tf, monkeypatch) -> Counter:
     monkeypatch.setattr(gpu_fused, "run_on_cpu", device().type == "cpu")
     monkeypatch.setattr(gpu_fused, "_module", None)
     monkeypatch.setattr(ops, "_enabled", False)
-    for name in ("add_rms_norm", "rotary_", "silu_and_mul"):
+    for name in ("add_rms_norm", "rotary_", "rotary_write_kv_", "silu_and_mul"):
         real = getattr(tf, name)
 
         def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
@@ -144,10 +222,11 @@ def fused_calls(tf, monkeypatch) -> Counter:
     return calls
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_engine_on_fused_kernels_matches_transformers(tmp_path, fused_calls, kind):
-    """Greedy float32 tokens of the engine with every norm, rotation and SiLU on the fused kernels
-    equal transformers', with caching off and on; every block free after."""
+    """Greedy float32 tokens of the engine with every norm, rotation (with the K/V write) and SiLU
+    on the fused kernels equal transformers', with caching off and on; every block free after.
+    qwen3: the rotation after the q/k norms."""
     from prefixkv import SamplingParams
 
     from ..conftest import hf_greedy
@@ -165,6 +244,8 @@ def test_engine_on_fused_kernels_matches_transformers(tmp_path, fused_calls, kin
     base = dict(dtype="float32", device=str(device()), num_blocks=32, block_size=8, max_model_len=64)
     for caching in (False, True):
         serve_and_compare(tmp_path, prompts, params, expected, {**base, "enable_prefix_caching": caching})
-    # two norms a layer and the final one, one rotation and one SiLU a layer, every step
-    assert fused_calls["add_rms_norm"] > 2 * fused_calls["rotary_"] > 0
-    assert fused_calls["silu_and_mul"] == fused_calls["rotary_"]
+    # two norms a layer and the first one, one rotation (with qwen3's q/k norms) and the K/V
+    # write and one SiLU a layer, every step (two layers); no rotation or q/k norm alone
+    rotations = fused_calls["rotary_write_kv_"]
+    assert fused_calls["add_rms_norm"] == 2 * rotations + rotations // 2 > 0
+    assert fused_calls["silu_and_mul"] == rotations and fused_calls["rotary_"] == 0

@@ -1,4 +1,4 @@
-"""Compiles the Triton kernels (attention; the fused norm, rotary and SiLU) for a GPU without one:
+"""Compiles the Triton kernels (attention; the fused norm, rotary (with the K/V write) and SiLU) for a GPU without one:
 Triton's own compiler down to the GPU's machine code (ptxas, shipped in Triton's wheel), with the
 compile-time arguments the kernels' entry points give their launches. Run as a script, in a process
 that has not imported Triton under its interpreter:
@@ -25,7 +25,8 @@ POINTERS = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "q_start_ptr": "*i32", "q_
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 # pointers to the model's dtype (the rest point to float32 partial results)
 DATA_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "h_ptr", "delta_ptr", "w_ptr", "out_ptr", "x_ptr", "cos_ptr"}
-DATA_POINTERS |= {"sin_ptr", "gu_ptr"}
+DATA_POINTERS |= {"sin_ptr", "gu_ptr", "kc_ptr", "vc_ptr", "qw_ptr", "kw_ptr"}
+POINTERS["slot_ptr"] = "*i64"
 
 
 def _signature(fn: Any, dtype: torch.dtype, constants: dict[str, Any]) -> dict[str, str]:
@@ -63,6 +64,12 @@ def variants() -> list[tuple[Any, torch.dtype, dict[str, Any]]]:
     out.append((norm, torch.float32, dict(HAS_DELTA=False, WEIGHT_IN_F32=True, BLOCK=4096, **tf.EXACT)))
     out.append((tf._rotary_kernel, torch.bfloat16, dict(D=64, BLOCK_H=16, BLOCK_D=64, **tf.EXACT)))
     out.append((tf._rotary_kernel, torch.float32, dict(D=128, BLOCK_H=64, BLOCK_D=128, **tf.EXACT)))
+    rotate_write = tf._rotary_write_kv_kernel
+    for dtype, heads, kv_heads, dim, norm in ((torch.bfloat16, 16, 4, 64, False), (torch.bfloat16, 32, 8, 128, True)):
+        blocks = dict(D=dim, BLOCK_HQ=heads, BLOCK_HKV=kv_heads, BLOCK_D=dim)
+        out.append((rotate_write, dtype, dict(**blocks, NORM=norm, WEIGHT_IN_F32=False, **tf.EXACT)))
+    blocks = dict(D=64, BLOCK_HQ=16, BLOCK_HKV=4, BLOCK_D=64)
+    out.append((rotate_write, torch.float32, dict(**blocks, NORM=True, WEIGHT_IN_F32=True, **tf.EXACT)))
     out.append((tf._silu_and_mul_kernel, torch.bfloat16, dict(BLOCK=tf.SILU_BLOCK, **tf.EXACT)))
     out.append((tf._silu_and_mul_kernel, torch.float32, dict(BLOCK=tf.SILU_BLOCK, **tf.EXACT)))
     return out

@@ -89,6 +89,65 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return True
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether the fused kernels take `t`'s device (a CUDA tensor with the switch on; a CPU one
+    only in the tests' interpreter runs): callers check before preparing a kernel's arguments."""
+    return _kernels(t) is not None
+
+
+def _heads_rows(x: torch.Tensor, heads: int, D: int) -> bool:
+    """[T, heads, D] with each row's heads contiguous (rows any distance apart)."""
+    return x.dim() == 3 and x.shape[1:] == (heads, D) and x.stride(2) == 1 and x.stride(1) == D
+
+
+def rotary_write_kv_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> bool:
+    """q [T, Hq, D] and k [T, Hkv, D] rotated in place by layers.RotaryEmbedding's tables, and
+    k_cache[slots] = k, v_cache[slots] = v, in one kernel: ops.rotary_ on both, then ops.write_kv.
+    `norms` (q's weight, k's weight, eps): q's and k's heads RMS-normed first, as add_rms_norm
+    norms (a q/k norm whose weights are in the model's dtype). False where the kernel does not
+    apply (then nothing was done)."""
+    kernels = _kernels(q)
+    if kernels is None or q.dim() != 3 or k.dim() != 3 or q.dtype not in DTYPES:
+        return False
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    tensors = (k, v, cos, sin, k_cache, v_cache, *(norms[:2] if norms is not None else ()))
+    if norms is not None and not all(w.numel() == D and w.is_contiguous() for w in norms[:2]):
+        return False
+    if (
+        D % 2
+        or any(t.dtype != q.dtype or t.device != q.device for t in tensors)
+        or not (_heads_rows(q, Hq, D) and _heads_rows(k, Hkv, D) and _heads_rows(v, Hkv, D))
+        or k.shape[0] != T
+        or v.shape[0] != T
+        or cos.numel() != T * D
+        or sin.numel() != T * D
+        or k_cache.shape[1:] != (Hkv, D)
+        or v_cache.shape != k_cache.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or slots.dtype != torch.int64
+        or slots.shape != (T,)
+        or slots.device != q.device
+        or not slots.is_contiguous()
+    ):
+        return False
+    cos, sin = cos.reshape(T, D), sin.reshape(T, D)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    kernels.rotary_write_kv_(q, k, v, cos, sin, k_cache, v_cache, slots, norms)
+    return True
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of the fused gate/up projection's output, as ops.silu_and_mul."""
     kernels = _kernels(gate_up)

@@ -1,9 +1,10 @@
 """A GPU's row-wise steps fused into one Triton kernel each: the residual add with the RMSNorm after
-it, the rotary embedding of a layer's queries and keys, and SiLU-and-multiply. The same three steps
-as the CPU's native kernels (`ops.add_rms_norm`, `ops.rotary_`, `ops.silu_and_mul`), with their
+it, the rotary embedding of a layer's queries and keys (alone, or with the write of the new keys
+and values into the paged KV cache), and SiLU-and-multiply. The same steps as the CPU's native
+kernels (`ops.add_rms_norm`, `ops.rotary_`, `ops.write_kv`, `ops.silu_and_mul`), with their
 semantics: PyTorch's formulation (kernels/reference.py) runs each as several kernels (a norm: a
 float32 copy, the norm, a copy back, the weight's product, the residual add; the rotation four;
-SiLU-and-multiply two).
+the cache write two; SiLU-and-multiply two).
 
 Why: a decode step of a small model is hundreds of tiny kernels, and on a GPU each costs a few
 microseconds whatever its size - inside a CUDA graph too. With these, a captured decode step of the
@@ -67,6 +68,84 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
+def _rotated(row, ds, c, s, mask, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_F32: tl.constexpr):
+    """The rotation of the heads at `row` (a [heads, 1] block of pointers): x * cos +
+    swap_halves(x) * signed_sin, each product rounded to x's dtype, as PyTorch's four operators.
+    With NORM, each head is first RMS-normed with the weight at `w_ptr` (a q/k norm), the swapped
+    halves with the weight's swapped halves: the same values as norming first, then swapping."""
+    x = tl.load(row + ds[None, :], mask=mask, other=0.0)
+    half = (ds + D // 2) % D
+    swapped = tl.load(row + half[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    if NORM:  # as _add_rms_norm_kernel rounds it, the swapped halves by the same row's 1/rms
+        xf, swapped_f = x.to(tl.float32), swapped.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+        w = tl.load(w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)[None, :]
+        w_swapped = tl.load(w_ptr + half, mask=ds < D, other=0.0).to(tl.float32)[None, :]
+        if WEIGHT_IN_F32:
+            x, swapped = (xf * inv * w).to(dtype), (swapped_f * inv * w_swapped).to(dtype)
+        else:
+            x = ((xf * inv).to(dtype).to(tl.float32) * w).to(dtype)
+            swapped = ((swapped_f * inv).to(dtype).to(tl.float32) * w_swapped).to(dtype)
+    a = (x.to(tl.float32) * c[None, :]).to(dtype)
+    b = (swapped.to(tl.float32) * s[None, :]).to(dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    qw_ptr,
+    kw_ptr,
+    stride_q,
+    stride_k,
+    stride_v,
+    heads_q,
+    heads_kv,
+    num_slots,
+    eps,
+    D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,
+    WEIGHT_IN_F32: tl.constexpr,
+):
+    """One program a token: its query and key heads (with NORM: RMS-normed by the weights at
+    qw_ptr and kw_ptr first) rotated in place (as _rotary_kernel), then the rotated keys and the
+    values copied to the token's slot of the caches [num_slots, heads_kv, D]. A slot out of range
+    is not written (the engine never hands one out; index_copy_ would refuse it, a kernel must not
+    write past the cache)."""
+    t = tl.program_id(0).to(tl.int64)
+    ds = tl.arange(0, BLOCK_D)
+    c = tl.load(cos_ptr + t * D + ds, mask=ds < D, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * D + ds, mask=ds < D, other=0.0).to(tl.float32)
+    hq = tl.arange(0, BLOCK_HQ)
+    mask_q = (hq[:, None] < heads_q) & (ds[None, :] < D)
+    row_q = q_ptr + t * stride_q + hq[:, None] * D
+    q = _rotated(row_q, ds, c, s, mask_q, qw_ptr, eps, D, NORM, WEIGHT_IN_F32)
+    tl.store(row_q + ds[None, :], q, mask=mask_q)
+    hk = tl.arange(0, BLOCK_HKV)
+    mask_k = (hk[:, None] < heads_kv) & (ds[None, :] < D)
+    row_k = k_ptr + t * stride_k + hk[:, None] * D
+    k = _rotated(row_k, ds, c, s, mask_k, kw_ptr, eps, D, NORM, WEIGHT_IN_F32)
+    tl.store(row_k + ds[None, :], k, mask=mask_k)
+    slot = tl.load(slot_ptr + t + hk * 0).to(tl.int64)[:, None]  # the slot in every head's row
+    mask_slot = mask_k & (slot >= 0) & (slot < num_slots)
+    cell = slot * heads_kv * D + hk[:, None] * D + ds[None, :]
+    tl.store(kc_ptr + cell, k, mask=mask_slot)
+    v = tl.load(v_ptr + t * stride_v + hk[:, None] * D + ds[None, :], mask=mask_slot, other=0.0)
+    tl.store(vc_ptr + cell, v, mask=mask_slot)
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,
     cos_ptr,
@@ -84,13 +163,9 @@ def _rotary_kernel(
     ds = tl.arange(0, BLOCK_D)
     mask = (hs[:, None] < heads) & (ds[None, :] < D)
     row = x_ptr + t * stride_t + hs[:, None] * D
-    x = tl.load(row + ds[None, :], mask=mask, other=0.0)
-    swapped = tl.load(row + ((ds + D // 2) % D)[None, :], mask=mask, other=0.0)
     c = tl.load(cos_ptr + t * D + ds, mask=ds < D, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * D + ds, mask=ds < D, other=0.0).to(tl.float32)
-    a = (x.to(tl.float32) * c[None, :]).to(x.dtype)
-    b = (swapped.to(tl.float32) * s[None, :]).to(x.dtype)
-    tl.store(row + ds[None, :], (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype), mask=mask)
+    tl.store(row + ds[None, :], _rotated(row, ds, c, s, mask, x_ptr, 0.0, D, False, False), mask=mask)
 
 
 @triton.jit
@@ -144,6 +219,54 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
             D=D,
             BLOCK_H=triton.next_power_of_2(H),
             BLOCK_D=triton.next_power_of_2(D),
+            **EXACT,
+        )
+
+
+def rotary_write_kv_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
+    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place by the [T, D] tables and writes k and v
+    [T, Hkv, D] to rows `slots` [T] (int64) of the caches [num_slots, Hkv, D]: rotary_ on both,
+    then index_copy_ of each, in one launch. `norms` (q's weight, k's weight, eps): each head
+    RMS-normed first, as add_rms_norm norms it (a q/k norm). Heads contiguous within a row, rows any
+    distance apart, the caches and weights contiguous; the caller checks."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    q_weight, k_weight, eps = norms if norms is not None else (q, k, 0.0)
+    if T:
+        _rotary_write_kv_kernel[(T,)](
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            slots,
+            k_cache,
+            v_cache,
+            q_weight,
+            k_weight,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            Hq,
+            Hkv,
+            k_cache.shape[0],
+            float(eps),
+            D=D,
+            BLOCK_HQ=triton.next_power_of_2(Hq),
+            BLOCK_HKV=triton.next_power_of_2(Hkv),
+            BLOCK_D=triton.next_power_of_2(D),
+            NORM=norms is not None,
+            WEIGHT_IN_F32=q.dtype == torch.float32,
             **EXACT,
         )
 
