@@ -144,7 +144,10 @@ class ModelRunner:
         ]
         if rows:
             to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
-            logits = self._sampling_logits(hidden[to_device(torch.tensor(rows), dev)], to_sample)
+            # every row sampled (rows strictly increase): the hidden states as they are, no gather
+            if len(rows) != hidden.shape[0]:
+                hidden = hidden[to_device(torch.tensor(rows), dev)]
+            logits = self._sampling_logits(hidden, to_sample)
             self._sample(logits, to_sample, pending)
         return pending
 
@@ -184,8 +187,12 @@ class ModelRunner:
             start, table = sr.start, sr.block_table
             end = start + len(sr.token_ids)
             input_ids.extend(sr.token_ids)
-            positions.extend(range(start, end))
-            _extend_slots(slots, table, start, end, bs)
+            if end - start == 1:  # a decode: one position, one slot
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions.extend(range(start, end))
+                _extend_slots(slots, table, start, end, bs)
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
         dev = self.device
