@@ -13,6 +13,11 @@ timed one by one; the median of every round's steps is printed per engine, with 
 those steps the graphs took, and whether each engine's greedy tokens agreed with the first one's
 (bfloat16: the eager path's attention is another kernel, so a difference is possible, not a failure;
 async scheduling computes the same steps, so its tokens must equal the graphs' own).
+
+On CUDA the card's memory bandwidth is measured first (bench/ceiling.measure_cuda; `--no-ceiling`
+skips it), and each batch's line is followed by the fastest engine's step against it: the bytes a
+step must read (every weight once, each sequence's K and V) at the measured bandwidth, and the
+step's time as a multiple of that read time (issue 40's goal for a 1B-8B model: within 1.5x).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.ceiling import decode_bytes, measure_cuda  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 
@@ -90,8 +96,14 @@ def main() -> None:
         "async (the default engine + async_scheduling), unfused (the default engine with "
         "PREFIXKV_CUDA_KERNELS=0: PyTorch's norms, rotary and SiLU)",
     )
+    ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the card's memory bandwidth")
     args = ap.parse_args()
     print(describe(), flush=True)
+    bandwidth = None
+    if not args.no_ceiling and torch.device(args.device).type == "cuda":
+        ceiling = measure_cuda((getattr(torch, args.dtype),), args.device)
+        bandwidth = ceiling.bytes_per_s
+        print("the card's ceiling, measured now (bench/ceiling.py): " + "; ".join(ceiling.lines()), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     budget = 2048  # the engine's default token budget
     # room for the decode steps taken while the largest batch is still prefilling (decode_steps)
@@ -152,6 +164,18 @@ def main() -> None:
                 line += f", x{ms / base:.2f} of {first}, tokens equal in {same}/{B}"
             line += ")"
         print(line, flush=True)
+        if bandwidth is not None:
+            config = engines[first].llm_engine.model_config
+            # the K/V read at the middle of the timed steps
+            need = decode_bytes(config, getattr(torch, args.dtype), B, args.context + args.steps // 2)
+            fastest = min(engines, key=lambda name: statistics.median(times[name]))
+            ms = statistics.median(times[fastest])
+            read_ms = need / bandwidth * 1e3
+            print(
+                f"  batch {B}: {need / 1e9:.3f} GB to read a step = {read_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s; "
+                f"{fastest} took x{ms * 1e3 / read_ms:.2f} that ({100 * read_ms / (ms * 1e3):.0f}% of the bandwidth)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
