@@ -118,6 +118,11 @@ class KVCacheManager:
         state = self._requests.get(request_id)
         return list(state.block_ids) if state is not None else []
 
+    def num_blocks_held(self, request_id: str) -> int:
+        """len(get_block_ids(request_id)), without the copy (asked per request per step)."""
+        state = self._requests.get(request_id)
+        return len(state.block_ids) if state is not None else 0
+
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """The block ids of the request's sliding-window groups (1, 2, ...): 0 where a block was
         released (never read: it is out of every query's window); [] without such groups."""

@@ -155,8 +155,10 @@ class DecodeGraphs:
         buf.seq_lens[:size].copy_(pinned_for(torch.tensor(lens, dtype=torch.int32), dev), non_blocking=True)
         if carried is not None:
             carried_rows, tokens = carried
-            index = tensor_on(carried_rows, tokens.device, torch.long)
-            buf.tokens[0].index_copy_(0, index, tokens)
+            if len(carried_rows) == b:  # every row (rows strictly increase): a plain copy
+                buf.tokens[0, :b].copy_(tokens)
+            else:
+                buf.tokens[0].index_copy_(0, tensor_on(carried_rows, tokens.device, torch.long), tokens)
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
         blocks_read = [p // bs + 1 for p in positions[:b]]
         tables = padded_block_tables([sr.block_table for sr in scheduled], torch.int32, blocks_read)

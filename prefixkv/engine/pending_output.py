@@ -45,6 +45,8 @@ class PendingOutput:
             tokens = tensor_on(self.sampled.token_ids, device, torch.long)
         else:
             return torch.zeros(len(req_ids), dtype=torch.long, device=device)
+        if req_ids == self.req_ids:  # the same requests in the same order: the usual decode step
+            return tokens.to(device)
         row_of = {rid: i for i, rid in enumerate(self.req_ids)}
         rows = [row_of.get(rid, -1) for rid in req_ids]
         padded = torch.cat([tokens.to(device), torch.zeros(1, dtype=tokens.dtype, device=device)])

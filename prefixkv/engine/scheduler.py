@@ -206,7 +206,7 @@ class Scheduler:
             if (params.max_tokens is not None and n_out >= params.max_tokens) or req.num_tokens + 1 >= max_model_len:
                 continue  # its last token is the one being sampled
             going_on.append(req)
-            num_new_blocks += max(0, -(-(req.num_tokens + 1) // bs) - len(kv.get_block_ids(req.request_id)))
+            num_new_blocks += max(0, -(-(req.num_tokens + 1) // bs) - kv.num_blocks_held(req.request_id))
         if not going_on or len(going_on) > self.max_num_batched_tokens:
             return None
         if num_new_blocks > kv.num_free_blocks:
@@ -218,10 +218,9 @@ class Scheduler:
             num_in_flight = req.num_tokens - req.num_computed_tokens
             allocated = kv.allocate_slots(req, num_in_flight + 1)
             assert allocated is not None, "blocks were counted above"
-            sr = self._scheduled(req, 0)
+            sr = self._scheduled(req, 0)  # its block table read after the allocation above
             sr.token_ids = [0]  # a stand-in: the runner reads the token from the step in flight
             sr.start = req.num_tokens
-            sr.block_table = kv.get_block_ids(req.request_id)
             sr.sample = True
             sr.input_from_previous = True
             sr.block_eos = req.num_output_tokens + 1 < req.sampling_params.min_tokens

@@ -215,3 +215,14 @@ def test_evict_where_drops_matching_free_blocks_first_keeps_held_ones(policy):
     assert {b.block_id for b in mgr.block_pool.get_new_blocks(2)} == dead
     hits, _ = mgr.get_computed_blocks(Request("p2", list(range(100, 109))))
     assert len(hits) == 2  # the plain prefix survived
+
+
+def test_num_blocks_held_counts_the_block_ids(mgr10):
+    r = Request("a", toks(6))
+    assert mgr10.num_blocks_held("a") == 0 and mgr10.get_block_ids("a") == []
+    prefill(mgr10, r)
+    for t in (50, 51, 52):
+        decode(mgr10, r, t)
+        assert mgr10.num_blocks_held("a") == len(mgr10.get_block_ids("a")) == -(-r.num_tokens // 4)
+    mgr10.free(r)
+    assert mgr10.num_blocks_held("a") == 0
