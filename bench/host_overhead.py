@@ -18,12 +18,19 @@ step calls no forward, and with async scheduling the phases overlap the device's
 step's time is the larger of the two. `--device-time` profiles one more round (torch.profiler):
 the device kernels a step launches and the time the device is busy per step, beside the step's
 wall time - which of host and device bounds it. `--model default` is the embedded default model.
+
+`--gpu-path` measures a GPU's host work on a CPU: decode steps through the fixed buffers a CUDA
+graph replays (PREFIXKV_CUDA_GRAPHS=static under Triton's interpreter), their forward stubbed (a
+replay costs the host one launch) and async scheduling on, as a GPU runs them by default. The
+LM head's product, which a GPU runs on the device, is timed apart ("logits") and left out of the
+host's total.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import subprocess
 import sys
@@ -34,11 +41,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.sampling_params import RequestOutputKind  # noqa: E402
 
-PHASES = ("schedule", "runner launch", "model forward", "update_from_output", "process_outputs")
+PHASES = ("schedule", "runner launch", "model forward", "logits", "update_from_output", "process_outputs")
 
 
 def timed(obj: Any, name: str, label: str, acc: dict[str, float]) -> None:
@@ -68,7 +77,6 @@ def tiny_checkpoint(folder: str) -> str:
 def device_time(engine: Any, batch: int, prompt: int, params: SamplingParams) -> None:
     """One more round under torch.profiler: device kernels (and copies) a decode step, the device's
     busy time a step (their durations summed), against the step's wall time."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     for i in range(batch):
@@ -116,9 +124,22 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device-time", action="store_true", help="profile a round: kernels and busy time a step")
+    ap.add_argument(
+        "--gpu-path",
+        action="store_true",
+        help="a CPU: the GPU's decode path (the graphs' buffers, their forward stubbed, async scheduling)",
+    )
     args = ap.parse_args()
+    gpu_path: dict[str, Any] = {}
+    if args.gpu_path:
+        if args.device != "cpu":
+            raise SystemExit("--gpu-path stands in for a GPU on a CPU: not with --device")
+        os.environ.update(TRITON_INTERPRET="1", PREFIXKV_CUDA_GRAPHS="static")
+        sizes = [int(b) for b in args.batches.split(",")]
+        gpu_path = dict(async_scheduling=True, compilation_config={"cudagraph_capture_sizes": sizes})
     print(describe(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
+    acc: dict[str, float] = collections.defaultdict(float)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model if args.model is not None else tiny_checkpoint(tmp)
         llm = LLM(
@@ -129,9 +150,16 @@ def main() -> None:
             max_num_batched_tokens=max(2048, max(batches) * args.prompt),
             enable_prefix_caching=False,
             max_model_len=args.prompt + args.steps + 8,
+            **gpu_path,
         )
         engine = llm.llm_engine
-        acc: dict[str, float] = collections.defaultdict(float)
+        if args.gpu_path:
+            graphs = engine.runner.graphs
+            assert graphs is not None, "no static buffers: is Triton installed?"
+            stub = torch.zeros(max(batches), engine.model_config.hidden_size)
+            graphs._forward = lambda size: stub[:size]  # a replay: one launch, nothing for the host
+            timed(engine.scheduler, "schedule_ahead", "schedule", acc)
+            timed(engine.runner.model, "compute_logits", "logits", acc)
         timed(engine.scheduler, "schedule", "schedule", acc)
         timed(engine.scheduler, "update_from_output", "update_from_output", acc)
         timed(engine.groups, "process_outputs", "process_outputs", acc)
@@ -157,14 +185,16 @@ def main() -> None:
                     per_round[phase].append(acc[phase] / steps / B * 1e6)
                 per_round["step"].append(total / steps / B * 1e6)
             med = {k: statistics.median(v[1:]) for k, v in per_round.items()}
-            host = med["step"] - med["model forward"]
-            launch_own = med["runner launch"] - med["model forward"]
+            device_work = med["model forward"] + med["logits"]
+            host = med["step"] - device_work
+            launch_own = med["runner launch"] - device_work
             print(
                 f"batch {B:4d}: host {host:6.1f} us/request/step ({host * B / 1000:.2f} ms a step) = "
                 f"schedule {med['schedule']:.1f} + runner {launch_own:.1f} (inputs, sampling) + "
                 f"update {med['update_from_output']:.1f} + outputs {med['process_outputs']:.1f} + rest "
                 f"{host - med['schedule'] - launch_own - med['update_from_output'] - med['process_outputs']:.1f}; "
-                f"model forward {med['model forward']:.1f}",
+                f"model forward {med['model forward']:.1f}"
+                + (f", logits {med['logits']:.1f}" if args.gpu_path else ""),
                 flush=True,
             )
             if args.device_time:

@@ -28,7 +28,7 @@ import torch
 
 from ..model import LlamaModel
 from ..model.attention import static_decode_meta
-from ..model.host_copy import pinned_for, tensor_on
+from ..model.host_copy import host_ints, pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs
 from .block_table_tensor import padded_block_tables
 from .scheduler_output import ScheduledRequest
@@ -151,8 +151,8 @@ class DecodeGraphs:
         width = (max(positions[:b]) + bs) // bs
         buf = self.inputs
         dev = buf.tokens.device
-        buf.tokens[:, :size].copy_(pinned_for(torch.tensor([ids, positions, slots]), dev), non_blocking=True)
-        buf.seq_lens[:size].copy_(pinned_for(torch.tensor(lens, dtype=torch.int32), dev), non_blocking=True)
+        buf.tokens[:, :size].copy_(pinned_for(host_ints([ids, positions, slots]), dev), non_blocking=True)
+        buf.seq_lens[:size].copy_(pinned_for(host_ints(lens, torch.int32), dev), non_blocking=True)
         if carried is not None:
             carried_rows, tokens = carried
             if len(carried_rows) == b:  # every row (rows strictly increase): a plain copy

@@ -19,7 +19,7 @@ from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors
 from ..memory.kv_groups import KVCacheGroups
 from ..model import AttentionMetadata, LoadedModel
-from ..model.host_copy import to_device
+from ..model.host_copy import tensor_on, to_device
 from ..stage_outputs.specs import per_token_outputs
 from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
 from .block_table_tensor import padded_block_tables
@@ -146,7 +146,7 @@ class ModelRunner:
             to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
             # every row sampled (rows strictly increase): the hidden states as they are, no gather
             if len(rows) != hidden.shape[0]:
-                hidden = hidden[to_device(torch.tensor(rows), dev)]
+                hidden = hidden[tensor_on(rows, dev, torch.long)]
             logits = self._sampling_logits(hidden, to_sample)
             self._sample(logits, to_sample, pending)
         return pending
@@ -198,7 +198,7 @@ class ModelRunner:
         dev = self.device
         tables = padded_block_tables([sr.block_table for sr in scheduled], torch.long)
         meta = AttentionMetadata(
-            slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), dev),
+            slot_mapping=tensor_on(slots, dev, torch.long),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=to_device(tables, dev),
@@ -210,7 +210,7 @@ class ModelRunner:
                 group_slots: list[int] = []
                 for sr, table in zip(scheduled, group_tables):
                     _extend_slots(group_slots, table, sr.start, sr.start + len(sr.token_ids), bs)
-                group_slot_tensor = to_device(torch.tensor(group_slots, dtype=torch.long), dev)
+                group_slot_tensor = tensor_on(group_slots, dev, torch.long)
                 group_tensor = to_device(padded_block_tables(group_tables, torch.long), dev)
                 meta.group_tables.append((group_slot_tensor, group_tensor))
             meta.layer_groups = self.layer_groups
@@ -218,15 +218,15 @@ class ModelRunner:
         if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
             # the per-token adapter index, grouped by adapter (base-only steps skip this entirely)
             extra["lora_mapping"] = self.lora_manager.prepare([(sr.lora_id, len(sr.token_ids)) for sr in scheduled])
-        ids = to_device(torch.tensor(input_ids, dtype=torch.long), dev)
+        ids = tensor_on(input_ids, dev, torch.long)
         if carried is not None:
             rows, tokens = carried
-            ids[to_device(torch.tensor([query_start_loc[i] for i in rows]), dev)] = tokens
+            ids[tensor_on([query_start_loc[i] for i in rows], dev, torch.long)] = tokens
         if self.mm is not None and any(sr.mm_inputs for sr in scheduled):
             # image embeddings at the placeholder positions; the model only sees the embeddings
             placements = [(query_start_loc[i], sr.mm_inputs) for i, sr in enumerate(scheduled) if sr.mm_inputs]
             extra["inputs_embeds"] = self.mm.inputs_embeds(self.model.embed_tokens, ids, placements)
-        pos = to_device(torch.tensor(positions, dtype=torch.long), dev)
+        pos = tensor_on(positions, dev, torch.long)
         hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
 
         stage = self.stage_outputs

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..model.host_copy import HostCopies, tensor_on, to_device
+from ..model.host_copy import HostCopies, tensor_on
 from .model_runner_output import ModelRunnerOutput
 from .sampler import SampledTensors, SampleResult
 
@@ -50,8 +50,7 @@ class PendingOutput:
         row_of = {rid: i for i, rid in enumerate(self.req_ids)}
         rows = [row_of.get(rid, -1) for rid in req_ids]
         padded = torch.cat([tokens.to(device), torch.zeros(1, dtype=tokens.dtype, device=device)])
-        index = torch.tensor([r if r >= 0 else len(tokens) for r in rows], dtype=torch.long)
-        return padded[to_device(index, device)]
+        return padded[tensor_on([r if r >= 0 else len(tokens) for r in rows], device, torch.long)]
 
     def result(self) -> ModelRunnerOutput:
         """The step's output, waiting for the device if it has not finished (once; then cached)."""

@@ -227,19 +227,19 @@ class _Plan:
             self.decode_tables = bt32[decode]
             self.decode_seq_lens = tensor_on([seq_lens[i] for i in decode], device, torch.int32)
             self.decode_all = len(decode) == meta.num_tokens
-            self.decode_rows = tensor_on([qsl[i] for i in decode], device)
+            self.decode_rows = tensor_on([qsl[i] for i in decode], device, torch.long)
         elif decode:
             # each decode reads its keys from `starts` on: P, or where its window begins
             starts_list = [P] * len(decode) if W is None else [max(0, seq_lens[i] - W) for i in decode]
             lens_list = [seq_lens[i] - lo for i, lo in zip(decode, starts_list)]
-            lens = tensor_on(lens_list, device)
+            lens = tensor_on(lens_list, device, torch.long)
             L = max(lens_list)
             if W is None:
                 pos = torch.arange(L, device=device) + P
                 rows = bt[decode][:, pos // block_size]  # [Bd, L]
             else:  # per-row starts; positions past a row's end are clamped (and masked below)
-                pos = torch.arange(L, device=device)[None, :] + tensor_on(starts_list, device)[:, None]
-                pos = torch.minimum(pos, tensor_on([seq_lens[i] - 1 for i in decode], device)[:, None])
+                pos = torch.arange(L, device=device)[None, :] + tensor_on(starts_list, device, torch.long)[:, None]
+                pos = torch.minimum(pos, tensor_on([seq_lens[i] - 1 for i in decode], device, torch.long)[:, None])
                 rows = bt[decode].gather(1, pos // block_size)
             self.decode_slots = rows * block_size + pos % block_size
             if min(lens_list) != L or P:
@@ -250,11 +250,11 @@ class _Plan:
                     self.decode_mask.view(len(decode), L), self.decode_slots, self.decode_slots[:, :1]
                 )
             self.decode_all = len(decode) == meta.num_tokens
-            self.decode_rows = tensor_on([qsl[i] for i in decode], device)
+            self.decode_rows = tensor_on([qsl[i] for i in decode], device, torch.long)
             self.decode_lens = lens  # valid positions of each row of decode_slots
         if P:
             chunk_rows = [r for a, b in self.chunk_ranges for r in range(a, b)]
-            self.group_rows = tensor_on([qsl[i] for i in decode] + chunk_rows, device)
+            self.group_rows = tensor_on([qsl[i] for i in decode] + chunk_rows, device, torch.long)
         # The native prefill kernel (CPU, no window): which prompts and chunks it takes, described
         # once for all layers. Long bfloat16 prompts stay with PyTorch's flash kernel, faster there
         # (bf16_kernel_max_new_tokens).
@@ -372,7 +372,7 @@ class _TritonChunks:
         """The chunks' rows of the step, in chunk order (the cascade's order); built by the first
         layer that merges them."""
         if self._out_rows is None:
-            self._out_rows = tensor_on([r for a, b, *_ in self.specs for r in range(a, b)], device)
+            self._out_rows = tensor_on([r for a, b, *_ in self.specs for r in range(a, b)], device, torch.long)
         return self._out_rows
 
     def attend(
@@ -469,8 +469,8 @@ class _ChunkBatch:
         kpos = torch.minimum(kpos, (length - 1)[:, None])  # padding reads the last real key (masked)
         slots = bt[seq].gather(1, kpos // block_size) * block_size + kpos % block_size
         rows = torch.where(q_real, start[:, None] + m, start[:, None])
-        picked = tensor_on([c * M + r for c, n in enumerate(news) for r in range(n)], device)
-        out_rows = tensor_on([r for a, b, *_ in specs for r in range(a, b)], device)
+        picked = tensor_on([c * M + r for c, n in enumerate(news) for r in range(n)], device, torch.long)
+        out_rows = tensor_on([r for a, b, *_ in specs for r in range(a, b)], device, torch.long)
         return _ChunkBatch(rows, slots, mask[:, None], picked, out_rows)
 
     def _gathered(

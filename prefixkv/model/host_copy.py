@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
+
+# integer dtypes whose host tensors are built through NumPy (host_ints)
+_NUMPY_INTS = {torch.long: np.int64, torch.int32: np.int32}
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -22,9 +26,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def host_ints(values: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype) for a (rectangular, nested) list of ints and an integer
+    `dtype` (int64, int32), built by NumPy: a step's ids, positions and slots at batch 256 took 40
+    us where torch.tensor took 230 (a 2-vCPU AMD EPYC Zen 3); host time in every step."""
+    return torch.from_numpy(np.array(values, dtype=_NUMPY_INTS[dtype]))
+
+
 def tensor_on(values: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied in stream order."""
-    return to_device(torch.tensor(values, dtype=dtype), device)
+    """A host list as a tensor on `device`, copied in stream order (integer lists given an int64
+    or int32 `dtype` built by NumPy: host_ints)."""
+    t = host_ints(values, dtype) if dtype in _NUMPY_INTS else torch.tensor(values, dtype=dtype)
+    return to_device(t, device)
 
 
 def pinned_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -35,3 +35,19 @@ def test_reading_waits_for_the_copies_not_for_later_work():
     assert got.logprobs == pytest.approx(chosen.tolist()) and got.ranks == [1] * 7
     assert got.top_logprobs is not None and [i for i, _ in got.top_logprobs[0]] == idx[0].tolist()
     torch.cuda.synchronize()
+
+
+def test_host_ints_equal_torch_tensor():
+    """NumPy's build of an int list gives torch.tensor's tensor: dtype, shape, values; empty and
+    nested lists too; other dtypes go through torch.tensor."""
+    from prefixkv.model.host_copy import host_ints, tensor_on
+
+    cpu = torch.device("cpu")
+    for values in ([3, 1, 2**40], [[1, 2], [3, 4], [5, 6]], [], [[], []]):
+        got, want = host_ints(values), torch.tensor(values, dtype=torch.long)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        assert torch.equal(tensor_on(values, cpu, torch.long), want)
+    small = host_ints([7, -1, 2**31 - 1], torch.int32)
+    assert small.dtype == torch.int32 and small.tolist() == [7, -1, 2**31 - 1]
+    halves = tensor_on([0.5, 1.5], cpu)
+    assert halves.dtype == torch.float32 and halves.tolist() == [0.5, 1.5]
