@@ -589,8 +589,10 @@ def rotate_and_write_kv(
     instead of three (the rotation, then two index copies); the caller then passes
     ``kv_written=True`` to `paged_attention`. `qk_norms` (q's norm weight, k's, eps): q and k
     RMS-normed first, in the same kernel. False elsewhere, with nothing done. Not for
-    soft-capped layers (their write is their own)."""
-    if not q.shape[0] or not gpu_fused.runs_on(q):
+    soft-capped layers (their write is their own). The step's plan it reads its slots from is the
+    one `paged_attention` builds anyway (the same key), so asking where the kernel cannot run costs
+    nothing more; the caller asks `gpu_fused.runs_on` first where preparing `qk_norms` would."""
+    if not q.shape[0]:
         return False
     Hkv, D = k.shape[1], k.shape[2]
     if meta.static is not None:
