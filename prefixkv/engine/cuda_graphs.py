@@ -28,9 +28,9 @@ import torch
 
 from ..model import LlamaModel
 from ..model.attention import static_decode_meta
-from ..model.host_copy import host_ints, pinned_for, tensor_on
+from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs
-from .block_table_tensor import padded_block_tables
+from .decode_host_inputs import DecodeHostInputs
 from .scheduler_output import ScheduledRequest
 
 logger = logging.getLogger("prefixkv")
@@ -111,6 +111,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.null_slot = null_block * block_size
         self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device)
+        self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot)
         self.max_context = self.inputs.max_context
         self.metas = {s: static_decode_meta(self.inputs.view(s)) for s in self.sizes}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -141,28 +142,20 @@ class DecodeGraphs:
         page-locked copies: the host never waits for the device here."""
         b = len(scheduled)
         size = self.size_for(b)
-        bs = self.block_size
-        pad = size - b  # padding rows: token 0 at position 0, written to the null slot, length 0
-        ids = [sr.token_ids[0] for sr in scheduled] + [0] * pad
-        positions = [sr.start for sr in scheduled] + [0] * pad
-        slots = [sr.block_table[p // bs] * bs + p % bs for sr, p in zip(scheduled, positions)]
-        slots += [self.null_slot] * pad
-        lens = [p + 1 for p in positions[:b]] + [0] * pad
-        width = (max(positions[:b]) + bs) // bs
+        every_id_carried = carried is not None and len(carried[0]) == b
+        rows, lens, tables = self.host_inputs.build(scheduled, size, ids_on_device=every_id_carried)
         buf = self.inputs
         dev = buf.tokens.device
-        buf.tokens[:, :size].copy_(pinned_for(host_ints([ids, positions, slots]), dev), non_blocking=True)
-        buf.seq_lens[:size].copy_(pinned_for(host_ints(lens, torch.int32), dev), non_blocking=True)
+        buf.tokens[:, :size].copy_(pinned_for(rows, dev), non_blocking=True)
+        buf.seq_lens[:size].copy_(pinned_for(lens, dev), non_blocking=True)
         if carried is not None:
             carried_rows, tokens = carried
-            if len(carried_rows) == b:  # every row (rows strictly increase): a plain copy
+            if every_id_carried:  # every row (rows strictly increase): a plain copy
                 buf.tokens[0, :b].copy_(tokens)
             else:
                 buf.tokens[0].index_copy_(0, tensor_on(carried_rows, tokens.device, torch.long), tokens)
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
-        blocks_read = [p // bs + 1 for p in positions[:b]]
-        tables = padded_block_tables([sr.block_table for sr in scheduled], torch.int32, blocks_read)
-        buf.block_tables[:b, :width].copy_(pinned_for(tables, dev), non_blocking=True)
+        buf.block_tables[:b, : tables.shape[1]].copy_(pinned_for(tables, dev), non_blocking=True)
         self.replays += 1
         graph = self.graphs.get(size)
         if graph is not None:

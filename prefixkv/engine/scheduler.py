@@ -192,39 +192,43 @@ class Scheduler:
         if any(r.request_id not in stepping for r in self.running):
             return None
         kv = self.kv_cache_manager
+        requests = self.requests
         bs = self.block_size
-        going_on: list[Request] = []
+        going_on: list[tuple[Request, ScheduledRequest]] = []
         num_new_blocks = 0
         for sr in in_flight.scheduled:
-            req = self.requests.get(sr.req_id)
+            req = requests.get(sr.req_id)
             if req is None:  # ended since it was launched
                 continue
             if not sr.sample or not _samples_ahead(sr):
                 return None
             params = req.sampling_params
-            n_out = req.num_output_tokens + 1  # with the token being sampled
-            if (params.max_tokens is not None and n_out >= params.max_tokens) or req.num_tokens + 1 >= max_model_len:
+            num_tokens = req.num_tokens
+            if (params.max_tokens is not None and req.num_output_tokens + 1 >= params.max_tokens) or (
+                num_tokens + 1 >= max_model_len
+            ):
                 continue  # its last token is the one being sampled
-            going_on.append(req)
-            num_new_blocks += max(0, -(-(req.num_tokens + 1) // bs) - kv.num_blocks_held(req.request_id))
+            going_on.append((req, sr))
+            num_new_blocks += max(0, -(-(num_tokens + 1) // bs) - kv.num_blocks_held(sr.req_id))
         if not going_on or len(going_on) > self.max_num_batched_tokens:
             return None
         if num_new_blocks > kv.num_free_blocks:
             return None
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
-        for req in going_on:
+        scheduled = out.scheduled
+        for req, sr in going_on:
             # room for the token being sampled: its position is the request's current length
-            num_in_flight = req.num_tokens - req.num_computed_tokens
-            allocated = kv.allocate_slots(req, num_in_flight + 1)
-            assert allocated is not None, "blocks were counted above"
-            sr = self._scheduled(req, 0)  # its block table read after the allocation above
-            sr.token_ids = [0]  # a stand-in: the runner reads the token from the step in flight
-            sr.start = req.num_tokens
-            sr.sample = True
-            sr.input_from_previous = True
-            sr.block_eos = req.num_output_tokens + 1 < req.sampling_params.min_tokens
-            out.scheduled.append(sr)
+            start = req.num_tokens
+            new_blocks = kv.allocate_slots(req, start - req.num_computed_tokens + 1)
+            assert new_blocks is not None, "blocks were counted above"
+            block_eos = req.num_output_tokens + 1 < req.sampling_params.min_tokens
+            # The in-flight step's table was read after its own allocation; unless this one took a
+            # block it is still the request's (shared, never edited: the manager hands out copies)
+            table = sr.block_table
+            if new_blocks or len(table) != kv.num_blocks_held(sr.req_id):
+                table = kv.get_block_ids(sr.req_id)
+            scheduled.append(sr.next_decode(start, table, block_eos, req.prompt_logprobs_upto))
         budget = self._admit_waiting(out, self.max_num_batched_tokens - len(going_on), time.time())
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.kv_connector.plan(out, self.requests, kv)
@@ -445,9 +449,12 @@ class Scheduler:
 
 def _samples_ahead(sr: ScheduledRequest) -> bool:
     """Whether a request can be sampled for before its previous token is known: nothing it
-    samples with reads its own output so far, and the runner needs no hidden state of it."""
+    samples with reads its own output so far, and the runner needs no hidden state of it. Not a
+    hybrid model's, whose group tables change with its window (the builder keeps async scheduling
+    off for KV-cache groups; ScheduledRequest.next_decode carries the tables over)."""
     return (
         sr.constraints is None
+        and not sr.group_block_tables
         and not sr.sampling_params.penalized
         and not sr.want_hidden_states
         and not sr.stage_output_reads

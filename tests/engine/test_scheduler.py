@@ -82,3 +82,95 @@ def test_one_budget_counts_every_per_block_tensor():
     both.allocate(10, "cpu")
     assert both.tensors["kv.0"].shape == (2, 10, 4, 1, 8) and both.tensors["hidden.0"].shape == (10, 4, 16)
     assert both.kv_caches == [both.tensors["kv.0"]]
+
+
+def test_a_decode_scheduled_ahead_carries_every_field_by_name():
+    """ScheduledRequest.next_decode builds positionally: every field is checked here by name, so a
+    field added or moved in the dataclass cannot land in another's place."""
+    from dataclasses import fields
+
+    from prefixkv.engine.scheduler_output import ScheduledRequest
+
+    params, gen = SamplingParams(temperature=0.5), object()
+    prompt, output, group_tables = [1, 2, 3], [4], [[7, 8]]
+    sr = ScheduledRequest(
+        req_id="a",
+        token_ids=[1, 2, 3],
+        start=0,
+        block_table=[5],
+        sample=True,
+        sampling_params=params,
+        generator=gen,  # type: ignore[arg-type]
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        block_eos=True,
+        constraints="c",
+        want_hidden_states=True,
+        prompt_logprobs_from=1,
+        prompt_hidden_from=2,
+        lora_id=3,
+        mm_inputs=("image",),  # type: ignore[arg-type]
+        group_block_tables=group_tables,
+        stage_output_reads=(9,),
+        input_from_previous=False,
+    )
+    nxt = sr.next_decode(4, [5, 6], False, 3)
+    expected = dict(
+        req_id="a",
+        token_ids=[0],
+        start=4,
+        block_table=[5, 6],
+        sample=True,
+        sampling_params=params,
+        generator=gen,
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        block_eos=False,
+        constraints="c",
+        want_hidden_states=False,
+        prompt_logprobs_from=3,
+        prompt_hidden_from=None,
+        lora_id=3,
+        mm_inputs=(),
+        group_block_tables=group_tables,
+        stage_output_reads=(),
+        input_from_previous=True,
+    )
+    assert {f.name for f in fields(ScheduledRequest)} == set(expected)
+    for name, value in expected.items():
+        assert getattr(nxt, name) == value, name
+    assert nxt.prompt_token_ids is prompt and nxt.output_token_ids is output  # the request's own lists
+
+
+def test_steps_scheduled_ahead_equal_the_full_build():
+    """schedule_ahead carries each decode over from the step in flight (ScheduledRequest.next_decode),
+    re-reading a block table only when a block was added: every field equals what the full build
+    (Scheduler._scheduled) gives, across block boundaries, min_tokens and an arrival."""
+    from dataclasses import fields
+
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    reqs = [req("a", 5), req("b", 7, min_tokens=4), req("c", 3, max_tokens=6)]
+    for r in reqs[:2]:
+        s.add_request(r)
+    step = s.schedule()
+    for n in range(14):
+        if n == 3:
+            s.add_request(reqs[2])
+        ahead = s.schedule_ahead(step, max_model_len=64)
+        assert ahead is not None, n
+        for sr in ahead.scheduled:
+            if not sr.input_from_previous:  # the arrival, built in full
+                continue
+            full = s._scheduled(s.requests[sr.req_id], 0)
+            full.token_ids, full.start, full.sample, full.input_from_previous = [0], sr.start, True, True
+            full.block_eos = s.requests[sr.req_id].num_output_tokens + 1 < sr.sampling_params.min_tokens
+            for f in fields(sr):
+                assert getattr(sr, f.name) == getattr(full, f.name), (n, sr.req_id, f.name)
+        ids = [sr.req_id for sr in step.scheduled if sr.sample]
+        sampled, _ = s.update_from_output(step, ModelRunnerOutput(req_ids=ids, sampled_token_ids=[10 + n] * len(ids)))
+        for r in sampled:  # the engine's output processor ends a request at max_tokens
+            if r.num_output_tokens >= r.sampling_params.max_tokens:
+                s.finish_request(r, RequestStatus.FINISHED_LENGTH)
+        step = ahead
+    held = {r.request_id: len(r.all_token_ids) for r in s.running}
+    assert all(-(-(held[sr.req_id] + 1) // 4) == len(sr.block_table) for sr in step.scheduled)
