@@ -9,6 +9,7 @@ import weakref
 import pytest
 
 from prefixkv.config import EngineConfig
+from prefixkv.engine import gc_heap
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.sampling_params import SamplingParams
 
@@ -17,9 +18,19 @@ def _engine(default_lm) -> LLMEngine:
     return LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=512, max_model_len=256), loaded=default_lm)
 
 
-def test_a_built_engine_is_frozen_and_a_dropped_one_is_freed_by_the_next_build(default_lm, monkeypatch):
+@pytest.fixture
+def thresholds():
+    """The collector's thresholds as they were before the test (a build raises the youngest)."""
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # Python's defaults
+    yield
+    gc.set_threshold(*before)
+
+
+def test_a_built_engine_is_frozen_and_a_dropped_one_is_freed_by_the_next_build(default_lm, monkeypatch, thresholds):
     monkeypatch.setenv("PREFIXKV_FREEZE_GC", "1")  # the default; the suite turns it off (conftest)
     first = _engine(default_lm)
+    assert gc.get_threshold() == (gc_heap.YOUNG_THRESHOLD, 10, 10)
     blocks = first.kv_cache_manager.block_pool.blocks
     assert gc.get_freeze_count() > len(blocks)
     # the cache's blocks, the engine's largest share of objects, are out of the collector's walks
@@ -36,11 +47,11 @@ def test_a_built_engine_is_frozen_and_a_dropped_one_is_freed_by_the_next_build(d
     assert gc.get_freeze_count() > len(second.kv_cache_manager.block_pool.blocks)
 
 
-def test_the_switch_is_0_or_1(default_lm, monkeypatch):
+def test_the_switch_is_0_or_1(default_lm, monkeypatch, thresholds):
     monkeypatch.setenv("PREFIXKV_FREEZE_GC", "0")
     gc.unfreeze()
     _engine(default_lm)
-    assert gc.get_freeze_count() == 0  # off: the collector as Python sets it
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == (700, 10, 10)  # off: the collector as Python sets it
     monkeypatch.setenv("PREFIXKV_FREEZE_GC", "yes")
     with pytest.raises(ValueError, match="PREFIXKV_FREEZE_GC='yes'"):
         _engine(default_lm)
