@@ -137,8 +137,10 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
-        if isinstance(token_ids, int):
-            token_ids = (token_ids,)
+        if isinstance(token_ids, int):  # one a step: every request, every step
+            self.output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+            return
         for tok in token_ids:
             self.output_token_ids.append(tok)
             self._all_token_ids.append(tok)

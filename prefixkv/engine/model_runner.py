@@ -120,32 +120,35 @@ class ModelRunner:
             if self.stage_outputs is not None:  # their stage rows came too
                 self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
         carried = self._carried_inputs(scheduled, previous)
+        query_start_loc: list[int] | None = None  # each request's first row; a replayed step's row i is request i's
         if self.takes_graph(scheduled):
             assert self.graphs is not None
             hidden = self.graphs.run(scheduled, carried)
-            query_start_loc = list(range(len(scheduled) + 1))
         else:
             hidden, query_start_loc = self._forward(scheduled, carried)
         out = ModelRunnerOutput()
         if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
             out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
-        for i, sr in enumerate(scheduled):
-            if sr.want_hidden_states:
-                try:
-                    self._prompt_outputs(sr, hidden[query_start_loc[i] : query_start_loc[i + 1]], out)
-                except Exception as e:  # noqa: BLE001 (this request fails alone)
-                    what = (
-                        "scoring prompt logprobs" if sr.sampling_params.prompt_logprobs is not None else "hidden states"
-                    )
-                    out.errors[sr.req_id] = f"{what} failed: {e}"
+        if query_start_loc is not None:  # a replayed step computes no hidden states for anyone
+            for i, sr in enumerate(scheduled):
+                if sr.want_hidden_states:
+                    try:
+                        self._prompt_outputs(sr, hidden[query_start_loc[i] : query_start_loc[i + 1]], out)
+                    except Exception as e:  # noqa: BLE001 (this request fails alone)
+                        what = (
+                            "scoring prompt logprobs"
+                            if sr.sampling_params.prompt_logprobs is not None
+                            else "hidden states"
+                        )
+                        out.errors[sr.req_id] = f"{what} failed: {e}"
         pending = PendingOutput(out)
-        rows = [
-            query_start_loc[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in out.errors
-        ]
-        if rows:
-            to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in out.errors]
-            # every row sampled (rows strictly increase): the hidden states as they are, no gather
-            if len(rows) != hidden.shape[0]:
+        errors = out.errors
+        to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in errors]
+        if to_sample:
+            # every row sampled: the hidden states as they are, no gather
+            if len(to_sample) != hidden.shape[0]:
+                starts = query_start_loc if query_start_loc is not None else range(len(scheduled) + 1)
+                rows = [starts[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in errors]
                 hidden = hidden[tensor_on(rows, dev, torch.long)]
             logits = self._sampling_logits(hidden, to_sample)
             self._sample(logits, to_sample, pending)
