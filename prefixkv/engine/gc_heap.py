@@ -12,9 +12,10 @@ What a step allocates is short-lived but not short enough for the youngest gener
 threshold (700 container objects): at batch 256 a step's scheduled requests and their lists, with
 async scheduling two steps' worth, pass it each step, so each step paid a young collection that
 moved them to the middle generation (0.33-0.40 ms), and one step in ten a middle one (1.3-1.8 ms)
-- about 2 us a request a step, with nothing to free (the same tiny model and machine, Zen 3).
-After the freeze the youngest threshold is raised to YOUNG_THRESHOLD, above what batches of up to
-512 keep alive at once; reference counting frees them, and the rare cycle waits a little longer.
+- about 2 us a request a step, with nothing to free (`bench/host_overhead.py --gpu-path`, a tiny
+model, 2-vCPU AMD EPYC Zen 3). After the freeze the youngest threshold is raised to
+YOUNG_THRESHOLD: no collection ran during those steps then. Reference counting frees what a step
+made (the collections before freed nothing: no cycle is made per step); a rare cycle waits longer.
 
 A frozen object is never collected, so an engine's build thaws the heap first: an engine built and
 dropped earlier in the process (its objects form cycles: only the collector frees them) is
