@@ -90,14 +90,15 @@ class RequestGroups:
             if hidden is not None:
                 hidden.append(rows)
         touched: dict[str, RequestGroup] = {}
+        ended: set[str] = set()  # groups with a sequence that ended or failed in this step
         now = time.time()
         lps, tops, ranks = runner_output.logprobs, runner_output.top_logprobs, runner_output.ranks
         sampled_rows: Iterable[int] = range(len(sampled))
         if len(sampled) != len(runner_output.req_ids):  # rows of ended requests were skipped (async scheduling)
             row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
             sampled_rows = [row_of[req.request_id] for req in sampled]
+        self.num_generation_tokens += len(sampled)
         for row, req in zip(sampled_rows, sampled):
-            self.num_generation_tokens += 1
             group, idx = self.child_of[req.request_id]
             touched[group.request_id] = group
             token = runner_output.sampled_token_ids[row]
@@ -113,6 +114,7 @@ class RequestGroups:
                 failed.append(req)
                 continue
             if done:
+                ended.add(group.request_id)
                 req.finished_time = now
                 self.scheduler.finish_request(req, status_for(group.states[idx].finish_reason or "stop"))
         for req in failed:
@@ -120,10 +122,14 @@ class RequestGroups:
             if entry is not None:
                 self.fail(entry[0], req.error or "the request failed")
                 touched[entry[0].request_id] = entry[0]
+                ended.add(entry[0].request_id)
         outputs = []
-        for group in touched.values():
+        for group_id, group in touched.items():
+            final_only = group.output_kind is RequestOutputKind.FINAL_ONLY
+            if final_only and group_id not in ended:
+                continue  # none of its sequences ended in this step: it goes on, and shows nothing yet
             finished = group.finished
-            if not finished and group.output_kind is RequestOutputKind.FINAL_ONLY:
+            if not finished and final_only:
                 continue  # nothing is built for it until it ends
             outputs.append(group.output(finished))
             if finished:
