@@ -91,16 +91,15 @@ def test_a_decode_scheduled_ahead_carries_every_field_by_name():
 
     from prefixkv.engine.scheduler_output import ScheduledRequest
 
-    params, gen = SamplingParams(temperature=0.5), object()
-    prompt, output, group_tables = [1, 2, 3], [4], [[7, 8]]
-    sr = ScheduledRequest(
+    prompt, output = [1, 2, 3], [4]
+    given = dict(
         req_id="a",
         token_ids=[1, 2, 3],
         start=0,
         block_table=[5],
-        sample=True,
-        sampling_params=params,
-        generator=gen,  # type: ignore[arg-type]
+        sample=False,
+        sampling_params=SamplingParams(temperature=0.5),
+        generator=object(),
         prompt_token_ids=prompt,
         output_token_ids=output,
         block_eos=True,
@@ -109,33 +108,16 @@ def test_a_decode_scheduled_ahead_carries_every_field_by_name():
         prompt_logprobs_from=1,
         prompt_hidden_from=2,
         lora_id=3,
-        mm_inputs=("image",),  # type: ignore[arg-type]
-        group_block_tables=group_tables,
+        mm_inputs=("image",),
+        group_block_tables=[[7, 8]],
         stage_output_reads=(9,),
         input_from_previous=False,
     )
-    nxt = sr.next_decode(4, [5, 6], False, 3)
-    expected = dict(
-        req_id="a",
-        token_ids=[0],
-        start=4,
-        block_table=[5, 6],
-        sample=True,
-        sampling_params=params,
-        generator=gen,
-        prompt_token_ids=prompt,
-        output_token_ids=output,
-        block_eos=False,
-        constraints="c",
-        want_hidden_states=False,
-        prompt_logprobs_from=3,
-        prompt_hidden_from=None,
-        lora_id=3,
-        mm_inputs=(),
-        group_block_tables=group_tables,
-        stage_output_reads=(),
-        input_from_previous=True,
-    )
+    nxt = ScheduledRequest(**given).next_decode(4, [5, 6], False, 3)  # type: ignore[arg-type]
+    changed = dict(token_ids=[0], start=4, block_table=[5, 6], sample=True, block_eos=False)
+    changed.update(want_hidden_states=False, prompt_logprobs_from=3, prompt_hidden_from=None, mm_inputs=())
+    changed.update(stage_output_reads=(), input_from_previous=True)
+    expected = {**given, **changed}
     assert {f.name for f in fields(ScheduledRequest)} == set(expected)
     for name, value in expected.items():
         assert getattr(nxt, name) == value, name
