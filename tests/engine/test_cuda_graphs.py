@@ -5,12 +5,14 @@ the replay is compared with the same forward run eagerly, bit for bit. Tiny rand
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import random
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from prefixkv import LLM, SamplingParams
 from prefixkv.engine.cuda_graphs import DecodeGraphs, capture_sizes, default_capture_sizes, graph_mode
@@ -174,3 +176,78 @@ def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, fused_s
     assert torch.equal(hidden, again)
     if dev.type == "cuda":
         assert graphs.graphs.keys() == {1, 2, 4}
+
+
+class _Launches(TorchDispatchMode):
+    """What a GPU would launch for the operators run inside this mode: every aten operator that
+    writes a tensor (not a view or an allocation, not a `.to` that returns its input), by name.
+    Triton's kernels are counted apart (their interpreter runs aten operators of its own)."""
+
+    NO_KERNEL = frozenset(
+        {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "t", "transpose"}
+        | {"expand", "permute", "reshape", "alias", "detach", "unbind", "split", "narrow", "flatten"}
+        | {"empty", "empty_like", "empty_strided", "new_empty"}
+    )
+
+    def __init__(self, triton_depth: list[int]) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.triton_depth = triton_depth
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not self.triton_depth[0] and name not in self.NO_KERNEL and not (name == "to" and out is args[0]):
+            self.ops[name] += 1
+        return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, fused_steps, monkeypatch, kind):
+    """The launches a replayed decode step records, counted on a CPU (a GPU's bound at batch 1 is
+    their number, each a few microseconds whatever its size): per layer four matrix products
+    (qkv, o, gate-up, down), two fused norms, one kernel for the q/k norms + rotation + K/V write,
+    the decode attention and SiLU-and-mul; per step the embedding, the rotary tables' two gathers
+    and the final norm. An operator that slips into the decode path shows here."""
+    if device().type != "cpu":
+        pytest.skip("counted under Triton's interpreter; a GPU counts with the profiler (host_overhead.py)")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from prefixkv.model.kernels import ops
+
+    monkeypatch.setattr(ops, "_enabled", False)  # the CPU's native kernels would stand in for Triton's
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None
+    depth, triton = [0], collections.Counter[str]()
+    real_run, real_forward = InterpretedFunction.run, graphs._forward
+
+    def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        triton[self.fn.__name__.strip("_")] += 1
+        depth[0] += 1
+        try:
+            return real_run(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    steps = []
+
+    def forward(size):  # type: ignore[no-untyped-def]
+        triton.clear()
+        with _Launches(depth) as launches:
+            hidden = real_forward(size)
+        steps.append((launches.ops.copy(), triton.copy()))
+        return hidden
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    graphs._forward = forward
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    n = hf.config.num_hidden_layers
+    assert len(steps) == 2  # the decodes after the prefill
+    for aten, kernels in steps:
+        assert aten == {"linear": 4 * n, "embedding": 1, "index": 2}
+        fused = {"add_rms_norm_kernel": 2 * n + 1, "rotary_write_kv_kernel": n, "silu_and_mul_kernel": n}
+        assert kernels == {**fused, "decode_kernel": n}
