@@ -6,6 +6,7 @@ scheduling hiding the host's work behind the device's.
 
     python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
         [--device cuda --dtype bfloat16 --device-time] [--model DIR | --model default]
+        [--against TREE --pairs 4]
 
 By default on a CPU, with a random model of two layers 64 wide and a byte-level vocabulary of 258
 tokens (bench/device/random_checkpoint.py --shape tiny --byte-tokenizer), so that the forward, the
@@ -24,6 +25,11 @@ graph replays (PREFIXKV_CUDA_GRAPHS=static under Triton's interpreter), their fo
 replay costs the host one launch) and async scheduling on, as a GPU runs them by default. The
 LM head's product, which a GPU runs on the device, is timed apart ("logits") and left out of the
 host's total.
+
+`--against TREE --pairs N` compares this tree's host work with another checkout's (a git worktree
+at an earlier commit): N pairs of runs, the two trees alternated (a noisy machine drifts between
+runs; which one goes first alternates too), then per batch each tree's median and the median of
+the pairs' ratios. On a 2-vCPU VM one tree's runs varied 1.5x; a change is read from the ratios.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -106,7 +113,47 @@ def device_time(engine: Any, batch: int, prompt: int, params: SamplingParams) ->
     )
 
 
+HOST_LINE = re.compile(r"^batch +(\d+): host +([\d.]+) us")
+
+
+def compare(tree: str, pairs: int, argv: list[str]) -> None:
+    """Run this script (without --against/--pairs) here and in `tree`, alternated, and print per
+    batch the two trees' medians and the median (and range) of the paired ratios here / there."""
+    here = str(Path(__file__).resolve().parent.parent)
+    script = Path("bench") / "host_overhead.py"
+    hosts: dict[str, dict[int, list[float]]] = {here: {}, tree: {}}
+    for i in range(pairs):
+        for root in (here, tree) if i % 2 == 0 else (tree, here):
+            run = subprocess.run(
+                [sys.executable, str(script), *argv], cwd=root, capture_output=True, text=True, check=True
+            )
+            for line in run.stdout.splitlines():
+                m = HOST_LINE.match(line)
+                if m:
+                    hosts[root].setdefault(int(m.group(1)), []).append(float(m.group(2)))
+        print(f"pair {i + 1}/{pairs} done", flush=True)
+    for batch, mine in sorted(hosts[here].items()):
+        theirs = hosts[tree].get(batch, [])
+        ratios = [a / b for a, b in zip(mine, theirs)]
+        if not ratios:
+            continue
+        print(
+            f"batch {batch:4d}: host {statistics.median(mine):.1f} here, {statistics.median(theirs):.1f} in {tree} "
+            f"(us a request a step, medians of {len(ratios)}); paired ratio {statistics.median(ratios):.2f} "
+            f"(range {min(ratios):.2f}-{max(ratios):.2f})",
+            flush=True,
+        )
+
+
 def main() -> None:
+    if "--against" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--against", required=True, help="another checkout of prefixkv (a git worktree)")
+        ap.add_argument("--pairs", type=int, default=4)
+        known, rest = ap.parse_known_args()
+        print(describe(), flush=True)
+        compare(known.against, known.pairs, rest)
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per round")
