@@ -47,10 +47,8 @@ class DecodeHostInputs:
         for i, sr in enumerate(scheduled):
             table = sr.block_table
             if written[i] is not table:
-                n = len(table)
-                if n > width_cap:  # blocks past the buffers' width are past every position they take
-                    n, table = width_cap, table[:width_cap]
-                tables[i, :n] = table
+                n = min(len(table), width_cap)  # blocks past the buffers' width are past every position
+                tables[i, :n] = table if n == len(table) else table[:n]
                 num_blocks[i] = n
                 written[i] = table
         starts = [sr.start for sr in scheduled]

@@ -61,7 +61,7 @@ class ScheduledRequest:
         (scheduler._samples_ahead).
 
         Built positionally: at batch 256 the keyword call took 1.5 us a request and this 0.6 (a
-        2-vCPU AMD EPYC Zen 3); tests/engine/test_scheduler_output.py holds the field order to it."""
+        2-vCPU AMD EPYC Zen 3); a test in tests/engine/test_scheduler.py holds the field order to it."""
         return ScheduledRequest(
             self.req_id,
             [0],  # a stand-in: the runner reads the token from the step in flight
