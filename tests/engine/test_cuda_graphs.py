@@ -204,7 +204,7 @@ class _Launches(TorchDispatchMode):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, fused_steps, monkeypatch, kind):
-    """The launches a replayed decode step records, counted on a CPU (a GPU's bound at batch 1 is
+    """The launches a replayed decode step records, counted on a CPU (at batch 1 likely a GPU's bound:
     their number, each a few microseconds whatever its size): per layer four matrix products
     (qkv, o, gate-up, down), two fused norms, one kernel for the q/k norms + rotation + K/V write,
     the decode attention and SiLU-and-mul; per step the embedding, the rotary tables' two gathers
