@@ -145,16 +145,24 @@ def compare(tree: str, pairs: int, argv: list[str]) -> None:
         )
 
 
+def without_comparison(argv: list[str]) -> list[str]:
+    """argv less --against and --pairs (and their values): what each compared run is given."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--against", "--pairs"):
+            skip = True
+        elif not arg.startswith(("--against=", "--pairs=")):
+            out.append(arg)
+    return out
+
+
 def main() -> None:
-    if "--against" in sys.argv:
-        ap = argparse.ArgumentParser()
-        ap.add_argument("--against", required=True, help="another checkout of prefixkv (a git worktree)")
-        ap.add_argument("--pairs", type=int, default=4)
-        known, rest = ap.parse_known_args()
-        print(describe(), flush=True)
-        compare(known.against, known.pairs, rest)
-        return
     ap = argparse.ArgumentParser()
+    ap.add_argument("--against", default=None, help="another checkout of prefixkv (a git worktree): compare with it")
+    ap.add_argument("--pairs", type=int, default=4, help="with --against: pairs of alternated runs")
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per round")
     ap.add_argument("--rounds", type=int, default=3)
@@ -177,6 +185,10 @@ def main() -> None:
         help="a CPU: the GPU's decode path (the graphs' buffers, their forward stubbed, async scheduling)",
     )
     args = ap.parse_args()
+    if args.against is not None:
+        print(describe(), flush=True)
+        compare(args.against, args.pairs, without_comparison(sys.argv[1:]))
+        return
     gpu_path: dict[str, Any] = {}
     if args.gpu_path:
         if args.device != "cpu":
