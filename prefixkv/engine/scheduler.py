@@ -194,7 +194,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         requests = self.requests
         bs = self.block_size
-        going_on: list[tuple[Request, ScheduledRequest]] = []
+        going_on: list[tuple[Request, ScheduledRequest, int]] = []  # with the blocks each holds
         num_new_blocks = 0
         for sr in in_flight.scheduled:
             req = requests.get(sr.req_id)
@@ -208,8 +208,9 @@ class Scheduler:
                 num_tokens + 1 >= max_model_len
             ):
                 continue  # its last token is the one being sampled
-            going_on.append((req, sr))
-            num_new_blocks += max(0, -(-(num_tokens + 1) // bs) - kv.num_blocks_held(sr.req_id))
+            held = kv.num_blocks_held(sr.req_id)
+            going_on.append((req, sr, held))
+            num_new_blocks += max(0, -(-(num_tokens + 1) // bs) - held)
         if not going_on or len(going_on) > self.max_num_batched_tokens:
             return None
         if num_new_blocks > kv.num_free_blocks:
@@ -217,7 +218,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         scheduled = out.scheduled
-        for req, sr in going_on:
+        for req, sr, held in going_on:
             # room for the token being sampled: its position is the request's current length
             start = req.num_tokens
             new_blocks = kv.allocate_slots(req, start - req.num_computed_tokens + 1)
@@ -226,7 +227,7 @@ class Scheduler:
             # The in-flight step's table was read after its own allocation; unless this one took a
             # block it is still the request's (shared, never edited: the manager hands out copies)
             table = sr.block_table
-            if new_blocks or len(table) != kv.num_blocks_held(sr.req_id):
+            if new_blocks or len(table) != held:
                 table = kv.get_block_ids(sr.req_id)
             scheduled.append(sr.next_decode(start, table, block_eos, req.prompt_logprobs_upto))
         budget = self._admit_waiting(out, self.max_num_batched_tokens - len(going_on), time.time())
