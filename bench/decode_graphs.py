@@ -1,10 +1,11 @@
-"""Decode ms/step through the engine, decode steps replayed as CUDA graphs against enforce_eager=True,
-against graphs with async scheduling (each step launched before the previous one's tokens are
-read) and against graphs of PyTorch's norms, rotary and SiLU (PREFIXKV_CUDA_KERNELS=0, the fused
-Triton kernels off), in one process, the engines alternated round by round.
+"""Decode ms/step through the engine, decode steps replayed as CUDA graphs (with async scheduling,
+each step launched before the previous one's tokens are read: a GPU's default) against
+enforce_eager=True, against graphs stepped in order (async_scheduling=False) and against graphs of
+PyTorch's norms, rotary and SiLU (PREFIXKV_CUDA_KERNELS=0, the fused Triton kernels off), in one
+process, the engines alternated round by round.
 
     python bench/decode_graphs.py [--device cuda] [--dtype bfloat16] [--batches 1,32,256]
-        [--context 256] [--steps 24] [--rounds 2] [--model PATH] [--engines graphs,eager,async,unfused]
+        [--context 256] [--steps 24] [--rounds 2] [--model PATH] [--engines graphs,eager,inorder,unfused]
 
 Per batch B: B prompts of --context random tokens are prefilled (in chunks of the engine's token
 budget; sequences prefilled early decode meanwhile), then --steps engine steps in which every
@@ -12,7 +13,7 @@ sequence decodes one token (scheduling, the forward, sampling, outputs: what a u
 timed one by one; the median of every round's steps is printed per engine, with how many of
 those steps the graphs took, and whether each engine's greedy tokens agreed with the first one's
 (bfloat16: the eager path's attention is another kernel, so a difference is possible, not a failure;
-async scheduling computes the same steps, so its tokens must equal the graphs' own).
+steps scheduled ahead compute the same steps, so in-order tokens must equal the graphs' own).
 
 On CUDA the card's memory bandwidth is measured first (bench/ceiling.measure_cuda; `--no-ceiling`
 skips it), and each batch's line is followed by the fastest engine's step against it: the bytes a
@@ -91,9 +92,10 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=4.0, help="each engine's KV cache (GiB)")
     ap.add_argument(
         "--engines",
-        default="graphs,eager,async,unfused",
+        default="graphs,eager,inorder,unfused",
         help="graphs (the default engine; on a CPU call it default), eager (enforce_eager=True), "
-        "async (the default engine + async_scheduling), unfused (the default engine with "
+        "inorder (async_scheduling=False), async (async_scheduling=True: on a GPU the default "
+        "already), unfused (the default engine with "
         "PREFIXKV_CUDA_KERNELS=0: PyTorch's norms, rotary and SiLU)",
     )
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the card's memory bandwidth")
@@ -123,6 +125,7 @@ def main() -> None:
         "default": {},
         "eager": {"enforce_eager": True},
         "async": {"async_scheduling": True},
+        "inorder": {"async_scheduling": False},
         "unfused": {},
     }
     envs = {name: {"PREFIXKV_CUDA_KERNELS": "0"} if name == "unfused" else {} for name in variants}

@@ -5,7 +5,7 @@ an H100 a decode step of the default model at batch 256 took 9.45 ms, and 9.00 m
 scheduling hiding the host's work behind the device's.
 
     python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
-        [--device cuda --dtype bfloat16 --device-time] [--model DIR | --model default]
+        [--device cuda --dtype bfloat16 --device-time [--profile-top 25]] [--model DIR | --model default]
         [--against TREE --pairs 4]
 
 By default on a CPU, with a random model of two layers 64 wide and a byte-level vocabulary of 258
@@ -18,7 +18,9 @@ On a GPU (`--device cuda`; the engine's defaults there: CUDA graphs, async sched
 step calls no forward, and with async scheduling the phases overlap the device's work, so the
 step's time is the larger of the two. `--device-time` profiles one more round (torch.profiler):
 the device kernels a step launches and the time the device is busy per step, beside the step's
-wall time - which of host and device bounds it. `--model default` is the embedded default model.
+wall time - which of host and device bounds it; `--profile-top N` adds that round's operators and
+CUDA runtime calls by host time, its kernels by device time, and one more round under cProfile.
+`--model default` is the embedded default model.
 
 `--gpu-path` measures a GPU's host work on a CPU: decode steps through the fixed buffers a CUDA
 graph replays (PREFIXKV_CUDA_GRAPHS=static under Triton's interpreter), their forward stubbed (a
@@ -81,9 +83,34 @@ def tiny_checkpoint(folder: str) -> str:
     return path
 
 
-def device_time(engine: Any, batch: int, prompt: int, params: SamplingParams) -> None:
+def host_profile(engine: Any, batch: int, prompt: int, params: SamplingParams, top: int) -> None:
+    """One more round under cProfile: the Python functions of a decode step by their own time (the
+    CUDA runtime's calls, which torch.profiler names, show here inside PyTorch's methods)."""
+    import cProfile
+    import io
+    import pstats
+
+    for i in range(batch):
+        engine.add_request([32 + (7 * i + j) % 200 for j in range(prompt)], params)
+    engine.step()  # the prefill, outside the profile
+    prof = cProfile.Profile()
+    steps = 0
+    prof.enable()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"batch {batch:4d}: cProfile of {steps} decode steps, by own time:", flush=True)
+    print("\n".join(out.getvalue().splitlines()[4:]), flush=True)
+
+
+def device_time(engine: Any, batch: int, prompt: int, params: SamplingParams, top: int = 0) -> None:
     """One more round under torch.profiler: device kernels (and copies) a decode step, the device's
-    busy time a step (their durations summed), against the step's wall time."""
+    busy time a step (their durations summed), against the step's wall time. `top`: also the
+    operators and runtime calls by host time (cudaEventSynchronize is the host waiting for the
+    device; cudaHostAlloc a page-locked allocation) and the kernels by device time, `top` rows each."""
     from torch.profiler import ProfilerActivity, profile
 
     for i in range(batch):
@@ -104,13 +131,21 @@ def device_time(engine: Any, batch: int, prompt: int, params: SamplingParams) ->
     on_device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not on_device:
         print(f"batch {batch:4d}: {wall:.3f} ms a step under the profiler; no device kernels here", flush=True)
-        return
-    busy = sum(e.time_range.elapsed_us() for e in on_device) / steps / 1e3
-    print(
-        f"batch {batch:4d}: {wall:.3f} ms a step under the profiler, the device busy {busy:.3f} ms of it "
-        f"({len(on_device) / steps:.0f} kernels and copies a step)",
-        flush=True,
-    )
+    else:
+        busy = sum(e.time_range.elapsed_us() for e in on_device) / steps / 1e3
+        print(
+            f"batch {batch:4d}: {wall:.3f} ms a step under the profiler, the device busy {busy:.3f} ms of it "
+            f"({len(on_device) / steps:.0f} kernels and copies a step)",
+            flush=True,
+        )
+    if top:
+        table = prof.key_averages()
+        print(
+            f"batch {batch:4d}: {steps} steps by host time\n"
+            + table.table(sort_by="self_cpu_time_total", row_limit=top)
+        )
+        if on_device:
+            print(f"batch {batch:4d}: by device time\n" + table.table(sort_by="self_device_time_total", row_limit=top))
 
 
 HOST_LINE = re.compile(r"^batch +(\d+): host +([\d.]+) us")
@@ -179,6 +214,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device-time", action="store_true", help="profile a round: kernels and busy time a step")
+    ap.add_argument(
+        "--profile-top",
+        type=int,
+        default=0,
+        help="with --device-time: the profiled round's operators by host and device time, and a "
+        "round under cProfile, this many rows each",
+    )
     ap.add_argument(
         "--gpu-path",
         action="store_true",
@@ -258,9 +300,11 @@ def main() -> None:
             )
             if args.device_time:
                 try:
-                    device_time(engine, B, args.prompt, params)
+                    device_time(engine, B, args.prompt, params, args.profile_top)
                 except Exception as e:  # noqa: BLE001 (a profiler that cannot run here: say so, go on)
                     print(f"batch {B:4d}: no device profile ({type(e).__name__}: {e})", flush=True)
+                if args.profile_top:
+                    host_profile(engine, B, args.prompt, params, args.profile_top)
 
 
 if __name__ == "__main__":

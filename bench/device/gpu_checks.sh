@@ -16,10 +16,10 @@
 #   verify          the shorter equality: the fused kernels, tests/engine/test_cuda.py and the graphs
 #                   tests
 #   graphs          bench/decode_graphs.py: decode ms/step through the engine at batch 1/32/256
-#                   (bfloat16, 256-token contexts), CUDA graphs against enforce_eager=True, against
-#                   graphs with async scheduling and against graphs without the fused kernels
-#                   (PREFIXKV_CUDA_KERNELS=0), alternated; the capture's sizes, time and memory in
-#                   the log
+#                   (bfloat16, 256-token contexts), CUDA graphs with async scheduling (the default)
+#                   against enforce_eager=True, against graphs stepped in order and against graphs
+#                   without the fused kernels (PREFIXKV_CUDA_KERNELS=0), alternated; the capture's
+#                   sizes, time and memory in the log
 #   paged           bench/paged_attention.py: one layer's attention, Triton's kernels reading the
 #                   blocks in place against the gather path, decode and prefill after 1k/8k context
 #                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
@@ -28,7 +28,9 @@
 #   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256;
 #                   then the default model's 8,192-token prefill
 #   compiled        model_speed beside transformers and transformers under torch.compile (StaticCache,
-#                   CUDA graphs: --hf-compile) for the default model and, after `large`, the 1B shape
+#                   CUDA graphs: --hf-compile) at batch 1 for the default model and, after `large`,
+#                   the 1B shape (each shape compiles apart: on the H200 the default model's 1k
+#                   prefill alone did not compile within 200 s)
 #   fused_eager     model_speed (eager: no graphs) with the fused kernels and without
 #   large           a random-weight Llama-3.2-1B-shaped checkpoint written here
 #                   (bench/device/random_checkpoint.py, SmolLM2's vocabulary; $SHAPE: llama-3b, llama-8b),
@@ -43,14 +45,17 @@
 #                   scheduling), at batch 1/32/256: the host's work per step beside the device's busy
 #                   time and kernel count, for the tiny model, the default model and, after `large`, the
 #                   1B shape - which of the two bounds a step
+#   host_profile    the same at batch 1 with --profile-top: operators and CUDA runtime calls by host
+#                   time, kernels by device time, a cProfile round (the default model, the 1B shape)
 #   threads         whether this machine's CPU gives the same bits on every thread count
 #                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
-#   issue40         the preset for issue 40's open rows, most wanted first: verify graphs large compiled
-#                   model_speed shared_prefix host (what the budget leaves is skipped, and said so)
+#   issue40         the preset for issue 40's open rows, most wanted first: verify graphs large
+#                   host_profile host model_speed shared_prefix compiled (what the budget leaves is
+#                   skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify graphs large compiled model_speed shared_prefix host}
+STEPS=${STEPS/issue40/verify graphs large host_profile host model_speed shared_prefix compiled}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -104,7 +109,7 @@ for step in $STEPS; do
         big=/tmp/random-${SHAPE:-llama-1b}
         bounded 120 large.log python3 bench/device/random_checkpoint.py "$big" --shape "${SHAPE:-llama-1b}"
         bounded 150 large.log python3 bench/decode_graphs.py --model "$big" --device cuda --dtype bfloat16 \
-            --batches 1,32,256 --context 256 --steps 16 --rounds 2 --engines graphs,unfused,async
+            --batches 1,32,256 --context 256 --steps 16 --rounds 2 --engines graphs,inorder,unfused
         bounded 120 large.log "${speed[@]}" --model "$big" --no-cudnn-attention
         bounded 90 large.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \
             --prompt 8192 --context 8192 --model "$big" --no-cudnn-attention ;;
@@ -117,8 +122,8 @@ for step in $STEPS; do
             model=()
             [ "$m" = default ] || model=(--model "$m")
             [ "$m" = default ] || [ -d "$m" ] || continue
-            bounded 200 compiled.log "${speed[@]}" --hf-compile --no-cudnn-attention --no-ceiling \
-                --steps 12 --reps 2 "${model[@]}"
+            bounded 240 compiled.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \
+                --hf-compile --no-cudnn-attention --no-ceiling --steps 12 --reps 2 "${model[@]}"
         done ;;
     fused_eager)
         for on in 1 0; do
@@ -135,6 +140,12 @@ for step in $STEPS; do
             [ -z "$m" ] || [ "$m" = default ] || [ -d "$m" ] || continue
             bounded 90 host.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32,256 \
                 --rounds 2 --steps 24 --device-time ${m:+--model "$m"}
+        done ;;
+    host_profile)
+        for m in default /tmp/random-${SHAPE:-llama-1b}; do
+            [ "$m" = default ] || [ -d "$m" ] || continue
+            bounded 60 host_profile.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1 \
+                --rounds 1 --steps 24 --device-time --profile-top 30 --model "$m"
         done ;;
     threads)
         bounded 120 threads.log python3 -m pytest -q -p no:cacheprovider -rfEs \

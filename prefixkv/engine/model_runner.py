@@ -250,9 +250,13 @@ class ModelRunner:
         # overflowing a float32 sum); one pass, ~6x cheaper than isfinite() over the whole matrix.
         finite = torch.isfinite(logits.sum(dim=-1))
         out = pending.out
+        greedy = all(sr.sampling_params.greedy for sr in reqs)
         if self.defer_reads:
-            # checked when the tokens are read: a broken row draws from zeros, and is dropped then
-            logits = torch.where(finite[:, None], logits, 0.0)
+            # checked when the tokens are read, and a broken row's token dropped then. A random draw
+            # from it would raise, so it draws from zeros; an argmax never raises: a batch of greedy
+            # rows skips that pass over its logits
+            if not greedy:
+                logits = torch.where(finite[:, None], logits, 0.0)
             pending.finite = finite
         elif not bool(finite.all()):  # a broken row fails its request, not the batch
             keep = finite.tolist()
@@ -266,7 +270,7 @@ class ModelRunner:
         gens = [sr.generator or self.default_generator for sr in reqs]
         states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         try:
-            if not all(sr.sampling_params.greedy for sr in reqs):
+            if not greedy:
                 # a failed batch is redone row by row from the same generator states
                 states = {id(g): (g, g.get_state()) for g in gens}
             pending.sampled = self._sample_rows(logits, reqs, gens)

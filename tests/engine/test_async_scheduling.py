@@ -207,13 +207,15 @@ def test_aborts_and_arrivals_between_steps(tiny):
     assert ahead.kv_cache_manager.num_free_blocks == ahead.num_blocks
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_non_finite_row_fails_alone(tiny, async_scheduling):
+def test_a_non_finite_row_fails_alone(tiny, async_scheduling, temperature):
     """A row of NaN logits fails its request ("non-finite"); its batch's others go on unharmed -
-    checked before sampling in order, when the tokens are read ahead."""
+    checked before sampling in order, when the tokens are read ahead. Greedy, and seeded random
+    draws (which a NaN row would make raise)."""
     folder, _ = tiny
     prompts = _prompts(5, 3)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=8, ignore_eos=True)
     want = _outputs(LLM(str(folder), **BASE), prompts[1:], params)
     llm = LLM(str(folder), **BASE, async_scheduling=async_scheduling)
     engine = llm.llm_engine
