@@ -211,6 +211,12 @@ def main() -> None:
         action="store_true",
         help="also time transformers under torch.compile with a StaticCache (CUDA: CUDA graphs)",
     )
+    ap.add_argument(
+        "--no-prefill",
+        action="store_true",
+        help="decode only (under --hf-compile each shape compiles apart: on an H200 a 1,024-token prefill "
+        "of the default model took over 200 s)",
+    )
     args = ap.parse_args()
     if args.hf_compile and args.no_hf:
         raise SystemExit("--hf-compile times transformers: not with --no-hf")
@@ -308,8 +314,11 @@ def main() -> None:
     fns = [(name, lambda m=m, t=name in torch_attention: ours_prefill(m, t)) for name, m in ours_models.items()]
     fns += [("transformers", hf_prefill)] if hf is not None else []
     fns += [(COMPILED, hf_compiled_prefill)] if compiled is not None else []
+    if args.no_prefill:
+        fns = []
     times = {name: [] for name, _ in fns}
-    print(f"  ... prefill, {n} tokens: warm-up and {args.reps} reps", flush=True)
+    if fns:
+        print(f"  ... prefill, {n} tokens: warm-up and {args.reps} reps", flush=True)
     for name, fn in fns:
         start = time.perf_counter()
         for _ in range(3 if name == COMPILED else 1):  # compiled: the compile, then its graphs' recording

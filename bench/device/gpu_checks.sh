@@ -28,9 +28,9 @@
 #   model_speed     bench/model_speed.py on the GPU in bfloat16: prefill tok/s, decode ms/step at 1/32/256;
 #                   then the default model's 8,192-token prefill
 #   compiled        model_speed beside transformers and transformers under torch.compile (StaticCache,
-#                   CUDA graphs: --hf-compile) at batch 1 for the default model and, after `large`,
-#                   the 1B shape (each shape compiles apart: on the H200 the default model's 1k
-#                   prefill alone did not compile within 200 s)
+#                   CUDA graphs: --hf-compile), decode at batch 1 alone, for the default model and,
+#                   after `large`, the 1B shape (each shape compiles apart: on the H200 the default
+#                   model's 1k prefill alone did not compile within 200 s)
 #   fused_eager     model_speed (eager: no graphs) with the fused kernels and without
 #   large           a random-weight Llama-3.2-1B-shaped checkpoint written here
 #                   (bench/device/random_checkpoint.py, SmolLM2's vocabulary; $SHAPE: llama-3b, llama-8b),
@@ -123,7 +123,7 @@ for step in $STEPS; do
             [ "$m" = default ] || model=(--model "$m")
             [ "$m" = default ] || [ -d "$m" ] || continue
             bounded 240 compiled.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \
-                --hf-compile --no-cudnn-attention --no-ceiling --steps 12 --reps 2 "${model[@]}"
+                --no-prefill --hf-compile --no-cudnn-attention --no-ceiling --steps 12 --reps 2 "${model[@]}"
         done ;;
     fused_eager)
         for on in 1 0; do
