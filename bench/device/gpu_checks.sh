@@ -50,15 +50,18 @@
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
+#   gemv            bench/fused_gemv.py: a norm folded into the batch-1 product after it (a Triton
+#                   kernel, autotuned here) against the norm then cuBLAS, and cuBLAS alone, at the
+#                   1B's and the default model's products, device time and share of the bandwidth
 #   threads         whether this machine's CPU gives the same bits on every thread count
 #                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
 #   issue40         the preset for issue 40's open rows, most wanted first: verify graphs large
-#                   host_profile host_calls host model_speed shared_prefix compiled (what the budget
-#                   leaves is skipped, and said so)
+#                   host_profile host_calls gemv host model_speed shared_prefix compiled (what the
+#                   budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify graphs large host_profile host_calls host model_speed shared_prefix compiled}
+STEPS=${STEPS/issue40/verify graphs large host_profile host_calls gemv host model_speed shared_prefix compiled}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -151,6 +154,7 @@ for step in $STEPS; do
                 --rounds 1 --steps 24 --device-time --profile-top 30 --model "$m"
         done ;;
     host_calls) bounded 60 host_calls.log python3 bench/cuda_host_calls.py --batches 1,256 ;;
+    gemv) bounded 120 gemv.log python3 bench/fused_gemv.py --shapes llama-1b,smollm2 ;;
     threads)
         bounded 120 threads.log python3 -m pytest -q -p no:cacheprovider -rfEs \
             tests/engine/test_cpu_threads.py -k "thread_count or adapts" ;;
