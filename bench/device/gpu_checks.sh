@@ -37,6 +37,9 @@
 #                   then the graphs step's measurement and model_speed (with transformers, a
 #                   1,024- and an 8,192-token prefill) on it
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
+#   serve           bench/serve.py: `prefixkv serve` on the GPU (bfloat16) under streamed requests
+#                   arriving at 16/s, a shared prefix and unique prompts: TTFT and TPOT, where steps
+#                   that mix a prefill with the decodes run eagerly (only all-decode steps replay)
 #   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
 #                   Ray there, so those are left out)
 #   model_speed_hf  model_speed beside transformers on the same GPU (cuDNN attention off for it too)
@@ -56,12 +59,12 @@
 #   threads         whether this machine's CPU gives the same bits on every thread count
 #                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
 #   issue40         the preset for issue 40's open rows, most wanted first: verify graphs large
-#                   host_profile host_calls gemv host model_speed shared_prefix compiled (what the
-#                   budget leaves is skipped, and said so)
+#                   host_profile host_calls gemv serve host model_speed shared_prefix compiled (what
+#                   the budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify graphs large host_profile host_calls gemv host model_speed shared_prefix compiled}
+STEPS=${STEPS/issue40/verify graphs large host_profile host_calls gemv serve host model_speed shared_prefix compiled}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -136,6 +139,9 @@ for step in $STEPS; do
             bounded 45 fused_eager.log env PREFIXKV_CUDA_KERNELS=$on "${speed[@]}" --no-hf --no-ceiling
         done ;;
     shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
+    serve)
+        bounded 150 serve.log python3 bench/serve.py --dtype bfloat16 --workloads shared unique \
+            --num-requests 64 --request-rate 16 --max-tokens 64 ;;
     suite)
         bounded 240 suite.log python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --timeout 150 \
             --continue-on-collection-errors --ignore=tests/replicas --ignore=tests/server/test_langchain.py -k "not redis" ;;
