@@ -63,21 +63,27 @@ class RequestGroup:
         kind: RequestOutputKind = self.children[0].sampling_params.output_kind
         return kind
 
-    def output(self, finished: bool | None = None) -> RequestOutput:
+    def output(self, finished: bool | None = None, now: float | None = None) -> RequestOutput:
         """What the client sees of the group now: everything so far, or with
         RequestOutputKind.DELTA what is new since the previous output (then each output is given
         out once: call this only for an output that is delivered). `finished`: `self.finished`,
-        where the caller has it."""
-        first = self.children[0]
+        and `now`: the time of the step's outputs, where the caller has them."""
+        children = self.children
+        first = children[0]
         if finished is None:
             finished = self.finished
-        first_token = min((c.first_token_time for c in self.children if c.first_token_time), default=None)
+        if len(children) == 1:  # most groups: no walk over the sequences, built every step when streamed
+            first_token = first.first_token_time or None
+            finished_time = (first.finished_time or 0.0) if finished else None
+        else:
+            first_token = min((c.first_token_time for c in children if c.first_token_time), default=None)
+            finished_time = max((c.finished_time or 0.0) for c in children) if finished else None
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first_token,
-            last_token_time=time.time(),
-            finished_time=max((c.finished_time or 0.0) for c in self.children) if finished else None,
+            last_token_time=time.time() if now is None else now,
+            finished_time=finished_time,
             max_tokens=first.sampling_params.max_tokens if first.sampling_params is not None else None,
         )
         prompt_logprobs = self.prompt_logprobs

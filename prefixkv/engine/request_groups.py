@@ -131,7 +131,7 @@ class RequestGroups:
             finished = group.finished
             if not finished and final_only:
                 continue  # nothing is built for it until it ends
-            outputs.append(group.output(finished))
+            outputs.append(group.output(finished, now))
             if finished:
                 self.forget(group)
         return outputs

@@ -56,6 +56,27 @@ def test_request_output_fields(llm):
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
+def test_streamed_metrics_of_one_and_of_several_sequences(llm):
+    """Each step's output carries the step's time, and a group's first token and end are its
+    earliest and latest sequence's (a single sequence's own, without the walk)."""
+    engine = llm.llm_engine
+    engine.add_request("Tell me about caching", SamplingParams(temperature=0, max_tokens=4), request_id="one")
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=4)
+    engine.add_request("Tell me about caching", params, request_id="two")
+    last: dict[str, float] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            m = out.metrics
+            assert m.last_token_time >= last.get(out.request_id, 0.0)
+            last[out.request_id] = m.last_token_time
+            assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+            assert len(out.outputs) == (2 if out.request_id == "two" else 1)
+            if out.finished:
+                assert out.request_id not in engine.groups.groups  # forgotten once finished
+                assert m.finished_time is not None and m.first_token_time <= m.finished_time
+    assert set(last) == {"one", "two"}
+
+
 def test_second_request_reuses_the_prefix(llm):
     doc = "Here is a long shared document about caching. " * 20
     first = llm.generate(doc + "Question one?", GREEDY)[0]
