@@ -257,8 +257,8 @@ def main() -> None:
         if args.gpu_path:
             graphs = engine.runner.graphs
             assert graphs is not None, "no static buffers: is Triton installed?"
-            stub = torch.zeros(max(batches), engine.model_config.hidden_size)
-            graphs._forward = lambda size: stub[:size]  # a replay: one launch, nothing for the host
+            stub = torch.zeros(max(*batches, *graphs.mixed_sizes), engine.model_config.hidden_size)
+            graphs._forward = lambda kind, size: stub[:size]  # a replay: one launch, nothing for the host
             timed(engine.scheduler, "schedule_ahead", "schedule", acc)
             timed(engine.runner.model, "compute_logits", "logits", acc)
         timed(engine.scheduler, "schedule", "schedule", acc)

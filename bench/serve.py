@@ -277,17 +277,21 @@ def print_summary(s: Summary) -> None:
     )
 
 
-def prefixkv_variants(args: argparse.Namespace) -> list[tuple[str, int | None, str]]:
-    """(label, token budget, CPU thread policy) of each prefixkv server to start."""
+def prefixkv_variants(args: argparse.Namespace) -> list[tuple[str, int | None, str, str | None]]:
+    """(label, token budget, CPU thread policy, cudagraph_mode) of each prefixkv server to start."""
     variants = []
-    for policy in args.cpu_thread_policy:
-        for budget in args.max_num_batched_tokens or [None]:
-            notes = ([] if budget is None else [f"budget {budget}"]) + ([] if policy == "adaptive" else [policy])
-            variants.append(("prefixkv" + (f" ({', '.join(notes)})" if notes else ""), budget, policy))
+    for graphs in args.cudagraph_mode or [None]:
+        for policy in args.cpu_thread_policy:
+            for budget in args.max_num_batched_tokens or [None]:
+                notes = ([] if budget is None else [f"budget {budget}"]) + ([] if policy == "adaptive" else [policy])
+                notes += [] if graphs is None else [f"graphs {graphs}"]
+                variants.append(("prefixkv" + (f" ({', '.join(notes)})" if notes else ""), budget, policy, graphs))
     return variants
 
 
-def start_prefixkv(args: argparse.Namespace, budget: int | None, policy: str = "adaptive") -> Managed:
+def start_prefixkv(
+    args: argparse.Namespace, budget: int | None, policy: str = "adaptive", graphs: str | None = None
+) -> Managed:
     port = free_port()
     cmd = [
         sys.executable,
@@ -309,6 +313,8 @@ def start_prefixkv(args: argparse.Namespace, budget: int | None, policy: str = "
     if budget is not None:
         cmd += ["--max-num-batched-tokens", str(budget)]
     cmd += ["--cpu-thread-policy", policy]
+    if graphs is not None:
+        cmd += ["--compilation-config", json.dumps({"cudagraph_mode": graphs})]
     return Managed("prefixkv", cmd, port, timeout=300)
 
 
@@ -389,6 +395,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["adaptive", "fixed"],
         help="for the started prefixkv server (its default: adaptive); several values: one server per value",
     )
+    ap.add_argument(
+        "--cudagraph-mode",
+        nargs="+",
+        default=None,
+        help="for the started prefixkv server on a GPU (compilation_config's cudagraph_mode; its default "
+        "captures decode steps only, FULL mixed steps too); several values: one server per value",
+    )
     ap.add_argument("--no-prefixkv", action="store_true", help="only run the peer")
     ap.add_argument("--peer-vllm", action="store_true", help=f"also run `vllm serve` from {VLLM_PY}")
     ap.add_argument("--vllm-python", default=VLLM_PY)
@@ -416,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         servers: list[tuple[str, Managed]] = []
         try:
             if not args.no_prefixkv:
-                for label, budget, policy in prefixkv_variants(args):
-                    servers.append((label, start_prefixkv(args, budget, policy)))
+                for label, budget, policy, graphs in prefixkv_variants(args):
+                    servers.append((label, start_prefixkv(args, budget, policy, graphs)))
             if args.peer_vllm:
                 servers.append(("vllm", start_vllm(args)))
             rounds = []
@@ -434,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.base_url:
         summaries += bench_server("server", args.base_url.rstrip("/"), args)
     elif not args.no_prefixkv:
-        for label, budget, policy in prefixkv_variants(args):
-            srv = start_prefixkv(args, budget, policy)
+        for label, budget, policy, graphs in prefixkv_variants(args):
+            srv = start_prefixkv(args, budget, policy, graphs)
             try:
                 summaries += bench_server(label, srv.base, args)
             finally:

@@ -280,7 +280,9 @@ class EngineArgs:
     compilation_config: dict[str, Any] | int | None = _opt(  # noqa: RUF009 (it returns a field)
         None,
         "vLLM's: a level (nothing is compiled here) or JSON; read: cudagraph_capture_sizes (the decode batch "
-        "sizes captured), max_capture_size, cudagraph_mode (NONE: no graphs); other keys change nothing",
+        "sizes, and mixed steps' token counts), max_capture_size, cudagraph_mode (NONE: no graphs; FULL or "
+        "FULL_AND_PIECEWISE: mixed steps captured too, each whole; default: decode steps only); other keys "
+        "change nothing",
         type=parse_compilation_config,
     )
     scheduling_policy: str = _opt(
@@ -482,8 +484,10 @@ class EngineArgs:
         others = sorted(set(cc) - {"cudagraph_capture_sizes", "max_capture_size", "cudagraph_mode"})
         if others:
             _log_once(f"compilation_config {', '.join(others)}: nothing is compiled here")
-        if mode is not None and str(mode).upper() != "NONE":
-            _log_once(f"compilation_config cudagraph_mode={mode}: decode steps are captured whole, others run eagerly")
+        if mode is not None and str(mode).upper() in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
+            _log_once(f"compilation_config cudagraph_mode={mode}: decode and mixed steps are each captured whole")
+        elif mode is not None and str(mode).upper() == "FULL_DECODE_ONLY":
+            _log_once(f"compilation_config cudagraph_mode={mode}: decode steps are captured, others run eagerly")
 
     def _check_tiers(self) -> None:
         from .tiers import parse_spec, split_specs

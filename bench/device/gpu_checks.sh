@@ -38,8 +38,11 @@
 #                   1,024- and an 8,192-token prefill) on it
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
 #   serve           bench/serve.py: `prefixkv serve` on the GPU (bfloat16) under streamed requests
-#                   arriving at 16/s, a shared prefix and unique prompts: TTFT and TPOT, where steps
-#                   that mix a prefill with the decodes run eagerly (only all-decode steps replay)
+#                   arriving at 16/s, a shared prefix and unique prompts: TTFT and TPOT, one server
+#                   with decode graphs only (the default) and one with mixed steps captured too
+#   mixed           bench/mixed_steps.py: a prompt of 16/128/1,024 tokens arriving beside 0/32/128
+#                   running decodes, the time to its token: mixed steps replayed as graphs
+#                   (cudagraph_mode FULL) against the default (decode graphs only) and enforce_eager
 #   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
 #                   Ray there, so those are left out)
 #   model_speed_hf  model_speed beside transformers on the same GPU (cuDNN attention off for it too)
@@ -58,13 +61,13 @@
 #                   1B's and the default model's products, device time and share of the bandwidth
 #   threads         whether this machine's CPU gives the same bits on every thread count
 #                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
-#   issue40         the preset for issue 40's open rows, most wanted first: verify graphs large
+#   issue40         the preset for issue 40's open rows, most wanted first: verify mixed graphs large
 #                   host_profile host_calls gemv serve host model_speed shared_prefix compiled (what
 #                   the budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify graphs large host_profile host_calls gemv serve host model_speed shared_prefix compiled}
+STEPS=${STEPS/issue40/verify mixed graphs large host_profile host_calls gemv serve host model_speed shared_prefix compiled}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -139,9 +142,12 @@ for step in $STEPS; do
             bounded 45 fused_eager.log env PREFIXKV_CUDA_KERNELS=$on "${speed[@]}" --no-hf --no-ceiling
         done ;;
     shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
+    mixed)
+        bounded 150 mixed.log python3 bench/mixed_steps.py --device cuda --dtype bfloat16 --decodes 0,32,128 \
+            --prompts 16,128,1024 --repeats 8 --rounds 2 ;;
     serve)
-        bounded 150 serve.log python3 bench/serve.py --dtype bfloat16 --workloads shared unique \
-            --num-requests 64 --request-rate 16 --max-tokens 64 ;;
+        bounded 200 serve.log python3 bench/serve.py --dtype bfloat16 --workloads shared unique \
+            --num-requests 64 --request-rate 16 --max-tokens 64 --cudagraph-mode FULL_DECODE_ONLY FULL ;;
     suite)
         bounded 240 suite.log python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --timeout 150 \
             --continue-on-collection-errors --ignore=tests/replicas --ignore=tests/server/test_langchain.py -k "not redis" ;;

@@ -28,7 +28,7 @@ from ..progress import Stages
 from ..stage_outputs import stage_output_specs
 from ..tiers import TierManager, build_kv_connector
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
-from .cuda_graphs import DecodeGraphs, capture_sizes, graph_mode
+from .cuda_graphs import StepGraphs, capture_sizes, graph_mode, mixed_capture_sizes
 from .device import resolve_device_dtype
 from .gpu_memory import cuda_kv_budget
 from .input_processor import InputProcessor
@@ -87,7 +87,9 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             block_tensors.register(spec)
     mode = _graph_mode(config, device, loaded, kv_groups)
     sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
-    num_blocks = _num_blocks(config, device, loaded, block_tensors, sizes if mode == "capture" else [])
+    mixed_sizes = mixed_capture_sizes(config.max_num_batched_tokens, config.compilation_config) if mode else []
+    graph_rows = max([*sizes, *mixed_sizes], default=0) if mode == "capture" else 0
+    num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows)
     if mode and config.num_blocks is None and num_blocks > 1:
         num_blocks -= 1  # the graphs' null block comes out of a byte budget (a given count stays the pool's)
     max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks, kv_groups)
@@ -98,7 +100,10 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     if mode:
         max_blocks = -(-min(config.max_seq_len_to_capture, max_model_len) // bs)
         caches = block_tensors.layer_caches(model_config, bs, None)
-        graphs = DecodeGraphs(loaded.model, caches, sizes, max_blocks, bs, num_blocks, device, mode, max_model_len)
+        graphs = StepGraphs(
+            loaded.model, caches, sizes, max_blocks, bs, num_blocks, device, mode, max_model_len,
+            mixed_sizes=mixed_sizes, max_seqs=config.max_num_seqs,
+        )  # fmt: skip
     # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
     hash_fn = get_hash_function(config.prefix_caching_hash_algo)
     kv_connector = build_kv_connector(
@@ -156,7 +161,8 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             defer_reads=async_scheduling,
         )
     if graphs is not None:  # after the runner: LoRA's wrappers are in the model then
-        with stages.stage("CUDA graphs", f"capturing decode steps of {len(sizes)} batch sizes"):
+        what = f"capturing decode steps of {len(sizes)} batch sizes and mixed steps of {len(mixed_sizes)} token counts"
+        with stages.stage("CUDA graphs", what):
             graphs.capture()
     cpu_threads = _checked_thread_policy(cpu_threads, runner, dtype, stages)
     kv_events_config = config.kv_events_config
@@ -269,7 +275,7 @@ def _num_blocks(
     device: torch.device,
     loaded: LoadedModel,
     block_tensors: BlockTensors,
-    graph_sizes: list[int],
+    graph_rows: int,
 ) -> int:
     if config.gpu_memory_utilization is not None and device.type != "cuda":
         logger.info("gpu_memory_utilization=%s changes nothing on the CPU", config.gpu_memory_utilization)
@@ -283,7 +289,7 @@ def _num_blocks(
             config.max_num_batched_tokens,
             config.max_num_seqs,
             bs,
-            max(graph_sizes, default=0),
+            graph_rows,
         )
     else:
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES

@@ -1,16 +1,24 @@
-"""Decode steps replayed as CUDA graphs: on a GPU a small model's decode step is bound by the host
-launching its kernels one by one; a graph launches the whole recorded step at once (vLLM's
-CUDA graphs).
+"""Steps replayed as CUDA graphs: on a GPU a small model's step is bound by the host launching its
+kernels one by one; a graph launches the whole recorded step at once (vLLM's CUDA graphs, its
+FULL_AND_PIECEWISE default captured whole for mixed steps too).
 
-Per batch size of `capture_sizes` (vLLM's: 1, 2, 4, then multiples of 8 up to `max_num_seqs`,
-at most MAX_CAPTURE_SIZE) the model's decode forward up to the final hidden states is recorded
-once over fixed buffers (model/static_decode.py) after an eager warm-up (Triton compiles there).
-A step whose every sequence has one new token, fits the largest size and the buffers' context
-width (`max_seq_len_to_capture`), and needs nothing the graph lacks (no LoRA adapter, image
-input, prompt logprobs or hidden states: `ModelRunner.takes_graph`) copies its ids,
-positions, slots, block tables and lengths into the buffers, padded up to the next size, and
-replays. Padding rows write their K/V to a null block the scheduler never hands out and have
-length 0 (nothing read). Everything else runs eagerly.
+Decode steps: per batch size of `capture_sizes` (vLLM's: 1, 2, 4, then multiples of 8 up to
+`max_num_seqs`, at most MAX_CAPTURE_SIZE) the model's decode forward up to the final hidden states is
+recorded once over fixed buffers (model/static_decode.py) after an eager warm-up (Triton compiles
+there). A step whose every sequence has one new token, fits the largest size and the buffers'
+context width (`max_seq_len_to_capture`) copies its ids, positions, slots, block tables and lengths
+into the buffers, padded up to the next size, and replays. Padding rows write their K/V to a null
+block the scheduler never hands out and have length 0 (nothing read).
+
+Mixed steps (prompts or chunks, with or without decodes), where compilation_config's
+cudagraph_mode asks for them (FULL, FULL_AND_PIECEWISE; not yet the default: no card has timed
+them against eager): per token count of `mixed_capture_sizes` the forward over fixed buffers of
+that many rows (model/static_mixed.py), attention by one kernel over a fixed grid that a host-built
+tile map steers. A step of at most the largest count whose contexts fit the width is padded up to
+the next count and replayed.
+
+Neither takes a step that needs what the graph lacks (a LoRA adapter, image input, prompt logprobs
+or hidden states: `ModelRunner.graph_kind`); those, and everything larger, run eagerly.
 
 `mode` "static" runs the same buffers and forward without capturing: how a CPU checks the path
 under Triton's interpreter (PREFIXKV_CUDA_GRAPHS=static with TRITON_INTERPRET=1).
@@ -26,11 +34,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..model import LlamaModel
-from ..model.attention import static_decode_meta
+from ..model import AttentionMetadata, LlamaModel
+from ..model.attention import static_meta
+from ..model.attention_path import triton_kernels
 from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs
+from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from .decode_host_inputs import DecodeHostInputs
+from .mixed_host_inputs import build_mixed
 from .scheduler_output import ScheduledRequest
 
 logger = logging.getLogger("prefixkv")
@@ -56,6 +67,36 @@ def capture_sizes(max_num_seqs: int, compilation_config: dict[str, object] | int
         return sorted({int(s) for s in sizes if int(s) <= max_num_seqs}) or [1]
     cap = cc.get("max_capture_size")
     return default_capture_sizes(max_num_seqs, int(cap) if isinstance(cap, int) else MAX_CAPTURE_SIZE)
+
+
+# Token counts of mixed steps captured by default: steps about 1.25-1.5x apart (a step pads to the
+# next), up to the scheduler's max_num_batched_tokens and MAX_MIXED_TOKENS. Above vLLM's 512: on a
+# GPU a 135M model's 1k-token prefill took 14 ms eagerly, nearly all of it launches (an H200).
+MIXED_LADDER = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+MAX_MIXED_TOKENS = 2048
+
+
+# cudagraph_mode values that capture mixed steps: vLLM's FULL and FULL_AND_PIECEWISE (here each
+# step whole: no piecewise split); asked for by name until a card has timed them against eager
+MIXED_MODES = ("FULL", "FULL_AND_PIECEWISE", "PIECEWISE")
+
+
+def mixed_capture_sizes(max_num_batched_tokens: int, compilation_config: dict[str, object] | int | None) -> list[int]:
+    """The token counts of mixed steps to capture: none unless compilation_config's
+    cudagraph_mode asks for them (MIXED_MODES); its `cudagraph_capture_sizes` if given (vLLM
+    captures those token counts for every kind of step), else MIXED_LADDER; at most
+    max_num_batched_tokens (a step holds no more) and `max_capture_size` if given, else
+    MAX_MIXED_TOKENS, that bound itself the last size."""
+    cc = compilation_config if isinstance(compilation_config, dict) else {}
+    if str(cc.get("cudagraph_mode", "")).upper() not in MIXED_MODES:
+        return []
+    cap = cc.get("max_capture_size")
+    top = min(max_num_batched_tokens, int(cap) if isinstance(cap, int) else MAX_MIXED_TOKENS)
+    sizes = cc.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        assert isinstance(sizes, list)
+        return sorted({int(s) for s in sizes if int(s) <= top})
+    return sorted({*(s for s in MIXED_LADDER if s < top), top})
 
 
 def graph_mode(
@@ -84,8 +125,10 @@ def graph_mode(
     return wanted, f"CUDA with Triton, {ENV}={wanted}"
 
 
-class DecodeGraphs:
-    """The fixed buffers, one graph (or, `static`, one metadata) per size, and their outputs."""
+class StepGraphs:
+    """The fixed buffers, one graph (or, `static`, one metadata) per size, and their outputs: decode
+    steps by batch size (`sizes`), mixed steps by token count (`mixed_sizes`; none: mixed steps
+    run eagerly)."""
 
     def __init__(
         self,
@@ -98,10 +141,14 @@ class DecodeGraphs:
         device: torch.device,
         mode: str,
         max_model_len: int = 0,
+        *,
+        mixed_sizes: Sequence[int] = (),
+        max_seqs: int = 0,
     ) -> None:
         """`null_block`: a block of the caches no sequence holds, where padding rows write.
         `max_model_len`: the longest context any step (eager ones too) may have: the model's
-        position tables are built that far before a capture, never replaced after."""
+        position tables are built that far before a capture, never replaced after. `max_seqs`:
+        the most sequences a mixed step holds (the scheduler's max_num_seqs)."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
@@ -109,37 +156,79 @@ class DecodeGraphs:
         self.max_size = self.sizes[-1]
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.max_blocks = max_blocks
         self.null_slot = null_block * block_size
         self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device)
         self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot)
         self.max_context = self.inputs.max_context
-        self.metas = {s: static_decode_meta(self.inputs.view(s)) for s in self.sizes}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.metas = {s: static_meta(self.inputs.view(s)) for s in self.sizes}
+        self.mixed_sizes = sorted(set(mixed_sizes))
+        self.mixed: StaticMixedInputs | None = None
+        self.mixed_metas: dict[int, AttentionMetadata] = {}
+        if self.mixed_sizes:
+            if max_seqs < 1:
+                raise ValueError("mixed-step graphs need max_seqs")
+            group = model.config.num_attention_heads // model.config.num_key_value_heads
+            tile_tokens = triton_kernels().prefill_tile_tokens(model.dtype, device.type == "cuda", group)
+            top = self.mixed_sizes[-1]
+            self.mixed = StaticMixedInputs(top, min(max_seqs, top), max_blocks, block_size, tile_tokens, device)
+            self.mixed_metas = {s: static_meta(self.mixed.view(s)) for s in self.mixed_sizes}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.graph_bytes = 0  # the card's free memory the capture took
         self.capture_seconds = 0.0
-        self.replays = 0  # steps that took this path (a test checks the path ran)
+        self.replays = 0  # decode steps that took this path (a test checks the path ran)
+        self.mixed_replays = 0  # mixed steps that did
 
     # -- a step ------------------------------------------------------------------------------------
-    def takes(self, scheduled: list[ScheduledRequest]) -> bool:
-        """Whether a step's shape fits: one new token a sequence, at most the largest size, every
-        context within the buffers' width."""
-        if not scheduled or len(scheduled) > self.max_size:
-            return False
+    def kind(self, scheduled: list[ScheduledRequest]) -> str | None:
+        """Which graph a step's shape fits: "decode" (one new token a sequence, at most the largest
+        batch, every context within the buffers' width), "mixed" (at most the largest token count
+        and the most sequences, every context within the width) or None."""
+        if not scheduled:
+            return None
         top = self.max_context
-        return all(len(sr.token_ids) == 1 and sr.start < top for sr in scheduled)
+        if len(scheduled) <= self.max_size and all(len(sr.token_ids) == 1 and sr.start < top for sr in scheduled):
+            return "decode"
+        mixed = self.mixed
+        if mixed is None or len(scheduled) > mixed.max_seqs:
+            return None
+        tokens = 0
+        for sr in scheduled:
+            n = len(sr.token_ids)
+            if sr.start + n > top:
+                return None
+            tokens += n
+        return "mixed" if tokens <= mixed.max_tokens else None
 
     def size_for(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
 
+    def mixed_size_for(self, tokens: int) -> int:
+        return next(s for s in self.mixed_sizes if s >= tokens)
+
     @torch.inference_mode()
     def run(
-        self, scheduled: list[ScheduledRequest], carried: tuple[list[int], torch.Tensor] | None = None
+        self,
+        scheduled: list[ScheduledRequest],
+        carried: tuple[list[int], torch.Tensor] | None = None,
+        kind: str | None = None,
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """The step's final hidden states - a view of the graph's output, overwritten by the next
+        step - and each request's first row (None: row i is request i's, a decode step). `kind`:
+        what `kind` said of this step (asked here if not given). `carried`: rows whose input token
+        is on the device already (the previous step's draws, async scheduling). The buffers are
+        filled in stream order from page-locked copies: the host never waits for the device here."""
+        kind = kind or self.kind(scheduled)
+        if kind is None:
+            raise ValueError("this step fits no graph")
+        if kind == "decode":
+            return self._run_decode(scheduled, carried), None
+        return self._run_mixed(scheduled, carried)
+
+    def _run_decode(
+        self, scheduled: list[ScheduledRequest], carried: tuple[list[int], torch.Tensor] | None
     ) -> torch.Tensor:
-        """The step's final hidden states [len(scheduled), H]: a view of the graph's output,
-        overwritten by the next step. `carried`: rows whose input token is on the device already
-        (the previous step's draws, async scheduling). The buffers are filled in stream order from
-        page-locked copies: the host never waits for the device here."""
         b = len(scheduled)
         size = self.size_for(b)
         every_id_carried = carried is not None and len(carried[0]) == b
@@ -157,14 +246,45 @@ class DecodeGraphs:
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
         buf.block_tables[:b, : tables.shape[1]].copy_(pinned_for(tables, dev), non_blocking=True)
         self.replays += 1
-        graph = self.graphs.get(size)
+        return self._replay("decode", size)[:b]
+
+    def _run_mixed(
+        self, scheduled: list[ScheduledRequest], carried: tuple[list[int], torch.Tensor] | None
+    ) -> tuple[torch.Tensor, list[int]]:
+        buf = self.mixed
+        assert buf is not None
+        tokens = sum(len(sr.token_ids) for sr in scheduled)
+        size = self.mixed_size_for(tokens)
+        view = self.mixed_metas[size].static
+        assert isinstance(view, StaticMixedView)
+        host = build_mixed(
+            scheduled, size, view.tiles, buf.tile_tokens, buf.padding_seq, self.block_size, self.null_slot,
+            self.max_blocks,
+        )  # fmt: skip
+        dev = buf.tokens.device
+        n, width = host.tables.shape
+        buf.tokens[:, :size].copy_(pinned_for(host.tokens, dev), non_blocking=True)
+        buf.seqs[:, :n].copy_(pinned_for(host.seqs, dev), non_blocking=True)
+        # columns past a sequence's blocks, and other sequences' rows, are never read (the lengths
+        # and the tile map)
+        buf.block_tables[:n, :width].copy_(pinned_for(host.tables, dev), non_blocking=True)
+        buf.tile_map[:, : view.tiles].copy_(pinned_for(host.tile_map, dev), non_blocking=True)
+        qsl = host.query_start_loc
+        if carried is not None:
+            carried_rows, ids = carried
+            buf.tokens[0].index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)
+        self.mixed_replays += 1
+        return self._replay("mixed", size)[:tokens], qsl
+
+    def _replay(self, kind: str, size: int) -> torch.Tensor:
+        graph = self.graphs.get((kind, size))
         if graph is not None:
             graph.replay()
-            return self.outputs[size][:b]
-        return self._forward(size)[:b]
+            return self.outputs[kind, size]
+        return self._forward(kind, size)
 
-    def _forward(self, size: int) -> torch.Tensor:
-        meta = self.metas[size]
+    def _forward(self, kind: str, size: int) -> torch.Tensor:
+        meta = self.metas[size] if kind == "decode" else self.mixed_metas[size]
         view = meta.static
         assert view is not None
         hidden: torch.Tensor = self.model(view.input_ids, view.positions, self.kv_caches, meta)
@@ -176,15 +296,23 @@ class DecodeGraphs:
         """Record every size's forward, largest first, into one memory pool (the smaller graphs
         reuse the larger one's memory), after two eager runs of each (Triton compiles, the
         allocator settles). Buffers hold padding rows only: nothing real is written or read."""
-        buf = self.inputs
         self.model.reserve_positions(max(self.max_model_len, self.max_context))
+        buf = self.inputs
         buf.slot_mapping.fill_(self.null_slot)
         buf.seq_lens.zero_()
         buf.input_ids.zero_()
         buf.positions.zero_()
+        work = [("decode", s) for s in self.sizes]
+        if self.mixed is not None:
+            mixed = self.mixed
+            mixed.tokens.zero_()
+            mixed.tokens[2].fill_(self.null_slot)
+            mixed.seqs.zero_()  # every sequence of no tokens
+            mixed.tile_map[0].fill_(mixed.padding_seq)
+            work += [("mixed", s) for s in self.mixed_sizes]
         if self.mode != "capture":
-            for size in self.sizes:
-                self._forward(size)
+            for kind, size in work:
+                self._forward(kind, size)
             return
         device = buf.input_ids.device
         start = time.perf_counter()
@@ -192,24 +320,26 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        for size in reversed(self.sizes):
+        # the most rows first: a pool's later graphs fit in what the first one's freed
+        for kind, size in sorted(work, key=lambda w: -w[1]):
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(size)
+                    self._forward(kind, size)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+                self.outputs[kind, size] = self._forward(kind, size)
+            self.graphs[kind, size] = graph
         torch.cuda.synchronize(device)
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.capture_seconds = time.perf_counter() - start
         logger.info("CUDA graphs captured: %s", self.summary())
 
     def summary(self) -> str:
+        mixed = f", mixed steps of {_ranges(self.mixed_sizes)} tokens" if self.mixed_sizes else ""
         return (
-            f"decode batch sizes {_ranges(self.sizes)} (contexts up to {self.max_context} tokens) in "
+            f"decode batch sizes {_ranges(self.sizes)}{mixed} (contexts up to {self.max_context} tokens) in "
             f"{self.capture_seconds:.1f} s, {self.graph_bytes / MIB:.0f} MiB"
         )
 

@@ -64,13 +64,14 @@ def cuda_kv_budget(
     model: LlamaModel, utilization: float, max_tokens: int, max_rows: int, block_size: int, graph_rows: int = 0
 ) -> int:
     """The KV budget in bytes on the model's CUDA device for `gpu_memory_utilization`.
-    `graph_rows`: the largest decode batch captured as a CUDA graph (0: none). The graphs' memory
-    pool is held beside the eager steps' activations; it is reserved as what one forward of that
-    many tokens allocates at its peak (above a decode's: the capture logs the real figure)."""
+    `graph_rows`: the most rows a step captured as a CUDA graph has (a decode batch or a mixed
+    step's tokens; 0: none). The graphs' memory pool is held beside the eager steps' activations;
+    it is reserved as what one forward of that many tokens allocates at its peak, without the
+    logits (a graph ends at the final hidden states; the capture logs the real figure)."""
     device = model.device
     activations = peak_step_activations(model, max_tokens, max_rows, block_size)
     if graph_rows:
-        activations += peak_step_activations(model, graph_rows, graph_rows, block_size)
+        activations += peak_step_activations(model, graph_rows, 1, block_size)
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
     weights = torch.cuda.memory_allocated(device)  # all this process holds there now: its weights at least

@@ -31,7 +31,7 @@ from .scheduler_output import ScheduledRequest, SchedulerOutput
 if TYPE_CHECKING:
     from ..multimodal.embedding import MultiModalEmbedder
     from ..stage_outputs import StageOutputCache
-    from .cuda_graphs import DecodeGraphs
+    from .cuda_graphs import StepGraphs
 
 PROMPT_LOGITS_SLICE = 256  # rows of vocab-sized logits alive at once when scoring a prompt
 
@@ -51,7 +51,7 @@ class ModelRunner:
         mm: MultiModalEmbedder | None = None,
         block_size: int | None = None,
         kv_groups: KVCacheGroups | None = None,
-        graphs: DecodeGraphs | None = None,
+        graphs: StepGraphs | None = None,
         defer_reads: bool = False,
     ) -> None:
         """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
@@ -59,7 +59,7 @@ class ModelRunner:
         cache, when on. `mm`: the image embedder of a vision-language model. `block_size`: tokens
         per block (None: the K/V tensors' block axis; a recurrent model's state has none).
         `kv_groups`: a hybrid model's KV-cache groups (memory/kv_groups.py), None: one group.
-        `graphs`: decode steps over fixed buffers, captured as CUDA graphs (cuda_graphs.py), built
+        `graphs`: steps over fixed buffers, captured as CUDA graphs (cuda_graphs.py), built
         over the same KV tensors; None: every step eager. `defer_reads`: a step's logits are checked
         for non-finite rows when its tokens are read, not before sampling (async scheduling: the
         host must not wait for the device between launching a step and launching the next)."""
@@ -88,15 +88,18 @@ class ModelRunner:
         self.graphs = graphs
         self.defer_reads = defer_reads
 
-    def takes_graph(self, scheduled: list[ScheduledRequest]) -> bool:
-        """Whether a step replays a captured decode: every sequence one new token within the
-        graphs' sizes, and none needing what the graph does not compute - a LoRA adapter, image
-        inputs, prompt logprobs or hidden states; the stage-output cache and KV-cache groups keep
-        every step eager (no graphs are built with them)."""
+    def graph_kind(self, scheduled: list[ScheduledRequest]) -> str | None:
+        """Which captured step a step replays ("decode", "mixed"; None: it runs eagerly): its shape
+        within the graphs' sizes, and no request needing what a graph does not compute - a LoRA
+        adapter, image inputs, prompt logprobs or hidden states; the stage-output cache and
+        KV-cache groups keep every step eager (no graphs are built with them)."""
         graphs = self.graphs
-        if graphs is None or not graphs.takes(scheduled):
-            return False
-        return not any(sr.lora_id or sr.mm_inputs or sr.want_hidden_states for sr in scheduled)
+        if graphs is None:
+            return None
+        kind = graphs.kind(scheduled)
+        if kind is None or any(sr.lora_id or sr.mm_inputs or sr.want_hidden_states for sr in scheduled):
+            return None
+        return kind
 
     def decoder_layers(self) -> list[nn.Module]:
         """The model's decoder layers, in the order each forward calls them (none for a model
@@ -120,16 +123,19 @@ class ModelRunner:
             if self.stage_outputs is not None:  # their stage rows came too
                 self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
         carried = self._carried_inputs(scheduled, previous)
-        query_start_loc: list[int] | None = None  # each request's first row; a replayed step's row i is request i's
-        if self.takes_graph(scheduled):
+        # each request's first row (None: row i is request i's, a replayed decode)
+        query_start_loc: list[int] | None
+        kind = self.graph_kind(scheduled)
+        if kind is not None:
             assert self.graphs is not None
-            hidden = self.graphs.run(scheduled, carried)
+            hidden, query_start_loc = self.graphs.run(scheduled, carried, kind)
         else:
             hidden, query_start_loc = self._forward(scheduled, carried)
         out = ModelRunnerOutput()
         if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
             out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
-        if query_start_loc is not None:  # a replayed step computes no hidden states for anyone
+        if kind is None:  # a replayed step computes no hidden states for anyone
+            assert query_start_loc is not None
             for i, sr in enumerate(scheduled):
                 if sr.want_hidden_states:
                     try:

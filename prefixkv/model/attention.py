@@ -24,6 +24,7 @@ from .softcap_attention import SoftcapPlan, softcapped_attention
 
 if TYPE_CHECKING:
     from .static_decode import StaticDecodeView
+    from .static_mixed import StaticMixedView
 
 
 def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], int]:
@@ -45,9 +46,10 @@ class AttentionMetadata:
                      block_tables) each, and `layer_groups` each layer's group (0: the fields
                      above); `for_layer` gives a layer its group's view.
     host_block_tables: the same tables on the host, when `block_tables` is on a GPU (optional).
-    static:          a decode step over fixed buffers (static_decode.py, what a CUDA graph
-                     captures): every row one decode, attention reads the view's tensors only
-                     (`seq_lens` then holds an upper bound for each row, `static_decode_meta`).
+    static:          a step over fixed buffers (what a CUDA graph captures): every row one
+                     decode (static_decode.py) or any mix (static_mixed.py); attention reads
+                     the view's tensors only (`static_meta`: each row its own sequence here,
+                     its `seq_lens` an upper bound, its block tables the view's).
 
     Build a new object per step: index tensors derived from it are computed once (on the
     first layer) and reused by all layers, so do not mutate it after the first forward.
@@ -59,7 +61,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     layer_groups: list[int] | None = None
-    static: StaticDecodeView | None = None
+    static: StaticDecodeView | StaticMixedView | None = None
     # `block_tables` on the host too, where they live on a GPU: the cascade is decided from them
     # without waiting for the device
     host_block_tables: torch.Tensor | None = None
@@ -628,9 +630,9 @@ def paged_attention(
     block_size = kv_cache.shape[2]
     if meta.static is not None:
         if softcap is not None:
-            raise ValueError("soft-capped attention has no static decode path")
+            raise ValueError("soft-capped attention has no static path")
         scale = D**-0.5 if scale is None else scale
-        return _static_decode(q, k, v, kv_cache, meta.static, scale, window, kv_written)
+        return _static_step(q, k, v, kv_cache, meta.static, scale, window, kv_written)
     if softcap is not None:
         if kv_written:
             raise ValueError("a soft-capped layer writes its own K/V")
@@ -707,27 +709,29 @@ def paged_attention(
     return out
 
 
-def static_decode_meta(view: StaticDecodeView) -> AttentionMetadata:
-    """The metadata of a decode step over fixed buffers: one new token a row, each row's length
-    bounded by the buffers' width (what the rotary table is built up to before a capture)."""
+def static_meta(view: StaticDecodeView | StaticMixedView) -> AttentionMetadata:
+    """The metadata of a step over fixed buffers: to the model each of its `size` rows is a
+    sequence of one new token whose length is bounded by the buffers' width (what the rotary table
+    is built up to before a capture); the view holds the real layout."""
     size = view.size
-    meta = AttentionMetadata(view.slot_mapping, list(range(size + 1)), [view.max_context] * size, view.block_tables)
+    no_tables = torch.zeros(size, 0, dtype=torch.int32, device=view.slot_mapping.device)
+    meta = AttentionMetadata(view.slot_mapping, list(range(size + 1)), [view.max_context] * size, no_tables)
     meta.static = view
     return meta
 
 
-def _static_decode(
+def _static_step(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: torch.Tensor,
-    view: StaticDecodeView,
+    view: StaticDecodeView | StaticMixedView,
     scale: float,
     window: int | None,
     kv_written: bool,
 ) -> torch.Tensor:
-    """A static decode step's layer: K/V written at the view's slots (unless `kv_written`), then
-    Triton's decode over the view's tables and lengths; nothing allocated that depends on the
+    """A static step's layer: K/V written at the view's slots (unless `kv_written`), then
+    Triton's attention over the view's tables and lengths; nothing allocated that depends on the
     values, no read-back."""
     Hkv, D = k.shape[1], k.shape[2]
     k_flat = kv_cache[0].view(-1, Hkv, D)

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from prefixkv import LLM, SamplingParams
-from prefixkv.engine.cuda_graphs import DecodeGraphs, capture_sizes, default_capture_sizes, graph_mode
+from prefixkv.engine.cuda_graphs import StepGraphs, capture_sizes, default_capture_sizes, graph_mode
 from prefixkv.engine_args import EngineArgs
 from prefixkv.memory.block_tensors import allocate_kv_cache
 from prefixkv.model import AttentionMetadata, load_model
@@ -91,7 +91,7 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
         block_size=8,
         max_model_len=48,
         max_num_seqs=4,  # the fifth joins as the first leave: the batch grows again
-        compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4], "cudagraph_mode": "FULL_AND_PIECEWISE"},
     )
     for kwargs in (
         dict(enable_prefix_caching=False),
@@ -119,15 +119,114 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
         return SimpleNamespace(**{**fields, **kw})
 
     assert graphs.sizes == [1, 2]  # (the last engine's max_num_seqs=3 dropped size 4)
-    assert runner.takes_graph([row()] * 2)
-    assert not runner.takes_graph([row()] * 3)  # past the largest size
-    assert not runner.takes_graph([row(token_ids=[1, 2])])  # a chunk
-    assert not runner.takes_graph([row(start=48)])  # past max_model_len's blocks
+    assert graphs.mixed_sizes == [1, 2, 4]  # vLLM's sizes are token counts of any step too
+    assert runner.graph_kind([row()] * 2) == "decode"
+    assert runner.graph_kind([row(token_ids=[1, 2])]) == "mixed"  # a chunk
+    assert runner.graph_kind([row()] * 3) == "mixed"  # past the largest batch, not the largest step
+    assert runner.graph_kind([row(token_ids=[1, 2, 3]), row(), row()]) is None  # five tokens
+    assert runner.graph_kind([row()] * 4) is None  # more sequences than the scheduler's three
+    assert runner.graph_kind([row(start=48)]) is None  # past max_model_len's blocks
+    assert runner.graph_kind([row(start=46, token_ids=[1, 2, 3])]) is None
     for eager_only in (dict(lora_id=1), dict(mm_inputs=("image",)), dict(want_hidden_states=True)):
-        assert not runner.takes_graph([row(), row(**eager_only)])
+        assert runner.graph_kind([row(), row(**eager_only)]) is None
     eager = LLM(str(tmp_path), **{**base, "enforce_eager": True})
     assert eager.llm_engine.runner.graphs is None
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_through_static_mixed_steps_matches_transformers(tmp_path, static_graphs, async_scheduling):
+    """Greedy float32 tokens equal transformers' with prompts chunked (16 tokens a step) beside
+    running decodes, each mixed step over the fixed buffers of 8 or 16 rows: caching off and on
+    (chunks after cached context), in order and scheduled ahead (input tokens carried on the
+    device); every block free after."""
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random(41)
+    shared = [rng.randrange(256) for _ in range(17)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 9))] for _ in range(3)]
+    prompts += [[rng.randrange(256) for _ in range(n)] for n in (3, 11)]
+    lengths = [5, 3, 6, 4, 5]
+    expected = [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    base = dict(
+        dtype="float32",
+        device=str(device()),
+        num_blocks=64,
+        block_size=8,
+        max_model_len=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        async_scheduling=async_scheduling,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16], "cudagraph_mode": "FULL"},
+    )
+    for caching in (False, True):
+        llm = LLM(str(tmp_path), **base, enable_prefix_caching=caching)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, caching
+        engine = llm.llm_engine
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.mixed_sizes == [1, 2, 4, 8, 16]
+        assert graphs.mixed_replays > 0 and graphs.replays > 0
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        if caching:
+            assert engine.prefix_cache_stats.hits > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral-swa"])  # q/k norms; a 7-token sliding window
+def test_static_mixed_step_equals_the_eager_forward(tmp_path, static_graphs, fused_steps, monkeypatch, kind):
+    """One step of a fresh prompt (over more than one tile of the attention kernel), a decode and
+    two chunks after cached context, in 25 rows padded to 32: the buffers' forward (captured and
+    replayed on a GPU) against the model's eager forward on the same cache through Triton's
+    kernels; the replay against the same buffers' forward run eagerly, bit for bit; nothing written
+    but the step's slots and the null block."""
+    monkeypatch.setenv("PREFIXKV_CUDA_ATTENTION", "triton")
+    dev = device()
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device=dev).model
+    if dev.type == "cpu":
+        model.pack_for_cpu()
+    bs, num_blocks = 4, 16
+    caches = allocate_kv_cache(model.config, num_blocks, bs, dtype=torch.float32, device=dev)
+    gen = torch.Generator().manual_seed(1)
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=gen))
+    null = num_blocks - 1
+    before_null = [c[:, :null].clone() for c in caches]
+    mode = "capture" if dev.type == "cuda" else "static"
+    graphs = StepGraphs(
+        model, caches, [1, 2], 5, bs, null, dev, mode, max_model_len=200, mixed_sizes=[16, 32], max_seqs=4
+    )
+    graphs.capture()
+    rows = [
+        SimpleNamespace(token_ids=list(range(30, 48)), start=0, block_table=[8, 9, 10, 11, 12]),  # a fresh prompt
+        SimpleNamespace(token_ids=[9], start=9, block_table=[3, 0, 7]),  # a decode
+        SimpleNamespace(token_ids=[2, 6, 5, 3], start=11, block_table=[2, 4, 5, 6]),  # after 11 cached
+        SimpleNamespace(token_ids=[17, 8], start=2, block_table=[1]),  # after 2 cached, ends a block
+    ]
+    assert graphs.kind(rows) == "mixed"
+    hidden, starts = graphs.run(rows)
+    hidden = hidden.clone()
+    assert starts == [0, 18, 19, 23, 25] and hidden.shape[0] == 25
+    ids = [t for r in rows for t in r.token_ids]
+    positions = [r.start + j for r in rows for j in range(len(r.token_ids))]
+    tables_of = [r.block_table for r in rows for _ in r.token_ids]
+    slots = [t[p // bs] * bs + p % bs for t, p in zip(tables_of, positions)]
+    for c, old in zip(caches, before_null):
+        changed = (c[:, :null] != old).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
+        assert set(changed) <= {s // bs for s in slots}
+    tables = torch.tensor([r.block_table + [0] * (5 - len(r.block_table)) for r in rows])
+    seq_lens = [r.start + len(r.token_ids) for r in rows]
+    meta = AttentionMetadata(torch.tensor(slots), starts, seq_lens, tables)
+    eager = model(torch.tensor(ids), torch.tensor(positions), caches, meta)
+    torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+    again = graphs._forward("mixed", 32)[:25]  # the same buffers, eagerly: the very kernels the graph replays
+    assert torch.equal(hidden, again)
+    if dev.type == "cuda":
+        assert ("mixed", 16) in graphs.graphs and ("mixed", 32) in graphs.graphs
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mistral-swa"])  # q/k norms; a 7-token sliding window
@@ -154,7 +253,7 @@ def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, fused_s
     null = num_blocks - 1
     before_null = [c[:, :null].clone() for c in caches]
     mode = "capture" if dev.type == "cuda" else "static"
-    graphs = DecodeGraphs(model, caches, [1, 2, 4], 4, bs, null, dev, mode, max_model_len=200)
+    graphs = StepGraphs(model, caches, [1, 2, 4], 4, bs, null, dev, mode, max_model_len=200)
     graphs.capture()
     # the position tables a graph reads are built for every step the engine may run, never regrown
     assert model.rotary.max_positions >= 200
@@ -163,7 +262,9 @@ def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, fused_s
         SimpleNamespace(token_ids=[17], start=2, block_table=[1]),
         SimpleNamespace(token_ids=[99], start=14, block_table=[2, 4, 5, 6]),
     ]
-    hidden = graphs.run(rows).clone()
+    hidden, starts = graphs.run(rows)
+    hidden = hidden.clone()
+    assert starts is None  # row i is request i's
     slots = [7 * bs + 1, 1 * bs + 2, 6 * bs + 2]  # position p: block_table[p // bs], offset p % bs
     # the eager forward writes the same K/V to the same slots; nothing else but the null block changed
     for c, old in zip(caches, before_null):
@@ -173,10 +274,10 @@ def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, fused_s
     meta = AttentionMetadata(torch.tensor(slots), [0, 1, 2, 3], [10, 3, 15], tables)
     eager = model(torch.tensor([5, 17, 99]), torch.tensor([9, 2, 14]), caches, meta)
     torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
-    again = graphs._forward(4)[:3]  # the same buffers, eagerly: the very kernels the graph replays
+    again = graphs._forward("decode", 4)[:3]  # the same buffers, eagerly: the very kernels the graph replays
     assert torch.equal(hidden, again)
     if dev.type == "cuda":
-        assert graphs.graphs.keys() == {1, 2, 4}
+        assert graphs.graphs.keys() == {("decode", 1), ("decode", 2), ("decode", 4)}
 
 
 class _Launches(TorchDispatchMode):
@@ -205,7 +306,8 @@ class _Launches(TorchDispatchMode):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, fused_steps, monkeypatch, kind):
-    """The launches a replayed decode step records, counted on a CPU (at batch 1 likely a GPU's bound:
+    """The launches a replayed step records (a decode; a mixed step the same with the prefill
+    kernel for the decode's), counted on a CPU (at batch 1 likely a GPU's bound:
     their number, each a few microseconds whatever its size): per layer four matrix products
     (qkv, o, gate-up, down), two fused norms, one kernel for the q/k norms + rotation + K/V write,
     the decode attention and SiLU-and-mul; per step the embedding, the rotary tables' two gathers
@@ -220,7 +322,10 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
     hf = _make(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
+    llm = LLM(
+        str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+        compilation_config={"cudagraph_mode": "FULL"},
+    )  # fmt: skip
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None
     depth, triton = [0], collections.Counter[str]()
@@ -236,19 +341,21 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
 
     steps = []
 
-    def forward(size):  # type: ignore[no-untyped-def]
+    def forward(kind, size):  # type: ignore[no-untyped-def]
         triton.clear()
         with _Launches(depth) as launches:
-            hidden = real_forward(size)
-        steps.append((launches.ops.copy(), triton.copy()))
+            hidden = real_forward(kind, size)
+        steps.append((kind, launches.ops.copy(), triton.copy()))
         return hidden
 
     monkeypatch.setattr(InterpretedFunction, "run", run)
     graphs._forward = forward
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     n = hf.config.num_hidden_layers
-    assert len(steps) == 2  # the decodes after the prefill
-    for aten, kernels in steps:
+    assert [kind for kind, *_ in steps] == ["mixed", "decode", "decode"]  # the prompt's step is one too
+    for kind, aten, kernels in steps:
+        # (a CPU's products of more rows take oneDNN's packed layout: one product all the same)
+        aten["linear"] += aten.pop("_linear_pointwise", 0)
         assert aten == {"linear": 4 * n, "embedding": 1, "index": 2}
         fused = {"add_rms_norm_kernel": 2 * n + 1, "rotary_write_kv_kernel": n, "silu_and_mul_kernel": n}
-        assert kernels == {**fused, "decode_kernel": n}
+        assert kernels == {**fused, f"{kind.replace('mixed', 'prefill')}_kernel": n}

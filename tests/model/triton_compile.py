@@ -27,6 +27,7 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
 DATA_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "h_ptr", "delta_ptr", "w_ptr", "out_ptr", "x_ptr", "cos_ptr"}
 DATA_POINTERS |= {"sin_ptr", "gu_ptr", "kc_ptr", "vc_ptr", "qw_ptr", "kw_ptr"}
 POINTERS["slot_ptr"] = "*i64"
+POINTERS["tile_map_ptr"] = "*i32"
 
 
 def _signature(fn: Any, dtype: torch.dtype, constants: dict[str, Any]) -> dict[str, str]:
@@ -56,6 +57,10 @@ def variants() -> list[tuple[Any, torch.dtype, dict[str, Any]]]:
     out.append(
         (ta._prefill_kernel, torch.float32, ta.prefill_constants(torch.float32, True, 3, 64, 16, 9, False, False))
     )
+    # over a tile map (a captured mixed step): the default model's shapes and an 8B's, bfloat16
+    for group, dim in ((3, 64), (4, 128)):
+        tiled = ta.prefill_constants(torch.bfloat16, True, group, dim, 16, 1 << 30, False, False)
+        out.append((ta._prefill_kernel, torch.bfloat16, {**tiled, "TILE_MAP": True}))
     reduce = dict(NUM_SPLITS=4, D=64, BLOCK_S=4, BLOCK_D=64, HAS_LSE=True)
     out.append((ta._reduce_kernel, torch.bfloat16, reduce))
     # the fused steps: the default model's widths in bfloat16, an 8B Llama's in float32

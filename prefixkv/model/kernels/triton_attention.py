@@ -187,11 +187,13 @@ def _prefill_kernel(
     q_start_ptr,
     q_len_ptr,
     seq_lens_ptr,
+    tile_map_ptr,
     o_ptr,
     lse_ptr,
     scale,
     start,
     window,
+    stride_map,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -214,15 +216,22 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    TILE_MAP: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     """One program per (tile of BLOCK_M new tokens, sequence, KV head): the tile's tokens times
     the KV head's G query heads as the rows of one product (each key tile read once for all G),
     against the sequence's context and the new tokens up to each (causal). Tiles past a sequence's
-    new tokens read and write nothing."""
-    tile = tl.program_id(0)
-    c = tl.program_id(1)
+    new tokens read and write nothing. With TILE_MAP the grid is (tiles, 1, KV heads) and program
+    i's sequence and tile are tile_map[0, i] and tile_map[1, i]: a fixed grid whatever the step's
+    lengths (what a CUDA graph replays)."""
+    if TILE_MAP:
+        c = tl.load(tile_map_ptr + tl.program_id(0))
+        tile = tl.load(tile_map_ptr + stride_map + tl.program_id(0))
+    else:
+        tile = tl.program_id(0)
+        c = tl.program_id(1)
     kvh = tl.program_id(2)
     n_new = tl.load(q_len_ptr + c)
     row0 = tl.load(q_start_ptr + c)
@@ -334,6 +343,7 @@ def prefill_constants(
     rows = max(tile, 32)
     tokens = max(min(rows // heads, _pow2(max_new, 1)), -(-16 // heads))
     return dict(
+        TILE_MAP=False,
         G=group,
         D=head_dim,
         BLOCK_SIZE=block_size,
@@ -521,11 +531,13 @@ def paged_prefill(
         q_start,
         q_len,
         seq_lens,
+        q_len,  # no tile map
         out,
         lse_arg,
         scale,
         start,
         window or 0,
+        0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -539,6 +551,77 @@ def paged_prefill(
         out.stride(1),
         lse_arg.stride(0),
         lse_arg.stride(1),
+        **constants,
+    )
+    return out
+
+
+def prefill_tile_tokens(dtype: torch.dtype, on_gpu: bool, group: int) -> int:
+    """The tokens a tile of `paged_prefill_tiles` holds (`prefill_constants`' largest for this
+    group): what a step's tile map is built with."""
+    return int(prefill_constants(dtype, on_gpu, group, 16, 16, 1 << 30, False, False)["BLOCK_M"])
+
+
+def paged_prefill_tiles(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tile_map: torch.Tensor,
+    tile_tokens: int,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`paged_prefill` over a fixed grid: one program per column of `tile_map` (int32 [2, tiles]:
+    each tile's sequence, and its index among that sequence's tiles of `tile_tokens` tokens,
+    `prefill_tile_tokens`') and KV head. A column naming a sequence of q_len 0, or a tile past its
+    new tokens, does nothing. The launch depends on the tensors' shapes only, never on their
+    values: a step of any mix of prompts, chunks and decodes can be captured once and replayed.
+    Sequences of q_len 1 are decodes, a sequence whose q_len equals its seq_len a prompt without
+    cached context."""
+    block_size, hkv, g = _check_cache(q, k_cache, v_cache)
+    D = q.shape[2]
+    if tile_map.dim() != 2 or tile_map.shape[0] != 2 or tile_map.stride(1) != 1:
+        raise ValueError(f"tile_map must be a row-major int32 [2, tiles], got {tuple(tile_map.shape)}")
+    on_gpu = q.device.type == "cuda"
+    constants = prefill_constants(q.dtype, on_gpu, g, D, block_size, 1 << 30, window is not None, False)
+    if constants["BLOCK_M"] != tile_tokens:
+        held = constants["BLOCK_M"]
+        raise ValueError(f"the tile map was built for tiles of {tile_tokens} tokens; this kernel's hold {held}")
+    constants["TILE_MAP"] = True
+    _prefill_kernel[(tile_map.shape[1], 1, hkv)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        q_start,
+        q_len,
+        seq_lens,
+        tile_map,
+        out,
+        out,  # no log-sum-exp
+        scale,
+        0,
+        window or 0,
+        tile_map.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(0),
+        out.stride(1),
         **constants,
     )
     return out

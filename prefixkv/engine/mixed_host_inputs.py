@@ -1,0 +1,98 @@
+"""The host's half of a replayed mixed step (cuda_graphs.py, model/static_mixed.py): each row's input
+id, position and slot, each sequence's first row, new tokens, length and block table, and the tile
+map that tells the attention kernel's fixed grid which sequence and tile each program takes.
+
+A mixed step comes once in a while (a prompt joins running decodes), so its inputs are built afresh
+from the scheduled requests, in NumPy, without the decode path's block-table mirror.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .scheduler_output import ScheduledRequest
+
+
+@dataclass
+class MixedStepInputs:
+    """One step's host tensors: `tokens` int64 [3, size] (ids, positions, slots; padding rows
+    token 0 at position 0 in the null slot), `seqs` int32 [3, C] (first row, new tokens, length),
+    `tables` int32 [C, width], `tile_map` int32 [2, tiles] (the rest naming the padding sequence),
+    and `query_start_loc` (each request's first row, and the end)."""
+
+    tokens: torch.Tensor
+    seqs: torch.Tensor
+    tables: torch.Tensor
+    tile_map: torch.Tensor
+    query_start_loc: list[int]
+
+
+def tile_map(q_lens: Sequence[int] | np.ndarray, tile_tokens: int, tiles: int, padding_seq: int) -> np.ndarray:
+    """Column i: the sequence and the tile of it program i takes - sequence c's ceil(q_lens[c] /
+    tile_tokens) tiles in order, then `padding_seq` (no tokens: its programs do nothing)."""
+    lens = np.asarray(q_lens, dtype=np.int64)
+    counts = -(-lens // tile_tokens)
+    used = int(counts.sum())
+    if used > tiles:
+        raise ValueError(f"{used} tiles of {tile_tokens} tokens do not fit a map of {tiles}")
+    out = np.zeros((2, tiles), dtype=np.int32)
+    out[0] = padding_seq
+    out[0, :used] = np.repeat(np.arange(len(lens), dtype=np.int32), counts)
+    firsts = np.cumsum(counts) - counts  # each sequence's first column
+    out[1, :used] = np.arange(used) - np.repeat(firsts, counts)
+    return out
+
+
+def build_mixed(
+    scheduled: Sequence[ScheduledRequest],
+    size: int,
+    tiles: int,
+    tile_tokens: int,
+    padding_seq: int,
+    block_size: int,
+    null_slot: int,
+    max_blocks: int,
+) -> MixedStepInputs:
+    """The host tensors of a step of `scheduled` (their new tokens at most `size`) padded to `size`
+    rows, each block table cut to `max_blocks` (the buffers' width; blocks past it hold no position
+    of the step). Raises where a position lies past its request's table (the scheduler gives every
+    token a slot)."""
+    bs = block_size
+    n = len(scheduled)
+    lens = np.fromiter((len(sr.token_ids) for sr in scheduled), dtype=np.int64, count=n)
+    starts = np.fromiter((sr.start for sr in scheduled), dtype=np.int64, count=n)
+    qsl = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    total = int(qsl[-1])
+    if total > size:
+        raise ValueError(f"a step of {total} tokens does not fit {size} rows")
+    widths = [min(len(sr.block_table), max_blocks) for sr in scheduled]
+    width = max(widths, default=0)
+    tables = np.zeros((n, width), dtype=np.int32)
+    for i, sr in enumerate(scheduled):
+        w = widths[i]
+        tables[i, :w] = sr.block_table if w == len(sr.block_table) else sr.block_table[:w]
+    ends = starts + lens
+    short = np.flatnonzero(-(-ends // bs) > np.asarray(widths, dtype=np.int64))
+    if short.size:
+        i = int(short[0])
+        raise IndexError(f"request {scheduled[i].req_id}: position {int(ends[i]) - 1} lies past its {widths[i]} blocks")
+    tokens = np.zeros((3, size), dtype=np.int64)
+    row_seq = np.repeat(np.arange(n), lens)  # each real row's request
+    positions = np.arange(total) - np.repeat(qsl[:-1], lens) + np.repeat(starts, lens)
+    tokens[0, :total] = [t for sr in scheduled for t in sr.token_ids]
+    tokens[1, :total] = positions
+    tokens[2, :total] = tables[row_seq, positions // bs].astype(np.int64) * bs + positions % bs
+    tokens[2, total:] = null_slot
+    seqs = np.stack([qsl[:-1], lens, ends]).astype(np.int32)
+    return MixedStepInputs(
+        torch.from_numpy(tokens),
+        torch.from_numpy(seqs),
+        torch.from_numpy(tables),
+        torch.from_numpy(tile_map(lens, tile_tokens, tiles, padding_seq)),
+        qsl.tolist(),
+    )
