@@ -218,8 +218,8 @@ def main() -> None:
         "--profile-top",
         type=int,
         default=0,
-        help="with --device-time: the profiled round's operators by host and device time, and a "
-        "round under cProfile, this many rows each",
+        help="a round under cProfile, and with --device-time the profiled round's operators by host and "
+        "device time, this many rows each",
     )
     ap.add_argument(
         "--gpu-path",
@@ -257,7 +257,7 @@ def main() -> None:
         if args.gpu_path:
             graphs = engine.runner.graphs
             assert graphs is not None, "no static buffers: is Triton installed?"
-            stub = torch.zeros(max(*batches, *graphs.mixed_sizes), engine.model_config.hidden_size)
+            stub = torch.zeros(max([*batches, *graphs.mixed_sizes]), engine.model_config.hidden_size)
             graphs._forward = lambda kind, size: stub[:size]  # a replay: one launch, nothing for the host
             timed(engine.scheduler, "schedule_ahead", "schedule", acc)
             timed(engine.runner.model, "compute_logits", "logits", acc)
@@ -303,8 +303,8 @@ def main() -> None:
                     device_time(engine, B, args.prompt, params, args.profile_top)
                 except Exception as e:  # noqa: BLE001 (a profiler that cannot run here: say so, go on)
                     print(f"batch {B:4d}: no device profile ({type(e).__name__}: {e})", flush=True)
-                if args.profile_top:
-                    host_profile(engine, B, args.prompt, params, args.profile_top)
+            if args.profile_top:
+                host_profile(engine, B, args.prompt, params, args.profile_top)
 
 
 if __name__ == "__main__":
