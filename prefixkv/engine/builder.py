@@ -103,6 +103,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         graphs = StepGraphs(
             loaded.model, caches, sizes, max_blocks, bs, num_blocks, device, mode, max_model_len,
             mixed_sizes=mixed_sizes, max_seqs=config.max_num_seqs,
+            lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
         )  # fmt: skip
     # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
     hash_fn = get_hash_function(config.prefix_caching_hash_algo)

@@ -17,8 +17,10 @@ that many rows (model/static_mixed.py), attention by one kernel over a fixed gri
 tile map steers. A step of at most the largest count whose contexts fit the width is padded up to
 the next count and replayed.
 
-Neither takes a step that needs what the graph lacks (a LoRA adapter, image input, prompt logprobs
-or hidden states: `ModelRunner.graph_kind`); those, and everything larger, run eagerly.
+Neither takes a step that needs what the graph lacks (image input, prompt logprobs or hidden states:
+`ModelRunner.graph_kind`); those, and everything larger, run eagerly. Where LoRA is attached, every
+graph computes each row's adapter update through the masked dense path over every slot (lora/
+layers.StaticLoRAMapping), the rows' slots in a buffer: steps with adapters replay too.
 
 `mode` "static" runs the same buffers and forward without capturing: how a CPU checks the path
 under Triton's interpreter (PREFIXKV_CUDA_GRAPHS=static with TRITON_INTERPRET=1).
@@ -32,8 +34,10 @@ import os
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from ..lora.layers import StaticLoRAMapping
 from ..model import AttentionMetadata, LlamaModel
 from ..model.attention import static_meta
 from ..model.attention_path import triton_kernels
@@ -144,11 +148,15 @@ class StepGraphs:
         *,
         mixed_sizes: Sequence[int] = (),
         max_seqs: int = 0,
+        lora: tuple[int, int] | None = None,
     ) -> None:
         """`null_block`: a block of the caches no sequence holds, where padding rows write.
         `max_model_len`: the longest context any step (eager ones too) may have: the model's
         position tables are built that far before a capture, never replaced after. `max_seqs`:
-        the most sequences a mixed step holds (the scheduler's max_num_seqs)."""
+        the most sequences a mixed step holds (the scheduler's max_num_seqs). `lora`: (max_loras,
+        max_lora_rank) where LoRA is attached to the model: every graph computes the adapters'
+        updates of its rows (none for a base row: exactly the base output), each row's slot in a
+        buffer the step fills."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
@@ -173,12 +181,23 @@ class StepGraphs:
             top = self.mixed_sizes[-1]
             self.mixed = StaticMixedInputs(top, min(max_seqs, top), max_blocks, block_size, tile_tokens, device)
             self.mixed_metas = {s: static_meta(self.mixed.view(s)) for s in self.mixed_sizes}
+        self.lora = lora
+        self.lora_maps: dict[tuple[str, int], StaticLoRAMapping] = {}
+        self._slots_set = False  # whether a row's slot in the buffer may be an adapter's
+        if lora is not None:
+            rows = max([self.max_size, *self.mixed_sizes])
+            self.row_slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+            slots, rank = lora
+            for kind, sizes in (("decode", self.sizes), ("mixed", self.mixed_sizes)):
+                for size in sizes:
+                    self.lora_maps[kind, size] = StaticLoRAMapping(self.row_slots[:size], slots, rank, model.dtype)
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.graph_bytes = 0  # the card's free memory the capture took
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps that took this path (a test checks the path ran)
         self.mixed_replays = 0  # mixed steps that did
+        self.lora_replays = 0  # steps of either kind with an adapter's rows
 
     # -- a step ------------------------------------------------------------------------------------
     def kind(self, scheduled: list[ScheduledRequest]) -> str | None:
@@ -213,24 +232,49 @@ class StepGraphs:
         scheduled: list[ScheduledRequest],
         carried: tuple[list[int], torch.Tensor] | None = None,
         kind: str | None = None,
+        lora_slots: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[int] | None]:
         """The step's final hidden states - a view of the graph's output, overwritten by the next
         step - and each request's first row (None: row i is request i's, a decode step). `kind`:
         what `kind` said of this step (asked here if not given). `carried`: rows whose input token
-        is on the device already (the previous step's draws, async scheduling). The buffers are
+        is on the device already (the previous step's draws, async scheduling). `lora_slots`: each
+        request's adapter slot, -1 for the base model (None: every request's). The buffers are
         filled in stream order from page-locked copies: the host never waits for the device here."""
         kind = kind or self.kind(scheduled)
         if kind is None:
             raise ValueError("this step fits no graph")
+        if lora_slots is not None and self.lora is None:
+            raise ValueError("adapter rows in a step, but the graphs were captured without LoRA")
         if kind == "decode":
-            return self._run_decode(scheduled, carried), None
-        return self._run_mixed(scheduled, carried)
+            return self._run_decode(scheduled, carried, lora_slots), None
+        return self._run_mixed(scheduled, carried, lora_slots)
+
+    def _set_slots(self, slots: np.ndarray | None) -> None:
+        """The rows' adapter slots (the step's size of them), or every row base."""
+        if slots is None:
+            if self._slots_set:
+                self.row_slots.fill_(-1)
+                self._slots_set = False
+            return
+        host = pinned_for(torch.from_numpy(slots), self.row_slots.device)
+        self.row_slots[: len(slots)].copy_(host, non_blocking=True)
+        self._slots_set = True
+        self.lora_replays += 1
 
     def _run_decode(
-        self, scheduled: list[ScheduledRequest], carried: tuple[list[int], torch.Tensor] | None
+        self,
+        scheduled: list[ScheduledRequest],
+        carried: tuple[list[int], torch.Tensor] | None,
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
         b = len(scheduled)
         size = self.size_for(b)
+        if self.lora is not None:
+            slots = None
+            if lora_slots is not None:
+                slots = np.full(size, -1, dtype=np.int64)
+                slots[:b] = lora_slots
+            self._set_slots(slots)
         every_id_carried = carried is not None and len(carried[0]) == b
         rows, lens, tables = self.host_inputs.build(scheduled, size, ids_on_device=every_id_carried)
         buf = self.inputs
@@ -249,7 +293,10 @@ class StepGraphs:
         return self._replay("decode", size)[:b]
 
     def _run_mixed(
-        self, scheduled: list[ScheduledRequest], carried: tuple[list[int], torch.Tensor] | None
+        self,
+        scheduled: list[ScheduledRequest],
+        carried: tuple[list[int], torch.Tensor] | None,
+        lora_slots: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         buf = self.mixed
         assert buf is not None
@@ -270,6 +317,12 @@ class StepGraphs:
         buf.block_tables[:n, :width].copy_(pinned_for(host.tables, dev), non_blocking=True)
         buf.tile_map[:, : view.tiles].copy_(pinned_for(host.tile_map, dev), non_blocking=True)
         qsl = host.query_start_loc
+        if self.lora is not None:
+            slots = None
+            if lora_slots is not None:
+                slots = np.full(size, -1, dtype=np.int64)
+                slots[:tokens] = np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
+            self._set_slots(slots)
         if carried is not None:
             carried_rows, ids = carried
             buf.tokens[0].index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)
@@ -287,7 +340,10 @@ class StepGraphs:
         meta = self.metas[size] if kind == "decode" else self.mixed_metas[size]
         view = meta.static
         assert view is not None
-        hidden: torch.Tensor = self.model(view.input_ids, view.positions, self.kv_caches, meta)
+        lora = self.lora_maps.get((kind, size))
+        if lora is not None:
+            lora.refresh()  # the rows' masks from the slots buffer: recorded into the graph
+        hidden: torch.Tensor = self.model(view.input_ids, view.positions, self.kv_caches, meta, lora_mapping=lora)
         return hidden
 
     # -- capture -----------------------------------------------------------------------------------
@@ -302,6 +358,9 @@ class StepGraphs:
         buf.seq_lens.zero_()
         buf.input_ids.zero_()
         buf.positions.zero_()
+        if self.lora is not None:
+            self.row_slots.fill_(-1)
+            self._slots_set = False
         work = [("decode", s) for s in self.sizes]
         if self.mixed is not None:
             mixed = self.mixed

@@ -90,14 +90,18 @@ class ModelRunner:
 
     def graph_kind(self, scheduled: list[ScheduledRequest]) -> str | None:
         """Which captured step a step replays ("decode", "mixed"; None: it runs eagerly): its shape
-        within the graphs' sizes, and no request needing what a graph does not compute - a LoRA
-        adapter, image inputs, prompt logprobs or hidden states; the stage-output cache and
-        KV-cache groups keep every step eager (no graphs are built with them)."""
+        within the graphs' sizes, and no request needing what a graph does not compute - image
+        inputs, prompt logprobs or hidden states (a LoRA adapter where the graphs were captured
+        without LoRA); the stage-output cache and KV-cache groups keep every step eager (no graphs
+        are built with them)."""
         graphs = self.graphs
         if graphs is None:
             return None
         kind = graphs.kind(scheduled)
-        if kind is None or any(sr.lora_id or sr.mm_inputs or sr.want_hidden_states for sr in scheduled):
+        if kind is None:
+            return None
+        lora_eager = graphs.lora is None
+        if any((lora_eager and sr.lora_id) or sr.mm_inputs or sr.want_hidden_states for sr in scheduled):
             return None
         return kind
 
@@ -128,7 +132,10 @@ class ModelRunner:
         kind = self.graph_kind(scheduled)
         if kind is not None:
             assert self.graphs is not None
-            hidden, query_start_loc = self.graphs.run(scheduled, carried, kind)
+            lora_slots = None
+            if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
+                lora_slots = self.lora_manager.slots_for([sr.lora_id for sr in scheduled])
+            hidden, query_start_loc = self.graphs.run(scheduled, carried, kind, lora_slots)
         else:
             hidden, query_start_loc = self._forward(scheduled, carried)
         out = ModelRunnerOutput()

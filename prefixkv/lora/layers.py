@@ -93,6 +93,40 @@ class LoRAMapping:
         return cls(runs, slice(lo, hi), slice(first, last), masks)
 
 
+# how many slices the wrapped linears have (o/down 1, gate_up 2, qkv 3): the masks a step needs
+SLICE_COUNTS = (1, 2, 3)
+
+
+class StaticLoRAMapping(LoRAMapping):
+    """The mapping of a step over fixed buffers (what a CUDA graph captures): every row through the
+    dense masked path, over every slot, the masks made on the device from `row_slots` (int64 [rows],
+    each row's slot, -1 for a base row or padding) by `refresh()`, which the captured forward calls
+    first. A base row's mask is all zeros: it gets exactly the base linear's output (an added 0)."""
+
+    def __init__(
+        self,
+        row_slots: torch.Tensor,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        slice_counts: tuple[int, ...] = SLICE_COUNTS,
+    ) -> None:
+        super().__init__([], slice(0, row_slots.shape[0]), slice(0, num_slots), None)
+        self.row_slots = row_slots
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.slice_counts = sorted({1, *slice_counts})
+        self._slots = torch.arange(num_slots, device=row_slots.device)
+
+    def refresh(self) -> None:
+        """The masks of the slots in `row_slots` now: one-hot per row on its slot's rank columns,
+        repeated per slice."""
+        rows = self.row_slots.shape[0]
+        one_hot = (self.row_slots[:, None] == self._slots[None, :]).to(self.dtype)  # [rows, slots]
+        mask = one_hot[:, :, None].expand(-1, -1, self.max_rank).reshape(rows, -1)
+        self.masks = {k: mask if k == 1 else mask.repeat(1, k) for k in self.slice_counts}
+
+
 class LoRAContext:
     """Shared by every wrapped linear of a model: the mapping of the step being computed."""
 

@@ -21,7 +21,7 @@ import torch
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
 from .adapter import TARGETS, LoRAAdapter, load_adapter, target_shapes
-from .layers import FUSED, LoRALinear, LoRAMapping, attach_lora
+from .layers import FUSED, SLICE_COUNTS, LoRALinear, LoRAMapping, attach_lora
 from .request import LoRARequest
 
 
@@ -120,20 +120,26 @@ class LoRAManager:
     def prepare(self, segments: list[tuple[int, int]]) -> LoRAMapping | None:
         """segments: (adapter id or 0, number of tokens) in batch order -> the step's mapping, with
         every adapter named made resident (least recently used ones out)."""
-        ids = {aid for aid, _ in segments if aid}
-        if not ids:
+        if not any(aid for aid, _ in segments):
             return None
-        if len(ids) > self.max_loras:
-            raise RuntimeError(f"{len(ids)} adapters in one step, max_loras={self.max_loras}")
-        slot_of = {aid: self._make_resident(aid, ids) for aid in ids}
+        slots = self.slots_for([aid for aid, _ in segments])
         return LoRAMapping.from_segments(
-            [(slot_of[a] if a else -1, n) for a, n in segments],
+            [(slot, n) for slot, (_, n) in zip(slots, segments)],
             self.device,
             self.max_loras,
             self.max_lora_rank,
             self.dtype,
-            tuple({len(targets) for targets, _ in FUSED.values()}),
+            SLICE_COUNTS,
         )
+
+    def slots_for(self, adapter_ids: list[int]) -> list[int]:
+        """Each entry's device slot (-1 for 0, the base model), every adapter named made resident
+        (least recently used ones out)."""
+        ids = {aid for aid in adapter_ids if aid}
+        if len(ids) > self.max_loras:
+            raise RuntimeError(f"{len(ids)} adapters in one step, max_loras={self.max_loras}")
+        slot_of = {aid: self._make_resident(aid, ids) for aid in ids}
+        return [slot_of[aid] if aid else -1 for aid in adapter_ids]
 
     def _make_resident(self, aid: int, needed: set[int]) -> int:
         slot = self._resident.get(aid)
