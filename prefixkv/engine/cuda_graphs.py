@@ -18,9 +18,10 @@ tile map steers. A step of at most the largest count whose contexts fit the widt
 the next count and replayed.
 
 Neither takes a step that needs what the graph lacks (image input, prompt logprobs or hidden states:
-`ModelRunner.graph_kind`); those, and everything larger, run eagerly. Where LoRA is attached, every
-graph computes each row's adapter update through the masked dense path over every slot (lora/
-layers.StaticLoRAMapping), the rows' slots in a buffer: steps with adapters replay too.
+`ModelRunner.graph_kind`); those, and everything larger, run eagerly. Where LoRA is attached, each
+size has a second graph that computes each row's adapter update through the masked dense path over
+every slot (lora/layers.StaticLoRAMapping), the rows' slots in a buffer: steps with adapters replay
+too, and steps without them read no adapter weights.
 
 `mode` "static" runs the same buffers and forward without capturing: how a CPU checks the path
 under Triton's interpreter (PREFIXKV_CUDA_GRAPHS=static with TRITON_INTERPRET=1).
@@ -154,9 +155,10 @@ class StepGraphs:
         `max_model_len`: the longest context any step (eager ones too) may have: the model's
         position tables are built that far before a capture, never replaced after. `max_seqs`:
         the most sequences a mixed step holds (the scheduler's max_num_seqs). `lora`: (max_loras,
-        max_lora_rank) where LoRA is attached to the model: every graph computes the adapters'
-        updates of its rows (none for a base row: exactly the base output), each row's slot in a
-        buffer the step fills."""
+        max_lora_rank) where LoRA is attached to the model: each size is captured twice, the second
+        graph ("decode-lora", "mixed-lora") computing the adapters' updates of its rows (none for a
+        base row: an exact 0), each row's slot in a buffer the step fills; a step without adapters
+        replays the first, reading no adapter weights."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
@@ -183,14 +185,14 @@ class StepGraphs:
             self.mixed_metas = {s: static_meta(self.mixed.view(s)) for s in self.mixed_sizes}
         self.lora = lora
         self.lora_maps: dict[tuple[str, int], StaticLoRAMapping] = {}
-        self._slots_set = False  # whether a row's slot in the buffer may be an adapter's
         if lora is not None:
             rows = max([self.max_size, *self.mixed_sizes])
             self.row_slots = torch.full((rows,), -1, dtype=torch.long, device=device)
             slots, rank = lora
             for kind, sizes in (("decode", self.sizes), ("mixed", self.mixed_sizes)):
                 for size in sizes:
-                    self.lora_maps[kind, size] = StaticLoRAMapping(self.row_slots[:size], slots, rank, model.dtype)
+                    mapping = StaticLoRAMapping(self.row_slots[:size], slots, rank, model.dtype)
+                    self.lora_maps[f"{kind}-lora", size] = mapping
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.graph_bytes = 0  # the card's free memory the capture took
@@ -249,16 +251,10 @@ class StepGraphs:
             return self._run_decode(scheduled, carried, lora_slots), None
         return self._run_mixed(scheduled, carried, lora_slots)
 
-    def _set_slots(self, slots: np.ndarray | None) -> None:
-        """The rows' adapter slots (the step's size of them), or every row base."""
-        if slots is None:
-            if self._slots_set:
-                self.row_slots.fill_(-1)
-                self._slots_set = False
-            return
+    def _set_slots(self, slots: np.ndarray) -> None:
+        """The rows' adapter slots, the step's size of them (-1: base row or padding)."""
         host = pinned_for(torch.from_numpy(slots), self.row_slots.device)
         self.row_slots[: len(slots)].copy_(host, non_blocking=True)
-        self._slots_set = True
         self.lora_replays += 1
 
     def _run_decode(
@@ -269,12 +265,12 @@ class StepGraphs:
     ) -> torch.Tensor:
         b = len(scheduled)
         size = self.size_for(b)
-        if self.lora is not None:
-            slots = None
-            if lora_slots is not None:
-                slots = np.full(size, -1, dtype=np.int64)
-                slots[:b] = lora_slots
+        kind = "decode"
+        if lora_slots is not None:
+            slots = np.full(size, -1, dtype=np.int64)
+            slots[:b] = lora_slots
             self._set_slots(slots)
+            kind = "decode-lora"
         every_id_carried = carried is not None and len(carried[0]) == b
         rows, lens, tables = self.host_inputs.build(scheduled, size, ids_on_device=every_id_carried)
         buf = self.inputs
@@ -290,7 +286,7 @@ class StepGraphs:
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
         buf.block_tables[:b, : tables.shape[1]].copy_(pinned_for(tables, dev), non_blocking=True)
         self.replays += 1
-        return self._replay("decode", size)[:b]
+        return self._replay(kind, size)[:b]
 
     def _run_mixed(
         self,
@@ -317,17 +313,17 @@ class StepGraphs:
         buf.block_tables[:n, :width].copy_(pinned_for(host.tables, dev), non_blocking=True)
         buf.tile_map[:, : view.tiles].copy_(pinned_for(host.tile_map, dev), non_blocking=True)
         qsl = host.query_start_loc
-        if self.lora is not None:
-            slots = None
-            if lora_slots is not None:
-                slots = np.full(size, -1, dtype=np.int64)
-                slots[:tokens] = np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
+        kind = "mixed"
+        if lora_slots is not None:
+            slots = np.full(size, -1, dtype=np.int64)
+            slots[:tokens] = np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
             self._set_slots(slots)
+            kind = "mixed-lora"
         if carried is not None:
             carried_rows, ids = carried
             buf.tokens[0].index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)
         self.mixed_replays += 1
-        return self._replay("mixed", size)[:tokens], qsl
+        return self._replay(kind, size)[:tokens], qsl
 
     def _replay(self, kind: str, size: int) -> torch.Tensor:
         graph = self.graphs.get((kind, size))
@@ -337,7 +333,8 @@ class StepGraphs:
         return self._forward(kind, size)
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
-        meta = self.metas[size] if kind == "decode" else self.mixed_metas[size]
+        """One forward over the buffers of `kind` ("decode", "mixed", each with "-lora") and size."""
+        meta = self.metas[size] if kind.startswith("decode") else self.mixed_metas[size]
         view = meta.static
         assert view is not None
         lora = self.lora_maps.get((kind, size))
@@ -360,7 +357,6 @@ class StepGraphs:
         buf.positions.zero_()
         if self.lora is not None:
             self.row_slots.fill_(-1)
-            self._slots_set = False
         work = [("decode", s) for s in self.sizes]
         if self.mixed is not None:
             mixed = self.mixed
@@ -369,6 +365,7 @@ class StepGraphs:
             mixed.seqs.zero_()  # every sequence of no tokens
             mixed.tile_map[0].fill_(mixed.padding_seq)
             work += [("mixed", s) for s in self.mixed_sizes]
+        work += list(self.lora_maps)
         if self.mode != "capture":
             for kind, size in work:
                 self._forward(kind, size)
@@ -397,8 +394,9 @@ class StepGraphs:
 
     def summary(self) -> str:
         mixed = f", mixed steps of {_ranges(self.mixed_sizes)} tokens" if self.mixed_sizes else ""
+        lora = ", each with and without LoRA" if self.lora_maps else ""
         return (
-            f"decode batch sizes {_ranges(self.sizes)}{mixed} (contexts up to {self.max_context} tokens) in "
+            f"decode batch sizes {_ranges(self.sizes)}{mixed}{lora} (contexts up to {self.max_context} tokens) in "
             f"{self.capture_seconds:.1f} s, {self.graph_bytes / MIB:.0f} MiB"
         )
 

@@ -40,7 +40,12 @@ def test_adapters_in_replayed_steps_match_peft(lora_fixture, static_graphs):
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and graphs.lora is not None
     assert graphs.replays > 0 and graphs.mixed_replays > 0 and graphs.lora_replays > 0
+    assert ("decode-lora", 8) in graphs.lora_maps and ("mixed-lora", 16) in graphs.lora_maps
     _all_free(llm)
+    # a step without adapters replays the graph that reads none
+    before = graphs.lora_replays
+    base = _run(llm, fx, [None])
+    assert base[None] == fx.expected[None] and graphs.lora_replays == before
 
 
 def test_static_mapping_masks_each_rows_own_slot():
