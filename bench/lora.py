@@ -9,6 +9,10 @@ Prints the median throughput (generated tokens / s, and all tokens / s), the med
 per-pair LoRA/base ratios, and the prefix-cache hit rate.
 
     .venv/bin/python bench/lora.py [--requests 24] [--max-tokens 24] [--repeats 3] [--adapters 1,4,8]
+        [--device cuda --dtype bfloat16 [--enforce-eager]]
+
+On a GPU both engines replay CUDA graphs (with LoRA, the graphs that carry the adapters); run it
+again with --enforce-eager for both eagerly.
 """
 
 from __future__ import annotations
@@ -63,12 +67,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs, for either engine")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     counts = [int(x) for x in args.adapters.split(",")]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    common = dict(dtype=args.dtype, device=args.device, kv_cache_memory_bytes=256 << 20)
+    common = dict(
+        dtype=args.dtype, device=args.device, kv_cache_memory_bytes=256 << 20, enforce_eager=args.enforce_eager
+    )
 
     base = LLM(**common)
     config = base.llm_engine.model_config

@@ -14,7 +14,7 @@
 #                   eagerly, bit for bit; tests/model/test_triton_fused.py the fused norm, rotary
 #                   and SiLU kernels against PyTorch's
 #   verify          the shorter equality: the fused kernels, tests/engine/test_cuda.py and the graphs
-#                   tests
+#                   tests (decode, mixed, with LoRA adapters against peft)
 #   graphs          bench/decode_graphs.py: decode ms/step through the engine at batch 1/32/256
 #                   (bfloat16, 256-token contexts), CUDA graphs with async scheduling (the default)
 #                   against enforce_eager=True, against graphs stepped in order and against graphs
@@ -61,13 +61,16 @@
 #                   1B's and the default model's products, device time and share of the bandwidth
 #   threads         whether this machine's CPU gives the same bits on every thread count
 #                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
-#   issue40         the preset for issue 40's open rows, most wanted first: verify mixed graphs large
-#                   host_profile host_calls gemv serve host model_speed shared_prefix compiled (what
+#   lora            bench/lora.py on the GPU (bfloat16): 1 and 4 random rank-16 adapters in mixed traffic
+#                   against the base model, with CUDA graphs (adapter steps replay the LoRA graphs)
+#                   and with --enforce-eager
+#   issue40         the preset for issue 40's open rows, most wanted first: verify mixed lora host_profile
+#                   host_calls gemv serve large host model_speed shared_prefix compiled (what
 #                   the budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify mixed graphs large host_profile host_calls gemv serve host model_speed shared_prefix compiled}
+STEPS=${STEPS/issue40/verify mixed lora host_profile host_calls gemv serve large host model_speed shared_prefix compiled}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -97,13 +100,14 @@ for step in $STEPS; do
         bounded 200 equality.log python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
             tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
-            tests/engine/test_cuda_graphs.py tests/model/test_triton_fused.py tests/model/test_host_copy.py \
+            tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py tests/model/test_triton_fused.py \
+            tests/model/test_host_copy.py \
             tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
     verify)
         bounded 150 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py tests/model/test_host_copy.py \
-            tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py ;;
+            tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py ;;
     paged)
         bounded 100 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --contexts 1024,8192 --new 64
@@ -142,6 +146,11 @@ for step in $STEPS; do
             bounded 45 fused_eager.log env PREFIXKV_CUDA_KERNELS=$on "${speed[@]}" --no-hf --no-ceiling
         done ;;
     shared_prefix) bounded 100 shared_prefix.log python3 bench/shared_prefix.py --repeats 3 ;;
+    lora)
+        for eager in "" --enforce-eager; do
+            bounded 90 lora.log python3 bench/lora.py --device cuda --dtype bfloat16 --requests 32 --max-tokens 32 \
+                --repeats 2 --adapters 1,4 $eager
+        done ;;
     mixed)
         bounded 150 mixed.log python3 bench/mixed_steps.py --device cuda --dtype bfloat16 --decodes 0,32,128 \
             --prompts 16,128,1024 --repeats 8 --rounds 2 ;;
