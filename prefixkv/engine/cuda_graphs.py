@@ -387,6 +387,9 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[kind, size] = self._forward(kind, size)
             self.graphs[kind, size] = graph
+            mapping = self.lora_maps.get((kind, size))
+            if mapping is not None:  # the replay remakes its masks first: their memory goes back to the pool
+                mapping.masks = None
         torch.cuda.synchronize(device)
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.capture_seconds = time.perf_counter() - start
