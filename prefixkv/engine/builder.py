@@ -85,9 +85,12 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     if config.enable_stage_output_cache:  # the hidden states of cached blocks, in the same budget
         for spec in stage_output_specs(model_config, bs, dtype):
             block_tensors.register(spec)
-    mode = _graph_mode(config, device, loaded, kv_groups)
+    mode = _graph_mode(config, device, loaded)
     sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
     mixed_sizes = mixed_capture_sizes(config.max_num_batched_tokens, config.compilation_config) if mode else []
+    if mixed_sizes and kv_groups is not None:
+        logger.info("mixed steps run eagerly with KV-cache groups (decode steps are captured)")
+        mixed_sizes = []
     graph_rows = max([*sizes, *mixed_sizes], default=0) if mode == "capture" else 0
     num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows)
     if mode and config.num_blocks is None and num_blocks > 1:
@@ -99,11 +102,12 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     graphs = None
     if mode:
         max_blocks = -(-min(config.max_seq_len_to_capture, max_model_len) // bs)
-        caches = block_tensors.layer_caches(model_config, bs, None)
+        caches = block_tensors.layer_caches(model_config, bs, kv_groups)
         graphs = StepGraphs(
             loaded.model, caches, sizes, max_blocks, bs, num_blocks, device, mode, max_model_len,
             mixed_sizes=mixed_sizes, max_seqs=config.max_num_seqs,
             lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
+            layer_groups=kv_groups.layer_group(model_config.num_hidden_layers) if kv_groups is not None else None,
         )  # fmt: skip
     # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
     hash_fn = get_hash_function(config.prefix_caching_hash_algo)
@@ -250,9 +254,7 @@ def _checked_thread_policy(
 _MODE_NAMES = {None: "eager", "capture": "CUDA graphs", "static": "static buffers, not captured"}
 
 
-def _graph_mode(
-    config: EngineArgs, device: torch.device, loaded: LoadedModel, kv_groups: KVCacheGroups | None
-) -> str | None:
+def _graph_mode(config: EngineArgs, device: torch.device, loaded: LoadedModel) -> str | None:
     """Whether decode steps are captured as CUDA graphs (cuda_graphs.py), logged on CUDA."""
     mode, why = graph_mode(device, config.enforce_eager, config.compilation_config)
     if mode is not None:
@@ -260,7 +262,6 @@ def _graph_mode(
         unsupported = model.static_decode_unsupported() if isinstance(model, LlamaModel) else "not a decoder model"
         for reason, off in (
             (f"{loaded.config.architecture}: {unsupported}", unsupported is not None),
-            ("KV-cache groups (a hybrid sliding-window layout)", kv_groups is not None),
             ("the stage-output cache", config.enable_stage_output_cache),
         ):
             if off:

@@ -17,6 +17,9 @@ that many rows (model/static_mixed.py), attention by one kernel over a fixed gri
 tile map steers. A step of at most the largest count whose contexts fit the width is padded up to
 the next count and replayed.
 
+A model with KV-cache groups (sliding and full layers, memory/kv_groups.py) has its later groups'
+slots and block tables in buffers of their own, for decode graphs (its mixed steps run eagerly).
+
 Neither takes a step that needs what the graph lacks (image input, prompt logprobs or hidden states:
 `ModelRunner.graph_kind`); those, and everything larger, run eagerly. Where LoRA is attached, each
 size has a second graph that computes each row's adapter update through the masked dense path over
@@ -150,6 +153,7 @@ class StepGraphs:
         mixed_sizes: Sequence[int] = (),
         max_seqs: int = 0,
         lora: tuple[int, int] | None = None,
+        layer_groups: list[int] | None = None,
     ) -> None:
         """`null_block`: a block of the caches no sequence holds, where padding rows write.
         `max_model_len`: the longest context any step (eager ones too) may have: the model's
@@ -158,7 +162,9 @@ class StepGraphs:
         max_lora_rank) where LoRA is attached to the model: each size is captured twice, the second
         graph ("decode-lora", "mixed-lora") computing the adapters' updates of its rows (none for a
         base row: an exact 0), each row's slot in a buffer the step fills; a step without adapters
-        replays the first, reading no adapter weights."""
+        replays the first, reading no adapter weights. `layer_groups`: each layer's KV-cache group
+        (memory/kv_groups.py; None: one group): each later group has its own slots and block
+        tables (the same lengths), read by its layers - decode graphs only."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
@@ -172,14 +178,29 @@ class StepGraphs:
         self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot)
         self.max_context = self.inputs.max_context
         self.metas = {s: static_meta(self.inputs.view(s)) for s in self.sizes}
+        # a later KV-cache group's slots and tables, and the mirror its host half keeps
+        self.group_inputs: list[StaticDecodeInputs] = []
+        self.group_hosts: list[DecodeHostInputs] = []
+        if layer_groups is not None and max(layer_groups, default=0) > 0:
+            if mixed_sizes:
+                raise ValueError("mixed-step graphs take one KV-cache group")
+            for _ in range(max(layer_groups)):
+                self.group_inputs.append(
+                    StaticDecodeInputs(self.max_size, max_blocks, block_size, device, seq_lens=self.inputs.seq_lens)
+                )
+                self.group_hosts.append(DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot))
+            for size, meta in self.metas.items():
+                meta.layer_groups = layer_groups
+                for g, group in enumerate(self.group_inputs, start=1):
+                    meta.set_layer_group(g, static_meta(group.view(size)))
         self.mixed_sizes = sorted(set(mixed_sizes))
         self.mixed: StaticMixedInputs | None = None
         self.mixed_metas: dict[int, AttentionMetadata] = {}
         if self.mixed_sizes:
             if max_seqs < 1:
                 raise ValueError("mixed-step graphs need max_seqs")
-            group = model.config.num_attention_heads // model.config.num_key_value_heads
-            tile_tokens = triton_kernels().prefill_tile_tokens(model.dtype, device.type == "cuda", group)
+            heads = model.config.num_attention_heads // model.config.num_key_value_heads
+            tile_tokens = triton_kernels().prefill_tile_tokens(model.dtype, device.type == "cuda", heads)
             top = self.mixed_sizes[-1]
             self.mixed = StaticMixedInputs(top, min(max_seqs, top), max_blocks, block_size, tile_tokens, device)
             self.mixed_metas = {s: static_meta(self.mixed.view(s)) for s in self.mixed_sizes}
@@ -285,6 +306,11 @@ class StepGraphs:
                 buf.tokens[0].index_copy_(0, tensor_on(carried_rows, tokens.device, torch.long), tokens)
         # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
         buf.block_tables[:b, : tables.shape[1]].copy_(pinned_for(tables, dev), non_blocking=True)
+        for g, (group, host) in enumerate(zip(self.group_inputs, self.group_hosts)):
+            # (a sliding group's table holds 0 where a block left the window: never read)
+            g_rows, _, g_tables = host.build(scheduled, size, True, [sr.group_block_tables[g] for sr in scheduled])
+            group.slot_mapping[:size].copy_(pinned_for(g_rows[2], dev), non_blocking=True)
+            group.block_tables[:b, : g_tables.shape[1]].copy_(pinned_for(g_tables, dev), non_blocking=True)
         self.replays += 1
         return self._replay(kind, size)[:b]
 
@@ -355,6 +381,8 @@ class StepGraphs:
         buf.seq_lens.zero_()
         buf.input_ids.zero_()
         buf.positions.zero_()
+        for group in self.group_inputs:
+            group.slot_mapping.fill_(self.null_slot)
         if self.lora is not None:
             self.row_slots.fill_(-1)
         work = [("decode", s) for s in self.sizes]

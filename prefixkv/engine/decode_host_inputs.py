@@ -33,19 +33,24 @@ class DecodeHostInputs:
         self._written: list[list[int] | None] = [None] * max_batch
 
     def build(
-        self, scheduled: Sequence[ScheduledRequest], size: int, ids_on_device: bool
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        size: int,
+        ids_on_device: bool,
+        row_tables: Sequence[list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a step of `len(scheduled)` one-token rows padded to `size`: ids, positions and slots
         [3, size] int64 (padding rows: token 0 at position 0 in the null slot; ids left 0 when
         `ids_on_device`: every row's comes from the previous step's draws), lengths [size] int32
         (0 for padding), and the block tables [rows, width] int32, width the longest row's blocks.
+        `row_tables`: each row's table, where not its `block_table` (a later KV-cache group's).
         Raises where a position lies past its row's table (the scheduler gives every token a slot)."""
         b = len(scheduled)
         bs = self.block_size
         tables, num_blocks, written = self.tables, self.num_blocks, self._written
         width_cap = tables.shape[1]
         for i, sr in enumerate(scheduled):
-            table = sr.block_table
+            table = sr.block_table if row_tables is None else row_tables[i]
             if written[i] is not table:
                 n = min(len(table), width_cap)  # blocks past the buffers' width are past every position
                 tables[i, :n] = table if n == len(table) else table[:n]

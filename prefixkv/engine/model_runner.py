@@ -92,8 +92,8 @@ class ModelRunner:
         """Which captured step a step replays ("decode", "mixed"; None: it runs eagerly): its shape
         within the graphs' sizes, and no request needing what a graph does not compute - image
         inputs, prompt logprobs or hidden states (a LoRA adapter where the graphs were captured
-        without LoRA); the stage-output cache and KV-cache groups keep every step eager (no graphs
-        are built with them)."""
+        without LoRA); the stage-output cache keeps every step eager (no graphs are built with
+        it)."""
         graphs = self.graphs
         if graphs is None:
             return None

@@ -102,6 +102,11 @@ class AttentionMetadata:
             view = self._plans[key] = AttentionMetadata(slots, self.query_start_loc, self.seq_lens, tables)
         return view
 
+    def set_layer_group(self, group: int, meta: AttentionMetadata) -> None:
+        """What `for_layer` gives group `group`'s layers (a step over fixed buffers: the group's
+        own static metadata)."""
+        self._plans[("group", group)] = meta
+
     # ------------------------------------------------------------------
     def plan(
         self, block_size: int, device: torch.device, window: int | None = None, dtype: torch.dtype = torch.float32

@@ -127,6 +127,26 @@ class GemmaModel(LlamaModel):
                 h, x = layer(h, x, c, s, cache, meta.for_layer(i), next_norm)
         return x
 
+    def reserve_positions(self, n: int) -> None:
+        """Both rotary tables (Gemma 3's sliding layers have their own) built up to `n`."""
+        super().reserve_positions(n)
+        local = self.local_rotary
+        if local is not None and n > local.max_positions:
+            local.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), n - 1)
+
+    def static_decode_unsupported(self) -> str | None:
+        """Gemma's block over fixed buffers: every layer Gemma's, attention without soft capping
+        (Gemma 3; Gemma 2 caps its scores), dense MLPs. The final logits' cap is applied after the
+        forward, outside any graph."""
+        for layer in self.gemma_layers():
+            if type(layer) is not GemmaDecoderLayer or type(layer.self_attn) is not GemmaAttention:
+                return f"{type(layer).__name__} layers"
+            if layer.self_attn.softcap is not None:
+                return "soft-capped attention"
+            if not isinstance(layer.mlp, GatedMLP):
+                return "routed experts (MoE)"
+        return None
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -23,14 +23,25 @@ class StaticDecodeInputs:
     """Buffers for decode steps of up to `max_batch` sequences of up to `max_blocks` blocks each;
     `view(size)` gives a step of `size` rows its slices (the same storage)."""
 
-    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        seq_lens: torch.Tensor | None = None,
+    ) -> None:
+        """`seq_lens`: another inputs' lengths to share (a later KV-cache group's buffers: its own
+        slots and block tables, the same lengths)."""
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.device = device
         # ids, positions and slots as the rows of one tensor: a step copies them in at once
         self.tokens = torch.zeros(3, max_batch, dtype=torch.long, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.tokens
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        if seq_lens is None:
+            seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.seq_lens = seq_lens
 
     @property
     def max_context(self) -> int:

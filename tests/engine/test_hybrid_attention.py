@@ -276,3 +276,50 @@ def test_kv_cache_groups_free_out_of_window_blocks_and_keep_every_output(tmp_pat
     # 11 positions of 16 tokens: 11 x 6 layer-blocks in one group; with groups 11 for the full
     # layer and at most 3 for each sliding one (16-token window + the decode's block)
     assert held[False] == 11 * 6 and held[True] <= 11 + 5 * 3
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2"])
+def test_hybrid_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind):
+    """Decode steps of a model mixing sliding and full layers, with KV-cache groups (a sliding
+    group's blocks leave its window while the request runs), over the fixed buffers a CUDA graph
+    replays - each later group its own slots and tables: greedy float32 tokens equal
+    transformers', caching on, every block free after. Gemma 2's capped attention stays eager.
+    On a CPU uncaptured under Triton's interpreter, captured on a GPU."""
+    from ..model.triton_interpreter import device, kernels_module
+
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random(f"{kind}-graphs")
+    shared = [rng.randrange(256) for _ in range(40)]  # > 2 windows
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    kwargs = dict(
+        dtype="float32",
+        device=str(device()),
+        num_blocks=64,
+        block_size=16,
+        max_model_len=128,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+    )
+    llm = LLM(str(tmp_path), **kwargs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    # and each token's logprob that of the eager steps (greedy tokens alone can miss a layer's error)
+    eager = LLM(str(tmp_path), **kwargs, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs, eager):
+        got_lp = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        want_lp = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    engine = llm.llm_engine
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.replays > 0
+    assert len(graphs.group_inputs) == len(plan_kv_groups(engine.model_config).windows) - 1 > 0
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    capped = tmp_path / "gemma2"
+    _make("gemma2").save_pretrained(capped, safe_serialization=True)
+    _write_tokenizer(capped)
+    assert LLM(str(capped), **kwargs).llm_engine.runner.graphs is None
