@@ -221,6 +221,7 @@ class StepGraphs:
         self.replays = 0  # decode steps that took this path (a test checks the path ran)
         self.mixed_replays = 0  # mixed steps that did
         self.lora_replays = 0  # steps of either kind with an adapter's rows
+        self.failed: set[str] = set()  # kinds whose capture failed: they run eagerly
 
     # -- a step ------------------------------------------------------------------------------------
     def kind(self, scheduled: list[ScheduledRequest]) -> str | None:
@@ -231,9 +232,9 @@ class StepGraphs:
             return None
         top = self.max_context
         if len(scheduled) <= self.max_size and all(len(sr.token_ids) == 1 and sr.start < top for sr in scheduled):
-            return "decode"
+            return None if "decode" in self.failed else "decode"
         mixed = self.mixed
-        if mixed is None or len(scheduled) > mixed.max_seqs:
+        if mixed is None or len(scheduled) > mixed.max_seqs or "mixed" in self.failed:
             return None
         tokens = 0
         for sr in scheduled:
@@ -406,14 +407,20 @@ class StepGraphs:
         stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         # the most rows first: a pool's later graphs fit in what the first one's freed
         for kind, size in sorted(work, key=lambda w: -w[1]):
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(kind, size)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[kind, size] = self._forward(kind, size)
+            if kind in self.failed:
+                continue
+            try:
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._forward(kind, size)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[kind, size] = self._forward(kind, size)
+            except Exception as e:  # noqa: BLE001 (that kind of step runs eagerly, said once)
+                self._fail(kind, f"capturing its {size}-row graph raised {type(e).__name__}: {e}")
+                continue
             self.graphs[kind, size] = graph
             mapping = self.lora_maps.get((kind, size))
             if mapping is not None:  # the replay remakes its masks first: their memory goes back to the pool
@@ -422,6 +429,18 @@ class StepGraphs:
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.capture_seconds = time.perf_counter() - start
         logger.info("CUDA graphs captured: %s", self.summary())
+
+    def _fail(self, kind: str, why: str) -> None:
+        """A kind of step ("decode", "mixed", each with "-lora") that could not be captured runs
+        eagerly from now on (slower, the same outputs): its graphs dropped, the reason logged."""
+        self.failed.add(kind)
+        for key in [key for key in self.graphs if key[0] == kind]:
+            del self.graphs[key], self.outputs[key]
+        logger.warning("CUDA graphs: %s steps run eagerly: %s", kind, why)
+
+    def takes_lora(self, kind: str) -> bool:
+        """Whether a step of `kind` with adapters replays a graph."""
+        return self.lora is not None and f"{kind}-lora" not in self.failed
 
     def summary(self) -> str:
         mixed = f", mixed steps of {_ranges(self.mixed_sizes)} tokens" if self.mixed_sizes else ""

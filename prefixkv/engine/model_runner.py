@@ -100,7 +100,7 @@ class ModelRunner:
         kind = graphs.kind(scheduled)
         if kind is None:
             return None
-        lora_eager = graphs.lora is None
+        lora_eager = not graphs.takes_lora(kind)
         if any((lora_eager and sr.lora_id) or sr.mm_inputs or sr.want_hidden_states for sr in scheduled):
             return None
         return kind

@@ -144,7 +144,7 @@ class GemmaModel(LlamaModel):
             if layer.self_attn.softcap is not None:
                 return "soft-capped attention"
             if not isinstance(layer.mlp, GatedMLP):
-                return "routed experts (MoE)"
+                return f"{type(layer.mlp).__name__} MLPs"
         return None
 
     @torch.inference_mode()

@@ -34,7 +34,7 @@ from .layers import (
     packed_linear_works,
     source_digests,
 )
-from .moe import build_mlp, expected_pieces, expert_pieces
+from .moe import SparseMoeBlock, build_mlp, expected_pieces, expert_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -273,9 +273,10 @@ class LlamaModel(nn.Module):
             self.rotary.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), n - 1)
 
     def static_decode_unsupported(self) -> str | None:
-        """Why a decode step of this model cannot run over fixed buffers (static_decode.py, what a
-        CUDA graph captures); None where it can: the plain decoder layers, attention without soft
-        capping, dense MLPs (routed experts pick their rows by the values)."""
+        """Why a step of this model cannot run over fixed buffers (static_decode.py,
+        static_mixed.py: what a CUDA graph captures); None where it can: the plain decoder layers,
+        attention without soft capping, dense MLPs or routed experts where torch._grouped_mm
+        routes them on the device (moe.Experts.grouped_works: asked here, before any capture)."""
         if type(self).forward is not LlamaModel.forward:
             return f"{type(self).__name__} has its own forward"
         for layer in self.layers:
@@ -283,8 +284,11 @@ class LlamaModel(nn.Module):
                 return f"{type(layer).__name__} layers"
             if layer.self_attn.softcap is not None:
                 return "soft-capped attention"
-            if not isinstance(layer.mlp, GatedMLP):
-                return "routed experts (MoE)"
+            if isinstance(layer.mlp, SparseMoeBlock):
+                if not layer.mlp.experts.grouped_works():
+                    return f"routed experts: no torch._grouped_mm for {self.dtype} here"
+            elif not isinstance(layer.mlp, GatedMLP):
+                return f"{type(layer.mlp).__name__} MLPs"
         return None
 
     @torch.inference_mode()

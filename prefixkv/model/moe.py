@@ -5,7 +5,11 @@ Qwen2-MoE, a shared expert scaled by a sigmoid gate).
 Routed on the CPU without a Python loop over tokens: the (token, expert) pairs are sorted by
 expert, each active expert multiplies its contiguous slice of gathered rows in two matmuls, and
 one index_add puts the weighted rows back. The loop is over experts, at most num_experts short
-iterations a layer. Routing follows transformers' modeling_qwen3_moe / modeling_mixtral exactly:
+iterations a layer, after one read of the counts. A device does the same without that read - a
+host read a layer would make the host wait for the device, and a CUDA graph cannot hold one: the
+counts stay on the device as offsets of torch._grouped_mm, one grouped product for every expert's
+rows (`Experts.grouped`, where `grouped_works` found it runs for the weights' dtype and shapes on
+that device). Routing follows transformers' modeling_qwen3_moe / modeling_mixtral exactly:
 router logits by F.linear (the router is kept out of the packed kernel layouts so its top-k choice
 sees the same numbers), softmax in float32, top-k, optional renormalisation, then the weights in
 the model's dtype.
@@ -35,6 +39,10 @@ class Projection(nn.Module):
         return F.linear(x, self.weight)
 
 
+# run the device's routing (`Experts.grouped`) on CPU tensors too: how the CPU tests check it
+GROUPED_ON_CPU = False
+
+
 class Experts(nn.Module):
     """The routed experts' weights as 3-D parameters (transformers 5's layout): `gate_up_proj`
     [E, 2I, H] (gate rows first) and `down_proj` [E, H, I]."""
@@ -45,10 +53,13 @@ class Experts(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self._grouped_works: dict[tuple[torch.device, torch.dtype], bool] = {}
 
     def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_index / top_weight [T, k] -> sum over each token's k experts of
         weight * expert(x) [T, H]."""
+        if (x.device.type != "cpu" or GROUPED_ON_CPU) and self.grouped_works():
+            return self.grouped(x, top_index, top_weight)
         T, k = top_index.shape
         flat = top_index.reshape(-1)
         # pairs sorted by expert (stable: a token's experts keep transformers' summation order)
@@ -70,6 +81,49 @@ class Experts(nn.Module):
             torch.mul(F.linear(act, self.down_proj[e]), weights[start:end], out=out_rows[start:end])
             start = end
         return torch.zeros_like(x).index_add_(0, tokens, out_rows)
+
+    def grouped(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
+        """`forward` without a host read: the pairs sorted by expert as there, each expert's count
+        summed on the device into the offsets of one grouped product per matrix. Shapes depend on
+        T alone (a CUDA graph captures it)."""
+        k = top_index.shape[1]
+        flat = top_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        tokens = order // k
+        rows = x.index_select(0, tokens)
+        weights = top_weight.reshape(-1, 1).index_select(0, order)
+        g, u = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).split(self.intermediate, -1)
+        out = torch._grouped_mm(F.silu(g) * u, self.down_proj.transpose(1, 2), offs=offsets)
+        return torch.zeros_like(x).index_add_(0, tokens, out.mul_(weights))
+
+    def grouped_works(self) -> bool:
+        """Whether torch._grouped_mm takes these weights (their dtype, shapes and device): tried
+        once on two rows, against the per-expert products (this torch may lack it, or a device
+        may take it for bfloat16 only)."""
+        key = (self.gate_up_proj.device, self.gate_up_proj.dtype)
+        works = self._grouped_works.get(key)
+        if works is None:
+            works = False
+            if hasattr(torch, "_grouped_mm") and self.gate_up_proj.numel():
+                try:
+                    with torch.inference_mode():
+                        x = torch.randn(2, self.gate_up_proj.shape[2], dtype=key[1], device=key[0])
+                        index = torch.tensor([[0], [self.num_experts - 1]], device=key[0])
+                        weight = torch.ones(2, 1, dtype=key[1], device=key[0])
+                        got = self.grouped(x, index, weight).float()
+                        want = torch.stack([self._one(x[0], 0), self._one(x[1], self.num_experts - 1)]).float()
+                        works = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()) + 1e-6))
+                except (RuntimeError, NotImplementedError, TypeError):
+                    works = False
+            self._grouped_works[key] = works
+        return works
+
+    def _one(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        g, u = F.linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(g) * u, self.down_proj[e])
 
 
 class SparseMoeBlock(nn.Module):

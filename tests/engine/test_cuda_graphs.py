@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import logging
 import random
 from types import SimpleNamespace
 
@@ -70,7 +71,7 @@ def static_graphs(monkeypatch):
     monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
 
 
-def test_engine_through_static_decode_matches_transformers(tmp_path, static_graphs):
+def test_engine_through_static_decode_matches_transformers(tmp_path, static_graphs, caplog):
     """Greedy float32 tokens equal transformers' with the decode steps over the fixed buffers:
     caching off and on (prefix hits), a batch shrinking and growing across the sizes (1, 2, 4:
     three sequences pad to four), preemption; every block free after."""
@@ -129,6 +130,12 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
     assert runner.graph_kind([row(start=46, token_ids=[1, 2, 3])]) is None
     for eager_only in (dict(lora_id=1), dict(mm_inputs=("image",)), dict(want_hidden_states=True)):
         assert runner.graph_kind([row(), row(**eager_only)]) is None
+    # a kind whose capture failed runs eagerly, said once; the other kind still replays
+    with caplog.at_level(logging.WARNING, logger="prefixkv"):
+        graphs._fail("decode", "a test's reason")
+    assert "decode steps run eagerly: a test's reason" in caplog.text
+    assert runner.graph_kind([row()] * 2) is None and runner.graph_kind([row(token_ids=[1, 2])]) == "mixed"
+    assert not graphs.takes_lora("decode")
     eager = LLM(str(tmp_path), **{**base, "enforce_eager": True})
     assert eager.llm_engine.runner.graphs is None
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == expected

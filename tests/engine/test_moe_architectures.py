@@ -23,3 +23,62 @@ def test_moe_with_a_disk_tier_and_the_stage_output_cache(tmp_path):
     disk tier (same tokens), and pooled embeddings from the stage-output cache equal transformers'
     final hidden states."""
     assert_disk_tier_and_stage_outputs(tmp_path, make_moe("qwen2_moe"), 8, MAX_NEW)
+
+
+def test_device_routing_equals_the_per_expert_products():
+    """Experts.grouped (a device's routing: no host read, the counts as offsets of one grouped
+    product) against the per-expert loop, float32, tokens spread over every expert and none."""
+    import torch
+
+    from prefixkv.model.moe import Experts
+
+    torch.manual_seed(3)
+    experts = Experts(8, 64, 32)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(std=0.1)
+        experts.down_proj.normal_(std=0.1)
+    assert experts.grouped_works()
+    x = torch.randn(13, 64)
+    index = torch.stack([torch.randperm(7)[:2] for _ in range(13)])  # expert 7 gets no token
+    weight = torch.rand(13, 2)
+    with torch.inference_mode():
+        torch.testing.assert_close(experts.grouped(x, index, weight), experts(x, index, weight), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_moe_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind):
+    """Routed experts through the decode graphs' fixed buffers (the device's routing, run on CPU
+    tensors under Triton's interpreter; captured on a GPU): greedy float32 tokens equal
+    transformers', each token's logprob the eager steps', every block free after."""
+    from prefixkv import LLM, SamplingParams
+    from prefixkv.model import moe
+
+    from ..conftest import hf_greedy
+    from ..model.test_model_hf_folder import _write_tokenizer
+    from ..model.triton_interpreter import device, kernels_module
+
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    monkeypatch.setattr(moe, "GROUPED_ON_CPU", True)
+    hf = make_moe(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    prompts = [[3 + (5 * i + j) % 200 for j in range(9 + 4 * i)] for i in range(3)]
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    kwargs = dict(
+        dtype="float32", device=str(device()), num_blocks=32, block_size=8, max_model_len=64,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+    )  # fmt: skip
+    llm = LLM(str(tmp_path), **kwargs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    engine = llm.llm_engine
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    monkeypatch.setattr(moe, "GROUPED_ON_CPU", False)  # the eager steps route as a CPU does
+    eager = LLM(str(tmp_path), **kwargs, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs, eager):
+        got_lp = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        want_lp = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        assert got_lp == pytest.approx(want_lp, abs=1e-4)
