@@ -85,8 +85,10 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
         """`forward` without a host read: the pairs sorted by expert as there, each expert's count
         summed on the device into the offsets of one grouped product per matrix. Shapes depend on
-        T alone (a CUDA graph captures it)."""
-        k = top_index.shape[1]
+        T alone (a CUDA graph captures it). Each token's k rows are put back in place and summed in
+        their top-k order, not added with index_add_ (a GPU's atomic adds would sum them in an
+        order that changes from run to run)."""
+        T, k = top_index.shape
         flat = top_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
@@ -97,7 +99,8 @@ class Experts(nn.Module):
         weights = top_weight.reshape(-1, 1).index_select(0, order)
         g, u = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).split(self.intermediate, -1)
         out = torch._grouped_mm(F.silu(g) * u, self.down_proj.transpose(1, 2), offs=offsets)
-        return torch.zeros_like(x).index_add_(0, tokens, out.mul_(weights))
+        pairs = torch.empty_like(out).index_copy_(0, order, out.mul_(weights))  # back in (token, k) order
+        return pairs.view(T, k, -1).sum(dim=1)
 
     def grouped_works(self) -> bool:
         """Whether torch._grouped_mm takes these weights (their dtype, shapes and device): tried
