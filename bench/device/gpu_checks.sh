@@ -14,7 +14,8 @@
 #                   eagerly, bit for bit; tests/model/test_triton_fused.py the fused norm, rotary
 #                   and SiLU kernels against PyTorch's
 #   verify          the shorter equality: the fused kernels, tests/engine/test_cuda.py and the graphs
-#                   tests (decode, mixed, with LoRA adapters against peft)
+#                   tests (decode, mixed, with LoRA adapters against peft, KV-cache groups (Gemma 3,
+#                   Qwen2's sliding layers), routed experts)
 #   graphs          bench/decode_graphs.py: decode ms/step through the engine at batch 1/32/256
 #                   (bfloat16, 256-token contexts), CUDA graphs with async scheduling (the default)
 #                   against enforce_eager=True, against graphs stepped in order and against graphs
@@ -101,13 +102,16 @@ for step in $STEPS; do
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
             tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
             tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py tests/model/test_triton_fused.py \
-            tests/model/test_host_copy.py \
+            tests/model/test_host_copy.py tests/engine/test_moe_architectures.py \
+            tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
     verify)
         bounded 150 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py tests/model/test_host_copy.py \
-            tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py ;;
+            tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py \
+            tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
+            "tests/engine/test_moe_architectures.py::test_moe_decode_steps_replay_over_fixed_buffers" ;;
     paged)
         bounded 100 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --contexts 1024,8192 --new 64
