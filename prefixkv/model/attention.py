@@ -628,16 +628,14 @@ def paged_attention(
     [T, Hq, D] with causal masking over each sequence's full (cached + new) context - or, with
     a sliding `window`, over its last `window` positions up to each query (Mistral's rule).
     With `softcap`, the scores are soft-capped first (Gemma 2), by chunks of queries in PyTorch
-    (softcap_attention.py).
+    (softcap_attention.py; a static step's by Triton's kernels).
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     block_size = kv_cache.shape[2]
-    if meta.static is not None:
-        if softcap is not None:
-            raise ValueError("soft-capped attention has no static path")
+    if meta.static is not None:  # Triton's kernels over the buffers (a soft cap theirs too)
         scale = D**-0.5 if scale is None else scale
-        return _static_step(q, k, v, kv_cache, meta.static, scale, window, kv_written)
+        return _static_step(q, k, v, kv_cache, meta.static, scale, window, kv_written, softcap)
     if softcap is not None:
         if kv_written:
             raise ValueError("a soft-capped layer writes its own K/V")
@@ -734,17 +732,18 @@ def _static_step(
     scale: float,
     window: int | None,
     kv_written: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A static step's layer: K/V written at the view's slots (unless `kv_written`), then
-    Triton's attention over the view's tables and lengths; nothing allocated that depends on the
-    values, no read-back."""
+    Triton's attention over the view's tables and lengths (scores soft-capped by `softcap` if
+    given); nothing allocated that depends on the values, no read-back."""
     Hkv, D = k.shape[1], k.shape[2]
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)
     if not kv_written and not ops.write_kv(k, v, k_flat, v_flat, view.slot_mapping):
         k_flat.index_copy_(0, view.slot_mapping, k.to(kv_cache.dtype))
         v_flat.index_copy_(0, view.slot_mapping, v.to(kv_cache.dtype))
-    return view.attend(q, k_flat, v_flat, scale, window)
+    return view.attend(q, k_flat, v_flat, scale, window, softcap)
 
 
 def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:

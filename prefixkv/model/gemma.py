@@ -135,14 +135,12 @@ class GemmaModel(LlamaModel):
             local.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), n - 1)
 
     def static_decode_unsupported(self) -> str | None:
-        """Gemma's block over fixed buffers: every layer Gemma's, attention without soft capping
-        (Gemma 3; Gemma 2 caps its scores), dense MLPs. The final logits' cap is applied after the
+        """Gemma's block over fixed buffers: every layer Gemma's (Gemma 2's soft-capped scores
+        capped by Triton's kernels there), dense MLPs. The final logits' cap is applied after the
         forward, outside any graph."""
         for layer in self.gemma_layers():
             if type(layer) is not GemmaDecoderLayer or type(layer.self_attn) is not GemmaAttention:
                 return f"{type(layer).__name__} layers"
-            if layer.self_attn.softcap is not None:
-                return "soft-capped attention"
             if not isinstance(layer.mlp, GatedMLP):
                 return f"{type(layer.mlp).__name__} MLPs"
         return None

@@ -275,15 +275,13 @@ class LlamaModel(nn.Module):
     def static_decode_unsupported(self) -> str | None:
         """Why a step of this model cannot run over fixed buffers (static_decode.py,
         static_mixed.py: what a CUDA graph captures); None where it can: the plain decoder layers,
-        attention without soft capping, dense MLPs or routed experts where torch._grouped_mm
+        dense MLPs or routed experts where torch._grouped_mm
         routes them on the device (moe.Experts.grouped_works: asked here, before any capture)."""
         if type(self).forward is not LlamaModel.forward:
             return f"{type(self).__name__} has its own forward"
         for layer in self.layers:
             if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
                 return f"{type(layer).__name__} layers"
-            if layer.self_attn.softcap is not None:
-                return "soft-capped attention"
             if isinstance(layer.mlp, SparseMoeBlock):
                 if not layer.mlp.experts.grouped_works():
                     return f"routed experts: no torch._grouped_mm for {self.dtype} here"

@@ -69,10 +69,16 @@ class StaticDecodeView:
         self._work: dict[tuple[int, int, int], tuple[int, tuple[torch.Tensor, torch.Tensor] | None]] = {}
 
     def attend(
-        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float, window: int | None
+        self,
+        q: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [size, Hq, D] against each row's context, K/V [num_slots, Hkv, D] read in place (this
-        step's already written)."""
+        step's already written); scores soft-capped by `softcap` if given."""
         kernels = triton_kernels()
         _, Hq, D = q.shape
         Hkv = k_flat.shape[1]
@@ -87,4 +93,5 @@ class StaticDecodeView:
         return kernels.paged_decode(
             q, k_flat.view(-1, bs, *k_flat.shape[1:]), v_flat.view(-1, bs, *v_flat.shape[1:]),
             self.block_tables, self.seq_lens, scale, window=window, num_splits=splits, workspace=space,
+            softcap=softcap,
         )  # fmt: skip

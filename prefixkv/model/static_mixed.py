@@ -77,13 +77,21 @@ class StaticMixedView:
         self.max_context = inputs.max_context
 
     def attend(
-        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float, window: int | None
+        self,
+        q: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [size, Hq, D] against each sequence's context and its new rows up to each (causal), K/V
-        [num_slots, Hkv, D] read in place (this step's already written); padding rows not written."""
+        [num_slots, Hkv, D] read in place (this step's already written), scores soft-capped by
+        `softcap` if given; padding rows not written."""
         out = torch.empty_like(q)
         bs = self.block_size
         return triton_kernels().paged_prefill_tiles(
             q, k_flat.view(-1, bs, *k_flat.shape[1:]), v_flat.view(-1, bs, *v_flat.shape[1:]), self.block_tables,
             self.q_start, self.q_len, self.seq_lens, self.tile_map, self.tile_tokens, scale, out, window=window,
+            softcap=softcap,
         )  # fmt: skip

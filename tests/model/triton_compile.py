@@ -42,7 +42,7 @@ def _signature(fn: Any, dtype: torch.dtype, constants: dict[str, Any]) -> dict[s
         elif name.endswith("_ptr"):
             sig[name] = "*fp32"  # log-sum-exps, partial results
         else:
-            sig[name] = "fp32" if name in ("scale", "eps") else "i32"
+            sig[name] = "fp32" if name in ("scale", "eps", "softcap") else "i32"
     return sig
 
 
@@ -61,6 +61,11 @@ def variants() -> list[tuple[Any, torch.dtype, dict[str, Any]]]:
     for group, dim in ((3, 64), (4, 128)):
         tiled = ta.prefill_constants(torch.bfloat16, True, group, dim, 16, 1 << 30, False, False)
         out.append((ta._prefill_kernel, torch.bfloat16, {**tiled, "TILE_MAP": True}))
+    # soft-capped scores (Gemma 2 2B's heads: 8 on 4 KV heads of 256), decode and a tile map
+    capped = ta.decode_constants(torch.bfloat16, True, 2, 256, 16, 4, True, True, True)
+    out.append((ta._decode_kernel, torch.bfloat16, capped))
+    capped = ta.prefill_constants(torch.bfloat16, True, 2, 256, 16, 1 << 30, True, False, True)
+    out.append((ta._prefill_kernel, torch.bfloat16, {**capped, "TILE_MAP": True}))
     reduce = dict(NUM_SPLITS=4, D=64, BLOCK_S=4, BLOCK_D=64, HAS_LSE=True)
     out.append((ta._reduce_kernel, torch.bfloat16, reduce))
     # the fused steps: the default model's widths in bfloat16, an 8B Llama's in float32

@@ -39,6 +39,14 @@ def _paged_tile(head_ptr, blk, off, stride_b, stride_s, offs_d, mask, DOT_DTYPE:
 
 
 @triton.jit
+def _capped(s, cap):
+    """cap * tanh(s / cap) (Gemma 2's soft cap), from exp(-2|x|) so that no large |x| overflows."""
+    e = tl.exp(-2.0 * tl.abs(s) / cap)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * cap
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -50,6 +58,7 @@ def _decode_kernel(
     scale,
     start,
     window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -73,6 +82,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     HAS_LSE: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -114,6 +124,8 @@ def _decode_kernel(
         kv_ok = ok[:, None] & d_ok[None, :]
         k = _paged_tile(k_ptr + kvh * stride_kh, blk, off, stride_kb, stride_ks, offs_d, kv_ok, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N], float32
+        if HAS_SOFTCAP:
+            s = _capped(s, softcap)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -193,6 +205,7 @@ def _prefill_kernel(
     scale,
     start,
     window,
+    softcap,
     stride_map,
     stride_qt,
     stride_qh,
@@ -215,6 +228,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     HAS_LSE: tl.constexpr,
     TILE_MAP: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -267,6 +281,8 @@ def _prefill_kernel(
         kv_ok = ok[:, None] & d_ok[None, :]
         k = _paged_tile(k_ptr + kvh * stride_kh, blk, off, stride_kb, stride_ks, offs_d, kv_ok, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M * BLOCK_G, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = _capped(s, softcap)
         visible = ok[None, :] & (pos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             visible = visible & (qpos[:, None] - pos[None, :] < window)
@@ -312,7 +328,15 @@ LAUNCH = dict(num_warps=8, num_stages=2)
 
 
 def decode_constants(
-    dtype: torch.dtype, on_gpu: bool, group: int, head_dim: int, block_size: int, splits: int, window: bool, lse: bool
+    dtype: torch.dtype,
+    on_gpu: bool,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    splits: int,
+    window: bool,
+    lse: bool,
+    softcap: bool = False,
 ) -> dict[str, Any]:
     """The decode kernel's compile-time arguments and launch options (tiles of 64 keys on a GPU, 32
     in float32 there - its IEEE products take twice the registers - and 16 under the interpreter)."""
@@ -326,6 +350,7 @@ def decode_constants(
         BLOCK_N=keys,
         BLOCK_D=_pow2(head_dim),
         HAS_WINDOW=window,
+        HAS_SOFTCAP=softcap,
         HAS_LSE=lse or splits > 1,
         **_products(dtype, on_gpu),
         **LAUNCH,
@@ -333,7 +358,15 @@ def decode_constants(
 
 
 def prefill_constants(
-    dtype: torch.dtype, on_gpu: bool, group: int, head_dim: int, block_size: int, max_new: int, window: bool, lse: bool
+    dtype: torch.dtype,
+    on_gpu: bool,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    max_new: int,
+    window: bool,
+    lse: bool,
+    softcap: bool = False,
 ) -> dict[str, Any]:
     """The prefill kernel's compile-time arguments and launch options: tiles of 64 query rows (a
     tile's tokens times the group's heads) x 64 keys on a GPU, 32 x 32 in float32; 32 rows x 16 keys
@@ -352,6 +385,7 @@ def prefill_constants(
         BLOCK_N=tile,
         BLOCK_D=_pow2(head_dim),
         HAS_WINDOW=window,
+        HAS_SOFTCAP=softcap,
         HAS_LSE=lse,
         **_products(dtype, on_gpu),
         **LAUNCH,
@@ -408,6 +442,7 @@ def paged_decode(
     lse: torch.Tensor | None = None,
     num_splits: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new query a sequence over its context, read in place.
 
@@ -417,7 +452,8 @@ def paged_decode(
     Writes into `out` ([B, Hq, D], q's dtype) if given, and the log-sum-exp into `lse` ([B, Hq],
     float32) if given. `num_splits` (default: decode_splits) splits each context as flash-decoding
     does, partial results merged by a second kernel, in `workspace` if given (decode_workspace's),
-    else in buffers allocated here.
+    else in buffers allocated here. `softcap`: scores become softcap * tanh(score / softcap) before
+    the softmax (Gemma 2).
     """
     block_size, hkv, g = _check_cache(q, k_cache, v_cache)
     B, Hq, D = q.shape
@@ -427,7 +463,9 @@ def paged_decode(
     if B == 0:
         return out
     on_gpu = q.device.type == "cuda"
-    common = decode_constants(q.dtype, on_gpu, g, D, block_size, splits, window is not None, lse is not None)
+    common = decode_constants(
+        q.dtype, on_gpu, g, D, block_size, splits, window is not None, lse is not None, softcap is not None
+    )
     args = (
         q,
         k_cache,
@@ -436,7 +474,7 @@ def paged_decode(
         seq_lens,
     )
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
-    head = (scale, start, window or 0, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0))
+    head = (scale, start, window or 0, softcap or 1.0, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0))
     if splits == 1:
         lse_out = lse if lse is not None else out  # not written without HAS_LSE
         _decode_kernel[(B, hkv, 1)](
@@ -506,6 +544,7 @@ def paged_prefill(
     window: int | None = None,
     start: int = 0,
     lse: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of several sequences' new tokens over their context and each other, read in place.
 
@@ -513,15 +552,16 @@ def paged_prefill(
     [C] each), the last q_len[c] of its seq_lens[c] keys (already written to the cache), read
     through block_tables[c] (int32 [C, max_blocks]); `max_new` bounds q_len. Causal, from `start`
     on, with a sliding `window` if given. Writes those rows of `out` ([T, Hq, D]) and of `lse`
-    ([T, Hq], float32) if given; other rows are left alone.
+    ([T, Hq], float32) if given; other rows are left alone. `softcap`: as `paged_decode`'s.
     """
     block_size, hkv, g = _check_cache(q, k_cache, v_cache)
     C, D = q_len.shape[0], q.shape[2]
     if C == 0 or max_new == 0:
         return out
     constants = prefill_constants(
-        q.dtype, q.device.type == "cuda", g, D, block_size, max_new, window is not None, lse is not None
-    )
+        q.dtype, q.device.type == "cuda", g, D, block_size, max_new, window is not None, lse is not None,
+        softcap is not None,
+    )  # fmt: skip
     lse_arg = lse if lse is not None else out  # not written without HAS_LSE
     _prefill_kernel[(-(-max_new // constants["BLOCK_M"]), C, hkv)](
         q,
@@ -537,6 +577,7 @@ def paged_prefill(
         scale,
         start,
         window or 0,
+        softcap or 1.0,
         0,
         q.stride(0),
         q.stride(1),
@@ -576,6 +617,7 @@ def paged_prefill_tiles(
     out: torch.Tensor,
     *,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`paged_prefill` over a fixed grid: one program per column of `tile_map` (int32 [2, tiles]:
     each tile's sequence, and its index among that sequence's tiles of `tile_tokens` tokens,
@@ -583,13 +625,15 @@ def paged_prefill_tiles(
     new tokens, does nothing. The launch depends on the tensors' shapes only, never on their
     values: a step of any mix of prompts, chunks and decodes can be captured once and replayed.
     Sequences of q_len 1 are decodes, a sequence whose q_len equals its seq_len a prompt without
-    cached context."""
+    cached context. `softcap`: as `paged_decode`'s."""
     block_size, hkv, g = _check_cache(q, k_cache, v_cache)
     D = q.shape[2]
     if tile_map.dim() != 2 or tile_map.shape[0] != 2 or tile_map.stride(1) != 1:
         raise ValueError(f"tile_map must be a row-major int32 [2, tiles], got {tuple(tile_map.shape)}")
     on_gpu = q.device.type == "cuda"
-    constants = prefill_constants(q.dtype, on_gpu, g, D, block_size, 1 << 30, window is not None, False)
+    constants = prefill_constants(
+        q.dtype, on_gpu, g, D, block_size, 1 << 30, window is not None, False, softcap is not None
+    )
     if constants["BLOCK_M"] != tile_tokens:
         held = constants["BLOCK_M"]
         raise ValueError(f"the tile map was built for tiles of {tile_tokens} tokens; this kernel's hold {held}")
@@ -608,6 +652,7 @@ def paged_prefill_tiles(
         scale,
         0,
         window or 0,
+        softcap or 1.0,
         tile_map.stride(0),
         q.stride(0),
         q.stride(1),
