@@ -152,3 +152,12 @@ def assert_prompt_logprobs_over_stage_outputs(folder: str, hf: Any) -> None:
     assert len(lp) == len(prompt) - 1 and lp == pytest.approx(lp2, abs=1e-5)
     assert second.outputs[0].token_ids == first.outputs[0].token_ids == hf_generate(hf, prompt, 2)
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
+def assert_same_logprobs(got: list[Any], want: list[Any], abs_tol: float) -> None:
+    """Two engines' outputs of the same prompts (sampled with logprobs=0): each token's logprob
+    within `abs_tol` - what greedy tokens alone can miss (a layer's error too small to flip them)."""
+    for a, b in zip(got, want, strict=True):
+        got_lp = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        want_lp = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        assert got_lp == pytest.approx(want_lp, abs=abs_tol)

@@ -17,7 +17,7 @@ from prefixkv.model import ModelConfig, softcap_attention
 
 from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _common, _write_tokenizer
-from .engine_oracle import assert_disk_tier_and_stage_outputs, serve_and_compare
+from .engine_oracle import assert_disk_tier_and_stage_outputs, assert_same_logprobs, serve_and_compare
 from .test_correctness import check_prompt_logprobs, hf_prompt_logprobs
 
 MAX_NEW = 8
@@ -311,10 +311,7 @@ def test_hybrid_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, ki
     assert [o.outputs[0].token_ids for o in outs] == expected
     # and each token's logprob that of the eager steps (greedy tokens alone can miss a layer's error)
     eager = LLM(str(tmp_path), **kwargs, enforce_eager=True).generate(prompts, params, use_tqdm=False)
-    for a, b in zip(outs, eager):
-        got_lp = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
-        want_lp = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
-        assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    assert_same_logprobs(outs, eager, 1e-4)
     engine = llm.llm_engine
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.replays > 0

@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 
 from ..model.test_model_moe import KINDS, make_moe
-from .engine_oracle import assert_disk_tier_and_stage_outputs, assert_engine_matches_transformers
+from .engine_oracle import (
+    assert_disk_tier_and_stage_outputs,
+    assert_engine_matches_transformers,
+    assert_same_logprobs,
+)
 
 MAX_NEW = 8
 
@@ -91,8 +95,5 @@ def test_moe_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind)
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
     monkeypatch.setattr(moe, "GROUPED_ON_CPU", False)  # the eager steps route as a CPU does
     eager = LLM(str(tmp_path), **kwargs, enforce_eager=True).generate(prompts, params, use_tqdm=False)
-    for a, b in zip(outs, eager):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        got_lp = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
-        want_lp = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
-        assert got_lp == pytest.approx(want_lp, abs=1e-4 if dtype == torch.float32 else 2e-2)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    assert_same_logprobs(outs, eager, 1e-4 if dtype == torch.float32 else 2e-2)
