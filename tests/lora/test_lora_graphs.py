@@ -41,7 +41,7 @@ def test_adapters_in_replayed_steps_match_peft(llama_adapters, static_graphs):
         async_scheduling=True,
         compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [2, 8, 32]},
     )
-    names = [None, "all", "qv", "mlp"]
+    names = [None, "all", "qv"]  # every target ("all"), two slots in one batch, base rows
     got = _run(llm, fx, names)
     for name in set(names):
         assert got[name] == fx.expected[name] * names.count(name), name
