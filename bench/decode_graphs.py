@@ -54,6 +54,14 @@ def environment(overrides: dict[str, str]):
                 os.environ[k] = v
 
 
+def graphs_summary(llm: LLM) -> str:
+    """What an engine captured: its graphs' sizes, time and memory (or why none)."""
+    graphs = llm.llm_engine.runner.graphs
+    if graphs is None:
+        return "no graphs"
+    return f"graphs captured: {graphs.summary()}" if graphs.graphs else "static buffers, not captured"
+
+
 def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[float], int, list[list[int]]]:
     """Seconds of each all-decode step, how many of them replayed a graph, the tokens generated."""
     engine = llm.llm_engine
@@ -134,11 +142,7 @@ def main() -> None:
         t0 = time.perf_counter()
         with environment(envs[name]):  # a graph keeps the kernels it was captured with
             engines[name] = LLM(args.model, **variants[name], **common)
-        graphs = engines[name].llm_engine.runner.graphs
-        what = "no graphs"
-        if graphs is not None:
-            what = f"graphs captured: {graphs.summary()}" if graphs.graphs else "static buffers, not captured"
-        print(f"{name}: built in {time.perf_counter() - t0:.1f} s; {what}", flush=True)
+        print(f"{name}: built in {time.perf_counter() - t0:.1f} s; {graphs_summary(engines[name])}", flush=True)
     first = next(iter(engines))
     vocab = engines[first].llm_engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.decode_graphs import graphs_summary  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 
@@ -102,11 +103,7 @@ def main() -> None:
     for name in args.engines.split(","):
         t0 = time.perf_counter()
         engines[name] = LLM(args.model, **VARIANTS[name], **common)
-        graphs = engines[name].llm_engine.runner.graphs
-        what = "no graphs"
-        if graphs is not None:
-            what = f"graphs captured: {graphs.summary()}" if graphs.graphs else "static buffers, not captured"
-        print(f"{name}: built in {time.perf_counter() - t0:.1f} s; {what}", flush=True)
+        print(f"{name}: built in {time.perf_counter() - t0:.1f} s; {graphs_summary(engines[name])}", flush=True)
     first = next(iter(engines))
     vocab = engines[first].llm_engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
