@@ -1,6 +1,6 @@
 """Steps replayed as CUDA graphs: on a GPU a small model's step is bound by the host launching its
-kernels one by one; a graph launches the whole recorded step at once (vLLM's CUDA graphs, its
-FULL_AND_PIECEWISE default captured whole for mixed steps too).
+kernels one by one; a graph launches the whole recorded step at once (vLLM's CUDA graphs; mixed
+steps too where cudagraph_mode asks for them, each captured whole).
 
 Decode steps: per batch size of `capture_sizes` (vLLM's: 1, 2, 4, then multiples of 8 up to
 `max_num_seqs`, at most MAX_CAPTURE_SIZE) the model's decode forward up to the final hidden states is
@@ -77,9 +77,9 @@ def capture_sizes(max_num_seqs: int, compilation_config: dict[str, object] | int
     return default_capture_sizes(max_num_seqs, int(cap) if isinstance(cap, int) else MAX_CAPTURE_SIZE)
 
 
-# Token counts of mixed steps captured by default: steps about 1.25-1.5x apart (a step pads to the
-# next), up to the scheduler's max_num_batched_tokens and MAX_MIXED_TOKENS. Above vLLM's 512: on a
-# GPU a 135M model's 1k-token prefill took 14 ms eagerly, nearly all of it launches (an H200).
+# Token counts of mixed steps captured by default: 1.2-1.5x apart from 32 on (a step pads to the
+# next), up to the scheduler's max_num_batched_tokens and MAX_MIXED_TOKENS. Above vLLM's 512: on an
+# H200 a 135M model's 1k-token prefill took 14 ms eagerly, likely mostly launches (not profiled).
 MIXED_LADDER = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
 MAX_MIXED_TOKENS = 2048
 
