@@ -5,7 +5,7 @@ an H100 a decode step of the default model at batch 256 took 9.45 ms, and 9.00 m
 scheduling hiding the host's work behind the device's.
 
     python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
-        [--device cuda --dtype bfloat16 --device-time [--profile-top 25]] [--model DIR | --model default]
+        [--device cuda --dtype bfloat16 --device-time] [--profile-top 25] [--model DIR | --model default]
         [--against TREE --pairs 4]
 
 By default on a CPU, with a random model of two layers 64 wide and a byte-level vocabulary of 258
@@ -19,7 +19,8 @@ step calls no forward, and with async scheduling the phases overlap the device's
 step's time is the larger of the two. `--device-time` profiles one more round (torch.profiler):
 the device kernels a step launches and the time the device is busy per step, beside the step's
 wall time - which of host and device bounds it; `--profile-top N` adds that round's operators and
-CUDA runtime calls by host time, its kernels by device time, and one more round under cProfile.
+CUDA runtime calls by host time and its kernels by device time. `--profile-top N` alone (a CPU too):
+one more round under cProfile, N rows.
 `--model default` is the embedded default model.
 
 `--gpu-path` measures a GPU's host work on a CPU: decode steps through the fixed buffers a CUDA

@@ -273,11 +273,17 @@ class StepGraphs:
             return self._run_decode(scheduled, carried, lora_slots), None
         return self._run_mixed(scheduled, carried, lora_slots)
 
-    def _set_slots(self, slots: np.ndarray) -> None:
-        """The rows' adapter slots, the step's size of them (-1: base row or padding)."""
-        host = pinned_for(torch.from_numpy(slots), self.row_slots.device)
-        self.row_slots[: len(slots)].copy_(host, non_blocking=True)
+    def _with_adapters(self, kind: str, size: int, row_slots: np.ndarray | None) -> str:
+        """The graph a step of `kind` and `size` replays: with adapter rows (each real row's slot in
+        `row_slots`, -1 for the base model), their slots copied into the buffer (padding rows -1)
+        and the kind's "-lora" graph; without, `kind` itself."""
+        if row_slots is None:
+            return kind
+        slots = np.full(size, -1, dtype=np.int64)
+        slots[: len(row_slots)] = row_slots
+        self.row_slots[:size].copy_(pinned_for(torch.from_numpy(slots), self.row_slots.device), non_blocking=True)
         self.lora_replays += 1
+        return f"{kind}-lora"
 
     def _run_decode(
         self,
@@ -287,12 +293,7 @@ class StepGraphs:
     ) -> torch.Tensor:
         b = len(scheduled)
         size = self.size_for(b)
-        kind = "decode"
-        if lora_slots is not None:
-            slots = np.full(size, -1, dtype=np.int64)
-            slots[:b] = lora_slots
-            self._set_slots(slots)
-            kind = "decode-lora"
+        kind = self._with_adapters("decode", size, None if lora_slots is None else np.asarray(lora_slots))
         every_id_carried = carried is not None and len(carried[0]) == b
         rows, lens, tables = self.host_inputs.build(scheduled, size, ids_on_device=every_id_carried)
         buf = self.inputs
@@ -340,12 +341,8 @@ class StepGraphs:
         buf.block_tables[:n, :width].copy_(pinned_for(host.tables, dev), non_blocking=True)
         buf.tile_map[:, : view.tiles].copy_(pinned_for(host.tile_map, dev), non_blocking=True)
         qsl = host.query_start_loc
-        kind = "mixed"
-        if lora_slots is not None:
-            slots = np.full(size, -1, dtype=np.int64)
-            slots[:tokens] = np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
-            self._set_slots(slots)
-            kind = "mixed-lora"
+        rows = None if lora_slots is None else np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
+        kind = self._with_adapters("mixed", size, rows)
         if carried is not None:
             carried_rows, ids = carried
             buf.tokens[0].index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)

@@ -109,13 +109,11 @@ class StaticLoRAMapping(LoRAMapping):
         num_slots: int,
         max_rank: int,
         dtype: torch.dtype,
-        slice_counts: tuple[int, ...] = SLICE_COUNTS,
     ) -> None:
         super().__init__([], slice(0, row_slots.shape[0]), slice(0, num_slots), None)
         self.row_slots = row_slots
         self.max_rank = max_rank
         self.dtype = dtype
-        self.slice_counts = sorted({1, *slice_counts})
         self._slots = torch.arange(num_slots, device=row_slots.device)
 
     def refresh(self) -> None:
@@ -124,7 +122,7 @@ class StaticLoRAMapping(LoRAMapping):
         rows = self.row_slots.shape[0]
         one_hot = (self.row_slots[:, None] == self._slots[None, :]).to(self.dtype)  # [rows, slots]
         mask = one_hot[:, :, None].expand(-1, -1, self.max_rank).reshape(rows, -1)
-        self.masks = {k: mask if k == 1 else mask.repeat(1, k) for k in self.slice_counts}
+        self.masks = {k: mask if k == 1 else mask.repeat(1, k) for k in SLICE_COUNTS}
 
 
 class LoRAContext:

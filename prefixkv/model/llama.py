@@ -275,8 +275,8 @@ class LlamaModel(nn.Module):
     def static_decode_unsupported(self) -> str | None:
         """Why a step of this model cannot run over fixed buffers (static_decode.py,
         static_mixed.py: what a CUDA graph captures); None where it can: the plain decoder layers,
-        dense MLPs or routed experts where torch._grouped_mm
-        routes them on the device (moe.Experts.grouped_works: asked here, before any capture)."""
+        dense MLPs, or routed experts where torch._grouped_mm routes them on the device
+        (moe.Experts.grouped_works: asked here, before any capture)."""
         if type(self).forward is not LlamaModel.forward:
             return f"{type(self).__name__} has its own forward"
         for layer in self.layers:
