@@ -88,8 +88,9 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     mode = _graph_mode(config, device, loaded)
     sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
     mixed_sizes = mixed_capture_sizes(config.max_num_batched_tokens, config.compilation_config) if mode else []
-    if mixed_sizes and kv_groups is not None:
-        logger.info("mixed steps run eagerly with KV-cache groups (decode steps are captured)")
+    if mixed_sizes and (kv_groups is not None or model_config.is_recurrent):
+        why = "KV-cache groups" if kv_groups is not None else f"the recurrent {model_config.architecture}"
+        logger.info("mixed steps run eagerly with %s (decode steps are captured)", why)
         mixed_sizes = []
     graph_rows = max([*sizes, *mixed_sizes], default=0) if mode == "capture" else 0
     num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows)
@@ -108,6 +109,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             mixed_sizes=mixed_sizes, max_seqs=config.max_num_seqs,
             lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
             layer_groups=kv_groups.layer_group(model_config.num_hidden_layers) if kv_groups is not None else None,
+            recurrent=model_config.is_recurrent,
         )  # fmt: skip
     # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
     hash_fn = get_hash_function(config.prefix_caching_hash_algo)

@@ -19,6 +19,9 @@ the next count and replayed.
 
 A model with KV-cache groups (sliding and full layers, memory/kv_groups.py) has its later groups'
 slots and block tables in buffers of their own, for decode graphs (its mixed steps run eagerly).
+A recurrent model (Mamba2, its hybrids, Qwen3-Next's delta net) has each row's state blocks - the
+one it continues from, the one it writes - in the decode buffers too (its mixed steps run eagerly:
+their scan's shape follows the blocks a prompt crosses).
 
 Neither takes a step that needs what the graph lacks (image input, prompt logprobs or hidden states:
 `ModelRunner.graph_kind`); those, and everything larger, run eagerly. Where LoRA is attached, each
@@ -46,7 +49,7 @@ from ..model import AttentionMetadata, LlamaModel
 from ..model.attention import static_meta
 from ..model.attention_path import triton_kernels
 from ..model.host_copy import pinned_for, tensor_on
-from ..model.static_decode import StaticDecodeInputs
+from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from .decode_host_inputs import DecodeHostInputs
 from .mixed_host_inputs import build_mixed
@@ -154,6 +157,7 @@ class StepGraphs:
         max_seqs: int = 0,
         lora: tuple[int, int] | None = None,
         layer_groups: list[int] | None = None,
+        recurrent: bool = False,
     ) -> None:
         """`null_block`: a block of the caches no sequence holds, where padding rows write.
         `max_model_len`: the longest context any step (eager ones too) may have: the model's
@@ -164,7 +168,9 @@ class StepGraphs:
         base row: an exact 0), each row's slot in a buffer the step fills; a step without adapters
         replays the first, reading no adapter weights. `layer_groups`: each layer's KV-cache group
         (memory/kv_groups.py; None: one group): each later group has its own slots and block
-        tables (the same lengths), read by its layers - decode graphs only."""
+        tables (the same lengths), read by its layers - decode graphs only. `recurrent`: layers
+        keep a state per block (model/mamba2.py), each row's read and written blocks in the
+        buffers - decode graphs only."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
@@ -174,8 +180,11 @@ class StepGraphs:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.null_slot = null_block * block_size
-        self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device)
-        self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot)
+        if recurrent and mixed_sizes:
+            raise ValueError("mixed-step graphs take no recurrent state")
+        self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device, recurrent=recurrent)
+        self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot, recurrent)
+        self.null_block = null_block
         self.max_context = self.inputs.max_context
         self.metas = {s: static_meta(self.inputs.view(s)) for s in self.sizes}
         # a later KV-cache group's slots and tables, and the mirror its host half keeps
@@ -361,6 +370,8 @@ class StepGraphs:
         meta = self.metas[size] if kind.startswith("decode") else self.mixed_metas[size]
         view = meta.static
         assert view is not None
+        if isinstance(view, StaticDecodeView):
+            view.prepare()  # what the layers derive from the buffers, recorded into the graph
         lora = self.lora_maps.get((kind, size))
         if lora is not None:
             lora.refresh()  # the rows' masks from the slots buffer: recorded into the graph
@@ -381,6 +392,9 @@ class StepGraphs:
         buf.positions.zero_()
         for group in self.group_inputs:
             group.slot_mapping.fill_(self.null_slot)
+        if buf.state_blocks is not None:  # padding rows: read block 0 (none: no previous state), write the null block
+            buf.state_blocks[0].zero_()
+            buf.state_blocks[1].fill_(self.null_block)
         if self.lora is not None:
             self.row_slots.fill_(-1)
         work = [("decode", s) for s in self.sizes]

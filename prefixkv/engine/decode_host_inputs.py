@@ -7,6 +7,10 @@ on until a block is added (Scheduler.schedule_ahead), so a row is rewritten only
 new one - at batch 256 about one row in sixteen a step, where building every row's table took most
 of the step's input work. Slots and lengths then come out of the mirror in a few vectorized
 operations instead of a Python expression per request.
+
+For a recurrent model (`recurrent`) each row also names the block holding the state it continues
+from (that of position - 1; any block at position 0, where the device reads none) and the block
+its new state goes to (its slot's; the null block for padding).
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ class DecodeHostInputs:
     """Block tables of up to `max_batch` rows of up to `max_blocks` blocks, row i as the table last
     written there; `build` makes a step's host tensors from it."""
 
-    def __init__(self, max_batch: int, max_blocks: int, block_size: int, null_slot: int) -> None:
+    def __init__(
+        self, max_batch: int, max_blocks: int, block_size: int, null_slot: int, recurrent: bool = False
+    ) -> None:
         self.block_size, self.null_slot = block_size, null_slot
+        self.recurrent = recurrent
         self.tables = np.zeros((max_batch, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_batch, dtype=np.int64)  # how much of each row is its table
         self._flat_tables = self.tables.reshape(-1)  # the same memory, indexed by row start + block
@@ -41,7 +48,8 @@ class DecodeHostInputs:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a step of `len(scheduled)` one-token rows padded to `size`: ids, positions and slots
         [3, size] int64 (padding rows: token 0 at position 0 in the null slot; ids left 0 when
-        `ids_on_device`: every row's comes from the previous step's draws), lengths [size] int32
+        `ids_on_device`: every row's comes from the previous step's draws; `recurrent`: [5, size],
+        the state's read and written blocks after them), lengths [size] int32
         (0 for padding), and the block tables [rows, width] int32, width the longest row's blocks.
         `row_tables`: each row's table, where not its `block_table` (a later KV-cache group's).
         Raises where a position lies past its row's table (the scheduler gives every token a slot)."""
@@ -65,12 +73,18 @@ class DecodeHostInputs:
                 f"request {scheduled[row].req_id}: position {starts[row]} lies past its {int(num_blocks[row])} blocks"
             )
         # few NumPy calls: each costs about a microsecond whatever its size, all a batch of one pays
-        rows = np.zeros((3, size), dtype=np.int64)
+        rows = np.zeros((5 if self.recurrent else 3, size), dtype=np.int64)
         if not ids_on_device:
             rows[0, :b] = [sr.token_ids[0] for sr in scheduled]
         rows[1, :b] = positions
-        rows[2, :b] = self._flat_tables.take(self._row_starts[:b] + block_index) * bs + positions % bs
+        flat, row_starts = self._flat_tables, self._row_starts[:b]
+        blocks = flat.take(row_starts + block_index)
+        rows[2, :b] = blocks * bs + positions % bs
         rows[2, b:] = self.null_slot
+        if self.recurrent:
+            rows[3, :b] = flat.take(row_starts + np.maximum(positions - 1, 0) // bs)
+            rows[4, :b] = blocks
+            rows[4, b:] = self.null_slot // bs
         lens = np.zeros(size, dtype=np.int32)
         lens[:b] = positions + 1
         width = max(starts) // bs + 1 if b else 0

@@ -21,7 +21,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
-from .llama import Attention, LlamaModel
+from .llama import Attention, LlamaModel, static_mlp_unsupported
 from .mamba2 import Mamba2Mixer, RecurrentState
 
 
@@ -102,6 +102,16 @@ class HybridModel(LlamaModel):
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return HybridDecoderLayer(config, layer_idx)
+
+    def static_layer_unsupported(self, layer: nn.Module) -> str | None:
+        """A hybrid layer runs over fixed buffers: its mixer's decode reads its state's blocks
+        from them (mamba2._static_plan), its attention is Llama's."""
+        if type(layer) is not HybridDecoderLayer:
+            return f"{type(layer).__name__} layers"
+        attn = layer.self_attn
+        if attn is not None and type(attn) not in (Attention, PartialRotaryAttention):
+            return f"{type(attn).__name__} attention"
+        return static_mlp_unsupported(layer.mlp, self.dtype)
 
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
         super().init_random_weights(seed, std)

@@ -153,6 +153,19 @@ def keeps_two_layouts(layer_bytes: int, native_kernel: bool) -> bool:
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def static_mlp_unsupported(mlp: nn.Module, dtype: torch.dtype) -> str | None:
+    """Why a layer's MLP cannot run over fixed buffers: None for a dense one, or routed experts
+    where torch._grouped_mm routes them on the device (moe.Experts.grouped_works: asked before any
+    capture)."""
+    if isinstance(mlp, SparseMoeBlock):
+        if not mlp.experts.grouped_works():
+            return f"routed experts: no torch._grouped_mm for {dtype} here"
+        return None
+    if not isinstance(mlp, GatedMLP):
+        return f"{type(mlp).__name__} MLPs"
+    return None
+
+
 class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, H]."""
 
@@ -280,14 +293,17 @@ class LlamaModel(nn.Module):
         if type(self).forward is not LlamaModel.forward:
             return f"{type(self).__name__} has its own forward"
         for layer in self.layers:
-            if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
-                return f"{type(layer).__name__} layers"
-            if isinstance(layer.mlp, SparseMoeBlock):
-                if not layer.mlp.experts.grouped_works():
-                    return f"routed experts: no torch._grouped_mm for {self.dtype} here"
-            elif not isinstance(layer.mlp, GatedMLP):
-                return f"{type(layer.mlp).__name__} MLPs"
+            why = self.static_layer_unsupported(layer)
+            if why is not None:
+                return why
         return None
+
+    def static_layer_unsupported(self, layer: nn.Module) -> str | None:
+        """Why one layer cannot run over fixed buffers (a family with its own layers overrides
+        this)."""
+        if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
+            return f"{type(layer).__name__} layers"
+        return static_mlp_unsupported(layer.mlp, self.dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,12 @@ def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
     plan = meta._plans.get(key)
     if plan is not None:
         return plan
-    qsl, tables = meta.query_start_loc, meta.block_tables.tolist()
+    if meta.static is not None:
+        plan = meta._plans[key] = _static_plan(meta)
+        return plan
+    # the host's copy of the tables where they live on a GPU: no wait for the device
+    host = meta.host_block_tables if meta.host_block_tables is not None else meta.block_tables
+    qsl, tables = meta.query_start_loc, host.tolist()
     T = qsl[-1]
     read_blocks: list[int] = []
     has_prev: list[bool] = []
@@ -131,6 +136,29 @@ def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
     )
     meta._plans[key] = plan
     return plan
+
+
+def _static_plan(meta: AttentionMetadata) -> _Plan:
+    """A decode step over fixed buffers (static_decode.py, what a CUDA graph replays): the
+    one-token path's blocks read from the buffers' rows, whose values each step copies in - the
+    same operations as an eager decode step's, over padded rows."""
+    view = meta.static
+    read = getattr(view, "state_read", None)
+    written = getattr(view, "state_written", None)
+    has_prev = getattr(view, "has_prev", None)
+    if read is None or written is None or has_prev is None:
+        raise ValueError("a recurrent layer over fixed buffers needs decode buffers with the state's rows")
+    none = torch.zeros(0, dtype=torch.long, device=read.device)
+    return _Plan(
+        read_blocks=read,
+        has_prev=has_prev,
+        pad_index=none.view(0, 0),
+        out_index=none,
+        seg_blocks=written,
+        rounds=[],
+        conv_writes=[],
+        decode_only=True,
+    )
 
 
 def block_causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -343,6 +371,13 @@ class Mamba2Model(LlamaModel):
     def pack_for_cpu(self) -> bool:
         """Nothing to lay out: the mixer's matmuls stay torch's."""
         return False
+
+    def static_decode_unsupported(self) -> str | None:
+        """Every layer a Mamba2 block, whose decode step reads its blocks from the buffers."""
+        return None
+
+    def reserve_positions(self, n: int) -> None:
+        """Nothing to reserve: no layer reads positions."""
 
     @torch.inference_mode()
     def forward(

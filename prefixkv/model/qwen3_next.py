@@ -21,7 +21,7 @@ from .gated_delta import GatedDeltaNet
 from .gemma import GemmaRMSNorm
 from .layer_kinds import LINEAR_ATTENTION
 from .layers import RMSNorm, RotaryEmbedding
-from .llama import LlamaModel
+from .llama import LlamaModel, static_mlp_unsupported
 from .mamba2 import RecurrentState
 from .moe import build_mlp
 
@@ -119,6 +119,13 @@ class Qwen3NextModel(LlamaModel):
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return Qwen3NextDecoderLayer(config, layer_idx)
+
+    def static_layer_unsupported(self, layer: nn.Module) -> str | None:
+        """A Qwen3-Next layer runs over fixed buffers: the delta net's decode reads its state's
+        blocks from them (mamba2._static_plan), gated attention goes through paged_attention."""
+        if type(layer) is not Qwen3NextDecoderLayer:
+            return f"{type(layer).__name__} layers"
+        return static_mlp_unsupported(layer.mlp, self.dtype)
 
     def make_norm(self, dim: int, eps: float) -> RMSNorm:
         return GemmaRMSNorm(dim, eps)

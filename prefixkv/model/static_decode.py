@@ -10,6 +10,11 @@ decode kernel reads nothing for.
 Every new token is a decode (one a sequence); attention is Triton's paged decode kernel
 (kernels/triton_attention.paged_decode) reading every context in place - no cascade, no gather,
 the split count a function of the fixed shapes only.
+
+A recurrent layer (a Mamba2 mixer, a gated delta net: model/mamba2.py) keeps its state per block:
+with `recurrent`, each row also names the block whose state it continues from and the block its
+new state goes to (a padding row: any block, and the null block), and whether it has a previous
+state at all (position > 0; derived on the device in `prepare`).
 """
 
 from __future__ import annotations
@@ -30,14 +35,19 @@ class StaticDecodeInputs:
         block_size: int,
         device: torch.device,
         seq_lens: torch.Tensor | None = None,
+        recurrent: bool = False,
     ) -> None:
         """`seq_lens`: another inputs' lengths to share (a later KV-cache group's buffers: its own
-        slots and block tables, the same lengths)."""
+        slots and block tables, the same lengths). `recurrent`: rows for the recurrent state's
+        blocks too."""
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.device = device
-        # ids, positions and slots as the rows of one tensor: a step copies them in at once
-        self.tokens = torch.zeros(3, max_batch, dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.tokens
+        # ids, positions and slots (and the state's read and written blocks) as the rows of one
+        # tensor: a step copies them in at once
+        self.tokens = torch.zeros(5 if recurrent else 3, max_batch, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.tokens[:3]
+        self.state_blocks = self.tokens[3:] if recurrent else None  # [read, written] per row
+        self.has_prev = torch.zeros(max_batch, dtype=torch.bool, device=device) if recurrent else None
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         if seq_lens is None:
             seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
@@ -66,7 +76,19 @@ class StaticDecodeView:
         self.block_tables = inputs.block_tables[:size]
         self.seq_lens = inputs.seq_lens[:size]
         self.max_context = inputs.max_context
+        self.state_read: torch.Tensor | None = None
+        self.state_written: torch.Tensor | None = None
+        self.has_prev: torch.Tensor | None = None
+        if inputs.state_blocks is not None and inputs.has_prev is not None:
+            self.state_read, self.state_written = inputs.state_blocks[:, :size]
+            self.has_prev = inputs.has_prev[:size]
         self._work: dict[tuple[int, int, int], tuple[int, tuple[torch.Tensor, torch.Tensor] | None]] = {}
+
+    def prepare(self) -> None:
+        """What the step's layers share that the device derives from the buffers, once a forward
+        (recorded with it): whether each row continues a recurrent state."""
+        if self.has_prev is not None:
+            torch.gt(self.positions, 0, out=self.has_prev)
 
     def attend(
         self,

@@ -90,3 +90,20 @@ def test_blocks_past_the_buffers_width_are_left_out():
     rows, lens, tables = host.build([decode("a", 5, [3, 4, 9])], 2, False)
     assert rows[2].tolist() == [4 * BS + 1, NULL_SLOT] and lens.tolist() == [6, 0]
     assert tables.tolist() == [[3, 4]] and np.array_equal(host.num_blocks[:1], [2])
+
+
+def test_a_recurrent_models_rows_name_the_state_blocks():
+    """For a recurrent model two more rows: the block holding position - 1's state to read (a row
+    at a block's first position reads the block before; at position 0 any block, the device reads
+    none), the slot's block to write, and the null block for padding; the first three rows as
+    without."""
+    host = DecodeHostInputs(max_batch=4, max_blocks=4, block_size=BS, null_slot=NULL_SLOT, recurrent=True)
+    scheduled = [decode("a", 5, [3, 6]), decode("b", 4, [2, 9]), decode("c", 0, [5])]
+    rows, lens, _ = host.build(scheduled, 4, False)
+    assert tuple(rows.shape) == (5, 4)
+    r = rows.numpy()
+    np.testing.assert_array_equal(r[3, :3], [6, 2, 5])
+    np.testing.assert_array_equal(r[4], [6, 9, 5, NULL_SLOT // BS])
+    plain = DecodeHostInputs(max_batch=4, max_blocks=4, block_size=BS, null_slot=NULL_SLOT)
+    assert plain.build(scheduled, 4, False)[0].tolist() == rows[:3].tolist()
+    assert lens.tolist() == [6, 5, 1, 0]

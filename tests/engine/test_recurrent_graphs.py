@@ -1,0 +1,93 @@
+"""Decode steps of recurrent models (Mamba2, Bamba, Falcon-H1, Qwen3-Next) over the fixed buffers a
+CUDA graph replays (engine/cuda_graphs.py, model/static_decode.py): each row's state blocks - the
+one it continues from, the one it writes - come from the buffers, the same one-token update as an
+eager step's. On a CPU uncaptured under Triton's interpreter (PREFIXKV_CUDA_GRAPHS=static),
+captured on a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+
+from ..model.test_model_hf_folder import _write_tokenizer
+from .engine_oracle import assert_same_logprobs
+
+MAX_NEW = 6
+
+
+def _make(kind: str):
+    if kind == "mamba2":
+        from .test_mamba2 import make_mamba2
+
+        return make_mamba2()
+    if kind == "bamba":
+        from .test_bamba import make_bamba
+
+        return make_bamba()
+    if kind == "falcon_h1":
+        from .test_falcon_h1 import make_falcon_h1
+
+        return make_falcon_h1()
+    from .test_qwen3_next import make_qwen3_next
+
+    # dense MLPs: a card may route float32 experts eagerly only (test_moe_architectures covers them)
+    return make_qwen3_next(mlp_only_layers=[0, 1, 2, 3])
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, each from a forward over the whole sequence (no cache, and no
+    EOS suppressed: the engine's ignore_eos only keeps going past one)."""
+    seq = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.slow(seconds=10)
+@pytest.mark.parametrize("kind", ["mamba2", "bamba", "falcon_h1", "qwen3_next"])
+def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind):
+    """Greedy float32 tokens equal transformers', each token's logprob the eager steps' (a wrong
+    block read or written shifts them before it flips a token), with caching on (later prompts
+    continue from a shared prefix's cached state) and a padded batch (3 rows in a graph of 4);
+    every block free after."""
+    from ..model.triton_interpreter import device, kernels_module
+
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random(f"{kind}-graphs")
+    shared = [rng.randrange(256) for _ in range(20)]
+    # block-aligned and not: decodes cross into new blocks at different steps
+    prompts = [shared + [rng.randrange(256) for _ in range(n)] for n in (3, 4, 9)]
+    expected = [_hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    kwargs = dict(
+        dtype="float32",
+        device=str(device()),
+        num_blocks=48,
+        block_size=8,
+        max_model_len=64,
+        compilation_config={"cudagraph_capture_sizes": [1, 4]},
+    )
+    llm = LLM(str(tmp_path), **kwargs)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)  # the shared prefix's state cached
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
+    outs = first + rest
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    engine = llm.llm_engine
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.replays > 0 and graphs.inputs.state_blocks is not None
+    assert engine.prefix_cache_stats.hits > 0
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    eager_llm = LLM(str(tmp_path), **kwargs, enforce_eager=True)
+    eager = eager_llm.generate(prompts[:1], params, use_tqdm=False) + eager_llm.generate(
+        prompts[1:], params, use_tqdm=False
+    )
+    assert_same_logprobs(outs, eager, 1e-4)
