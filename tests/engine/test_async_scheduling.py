@@ -282,3 +282,39 @@ def test_off_where_blocks_hold_more_than_kv_rows(tiny, caplog):
         llm = LLM(str(folder), **BASE, async_scheduling=True, enable_stage_output_cache=True)
     assert llm.llm_engine.async_scheduling is False
     assert "async_scheduling is off for the stage-output cache" in caplog.text
+
+
+@pytest.mark.slow(seconds=15)
+@pytest.mark.parametrize("kind", ["mamba2", "qwen3_next"])
+def test_recurrent_models_run_ahead(kind, tmp_path):
+    """A recurrent layer's state per block, scheduled ahead: requests stopping on a token mid-block
+    (the step computed ahead for them overwrites their last block's state), then the same prompts
+    again, continuing from the states cached the first time - the same tokens, stops and (within
+    float32 rounding: a decode may share a step with another request's chunk in one engine and not
+    the other) logprobs as in order, every block free."""
+    from .test_recurrent_graphs import _make
+
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    prompts = _prompts(4, 6)
+    sync = LLM(str(tmp_path), **BASE)
+    ahead = LLM(str(tmp_path), **BASE, async_scheduling=True)
+    probe = _outputs(sync, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[toks[2 + i]], ignore_eos=True, logprobs=1)
+        for i, (toks, *_) in enumerate(probe[:4])
+    ] + [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=9, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logprobs=1),
+    ]
+    for _ in range(2):
+        want, got = _outputs(sync, prompts, params), _outputs(ahead, prompts, params)
+        assert [w[:4] for w in want] == [g[:4] for g in got]
+        for w, g in zip(want, got):
+            for a, b in zip(w[4], g[4]):
+                assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=2e-4)
+    assert "stop" in [w[2] for w in want]
+    engine = ahead.llm_engine
+    assert engine.async_scheduling and engine.num_steps_ahead > 0 and engine.prefix_cache_stats.hits > 0
+    _all_free(ahead)

@@ -53,8 +53,8 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind):
     """Greedy float32 tokens equal transformers', each token's logprob the eager steps' (a wrong
     block read or written shifts them before it flips a token), with caching on (later prompts
-    continue from a shared prefix's cached state) and a padded batch (3 rows in a graph of 4);
-    every block free after."""
+    continue from a shared prefix's cached state), a padded batch (3 rows in a graph of 4) and
+    steps scheduled ahead; every block free after."""
     from ..model.triton_interpreter import device, kernels_module
 
     kernels_module()
@@ -76,7 +76,7 @@ def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch,
         max_model_len=64,
         compilation_config={"cudagraph_capture_sizes": [1, 4]},
     )
-    llm = LLM(str(tmp_path), **kwargs)
+    llm = LLM(str(tmp_path), **kwargs, async_scheduling=True)  # as a GPU runs it: input ids carried on the device
     first = llm.generate(prompts[:1], params, use_tqdm=False)  # the shared prefix's state cached
     rest = llm.generate(prompts[1:], params, use_tqdm=False)
     outs = first + rest
@@ -84,7 +84,7 @@ def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch,
     engine = llm.llm_engine
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.replays > 0 and graphs.inputs.state_blocks is not None
-    assert engine.prefix_cache_stats.hits > 0
+    assert engine.prefix_cache_stats.hits > 0 and engine.num_steps_ahead > 0
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
     eager_llm = LLM(str(tmp_path), **kwargs, enforce_eager=True)
     eager = eager_llm.generate(prompts[:1], params, use_tqdm=False) + eager_llm.generate(
