@@ -262,13 +262,8 @@ def _graph_mode(config: EngineArgs, device: torch.device, loaded: LoadedModel) -
     if mode is not None:
         model = loaded.model
         unsupported = model.static_decode_unsupported() if isinstance(model, LlamaModel) else "not a decoder model"
-        for reason, off in (
-            (f"{loaded.config.architecture}: {unsupported}", unsupported is not None),
-            ("the stage-output cache", config.enable_stage_output_cache),
-        ):
-            if off:
-                mode, why = None, f"eager for {reason}"
-                break
+        if unsupported is not None:
+            mode, why = None, f"eager for {loaded.config.architecture}: {unsupported}"
     if device.type == "cuda" or mode is not None:
         logger.info("decode steps: %s (%s)", _MODE_NAMES[mode], why)
     return mode

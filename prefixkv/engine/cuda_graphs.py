@@ -358,6 +358,14 @@ class StepGraphs:
         self.mixed_replays += 1
         return self._replay(kind, size)[:tokens], qsl
 
+    def step_slots(self, kind: str, rows: int) -> torch.Tensor:
+        """The KV slots of the last step's first `rows` rows (a step of `kind`), as the buffers hold
+        them until the next step is copied in."""
+        if kind == "decode":
+            return self.inputs.slot_mapping[:rows]
+        assert self.mixed is not None
+        return self.mixed.tokens[2, :rows]
+
     def _replay(self, kind: str, size: int) -> torch.Tensor:
         graph = self.graphs.get((kind, size))
         if graph is not None:

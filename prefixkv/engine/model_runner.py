@@ -92,8 +92,8 @@ class ModelRunner:
         """Which captured step a step replays ("decode", "mixed"; None: it runs eagerly): its shape
         within the graphs' sizes, and no request needing what a graph does not compute - image
         inputs, prompt logprobs or hidden states (a LoRA adapter where the graphs were captured
-        without LoRA); the stage-output cache keeps every step eager (no graphs are built with
-        it)."""
+        without LoRA). The stage-output cache keeps a replayed step's rows as an eager step's
+        (`_keep_stage_outputs`, outside the graph)."""
         graphs = self.graphs
         if graphs is None:
             return None
@@ -136,6 +136,8 @@ class ModelRunner:
             if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
                 lora_slots = self.lora_manager.slots_for([sr.lora_id for sr in scheduled])
             hidden, query_start_loc = self.graphs.run(scheduled, carried, kind, lora_slots)
+            if self.stage_outputs is not None:
+                self._keep_stage_outputs(hidden, self.graphs.step_slots(kind, hidden.shape[0]), scheduled)
         else:
             hidden, query_start_loc = self._forward(scheduled, carried)
         out = ModelRunnerOutput()
@@ -245,11 +247,16 @@ class ModelRunner:
         pos = tensor_on(positions, dev, torch.long)
         hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
 
-        stage = self.stage_outputs
-        if stage is not None:  # every computed row, through the KV slot mapping; full blocks become readable
-            stage.write(per_token_outputs(hidden, len(input_ids)), meta.slot_mapping)
-            stage.commit(self._full_blocks(scheduled))
+        if self.stage_outputs is not None:
+            self._keep_stage_outputs(hidden, meta.slot_mapping, scheduled)
         return hidden, query_start_loc
+
+    def _keep_stage_outputs(self, hidden: torch.Tensor, slots: torch.Tensor, scheduled: list[ScheduledRequest]) -> None:
+        """The stage-output cache keeps every computed row, through the KV slot mapping; the
+        blocks this step completed become readable."""
+        assert self.stage_outputs is not None
+        self.stage_outputs.write(per_token_outputs(hidden, hidden.shape[0]), slots)
+        self.stage_outputs.commit(self._full_blocks(scheduled))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -266,10 +266,16 @@ class Scheduler:
             else:
                 hits, num_hit = kv.get_computed_blocks(req, record_stats=False)
                 if req.reads_stage_outputs and hits and self.stage_outputs is not None:
-                    if self.stage_outputs.num_valid_prefix(hits) < len(hits):
-                        # hits cached in this very step have no outputs yet: wait one step for them
-                        # rather than recompute them (FCFS: nothing behind it goes first)
-                        break
+                    valid = self.stage_outputs.num_valid_prefix(hits)
+                    if valid < len(hits):
+                        if hits[valid].ref_cnt > 0:
+                            # a request holds it, likely computing it in this very step: wait one
+                            # step for its outputs rather than recompute them (FCFS: nothing behind
+                            # it goes first)
+                            break
+                        # nobody holds it, so nothing will write its rows: recompute from there
+                        # (waiting would stall the queue for good)
+                        hits, num_hit = hits[:valid], valid * self.block_size
             num_loaded_blocks = connector.match(req, len(hits), kv)  # blocks after the hits, from the tiers
             if num_loaded_blocks is None:  # a slow-tier load just started for it: it waits holding no block
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS

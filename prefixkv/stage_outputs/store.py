@@ -33,7 +33,8 @@ class StageOutputCache:
     def __init__(self, block_tensors: BlockTensors, blocks: Sequence[_Block], block_size: int) -> None:
         if not block_tensors.num_blocks:
             raise RuntimeError("allocate the block tensors before building the stage-output cache")
-        if len(blocks) != block_tensors.num_blocks:
+        # the tensors may hold blocks past the pool's (CUDA graphs' null block: padding rows' K/V)
+        if len(blocks) > block_tensors.num_blocks:
             raise ValueError(f"{len(blocks)} blocks for {block_tensors.num_blocks} block ids")
         self.block_tensors = block_tensors
         self.blocks = blocks  # the pool's blocks, by id: their current identity numbers

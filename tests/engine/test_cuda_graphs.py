@@ -367,3 +367,40 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
         assert aten == {"linear": 4 * n, "embedding": 1, "index": 2}
         fused = {"add_rms_norm_kernel": 2 * n + 1, "rotary_write_kv_kernel": n, "silu_and_mul_kernel": n}
         assert kernels == {**fused, f"{kind.replace('mixed', 'prefill')}_kernel": n}
+
+
+@pytest.mark.slow(seconds=10)
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL"])
+def test_replayed_steps_fill_the_stage_output_cache(tmp_path, static_graphs, mode):
+    """With the stage-output cache, steps over the fixed buffers keep their rows' hidden states as
+    eager steps do: a prompt that continues an earlier request's output hits the blocks its
+    replayed decode (and, FULL, mixed) steps completed, and its prompt logprobs read from their
+    stage rows equal those of an engine that computes every position."""
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random(41)
+    prompt = [rng.randrange(256) for _ in range(13)]
+    base = dict(
+        dtype="float32",
+        device=str(device()),
+        num_blocks=32,
+        block_size=8,
+        max_model_len=64,
+        compilation_config={"cudagraph_capture_sizes": [1, 16], "cudagraph_mode": mode},
+    )
+    llm = LLM(str(tmp_path), **base, enable_stage_output_cache=True)
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.replays > 0 and (mode != "FULL" or graphs.mixed_replays > 0)
+    longer = prompt + list(first.outputs[0].token_ids)  # 25 tokens: blocks 0-2 cached, 1-2 completed by decodes
+    scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    got = llm.generate([longer], scoring, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 24
+    want = LLM(str(tmp_path), **base, enable_prefix_caching=False).generate([longer], scoring, use_tqdm=False)[0]
+    assert got.prompt_logprobs is not None and want.prompt_logprobs is not None
+    lp = [next(iter(d.values())).logprob for d in got.prompt_logprobs[1:]]
+    want_lp = [next(iter(d.values())).logprob for d in want.prompt_logprobs[1:]]
+    assert lp == pytest.approx(want_lp, abs=1e-4)
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks

@@ -262,3 +262,21 @@ def test_hidden_states_from_default_engine_without_the_cache(default_lm, docs, h
     torch.testing.assert_close(h, hf_rows(docs[1])[5:], atol=2e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="not a position"):
         engine.add_request(docs[1], params, hidden_states_from=len(docs[1]))
+
+
+def test_prompt_logprobs_over_hits_without_rows_recompute_them(default_lm, docs, hf_logprobs):
+    """Cached blocks whose stage rows are not valid and that no request holds (nothing will write
+    them): a request scoring its prompt over them recomputes them instead of waiting for rows that
+    never come - it neither stalls the queue nor reads stale rows."""
+    engine = engine_for(default_lm)
+    llm = LLM.from_engine(engine)
+    llm.generate([{"prompt_token_ids": docs[0]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    engine.scheduler.stage_outputs.invalidate_all()  # the blocks stay cached, their rows do not
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": docs[0]}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs is not None
+    want = hf_logprobs(docs[0])
+    got = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+    expected = [float(want[i, t]) for i, t in enumerate(docs[0][1:])]
+    assert got == pytest.approx(expected, abs=2e-4)
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
