@@ -45,7 +45,7 @@ class StaticDecodeInputs:
         # ids, positions and slots (and the state's read and written blocks) as the rows of one
         # tensor: a step copies them in at once
         self.tokens = torch.zeros(5 if recurrent else 3, max_batch, dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.tokens[:3]
+        self.input_ids, self.positions, self.slot_mapping = self.tokens[0], self.tokens[1], self.tokens[2]
         self.state_blocks = self.tokens[3:] if recurrent else None  # [read, written] per row
         self.has_prev = torch.zeros(max_batch, dtype=torch.bool, device=device) if recurrent else None
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
