@@ -21,7 +21,7 @@ _NO_GROUPS: list[GroupTable] = []
 
 
 class _RequestBlocks:
-    __slots__ = ("chain", "blocks", "block_ids", "num_cached_blocks", "groups", "first_live")
+    __slots__ = ("chain", "blocks", "block_ids", "num_cached_blocks", "groups", "first_live", "group_ids")
 
     def __init__(self, chain: BlockChain) -> None:
         self.chain = chain
@@ -32,6 +32,8 @@ class _RequestBlocks:
         # released, and where each group's live blocks begin
         self.groups = _NO_GROUPS
         self.first_live: list[int] = []
+        # the groups' block ids as get_group_block_ids hands them out, until a table changes (None)
+        self.group_ids: list[list[int]] | None = None
 
 
 class KVCacheManager:
@@ -125,13 +127,17 @@ class KVCacheManager:
 
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """The block ids of the request's sliding-window groups (1, 2, ...): 0 where a block was
-        released (never read: it is out of every query's window); [] without such groups."""
+        released (never read: it is out of every query's window); [] without such groups. The
+        same lists until a table changes (a block added or released; read them, never edit them):
+        a step's consumers tell a changed table by its identity."""
         if self.sliding is None:  # asked for every request every step: no lookup where none exist
             return []
         state = self._requests.get(request_id)
         if state is None:
             return []
-        return [[0 if b is None else b.block_id for b in table] for table in state.groups]
+        if state.group_ids is None:
+            state.group_ids = [[0 if b is None else b.block_id for b in table] for table in state.groups]
+        return state.group_ids
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         state = self._requests.get(request_id)
@@ -247,6 +253,7 @@ class KVCacheManager:
             state.block_ids.extend([b.block_id for b in new_computed_blocks])
             state.num_cached_blocks = len(new_computed_blocks)
             if group_hits:
+                state.group_ids = None
                 for table, hit in zip(state.groups, group_hits):
                     pool.touch([b for b in hit if b is not None])
                     table.extend(hit)
@@ -254,6 +261,7 @@ class KVCacheManager:
         state.blocks.extend(new_blocks)
         state.block_ids.extend([b.block_id for b in new_blocks])
         if num_group_blocks:
+            state.group_ids = None
             for table in state.groups:
                 table.extend(pool.get_new_blocks(num_group_blocks))
 
@@ -374,6 +382,7 @@ class KVCacheManager:
         assert self.sliding is not None
         released = self.sliding.release_out_of_window(state.groups, state.first_live, num_computed_tokens)
         if released:
+            state.group_ids = None
             self.block_pool.free_blocks(released)
 
     def evict_where(self, match: Callable[[ExtraKeys], bool]) -> tuple[int, int]:

@@ -70,6 +70,7 @@ class Scheduler:
             group_kind=kv_group_kind,
         )
         self.block_size = block_size
+        self.num_kv_groups = 1 + len(kv_group_windows)  # a block position takes a block in each
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Most distinct LoRA adapters among running requests (None: LoRA off); a request whose
@@ -213,7 +214,8 @@ class Scheduler:
             num_new_blocks += max(0, -(-(num_tokens + 1) // bs) - held)
         if not going_on or len(going_on) > self.max_num_batched_tokens:
             return None
-        if num_new_blocks > kv.num_free_blocks:
+        # a sliding group's releases, which come first, are not counted: the count errs high
+        if num_new_blocks * self.num_kv_groups > kv.num_free_blocks:
             return None
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
@@ -229,7 +231,9 @@ class Scheduler:
             table = sr.block_table
             if new_blocks or len(table) != held:
                 table = kv.get_block_ids(sr.req_id)
-            scheduled.append(sr.next_decode(start, table, block_eos, req.prompt_logprobs_upto))
+            # a hybrid's later groups: the manager's lists, new only where a block came or left
+            groups = kv.get_group_block_ids(sr.req_id) if sr.group_block_tables else sr.group_block_tables
+            scheduled.append(sr.next_decode(start, table, block_eos, req.prompt_logprobs_upto, groups))
         budget = self._admit_waiting(out, self.max_num_batched_tokens - len(going_on), time.time())
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.kv_connector.plan(out, self.requests, kv)
@@ -456,12 +460,9 @@ class Scheduler:
 
 def _samples_ahead(sr: ScheduledRequest) -> bool:
     """Whether a request can be sampled for before its previous token is known: nothing it
-    samples with reads its own output so far, and the runner needs no hidden state of it. Not a
-    hybrid model's, whose group tables change with its window (the builder keeps async scheduling
-    off for KV-cache groups; ScheduledRequest.next_decode carries the tables over)."""
+    samples with reads its own output so far, and the runner needs no hidden state of it."""
     return (
         sr.constraints is None
-        and not sr.group_block_tables
         and not sr.sampling_params.penalized
         and not sr.want_hidden_states
         and not sr.stage_output_reads

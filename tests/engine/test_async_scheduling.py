@@ -285,16 +285,23 @@ def test_off_where_blocks_hold_more_than_kv_rows(tiny, caplog):
 
 
 @pytest.mark.slow(seconds=15)
-@pytest.mark.parametrize("kind", ["mamba2", "qwen3_next"])
-def test_recurrent_models_run_ahead(kind, tmp_path):
-    """A recurrent layer's state per block, scheduled ahead: requests stopping on a token mid-block
-    (the step computed ahead for them overwrites their last block's state), then the same prompts
-    again, continuing from the states cached the first time - the same tokens, stops and (within
-    float32 rounding: a decode may share a step with another request's chunk in one engine and not
-    the other) logprobs as in order, every block free."""
-    from .test_recurrent_graphs import _make
+@pytest.mark.parametrize("kind", ["mamba2", "qwen3_next", "gemma3"])
+def test_recurrent_and_sliding_window_models_run_ahead(kind, tmp_path):
+    """Blocks that hold more than K/V rows written once, scheduled ahead: a recurrent layer's state
+    per block (Mamba2, Qwen3-Next; the step computed ahead for a request stopping on a token
+    overwrites its last block's state) and KV-cache groups (Gemma 3: sliding layers' blocks leave
+    the window, and go back to the pool, while the step before still runs). Requests stopping mid-
+    block, then the same prompts again over what the first round cached: the same tokens, stops
+    and (within float32 rounding: a decode may share a step with another request's chunk in one
+    engine and not the other) logprobs as in order, every block free."""
+    if kind == "gemma3":
+        from .test_hybrid_attention import _make as make_sliding
 
-    hf = _make(kind)
+        hf = make_sliding(kind)
+    else:
+        from .test_recurrent_graphs import _make as make_recurrent
+
+        hf = make_recurrent(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
     prompts = _prompts(4, 6)
@@ -306,7 +313,7 @@ def test_recurrent_models_run_ahead(kind, tmp_path):
         for i, (toks, *_) in enumerate(probe[:4])
     ] + [
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=9, logprobs=1),
-        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logprobs=1),  # far past the window
     ]
     for _ in range(2):
         want, got = _outputs(sync, prompts, params), _outputs(ahead, prompts, params)
@@ -317,4 +324,5 @@ def test_recurrent_models_run_ahead(kind, tmp_path):
     assert "stop" in [w[2] for w in want]
     engine = ahead.llm_engine
     assert engine.async_scheduling and engine.num_steps_ahead > 0 and engine.prefix_cache_stats.hits > 0
+    assert engine.scheduler.num_kv_groups == (2 if kind == "gemma3" else 1)
     _all_free(ahead)

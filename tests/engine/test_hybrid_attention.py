@@ -306,9 +306,10 @@ def test_hybrid_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, ki
         max_model_len=128,
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
     )
-    llm = LLM(str(tmp_path), **kwargs)
+    llm = LLM(str(tmp_path), **kwargs, async_scheduling=True)  # as a GPU runs it: the group tables carried ahead
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.llm_engine.num_steps_ahead > 0
     # and each token's logprob that of the eager steps (greedy tokens alone can miss a layer's error)
     eager = LLM(str(tmp_path), **kwargs, enforce_eager=True).generate(prompts, params, use_tqdm=False)
     assert_same_logprobs(outs, eager, 1e-4)
