@@ -23,8 +23,9 @@ A recurrent model (Mamba2, its hybrids, Qwen3-Next's delta net) has each row's s
 one it continues from, the one it writes - in the decode buffers too (its mixed steps run eagerly:
 their scan's shape follows the blocks a prompt crosses).
 
-Neither takes a step that needs what the graph lacks (image input, prompt logprobs or hidden states:
-`ModelRunner.graph_kind`); those, and everything larger, run eagerly. Where LoRA is attached, each
+Neither takes a step that needs what the graph lacks (image input: `ModelRunner.graph_kind`); those,
+and everything larger, run eagerly. Prompt logprobs, returned hidden states and the stage-output
+cache read the replay's output (each row's final hidden state), outside the graph. Where LoRA is attached, each
 size has a second graph that computes each row's adapter update through the masked dense path over
 every slot (lora/layers.StaticLoRAMapping), the rows' slots in a buffer: steps with adapters replay
 too, and steps without them read no adapter weights.

@@ -91,9 +91,9 @@ class ModelRunner:
     def graph_kind(self, scheduled: list[ScheduledRequest]) -> str | None:
         """Which captured step a step replays ("decode", "mixed"; None: it runs eagerly): its shape
         within the graphs' sizes, and no request needing what a graph does not compute - image
-        inputs, prompt logprobs or hidden states (a LoRA adapter where the graphs were captured
-        without LoRA). The stage-output cache keeps a replayed step's rows as an eager step's
-        (`_keep_stage_outputs`, outside the graph)."""
+        inputs (a LoRA adapter where the graphs were captured without LoRA). Prompt logprobs,
+        hidden states and the stage-output cache read a replayed step's final hidden states as an
+        eager step's, outside the graph."""
         graphs = self.graphs
         if graphs is None:
             return None
@@ -101,7 +101,7 @@ class ModelRunner:
         if kind is None:
             return None
         lora_eager = not graphs.takes_lora(kind)
-        if any((lora_eager and sr.lora_id) or sr.mm_inputs or sr.want_hidden_states for sr in scheduled):
+        if any((lora_eager and sr.lora_id) or sr.mm_inputs for sr in scheduled):
             return None
         return kind
 
@@ -140,15 +140,15 @@ class ModelRunner:
                 self._keep_stage_outputs(hidden, self.graphs.step_slots(kind, hidden.shape[0]), scheduled)
         else:
             hidden, query_start_loc = self._forward(scheduled, carried)
+        starts = query_start_loc if query_start_loc is not None else range(len(scheduled) + 1)
         out = ModelRunnerOutput()
         if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
             out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
-        if kind is None:  # a replayed step computes no hidden states for anyone
-            assert query_start_loc is not None
+        if any(sr.want_hidden_states for sr in scheduled):  # read before a replay overwrites them
             for i, sr in enumerate(scheduled):
                 if sr.want_hidden_states:
                     try:
-                        self._prompt_outputs(sr, hidden[query_start_loc[i] : query_start_loc[i + 1]], out)
+                        self._prompt_outputs(sr, hidden[starts[i] : starts[i + 1]], out)
                     except Exception as e:  # noqa: BLE001 (this request fails alone)
                         what = (
                             "scoring prompt logprobs"
@@ -162,7 +162,6 @@ class ModelRunner:
         if to_sample:
             # every row sampled: the hidden states as they are, no gather
             if len(to_sample) != hidden.shape[0]:
-                starts = query_start_loc if query_start_loc is not None else range(len(scheduled) + 1)
                 rows = [starts[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in errors]
                 hidden = hidden[tensor_on(rows, dev, torch.long)]
             logits = self._sampling_logits(hidden, to_sample)

@@ -371,11 +371,12 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
 
 @pytest.mark.slow(seconds=10)
 @pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL"])
-def test_replayed_steps_fill_the_stage_output_cache(tmp_path, static_graphs, mode):
-    """With the stage-output cache, steps over the fixed buffers keep their rows' hidden states as
-    eager steps do: a prompt that continues an earlier request's output hits the blocks its
-    replayed decode (and, FULL, mixed) steps completed, and its prompt logprobs read from their
-    stage rows equal those of an engine that computes every position."""
+def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_path, static_graphs, mode):
+    """Steps over the fixed buffers hand their final hidden states on as eager steps do: a request's
+    returned hidden states and prompt logprobs equal an eager engine's; and with the stage-output
+    cache a prompt that continues that request's output hits the blocks its replayed decode (and,
+    FULL, mixed) steps completed, its prompt logprobs read from their stage rows equal to those
+    of an engine that computes every position."""
     hf = _make("llama")
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
@@ -390,17 +391,23 @@ def test_replayed_steps_fill_the_stage_output_cache(tmp_path, static_graphs, mod
         compilation_config={"cudagraph_capture_sizes": [1, 16], "cudagraph_mode": mode},
     )
     llm = LLM(str(tmp_path), **base, enable_stage_output_cache=True)
-    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    eager = LLM(str(tmp_path), **base, enable_prefix_caching=False, enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0, return_hidden_states=True)
+    first, want_first = (e.generate([prompt], params, use_tqdm=False)[0] for e in (llm, eager))
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and graphs.replays > 0 and (mode != "FULL" or graphs.mixed_replays > 0)
+    assert first.outputs[0].token_ids == want_first.outputs[0].token_ids
+    assert first.hidden_states is not None and first.hidden_states.shape[0] == 13 + 12 - 1
+    torch.testing.assert_close(first.hidden_states, want_first.hidden_states, atol=1e-4, rtol=1e-4)
+
+    def logprobs(out):
+        return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+
+    assert logprobs(first) == pytest.approx(logprobs(want_first), abs=1e-4)
     longer = prompt + list(first.outputs[0].token_ids)  # 25 tokens: blocks 0-2 cached, 1-2 completed by decodes
     scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    got = llm.generate([longer], scoring, use_tqdm=False)[0]
+    got, want = (e.generate([longer], scoring, use_tqdm=False)[0] for e in (llm, eager))
     assert got.num_cached_tokens == 24
-    want = LLM(str(tmp_path), **base, enable_prefix_caching=False).generate([longer], scoring, use_tqdm=False)[0]
-    assert got.prompt_logprobs is not None and want.prompt_logprobs is not None
-    lp = [next(iter(d.values())).logprob for d in got.prompt_logprobs[1:]]
-    want_lp = [next(iter(d.values())).logprob for d in want.prompt_logprobs[1:]]
-    assert lp == pytest.approx(want_lp, abs=1e-4)
+    assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
