@@ -37,6 +37,10 @@
 #                   (bench/device/random_checkpoint.py, SmolLM2's vocabulary; $SHAPE: llama-3b, llama-8b),
 #                   then the graphs step's measurement and model_speed (with transformers, a
 #                   1,024- and an 8,192-token prefill) on it
+#   families        today's other families as random checkpoints near their published shapes
+#                   (bench/device/random_checkpoint.py: gemma3-1b's sliding and full layers,
+#                   falcon-h1-0.5b's Mamba2 mixers beside attention, qwen3-next-small's delta nets and
+#                   routed experts): decode_graphs' graphs against eager and in order at batch 1/32
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
 #   serve           bench/serve.py: `prefixkv serve` on the GPU (bfloat16) under streamed requests
 #                   arriving at 16/s, a shared prefix and unique prompts: TTFT and TPOT, one server
@@ -65,13 +69,13 @@
 #   lora            bench/lora.py on the GPU (bfloat16): 1 and 4 random rank-16 adapters in mixed traffic
 #                   against the base model, with CUDA graphs (adapter steps replay the LoRA graphs)
 #                   and with --enforce-eager
-#   issue40         the preset for issue 40's open rows, most wanted first: verify mixed lora host_profile
-#                   host_calls gemv serve large host model_speed shared_prefix compiled (what
+#   issue40         the preset for issue 40's open rows, most wanted first: verify mixed lora families
+#                   host_profile host_calls gemv serve large host model_speed shared_prefix compiled (what
 #                   the budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify mixed lora host_profile host_calls gemv serve large host model_speed shared_prefix compiled}
+STEPS=${STEPS/issue40/verify mixed lora families host_profile host_calls gemv serve large host model_speed shared_prefix compiled}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -135,6 +139,13 @@ for step in $STEPS; do
         bounded 120 large.log "${speed[@]}" --model "$big" --no-cudnn-attention
         bounded 90 large.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \
             --prompt 8192 --context 8192 --model "$big" --no-cudnn-attention ;;
+    families)
+        for shape in gemma3-1b falcon-h1-0.5b qwen3-next-small; do
+            fam=/tmp/random-$shape
+            bounded 60 families.log python3 bench/device/random_checkpoint.py "$fam" --shape "$shape"
+            bounded 100 families.log python3 bench/decode_graphs.py --model "$fam" --device cuda --dtype bfloat16 \
+                --batches 1,32 --context 256 --steps 16 --rounds 1 --engines graphs,eager,inorder
+        done ;;
     model_speed)
         bounded 100 model_speed.log "${speed[@]}" --no-hf
         bounded 60 model_speed.log python3 bench/model_speed.py --device cuda --dtype bfloat16 --batches 1 \

@@ -4,7 +4,7 @@ HF folder with transformers' own classes (config.json, safetensors) and the defa
 tokenizer (SmolLM2's vocabulary, from the embedded GGUF), so the engine and transformers load it as
 they load any checkpoint.
 
-    python3 bench/device/random_checkpoint.py OUT [--shape llama-1b|llama-3b|llama-8b|qwen2.5-0.5b|tiny] [--device cuda]
+    python3 bench/device/random_checkpoint.py OUT [--shape llama-1b|llama-3b|llama-8b|qwen2.5-0.5b|gemma3-1b|falcon-h1-0.5b|qwen3-next-small|tiny] [--device cuda]
         [--layers N] [--byte-tokenizer]
 
 The weights are drawn on --device (a GPU draws a 1B model's in well under a second) in bfloat16;
@@ -66,6 +66,58 @@ SHAPES: dict[str, dict[str, object]] = {
         head_dim=128,
         tie_word_embeddings=True,
     ),
+    # today's other families, near their published shapes: sliding and full layers (KV-cache
+    # groups), a Mamba2 mixer beside attention in every layer, gated delta nets with routed experts
+    # (fewer layers and experts than Qwen3-Next-80B-A3B: its per-layer shape, not its size)
+    "gemma3-1b": dict(
+        family="gemma3",
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        sliding_window=512,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=256,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    ),
+    "falcon-h1-0.5b": dict(
+        family="falcon_h1",
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=36,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        mamba_d_ssm=1536,
+        mamba_n_heads=24,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=128,
+        mamba_d_conv=4,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-next-small": dict(
+        family="qwen3_next",
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=32,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    ),
     "llama-8b": dict(
         hidden_size=4096,
         intermediate_size=14336,
@@ -117,8 +169,13 @@ def main() -> None:
     config_class, model_class = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
     }[str(family)]
-    settings: dict[str, object] = dict(rope_theta=500000.0, rms_norm_eps=1e-5)
+    # the rotary base where the family takes it so (the others keep their config's default)
+    settings: dict[str, object] = dict(rope_theta=500000.0) if family in ("llama", "qwen2") else {}
+    settings["rms_norm_eps"] = 1e-5
     settings.update(shape)
     config = config_class(
         vocab_size=vocab,
