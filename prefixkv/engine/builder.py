@@ -88,9 +88,9 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     mode = _graph_mode(config, device, loaded)
     sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
     mixed_sizes = mixed_capture_sizes(config.max_num_batched_tokens, config.compilation_config) if mode else []
-    if mixed_sizes and (kv_groups is not None or model_config.is_recurrent):
-        why = "KV-cache groups" if kv_groups is not None else f"the recurrent {model_config.architecture}"
-        logger.info("mixed steps run eagerly with %s (decode steps are captured)", why)
+    if mixed_sizes and model_config.is_recurrent:
+        arch = model_config.architecture
+        logger.info("mixed steps run eagerly with the recurrent %s (decode steps are captured)", arch)
         mixed_sizes = []
     graph_rows = max([*sizes, *mixed_sizes], default=0) if mode == "capture" else 0
     num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows)

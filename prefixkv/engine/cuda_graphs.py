@@ -18,7 +18,8 @@ tile map steers. A step of at most the largest count whose contexts fit the widt
 the next count and replayed.
 
 A model with KV-cache groups (sliding and full layers, memory/kv_groups.py) has its later groups'
-slots and block tables in buffers of their own, for decode graphs (its mixed steps run eagerly).
+slots and block tables in buffers of their own, for decode and mixed graphs (the lengths, the
+sequences and the tile map shared).
 A recurrent model (Mamba2, its hybrids, Qwen3-Next's delta net) has each row's state blocks - the
 one it continues from, the one it writes - in the decode buffers too (its mixed steps run eagerly:
 their scan's shape follows the blocks a prompt crosses).
@@ -169,7 +170,7 @@ class StepGraphs:
         base row: an exact 0), each row's slot in a buffer the step fills; a step without adapters
         replays the first, reading no adapter weights. `layer_groups`: each layer's KV-cache group
         (memory/kv_groups.py; None: one group): each later group has its own slots and block
-        tables (the same lengths), read by its layers - decode graphs only. `recurrent`: layers
+        tables (the same lengths), read by its layers. `recurrent`: layers
         keep a state per block (model/mamba2.py), each row's read and written blocks in the
         buffers - decode graphs only."""
         if mode not in ("capture", "static"):
@@ -192,8 +193,6 @@ class StepGraphs:
         self.group_inputs: list[StaticDecodeInputs] = []
         self.group_hosts: list[DecodeHostInputs] = []
         if layer_groups is not None and max(layer_groups, default=0) > 0:
-            if mixed_sizes:
-                raise ValueError("mixed-step graphs take one KV-cache group")
             for _ in range(max(layer_groups)):
                 self.group_inputs.append(
                     StaticDecodeInputs(self.max_size, max_blocks, block_size, device, seq_lens=self.inputs.seq_lens)
@@ -206,6 +205,7 @@ class StepGraphs:
         self.mixed_sizes = sorted(set(mixed_sizes))
         self.mixed: StaticMixedInputs | None = None
         self.mixed_metas: dict[int, AttentionMetadata] = {}
+        self.mixed_groups: list[StaticMixedInputs] = []
         if self.mixed_sizes:
             if max_seqs < 1:
                 raise ValueError("mixed-step graphs need max_seqs")
@@ -214,6 +214,17 @@ class StepGraphs:
             top = self.mixed_sizes[-1]
             self.mixed = StaticMixedInputs(top, min(max_seqs, top), max_blocks, block_size, tile_tokens, device)
             self.mixed_metas = {s: static_meta(self.mixed.view(s)) for s in self.mixed_sizes}
+            mixed = self.mixed
+            # a later KV-cache group's slots and tables, the step's layout shared
+            self.mixed_groups = [
+                StaticMixedInputs(top, mixed.max_seqs, max_blocks, block_size, tile_tokens, device, layout=mixed)
+                for _ in self.group_inputs
+            ]
+            for size, meta in self.mixed_metas.items():
+                if self.mixed_groups:
+                    meta.layer_groups = layer_groups
+                for g, mixed_group in enumerate(self.mixed_groups, start=1):
+                    meta.set_layer_group(g, static_meta(mixed_group.view(size)))
         self.lora = lora
         self.lora_maps: dict[tuple[str, int], StaticLoRAMapping] = {}
         if lora is not None:
@@ -350,6 +361,14 @@ class StepGraphs:
         # and the tile map)
         buf.block_tables[:n, :width].copy_(pinned_for(host.tables, dev), non_blocking=True)
         buf.tile_map[:, : view.tiles].copy_(pinned_for(host.tile_map, dev), non_blocking=True)
+        for g, mixed_group in enumerate(self.mixed_groups):
+            g_host = build_mixed(
+                scheduled, size, view.tiles, buf.tile_tokens, buf.padding_seq, self.block_size, self.null_slot,
+                self.max_blocks, [sr.group_block_tables[g] for sr in scheduled],
+            )  # fmt: skip
+            g_width = g_host.tables.shape[1]
+            mixed_group.tokens[2, :size].copy_(pinned_for(g_host.tokens[2], dev), non_blocking=True)
+            mixed_group.block_tables[:n, :g_width].copy_(pinned_for(g_host.tables, dev), non_blocking=True)
         qsl = host.query_start_loc
         rows = None if lora_slots is None else np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
         kind = self._with_adapters("mixed", size, rows)
@@ -413,6 +432,8 @@ class StepGraphs:
             mixed.tokens[2].fill_(self.null_slot)
             mixed.seqs.zero_()  # every sequence of no tokens
             mixed.tile_map[0].fill_(mixed.padding_seq)
+            for mixed_group in self.mixed_groups:
+                mixed_group.tokens[2].fill_(self.null_slot)
             work += [("mixed", s) for s in self.mixed_sizes]
         work += list(self.lora_maps)
         if self.mode != "capture":

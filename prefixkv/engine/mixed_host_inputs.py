@@ -56,13 +56,16 @@ def build_mixed(
     block_size: int,
     null_slot: int,
     max_blocks: int,
+    row_tables: Sequence[list[int]] | None = None,
 ) -> MixedStepInputs:
     """The host tensors of a step of `scheduled` (their new tokens at most `size`) padded to `size`
     rows, each block table cut to `max_blocks` (the buffers' width; blocks past it hold no position
-    of the step). Raises where a position lies past its request's table (the scheduler gives every
+    of the step). `row_tables`: each request's table, where not its `block_table` (a later KV-cache
+    group's). Raises where a position lies past its request's table (the scheduler gives every
     token a slot)."""
     bs = block_size
     n = len(scheduled)
+    block_tables = [sr.block_table for sr in scheduled] if row_tables is None else row_tables
     lens = np.fromiter((len(sr.token_ids) for sr in scheduled), dtype=np.int64, count=n)
     starts = np.fromiter((sr.start for sr in scheduled), dtype=np.int64, count=n)
     qsl = np.zeros(n + 1, dtype=np.int64)
@@ -70,12 +73,12 @@ def build_mixed(
     total = int(qsl[-1])
     if total > size:
         raise ValueError(f"a step of {total} tokens does not fit {size} rows")
-    widths = [min(len(sr.block_table), max_blocks) for sr in scheduled]
+    widths = [min(len(table), max_blocks) for table in block_tables]
     width = max(widths, default=0)
     tables = np.zeros((n, width), dtype=np.int32)
-    for i, sr in enumerate(scheduled):
+    for i, table in enumerate(block_tables):
         w = widths[i]
-        tables[i, :w] = sr.block_table if w == len(sr.block_table) else sr.block_table[:w]
+        tables[i, :w] = table if w == len(table) else table[:w]
     ends = starts + lens
     short = np.flatnonzero(-(-ends // bs) > np.asarray(widths, dtype=np.int64))
     if short.size:

@@ -31,17 +31,31 @@ class StaticMixedInputs:
     `max_blocks` blocks each; `view(size)` gives a step of `size` rows its slices."""
 
     def __init__(
-        self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int, tile_tokens: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks: int,
+        block_size: int,
+        tile_tokens: int,
+        device: torch.device,
+        layout: StaticMixedInputs | None = None,
     ) -> None:
+        """`layout`: another inputs' sequences and tile map to share (a later KV-cache group's
+        buffers: its own slots and block tables, the same step)."""
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self.block_size, self.tile_tokens = block_size, tile_tokens
         self.device = device
         # ids, positions and slots as the rows of one tensor: a step copies them in at once
         self.tokens = torch.zeros(3, max_tokens, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_seqs + 1, max_blocks, dtype=torch.int32, device=device)
         # each sequence's first row, new tokens and length (int32); column max_seqs: the padding
         # sequence, of no tokens, that unused tiles name
+        self.seqs: torch.Tensor
+        self.tile_map: torch.Tensor
+        if layout is not None:
+            self.seqs, self.tile_map = layout.seqs, layout.tile_map
+            return
         self.seqs = torch.zeros(3, max_seqs + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_seqs + 1, max_blocks, dtype=torch.int32, device=device)
         self.tile_map = torch.zeros(2, tiles_for(max_tokens, max_seqs, tile_tokens), dtype=torch.int32, device=device)
         self.tile_map[0].fill_(max_seqs)
 
