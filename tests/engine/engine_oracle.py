@@ -57,8 +57,10 @@ def serve_and_compare(
 
 def hf_generate(hf: Any, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy generate (a recurrent model: its chunked scan for the prompt, its
-    one-token state update after), exactly n tokens."""
-    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=257)
+    one-token state update after), exactly n tokens: no EOS ends it and none is suppressed, as the
+    engine's ignore_eos goes on past one (min_new_tokens would keep EOS from being drawn)."""
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=257)
+    assert out.shape[1] == len(prompt) + n
     return out[0, len(prompt) :].tolist()
 
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from prefixkv import LLM, SamplingParams
 
 from ..model.test_model_hf_folder import _write_tokenizer
-from .engine_oracle import assert_same_logprobs
+from .engine_oracle import assert_same_logprobs, hf_generate
 
 MAX_NEW = 6
 
@@ -38,16 +37,6 @@ def _make(kind: str):
     return make_qwen3_next(mlp_only_layers=[0, 1, 2, 3])
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens, each from a forward over the whole sequence (no cache, and no
-    EOS suppressed: the engine's ignore_eos only keeps going past one)."""
-    seq = list(prompt)
-    for _ in range(n):
-        with torch.no_grad():
-            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
-    return seq[len(prompt) :]
-
-
 @pytest.mark.slow(seconds=10)
 @pytest.mark.parametrize("kind", ["mamba2", "bamba", "falcon_h1", "qwen3_next"])
 def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind):
@@ -66,7 +55,7 @@ def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch,
     shared = [rng.randrange(256) for _ in range(20)]
     # block-aligned and not: decodes cross into new blocks at different steps
     prompts = [shared + [rng.randrange(256) for _ in range(n)] for n in (3, 4, 9)]
-    expected = [_hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    expected = [hf_generate(hf, p, MAX_NEW) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     kwargs = dict(
         dtype="float32",
