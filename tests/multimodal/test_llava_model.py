@@ -160,3 +160,35 @@ def test_other_decoders_equal_transformers(tmp_path, hf_processor, text_model):
         == {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[text_model]
     )
     assert out.outputs[0].token_ids == expected
+
+
+@pytest.mark.slow(seconds=8)
+def test_decode_steps_after_images_replay_over_fixed_buffers(llava, hf_processor, monkeypatch):
+    """A step that splices image embeddings runs eagerly; the decode steps after it, text only,
+    take the fixed buffers a CUDA graph replays (on a CPU uncaptured under Triton's interpreter):
+    greedy tokens equal transformers' for prompts with one and two images, scheduled ahead."""
+    from ..model.triton_interpreter import device, kernels_module
+
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    folder, hf = llava
+    prompts, expected = [], []
+    for text, seeds in PROMPTS:
+        images = [make_image(s) for s in seeds]
+        ref = hf_processor(text=text, images=images, return_tensors="pt")
+        expected.append(hf_llava_greedy(hf, [256] + ref["input_ids"][0].tolist(), ref["pixel_values"], MAX_NEW))
+        prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+    llm = LLM(
+        folder,
+        num_blocks=96,
+        block_size=8,
+        device=str(device()),
+        dtype="float32",
+        async_scheduling=True,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+    )
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    engine = llm.llm_engine
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
