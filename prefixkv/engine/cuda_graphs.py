@@ -26,8 +26,8 @@ their scan's shape follows the blocks a prompt crosses).
 
 Neither takes a step that needs what the graph lacks (image input: `ModelRunner.graph_kind`); those,
 and everything larger, run eagerly. Prompt logprobs, returned hidden states and the stage-output
-cache read the replay's output (each row's final hidden state), outside the graph. Where LoRA is attached, each
-size has a second graph that computes each row's adapter update through the masked dense path over
+cache read the replay's output (each row's final hidden state), outside the graph. Where LoRA is
+attached, each size has a second graph that computes each row's adapter update through the masked dense path over
 every slot (lora/layers.StaticLoRAMapping), the rows' slots in a buffer: steps with adapters replay
 too, and steps without them read no adapter weights.
 
@@ -170,9 +170,9 @@ class StepGraphs:
         base row: an exact 0), each row's slot in a buffer the step fills; a step without adapters
         replays the first, reading no adapter weights. `layer_groups`: each layer's KV-cache group
         (memory/kv_groups.py; None: one group): each later group has its own slots and block
-        tables (the same lengths), read by its layers. `recurrent`: layers
-        keep a state per block (model/mamba2.py), each row's read and written blocks in the
-        buffers - decode graphs only."""
+        tables (the same lengths), read by its layers. `recurrent`: layers keep a state per block
+        (model/mamba2.py), each row's read and written blocks in the buffers - decode graphs
+        only."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode

@@ -30,6 +30,7 @@ from .attention import AttentionMetadata
 from .config import ModelConfig
 from .layers import RMSNorm
 from .llama import LlamaModel
+from .static_decode import StaticDecodeView
 
 
 @dataclass
@@ -143,18 +144,16 @@ def _static_plan(meta: AttentionMetadata) -> _Plan:
     one-token path's blocks read from the buffers' rows, whose values each step copies in - the
     same operations as an eager decode step's, over padded rows."""
     view = meta.static
-    read = getattr(view, "state_read", None)
-    written = getattr(view, "state_written", None)
-    has_prev = getattr(view, "has_prev", None)
-    if read is None or written is None or has_prev is None:
+    if not isinstance(view, StaticDecodeView) or view.state_read is None or view.state_written is None:
         raise ValueError("a recurrent layer over fixed buffers needs decode buffers with the state's rows")
-    none = torch.zeros(0, dtype=torch.long, device=read.device)
+    assert view.has_prev is not None
+    none = torch.zeros(0, dtype=torch.long, device=view.state_read.device)
     return _Plan(
-        read_blocks=read,
-        has_prev=has_prev,
+        read_blocks=view.state_read,
+        has_prev=view.has_prev,
         pad_index=none.view(0, 0),
         out_index=none,
-        seg_blocks=written,
+        seg_blocks=view.state_written,
         rounds=[],
         conv_writes=[],
         decode_only=True,

@@ -85,8 +85,8 @@ class StaticDecodeView:
         self._work: dict[tuple[int, int, int], tuple[int, tuple[torch.Tensor, torch.Tensor] | None]] = {}
 
     def prepare(self) -> None:
-        """What the step's layers share that the device derives from the buffers, once a forward
-        (recorded with it): whether each row continues a recurrent state."""
+        """Derive on the device, once a forward (a capture records it), what every layer reads
+        beyond the copied buffers: whether each row continues a recurrent state."""
         if self.has_prev is not None:
             torch.gt(self.positions, 0, out=self.has_prev)
 
