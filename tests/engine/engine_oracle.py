@@ -163,3 +163,24 @@ def assert_same_logprobs(got: list[Any], want: list[Any], abs_tol: float) -> Non
         got_lp = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
         want_lp = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
         assert got_lp == pytest.approx(want_lp, abs=abs_tol)
+
+
+def replay_against_eager(
+    folder: Path | str, batches: list[list[list[int]]], expected: list[list[int]], kwargs: dict[str, Any]
+) -> LLM:
+    """An engine whose steps take the CUDA graphs' buffers (set up by the caller), scheduled ahead
+    as a GPU runs it, generates each batch of prompts in turn (a later batch may hit what an
+    earlier one cached): greedy tokens equal `expected` (one list per prompt, in order), each
+    token's logprob an eager engine's within 1e-4 (what greedy tokens alone can miss: a layer's
+    error too small to flip them), steps ran ahead, every block free after. Returns the LLM."""
+    params = SamplingParams(temperature=0, max_tokens=len(expected[0]), ignore_eos=True, logprobs=0)
+    llm = LLM(str(folder), **kwargs, async_scheduling=True)
+    eager = LLM(str(folder), **kwargs, enforce_eager=True)
+    got = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
+    want = [o for batch in batches for o in eager.generate(batch, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert_same_logprobs(got, want, 1e-4)
+    engine = llm.llm_engine
+    assert engine.num_steps_ahead > 0
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    return llm

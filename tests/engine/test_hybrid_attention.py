@@ -17,7 +17,7 @@ from prefixkv.model import ModelConfig, softcap_attention
 
 from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _common, _write_tokenizer
-from .engine_oracle import assert_disk_tier_and_stage_outputs, assert_same_logprobs, serve_and_compare
+from .engine_oracle import assert_disk_tier_and_stage_outputs, replay_against_eager, serve_and_compare
 from .test_correctness import check_prompt_logprobs, hf_prompt_logprobs
 
 MAX_NEW = 8
@@ -298,7 +298,6 @@ def test_hybrid_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, ki
     shared = [rng.randrange(256) for _ in range(40)]  # > 2 windows
     prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     kwargs = dict(
         dtype="float32",
         device=str(device()),
@@ -310,16 +309,8 @@ def test_hybrid_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, ki
     if kind == "gemma3":  # mixed steps too (one kind: the interpreter's prefill kernel is slow)
         kwargs["max_num_batched_tokens"] = 16  # prompts in chunks, beside decodes: steps of 16 rows
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 16], "cudagraph_mode": "FULL"}
-    llm = LLM(str(tmp_path), **kwargs, async_scheduling=True)  # as a GPU runs it: the group tables carried ahead
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.llm_engine.num_steps_ahead > 0
-    # and each token's logprob that of the eager steps (greedy tokens alone can miss a layer's error)
-    eager = LLM(str(tmp_path), **kwargs, enforce_eager=True).generate(prompts, params, use_tqdm=False)
-    assert_same_logprobs(outs, eager, 1e-4)
-    engine = llm.llm_engine
+    engine = replay_against_eager(tmp_path, [prompts], expected, kwargs).llm_engine  # group tables carried ahead
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.replays > 0 and (kind != "gemma3" or graphs.mixed_replays > 0)
     assert len(graphs.group_inputs) == len(plan_kv_groups(engine.model_config).windows) - 1 > 0
     assert len(graphs.mixed_groups) == (len(graphs.group_inputs) if kind == "gemma3" else 0)
-    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
