@@ -4,8 +4,10 @@ HF folder with transformers' own classes (config.json, safetensors) and the defa
 tokenizer (SmolLM2's vocabulary, from the embedded GGUF), so the engine and transformers load it as
 they load any checkpoint.
 
-    python3 bench/device/random_checkpoint.py OUT [--shape llama-1b|llama-3b|llama-8b|qwen2.5-0.5b|gemma3-1b|falcon-h1-0.5b|qwen3-next-small|tiny] [--device cuda]
-        [--layers N] [--byte-tokenizer]
+    python3 bench/device/random_checkpoint.py OUT [--shape SHAPE] [--device cuda] [--layers N] [--byte-tokenizer]
+
+SHAPE: llama-1b (default), llama-3b, llama-8b, qwen2.5-0.5b, gemma3-1b, falcon-h1-0.5b, qwen3-next-small
+or tiny.
 
 The weights are drawn on --device (a GPU draws a 1B model's in well under a second) in bfloat16;
 --layers overrides the shape's depth (a CPU smoke with --layers 1).
