@@ -129,8 +129,10 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
     assert runner.graph_kind([row()] * 4) is None  # more sequences than the scheduler's three
     assert runner.graph_kind([row(start=48)]) is None  # past max_model_len's blocks
     assert runner.graph_kind([row(start=46, token_ids=[1, 2, 3])]) is None
-    for eager_only in (dict(lora_id=1), dict(mm_inputs=("image",)), dict(want_hidden_states=True)):
+    for eager_only in (dict(lora_id=1), dict(mm_inputs=("image",))):
         assert runner.graph_kind([row(), row(**eager_only)]) is None
+    # hidden states (prompt logprobs, return_hidden_states) are read from the replay's output
+    assert runner.graph_kind([row(), row(want_hidden_states=True)]) == "decode"
     # a kind whose capture failed runs eagerly, said once; the other kind still replays
     with caplog.at_level(logging.WARNING, logger="prefixkv"):
         graphs._fail("decode", "a test's reason")
@@ -369,14 +371,13 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
         assert kernels == {**fused, f"{kind.replace('mixed', 'prefill')}_kernel": n}
 
 
-@pytest.mark.slow(seconds=10)
-@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL"])
-def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_path, static_graphs, mode):
-    """Steps over the fixed buffers hand their final hidden states on as eager steps do: a request's
-    returned hidden states and prompt logprobs equal an eager engine's; and with the stage-output
-    cache a prompt that continues that request's output hits the blocks its replayed decode (and,
-    FULL, mixed) steps completed, its prompt logprobs read from their stage rows equal to those
-    of an engine that computes every position."""
+@pytest.mark.slow(seconds=8)
+def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_path, static_graphs):
+    """Steps over the fixed buffers (cudagraph_mode FULL: the prompt's too) hand their final hidden
+    states on as eager steps do: a request's returned hidden states and prompt logprobs equal an
+    eager engine's; and with the stage-output cache a prompt that continues that request's output
+    hits the blocks its replayed mixed and decode steps completed, its prompt logprobs read from
+    their stage rows equal to those of an engine that computes every position."""
     hf = _make("llama")
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
@@ -388,14 +389,14 @@ def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_p
         num_blocks=32,
         block_size=8,
         max_model_len=64,
-        compilation_config={"cudagraph_capture_sizes": [1, 16], "cudagraph_mode": mode},
+        compilation_config={"cudagraph_capture_sizes": [1, 16], "cudagraph_mode": "FULL"},
     )
     llm = LLM(str(tmp_path), **base, enable_stage_output_cache=True)
     eager = LLM(str(tmp_path), **base, enable_prefix_caching=False, enforce_eager=True)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0, return_hidden_states=True)
     first, want_first = (e.generate([prompt], params, use_tqdm=False)[0] for e in (llm, eager))
     graphs = llm.llm_engine.runner.graphs
-    assert graphs is not None and graphs.replays > 0 and (mode != "FULL" or graphs.mixed_replays > 0)
+    assert graphs is not None and graphs.replays > 0 and graphs.mixed_replays > 0
     assert first.outputs[0].token_ids == want_first.outputs[0].token_ids
     assert first.hidden_states is not None and first.hidden_states.shape[0] == 13 + 12 - 1
     torch.testing.assert_close(first.hidden_states, want_first.hidden_states, atol=1e-4, rtol=1e-4)
