@@ -186,7 +186,6 @@ class StepGraphs:
             raise ValueError("mixed-step graphs take no recurrent state")
         self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device, recurrent=recurrent)
         self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot, recurrent)
-        self.null_block = null_block
         self.max_context = self.inputs.max_context
         self.metas = {s: static_meta(self.inputs.view(s)) for s in self.sizes}
         # a later KV-cache group's slots and tables, and the mirror its host half keeps
@@ -349,9 +348,10 @@ class StepGraphs:
         size = self.mixed_size_for(tokens)
         view = self.mixed_metas[size].static
         assert isinstance(view, StaticMixedView)
+        group_tables = [[sr.group_block_tables[g] for sr in scheduled] for g in range(len(self.mixed_groups))]
         host = build_mixed(
             scheduled, size, view.tiles, buf.tile_tokens, buf.padding_seq, self.block_size, self.null_slot,
-            self.max_blocks,
+            self.max_blocks, group_tables,
         )  # fmt: skip
         dev = buf.tokens.device
         n, width = host.tables.shape
@@ -361,14 +361,9 @@ class StepGraphs:
         # and the tile map)
         buf.block_tables[:n, :width].copy_(pinned_for(host.tables, dev), non_blocking=True)
         buf.tile_map[:, : view.tiles].copy_(pinned_for(host.tile_map, dev), non_blocking=True)
-        for g, mixed_group in enumerate(self.mixed_groups):
-            g_host = build_mixed(
-                scheduled, size, view.tiles, buf.tile_tokens, buf.padding_seq, self.block_size, self.null_slot,
-                self.max_blocks, [sr.group_block_tables[g] for sr in scheduled],
-            )  # fmt: skip
-            g_width = g_host.tables.shape[1]
-            mixed_group.tokens[2, :size].copy_(pinned_for(g_host.tokens[2], dev), non_blocking=True)
-            mixed_group.block_tables[:n, :g_width].copy_(pinned_for(g_host.tables, dev), non_blocking=True)
+        for mixed_group, (g_slots, g_tables) in zip(self.mixed_groups, host.groups):
+            mixed_group.tokens[2, :size].copy_(pinned_for(g_slots, dev), non_blocking=True)
+            mixed_group.block_tables[:n, : g_tables.shape[1]].copy_(pinned_for(g_tables, dev), non_blocking=True)
         qsl = host.query_start_loc
         rows = None if lora_slots is None else np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
         kind = self._with_adapters("mixed", size, rows)
@@ -422,7 +417,7 @@ class StepGraphs:
             group.slot_mapping.fill_(self.null_slot)
         if buf.state_blocks is not None:  # padding rows: read block 0 (none: no previous state), write the null block
             buf.state_blocks[0].zero_()
-            buf.state_blocks[1].fill_(self.null_block)
+            buf.state_blocks[1].fill_(self.null_slot // self.block_size)
         if self.lora is not None:
             self.row_slots.fill_(-1)
         work = [("decode", s) for s in self.sizes]

@@ -22,13 +22,15 @@ class MixedStepInputs:
     """One step's host tensors: `tokens` int64 [3, size] (ids, positions, slots; padding rows
     token 0 at position 0 in the null slot), `seqs` int32 [3, C] (first row, new tokens, length),
     `tables` int32 [C, width], `tile_map` int32 [2, tiles] (the rest naming the padding sequence),
-    and `query_start_loc` (each request's first row, and the end)."""
+    `query_start_loc` (each request's first row, and the end), and per later KV-cache group its
+    rows' slots int64 [size] and its tables int32 [C, width]."""
 
     tokens: torch.Tensor
     seqs: torch.Tensor
     tables: torch.Tensor
     tile_map: torch.Tensor
     query_start_loc: list[int]
+    groups: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def tile_map(q_lens: Sequence[int] | np.ndarray, tile_tokens: int, tiles: int, padding_seq: int) -> np.ndarray:
@@ -56,16 +58,13 @@ def build_mixed(
     block_size: int,
     null_slot: int,
     max_blocks: int,
-    row_tables: Sequence[list[int]] | None = None,
+    group_tables: Sequence[Sequence[list[int]]] = (),
 ) -> MixedStepInputs:
     """The host tensors of a step of `scheduled` (their new tokens at most `size`) padded to `size`
     rows, each block table cut to `max_blocks` (the buffers' width; blocks past it hold no position
-    of the step). `row_tables`: each request's table, where not its `block_table` (a later KV-cache
-    group's). Raises where a position lies past its request's table (the scheduler gives every
-    token a slot)."""
-    bs = block_size
+    of the step). `group_tables`: per later KV-cache group, each request's table in it. Raises
+    where a position lies past its request's table (the scheduler gives every token a slot)."""
     n = len(scheduled)
-    block_tables = [sr.block_table for sr in scheduled] if row_tables is None else row_tables
     lens = np.fromiter((len(sr.token_ids) for sr in scheduled), dtype=np.int64, count=n)
     starts = np.fromiter((sr.start for sr in scheduled), dtype=np.int64, count=n)
     qsl = np.zeros(n + 1, dtype=np.int64)
@@ -73,29 +72,42 @@ def build_mixed(
     total = int(qsl[-1])
     if total > size:
         raise ValueError(f"a step of {total} tokens does not fit {size} rows")
-    widths = [min(len(table), max_blocks) for table in block_tables]
-    width = max(widths, default=0)
-    tables = np.zeros((n, width), dtype=np.int32)
-    for i, table in enumerate(block_tables):
-        w = widths[i]
-        tables[i, :w] = table if w == len(table) else table[:w]
     ends = starts + lens
-    short = np.flatnonzero(-(-ends // bs) > np.asarray(widths, dtype=np.int64))
-    if short.size:
-        i = int(short[0])
-        raise IndexError(f"request {scheduled[i].req_id}: position {int(ends[i]) - 1} lies past its {widths[i]} blocks")
-    tokens = np.zeros((3, size), dtype=np.int64)
     row_seq = np.repeat(np.arange(n), lens)  # each real row's request
     positions = np.arange(total) - np.repeat(qsl[:-1], lens) + np.repeat(starts, lens)
+
+    def slots_and_tables(block_tables: Sequence[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's slot [size] (padding rows the null slot) and the tables [n, width]."""
+        widths = [min(len(table), max_blocks) for table in block_tables]
+        tables = np.zeros((n, max(widths, default=0)), dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            w = widths[i]
+            tables[i, :w] = table if w == len(table) else table[:w]
+        short = np.flatnonzero(-(-ends // block_size) > np.asarray(widths, dtype=np.int64))
+        if short.size:
+            i = int(short[0])
+            raise IndexError(
+                f"request {scheduled[i].req_id}: position {int(ends[i]) - 1} lies past its {widths[i]} blocks"
+            )
+        slots = np.full(size, null_slot, dtype=np.int64)
+        slots[:total] = tables[row_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        return slots, tables
+
+    slots, tables = slots_and_tables([sr.block_table for sr in scheduled])
+    tokens = np.zeros((3, size), dtype=np.int64)
     tokens[0, :total] = [t for sr in scheduled for t in sr.token_ids]
     tokens[1, :total] = positions
-    tokens[2, :total] = tables[row_seq, positions // bs].astype(np.int64) * bs + positions % bs
-    tokens[2, total:] = null_slot
+    tokens[2] = slots
     seqs = np.stack([qsl[:-1], lens, ends]).astype(np.int32)
+    groups = []
+    for g in group_tables:
+        g_slots, g_tables = slots_and_tables(g)
+        groups.append((torch.from_numpy(g_slots), torch.from_numpy(g_tables)))
     return MixedStepInputs(
         torch.from_numpy(tokens),
         torch.from_numpy(seqs),
         torch.from_numpy(tables),
         torch.from_numpy(tile_map(lens, tile_tokens, tiles, padding_seq)),
         qsl.tolist(),
+        groups,
     )
