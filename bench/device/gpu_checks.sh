@@ -109,6 +109,7 @@ for step in $STEPS; do
             tests/model/test_host_copy.py tests/engine/test_moe_architectures.py \
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             tests/engine/test_recurrent_graphs.py \
+            tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
             tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
@@ -117,7 +118,8 @@ for step in $STEPS; do
             tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py \
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             "tests/engine/test_moe_architectures.py::test_moe_decode_steps_replay_over_fixed_buffers" \
-            tests/engine/test_recurrent_graphs.py ;;
+            tests/engine/test_recurrent_graphs.py \
+            tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers ;;
     paged)
         bounded 100 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --contexts 1024,8192 --new 64

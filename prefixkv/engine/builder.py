@@ -109,7 +109,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             mixed_sizes=mixed_sizes, max_seqs=config.max_num_seqs,
             lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
             layer_groups=kv_groups.layer_group(model_config.num_hidden_layers) if kv_groups is not None else None,
-            recurrent=model_config.is_recurrent,
+            recurrent=model_config.is_recurrent, image_rows=loaded.multimodal is not None,
         )  # fmt: skip
     # one hash function for the scheduler's cache and the tiers' namespace (an xxhash one is seeded per process)
     hash_fn = get_hash_function(config.prefix_caching_hash_algo)

@@ -24,8 +24,10 @@ A recurrent model (Mamba2, its hybrids, Qwen3-Next's delta net) has each row's s
 one it continues from, the one it writes - in the decode buffers too (its mixed steps run eagerly:
 their scan's shape follows the blocks a prompt crosses).
 
-Neither takes a step that needs what the graph lacks (image input: `ModelRunner.graph_kind`); those,
-and everything larger, run eagerly. Prompt logprobs, returned hidden states and the stage-output
+A vision-language model's mixed graphs take image rows: the encoder runs outside the graph and its
+rows go into a buffer the graph selects from in place of the token embeddings
+(static_image_rows.py); a decode graph takes none (`ModelRunner.graph_kind`). Steps larger than the
+graphs run eagerly. Prompt logprobs, returned hidden states and the stage-output
 cache read the replay's output (each row's final hidden state), outside the graph. Where LoRA is
 attached, each size has a second graph that computes each row's adapter update through the masked dense path over
 every slot (lora/layers.StaticLoRAMapping), the rows' slots in a buffer: steps with adapters replay
@@ -56,6 +58,7 @@ from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from .decode_host_inputs import DecodeHostInputs
 from .mixed_host_inputs import build_mixed
 from .scheduler_output import ScheduledRequest
+from .static_image_rows import StaticImageRows
 
 logger = logging.getLogger("prefixkv")
 
@@ -160,6 +163,7 @@ class StepGraphs:
         lora: tuple[int, int] | None = None,
         layer_groups: list[int] | None = None,
         recurrent: bool = False,
+        image_rows: bool = False,
     ) -> None:
         """`null_block`: a block of the caches no sequence holds, where padding rows write.
         `max_model_len`: the longest context any step (eager ones too) may have: the model's
@@ -172,7 +176,8 @@ class StepGraphs:
         (memory/kv_groups.py; None: one group): each later group has its own slots and block
         tables (the same lengths), read by its layers. `recurrent`: layers keep a state per block
         (model/mamba2.py), each row's read and written blocks in the buffers - decode graphs
-        only."""
+        only. `image_rows`: the model takes image embeddings (a vision-language checkpoint): its
+        mixed graphs read their input embeddings through StaticImageRows."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
@@ -205,6 +210,7 @@ class StepGraphs:
         self.mixed: StaticMixedInputs | None = None
         self.mixed_metas: dict[int, AttentionMetadata] = {}
         self.mixed_groups: list[StaticMixedInputs] = []
+        self.image_rows: StaticImageRows | None = None
         if self.mixed_sizes:
             if max_seqs < 1:
                 raise ValueError("mixed-step graphs need max_seqs")
@@ -219,6 +225,8 @@ class StepGraphs:
                 StaticMixedInputs(top, mixed.max_seqs, max_blocks, block_size, tile_tokens, device, layout=mixed)
                 for _ in self.group_inputs
             ]
+            if image_rows:
+                self.image_rows = StaticImageRows(top, model.config.hidden_size, model.dtype, device)
             for size, meta in self.mixed_metas.items():
                 if self.mixed_groups:
                     meta.layer_groups = layer_groups
@@ -277,21 +285,31 @@ class StepGraphs:
         carried: tuple[list[int], torch.Tensor] | None = None,
         kind: str | None = None,
         lora_slots: list[int] | None = None,
+        spliced: list[tuple[int, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, list[int] | None]:
         """The step's final hidden states - a view of the graph's output, overwritten by the next
         step - and each request's first row (None: row i is request i's, a decode step). `kind`:
         what `kind` said of this step (asked here if not given). `carried`: rows whose input token
         is on the device already (the previous step's draws, async scheduling). `lora_slots`: each
         request's adapter slot, -1 for the base model (None: every request's). The buffers are
-        filled in stream order from page-locked copies: the host never waits for the device here."""
+        filled in stream order from page-locked copies: the host never waits for the device here.
+        `spliced`: image rows (first row in the step, the encoder's rows) of a mixed step
+        (`takes_images`)."""
         kind = kind or self.kind(scheduled)
         if kind is None:
             raise ValueError("this step fits no graph")
+        if spliced and not self.takes_images(kind):
+            raise ValueError(f"image rows in a step, but the {kind} graphs take none")
         if lora_slots is not None and self.lora is None:
             raise ValueError("adapter rows in a step, but the graphs were captured without LoRA")
         if kind == "decode":
             return self._run_decode(scheduled, carried, lora_slots), None
-        return self._run_mixed(scheduled, carried, lora_slots)
+        return self._run_mixed(scheduled, carried, lora_slots, spliced or ())
+
+    def takes_images(self, kind: str) -> bool:
+        """Whether a step of `kind` with image rows replays a graph: mixed steps of a
+        vision-language model."""
+        return kind == "mixed" and self.image_rows is not None
 
     def _with_adapters(self, kind: str, size: int, row_slots: np.ndarray | None) -> str:
         """The graph a step of `kind` and `size` replays: with adapter rows (each real row's slot in
@@ -341,6 +359,7 @@ class StepGraphs:
         scheduled: list[ScheduledRequest],
         carried: tuple[list[int], torch.Tensor] | None,
         lora_slots: list[int] | None = None,
+        spliced: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> tuple[torch.Tensor, list[int]]:
         buf = self.mixed
         assert buf is not None
@@ -370,6 +389,8 @@ class StepGraphs:
         if carried is not None:
             carried_rows, ids = carried
             buf.tokens[0].index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)
+        if self.image_rows is not None:
+            self.image_rows.fill(spliced)
         self.mixed_replays += 1
         return self._replay(kind, size)[:tokens], qsl
 
@@ -398,7 +419,12 @@ class StepGraphs:
         lora = self.lora_maps.get((kind, size))
         if lora is not None:
             lora.refresh()  # the rows' masks from the slots buffer: recorded into the graph
-        hidden: torch.Tensor = self.model(view.input_ids, view.positions, self.kv_caches, meta, lora_mapping=lora)
+        extra: dict[str, torch.Tensor] = {}
+        if self.image_rows is not None and not kind.startswith("decode"):
+            extra["inputs_embeds"] = self.image_rows.embeds(self.model.embed_tokens, view.input_ids)
+        hidden: torch.Tensor = self.model(
+            view.input_ids, view.positions, self.kv_caches, meta, lora_mapping=lora, **extra
+        )
         return hidden
 
     # -- capture -----------------------------------------------------------------------------------

@@ -91,7 +91,8 @@ class ModelRunner:
     def graph_kind(self, scheduled: list[ScheduledRequest]) -> str | None:
         """Which captured step a step replays ("decode", "mixed"; None: it runs eagerly): its shape
         within the graphs' sizes, and no request needing what a graph does not compute - image
-        inputs (a LoRA adapter where the graphs were captured without LoRA). Prompt logprobs,
+        inputs where its graphs take none (`StepGraphs.takes_images`), a LoRA adapter where they
+        were captured without LoRA. Prompt logprobs,
         hidden states and the stage-output cache read a replayed step's final hidden states as an
         eager step's, outside the graph."""
         graphs = self.graphs
@@ -101,7 +102,8 @@ class ModelRunner:
         if kind is None:
             return None
         lora_eager = not graphs.takes_lora(kind)
-        if any((lora_eager and sr.lora_id) or sr.mm_inputs for sr in scheduled):
+        images_eager = not graphs.takes_images(kind)
+        if any((lora_eager and sr.lora_id) or (images_eager and sr.mm_inputs) for sr in scheduled):
             return None
         return kind
 
@@ -135,7 +137,7 @@ class ModelRunner:
             lora_slots = None
             if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
                 lora_slots = self.lora_manager.slots_for([sr.lora_id for sr in scheduled])
-            hidden, query_start_loc = self.graphs.run(scheduled, carried, kind, lora_slots)
+            hidden, query_start_loc = self.graphs.run(scheduled, carried, kind, lora_slots, self._spliced(scheduled))
             if self.stage_outputs is not None:
                 self._keep_stage_outputs(hidden, self.graphs.step_slots(kind, hidden.shape[0]), scheduled)
         else:
@@ -179,6 +181,18 @@ class ModelRunner:
         if previous is None:
             raise RuntimeError("a step reads the previous step's tokens, but there is no previous step")
         return rows, previous.tokens_of([scheduled[i].req_id for i in rows], self.device)
+
+    def _spliced(self, scheduled: list[ScheduledRequest]) -> list[tuple[int, torch.Tensor]] | None:
+        """A replayed step's image rows (first row in the step, the encoder's rows; None: no
+        image in the step); the encoder runs here, outside the graph."""
+        if self.mm is None or not any(sr.mm_inputs for sr in scheduled):
+            return None
+        placements, row = [], 0
+        for sr in scheduled:  # a replayed step's rows are its requests' in order, as an eager step's
+            if sr.mm_inputs:
+                placements.append((row, sr.mm_inputs))
+            row += len(sr.token_ids)
+        return self.mm.spliced_rows(placements)
 
     def _sampling_logits(self, hidden: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """float32 logits to sample from, left on the model's device (a GPU samples its own batch:

@@ -44,18 +44,26 @@ class MultiModalEmbedder:
                 self.cache.put(key, out)
         return outputs
 
+    def spliced_rows(self, placements: Sequence[tuple[int, Sequence[EncoderInput]]]) -> list[tuple[int, torch.Tensor]]:
+        """The encoder rows a step splices in: (first row in the step, the rows), one per item
+        a chunk holds. `placements`: (index of the chunk's first token in the step, the chunk's
+        encoder inputs)."""
+        outputs = self.encoder_outputs([inp for _, inputs in placements for inp in inputs])
+        spliced = []
+        for base, inputs in placements:
+            for inp in inputs:
+                a, b = inp.rows
+                spliced.append((base + inp.dest, outputs[inp.cache_key][a:b]))
+        return spliced
+
     def inputs_embeds(
         self,
         embed: Callable[[torch.Tensor], torch.Tensor],
         input_ids: torch.Tensor,
         placements: Sequence[tuple[int, Sequence[EncoderInput]]],
     ) -> torch.Tensor:
-        """`placements`: (index of the chunk's first token in the step, the chunk's encoder inputs)."""
-        outputs = self.encoder_outputs([inp for _, inputs in placements for inp in inputs])
+        """The step's input embeddings: its tokens' with the encoder's rows in place (`spliced_rows`)."""
         h = embed(input_ids)
-        for base, inputs in placements:
-            for inp in inputs:
-                a, b = inp.rows
-                dst = base + inp.dest
-                h[dst : dst + (b - a)] = outputs[inp.cache_key][a:b].to(h.device, h.dtype)
+        for dst, rows in self.spliced_rows(placements):
+            h[dst : dst + rows.shape[0]] = rows.to(h.device, h.dtype)
         return h

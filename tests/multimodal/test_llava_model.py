@@ -163,32 +163,43 @@ def test_other_decoders_equal_transformers(tmp_path, hf_processor, text_model):
 
 
 @pytest.mark.slow(seconds=8)
-def test_decode_steps_after_images_replay_over_fixed_buffers(llava, hf_processor, monkeypatch):
-    """A step that splices image embeddings runs eagerly; the decode steps after it, text only,
-    take the fixed buffers a CUDA graph replays (on a CPU uncaptured under Triton's interpreter):
-    greedy tokens equal transformers' for prompts with one and two images, scheduled ahead."""
+def test_steps_with_images_replay_over_fixed_buffers(llava, hf_processor, monkeypatch):
+    """Under cudagraph_mode FULL every step takes the fixed buffers a CUDA graph replays (on a CPU
+    uncaptured under Triton's interpreter): the mixed steps splicing image rows - chunks of 16
+    tokens, images split across them - through the image-row buffer, and the decode steps after
+    them. Greedy tokens equal transformers' for prompts with one and two images, scheduled ahead;
+    a second round over the cached prefixes splices the rows its hits leave (the image-only
+    prompt's last block is computed again: a lookup stops before the last token)."""
     from ..model.triton_interpreter import device, kernels_module
 
     kernels_module()
     monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
     folder, hf = llava
     prompts, expected = [], []
-    for text, seeds in PROMPTS[:2]:  # one image, two
+    for text, seeds in PROMPTS[:3]:  # one image, two, and an image alone
         images = [make_image(s) for s in seeds]
         ref = hf_processor(text=text, images=images, return_tensors="pt")
         expected.append(hf_llava_greedy(hf, [256] + ref["input_ids"][0].tolist(), ref["pixel_values"], MAX_NEW))
         prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
     llm = LLM(
         folder,
-        num_blocks=96,
+        num_blocks=128,
         block_size=8,
         device=str(device()),
         dtype="float32",
         async_scheduling=True,
-        compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+        max_num_batched_tokens=16,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16], "cudagraph_mode": "FULL"},
     )
+    engine = llm.llm_engine
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.image_rows is not None
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    engine = llm.llm_engine
-    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    assert graphs.replays > 0 and graphs.image_rows.steps > 0
+    image_steps = graphs.image_rows.steps
+    again = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)  # over the first round's blocks
+    assert [o.outputs[0].token_ids for o in again] == expected[::-1]
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert graphs.image_rows.steps > image_steps
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
