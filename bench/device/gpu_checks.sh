@@ -16,6 +16,11 @@
 #   verify          the shorter equality: the fused kernels, tests/engine/test_cuda.py and the graphs
 #                   tests (decode, mixed, with LoRA adapters against peft, KV-cache groups (Gemma 3,
 #                   Qwen2's sliding layers), routed experts)
+#   sweep           tests/engine/sweep_graphs.py: the same requests through captured graphs (FULL,
+#                   scheduled ahead) and an eager in-order engine, float32, across families (Llama,
+#                   Gemma 2, Qwen3-MoE, Qwen3-Next, LoRA, LLaVA's image steps; the CPU runs more) and
+#                   features (logprobs, prompt logprobs, seeded sampling with n=2, stops, penalties,
+#                   structured outputs, preemption): tokens, finishes, cached tokens and logprobs equal
 #   graphs          bench/decode_graphs.py: decode ms/step through the engine at batch 1/32/256
 #                   (bfloat16, 256-token contexts), CUDA graphs with async scheduling (the default)
 #                   against enforce_eager=True, against graphs stepped in order and against graphs
@@ -70,12 +75,12 @@
 #                   against the base model, with CUDA graphs (adapter steps replay the LoRA graphs)
 #                   and with --enforce-eager
 #   issue40         the preset for issue 40's open rows, most wanted first: verify mixed lora families
-#                   host_profile host_calls gemv serve large host model_speed shared_prefix compiled (what
+#                   host_profile host_calls gemv serve large host model_speed shared_prefix compiled sweep (what
 #                   the budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify mixed lora families host_profile host_calls gemv serve large host model_speed shared_prefix compiled}
+STEPS=${STEPS/issue40/verify mixed lora families host_profile host_calls gemv serve large host model_speed shared_prefix compiled sweep}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -120,6 +125,8 @@ for step in $STEPS; do
             "tests/engine/test_moe_architectures.py::test_moe_decode_steps_replay_over_fixed_buffers" \
             tests/engine/test_recurrent_graphs.py \
             tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers ;;
+    sweep)
+        bounded 180 sweep.log python3 -m tests.engine.sweep_graphs --families llama,gemma2,qwen3_moe,qwen3_next,lora,llava ;;
     paged)
         bounded 100 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --contexts 1024,8192 --new 64
