@@ -88,9 +88,10 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     mode = _graph_mode(config, device, loaded)
     sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
     mixed_sizes = mixed_capture_sizes(config.max_num_batched_tokens, config.compilation_config) if mode else []
-    if mixed_sizes and model_config.is_recurrent:
+    why_eager = loaded.model.static_mixed_unsupported() if mixed_sizes else None
+    if why_eager is not None:
         arch = model_config.architecture
-        logger.info("mixed steps run eagerly with the recurrent %s (decode steps are captured)", arch)
+        logger.info("mixed steps run eagerly with %s (decode steps are captured): %s", arch, why_eager)
         mixed_sizes = []
     graph_rows = max([*sizes, *mixed_sizes], default=0) if mode == "capture" else 0
     num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows)

@@ -21,8 +21,12 @@ A model with KV-cache groups (sliding and full layers, memory/kv_groups.py) has 
 slots and block tables in buffers of their own, for decode and mixed graphs (the lengths, the
 sequences and the tile map shared).
 A recurrent model (Mamba2, its hybrids, Qwen3-Next's delta net) has each row's state blocks - the
-one it continues from, the one it writes - in the decode buffers too (its mixed steps run eagerly:
-their scan's shape follows the blocks a prompt crosses).
+one it continues from, the one it writes - in the decode buffers too. A Mamba2 mixer's mixed steps
+replay over the scan's buffers (model/static_scan.py: segments padded to the size's most, each
+request's chain of them walked by one kernel, the conv as windows of row indices), built by the
+host each step (scan_host_inputs.py); a step where a request continues from a block another
+request of it writes runs eagerly, and so do Qwen3-Next's mixed steps
+(`static_mixed_unsupported`).
 
 A vision-language model's mixed graphs take image rows: the encoder runs outside the graph and its
 rows go into a buffer the graph selects from in place of the token embeddings
@@ -57,6 +61,7 @@ from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from .decode_host_inputs import DecodeHostInputs
 from .mixed_host_inputs import build_mixed
+from .scan_host_inputs import build_scan, reads_a_block_written_here
 from .scheduler_output import ScheduledRequest
 from .static_image_rows import StaticImageRows
 
@@ -175,8 +180,8 @@ class StepGraphs:
         replays the first, reading no adapter weights. `layer_groups`: each layer's KV-cache group
         (memory/kv_groups.py; None: one group): each later group has its own slots and block
         tables (the same lengths), read by its layers. `recurrent`: layers keep a state per block
-        (model/mamba2.py), each row's read and written blocks in the buffers - decode graphs
-        only. `image_rows`: the model takes image embeddings (a vision-language checkpoint): its
+        (model/mamba2.py), each row's read and written blocks in the decode buffers, the scan's
+        plan in the mixed ones. `image_rows`: the model takes image embeddings (a vision-language checkpoint): its
         mixed graphs read their input embeddings through StaticImageRows."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
@@ -187,8 +192,8 @@ class StepGraphs:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.null_slot = null_block * block_size
-        if recurrent and mixed_sizes:
-            raise ValueError("mixed-step graphs take no recurrent state")
+        self.null_block = null_block
+        self.recurrent = recurrent
         self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device, recurrent=recurrent)
         self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot, recurrent)
         self.max_context = self.inputs.max_context
@@ -217,7 +222,10 @@ class StepGraphs:
             heads = model.config.num_attention_heads // model.config.num_key_value_heads
             tile_tokens = triton_kernels().prefill_tile_tokens(model.dtype, device.type == "cuda", heads)
             top = self.mixed_sizes[-1]
-            self.mixed = StaticMixedInputs(top, min(max_seqs, top), max_blocks, block_size, tile_tokens, device)
+            conv_kernel = model.config.ssm_conv_kernel if recurrent else None
+            self.mixed = StaticMixedInputs(
+                top, min(max_seqs, top), max_blocks, block_size, tile_tokens, device, conv_kernel=conv_kernel
+            )
             self.mixed_metas = {s: static_meta(self.mixed.view(s)) for s in self.mixed_sizes}
             mixed = self.mixed
             # a later KV-cache group's slots and tables, the step's layout shared
@@ -270,7 +278,11 @@ class StepGraphs:
             if sr.start + n > top:
                 return None
             tokens += n
-        return "mixed" if tokens <= mixed.max_tokens else None
+        if tokens > mixed.max_tokens:
+            return None
+        if mixed.scan is not None and reads_a_block_written_here(scheduled, self.block_size):
+            return None  # the chains walk each request apart: no order across them
+        return "mixed"
 
     def size_for(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -391,6 +403,22 @@ class StepGraphs:
             buf.tokens[0].index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)
         if self.image_rows is not None:
             self.image_rows.fill(spliced)
+        scan = buf.scan
+        if scan is not None:
+            assert view.scan is not None
+            plan = build_scan(
+                scheduled, qsl, size, view.scan.segments, scan.max_seqs, scan.max_chain, self.block_size,
+                scan.conv_kernel, self.null_block,
+            )  # fmt: skip
+            segs = view.scan.segments
+            scan.states.copy_(pinned_for(plan.states, dev), non_blocking=True)
+            scan.pad_index[:segs].copy_(pinned_for(plan.pad_index, dev), non_blocking=True)
+            scan.seg_blocks[:segs].copy_(pinned_for(plan.seg_blocks, dev), non_blocking=True)
+            scan.out_index[:size].copy_(pinned_for(plan.out_index, dev), non_blocking=True)
+            scan.chains.copy_(pinned_for(plan.chains, dev), non_blocking=True)
+            scan.chain_len.copy_(pinned_for(plan.chain_len, dev), non_blocking=True)
+            scan.conv_rows[:size].copy_(pinned_for(plan.conv_rows, dev), non_blocking=True)
+            scan.conv_ends[:segs].copy_(pinned_for(plan.conv_ends, dev), non_blocking=True)
         self.mixed_replays += 1
         return self._replay(kind, size)[:tokens], qsl
 
@@ -414,7 +442,7 @@ class StepGraphs:
         meta = self.metas[size] if kind.startswith("decode") else self.mixed_metas[size]
         view = meta.static
         assert view is not None
-        if isinstance(view, StaticDecodeView):
+        if isinstance(view, (StaticDecodeView, StaticMixedView)):
             view.prepare()  # what the layers derive from the buffers, recorded into the graph
         lora = self.lora_maps.get((kind, size))
         if lora is not None:
@@ -455,6 +483,10 @@ class StepGraphs:
             mixed.tile_map[0].fill_(mixed.padding_seq)
             for mixed_group in self.mixed_groups:
                 mixed_group.tokens[2].fill_(self.null_slot)
+            if mixed.scan is not None:  # no request: every segment a padding one, writing the null block
+                mixed.scan.states.zero_()
+                mixed.scan.chain_len.zero_()
+                mixed.scan.seg_blocks.fill_(self.null_block)
             work += [("mixed", s) for s in self.mixed_sizes]
         work += list(self.lora_maps)
         if self.mode != "capture":

@@ -78,6 +78,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: RecurrentState, meta: AttentionMetadata) -> torch.Tensor:
         plan = _plan(meta, state.block_size, x.device)
+        if plan.chains is not None:  # Qwen3NextModel.static_mixed_unsupported keeps such steps eager
+            raise ValueError("a gated delta net has no path for a mixed step over fixed buffers")
         T, r = x.shape[0], self.ratio
         qkvz = self.in_proj_qkvz(x).view(T, self.k_heads, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)

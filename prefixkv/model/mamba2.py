@@ -31,6 +31,7 @@ from .config import ModelConfig
 from .layers import RMSNorm
 from .llama import LlamaModel
 from .static_decode import StaticDecodeView
+from .static_mixed import StaticMixedView
 
 
 @dataclass
@@ -70,6 +71,13 @@ class _Plan:
     # per request: (row0, row1, block read or -1, [(local end, block written)])
     conv_writes: list[tuple[int, int, int, list[tuple[int, int]]]]
     decode_only: bool  # one new token a request and no request reads a block written in this step
+    # over a mixed step's fixed buffers (static_scan.py), in place of rounds and conv_writes: each
+    # request's segments in order and their count (kernels/triton_scan.py walks them), each row's
+    # conv window and each segment's last conv inputs, as rows of the step's conv table
+    chains: torch.Tensor | None = None
+    chain_len: torch.Tensor | None = None
+    conv_rows: torch.Tensor | None = None
+    conv_ends: torch.Tensor | None = None
 
 
 def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
@@ -140,10 +148,29 @@ def _plan(meta: AttentionMetadata, bs: int, device: torch.device) -> _Plan:
 
 
 def _static_plan(meta: AttentionMetadata) -> _Plan:
-    """A decode step over fixed buffers (static_decode.py, what a CUDA graph replays): the
+    """A step over fixed buffers (what a CUDA graph replays). A decode step (static_decode.py): the
     one-token path's blocks read from the buffers' rows, whose values each step copies in - the
-    same operations as an eager decode step's, over padded rows."""
+    same operations as an eager decode step's, over padded rows. A mixed step
+    (static_mixed.py, static_scan.py): the segments, chains and conv windows from the buffers."""
     view = meta.static
+    if isinstance(view, StaticMixedView):
+        scan = view.scan
+        if scan is None:
+            raise ValueError("a recurrent layer over a mixed step's fixed buffers needs the scan's buffers")
+        return _Plan(
+            read_blocks=scan.state_read,
+            has_prev=scan.has_prev,
+            pad_index=scan.pad_index,
+            out_index=scan.out_index,
+            seg_blocks=scan.seg_blocks,
+            rounds=[],
+            conv_writes=[],
+            decode_only=False,
+            chains=scan.chains,
+            chain_len=scan.chain_len,
+            conv_rows=scan.conv_rows,
+            conv_ends=scan.conv_ends,
+        )
     if not isinstance(view, StaticDecodeView) or view.state_read is None or view.state_written is None:
         raise ValueError("a recurrent layer over fixed buffers needs decode buffers with the state's rows")
     assert view.has_prev is not None
@@ -172,6 +199,15 @@ def block_causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tens
         seq = torch.cat([prev, x[:, :, None].to(prev.dtype)], dim=2)  # [R, channels, K]
         conv_state[plan.seg_blocks] = seq[:, :, 1:]
         out = F.conv1d(seq.to(w.dtype), w, conv1d.bias, groups=channels)[:, :, 0]
+        return F.silu(out.to(x.dtype))
+    if plan.conv_rows is not None and plan.conv_ends is not None:  # a mixed step over fixed buffers
+        prev = conv_state.index_select(0, plan.read_blocks)  # [R, channels, K - 1], all reads first
+        prev = torch.where(plan.has_prev[:, None, None], prev, torch.zeros_like(prev))
+        # the step's rows, each request's state columns, a zero row: what the windows index
+        table = torch.cat([x.to(prev.dtype), prev.transpose(1, 2).reshape(-1, channels), prev.new_zeros(1, channels)])
+        conv_state[plan.seg_blocks] = table[plan.conv_ends].transpose(1, 2)
+        windows = table[plan.conv_rows].transpose(1, 2)  # [T, channels, K]: each row's inputs
+        out = F.conv1d(windows.to(w.dtype), w, conv1d.bias, groups=channels)[:, :, 0]
         return F.silu(out.to(x.dtype))
     zeros = conv_state.new_zeros(conv_state.shape[1:])
     out = torch.empty_like(x)
@@ -307,8 +343,15 @@ class Mamba2Mixer(nn.Module):
 
         initial = ssm.index_select(0, plan.read_blocks).float()  # all reads before any write
         initial = torch.where(plan.has_prev[:, None, None, None], initial, torch.zeros_like(initial))
-        before = chunk_state.new_empty(chunk_state.shape)
-        after = chunk_state.new_empty(chunk_state.shape)
+        if plan.chains is not None and plan.chain_len is not None:  # fixed buffers: one kernel walks the chains
+            from .kernels.triton_scan import chain_states
+
+            # padding segments stay zero states: their rows (zeros) give zeros, their block is the null one
+            before, after = torch.zeros_like(chunk_state), torch.zeros_like(chunk_state)
+            chain_states(initial, decay, chunk_state, plan.chains, plan.chain_len, before, after)
+        else:
+            before = chunk_state.new_empty(chunk_state.shape)
+            after = chunk_state.new_empty(chunk_state.shape)
         for rnd in plan.rounds:
             match rnd:
                 case (int() as seg, int() as prev_seg, int() as req):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .attention_path import triton_kernels
+from .static_scan import StaticScanInputs, StaticScanView
 
 
 def tiles_for(tokens: int, max_seqs: int, tile_tokens: int) -> int:
@@ -39,9 +40,12 @@ class StaticMixedInputs:
         tile_tokens: int,
         device: torch.device,
         layout: StaticMixedInputs | None = None,
+        conv_kernel: int | None = None,
     ) -> None:
         """`layout`: another inputs' sequences and tile map to share (a later KV-cache group's
-        buffers: its own slots and block tables, the same step)."""
+        buffers: its own slots and block tables, the same step). `conv_kernel`: the model's layers
+        keep a recurrent state (model/mamba2.py, its conv that wide): the scan's buffers too
+        (static_scan.py)."""
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self.block_size, self.tile_tokens = block_size, tile_tokens
         self.device = device
@@ -52,6 +56,9 @@ class StaticMixedInputs:
         # sequence, of no tokens, that unused tiles name
         self.seqs: torch.Tensor
         self.tile_map: torch.Tensor
+        self.scan = (
+            None if conv_kernel is None else StaticScanInputs(max_tokens, max_seqs, block_size, conv_kernel, device)
+        )
         if layout is not None:
             self.seqs, self.tile_map = layout.seqs, layout.tile_map
             return
@@ -89,6 +96,13 @@ class StaticMixedView:
         self.tiles = tiles_for(size, inputs.max_seqs, inputs.tile_tokens)
         self.tile_map = inputs.tile_map[:, : self.tiles]
         self.max_context = inputs.max_context
+        self.scan: StaticScanView | None = None if inputs.scan is None else inputs.scan.view(size)
+
+    def prepare(self) -> None:
+        """What the layers derive from the buffers beyond the copies (the scan's mask), recorded
+        into the graph."""
+        if self.scan is not None:
+            self.scan.prepare()
 
     def attend(
         self,

@@ -54,6 +54,14 @@ def _family(name: str) -> Callable[[], Any]:
         from .test_mamba2 import make_mamba2
 
         return make_mamba2
+    if name == "falcon_h1":
+        from .test_falcon_h1 import make_falcon_h1
+
+        return make_falcon_h1
+    if name == "bamba":
+        from .test_bamba import make_bamba
+
+        return make_bamba
     if name == "qwen3_next":
         from .test_qwen3_next import make_qwen3_next
 
@@ -61,7 +69,9 @@ def _family(name: str) -> Callable[[], Any]:
     raise SystemExit(f"unknown family {name!r}")
 
 
-FAMILIES = ["llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mamba2", "qwen3_next", "lora", "llava"]
+FAMILIES = [
+    "llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next", "lora", "llava",
+]  # fmt: skip
 # a request: (the prompt as generate takes it, its params, its adapter's name or None)
 Request = tuple[Any, SamplingParams, str | None]
 

@@ -64,3 +64,42 @@ def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch,
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.replays > 0 and graphs.inputs.state_blocks is not None
     assert engine.prefix_cache_stats.hits > 0
+
+
+@pytest.mark.slow(seconds=10)
+@pytest.mark.parametrize("kind", ["mamba2", "falcon_h1"])
+def test_recurrent_mixed_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind):
+    """Under cudagraph_mode FULL a Mamba2 mixer's prompts, chunks and the decodes beside them take
+    the mixed buffers (model/static_scan.py): segments crossing blocks mid-chunk, chains of several
+    segments, chunks continuing from a cached state or their own previous chunk. Greedy tokens equal
+    transformers', logprobs the eager steps'. Prompts sharing a prefix in one step (a request
+    continuing from a block another one writes there) run that step eagerly, with the same outputs."""
+    from ..model.triton_interpreter import device, kernels_module
+
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random(f"{kind}-mixed")
+    shared = [rng.randrange(256) for _ in range(19)]
+    prompts = [shared + [rng.randrange(256) for _ in range(n)] for n in (2, 13, 5, 30)]
+    expected = [hf_generate(hf, p, MAX_NEW) for p in prompts]
+    kwargs = dict(
+        dtype="float32",
+        device=str(device()),
+        num_blocks=64,
+        block_size=8,
+        max_model_len=64,
+        max_num_batched_tokens=24,  # chunks of up to 24 tokens beside the running decodes
+        compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24]},
+    )
+    # one prompt first; then three over its cached state, the last in chunks; then two at once
+    # sharing a prefix that neither has cached (the second's hit is computed in the same step)
+    head = [rng.randrange(256) for _ in range(9)]  # a block and one token: the second hits the first's block
+    fresh = [head + [11, 12], head + [13, 14, 15]]
+    expected += [hf_generate(hf, p, MAX_NEW) for p in fresh]
+    llm = replay_against_eager(tmp_path, [prompts[:1], prompts[1:], fresh], expected, kwargs)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.mixed is not None and graphs.mixed.scan is not None
+    assert graphs.mixed_replays > 0 and graphs.replays > 0
