@@ -20,7 +20,7 @@ import torch
 
 def segments_for(tokens: int, max_seqs: int, block_size: int) -> int:
     """The most block-aligned segments a step of `tokens` new tokens in at most `max_seqs` requests
-    cuts: a request of n tokens touches at most n // block_size + 2 blocks (n = block_size + 1
+    cuts: a request of n tokens touches at most n // block_size + 2 blocks (n = block_size + 2
     from a block's last position: three), and a segment holds at least one token."""
     return min(tokens, tokens // block_size + 2 * min(tokens, max_seqs))
 
