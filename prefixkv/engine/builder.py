@@ -88,11 +88,6 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     mode = _graph_mode(config, device, loaded)
     sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
     mixed_sizes = mixed_capture_sizes(config.max_num_batched_tokens, config.compilation_config) if mode else []
-    why_eager = loaded.model.static_mixed_unsupported() if mixed_sizes else None
-    if why_eager is not None:
-        arch = model_config.architecture
-        logger.info("mixed steps run eagerly with %s (decode steps are captured): %s", arch, why_eager)
-        mixed_sizes = []
     graph_rows = max([*sizes, *mixed_sizes], default=0) if mode == "capture" else 0
     num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows)
     if mode and config.num_blocks is None and num_blocks > 1:

@@ -21,12 +21,11 @@ A model with KV-cache groups (sliding and full layers, memory/kv_groups.py) has 
 slots and block tables in buffers of their own, for decode and mixed graphs (the lengths, the
 sequences and the tile map shared).
 A recurrent model (Mamba2, its hybrids, Qwen3-Next's delta net) has each row's state blocks - the
-one it continues from, the one it writes - in the decode buffers too. A Mamba2 mixer's mixed steps
-replay over the scan's buffers (model/static_scan.py: segments padded to the size's most, each
-request's chain of them walked by one kernel, the conv as windows of row indices), built by the
-host each step (scan_host_inputs.py); a step where a request continues from a block another
-request of it writes runs eagerly, and so do Qwen3-Next's mixed steps
-(`static_mixed_unsupported`).
+one it continues from, the one it writes - in the decode buffers too, and its mixed steps replay
+over the scan's buffers (model/static_scan.py: segments padded to the size's most, each request's
+chain of them walked by one kernel, the conv as windows of row indices), built by the host each
+step (scan_host_inputs.py); a step where a request continues from a block another request of it
+writes runs eagerly.
 
 A vision-language model's mixed graphs take image rows: the encoder runs outside the graph and its
 rows go into a buffer the graph selects from in place of the token embeddings

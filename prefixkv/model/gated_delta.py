@@ -78,8 +78,6 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: RecurrentState, meta: AttentionMetadata) -> torch.Tensor:
         plan = _plan(meta, state.block_size, x.device)
-        if plan.chains is not None:  # Qwen3NextModel.static_mixed_unsupported keeps such steps eager
-            raise ValueError("a gated delta net has no path for a mixed step over fixed buffers")
         T, r = x.shape[0], self.ratio
         qkvz = self.in_proj_qkvz(x).view(T, self.k_heads, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
@@ -162,8 +160,15 @@ class GatedDeltaNet(nn.Module):
         B = k_decayed @ u
         initial = ssm.index_select(0, plan.read_blocks).float()  # all reads before any write
         initial = torch.where(plan.has_prev[:, None, None, None], initial, torch.zeros_like(initial))
-        before = torch.empty_like(B)
-        after = torch.empty_like(B)
+        if plan.chains is not None and plan.chain_len is not None:  # fixed buffers: one kernel walks the chains
+            from .kernels.triton_scan import matrix_chain_states
+
+            # padding segments stay zero states: their rows (zeros) give zeros, their block is the null one
+            before, after = torch.zeros_like(B), torch.zeros_like(B)
+            matrix_chain_states(initial, A, B, plan.chains, plan.chain_len, before, after)
+        else:
+            before = torch.empty_like(B)
+            after = torch.empty_like(B)
         for rnd in plan.rounds:
             match rnd:
                 case (int() as seg, int() as prev_seg, int() as req):  # one segment: views, no index ops

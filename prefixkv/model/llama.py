@@ -298,12 +298,6 @@ class LlamaModel(nn.Module):
                 return why
         return None
 
-    def static_mixed_unsupported(self) -> str | None:
-        """Why a mixed step (prompts, chunks) cannot run over fixed buffers where a decode step can
-        (static_mixed.py); None where it can: every layer that runs a decode step over them runs a
-        mixed one too, a Mamba2 mixer's scan included (static_scan.py)."""
-        return None
-
     def static_layer_unsupported(self, layer: nn.Module) -> str | None:
         """Why one layer cannot run over fixed buffers (a family with its own layers overrides
         this)."""

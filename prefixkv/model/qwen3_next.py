@@ -127,11 +127,6 @@ class Qwen3NextModel(LlamaModel):
             return f"{type(layer).__name__} layers"
         return static_mlp_unsupported(layer.mlp, self.dtype)
 
-    def static_mixed_unsupported(self) -> str | None:
-        """The delta net's chunked form carries a matrix state across segments, which the fixed
-        buffers' one-kernel recurrence (kernels/triton_scan.py, a scalar decay) does not compute."""
-        return "the gated delta nets' chunked scan has no fixed-buffer path"
-
     def make_norm(self, dim: int, eps: float) -> RMSNorm:
         return GemmaRMSNorm(dim, eps)
 

@@ -67,13 +67,14 @@ def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch,
 
 
 @pytest.mark.slow(seconds=10)
-@pytest.mark.parametrize("kind", ["mamba2", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["mamba2", "falcon_h1", "qwen3_next"])
 def test_recurrent_mixed_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind):
-    """Under cudagraph_mode FULL a Mamba2 mixer's prompts, chunks and the decodes beside them take
-    the mixed buffers (model/static_scan.py): segments crossing blocks mid-chunk, chains of several
-    segments, chunks continuing from a cached state or their own previous chunk. Greedy tokens equal
-    transformers', logprobs the eager steps'. Prompts sharing a prefix in one step (a request
-    continuing from a block another one writes there) run that step eagerly, with the same outputs."""
+    """Under cudagraph_mode FULL a recurrent layer's prompts, chunks and the decodes beside them
+    take the mixed buffers (model/static_scan.py; a Mamba2 mixer, a gated delta net): segments
+    crossing blocks mid-chunk, chains of several segments, chunks continuing from a cached state or
+    their own previous chunk. Greedy tokens equal transformers', logprobs the eager steps'. Prompts
+    sharing a prefix in one step (a request continuing from a block another one writes there) run
+    that step eagerly, with the same outputs."""
     from ..model.triton_interpreter import device, kernels_module
 
     kernels_module()

@@ -41,7 +41,7 @@ def kernels_module(module: str = MODULE) -> ModuleType:
         return importlib.import_module(module)
     os.environ["TRITON_INTERPRET"] = "1"
     if not _interpreted():
-        kernels = (MODULE, FUSED)
+        kernels = (MODULE, FUSED, "prefixkv.model.kernels.triton_scan")
         stale = [m for m in sys.modules if m in kernels or m == "triton" or m.startswith("triton.")]
         for name in stale:
             if not name.startswith("triton._C"):
