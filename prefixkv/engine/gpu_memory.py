@@ -39,19 +39,42 @@ def kv_budget_bytes(utilization: float, total: int, free: int, held: int, weight
     return left
 
 
+def profile_step(tokens: int, seqs: int, block_size: int) -> tuple[torch.Tensor, AttentionMetadata, int]:
+    """A step of `tokens` new tokens to measure (positions, metadata, the blocks it needs): one
+    prompt, or with `seqs` > 1 as many requests of two tokens as fit (the last takes the rest), each
+    from a block's last position - the most block-aligned segments a recurrent layer's scan can
+    be given (model/static_scan.segments_for), which a replayed mixed step always computes."""
+    if seqs <= 1 or tokens < 4:
+        blocks = (tokens + block_size - 1) // block_size
+        meta = AttentionMetadata(torch.arange(tokens), [0, tokens], [tokens], torch.arange(blocks)[None])
+        return torch.arange(tokens), meta, blocks
+    n = min(seqs, tokens // 2)
+    lens = [2] * (n - 1) + [tokens - 2 * (n - 1)]
+    start = block_size - 1
+    width = (start + lens[-1] + block_size - 1) // block_size  # the longest request's blocks
+    tables = torch.arange(n * width).view(n, width)
+    positions = torch.cat([torch.arange(start, start + m) for m in lens])
+    rows = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    qsl = [0]
+    for m in lens:
+        qsl.append(qsl[-1] + m)
+    return positions, AttentionMetadata(slots, qsl, [start + m for m in lens], tables), n * width
+
+
 @torch.inference_mode()
-def peak_step_activations(model: LlamaModel, tokens: int, rows: int, block_size: int) -> int:
+def peak_step_activations(model: LlamaModel, tokens: int, rows: int, block_size: int, seqs: int = 1) -> int:
     """Bytes one step of `tokens` new tokens with `rows` logits rows allocates at its peak on the
-    model's CUDA device, over what was allocated before (its throwaway KV blocks included)."""
+    model's CUDA device, over what was allocated before (its throwaway KV blocks included); with
+    `seqs` > 1, in as many requests as `profile_step` lays out."""
     device = model.device
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    blocks = (tokens + block_size - 1) // block_size
+    positions, meta, blocks = profile_step(tokens, seqs, block_size)
     caches = allocate_kv_cache(model.config, blocks, block_size, dtype=model.dtype, device=device)
-    meta = AttentionMetadata(torch.arange(tokens), [0, tokens], [tokens], torch.arange(blocks)[None])
     ids = torch.zeros(tokens, dtype=torch.long)
-    hidden = model(ids, torch.arange(tokens), caches, meta)
+    hidden = model(ids, positions, caches, meta)
     model.compute_logits(hidden[-min(rows, tokens) :]).float()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
@@ -67,11 +90,14 @@ def cuda_kv_budget(
     `graph_rows`: the most rows a step captured as a CUDA graph has (a decode batch or a mixed
     step's tokens; 0: none). The graphs' memory pool is held beside the eager steps' activations;
     it is reserved as what one forward of that many tokens allocates at its peak, without the
-    logits (a graph ends at the final hidden states; the capture logs the real figure)."""
+    logits (a graph ends at the final hidden states; the capture logs the real figure) - for a
+    recurrent model over the most segments a replayed step computes, `max_rows` requests of two
+    tokens (`profile_step`)."""
     device = model.device
     activations = peak_step_activations(model, max_tokens, max_rows, block_size)
     if graph_rows:
-        activations += peak_step_activations(model, graph_rows, 1, block_size)
+        seqs = max_rows if model.config.is_recurrent else 1
+        activations += peak_step_activations(model, graph_rows, 1, block_size, seqs)
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
     weights = torch.cuda.memory_allocated(device)  # all this process holds there now: its weights at least

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from prefixkv.config import EngineConfig
-from prefixkv.engine.gpu_memory import GIB, kv_budget_bytes
+from prefixkv.engine.gpu_memory import GIB, kv_budget_bytes, profile_step
 from prefixkv.engine.llm_engine import LLMEngine
 
 
@@ -18,6 +18,36 @@ def test_the_kv_cache_gets_what_weights_and_activations_leave():
     # a 140 GiB card, all free but what this process holds (2 GiB: 1 of weights, 1 cached)
     assert kv_budget_bytes(0.9, 140 * GIB, 138 * GIB, 2 * GIB, 1 * GIB, GIB // 2) == int(0.9 * 140 * GIB) - 3 * GIB // 2
     assert kv_budget_bytes(1.0, 8 * GIB, 7 * GIB, GIB, GIB, GIB) == 6 * GIB
+
+
+def test_a_recurrent_models_graph_reserve_is_measured_over_the_most_segments(tmp_path):
+    """The step measured for a recurrent model's graphs: requests of two tokens from a block's last
+    position, each cutting two segments; it runs through the model (here on the CPU) and cuts
+    about as many segments as a replayed step of that size computes (model/static_scan.py)."""
+    import torch
+
+    from prefixkv.memory.block_tensors import allocate_kv_cache
+    from prefixkv.model import load_model
+    from prefixkv.model.mamba2 import _plan
+    from prefixkv.model.static_scan import segments_for
+
+    from ..model.test_model_hf_folder import _write_tokenizer
+    from .test_mamba2 import make_mamba2
+
+    make_mamba2().save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    model = load_model(str(tmp_path)).model
+    tokens, seqs, bs = 40, 8, 8
+    positions, meta, blocks = profile_step(tokens, seqs, bs)
+    assert meta.query_start_loc == [0, 2, 4, 6, 8, 10, 12, 14, 40] and positions[:2].tolist() == [7, 8]
+    caches = allocate_kv_cache(model.config, blocks, bs, dtype=model.dtype, device="cpu")
+    hidden = model(torch.zeros(tokens, dtype=torch.long), positions, caches, meta)
+    assert hidden.shape[0] == tokens
+    cut = _plan(meta, bs, torch.device("cpu")).seg_blocks.numel()
+    assert cut == 2 * 7 + 5  # the last request's 26 tokens, positions 7 to 32, touch five blocks
+    assert cut <= segments_for(tokens, seqs, bs) <= cut + seqs
+    _, one, _ = profile_step(tokens, 1, bs)  # any other model: one prompt
+    assert one.query_start_loc == [0, tokens]
 
 
 def test_a_share_that_needs_other_processes_memory_is_refused():
