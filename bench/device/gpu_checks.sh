@@ -45,7 +45,9 @@
 #   families        today's other families as random checkpoints near their published shapes
 #                   (bench/device/random_checkpoint.py: gemma3-1b's sliding and full layers,
 #                   falcon-h1-0.5b's Mamba2 mixers beside attention, qwen3-next-small's delta nets and
-#                   routed experts): decode_graphs' graphs against eager and in order at batch 1/32
+#                   routed experts): decode_graphs' graphs against eager and in order at batch 1/32,
+#                   and mixed_steps' 128-token prompt beside 0/32 decodes (mixed graphs, the recurrent
+#                   ones' scan over fixed buffers included, against decode graphs only and eager)
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
 #   serve           bench/serve.py: `prefixkv serve` on the GPU (bfloat16) under streamed requests
 #                   arriving at 16/s, a shared prefix and unique prompts: TTFT and TPOT, one server
@@ -152,8 +154,10 @@ for step in $STEPS; do
         for shape in gemma3-1b falcon-h1-0.5b qwen3-next-small; do
             fam=/tmp/random-$shape
             bounded 60 families.log python3 bench/device/random_checkpoint.py "$fam" --shape "$shape"
-            bounded 100 families.log python3 bench/decode_graphs.py --model "$fam" --device cuda --dtype bfloat16 \
+            bounded 90 families.log python3 bench/decode_graphs.py --model "$fam" --device cuda --dtype bfloat16 \
                 --batches 1,32 --context 256 --steps 16 --rounds 1 --engines graphs,eager,inorder
+            bounded 60 families.log python3 bench/mixed_steps.py --model "$fam" --device cuda --dtype bfloat16 \
+                --decodes 0,32 --prompts 128 --repeats 4 --rounds 1
         done ;;
     model_speed)
         bounded 100 model_speed.log "${speed[@]}" --no-hf
