@@ -24,8 +24,8 @@ A recurrent model (Mamba2, its hybrids, Qwen3-Next's delta net) has each row's s
 one it continues from, the one it writes - in the decode buffers too, and its mixed steps replay
 over the scan's buffers (model/static_scan.py: segments padded to the size's most, each request's
 chain of them walked by one kernel, the conv as windows of row indices), built by the host each
-step (scan_host_inputs.py); a step where a request continues from a block another request of it
-writes runs eagerly.
+step (scan_host_inputs.py), a request continuing from a block another request of the step writes
+walking that request's chain first.
 
 A vision-language model's mixed graphs take image rows: the encoder runs outside the graph and its
 rows go into a buffer the graph selects from in place of the token embeddings
@@ -60,7 +60,7 @@ from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from .decode_host_inputs import DecodeHostInputs
 from .mixed_host_inputs import build_mixed
-from .scan_host_inputs import build_scan, reads_a_block_written_here
+from .scan_host_inputs import build_scan
 from .scheduler_output import ScheduledRequest
 from .static_image_rows import StaticImageRows
 
@@ -277,11 +277,7 @@ class StepGraphs:
             if sr.start + n > top:
                 return None
             tokens += n
-        if tokens > mixed.max_tokens:
-            return None
-        if mixed.scan is not None and reads_a_block_written_here(scheduled, self.block_size):
-            return None  # the chains walk each request apart: no order across them
-        return "mixed"
+        return "mixed" if tokens <= mixed.max_tokens else None
 
     def size_for(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -406,15 +402,16 @@ class StepGraphs:
         if scan is not None:
             assert view.scan is not None
             plan = build_scan(
-                scheduled, qsl, size, view.scan.segments, scan.max_seqs, scan.max_chain, self.block_size,
-                scan.conv_kernel, self.null_block,
+                scheduled, qsl, size, view.scan.segments, scan.max_seqs, self.block_size, scan.conv_kernel,
+                self.null_block,
             )  # fmt: skip
             segs = view.scan.segments
             scan.states.copy_(pinned_for(plan.states, dev), non_blocking=True)
             scan.pad_index[:segs].copy_(pinned_for(plan.pad_index, dev), non_blocking=True)
             scan.seg_blocks[:segs].copy_(pinned_for(plan.seg_blocks, dev), non_blocking=True)
             scan.out_index[:size].copy_(pinned_for(plan.out_index, dev), non_blocking=True)
-            scan.chains.copy_(pinned_for(plan.chains, dev), non_blocking=True)
+            requests, longest = plan.chains.shape  # the other entries lie past their chains: never read
+            scan.chains[:requests, :longest].copy_(pinned_for(plan.chains, dev), non_blocking=True)
             scan.chain_len.copy_(pinned_for(plan.chain_len, dev), non_blocking=True)
             scan.conv_rows[:size].copy_(pinned_for(plan.conv_rows, dev), non_blocking=True)
             scan.conv_ends[:segs].copy_(pinned_for(plan.conv_ends, dev), non_blocking=True)

@@ -3,9 +3,12 @@ block-aligned segments - their token rows, the blocks their final states go to, 
 chain - and the conv's input windows, as row indices into the step's rows and each request's conv
 state before its chunk, padded to the fixed buffers' shapes.
 
-A step where a request continues from a block another request of the same step writes (a prefix hit
-on a block computed in this step) needs the segments in dependency order across requests, which the
-chains do not give: `reads_a_block_written_here` says so, and that step runs eagerly.
+A request may continue from a block that an earlier request of the same step writes (a prefix hit on
+a block computed in this step, as when prompts sharing a prefix arrive together). Its chain then
+first walks the writer's chain up to that block's segment, from the writer's initial state, before
+its own segments - the shared segments computed twice, by the same operations on the same values,
+so both programs write the same bits - and its conv reads that segment's last inputs where it
+would read its state's columns: the eager plan's order, without an order across programs.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from .scheduler_output import ScheduledRequest
 class ScanHostInputs:
     """int64 unless said: `states` [2, max_seqs + 1] (block to continue from, 1 where there is
     one), `pad_index` [segments, block_size], `seg_blocks` [segments], `out_index` [size],
-    `chains` int32 [max_seqs + 1, max_chain], `chain_len` int32 [max_seqs + 1], `conv_rows`
-    [size, K], `conv_ends` [segments, K - 1]."""
+    `chains` int32 [requests, longest chain] (the buffer's other entries are never read: their
+    chain lengths are 0, or shorter), `chain_len` int32 [max_seqs + 1], `conv_rows` [size, K],
+    `conv_ends` [segments, K - 1]."""
 
     states: torch.Tensor
     pad_index: torch.Tensor
@@ -36,25 +40,12 @@ class ScanHostInputs:
     conv_ends: torch.Tensor
 
 
-def reads_a_block_written_here(scheduled: Sequence[ScheduledRequest], block_size: int) -> bool:
-    """Whether a request continues from a block that an earlier request of the step writes."""
-    written: set[int] = set()
-    for sr in scheduled:
-        start, table = sr.start, sr.block_table
-        if start and table[(start - 1) // block_size] in written:
-            return True
-        end = start + len(sr.token_ids)
-        written.update(table[start // block_size : (end - 1) // block_size + 1])
-    return False
-
-
 def build_scan(
     scheduled: Sequence[ScheduledRequest],
     query_start_loc: Sequence[int],
     size: int,
     segments: int,
     max_seqs: int,
-    max_chain: int,
     block_size: int,
     conv_kernel: int,
     null_block: int,
@@ -95,7 +86,8 @@ def build_scan(
     seg_block_no = np.arange(used) - np.repeat(seg0, counts) + np.repeat(seg_first, counts)
     seg_blocks = np.full(segments, null_block, dtype=np.int64)
     seg_blocks[:used] = span[seg_req, seg_block_no - first[seg_req]]
-    chains = np.zeros((max_seqs + 1, max_chain), dtype=np.int32)
+    # as long as the longest chain may grow by continuing another's (its segments and that prefix)
+    chains = np.zeros((n, used), dtype=np.int32)
     chains[seg_req, np.arange(used) - seg0[seg_req]] = np.arange(used)
     chain_len = np.zeros(max_seqs + 1, dtype=np.int32)
     chain_len[:n] = counts
@@ -122,9 +114,56 @@ def build_scan(
     seg_end = np.minimum(ends[seg_req], (seg_block_no + 1) * bs) - starts[seg_req]
     conv_ends = np.full((segments, K - 1), zero_row, dtype=np.int64)
     conv_ends[:used] = source(seg_req[:, None], seg_end[:, None] - (K - 1) + np.arange(K - 1))
+    # block-aligned continuations from a block some segment of the step writes: prefix hits inside
+    # the step (a decode or chunk inside a block reads the block it writes itself)
+    candidates = np.flatnonzero(has_prev & (starts % bs == 0) & np.isin(states[0, :n], seg_blocks[:used]))
+    if candidates.size:
+        _continue_writers(
+            candidates, states, seg_blocks[:used], seg0, counts, seg_req, qsl, chains, chain_len, conv_rows,
+            conv_ends, size, K,
+        )  # fmt: skip
+    chains = np.ascontiguousarray(chains[:, : max(int(chain_len[:n].max()), 1)])
     return ScanHostInputs(
         *(
             torch.from_numpy(a)
             for a in (states, pad_index, seg_blocks, out_index, chains, chain_len, conv_rows, conv_ends)
         )
     )
+
+
+def _continue_writers(
+    candidates: np.ndarray,
+    states: np.ndarray,
+    seg_blocks: np.ndarray,
+    seg0: np.ndarray,
+    counts: np.ndarray,
+    seg_req: np.ndarray,
+    qsl: np.ndarray,
+    chains: np.ndarray,
+    chain_len: np.ndarray,
+    conv_rows: np.ndarray,
+    conv_ends: np.ndarray,
+    size: int,
+    K: int,
+) -> None:
+    """Each candidate request (in step order) that continues from a block an earlier request of the
+    step writes: its chain that request's up to the writing segment, then its own; its initial
+    state the writer's; its conv's inputs before its chunk the writing segment's last K - 1 (their
+    own fixed already where the writer itself continued another) in place of its state columns."""
+    for r in candidates.tolist():
+        hits = np.flatnonzero(seg_blocks[: seg0[r]] == states[0, r])
+        if not hits.size:
+            continue  # the block is written later in the step, by r itself or after it
+        s = int(hits[-1])
+        a = int(seg_req[s])
+        prefix = chains[a, : chain_len[a]]
+        k = int(np.flatnonzero(prefix == s)[0]) + 1
+        own = chains[r, : counts[r]].copy()
+        chains[r, :k] = prefix[:k]
+        chains[r, k : k + own.size] = own
+        chain_len[r] = k + own.size
+        states[:, r] = states[:, a]
+        lo = size + r * (K - 1)
+        for view in (conv_rows[qsl[r] : qsl[r + 1]], conv_ends[seg0[r] : seg0[r] + counts[r]]):
+            mine = (view >= lo) & (view < lo + K - 1)
+            view[mine] = conv_ends[s][view[mine] - lo]

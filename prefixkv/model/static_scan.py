@@ -33,7 +33,8 @@ class StaticScanInputs:
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.conv_kernel = conv_kernel
         segments = segments_for(max_tokens, max_seqs, block_size)
-        self.max_chain = max_tokens // block_size + 2
+        # a chain: a request's segments, after those of the request it continues from in the step
+        self.max_chain = segments
         long, i32 = torch.long, torch.int32
         self.states = torch.zeros(2, max_seqs + 1, dtype=long, device=device)  # block to continue from; 1: has one
         self.has_prev = torch.zeros(max_seqs + 1, dtype=torch.bool, device=device)  # states[1] > 0, derived

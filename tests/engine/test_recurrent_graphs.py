@@ -72,9 +72,9 @@ def test_recurrent_mixed_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, 
     """Under cudagraph_mode FULL a recurrent layer's prompts, chunks and the decodes beside them
     take the mixed buffers (model/static_scan.py; a Mamba2 mixer, a gated delta net): segments
     crossing blocks mid-chunk, chains of several segments, chunks continuing from a cached state or
-    their own previous chunk. Greedy tokens equal transformers', logprobs the eager steps'. Prompts
-    sharing a prefix in one step (a request continuing from a block another one writes there) run
-    that step eagerly, with the same outputs."""
+    their own previous chunk, and prompts sharing a prefix in one step (the second continuing from a
+    block the first writes there: its chain walks the first's). Greedy tokens equal transformers',
+    logprobs the eager steps'."""
     from ..model.triton_interpreter import device, kernels_module
 
     kernels_module()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from prefixkv.engine.scan_host_inputs import build_scan, reads_a_block_written_here
+from prefixkv.engine.scan_host_inputs import build_scan
 from prefixkv.engine.scheduler_output import ScheduledRequest
 from prefixkv.model.static_scan import segments_for
 from prefixkv.sampling_params import SamplingParams
@@ -26,13 +26,12 @@ def test_segments_chains_and_conv_windows_against_the_requests_position_by_posit
         for i in range(rng.randrange(1, MAX_SEQS + 1)):
             n = rng.choice([1, BS + 2, rng.randrange(1, 15)])
             start = rng.choice([0, BS - 1, rng.randrange(0, 30)])
-            table = rng.sample(range(60), -(-(start + n) // BS))
+            table = rng.sample(range(20 * i, 20 * i + 20), -(-(start + n) // BS))  # no block shared
             scheduled.append(chunk(f"r{i}", n, start, table))
             qsl.append(qsl[-1] + n)
         size = qsl[-1] + rng.randrange(0, 5)
         segments = segments_for(size, MAX_SEQS, BS)
-        max_chain = size // BS + 2
-        plan = build_scan(scheduled, qsl, size, segments, MAX_SEQS, max_chain, BS, K, NULL_BLOCK)
+        plan = build_scan(scheduled, qsl, size, segments, MAX_SEQS, BS, K, NULL_BLOCK)
         pad, blocks, out = plan.pad_index.tolist(), plan.seg_blocks.tolist(), plan.out_index.tolist()
         chains, chain_len = plan.chains.tolist(), plan.chain_len.tolist()
         rows, ends = plan.conv_rows.tolist(), plan.conv_ends.tolist()
@@ -73,15 +72,32 @@ def test_the_bound_on_segments_holds_at_its_worst():
         size = requests * (BS + 2)
         qsl = [i * (BS + 2) for i in range(requests + 1)]
         segments = segments_for(size, MAX_SEQS, BS)
-        plan = build_scan(scheduled, qsl, size, segments, MAX_SEQS, size // BS + 2, BS, K, NULL_BLOCK)
+        plan = build_scan(scheduled, qsl, size, segments, MAX_SEQS, BS, K, NULL_BLOCK)
         assert plan.chain_len.tolist()[:requests] == [3] * requests
         assert 3 * requests <= segments
     assert segments_for(5, 8, 4) == 5  # never more segments than tokens
 
 
-def test_a_request_continuing_from_a_block_another_writes_here_runs_eagerly():
-    a = chunk("a", 6, 0, [10, 11])
-    assert reads_a_block_written_here([a, chunk("b", 2, 4, [10, 12])], BS)  # b continues from a's block 10
-    assert not reads_a_block_written_here([chunk("b", 2, 4, [10, 12]), a], BS)  # a writes it after b read it
-    assert not reads_a_block_written_here([a, chunk("c", 1, 9, [20, 21, 22])], BS)
-    assert not reads_a_block_written_here([chunk("d", 3, 5, [30, 31])], BS)  # its own block: read, then written
+def test_a_request_continuing_from_a_block_another_writes_first_walks_its_writers_chain():
+    # a: 10 new tokens from 0 over blocks 10, 11, 12 (no state before); b: a hit on a's first two
+    # blocks, 4 new tokens from 8 into block 13; c: a hit on b's block 13 (b's own, not a's), one
+    # token from 12 into block 14; d: continues from its block 20, which no one writes here
+    a = chunk("a", 10, 0, [10, 11, 12])
+    b = chunk("b", 4, 8, [10, 11, 13])
+    c = chunk("c", 1, 12, [10, 11, 13, 14])
+    d = chunk("d", 2, 4, [20, 21])
+    scheduled = [a, b, c, d]
+    qsl = [0, 10, 14, 15, 17]
+    size = 18
+    segments = segments_for(size, MAX_SEQS, BS)
+    plan = build_scan(scheduled, qsl, size, segments, MAX_SEQS, BS, K, NULL_BLOCK)
+    chains, lens = plan.chains.tolist(), plan.chain_len.tolist()
+    assert plan.seg_blocks.tolist()[:6] == [10, 11, 12, 13, 14, 21]
+    assert [chains[r][: lens[r]] for r in range(4)] == [[0, 1, 2], [0, 1, 3], [0, 1, 3, 4], [5]]
+    assert plan.states[:, :4].tolist() == [[0, 0, 0, 20], [0, 0, 0, 1]]  # b and c start from a's state: none
+    ends = plan.conv_ends.tolist()
+    # b's inputs before its chunk: a's rows 5-7 (segment 1's last three); c's: b's rows 11-13
+    assert plan.conv_rows.tolist()[10] == [5, 6, 7, 10] and ends[1] == [5, 6, 7]
+    assert ends[3] == [11, 12, 13] and plan.conv_rows.tolist()[14] == [11, 12, 13, 14]
+    d_state = size + 3 * (K - 1)  # d reads its own state's columns
+    assert plan.conv_rows.tolist()[15] == [d_state, d_state + 1, d_state + 2, 15]
