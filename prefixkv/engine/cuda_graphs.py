@@ -29,7 +29,8 @@ walking that request's chain first.
 
 A vision-language model's mixed graphs take image rows: the encoder runs outside the graph and its
 rows go into a buffer the graph selects from in place of the token embeddings
-(static_image_rows.py); a decode graph takes none (`ModelRunner.graph_kind`). Steps larger than the
+(static_image_rows.py); a decode graph takes none, so a one-token step holding a placeholder
+replays a mixed one. Steps larger than the
 graphs run eagerly. Prompt logprobs, returned hidden states and the stage-output
 cache read the replay's output (each row's final hidden state), outside the graph. Where LoRA is
 attached, each size has a second graph that computes each row's adapter update through the masked dense path over
@@ -262,12 +263,14 @@ class StepGraphs:
     def kind(self, scheduled: list[ScheduledRequest]) -> str | None:
         """Which graph a step's shape fits: "decode" (one new token a sequence, at most the largest
         batch, every context within the buffers' width), "mixed" (at most the largest token count
-        and the most sequences, every context within the width) or None."""
+        and the most sequences, every context within the width; a decode-shaped step whose one
+        token is an image placeholder too, where mixed graphs take image rows) or None."""
         if not scheduled:
             return None
         top = self.max_context
         if len(scheduled) <= self.max_size and all(len(sr.token_ids) == 1 and sr.start < top for sr in scheduled):
-            return None if "decode" in self.failed else "decode"
+            if self.image_rows is None or not any(sr.mm_inputs for sr in scheduled):
+                return None if "decode" in self.failed else "decode"
         mixed = self.mixed
         if mixed is None or len(scheduled) > mixed.max_seqs or "mixed" in self.failed:
             return None

@@ -5,6 +5,8 @@ equal transformers' for prompts with one and two images (caching off, on, chunke
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -203,3 +205,10 @@ def test_steps_with_images_replay_over_fixed_buffers(llava, hf_processor, monkey
     assert all(o.num_cached_tokens > 0 for o in again)
     assert graphs.image_rows.steps > image_steps
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    # a step of one token a request whose token is a placeholder: a mixed graph (decode graphs take no image rows)
+    from prefixkv.engine.scheduler_output import ScheduledRequest
+
+    one = ScheduledRequest("r", [IMAGE_TOKEN_ID], 5, [1], True, GREEDY, None, [], [])
+    assert graphs.kind([one]) == "decode"
+    placeholder = dataclasses.replace(one, mm_inputs=(object(),))
+    assert graphs.kind([one, placeholder]) == "mixed" and engine.runner.graph_kind([one, placeholder]) == "mixed"
