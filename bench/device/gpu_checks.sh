@@ -113,7 +113,7 @@ for step in $STEPS; do
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
             tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
             tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py tests/model/test_triton_fused.py \
-            tests/model/test_host_copy.py tests/engine/test_moe_architectures.py \
+            tests/model/test_host_copy.py tests/model/test_triton_scan.py tests/engine/test_moe_architectures.py \
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             tests/engine/test_recurrent_graphs.py \
             tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
@@ -121,7 +121,8 @@ for step in $STEPS; do
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
     verify)
-        bounded 240 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py tests/model/test_host_copy.py \
+        bounded 240 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py \
+            tests/model/test_host_copy.py tests/model/test_triton_scan.py \
             tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py \
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             "tests/engine/test_moe_architectures.py::test_moe_decode_steps_replay_over_fixed_buffers" \

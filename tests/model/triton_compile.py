@@ -1,4 +1,5 @@
-"""Compiles the Triton kernels (attention; the fused norm, rotary (with the K/V write) and SiLU) for a GPU without one:
+"""Compiles the Triton kernels (attention; the fused norm, rotary (with the K/V write) and SiLU; the recurrent scans'
+chains) for a GPU without one:
 Triton's own compiler down to the GPU's machine code (ptxas, shipped in Triton's wheel), with the
 compile-time arguments the kernels' entry points give their launches. Run as a script, in a process
 that has not imported Triton under its interpreter:
@@ -20,6 +21,7 @@ from triton.compiler import ASTSource
 
 from prefixkv.model.kernels import triton_attention as ta
 from prefixkv.model.kernels import triton_fused as tf
+from prefixkv.model.kernels import triton_scan as ts
 
 POINTERS = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32"}
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
@@ -28,6 +30,7 @@ DATA_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "h_ptr", "delta_ptr", "w_pt
 DATA_POINTERS |= {"sin_ptr", "gu_ptr", "kc_ptr", "vc_ptr", "qw_ptr", "kw_ptr"}
 POINTERS["slot_ptr"] = "*i64"
 POINTERS["tile_map_ptr"] = "*i32"
+POINTERS |= {"chains_ptr": "*i32", "chain_len_ptr": "*i32"}
 
 
 def _signature(fn: Any, dtype: torch.dtype, constants: dict[str, Any]) -> dict[str, str]:
@@ -82,6 +85,10 @@ def variants() -> list[tuple[Any, torch.dtype, dict[str, Any]]]:
     out.append((rotate_write, torch.float32, dict(**blocks, NORM=True, WEIGHT_IN_F32=True, **tf.EXACT)))
     out.append((tf._silu_and_mul_kernel, torch.bfloat16, dict(BLOCK=tf.SILU_BLOCK, **tf.EXACT)))
     out.append((tf._silu_and_mul_kernel, torch.float32, dict(BLOCK=tf.SILU_BLOCK, **tf.EXACT)))
+    # a recurrent mixed step's chains: a Mamba2 mixer's (float32 states), Qwen3-Next's delta nets (128 x 128 heads)
+    out.append((ts._chain_states_kernel, torch.float32, dict(BLOCK=ts.BLOCK, **tf.EXACT)))
+    matrix = dict(DK=128, DV=128, DKP=128, BV=64, **tf.EXACT)
+    out.append((ts._matrix_chain_kernel, torch.float32, matrix))
     return out
 
 
