@@ -30,12 +30,12 @@ walking that request's chain first.
 A vision-language model's mixed graphs take image rows: the encoder runs outside the graph and its
 rows go into a buffer the graph selects from in place of the token embeddings
 (static_image_rows.py); a decode graph takes none, so a one-token step holding a placeholder
-replays a mixed one. Steps larger than the
-graphs run eagerly. Prompt logprobs, returned hidden states and the stage-output
-cache read the replay's output (each row's final hidden state), outside the graph. Where LoRA is
-attached, each size has a second graph that computes each row's adapter update through the masked dense path over
-every slot (lora/layers.StaticLoRAMapping), the rows' slots in a buffer: steps with adapters replay
-too, and steps without them read no adapter weights.
+replays a mixed one. Steps larger than the graphs run eagerly. Prompt logprobs, returned hidden
+states and the stage-output cache read the replay's output (each row's final hidden state),
+outside the graph. Where LoRA is attached, each size has a second graph that computes each row's
+adapter update through the masked dense path over every slot (lora/layers.StaticLoRAMapping), the
+rows' slots in a buffer: steps with adapters replay too, and steps without them read no adapter
+weights.
 
 `mode` "static" runs the same buffers and forward without capturing: how a CPU checks the path
 under Triton's interpreter (PREFIXKV_CUDA_GRAPHS=static with TRITON_INTERPRET=1).
@@ -59,6 +59,7 @@ from ..model.attention_path import triton_kernels
 from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
+from ..model.static_scan import StaticScanInputs, segments_for
 from .decode_host_inputs import DecodeHostInputs
 from .mixed_host_inputs import build_mixed
 from .scan_host_inputs import build_scan
@@ -181,8 +182,8 @@ class StepGraphs:
         (memory/kv_groups.py; None: one group): each later group has its own slots and block
         tables (the same lengths), read by its layers. `recurrent`: layers keep a state per block
         (model/mamba2.py), each row's read and written blocks in the decode buffers, the scan's
-        plan in the mixed ones. `image_rows`: the model takes image embeddings (a vision-language checkpoint): its
-        mixed graphs read their input embeddings through StaticImageRows."""
+        plan in the mixed ones. `image_rows`: the model takes image embeddings (a vision-language
+        checkpoint): its mixed graphs read their input embeddings through StaticImageRows."""
         if mode not in ("capture", "static"):
             raise ValueError(f"unknown graph mode {mode!r}")
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
@@ -193,7 +194,6 @@ class StepGraphs:
         self.max_blocks = max_blocks
         self.null_slot = null_block * block_size
         self.null_block = null_block
-        self.recurrent = recurrent
         self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device, recurrent=recurrent)
         self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot, recurrent)
         self.max_context = self.inputs.max_context
@@ -401,25 +401,25 @@ class StepGraphs:
             buf.tokens[0].index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)
         if self.image_rows is not None:
             self.image_rows.fill(spliced)
-        scan = buf.scan
-        if scan is not None:
-            assert view.scan is not None
-            plan = build_scan(
-                scheduled, qsl, size, view.scan.segments, scan.max_seqs, self.block_size, scan.conv_kernel,
-                self.null_block,
-            )  # fmt: skip
-            segs = view.scan.segments
-            scan.states.copy_(pinned_for(plan.states, dev), non_blocking=True)
-            scan.pad_index[:segs].copy_(pinned_for(plan.pad_index, dev), non_blocking=True)
-            scan.seg_blocks[:segs].copy_(pinned_for(plan.seg_blocks, dev), non_blocking=True)
-            scan.out_index[:size].copy_(pinned_for(plan.out_index, dev), non_blocking=True)
-            requests, longest = plan.chains.shape  # the other entries lie past their chains: never read
-            scan.chains[:requests, :longest].copy_(pinned_for(plan.chains, dev), non_blocking=True)
-            scan.chain_len.copy_(pinned_for(plan.chain_len, dev), non_blocking=True)
-            scan.conv_rows[:size].copy_(pinned_for(plan.conv_rows, dev), non_blocking=True)
-            scan.conv_ends[:segs].copy_(pinned_for(plan.conv_ends, dev), non_blocking=True)
+        if buf.scan is not None:
+            self._copy_scan(buf.scan, scheduled, qsl, size)
         self.mixed_replays += 1
         return self._replay(kind, size)[:tokens], qsl
+
+    def _copy_scan(self, scan: StaticScanInputs, scheduled: list[ScheduledRequest], qsl: list[int], size: int) -> None:
+        """A recurrent model's mixed step: its scan's plan (scan_host_inputs.py) into the buffers."""
+        segs = segments_for(size, scan.max_seqs, self.block_size)
+        plan = build_scan(scheduled, qsl, size, segs, scan.max_seqs, self.block_size, scan.conv_kernel, self.null_block)
+        dev = scan.states.device
+        scan.states.copy_(pinned_for(plan.states, dev), non_blocking=True)
+        scan.pad_index[:segs].copy_(pinned_for(plan.pad_index, dev), non_blocking=True)
+        scan.seg_blocks[:segs].copy_(pinned_for(plan.seg_blocks, dev), non_blocking=True)
+        scan.out_index[:size].copy_(pinned_for(plan.out_index, dev), non_blocking=True)
+        requests, longest = plan.chains.shape  # the other entries lie past their chains: never read
+        scan.chains[:requests, :longest].copy_(pinned_for(plan.chains, dev), non_blocking=True)
+        scan.chain_len.copy_(pinned_for(plan.chain_len, dev), non_blocking=True)
+        scan.conv_rows[:size].copy_(pinned_for(plan.conv_rows, dev), non_blocking=True)
+        scan.conv_ends[:segs].copy_(pinned_for(plan.conv_ends, dev), non_blocking=True)
 
     def step_slots(self, kind: str, rows: int) -> torch.Tensor:
         """The KV slots of the last step's first `rows` rows (a step of `kind`), as the buffers hold

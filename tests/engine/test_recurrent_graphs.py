@@ -11,6 +11,7 @@ import random
 import pytest
 
 from ..model.test_model_hf_folder import _write_tokenizer
+from ..model.triton_interpreter import device, kernels_module
 from .engine_oracle import hf_generate, replay_against_eager
 
 MAX_NEW = 6
@@ -31,6 +32,17 @@ def _make(kind: str):
     return make_qwen3_next(mlp_only_layers=[0, 1, 2, 3])
 
 
+def _graphs_checkpoint(folder, monkeypatch, kind: str):
+    """The family's checkpoint written to `folder`, the graphs' buffers set up (uncaptured under
+    Triton's interpreter on a CPU, captured on a GPU); transformers' model, the oracle."""
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make(kind)
+    hf.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    return hf
+
+
 @pytest.mark.slow(seconds=10)
 # (Bamba: Mamba2 mixers and attention in layers of their own, which Falcon-H1's layers hold both of)
 @pytest.mark.parametrize("kind", ["mamba2", "falcon_h1", "qwen3_next"])
@@ -39,13 +51,7 @@ def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch,
     block read or written shifts them before it flips a token), with caching on (later prompts
     continue from a shared prefix's cached state), a padded batch (3 rows in a graph of 4) and
     steps scheduled ahead; every block free after."""
-    from ..model.triton_interpreter import device, kernels_module
-
-    kernels_module()
-    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
-    hf = _make(kind)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    hf = _graphs_checkpoint(tmp_path, monkeypatch, kind)
     rng = random.Random(f"{kind}-graphs")
     shared = [rng.randrange(256) for _ in range(20)]
     # block-aligned and not: decodes cross into new blocks at different steps
@@ -75,13 +81,7 @@ def test_recurrent_mixed_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, 
     their own previous chunk, and prompts sharing a prefix in one step (the second continuing from a
     block the first writes there: its chain walks the first's). Greedy tokens equal transformers',
     logprobs the eager steps'."""
-    from ..model.triton_interpreter import device, kernels_module
-
-    kernels_module()
-    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
-    hf = _make(kind)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    hf = _graphs_checkpoint(tmp_path, monkeypatch, kind)
     rng = random.Random(f"{kind}-mixed")
     shared = [rng.randrange(256) for _ in range(19)]
     prompts = [shared + [rng.randrange(256) for _ in range(n)] for n in (2, 13, 5, 30)]
