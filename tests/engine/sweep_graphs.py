@@ -5,7 +5,10 @@ families and the features a request can ask for. Outside the suite (minutes, not
 after changing the graphs' path, and turn what it finds into a test; `bench/device/gpu_checks.sh`
 runs it on a lent card (its `sweep` step).
 
-    .venv/bin/python -m tests.engine.sweep_graphs [--families llama,qwen3,...] [--scenarios greedy,...]
+    .venv/bin/python -m tests.engine.sweep_graphs [--families llama,qwen3,...] [--scenarios greedy,...] [--ahead-only]
+
+`--ahead-only` takes the graphs out: the same engine scheduled ahead, every step eager, against
+in order (async scheduling alone, as a CPU runs it when asked).
 
 Per family and scenario it compares each output's tokens, finish reason, stop reason, cached
 prompt tokens, logprobs (within 1e-4) and prompt logprobs, and checks every KV block free after
@@ -291,6 +294,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--scenarios", default=None, help="comma-separated (default: all)")
+    ap.add_argument(
+        "--ahead-only",
+        action="store_true",
+        help="no graphs: steps scheduled ahead, eagerly, against in order (what a CPU runs when asked)",
+    )
     args = ap.parse_args()
     kernels_module()
     on = device()
@@ -311,15 +319,17 @@ def main() -> int:
                 )
                 kwargs.update(settings)
                 start = time.perf_counter()
-                graphs = LLM(
-                    str(model),
-                    **kwargs,
-                    async_scheduling=True,
-                    compilation_config={
-                        "cudagraph_mode": "FULL",
-                        "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128],
-                    },
+                steps: dict[str, Any] = (
+                    {"enforce_eager": True}
+                    if args.ahead_only
+                    else {
+                        "compilation_config": {
+                            "cudagraph_mode": "FULL",
+                            "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128],
+                        }
+                    }
                 )
+                graphs = LLM(str(model), **kwargs, async_scheduling=True, **steps)
                 eager = LLM(str(model), **kwargs, enforce_eager=True, async_scheduling=False)
                 found = []
                 for rnd in range(2):  # the second round over what the first cached
@@ -329,7 +339,8 @@ def main() -> int:
                     if not _free(llm):
                         found.append(f"{family}/{name}: blocks left held by the {label} engine")
                 g = graphs.llm_engine.runner.graphs
-                ran = "none" if g is None else f"{g.replays} decode, {g.mixed_replays} mixed replays"
+                ran = "no graphs" if g is None else f"{g.replays} decode, {g.mixed_replays} mixed replays"
+                ran += f", {graphs.llm_engine.num_steps_ahead} steps ahead"
                 if g is not None and g.lora_replays:
                     ran += f", {g.lora_replays} with adapters"
                 if g is not None and g.image_rows is not None:
