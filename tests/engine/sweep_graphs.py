@@ -239,7 +239,26 @@ def _checkpoint(family: str, folder: Path) -> tuple[dict[str, tuple[dict[str, An
         name: (settings, [({"prompt_token_ids": p}, params, None) for p, params in requests])
         for name, (settings, requests) in _scenarios().items()
     }
+    plain["edges"] = _edges()
     return plain, {}
+
+
+def _edges() -> tuple[dict[str, Any], list[Request]]:
+    """A one-token prompt, one token out, a prompt longer than the largest captured mixed step
+    (an eager step between replays), and the same prompt under two cache salts (no hit across)."""
+    rng = random.Random("edges")
+    salted = [rng.randrange(256) for _ in range(26)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    return (
+        {"max_model_len": 256, "num_blocks": 96},
+        [
+            ({"prompt_token_ids": [rng.randrange(256)]}, greedy, None),
+            ({"prompt_token_ids": [rng.randrange(256) for _ in range(200)]}, greedy, None),
+            ({"prompt_token_ids": salted, "cache_salt": "tenant-a"}, greedy, None),
+            ({"prompt_token_ids": salted, "cache_salt": "tenant-b"}, greedy, None),
+            ({"prompt_token_ids": salted[:9]}, SamplingParams(temperature=0, max_tokens=1, logprobs=2), None),
+        ],
+    )
 
 
 def _lp(entry: Any) -> list[float]:
