@@ -1,5 +1,5 @@
-"""A mixed step's recurrent layers over fixed buffers (static_mixed.py's step, model/mamba2.py's
-scan): what a CUDA graph of a Mamba2 model's mixed step replays.
+"""A mixed step's recurrent layers over fixed buffers (static_mixed.py's step; model/mamba2.py's
+scan, model/gated_delta.py's): what a CUDA graph of a recurrent model's mixed step replays.
 
 The eager scan takes a plan the host makes per step - requests cut into block-aligned segments,
 the recurrence across them in rounds, the conv request by request - whose shapes follow the blocks
