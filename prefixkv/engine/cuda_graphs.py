@@ -59,7 +59,7 @@ from ..model.attention_path import triton_kernels
 from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
-from ..model.static_scan import StaticScanInputs, segments_for
+from ..model.static_scan import StaticScanInputs
 from .decode_host_inputs import DecodeHostInputs
 from .mixed_host_inputs import build_mixed
 from .scan_host_inputs import build_scan
@@ -402,13 +402,16 @@ class StepGraphs:
         if self.image_rows is not None:
             self.image_rows.fill(spliced)
         if buf.scan is not None:
-            self._copy_scan(buf.scan, scheduled, qsl, size)
+            assert view.scan is not None
+            self._copy_scan(buf.scan, view.scan.segments, scheduled, qsl, size)
         self.mixed_replays += 1
         return self._replay(kind, size)[:tokens], qsl
 
-    def _copy_scan(self, scan: StaticScanInputs, scheduled: list[ScheduledRequest], qsl: list[int], size: int) -> None:
-        """A recurrent model's mixed step: its scan's plan (scan_host_inputs.py) into the buffers."""
-        segs = segments_for(size, scan.max_seqs, self.block_size)
+    def _copy_scan(
+        self, scan: StaticScanInputs, segs: int, scheduled: list[ScheduledRequest], qsl: list[int], size: int
+    ) -> None:
+        """A recurrent model's mixed step of `size` rows and `segs` segments: its scan's plan
+        (scan_host_inputs.py) into the buffers."""
         plan = build_scan(scheduled, qsl, size, segs, scan.max_seqs, self.block_size, scan.conv_kernel, self.null_block)
         dev = scan.states.device
         scan.states.copy_(pinned_for(plan.states, dev), non_blocking=True)

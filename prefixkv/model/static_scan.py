@@ -30,18 +30,16 @@ class StaticScanInputs:
     max_seqs of the per-request ones: the padding request, of no segments)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, block_size: int, conv_kernel: int, device: torch.device) -> None:
-        self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
-        self.conv_kernel = conv_kernel
+        self.max_seqs, self.block_size, self.conv_kernel = max_seqs, block_size, conv_kernel
         segments = segments_for(max_tokens, max_seqs, block_size)
-        # a chain: a request's segments, after those of the request it continues from in the step
-        self.max_chain = segments
         long, i32 = torch.long, torch.int32
         self.states = torch.zeros(2, max_seqs + 1, dtype=long, device=device)  # block to continue from; 1: has one
         self.has_prev = torch.zeros(max_seqs + 1, dtype=torch.bool, device=device)  # states[1] > 0, derived
         self.pad_index = torch.zeros(segments, block_size, dtype=long, device=device)
         self.seg_blocks = torch.zeros(segments, dtype=long, device=device)
         self.out_index = torch.zeros(max_tokens, dtype=long, device=device)
-        self.chains = torch.zeros(max_seqs + 1, self.max_chain, dtype=i32, device=device)
+        # a chain: a request's segments, after those of the request it continues from in the step
+        self.chains = torch.zeros(max_seqs + 1, segments, dtype=i32, device=device)
         self.chain_len = torch.zeros(max_seqs + 1, dtype=i32, device=device)
         self.conv_rows = torch.zeros(max_tokens, conv_kernel, dtype=long, device=device)
         self.conv_ends = torch.zeros(segments, conv_kernel - 1, dtype=long, device=device)
@@ -55,7 +53,6 @@ class StaticScanView:
 
     def __init__(self, inputs: StaticScanInputs, size: int) -> None:
         segments = segments_for(size, inputs.max_seqs, inputs.block_size)
-        self.size = size
         self.segments = segments
         self.state_read = inputs.states[0]
         self.states = inputs.states
