@@ -59,7 +59,10 @@ def graphs_summary(llm: LLM) -> str:
     graphs = llm.llm_engine.runner.graphs
     if graphs is None:
         return "no graphs"
-    return f"graphs captured: {graphs.summary()}" if graphs.graphs else "static buffers, not captured"
+    if not graphs.graphs:
+        return "static buffers, not captured"
+    mixed = f"; mixed steps replayed up to {graphs.mixed_sizes[-1]} tokens" if graphs.mixed_sizes else ""
+    return f"graphs captured: {graphs.summary()}{mixed}"
 
 
 def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[float], int, list[list[int]]]:

@@ -1,11 +1,13 @@
 """Mixed steps - a new prompt's prefill beside running decodes, what serving under arrivals runs -
-through the engine: replayed as CUDA graphs (cudagraph_mode FULL) against the default engine
-(decode steps captured, mixed steps eager) and enforce_eager=True, in one process, the engines
-alternated round by round: whether mixed graphs should become the default.
+through the engine: the default engine (mixed steps replayed up to the token count where their
+replay timed faster than the eager step at its start, engine/mixed_graph_choice.py) against every
+mixed step replayed (cudagraph_mode FULL), none (FULL_DECODE_ONLY: decode steps captured, mixed
+steps eager) and enforce_eager=True, in one process, the engines alternated round by round: whether
+the measured limit is where it should be.
 
     python bench/mixed_steps.py [--device cuda] [--dtype bfloat16] [--decodes 0,32,128]
         [--prompts 16,128,1024] [--context 256] [--repeats 8] [--rounds 2] [--model PATH]
-        [--engines full,default,eager]
+        [--engines default,full,decode-only,eager]
 
 Per (B decodes, P prompt tokens): B requests of --context random tokens are prefilled and left
 decoding; then, --repeats times, one request of P random tokens and max_tokens=1 is added and the
@@ -33,8 +35,9 @@ from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 
 VARIANTS: dict[str, dict[str, object]] = {
-    "full": {"compilation_config": {"cudagraph_mode": "FULL"}},
     "default": {},
+    "full": {"compilation_config": {"cudagraph_mode": "FULL"}},
+    "decode-only": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
     "eager": {"enforce_eager": True},
 }
 
@@ -85,7 +88,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--model", default=None, help="a checkpoint folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--kv-gib", type=float, default=4.0, help="each engine's KV cache (GiB)")
-    ap.add_argument("--engines", default="full,default,eager", help=", ".join(VARIANTS))
+    ap.add_argument("--engines", default="default,full,decode-only", help=", ".join(VARIANTS))
     args = ap.parse_args()
     print(describe(), flush=True)
     decodes = [int(b) for b in args.decodes.split(",")]

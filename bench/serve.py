@@ -313,7 +313,7 @@ def start_prefixkv(
     if budget is not None:
         cmd += ["--max-num-batched-tokens", str(budget)]
     cmd += ["--cpu-thread-policy", policy]
-    if graphs is not None:
+    if graphs not in (None, "default"):
         cmd += ["--compilation-config", json.dumps({"cudagraph_mode": graphs})]
     return Managed("prefixkv", cmd, port, timeout=300)
 
@@ -399,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         "--cudagraph-mode",
         nargs="+",
         default=None,
-        help="for the started prefixkv server on a GPU (compilation_config's cudagraph_mode; its default "
-        "captures decode steps only, FULL mixed steps too); several values: one server per value",
+        help="for the started prefixkv server on a GPU (compilation_config's cudagraph_mode, or `default`: "
+        "decode steps, and mixed steps up to where their replay timed faster on the card; FULL_DECODE_ONLY "
+        "decode steps only; FULL every mixed step too); several values: one server per value",
     )
     ap.add_argument("--no-prefixkv", action="store_true", help="only run the peer")
     ap.add_argument("--peer-vllm", action="store_true", help=f"also run `vllm serve` from {VLLM_PY}")

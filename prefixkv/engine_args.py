@@ -281,8 +281,9 @@ class EngineArgs:
         None,
         "vLLM's: a level (nothing is compiled here) or JSON; read: cudagraph_capture_sizes (the decode batch "
         "sizes, and mixed steps' token counts), max_capture_size, cudagraph_mode (NONE: no graphs; FULL or "
-        "FULL_AND_PIECEWISE: mixed steps captured too, each whole; default: decode steps only); other keys "
-        "change nothing",
+        "FULL_AND_PIECEWISE: mixed steps captured too, each whole; FULL_DECODE_ONLY: decode steps only; "
+        "default: decode steps, and mixed steps up to the token count where their replay timed faster than "
+        "the eager step on this GPU, measured once per GPU and model shape); other keys change nothing",
         type=parse_compilation_config,
     )
     scheduling_policy: str = _opt(

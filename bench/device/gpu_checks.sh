@@ -46,15 +46,18 @@
 #                   (bench/device/random_checkpoint.py: gemma3-1b's sliding and full layers,
 #                   falcon-h1-0.5b's Mamba2 mixers beside attention, qwen3-next-small's delta nets and
 #                   routed experts): decode_graphs' graphs against eager and in order at batch 1/32,
-#                   and mixed_steps' 128-token prompt beside 0/32 decodes (mixed graphs, the recurrent
-#                   ones' scan over fixed buffers included, against decode graphs only and eager)
+#                   and mixed_steps' 128-token prompt beside 0/32 decodes (mixed graphs up to the
+#                   count the engine timed, the recurrent ones' scan over fixed buffers included,
+#                   against decode graphs only)
 #   shared_prefix   bench/shared_prefix.py (the LLM picks the GPU, bfloat16)
 #   serve           bench/serve.py: `prefixkv serve` on the GPU (bfloat16) under streamed requests
 #                   arriving at 16/s, a shared prefix and unique prompts: TTFT and TPOT, one server
-#                   with decode graphs only (the default) and one with mixed steps captured too
+#                   with the default (mixed steps replayed up to the count it timed at its start)
+#                   and one with decode graphs only
 #   mixed           bench/mixed_steps.py: a prompt of 16/128/1,024 tokens arriving beside 0/32/128
-#                   running decodes, the time to its token: mixed steps replayed as graphs
-#                   (cudagraph_mode FULL) against the default (decode graphs only) and enforce_eager
+#                   running decodes, the time to its token: the default (mixed steps replayed up to
+#                   the count the engine timed at its start; its choice in the log) against every
+#                   mixed step replayed (FULL) and none (FULL_DECODE_ONLY)
 #   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
 #                   Ray there, so those are left out)
 #   model_speed_hf  model_speed beside transformers on the same GPU (cuDNN attention off for it too)
@@ -113,6 +116,7 @@ for step in $STEPS; do
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
             tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
             tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py tests/model/test_triton_fused.py \
+            tests/engine/test_mixed_graph_choice.py \
             tests/model/test_host_copy.py tests/model/test_triton_scan.py tests/engine/test_moe_architectures.py \
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             tests/engine/test_recurrent_graphs.py \
@@ -124,6 +128,7 @@ for step in $STEPS; do
         bounded 240 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py \
             tests/model/test_host_copy.py tests/model/test_triton_scan.py \
             tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py \
+            tests/engine/test_mixed_graph_choice.py \
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             "tests/engine/test_moe_architectures.py::test_moe_decode_steps_replay_over_fixed_buffers" \
             tests/engine/test_recurrent_graphs.py \
@@ -158,7 +163,7 @@ for step in $STEPS; do
             bounded 90 families.log python3 bench/decode_graphs.py --model "$fam" --device cuda --dtype bfloat16 \
                 --batches 1,32 --context 256 --steps 16 --rounds 1 --engines graphs,eager,inorder
             bounded 60 families.log python3 bench/mixed_steps.py --model "$fam" --device cuda --dtype bfloat16 \
-                --decodes 0,32 --prompts 128 --repeats 4 --rounds 1
+                --decodes 0,32 --prompts 128 --repeats 4 --rounds 1 --engines default,decode-only
         done ;;
     model_speed)
         bounded 100 model_speed.log "${speed[@]}" --no-hf
@@ -187,7 +192,7 @@ for step in $STEPS; do
             --prompts 16,128,1024 --repeats 8 --rounds 2 ;;
     serve)
         bounded 200 serve.log python3 bench/serve.py --dtype bfloat16 --workloads shared unique \
-            --num-requests 64 --request-rate 16 --max-tokens 64 --cudagraph-mode FULL_DECODE_ONLY FULL ;;
+            --num-requests 64 --request-rate 16 --max-tokens 64 --cudagraph-mode default FULL_DECODE_ONLY ;;
     suite)
         bounded 240 suite.log python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --timeout 150 \
             --continue-on-collection-errors --ignore=tests/replicas --ignore=tests/server/test_langchain.py -k "not redis" ;;

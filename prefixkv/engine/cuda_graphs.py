@@ -10,9 +10,9 @@ context width (`max_seq_len_to_capture`) copies its ids, positions, slots, block
 into the buffers, padded up to the next size, and replays. Padding rows write their K/V to a null
 block the scheduler never hands out and have length 0 (nothing read).
 
-Mixed steps (prompts or chunks, with or without decodes), where compilation_config's
-cudagraph_mode asks for them (FULL, FULL_AND_PIECEWISE; not yet the default: no card has timed
-them against eager): per token count of `mixed_capture_sizes` the forward over fixed buffers of
+Mixed steps (prompts or chunks, with or without decodes), up to the token count where their replay
+timed faster than the eager step on this card (mixed_graph_choice.py; all of them under
+cudagraph_mode FULL): per token count of `mixed_capture_sizes` the forward over fixed buffers of
 that many rows (model/static_mixed.py), attention by one kernel over a fixed grid that a host-built
 tile map steers. A step of at most the largest count whose contexts fit the width is padded up to
 the next count and replayed.
@@ -98,20 +98,13 @@ MIXED_LADDER = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 7
 MAX_MIXED_TOKENS = 2048
 
 
-# cudagraph_mode values that capture mixed steps: vLLM's FULL and FULL_AND_PIECEWISE (here each
-# step whole: no piecewise split); asked for by name until a card has timed them against eager
-MIXED_MODES = ("FULL", "FULL_AND_PIECEWISE", "PIECEWISE")
-
-
 def mixed_capture_sizes(max_num_batched_tokens: int, compilation_config: dict[str, object] | int | None) -> list[int]:
-    """The token counts of mixed steps to capture: none unless compilation_config's
-    cudagraph_mode asks for them (MIXED_MODES); its `cudagraph_capture_sizes` if given (vLLM
+    """The token counts of mixed steps to capture where mixed steps replay at all
+    (mixed_graph_choice.policy): compilation_config's `cudagraph_capture_sizes` if given (vLLM
     captures those token counts for every kind of step), else MIXED_LADDER; at most
     max_num_batched_tokens (a step holds no more) and `max_capture_size` if given, else
     MAX_MIXED_TOKENS, that bound itself the last size."""
     cc = compilation_config if isinstance(compilation_config, dict) else {}
-    if str(cc.get("cudagraph_mode", "")).upper() not in MIXED_MODES:
-        return []
     cap = cc.get("max_capture_size")
     top = min(max_num_batched_tokens, int(cap) if isinstance(cap, int) else MAX_MIXED_TOKENS)
     sizes = cc.get("cudagraph_capture_sizes")
@@ -272,7 +265,7 @@ class StepGraphs:
             if self.image_rows is None or not any(sr.mm_inputs for sr in scheduled):
                 return None if "decode" in self.failed else "decode"
         mixed = self.mixed
-        if mixed is None or len(scheduled) > mixed.max_seqs or "mixed" in self.failed:
+        if mixed is None or not self.mixed_sizes or len(scheduled) > mixed.max_seqs or "mixed" in self.failed:
             return None
         tokens = 0
         for sr in scheduled:
@@ -280,7 +273,7 @@ class StepGraphs:
             if sr.start + n > top:
                 return None
             tokens += n
-        return "mixed" if tokens <= mixed.max_tokens else None
+        return "mixed" if tokens <= self.mixed_sizes[-1] else None
 
     def size_for(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -533,6 +526,15 @@ class StepGraphs:
         for key in [key for key in self.graphs if key[0] == kind]:
             del self.graphs[key], self.outputs[key]
         logger.warning("CUDA graphs: %s steps run eagerly: %s", kind, why)
+
+    def limit_mixed(self, max_tokens: int) -> None:
+        """Mixed steps of at most `max_tokens` tokens replay (0: none; mixed_graph_choice.py), the
+        larger counts' graphs dropped."""
+        self.mixed_sizes = [s for s in self.mixed_sizes if s <= max_tokens]
+        for key in [key for key in self.graphs if key[0].startswith("mixed") and key[1] > max_tokens]:
+            del self.graphs[key], self.outputs[key]
+        self.mixed_metas = {s: meta for s, meta in self.mixed_metas.items() if s <= max_tokens}
+        self.lora_maps = {key: m for key, m in self.lora_maps.items() if key[0] != "mixed-lora" or key[1] <= max_tokens}
 
     def takes_lora(self, kind: str) -> bool:
         """Whether a step of `kind` with adapters replays a graph."""

@@ -138,10 +138,11 @@ class ModelRunner:
             if self.lora_manager is not None and any(sr.lora_id for sr in scheduled):
                 lora_slots = self.lora_manager.slots_for([sr.lora_id for sr in scheduled])
             hidden, query_start_loc = self.graphs.run(scheduled, carried, kind, lora_slots, self._spliced(scheduled))
-            if self.stage_outputs is not None:
-                self._keep_stage_outputs(hidden, self.graphs.step_slots(kind, hidden.shape[0]), scheduled)
+            slots = self.graphs.step_slots(kind, hidden.shape[0])
         else:
-            hidden, query_start_loc = self._forward(scheduled, carried)
+            hidden, query_start_loc, slots = self._forward(scheduled, carried)
+        if self.stage_outputs is not None:
+            self._keep_stage_outputs(hidden, slots, scheduled)
         starts = query_start_loc if query_start_loc is not None else range(len(scheduled) + 1)
         out = ModelRunnerOutput()
         if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
@@ -203,11 +204,18 @@ class ModelRunner:
             return logits.cpu()
         return logits
 
+    @torch.inference_mode()
+    def eager_hidden(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """The final hidden states of a step run eagerly, whatever graphs there are (what a replay
+        is timed against: mixed_graph_choice.py)."""
+        return self._forward(scheduled)[0]
+
     def _forward(
         self, scheduled: list[ScheduledRequest], carried: tuple[list[int], torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, list[int]]:
-        """The eager forward of any step: its final hidden states and each request's first row.
-        `carried`: rows whose one input token is on the device already (`_carried_inputs`)."""
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """The eager forward of any step: its final hidden states, each request's first row and its
+        rows' KV slots. `carried`: rows whose one input token is on the device already
+        (`_carried_inputs`)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -259,10 +267,7 @@ class ModelRunner:
             extra["inputs_embeds"] = self.mm.inputs_embeds(self.model.embed_tokens, ids, placements)
         pos = tensor_on(positions, dev, torch.long)
         hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
-
-        if self.stage_outputs is not None:
-            self._keep_stage_outputs(hidden, meta.slot_mapping, scheduled)
-        return hidden, query_start_loc
+        return hidden, query_start_loc, meta.slot_mapping
 
     def _keep_stage_outputs(self, hidden: torch.Tensor, slots: torch.Tensor, scheduled: list[ScheduledRequest]) -> None:
         """The stage-output cache keeps every computed row, through the KV slot mapping; the

@@ -40,11 +40,9 @@ on the machine's load); =measure re-times even where an answer is on disk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -55,6 +53,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from . import build, ops
+from .kept_answers import answer_path, keep_answer, read_answer
 from .reference import reference_rotary, reference_silu_and_mul
 
 logger = logging.getLogger(__name__)
@@ -214,31 +213,24 @@ def describe(shapes: KernelShapes) -> list[str]:
     return found[1]
 
 
-def _key(shapes: KernelShapes) -> str:
-    parts = [
-        str(FORMAT_VERSION),
-        ops.library_name() or "",
-        build.cpu_model(),
-        json.dumps(asdict(shapes), sort_keys=True),
-    ]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
-
-
-def _file(key: str) -> Path:
-    return build.cache_dir().parent / "kernel-choice" / f"{key}.json"
+def _file(shapes: KernelShapes) -> Path:
+    """Where the answer for `shapes` on this machine is kept."""
+    shape = json.dumps(asdict(shapes), sort_keys=True)
+    return answer_path("kernel-choice", [str(FORMAT_VERSION), ops.library_name() or "", build.cpu_model(), shape])
 
 
 def _stored_or_measured(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
-    path = _file(_key(shapes))
+    path = _file(shapes)
     if mode() != "measure":
+        data = read_answer(path)
         try:
-            data = json.loads(path.read_text())
-            made = ops.KernelChoice(**data["choice"])
-            lines = [str(x) for x in data["lines"]]
-            logger.info("CPU kernels (measured before, %s): %s", path.name, summary(made))
-            return made, lines
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # none yet, or unreadable: measure
+            if data is not None:
+                made = ops.KernelChoice(**data["choice"])
+                lines = [str(x) for x in data["lines"]]
+                logger.info("CPU kernels (measured before, %s): %s", path.name, summary(made))
+                return made, lines
+        except (KeyError, TypeError):
+            pass  # unreadable: measure
     logger.info(
         "timing the native CPU kernels against PyTorch on this model's shapes (%s, %s; once per "
         "machine, a few seconds)",
@@ -251,14 +243,7 @@ def _stored_or_measured(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[st
     logger.info("CPU kernels (timed in %.1f s): %s", time.perf_counter() - start, summary(made))
     for line in lines:
         logger.debug("  %s", line)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".choice-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"choice": asdict(made), "lines": lines}, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only cache folder: measured again next time
-        logger.info("kernel choice not kept on disk (%s)", e)
+    keep_answer(path, {"choice": asdict(made), "lines": lines})
     return made, lines
 
 

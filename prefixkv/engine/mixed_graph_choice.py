@@ -1,0 +1,259 @@
+"""Which mixed steps (prompts and chunks, with or without decodes) replay a CUDA graph: chosen by
+timing each captured token count against the eager step on this card, not assumed - and only
+where the replay computes what the eager step does.
+
+A replay saves the host launching the step's kernels one by one (on an H200 an eager mixed step of
+the default model took about 15 ms where its decode replay took 1 ms), but pads the step up to the
+next captured count and runs attention over a fixed grid: at the larger counts, where the work
+itself dominates, the eager step can be the faster, and where it is depends on the card and the
+model. So where compilation_config names no cudagraph_mode, the engine captures the ladder's counts
+(cuda_graphs.mixed_capture_sizes), times each count's replay against the eager step of the fewest
+tokens that pad up to it (the replay's worst case: the most padding), and replays mixed steps up
+to the largest count whose replay was at least as fast there and at every smaller count; the
+larger counts' graphs are dropped. The timing stops at the first loss. Each count's replay is
+first compared with the eager step on the same input: one that disagrees beyond rounding (a
+kernel this card compiles wrongly, say) leaves every mixed step eager, with a warning, and is
+checked again at the next start rather than kept.
+
+The answer is kept on disk (`kept_answers`), keyed by the card, the torch and Triton versions, the
+model's shape and dtype, the block size, the most sequences a step holds and the counts, so it is
+measured once per card and model shape, and later starts capture only the counts it kept. One log
+line says up to where mixed steps replay and why.
+
+`PREFIXKV_MIXED_GRAPHS=measured|all|none` overrides the policy: `all` replays every captured count
+(as cudagraph_mode FULL does), `none` only decode steps (FULL_DECODE_ONLY), `measured` times them
+even where cudagraph_mode asks otherwise (how a CPU test runs the timing under Triton's
+interpreter). `PREFIXKV_KERNEL_CHOICE=measure` times again where an answer is on disk.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.kernels import build
+from ..model.kernels.kept_answers import answer_path, keep_answer, read_answer
+from ..sampling_params import SamplingParams
+from .scheduler_output import ScheduledRequest
+
+logger = logging.getLogger("prefixkv")
+
+ENV = "PREFIXKV_MIXED_GRAPHS"
+POLICIES = ("measured", "all", "none")
+# compilation_config cudagraph_mode values that replay every captured count of mixed steps (vLLM's
+# FULL and FULL_AND_PIECEWISE; here each step is captured whole: there is no piecewise split)
+ALL_MODES = ("FULL", "FULL_AND_PIECEWISE", "PIECEWISE")
+FORMAT_VERSION = 1
+REPS = 3  # each path's fastest of this many, alternated, after one run each to warm up
+
+
+def policy(graph_mode: str | None, compilation_config: dict[str, object] | int | None) -> str:
+    """ "measured", "all" or "none": how mixed steps replay under graphs of `graph_mode`
+    ("capture", "static", None: eager). PREFIXKV_MIXED_GRAPHS first, then compilation_config's
+    cudagraph_mode; without either, "measured" where graphs are captured (a GPU) and "none" over
+    static buffers (a CPU checking the path asks for mixed steps by name)."""
+    asked = os.environ.get(ENV, "").strip().lower()
+    if asked and asked not in POLICIES:
+        raise ValueError(f"{ENV}={asked!r}: expected one of {', '.join(POLICIES)}")
+    if graph_mode is None:
+        return "none"
+    if asked:
+        return asked
+    cc = compilation_config if isinstance(compilation_config, dict) else {}
+    mode = cc.get("cudagraph_mode")
+    if mode is not None:
+        return "all" if str(mode).upper() in ALL_MODES else "none"
+    return "measured" if graph_mode == "capture" else "none"
+
+
+@dataclass(frozen=True)
+class MixedTiming:
+    """One captured count timed: its replay and the eager step of `tokens` (the fewest that pad to it)."""
+
+    size: int
+    tokens: int
+    eager_ms: float
+    replay_ms: float
+
+    def line(self) -> str:
+        return (
+            f"{self.tokens} tokens: eager {self.eager_ms:.2f} ms, replayed as {self.size} "
+            f"{self.replay_ms:.2f} ms ({self.eager_ms / max(self.replay_ms, 1e-9):.2f}x)"
+        )
+
+
+def replay_limit(timings: Sequence[MixedTiming]) -> int:
+    """The largest count whose replay was at least as fast as the eager step there and at every
+    smaller count (0: none): mixed steps of up to that many tokens replay."""
+    limit = 0
+    for t in sorted(timings, key=lambda t: t.size):
+        if t.replay_ms > t.eager_ms:
+            break
+        limit = t.size
+    return limit
+
+
+class StoredChoice:
+    """The answer for one engine's shapes on this device: read before the capture (its counts are
+    the only ones captured), written after a measurement."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        block_size: int,
+        max_seqs: int,
+        sizes: Sequence[int],
+    ) -> None:
+        self.device_name = _device_name(device)
+        parts = [
+            str(FORMAT_VERSION),
+            self.device_name,
+            torch.__version__,
+            _version("triton"),
+            json.dumps(asdict(config), sort_keys=True, default=str),
+            str(dtype),
+            str(block_size),
+            str(max_seqs),
+            ",".join(map(str, sizes)),
+        ]
+        self.path: Path = answer_path("mixed-graph-choice", parts)
+
+    def read(self) -> int | None:
+        """The replay limit measured before (None: not yet, or PREFIXKV_KERNEL_CHOICE=measure)."""
+        if os.environ.get("PREFIXKV_KERNEL_CHOICE", "").strip().lower() == "measure":
+            return None
+        data = read_answer(self.path)
+        limit = data.get("replay_limit") if data is not None else None
+        return limit if isinstance(limit, int) and limit >= 0 else None
+
+    def keep(self, limit: int, timings: Sequence[MixedTiming]) -> None:
+        keep_answer(
+            self.path,
+            {
+                "replay_limit": limit,
+                "device": self.device_name,
+                "timings": [asdict(t) for t in timings],
+                "lines": [t.line() for t in timings],
+            },
+        )
+
+
+def timing_step(
+    tokens: int, block_size: int, num_blocks: int, groups: int, vocab: int
+) -> list[ScheduledRequest] | None:
+    """A mixed step to time: one new prompt of `tokens` random ids from position 0, in the pool's
+    first blocks (nothing is cached before the engine serves: what it writes there is overwritten
+    before anyone reads it), each later KV-cache group's table the same blocks; None where the pool
+    holds fewer blocks than the prompt needs."""
+    blocks = -(-tokens // block_size)
+    if blocks > num_blocks:
+        return None
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    table = list(range(blocks))
+    return [
+        ScheduledRequest(
+            "mixed-graph-timing",
+            ids,
+            0,
+            table,
+            False,
+            SamplingParams(),
+            None,
+            ids,
+            [],
+            group_block_tables=[table] * groups,
+        )  # fmt: skip
+    ]
+
+
+def disagreement(eager: torch.Tensor, replayed: torch.Tensor) -> float:
+    """How far a replayed step's final hidden states lie from the eager step's: the norm of the
+    difference over the eager states' norm (NaN or inf where either holds one)."""
+    e, r = eager.float(), replayed[: eager.shape[0]].float()
+    return float((e - r).norm() / e.norm().clamp_min(1e-30))
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The disagreement a replay may show: float32 kernels that add in another order differ by a
+    few parts in a million; 16-bit ones by up to a few percent over many layers. A wrong kernel -
+    rows of another request, an unwritten buffer, garbage - lies far beyond either."""
+    return 1e-3 if dtype == torch.float32 else 0.1
+
+
+def measure(
+    sizes: Sequence[int],
+    step_for: Callable[[int], list[ScheduledRequest] | None],
+    eager: Callable[[list[ScheduledRequest]], torch.Tensor],
+    replay: Callable[[list[ScheduledRequest]], torch.Tensor],
+    sync: Callable[[], None],
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[MixedTiming], str | None]:
+    """Each count of `sizes` (ascending) timed at the fewest tokens that pad up to it (at least 2: a
+    one-token step is a decode), both paths alternated, each one's fastest of REPS after a warm-up
+    run (Triton compiles there); stops after the first count whose replay lost, or where the pool
+    cannot hold the step. The warm-up runs' outputs are compared first: a replay that disagrees
+    with the eager step beyond `tolerance(dtype)` ends the timing, and the second value says how
+    (None: every replay timed agreed) - mixed steps must not replay then, whatever the speed."""
+    timings: list[MixedTiming] = []
+    smaller = 0
+    for size in sizes:
+        tokens = max(smaller + 1, 2)
+        smaller = size
+        if tokens > size:  # a count of one token: a step of one token a request is a decode
+            continue
+        step = step_for(tokens)
+        if step is None:
+            break
+        expected = eager(step).clone()  # its own copy, whatever memory the replay then writes
+        off = disagreement(expected, replay(step))
+        if not off <= tolerance(dtype):
+            return timings, f"the replay of {size} rows disagreed with the eager step of {tokens} tokens by {off:.3g}"
+        runs: dict[str, list[float]] = {"eager": [], "replay": []}
+        for _ in range(REPS):
+            for name, path in (("eager", eager), ("replay", replay)):
+                sync()
+                t0 = time.perf_counter()
+                path(step)
+                sync()
+                runs[name].append(time.perf_counter() - t0)
+        timing = MixedTiming(size, tokens, 1e3 * min(runs["eager"]), 1e3 * min(runs["replay"]))
+        timings.append(timing)
+        if timing.replay_ms > timing.eager_ms:
+            break
+    return timings, None
+
+
+def summary(limit: int, sizes: Sequence[int], how: str) -> str:
+    """The log line of a choice."""
+    if limit == 0:
+        return f"mixed steps run eagerly ({how}: no captured count replayed faster than the eager step)"
+    top = max(sizes, default=0)
+    beyond = f"; larger ones eagerly (up to {top} captured)" if limit < top else ""
+    return f"mixed steps of up to {limit} tokens replay a CUDA graph ({how}){beyond}"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}: {build.cpu_model()}"
+
+
+def _version(package: str) -> str:
+    if importlib.util.find_spec(package) is None:
+        return ""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return ""
