@@ -1,0 +1,73 @@
+"""Every kind of step over the graphs' buffers records on a GPU what it computes on a CPU: the
+forward reads no value back to the host, builds no tensor from host data and runs no operator whose
+shape follows the values (capture_safety.py) - what would make a capture fail, or a replay repeat
+the capture's values. Mixed steps replay by default wherever a card times them faster
+(engine/mixed_graph_choice.py), and none has been captured on a card yet: this is the check a CPU
+can make. One family a kind of layer: dense attention, KV-cache groups, routed experts, Mamba2
+beside attention, the gated delta net, LoRA rows and image rows; decode and mixed steps each."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.model import moe
+
+from ..model.triton_interpreter import device, kernels_module
+from .capture_safety import HostReads
+from .sweep_graphs import BLOCK, _checkpoint, _run
+
+FAMILIES = ["llama", "gemma3", "qwen3_moe", "falcon_h1", "qwen3_next", "lora", "llava"]
+
+
+@pytest.mark.slow(seconds=5)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch, family):
+    if device().type != "cpu":
+        pytest.skip("a card captures these steps itself (test_cuda_graphs.py, the sweep)")
+    kernels_module()
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static")
+    monkeypatch.setattr(moe, "GROUPED_ON_CPU", True)  # the device's routing, as a GPU runs it
+    logging.getLogger("prefixkv").setLevel(logging.ERROR)
+    depth = [0]
+    real_run = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        depth[0] += 1
+        try:
+            return real_run(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    scenarios, adapters = _checkpoint(family, tmp_path / family)
+    settings, requests = scenarios["greedy"]
+    llm = LLM(
+        str(tmp_path / family / "base" if family == "lora" else tmp_path / family),
+        **{"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": BLOCK, "max_model_len": 64,
+           "max_num_seqs": 8, **settings},
+        async_scheduling=True,
+        compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]},
+    )  # fmt: skip
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None
+    reads = HostReads(depth)
+    real_forward = graphs._forward
+
+    def forward(kind, size):  # type: ignore[no-untyped-def]
+        with reads:
+            return real_forward(kind, size)
+
+    graphs._forward = forward
+    # three requests, four tokens each: chunked prompts beside decodes, then decodes alone
+    _run(llm, [(prompt, SamplingParams(temperature=0, max_tokens=4), a) for prompt, _, a in requests[:3]], adapters)
+    assert graphs.replays > 0 and graphs.mixed_replays > 0
+    if family == "lora":
+        assert graphs.lora_replays > 0
+    if family == "llava":
+        assert graphs.image_rows is not None and graphs.image_rows.steps > 0
+    assert not reads.found, "\n".join(f"{n}x {name} at {where}" for (name, where), n in reads.found.items())
