@@ -38,7 +38,6 @@ from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from ..multimodal import EncoderCache, MultiModalInputProcessor
-    from .scheduler_output import ScheduledRequest
 
 logger = logging.getLogger("prefixkv")
 
@@ -181,7 +180,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         with stages.stage("CUDA graphs", what):
             graphs.capture()
         if stored_choice is not None:
-            _choose_mixed_graphs(graphs, runner, stored_choice, stored_limit, num_blocks, dtype, stages)
+            mixed_graph_choice.choose(graphs, runner, stored_choice, stored_limit, num_blocks, dtype, stages)
     cpu_threads = _checked_thread_policy(cpu_threads, runner, dtype, stages)
     kv_events_config = config.kv_events_config
     assert kv_events_config is None or isinstance(kv_events_config, KVEventsConfig)  # EngineArgs parsed it
@@ -209,55 +208,6 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     )
     logger.info("engine ready in %s", stages.summary())
     return parts
-
-
-def _choose_mixed_graphs(
-    graphs: StepGraphs,
-    runner: ModelRunner,
-    stored: mixed_graph_choice.StoredChoice,
-    limit: int | None,
-    num_blocks: int,
-    dtype: torch.dtype,
-    stages: Stages,
-) -> None:
-    """Mixed steps replay up to the count measured before (`limit`), or up to where their replay
-    times faster than the eager step now (mixed_graph_choice.py); a timing that fails, or a replay
-    that disagrees with the eager step, leaves them eager, said once."""
-    captured = list(graphs.mixed_sizes)
-    if "mixed" in graphs.failed:  # said when the capture failed
-        return
-    if limit is not None:
-        logger.info(mixed_graph_choice.summary(limit, captured, f"measured before on this {stored.device_name}"))
-        return
-    config = runner.config
-    groups = len(graphs.group_inputs)
-    device = graphs.inputs.input_ids.device
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def step_for(tokens: int) -> list[ScheduledRequest] | None:
-        return mixed_graph_choice.timing_step(tokens, graphs.block_size, num_blocks, groups, config.vocab_size)
-
-    with stages.stage("mixed-step graphs", f"timing {len(captured)} counts of mixed steps replayed against eager"):
-        try:
-            timings, wrong = mixed_graph_choice.measure(
-                captured, step_for, runner.eager_hidden, lambda step: graphs.run(step, kind="mixed")[0], sync, dtype
-            )
-        except Exception as e:  # noqa: BLE001 (mixed steps then run eagerly, as before a measurement)
-            timings, wrong = [], f"timing their graphs raised {type(e).__name__}: {e}"
-    graphs.mixed_replays = 0  # the count of served steps that replayed (tests read it)
-    if wrong is not None:  # not kept: checked again at the next start
-        logger.warning("mixed steps run eagerly: %s", wrong)
-        graphs.limit_mixed(0)
-        return
-    limit = mixed_graph_choice.replay_limit(timings)
-    graphs.limit_mixed(limit)
-    stored.keep(limit, timings)
-    logger.info(mixed_graph_choice.summary(limit, captured, f"timed on this {stored.device_name}"))
-    for timing in timings:
-        logger.info("  %s", timing.line())
 
 
 def _refuse_for_recurrent(config: EngineArgs, architecture: str) -> None:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +46,11 @@ from ..model.kernels import build
 from ..model.kernels.kept_answers import answer_path, keep_answer, read_answer
 from ..sampling_params import SamplingParams
 from .scheduler_output import ScheduledRequest
+
+if TYPE_CHECKING:
+    from ..progress import Stages
+    from .cuda_graphs import StepGraphs
+    from .model_runner import ModelRunner
 
 logger = logging.getLogger("prefixkv")
 
@@ -242,6 +248,55 @@ def summary(limit: int, sizes: Sequence[int], how: str) -> str:
     top = max(sizes, default=0)
     beyond = f"; larger ones eagerly (up to {top} captured)" if limit < top else ""
     return f"mixed steps of up to {limit} tokens replay a CUDA graph ({how}){beyond}"
+
+
+def choose(
+    graphs: StepGraphs,
+    runner: ModelRunner,
+    stored: StoredChoice,
+    limit: int | None,
+    num_blocks: int,
+    dtype: torch.dtype,
+    stages: Stages,
+) -> None:
+    """Mixed steps replay up to the count measured before (`limit`, read by `stored`), or up to
+    where their replay times faster than the eager step now (then kept by `stored`); a timing
+    that fails, or a replay that disagrees with the eager step, leaves them eager, said once."""
+    captured = list(graphs.mixed_sizes)
+    if "mixed" in graphs.failed:  # said when the capture failed
+        return
+    if limit is not None:
+        logger.info(summary(limit, captured, f"measured before on this {stored.device_name}"))
+        return
+    config = runner.config
+    groups = len(graphs.group_inputs)
+    device = graphs.inputs.input_ids.device
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step_for(tokens: int) -> list[ScheduledRequest] | None:
+        return timing_step(tokens, graphs.block_size, num_blocks, groups, config.vocab_size)
+
+    with stages.stage("mixed-step graphs", f"timing {len(captured)} counts of mixed steps replayed against eager"):
+        try:
+            timings, wrong = measure(
+                captured, step_for, runner.eager_hidden, lambda step: graphs.run(step, kind="mixed")[0], sync, dtype
+            )
+        except Exception as e:  # noqa: BLE001 (mixed steps then run eagerly, as before a measurement)
+            timings, wrong = [], f"timing their graphs raised {type(e).__name__}: {e}"
+    graphs.mixed_replays = 0  # the count of served steps that replayed (tests read it)
+    if wrong is not None:  # not kept: checked again at the next start
+        logger.warning("mixed steps run eagerly: %s", wrong)
+        graphs.limit_mixed(0)
+        return
+    limit = replay_limit(timings)
+    graphs.limit_mixed(limit)
+    stored.keep(limit, timings)
+    logger.info(summary(limit, captured, f"timed on this {stored.device_name}"))
+    for timing in timings:
+        logger.info("  %s", timing.line())
 
 
 def _device_name(device: torch.device) -> str:
