@@ -116,7 +116,7 @@ for step in $STEPS; do
             tests/model/test_model_hf_folder.py::test_cuda_matches_cpu tests/engine/test_cuda.py \
             tests/model/test_triton_attention.py tests/engine/test_triton_attention_path.py \
             tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py tests/model/test_triton_fused.py \
-            tests/engine/test_mixed_graph_choice.py \
+            tests/engine/test_mixed_graph_choice.py tests/engine/test_graph_check.py \
             tests/model/test_host_copy.py tests/model/test_triton_scan.py tests/engine/test_moe_architectures.py \
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             tests/engine/test_recurrent_graphs.py \
@@ -128,7 +128,7 @@ for step in $STEPS; do
         bounded 240 equality.log python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_triton_fused.py \
             tests/model/test_host_copy.py tests/model/test_triton_scan.py \
             tests/engine/test_cuda.py tests/engine/test_cuda_graphs.py tests/lora/test_lora_graphs.py \
-            tests/engine/test_mixed_graph_choice.py \
+            tests/engine/test_mixed_graph_choice.py tests/engine/test_graph_check.py \
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             "tests/engine/test_moe_architectures.py::test_moe_decode_steps_replay_over_fixed_buffers" \
             tests/engine/test_recurrent_graphs.py \

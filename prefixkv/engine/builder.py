@@ -27,7 +27,7 @@ from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
 from ..progress import Stages
 from ..stage_outputs import stage_output_specs
 from ..tiers import TierManager, build_kv_connector
-from . import mixed_graph_choice
+from . import graph_check, mixed_graph_choice
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
 from .cuda_graphs import StepGraphs, capture_sizes, graph_mode, mixed_capture_sizes
 from .device import resolve_device_dtype
@@ -179,6 +179,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         what = f"capturing decode steps of {len(sizes)} batch sizes and mixed steps of {len(mixed_sizes)} token counts"
         with stages.stage("CUDA graphs", what):
             graphs.capture()
+            graph_check.check_decode(graphs, runner, num_blocks, config.max_num_batched_tokens, dtype)
         if stored_choice is not None:
             mixed_graph_choice.choose(graphs, runner, stored_choice, stored_limit, num_blocks, dtype, stages)
     cpu_threads = _checked_thread_policy(cpu_threads, runner, dtype, stages)

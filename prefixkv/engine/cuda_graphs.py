@@ -508,7 +508,7 @@ class StepGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[kind, size] = self._forward(kind, size)
             except Exception as e:  # noqa: BLE001 (that kind of step runs eagerly, said once)
-                self._fail(kind, f"capturing its {size}-row graph raised {type(e).__name__}: {e}")
+                self.refuse(kind, f"capturing its {size}-row graph raised {type(e).__name__}: {e}")
                 continue
             self.graphs[kind, size] = graph
             mapping = self.lora_maps.get((kind, size))
@@ -519,9 +519,10 @@ class StepGraphs:
         self.capture_seconds = time.perf_counter() - start
         logger.info("CUDA graphs captured: %s", self.summary())
 
-    def _fail(self, kind: str, why: str) -> None:
-        """A kind of step ("decode", "mixed", each with "-lora") that could not be captured runs
-        eagerly from now on (slower, the same outputs): its graphs dropped, the reason logged."""
+    def refuse(self, kind: str, why: str) -> None:
+        """A kind of step ("decode", "mixed", each with "-lora") that could not be captured, or
+        whose replay disagreed with the eager step (graph_check.py), runs eagerly from now on
+        (slower, the same outputs): its graphs dropped, the reason logged."""
         self.failed.add(kind)
         for key in [key for key in self.graphs if key[0] == kind]:
             del self.graphs[key], self.outputs[key]

@@ -45,6 +45,7 @@ from ..model.config import ModelConfig
 from ..model.kernels import build
 from ..model.kernels.kept_answers import answer_path, keep_answer, read_answer
 from ..sampling_params import SamplingParams
+from .graph_check import compare
 from .scheduler_output import ScheduledRequest
 
 if TYPE_CHECKING:
@@ -184,20 +185,6 @@ def timing_step(
     ]
 
 
-def disagreement(eager: torch.Tensor, replayed: torch.Tensor) -> float:
-    """How far a replayed step's final hidden states lie from the eager step's: the norm of the
-    difference over the eager states' norm (NaN or inf where either holds one)."""
-    e, r = eager.float(), replayed[: eager.shape[0]].float()
-    return float((e - r).norm() / e.norm().clamp_min(1e-30))
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """The disagreement a replay may show: float32 kernels that add in another order differ by a
-    few parts in a million; 16-bit ones by up to a few percent over many layers. A wrong kernel -
-    rows of another request, an unwritten buffer, garbage - lies far beyond either."""
-    return 1e-3 if dtype == torch.float32 else 0.1
-
-
 def measure(
     sizes: Sequence[int],
     step_for: Callable[[int], list[ScheduledRequest] | None],
@@ -209,8 +196,8 @@ def measure(
     """Each count of `sizes` (ascending) timed at the fewest tokens that pad up to it (at least 2: a
     one-token step is a decode), both paths alternated, each one's fastest of REPS after a warm-up
     run (Triton compiles there); stops after the first count whose replay lost, or where the pool
-    cannot hold the step. The warm-up runs' outputs are compared first: a replay that disagrees
-    with the eager step beyond `tolerance(dtype)` ends the timing, and the second value says how
+    cannot hold the step. The warm-up runs' outputs are compared first (graph_check.compare): a
+    replay that disagrees with the eager step ends the timing, and the second value says how
     (None: every replay timed agreed) - mixed steps must not replay then, whatever the speed."""
     timings: list[MixedTiming] = []
     smaller = 0
@@ -222,10 +209,14 @@ def measure(
         step = step_for(tokens)
         if step is None:
             break
-        expected = eager(step).clone()  # its own copy, whatever memory the replay then writes
-        off = disagreement(expected, replay(step))
-        if not off <= tolerance(dtype):
-            return timings, f"the replay of {size} rows disagreed with the eager step of {tokens} tokens by {off:.3g}"
+        wrong = compare(
+            lambda: eager(step),  # noqa: B023 (called at once)
+            lambda: replay(step),  # noqa: B023
+            dtype,
+            f"the replay of {size} rows ({tokens} tokens)",
+        )
+        if wrong is not None:
+            return timings, wrong
         runs: dict[str, list[float]] = {"eager": [], "replay": []}
         for _ in range(REPS):
             for name, path in (("eager", eager), ("replay", replay)):

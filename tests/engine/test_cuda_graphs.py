@@ -135,7 +135,7 @@ def test_engine_through_static_decode_matches_transformers(tmp_path, static_grap
     assert runner.graph_kind([row(), row(want_hidden_states=True)]) == "decode"
     # a kind whose capture failed runs eagerly, said once; the other kind still replays
     with caplog.at_level(logging.WARNING, logger="prefixkv"):
-        graphs._fail("decode", "a test's reason")
+        graphs.refuse("decode", "a test's reason")
     assert "decode steps run eagerly: a test's reason" in caplog.text
     assert runner.graph_kind([row()] * 2) is None and runner.graph_kind([row(token_ids=[1, 2])]) == "mixed"
     assert not graphs.takes_lora("decode")

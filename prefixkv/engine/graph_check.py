@@ -1,0 +1,102 @@
+"""Each kind of captured step compared with the eager step on the same input, on this device, before
+it serves: a replay whose final hidden states lie further from the eager step's than rounding
+allows is never used - that kind of step runs eagerly, with a warning.
+
+What a capture records is checked on a CPU (tests/engine/test_capture_safety.py: nothing read back
+to the host, nothing built from host data) and the replays were compared with eager steps on an
+H100 and an H200; on any other card, driver or Triton backend this is the check. It costs a few
+eager steps at start-up. Mixed steps are compared where they are timed (mixed_graph_choice.py);
+decode steps here, at batch 1 and at the largest size the pool holds less one (a padding row),
+after a prefill of two blocks a request, so that the decode starts a block: a recurrent layer
+reads the state the prefill left in the block before, which neither run overwrites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .scheduler_output import ScheduledRequest
+
+if TYPE_CHECKING:
+    from .cuda_graphs import StepGraphs
+    from .model_runner import ModelRunner
+
+
+def disagreement(eager: torch.Tensor, replayed: torch.Tensor) -> float:
+    """How far a replayed step's final hidden states lie from the eager step's: the norm of the
+    difference over the eager states' norm (NaN or inf where either holds one)."""
+    e, r = eager.float(), replayed[: eager.shape[0]].float()
+    return float((e - r).norm() / e.norm().clamp_min(1e-30))
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The disagreement a replay may show: float32 kernels that add in another order differ by a
+    few parts in a million; 16-bit ones by up to a few percent over many layers (the default model
+    in bfloat16, Triton's kernels against the CPU's: 1.7e-2). A wrong kernel - rows of another
+    request, an unwritten buffer, the capture's values - lies far beyond either."""
+    return 1e-3 if dtype == torch.float32 else 0.1
+
+
+def compare(
+    eager: Callable[[], torch.Tensor], replay: Callable[[], torch.Tensor], dtype: torch.dtype, what: str
+) -> str | None:
+    """Run both on the same input (eager first); None where they agree, else what differed."""
+    expected = eager().clone()  # its own copy, whatever memory the replay then writes
+    off = disagreement(expected, replay())
+    return None if off <= tolerance(dtype) else f"{what} disagreed with the eager step by {off:.3g}"
+
+
+def decode_batches(sizes: list[int], num_blocks: int) -> list[int]:
+    """The batches a decode check runs: 1, and the largest size whose requests' three blocks each
+    the pool holds, less one where that leaves a padding row (replayed in the size above it)."""
+    fits = [s for s in sizes if 3 * s <= num_blocks]
+    if not fits:
+        return []
+    top = fits[-1] - 1 if fits[-1] > 2 else fits[-1]
+    return sorted({1, top})
+
+
+def check_decode(graphs: StepGraphs, runner: ModelRunner, num_blocks: int, max_tokens: int, dtype: torch.dtype) -> None:
+    """Compare the decode replay with the eager decode step (`decode_batches`); a disagreement, or
+    a check that raises, leaves decode steps eager (`StepGraphs.refuse`)."""
+    if "decode" in graphs.failed:
+        return
+    bs = graphs.block_size
+    groups = len(graphs.group_inputs)
+    vocab = runner.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for batch in decode_batches(graphs.sizes, num_blocks):
+            prompts, decodes = [], []
+            for i in range(batch):
+                table = list(range(3 * i, 3 * i + 3))
+                ids = torch.randint(0, vocab, (2 * bs + 1,), generator=gen).tolist()
+                prompts.append(_request(i, ids[:-1], 0, table, groups))
+                decodes.append(_request(i, ids[-1:], 2 * bs, table, groups))
+            per_step = max(1, max_tokens // (2 * bs))
+            for first in range(0, batch, per_step):  # the contexts, within the step's token budget
+                runner.eager_hidden(prompts[first : first + per_step])
+            wrong = compare(
+                lambda: runner.eager_hidden(decodes),  # noqa: B023 (called at once)
+                lambda: graphs.run(decodes, kind="decode")[0],  # noqa: B023
+                dtype,
+                f"the replay of {graphs.size_for(batch)} rows ({batch} decodes)",
+            )
+            if wrong is not None:
+                graphs.refuse("decode", wrong)
+                return
+    except Exception as e:  # noqa: BLE001 (decode steps then run eagerly, said once)
+        graphs.refuse("decode", f"comparing their replay with the eager step raised {type(e).__name__}: {e}")
+    finally:
+        graphs.replays = 0  # served steps only (tests read it)
+
+
+def _request(i: int, ids: list[int], start: int, table: list[int], groups: int) -> ScheduledRequest:
+    return ScheduledRequest(
+        f"graph-check-{i}", ids, start, table, False, SamplingParams(), None, ids, [],
+        group_block_tables=[table] * groups,
+    )  # fmt: skip

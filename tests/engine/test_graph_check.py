@@ -1,0 +1,68 @@
+"""A captured decode step is compared with the eager step before it serves (engine/graph_check.py):
+the batches checked, and a decode replay that computes a wrong row caught at start-up - decode
+steps then run eagerly, outputs still transformers'. (Every engine built over the graphs' buffers
+runs the check; the graph tests' replay counts show it passed for their families.)"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.engine.cuda_graphs import StepGraphs
+from prefixkv.engine.graph_check import compare, decode_batches
+
+from ..conftest import hf_greedy
+from ..model.test_model_hf_folder import _make, _write_tokenizer
+from ..model.triton_interpreter import device, kernels_module
+
+
+def test_the_batches_checked():
+    assert decode_batches([1, 2, 4, 8], 64) == [1, 7]  # 7 replays as 8: a padding row
+    assert decode_batches([1, 2, 4, 8, 16, 256], 30) == [1, 7]  # the pool holds 3 blocks x 10 requests
+    assert decode_batches([1, 2], 64) == [1, 2]
+    assert decode_batches([1], 64) == [1]
+    assert decode_batches([1, 2], 2) == []
+
+
+def test_compare_within_rounding_and_beyond():
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    assert compare(lambda: x, lambda: x * (1 + 1e-6), torch.float32, "a step") is None
+    assert compare(lambda: x, lambda: x * 1.01, torch.bfloat16, "a step") is None
+    wrong = x.clone()
+    wrong[2] = 0.0
+    message = compare(lambda: x, lambda: wrong, torch.bfloat16, "the replay of 8 rows")
+    assert message is not None and message.startswith("the replay of 8 rows disagreed with the eager step by")
+    assert compare(lambda: x, lambda: torch.full_like(x, float("nan")), torch.float32, "a step") is not None
+
+
+@pytest.mark.slow(seconds=4)
+def test_a_decode_replay_computing_a_wrong_row_leaves_decode_steps_eager(tmp_path, monkeypatch, caplog):
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    real = StepGraphs._forward
+
+    def broken(self, kind, size):  # type: ignore[no-untyped-def]
+        hidden = real(self, kind, size)
+        if kind == "decode":
+            hidden[0].zero_()  # a row the kernel never wrote
+        return hidden
+
+    monkeypatch.setattr(StepGraphs, "_forward", broken)
+    caplog.set_level(logging.INFO, logger="prefixkv")
+    llm = LLM(
+        str(tmp_path), dtype="float32", device=str(device()), num_blocks=64, block_size=8, max_model_len=48,
+        max_num_seqs=4,
+    )  # fmt: skip
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and "decode" in graphs.failed and not graphs.graphs
+    assert "decode steps run eagerly: the replay of 1 rows (1 decodes) disagreed" in caplog.text
+    prompt = [5, 17, 99, 3, 42, 7]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 5)
+    assert graphs.replays == 0
