@@ -163,7 +163,7 @@ for step in $STEPS; do
             bounded 90 families.log python3 bench/decode_graphs.py --model "$fam" --device cuda --dtype bfloat16 \
                 --batches 1,32 --context 256 --steps 16 --rounds 1 --engines graphs,eager,inorder
             bounded 60 families.log python3 bench/mixed_steps.py --model "$fam" --device cuda --dtype bfloat16 \
-                --decodes 0,32 --prompts 128 --repeats 4 --rounds 1 --engines default,decode-only
+                --decodes 0,32 --prompts 128 --repeats 4 --rounds 1 --engines default,decode-only --budget 512
         done ;;
     model_speed)
         bounded 100 model_speed.log "${speed[@]}" --no-hf
