@@ -207,7 +207,7 @@ class ModelRunner:
     @torch.inference_mode()
     def eager_hidden(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """The final hidden states of a step run eagerly, whatever graphs there are (what a replay
-        is timed against: mixed_graph_choice.py)."""
+        is compared and timed against: graph_check.py, mixed_graph_choice.py)."""
         return self._forward(scheduled)[0]
 
     def _forward(
