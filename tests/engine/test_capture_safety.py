@@ -24,7 +24,7 @@ FAMILIES = ["llama", "gemma3", "qwen3_moe", "falcon_h1", "qwen3_next", "lora", "
 
 @pytest.mark.slow(seconds=5)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch, family):
+def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch, caplog, family):
     if device().type != "cpu":
         pytest.skip("a card captures these steps itself (test_cuda_graphs.py, the sweep)")
     kernels_module()
@@ -32,7 +32,7 @@ def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch
 
     monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static")
     monkeypatch.setattr(moe, "GROUPED_ON_CPU", True)  # the device's routing, as a GPU runs it
-    logging.getLogger("prefixkv").setLevel(logging.ERROR)
+    caplog.set_level(logging.ERROR, logger="prefixkv")  # put back after the test
     depth = [0]
     real_run = InterpretedFunction.run
 
