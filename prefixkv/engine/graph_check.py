@@ -7,12 +7,14 @@ to the host, nothing built from host data) and the replays were compared with ea
 H100 and an H200; on any other card, driver or Triton backend this is the check. It costs a few
 eager steps at start-up. Mixed steps are compared where they are timed (mixed_graph_choice.py);
 decode steps here, at batch 1 and at the largest size the pool holds less one (a padding row),
-after a prefill of two blocks a request, so that the decode starts a block: a recurrent layer
-reads the state the prefill left in the block before, which neither run overwrites.
+after a prefill of whole blocks (two, where the buffers' width allows) a request, so that the
+decode starts a block: a recurrent layer reads the state the prefill left in the block before,
+which neither run overwrites.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,8 @@ from .scheduler_output import ScheduledRequest
 if TYPE_CHECKING:
     from .cuda_graphs import StepGraphs
     from .model_runner import ModelRunner
+
+logger = logging.getLogger("prefixkv")
 
 
 def disagreement(eager: torch.Tensor, replayed: torch.Tensor) -> float:
@@ -50,10 +54,10 @@ def compare(
     return None if off <= tolerance(dtype) else f"{what} disagreed with the eager step by {off:.3g}"
 
 
-def decode_batches(sizes: list[int], num_blocks: int) -> list[int]:
-    """The batches a decode check runs: 1, and the largest size whose requests' three blocks each
-    the pool holds, less one where that leaves a padding row (replayed in the size above it)."""
-    fits = [s for s in sizes if 3 * s <= num_blocks]
+def decode_batches(sizes: list[int], num_blocks: int, blocks_per_request: int = 3) -> list[int]:
+    """The batches a decode check runs: 1, and the largest size whose requests' blocks the pool
+    holds, less one where that leaves a padding row (replayed in the size above it)."""
+    fits = [s for s in sizes if blocks_per_request * s <= num_blocks]
     if not fits:
         return []
     top = fits[-1] - 1 if fits[-1] > 2 else fits[-1]
@@ -61,23 +65,30 @@ def decode_batches(sizes: list[int], num_blocks: int) -> list[int]:
 
 
 def check_decode(graphs: StepGraphs, runner: ModelRunner, num_blocks: int, max_tokens: int, dtype: torch.dtype) -> None:
-    """Compare the decode replay with the eager decode step (`decode_batches`); a disagreement, or
-    a check that raises, leaves decode steps eager (`StepGraphs.refuse`)."""
+    """Compare the decode replay with the eager decode step (`decode_batches`), each after a
+    prefill of up to two blocks a request (what the buffers' width allows); a disagreement, or a
+    check that raises, leaves decode steps eager (`StepGraphs.refuse`). Contexts of one block or
+    less cannot start a decode at a block of its own: not checked then, said once."""
     if "decode" in graphs.failed:
         return
     bs = graphs.block_size
+    prefill_blocks = min(2, (graphs.max_context - 1) // bs)
+    if prefill_blocks < 1:
+        logger.info("CUDA graphs: decode steps not compared with eager ones (contexts of one block at most)")
+        return
     groups = len(graphs.group_inputs)
     vocab = runner.config.vocab_size
     gen = torch.Generator().manual_seed(0)
+    length = prefill_blocks * bs
     try:
-        for batch in decode_batches(graphs.sizes, num_blocks):
+        for batch in decode_batches(graphs.sizes, num_blocks, prefill_blocks + 1):
             prompts, decodes = [], []
             for i in range(batch):
-                table = list(range(3 * i, 3 * i + 3))
-                ids = torch.randint(0, vocab, (2 * bs + 1,), generator=gen).tolist()
-                prompts.append(_request(i, ids[:-1], 0, table, groups))
-                decodes.append(_request(i, ids[-1:], 2 * bs, table, groups))
-            per_step = max(1, max_tokens // (2 * bs))
+                table = list(range((prefill_blocks + 1) * i, (prefill_blocks + 1) * (i + 1)))
+                ids = torch.randint(0, vocab, (length + 1,), generator=gen).tolist()
+                prompts.append(synthetic_request(f"graph-check-{i}", ids[:-1], 0, table, groups))
+                decodes.append(synthetic_request(f"graph-check-{i}", ids[-1:], length, table, groups))
+            per_step = max(1, max_tokens // length)
             for first in range(0, batch, per_step):  # the contexts, within the step's token budget
                 runner.eager_hidden(prompts[first : first + per_step])
             wrong = compare(
@@ -95,8 +106,10 @@ def check_decode(graphs: StepGraphs, runner: ModelRunner, num_blocks: int, max_t
         graphs.replays = 0  # served steps only (tests read it)
 
 
-def _request(i: int, ids: list[int], start: int, table: list[int], groups: int) -> ScheduledRequest:
+def synthetic_request(name: str, ids: list[int], start: int, table: list[int], groups: int) -> ScheduledRequest:
+    """A request of a step the engine runs on itself before serving (a check, a timing): `ids` at
+    positions `start`..., in `table`'s blocks, each later KV-cache group's table the same blocks;
+    nothing sampled."""
     return ScheduledRequest(
-        f"graph-check-{i}", ids, start, table, False, SamplingParams(), None, ids, [],
-        group_block_tables=[table] * groups,
-    )  # fmt: skip
+        name, ids, start, table, False, SamplingParams(), None, ids, [], group_block_tables=[table] * groups
+    )

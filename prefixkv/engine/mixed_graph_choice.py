@@ -46,8 +46,7 @@ import torch
 from ..model.config import ModelConfig
 from ..model.kernels import build
 from ..model.kernels.kept_answers import answer_path, keep_answer, read_answer
-from ..sampling_params import SamplingParams
-from .graph_check import compare
+from .graph_check import compare, synthetic_request
 from .scheduler_output import ScheduledRequest
 
 if TYPE_CHECKING:
@@ -160,31 +159,24 @@ class StoredChoice:
 
 
 def timing_step(
-    tokens: int, block_size: int, num_blocks: int, groups: int, vocab: int
+    tokens: int, block_size: int, num_blocks: int, groups: int, vocab: int, max_len: int, max_seqs: int
 ) -> list[ScheduledRequest] | None:
-    """A mixed step to time: one new prompt of `tokens` random ids from position 0, in the pool's
-    first blocks (nothing is cached before the engine serves: what it writes there is overwritten
-    before anyone reads it), each later KV-cache group's table the same blocks; None where the pool
-    holds fewer blocks than the prompt needs."""
-    blocks = -(-tokens // block_size)
-    if blocks > num_blocks:
+    """A mixed step to time: new prompts of `tokens` random ids in all from position 0, each at
+    most `max_len` long (a replayed step's contexts fit the buffers' width) and at most `max_seqs`
+    of them, in the pool's first blocks (nothing is cached before the engine serves: what they write
+    there is overwritten before anyone reads it); None where the pool or the sequences cannot hold
+    the step."""
+    lengths = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+    if len(lengths) > max_seqs or sum(-(-n // block_size) for n in lengths) > num_blocks:
         return None
     ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
-    table = list(range(blocks))
-    return [
-        ScheduledRequest(
-            "mixed-graph-timing",
-            ids,
-            0,
-            table,
-            False,
-            SamplingParams(),
-            None,
-            ids,
-            [],
-            group_block_tables=[table] * groups,
-        )  # fmt: skip
-    ]
+    step, first_id, first_block = [], 0, 0
+    for i, n in enumerate(lengths):
+        blocks = -(-n // block_size)
+        table = list(range(first_block, first_block + blocks))
+        step.append(synthetic_request(f"mixed-graph-timing-{i}", ids[first_id : first_id + n], 0, table, groups))
+        first_id, first_block = first_id + n, first_block + blocks
+    return step
 
 
 def measure(
@@ -264,13 +256,17 @@ def choose(
     config = runner.config
     groups = len(graphs.group_inputs)
     device = graphs.inputs.input_ids.device
+    assert graphs.mixed is not None  # mixed counts were captured
+    max_seqs = graphs.mixed.max_seqs
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     def step_for(tokens: int) -> list[ScheduledRequest] | None:
-        return timing_step(tokens, graphs.block_size, num_blocks, groups, config.vocab_size)
+        return timing_step(
+            tokens, graphs.block_size, num_blocks, groups, config.vocab_size, graphs.max_context, max_seqs
+        )
 
     with stages.stage("mixed-step graphs", f"timing {len(captured)} counts of mixed steps replayed against eager"):
         try:

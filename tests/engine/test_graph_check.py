@@ -21,6 +21,7 @@ from ..model.triton_interpreter import device, kernels_module
 
 def test_the_batches_checked():
     assert decode_batches([1, 2, 4, 8], 64) == [1, 7]  # 7 replays as 8: a padding row
+    assert decode_batches([1, 2, 4, 8], 16, blocks_per_request=2) == [1, 7]
     assert decode_batches([1, 2, 4, 8, 16, 256], 30) == [1, 7]  # the pool holds 3 blocks x 10 requests
     assert decode_batches([1, 2], 64) == [1, 2]
     assert decode_batches([1], 64) == [1]
@@ -66,3 +67,27 @@ def test_a_decode_replay_computing_a_wrong_row_leaves_decode_steps_eager(tmp_pat
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 5)
     assert graphs.replays == 0
+
+
+@pytest.mark.slow(seconds=3)
+@pytest.mark.parametrize("max_model_len, checked", [(12, True), (8, False)])
+def test_short_contexts_are_checked_over_one_block_or_not_at_all(tmp_path, monkeypatch, caplog, max_model_len, checked):
+    """Buffers 16 tokens wide take a one-block prefill and a decode starting the next; 8 wide, a
+    decode cannot start a block of its own after a prefill: not compared, said so (never refused
+    for what the check itself cannot lay out)."""
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    caplog.set_level(logging.INFO, logger="prefixkv")
+    llm = LLM(
+        str(tmp_path), dtype="float32", device=str(device()), num_blocks=64, block_size=8,
+        max_model_len=max_model_len, max_num_seqs=4,
+    )  # fmt: skip
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and not graphs.failed
+    assert ("not compared with eager ones" in caplog.text) is not checked
+    prompt = [5, 17, 99]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 4) and graphs.replays > 0

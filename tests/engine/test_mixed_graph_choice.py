@@ -16,7 +16,17 @@ import torch
 
 from prefixkv import LLM, SamplingParams
 from prefixkv.engine import mixed_graph_choice
-from prefixkv.engine.mixed_graph_choice import ENV, REPS, MixedTiming, StoredChoice, measure, policy, replay_limit
+from prefixkv.engine.graph_check import compare
+from prefixkv.engine.mixed_graph_choice import (
+    ENV,
+    REPS,
+    MixedTiming,
+    StoredChoice,
+    measure,
+    policy,
+    replay_limit,
+    timing_step,
+)
 from prefixkv.model import load_model
 
 from ..conftest import hf_greedy
@@ -104,6 +114,18 @@ def test_a_replay_that_disagrees_with_the_eager_step_ends_the_timing(dtype):
     assert wrong is not None and "the replay of 16 rows (9 tokens) disagreed" in wrong
     nan = measure([8], lambda n: [n], eager, lambda step: torch.full((step[0], 8), float("nan")), lambda: None)
     assert nan[1] is not None
+
+
+def test_a_timing_step_is_prompts_that_fit_the_buffers():
+    step = timing_step(20, 8, 64, 1, 50, max_len=8, max_seqs=4)
+    assert step is not None
+    assert [len(r.token_ids) for r in step] == [8, 8, 4] and [r.start for r in step] == [0, 0, 0]
+    assert [r.block_table for r in step] == [[0], [1], [2]]
+    assert [r.group_block_tables for r in step] == [[[0]], [[1]], [[2]]]
+    assert all(0 <= t < 50 for r in step for t in r.token_ids) and not any(r.sample for r in step)
+    assert timing_step(20, 8, 64, 0, 50, max_len=8, max_seqs=2) is None  # more prompts than sequences
+    assert timing_step(20, 8, 2, 0, 50, max_len=8, max_seqs=4) is None  # more blocks than the pool
+    assert [len(r.token_ids) for r in timing_step(9, 4, 64, 0, 50, max_len=64, max_seqs=4)] == [9]
 
 
 @pytest.fixture
@@ -206,3 +228,27 @@ def test_a_replay_computing_wrong_states_leaves_mixed_steps_eager(tmp_path, meas
     prompt = [5, 17, 99, 3, 42, 7]
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert got[0].outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+
+
+@pytest.mark.slow(seconds=4)
+def test_a_timing_step_past_the_buffers_width_replays_as_several_prompts(tmp_path, measured_static, monkeypatch):
+    """Contexts of at most 16 tokens, mixed steps of up to 64: the larger counts are timed over
+    prompts that each fit the width (a replayed step's contexts must), and such a replay agrees
+    with the eager step."""
+    monkeypatch.setenv(ENV, "all")  # every count captured, none timed: the step is run by hand
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    llm = LLM(
+        str(tmp_path), dtype="float32", device=str(device()), num_blocks=64, block_size=8, max_model_len=12,
+        max_num_seqs=8, max_num_batched_tokens=64,
+    )  # fmt: skip
+    runner = llm.llm_engine.runner
+    graphs = runner.graphs
+    assert graphs is not None and graphs.max_context == 16 and graphs.mixed_sizes[-1] == 64
+    assert not graphs.failed  # the decode check ran over one-block prefills
+    step = timing_step(49, 8, 64, 0, hf.config.vocab_size, graphs.max_context, 8)
+    assert step is not None and [len(r.token_ids) for r in step] == [16, 16, 16, 1]
+    assert graphs.kind(step) == "mixed"
+    wrong = compare(lambda: runner.eager_hidden(step), lambda: graphs.run(step, kind="mixed")[0], torch.float32, "64")
+    assert wrong is None
