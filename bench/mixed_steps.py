@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.decode_graphs import graphs_summary  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
+from prefixkv.progress import show_info_logs  # noqa: E402
 
 VARIANTS: dict[str, dict[str, object]] = {
     "default": {},
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--engines", default="default,full,decode-only", help=", ".join(VARIANTS))
     args = ap.parse_args()
     print(describe(), flush=True)
+    show_info_logs()  # each engine's start-up lines: the mixed steps' timings and choice among them
     decodes = [int(b) for b in args.decodes.split(",")]
     lengths = [int(p) for p in args.prompts.split(",")]
     common = dict(
