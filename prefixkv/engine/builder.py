@@ -94,8 +94,9 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     if mixed_policy != "none":
         mixed_sizes = mixed_capture_sizes(config.max_num_batched_tokens, config.compilation_config)
     if mixed_policy == "measured":  # captured only up to where a replay won before, once measured
+        widths = (config.max_seq_len_to_capture, config.max_model_len)
         stored_choice = mixed_graph_choice.StoredChoice(
-            device, model_config, dtype, bs, config.max_num_seqs, mixed_sizes
+            device, model_config, dtype, bs, config.max_num_seqs, mixed_sizes, widths
         )
         stored_limit = stored_choice.read()
         if stored_limit is not None:

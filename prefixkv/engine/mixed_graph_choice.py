@@ -18,7 +18,8 @@ computed wrongly on this card) leaves every mixed step eager, with a warning, an
 again at the next start rather than kept.
 
 The answer is kept on disk (`kept_answers`), keyed by the card, the torch and Triton versions, the
-model's shape and dtype, the block size, the most sequences a step holds and the counts, so it is
+model's shape and dtype, the block size, the most sequences a step holds, the counts and the
+context widths asked for, so it is
 measured once per card and model shape, and later starts capture only the counts it kept. One log
 line says up to where mixed steps replay and why.
 
@@ -123,7 +124,10 @@ class StoredChoice:
         block_size: int,
         max_seqs: int,
         sizes: Sequence[int],
+        widths: tuple[int, int | None] = (0, None),
     ) -> None:
+        """`widths`: max_seq_len_to_capture and max_model_len as asked (the buffers' width, which a
+        timing step's prompts fit, follows from them)."""
         self.device_name = _device_name(device)
         parts = [
             str(FORMAT_VERSION),
@@ -135,6 +139,7 @@ class StoredChoice:
             str(block_size),
             str(max_seqs),
             ",".join(map(str, sizes)),
+            str(widths),
         ]
         self.path: Path = answer_path("mixed-graph-choice", parts)
 

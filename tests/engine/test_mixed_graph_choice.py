@@ -177,7 +177,7 @@ def test_an_engine_times_its_mixed_steps_keeps_the_answer_and_routes_steps_by_it
 
     # an answer of 16 kept for this engine's shapes: the next start reads it and times nothing
     model_config = load_model(str(folder), dtype=torch.float32, device=device()).config
-    StoredChoice(device(), model_config, torch.float32, 8, 4, [8, 16, 32]).keep(16, [])
+    StoredChoice(device(), model_config, torch.float32, 8, 4, [8, 16, 32], (8192, 48)).keep(16, [])
     caplog.clear()
     llm = LLM(str(folder), **args)
     engine = llm.llm_engine
