@@ -12,16 +12,17 @@ compilation_config names no cudagraph_mode, the engine captures the ladder's cou
 tokens that pad up to it (the replay's worst case: the most padding), and replays mixed steps up
 to the largest count whose replay was at least as fast there and at every smaller count; the
 larger counts' graphs are dropped. The timing stops at the first loss. Each count's replay is
-first compared with the eager step on the same input (graph_check.py): one that disagrees beyond
-rounding (a value the capture baked in, a buffer left unwritten, a kernel only the replay runs
-computed wrongly on this card) leaves every mixed step eager, with a warning, and is checked
-again at the next start rather than kept.
+first compared with the eager step on the same input (graph_check.py), and again at every later
+start: one that disagrees beyond rounding (a value the capture baked in, a buffer left unwritten,
+a kernel only the replay runs computed wrongly on this card) leaves every mixed step eager, with a
+warning, and is not kept.
 
 The answer is kept on disk (`kept_answers`), keyed by the card, the torch and Triton versions, the
 model's shape and dtype, the block size, the most sequences a step holds, the counts and the
 context widths asked for, so it is
-measured once per card and model shape, and later starts capture only the counts it kept. One log
-line says up to where mixed steps replay and why.
+measured once per card and model shape, and later starts capture only the counts it kept (and
+compare each with the eager step, without timing). One log line says up to where mixed steps
+replay and why.
 
 `PREFIXKV_MIXED_GRAPHS=measured|all|none` overrides the policy: `all` replays every captured count
 (as cudagraph_mode FULL does), `none` only decode steps (FULL_DECODE_ONLY), `measured` times them
@@ -191,13 +192,15 @@ def measure(
     replay: Callable[[list[ScheduledRequest]], torch.Tensor],
     sync: Callable[[], None],
     dtype: torch.dtype = torch.float32,
+    timed: bool = True,
 ) -> tuple[list[MixedTiming], str | None]:
     """Each count of `sizes` (ascending) timed at the fewest tokens that pad up to it (at least 2: a
     one-token step is a decode), both paths alternated, each one's fastest of REPS after a warm-up
     run (Triton compiles there); stops after the first count whose replay lost, or where the pool
     cannot hold the step. The warm-up runs' outputs are compared first (graph_check.compare): a
-    replay that disagrees with the eager step ends the timing, and the second value says how
-    (None: every replay timed agreed) - mixed steps must not replay then, whatever the speed."""
+    replay that disagrees with the eager step ends the walk, and the second value says how (None:
+    every replay run agreed) - mixed steps must not replay then, whatever the speed. `timed`
+    False: the comparisons alone, every count (what a start that read its limit from disk runs)."""
     timings: list[MixedTiming] = []
     smaller = 0
     for size in sizes:
@@ -216,6 +219,8 @@ def measure(
         )
         if wrong is not None:
             return timings, wrong
+        if not timed:
+            continue
         runs: dict[str, list[float]] = {"eager": [], "replay": []}
         for _ in range(REPS):
             for name, path in (("eager", eager), ("replay", replay)):
@@ -249,15 +254,16 @@ def choose(
     dtype: torch.dtype,
     stages: Stages,
 ) -> None:
-    """Mixed steps replay up to the count measured before (`limit`, read by `stored`), or up to
-    where their replay times faster than the eager step now (then kept by `stored`); a timing
-    that fails, or a replay that disagrees with the eager step, leaves them eager, said once."""
+    """Mixed steps replay up to the count measured before (`limit`, read by `stored`; each kept
+    count's replay compared with the eager step again), or up to where their replay times faster
+    than the eager step now (then kept by `stored`); a timing that fails, or a replay that
+    disagrees with the eager step, leaves them eager, said once."""
     captured = list(graphs.mixed_sizes)
-    if "mixed" in graphs.failed:  # said when the capture failed
+    if "mixed" in graphs.failed or not captured:  # a failed capture said so; none kept: nothing to run
+        if limit is not None and not captured:
+            logger.info(summary(limit, captured, f"measured before on this {stored.device_name}"))
         return
-    if limit is not None:
-        logger.info(summary(limit, captured, f"measured before on this {stored.device_name}"))
-        return
+    measured_before = limit is not None
     config = runner.config
     groups = len(graphs.group_inputs)
     device = graphs.inputs.input_ids.device
@@ -273,17 +279,22 @@ def choose(
             tokens, graphs.block_size, num_blocks, groups, config.vocab_size, graphs.max_context, max_seqs
         )
 
-    with stages.stage("mixed-step graphs", f"timing {len(captured)} counts of mixed steps replayed against eager"):
+    what = "comparing" if measured_before else "timing"
+    with stages.stage("mixed-step graphs", f"{what} {len(captured)} counts of mixed steps replayed against eager"):
         try:
             timings, wrong = measure(
-                captured, step_for, runner.eager_hidden, lambda step: graphs.run(step, kind="mixed")[0], sync, dtype
-            )
+                captured, step_for, runner.eager_hidden, lambda step: graphs.run(step, kind="mixed")[0], sync, dtype,
+                timed=not measured_before,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 (mixed steps then run eagerly, as before a measurement)
-            timings, wrong = [], f"timing their graphs raised {type(e).__name__}: {e}"
+            timings, wrong = [], f"{what} their graphs raised {type(e).__name__}: {e}"
     graphs.mixed_replays = 0  # the count of served steps that replayed (tests read it)
     if wrong is not None:  # not kept: checked again at the next start
         logger.warning("mixed steps run eagerly: %s", wrong)
         graphs.limit_mixed(0)
+        return
+    if limit is not None:
+        logger.info(summary(limit, captured, f"measured before on this {stored.device_name}, each count checked now"))
         return
     limit = replay_limit(timings)
     graphs.limit_mixed(limit)

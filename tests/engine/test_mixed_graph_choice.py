@@ -183,7 +183,8 @@ def test_an_engine_times_its_mixed_steps_keeps_the_answer_and_routes_steps_by_it
     engine = llm.llm_engine
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.mixed_sizes == [8, 16]
-    assert "measured before" in caplog.text and "timed on this" not in caplog.text
+    assert "measured before on this" in caplog.text and "each count checked now" in caplog.text
+    assert "timed on this" not in caplog.text
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert graphs.mixed_replays > 0  # the 5- and 12-token prompts' steps
@@ -197,16 +198,24 @@ def test_an_engine_times_its_mixed_steps_keeps_the_answer_and_routes_steps_by_it
 
 
 @pytest.mark.slow(seconds=10)
-def test_a_replay_computing_wrong_states_leaves_mixed_steps_eager(tmp_path, measured_static, caplog, monkeypatch):
+@pytest.mark.parametrize("measured_before", [False, True])
+def test_a_replay_computing_wrong_states_leaves_mixed_steps_eager(
+    tmp_path, measured_static, caplog, monkeypatch, measured_before
+):
     """A mixed graph whose forward goes wrong (its first row zeroed: a row the kernel never wrote)
-    is caught by the comparison at start-up: mixed steps run eagerly, with a warning, nothing is
-    kept (checked again next start), and the outputs are transformers'."""
+    is caught by the comparison at start-up, at the first start (before any timing) and at a later
+    one (an answer on disk: each kept count compared again): mixed steps run eagerly, with a
+    warning, nothing new is kept, and the outputs are transformers'."""
     from prefixkv.engine.cuda_graphs import StepGraphs
 
     folder = tmp_path / "model"
     hf = _make("llama")
     hf.save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder)
+    if measured_before:
+        model_config = load_model(str(folder), dtype=torch.float32, device=device()).config
+        StoredChoice(device(), model_config, torch.float32, 8, 4, [8, 16, 32], (8192, 48)).keep(16, [])
+    kept = sorted(p.read_text() for p in measured_static.glob("*.json"))
     real = StepGraphs._forward
 
     def broken(self, kind, size):
@@ -224,10 +233,11 @@ def test_a_replay_computing_wrong_states_leaves_mixed_steps_eager(tmp_path, meas
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and graphs.mixed_sizes == []
     assert "mixed steps run eagerly: the replay of 8 rows (2 tokens) disagreed" in caplog.text
-    assert not measured_static.exists() or not list(measured_static.iterdir())
-    prompt = [5, 17, 99, 3, 42, 7]
+    assert sorted(p.read_text() for p in measured_static.glob("*.json")) == kept  # nothing new kept
+    prompt = [5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12]
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert got[0].outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+    assert graphs.mixed_replays == 0
 
 
 @pytest.mark.slow(seconds=4)
