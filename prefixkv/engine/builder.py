@@ -9,6 +9,7 @@ before the KV budget is divided among them.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +90,8 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     mode = _graph_mode(config, device, loaded)
     sizes = capture_sizes(config.max_num_seqs, config.compilation_config) if mode else []
     mixed_policy = mixed_graph_choice.policy(mode, config.compilation_config)
+    if mode is None and os.environ.get(mixed_graph_choice.ENV, "").strip():
+        logger.info("%s changes nothing here: every step runs eagerly", mixed_graph_choice.ENV)
     mixed_sizes = []
     stored_choice, stored_limit = None, None
     if mixed_policy != "none":

@@ -54,7 +54,7 @@ def compare(
     return None if off <= tolerance(dtype) else f"{what} disagreed with the eager step by {off:.3g}"
 
 
-def decode_batches(sizes: list[int], num_blocks: int, blocks_per_request: int = 3) -> list[int]:
+def decode_batches(sizes: list[int], num_blocks: int, blocks_per_request: int) -> list[int]:
     """The batches a decode check runs: 1, and the largest size whose requests' blocks the pool
     holds, less one where that leaves a padding row (replayed in the size above it)."""
     fits = [s for s in sizes if blocks_per_request * s <= num_blocks]

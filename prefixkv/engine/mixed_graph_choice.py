@@ -32,14 +32,12 @@ interpreter). `PREFIXKV_KERNEL_CHOICE=measure` times again where an answer is on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +46,7 @@ import torch
 from ..model.config import ModelConfig
 from ..model.kernels import build
 from ..model.kernels.kept_answers import answer_path, keep_answer, read_answer
+from ..model.weight_cache import dist_version
 from .graph_check import compare, synthetic_request
 from .scheduler_output import ScheduledRequest
 
@@ -125,7 +124,7 @@ class StoredChoice:
         block_size: int,
         max_seqs: int,
         sizes: Sequence[int],
-        widths: tuple[int, int | None] = (0, None),
+        widths: tuple[int, int | None],
     ) -> None:
         """`widths`: max_seq_len_to_capture and max_model_len as asked (the buffers' width, which a
         timing step's prompts fit, follows from them)."""
@@ -134,7 +133,7 @@ class StoredChoice:
             str(FORMAT_VERSION),
             self.device_name,
             torch.__version__,
-            _version("triton"),
+            dist_version("triton"),
             json.dumps(asdict(config), sort_keys=True, default=str),
             str(dtype),
             str(block_size),
@@ -259,9 +258,10 @@ def choose(
     than the eager step now (then kept by `stored`); a timing that fails, or a replay that
     disagrees with the eager step, leaves them eager, said once."""
     captured = list(graphs.mixed_sizes)
-    if "mixed" in graphs.failed or not captured:  # a failed capture said so; none kept: nothing to run
-        if limit is not None and not captured:
-            logger.info(summary(limit, captured, f"measured before on this {stored.device_name}"))
+    if "mixed" in graphs.failed:  # the failed capture said so
+        return
+    if not captured:  # a kept limit of 0: nothing captured, nothing to compare
+        logger.info(summary(0, captured, f"measured before on this {stored.device_name}"))
         return
     measured_before = limit is not None
     config = runner.config
@@ -308,12 +308,3 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{device.type}: {build.cpu_model()}"
-
-
-def _version(package: str) -> str:
-    if importlib.util.find_spec(package) is None:
-        return ""
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return ""

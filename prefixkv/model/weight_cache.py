@@ -108,7 +108,7 @@ def entry_path(gguf_path: str, dtype: torch.dtype) -> Path:
     import gguf  # the dequantization's own version
 
     parts = [str(st.st_size), str(st.st_mtime_ns), str(dtype), str(FORMAT_VERSION), torch.__version__]
-    parts += [np.__version__, getattr(gguf, "__version__", "") or _dist_version("gguf")]
+    parts += [np.__version__, getattr(gguf, "__version__", "") or dist_version("gguf")]
     for part in parts:
         key.update(part.encode() + b"\0")
     here = Path(__file__).parent
@@ -119,7 +119,9 @@ def entry_path(gguf_path: str, dtype: torch.dtype) -> Path:
     return folder() / f"{model}-{key.hexdigest()[:20]}.pkvw"
 
 
-def _dist_version(name: str) -> str:
+def dist_version(name: str) -> str:
+    """An installed distribution's version ("" where it is not installed): part of the keys of
+    what is kept on disk for a set of versions."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

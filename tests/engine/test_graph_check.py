@@ -20,12 +20,12 @@ from ..model.triton_interpreter import device, kernels_module
 
 
 def test_the_batches_checked():
-    assert decode_batches([1, 2, 4, 8], 64) == [1, 7]  # 7 replays as 8: a padding row
-    assert decode_batches([1, 2, 4, 8], 16, blocks_per_request=2) == [1, 7]
-    assert decode_batches([1, 2, 4, 8, 16, 256], 30) == [1, 7]  # the pool holds 3 blocks x 10 requests
-    assert decode_batches([1, 2], 64) == [1, 2]
-    assert decode_batches([1], 64) == [1]
-    assert decode_batches([1, 2], 2) == []
+    assert decode_batches([1, 2, 4, 8], 64, 3) == [1, 7]  # 7 replays as 8: a padding row
+    assert decode_batches([1, 2, 4, 8], 16, 2) == [1, 7]
+    assert decode_batches([1, 2, 4, 8, 16, 256], 30, 3) == [1, 7]  # the pool holds 3 blocks x 10 requests
+    assert decode_batches([1, 2], 64, 3) == [1, 2]
+    assert decode_batches([1], 64, 3) == [1]
+    assert decode_batches([1, 2], 2, 3) == []
 
 
 def test_compare_within_rounding_and_beyond():

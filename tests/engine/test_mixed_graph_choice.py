@@ -262,3 +262,15 @@ def test_a_timing_step_past_the_buffers_width_replays_as_several_prompts(tmp_pat
     assert graphs.kind(step) == "mixed"
     wrong = compare(lambda: runner.eager_hidden(step), lambda: graphs.run(step, kind="mixed")[0], torch.float32, "64")
     assert wrong is None
+
+
+def test_the_flag_on_an_eager_engine_is_said_to_change_nothing(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(ENV, "all")
+    monkeypatch.delenv("PREFIXKV_CUDA_GRAPHS", raising=False)
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    caplog.set_level(logging.INFO, logger="prefixkv")
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", num_blocks=16, block_size=8, max_model_len=32)
+    assert llm.llm_engine.runner.graphs is None
+    assert f"{ENV} changes nothing here" in caplog.text
