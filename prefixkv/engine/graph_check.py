@@ -40,7 +40,7 @@ def disagreement(eager: torch.Tensor, replayed: torch.Tensor) -> float:
 def tolerance(dtype: torch.dtype) -> float:
     """The disagreement a replay may show: float32 kernels that add in another order differ by a
     few parts in a million; 16-bit ones by up to a few percent over many layers (the default model
-    in bfloat16, Triton's kernels against the CPU's: 1.7e-2). A wrong kernel - rows of another
+    in bfloat16, Triton's kernels against an AMD EPYC Zen 4's: 1.7e-2). A wrong kernel - rows of another
     request, an unwritten buffer, the capture's values - lies far beyond either."""
     return 1e-3 if dtype == torch.float32 else 0.1
 
