@@ -60,7 +60,7 @@ from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from ..model.static_scan import StaticScanInputs
-from .decode_host_inputs import DecodeHostInputs
+from .decode_host_inputs import DecodeHostInputs, HostDecodeStep
 from .mixed_host_inputs import build_mixed
 from .scan_host_inputs import build_scan
 from .scheduler_output import ScheduledRequest
@@ -71,6 +71,9 @@ logger = logging.getLogger("prefixkv")
 MAX_CAPTURE_SIZE = 512  # vLLM's default cap
 ENV = "PREFIXKV_CUDA_GRAPHS"
 MIB = 1 << 20
+# int32 entries a decode step copies in one span at most (256 KiB: 128 rows of 512-block tables);
+# past that, its tables' used columns alone (DecodeLayout)
+SPAN_COPY_MAX = 1 << 16
 
 
 def default_capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -188,22 +191,30 @@ class StepGraphs:
         self.null_slot = null_block * block_size
         self.null_block = null_block
         self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device, recurrent=recurrent)
-        self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot, recurrent)
+        pinned = device.type == "cuda"
+        self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot, recurrent, pinned)
+        # the page-locked inputs are rewritten only once the copy from them is done (a GPU)
+        self._inputs_copied: torch.cuda.Event | None = None
+        self._decode_view: StaticDecodeView | None = None  # the last decode step's
         self.max_context = self.inputs.max_context
         self.metas = {s: static_meta(self.inputs.view(s)) for s in self.sizes}
         # a later KV-cache group's slots and tables, and the mirror its host half keeps
         self.group_inputs: list[StaticDecodeInputs] = []
         self.group_hosts: list[DecodeHostInputs] = []
+        self.group_views: dict[int, list[StaticDecodeView]] = {}  # per size, each group's
         if layer_groups is not None and max(layer_groups, default=0) > 0:
             for _ in range(max(layer_groups)):
                 self.group_inputs.append(
-                    StaticDecodeInputs(self.max_size, max_blocks, block_size, device, seq_lens=self.inputs.seq_lens)
+                    StaticDecodeInputs(self.max_size, max_blocks, block_size, device, lengths_of=self.inputs)
                 )
-                self.group_hosts.append(DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot))
+                self.group_hosts.append(
+                    DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot, pinned=pinned)
+                )
             for size, meta in self.metas.items():
                 meta.layer_groups = layer_groups
-                for g, group in enumerate(self.group_inputs, start=1):
-                    meta.set_layer_group(g, static_meta(group.view(size)))
+                self.group_views[size] = [group.view(size) for group in self.group_inputs]
+                for g, group_view in enumerate(self.group_views[size], start=1):
+                    meta.set_layer_group(g, static_meta(group_view))
         self.mixed_sizes = sorted(set(mixed_sizes))
         self.mixed: StaticMixedInputs | None = None
         self.mixed_metas: dict[int, AttentionMetadata] = {}
@@ -336,26 +347,45 @@ class StepGraphs:
         size = self.size_for(b)
         kind = self._with_adapters("decode", size, None if lora_slots is None else np.asarray(lora_slots))
         every_id_carried = carried is not None and len(carried[0]) == b
-        rows, lens, tables = self.host_inputs.build(scheduled, size, ids_on_device=every_id_carried)
-        buf = self.inputs
-        dev = buf.tokens.device
-        buf.tokens[:, :size].copy_(pinned_for(rows, dev), non_blocking=True)
-        buf.seq_lens[:size].copy_(pinned_for(lens, dev), non_blocking=True)
+        if self._inputs_copied is not None:  # the last step's copy from the host buffers is done
+            self._inputs_copied.synchronize()
+        host = self.host_inputs.build(scheduled, size, ids_on_device=every_id_carried)
+        view = self.metas[size].static
+        assert isinstance(view, StaticDecodeView)
+        self._copy_inputs(self.inputs.flat, self.host_inputs.flat, host, view.block_tables)
         if carried is not None:
             carried_rows, tokens = carried
             if every_id_carried:  # every row (rows strictly increase): a plain copy
-                buf.tokens[0, :b].copy_(tokens)
+                view.input_ids[:b].copy_(tokens)
             else:
-                buf.tokens[0].index_copy_(0, tensor_on(carried_rows, tokens.device, torch.long), tokens)
-        # columns past a row's blocks, and padding rows' tables, are never read (their lengths)
-        buf.block_tables[:b, : tables.shape[1]].copy_(pinned_for(tables, dev), non_blocking=True)
-        for g, (group, host) in enumerate(zip(self.group_inputs, self.group_hosts)):
+                view.input_ids.index_copy_(0, tensor_on(carried_rows, tokens.device, torch.long), tokens)
+        for g, group_host in enumerate(self.group_hosts):
             # (a sliding group's table holds 0 where a block left the window: never read)
-            g_rows, _, g_tables = host.build(scheduled, size, True, [sr.group_block_tables[g] for sr in scheduled])
-            group.slot_mapping[:size].copy_(pinned_for(g_rows[2], dev), non_blocking=True)
-            group.block_tables[:b, : g_tables.shape[1]].copy_(pinned_for(g_tables, dev), non_blocking=True)
+            g_step = group_host.build(scheduled, size, True, [sr.group_block_tables[g] for sr in scheduled])
+            g_view = self.group_views[size][g]
+            g_view.slot_mapping.copy_(g_step.rows[2], non_blocking=True)
+            g_tables = pinned_for(g_step.tables.contiguous(), g_view.block_tables.device)
+            g_view.block_tables[:b, : g_tables.shape[1]].copy_(g_tables, non_blocking=True)
+        if view.input_ids.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._inputs_copied.record()
+        self._decode_view = view
         self.replays += 1
         return self._replay(kind, size)[:b]
+
+    @staticmethod
+    def _copy_inputs(flat: torch.Tensor, host_flat: torch.Tensor, host: HostDecodeStep, tables: torch.Tensor) -> None:
+        """A step's inputs from the host's flat buffer into the device's: its whole span in one copy
+        while that is small; past SPAN_COPY_MAX entries (many rows of wide tables) the header, then
+        the rows' used table columns."""
+        lo, hi = host.span
+        b, width = host.tables.shape
+        if hi - lo <= SPAN_COPY_MAX:
+            flat[lo:hi].copy_(host_flat[lo:hi], non_blocking=True)
+            return
+        top = hi - b * tables.shape[1]  # where the tables start
+        flat[lo:top].copy_(host_flat[lo:top], non_blocking=True)
+        tables[:b, :width].copy_(pinned_for(host.tables.contiguous(), flat.device), non_blocking=True)
 
     def _run_mixed(
         self,
@@ -421,7 +451,8 @@ class StepGraphs:
         """The KV slots of the last step's first `rows` rows (a step of `kind`), as the buffers hold
         them until the next step is copied in."""
         if kind == "decode":
-            return self.inputs.slot_mapping[:rows]
+            assert self._decode_view is not None
+            return self._decode_view.slot_mapping[:rows]
         assert self.mixed is not None
         return self.mixed.tokens[2, :rows]
 
@@ -457,16 +488,6 @@ class StepGraphs:
         reuse the larger one's memory), after two eager runs of each (Triton compiles, the
         allocator settles). Buffers hold padding rows only: nothing real is written or read."""
         self.model.reserve_positions(max(self.max_model_len, self.max_context))
-        buf = self.inputs
-        buf.slot_mapping.fill_(self.null_slot)
-        buf.seq_lens.zero_()
-        buf.input_ids.zero_()
-        buf.positions.zero_()
-        for group in self.group_inputs:
-            group.slot_mapping.fill_(self.null_slot)
-        if buf.state_blocks is not None:  # padding rows: read block 0 (none: no previous state), write the null block
-            buf.state_blocks[0].zero_()
-            buf.state_blocks[1].fill_(self.null_slot // self.block_size)
         if self.lora is not None:
             self.row_slots.fill_(-1)
         work = [("decode", s) for s in self.sizes]
@@ -486,9 +507,10 @@ class StepGraphs:
         work += list(self.lora_maps)
         if self.mode != "capture":
             for kind, size in work:
+                self._pad(kind, size)
                 self._forward(kind, size)
             return
-        device = buf.input_ids.device
+        device = self.inputs.device
         start = time.perf_counter()
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
@@ -499,6 +521,7 @@ class StepGraphs:
             if kind in self.failed:
                 continue
             try:
+                self._pad(kind, size)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):
@@ -518,6 +541,17 @@ class StepGraphs:
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.capture_seconds = time.perf_counter() - start
         logger.info("CUDA graphs captured: %s", self.summary())
+
+    def _pad(self, kind: str, size: int) -> None:
+        """A decode size's rows all padding before its capture (the sizes' headers overlap: each
+        size's is written just before its own runs); the mixed buffers were padded once."""
+        if not kind.startswith("decode"):
+            return
+        view = self.metas[size].static
+        assert isinstance(view, StaticDecodeView)
+        view.pad(self.null_slot)
+        for group_view in self.group_views.get(size, []):
+            group_view.pad(self.null_slot)
 
     def refuse(self, kind: str, why: str) -> None:
         """A kind of step ("decode", "mixed", each with "-lora") that could not be captured, or

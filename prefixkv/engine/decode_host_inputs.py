@@ -1,6 +1,7 @@
 """The host's half of a replayed decode step (cuda_graphs.py): each row's input id, position,
 slot and length, and the block tables, built in NumPy from a block-table mirror that lives from step
-to step.
+to step, in one flat buffer laid out as the device's (model/static_decode.DecodeLayout): a step's
+inputs go to the device in one copy from memory kept from step to step.
 
 A decoding request keeps its block table for `block_size` steps: the scheduler hands the same list
 on until a block is added (Scheduler.schedule_ahead), so a row is rewritten only when its list is a
@@ -16,28 +17,65 @@ its new state goes to (its slot's; the null block for padding).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..model.static_decode import DecodeLayout
 from .scheduler_output import ScheduledRequest
 
 
+@dataclass(slots=True)
+class HostDecodeStep:
+    """A step's host inputs, views of DecodeHostInputs.flat: `rows` [3 or 5, size] int64, `lens`
+    [size] int32, `tables` [requests, width] int32 (row stride: the buffers' width), and `span`, the
+    flat entries the step reads (DecodeLayout.span)."""
+
+    rows: torch.Tensor
+    lens: torch.Tensor
+    tables: torch.Tensor
+    span: tuple[int, int]
+
+
 class DecodeHostInputs:
-    """Block tables of up to `max_batch` rows of up to `max_blocks` blocks, row i as the table last
-    written there; `build` makes a step's host tensors from it."""
+    """A replayed decode step's inputs, written into one flat int32 buffer laid out by DecodeLayout
+    (page-locked where `pinned`: copied from in stream order, kept from step to step), whose block
+    tables are the mirror: row i holds the table last written there. `build` fills a step's header
+    and the rows whose table changed."""
 
     def __init__(
-        self, max_batch: int, max_blocks: int, block_size: int, null_slot: int, recurrent: bool = False
+        self,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        null_slot: int,
+        recurrent: bool = False,
+        pinned: bool = False,
     ) -> None:
+        """`pinned`: page-locked memory (a GPU's copies read it without staging; the caller makes
+        sure a copy from it has been done before the next `build` rewrites it)."""
         self.block_size, self.null_slot = block_size, null_slot
         self.recurrent = recurrent
-        self.tables = np.zeros((max_batch, max_blocks), dtype=np.int32)
+        self.layout = DecodeLayout(max_batch, max_blocks, recurrent)
+        self.flat = torch.zeros(self.layout.length, dtype=torch.int32, pin_memory=pinned)
+        flat_np = self.flat.numpy()
+        at = self.layout.tables_at
+        self.tables = flat_np[at:].reshape(max_batch, max_blocks)  # the mirror, in place
         self.num_blocks = np.zeros(max_batch, dtype=np.int64)  # how much of each row is its table
-        self._flat_tables = self.tables.reshape(-1)  # the same memory, indexed by row start + block
+        self._flat_tables = flat_np[at:]  # the same memory, indexed by row start + block
         self._row_starts = np.arange(max_batch, dtype=np.int64) * max_blocks
         # the list each row was written from, held so that its identity stays unique
         self._written: list[list[int] | None] = [None] * max_batch
+        # per size: its rows and lengths as tensors and as NumPy arrays (the same memory)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
+
+    def _size_views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+        views = self._views.get(size)
+        if views is None:
+            rows, lens, _ = self.layout.views(self.flat, size)
+            views = self._views[size] = (rows, lens, rows.numpy(), lens.numpy())
+        return views
 
     def build(
         self,
@@ -45,14 +83,14 @@ class DecodeHostInputs:
         size: int,
         ids_on_device: bool,
         row_tables: Sequence[list[int]] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> HostDecodeStep:
         """For a step of `len(scheduled)` one-token rows padded to `size`: ids, positions and slots
-        [3, size] int64 (padding rows: token 0 at position 0 in the null slot; ids left 0 when
-        `ids_on_device`: every row's comes from the previous step's draws; `recurrent`: [5, size],
-        the state's read and written blocks after them), lengths [size] int32
-        (0 for padding), and the block tables [rows, width] int32, width the longest row's blocks.
-        `row_tables`: each row's table, where not its `block_table` (a later KV-cache group's).
-        Raises where a position lies past its row's table (the scheduler gives every token a slot)."""
+        (padding rows: token 0 at position 0 in the null slot; ids left 0 when `ids_on_device`:
+        every row's comes from the previous step's draws; `recurrent`: the state's read and
+        written blocks after them), lengths (0 for padding), and the block tables [rows, width],
+        width the longest row's blocks. `row_tables`: each row's table, where not its `block_table`
+        (a later KV-cache group's). Raises where a position lies past its row's table (the
+        scheduler gives every token a slot)."""
         b = len(scheduled)
         bs = self.block_size
         tables, num_blocks, written = self.tables, self.num_blocks, self._written
@@ -72,22 +110,28 @@ class DecodeHostInputs:
             raise IndexError(
                 f"request {scheduled[row].req_id}: position {starts[row]} lies past its {int(num_blocks[row])} blocks"
             )
+        rows_t, lens_t, rows, lens = self._size_views(size)
         # few NumPy calls: each costs about a microsecond whatever its size, all a batch of one pays
-        rows = np.zeros((5 if self.recurrent else 3, size), dtype=np.int64)
-        if not ids_on_device:
+        if ids_on_device:
+            rows[0] = 0
+        else:
             rows[0, :b] = [sr.token_ids[0] for sr in scheduled]
+            rows[0, b:] = 0
         rows[1, :b] = positions
+        rows[1, b:] = 0
         flat, row_starts = self._flat_tables, self._row_starts[:b]
         blocks = flat.take(row_starts + block_index)
         rows[2, :b] = blocks * bs + positions % bs
         rows[2, b:] = self.null_slot
         if self.recurrent:
             rows[3, :b] = flat.take(row_starts + np.maximum(positions - 1, 0) // bs)
+            rows[3, b:] = 0
             rows[4, :b] = blocks
             rows[4, b:] = self.null_slot // bs
-        lens = np.zeros(size, dtype=np.int32)
         lens[:b] = positions + 1
+        lens[b:] = 0
         width = max(starts) // bs + 1 if b else 0
         # a padding column is never read: each row's length says how far its table goes
-        step_tables = np.ascontiguousarray(tables[:b, :width])
-        return torch.from_numpy(rows), torch.from_numpy(lens), torch.from_numpy(step_tables)
+        at = self.layout.tables_at
+        step_tables = self.flat[at : at + b * width_cap].view(b, width_cap)[:, :width]
+        return HostDecodeStep(rows_t, lens_t, step_tables, self.layout.span(size, b))

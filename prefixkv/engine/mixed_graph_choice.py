@@ -266,7 +266,7 @@ def choose(
     measured_before = limit is not None
     config = runner.config
     groups = len(graphs.group_inputs)
-    device = graphs.inputs.input_ids.device
+    device = graphs.inputs.device
     assert graphs.mixed is not None  # mixed counts were captured
     max_seqs = graphs.mixed.max_seqs
 

@@ -26,14 +26,16 @@ class PendingOutput:
     # before sampling); a row that was not is sampled from zeros and its token dropped here
     finite: torch.Tensor | None = None
     _finite_host: HostCopies | None = None
+    _finite_in_tokens: bool = False  # the copied tokens are -1 where a row was not finite
     _result: ModelRunnerOutput | None = None
 
     def start_reading(self) -> None:
         """Start copying the draws and row checks to the host, in stream order, before a later step
         is launched: `result()` then waits for this step alone (host_copy.HostCopies)."""
-        if isinstance(self.sampled, SampledTensors):
-            self.sampled.start_reading()
-        if self.finite is not None:
+        if isinstance(self.sampled, SampledTensors):  # one copy for the draws and the row checks
+            self.sampled.start_reading(self.finite)
+            self._finite_in_tokens = self.finite is not None
+        elif self.finite is not None:
             self._finite_host = HostCopies([self.finite])
 
     def tokens_of(self, req_ids: list[str], device: torch.device) -> torch.Tensor:
@@ -61,7 +63,9 @@ class PendingOutput:
         if sampled is not None:
             got = sampled.result() if isinstance(sampled, SampledTensors) else sampled
             keep = None
-            if self.finite is not None:
+            if self._finite_in_tokens:
+                keep = [t >= 0 for t in got.token_ids]
+            elif self.finite is not None:
                 finite = self._finite_host.wait()[0] if self._finite_host is not None else self.finite
                 keep = finite.tolist()
             if keep is not None and not all(keep):

@@ -39,10 +39,11 @@ class SampledTensors:
 
     host: HostCopies | None = None  # their copies on the way to the host (start_reading)
 
-    def start_reading(self) -> None:
+    def start_reading(self, finite: torch.Tensor | None = None) -> None:
         """Copy the draws to the host now, in stream order: `result()` then waits for this step's
-        sampling alone, not for a step launched after it."""
-        tensors = [self.tokens]
+        sampling alone, not for a step launched after it. `finite` [B] (whether each row's logits
+        were): its rows' tokens read as -1, in the same copy."""
+        tensors = [self.tokens if finite is None else torch.where(finite, self.tokens, -1)]
         if self.chosen is not None and self.ranks is not None and self.tops is not None:
             tensors += [self.chosen, self.ranks]
             for _, vals, idx in self.tops:

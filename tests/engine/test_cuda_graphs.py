@@ -371,6 +371,69 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
         assert kernels == {**fused, f"{kind.replace('mixed', 'prefill')}_kernel": n}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_replayed_decode_steps_inputs_reach_the_buffers_in_one_copy(tmp_path, static_graphs, async_scheduling):
+    """A decode step's ids, positions, slots, lengths and block tables go to the device in one copy
+    from the host's flat buffer (DecodeLayout), whatever its batch: on a GPU every operator outside
+    the graph is host time a step. Under async scheduling the ids drawn by the previous step add one
+    copy on the device. Counted on a CPU, the forward left out."""
+    if device().type != "cpu":
+        pytest.skip("counted under Triton's interpreter")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    llm = LLM(
+        str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+        async_scheduling=async_scheduling, compilation_config={"cudagraph_capture_sizes": [1, 4]},
+    )  # fmt: skip
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None
+    depth = [0]
+    real_run, real_forward = graphs.run, graphs._forward
+    counted: list[collections.Counter[str]] = []
+
+    def forward(kind, size):  # type: ignore[no-untyped-def]
+        depth[0] += 1
+        try:
+            return real_forward(kind, size)
+        finally:
+            depth[0] -= 1
+
+    def run(scheduled, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with _Launches(depth) as launches:
+            out = real_run(scheduled, *args, **kwargs)
+        if graphs.kind(scheduled) == "decode":
+            counted.append(launches.ops.copy())
+        return out
+
+    graphs._forward, graphs.run = forward, run
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)  # batch 1
+    llm.generate([[5, 6, 7], [8, 9], [1, 2, 3, 4]], params, use_tqdm=False)  # 3 rows padded to 4
+    assert len(counted) == 6
+    assert all(ops == {"copy_": 2 if async_scheduling else 1} for ops in counted), counted
+
+
+def test_a_decode_step_past_the_span_limit_copies_its_tables_apart(tmp_path, static_graphs, monkeypatch):
+    """Past SPAN_COPY_MAX entries (many rows of wide tables) a step copies its header, then only
+    its tables' used columns: the same tokens as eager steps, rows growing into a second block."""
+    from prefixkv.engine import cuda_graphs
+
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    monkeypatch.setattr(cuda_graphs, "SPAN_COPY_MAX", 1)
+    base = dict(dtype="float32", device=str(device()), max_model_len=64, max_num_seqs=4, block_size=8)
+    llm = LLM(str(tmp_path), **base, compilation_config={"cudagraph_capture_sizes": [1, 4]})
+    eager = LLM(str(tmp_path), **base, enforce_eager=True)
+    prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got, want = (e.generate(prompts, params, use_tqdm=False) for e in (llm, eager))
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.replays > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 @pytest.mark.slow(seconds=8)
 def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_path, static_graphs):
     """Steps over the fixed buffers (cudagraph_mode FULL: the prompt's too) hand their final hidden

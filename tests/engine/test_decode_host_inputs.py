@@ -33,13 +33,21 @@ def reference(scheduled: list[ScheduledRequest], size: int, ids_on_device: bool)
 
 
 def check(host: DecodeHostInputs, scheduled: list[ScheduledRequest], size: int, ids_on_device: bool) -> None:
-    rows, lens, tables = host.build(scheduled, size, ids_on_device)
+    step = host.build(scheduled, size, ids_on_device)
+    rows, lens, tables = step.rows, step.lens, step.tables
     ids, positions, slots, want_lens, width, want_tables = reference(scheduled, size, ids_on_device)
     assert rows.dtype == torch.long and lens.dtype == torch.int32 and tables.dtype == torch.int32
     assert rows.tolist() == [ids, positions, slots] and lens.tolist() == want_lens
-    assert tables.shape == (len(scheduled), width) and tables.is_contiguous()
+    assert tables.shape == (len(scheduled), width)
     for row, want in zip(tables.tolist(), want_tables):  # past a row's blocks: never read
         assert row[: len(want)] == want
+    # the span holds the step whole, laid out as the device reads it
+    lo, hi = step.span
+    copied = torch.zeros_like(host.flat)
+    copied[lo:hi] = host.flat[lo:hi]
+    d_rows, d_lens, d_tables = host.layout.views(copied, size)
+    assert d_rows.tolist() == rows.tolist() and d_lens.tolist() == lens.tolist()
+    assert d_tables[: len(scheduled), :width].tolist() == tables.tolist()
 
 
 def test_steps_equal_the_row_by_row_build():
@@ -73,9 +81,9 @@ def test_a_row_is_rewritten_only_when_its_table_is_a_new_list():
     table = [5, 6]
     host.build([decode("a", 4, table)], 1, False)
     host.tables[0, 0] = 99  # the mirror is not read back from the list while the list is the same
-    rows, _, _ = host.build([decode("a", 0, table)], 1, False)
+    rows = host.build([decode("a", 0, table)], 1, False).rows
     assert rows[2, 0] == 99 * BS
-    rows, _, _ = host.build([decode("a", 0, [5, 6])], 1, False)  # an equal but new list: rewritten
+    rows = host.build([decode("a", 0, [5, 6])], 1, False).rows  # an equal but new list: rewritten
     assert rows[2, 0] == 5 * BS
 
 
@@ -87,9 +95,9 @@ def test_a_position_past_its_table_is_refused_by_name():
 
 def test_blocks_past_the_buffers_width_are_left_out():
     host = DecodeHostInputs(max_batch=2, max_blocks=2, block_size=BS, null_slot=NULL_SLOT)
-    rows, lens, tables = host.build([decode("a", 5, [3, 4, 9])], 2, False)
-    assert rows[2].tolist() == [4 * BS + 1, NULL_SLOT] and lens.tolist() == [6, 0]
-    assert tables.tolist() == [[3, 4]] and np.array_equal(host.num_blocks[:1], [2])
+    step = host.build([decode("a", 5, [3, 4, 9])], 2, False)
+    assert step.rows[2].tolist() == [4 * BS + 1, NULL_SLOT] and step.lens.tolist() == [6, 0]
+    assert step.tables.tolist() == [[3, 4]] and np.array_equal(host.num_blocks[:1], [2])
 
 
 def test_a_recurrent_models_rows_name_the_state_blocks():
@@ -99,11 +107,12 @@ def test_a_recurrent_models_rows_name_the_state_blocks():
     without."""
     host = DecodeHostInputs(max_batch=4, max_blocks=4, block_size=BS, null_slot=NULL_SLOT, recurrent=True)
     scheduled = [decode("a", 5, [3, 6]), decode("b", 4, [2, 9]), decode("c", 0, [5])]
-    rows, lens, _ = host.build(scheduled, 4, False)
+    step = host.build(scheduled, 4, False)
+    rows, lens = step.rows, step.lens
     assert tuple(rows.shape) == (5, 4)
     r = rows.numpy()
     np.testing.assert_array_equal(r[3, :3], [6, 2, 5])
     np.testing.assert_array_equal(r[4], [6, 9, 5, NULL_SLOT // BS])
     plain = DecodeHostInputs(max_batch=4, max_blocks=4, block_size=BS, null_slot=NULL_SLOT)
-    assert plain.build(scheduled, 4, False)[0].tolist() == rows[:3].tolist()
+    assert plain.build(scheduled, 4, False).rows.tolist() == rows[:3].tolist()
     assert lens.tolist() == [6, 5, 1, 0]

@@ -68,7 +68,7 @@ def test_recurrent_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch,
     # the first prompt alone: the others continue from its cached state
     engine = replay_against_eager(tmp_path, [prompts[:1], prompts[1:]], expected, kwargs).llm_engine
     graphs = engine.runner.graphs
-    assert graphs is not None and graphs.replays > 0 and graphs.inputs.state_blocks is not None
+    assert graphs is not None and graphs.replays > 0 and graphs.inputs.recurrent
     assert engine.prefix_cache_stats.hits > 0
 
 
