@@ -25,9 +25,10 @@ one more round under cProfile, N rows.
 
 `--gpu-path` measures a GPU's host work on a CPU: decode steps through the fixed buffers a CUDA
 graph replays (PREFIXKV_CUDA_GRAPHS=static under Triton's interpreter), their forward stubbed (a
-replay costs the host one launch) and async scheduling on, as a GPU runs them by default. The
-LM head's product, which a GPU runs on the device, is timed apart ("logits") and left out of the
-host's total.
+replay costs the host one launch; a decode graph's LM head, row checks and argmax with it) and
+async scheduling on, as a GPU runs them by default. An LM head run outside a graph (a step whose
+logits the graph does not compute), which a GPU runs on the device, is timed apart ("logits") and
+left out of the host's total.
 
 `--against TREE --pairs N` compares this tree's host work with another checkout's (a git worktree
 at an earlier commit): N pairs of runs, the two trees alternated (a noisy machine drifts between
@@ -258,8 +259,17 @@ def main() -> None:
         if args.gpu_path:
             graphs = engine.runner.graphs
             assert graphs is not None, "no static buffers: is Triton installed?"
-            stub = torch.zeros(max([*batches, *graphs.mixed_sizes]), engine.model_config.hidden_size)
-            graphs._forward = lambda kind, size: stub[:size]  # a replay: one launch, nothing for the host
+            rows = max([*batches, *graphs.mixed_sizes])
+            stub = torch.zeros(rows, engine.model_config.hidden_size)
+            # what a decode graph's tail leaves (cuda_graphs.DecodeTail): finite rows, token 0
+            tail = (torch.ones(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.long))
+
+            def replay(kind: str, size: int) -> torch.Tensor:  # one launch, nothing for the host
+                if kind.startswith("decode") and size <= graphs.tail_rows:
+                    graphs._tails[kind, size] = (tail[0][:size], tail[1][:size], tail[1][:size])
+                return stub[:size]
+
+            graphs._forward = replay
             timed(engine.scheduler, "schedule_ahead", "schedule", acc)
             timed(engine.runner.model, "compute_logits", "logits", acc)
         timed(engine.scheduler, "schedule", "schedule", acc)

@@ -48,6 +48,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,6 +63,7 @@ from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from ..model.static_scan import StaticScanInputs
 from .decode_host_inputs import DecodeHostInputs, HostDecodeStep
 from .mixed_host_inputs import build_mixed
+from .sampler import mark_unfinished, rows_finite
 from .scan_host_inputs import build_scan
 from .scheduler_output import ScheduledRequest
 from .static_image_rows import StaticImageRows
@@ -74,6 +76,22 @@ MIB = 1 << 20
 # int32 entries a decode step copies in one span at most (256 KiB: 128 rows of 512-block tables);
 # past that, its tables' used columns alone (DecodeLayout)
 SPAN_COPY_MAX = 1 << 16
+# Decode graphs of at most this much float32 logits (one buffer, shared by every size) also run the
+# LM head and a greedy step's tail (DecodeTail): a greedy decode step then launches nothing outside
+# its graph but its copies. 32 MiB: 170 rows of a 49,152-token vocabulary, 64 of a 128,256 one.
+TAIL_LOGITS_BYTES = 32 * MIB
+
+
+@dataclass(slots=True)
+class DecodeTail:
+    """A replayed decode step's first `rows` rows past the final hidden states, computed in its
+    graph: float32 `logits` [rows, vocab] (a view of the shared buffer, overwritten by the next
+    step), whether each row is finite, its argmax, and that argmax marked (sampler.mark_unfinished)."""
+
+    logits: torch.Tensor
+    finite: torch.Tensor
+    tokens: torch.Tensor
+    marked: torch.Tensor
 
 
 def default_capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -262,6 +280,11 @@ class StepGraphs:
         self.mixed_replays = 0  # mixed steps that did
         self.lora_replays = 0  # steps of either kind with an adapter's rows
         self.failed: set[str] = set()  # kinds whose capture failed: they run eagerly
+        # decode sizes up to `tail_rows` compute their DecodeTail in the graph, logits into `logits`
+        self.tail_rows = 0
+        self.logits: torch.Tensor | None = None
+        self._tails: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._last: tuple[str, int] | None = None  # the last replayed (kind, size)
 
     # -- a step ------------------------------------------------------------------------------------
     def kind(self, scheduled: list[ScheduledRequest]) -> str | None:
@@ -456,13 +479,24 @@ class StepGraphs:
         assert self.mixed is not None
         return self.mixed.tokens[2, :rows]
 
+    def decode_tail(self, rows: int) -> DecodeTail | None:
+        """The last step's DecodeTail, its first `rows` rows, where it was a decode computing one."""
+        last = self._last
+        tail = self._tails.get(last) if last is not None and last[0].startswith("decode") else None
+        if tail is None or self.logits is None:
+            return None
+        finite, tokens, marked = tail
+        return DecodeTail(self.logits[:rows], finite[:rows], tokens[:rows], marked[:rows])
+
     def _replay(self, kind: str, size: int) -> torch.Tensor:
+        self._last = (kind, size)
         graph = self.graphs.get((kind, size))
         if graph is not None:
             graph.replay()
             return self.outputs[kind, size]
         return self._forward(kind, size)
 
+    @torch.inference_mode()
     def _forward(self, kind: str, size: int) -> torch.Tensor:
         """One forward over the buffers of `kind` ("decode", "mixed", each with "-lora") and size."""
         meta = self.metas[size] if kind.startswith("decode") else self.mixed_metas[size]
@@ -479,7 +513,24 @@ class StepGraphs:
         hidden: torch.Tensor = self.model(
             view.input_ids, view.positions, self.kv_caches, meta, lora_mapping=lora, **extra
         )
+        if self.logits is not None and kind.startswith("decode") and size <= self.tail_rows:
+            logits = self.logits[:size]
+            logits.copy_(self.model.compute_logits(hidden))
+            finite = rows_finite(logits)
+            tokens = logits.argmax(dim=-1)
+            self._tails[kind, size] = (finite, tokens, mark_unfinished(tokens, finite))
         return hidden
+
+    def _allocate_logits(self) -> None:
+        """The shared logits buffer of the decode sizes whose step computes its tail in the graph
+        (TAIL_LOGITS_BYTES), its width the LM head's."""
+        device = self.inputs.device
+        probe = torch.zeros(1, self.model.config.hidden_size, dtype=self.model.dtype, device=device)
+        vocab = self.model.compute_logits(probe).shape[-1]
+        fitting = [s for s in self.sizes if s * vocab * 4 <= TAIL_LOGITS_BYTES]
+        self.tail_rows = fitting[-1] if fitting else 0
+        if self.tail_rows:
+            self.logits = torch.zeros(self.tail_rows, vocab, dtype=torch.float32, device=device)
 
     # -- capture -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -506,6 +557,7 @@ class StepGraphs:
             work += [("mixed", s) for s in self.mixed_sizes]
         work += list(self.lora_maps)
         if self.mode != "capture":
+            self._allocate_logits()
             for kind, size in work:
                 self._pad(kind, size)
                 self._forward(kind, size)
@@ -514,6 +566,7 @@ class StepGraphs:
         start = time.perf_counter()
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
+        self._allocate_logits()  # counted with the graphs' memory
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         # the most rows first: a pool's later graphs fit in what the first one's freed
@@ -560,6 +613,8 @@ class StepGraphs:
         self.failed.add(kind)
         for key in [key for key in self.graphs if key[0] == kind]:
             del self.graphs[key], self.outputs[key]
+        for key in [key for key in self._tails if key[0] == kind]:
+            del self._tails[key]
         logger.warning("CUDA graphs: %s steps run eagerly: %s", kind, why)
 
     def limit_mixed(self, max_tokens: int) -> None:

@@ -6,7 +6,8 @@ What a capture records is checked on a CPU (tests/engine/test_capture_safety.py:
 to the host, nothing built from host data) and the replays were compared with eager steps on an
 H100 and an H200; on any other card, driver or Triton backend this is the check. It costs a few
 eager steps at start-up. Mixed steps are compared where they are timed (mixed_graph_choice.py);
-decode steps here, at batch 1 and at the largest size the pool holds less one (a padding row),
+decode steps here (and the logits their graphs compute, cuda_graphs.DecodeTail), at batch 1 and
+at the largest size the pool holds less one (a padding row),
 after a prefill of whole blocks (two, where the buffers' width allows) a request, so that the
 decode starts a block: a recurrent layer reads the state the prefill left in the block before,
 which neither run overwrites.
@@ -97,6 +98,14 @@ def check_decode(graphs: StepGraphs, runner: ModelRunner, num_blocks: int, max_t
                 dtype,
                 f"the replay of {graphs.size_for(batch)} rows ({batch} decodes)",
             )
+            tail = graphs.decode_tail(batch)
+            if wrong is None and tail is not None:  # the LM head in the graph against the same head run eagerly
+                wrong = compare(
+                    lambda: runner.model.compute_logits(graphs.run(decodes, kind="decode")[0]).float(),  # noqa: B023
+                    lambda: graphs.decode_tail(batch).logits,  # type: ignore[union-attr]  # noqa: B023
+                    dtype,
+                    f"the logits of the replay of {graphs.size_for(batch)} rows",
+                )
             if wrong is not None:
                 graphs.refuse("decode", wrong)
                 return

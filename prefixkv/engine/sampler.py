@@ -17,6 +17,25 @@ if TYPE_CHECKING:
     from ..constraints.token_constraints import RequestConstraints
 
 
+def rows_finite(logits: torch.Tensor) -> torch.Tensor:
+    """[B] whether each row of `logits` [B, vocab] is finite: a row sums to a finite number iff every
+    logit in it is (real logits are far from overflowing a float32 sum); one pass, ~6x cheaper than
+    isfinite() over the whole matrix."""
+    return torch.isfinite(logits.sum(dim=-1))
+
+
+def mark_unfinished(tokens: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """`tokens` with -1 in the rows whose logits were not finite: what the host reads back, one
+    copy for both."""
+    return torch.where(finite, tokens, -1)
+
+
+def plain_greedy(params: list[SamplingParams]) -> bool:
+    """Whether a batch's tokens are its logits' argmax and nothing else is asked of them (no
+    penalties, no logprobs; the caller knows of constraints and blocked EOS)."""
+    return all(p.greedy and not p.penalized and p.logprobs is None for p in params)
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
@@ -38,12 +57,16 @@ class SampledTensors:
     tops: list[tuple[list[int], torch.Tensor, torch.Tensor]] | None = None
 
     host: HostCopies | None = None  # their copies on the way to the host (start_reading)
+    marked: torch.Tensor | None = None  # mark_unfinished(tokens, finite), where made already
 
     def start_reading(self, finite: torch.Tensor | None = None) -> None:
         """Copy the draws to the host now, in stream order: `result()` then waits for this step's
         sampling alone, not for a step launched after it. `finite` [B] (whether each row's logits
         were): its rows' tokens read as -1, in the same copy."""
-        tensors = [self.tokens if finite is None else torch.where(finite, self.tokens, -1)]
+        if finite is None:
+            tensors = [self.tokens]
+        else:
+            tensors = [self.marked if self.marked is not None else mark_unfinished(self.tokens, finite)]
         if self.chosen is not None and self.ranks is not None and self.tops is not None:
             tensors += [self.chosen, self.ranks]
             for _, vals, idx in self.tops:

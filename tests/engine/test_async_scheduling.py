@@ -275,6 +275,48 @@ def test_the_decode_buffers_take_the_carried_tokens(tmp_path, monkeypatch):
     _all_free(llm)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_non_finite_row_of_a_replayed_decode_fails_alone(tmp_path, monkeypatch, async_scheduling, temperature):
+    """The same over the decode graphs' buffers, whose graph runs the LM head, the row checks and
+    the argmax (cuda_graphs.DecodeTail): a row of NaN logits fails its request, the others' tokens
+    are those of a run without it - greedy ones the graph's argmax, seeded draws from its logits."""
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    prompts = _prompts(6, 3)
+    config = dict(BASE, device=str(device()), compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=8, ignore_eos=True)
+    want = _outputs(LLM(str(tmp_path), **config), prompts[1:], params)
+    llm = LLM(str(tmp_path), **config, async_scheduling=async_scheduling)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.tail_rows == 4
+    model = llm.llm_engine.runner.model
+    compute_logits = model.compute_logits
+    broken = {"steps": 0}
+
+    def broken_first_row(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        if len(logits) == 4 and broken["steps"] == 0 and graphs.replays:  # a replayed decode of the three
+            broken["steps"] += 1
+            logits = logits.clone()
+            logits[0] = float("nan")
+        return logits
+
+    model.compute_logits = broken_first_row
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert broken["steps"] == 1
+    assert outs[0].error is not None and "non-finite" in outs[0].error
+    got = [
+        (tuple(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason, None)
+        for o in outs[1:]
+    ]
+    assert got == want
+    _all_free(llm)
+
+
 def test_off_where_blocks_hold_more_than_kv_rows(tiny, caplog):
     """The stage-output cache (a block's hidden states too) keeps every step in order, said once."""
     folder, _ = tiny

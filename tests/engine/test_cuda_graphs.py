@@ -321,7 +321,8 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
     their number, each a few microseconds whatever its size): per layer four matrix products
     (qkv, o, gate-up, down), two fused norms, one kernel for the q/k norms + rotation + K/V write,
     the decode attention and SiLU-and-mul; per step the embedding, the rotary tables' two gathers
-    and the final norm. An operator that slips into the decode path shows here."""
+    and the final norm; a decode step's graph also its tail (cuda_graphs.DecodeTail). An operator
+    that slips into the decode path shows here."""
     if device().type != "cpu":
         pytest.skip("counted under Triton's interpreter; a GPU counts with the profiler (host_overhead.py)")
     from triton.runtime.interpreter import InterpretedFunction
@@ -366,17 +367,23 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
     for kind, aten, kernels in steps:
         # (a CPU's products of more rows take oneDNN's packed layout: one product all the same)
         aten["linear"] += aten.pop("_linear_pointwise", 0)
-        assert aten == {"linear": 4 * n, "embedding": 1, "index": 2}
+        step = {"linear": 4 * n, "embedding": 1, "index": 2}
+        if kind == "decode":  # its tail: the LM head into the logits buffer, the row checks, the argmax
+            step.update(linear=4 * n + 1, copy_=1, sum=1, isfinite=1, argmax=1, where=1)
+        assert aten == step
         fused = {"add_rms_norm_kernel": 2 * n + 1, "rotary_write_kv_kernel": n, "silu_and_mul_kernel": n}
         assert kernels == {**fused, f"{kind.replace('mixed', 'prefill')}_kernel": n}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_replayed_decode_steps_inputs_reach_the_buffers_in_one_copy(tmp_path, static_graphs, async_scheduling):
-    """A decode step's ids, positions, slots, lengths and block tables go to the device in one copy
-    from the host's flat buffer (DecodeLayout), whatever its batch: on a GPU every operator outside
-    the graph is host time a step. Under async scheduling the ids drawn by the previous step add one
-    copy on the device. Counted on a CPU, the forward left out."""
+def test_a_greedy_replayed_decode_step_launches_one_copy_beside_its_graph(tmp_path, static_graphs, async_scheduling):
+    """Outside its graph a greedy decode step launches one copy: its ids, positions, slots, lengths
+    and block tables from the host's flat buffer (DecodeLayout), whatever its batch; the LM head,
+    the row checks and the argmax run in the graph (DecodeTail). Under async scheduling the ids
+    drawn by the previous step add one copy on the device; in order, the host reads the row checks
+    before it samples. On a GPU every operator outside the
+    graph is host time a step. Counted on a CPU, the forward left out (the read-back, a copy on a
+    GPU, is no operator here)."""
     if device().type != "cpu":
         pytest.skip("counted under Triton's interpreter")
     hf = _make("llama")
@@ -386,10 +393,11 @@ def test_a_replayed_decode_steps_inputs_reach_the_buffers_in_one_copy(tmp_path, 
         str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
         async_scheduling=async_scheduling, compilation_config={"cudagraph_capture_sizes": [1, 4]},
     )  # fmt: skip
-    graphs = llm.llm_engine.runner.graphs
-    assert graphs is not None
+    runner = llm.llm_engine.runner
+    graphs = runner.graphs
+    assert graphs is not None and graphs.tail_rows == 4
     depth = [0]
-    real_run, real_forward = graphs.run, graphs._forward
+    real_launch, real_forward = runner.launch, graphs._forward
     counted: list[collections.Counter[str]] = []
 
     def forward(kind, size):  # type: ignore[no-untyped-def]
@@ -399,19 +407,50 @@ def test_a_replayed_decode_steps_inputs_reach_the_buffers_in_one_copy(tmp_path, 
         finally:
             depth[0] -= 1
 
-    def run(scheduled, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def launch(scheduler_output, *args, **kwargs):  # type: ignore[no-untyped-def]
         with _Launches(depth) as launches:
-            out = real_run(scheduled, *args, **kwargs)
-        if graphs.kind(scheduled) == "decode":
+            out = real_launch(scheduler_output, *args, **kwargs)
+        if runner.graph_kind(scheduler_output.scheduled) == "decode":
             counted.append(launches.ops.copy())
         return out
 
-    graphs._forward, graphs.run = forward, run
+    graphs._forward, runner.launch = forward, launch
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([[5, 6, 7]], params, use_tqdm=False)  # batch 1
     llm.generate([[5, 6, 7], [8, 9], [1, 2, 3, 4]], params, use_tqdm=False)  # 3 rows padded to 4
+    # in order (async scheduling off) the host reads the row checks before it samples
+    want = {"copy_": 2} if async_scheduling else {"copy_": 1, "all": 1, "is_nonzero": 1}
     assert len(counted) == 6
-    assert all(ops == {"copy_": 2 if async_scheduling else 1} for ops in counted), counted
+    assert all(ops == want for ops in counted), counted
+
+
+def test_replayed_decode_steps_sample_from_their_graphs_logits_as_eager_steps_do(tmp_path, static_graphs):
+    """A decode graph computes its rows' logits (cuda_graphs.DecodeTail); every request that is not
+    plain greedy samples from them as from an eager step's: logprobs, seeded draws, penalties,
+    min_tokens, allowed_token_ids - the same tokens and logprobs as an eager engine's."""
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    base = dict(dtype="float32", device=str(device()), max_model_len=64, max_num_seqs=8, block_size=8)
+    llm = LLM(str(tmp_path), **base, compilation_config={"cudagraph_capture_sizes": [1, 4, 8]})
+    eager = LLM(str(tmp_path), **base, enforce_eager=True)
+    prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6], [11, 12], [40, 41, 42]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, top_p=0.9),
+        SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, min_tokens=6),
+        # (constraints edit logits on the host: its steps take the eager LM head; after it, the graph's)
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, allowed_token_ids=[3, 9, 27, 81]),
+    ]
+    got, want = (e.generate(prompts, params, use_tqdm=False) for e in (llm, eager))
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.replays > 0 and graphs.tail_rows == 8
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got[1].outputs[0].logprobs or [], want[1].outputs[0].logprobs or []):
+        assert a.keys() == b.keys()
+        for token in a:
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-5)
 
 
 def test_a_decode_step_past_the_span_limit_copies_its_tables_apart(tmp_path, static_graphs, monkeypatch):
