@@ -30,7 +30,7 @@ from ..stage_outputs import stage_output_specs
 from ..tiers import TierManager, build_kv_connector
 from . import graph_check, mixed_graph_choice
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
-from .cuda_graphs import StepGraphs, capture_sizes, graph_mode, mixed_capture_sizes
+from .cuda_graphs import StepGraphs, capture_sizes, graph_mode, mixed_capture_sizes, tail_rows
 from .device import resolve_device_dtype
 from .gpu_memory import cuda_kv_budget
 from .input_processor import InputProcessor
@@ -105,7 +105,8 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         if stored_limit is not None:
             mixed_sizes = [s for s in mixed_sizes if s <= stored_limit]
     graph_rows = max([*sizes, *mixed_sizes], default=0) if mode == "capture" else 0
-    num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows)
+    graph_logits_rows = tail_rows(sizes, loaded.config.vocab_size) if mode == "capture" else 0
+    num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows, graph_logits_rows)
     if mode and config.num_blocks is None and num_blocks > 1:
         num_blocks -= 1  # the graphs' null block comes out of a byte budget (a given count stays the pool's)
     max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks, kv_groups)
@@ -290,6 +291,7 @@ def _num_blocks(
     loaded: LoadedModel,
     block_tensors: BlockTensors,
     graph_rows: int,
+    graph_logits_rows: int,
 ) -> int:
     if config.gpu_memory_utilization is not None and device.type != "cuda":
         logger.info("gpu_memory_utilization=%s changes nothing on the CPU", config.gpu_memory_utilization)
@@ -304,6 +306,7 @@ def _num_blocks(
             config.max_num_seqs,
             bs,
             graph_rows,
+            graph_logits_rows,
         )
     else:
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES

@@ -82,6 +82,12 @@ SPAN_COPY_MAX = 1 << 16
 TAIL_LOGITS_BYTES = 32 * MIB
 
 
+def tail_rows(sizes: Sequence[int], vocab: int) -> int:
+    """The largest decode size whose float32 logits fit TAIL_LOGITS_BYTES (0: none): the sizes up
+    to it run their tail in the graph."""
+    return max((s for s in sizes if s * vocab * 4 <= TAIL_LOGITS_BYTES), default=0)
+
+
 @dataclass(slots=True)
 class DecodeTail:
     """A replayed decode step's first `rows` rows past the final hidden states, computed in its
@@ -527,8 +533,7 @@ class StepGraphs:
         device = self.inputs.device
         probe = torch.zeros(1, self.model.config.hidden_size, dtype=self.model.dtype, device=device)
         vocab = self.model.compute_logits(probe).shape[-1]
-        fitting = [s for s in self.sizes if s * vocab * 4 <= TAIL_LOGITS_BYTES]
-        self.tail_rows = fitting[-1] if fitting else 0
+        self.tail_rows = tail_rows(self.sizes, vocab)
         if self.tail_rows:
             self.logits = torch.zeros(self.tail_rows, vocab, dtype=torch.float32, device=device)
 

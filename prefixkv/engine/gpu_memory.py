@@ -84,20 +84,26 @@ def peak_step_activations(model: LlamaModel, tokens: int, rows: int, block_size:
 
 
 def cuda_kv_budget(
-    model: LlamaModel, utilization: float, max_tokens: int, max_rows: int, block_size: int, graph_rows: int = 0
+    model: LlamaModel,
+    utilization: float,
+    max_tokens: int,
+    max_rows: int,
+    block_size: int,
+    graph_rows: int = 0,
+    graph_logits_rows: int = 1,
 ) -> int:
     """The KV budget in bytes on the model's CUDA device for `gpu_memory_utilization`.
     `graph_rows`: the most rows a step captured as a CUDA graph has (a decode batch or a mixed
     step's tokens; 0: none). The graphs' memory pool is held beside the eager steps' activations;
-    it is reserved as what one forward of that many tokens allocates at its peak, without the
-    logits (a graph ends at the final hidden states; the capture logs the real figure) - for a
-    recurrent model over the most segments a replayed step computes, `max_rows` requests of two
-    tokens (`profile_step`)."""
+    it is reserved as what one forward of that many tokens allocates at its peak, with the logits
+    of `graph_logits_rows` rows (the decode graphs' tail, cuda_graphs.tail_rows; the capture logs
+    the real figure) - for a recurrent model over the most segments a replayed step computes,
+    `max_rows` requests of two tokens (`profile_step`)."""
     device = model.device
     activations = peak_step_activations(model, max_tokens, max_rows, block_size)
     if graph_rows:
         seqs = max_rows if model.config.is_recurrent else 1
-        activations += peak_step_activations(model, graph_rows, 1, block_size, seqs)
+        activations += peak_step_activations(model, graph_rows, max(1, graph_logits_rows), block_size, seqs)
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
     weights = torch.cuda.memory_allocated(device)  # all this process holds there now: its weights at least
