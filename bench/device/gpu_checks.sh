@@ -68,6 +68,9 @@
 #                   1B shape - which of the two bounds a step
 #   host_profile    the same at batch 1 with --profile-top: operators and CUDA runtime calls by host
 #                   time, kernels by device time, a cProfile round (the default model, the 1B shape)
+#   host_ab         host_overhead.py on the card, this tree against the commit in .device/base (prepare.sh
+#                   BASE=<commit>), runs alternated, paired ratios: what a change to the host's work
+#                   bought (the default model, batch 1 and 32)
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
@@ -80,12 +83,12 @@
 #                   against the base model, with CUDA graphs (adapter steps replay the LoRA graphs)
 #                   and with --enforce-eager
 #   issue40         the preset for issue 40's open rows, most wanted first: verify mixed lora families
-#                   host_profile host_calls gemv serve large host model_speed shared_prefix compiled sweep (what
+#                   host_profile host_ab host_calls gemv serve large host model_speed shared_prefix compiled sweep (what
 #                   the budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify mixed lora families host_profile host_calls gemv serve large host model_speed shared_prefix compiled sweep}
+STEPS=${STEPS/issue40/verify mixed lora families host_profile host_ab host_calls gemv serve large host model_speed shared_prefix compiled sweep}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -121,7 +124,9 @@ for step in $STEPS; do
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             tests/engine/test_recurrent_graphs.py \
             tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
-            tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens
+            tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens \
+            tests/engine/test_async_scheduling.py::test_a_non_finite_row_of_a_replayed_decode_fails_alone \
+            tests/engine/test_decode_host_inputs.py
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
     verify)
@@ -132,7 +137,9 @@ for step in $STEPS; do
             tests/engine/test_hybrid_attention.py::test_hybrid_decode_steps_replay_over_fixed_buffers \
             "tests/engine/test_moe_architectures.py::test_moe_decode_steps_replay_over_fixed_buffers" \
             tests/engine/test_recurrent_graphs.py \
-            tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers ;;
+            tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
+            tests/engine/test_async_scheduling.py::test_a_non_finite_row_of_a_replayed_decode_fails_alone \
+            tests/engine/test_decode_host_inputs.py ;;
     sweep)
         bounded 180 sweep.log python3 -m tests.engine.sweep_graphs --families llama,gemma2,qwen3_moe,qwen3_next,lora,llava ;;
     paged)
@@ -210,6 +217,13 @@ for step in $STEPS; do
             bounded 60 host_profile.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1 \
                 --rounds 1 --steps 24 --device-time --profile-top 30 --model "$m"
         done ;;
+    host_ab)
+        if [ -d .device/base ]; then
+            bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
+                --rounds 2 --steps 24 --model default --against .device/base --pairs 2
+        else
+            echo "host_ab: no .device/base (bench/device/prepare.sh BASE=<commit>)" | tee -a "$out/env.log"
+        fi ;;
     host_calls) bounded 60 host_calls.log python3 bench/cuda_host_calls.py --batches 1,256 ;;
     gemv) bounded 120 gemv.log python3 bench/fused_gemv.py --shapes llama-1b,smollm2 ;;
     threads)

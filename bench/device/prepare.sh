@@ -5,6 +5,8 @@
 # one per call: the first call carries the wheels and a 40 MiB part, the second the rest. Two calls,
 # not three, because the machine stays warm only 30 s after a call and staging must not go cold.
 # The calls themselves: docs/benchmarks.md, "CUDA: the day a GPU is lent".
+# BASE=<commit>: also that commit's prefixkv and bench/ in .device/base (carried by the second
+# call), for gpu_checks.sh's host_ab step: this tree's host work against that commit's, on the card.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # .device/ is in .gitignore: it travels only as a carried path
@@ -20,10 +22,13 @@ head -c $(( 40 << 20 )) "$model" > .device/model-0/part-0
 tail -c +$(( (40 << 20) + 1 )) "$model" > .device/model-1/part-1
 cp "$(dirname "$model")/__init__.py" .device/model-0/
 (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") > .device/model-0/SHA256SUMS
-du -sh .device/whl .device/model-*
+if [ -n "${BASE:-}" ]; then
+    mkdir -p .device/base && git archive "$BASE" prefixkv bench | tar -x -C .device/base
+fi
+du -sh .device/whl .device/model-* ${BASE:+.device/base}
 # what each call carries, the tracked working tree included, against the 64 MiB a call may carry
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 first=$(( tree + $(du -sb .device/whl .device/model-0 | awk '{s += $1} END {print s}') ))
-second=$(( tree + $(du -sb .device/model-1 | cut -f1) ))
+second=$(( tree + $(du -sbc .device/model-1 ${BASE:+.device/base} | tail -1 | cut -f1) ))
 echo "call 1 carries $(( first >> 20 )) MiB, call 2 $(( second >> 20 )) MiB (limit 64)"
 [ "$first" -lt $(( 62 << 20 )) ] && [ "$second" -lt $(( 62 << 20 )) ] || { echo "a call would carry too much" >&2; exit 1; }

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..model.host_copy import HostCopies, tensor_on, to_device
@@ -170,8 +171,24 @@ def _draw(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
     """Sample one token per row of logits `x` [B, vocab] (penalties and constraints applied): one
     uniform per row from the row's own generator picks a token in proportion to
     `filtered_weights` - the same draws whatever else is in the batch."""
-    r = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    return _pick(filtered_weights(x, params), to_device(r, x.device))
+    return _pick(filtered_weights(x, params), to_device(uniforms(generators), x.device))
+
+
+def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One float64 uniform per row [B] on the host, each from its row's generator in row order.
+    Rows that share a generator (the engine's default one, for every unseeded request) take theirs
+    in one draw: torch fills a CPU tensor from its generator serially, so n values drawn at once
+    are the n values drawn one at a time, and leave the generator in the same state
+    (tests/engine/test_sampler.py) - one operator where a batch of 256 took 256."""
+    rows_of: dict[int, list[int]] = {}
+    for row, g in enumerate(generators):
+        rows_of.setdefault(id(g), []).append(row)
+    if len(rows_of) == 1:
+        return torch.rand(len(generators), generator=generators[0], dtype=torch.float64)
+    r = np.empty(len(generators), dtype=np.float64)
+    for rows in rows_of.values():
+        r[rows] = torch.rand(len(rows), generator=generators[rows[0]], dtype=torch.float64).numpy()
+    return torch.from_numpy(r)
 
 
 def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -50,9 +50,14 @@ def check(host: DecodeHostInputs, scheduled: list[ScheduledRequest], size: int, 
     assert d_tables[: len(scheduled), :width].tolist() == tables.tolist()
 
 
-def test_steps_equal_the_row_by_row_build():
+@pytest.mark.parametrize("pinned", [False, True])
+def test_steps_equal_the_row_by_row_build(pinned):
+    """(`pinned`: page-locked, as on a GPU, where one is present.)"""
+    if pinned and not torch.cuda.is_available():
+        pytest.skip("page-locked memory needs CUDA")
     rng = random.Random(0)
-    host = DecodeHostInputs(max_batch=16, max_blocks=8, block_size=BS, null_slot=NULL_SLOT)
+    host = DecodeHostInputs(max_batch=16, max_blocks=8, block_size=BS, null_slot=NULL_SLOT, pinned=pinned)
+    assert host.flat.is_pinned() == pinned
     free = iter(range(1, 10_000))
     running: dict[str, tuple[int, list[int]]] = {}  # request -> (position, its current table)
     for step in range(120):

@@ -10,7 +10,15 @@ import math
 import pytest
 import torch
 
-from prefixkv.engine.sampler import DRAW_BLOCK, _nucleus_floors, _nucleus_floors_sorted, _pick, filtered_weights, sample
+from prefixkv.engine.sampler import (
+    DRAW_BLOCK,
+    _nucleus_floors,
+    _nucleus_floors_sorted,
+    _pick,
+    filtered_weights,
+    sample,
+    uniforms,
+)
 from prefixkv.sampling_params import SamplingParams
 
 
@@ -230,3 +238,19 @@ def test_logprobs_of_a_batch_are_each_rows_own():
         assert [t for t, _ in out.top_logprobs[row]] == idx.tolist()
         assert [v for _, v in out.top_logprobs[row]] == pytest.approx(vals.tolist())
     assert out.ranks[0] == 1 and out.ranks[3] == 1  # greedy: the best token
+
+
+def test_uniforms_are_each_rows_own_draws_in_row_order():
+    """Rows sharing a generator take their uniforms in one draw: the values, and each generator's
+    state after, are those of one draw a row in row order (a seeded request's generator is its own)."""
+    shared, a, b = (torch.Generator().manual_seed(s) for s in (1, 2, 3))
+    rows = [shared, a, shared, shared, b, shared]
+    copies = {id(g): torch.Generator().manual_seed(s) for g, s in ((shared, 1), (a, 2), (b, 3))}
+    want = torch.stack([torch.rand((), generator=copies[id(g)], dtype=torch.float64) for g in rows])
+    assert torch.equal(uniforms(rows), want)
+    for g in (shared, a, b):  # the next draws agree too
+        assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=copies[id(g)]))
+    one = torch.Generator().manual_seed(9)
+    assert torch.equal(
+        uniforms([one] * 300), torch.rand(300, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    )
