@@ -171,7 +171,22 @@ def _draw(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
     """Sample one token per row of logits `x` [B, vocab] (penalties and constraints applied): one
     uniform per row from the row's own generator picks a token in proportion to
     `filtered_weights` - the same draws whatever else is in the batch."""
-    return _pick(filtered_weights(x, params), to_device(uniforms(generators), x.device))
+    # the uniforms, 1/temperature and the min-p floors: one copy to the device for the three
+    per_row = torch.cat([uniforms(generators)[None], _scales_and_floors(params)])
+    on_device = to_device(per_row, x.device)
+    return _pick(filtered_weights(x, params, on_device[1:]), on_device[0])
+
+
+def _scales_and_floors(params: list[SamplingParams]) -> torch.Tensor:
+    """[2, B] float64 on the host: each row's 1/temperature and min-p floor (log(min_p), -inf
+    without min-p)."""
+    return torch.tensor(
+        [
+            [1.0 / p.temperature for p in params],
+            [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params],
+        ],
+        dtype=torch.float64,
+    )
 
 
 def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -191,8 +206,12 @@ def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
     return torch.from_numpy(r)
 
 
-def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_weights(
+    x: torch.Tensor, params: list[SamplingParams], scales_floors: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each row's unnormalized sampling probabilities [B, vocab] (0 for a filtered-out token).
+    `scales_floors`: `_scales_and_floors(params)` on x's device, where the caller copied them (None:
+    copied here).
 
     Temperature, then top-k, min-p and top-p - top-p over what the other two left (they commute),
     as in vLLM. Each filter keeps the tokens at or above a value of the scaled logits, so each
@@ -202,14 +221,15 @@ def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     on how a sort orders equal values."""
     B, V = x.shape
     dev = x.device
+    if scales_floors is None:
+        scales_floors = to_device(_scales_and_floors(params), dev)
+    # (rounded to x's dtype as a list of Python floats would be: the same bits; its own memory)
+    scale, floor = scales_floors.to(x.dtype, copy=True)[:, :, None]
     z = x - x.amax(dim=1, keepdim=True)  # the best token at 0: every weight exp(z) is at most 1
     if any(p.temperature != 1.0 for p in params):
-        z *= to_device(torch.tensor([1.0 / p.temperature for p in params], dtype=x.dtype), dev)[:, None]
+        z *= scale
     weights = torch.exp(z)
     # min-p keeps p >= min_p * p_max, i.e. z >= log(min_p): no softmax needed
-    floor = to_device(
-        torch.tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params], dtype=x.dtype), dev
-    )[:, None]
     top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
     if any(top_k):
         rows = [i for i, k in enumerate(top_k) if k]
