@@ -61,8 +61,8 @@ from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from ..model.static_scan import StaticScanInputs
-from .decode_host_inputs import DecodeHostInputs, HostDecodeStep
-from .mixed_host_inputs import build_mixed
+from .decode_host_inputs import DecodeHostInputs
+from .mixed_host_inputs import MixedHostBuffer, build_mixed
 from .sampler import mark_unfinished, rows_finite
 from .scan_host_inputs import build_scan
 from .scheduler_output import ScheduledRequest
@@ -220,6 +220,9 @@ class StepGraphs:
         # the page-locked inputs are rewritten only once the copy from them is done (a GPU)
         self._inputs_copied: torch.cuda.Event | None = None
         self._decode_view: StaticDecodeView | None = None  # the last decode step's
+        self._mixed_view: StaticMixedView | None = None  # the last mixed step's
+        self.mixed_host: MixedHostBuffer | None = None
+        self.mixed_group_views: dict[int, list[StaticMixedView]] = {}  # per size, each group's
         self.max_context = self.inputs.max_context
         self.metas = {s: static_meta(self.inputs.view(s)) for s in self.sizes}
         # a later KV-cache group's slots and tables, and the mirror its host half keeps
@@ -263,11 +266,13 @@ class StepGraphs:
             ]
             if image_rows:
                 self.image_rows = StaticImageRows(top, model.config.hidden_size, model.dtype, device)
+            self.mixed_host = MixedHostBuffer(mixed.layout, pinned)
             for size, meta in self.mixed_metas.items():
                 if self.mixed_groups:
                     meta.layer_groups = layer_groups
-                for g, mixed_group in enumerate(self.mixed_groups, start=1):
-                    meta.set_layer_group(g, static_meta(mixed_group.view(size)))
+                self.mixed_group_views[size] = [group.view(size) for group in self.mixed_groups]
+                for g, mixed_group_view in enumerate(self.mixed_group_views[size], start=1):
+                    meta.set_layer_group(g, static_meta(mixed_group_view))
         self.lora = lora
         self.lora_maps: dict[tuple[str, int], StaticLoRAMapping] = {}
         if lora is not None:
@@ -381,7 +386,8 @@ class StepGraphs:
         host = self.host_inputs.build(scheduled, size, ids_on_device=every_id_carried)
         view = self.metas[size].static
         assert isinstance(view, StaticDecodeView)
-        self._copy_inputs(self.inputs.flat, self.host_inputs.flat, host, view.block_tables)
+        tables_at = self.inputs.layout.tables_at
+        self._copy_inputs(self.inputs.flat, self.host_inputs.flat, host.span, tables_at, view.block_tables, host.tables)
         if carried is not None:
             carried_rows, tokens = carried
             if every_id_carried:  # every row (rows strictly increase): a plain copy
@@ -403,18 +409,25 @@ class StepGraphs:
         return self._replay(kind, size)[:b]
 
     @staticmethod
-    def _copy_inputs(flat: torch.Tensor, host_flat: torch.Tensor, host: HostDecodeStep, tables: torch.Tensor) -> None:
-        """A step's inputs from the host's flat buffer into the device's: its whole span in one copy
-        while that is small; past SPAN_COPY_MAX entries (many rows of wide tables) the header, then
-        the rows' used table columns."""
-        lo, hi = host.span
-        b, width = host.tables.shape
+    def _copy_inputs(
+        flat: torch.Tensor,
+        host_flat: torch.Tensor,
+        span: tuple[int, int],
+        tables_at: int,
+        tables: torch.Tensor,
+        step_tables: torch.Tensor,
+    ) -> None:
+        """A step's inputs from the host's flat buffer into the device's (DecodeLayout,
+        MixedLayout): its whole span in one copy while that is small; past SPAN_COPY_MAX entries
+        (many rows of wide tables) the header, then the rows' used table columns (`step_tables`
+        [rows, width] into `tables`)."""
+        lo, hi = span
         if hi - lo <= SPAN_COPY_MAX:
             flat[lo:hi].copy_(host_flat[lo:hi], non_blocking=True)
             return
-        top = hi - b * tables.shape[1]  # where the tables start
-        flat[lo:top].copy_(host_flat[lo:top], non_blocking=True)
-        tables[:b, :width].copy_(pinned_for(host.tables.contiguous(), flat.device), non_blocking=True)
+        flat[lo:tables_at].copy_(host_flat[lo:tables_at], non_blocking=True)
+        n, width = step_tables.shape
+        tables[:n, :width].copy_(pinned_for(step_tables.contiguous(), flat.device), non_blocking=True)
 
     def _run_mixed(
         self,
@@ -434,28 +447,35 @@ class StepGraphs:
             scheduled, size, view.tiles, buf.tile_tokens, buf.padding_seq, self.block_size, self.null_slot,
             self.max_blocks, group_tables,
         )  # fmt: skip
-        dev = buf.tokens.device
-        n, width = host.tables.shape
-        buf.tokens[:, :size].copy_(pinned_for(host.tokens, dev), non_blocking=True)
-        buf.seqs[:, :n].copy_(pinned_for(host.seqs, dev), non_blocking=True)
+        if self._inputs_copied is not None:  # the last step's copy from the host buffers is done
+            self._inputs_copied.synchronize()
+        assert self.mixed_host is not None
+        span = self.mixed_host.fill(host, size)
         # columns past a sequence's blocks, and other sequences' rows, are never read (the lengths
         # and the tile map)
-        buf.block_tables[:n, :width].copy_(pinned_for(host.tables, dev), non_blocking=True)
-        buf.tile_map[:, : view.tiles].copy_(pinned_for(host.tile_map, dev), non_blocking=True)
-        for mixed_group, (g_slots, g_tables) in zip(self.mixed_groups, host.groups):
-            mixed_group.tokens[2, :size].copy_(pinned_for(g_slots, dev), non_blocking=True)
-            mixed_group.block_tables[:n, : g_tables.shape[1]].copy_(pinned_for(g_tables, dev), non_blocking=True)
+        self._copy_inputs(buf.flat, self.mixed_host.flat, span, buf.layout.tables_at, view.block_tables, host.tables)
+        for g, (g_slots, g_tables) in enumerate(host.groups):
+            g_view = self.mixed_group_views[size][g]
+            dev = g_view.slot_mapping.device
+            g_view.slot_mapping.copy_(pinned_for(g_slots, dev), non_blocking=True)
+            g_view.block_tables[: g_tables.shape[0], : g_tables.shape[1]].copy_(
+                pinned_for(g_tables, dev), non_blocking=True
+            )
         qsl = host.query_start_loc
         rows = None if lora_slots is None else np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
         kind = self._with_adapters("mixed", size, rows)
         if carried is not None:
             carried_rows, ids = carried
-            buf.tokens[0].index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)
+            view.input_ids.index_copy_(0, tensor_on([qsl[i] for i in carried_rows], ids.device, torch.long), ids)
         if self.image_rows is not None:
             self.image_rows.fill(spliced)
         if buf.scan is not None:
             assert view.scan is not None
             self._copy_scan(buf.scan, view.scan.segments, scheduled, qsl, size)
+        if view.input_ids.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._inputs_copied.record()
+        self._mixed_view = view
         self.mixed_replays += 1
         return self._replay(kind, size)[:tokens], qsl
 
@@ -482,8 +502,8 @@ class StepGraphs:
         if kind == "decode":
             assert self._decode_view is not None
             return self._decode_view.slot_mapping[:rows]
-        assert self.mixed is not None
-        return self.mixed.tokens[2, :rows]
+        assert self._mixed_view is not None
+        return self._mixed_view.slot_mapping[:rows]
 
     def decode_tail(self, rows: int) -> DecodeTail | None:
         """The last step's DecodeTail, its first `rows` rows, where it was a decode computing one."""
@@ -549,12 +569,6 @@ class StepGraphs:
         work = [("decode", s) for s in self.sizes]
         if self.mixed is not None:
             mixed = self.mixed
-            mixed.tokens.zero_()
-            mixed.tokens[2].fill_(self.null_slot)
-            mixed.seqs.zero_()  # every sequence of no tokens
-            mixed.tile_map[0].fill_(mixed.padding_seq)
-            for mixed_group in self.mixed_groups:
-                mixed_group.tokens[2].fill_(self.null_slot)
             if mixed.scan is not None:  # no request: every segment a padding one, writing the null block
                 mixed.scan.states.zero_()
                 mixed.scan.chain_len.zero_()
@@ -601,15 +615,20 @@ class StepGraphs:
         logger.info("CUDA graphs captured: %s", self.summary())
 
     def _pad(self, kind: str, size: int) -> None:
-        """A decode size's rows all padding before its capture (the sizes' headers overlap: each
-        size's is written just before its own runs); the mixed buffers were padded once."""
-        if not kind.startswith("decode"):
+        """A size's rows all padding before its capture (the sizes' headers overlap: each size's is
+        written just before its own runs)."""
+        if kind.startswith("decode"):
+            view = self.metas[size].static
+            assert isinstance(view, StaticDecodeView)
+            view.pad(self.null_slot)
+            for group_view in self.group_views.get(size, []):
+                group_view.pad(self.null_slot)
             return
-        view = self.metas[size].static
-        assert isinstance(view, StaticDecodeView)
-        view.pad(self.null_slot)
-        for group_view in self.group_views.get(size, []):
-            group_view.pad(self.null_slot)
+        mixed_view = self.mixed_metas[size].static
+        assert isinstance(mixed_view, StaticMixedView)
+        mixed_view.pad(self.null_slot)
+        for mixed_group_view in self.mixed_group_views.get(size, []):
+            mixed_group_view.slot_mapping.fill_(self.null_slot)
 
     def refuse(self, kind: str, why: str) -> None:
         """A kind of step ("decode", "mixed", each with "-lora") that could not be captured, or

@@ -3,7 +3,8 @@ id, position and slot, each sequence's first row, new tokens, length and block t
 map that tells the attention kernel's fixed grid which sequence and tile each program takes.
 
 A mixed step comes once in a while (a prompt joins running decodes), so its inputs are built afresh
-from the scheduled requests, in NumPy, without the decode path's block-table mirror.
+from the scheduled requests, in NumPy, without the decode path's block-table mirror, then laid out
+as the device's buffers (MixedHostBuffer, model/static_mixed.MixedLayout): one copy to the device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..model.static_mixed import MixedLayout
 from .scheduler_output import ScheduledRequest
 
 
@@ -111,3 +113,32 @@ def build_mixed(
         qsl.tolist(),
         groups,
     )
+
+
+class MixedHostBuffer:
+    """A mixed step's inputs laid out as the device's (MixedLayout) in one flat int32 buffer,
+    page-locked where `pinned` (the caller makes sure a copy from it is done before the next `fill`
+    rewrites it)."""
+
+    def __init__(self, layout: MixedLayout, pinned: bool = False) -> None:
+        self.layout = layout
+        self.flat = torch.zeros(layout.length, dtype=torch.int32, pin_memory=pinned)
+        # per size: its tokens, sequences, tile map and tables as NumPy arrays (the same memory)
+        self._views: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def fill(self, step: MixedStepInputs, size: int) -> tuple[int, int]:
+        """Write a step of `size` rows in (NumPy: host memory, no operator); returns the span of
+        the flat buffer it occupies (MixedLayout.span). Sequences past the step's are zeros: no
+        tokens (the padding one's)."""
+        views = self._views.get(size)
+        if views is None:
+            tokens_t, seqs_t, tile_map_t, tables_t = self.layout.views(self.flat, size)
+            views = self._views[size] = (tokens_t.numpy(), seqs_t.numpy(), tile_map_t.numpy(), tables_t.numpy())
+        tokens, seqs, tile_map, tables = views
+        n, width = step.tables.shape
+        tokens[:] = step.tokens.numpy()
+        seqs[:] = 0
+        seqs[:, :n] = step.seqs.numpy()
+        tile_map[:] = step.tile_map.numpy()
+        tables[:n, :width] = step.tables.numpy()
+        return self.layout.span(size, n)

@@ -290,6 +290,9 @@ def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, fused_s
         assert graphs.graphs.keys() == {("decode", 1), ("decode", 2), ("decode", 4)}
 
 
+HOST_ONLY = ("lift_fresh", "resolve_conj", "resolve_neg")  # a host tensor made, or read as NumPy
+
+
 class _Launches(TorchDispatchMode):
     """What a GPU would launch for the operators run inside this mode: every aten operator that
     writes a tensor (not a view or an allocation, not a `.to` that returns its input), by name.
@@ -453,9 +456,49 @@ def test_replayed_decode_steps_sample_from_their_graphs_logits_as_eager_steps_do
             assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-5)
 
 
-def test_a_decode_step_past_the_span_limit_copies_its_tables_apart(tmp_path, static_graphs, monkeypatch):
+def test_a_replayed_mixed_steps_inputs_reach_the_buffers_in_one_copy(tmp_path, static_graphs):
+    """A mixed step's ids, positions, slots, sequences, tile map and block tables go to the device
+    in one copy from the host's flat buffer (MixedLayout). Counted on a CPU, the forward left out
+    (a GPU's replay: one launch)."""
+    if device().type != "cpu":
+        pytest.skip("counted under Triton's interpreter")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    llm = LLM(
+        str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4, async_scheduling=False,
+        compilation_config={"cudagraph_capture_sizes": [1, 4, 16], "cudagraph_mode": "FULL"},
+    )  # fmt: skip
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None
+    depth = [0]
+    real_run, real_forward = graphs.run, graphs._forward
+    counted: list[collections.Counter[str]] = []
+
+    def forward(kind, size):  # type: ignore[no-untyped-def]
+        depth[0] += 1
+        try:
+            return real_forward(kind, size)
+        finally:
+            depth[0] -= 1
+
+    def run(scheduled, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with _Launches(depth) as launches:
+            out = real_run(scheduled, *args, **kwargs)
+        if graphs.kind(scheduled) == "mixed":  # (host tensors made and read as NumPy launch nothing)
+            counted.append(launches.ops - collections.Counter(dict.fromkeys(HOST_ONLY, 1 << 20)))
+        return out
+
+    graphs._forward, graphs.run = forward, run
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([[5, 6, 7], [8, 9], [1, 2, 3, 4]], params, use_tqdm=False)
+    assert counted and all(ops == {"copy_": 1} for ops in counted), counted
+
+
+def test_a_step_past_the_span_limit_copies_its_tables_apart(tmp_path, static_graphs, monkeypatch):
     """Past SPAN_COPY_MAX entries (many rows of wide tables) a step copies its header, then only
-    its tables' used columns: the same tokens as eager steps, rows growing into a second block."""
+    its tables' used columns: the same tokens as eager steps, decode and mixed steps replayed,
+    rows growing into a second block."""
     from prefixkv.engine import cuda_graphs
 
     hf = _make("llama")
@@ -463,13 +506,15 @@ def test_a_decode_step_past_the_span_limit_copies_its_tables_apart(tmp_path, sta
     _write_tokenizer(tmp_path)
     monkeypatch.setattr(cuda_graphs, "SPAN_COPY_MAX", 1)
     base = dict(dtype="float32", device=str(device()), max_model_len=64, max_num_seqs=4, block_size=8)
-    llm = LLM(str(tmp_path), **base, compilation_config={"cudagraph_capture_sizes": [1, 4]})
+    llm = LLM(
+        str(tmp_path), **base, compilation_config={"cudagraph_capture_sizes": [1, 4, 16], "cudagraph_mode": "FULL"}
+    )
     eager = LLM(str(tmp_path), **base, enforce_eager=True)
     prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got, want = (e.generate(prompts, params, use_tqdm=False) for e in (llm, eager))
     graphs = llm.llm_engine.runner.graphs
-    assert graphs is not None and graphs.replays > 0
+    assert graphs is not None and graphs.replays > 0 and graphs.mixed_replays > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from prefixkv.engine.cuda_graphs import MIXED_LADDER, mixed_capture_sizes
-from prefixkv.engine.mixed_host_inputs import build_mixed, tile_map
+from prefixkv.engine.mixed_host_inputs import MixedHostBuffer, build_mixed, tile_map
 from prefixkv.engine.scheduler_output import ScheduledRequest
+from prefixkv.model.static_mixed import MixedLayout
 from prefixkv.sampling_params import SamplingParams
 
 BS, NULL_SLOT, PAD_SEQ = 4, 4 * 63, 9
@@ -82,3 +84,28 @@ def test_mixed_capture_sizes():
     # whether mixed steps are captured at all is mixed_graph_choice.policy's (its own test)
     for other in (None, 3, {}, {"cudagraph_mode": "FULL_DECODE_ONLY"}):
         assert mixed_capture_sizes(2048, other) == list(MIXED_LADDER)
+
+
+def test_the_host_buffers_span_holds_the_step_as_the_device_reads_it():
+    """MixedHostBuffer lays a built step out as the device's buffers (MixedLayout): its span, copied
+    alone into zeros, gives every view of that size the step's values - steps of several sizes one
+    after another (their headers overlap), later sequences' entries zeros (no tokens)."""
+    layout = MixedLayout(max_tokens=32, max_seqs=6, max_blocks=8, tile_tokens=4)
+    buffer = MixedHostBuffer(layout)
+    rng = random.Random(5)
+    for size in (32, 8, 16, 8, 32):
+        scheduled = []
+        for i in range(rng.randrange(1, 5)):
+            n = rng.randrange(1, size // 4 + 1)
+            start = rng.randrange(0, 12)
+            table = rng.sample(range(60), -(-(start + n) // BS))
+            scheduled.append(chunk(f"r{i}", [rng.randrange(500) for _ in range(n)], start, table))
+        step = build_mixed(scheduled, size, layout.tiles(size), 4, 6, BS, NULL_SLOT, max_blocks=8)
+        lo, hi = buffer.fill(step, size)
+        device = torch.zeros_like(buffer.flat)
+        device[lo:hi] = buffer.flat[lo:hi]
+        tokens, seqs, tiles, tables = layout.views(device, size)
+        n, width = step.tables.shape
+        assert torch.equal(tokens, step.tokens) and torch.equal(tiles, step.tile_map)
+        assert torch.equal(seqs[:, :n], step.seqs) and not seqs[:, n:].any()
+        assert torch.equal(tables[:n, :width], step.tables)
