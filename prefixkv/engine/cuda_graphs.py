@@ -399,7 +399,7 @@ class StepGraphs:
             g_step = group_host.build(scheduled, size, True, [sr.group_block_tables[g] for sr in scheduled])
             g_view = self.group_views[size][g]
             g_view.slot_mapping.copy_(g_step.rows[2], non_blocking=True)
-            g_tables = pinned_for(g_step.tables.contiguous(), g_view.block_tables.device)
+            g_tables = pinned_for(torch.from_numpy(np.ascontiguousarray(g_step.tables)), g_view.block_tables.device)
             g_view.block_tables[:b, : g_tables.shape[1]].copy_(g_tables, non_blocking=True)
         if view.input_ids.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -415,7 +415,7 @@ class StepGraphs:
         span: tuple[int, int],
         tables_at: int,
         tables: torch.Tensor,
-        step_tables: torch.Tensor,
+        step_tables: torch.Tensor | np.ndarray,
     ) -> None:
         """A step's inputs from the host's flat buffer into the device's (DecodeLayout,
         MixedLayout): its whole span in one copy while that is small; past SPAN_COPY_MAX entries
@@ -427,7 +427,10 @@ class StepGraphs:
             return
         flat[lo:tables_at].copy_(host_flat[lo:tables_at], non_blocking=True)
         n, width = step_tables.shape
-        tables[:n, :width].copy_(pinned_for(step_tables.contiguous(), flat.device), non_blocking=True)
+        narrow = (
+            torch.from_numpy(np.ascontiguousarray(step_tables)) if isinstance(step_tables, np.ndarray) else step_tables
+        )
+        tables[:n, :width].copy_(pinned_for(narrow.contiguous(), flat.device), non_blocking=True)
 
     def _run_mixed(
         self,

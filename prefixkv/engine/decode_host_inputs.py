@@ -29,12 +29,12 @@ from .scheduler_output import ScheduledRequest
 @dataclass(slots=True)
 class HostDecodeStep:
     """A step's host inputs, views of DecodeHostInputs.flat: `rows` [3 or 5, size] int64, `lens`
-    [size] int32, `tables` [requests, width] int32 (row stride: the buffers' width), and `span`, the
-    flat entries the step reads (DecodeLayout.span)."""
+    [size] int32, `tables` [requests, width] int32 (NumPy; row stride: the buffers' width), and
+    `span`, the flat entries the step reads (DecodeLayout.span)."""
 
     rows: torch.Tensor
     lens: torch.Tensor
-    tables: torch.Tensor
+    tables: np.ndarray
     span: tuple[int, int]
 
 
@@ -102,6 +102,45 @@ class DecodeHostInputs:
                 tables[i, :n] = table if n == len(table) else table[:n]
                 num_blocks[i] = n
                 written[i] = table
+        rows_t, lens_t, rows, lens = self._size_views(size)
+        if b == 1:  # a batch of one: scalar writes, each a tenth of a NumPy call
+            width = self._write_one(scheduled[0], rows, lens, ids_on_device)
+        else:
+            width = self._write_rows(scheduled, rows, lens, ids_on_device)
+        if b < size:  # padding rows: token 0 at position 0 in the null slot, length 0
+            rows[:2, b:] = 0
+            rows[2, b:] = self.null_slot
+            if self.recurrent:
+                rows[3, b:] = 0
+                rows[4, b:] = self.null_slot // bs
+            lens[b:] = 0
+        # a padding column is never read: each row's length says how far its table goes
+        return HostDecodeStep(rows_t, lens_t, tables[:b, :width], self.layout.span(size, b))
+
+    def _write_one(self, sr: ScheduledRequest, rows: np.ndarray, lens: np.ndarray, ids_on_device: bool) -> int:
+        """Row 0 of a step of one request (`_write_rows` for one row); returns its table's width."""
+        bs, pos = self.block_size, sr.start
+        index = pos // bs
+        if index >= self.num_blocks[0]:
+            raise IndexError(f"request {sr.req_id}: position {pos} lies past its {int(self.num_blocks[0])} blocks")
+        block = int(self.tables[0, index])
+        rows[0, 0] = 0 if ids_on_device else sr.token_ids[0]
+        rows[1, 0] = pos
+        rows[2, 0] = block * bs + pos % bs
+        if self.recurrent:
+            rows[3, 0] = self.tables[0, max(pos - 1, 0) // bs]
+            rows[4, 0] = block
+        lens[0] = pos + 1
+        return index + 1
+
+    def _write_rows(
+        self, scheduled: Sequence[ScheduledRequest], rows: np.ndarray, lens: np.ndarray, ids_on_device: bool
+    ) -> int:
+        """The first len(scheduled) rows' ids, positions, slots (and state blocks) and lengths, from
+        the mirror; returns the widest row's table width."""
+        b = len(scheduled)
+        bs = self.block_size
+        num_blocks = self.num_blocks
         starts = [sr.start for sr in scheduled]
         positions = np.array(starts, dtype=np.int64)
         block_index = positions // bs
@@ -110,28 +149,14 @@ class DecodeHostInputs:
             raise IndexError(
                 f"request {scheduled[row].req_id}: position {starts[row]} lies past its {int(num_blocks[row])} blocks"
             )
-        rows_t, lens_t, rows, lens = self._size_views(size)
-        # few NumPy calls: each costs about a microsecond whatever its size, all a batch of one pays
-        if ids_on_device:
-            rows[0] = 0
-        else:
-            rows[0, :b] = [sr.token_ids[0] for sr in scheduled]
-            rows[0, b:] = 0
+        # few NumPy calls: each costs about a microsecond whatever its size
+        rows[0, :b] = 0 if ids_on_device else [sr.token_ids[0] for sr in scheduled]
         rows[1, :b] = positions
-        rows[1, b:] = 0
         flat, row_starts = self._flat_tables, self._row_starts[:b]
         blocks = flat.take(row_starts + block_index)
         rows[2, :b] = blocks * bs + positions % bs
-        rows[2, b:] = self.null_slot
         if self.recurrent:
             rows[3, :b] = flat.take(row_starts + np.maximum(positions - 1, 0) // bs)
-            rows[3, b:] = 0
             rows[4, :b] = blocks
-            rows[4, b:] = self.null_slot // bs
         lens[:b] = positions + 1
-        lens[b:] = 0
-        width = max(starts) // bs + 1 if b else 0
-        # a padding column is never read: each row's length says how far its table goes
-        at = self.layout.tables_at
-        step_tables = self.flat[at : at + b * width_cap].view(b, width_cap)[:, :width]
-        return HostDecodeStep(rows_t, lens_t, step_tables, self.layout.span(size, b))
+        return max(starts) // bs + 1 if b else 0

@@ -36,7 +36,7 @@ def check(host: DecodeHostInputs, scheduled: list[ScheduledRequest], size: int, 
     step = host.build(scheduled, size, ids_on_device)
     rows, lens, tables = step.rows, step.lens, step.tables
     ids, positions, slots, want_lens, width, want_tables = reference(scheduled, size, ids_on_device)
-    assert rows.dtype == torch.long and lens.dtype == torch.int32 and tables.dtype == torch.int32
+    assert rows.dtype == torch.long and lens.dtype == torch.int32 and tables.dtype == np.int32
     assert rows.tolist() == [ids, positions, slots] and lens.tolist() == want_lens
     assert tables.shape == (len(scheduled), width)
     for row, want in zip(tables.tolist(), want_tables):  # past a row's blocks: never read
@@ -121,3 +121,24 @@ def test_a_recurrent_models_rows_name_the_state_blocks():
     plain = DecodeHostInputs(max_batch=4, max_blocks=4, block_size=BS, null_slot=NULL_SLOT)
     assert plain.build(scheduled, 4, False).rows.tolist() == rows[:3].tolist()
     assert lens.tolist() == [6, 5, 1, 0]
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+@pytest.mark.parametrize("ids_on_device", [False, True])
+def test_a_batch_of_one_writes_what_a_batch_of_two_writes_for_its_row(recurrent, ids_on_device):
+    """A step of one request takes scalar writes: its row equals that request's row in a step of
+    two (the vector path), at a block's first, middle and last positions, padded or not."""
+    for pos in (0, 3, 4, 5, 7, 8):
+        table = [9, 4, 7]
+        one = DecodeHostInputs(max_batch=4, max_blocks=4, block_size=BS, null_slot=NULL_SLOT, recurrent=recurrent)
+        two = DecodeHostInputs(max_batch=4, max_blocks=4, block_size=BS, null_slot=NULL_SLOT, recurrent=recurrent)
+        for size in (1, 2):
+            a = one.build([decode("a", pos, table, token=11)], size, ids_on_device)
+            b = two.build([decode("a", pos, table, token=11), decode("b", 2, [5])], 2, ids_on_device)
+            assert a.rows[:, 0].tolist() == b.rows[:, 0].tolist() and a.lens[0] == b.lens[0]
+            assert a.tables.tolist() == [table[: pos // BS + 1]]
+            if size == 2:  # the padding row
+                assert a.rows[:, 1].tolist() == [0, 0, NULL_SLOT, 0, NULL_SLOT // BS][: a.rows.shape[0]]
+                assert a.lens[1] == 0
+    with pytest.raises(IndexError, match="request a: position 12 lies past its 3 blocks"):
+        one.build([decode("a", 12, [9, 4, 7])], 1, False)
