@@ -56,6 +56,30 @@ def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[S
     ]
 
 
+def _first_fails_the_others_unharmed(llm: LLM, prompts: list[list[int]], params: SamplingParams, want: list) -> None:
+    """The first prompt's request fails on its non-finite logits; the others give `want` (their
+    outputs without it); every block is free after."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[0].error is not None and "non-finite" in outs[0].error
+    got = [
+        (tuple(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason, None)
+        for o in outs[1:]
+    ]
+    assert got == want
+    _all_free(llm)
+
+
+def _over_graph_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A random Llama checkpoint written in `tmp_path` (returned: transformers' model), its engines'
+    steps over the CUDA graphs' buffers (uncaptured under Triton's interpreter on a CPU)."""
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    return hf
+
+
 def _all_free(llm: LLM) -> None:
     engine = llm.llm_engine
     assert engine._in_flight is None
@@ -232,26 +256,15 @@ def test_a_non_finite_row_fails_alone(tiny, async_scheduling, temperature):
         return logits
 
     model.compute_logits = broken_first_row
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    _first_fails_the_others_unharmed(llm, prompts, params, want)
     assert calls["n"] >= 4
-    assert outs[0].error is not None and "non-finite" in outs[0].error
-    got = [
-        (tuple(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason, None)
-        for o in outs[1:]
-    ]
-    assert got == want
-    _all_free(llm)
 
 
 def test_the_decode_buffers_take_the_carried_tokens(tmp_path, monkeypatch):
     """With the decode steps over fixed buffers (CUDA graphs' inputs; on a CPU the same buffers,
     not captured, under Triton's interpreter) the carried tokens go into the buffers' ids on the
     device: greedy tokens equal transformers'."""
-    kernels_module()
-    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
-    hf = _make("llama")
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    hf = _over_graph_buffers(tmp_path, monkeypatch)
     prompts = _prompts(6, 3)
     expected = [hf_greedy(hf, p, 8) for p in prompts]
     llm = LLM(
@@ -281,11 +294,7 @@ def test_a_non_finite_row_of_a_replayed_decode_fails_alone(tmp_path, monkeypatch
     """The same over the decode graphs' buffers, whose graph runs the LM head, the row checks and
     the argmax (cuda_graphs.DecodeTail): a row of NaN logits fails its request, the others' tokens
     are those of a run without it - greedy ones the graph's argmax, seeded draws from its logits."""
-    kernels_module()
-    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
-    hf = _make("llama")
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    _over_graph_buffers(tmp_path, monkeypatch)
     prompts = _prompts(6, 3)
     config = dict(BASE, device=str(device()), compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
     params = SamplingParams(temperature=temperature, seed=7, max_tokens=8, ignore_eos=True)
@@ -306,15 +315,8 @@ def test_a_non_finite_row_of_a_replayed_decode_fails_alone(tmp_path, monkeypatch
         return logits
 
     model.compute_logits = broken_first_row
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    _first_fails_the_others_unharmed(llm, prompts, params, want)
     assert broken["steps"] == 1
-    assert outs[0].error is not None and "non-finite" in outs[0].error
-    got = [
-        (tuple(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason, None)
-        for o in outs[1:]
-    ]
-    assert got == want
-    _all_free(llm)
 
 
 def test_off_where_blocks_hold_more_than_kv_rows(tiny, caplog):

@@ -9,7 +9,9 @@ import collections
 import importlib.util
 import logging
 import random
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -290,7 +292,41 @@ def test_static_decode_equals_the_eager_forward(tmp_path, static_graphs, fused_s
         assert graphs.graphs.keys() == {("decode", 1), ("decode", 2), ("decode", 4)}
 
 
+def _write_llama(folder: Any) -> None:
+    """A random Llama checkpoint and its tokenizer in `folder`."""
+    _make("llama").save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+
+
 HOST_ONLY = ("lift_fresh", "resolve_conj", "resolve_neg")  # a host tensor made, or read as NumPy
+
+
+def _launches_beside_the_forward(
+    graphs: StepGraphs, owner: object, method: str, kind: str, step_of: Callable[[Any], list[Any]]
+) -> list[collections.Counter[str]]:
+    """Wrap `owner.method` (its first argument a step, `step_of` its requests): per call for a step
+    of `kind`, what it launches outside the graphs' forward (host-only operators aside)."""
+    depth = [0]
+    real_forward, real = graphs._forward, getattr(owner, method)
+    counted: list[collections.Counter[str]] = []
+
+    def forward(size_kind, size):  # type: ignore[no-untyped-def]
+        depth[0] += 1
+        try:
+            return real_forward(size_kind, size)
+        finally:
+            depth[0] -= 1
+
+    def wrapped(step, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with _Launches(depth) as launches:
+            out = real(step, *args, **kwargs)
+        if graphs.kind(step_of(step)) == kind:
+            counted.append(launches.ops - collections.Counter(dict.fromkeys(HOST_ONLY, 1 << 20)))
+        return out
+
+    graphs._forward = forward  # type: ignore[method-assign]
+    setattr(owner, method, wrapped)
+    return counted
 
 
 class _Launches(TorchDispatchMode):
@@ -389,9 +425,7 @@ def test_a_greedy_replayed_decode_step_launches_one_copy_beside_its_graph(tmp_pa
     GPU, is no operator here)."""
     if device().type != "cpu":
         pytest.skip("counted under Triton's interpreter")
-    hf = _make("llama")
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    _write_llama(tmp_path)
     llm = LLM(
         str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
         async_scheduling=async_scheduling, compilation_config={"cudagraph_capture_sizes": [1, 4]},
@@ -399,25 +433,7 @@ def test_a_greedy_replayed_decode_step_launches_one_copy_beside_its_graph(tmp_pa
     runner = llm.llm_engine.runner
     graphs = runner.graphs
     assert graphs is not None and graphs.tail_rows == 4
-    depth = [0]
-    real_launch, real_forward = runner.launch, graphs._forward
-    counted: list[collections.Counter[str]] = []
-
-    def forward(kind, size):  # type: ignore[no-untyped-def]
-        depth[0] += 1
-        try:
-            return real_forward(kind, size)
-        finally:
-            depth[0] -= 1
-
-    def launch(scheduler_output, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with _Launches(depth) as launches:
-            out = real_launch(scheduler_output, *args, **kwargs)
-        if runner.graph_kind(scheduler_output.scheduled) == "decode":
-            counted.append(launches.ops.copy())
-        return out
-
-    graphs._forward, runner.launch = forward, launch
+    counted = _launches_beside_the_forward(graphs, runner, "launch", "decode", lambda out: out.scheduled)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([[5, 6, 7]], params, use_tqdm=False)  # batch 1
     llm.generate([[5, 6, 7], [8, 9], [1, 2, 3, 4]], params, use_tqdm=False)  # 3 rows padded to 4
@@ -431,9 +447,7 @@ def test_replayed_decode_steps_sample_from_their_graphs_logits_as_eager_steps_do
     """A decode graph computes its rows' logits (cuda_graphs.DecodeTail); every request that is not
     plain greedy samples from them as from an eager step's: logprobs, seeded draws, penalties,
     min_tokens, allowed_token_ids - the same tokens and logprobs as an eager engine's."""
-    hf = _make("llama")
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    _write_llama(tmp_path)
     base = dict(dtype="float32", device=str(device()), max_model_len=64, max_num_seqs=8, block_size=8)
     llm = LLM(str(tmp_path), **base, compilation_config={"cudagraph_capture_sizes": [1, 4, 8]})
     eager = LLM(str(tmp_path), **base, enforce_eager=True)
@@ -462,34 +476,14 @@ def test_a_replayed_mixed_steps_inputs_reach_the_buffers_in_one_copy(tmp_path, s
     (a GPU's replay: one launch)."""
     if device().type != "cpu":
         pytest.skip("counted under Triton's interpreter")
-    hf = _make("llama")
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    _write_llama(tmp_path)
     llm = LLM(
         str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4, async_scheduling=False,
         compilation_config={"cudagraph_capture_sizes": [1, 4, 16], "cudagraph_mode": "FULL"},
     )  # fmt: skip
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None
-    depth = [0]
-    real_run, real_forward = graphs.run, graphs._forward
-    counted: list[collections.Counter[str]] = []
-
-    def forward(kind, size):  # type: ignore[no-untyped-def]
-        depth[0] += 1
-        try:
-            return real_forward(kind, size)
-        finally:
-            depth[0] -= 1
-
-    def run(scheduled, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with _Launches(depth) as launches:
-            out = real_run(scheduled, *args, **kwargs)
-        if graphs.kind(scheduled) == "mixed":  # (host tensors made and read as NumPy launch nothing)
-            counted.append(launches.ops - collections.Counter(dict.fromkeys(HOST_ONLY, 1 << 20)))
-        return out
-
-    graphs._forward, graphs.run = forward, run
+    counted = _launches_beside_the_forward(graphs, graphs, "run", "mixed", lambda scheduled: scheduled)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([[5, 6, 7], [8, 9], [1, 2, 3, 4]], params, use_tqdm=False)
     assert counted and all(ops == {"copy_": 1} for ops in counted), counted
@@ -501,9 +495,7 @@ def test_a_step_past_the_span_limit_copies_its_tables_apart(tmp_path, static_gra
     rows growing into a second block."""
     from prefixkv.engine import cuda_graphs
 
-    hf = _make("llama")
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    _write_llama(tmp_path)
     monkeypatch.setattr(cuda_graphs, "SPAN_COPY_MAX", 1)
     base = dict(dtype="float32", device=str(device()), max_model_len=64, max_num_seqs=4, block_size=8)
     llm = LLM(
