@@ -7,8 +7,11 @@ Decode steps: per batch size of `capture_sizes` (vLLM's: 1, 2, 4, then multiples
 recorded once over fixed buffers (model/static_decode.py) after an eager warm-up (Triton compiles
 there). A step whose every sequence has one new token, fits the largest size and the buffers'
 context width (`max_seq_len_to_capture`) copies its ids, positions, slots, block tables and lengths
-into the buffers, padded up to the next size, and replays. Padding rows write their K/V to a null
-block the scheduler never hands out and have length 0 (nothing read).
+into the buffers in one copy (static_decode.DecodeLayout: the host's page-locked twin of the
+device's flat buffer), padded up to the next size, and replays. Padding rows write their K/V to a
+null block the scheduler never hands out and have length 0 (nothing read). The graphs of small
+batches also run the LM head, each row's finite check and the argmax (DecodeTail): a greedy step
+launches nothing else.
 
 Mixed steps (prompts or chunks, with or without decodes), up to the token count where their replay
 timed faster than the eager step on this card (mixed_graph_choice.py; all of them under
@@ -73,8 +76,8 @@ logger = logging.getLogger("prefixkv")
 MAX_CAPTURE_SIZE = 512  # vLLM's default cap
 ENV = "PREFIXKV_CUDA_GRAPHS"
 MIB = 1 << 20
-# int32 entries a decode step copies in one span at most (256 KiB: 128 rows of 512-block tables);
-# past that, its tables' used columns alone (DecodeLayout)
+# int32 entries a step copies in one span at most (256 KiB: 128 rows of 512-block tables); past
+# that, its header, then its tables' used columns (DecodeLayout, MixedLayout)
 SPAN_COPY_MAX = 1 << 16
 # Decode graphs of at most this much float32 logits (one buffer, shared by every size) also run the
 # LM head and a greedy step's tail (DecodeTail): a greedy decode step then launches nothing outside
