@@ -5,6 +5,7 @@ an H100 a decode step of the default model at batch 256 took 9.45 ms, and 9.00 m
 scheduling hiding the host's work behind the device's.
 
     python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
+        [--temperature 0.8 --top-p 0.9]
         [--device cuda --dtype bfloat16 --device-time] [--profile-top 25] [--model DIR | --model default]
         [--against TREE --pairs 4]
 
@@ -205,6 +206,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
     ap.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; else unseeded draws (what chat clients send)"
+    )
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument(
         "--output-kind",
         default="FINAL_ONLY",
         choices=[k.name for k in RequestOutputKind],
@@ -263,9 +268,12 @@ def main() -> None:
             stub = torch.zeros(rows, engine.model_config.hidden_size)
             # what a decode graph's tail leaves (cuda_graphs.DecodeTail): finite rows, token 0
             tail = (torch.ones(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.long))
+            if getattr(graphs, "logits", None) is not None:  # the stub's logits: zeros, as its hidden states give
+                with torch.inference_mode():
+                    graphs.logits.zero_()
 
             def replay(kind: str, size: int) -> torch.Tensor:  # one launch, nothing for the host
-                if kind.startswith("decode") and size <= graphs.tail_rows:
+                if kind.startswith("decode") and size <= getattr(graphs, "tail_rows", 0):  # (an older tree: none)
                     graphs._tails[kind, size] = (tail[0][:size], tail[1][:size], tail[1][:size])
                 return stub[:size]
 
@@ -278,7 +286,11 @@ def main() -> None:
         timed(engine.runner, "launch", "runner launch", acc)
         timed(engine.runner.model, "forward", "model forward", acc)
         params = SamplingParams(
-            temperature=0, max_tokens=args.steps + 1, ignore_eos=True, output_kind=RequestOutputKind[args.output_kind]
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.steps + 1,
+            ignore_eos=True,
+            output_kind=RequestOutputKind[args.output_kind],
         )
         for B in batches:
             per_round: dict[str, list[float]] = collections.defaultdict(list)
