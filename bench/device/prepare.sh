@@ -24,6 +24,8 @@ cp "$(dirname "$model")/__init__.py" .device/model-0/
 (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") > .device/model-0/SHA256SUMS
 if [ -n "${BASE:-}" ]; then
     mkdir -p .device/base && git archive "$BASE" prefixkv bench | tar -x -C .device/base
+    # the same measuring script in both trees (it runs against older ones): only prefixkv differs
+    cp bench/host_overhead.py .device/base/bench/
 fi
 du -sh .device/whl .device/model-* ${BASE:+.device/base}
 # what each call carries, the tracked working tree included, against the 64 MiB a call may carry
