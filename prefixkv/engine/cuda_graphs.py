@@ -220,8 +220,11 @@ class StepGraphs:
         self.inputs = StaticDecodeInputs(self.max_size, max_blocks, block_size, device, recurrent=recurrent)
         pinned = device.type == "cuda"
         self.host_inputs = DecodeHostInputs(self.max_size, max_blocks, block_size, self.null_slot, recurrent, pinned)
-        # the page-locked inputs are rewritten only once the copy from them is done (a GPU)
+        # the page-locked inputs are rewritten only once the copy from them is done (a GPU): one
+        # event, recorded again after each step's copies (none created a step)
         self._inputs_copied: torch.cuda.Event | None = None
+        if pinned:
+            self._inputs_copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._decode_view: StaticDecodeView | None = None  # the last decode step's
         self._mixed_view: StaticMixedView | None = None  # the last mixed step's
         self.mixed_host: MixedHostBuffer | None = None
@@ -385,7 +388,7 @@ class StepGraphs:
         kind = self._with_adapters("decode", size, None if lora_slots is None else np.asarray(lora_slots))
         every_id_carried = carried is not None and len(carried[0]) == b
         if self._inputs_copied is not None:  # the last step's copy from the host buffers is done
-            self._inputs_copied.synchronize()
+            self._inputs_copied.synchronize()  # (at once where never recorded)
         host = self.host_inputs.build(scheduled, size, ids_on_device=every_id_carried)
         view = self.metas[size].static
         assert isinstance(view, StaticDecodeView)
@@ -404,9 +407,8 @@ class StepGraphs:
             g_view.slot_mapping.copy_(g_step.rows[2], non_blocking=True)
             g_tables = pinned_for(torch.from_numpy(np.ascontiguousarray(g_step.tables)), g_view.block_tables.device)
             g_view.block_tables[:b, : g_tables.shape[1]].copy_(g_tables, non_blocking=True)
-        if view.input_ids.device.type == "cuda":
-            self._inputs_copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._inputs_copied.record()
+        if self._inputs_copied is not None:  # after the copies, on their device's stream
+            self._inputs_copied.record(torch.cuda.current_stream(self.inputs.device))
         self._decode_view = view
         self.replays += 1
         return self._replay(kind, size)[:b]
@@ -454,7 +456,7 @@ class StepGraphs:
             self.max_blocks, group_tables,
         )  # fmt: skip
         if self._inputs_copied is not None:  # the last step's copy from the host buffers is done
-            self._inputs_copied.synchronize()
+            self._inputs_copied.synchronize()  # (at once where never recorded)
         assert self.mixed_host is not None
         span = self.mixed_host.fill(host, size)
         # columns past a sequence's blocks, and other sequences' rows, are never read (the lengths
@@ -478,9 +480,8 @@ class StepGraphs:
         if buf.scan is not None:
             assert view.scan is not None
             self._copy_scan(buf.scan, view.scan.segments, scheduled, qsl, size)
-        if view.input_ids.device.type == "cuda":
-            self._inputs_copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._inputs_copied.record()
+        if self._inputs_copied is not None:  # after the copies, on their device's stream
+            self._inputs_copied.record(torch.cuda.current_stream(self.inputs.device))
         self._mixed_view = view
         self.mixed_replays += 1
         return self._replay(kind, size)[:tokens], qsl
