@@ -225,8 +225,6 @@ class StepGraphs:
         self._inputs_copied: torch.cuda.Event | None = None
         if pinned:
             self._inputs_copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._decode_view: StaticDecodeView | None = None  # the last decode step's
-        self._mixed_view: StaticMixedView | None = None  # the last mixed step's
         self.mixed_host: MixedHostBuffer | None = None
         self.mixed_group_views: dict[int, list[StaticMixedView]] = {}  # per size, each group's
         self.max_context = self.inputs.max_context
@@ -405,11 +403,9 @@ class StepGraphs:
             g_step = group_host.build(scheduled, size, True, [sr.group_block_tables[g] for sr in scheduled])
             g_view = self.group_views[size][g]
             g_view.slot_mapping.copy_(g_step.rows[2], non_blocking=True)
-            g_tables = pinned_for(torch.from_numpy(np.ascontiguousarray(g_step.tables)), g_view.block_tables.device)
-            g_view.block_tables[:b, : g_tables.shape[1]].copy_(g_tables, non_blocking=True)
+            self._copy_tables(g_view.block_tables, g_step.tables)
         if self._inputs_copied is not None:  # after the copies, on their device's stream
             self._inputs_copied.record(torch.cuda.current_stream(self.inputs.device))
-        self._decode_view = view
         self.replays += 1
         return self._replay(kind, size)[:b]
 
@@ -431,11 +427,17 @@ class StepGraphs:
             flat[lo:hi].copy_(host_flat[lo:hi], non_blocking=True)
             return
         flat[lo:tables_at].copy_(host_flat[lo:tables_at], non_blocking=True)
+        StepGraphs._copy_tables(tables, step_tables)
+
+    @staticmethod
+    def _copy_tables(tables: torch.Tensor, step_tables: torch.Tensor | np.ndarray) -> None:
+        """A step's block tables [rows, width] (host memory) into the corner of the device's
+        `tables`: columns past a row's blocks, and other rows, are never read (the lengths)."""
         n, width = step_tables.shape
-        narrow = (
+        host = (
             torch.from_numpy(np.ascontiguousarray(step_tables)) if isinstance(step_tables, np.ndarray) else step_tables
         )
-        tables[:n, :width].copy_(pinned_for(narrow.contiguous(), flat.device), non_blocking=True)
+        tables[:n, :width].copy_(pinned_for(host.contiguous(), tables.device), non_blocking=True)
 
     def _run_mixed(
         self,
@@ -464,11 +466,8 @@ class StepGraphs:
         self._copy_inputs(buf.flat, self.mixed_host.flat, span, buf.layout.tables_at, view.block_tables, host.tables)
         for g, (g_slots, g_tables) in enumerate(host.groups):
             g_view = self.mixed_group_views[size][g]
-            dev = g_view.slot_mapping.device
-            g_view.slot_mapping.copy_(pinned_for(g_slots, dev), non_blocking=True)
-            g_view.block_tables[: g_tables.shape[0], : g_tables.shape[1]].copy_(
-                pinned_for(g_tables, dev), non_blocking=True
-            )
+            g_view.slot_mapping.copy_(pinned_for(g_slots, g_view.slot_mapping.device), non_blocking=True)
+            self._copy_tables(g_view.block_tables, g_tables)
         qsl = host.query_start_loc
         rows = None if lora_slots is None else np.repeat(np.asarray(lora_slots, dtype=np.int64), np.diff(qsl))
         kind = self._with_adapters("mixed", size, rows)
@@ -482,7 +481,6 @@ class StepGraphs:
             self._copy_scan(buf.scan, view.scan.segments, scheduled, qsl, size)
         if self._inputs_copied is not None:  # after the copies, on their device's stream
             self._inputs_copied.record(torch.cuda.current_stream(self.inputs.device))
-        self._mixed_view = view
         self.mixed_replays += 1
         return self._replay(kind, size)[:tokens], qsl
 
@@ -506,11 +504,11 @@ class StepGraphs:
     def step_slots(self, kind: str, rows: int) -> torch.Tensor:
         """The KV slots of the last step's first `rows` rows (a step of `kind`), as the buffers hold
         them until the next step is copied in."""
-        if kind == "decode":
-            assert self._decode_view is not None
-            return self._decode_view.slot_mapping[:rows]
-        assert self._mixed_view is not None
-        return self._mixed_view.slot_mapping[:rows]
+        assert self._last is not None and self._last[0].startswith(kind)
+        size = self._last[1]
+        view = (self.metas[size] if kind == "decode" else self.mixed_metas[size]).static
+        assert isinstance(view, (StaticDecodeView, StaticMixedView))
+        return view.slot_mapping[:rows]
 
     def decode_tail(self, rows: int) -> DecodeTail | None:
         """The last step's DecodeTail, its first `rows` rows, where it was a decode computing one."""

@@ -89,8 +89,8 @@ def cuda_kv_budget(
     max_tokens: int,
     max_rows: int,
     block_size: int,
-    graph_rows: int = 0,
-    graph_logits_rows: int = 1,
+    graph_rows: int,
+    graph_logits_rows: int,
 ) -> int:
     """The KV budget in bytes on the model's CUDA device for `gpu_memory_utilization`.
     `graph_rows`: the most rows a step captured as a CUDA graph has (a decode batch or a mixed
