@@ -40,7 +40,15 @@ def test_compare_within_rounding_and_beyond():
 
 
 @pytest.mark.slow(seconds=4)
-def test_a_decode_replay_computing_a_wrong_row_leaves_decode_steps_eager(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "broken_part, said",
+    [("hidden", "the replay of 1 rows (1 decodes) disagreed"), ("logits", "the logits of the replay of 1 rows")],
+)
+def test_a_decode_replay_computing_a_wrong_row_leaves_decode_steps_eager(
+    tmp_path, monkeypatch, caplog, broken_part, said
+):
+    """A replay whose final hidden states, or whose logits (the graph's LM head, DecodeTail), are
+    wrong in a row is refused: decode steps run eagerly, said so, and outputs stay right."""
     kernels_module()
     monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
     hf = _make("llama")
@@ -50,8 +58,8 @@ def test_a_decode_replay_computing_a_wrong_row_leaves_decode_steps_eager(tmp_pat
 
     def broken(self, kind, size):  # type: ignore[no-untyped-def]
         hidden = real(self, kind, size)
-        if kind == "decode":
-            hidden[0].zero_()  # a row the kernel never wrote
+        if kind == "decode":  # a row the kernel never wrote
+            (hidden if broken_part == "hidden" else self.logits)[0].zero_()
         return hidden
 
     monkeypatch.setattr(StepGraphs, "_forward", broken)
@@ -62,7 +70,7 @@ def test_a_decode_replay_computing_a_wrong_row_leaves_decode_steps_eager(tmp_pat
     )  # fmt: skip
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and "decode" in graphs.failed and not graphs.graphs
-    assert "decode steps run eagerly: the replay of 1 rows (1 decodes) disagreed" in caplog.text
+    assert f"decode steps run eagerly: {said}" in caplog.text
     prompt = [5, 17, 99, 3, 42, 7]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 5)
