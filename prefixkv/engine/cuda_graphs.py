@@ -52,6 +52,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -64,12 +65,17 @@ from ..model.host_copy import pinned_for, tensor_on
 from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from ..model.static_scan import StaticScanInputs
+from ..sampling_params import SamplingParams
 from .decode_host_inputs import DecodeHostInputs
+from .graph_sampling import GraphSampling
 from .mixed_host_inputs import MixedHostBuffer, build_mixed
 from .sampler import mark_unfinished, rows_finite
 from .scan_host_inputs import build_scan
 from .scheduler_output import ScheduledRequest
 from .static_image_rows import StaticImageRows
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger("prefixkv")
 
@@ -294,12 +300,16 @@ class StepGraphs:
         self.replays = 0  # decode steps that took this path (a test checks the path ran)
         self.mixed_replays = 0  # mixed steps that did
         self.lora_replays = 0  # steps of either kind with an adapter's rows
+        self.draws = 0  # sampled decode steps whose draws ran in the graphs (`draw`)
         self.failed: set[str] = set()  # kinds whose capture failed: they run eagerly
         # decode sizes up to `tail_rows` compute their DecodeTail in the graph, logits into `logits`
         self.tail_rows = 0
         self.logits: torch.Tensor | None = None
+        # their sampled steps' draws (graph_sampling.py), after the decode graph
+        self.sampling: GraphSampling | None = None
         self._tails: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._last: tuple[str, int] | None = None  # the last replayed (kind, size)
+        self._last_rows = 0  # and its real rows, where a decode
 
     # -- a step ------------------------------------------------------------------------------------
     def kind(self, scheduled: list[ScheduledRequest]) -> str | None:
@@ -407,6 +417,7 @@ class StepGraphs:
         if self._inputs_copied is not None:  # after the copies, on their device's stream
             self._inputs_copied.record(torch.cuda.current_stream(self.inputs.device))
         self.replays += 1
+        self._last_rows = b
         return self._replay(kind, size)[:b]
 
     @staticmethod
@@ -519,6 +530,34 @@ class StepGraphs:
         finite, tokens, marked = tail
         return DecodeTail(self.logits[:rows], finite[:rows], tokens[:rows], marked[:rows])
 
+    def samples(self, params: list[SamplingParams]) -> bool:
+        """Whether the last step's rows with `params` draw their tokens in a graph (`draw`): it
+        computed its DecodeTail, every row is one of its requests', and none asks for penalties or
+        logprobs (the caller knows of constraints and blocked EOS)."""
+        last = self._last
+        return (
+            self.sampling is not None
+            and "sample" not in self.failed
+            and last is not None
+            and last in self._tails
+            and len(params) == self._last_rows
+            and GraphSampling.takes(params)
+        )
+
+    def draw(
+        self, params: list[SamplingParams], generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens the last decode step's rows draw (`samples`), each row's uniform from its
+        generator as the eager sampler takes it, and the same tokens marked (-1 where a row's
+        logits were not finite); views of a buffer the next draw rewrites."""
+        assert self.sampling is not None and self.logits is not None and self._last is not None
+        size = self._last[1]
+        sort = self.sampling.fill(params, generators, size)
+        self.draws += 1
+        tokens, marked = self.sampling.replay(self.logits[:size], sort)
+        n = len(params)
+        return tokens[:n], marked[:n]
+
     def _replay(self, kind: str, size: int) -> torch.Tensor:
         self._last = (kind, size)
         graph = self.graphs.get((kind, size))
@@ -561,6 +600,7 @@ class StepGraphs:
         self.tail_rows = tail_rows(self.sizes, vocab)
         if self.tail_rows:
             self.logits = torch.zeros(self.tail_rows, vocab, dtype=torch.float32, device=device)
+            self.sampling = GraphSampling(self.tail_rows, vocab, device, device.type == "cuda")
 
     # -- capture -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -614,10 +654,34 @@ class StepGraphs:
             mapping = self.lora_maps.get((kind, size))
             if mapping is not None:  # the replay remakes its masks first: their memory goes back to the pool
                 mapping.masks = None
+        self._capture_sampling(pool, stream)
         torch.cuda.synchronize(device)
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.capture_seconds = time.perf_counter() - start
         logger.info("CUDA graphs captured: %s", self.summary())
+
+    def _capture_sampling(self, pool: _POOL_HANDLE, stream: torch.cuda.Stream) -> None:
+        """The draws' graphs (graph_sampling.py) of each size computing its tail, both variants,
+        largest first, into the decode graphs' pool: they run after them, never beside them."""
+        sampling, logits = self.sampling, self.logits
+        if sampling is None or logits is None or "decode" in self.failed:
+            return
+        device = logits.device
+        for size in sorted((s for s in self.sizes if s <= self.tail_rows), reverse=True):
+            for sort in (True, False):
+                try:
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):
+                            sampling.record(logits[:size], sort)
+                    torch.cuda.current_stream(device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        sampling.record(logits[:size], sort)
+                except Exception as e:  # noqa: BLE001 (sampled steps then draw eagerly, said once)
+                    self.refuse("sample", f"capturing its {size}-row graph raised {type(e).__name__}: {e}")
+                    return
+                sampling.graphs[sort, size] = graph
 
     def _pad(self, kind: str, size: int) -> None:
         """A size's rows all padding before its capture (the sizes' headers overlap: each size's is
@@ -644,6 +708,8 @@ class StepGraphs:
             del self.graphs[key], self.outputs[key]
         for key in [key for key in self._tails if key[0] == kind]:
             del self._tails[key]
+        if kind == "sample" and self.sampling is not None:
+            self.sampling.graphs.clear()
         logger.warning("CUDA graphs: %s steps run eagerly: %s", kind, why)
 
     def limit_mixed(self, max_tokens: int) -> None:

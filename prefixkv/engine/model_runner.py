@@ -296,15 +296,17 @@ class ModelRunner:
         self, logits: torch.Tensor, reqs: list[ScheduledRequest], pending: PendingOutput, tail: DecodeTail | None = None
     ) -> None:
         """`tail`: what the replayed graph computed of these rows (`logits` its): its row checks,
-        and its argmax where that is every token (sampler.plain_greedy)."""
+        its argmax where that is every token (sampler.plain_greedy), and its graphs' draws where
+        they take the rows (`_draws_in_graph`)."""
         finite = tail.finite if tail is not None else rows_finite(logits)
         out = pending.out
         greedy = all(sr.sampling_params.greedy for sr in reqs)
+        in_graph = tail is not None and len(reqs) == tail.tokens.shape[0] and self._draws_in_graph(reqs)
         if self.defer_reads:
             # checked when the tokens are read, and a broken row's token dropped then. A random draw
-            # from it would raise, so it draws from zeros; an argmax never raises: a batch of greedy
-            # rows skips that pass over its logits
-            if not greedy:
+            # from it would raise, so it draws from zeros (the graphs' draws too); an argmax never
+            # raises: a batch of greedy rows skips that pass over its logits
+            if not greedy and not in_graph:
                 logits = torch.where(finite[:, None], logits, 0.0)
             pending.finite = finite
         elif not bool(finite.all()):  # a broken row fails its request, not the batch
@@ -316,9 +318,18 @@ class ModelRunner:
             if not reqs:
                 return
             logits = logits[torch.tensor(keep, device=logits.device)]
+            in_graph = False  # fewer rows than the graph's
         if tail is not None and len(reqs) == tail.tokens.shape[0] and self._takes_argmax(reqs):
             marked = tail.marked if pending.finite is not None else None
             pending.sampled = SampledTensors(tail.tokens, len(reqs), marked=marked)
+            pending.req_ids = [sr.req_id for sr in reqs]
+            pending.start_reading()
+            return
+        if in_graph:
+            assert self.graphs is not None
+            gens = [sr.generator or self.default_generator for sr in reqs]
+            tokens, marked = self.graphs.draw([sr.sampling_params for sr in reqs], gens)
+            pending.sampled = SampledTensors(tokens, len(reqs), marked=marked if pending.finite is not None else None)
             pending.req_ids = [sr.req_id for sr in reqs]
             pending.start_reading()
             return
@@ -345,6 +356,17 @@ class ModelRunner:
             reqs = [sr for sr in reqs if sr.req_id not in out.errors]
         pending.req_ids = [sr.req_id for sr in reqs]
         pending.start_reading()  # before the engine launches a next step (async scheduling)
+
+    def _draws_in_graph(self, reqs: list[ScheduledRequest]) -> bool:
+        """Whether the replayed decode step's graphs draw these rows' tokens (StepGraphs.draw):
+        some row is sampled (plain greedy rows take the tail's argmax), and no constraints or
+        blocked EOS, which edit rows eagerly."""
+        graphs = self.graphs
+        if graphs is None or self._takes_argmax(reqs):
+            return False
+        if any(sr.constraints is not None or sr.block_eos for sr in reqs):
+            return False
+        return graphs.samples([sr.sampling_params for sr in reqs])
 
     @staticmethod
     def _takes_argmax(reqs: list[ScheduledRequest]) -> bool:

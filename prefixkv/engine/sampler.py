@@ -281,14 +281,83 @@ def _nucleus_floors_sorted(
 ) -> torch.Tensor:
     """`_nucleus_floors` by a sort of whole rows: every shape known before the device runs, so
     no step of it waits for the device (the candidates' count would)."""
-    hidden = z < floor
-    vals, order = torch.sort(z.masked_fill(hidden, -math.inf), dim=1, descending=True, stable=True)
-    above = weights.masked_fill(hidden, 0.0)
-    bound = top_p * above.sum(dim=1).double()
+    vals, order = torch.sort(z, dim=1, descending=True, stable=True)
+    return _nucleus_floors_of_sorted(z, vals, order, weights, floor, top_p)
+
+
+def _nucleus_floors_of_sorted(
+    z: torch.Tensor,
+    vals: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    floor: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """`_nucleus_floors_sorted` given z's rows sorted (`vals`, `order`: descending, stable). The
+    tokens under a floor sort after every other (they are the row's lowest values) and weigh 0
+    here, so the kept run is the one a sort of the rows without them gives; where the count runs
+    past it, the value read is under the floor, which the result's maximum keeps."""
+    above = weights.masked_fill(z < floor, 0.0)
+    bound = top_p * above.sum(dim=1).double()  # summed in the rows' own order, as _nucleus_floors sums
     w = above.gather(1, order).double()
     before = torch.cumsum(w, 1) - w  # the mass before each token within its row
     kept = (before < bound[:, None]).sum(dim=1).clamp(min=1)
     return torch.maximum(floor, vals.gather(1, (kept - 1)[:, None]))
+
+
+# The rows of `draw_fixed`'s per-row parameters [SAMPLE_PARAMS, rows] (float64): the uniform, 1 /
+# temperature, min-p's floor log(min_p), top-k (0: none), top-p, and 1 for a greedy row
+SAMPLE_PARAMS = 6
+
+
+def fixed_params(params: list[SamplingParams], vocab: int, generators: list[torch.Generator], out: np.ndarray) -> bool:
+    """Write each row's parameters for `draw_fixed` into `out` [SAMPLE_PARAMS, >= rows] (host
+    memory), drawing the uniforms of the rows `sample` would draw from, from their generators in
+    row order (as `sample` does); return whether a row asks for top-k or top-p (the sorted
+    variant). A greedy row gets values under which its unused draw stays well-defined."""
+    n = len(params)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    u = uniforms([generators[i] for i in drawn]).numpy() if drawn else None
+    rows = out[:, :n]
+    rows[0] = 0.0
+    if u is not None:
+        rows[0, drawn] = u
+    sorted_ = False
+    for i, p in enumerate(params):
+        if p.greedy:
+            rows[1:, i] = (1.0, -math.inf, 0.0, 1.0, 1.0)
+            continue
+        k = p.top_k if 0 < p.top_k < vocab else 0
+        sorted_ = sorted_ or k > 0 or p.top_p < 1.0
+        rows[1:, i] = (1.0 / p.temperature, math.log(p.min_p) if p.min_p > 0.0 else -math.inf, k, p.top_p, 0.0)
+    return sorted_
+
+
+def draw_fixed(logits: torch.Tensor, params: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`'s tokens for rows of `logits` [B, vocab] (float32) without penalties, constraints,
+    logprobs or blocked EOS, every shape fixed by the inputs' (what a CUDA graph records): each
+    row's parameters in `params` [SAMPLE_PARAMS, B] (fixed_params), every filter computed for
+    every row and kept where the row asks for it, so each row's token is the one `sample` draws
+    (tests/engine/test_sampler.py). `sort`: a row asks for top-k or top-p (else they are
+    skipped: the sort is most of the work). Returns the tokens and the tokens marked
+    (mark_unfinished): a row whose logits are not finite is drawn from zeros."""
+    finite = rows_finite(logits)
+    x = torch.where(finite[:, None], logits, 0.0)
+    u, scale, floor, top_k, top_p, greedy = params
+    floor = floor.to(x.dtype)[:, None]
+    z = x - x.amax(dim=1, keepdim=True)
+    z *= scale.to(x.dtype)[:, None]  # x 1.0 where `sample` skips it: the same bits
+    weights = torch.exp(z)
+    if sort:
+        vals, order = torch.sort(z, dim=1, descending=True, stable=True)
+        k = top_k.long()
+        kth = vals.gather(1, (k.clamp(min=1) - 1)[:, None])  # the k-th best value, as topk finds it
+        floor = torch.where((k > 0)[:, None], torch.maximum(floor, kth), floor)
+        nucleus = _nucleus_floors_of_sorted(z, vals, order, weights, floor, top_p)
+        floor = torch.where((top_p < 1.0)[:, None], nucleus, floor)
+    drawn = _pick(weights.masked_fill_(z < floor, 0.0), u)
+    tokens = torch.where(greedy > 0.0, x.argmax(dim=-1), drawn)
+    return tokens, mark_unfinished(tokens, finite)
 
 
 def score_tokens(

@@ -317,6 +317,19 @@ def _launches_beside_the_forward(
         finally:
             depth[0] -= 1
 
+    sampling = graphs.sampling
+    if sampling is not None:  # a sampled step's draws: their graph's work, left out too
+        real_draws = sampling.replay
+
+        def draws(logits, sort):  # type: ignore[no-untyped-def]
+            depth[0] += 1
+            try:
+                return real_draws(logits, sort)
+            finally:
+                depth[0] -= 1
+
+        sampling.replay = draws  # type: ignore[method-assign]
+
     def wrapped(step, *args, **kwargs):  # type: ignore[no-untyped-def]
         with _Launches(depth) as launches:
             out = real(step, *args, **kwargs)
@@ -441,6 +454,76 @@ def test_a_greedy_replayed_decode_step_launches_one_copy_beside_its_graph(tmp_pa
     want = {"copy_": 2} if async_scheduling else {"copy_": 1, "all": 1, "is_nonzero": 1}
     assert len(counted) == 6
     assert all(ops == want for ops in counted), counted
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_sampled_replayed_decode_step_launches_two_copies_beside_its_graphs(
+    tmp_path, static_graphs, async_scheduling
+):
+    """A sampled decode step (temperature, top-p) draws its tokens in a graph of its own after the
+    decode graph (graph_sampling.py): beside them it launches the greedy step's copies and one
+    more, its rows' parameters and uniforms. Counted on a CPU, the graphs' work left out."""
+    if device().type != "cpu":
+        pytest.skip("counted under Triton's interpreter")
+    _write_llama(tmp_path)
+    llm = LLM(
+        str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+        async_scheduling=async_scheduling, compilation_config={"cudagraph_capture_sizes": [1, 4]},
+    )  # fmt: skip
+    runner = llm.llm_engine.runner
+    graphs = runner.graphs
+    assert graphs is not None and graphs.sampling is not None
+    counted = _launches_beside_the_forward(graphs, runner, "launch", "decode", lambda out: out.scheduled)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    llm.generate([[5, 6, 7], [8, 9], [1, 2, 3, 4]], [params, params.clone(seed=3), params], use_tqdm=False)
+    want = {"copy_": 3} if async_scheduling else {"copy_": 2, "all": 1, "is_nonzero": 1}
+    assert len(counted) == 6 and graphs.draws == 6
+    # the uniforms: drawn on the host, one draw per generator (the engine's; the seeded row's own)
+    assert [ops.pop("rand") for ops in counted] == [1, 1, 1, 2, 2, 2]
+    assert all(ops == want for ops in counted), counted
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampled_decode_steps_draw_in_their_graphs_as_eager_steps_draw(tmp_path, static_graphs, async_scheduling):
+    """Sampled rows - seeded or from the engine's generator, temperature, top-k, top-p, min-p, beside
+    greedy ones - draw in the decode graphs' sampling graphs (graph_sampling.py) the tokens an
+    eager engine draws; steps without top-k or top-p take the variant without the sort."""
+    _write_llama(tmp_path)
+    base = dict(dtype="float32", device=str(device()), max_model_len=64, max_num_seqs=8, block_size=8)
+    llm = LLM(
+        str(tmp_path), **base, async_scheduling=async_scheduling,
+        compilation_config={"cudagraph_capture_sizes": [1, 4, 8]},
+    )  # fmt: skip
+    eager = LLM(str(tmp_path), **base, enforce_eager=True)
+    prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6], [11, 12], [40, 41, 42]]
+    mixes = [
+        [
+            SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=1.3, min_p=0.1, max_tokens=9, ignore_eos=True),
+        ],
+        SamplingParams(temperature=0.9, min_p=0.02, max_tokens=10, ignore_eos=True),  # no sort
+    ]
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.sampling is not None
+    sampling, variants = graphs.sampling, []
+    real_replay = sampling.replay
+
+    def replay(logits, sort):  # type: ignore[no-untyped-def]
+        variants.append(sort)
+        return real_replay(logits, sort)
+
+    sampling.replay = replay  # type: ignore[method-assign]
+    for params, sort in zip(mixes, (True, False)):
+        variants.clear()
+        got, want = (e.generate(prompts, params, use_tqdm=False) for e in (llm, eager))
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert len(variants) >= 8 and set(variants) == {sort}  # the decode steps drew in the graphs
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
 
 
 def test_replayed_decode_steps_sample_from_their_graphs_logits_as_eager_steps_do(tmp_path, static_graphs):

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from prefixkv.engine.sampler import (
     DRAW_BLOCK,
+    SAMPLE_PARAMS,
     _nucleus_floors,
     _nucleus_floors_sorted,
     _pick,
+    draw_fixed,
     filtered_weights,
+    fixed_params,
     sample,
     uniforms,
 )
@@ -254,3 +258,83 @@ def test_uniforms_are_each_rows_own_draws_in_row_order():
     assert torch.equal(
         uniforms([one] * 300), torch.rand(300, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     )
+
+
+FIXED_CASES = [
+    [dict(temperature=1.0)],
+    [dict(temperature=0.7), dict(temperature=0), dict(temperature=1.3, min_p=0.1)],  # no sort
+    [dict(temperature=0.8, top_p=0.9)],
+    [dict(temperature=0.7, top_p=0.9), dict(temperature=0), dict(temperature=1.0), dict(temperature=1.0, top_k=5)],
+    [dict(temperature=0.5, top_k=300, top_p=0.8, min_p=0.01), dict(temperature=2.0, min_p=0.2, seed=4)],
+    [dict(temperature=1.0, top_p=1e-9), dict(temperature=1.0, top_k=1), dict(temperature=1.0, top_k=10**6)],
+    [dict(temperature=0), dict(temperature=0)],  # greedy rows only: the argmax
+]
+
+
+@pytest.mark.parametrize("vocab", [300, 49152])
+@pytest.mark.parametrize("case", range(len(FIXED_CASES)))
+def test_the_fixed_shape_draw_is_samples_token_for_token(vocab, case):
+    """What a CUDA graph replays for a sampled step (`draw_fixed`, every filter computed for every
+    row and selected per row) draws each row's token as `sample` does, from the same generators in
+    the same order, and leaves them in the same states; over rows of ties, a non-finite row
+    (marked -1, drawn from zeros as a deferred read draws it) and unused padding rows."""
+    gen = torch.Generator().manual_seed(vocab + case)
+    specs = FIXED_CASES[case]
+    params = [SamplingParams(**kw) for kw in specs]
+    n, rows = len(params), len(params) + 2  # two padding rows past the batch
+    for trial in range(6):
+        logits = torch.randn(rows, vocab, generator=gen) * (0.5, 1.0, 4.0)[trial % 3]
+        if trial == 3:
+            logits[0] = torch.randint(0, 3, (vocab,), generator=gen).float()  # thousands of ties
+        if trial == 4 and n > 1:
+            logits[1, 5] = math.nan  # not finite: drawn from zeros, marked
+        seeds = [100 * trial + i for i in range(n)]
+        eager_gens = [torch.Generator().manual_seed(s) for s in seeds]
+        finite = torch.isfinite(logits[:n].sum(-1))
+        want = (
+            sample(torch.where(finite[:, None], logits[:n], 0.0), params, eager_gens, [[1]] * n, [[2]] * n)
+            .result()
+            .token_ids
+        )
+        fixed_gens = [torch.Generator().manual_seed(s) for s in seeds]
+        host = np.zeros((SAMPLE_PARAMS, rows))
+        host[:, n:] = [[0.0], [1.0], [-math.inf], [0.0], [1.0], [1.0]]  # padding rows: greedy
+        sort = fixed_params(params, vocab, fixed_gens, host)
+        assert sort == any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
+        tokens, marked = draw_fixed(logits, torch.from_numpy(host), sort)
+        assert tokens[:n].tolist() == want, (trial, tokens[:n].tolist(), want)
+        assert marked[:n].tolist() == [t if ok else -1 for t, ok in zip(want, finite.tolist())]
+        for a, b in zip(eager_gens, fixed_gens):  # the generators moved alike
+            assert torch.equal(a.get_state(), b.get_state())
+        if not sort and any(0 < p.top_k or p.top_p < 1.0 for p in params):
+            continue
+        # the sorted variant draws the same tokens where no row asks for it (its filters select nothing)
+        again = [torch.Generator().manual_seed(s) for s in seeds]
+        fixed_params(params, vocab, again, host)
+        assert draw_fixed(logits, torch.from_numpy(host), True)[0][:n].tolist() == want
+
+
+def test_the_fixed_shape_draw_applies_each_filter_only_where_asked():
+    """At chosen uniforms (the last one just under 1: the row's lightest kept token) the fixed-shape
+    draw picks what `filtered_weights` keeps, on rows built so that a filter applied where it
+    was not asked for shows: a tail that a float32 sum of the row's mass rounds away (top-p = 1
+    must not cut it), and rows whose k-th value, min-p floor and nucleus each bind."""
+    V = 300
+    logits = torch.linspace(-27.0, -28.0, V).repeat(4, 1)  # each tail token weighs ~1e-12 of the best
+    logits[:, 0] = 0.0
+    logits[2, 1:40] = torch.linspace(-0.1, -3.0, 39)
+    logits[3, 1:40] = torch.linspace(-0.1, -3.0, 39)
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, min_p=1e-12),
+        SamplingParams(temperature=1.0, top_k=7),
+        SamplingParams(temperature=0.9, top_p=0.8),
+    ]
+    for u in (0.0, 0.3, 0.7, 1.0 - 1e-14):
+        host = np.zeros((SAMPLE_PARAMS, len(params)))
+        fixed_params(params, V, [torch.Generator()] * len(params), host)
+        host[0] = u
+        r = torch.full((len(params),), u, dtype=torch.float64)
+        want = _pick(filtered_weights(logits.clone(), params), r)
+        assert torch.equal(draw_fixed(logits, torch.from_numpy(host), True)[0], want), u
+    assert int(want[0]) == V - 1  # the tail kept: top-p 1 cuts nothing

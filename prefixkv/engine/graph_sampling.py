@@ -1,0 +1,78 @@
+"""A sampled decode step's draws, replayed as CUDA graphs after the decode graph whose logits they
+read (cuda_graphs.DecodeTail): sampling's few dozen small operators - temperature, top-k, min-p,
+top-p, the inverse-CDF draw - are each a launch from the host a step, beside a forward that is one.
+
+Each row's parameters and uniform are written on the host into a page-locked buffer and copied in
+one copy (sampler.fixed_params: the uniforms drawn from the requests' own generators, as the eager
+sampler draws them); the graph computes `sampler.draw_fixed` over the shared logits buffer into
+a buffer of tokens. Per decode size two graphs: one without the sort that top-k and top-p need
+(temperature, min-p, greedy rows), one with it. Rows with penalties, logprobs, constraints or
+blocked EOS sample eagerly, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .sampler import SAMPLE_PARAMS, draw_fixed, fixed_params
+
+# a padding row's parameters: greedy, nothing filtered (its draw is well-defined and unused)
+_PADDING = (0.0, 1.0, -math.inf, 0.0, 1.0, 1.0)
+
+
+class GraphSampling:
+    """The buffers of the draws of up to `rows` rows over a vocabulary of `vocab` tokens, and their
+    graphs (one per (sorted, size), filled by StepGraphs.capture)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device, pinned: bool) -> None:
+        self.rows, self.vocab = rows, vocab
+        self.params = torch.zeros(SAMPLE_PARAMS, rows, dtype=torch.float64, device=device)
+        self.host = torch.zeros(SAMPLE_PARAMS, rows, dtype=torch.float64, pin_memory=pinned)
+        self._host_rows = self.host.numpy()
+        self.drawn = torch.zeros(2, rows, dtype=torch.long, device=device)  # the tokens, and marked
+        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        # the page-locked parameters are rewritten only once the last copy from them is done
+        self._copied: torch.cuda.Event | None = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    def takes(params: Sequence[SamplingParams]) -> bool:
+        """Whether these rows' tokens are drawn here: no penalties and no logprobs (the caller knows
+        of constraints and blocked EOS)."""
+        return all(not p.penalized and p.logprobs is None for p in params)
+
+    def fill(self, params: list[SamplingParams], generators: list[torch.Generator], size: int) -> bool:
+        """The rows' parameters for a step of `size` rows, copied to the device in stream order;
+        returns whether the step takes the sorted variant."""
+        if self._copied is not None:
+            self._copied.synchronize()  # (at once where never recorded)
+        n = len(params)
+        sort = fixed_params(params, self.vocab, generators, self._host_rows)
+        if size > n:
+            self._host_rows[:, n:size] = [[v] for v in _PADDING]
+        # the whole buffer: one contiguous copy (a few KiB), where a size's columns are strided
+        self.params.copy_(self.host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.params.device))
+        return sort
+
+    def record(self, logits: torch.Tensor, sort: bool) -> None:
+        """What a graph records: the draws of `logits`' rows (the first rows of the shared logits
+        buffer) into `drawn`."""
+        size = logits.shape[0]
+        tokens, marked = draw_fixed(logits, self.params[:, :size], sort)
+        self.drawn[0, :size].copy_(tokens)
+        self.drawn[1, :size].copy_(marked)
+
+    def replay(self, logits: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draws of `logits`' rows and their marked tokens: the graph of their size and variant
+        replayed into `drawn` (rewritten by the next), or where none was captured computed anew."""
+        size = logits.shape[0]
+        graph = self.graphs.get((sort, size))
+        if graph is None:
+            return draw_fixed(logits, self.params[:, :size], sort)
+        graph.replay()
+        return self.drawn[0, :size], self.drawn[1, :size]
