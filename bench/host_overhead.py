@@ -26,7 +26,8 @@ one more round under cProfile, N rows.
 
 `--gpu-path` measures a GPU's host work on a CPU: decode steps through the fixed buffers a CUDA
 graph replays (PREFIXKV_CUDA_GRAPHS=static under Triton's interpreter), their forward stubbed (a
-replay costs the host one launch; a decode graph's LM head, row checks and argmax with it) and
+replay costs the host one launch; a decode graph's LM head, row checks and argmax with it, and a
+sampled step's draws graph another: graph_sampling.py) and
 async scheduling on, as a GPU runs them by default. An LM head run outside a graph (a step whose
 logits the graph does not compute), which a GPU runs on the device, is timed apart ("logits") and
 left out of the host's total.
@@ -278,6 +279,13 @@ def main() -> None:
                 return stub[:size]
 
             graphs._forward = replay
+            sampling = getattr(graphs, "sampling", None)  # a sampled step's draws (an older tree: none)
+            if sampling is not None:
+
+                def draws(logits: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Tensor]:  # one launch
+                    return tail[1][: logits.shape[0]], tail[1][: logits.shape[0]]
+
+                sampling.replay = draws
             timed(engine.scheduler, "schedule_ahead", "schedule", acc)
             timed(engine.runner.model, "compute_logits", "logits", acc)
         timed(engine.scheduler, "schedule", "schedule", acc)
