@@ -544,6 +544,7 @@ class StepGraphs:
             and GraphSampling.takes(params)
         )
 
+    @torch.inference_mode()
     def draw(
         self, params: list[SamplingParams], generators: list[torch.Generator]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -700,9 +701,9 @@ class StepGraphs:
             mixed_group_view.slot_mapping.fill_(self.null_slot)
 
     def refuse(self, kind: str, why: str) -> None:
-        """A kind of step ("decode", "mixed", each with "-lora") that could not be captured, or
-        whose replay disagreed with the eager step (graph_check.py), runs eagerly from now on
-        (slower, the same outputs): its graphs dropped, the reason logged."""
+        """A kind of step ("decode", "mixed", each with "-lora"; "sample": the draws' graphs) that
+        could not be captured, or whose replay disagreed with the eager step (graph_check.py), runs
+        eagerly from now on (slower, the same outputs): its graphs dropped, the reason logged."""
         self.failed.add(kind)
         for key in [key for key in self.graphs if key[0] == kind]:
             del self.graphs[key], self.outputs[key]
@@ -710,7 +711,8 @@ class StepGraphs:
             del self._tails[key]
         if kind == "sample" and self.sampling is not None:
             self.sampling.graphs.clear()
-        logger.warning("CUDA graphs: %s steps run eagerly: %s", kind, why)
+        what = "sampled decode steps draw" if kind == "sample" else f"{kind} steps run"
+        logger.warning("CUDA graphs: %s eagerly: %s", what, why)
 
     def limit_mixed(self, max_tokens: int) -> None:
         """Mixed steps of at most `max_tokens` tokens replay (0: none; mixed_graph_choice.py), the

@@ -2,7 +2,8 @@
 this engine may hold - its weights, one step's activations at most, the KV cache - the KV cache
 getting what the other two leave. As vLLM does, the activations are measured, not guessed: one
 forward of the largest step the scheduler may run (`max_num_batched_tokens` new tokens, logits for
-`max_num_seqs` rows) on throwaway KV blocks, its peak allocation over what was there before.
+`max_num_seqs` rows and their draws) on throwaway KV blocks, its peak allocation over what was there
+before.
 
 Not given, the KV budget stays `kv_cache_memory_bytes` (1 GiB by default), as on a CPU: a test
 suite or a second engine on the same card is not squeezed out by a first one taking 90% of it.
@@ -14,6 +15,7 @@ import torch
 
 from ..memory.block_tensors import allocate_kv_cache
 from ..model import AttentionMetadata, LlamaModel
+from .sampler import SAMPLE_PARAMS, draw_fixed
 
 GIB = 1 << 30
 
@@ -64,8 +66,9 @@ def profile_step(tokens: int, seqs: int, block_size: int) -> tuple[torch.Tensor,
 
 @torch.inference_mode()
 def peak_step_activations(model: LlamaModel, tokens: int, rows: int, block_size: int, seqs: int = 1) -> int:
-    """Bytes one step of `tokens` new tokens with `rows` logits rows allocates at its peak on the
-    model's CUDA device, over what was allocated before (its throwaway KV blocks included); with
+    """Bytes one step of `tokens` new tokens with `rows` logits rows, and their draws, allocates at
+    its peak on the model's CUDA device, over what was allocated before (its throwaway KV blocks
+    included); with
     `seqs` > 1, in as many requests as `profile_step` lays out."""
     device = model.device
     torch.cuda.synchronize(device)
@@ -75,10 +78,12 @@ def peak_step_activations(model: LlamaModel, tokens: int, rows: int, block_size:
     caches = allocate_kv_cache(model.config, blocks, block_size, dtype=model.dtype, device=device)
     ids = torch.zeros(tokens, dtype=torch.long)
     hidden = model(ids, positions, caches, meta)
-    model.compute_logits(hidden[-min(rows, tokens) :]).float()
+    logits = model.compute_logits(hidden[-min(rows, tokens) :]).float()
+    # their draws with top-k / top-p (a sort of whole rows), as a sampled step makes them
+    draw_fixed(logits, torch.zeros(SAMPLE_PARAMS, logits.shape[0], dtype=torch.float64, device=device), sort=True)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del caches, hidden
+    del caches, hidden, logits
     torch.cuda.empty_cache()
     return peak
 
@@ -96,7 +101,8 @@ def cuda_kv_budget(
     `graph_rows`: the most rows a step captured as a CUDA graph has (a decode batch or a mixed
     step's tokens; 0: none). The graphs' memory pool is held beside the eager steps' activations;
     it is reserved as what one forward of that many tokens allocates at its peak, with the logits
-    of `graph_logits_rows` rows (the decode graphs' tail, cuda_graphs.tail_rows; the capture logs
+    of `graph_logits_rows` rows and their draws (the decode graphs' tail, cuda_graphs.tail_rows,
+    and the draws' graphs, graph_sampling.py; the capture logs
     the real figure) - for a recurrent model over the most segments a replayed step computes,
     `max_rows` requests of two tokens (`profile_step`)."""
     device = model.device

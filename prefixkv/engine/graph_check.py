@@ -6,8 +6,9 @@ What a capture records is checked on a CPU (tests/engine/test_capture_safety.py:
 to the host, nothing built from host data) and the replays were compared with eager steps on an
 H100 and an H200; on any other card, driver or Triton backend this is the check. It costs a few
 eager steps at start-up. Mixed steps are compared where they are timed (mixed_graph_choice.py);
-decode steps here (and the logits their graphs compute, cuda_graphs.DecodeTail), at batch 1 and
-at the largest size the pool holds less one (a padding row),
+decode steps here (and the logits their graphs compute, cuda_graphs.DecodeTail, and the tokens
+their draws' graphs draw from them, graph_sampling.py), at batch 1 and at the largest size the pool
+holds less one (a padding row),
 after a prefill of whole blocks (two, where the buffers' width allows) a request, so that the
 decode starts a block: a recurrent layer reads the state the prefill left in the block before,
 which neither run overwrites.
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..sampling_params import SamplingParams
+from .sampler import sample
 from .scheduler_output import ScheduledRequest
 
 if TYPE_CHECKING:
@@ -109,10 +111,43 @@ def check_decode(graphs: StepGraphs, runner: ModelRunner, num_blocks: int, max_t
             if wrong is not None:
                 graphs.refuse("decode", wrong)
                 return
+            if tail is not None and graphs.sampling is not None and "sample" not in graphs.failed:
+                wrong_draws = compare_draws(graphs, tail.logits, batch)
+                if wrong_draws is not None:
+                    graphs.refuse("sample", wrong_draws)
     except Exception as e:  # noqa: BLE001 (decode steps then run eagerly, said once)
         graphs.refuse("decode", f"comparing their replay with the eager step raised {type(e).__name__}: {e}")
     finally:
-        graphs.replays = 0  # served steps only (tests read it)
+        graphs.replays = graphs.draws = 0  # served steps only (tests read them)
+
+
+def compare_draws(graphs: StepGraphs, logits: torch.Tensor, batch: int) -> str | None:
+    """The draws' graphs of the last replayed decode step (graph_sampling.py), both variants,
+    against the eager sampler on the same `logits` [batch, vocab] from generators seeded alike:
+    None where every token agrees, else what differed."""
+    sorted_params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02)
+        if i % 2 == 0
+        else SamplingParams(temperature=1.1)
+        for i in range(batch)
+    ]
+    for params in (sorted_params, [SamplingParams(temperature=0.9, min_p=0.05)] * batch):
+        try:
+            want = sample(logits.clone(), params, _generators(batch), [[]] * batch, [[]] * batch).result().token_ids
+            got = graphs.draw(params, _generators(batch))[0].tolist()
+        except Exception as e:  # noqa: BLE001 (sampled steps then draw eagerly, said once)
+            return f"comparing their draws with the eager sampler's raised {type(e).__name__}: {e}"
+        if got != want:
+            differ = sum(a != b for a, b in zip(got, want))
+            size = graphs.size_for(batch)
+            return (
+                f"the draws of the replay of {size} rows differed from the eager sampler's in {differ} of {batch} rows"
+            )
+    return None
+
+
+def _generators(n: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(1000 + i) for i in range(n)]
 
 
 def synthetic_request(name: str, ids: list[int], start: int, table: list[int], groups: int) -> ScheduledRequest:

@@ -99,3 +99,37 @@ def test_short_contexts_are_checked_over_one_block_or_not_at_all(tmp_path, monke
     prompt = [5, 17, 99]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 4) and graphs.replays > 0
+
+
+@pytest.mark.slow(seconds=4)
+def test_draws_graphs_drawing_a_wrong_token_leave_sampled_steps_eager(tmp_path, monkeypatch, caplog):
+    """The draws' graphs (graph_sampling.py) are compared with the eager sampler on the replay's
+    logits, each variant: one drawing a wrong token (here the variant without the sort) is
+    refused - sampled steps draw eagerly, said so, their tokens an eager engine's - while the
+    decode graphs still serve."""
+    from prefixkv.engine.graph_sampling import GraphSampling
+
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    real = GraphSampling.replay
+
+    def broken(self, logits, sort):  # type: ignore[no-untyped-def]
+        tokens, marked = real(self, logits, sort)
+        return (tokens, marked) if sort else ((tokens + 1) % logits.shape[1], marked)
+
+    config = dict(dtype="float32", device=str(device()), num_blocks=64, block_size=8, max_model_len=48, max_num_seqs=4)
+    want = LLM(str(tmp_path), **config, enforce_eager=True)
+    monkeypatch.setattr(GraphSampling, "replay", broken)
+    caplog.set_level(logging.INFO, logger="prefixkv")
+    llm = LLM(str(tmp_path), **config)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.failed == {"sample"}
+    assert "sampled decode steps draw eagerly: the draws of the replay of 1 rows differed from the eager" in caplog.text
+    prompts = [[5, 17, 99, 3, 42, 7], [8, 9, 10]]
+    params = SamplingParams(temperature=0.9, min_p=0.05, seed=5, max_tokens=6, ignore_eos=True)
+    outs = [e.generate(prompts, params, use_tqdm=False) for e in (llm, want)]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    assert graphs.replays > 0 and graphs.draws == 0

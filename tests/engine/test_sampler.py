@@ -25,6 +25,8 @@ from prefixkv.engine.sampler import (
 )
 from prefixkv.sampling_params import SamplingParams
 
+from ..model.triton_interpreter import device
+
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The textbook filters over one row, with a full sort: float64 probabilities [vocab]."""
@@ -277,7 +279,9 @@ def test_the_fixed_shape_draw_is_samples_token_for_token(vocab, case):
     """What a CUDA graph replays for a sampled step (`draw_fixed`, every filter computed for every
     row and selected per row) draws each row's token as `sample` does, from the same generators in
     the same order, and leaves them in the same states; over rows of ties, a non-finite row
-    (marked -1, drawn from zeros as a deferred read draws it) and unused padding rows."""
+    (marked -1, drawn from zeros as a deferred read draws it) and unused padding rows. On a GPU
+    where there is one (the eager sampler's top-p there sorts whole rows too)."""
+    dev = device()
     gen = torch.Generator().manual_seed(vocab + case)
     specs = FIXED_CASES[case]
     params = [SamplingParams(**kw) for kw in specs]
@@ -288,6 +292,7 @@ def test_the_fixed_shape_draw_is_samples_token_for_token(vocab, case):
             logits[0] = torch.randint(0, 3, (vocab,), generator=gen).float()  # thousands of ties
         if trial == 4 and n > 1:
             logits[1, 5] = math.nan  # not finite: drawn from zeros, marked
+        logits = logits.to(dev)
         seeds = [100 * trial + i for i in range(n)]
         eager_gens = [torch.Generator().manual_seed(s) for s in seeds]
         finite = torch.isfinite(logits[:n].sum(-1))
@@ -301,7 +306,7 @@ def test_the_fixed_shape_draw_is_samples_token_for_token(vocab, case):
         host[:, n:] = [[0.0], [1.0], [-math.inf], [0.0], [1.0], [1.0]]  # padding rows: greedy
         sort = fixed_params(params, vocab, fixed_gens, host)
         assert sort == any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
-        tokens, marked = draw_fixed(logits, torch.from_numpy(host), sort)
+        tokens, marked = draw_fixed(logits, torch.from_numpy(host).to(dev), sort)
         assert tokens[:n].tolist() == want, (trial, tokens[:n].tolist(), want)
         assert marked[:n].tolist() == [t if ok else -1 for t, ok in zip(want, finite.tolist())]
         for a, b in zip(eager_gens, fixed_gens):  # the generators moved alike
@@ -311,7 +316,7 @@ def test_the_fixed_shape_draw_is_samples_token_for_token(vocab, case):
         # the sorted variant draws the same tokens where no row asks for it (its filters select nothing)
         again = [torch.Generator().manual_seed(s) for s in seeds]
         fixed_params(params, vocab, again, host)
-        assert draw_fixed(logits, torch.from_numpy(host), True)[0][:n].tolist() == want
+        assert draw_fixed(logits, torch.from_numpy(host).to(dev), True)[0][:n].tolist() == want
 
 
 def test_the_fixed_shape_draw_applies_each_filter_only_where_asked():
