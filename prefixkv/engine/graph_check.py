@@ -133,7 +133,8 @@ def compare_draws(graphs: StepGraphs, logits: torch.Tensor, batch: int) -> str |
     ]
     for params in (sorted_params, [SamplingParams(temperature=0.9, min_p=0.05)] * batch):
         try:
-            want = sample(logits.clone(), params, _generators(batch), [[]] * batch, [[]] * batch).result().token_ids
+            eager_generators: list[torch.Generator | None] = list(_generators(batch))
+            want = sample(logits.clone(), params, eager_generators, [[]] * batch, [[]] * batch).result().token_ids
             got = graphs.draw(params, _generators(batch))[0].tolist()
         except Exception as e:  # noqa: BLE001 (sampled steps then draw eagerly, said once)
             return f"comparing their draws with the eager sampler's raised {type(e).__name__}: {e}"
