@@ -544,13 +544,13 @@ class StepGraphs:
             and GraphSampling.takes(params)
         )
 
-    @torch.inference_mode()
     def draw(
         self, params: list[SamplingParams], generators: list[torch.Generator]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens the last decode step's rows draw (`samples`), each row's uniform from its
         generator as the eager sampler takes it, and the same tokens marked (-1 where a row's
-        logits were not finite); views of a buffer the next draw rewrites."""
+        logits were not finite); views of a buffer the next draw rewrites. In inference mode (the
+        buffers were made in it)."""
         assert self.sampling is not None and self.logits is not None and self._last is not None
         size = self._last[1]
         sort = self.sampling.fill(params, generators, size)

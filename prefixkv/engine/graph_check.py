@@ -135,7 +135,8 @@ def compare_draws(graphs: StepGraphs, logits: torch.Tensor, batch: int) -> str |
         try:
             eager_generators: list[torch.Generator | None] = list(_generators(batch))
             want = sample(logits.clone(), params, eager_generators, [[]] * batch, [[]] * batch).result().token_ids
-            got = graphs.draw(params, _generators(batch))[0].tolist()
+            with torch.inference_mode():
+                got = graphs.draw(params, _generators(batch))[0].tolist()
         except Exception as e:  # noqa: BLE001 (sampled steps then draw eagerly, said once)
             return f"comparing their draws with the eager sampler's raised {type(e).__name__}: {e}"
         if got != want:
