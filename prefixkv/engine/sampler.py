@@ -314,23 +314,27 @@ def fixed_params(params: list[SamplingParams], vocab: int, generators: list[torc
     """Write each row's parameters for `draw_fixed` into `out` [SAMPLE_PARAMS, >= rows] (host
     memory), drawing the uniforms of the rows `sample` would draw from, from their generators in
     row order (as `sample` does); return whether a row asks for top-k or top-p (the sorted
-    variant). A greedy row gets values under which its unused draw stays well-defined."""
+    variant). A greedy row gets values under which its unused draw stays well-defined. Each
+    parameter as `_scales_and_floors` and `filtered_weights` compute it (Python's float division
+    and math.log: the same float64 values), a row of `out` at a time."""
     n = len(params)
-    drawn = [i for i, p in enumerate(params) if not p.greedy]
-    u = uniforms([generators[i] for i in drawn]).numpy() if drawn else None
+    greedy = [p.greedy for p in params]
+    top_k = [0 if g or not 0 < p.top_k < vocab else p.top_k for p, g in zip(params, greedy)]
+    top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
     rows = out[:, :n]
-    rows[0] = 0.0
-    if u is not None:
-        rows[0, drawn] = u
-    sorted_ = False
-    for i, p in enumerate(params):
-        if p.greedy:
-            rows[1:, i] = (1.0, -math.inf, 0.0, 1.0, 1.0)
-            continue
-        k = p.top_k if 0 < p.top_k < vocab else 0
-        sorted_ = sorted_ or k > 0 or p.top_p < 1.0
-        rows[1:, i] = (1.0 / p.temperature, math.log(p.min_p) if p.min_p > 0.0 else -math.inf, k, p.top_p, 0.0)
-    return sorted_
+    rows[1] = [1.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy)]
+    rows[2] = [math.log(p.min_p) if p.min_p > 0.0 and not g else -math.inf for p, g in zip(params, greedy)]
+    rows[3] = top_k
+    rows[4] = top_p
+    rows[5] = greedy
+    if not any(greedy):
+        rows[0] = uniforms(generators).numpy()
+    else:
+        drawn = [i for i, g in enumerate(greedy) if not g]
+        rows[0] = 0.0
+        if drawn:
+            rows[0, drawn] = uniforms([generators[i] for i in drawn]).numpy()
+    return any(top_k) or min(top_p) < 1.0
 
 
 def draw_fixed(logits: torch.Tensor, params: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Tensor]:
