@@ -5,6 +5,7 @@ per-request seeds, and log-probabilities of the raw distribution."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -189,7 +190,7 @@ def _scales_and_floors(params: list[SamplingParams]) -> torch.Tensor:
     )
 
 
-def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+def uniforms(generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One float64 uniform per row [B] on the host, each from its row's generator in row order.
     Rows that share a generator (the engine's default one, for every unseeded request) take theirs
     in one draw: torch fills a CPU tensor from its generator serially, so n values drawn at once
