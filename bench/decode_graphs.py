@@ -6,12 +6,14 @@ process, the engines alternated round by round.
 
     python bench/decode_graphs.py [--device cuda] [--dtype bfloat16] [--batches 1,32,256]
         [--context 256] [--steps 24] [--rounds 2] [--model PATH] [--engines graphs,eager,inorder,unfused]
+        [--temperature 0.8 --top-p 0.9]
 
 Per batch B: B prompts of --context random tokens are prefilled (in chunks of the engine's token
 budget; sequences prefilled early decode meanwhile), then --steps engine steps in which every
 sequence decodes one token (scheduling, the forward, sampling, outputs: what a user waits on) are
 timed one by one; the median of every round's steps is printed per engine, with how many of
-those steps the graphs took, and whether each engine's greedy tokens agreed with the first one's
+those steps the graphs took, and whether each engine's tokens agreed with the first one's (greedy,
+or with --temperature drawn with a seed a request; a replayed sampled step draws in graphs too)
 (bfloat16: the eager path's attention is another kernel, so a difference is possible, not a failure;
 steps scheduled ahead compute the same steps, so in-order tokens must equal the graphs' own).
 
@@ -65,8 +67,12 @@ def graphs_summary(llm: LLM) -> str:
     return f"graphs captured: {graphs.summary()}{mixed}"
 
 
-def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[float], int, list[list[int]]]:
-    """Seconds of each all-decode step, how many of them replayed a graph, the tokens generated."""
+def decode_steps(
+    llm: LLM, prompts: list[list[int]], steps: int, temperature: float = 0.0, top_p: float = 1.0
+) -> tuple[list[float], int, list[list[int]]]:
+    """Seconds of each all-decode step, how many of them replayed a graph, the tokens generated
+    (greedy, or drawn at `temperature` and `top_p` with a seed a request: the same tokens from every
+    engine whose logits agree)."""
     engine = llm.llm_engine
     graphs = engine.runner.graphs
     replays = graphs.replays if graphs is not None else 0
@@ -74,8 +80,8 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[f
     # sequences decode meanwhile, and must still be decoding when the last one starts
     budget = engine.scheduler.max_num_batched_tokens
     prefill_steps = -(-sum(len(p) for p in prompts) // budget)
-    params = SamplingParams(temperature=0, max_tokens=steps + 1 + prefill_steps, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=steps + 1 + prefill_steps, ignore_eos=True)
+    ids = [engine.add_request(p, params.clone(seed=i) if temperature else params) for i, p in enumerate(prompts)]
     times: list[float] = []
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
@@ -110,6 +116,8 @@ def main() -> None:
         "PREFIXKV_CUDA_KERNELS=0: PyTorch's norms, rotary and SiLU)",
     )
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the card's memory bandwidth")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled steps (default: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
     print(describe(), flush=True)
     bandwidth = None
@@ -157,7 +165,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, llm in engines.items():
                 with environment(envs[name]):
-                    ts, n, toks = decode_steps(llm, prompts, args.steps)
+                    ts, n, toks = decode_steps(llm, prompts, args.steps, args.temperature, args.top_p)
                 times[name] += ts[2:]  # the first steps after a prefill settle the allocator
                 taken[name] += n
                 outs[name] = toks

@@ -1,12 +1,15 @@
 """Whether a batch-1 decode's small kernels can fold into its matrix-vector products on this card:
-an RMSNorm folded into the product after it, in one Triton kernel, against PyTorch's path (the
-norm, then `F.linear`: cuBLAS) and against `F.linear` alone, at the products of a decode layer.
+the step before a product done in the product's own Triton kernel, against the engine's path (the
+fused Triton step, then `F.linear`: cuBLAS) and against `F.linear` alone, at the products of a
+decode layer. The steps folded in: the residual add and RMSNorm before q/k/v and before gate/up
+(`add_rms_norm`: every program sums its row's squares itself; one writes the new residual) and
+SiLU-and-multiply before down (`silu_and_mul`), each rounded where the engine's kernel rounds it.
 
 On an H200 the Llama-3.2-1B shape's batch-1 step kept the device busy 0.90 ms for 0.49 ms of
 weights to read (docs/benchmarks.md, "Current figures: an H200"): besides its 64 products each
 layer runs five small kernels of a few microseconds (two norms, the rotation and cache write, the
-attention, SiLU-and-multiply). Folding a norm into the product after it is the first of those
-fusions; this measures what it costs and saves before the engine takes it.
+attention, SiLU-and-multiply). Three of them could fold into a product; this measures what that
+costs and saves before the engine takes it.
 
     python3 bench/fused_gemv.py [--shapes llama-1b,smollm2] [--reps 20]
     # a CPU smoke of the same kernel under Triton's interpreter (tiny shapes, no timing):
@@ -14,7 +17,7 @@ fusions; this measures what it costs and saves before the engine takes it.
 
 Each variant is captured 50 times in a CUDA graph and replayed, timed with CUDA events: device time
 per call, no launch cost. Prints each product's microseconds, the share of the measured bandwidth
-its weight read reaches, and the fused kernel's largest difference from PyTorch's (bfloat16).
+its weight read reaches, and the fused kernel's largest difference from the engine's path (bfloat16).
 """
 
 from __future__ import annotations
@@ -32,54 +35,79 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import describe  # noqa: E402
+from prefixkv.model.kernels import gpu_fused  # noqa: E402
 
-# (name, out features N, in features K, a norm before it): a decode layer's products
+# (name, out features N, in features K, the step before it: "norm" the residual add and RMSNorm,
+# "silu" SiLU-and-multiply of a [2K] gate/up row, "" none): a decode layer's products
 SHAPES = {
     "llama-1b": [
-        ("qkv", 3072, 2048, True),
-        ("o", 2048, 2048, False),
-        ("gate_up", 16384, 2048, True),
-        ("down", 2048, 8192, False),
-        ("lm_head", 49152, 2048, True),
+        ("qkv", 3072, 2048, "norm"),
+        ("o", 2048, 2048, ""),
+        ("gate_up", 16384, 2048, "norm"),
+        ("down", 2048, 8192, "silu"),
+        ("lm_head", 49152, 2048, "norm"),
     ],
     "smollm2": [
-        ("qkv", 960, 576, True),
-        ("o", 576, 576, False),
-        ("gate_up", 3072, 576, True),
-        ("down", 576, 1536, False),
-        ("lm_head", 49152, 576, True),
+        ("qkv", 960, 576, "norm"),
+        ("o", 576, 576, ""),
+        ("gate_up", 3072, 576, "norm"),
+        ("down", 576, 1536, "silu"),
+        ("lm_head", 49152, 576, "norm"),
     ],
-    "tiny": [("qkv", 48, 32, True), ("down", 32, 80, False)],
+    "tiny": [("qkv", 48, 32, "norm"), ("down", 32, 80, "silu"), ("o", 32, 32, "")],
 }
+PROLOGUES = {"": 0, "norm": 1, "silu": 2}
 CALLS_PER_GRAPH = 50
 
 
 @triton.jit
-def _norm_gemv_kernel(
-    x_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+def _prologue_gemv_kernel(
+    x_ptr,
+    delta_ptr,
+    nw_ptr,
+    w_ptr,
+    out_ptr,
+    h_out_ptr,
+    N,
+    K,
+    eps,
+    PROLOGUE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """out[n] = sum_k W[n, k] * x'[k] for BLOCK_N rows n, x' = x, or with NORM x's RMSNorm by nw
-    (normalized in float32, rounded to x's dtype, then scaled, as transformers does); each program
-    computes the norm's sum of squares itself (K values from L2: cheap beside its rows of W)."""
+    """out[n] = sum_k W[n, k] * a[k] for BLOCK_N rows n, a = x (PROLOGUE 0); with PROLOGUE 1,
+    h = x + delta (rounded to x's dtype, program 0 storing it in h_out) and a its RMSNorm by nw,
+    each program summing h's squares itself (K values from L2: cheap beside its rows of W); with
+    PROLOGUE 2, a = silu(x[:K]) * x[K:]. Rounded as the engine's add_rms_norm and silu_and_mul."""
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     inv = 1.0
-    if NORM:
+    if PROLOGUE == 1:
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            squares += xs * xs
+            k_ok = ks < K
+            x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+            h = (x.to(tl.float32) + tl.load(delta_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
+            if pid == 0:
+                tl.store(h_out_ptr + ks, h, mask=k_ok)
+            hf = h.to(tl.float32)
+            squares += hf * hf
         inv = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-        if NORM:
+        if PROLOGUE == 1:
+            h = (x.to(tl.float32) + tl.load(delta_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
             nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * inv).to(x.dtype).to(tl.float32) * nw).to(x.dtype)
+            x = ((h.to(tl.float32) * inv).to(x.dtype).to(tl.float32) * nw).to(x.dtype)
+        if PROLOGUE == 2:
+            g = x.to(tl.float32)
+            up = tl.load(x_ptr + K + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = ((g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32) * up).to(x.dtype)
         w = tl.load(w_ptr + ns[:, None] * K + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -96,28 +124,40 @@ CONFIGS = [
 _tuned = None
 
 
-def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [K] -> [N]: (RMSNorm(x) if norm_weight is given, else x) @ weight.T, one kernel."""
+def prologue_gemv(
+    x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One kernel: the product of `weight` [N, K] with x [K] (no step before it), with
+    RMSNorm(x + delta) by norm_weight (returns the new residual x + delta too), or with
+    silu(x[:K]) * x[K:] (x [2K], delta and norm_weight None)."""
     global _tuned
     N, K = weight.shape
+    prologue = 1 if norm_weight is not None else 2 if x.numel() == 2 * K else 0
     out = torch.empty(N, dtype=x.dtype, device=x.device)
-    nw = norm_weight if norm_weight is not None else x
+    h_out = torch.empty(K, dtype=x.dtype, device=x.device) if prologue == 1 else out
+    args = (x, x if delta is None else delta, x if norm_weight is None else norm_weight, weight, out, h_out, N, K, eps)
     if x.device.type != "cuda":
-        _norm_gemv_kernel[(triton.cdiv(N, 8),)](
-            x, nw, weight, out, N, K, eps, NORM=norm_weight is not None, BLOCK_N=8, BLOCK_K=256
-        )
-        return out
-    if _tuned is None:
-        _tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "NORM"])(_norm_gemv_kernel)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _tuned[grid](x, nw, weight, out, N, K, eps, NORM=norm_weight is not None)
-    return out
+        _prologue_gemv_kernel[(triton.cdiv(N, 8),)](*args, PROLOGUE=prologue, BLOCK_N=8, BLOCK_K=256)
+    else:
+        if _tuned is None:
+            _tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "PROLOGUE"])(_prologue_gemv_kernel)
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        _tuned[grid](*args, PROLOGUE=prologue)
+    return out, (h_out if prologue == 1 else None)
 
 
-def torch_path(x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def engine_path(
+    x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The engine's path: its fused step (add_rms_norm on a copy of x, silu_and_mul), then F.linear."""
     if norm_weight is not None:
-        xf = x.float()
-        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * norm_weight
+        normed = gpu_fused.add_rms_norm(x.clone()[None], None if delta is None else delta[None], norm_weight, eps)
+        assert normed is not None, "the fused kernels are off (PREFIXKV_CUDA_KERNELS=0)"
+        x = normed[0]
+    elif x.numel() == 2 * weight.shape[1]:
+        act = gpu_fused.silu_and_mul(x[None])
+        assert act is not None, "the fused kernels are off (PREFIXKV_CUDA_KERNELS=0)"
+        x = act[0]
     return F.linear(x[None], weight)[0]
 
 
@@ -159,24 +199,29 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}: reads {bandwidth / 1e9:.0f} GB/s measured now", flush=True)
     g = torch.Generator().manual_seed(0)
     eps = 1e-5
+    if not cuda:
+        gpu_fused.run_on_cpu = True  # the engine's kernels under the interpreter too
     for shape in args.shapes.split(","):
-        for name, n, k, norm in SHAPES[shape]:
-            x = torch.randn(k, generator=g).to(dtype).to(dev)
+        for name, n, k, before in SHAPES[shape]:
+            x = torch.randn(2 * k if before == "silu" else k, generator=g).to(dtype).to(dev)
             w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(dev)
+            norm = before == "norm"
+            delta = torch.randn(k, generator=g).to(dtype).to(dev) if norm else None
             nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(dev) if norm else None
-            want = torch_path(x, nw, w, eps)
-            got = norm_gemv(x, nw, w, eps)
+            want = engine_path(x, delta, nw, w, eps)
+            got, h_new = prologue_gemv(x, delta, nw, w, eps)
             diff = (got.float() - want.float()).abs().max().item()
-            line = (
-                f"{shape:9s} {name:8s} {n:6d} x {k:5d}{' +norm' if norm else '      '}: max |fused - torch| {diff:.2e}"
-            )
+            if h_new is not None and delta is not None:
+                assert torch.equal(h_new, (x.float() + delta.float()).to(dtype)), "the new residual"
+            step = f"+{before}" if before else ""
+            line = f"{shape:9s} {name:8s} {n:6d} x {k:5d} {step:6s}: max |fused - engine| {diff:.2e}"
             if cuda:
-                fused = device_us(lambda: norm_gemv(x, nw, w, eps), args.reps)  # noqa: B023
-                plain = device_us(lambda: torch_path(x, nw, w, eps), args.reps)  # noqa: B023
-                linear = device_us(lambda: F.linear(x[None], w), args.reps)  # noqa: B023
+                fused = device_us(lambda: prologue_gemv(x, delta, nw, w, eps), args.reps)  # noqa: B023
+                plain = device_us(lambda: engine_path(x, delta, nw, w, eps), args.reps)  # noqa: B023
+                linear = device_us(lambda: F.linear(x[None, :k], w), args.reps)  # noqa: B023
                 read_us = w.numel() * w.element_size() / bandwidth * 1e6 if bandwidth else float("nan")
                 line += (
-                    f"; us: fused {fused:7.2f}  torch {plain:7.2f}  F.linear alone {linear:7.2f}  "
+                    f"; us: fused {fused:7.2f}  engine {plain:7.2f}  F.linear alone {linear:7.2f}  "
                     f"(the weight's read {read_us:6.2f}: fused at {100 * read_us / fused:3.0f}% of the bandwidth, "
                     f"F.linear at {100 * read_us / linear:3.0f}%)"
                 )

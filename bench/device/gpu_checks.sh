@@ -26,6 +26,8 @@
 #                   against enforce_eager=True, against graphs stepped in order and against graphs
 #                   without the fused kernels (PREFIXKV_CUDA_KERNELS=0), alternated; the capture's
 #                   sizes, time and memory in the log
+#   sampled         the same, sampled (temperature 0.8, top-p 0.9, a seed a request) at batch 1/32,
+#                   the default engine (draws in graphs: engine/graph_sampling.py) against eager
 #   paged           bench/paged_attention.py: one layer's attention, Triton's kernels reading the
 #                   blocks in place against the gather path, decode and prefill after 1k/8k context
 #                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
@@ -74,21 +76,22 @@
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
-#   gemv            bench/fused_gemv.py: a norm folded into the batch-1 product after it (a Triton
-#                   kernel, autotuned here) against the norm then cuBLAS, and cuBLAS alone, at the
-#                   1B's and the default model's products, device time and share of the bandwidth
+#   gemv            bench/fused_gemv.py: the residual add and norm, or SiLU-and-multiply, folded into
+#                   the batch-1 product after it (a Triton kernel, autotuned here) against the
+#                   engine's fused step then cuBLAS, and cuBLAS alone, at the 1B's and the default
+#                   model's products, device time and share of the bandwidth
 #   threads         whether this machine's CPU gives the same bits on every thread count
 #                   (engine/cpu_threads.thread_counts_agree) and the tests that depend on it
 #   lora            bench/lora.py on the GPU (bfloat16): 1 and 4 random rank-16 adapters in mixed traffic
 #                   against the base model, with CUDA graphs (adapter steps replay the LoRA graphs)
 #                   and with --enforce-eager
 #   issue40         the preset for issue 40's open rows, most wanted first: verify mixed lora families
-#                   host_profile host_ab host_calls gemv serve large host model_speed shared_prefix compiled sweep (what
+#                   host_profile host_ab sampled host_calls gemv serve large host model_speed shared_prefix compiled sweep (what
 #                   the budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify mixed lora families host_profile host_ab host_calls gemv serve large host model_speed shared_prefix compiled sweep}
+STEPS=${STEPS/issue40/verify mixed lora families host_profile host_ab sampled host_calls gemv serve large host model_speed shared_prefix compiled sweep}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -155,6 +158,10 @@ for step in $STEPS; do
     graphs)
         bounded 200 graphs.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --context 256 --steps 24 --rounds 2 ;;
+    sampled)
+        bounded 90 sampled.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
+            --batches 1,32 --context 256 --steps 24 --rounds 2 --engines graphs,eager --no-ceiling \
+            --temperature 0.8 --top-p 0.9 ;;
     large)
         big=/tmp/random-${SHAPE:-llama-1b}
         bounded 120 large.log python3 bench/device/random_checkpoint.py "$big" --shape "${SHAPE:-llama-1b}"

@@ -301,7 +301,9 @@ class ModelRunner:
         finite = tail.finite if tail is not None else rows_finite(logits)
         out = pending.out
         greedy = all(sr.sampling_params.greedy for sr in reqs)
-        in_graph = tail is not None and len(reqs) == tail.tokens.shape[0] and self._draws_in_graph(reqs)
+        whole = tail is not None and len(reqs) == tail.tokens.shape[0]  # every row of the replay
+        argmax = whole and self._takes_argmax(reqs)
+        in_graph = whole and not argmax and self._draws_in_graph(reqs)
         if self.defer_reads:
             # checked when the tokens are read, and a broken row's token dropped then. A random draw
             # from it would raise, so it draws from zeros (the graphs' draws too); an argmax never
@@ -318,8 +320,9 @@ class ModelRunner:
             if not reqs:
                 return
             logits = logits[torch.tensor(keep, device=logits.device)]
-            in_graph = False  # fewer rows than the graph's
-        if tail is not None and len(reqs) == tail.tokens.shape[0] and self._takes_argmax(reqs):
+            argmax = in_graph = False  # fewer rows than the graph's
+        if argmax:
+            assert tail is not None
             marked = tail.marked if pending.finite is not None else None
             pending.sampled = SampledTensors(tail.tokens, len(reqs), marked=marked)
             pending.req_ids = [sr.req_id for sr in reqs]
@@ -358,11 +361,11 @@ class ModelRunner:
         pending.start_reading()  # before the engine launches a next step (async scheduling)
 
     def _draws_in_graph(self, reqs: list[ScheduledRequest]) -> bool:
-        """Whether the replayed decode step's graphs draw these rows' tokens (StepGraphs.draw):
-        some row is sampled (plain greedy rows take the tail's argmax), and no constraints or
-        blocked EOS, which edit rows eagerly."""
+        """Whether the replayed decode step's graphs draw these rows' tokens (StepGraphs.draw; the
+        caller takes plain greedy rows from the tail's argmax first): no constraints or blocked
+        EOS, which edit rows eagerly."""
         graphs = self.graphs
-        if graphs is None or self._takes_argmax(reqs):
+        if graphs is None:
             return False
         if any(sr.constraints is not None or sr.block_eos for sr in reqs):
             return False
