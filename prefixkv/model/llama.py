@@ -79,8 +79,12 @@ class Attention(nn.Module):
         return weights[0], weights[1], self.q_norm.eps
 
     def forward(self, x, cos, sin, kv_cache, meta):
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), cos, sin, kv_cache, meta)
+
+    def attend(self, qkv, cos, sin, kv_cache, meta):
+        """The layer's attention from its q/k/v projection `qkv` [T, q + 2 kv] on: the rotation,
+        the K/V write, the attention and the output projection."""
+        T = qkv.shape[0]
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
         q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
@@ -89,7 +93,7 @@ class Attention(nn.Module):
         written = (
             self.softcap is None
             and gpu_fused.runs_on(qkv)
-            and rotate_and_write_kv(q, k, v, cos, sin, kv_cache, meta, self.window, self.qk_norm_weights(x.dtype))
+            and rotate_and_write_kv(q, k, v, cos, sin, kv_cache, meta, self.window, self.qk_norm_weights(qkv.dtype))
         )
         if not written and self.qk_norm:  # the norms' outputs are this layer's own: rotated in place
             q = RotaryEmbedding.apply_(self.q_norm(q), cos, sin)
@@ -201,6 +205,10 @@ class LlamaModel(nn.Module):
         # every layer of a small decode step in one native call (CPU, after pack_for_cpu; _DecodeLayers)
         self.decode_layers: _DecodeLayers | None = None
         self.fused_decode = True  # False: layer by layer always (tests and benchmarks compare the two)
+        # a one-row step's norms and SiLU-and-multiply folded into the products after them, on a GPU
+        # (kernels/triton_gemv.py; `one_row_products_unsupported`): set where a card timed it faster
+        self.one_row_products = False
+        self._one_row_unsupported: str | None | bool = False  # False: not asked yet
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         """Decoder layer `layer_idx` (a family with another block overrides this)."""
@@ -267,6 +275,10 @@ class LlamaModel(nn.Module):
         else:  # the residual stream is updated in place: never the caller's tensor
             h = inputs_embeds.to(dev, copy=True)
         layers = self.layers
+        if self.one_row_products and h.shape[0] == 1 and lora_mapping is None:
+            x_one = self._one_row_forward(h, cos, sin, kv_caches, meta)
+            if x_one is not None:
+                return x_one
         x = cast(DecoderLayer, layers[0]).input_layernorm(h) if len(layers) else self.norm(h)
         fused = self.decode_layers
         # (with LoRA attached, a step without adapters is the base model's: the wrappers add nothing)
@@ -278,6 +290,69 @@ class LlamaModel(nn.Module):
                 next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
                 h, x = layer(h, x, cos, sin, cache, meta.for_layer(i), next_norm)
         return x
+
+    def one_row_products_unsupported(self) -> str | None:
+        """Why a one-row step cannot fold its norms and SiLU-and-multiply into its products
+        (`_one_row_forward`); None where it can: Llama's own forward, layers and RMSNorms, dense
+        SiLU MLPs and projections without bias, adapters or packing, no soft-capped scores."""
+        if self._one_row_unsupported is False:
+            self._one_row_unsupported = self._one_row_why_not()
+        assert self._one_row_unsupported is not True
+        return self._one_row_unsupported
+
+    def _one_row_why_not(self) -> str | None:
+        if type(self).forward is not LlamaModel.forward:
+            return f"{type(self).__name__} has its own forward"
+        if type(self.norm) is not RMSNorm:
+            return f"its final norm is {type(self.norm).__name__}"
+        for layer in self.layers:
+            if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
+                return f"{type(layer).__name__} layers"
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+                return "its layers' norms are not RMSNorm's"
+            if type(mlp) is not GatedMLP or mlp.gelu:
+                return f"{type(mlp).__name__} MLPs"
+            if attn.softcap is not None:
+                return "soft-capped attention scores"
+            for proj in (attn.qkv_proj, mlp.gate_up_proj, mlp.down_proj):
+                if type(proj) is not nn.Linear or proj.bias is not None:
+                    return f"a {type(proj).__name__} projection" + (" with a bias" if proj.bias is not None else "")
+        return None
+
+    def _one_row_forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """A one-row step with each residual add and norm folded into the product after it (q/k/v,
+        gate/up) and SiLU-and-multiply into down (gpu_fused.norm_linear, silu_linear): six kernels a
+        layer where `forward` runs nine. None where this model or device does not take it."""
+        if self.one_row_products_unsupported() is not None or not gpu_fused.runs_on(h):
+            return None
+        delta: torch.Tensor | None = None  # what the residual stream takes before the next norm
+        for i, (layer, cache) in enumerate(zip(self.decoder_layers(), kv_caches)):
+            attn, mlp = layer.self_attn, cast(GatedMLP, layer.mlp)
+            norm = layer.input_layernorm
+            fused = gpu_fused.norm_linear(h, delta, norm.weight, norm.eps, attn.qkv_proj.weight)
+            if fused is None:  # the first layer decides: its shapes are every layer's
+                if i == 0:
+                    return None
+                raise RuntimeError("a one-row step's fused product was refused after its first layer")
+            h, qkv = fused
+            o = attn.attend(qkv, cos, sin, cache, meta.for_layer(i))
+            norm = layer.post_attention_layernorm
+            fused = gpu_fused.norm_linear(h, o, norm.weight, norm.eps, mlp.gate_up_proj.weight)
+            down = None if fused is None else gpu_fused.silu_linear(fused[1], mlp.down_proj.weight)
+            if fused is None or down is None:
+                raise RuntimeError("a one-row step's fused product was refused after its first layer")
+            h, delta = fused[0], down
+        if delta is None:  # no layers
+            return self.norm(h)
+        return self.norm.add_and_norm(h, delta)[1]
 
     def reserve_positions(self, n: int) -> None:
         """Build the rotary tables for positions below `n` now: a captured step keeps reading the

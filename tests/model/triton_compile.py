@@ -1,5 +1,5 @@
-"""Compiles the Triton kernels (attention; the fused norm, rotary (with the K/V write) and SiLU; the recurrent scans'
-chains) for a GPU without one:
+"""Compiles the Triton kernels (attention; the fused norm, rotary (with the K/V write) and SiLU; a one-row step's
+products with the step before folded in; the recurrent scans' chains) for a GPU without one:
 Triton's own compiler down to the GPU's machine code (ptxas, shipped in Triton's wheel), with the
 compile-time arguments the kernels' entry points give their launches. Run as a script, in a process
 that has not imported Triton under its interpreter:
@@ -21,13 +21,14 @@ from triton.compiler import ASTSource
 
 from prefixkv.model.kernels import triton_attention as ta
 from prefixkv.model.kernels import triton_fused as tf
+from prefixkv.model.kernels import triton_gemv as tg
 from prefixkv.model.kernels import triton_scan as ts
 
 POINTERS = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32"}
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 # pointers to the model's dtype (the rest point to float32 partial results)
 DATA_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "h_ptr", "delta_ptr", "w_ptr", "out_ptr", "x_ptr", "cos_ptr"}
-DATA_POINTERS |= {"sin_ptr", "gu_ptr", "kc_ptr", "vc_ptr", "qw_ptr", "kw_ptr"}
+DATA_POINTERS |= {"sin_ptr", "gu_ptr", "kc_ptr", "vc_ptr", "qw_ptr", "kw_ptr", "nw_ptr", "h_out_ptr"}
 POINTERS["slot_ptr"] = "*i64"
 POINTERS["tile_map_ptr"] = "*i32"
 POINTERS |= {"chains_ptr": "*i32", "chain_len_ptr": "*i32"}
@@ -85,6 +86,16 @@ def variants() -> list[tuple[Any, torch.dtype, dict[str, Any]]]:
     out.append((rotate_write, torch.float32, dict(**blocks, NORM=True, WEIGHT_IN_F32=True, **tf.EXACT)))
     out.append((tf._silu_and_mul_kernel, torch.bfloat16, dict(BLOCK=tf.SILU_BLOCK, **tf.EXACT)))
     out.append((tf._silu_and_mul_kernel, torch.float32, dict(BLOCK=tf.SILU_BLOCK, **tf.EXACT)))
+    # a one-row step's products with the step before folded in: the 1B's widths in bfloat16, the
+    # default model's in float32
+    gemv = dict(BLOCK_N=tg.BLOCK_N, BLOCK_K=tg.BLOCK_K, **tf.EXACT)
+    for dtype, width in ((torch.bfloat16, 2048), (torch.float32, 576)):
+        f32 = dtype == torch.float32
+        for delta in (False, True):
+            norm = dict(PROLOGUE=1, HAS_DELTA=delta, WEIGHT_IN_F32=f32, K_POW2=triton.next_power_of_2(width))
+            out.append((tg._prologue_gemv_kernel, dtype, {**norm, **gemv}))
+        silu = dict(PROLOGUE=2, HAS_DELTA=False, WEIGHT_IN_F32=f32, K_POW2=1)
+        out.append((tg._prologue_gemv_kernel, dtype, {**silu, **gemv}))
     # a recurrent mixed step's chains: a Mamba2 mixer's (float32 states), Qwen3-Next's delta nets (128 x 128 heads)
     out.append((ts._chain_states_kernel, torch.float32, dict(BLOCK=ts.BLOCK, **tf.EXACT)))
     matrix = dict(DK=128, DV=128, DKP=128, BV=64, **tf.EXACT)

@@ -19,6 +19,7 @@ import torch
 
 MODULE = "prefixkv.model.kernels.triton_attention"
 FUSED = "prefixkv.model.kernels.triton_fused"
+GEMV = "prefixkv.model.kernels.triton_gemv"
 
 
 def device() -> torch.device:
@@ -41,7 +42,7 @@ def kernels_module(module: str = MODULE) -> ModuleType:
         return importlib.import_module(module)
     os.environ["TRITON_INTERPRET"] = "1"
     if not _interpreted():
-        kernels = (MODULE, FUSED, "prefixkv.model.kernels.triton_scan")
+        kernels = (MODULE, FUSED, GEMV, "prefixkv.model.kernels.triton_scan")
         stale = [m for m in sys.modules if m in kernels or m == "triton" or m.startswith("triton.")]
         for name in stale:
             if not name.startswith("triton._C"):

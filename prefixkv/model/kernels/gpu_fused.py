@@ -156,3 +156,46 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     out: torch.Tensor = kernels.silu_and_mul(gate_up)
     return out
+
+
+def _one_row(x: torch.Tensor, width: int) -> bool:
+    return x.dim() == 2 and x.shape == (1, width) and x.is_contiguous() and x.dtype in DTYPES
+
+
+def _product_weight(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.dtype == x.dtype and weight.device == x.device and weight.is_contiguous()
+
+
+def norm_linear(
+    h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(h + delta, RMSNorm(h + delta) @ weight.T) of one row h [1, K] in one kernel
+    (triton_gemv.py; delta None: h itself), the new residual a tensor of its own: RMSNorm.add_and_norm
+    then F.linear, to rounding."""
+    kernels = _kernels(h)
+    K = h.shape[-1]
+    if (
+        kernels is None
+        or not _one_row(h, K)
+        or (delta is not None and (not _one_row(delta, K) or delta.dtype != h.dtype))
+        or norm_weight.shape != (K,)
+        or norm_weight.dtype != h.dtype
+        or not norm_weight.is_contiguous()
+        or not _product_weight(weight, h)
+        or weight.shape[1] != K
+    ):
+        return None
+    from . import triton_gemv
+
+    return triton_gemv.norm_linear(h, delta, norm_weight, eps, weight)
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """(silu(gate) * up) @ weight.T of one row gate_up [1, 2K] in one kernel (triton_gemv.py):
+    silu_and_mul then F.linear, to rounding."""
+    kernels = _kernels(gate_up)
+    if kernels is None or not _product_weight(weight, gate_up) or not _one_row(gate_up, 2 * weight.shape[1]):
+        return None
+    from . import triton_gemv
+
+    return triton_gemv.silu_linear(gate_up, weight)
