@@ -129,7 +129,8 @@ for step in $STEPS; do
             tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
             tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens \
             tests/engine/test_async_scheduling.py::test_a_non_finite_row_of_a_replayed_decode_fails_alone \
-            tests/engine/test_decode_host_inputs.py "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token"
+            tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py \
+            "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token"
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
     verify)
@@ -142,7 +143,8 @@ for step in $STEPS; do
             tests/engine/test_recurrent_graphs.py \
             tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
             tests/engine/test_async_scheduling.py::test_a_non_finite_row_of_a_replayed_decode_fails_alone \
-            tests/engine/test_decode_host_inputs.py "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token" ;;
+            tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py \
+            "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token" ;;
     sweep)
         bounded 180 sweep.log python3 -m tests.engine.sweep_graphs --families llama,gemma2,qwen3_moe,qwen3_next,lora,llava ;;
     paged)

@@ -62,6 +62,7 @@ from ..model import AttentionMetadata, LlamaModel
 from ..model.attention import static_meta
 from ..model.attention_path import triton_kernels
 from ..model.host_copy import pinned_for, tensor_on
+from ..model.kernels import gpu_fused
 from ..model.static_decode import StaticDecodeInputs, StaticDecodeView
 from ..model.static_mixed import StaticMixedInputs, StaticMixedView
 from ..model.static_scan import StaticScanInputs
@@ -89,6 +90,9 @@ SPAN_COPY_MAX = 1 << 16
 # LM head and a greedy step's tail (DecodeTail): a greedy decode step then launches nothing outside
 # its graph but its copies. 32 MiB: 170 rows of a 49,152-token vocabulary, 64 of a 128,256 one.
 TAIL_LOGITS_BYTES = 32 * MIB
+# the batch-1 decode graph with its norms and SiLU folded into its products (_choose_one_row) is
+# kept where its replay takes less than this share of the layer by layer one's (a tie keeps cuBLAS)
+ONE_ROW_MARGIN = 0.98
 
 
 def tail_rows(sizes: Sequence[int], vocab: int) -> int:
@@ -309,6 +313,8 @@ class StepGraphs:
         self.sampling: GraphSampling | None = None
         self._tails: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._last: tuple[str, int] | None = None  # the last replayed (kind, size)
+        # the batch-1 decode replay's microseconds (layer by layer, folded: _choose_one_row)
+        self.one_row_timing: tuple[float, float] | None = None
         self._last_rows = 0  # and its real rows, where a decode
 
     # -- a step ------------------------------------------------------------------------------------
@@ -656,6 +662,7 @@ class StepGraphs:
             if mapping is not None:  # the replay remakes its masks first: their memory goes back to the pool
                 mapping.masks = None
         self._capture_sampling(pool, stream)
+        self._choose_one_row(pool, stream)
         torch.cuda.synchronize(device)
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.capture_seconds = time.perf_counter() - start
@@ -683,6 +690,53 @@ class StepGraphs:
                     self.refuse("sample", f"capturing its {size}-row graph raised {type(e).__name__}: {e}")
                     return
                 sampling.graphs[sort, size] = graph
+
+    def _choose_one_row(self, pool: _POOL_HANDLE, stream: torch.cuda.Stream) -> None:
+        """The batch-1 decode graph captured again with the model's one-row products
+        (LlamaModel.one_row_products: norms and SiLU folded into the products after them), both
+        replays timed on this card, the faster kept - the folded one's product is Triton's, not
+        cuBLAS's, and which wins is the card's to say. Logged either way."""
+        key = ("decode", 1)
+        model = self.model
+        unsupported = model.one_row_products_unsupported()
+        if key not in self.graphs or unsupported is not None or not gpu_fused.runs_on(model.embed_tokens.weight):
+            return
+        plain = self.graphs[key], self.outputs[key], self._tails.get(key)
+        device = self.inputs.device
+        model.one_row_products = True
+        try:
+            self._pad("decode", 1)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward("decode", 1)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            folded = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(folded, pool=pool):
+                self.outputs[key] = self._forward("decode", 1)
+            runs: tuple[list[float], list[float]] = ([], [])
+            for _ in range(3):  # alternated: a card's clock drifts
+                runs[0].append(_replay_us(plain[0]))
+                runs[1].append(_replay_us(folded))
+            self.one_row_timing = min(runs[0]), min(runs[1])
+        except Exception as e:  # noqa: BLE001 (the layer by layer step stays, said once)
+            self.one_row_timing = None
+            logger.warning("CUDA graphs: a one-row step with folded products could not be captured: %s", e)
+            folded = None
+        plain_us, folded_us = self.one_row_timing or (0.0, float("inf"))
+        if folded is not None and folded_us < ONE_ROW_MARGIN * plain_us:
+            self.graphs[key] = folded
+        else:
+            model.one_row_products = False
+            self.graphs[key], self.outputs[key] = plain[0], plain[1]
+            if plain[2] is not None:
+                self._tails[key] = plain[2]
+        if self.one_row_timing is not None:
+            logger.info(
+                "CUDA graphs: a batch-1 decode step replayed in %.1f us with its norms and SiLU folded into its "
+                "products, %.1f us without: %s",
+                folded_us, plain_us, "folded" if model.one_row_products else "not folded",
+            )  # fmt: skip
 
     def _pad(self, kind: str, size: int) -> None:
         """A size's rows all padding before its capture (the sizes' headers overlap: each size's is
@@ -734,6 +788,22 @@ class StepGraphs:
             f"decode batch sizes {_ranges(self.sizes)}{mixed}{lora} (contexts up to {self.max_context} tokens) in "
             f"{self.capture_seconds:.1f} s, {self.graph_bytes / MIB:.0f} MiB"
         )
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """A graph's replay on its card, microseconds: the median of five runs of `replays`, timed by
+    events (after one untimed run)."""
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(float(start.elapsed_time(end)) * 1e3 / replays)
+    return sorted(times)[len(times) // 2]
 
 
 def _ranges(sizes: list[int]) -> str:

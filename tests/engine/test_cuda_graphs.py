@@ -526,6 +526,25 @@ def test_sampled_decode_steps_draw_in_their_graphs_as_eager_steps_draw(tmp_path,
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
 
 
+def test_the_card_times_the_folded_one_row_step_and_keeps_the_faster(tmp_path, static_graphs, caplog):
+    """On a GPU the batch-1 decode graph is captured twice, with and without its norms and SiLU
+    folded into its products (kernels/triton_gemv.py), and the faster replay kept, said in the log;
+    either way the tokens are transformers' (float32)."""
+    if device().type != "cuda":
+        pytest.skip("timed on a card (a CPU runs the folded step in tests/model/test_triton_gemv.py)")
+    hf = _make("llama")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    caplog.set_level(logging.INFO, logger="prefixkv")
+    llm = LLM(str(tmp_path), dtype="float32", device="cuda", max_model_len=64, max_num_seqs=4)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.one_row_timing is not None and ("decode", 1) in graphs.graphs
+    assert "a batch-1 decode step replayed in" in caplog.text
+    prompt = [5, 17, 99, 3, 42, 7]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 6) and graphs.replays > 0
+
+
 def test_replayed_decode_steps_sample_from_their_graphs_logits_as_eager_steps_do(tmp_path, static_graphs):
     """A decode graph computes its rows' logits (cuda_graphs.DecodeTail); every request that is not
     plain greedy samples from them as from an eager step's: logprobs, seeded draws, penalties,

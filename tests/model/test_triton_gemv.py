@@ -86,13 +86,15 @@ def test_what_the_folded_products_do_not_take(on_device):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_a_one_row_step_folds_three_kernels_a_layer_and_keeps_its_tokens(tmp_path, on_device, monkeypatch, kind):
-    """A model's one-row decode step with `one_row_products` on: per layer two norm-and-product
-    kernels and one SiLU-and-product kernel in place of two norms, SiLU and three products, the
-    attention's own kernels as before; the final hidden state within rounding of the layer by
-    layer path's, the same K/V written."""
-    from triton.runtime.interpreter import InterpretedFunction
-
+    """A model's one-row decode step with `one_row_products` on: the final hidden state within
+    rounding of the layer by layer path's, the same K/V written; counted under the interpreter, per
+    layer two norm-and-product kernels and one SiLU-and-product kernel in place of two norms, SiLU
+    and three products, the attention's own kernels as before."""
     from prefixkv.model.kernels import ops
+
+    counting = device().type == "cpu"
+    if counting:
+        from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setattr(ops, "_enabled", False)  # the CPU's native kernels would stand in for Triton's
     monkeypatch.setenv("PREFIXKV_CUDA_ATTENTION", "triton")
@@ -111,21 +113,25 @@ def test_a_one_row_step_folds_three_kernels_a_layer_and_keeps_its_tokens(tmp_pat
         prompt = AttentionMetadata(torch.arange(6), [0, 6], [6], torch.tensor([[0, 1]]))
         model(torch.tensor([5, 17, 99, 3, 42, 7]), torch.arange(6), caches, prompt)
         launched: collections.Counter[str] = collections.Counter()
-        real_run = InterpretedFunction.run
+        if counting:
+            real_run = InterpretedFunction.run
 
-        def run(self, *args, launched=launched, real_run=real_run, **kwargs):  # type: ignore[no-untyped-def]
-            launched[self.fn.__name__.strip("_")] += 1
-            return real_run(self, *args, **kwargs)
+            def run(self, *args, launched=launched, real_run=real_run, **kwargs):  # type: ignore[no-untyped-def]
+                launched[self.fn.__name__.strip("_")] += 1
+                return real_run(self, *args, **kwargs)
 
-        monkeypatch.setattr(InterpretedFunction, "run", run)
+            monkeypatch.setattr(InterpretedFunction, "run", run)
         decode = AttentionMetadata(torch.tensor([6]), [0, 1], [7], torch.tensor([[0, 1]]))
         hidden = model(torch.tensor([11]), torch.tensor([6]), caches, decode)
-        monkeypatch.setattr(InterpretedFunction, "run", real_run)
+        if counting:
+            monkeypatch.setattr(InterpretedFunction, "run", real_run)
         runs.append((hidden, caches, launched))
     (plain, plain_caches, plain_kernels), (hidden, caches, kernels) = runs
     torch.testing.assert_close(hidden, plain, rtol=1e-5, atol=1e-5)
     for a, b in zip(caches, plain_caches):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    if not counting:
+        return
     assert plain_kernels["add_rms_norm_kernel"] == 2 * n + 1 and plain_kernels["silu_and_mul_kernel"] == n
     assert kernels == {
         "prologue_gemv_kernel": 3 * n,
