@@ -15,9 +15,13 @@ costs and saves before the engine takes it.
     # a CPU smoke of the same kernel under Triton's interpreter (tiny shapes, no timing):
     TRITON_INTERPRET=1 python3 bench/fused_gemv.py --device cpu --shapes tiny
 
-Each variant is captured 50 times in a CUDA graph and replayed, timed with CUDA events: device time
-per call, no launch cost. Prints each product's microseconds, the share of the measured bandwidth
-its weight read reaches, and the fused kernel's largest difference from the engine's path (bfloat16).
+The fused kernel is the engine's (model/kernels/triton_gemv.py, which the engine times against its
+layer by layer path on the card at start-up: cuda_graphs.StepGraphs._choose_one_row): with the
+engine's block shape, and with the block shape Triton's autotuner picks here (printed: what the
+engine's BLOCK_N and BLOCK_K could be). Each variant is captured 50 times in a CUDA graph and
+replayed, timed with CUDA events: device time per call, no launch cost. Prints each product's
+microseconds, the share of the measured bandwidth its weight read reaches, and the fused kernel's
+largest difference from the engine's path (bfloat16).
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import describe  # noqa: E402
 from prefixkv.model.kernels import gpu_fused  # noqa: E402
+from prefixkv.model.kernels import triton_gemv as tg  # noqa: E402
 
 # (name, out features N, in features K, the step before it: "norm" the residual add and RMSNorm,
 # "silu" SiLU-and-multiply of a [2K] gate/up row, "" none): a decode layer's products
@@ -60,59 +64,6 @@ PROLOGUES = {"": 0, "norm": 1, "silu": 2}
 CALLS_PER_GRAPH = 50
 
 
-@triton.jit
-def _prologue_gemv_kernel(
-    x_ptr,
-    delta_ptr,
-    nw_ptr,
-    w_ptr,
-    out_ptr,
-    h_out_ptr,
-    N,
-    K,
-    eps,
-    PROLOGUE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """out[n] = sum_k W[n, k] * a[k] for BLOCK_N rows n, a = x (PROLOGUE 0); with PROLOGUE 1,
-    h = x + delta (rounded to x's dtype, program 0 storing it in h_out) and a its RMSNorm by nw,
-    each program summing h's squares itself (K values from L2: cheap beside its rows of W); with
-    PROLOGUE 2, a = silu(x[:K]) * x[K:]. Rounded as the engine's add_rms_norm and silu_and_mul."""
-    pid = tl.program_id(0)
-    ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = ns < N
-    inv = 1.0
-    if PROLOGUE == 1:
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-            h = (x.to(tl.float32) + tl.load(delta_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
-            if pid == 0:
-                tl.store(h_out_ptr + ks, h, mask=k_ok)
-            hf = h.to(tl.float32)
-            squares += hf * hf
-        inv = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-        if PROLOGUE == 1:
-            h = (x.to(tl.float32) + tl.load(delta_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
-            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((h.to(tl.float32) * inv).to(x.dtype).to(tl.float32) * nw).to(x.dtype)
-        if PROLOGUE == 2:
-            g = x.to(tl.float32)
-            up = tl.load(x_ptr + K + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32) * up).to(x.dtype)
-        w = tl.load(w_ptr + ns[:, None] * K + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
 # on a GPU the block shape is tuned per product (Triton's autotuner times each on the card); the
 # interpreter has no device to time on and takes one
 CONFIGS = [
@@ -125,40 +76,53 @@ _tuned = None
 
 
 def prologue_gemv(
-    x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    tuned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One kernel: the product of `weight` [N, K] with x [K] (no step before it), with
-    RMSNorm(x + delta) by norm_weight (returns the new residual x + delta too), or with
-    silu(x[:K]) * x[K:] (x [2K], delta and norm_weight None)."""
+    """The engine's kernel (kernels/triton_gemv.py): the product of `weight` [N, K] with x [1, K]
+    (no step before it), with RMSNorm(x + delta) by norm_weight (returns the new residual too), or
+    with silu(x[:, :K]) * x[:, K:] (x [1, 2K]). `tuned`: Triton's autotuner picks the block shape
+    on the card (else the engine's BLOCK_N, BLOCK_K)."""
     global _tuned
+    if not tuned or x.device.type != "cuda":
+        if norm_weight is not None:
+            return tg.norm_linear(x, delta, norm_weight, eps, weight)[::-1]
+        if x.shape[-1] == 2 * weight.shape[1]:
+            return tg.silu_linear(x, weight), None
+        return tg._launch(x, None, None, weight, eps, 0)[1], None
     N, K = weight.shape
-    prologue = 1 if norm_weight is not None else 2 if x.numel() == 2 * K else 0
-    out = torch.empty(N, dtype=x.dtype, device=x.device)
-    h_out = torch.empty(K, dtype=x.dtype, device=x.device) if prologue == 1 else out
-    args = (x, x if delta is None else delta, x if norm_weight is None else norm_weight, weight, out, h_out, N, K, eps)
-    if x.device.type != "cuda":
-        _prologue_gemv_kernel[(triton.cdiv(N, 8),)](*args, PROLOGUE=prologue, BLOCK_N=8, BLOCK_K=256)
-    else:
-        if _tuned is None:
-            _tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "PROLOGUE"])(_prologue_gemv_kernel)
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        _tuned[grid](*args, PROLOGUE=prologue)
-    return out, (h_out if prologue == 1 else None)
+    prologue = 1 if norm_weight is not None else 2 if x.shape[-1] == 2 * K else 0
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    h_out = torch.empty_like(x) if delta is not None else x
+    if _tuned is None:
+        _tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "PROLOGUE", "HAS_DELTA"])(tg._prologue_gemv_kernel)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _tuned[grid](
+        x, x if delta is None else delta, x if norm_weight is None else norm_weight, weight, out, h_out, N, K, eps,
+        PROLOGUE=prologue, HAS_DELTA=delta is not None, WEIGHT_IN_F32=x.dtype == torch.float32,
+        K_POW2=triton.next_power_of_2(K) if prologue == 1 else 1, **tg.EXACT,
+    )  # fmt: skip
+    return out, (h_out if delta is not None else None)
 
 
 def engine_path(
     x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """The engine's path: its fused step (add_rms_norm on a copy of x, silu_and_mul), then F.linear."""
+    """The engine's layer by layer path: its fused step (add_rms_norm on a copy of x, silu_and_mul),
+    then F.linear."""
     if norm_weight is not None:
-        normed = gpu_fused.add_rms_norm(x.clone()[None], None if delta is None else delta[None], norm_weight, eps)
+        normed = gpu_fused.add_rms_norm(x.clone(), delta, norm_weight, eps)
         assert normed is not None, "the fused kernels are off (PREFIXKV_CUDA_KERNELS=0)"
-        x = normed[0]
-    elif x.numel() == 2 * weight.shape[1]:
-        act = gpu_fused.silu_and_mul(x[None])
+        x = normed
+    elif x.shape[-1] == 2 * weight.shape[1]:
+        act = gpu_fused.silu_and_mul(x)
         assert act is not None, "the fused kernels are off (PREFIXKV_CUDA_KERNELS=0)"
-        x = act[0]
-    return F.linear(x[None], weight)[0]
+        x = act
+    return F.linear(x, weight)
 
 
 def device_us(fn: Callable[[], object], reps: int) -> float:
@@ -203,10 +167,10 @@ def main() -> None:
         gpu_fused.run_on_cpu = True  # the engine's kernels under the interpreter too
     for shape in args.shapes.split(","):
         for name, n, k, before in SHAPES[shape]:
-            x = torch.randn(2 * k if before == "silu" else k, generator=g).to(dtype).to(dev)
+            x = torch.randn(1, 2 * k if before == "silu" else k, generator=g).to(dtype).to(dev)
             w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(dev)
             norm = before == "norm"
-            delta = torch.randn(k, generator=g).to(dtype).to(dev) if norm else None
+            delta = torch.randn(1, k, generator=g).to(dtype).to(dev) if norm else None
             nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(dev) if norm else None
             want = engine_path(x, delta, nw, w, eps)
             got, h_new = prologue_gemv(x, delta, nw, w, eps)
@@ -217,13 +181,16 @@ def main() -> None:
             line = f"{shape:9s} {name:8s} {n:6d} x {k:5d} {step:6s}: max |fused - engine| {diff:.2e}"
             if cuda:
                 fused = device_us(lambda: prologue_gemv(x, delta, nw, w, eps), args.reps)  # noqa: B023
+                tuned = device_us(lambda: prologue_gemv(x, delta, nw, w, eps, tuned=True), args.reps)  # noqa: B023
+                best = _tuned.best_config if _tuned is not None else None
                 plain = device_us(lambda: engine_path(x, delta, nw, w, eps), args.reps)  # noqa: B023
-                linear = device_us(lambda: F.linear(x[None, :k], w), args.reps)  # noqa: B023
+                linear = device_us(lambda: F.linear(x[:, :k], w), args.reps)  # noqa: B023
                 read_us = w.numel() * w.element_size() / bandwidth * 1e6 if bandwidth else float("nan")
                 line += (
-                    f"; us: fused {fused:7.2f}  engine {plain:7.2f}  F.linear alone {linear:7.2f}  "
-                    f"(the weight's read {read_us:6.2f}: fused at {100 * read_us / fused:3.0f}% of the bandwidth, "
-                    f"F.linear at {100 * read_us / linear:3.0f}%)"
+                    f"; us: fused {fused:7.2f} (the engine's blocks), {tuned:7.2f} (tuned: {best})  "
+                    f"engine's layer path {plain:7.2f}  F.linear alone {linear:7.2f}  "
+                    f"(the weight's read {read_us:6.2f}: fused at {100 * read_us / min(fused, tuned):3.0f}% of the "
+                    f"bandwidth, F.linear at {100 * read_us / linear:3.0f}%)"
                 )
             print(line, flush=True)
 
