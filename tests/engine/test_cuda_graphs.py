@@ -427,15 +427,19 @@ def test_a_replayed_step_launches_nine_kernels_a_layer(tmp_path, static_graphs, 
         assert kernels == {**fused, f"{kind.replace('mixed', 'prefill')}_kernel": n}
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_greedy_replayed_decode_step_launches_one_copy_beside_its_graph(tmp_path, static_graphs, async_scheduling):
+def test_a_replayed_decode_step_launches_its_copies_beside_its_graphs(
+    tmp_path, static_graphs, async_scheduling, sampled
+):
     """Outside its graph a greedy decode step launches one copy: its ids, positions, slots, lengths
     and block tables from the host's flat buffer (DecodeLayout), whatever its batch; the LM head,
     the row checks and the argmax run in the graph (DecodeTail). Under async scheduling the ids
     drawn by the previous step add one copy on the device; in order, the host reads the row checks
-    before it samples. On a GPU every operator outside the
-    graph is host time a step. Counted on a CPU, the forward left out (the read-back, a copy on a
-    GPU, is no operator here)."""
+    before it samples. A sampled step (temperature, top-p) draws its tokens in a graph of its own
+    after the decode graph (graph_sampling.py), with one copy more: its rows' parameters and
+    uniforms. On a GPU every operator outside the graphs is host time a step. Counted on a CPU, the
+    graphs' work left out (the read-back, a copy on a GPU, is no operator here)."""
     if device().type != "cpu":
         pytest.skip("counted under Triton's interpreter")
     _write_llama(tmp_path)
@@ -445,42 +449,17 @@ def test_a_greedy_replayed_decode_step_launches_one_copy_beside_its_graph(tmp_pa
     )  # fmt: skip
     runner = llm.llm_engine.runner
     graphs = runner.graphs
-    assert graphs is not None and graphs.tail_rows == 4
+    assert graphs is not None and graphs.tail_rows == 4 and graphs.sampling is not None
     counted = _launches_beside_the_forward(graphs, runner, "launch", "decode", lambda out: out.scheduled)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.8 if sampled else 0, top_p=0.9, max_tokens=4, ignore_eos=True)
     llm.generate([[5, 6, 7]], params, use_tqdm=False)  # batch 1
-    llm.generate([[5, 6, 7], [8, 9], [1, 2, 3, 4]], params, use_tqdm=False)  # 3 rows padded to 4
-    # in order (async scheduling off) the host reads the row checks before it samples
-    want = {"copy_": 2} if async_scheduling else {"copy_": 1, "all": 1, "is_nonzero": 1}
-    assert len(counted) == 6
-    assert all(ops == want for ops in counted), counted
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_sampled_replayed_decode_step_launches_two_copies_beside_its_graphs(
-    tmp_path, static_graphs, async_scheduling
-):
-    """A sampled decode step (temperature, top-p) draws its tokens in a graph of its own after the
-    decode graph (graph_sampling.py): beside them it launches the greedy step's copies and one
-    more, its rows' parameters and uniforms. Counted on a CPU, the graphs' work left out."""
-    if device().type != "cpu":
-        pytest.skip("counted under Triton's interpreter")
-    _write_llama(tmp_path)
-    llm = LLM(
-        str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
-        async_scheduling=async_scheduling, compilation_config={"cudagraph_capture_sizes": [1, 4]},
-    )  # fmt: skip
-    runner = llm.llm_engine.runner
-    graphs = runner.graphs
-    assert graphs is not None and graphs.sampling is not None
-    counted = _launches_beside_the_forward(graphs, runner, "launch", "decode", lambda out: out.scheduled)
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True)
-    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    # 3 rows padded to 4 (sampled: one with a seed, its own generator)
     llm.generate([[5, 6, 7], [8, 9], [1, 2, 3, 4]], [params, params.clone(seed=3), params], use_tqdm=False)
-    want = {"copy_": 3} if async_scheduling else {"copy_": 2, "all": 1, "is_nonzero": 1}
-    assert len(counted) == 6 and graphs.draws == 6
-    # the uniforms: drawn on the host, one draw per generator (the engine's; the seeded row's own)
-    assert [ops.pop("rand") for ops in counted] == [1, 1, 1, 2, 2, 2]
+    # in order (async scheduling off) the host reads the row checks before it samples
+    want = {"copy_": 2 + sampled} if async_scheduling else {"copy_": 1 + sampled, "all": 1, "is_nonzero": 1}
+    assert len(counted) == 6 and graphs.draws == (6 if sampled else 0)
+    if sampled:  # the uniforms: drawn on the host, one draw per generator (the engine's, the seeded row's)
+        assert [ops.pop("rand") for ops in counted] == [1, 1, 1, 2, 2, 2]
     assert all(ops == want for ops in counted), counted
 
 
