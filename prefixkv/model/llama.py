@@ -295,6 +295,8 @@ class LlamaModel(nn.Module):
         """Why a one-row step cannot fold its norms and SiLU-and-multiply into its products
         (`_one_row_forward`); None where it can: Llama's own forward, layers and RMSNorms, dense
         SiLU MLPs and projections without bias, adapters or packing, no soft-capped scores."""
+        if self.lora_context is not None:  # (attached after the model's first forward, perhaps)
+            return "LoRA adapters are attached"
         if self._one_row_unsupported is False:
             self._one_row_unsupported = self._one_row_why_not()
         assert self._one_row_unsupported is not True

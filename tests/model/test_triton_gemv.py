@@ -142,8 +142,8 @@ def test_a_one_row_step_folds_three_kernels_a_layer_and_keeps_its_tokens(tmp_pat
 
 
 def test_which_models_fold_them(tmp_path):
-    """Llama's own layers only: projection biases (Qwen2), another norm (Gemma's 1 + weight) or an
-    MLP of another kind keep the layer by layer path, and say why."""
+    """Llama's own layers only: projection biases (Qwen2), another norm (Gemma's 1 + weight) or
+    LoRA adapters keep the layer by layer path, and say why."""
     from prefixkv.model.gemma import GemmaRMSNorm
 
     reasons = {}
@@ -155,6 +155,9 @@ def test_which_models_fold_them(tmp_path):
     llama = reasons["llama"]
     assert llama.one_row_products_unsupported() is None
     assert "with a bias" in (reasons["qwen2"].one_row_products_unsupported() or "")
+    llama.lora_context = object()  # LoRA attached after a first answer: asked at every step
+    assert llama.one_row_products_unsupported() == "LoRA adapters are attached"
+    llama.lora_context = None
     llama._one_row_unsupported = False  # asked again below
     llama.norm = GemmaRMSNorm(llama.config.hidden_size, 1e-6)
     assert llama.one_row_products_unsupported() == "its final norm is GemmaRMSNorm"
