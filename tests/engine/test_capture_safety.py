@@ -71,3 +71,76 @@ def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch
     if family == "llava":
         assert graphs.image_rows is not None and graphs.image_rows.steps > 0
     assert not reads.found, "\n".join(f"{n}x {name} at {where}" for (name, where), n in reads.found.items())
+
+
+@pytest.mark.slow(seconds=8)
+def test_the_draws_graphs_and_the_folded_one_row_step_read_nothing_on_the_host(tmp_path, monkeypatch, caplog):
+    """The same for what a GPU records beside the forward of a decode step: a sampled step's draws
+    (graph_sampling.py, both variants: with the sort top-k and top-p need, and without) and a
+    one-row step with its norms and SiLU folded into its products (LlamaModel.one_row_products)."""
+    if device().type != "cpu":
+        pytest.skip("a card captures these steps itself (test_cuda_graphs.py)")
+    from prefixkv.model.kernels import gpu_fused
+
+    from ..model.triton_interpreter import FUSED, GEMV
+
+    kernels_module(FUSED)
+    kernels_module(GEMV)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from prefixkv.model import LlamaModel
+
+    monkeypatch.setattr(gpu_fused, "run_on_cpu", True)
+    monkeypatch.setattr(gpu_fused, "_module", None)
+    monkeypatch.setattr(LlamaModel, "pack_for_cpu", lambda self: False)  # projections as a GPU keeps them
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static")
+    caplog.set_level(logging.ERROR, logger="prefixkv")
+    depth = [0]
+    real_run = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        depth[0] += 1
+        try:
+            return real_run(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    scenarios, _ = _checkpoint("llama", tmp_path / "llama")
+    llm = LLM(
+        str(tmp_path / "llama"), dtype="float32", device="cpu", num_blocks=64, block_size=BLOCK, max_model_len=64,
+        max_num_seqs=4, async_scheduling=True, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+    )  # fmt: skip
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.sampling is not None
+    llm.llm_engine.runner.model.one_row_products = True
+    reads = HostReads(depth)
+    real_forward, real_replay = graphs._forward, graphs.sampling.replay
+    variants = set()
+
+    def forward(kind, size):  # type: ignore[no-untyped-def]
+        with reads:
+            return real_forward(kind, size)
+
+    def replay(logits, sort):  # type: ignore[no-untyped-def]
+        variants.add(sort)
+        with reads:
+            return real_replay(logits, sort)
+
+    graphs._forward = forward
+    graphs.sampling.replay = replay  # type: ignore[method-assign]
+    model = llm.llm_engine.runner.model
+    real_one_row, folded = model._one_row_forward, []
+
+    def one_row(*args):  # type: ignore[no-untyped-def]
+        folded.append(real_one_row(*args))
+        return folded[-1]
+
+    model._one_row_forward = one_row
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # one row, folded
+    for params in (SamplingParams(temperature=0.8, top_p=0.9, top_k=20), SamplingParams(temperature=1.0, min_p=0.1)):
+        llm.generate(prompts, params.clone(max_tokens=4), use_tqdm=False)
+    assert graphs.replays > 0 and variants == {True, False}
+    assert folded and all(x is not None for x in folded)  # the one-row steps took the folded products
+    assert not reads.found, "\n".join(f"{n}x {name} at {where}" for (name, where), n in reads.found.items())
