@@ -22,17 +22,11 @@ from .sweep_graphs import BLOCK, _checkpoint, _run
 FAMILIES = ["llama", "gemma3", "qwen3_moe", "falcon_h1", "qwen3_next", "lora", "llava"]
 
 
-@pytest.mark.slow(seconds=5)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch, caplog, family):
-    if device().type != "cpu":
-        pytest.skip("a card captures these steps itself (test_cuda_graphs.py, the sweep)")
-    kernels_module()
+def _triton_depth(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[n]: n > 0 while a Triton kernel runs under the interpreter (whose own host reads are not
+    the step's)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static")
-    monkeypatch.setattr(moe, "GROUPED_ON_CPU", True)  # the device's routing, as a GPU runs it
-    caplog.set_level(logging.ERROR, logger="prefixkv")  # put back after the test
     depth = [0]
     real_run = InterpretedFunction.run
 
@@ -44,6 +38,19 @@ def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch
             depth[0] -= 1
 
     monkeypatch.setattr(InterpretedFunction, "run", run)
+    return depth
+
+
+@pytest.mark.slow(seconds=5)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch, caplog, family):
+    if device().type != "cpu":
+        pytest.skip("a card captures these steps itself (test_cuda_graphs.py, the sweep)")
+    kernels_module()
+    monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static")
+    monkeypatch.setattr(moe, "GROUPED_ON_CPU", True)  # the device's routing, as a GPU runs it
+    caplog.set_level(logging.ERROR, logger="prefixkv")  # put back after the test
+    depth = _triton_depth(monkeypatch)
     scenarios, adapters = _checkpoint(family, tmp_path / family)
     settings, requests = scenarios["greedy"]
     llm = LLM(
@@ -86,8 +93,6 @@ def test_the_draws_graphs_and_the_folded_one_row_step_read_nothing_on_the_host(t
 
     kernels_module(FUSED)
     kernels_module(GEMV)
-    from triton.runtime.interpreter import InterpretedFunction
-
     from prefixkv.model import LlamaModel
 
     monkeypatch.setattr(gpu_fused, "run_on_cpu", True)
@@ -95,17 +100,7 @@ def test_the_draws_graphs_and_the_folded_one_row_step_read_nothing_on_the_host(t
     monkeypatch.setattr(LlamaModel, "pack_for_cpu", lambda self: False)  # projections as a GPU keeps them
     monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static")
     caplog.set_level(logging.ERROR, logger="prefixkv")
-    depth = [0]
-    real_run = InterpretedFunction.run
-
-    def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        depth[0] += 1
-        try:
-            return real_run(self, *args, **kwargs)
-        finally:
-            depth[0] -= 1
-
-    monkeypatch.setattr(InterpretedFunction, "run", run)
+    depth = _triton_depth(monkeypatch)
     scenarios, _ = _checkpoint("llama", tmp_path / "llama")
     llm = LLM(
         str(tmp_path / "llama"), dtype="float32", device="cpu", num_blocks=64, block_size=BLOCK, max_model_len=64,
