@@ -68,7 +68,7 @@ def graphs_summary(llm: LLM) -> str:
 
 
 def decode_steps(
-    llm: LLM, prompts: list[list[int]], steps: int, temperature: float = 0.0, top_p: float = 1.0
+    llm: LLM, prompts: list[list[int]], steps: int, temperature: float, top_p: float
 ) -> tuple[list[float], int, list[list[int]]]:
     """Seconds of each all-decode step, how many of them replayed a graph, the tokens generated
     (greedy, or drawn at `temperature` and `top_p` with a seed a request: the same tokens from every

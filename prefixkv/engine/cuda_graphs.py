@@ -93,6 +93,7 @@ TAIL_LOGITS_BYTES = 32 * MIB
 # the batch-1 decode graph with its norms and SiLU folded into its products (_choose_one_row) is
 # kept where its replay takes less than this share of the layer by layer one's (a tie keeps cuBLAS)
 ONE_ROW_MARGIN = 0.98
+REPLAYS_TIMED = 20  # back to back, a timed run of a graph's replays
 
 
 def tail_rows(sizes: Sequence[int], vocab: int) -> int:
@@ -790,9 +791,10 @@ class StepGraphs:
         )
 
 
-def _replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
-    """A graph's replay on its card, microseconds: the median of five runs of `replays`, timed by
-    events (after one untimed run)."""
+def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """A graph's replay on its card, microseconds: the median of five runs of REPLAYS_TIMED, timed
+    by events (after one untimed run)."""
+    replays = REPLAYS_TIMED
     graph.replay()
     times = []
     for _ in range(5):
