@@ -64,6 +64,10 @@ def graphs_summary(llm: LLM) -> str:
     if not graphs.graphs:
         return "static buffers, not captured"
     mixed = f"; mixed steps replayed up to {graphs.mixed_sizes[-1]} tokens" if graphs.mixed_sizes else ""
+    one_row = getattr(graphs, "one_row_timing", None)  # (an older tree: none)
+    if one_row is not None:  # StepGraphs._choose_one_row's timing, and what it kept
+        kept = "folded" if llm.llm_engine.runner.model.one_row_products else "layer by layer"
+        mixed += f"; batch-1 step {one_row[1]:.1f} us folded, {one_row[0]:.1f} us layer by layer: {kept} kept"
     return f"graphs captured: {graphs.summary()}{mixed}"
 
 
