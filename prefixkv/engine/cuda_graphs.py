@@ -316,7 +316,6 @@ class StepGraphs:
         self._last: tuple[str, int] | None = None  # the last replayed (kind, size)
         # the batch-1 decode replay's microseconds (layer by layer, folded: _choose_one_row)
         self.one_row_timing: tuple[float, float] | None = None
-        self._last_rows = 0  # and its real rows, where a decode
 
     # -- a step ------------------------------------------------------------------------------------
     def kind(self, scheduled: list[ScheduledRequest]) -> str | None:
@@ -424,7 +423,6 @@ class StepGraphs:
         if self._inputs_copied is not None:  # after the copies, on their device's stream
             self._inputs_copied.record(torch.cuda.current_stream(self.inputs.device))
         self.replays += 1
-        self._last_rows = b
         return self._replay(kind, size)[:b]
 
     @staticmethod
@@ -538,18 +536,10 @@ class StepGraphs:
         return DecodeTail(self.logits[:rows], finite[:rows], tokens[:rows], marked[:rows])
 
     def samples(self, params: list[SamplingParams]) -> bool:
-        """Whether the last step's rows with `params` draw their tokens in a graph (`draw`): it
-        computed its DecodeTail, every row is one of its requests', and none asks for penalties or
-        logprobs (the caller knows of constraints and blocked EOS)."""
-        last = self._last
-        return (
-            self.sampling is not None
-            and "sample" not in self.failed
-            and last is not None
-            and last in self._tails
-            and len(params) == self._last_rows
-            and GraphSampling.takes(params)
-        )
+        """Whether the rows of the last step's DecodeTail (the caller holds it, for every row of
+        the step) draw their tokens in a graph (`draw`): none asks for penalties or logprobs (the
+        caller knows of constraints and blocked EOS)."""
+        return self.sampling is not None and "sample" not in self.failed and GraphSampling.takes(params)
 
     def draw(
         self, params: list[SamplingParams], generators: list[torch.Generator]

@@ -68,8 +68,7 @@ def profile_step(tokens: int, seqs: int, block_size: int) -> tuple[torch.Tensor,
 def peak_step_activations(model: LlamaModel, tokens: int, rows: int, block_size: int, seqs: int = 1) -> int:
     """Bytes one step of `tokens` new tokens with `rows` logits rows, and their draws, allocates at
     its peak on the model's CUDA device, over what was allocated before (its throwaway KV blocks
-    included); with
-    `seqs` > 1, in as many requests as `profile_step` lays out."""
+    included); with `seqs` > 1, in as many requests as `profile_step` lays out."""
     device = model.device
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
@@ -102,9 +101,9 @@ def cuda_kv_budget(
     step's tokens; 0: none). The graphs' memory pool is held beside the eager steps' activations;
     it is reserved as what one forward of that many tokens allocates at its peak, with the logits
     of `graph_logits_rows` rows and their draws (the decode graphs' tail, cuda_graphs.tail_rows,
-    and the draws' graphs, graph_sampling.py; the capture logs
-    the real figure) - for a recurrent model over the most segments a replayed step computes,
-    `max_rows` requests of two tokens (`profile_step`)."""
+    and the draws' graphs, graph_sampling.py; the capture logs the real figure) - for a recurrent
+    model over the most segments a replayed step computes, `max_rows` requests of two tokens
+    (`profile_step`)."""
     device = model.device
     activations = peak_step_activations(model, max_tokens, max_rows, block_size)
     if graph_rows:

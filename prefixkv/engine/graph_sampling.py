@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..sampling_params import SamplingParams
 from .sampler import SAMPLE_PARAMS, draw_fixed, fixed_params
 
-# a padding row's parameters: greedy, nothing filtered (its draw is well-defined and unused)
-_PADDING = (0.0, 1.0, -math.inf, 0.0, 1.0, 1.0)
+# a padding row's parameters, a column: greedy, nothing filtered (its draw is well-defined and unused)
+_PADDING = np.array([0.0, 1.0, -math.inf, 0.0, 1.0, 1.0])[:, None]
 
 
 class GraphSampling:
@@ -29,7 +30,7 @@ class GraphSampling:
     graphs (one per (sorted, size), filled by StepGraphs.capture)."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device, pinned: bool) -> None:
-        self.rows, self.vocab = rows, vocab
+        self.vocab = vocab
         self.params = torch.zeros(SAMPLE_PARAMS, rows, dtype=torch.float64, device=device)
         self.host = torch.zeros(SAMPLE_PARAMS, rows, dtype=torch.float64, pin_memory=pinned)
         self._host_rows = self.host.numpy()
@@ -52,7 +53,7 @@ class GraphSampling:
         n = len(params)
         sort = fixed_params(params, self.vocab, generators, self._host_rows)
         if size > n:
-            self._host_rows[:, n:size] = [[v] for v in _PADDING]
+            self._host_rows[:, n:size] = _PADDING
         # the whole buffer: one contiguous copy (a few KiB), where a size's columns are strided
         self.params.copy_(self.host, non_blocking=True)
         if self._copied is not None:
