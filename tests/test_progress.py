@@ -22,7 +22,9 @@ def test_a_slow_stage_says_what_it_does_while_it_runs(caplog):
         with announced("something quick", after=1.0):
             pass
     assert "compiling something..." in said
-    assert "compiling something: done in 0.3 s" in caplog.text
+    # at least the sleep; a loaded machine (the suite's other worker) may add to it
+    done = re.search(r"compiling something: done in (\d+\.\d) s", caplog.text)
+    assert done and float(done.group(1)) >= 0.3, caplog.text
     assert "something quick" not in caplog.text
 
 
@@ -30,13 +32,14 @@ def test_stages_sum_up_in_one_line():
     stages = Stages()
     with stages.stage("model", "loading"):
         time.sleep(0.1)
-    with stages.stage("instant", "nothing"):
-        pass
+    with stages.stage("model", "loading"):
+        time.sleep(0.1)
+    # at least the sleeps, summed; a loaded machine (the suite's other worker) may add to them
+    assert stages.times["model"] >= 0.2
+    # the line's form over known times: an empty block can take 0.3 s on a loaded 2-core machine
+    stages.times = {"model": 0.84, "instant": 0.01, "KV cache": 1.5}
     line = stages.summary()
-    # at least the sleep; a loaded machine (the suite's other worker) may add to it
-    found = re.search(r"\(model (\d+\.\d) s\)", line)
-    assert found and float(found.group(1)) >= 0.1, line
-    assert "instant" not in line
+    assert re.fullmatch(r"\d+\.\d s \(model 0\.8 s, KV cache 1\.5 s\)", line), line
 
 
 def test_the_engine_logs_its_stages(caplog):

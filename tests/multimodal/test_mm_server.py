@@ -92,14 +92,12 @@ def test_a_1xN_image_is_a_prompt_400(served):
     """A tiny PNG of 1 x 20,000 pixels would be resized to 30 x 600,000 (the issue's 1 x 300,000 to
     +2.6 GB at CLIP's 224): refused from its header with a 400 naming the limit, the server healthy."""
     import base64
-    import time
 
     from .test_mm_chat import long_strip_png
 
     server, _ = served
     for data in (long_strip_png(20_000), long_strip_png(300_000)):
         url = "data:image/png;base64," + base64.b64encode(data).decode()
-        t0 = time.monotonic()
         r = httpx.post(
             server.base + "/v1/chat/completions",
             json={"model": "llava", "messages": image_msg(url), "max_tokens": 2},
@@ -107,6 +105,5 @@ def test_a_1xN_image_is_a_prompt_400(served):
         )
         assert r.status_code == 400, r.text
         assert "aspect ratio" in r.json()["error"]["message"] and "at most 200" in r.json()["error"]["message"]
-        assert time.monotonic() - t0 < 5
     assert server.healthy()
     server.wait_idle()
