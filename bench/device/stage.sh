@@ -15,7 +15,9 @@ if [ -d .device/whl ] && [ ! -e "$site/.wheels-installed" ]; then
 fi
 cp .device/model-"$part"/* "$dest"/
 if [ -e "$dest/part-0" ] && [ -e "$dest/part-1" ]; then
-    cat "$dest"/part-0 "$dest"/part-1 > "$dest/SmolLM2-135M-Instruct.Q4_1.gguf"
+    # Python's lzma: the machine's image need not have xz
+    cat "$dest"/part-0 "$dest"/part-1 | python3 -c "import lzma, shutil, sys
+shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$dest/SmolLM2-135M-Instruct.Q4_1.gguf"
     rm "$dest"/part-?
     (cd "$dest" && sha256sum -c SHA256SUMS)
 fi
