@@ -5,7 +5,7 @@ an H100 a decode step of the default model at batch 256 took 9.45 ms, and 9.00 m
 scheduling hiding the host's work behind the device's.
 
     python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
-        [--temperature 0.8 --top-p 0.9]
+        [--temperature 0.8 --top-p 0.9] [--repetition-penalty 1.1 --frequency-penalty 0.5]
         [--device cuda --dtype bfloat16 --device-time] [--profile-top 25] [--model DIR | --model default]
         [--against TREE --pairs 4]
 
@@ -210,6 +210,8 @@ def main() -> None:
         "--temperature", type=float, default=0.0, help="0: greedy; else unseeded draws (what chat clients send)"
     )
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="(penalties read each request's output)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument(
         "--output-kind",
         default="FINAL_ONLY",
@@ -296,6 +298,8 @@ def main() -> None:
         params = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty,
+            frequency_penalty=args.frequency_penalty,
             max_tokens=args.steps + 1,
             ignore_eos=True,
             output_kind=RequestOutputKind[args.output_kind],
@@ -307,7 +311,7 @@ def main() -> None:
                     engine.add_request([32 + (7 * i + j) % 200 for j in range(args.prompt)], params)
                 engine.step()  # the prefill
                 acc.clear()
-                steps, total = 0, 0.0
+                steps, total, ahead_before = 0, 0.0, engine.num_steps_ahead
                 while engine.has_unfinished_requests():
                     t0 = time.perf_counter()
                     engine.step()
@@ -316,6 +320,7 @@ def main() -> None:
                 for phase in PHASES:
                     per_round[phase].append(acc[phase] / steps / B * 1e6)
                 per_round["step"].append(total / steps / B * 1e6)
+                per_round["ahead"].append((engine.num_steps_ahead - ahead_before) / steps)
             med = {k: statistics.median(v[1:]) for k, v in per_round.items()}
             device_work = med["model forward"] + med["logits"]
             host = med["step"] - device_work
@@ -326,7 +331,8 @@ def main() -> None:
                 f"update {med['update_from_output']:.1f} + outputs {med['process_outputs']:.1f} + rest "
                 f"{host - med['schedule'] - launch_own - med['update_from_output'] - med['process_outputs']:.1f}; "
                 f"model forward {med['model forward']:.1f}"
-                + (f", logits {med['logits']:.1f}" if args.gpu_path else ""),
+                + (f", logits {med['logits']:.1f}" if args.gpu_path else "")
+                + f"; {med['ahead']:.0%} of steps scheduled ahead",
                 flush=True,
             )
             if args.device_time:

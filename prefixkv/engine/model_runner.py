@@ -165,20 +165,40 @@ class ModelRunner:
         errors = out.errors
         to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in errors]
         if to_sample:
+            outputs = self._outputs_so_far(to_sample, previous)
             if (
                 tail is not None
                 and len(to_sample) == hidden.shape[0]
                 and all(sr.constraints is None for sr in to_sample)
             ):
-                self._sample(tail.logits, to_sample, pending, tail)  # the graph ran the LM head
+                self._sample(tail.logits, to_sample, pending, outputs, tail)  # the graph ran the LM head
                 return pending
             # every row sampled: the hidden states as they are, no gather
             if len(to_sample) != hidden.shape[0]:
                 rows = [starts[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in errors]
                 hidden = hidden[tensor_on(rows, dev, torch.long)]
             logits = self._sampling_logits(hidden, to_sample)
-            self._sample(logits, to_sample, pending)
+            self._sample(logits, to_sample, pending, outputs)
         return pending
+
+    @staticmethod
+    def _outputs_so_far(
+        to_sample: list[ScheduledRequest], previous: PendingOutput | None
+    ) -> dict[str, list[int]] | None:
+        """The output tokens of the penalized requests scheduled ahead, the one the previous step
+        drew for each included (its host list lacks it until that step is booked), read from the
+        previous step's copy: that waits for the previous step alone, not for this step's forward,
+        launched already. None where no row needs it (penalties are the only sampling that reads
+        the output and runs ahead: scheduler._samples_ahead)."""
+        ahead = [sr for sr in to_sample if sr.input_from_previous and sr.sampling_params.penalized]
+        if not ahead:
+            return None
+        if previous is None:
+            raise RuntimeError("a step reads the previous step's tokens, but there is no previous step")
+        drawn = previous.result()
+        token_of = dict(zip(drawn.req_ids, drawn.sampled_token_ids))
+        # a request missing there failed in that step: its token here is dropped with it
+        return {sr.req_id: [*sr.output_token_ids, token_of[sr.req_id]] for sr in ahead if sr.req_id in token_of}
 
     def _carried_inputs(
         self, scheduled: list[ScheduledRequest], previous: PendingOutput | None
@@ -293,9 +313,15 @@ class ModelRunner:
 
     # -- sampling ------------------------------------------------------------------------------
     def _sample(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest], pending: PendingOutput, tail: DecodeTail | None = None
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        pending: PendingOutput,
+        outputs: dict[str, list[int]] | None,
+        tail: DecodeTail | None = None,
     ) -> None:
-        """`tail`: what the replayed graph computed of these rows (`logits` its): its row checks,
+        """`outputs`: output tokens that penalties read in place of a request's own list
+        (`_outputs_so_far`). `tail`: what the replayed graph computed of these rows (`logits` its): its row checks,
         its argmax where that is every token (sampler.plain_greedy), and its graphs' draws where
         they take the rows (`_draws_in_graph`)."""
         finite = tail.finite if tail is not None else rows_finite(logits)
@@ -342,7 +368,7 @@ class ModelRunner:
             if not greedy:
                 # a failed batch is redone row by row from the same generator states
                 states = {id(g): (g, g.get_state()) for g in gens}
-            pending.sampled = self._sample_rows(logits, reqs, gens)
+            pending.sampled = self._sample_rows(logits, reqs, gens, outputs)
         except Exception:  # noqa: BLE001 (find the failing rows one by one)
             for g, state in states.values():
                 g.set_state(state)
@@ -355,7 +381,7 @@ class ModelRunner:
                 ok_rows = [i for i, ok in enumerate(keep) if ok]
                 reqs, gens = [reqs[i] for i in ok_rows], [gens[i] for i in ok_rows]
                 logits = logits[torch.tensor(ok_rows, dtype=torch.long, device=logits.device)]
-            pending.sampled = self._sample_one_by_one(logits, reqs, gens, out)
+            pending.sampled = self._sample_one_by_one(logits, reqs, gens, out, outputs)
             reqs = [sr for sr in reqs if sr.req_id not in out.errors]
         pending.req_ids = [sr.req_id for sr in reqs]
         pending.start_reading()  # before the engine launches a next step (async scheduling)
@@ -379,7 +405,11 @@ class ModelRunner:
         return plain_greedy(params) and all(sr.constraints is None and not sr.block_eos for sr in reqs)
 
     def _sample_rows(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest], gens: list[torch.Generator]
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        gens: list[torch.Generator],
+        outputs: dict[str, list[int]] | None,
     ) -> SampledTensors:
         eos = self.eos_token_ids
         eos_block = [eos if sr.block_eos else None for sr in reqs]
@@ -389,19 +419,26 @@ class ModelRunner:
             [sr.sampling_params for sr in reqs],
             gens,  # type: ignore[arg-type]
             [sr.prompt_token_ids for sr in reqs],
-            [sr.output_token_ids for sr in reqs],
+            [sr.output_token_ids for sr in reqs]
+            if outputs is None
+            else [outputs.get(sr.req_id, sr.output_token_ids) for sr in reqs],
             eos_block if any(e is not None for e in eos_block) else None,
             constraints if any(c is not None for c in constraints) else None,
         )
 
     def _sample_one_by_one(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest], gens: list[torch.Generator], out: ModelRunnerOutput
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        gens: list[torch.Generator],
+        out: ModelRunnerOutput,
+        outputs: dict[str, list[int]] | None,
     ) -> SampleResult:
         """Find the rows that fail; the others keep what they sample."""
         results: list[SampleResult] = []
         for row, sr in enumerate(reqs):
             try:
-                results.append(self._sample_rows(logits[row : row + 1], [sr], gens[row : row + 1]).result())
+                results.append(self._sample_rows(logits[row : row + 1], [sr], gens[row : row + 1], outputs).result())
             except Exception as e:  # noqa: BLE001 (this request fails alone)
                 out.errors[sr.req_id] = f"sampling failed: {type(e).__name__}: {e}"
         merged = SampleResult([r.token_ids[0] for r in results], None, None)

@@ -102,36 +102,47 @@ def _apply_penalties(
     token of the prompt or the output so far (divides a positive logit, multiplies a negative
     one), presence and frequency penalties on the output's tokens (once, and per occurrence).
     Every row's tokens become indices into the flattened batch, so the whole batch takes a few
-    operations over the tokens seen rather than over the vocabulary."""
+    operations over the tokens seen rather than over the vocabulary. The tokens are counted on
+    the host (the lists are there): nothing here waits for the device, so a step scheduled ahead
+    can sample penalized rows while the device computes."""
     V = x.shape[1]
     dev = x.device
     flat = x.view(-1)
     rep = [r for r in rows if params[r].repetition_penalty != 1.0]
     if rep:
-        seen = torch.unique(_flat_ids(rep, [[*prompt_ids[r], *output_ids[r]] for r in rep], V, dev))
+        seen = _on(np.unique(_flat_ids(rep, [prompt_ids[r] for r in rep], [output_ids[r] for r in rep], V)), dev)
         penalty = _per_row(rep, [params[r].repetition_penalty for r in rep], x)[seen // V]
         vals = flat[seen]
         flat[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
     counted = [r for r in rows if (params[r].presence_penalty or params[r].frequency_penalty) and output_ids[r]]
     if counted:
-        ids, counts = torch.unique(_flat_ids(counted, [output_ids[r] for r in counted], V, dev), return_counts=True)
+        found, found_counts = np.unique(_flat_ids(counted, [output_ids[r] for r in counted], [], V), return_counts=True)
+        ids = _on(found, dev)
+        counts = _on(found_counts, dev).to(x.dtype)
         row_of = ids // V
         freq = _per_row(counted, [params[r].frequency_penalty for r in counted], x)[row_of]
         presence = _per_row(counted, [params[r].presence_penalty for r in counted], x)[row_of]
-        flat[ids] -= freq * counts.to(x.dtype) + presence
+        flat[ids] -= freq * counts + presence
 
 
-def _flat_ids(rows: list[int], tokens: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:
-    """Row r's token t as r x V + t, every row's tokens in one tensor."""
-    parts = [torch.tensor(t, dtype=torch.long) + r * V for r, t in zip(rows, tokens)]
-    return torch.cat(parts).to(dev)
+def _flat_ids(rows: list[int], tokens: list[list[int]], more: list[list[int]], V: int) -> np.ndarray:
+    """Row r's token t as r x V + t, every row's `tokens` (and `more`, where given: a list a row)
+    in one int64 array on the host."""
+    parts = [np.asarray(t, dtype=np.int64) + r * V for r, t in zip(rows, tokens)]
+    parts += [np.asarray(t, dtype=np.int64) + r * V for r, t in zip(rows, more)]
+    return np.concatenate(parts)
+
+
+def _on(values: np.ndarray, dev: torch.device) -> torch.Tensor:
+    return to_device(torch.from_numpy(values), dev)
 
 
 def _per_row(rows: list[int], values: list[float], x: torch.Tensor) -> torch.Tensor:
-    """A value per row of `x` [B, ...] (0 for rows not listed), for indexing by row."""
-    out = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-    out[rows] = torch.tensor(values, dtype=x.dtype, device=x.device)
-    return out
+    """A value per row of `x` [B, ...] (0 for rows not listed), for indexing by row: built on the
+    host, copied in stream order."""
+    out = torch.zeros(x.shape[0], dtype=x.dtype)
+    out[rows] = torch.tensor(values, dtype=x.dtype)
+    return to_device(out, x.device)
 
 
 # Inverse-CDF draws over more than four blocks of this many tokens go block by block: float64
@@ -395,9 +406,9 @@ def sample(
     constraints: list[RequestConstraints | None] | None = None,
 ) -> SampledTensors:
     """Sample one token per row of `logits` [N, vocab] (float32), the results left on the logits'
-    device until `.result()` reads them. Rows without constraints or penalties never make the
-    host wait for the device (constraints edit rows on the host; penalties count tokens with
-    `unique`, whose size is data-dependent)."""
+    device until `.result()` reads them. Rows without constraints never make the host wait for
+    the device (constraints edit rows on the host and check what is left of them); penalties
+    take the tokens so far from `prompt_ids` and `output_ids` on the host."""
     logits = logits.float()
     n = len(params)
     want_logprobs = any(p.logprobs is not None for p in params)

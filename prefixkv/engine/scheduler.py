@@ -178,8 +178,8 @@ class Scheduler:
         """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
         scheduling): every request it samples for computes, next, the token being sampled now,
         read by the runner from that step's draws. None when the next step needs what only the
-        tokens or the ordinary `schedule()` can give: a request whose sampling reads its own
-        output (penalties, constraints), hidden states or prompt logprobs, a running request the
+        tokens or the ordinary `schedule()` can give: a request whose constraints read its own
+        output, hidden states or prompt logprobs, a running request the
         step left out or still prefilling, blocks that would need a preemption, tier transfers.
         Waiting requests are admitted behind the decodes as `schedule()` admits them (their prompts
         are known).
@@ -459,11 +459,8 @@ class Scheduler:
 
 
 def _samples_ahead(sr: ScheduledRequest) -> bool:
-    """Whether a request can be sampled for before its previous token is known: nothing it
-    samples with reads its own output so far, and the runner needs no hidden state of it."""
-    return (
-        sr.constraints is None
-        and not sr.sampling_params.penalized
-        and not sr.want_hidden_states
-        and not sr.stage_output_reads
-    )
+    """Whether a request can be sampled for before its previous token is known: no constraint
+    reads its output so far on the host (penalties read it too, the token in flight taken from
+    the previous step's copy: ModelRunner._outputs_so_far), and the runner needs no hidden state
+    of it."""
+    return sr.constraints is None and not sr.want_hidden_states and not sr.stage_output_reads

@@ -128,6 +128,15 @@ def _scenarios() -> dict[str, tuple[dict[str, Any], list[tuple[list[int], Sampli
             (ps[2], SamplingParams(temperature=0, max_tokens=10, logit_bias={65: 3.0, 66: -2.0})),
         ],
     )
+    # penalties alone run ahead (the token in flight counted from the previous step's copy)
+    out["penalties_ahead"] = (
+        {},
+        [
+            (ps[0], SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5, logprobs=1)),
+            (ps[1], SamplingParams(temperature=0.8, seed=12, max_tokens=10, frequency_penalty=1.0, n=2)),
+            (ps[2], SamplingParams(temperature=0, max_tokens=10, presence_penalty=1.5)),
+        ],
+    )
     ps = _prompts("structured", 3)
     out["structured"] = (
         {},

@@ -2,7 +2,7 @@
 each decode step is scheduled and launched before the previous step's tokens are read, its input
 ids taken from that step's draws on the device. Outputs must equal the in-order engine's token for
 token (greedy float32 against transformers too; seeded sampling; every kind of stop, aborts,
-arrivals, penalties that force in-order steps) and every block must be free afterwards."""
+arrivals, penalties, constraints that force in-order steps) and every block must be free afterwards."""
 
 from __future__ import annotations
 
@@ -167,13 +167,38 @@ def test_min_tokens_and_an_eos_drawn_ahead(tiny, tmp_path):
     _all_free(ahead)
 
 
-def test_penalties_and_constraints_run_in_order(tiny):
-    """A request whose sampling reads its own output keeps the batch in order while it runs; the
-    outputs equal the in-order engine's."""
+def test_penalties_run_ahead_and_count_the_token_in_flight(tiny):
+    """Penalties read a request's output so far, the token the step in flight draws included
+    (read from its copy when the next step samples): greedy and seeded rows with repetition,
+    frequency and presence penalties beside plain rows, with a request stopping on a token and
+    n=2, give the in-order engine's tokens, logprobs and stops while the steps run ahead; every
+    block free."""
+    folder, _ = tiny
+    prompts = _prompts(3, 4)
+    sync = LLM(str(folder), **BASE)
+    probe = _outputs(sync, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.5, logprobs=2),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=12, presence_penalty=1.2, repetition_penalty=1.3, n=2),
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[probe[3][0][4]], ignore_eos=True),
+    ]
+    want = _outputs(sync, prompts, params)
+    # the penalties change these outputs: a token left uncounted would show
+    assert want[0][0] != probe[0][0] and want[1][0] != probe[1][0]
+    ahead = LLM(str(folder), **BASE, async_scheduling=True)
+    assert _outputs(ahead, prompts, params) == want
+    assert ahead.llm_engine.num_steps_ahead > 0
+    _all_free(ahead)
+
+
+def test_constraints_run_in_order(tiny):
+    """A request whose constraints read its own output on the host keeps the batch in order while
+    it runs; the outputs equal the in-order engine's."""
     folder, _ = tiny
     prompts = _prompts(3, 3)
     params = [
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=["ab"]),
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={5: 3.0}),
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
     ]

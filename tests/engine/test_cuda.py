@@ -161,3 +161,17 @@ def test_cuda_async_scheduling_equals_transformers_and_launches_without_waiting(
     assert not waits, waits[:3]
     in_order = cuda_engine(cuda_lm, max_num_seqs=8)
     assert run(in_order, prompts[0], params=sampled) == ahead
+    # penalties run ahead: the token in flight is read from the previous step's copy (an event's
+    # wait, for that step alone), its count on the host; the same tokens as in order
+    penalized = [
+        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=MAX_NEW, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8, seed=4, frequency_penalty=0.6, presence_penalty=0.3, max_tokens=MAX_NEW, ignore_eos=True
+        ),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+    ]
+    steps_ahead = engine.num_steps_ahead
+    ahead = run(engine, prompts[0], params=penalized)
+    assert engine.num_steps_ahead > steps_ahead
+    assert not waits, waits[:3]
+    assert run(in_order, prompts[0], params=penalized) == ahead
