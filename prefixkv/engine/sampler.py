@@ -105,24 +105,24 @@ def _apply_penalties(
     operations over the tokens seen rather than over the vocabulary. The tokens are counted on
     the host (the lists are there): nothing here waits for the device, so a step scheduled ahead
     can sample penalized rows while the device computes."""
-    V = x.shape[1]
+    B, V = x.shape
     dev = x.device
     flat = x.view(-1)
     rep = [r for r in rows if params[r].repetition_penalty != 1.0]
     if rep:
-        seen = _on(np.unique(_flat_ids(rep, [prompt_ids[r] for r in rep], [output_ids[r] for r in rep], V)), dev)
-        penalty = _per_row(rep, [params[r].repetition_penalty for r in rep], x)[seen // V]
-        vals = flat[seen]
-        flat[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        seen = np.unique(_flat_ids(rep, [prompt_ids[r] for r in rep], [output_ids[r] for r in rep], V))
+        penalty = _by_row(B, rep, [params[r].repetition_penalty for r in rep])[seen // V]
+        at, by = _on(seen, dev), _on(penalty, dev)
+        vals = flat[at]
+        flat[at] = torch.where(vals > 0, vals / by, vals * by)
     counted = [r for r in rows if (params[r].presence_penalty or params[r].frequency_penalty) and output_ids[r]]
     if counted:
-        found, found_counts = np.unique(_flat_ids(counted, [output_ids[r] for r in counted], [], V), return_counts=True)
-        ids = _on(found, dev)
-        counts = _on(found_counts, dev).to(x.dtype)
+        ids, counts = np.unique(_flat_ids(counted, [output_ids[r] for r in counted], [], V), return_counts=True)
         row_of = ids // V
-        freq = _per_row(counted, [params[r].frequency_penalty for r in counted], x)[row_of]
-        presence = _per_row(counted, [params[r].presence_penalty for r in counted], x)[row_of]
-        flat[ids] -= freq * counts + presence
+        freq = _by_row(B, counted, [params[r].frequency_penalty for r in counted])[row_of]
+        presence = _by_row(B, counted, [params[r].presence_penalty for r in counted])[row_of]
+        # float32 on the host as on the device: a product, then a sum, each rounded once
+        flat[_on(ids, dev)] -= _on(freq * counts.astype(np.float32) + presence, dev)
 
 
 def _flat_ids(rows: list[int], tokens: list[list[int]], more: list[list[int]], V: int) -> np.ndarray:
@@ -133,16 +133,16 @@ def _flat_ids(rows: list[int], tokens: list[list[int]], more: list[list[int]], V
     return np.concatenate(parts)
 
 
+def _by_row(num_rows: int, rows: list[int], values: list[float]) -> np.ndarray:
+    """A float32 value per row (0 for rows not listed), for indexing by row on the host."""
+    out = np.zeros(num_rows, dtype=np.float32)
+    out[rows] = values
+    return out
+
+
 def _on(values: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """A host array on `dev`, copied in stream order."""
     return to_device(torch.from_numpy(values), dev)
-
-
-def _per_row(rows: list[int], values: list[float], x: torch.Tensor) -> torch.Tensor:
-    """A value per row of `x` [B, ...] (0 for rows not listed), for indexing by row: built on the
-    host, copied in stream order."""
-    out = torch.zeros(x.shape[0], dtype=x.dtype)
-    out[rows] = torch.tensor(values, dtype=x.dtype)
-    return to_device(out, x.device)
 
 
 # Inverse-CDF draws over more than four blocks of this many tokens go block by block: float64
