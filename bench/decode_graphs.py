@@ -6,14 +6,15 @@ process, the engines alternated round by round.
 
     python bench/decode_graphs.py [--device cuda] [--dtype bfloat16] [--batches 1,32,256]
         [--context 256] [--steps 24] [--rounds 2] [--model PATH] [--engines graphs,eager,inorder,unfused]
-        [--temperature 0.8 --top-p 0.9]
+        [--temperature 0.8 --top-p 0.9] [--repetition-penalty 1.1]
 
 Per batch B: B prompts of --context random tokens are prefilled (in chunks of the engine's token
 budget; sequences prefilled early decode meanwhile), then --steps engine steps in which every
 sequence decodes one token (scheduling, the forward, sampling, outputs: what a user waits on) are
 timed one by one; the median of every round's steps is printed per engine, with how many of
 those steps the graphs took, and whether each engine's tokens agreed with the first one's (greedy,
-or with --temperature drawn with a seed a request; a replayed sampled step draws in graphs too)
+or with --temperature drawn with a seed a request; a replayed sampled step draws in graphs too;
+with --repetition-penalty every row samples eagerly, and runs ahead where the engine schedules ahead)
 (bfloat16: the eager path's attention is another kernel, so a difference is possible, not a failure;
 steps scheduled ahead compute the same steps, so in-order tokens must equal the graphs' own).
 
@@ -72,11 +73,11 @@ def graphs_summary(llm: LLM) -> str:
 
 
 def decode_steps(
-    llm: LLM, prompts: list[list[int]], steps: int, temperature: float, top_p: float
+    llm: LLM, prompts: list[list[int]], steps: int, sampling: SamplingParams
 ) -> tuple[list[float], int, list[list[int]]]:
     """Seconds of each all-decode step, how many of them replayed a graph, the tokens generated
-    (greedy, or drawn at `temperature` and `top_p` with a seed a request: the same tokens from every
-    engine whose logits agree)."""
+    (`sampling`'s greedy, or its draws with a seed a request: the same tokens from every engine
+    whose logits agree)."""
     engine = llm.llm_engine
     graphs = engine.runner.graphs
     replays = graphs.replays if graphs is not None else 0
@@ -84,8 +85,8 @@ def decode_steps(
     # sequences decode meanwhile, and must still be decoding when the last one starts
     budget = engine.scheduler.max_num_batched_tokens
     prefill_steps = -(-sum(len(p) for p in prompts) // budget)
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=steps + 1 + prefill_steps, ignore_eos=True)
-    ids = [engine.add_request(p, params.clone(seed=i) if temperature else params) for i, p in enumerate(prompts)]
+    params = sampling.clone(max_tokens=steps + 1 + prefill_steps, ignore_eos=True)
+    ids = [engine.add_request(p, params.clone(seed=i) if not params.greedy else params) for i, p in enumerate(prompts)]
     times: list[float] = []
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
@@ -122,7 +123,10 @@ def main() -> None:
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the card's memory bandwidth")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampled steps (default: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="(penalized rows sample eagerly)")
     args = ap.parse_args()
+    penalty = args.repetition_penalty
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, repetition_penalty=penalty)
     print(describe(), flush=True)
     bandwidth = None
     if not args.no_ceiling and torch.device(args.device).type == "cuda":
@@ -169,7 +173,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, llm in engines.items():
                 with environment(envs[name]):
-                    ts, n, toks = decode_steps(llm, prompts, args.steps, args.temperature, args.top_p)
+                    ts, n, toks = decode_steps(llm, prompts, args.steps, sampling)
                 times[name] += ts[2:]  # the first steps after a prefill settle the allocator
                 taken[name] += n
                 outs[name] = toks

@@ -27,7 +27,8 @@
 #                   without the fused kernels (PREFIXKV_CUDA_KERNELS=0), alternated; the capture's
 #                   sizes, time and memory in the log
 #   sampled         the same, sampled (temperature 0.8, top-p 0.9, a seed a request) at batch 1/32,
-#                   the default engine (draws in graphs: engine/graph_sampling.py) against eager
+#                   the default engine (draws in graphs: engine/graph_sampling.py) against eager;
+#                   then a repetition penalty at batch 1/32/256, scheduled ahead against in order
 #   paged           bench/paged_attention.py: one layer's attention, Triton's kernels reading the
 #                   blocks in place against the gather path, decode and prefill after 1k/8k context
 #                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
@@ -163,7 +164,11 @@ for step in $STEPS; do
     sampled)
         bounded 90 sampled.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
             --batches 1,32 --context 256 --steps 24 --rounds 2 --engines graphs,eager --no-ceiling \
-            --temperature 0.8 --top-p 0.9 ;;
+            --temperature 0.8 --top-p 0.9
+        # penalized rows sample eagerly; scheduled ahead (graphs) against in order (what they ran before)
+        bounded 90 sampled.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
+            --batches 1,32,256 --context 256 --steps 24 --rounds 2 --engines graphs,inorder --no-ceiling \
+            --repetition-penalty 1.1 ;;
     large)
         big=/tmp/random-${SHAPE:-llama-1b}
         bounded 120 large.log python3 bench/device/random_checkpoint.py "$big" --shape "${SHAPE:-llama-1b}"
