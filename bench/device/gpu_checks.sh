@@ -60,7 +60,8 @@
 #   mixed           bench/mixed_steps.py: a prompt of 16/128/1,024 tokens arriving beside 0/32/128
 #                   running decodes, the time to its token: the default (mixed steps replayed up to
 #                   the count the engine timed at its start; its choice in the log) against every
-#                   mixed step replayed (FULL) and none (FULL_DECODE_ONLY)
+#                   mixed step replayed (FULL) and none (FULL_DECODE_ONLY); then a 6,000-token
+#                   prompt in chunks beside 32/128 decodes, scheduled ahead against in order
 #   suite           the whole suite with CUDA present (pytest-xdist over the cores; no redis-server or
 #                   Ray there, so those are left out)
 #   model_speed_hf  model_speed beside transformers on the same GPU (cuDNN attention off for it too)
@@ -210,7 +211,11 @@ for step in $STEPS; do
         done ;;
     mixed)
         bounded 150 mixed.log python3 bench/mixed_steps.py --device cuda --dtype bfloat16 --decodes 0,32,128 \
-            --prompts 16,128,1024 --repeats 8 --rounds 2 ;;
+            --prompts 16,128,1024 --repeats 8 --rounds 2
+        # a prompt in chunks (the default budget, 2,048 tokens a step) beside decodes: its chunks
+        # scheduled ahead against every step in order
+        bounded 90 mixed.log python3 bench/mixed_steps.py --device cuda --dtype bfloat16 --decodes 32,128 \
+            --prompts 6000 --repeats 4 --rounds 2 --engines default,inorder ;;
     serve)
         bounded 200 serve.log python3 bench/serve.py --dtype bfloat16 --workloads shared unique \
             --num-requests 64 --request-rate 16 --max-tokens 64 --cudagraph-mode default FULL_DECODE_ONLY ;;

@@ -179,10 +179,11 @@ class Scheduler:
         scheduling): every request it samples for computes, next, the token being sampled now,
         read by the runner from that step's draws. None when the next step needs what only the
         tokens or the ordinary `schedule()` can give: a request whose constraints read its own
-        output, hidden states or prompt logprobs, a running request the
-        step left out or still prefilling, blocks that would need a preemption, tier transfers.
-        Waiting requests are admitted behind the decodes as `schedule()` admits them (their prompts
-        are known).
+        output, hidden states or prompt logprobs, a running request the step left out, blocks
+        that would need a preemption, tier transfers. A prompt in chunks goes on with its next
+        chunk (its tokens are known), given the budget in the running order as `schedule()` gives
+        it; waiting requests are admitted behind as `schedule()` admits them (their prompts are
+        known).
 
         A request that the count of its tokens ends after `in_flight` (max_tokens, the model's
         length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,
@@ -195,24 +196,40 @@ class Scheduler:
         kv = self.kv_cache_manager
         requests = self.requests
         bs = self.block_size
-        going_on: list[tuple[Request, ScheduledRequest, int]] = []  # with the blocks each holds
+        budget = self.max_num_batched_tokens
+        # with the blocks each holds, and the tokens of its next chunk (0: a decode)
+        going_on: list[tuple[Request, ScheduledRequest, int, int]] = []
         num_new_blocks = 0
         for sr in in_flight.scheduled:
             req = requests.get(sr.req_id)
             if req is None:  # ended since it was launched
                 continue
-            if not sr.sample or not _samples_ahead(sr):
+            if not _samples_ahead(sr):
                 return None
+            held = kv.num_blocks_held(sr.req_id)
+            if not sr.sample:
+                # a prompt in chunks: its next chunk is known, and takes the budget as schedule()
+                # gives it, in the running order
+                end = sr.start + len(sr.token_ids)
+                num_new = min(req.num_tokens - end, budget)
+                if num_new <= 0:
+                    return None
+                budget -= num_new
+                going_on.append((req, sr, held, num_new))
+                num_new_blocks += max(0, -(-(end + num_new) // bs) - held)
+                continue
             params = req.sampling_params
             num_tokens = req.num_tokens
             if (params.max_tokens is not None and req.num_output_tokens + 1 >= params.max_tokens) or (
                 num_tokens + 1 >= max_model_len
             ):
                 continue  # its last token is the one being sampled
-            held = kv.num_blocks_held(sr.req_id)
-            going_on.append((req, sr, held))
+            budget -= 1
+            if budget < 0:
+                return None
+            going_on.append((req, sr, held, 0))
             num_new_blocks += max(0, -(-(num_tokens + 1) // bs) - held)
-        if not going_on or len(going_on) > self.max_num_batched_tokens:
+        if not going_on:
             return None
         # a sliding group's releases, which come first, are not counted: the count errs high
         if num_new_blocks * self.num_kv_groups > kv.num_free_blocks:
@@ -220,7 +237,13 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         scheduled = out.scheduled
-        for req, sr, held in going_on:
+        for req, sr, held, num_new in going_on:
+            if num_new:
+                end = sr.start + len(sr.token_ids)
+                taken = kv.allocate_slots(req, end + num_new - req.num_computed_tokens)
+                assert taken is not None, "blocks were counted above"
+                scheduled.append(self._scheduled(req, num_new, end))
+                continue
             # room for the token being sampled: its position is the request's current length
             start = req.num_tokens
             new_blocks = kv.allocate_slots(req, start - req.num_computed_tokens + 1)
@@ -234,7 +257,7 @@ class Scheduler:
             # a hybrid's later groups: the manager's lists, new only where a block came or left
             groups = kv.get_group_block_ids(sr.req_id) if sr.group_block_tables else sr.group_block_tables
             scheduled.append(sr.next_decode(start, table, block_eos, req.prompt_logprobs_upto, groups))
-        budget = self._admit_waiting(out, self.max_num_batched_tokens - len(going_on), time.time())
+        budget = self._admit_waiting(out, budget, time.time())
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.kv_connector.plan(out, self.requests, kv)
         return out
@@ -319,8 +342,11 @@ class Scheduler:
         """Nothing else to run: sleep until a tier load completes, at most `timeout_s`."""
         self.kv_connector.wait_for_loads(timeout_s)
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
+    def _scheduled(self, req: Request, num_new: int, start: int | None = None) -> ScheduledRequest:
+        """The request's next `num_new` tokens from `start` (default: its computed tokens; a chunk
+        scheduled ahead starts where the chunk in flight ends)."""
+        if start is None:
+            start = req.num_computed_tokens
         params = req.sampling_params
         n_prompt = req.num_prompt_tokens
         want_logprobs = req.prompt_logprobs_upto < n_prompt and (

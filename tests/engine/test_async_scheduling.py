@@ -87,8 +87,8 @@ def _all_free(llm: LLM) -> None:
 
 
 def test_greedy_equals_transformers_and_steps_run_ahead(tiny):
-    """Caching off and on (hits), chunked prefill, preemption: greedy tokens equal transformers',
-    steps were scheduled ahead, and every block is free after."""
+    """Caching off and on (hits), chunked prefill (its chunks scheduled ahead too), preemption:
+    greedy tokens equal transformers', steps were scheduled ahead, and every block is free after."""
     folder, hf = tiny
     prompts = _prompts(1)
     expected = [hf_greedy(hf, p, 14) for p in prompts]
@@ -104,6 +104,8 @@ def test_greedy_equals_transformers_and_steps_run_ahead(tiny):
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, kwargs
         assert engine.num_steps_ahead > 0, kwargs
+        if "max_num_batched_tokens" in kwargs:  # prompts in chunks go on ahead: every step but the first
+            assert engine.num_steps_ahead == engine.num_steps - 1, (engine.num_steps_ahead, engine.num_steps)
         _all_free(llm)
         if kwargs.get("num_blocks") == 12:
             assert engine.scheduler.num_preemptions > 0

@@ -157,3 +157,55 @@ def test_steps_scheduled_ahead_equal_the_full_build():
         step = ahead
     held = {r.request_id: len(r.all_token_ids) for r in s.running}
     assert all(-(-(held[sr.req_id] + 1) // 4) == len(sr.block_table) for sr in step.scheduled)
+
+
+def test_prompts_in_chunks_go_on_ahead_as_schedule_would_split_them():
+    """A prompt longer than the token budget goes on with its next chunk ahead of its tokens: step
+    by step the same requests, starts, chunk sizes and samples as the in-order scheduler gives
+    (decodes first in the running order, then the chunk, then an arrival), and each chunk's fields
+    equal the full build's once the step in flight is booked."""
+    from dataclasses import fields
+
+    def booked(s: Scheduler, step, n: int) -> None:
+        ids = [sr.req_id for sr in step.scheduled if sr.sample]
+        sampled, _ = s.update_from_output(step, ModelRunnerOutput(req_ids=ids, sampled_token_ids=[10 + n] * len(ids)))
+        for r in sampled:
+            if r.num_output_tokens >= r.sampling_params.max_tokens:
+                s.finish_request(r, RequestStatus.FINISHED_LENGTH)
+
+    def shape(step) -> list[tuple[str, int, int, bool]]:
+        return [(sr.req_id, sr.start, len(sr.token_ids), sr.sample) for sr in step.scheduled]
+
+    def requests() -> list[Request]:
+        return [req("a", 3, max_tokens=12), req("b", 23, max_tokens=4), req("c", 9, max_tokens=3)]
+
+    ahead_s, in_order = (Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=6) for _ in "ab")
+    for s in (ahead_s, in_order):
+        for r in requests()[:2]:
+            s.add_request(r)
+    step = ahead_s.schedule()
+    chunks = 0
+    for n in range(30):
+        want = in_order.schedule()
+        assert shape(step) == shape(want), n
+        booked(in_order, want, n)
+        if n == 2:
+            for s in (ahead_s, in_order):
+                s.add_request(requests()[2])
+        if not ahead_s.running and not ahead_s.waiting:
+            break
+        ahead = ahead_s.schedule_ahead(step, max_model_len=64)
+        booked(ahead_s, step, n)
+        if ahead is None:  # only once every request has ended
+            assert not ahead_s.running, n
+            break
+        for sr in ahead.scheduled:
+            if sr.input_from_previous or sr.start == 0:
+                continue
+            chunks += 1  # a chunk going on: built now, its step in flight booked, it is the full build's
+            full = ahead_s._scheduled(ahead_s.requests[sr.req_id], len(sr.token_ids))
+            for f in fields(sr):
+                assert getattr(sr, f.name) == getattr(full, f.name), (n, sr.req_id, f.name)
+        step = ahead
+    assert chunks >= 4
+    assert not ahead_s.running and not in_order.running
