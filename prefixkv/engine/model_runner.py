@@ -321,9 +321,9 @@ class ModelRunner:
         tail: DecodeTail | None = None,
     ) -> None:
         """`outputs`: output tokens that penalties read in place of a request's own list
-        (`_outputs_so_far`). `tail`: what the replayed graph computed of these rows (`logits` its): its row checks,
-        its argmax where that is every token (sampler.plain_greedy), and its graphs' draws where
-        they take the rows (`_draws_in_graph`)."""
+        (`_outputs_so_far`). `tail`: what the replayed graph computed of these rows (`logits`
+        its): its row checks, its argmax where that is every token (sampler.plain_greedy), and its
+        graphs' draws where they take the rows (`_draws_in_graph`)."""
         finite = tail.finite if tail is not None else rows_finite(logits)
         out = pending.out
         greedy = all(sr.sampling_params.greedy for sr in reqs)

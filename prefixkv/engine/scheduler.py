@@ -206,7 +206,6 @@ class Scheduler:
                 continue
             if not _samples_ahead(sr):
                 return None
-            held = kv.num_blocks_held(sr.req_id)
             if not sr.sample:
                 # a prompt in chunks: its next chunk is known, and takes the budget as schedule()
                 # gives it, in the running order
@@ -215,6 +214,7 @@ class Scheduler:
                 if num_new <= 0:
                     return None
                 budget -= num_new
+                held = kv.num_blocks_held(sr.req_id)
                 going_on.append((req, sr, held, num_new))
                 num_new_blocks += max(0, -(-(end + num_new) // bs) - held)
                 continue
@@ -227,6 +227,7 @@ class Scheduler:
             budget -= 1
             if budget < 0:
                 return None
+            held = kv.num_blocks_held(sr.req_id)
             going_on.append((req, sr, held, 0))
             num_new_blocks += max(0, -(-(num_tokens + 1) // bs) - held)
         if not going_on:
