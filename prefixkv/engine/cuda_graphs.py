@@ -70,7 +70,7 @@ from ..sampling_params import SamplingParams
 from .decode_host_inputs import DecodeHostInputs
 from .graph_sampling import GraphSampling
 from .mixed_host_inputs import MixedHostBuffer, build_mixed
-from .sampler import mark_unfinished, rows_finite
+from .sampler import SampledTensors, mark_unfinished, rows_finite
 from .scan_host_inputs import build_scan
 from .scheduler_output import ScheduledRequest
 from .static_image_rows import StaticImageRows
@@ -537,24 +537,30 @@ class StepGraphs:
 
     def samples(self, params: list[SamplingParams]) -> bool:
         """Whether the rows of the last step's DecodeTail (the caller holds it, for every row of
-        the step) draw their tokens in a graph (`draw`): none asks for penalties or logprobs (the
-        caller knows of constraints and blocked EOS)."""
-        return self.sampling is not None and "sample" not in self.failed and GraphSampling.takes(params)
+        the step) draw their tokens in a graph (`draw`): none asks for penalties or more logprobs
+        than the graphs score (the caller knows of constraints and blocked EOS)."""
+        return self.sampling is not None and "sample" not in self.failed and self.sampling.takes(params)
 
-    def draw(
-        self, params: list[SamplingParams], generators: list[torch.Generator]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens the last decode step's rows draw (`samples`), each row's uniform from its
-        generator as the eager sampler takes it, and the same tokens marked (-1 where a row's
-        logits were not finite); views of a buffer the next draw rewrites. In inference mode (the
-        buffers were made in it)."""
+    def draw(self, params: list[SamplingParams], generators: list[torch.Generator]) -> SampledTensors:
+        """What the last decode step's rows draw (`samples`), as the eager sampler draws it (each
+        row's uniform from its generator): the tokens, the same tokens marked (-1 where a row's
+        logits were not finite), and where a row asks for logprobs the tokens' logprobs and ranks
+        and every row's top logprobs (GraphSampling.scores), each row's list cut to its count when
+        read; views of buffers the next draw rewrites. In inference mode (the buffers were made in
+        it)."""
         assert self.sampling is not None and self.logits is not None and self._last is not None
         size = self._last[1]
         sort = self.sampling.fill(params, generators, size)
         self.draws += 1
-        tokens, marked = self.sampling.replay(self.logits[:size], sort)
+        logits = self.logits[:size]
+        tokens, marked = self.sampling.replay(logits, sort)
         n = len(params)
-        return tokens[:n], marked[:n]
+        drawn = SampledTensors(tokens[:n], n, marked=marked[:n])
+        if any(p.logprobs is not None for p in params):
+            chosen, ranks, values, ids = self.sampling.scores(logits, tokens)
+            drawn.chosen, drawn.ranks = chosen[:n], ranks[:n]
+            drawn.tops = [(list(range(n)), [p.logprobs or 0 for p in params], values[:n], ids[:n])]
+        return drawn
 
     def _replay(self, kind: str, size: int) -> torch.Tensor:
         self._last = (kind, size)
@@ -681,6 +687,19 @@ class StepGraphs:
                     self.refuse("sample", f"capturing its {size}-row graph raised {type(e).__name__}: {e}")
                     return
                 sampling.graphs[sort, size] = graph
+            try:  # the scores of what either variant drew (its buffer of tokens)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        sampling.record_scores(logits[:size])
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    sampling.record_scores(logits[:size])
+            except Exception as e:  # noqa: BLE001 (sampled steps then draw eagerly, said once)
+                self.refuse("sample", f"capturing its {size}-row scores graph raised {type(e).__name__}: {e}")
+                return
+            sampling.score_graphs[size] = graph
 
     def _choose_one_row(self, pool: _POOL_HANDLE, stream: torch.cuda.Stream) -> None:
         """The batch-1 decode graph captured again with the model's one-row products
@@ -756,6 +775,7 @@ class StepGraphs:
             del self._tails[key]
         if kind == "sample" and self.sampling is not None:
             self.sampling.graphs.clear()
+            self.sampling.score_graphs.clear()
         what = "sampled decode steps draw" if kind == "sample" else f"{kind} steps run"
         logger.warning("CUDA graphs: %s eagerly: %s", what, why)
 

@@ -122,29 +122,30 @@ def check_decode(graphs: StepGraphs, runner: ModelRunner, num_blocks: int, max_t
 
 
 def compare_draws(graphs: StepGraphs, logits: torch.Tensor, batch: int) -> str | None:
-    """The draws' graphs of the last replayed decode step (graph_sampling.py), both variants,
-    against the eager sampler on the same `logits` [batch, vocab] from generators seeded alike:
-    None where every token agrees, else what differed."""
+    """The draws' graphs of the last replayed decode step (graph_sampling.py), both variants and
+    the scores (logprobs), against the eager sampler on the same `logits` [batch, vocab] from
+    generators seeded alike: None where every token, logprob, rank and top list agrees, else what
+    differed."""
     sorted_params = [
         SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02)
         if i % 2 == 0
         else SamplingParams(temperature=1.1)
         for i in range(batch)
     ]
-    for params in (sorted_params, [SamplingParams(temperature=0.9, min_p=0.05)] * batch):
+    scored = [SamplingParams(temperature=0.9 * (i % 2), logprobs=(0, 2, None)[i % 3]) for i in range(batch)]
+    for params in (sorted_params, [SamplingParams(temperature=0.9, min_p=0.05)] * batch, scored):
         try:
             eager_generators: list[torch.Generator | None] = list(_generators(batch))
-            want = sample(logits.clone(), params, eager_generators, [[]] * batch, [[]] * batch).result().token_ids
+            want = sample(logits.clone(), params, eager_generators, [[]] * batch, [[]] * batch).result()
             with torch.inference_mode():
-                got = graphs.draw(params, _generators(batch))[0].tolist()
+                got = graphs.draw(params, _generators(batch)).result()
         except Exception as e:  # noqa: BLE001 (sampled steps then draw eagerly, said once)
             return f"comparing their draws with the eager sampler's raised {type(e).__name__}: {e}"
         if got != want:
-            differ = sum(a != b for a, b in zip(got, want))
+            differ = sum(a != b for a, b in zip(got.token_ids, want.token_ids))
             size = graphs.size_for(batch)
-            return (
-                f"the draws of the replay of {size} rows differed from the eager sampler's in {differ} of {batch} rows"
-            )
+            what = f"in {differ} of {batch} rows" if differ else "in their logprobs"
+            return f"the draws of the replay of {size} rows differed from the eager sampler's {what}"
     return None
 
 

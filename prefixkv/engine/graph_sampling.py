@@ -6,8 +6,10 @@ Each row's parameters and uniform are written on the host into a page-locked buf
 one copy (sampler.fixed_params: the uniforms drawn from the requests' own generators, as the eager
 sampler draws them); the graph computes `sampler.draw_fixed` over the shared logits buffer into
 a buffer of tokens. Per decode size two graphs: one without the sort that top-k and top-p need
-(temperature, min-p, greedy rows), one with it. Rows with penalties, logprobs, constraints or
-blocked EOS sample eagerly, as before.
+(temperature, min-p, greedy rows), one with it; and a third replayed after either where a row asks
+for logprobs (`sampler.score_rows`: each drawn token's logprob and rank, and every row's top
+TOP_LOGPROBS, each row's list cut to its own count on the host). Rows with penalties,
+constraints, blocked EOS or more logprobs than that sample eagerly, as before.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 
 from ..sampling_params import SamplingParams
-from .sampler import SAMPLE_PARAMS, draw_fixed, fixed_params
+from .sampler import SAMPLE_PARAMS, draw_fixed, fixed_params, score_rows, top_logprobs_k
 
 # a padding row's parameters, a column: greedy, nothing filtered (its draw is well-defined and unused)
 _PADDING = np.array([0.0, 1.0, -math.inf, 0.0, 1.0, 1.0])[:, None]
@@ -36,14 +38,21 @@ class GraphSampling:
         self._host_rows = self.host.numpy()
         self.drawn = torch.zeros(2, rows, dtype=torch.long, device=device)  # the tokens, and marked
         self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        # the drawn tokens' logprobs and ranks, and each row's top logprobs (values, indices)
+        self.top_k = top_logprobs_k(vocab)
+        self.chosen = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.ranks = torch.zeros(rows, dtype=torch.long, device=device)
+        self.top_values = torch.zeros(rows, self.top_k, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(rows, self.top_k, dtype=torch.long, device=device)
+        self.score_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # the page-locked parameters are rewritten only once the last copy from them is done
         self._copied: torch.cuda.Event | None = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
 
-    @staticmethod
-    def takes(params: Sequence[SamplingParams]) -> bool:
-        """Whether these rows' tokens are drawn here: no penalties and no logprobs (the caller knows
-        of constraints and blocked EOS)."""
-        return all(not p.penalized and p.logprobs is None for p in params)
+    def takes(self, params: Sequence[SamplingParams]) -> bool:
+        """Whether these rows' tokens are drawn here: no penalties, and no more logprobs than the
+        graphs score (the caller knows of constraints and blocked EOS)."""
+        top_k = self.top_k
+        return all(not p.penalized and (p.logprobs is None or p.logprobs <= top_k) for p in params)
 
     def fill(self, params: list[SamplingParams], generators: list[torch.Generator], size: int) -> bool:
         """The rows' parameters for a step of `size` rows, copied to the device in stream order;
@@ -67,6 +76,29 @@ class GraphSampling:
         tokens, marked = draw_fixed(logits, self.params[:, :size], sort)
         self.drawn[0, :size].copy_(tokens)
         self.drawn[1, :size].copy_(marked)
+
+    def record_scores(self, logits: torch.Tensor) -> None:
+        """What a scores graph records: `score_rows` of `logits`' rows and the tokens drawn for
+        them (`drawn`) into the scores' buffers."""
+        size = logits.shape[0]
+        chosen, ranks, values, ids = score_rows(logits, self.drawn[0, :size], self.top_k)
+        self.chosen[:size].copy_(chosen)
+        self.ranks[:size].copy_(ranks)
+        self.top_values[:size].copy_(values)
+        self.top_ids[:size].copy_(ids)
+
+    def scores(
+        self, logits: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The logprobs and ranks of `tokens` (what `replay` drew from `logits`) and the rows' top
+        logprobs (values, indices): the scores graph of `logits`' size replayed into the buffers
+        (rewritten by the next), or where none was captured computed anew."""
+        size = logits.shape[0]
+        graph = self.score_graphs.get(size)
+        if graph is None:
+            return score_rows(logits, tokens, self.top_k)
+        graph.replay()
+        return self.chosen[:size], self.ranks[:size], self.top_values[:size], self.top_ids[:size]
 
     def replay(self, logits: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The draws of `logits`' rows and their marked tokens: the graph of their size and variant

@@ -357,8 +357,7 @@ class ModelRunner:
         if in_graph:
             assert self.graphs is not None
             gens = [sr.generator or self.default_generator for sr in reqs]
-            tokens, marked = self.graphs.draw([sr.sampling_params for sr in reqs], gens)
-            pending.sampled = SampledTensors(tokens, len(reqs), marked=marked if pending.finite is not None else None)
+            pending.sampled = self.graphs.draw([sr.sampling_params for sr in reqs], gens)
             pending.req_ids = [sr.req_id for sr in reqs]
             pending.start_reading()
             return

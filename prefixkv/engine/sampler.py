@@ -55,8 +55,9 @@ class SampledTensors:
     num_rows: int
     chosen: torch.Tensor | None = None  # [B] each sampled token's logprob (None: nobody asked)
     ranks: torch.Tensor | None = None  # [B] its rank (1 = best)
-    # one top-k per distinct k: the rows asking for k, their (values, indices) [rows, k]
-    tops: list[tuple[list[int], torch.Tensor, torch.Tensor]] | None = None
+    # top logprobs: per group, its rows, how many each asked for, and the group's (values,
+    # indices) [rows, k >= each row's], best first (score_rows)
+    tops: list[tuple[list[int], list[int], torch.Tensor, torch.Tensor]] | None = None
 
     host: HostCopies | None = None  # their copies on the way to the host (start_reading)
     marked: torch.Tensor | None = None  # mark_unfinished(tokens, finite), where made already
@@ -71,7 +72,7 @@ class SampledTensors:
             tensors = [self.marked if self.marked is not None else mark_unfinished(self.tokens, finite)]
         if self.chosen is not None and self.ranks is not None and self.tops is not None:
             tensors += [self.chosen, self.ranks]
-            for _, vals, idx in self.tops:
+            for _, _, vals, idx in self.tops:
                 tensors += [vals, idx]
         self.host = HostCopies(tensors)
 
@@ -84,10 +85,10 @@ class SampledTensors:
         if self.chosen is None or self.ranks is None or self.tops is None:
             return SampleResult(tokens, None, None)
         top: list[list[tuple[int, float]]] = [[] for _ in range(self.num_rows)]
-        for k, (members, _, _) in enumerate(self.tops):
-            vals, idx = read[3 + 2 * k], read[4 + 2 * k]
-            for row, i, v in zip(members, idx.tolist(), vals.tolist()):
-                top[row] = list(zip(i, v))
+        for g, (members, counts, _, _) in enumerate(self.tops):
+            vals, idx = read[3 + 2 * g], read[4 + 2 * g]
+            for row, k, i, v in zip(members, counts, idx.tolist(), vals.tolist()):
+                top[row] = list(zip(i[:k], v[:k]))
         return SampleResult(tokens, read[1].tolist(), top, read[2].tolist())
 
 
@@ -390,6 +391,30 @@ def score_tokens(
     return chosen.tolist(), ranks.tolist(), top
 
 
+# Top logprobs are computed this many a row (vLLM's default max_logprobs) for every row asking for
+# at most as many, and each row's list cut to its own count: a row's list (among equal logprobs,
+# which tokens) never depends on its batch, nor on whether the draws' graphs or the eager sampler
+# scored it (graph_sampling.py computes the same top-k over every row).
+TOP_LOGPROBS = 20
+
+
+def top_logprobs_k(vocab: int) -> int:
+    """The top-k computed for a row asking for at most TOP_LOGPROBS logprobs."""
+    return min(TOP_LOGPROBS, vocab)
+
+
+def score_rows(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's raw logprob of its token, that token's rank, and the row's top `k` logprobs
+    (values, indices), from `logits` [B, vocab] (float32) and `tokens` [B], every shape fixed (what
+    the draws' graphs record)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen, ranks = _chosen_and_ranks(logprobs, tokens)
+    vals, idx = torch.topk(logprobs, k)
+    return chosen, ranks, vals, idx
+
+
 def _chosen_and_ranks(logprobs: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's logprob of its token [N] and that token's rank (1 = best) under `logprobs` [N, vocab]."""
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -448,13 +473,14 @@ def sample(
         return SampledTensors(tokens, n)
     dev = raw_logprobs.device
     chosen, ranks = _chosen_and_ranks(raw_logprobs, tokens)
-    by_k: dict[int, list[int]] = {}
+    shared = top_logprobs_k(raw_logprobs.shape[1])
+    groups: dict[int, list[int]] = {}  # rows by the top-k computed for them
     for row, p in enumerate(params):
         if p.logprobs:
-            by_k.setdefault(p.logprobs, []).append(row)
+            groups.setdefault(max(p.logprobs, shared), []).append(row)
     tops = []
-    for k, members in by_k.items():  # one top-k per distinct k: a row's list never depends on its batch
+    for k, members in groups.items():
         of_k = raw_logprobs if len(members) == n else raw_logprobs[to_device(torch.tensor(members), dev)]
         vals, idx = torch.topk(of_k, k)
-        tops.append((members, vals, idx))
+        tops.append((members, [params[row].logprobs or 0 for row in members], vals, idx))
     return SampledTensors(tokens, n, chosen, ranks, tops)

@@ -83,8 +83,9 @@ def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch
 @pytest.mark.slow(seconds=8)
 def test_the_draws_graphs_and_the_folded_one_row_step_read_nothing_on_the_host(tmp_path, monkeypatch, caplog):
     """The same for what a GPU records beside the forward of a decode step: a sampled step's draws
-    (graph_sampling.py, both variants: with the sort top-k and top-p need, and without) and a
-    one-row step with its norms and SiLU folded into its products (LlamaModel.one_row_products)."""
+    (graph_sampling.py, both variants: with the sort top-k and top-p need, and without; and the
+    scores of rows asking for logprobs) and a one-row step with its norms and SiLU folded into its
+    products (LlamaModel.one_row_products)."""
     if device().type != "cpu":
         pytest.skip("a card captures these steps itself (test_cuda_graphs.py)")
     from prefixkv.model.kernels import gpu_fused
@@ -110,8 +111,8 @@ def test_the_draws_graphs_and_the_folded_one_row_step_read_nothing_on_the_host(t
     assert graphs is not None and graphs.sampling is not None
     llm.llm_engine.runner.model.one_row_products = True
     reads = HostReads(depth)
-    real_forward, real_replay = graphs._forward, graphs.sampling.replay
-    variants = set()
+    real_forward, real_replay, real_scores = graphs._forward, graphs.sampling.replay, graphs.sampling.scores
+    variants, scored = set(), []
 
     def forward(kind, size):  # type: ignore[no-untyped-def]
         with reads:
@@ -122,8 +123,14 @@ def test_the_draws_graphs_and_the_folded_one_row_step_read_nothing_on_the_host(t
         with reads:
             return real_replay(logits, sort)
 
+    def scores(logits, tokens):  # type: ignore[no-untyped-def]
+        scored.append(logits.shape[0])
+        with reads:
+            return real_scores(logits, tokens)
+
     graphs._forward = forward
     graphs.sampling.replay = replay  # type: ignore[method-assign]
+    graphs.sampling.scores = scores  # type: ignore[method-assign]
     model = llm.llm_engine.runner.model
     real_one_row, folded = model._one_row_forward, []
 
@@ -134,8 +141,11 @@ def test_the_draws_graphs_and_the_folded_one_row_step_read_nothing_on_the_host(t
     model._one_row_forward = one_row
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # one row, folded
-    for params in (SamplingParams(temperature=0.8, top_p=0.9, top_k=20), SamplingParams(temperature=1.0, min_p=0.1)):
+    for params in (
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20),
+        SamplingParams(temperature=1.0, min_p=0.1, logprobs=2),
+    ):
         llm.generate(prompts, params.clone(max_tokens=4), use_tqdm=False)
-    assert graphs.replays > 0 and variants == {True, False}
+    assert graphs.replays > 0 and variants == {True, False} and scored
     assert folded and all(x is not None for x in folded)  # the one-row steps took the folded products
     assert not reads.found, "\n".join(f"{n}x {name} at {where}" for (name, where), n in reads.found.items())

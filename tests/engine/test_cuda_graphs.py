@@ -467,7 +467,10 @@ def test_a_replayed_decode_step_launches_its_copies_beside_its_graphs(
 def test_sampled_decode_steps_draw_in_their_graphs_as_eager_steps_draw(tmp_path, static_graphs, async_scheduling):
     """Sampled rows - seeded or from the engine's generator, temperature, top-k, top-p, min-p, beside
     greedy ones - draw in the decode graphs' sampling graphs (graph_sampling.py) the tokens an
-    eager engine draws; steps without top-k or top-p take the variant without the sort."""
+    eager engine draws; steps without top-k or top-p take the variant without the sort. Rows
+    asking for logprobs (up to the 20 the graphs score; greedy ones too) get from the scores the
+    logprobs, ranks and top lists the eager sampler gives over the same replayed logits (an eager
+    forward's logits may differ in their last bits)."""
     _write_llama(tmp_path)
     base = dict(dtype="float32", device=str(device()), max_model_len=64, max_num_seqs=8, block_size=8)
     llm = LLM(
@@ -475,6 +478,13 @@ def test_sampled_decode_steps_draw_in_their_graphs_as_eager_steps_draw(tmp_path,
         compilation_config={"cudagraph_capture_sizes": [1, 4, 8]},
     )  # fmt: skip
     eager = LLM(str(tmp_path), **base, enforce_eager=True)
+    # the same replayed steps, every draw by the eager sampler
+    eager_draws = LLM(
+        str(tmp_path), **base, async_scheduling=async_scheduling,
+        compilation_config={"cudagraph_capture_sizes": [1, 4, 8]},
+    )  # fmt: skip
+    assert eager_draws.llm_engine.runner.graphs is not None
+    eager_draws.llm_engine.runner.graphs.refuse("sample", "this test's reference")
     prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6], [11, 12], [40, 41, 42]]
     mixes = [
         [
@@ -485,6 +495,13 @@ def test_sampled_decode_steps_draw_in_their_graphs_as_eager_steps_draw(tmp_path,
             SamplingParams(temperature=1.3, min_p=0.1, max_tokens=9, ignore_eos=True),
         ],
         SamplingParams(temperature=0.9, min_p=0.02, max_tokens=10, ignore_eos=True),  # no sort
+        [
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0.8, top_p=0.95, seed=4, max_tokens=12, ignore_eos=True, logprobs=0),
+            SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0.7, seed=9, max_tokens=12, ignore_eos=True, logprobs=20),
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        ],
     ]
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and graphs.sampling is not None and not graphs.failed  # the check at start-up passed
@@ -496,13 +513,22 @@ def test_sampled_decode_steps_draw_in_their_graphs_as_eager_steps_draw(tmp_path,
         return real_replay(logits, sort)
 
     sampling.replay = replay  # type: ignore[method-assign]
-    for params, sort in zip(mixes, (True, False)):
+    for params, sort in zip(mixes, (True, False, True)):
         variants.clear()
-        got, want = (e.generate(prompts, params, use_tqdm=False) for e in (llm, eager))
+        got, want, same_logits = (e.generate(prompts, params, use_tqdm=False) for e in (llm, eager, eager_draws))
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [_logprobs(o) for o in got] == [_logprobs(o) for o in same_logits]
         assert len(variants) >= 8 and set(variants) == {sort}  # the decode steps drew in the graphs
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def _logprobs(out: Any) -> list[list[tuple[int, float, int]]] | None:
+    """Each step's (token, logprob, rank) entries of a request's first completion, exactly."""
+    entries = out.outputs[0].logprobs
+    if entries is None:
+        return None
+    return [sorted((t, lp.logprob, lp.rank) for t, lp in step.items()) for step in entries]
 
 
 def test_the_card_times_the_folded_one_row_step_and_keeps_the_faster(tmp_path, static_graphs, caplog):

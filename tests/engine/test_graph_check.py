@@ -102,11 +102,13 @@ def test_short_contexts_are_checked_over_one_block_or_not_at_all(tmp_path, monke
 
 
 @pytest.mark.slow(seconds=4)
-def test_draws_graphs_drawing_a_wrong_token_leave_sampled_steps_eager(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("wrong", ["token", "logprob"])
+def test_draws_graphs_drawing_a_wrong_token_leave_sampled_steps_eager(tmp_path, monkeypatch, caplog, wrong):
     """The draws' graphs (graph_sampling.py) are compared with the eager sampler on the replay's
-    logits, each variant: one drawing a wrong token (here the variant without the sort) is
-    refused - sampled steps draw eagerly, said so, their tokens an eager engine's - while the
-    decode graphs still serve."""
+    logits, each variant and the scores: one drawing a wrong token (here the variant without the
+    sort), or scoring a wrong logprob, is refused - sampled steps draw eagerly, said so, their
+    tokens an eager engine's - while the decode graphs still serve."""
+    from prefixkv.engine import graph_sampling
     from prefixkv.engine.graph_sampling import GraphSampling
 
     kernels_module()
@@ -114,20 +116,28 @@ def test_draws_graphs_drawing_a_wrong_token_leave_sampled_steps_eager(tmp_path, 
     hf = _make("llama")
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
-    real = GraphSampling.replay
+    real, real_scores = GraphSampling.replay, graph_sampling.score_rows
 
     def broken(self, logits, sort):  # type: ignore[no-untyped-def]
         tokens, marked = real(self, logits, sort)
         return (tokens, marked) if sort else ((tokens + 1) % logits.shape[1], marked)
 
+    def broken_scores(logits, tokens, k):  # type: ignore[no-untyped-def]
+        chosen, ranks, values, ids = real_scores(logits, tokens, k)
+        return chosen + 1e-3, ranks, values, ids
+
     config = dict(dtype="float32", device=str(device()), num_blocks=64, block_size=8, max_model_len=48, max_num_seqs=4)
     want = LLM(str(tmp_path), **config, enforce_eager=True)
-    monkeypatch.setattr(GraphSampling, "replay", broken)
+    if wrong == "token":
+        monkeypatch.setattr(GraphSampling, "replay", broken)
+    else:
+        monkeypatch.setattr(graph_sampling, "score_rows", broken_scores)
     caplog.set_level(logging.INFO, logger="prefixkv")
     llm = LLM(str(tmp_path), **config)
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and graphs.failed == {"sample"}
-    assert "sampled decode steps draw eagerly: the draws of the replay of 1 rows differed from the eager" in caplog.text
+    differed = "in 1 of 1 rows" if wrong == "token" else "in their logprobs"
+    assert f"the draws of the replay of 1 rows differed from the eager sampler's {differed}" in caplog.text
     prompts = [[5, 17, 99, 3, 42, 7], [8, 9, 10]]
     params = SamplingParams(temperature=0.9, min_p=0.05, seed=5, max_tokens=6, ignore_eos=True)
     outs = [e.generate(prompts, params, use_tqdm=False) for e in (llm, want)]

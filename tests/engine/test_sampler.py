@@ -343,3 +343,33 @@ def test_the_fixed_shape_draw_applies_each_filter_only_where_asked():
         want = _pick(filtered_weights(logits.clone(), params), r)
         assert torch.equal(draw_fixed(logits, torch.from_numpy(host), True)[0], want), u
     assert int(want[0]) == V - 1  # the tail kept: top-p 1 cuts nothing
+
+
+def test_top_logprobs_are_each_rows_own_whatever_scores_them():
+    """A row asking for up to TOP_LOGPROBS logprobs gets the first of the TOP_LOGPROBS best (as the
+    draws' graphs compute them for every row, graph_sampling.py), one asking for more its own
+    count; each row's lists are the same alone as in a batch, and equal `score_rows`' over the
+    whole batch (what a graph records)."""
+    from prefixkv.engine.sampler import TOP_LOGPROBS, score_rows
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 300, generator=g)
+    logits[:2, :40] = 9.0  # ties across the top: which tokens a list names must not move
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.8, seed=1, logprobs=TOP_LOGPROBS),
+        SamplingParams(temperature=0, logprobs=25),
+        SamplingParams(temperature=0),
+    ]
+    got = sample(logits, params, [None, torch.Generator().manual_seed(1), None, None], [[]] * 4, [[]] * 4).result()
+    assert [len(t) for t in got.top_logprobs] == [3, TOP_LOGPROBS, 25, 0]
+    for row in (0, 1, 2):
+        gen = [torch.Generator().manual_seed(1)] if row == 1 else [None]
+        alone = sample(logits[row : row + 1], [params[row]], gen, [[]], [[]]).result()
+        assert alone.top_logprobs[0] == got.top_logprobs[row] and alone.logprobs[0] == got.logprobs[row]
+    tokens = torch.tensor(got.token_ids)
+    chosen, ranks, values, ids = score_rows(logits, tokens, TOP_LOGPROBS)
+    assert chosen.tolist() == got.logprobs and ranks.tolist() == got.ranks
+    for row in (0, 1):
+        k = params[row].logprobs
+        assert got.top_logprobs[row] == list(zip(ids[row, :k].tolist(), values[row, :k].tolist()))
