@@ -5,7 +5,7 @@ an H100 a decode step of the default model at batch 256 took 9.45 ms, and 9.00 m
 scheduling hiding the host's work behind the device's.
 
     python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
-        [--temperature 0.8 --top-p 0.9] [--repetition-penalty 1.1 --frequency-penalty 0.5]
+        [--temperature 0.8 --top-p 0.9] [--repetition-penalty 1.1 --frequency-penalty 0.5] [--logprobs 5]
         [--device cuda --dtype bfloat16 --device-time] [--profile-top 25] [--model DIR | --model default]
         [--against TREE --pairs 4]
 
@@ -212,6 +212,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="(penalties read each request's output)")
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--logprobs", type=int, default=None, help="top logprobs a request asks for")
     ap.add_argument(
         "--output-kind",
         default="FINAL_ONLY",
@@ -288,6 +289,19 @@ def main() -> None:
                     return tail[1][: logits.shape[0]], tail[1][: logits.shape[0]]
 
                 sampling.replay = draws
+                if hasattr(sampling, "scores"):  # the scores of rows asking for logprobs (an older tree: none)
+                    top = sampling.top_k
+                    scored = (
+                        torch.zeros(rows),
+                        torch.ones(rows, dtype=torch.long),
+                        torch.zeros(rows, top),
+                        torch.zeros(rows, top, dtype=torch.long),
+                    )
+
+                    def scores(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:  # one launch
+                        return tuple(t[: logits.shape[0]] for t in scored)
+
+                    sampling.scores = scores
             timed(engine.scheduler, "schedule_ahead", "schedule", acc)
             timed(engine.runner.model, "compute_logits", "logits", acc)
         timed(engine.scheduler, "schedule", "schedule", acc)
@@ -300,6 +314,7 @@ def main() -> None:
             top_p=args.top_p,
             repetition_penalty=args.repetition_penalty,
             frequency_penalty=args.frequency_penalty,
+            logprobs=args.logprobs,
             max_tokens=args.steps + 1,
             ignore_eos=True,
             output_kind=RequestOutputKind[args.output_kind],
