@@ -74,7 +74,8 @@
 #                   time, kernels by device time, a cProfile round (the default model, the 1B shape)
 #   host_ab         host_overhead.py on the card, this tree against the commit in .device/base (prepare.sh
 #                   BASE=<commit>), runs alternated, paired ratios: what a change to the host's work
-#                   bought (the default model, batch 1 and 32; greedy, then sampled)
+#                   bought (the default model, batch 1 and 32; greedy, then sampled, then greedy with
+#                   5 top logprobs a row)
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
@@ -242,6 +243,8 @@ for step in $STEPS; do
                 --rounds 2 --steps 24 --model default --against .device/base --pairs 2
             bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
                 --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --temperature 0.8 --top-p 0.9
+            bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
+                --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --logprobs 5
         else
             echo "host_ab: no .device/base (bench/device/prepare.sh BASE=<commit>)" | tee -a "$out/env.log"
         fi ;;
