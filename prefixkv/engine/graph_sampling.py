@@ -28,8 +28,9 @@ _PADDING = np.array([0.0, 1.0, -math.inf, 0.0, 1.0, 1.0])[:, None]
 
 
 class GraphSampling:
-    """The buffers of the draws of up to `rows` rows over a vocabulary of `vocab` tokens, and their
-    graphs (one per (sorted, size), filled by StepGraphs.capture)."""
+    """The buffers of the draws of up to `rows` rows over a vocabulary of `vocab` tokens and of
+    their scores, and their graphs (one per (sorted, size) and a scores graph per size, filled by
+    StepGraphs.capture)."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device, pinned: bool) -> None:
         self.vocab = vocab
