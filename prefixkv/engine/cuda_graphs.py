@@ -50,9 +50,10 @@ import importlib.util
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -643,14 +644,7 @@ class StepGraphs:
                 continue
             try:
                 self._pad(kind, size)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._forward(kind, size)
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[kind, size] = self._forward(kind, size)
+                graph, self.outputs[kind, size] = _captured(partial(self._forward, kind, size), pool, stream)
             except Exception as e:  # noqa: BLE001 (that kind of step runs eagerly, said once)
                 self.refuse(kind, f"capturing its {size}-row graph raised {type(e).__name__}: {e}")
                 continue
@@ -671,35 +665,16 @@ class StepGraphs:
         sampling, logits = self.sampling, self.logits
         if sampling is None or logits is None or "decode" in self.failed:
             return
-        device = logits.device
         for size in sorted((s for s in self.sizes if s <= self.tail_rows), reverse=True):
-            for sort in (True, False):
-                try:
-                    stream.wait_stream(torch.cuda.current_stream(device))
-                    with torch.cuda.stream(stream):
-                        for _ in range(2):
-                            sampling.record(logits[:size], sort)
-                    torch.cuda.current_stream(device).wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        sampling.record(logits[:size], sort)
-                except Exception as e:  # noqa: BLE001 (sampled steps then draw eagerly, said once)
-                    self.refuse("sample", f"capturing its {size}-row graph raised {type(e).__name__}: {e}")
-                    return
-                sampling.graphs[sort, size] = graph
-            try:  # the scores of what either variant drew (its buffer of tokens)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        sampling.record_scores(logits[:size])
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    sampling.record_scores(logits[:size])
+            rows = logits[:size]
+            try:
+                for sort in (True, False):
+                    sampling.graphs[sort, size] = _captured(partial(sampling.record, rows, sort), pool, stream)[0]
+                # the scores of what either variant drew (its buffer of tokens)
+                sampling.score_graphs[size] = _captured(partial(sampling.record_scores, rows), pool, stream)[0]
             except Exception as e:  # noqa: BLE001 (sampled steps then draw eagerly, said once)
-                self.refuse("sample", f"capturing its {size}-row scores graph raised {type(e).__name__}: {e}")
+                self.refuse("sample", f"capturing its {size}-row draws' graphs raised {type(e).__name__}: {e}")
                 return
-            sampling.score_graphs[size] = graph
 
     def _choose_one_row(self, pool: _POOL_HANDLE, stream: torch.cuda.Stream) -> None:
         """The batch-1 decode graph captured again with the model's one-row products
@@ -712,18 +687,11 @@ class StepGraphs:
         if key not in self.graphs or unsupported is not None or not gpu_fused.runs_on(model.embed_tokens.weight):
             return
         plain = self.graphs[key], self.outputs[key], self._tails.get(key)
-        device = self.inputs.device
         model.one_row_products = True
+        folded: torch.cuda.CUDAGraph | None
         try:
             self._pad("decode", 1)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward("decode", 1)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            folded = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(folded, pool=pool):
-                self.outputs[key] = self._forward("decode", 1)
+            folded, self.outputs[key] = _captured(partial(self._forward, "decode", 1), pool, stream)
             runs: tuple[list[float], list[float]] = ([], [])
             for _ in range(3):  # alternated: a card's clock drifts
                 runs[0].append(_replay_us(plain[0]))
@@ -799,6 +767,23 @@ class StepGraphs:
             f"decode batch sizes {_ranges(self.sizes)}{mixed}{lora} (contexts up to {self.max_context} tokens) in "
             f"{self.capture_seconds:.1f} s, {self.graph_bytes / MIB:.0f} MiB"
         )
+
+
+def _captured(
+    run: Callable[[], Any], pool: _POOL_HANDLE, stream: torch.cuda.Stream
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """`run` twice on `stream` (Triton compiles, the allocator settles), then recorded into a graph
+    of `pool`: the graph and what the recorded run returned."""
+    device = stream.device
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
