@@ -351,13 +351,14 @@ def fixed_params(params: list[SamplingParams], vocab: int, generators: list[torc
 
 
 def draw_fixed(logits: torch.Tensor, params: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample`'s tokens for rows of `logits` [B, vocab] (float32) without penalties, constraints,
-    logprobs or blocked EOS, every shape fixed by the inputs' (what a CUDA graph records): each
-    row's parameters in `params` [SAMPLE_PARAMS, B] (fixed_params), every filter computed for
-    every row and kept where the row asks for it, so each row's token is the one `sample` draws
-    (tests/engine/test_sampler.py). `sort`: a row asks for top-k or top-p (else they are
-    skipped: the sort is most of the work). Returns the tokens and the tokens marked
-    (mark_unfinished): a row whose logits are not finite is drawn from zeros."""
+    """`sample`'s tokens for rows of `logits` [B, vocab] (float32) without penalties, constraints
+    or blocked EOS (their logprobs, where asked: `score_rows` over the tokens drawn), every shape
+    fixed by the inputs' (what a CUDA graph records): each row's parameters in `params`
+    [SAMPLE_PARAMS, B] (fixed_params), every filter computed for every row and kept where the row
+    asks for it, so each row's token is the one `sample` draws (tests/engine/test_sampler.py).
+    `sort`: a row asks for top-k or top-p (else they are skipped: the sort is most of the work).
+    Returns the tokens and the tokens marked (mark_unfinished): a row whose logits are not finite
+    is drawn from zeros."""
     finite = rows_finite(logits)
     x = torch.where(finite[:, None], logits, 0.0)
     u, scale, floor, top_k, top_p, greedy = params
@@ -382,11 +383,9 @@ def score_tokens(
 ) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
     """Log-probabilities of given next tokens under the raw distribution of each row of `logits`
     [N, vocab]: each target's logprob and rank (1 = best), and the row's top `k` (token, logprob)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen, ranks = _chosen_and_ranks(logprobs, torch.tensor(targets, device=logprobs.device))
+    chosen, ranks, vals, idx = score_rows(logits.float(), torch.tensor(targets, device=logits.device), k)
     top: list[list[tuple[int, float]]] = [[] for _ in targets]
     if k:
-        vals, idx = torch.topk(logprobs, k, dim=-1)
         top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
     return chosen.tolist(), ranks.tolist(), top
 
