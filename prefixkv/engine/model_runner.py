@@ -165,20 +165,19 @@ class ModelRunner:
         errors = out.errors
         to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in errors]
         if to_sample:
-            outputs = self._outputs_so_far(to_sample, previous)
             if (
                 tail is not None
                 and len(to_sample) == hidden.shape[0]
                 and all(sr.constraints is None for sr in to_sample)
             ):
-                self._sample(tail.logits, to_sample, pending, outputs, tail)  # the graph ran the LM head
+                self._sample(tail.logits, to_sample, pending, previous, tail)  # the graph ran the LM head
                 return pending
             # every row sampled: the hidden states as they are, no gather
             if len(to_sample) != hidden.shape[0]:
                 rows = [starts[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in errors]
                 hidden = hidden[tensor_on(rows, dev, torch.long)]
             logits = self._sampling_logits(hidden, to_sample)
-            self._sample(logits, to_sample, pending, outputs)
+            self._sample(logits, to_sample, pending, previous)
         return pending
 
     @staticmethod
@@ -317,10 +316,10 @@ class ModelRunner:
         logits: torch.Tensor,
         reqs: list[ScheduledRequest],
         pending: PendingOutput,
-        outputs: dict[str, list[int]] | None,
+        previous: PendingOutput | None,
         tail: DecodeTail | None = None,
     ) -> None:
-        """`outputs`: output tokens that penalties read in place of a request's own list
+        """`previous`: the step before, whose tokens the penalties of rows scheduled ahead read
         (`_outputs_so_far`). `tail`: what the replayed graph computed of these rows (`logits`
         its): its row checks, its argmax where that is every token (sampler.plain_greedy), and its
         graphs' draws where they take the rows (`_draws_in_graph`)."""
@@ -362,6 +361,7 @@ class ModelRunner:
             pending.start_reading()
             return
         gens = [sr.generator or self.default_generator for sr in reqs]
+        outputs = self._outputs_so_far(reqs, previous)
         states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         try:
             if not greedy:

@@ -6,7 +6,7 @@ Why: at batch 1 a step is a few dozen small kernels between its products, each a
 on a GPU whatever its size, inside a CUDA graph too (an H200 ran the Llama-3.2-1B shape's step in
 0.90 ms of device time for 0.49 ms of weights to read, docs/benchmarks.md). Whether this kernel's
 product beats cuBLAS's on a card is measured there, not assumed: the engine captures the batch-1
-decode graph both ways and keeps the faster (engine/cuda_graphs.StepGraphs, `choose_batch1`).
+decode graph both ways and keeps the faster (engine/cuda_graphs.StepGraphs._choose_one_row).
 
 Rounding: the folded step's values are the separate kernel's bit for bit where the row's sum of
 squares is (every element rounded where `_add_rms_norm_kernel` and `_silu_and_mul_kernel` round
