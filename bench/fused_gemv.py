@@ -88,24 +88,13 @@ def prologue_gemv(
     with silu(x[:, :K]) * x[:, K:] (x [1, 2K]). `tuned`: Triton's autotuner picks the block shape
     on the card (else the engine's BLOCK_N, BLOCK_K)."""
     global _tuned
-    if not tuned or x.device.type != "cuda":
-        if norm_weight is not None:
-            return tg.norm_linear(x, delta, norm_weight, eps, weight)[::-1]
-        if x.shape[-1] == 2 * weight.shape[1]:
-            return tg.silu_linear(x, weight), None
-        return tg._launch(x, None, None, weight, eps, 0)[1], None
-    N, K = weight.shape
-    prologue = 1 if norm_weight is not None else 2 if x.shape[-1] == 2 * K else 0
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    h_out = torch.empty_like(x) if delta is not None else x
-    if _tuned is None:
-        _tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "PROLOGUE", "HAS_DELTA"])(tg._prologue_gemv_kernel)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _tuned[grid](
-        x, x if delta is None else delta, x if norm_weight is None else norm_weight, weight, out, h_out, N, K, eps,
-        PROLOGUE=prologue, HAS_DELTA=delta is not None, WEIGHT_IN_F32=x.dtype == torch.float32,
-        K_POW2=triton.next_power_of_2(K) if prologue == 1 else 1, **tg.EXACT,
-    )  # fmt: skip
+    prologue = 1 if norm_weight is not None else 2 if x.shape[-1] == 2 * weight.shape[1] else 0
+    kernel = None
+    if tuned and x.device.type == "cuda":
+        if _tuned is None:
+            _tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "PROLOGUE", "HAS_DELTA"])(tg._prologue_gemv_kernel)
+        kernel = _tuned
+    h_out, out = tg.launch(x, delta, norm_weight, weight, eps, prologue, kernel)
     return out, (h_out if delta is not None else None)
 
 

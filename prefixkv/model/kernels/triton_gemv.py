@@ -16,6 +16,8 @@ its own order, so it matches cuBLAS's to rounding. EXACT: no fused multiply-add.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -84,18 +86,25 @@ def _prologue_gemv_kernel(
     tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _launch(
+def launch(
     x: torch.Tensor,
     delta: torch.Tensor | None,
     norm_weight: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     prologue: int,
+    kernel: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the new residual, or x itself without `delta`; the product [1, N]) by `kernel`: the
+    engine's `_prologue_gemv_kernel` at BLOCK_N x BLOCK_K, or another build of it that picks its
+    own blocks (bench/fused_gemv.py's autotuned one)."""
     N, K = weight.shape
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     h_out = torch.empty_like(x) if delta is not None else x
-    _prologue_gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
+    blocks: dict[str, int] = {}
+    if kernel is None:
+        kernel, blocks = _prologue_gemv_kernel, {"BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}
+    kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
         x,
         x if delta is None else delta,
         x if norm_weight is None else norm_weight,
@@ -109,8 +118,7 @@ def _launch(
         HAS_DELTA=delta is not None,
         WEIGHT_IN_F32=x.dtype == torch.float32,
         K_POW2=triton.next_power_of_2(K) if prologue == 1 else 1,  # (read by the norm alone)
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        **blocks,
         **EXACT,
     )
     return h_out, out
@@ -121,9 +129,9 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, RMSNorm(h + delta) @ weight.T) for one row h [1, K] (delta None: h itself),
     the new residual in a tensor of its own; contiguous, one dtype (the caller checks)."""
-    return _launch(h, delta, norm_weight, weight, eps, 1)
+    return launch(h, delta, norm_weight, weight, eps, 1)
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T for one row gate_up [1, 2K] (gate first)."""
-    return _launch(gate_up, None, None, weight, 0.0, 2)[1]
+    return launch(gate_up, None, None, weight, 0.0, 2)[1]
