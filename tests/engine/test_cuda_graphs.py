@@ -307,28 +307,24 @@ def _launches_beside_the_forward(
     """Wrap `owner.method` (its first argument a step, `step_of` its requests): per call for a step
     of `kind`, what it launches outside the graphs' forward (host-only operators aside)."""
     depth = [0]
-    real_forward, real = graphs._forward, getattr(owner, method)
+    real = getattr(owner, method)
     counted: list[collections.Counter[str]] = []
 
-    def forward(size_kind, size):  # type: ignore[no-untyped-def]
-        depth[0] += 1
-        try:
-            return real_forward(size_kind, size)
-        finally:
-            depth[0] -= 1
+    def left_out(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` with what it launches not counted (a graph's work)."""
 
-    sampling = graphs.sampling
-    if sampling is not None:  # a sampled step's draws: their graph's work, left out too
-        real_draws = sampling.replay
-
-        def draws(logits, sort):  # type: ignore[no-untyped-def]
+        def inside(*args: Any) -> Any:
             depth[0] += 1
             try:
-                return real_draws(logits, sort)
+                return fn(*args)
             finally:
                 depth[0] -= 1
 
-        sampling.replay = draws  # type: ignore[method-assign]
+        return inside
+
+    graphs._forward = left_out(graphs._forward)  # type: ignore[method-assign]
+    if graphs.sampling is not None:  # a sampled step's draws: their graph's work, left out too
+        graphs.sampling.replay = left_out(graphs.sampling.replay)  # type: ignore[method-assign]
 
     def wrapped(step, *args, **kwargs):  # type: ignore[no-untyped-def]
         with _Launches(depth) as launches:
@@ -337,7 +333,6 @@ def _launches_beside_the_forward(
             counted.append(launches.ops - collections.Counter(dict.fromkeys(HOST_ONLY, 1 << 20)))
         return out
 
-    graphs._forward = forward  # type: ignore[method-assign]
     setattr(owner, method, wrapped)
     return counted
 
