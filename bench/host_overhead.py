@@ -6,6 +6,7 @@ scheduling hiding the host's work behind the device's.
 
     python bench/host_overhead.py [--batches 1,32,256] [--steps 40] [--rounds 3] [--output-kind FINAL_ONLY]
         [--temperature 0.8 --top-p 0.9] [--repetition-penalty 1.1 --frequency-penalty 0.5] [--logprobs 5]
+        [--regex '[a-z ]+']
         [--device cuda --dtype bfloat16 --device-time] [--profile-top 25] [--model DIR | --model default]
         [--against TREE --pairs 4]
 
@@ -30,7 +31,8 @@ replay costs the host one launch; a decode graph's LM head, row checks and argma
 sampled step's draws graph another: graph_sampling.py) and
 async scheduling on, as a GPU runs them by default. An LM head run outside a graph (a step whose
 logits the graph does not compute), which a GPU runs on the device, is timed apart ("logits") and
-left out of the host's total.
+left out of the host's total. Constraints (`--regex`) are applied as on a GPU, one bitmask a step;
+the bitmask's unpacking and masking, a GPU's work, count as the host's here.
 
 `--against TREE --pairs N` compares this tree's host work with another checkout's (a git worktree
 at an earlier commit): N pairs of runs, the two trees alternated (a noisy machine drifts between
@@ -58,7 +60,7 @@ import torch  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
-from prefixkv.sampling_params import RequestOutputKind  # noqa: E402
+from prefixkv.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
 
 PHASES = ("schedule", "runner launch", "model forward", "logits", "update_from_output", "process_outputs")
 
@@ -213,6 +215,7 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="(penalties read each request's output)")
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--logprobs", type=int, default=None, help="top logprobs a request asks for")
+    ap.add_argument("--regex", default=None, help="structured outputs: each request's output matches this regex")
     ap.add_argument(
         "--output-kind",
         default="FINAL_ONLY",
@@ -302,6 +305,10 @@ def main() -> None:
                         return tuple(t[: logits.shape[0]] for t in scored)
 
                     sampling.scores = scores
+            if hasattr(
+                engine.runner, "constraint_masks"
+            ):  # constraints as a GPU applies them (an older tree: on the host)
+                engine.runner.constraint_masks = True
             timed(engine.scheduler, "schedule_ahead", "schedule", acc)
             timed(engine.runner.model, "compute_logits", "logits", acc)
         timed(engine.scheduler, "schedule", "schedule", acc)
@@ -315,6 +322,7 @@ def main() -> None:
             repetition_penalty=args.repetition_penalty,
             frequency_penalty=args.frequency_penalty,
             logprobs=args.logprobs,
+            structured_outputs=None if args.regex is None else StructuredOutputsParams(regex=args.regex),
             max_tokens=args.steps + 1,
             ignore_eos=True,
             output_kind=RequestOutputKind[args.output_kind],

@@ -8,8 +8,9 @@ tokenizer info from prefixkv's own tokenizer (the token strings of the HF `token
 byte-level or SentencePiece as its decoder says; special tokens blanked so that no grammar can
 emit them - only the stop tokens end a grammar). Grammars are compiled off the step loop (when a
 request is added, or ahead of it by the server in a worker thread) and cached by their spec.
-`RequestGrammar` is one sequence's matcher: it fills the allowed-token mask for the next token,
-applies it to a logits row, and is advanced on each accepted token.
+`RequestGrammar` is one sequence's matcher: it fills the allowed-token mask for the next token
+(after tokens drawn but not booked yet, under async scheduling), applies it to a logits row, and is
+advanced on each booked token.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -161,22 +163,50 @@ class GrammarEngine:
 
 
 class RequestGrammar:
-    """One sequence's grammar state. Preemption needs nothing here: prefixkv preempts by
-    recompute and keeps the sampled tokens, so the matcher's state stays the tokens accepted."""
+    """One sequence's grammar state: the tokens booked so far (`accept`). Preemption needs nothing
+    here: prefixkv preempts by recompute and keeps the sampled tokens, so the matcher's state stays
+    the tokens accepted.
+
+    A step scheduled ahead (async scheduling) samples before the previous step's token is booked:
+    `fill` takes that token as pending, accepts it for the mask and rolls it back after."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._bitmask = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)  # reused every step
+        self.num_accepted = 0
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Set to -inf, in place, the logits of one row [vocab] that the grammar does not allow next."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        apply_bitmask(logits, self._bitmask[0], self._vocab_size)
+    def fill(self, bitmask: torch.Tensor, pending: Sequence[int] = ()) -> bool:
+        """Fill `bitmask` (int32 [1, words]) with the tokens allowed after the booked ones and
+        `pending`. False, `bitmask` untouched, when `pending` ends the grammar or breaks it: the
+        sequence ends at those tokens, and what is drawn after them is dropped unread."""
+        if not pending:
+            self._matcher.fill_next_token_bitmask(bitmask)
+            return True
+        taken = 0
+        try:
+            for token in pending:
+                if not self._matcher.accept_token(token):
+                    return False
+                taken += 1
+                if self._matcher.is_terminated():
+                    return False
+            self._matcher.fill_next_token_bitmask(bitmask)
+            return True
+        finally:
+            if taken:
+                self._matcher.rollback(taken)
+
+    def apply(self, logits: torch.Tensor, pending: Sequence[int] = ()) -> None:
+        """Set to -inf, in place, the logits of one row [vocab] that the grammar does not allow
+        after the booked tokens and `pending` (nothing when `pending` ends the sequence: `fill`)."""
+        if self.fill(self._bitmask, pending):
+            apply_bitmask(logits, self._bitmask[0], self._vocab_size)
 
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
             raise ValueError(f"token {token} does not continue the structured output's grammar")
+        self.num_accepted += 1
 
     @property
     def is_terminated(self) -> bool:

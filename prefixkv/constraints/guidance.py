@@ -100,10 +100,26 @@ class GuidanceMatcher:
         self._fill(self._matcher, bitmask, 0)
 
     def accept_token(self, token: int) -> bool:
-        if not self._matcher.consume_token(token) or self._matcher.is_error():
+        """False, the state unchanged, when the grammar does not take `token` (a failed consume
+        would leave llguidance's matcher broken for good; the check costs ~0.4 us). A stop token
+        is taken where the grammar may end and only marks the end: llguidance's own history
+        counts it or not by the state it ends, which would make rollbacks miscount."""
+        if token in self._stop:
+            if not self._matcher.is_accepting():
+                return False
+            self._terminated = True
+            return True
+        if self._matcher.validate_tokens([token]) != 1:
             return False
-        self._terminated = token in self._stop
-        return True
+        return bool(self._matcher.consume_token(token)) and not self._matcher.is_error()
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted (a stop token is only ever the last one)."""
+        if self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens:
+            self._matcher.rollback(num_tokens)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class RequestConstraints:
         self.banned_always = torch.tensor(sorted({w[0] for w in bad_words if len(w) == 1}), dtype=torch.long)
         self.bad_sequences = [w for w in bad_words if len(w) > 1]
         self.grammar = grammar
+        self._allowed_words: torch.Tensor | None = None  # `blocked` packed as a bitmask, when first asked
 
     @classmethod
     def build(
@@ -75,6 +77,13 @@ class RequestConstraints:
         twin.grammar = grammar
         return twin
 
+    def pending(self, output_ids: list[int]) -> list[int]:
+        """The tokens of `output_ids` drawn but not booked yet (a step scheduled ahead samples
+        before the previous step's token is booked): those the grammar has not accepted."""
+        if self.grammar is None:
+            return []
+        return output_ids[self.grammar.num_accepted :]
+
     def apply(self, logits: torch.Tensor, output_ids: list[int]) -> None:
         """Constrain one row [vocab] in place (the sampler fails the row when nothing is left)."""
         if self.bias_ids is not None:
@@ -83,9 +92,43 @@ class RequestConstraints:
             logits.masked_fill_(self.blocked, float("-inf"))
         if self.banned_always.numel():
             logits[self.banned_always] = float("-inf")
+        for token in self._banned_after(output_ids):
+            logits[token] = float("-inf")
+        if self.grammar is not None:
+            self.grammar.apply(logits, self.pending(output_ids))
+
+    def allowed_into(self, bitmask: torch.Tensor, output_ids: list[int]) -> None:
+        """Fill `bitmask` (int32 [1, words], bit i of the little-endian words = token i) with the
+        tokens `apply` leaves finite: every -inf it sets as a 0 bit (logit_bias, which only adds,
+        is `bias_ids`/`bias_values`). What a GPU step copies over to constrain rows there."""
+        if self.grammar is None or not self.grammar.fill(bitmask, self.pending(output_ids)):
+            bitmask.fill_(-1)
+        if self.blocked is not None:
+            if self._allowed_words is None:
+                self._allowed_words = pack_bits(self.blocked.logical_not(), bitmask.shape[-1])
+            bitmask[0].bitwise_and_(self._allowed_words)
+        banned = self._banned_after(output_ids)
+        if self.banned_always.numel() or banned:
+            clear_bits(bitmask[0], [*self.banned_always.tolist(), *banned])
+
+    def _banned_after(self, output_ids: list[int]) -> list[int]:
+        """The last tokens of the bad words whose other tokens end `output_ids`."""
+        out = []
         for seq in self.bad_sequences:
             prefix = seq[:-1]
             if len(output_ids) >= len(prefix) and output_ids[len(output_ids) - len(prefix) :] == prefix:
-                logits[seq[-1]] = float("-inf")
-        if self.grammar is not None:
-            self.grammar.apply(logits)
+                out.append(seq[-1])
+        return out
+
+
+def pack_bits(allowed: torch.Tensor, num_words: int) -> torch.Tensor:
+    """A bool vector [vocab] as int32 words [num_words], bit i of the little-endian words = token i."""
+    bits = np.zeros(num_words * 32, dtype=np.bool_)
+    bits[: allowed.shape[0]] = allowed.numpy()
+    return torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32).copy())
+
+
+def clear_bits(words: torch.Tensor, tokens: list[int]) -> None:
+    """Clear, in place, the bits of `tokens` in int32 words [num_words]."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    np.bitwise_and.at(words.numpy().view(np.uint32), ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))

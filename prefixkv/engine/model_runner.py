@@ -53,6 +53,7 @@ class ModelRunner:
         kv_groups: KVCacheGroups | None = None,
         graphs: StepGraphs | None = None,
         defer_reads: bool = False,
+        constraint_masks: bool | None = None,
     ) -> None:
         """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
         tiers, which no step asks for anything. `stage_outputs`: the scheduler's stage-output
@@ -62,7 +63,9 @@ class ModelRunner:
         `graphs`: steps over fixed buffers, captured as CUDA graphs (cuda_graphs.py), built
         over the same KV tensors; None: every step eager. `defer_reads`: a step's logits are checked
         for non-finite rows when its tokens are read, not before sampling (async scheduling: the
-        host must not wait for the device between launching a step and launching the next)."""
+        host must not wait for the device between launching a step and launching the next).
+        `constraint_masks`: constraints applied as one bitmask a step (constraints/device_masks.py)
+        or row by row on the host; None: the bitmask where the logits are on a GPU."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
@@ -77,6 +80,7 @@ class ModelRunner:
         self.kv_caches = block_tensors.layer_caches(self.config, block_size, kv_groups)
         self.layer_groups = kv_groups.layer_group(self.config.num_hidden_layers) if kv_groups is not None else None
         self.device = device
+        self.constraint_masks = constraint_masks
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
         self.stage_outputs = stage_outputs
@@ -165,18 +169,14 @@ class ModelRunner:
         errors = out.errors
         to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in errors]
         if to_sample:
-            if (
-                tail is not None
-                and len(to_sample) == hidden.shape[0]
-                and all(sr.constraints is None for sr in to_sample)
-            ):
+            if tail is not None and len(to_sample) == hidden.shape[0]:
                 self._sample(tail.logits, to_sample, pending, previous, tail)  # the graph ran the LM head
                 return pending
             # every row sampled: the hidden states as they are, no gather
             if len(to_sample) != hidden.shape[0]:
                 rows = [starts[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in errors]
                 hidden = hidden[tensor_on(rows, dev, torch.long)]
-            logits = self._sampling_logits(hidden, to_sample)
+            logits = self.model.compute_logits(hidden).float()  # sampled where it lies
             self._sample(logits, to_sample, pending, previous)
         return pending
 
@@ -184,12 +184,16 @@ class ModelRunner:
     def _outputs_so_far(
         to_sample: list[ScheduledRequest], previous: PendingOutput | None
     ) -> dict[str, list[int]] | None:
-        """The output tokens of the penalized requests scheduled ahead, the one the previous step
-        drew for each included (its host list lacks it until that step is booked), read from the
-        previous step's copy: that waits for the previous step alone, not for this step's forward,
-        launched already. None where no row needs it (penalties are the only sampling that reads
-        the output and runs ahead: scheduler._samples_ahead)."""
-        ahead = [sr for sr in to_sample if sr.input_from_previous and sr.sampling_params.penalized]
+        """The output tokens of the requests scheduled ahead whose sampling reads them (penalties,
+        constraints: bad words, a grammar), the one the previous step drew for each included (its
+        host list lacks it until that step is booked), read from the previous step's copy: that
+        waits for the previous step alone, not for this step's forward, launched already. None
+        where no row needs it."""
+        ahead = [
+            sr
+            for sr in to_sample
+            if sr.input_from_previous and (sr.sampling_params.penalized or sr.constraints is not None)
+        ]
         if not ahead:
             return None
         if previous is None:
@@ -222,15 +226,6 @@ class ModelRunner:
                 placements.append((row, sr.mm_inputs))
             row += len(sr.token_ids)
         return self.mm.spliced_rows(placements)
-
-    def _sampling_logits(self, hidden: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
-        """float32 logits to sample from, left on the model's device (a GPU samples its own batch:
-        only the chosen tokens cross to the host) unless a request's constraints, which edit rows
-        with host tensors, need them on the CPU."""
-        logits = self.model.compute_logits(hidden).float()
-        if logits.device.type != "cpu" and any(sr.constraints is not None for sr in reqs):
-            return logits.cpu()
-        return logits
 
     @torch.inference_mode()
     def eager_hidden(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
@@ -423,6 +418,7 @@ class ModelRunner:
             else [outputs.get(sr.req_id, sr.output_token_ids) for sr in reqs],
             eos_block if any(e is not None for e in eos_block) else None,
             constraints if any(c is not None for c in constraints) else None,
+            as_masks=self.constraint_masks,
         )
 
     def _sample_one_by_one(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..constraints.device_masks import NOTHING_ALLOWED, apply_on_device
 from ..model.host_copy import HostCopies, tensor_on, to_device
 from ..sampling_params import SamplingParams
 
@@ -428,11 +429,14 @@ def sample(
     output_ids: list[list[int]],
     eos_ids: list[set[int] | None] | None = None,
     constraints: list[RequestConstraints | None] | None = None,
+    as_masks: bool | None = None,
 ) -> SampledTensors:
     """Sample one token per row of `logits` [N, vocab] (float32), the results left on the logits'
-    device until `.result()` reads them. Rows without constraints never make the host wait for
-    the device (constraints edit rows on the host and check what is left of them); penalties
-    take the tokens so far from `prompt_ids` and `output_ids` on the host."""
+    device until `.result()` reads them: nothing here waits for the device. Constraints edit the
+    rows on the host where the logits are there, and on their device through one bitmask
+    otherwise (`as_masks` forces either: constraints/device_masks.py); penalties take the tokens
+    so far from `prompt_ids` and `output_ids` on the host. A row whose constraints leave it no
+    token raises ValueError (the runner then finds it row by row)."""
     logits = logits.float()
     n = len(params)
     want_logprobs = any(p.logprobs is not None for p in params)
@@ -447,7 +451,11 @@ def sample(
             x = logits.clone(memory_format=torch.contiguous_format)  # edited in place: never the caller's logits
         if penalized:
             _apply_penalties(x, penalized, params, prompt_ids, output_ids)
-        for row in range(n) if constraints or eos_ids else ():
+        unmasked: Sequence[int] = range(n) if constraints or eos_ids else ()
+        if constraints and (x.device.type != "cpu" if as_masks is None else as_masks):
+            apply_on_device(x, constraints, output_ids, eos_ids)
+            unmasked = [row for row in range(n) if constraints[row] is None]
+        for row in unmasked:
             c = constraints[row] if constraints else None
             blocked = eos_ids[row] if eos_ids else None
             xr = x[row]
@@ -456,10 +464,7 @@ def sample(
             if blocked:  # min_tokens not reached: EOS may not be drawn
                 xr[list(blocked)] = float("-inf")
             if c is not None and float(xr.max()) == float("-inf"):  # this row fails alone
-                raise ValueError(
-                    "no token is allowed by this request's constraints (allowed_token_ids, bad_words, "
-                    "logit_bias, structured outputs, min_tokens)"
-                )
+                raise ValueError(NOTHING_ALLOWED)
         drawn = [row for row, p in enumerate(params) if not p.greedy]
         if len(drawn) == n:
             tokens = _draw(x, params, generators)

@@ -486,8 +486,7 @@ class Scheduler:
 
 
 def _samples_ahead(sr: ScheduledRequest) -> bool:
-    """Whether a request can be sampled for before its previous token is known: no constraint
-    reads its output so far on the host (penalties read it too, the token in flight taken from
-    the previous step's copy: ModelRunner._outputs_so_far), and the runner needs no hidden state
-    of it."""
-    return sr.constraints is None and not sr.want_hidden_states and not sr.stage_output_reads
+    """Whether a request can be sampled for before its previous token is known: the runner needs
+    no hidden state of it (penalties and constraints read its output so far, the token in flight
+    taken from the previous step's copy: ModelRunner._outputs_so_far)."""
+    return not sr.want_hidden_states and not sr.stage_output_reads

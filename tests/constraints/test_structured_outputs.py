@@ -115,3 +115,39 @@ def test_refused_combinations(constrained_llm):
         SamplingParams(structured_outputs={"json": SCHEMA})
     with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
         constrained_llm.generate("x", json_params(min_tokens=2), use_tqdm=False)
+
+
+def test_grammars_run_ahead_under_async_scheduling(default_lm, constrained_llm, json_answer):
+    """Steps scheduled ahead fill each grammar's mask after the token in flight (accepted for the
+    mask, rolled back, booked a step later): JSON, regex and sampled choice outputs (n=3, each
+    sequence its own matcher, the grammar ending while the next step runs) equal the in-order
+    engine's, and every block is free after."""
+    engine = LLMEngine(
+        EngineConfig(
+            dtype="float32", device="cpu", num_blocks=96, block_size=16, max_model_len=1024, async_scheduling=True
+        ),
+        loaded=default_lm,
+    )
+    engine.runner.constraint_masks = True  # as on a GPU: one bitmask a step
+    ahead = LLM.from_engine(engine)
+    assert ahead.chat(QUESTION, json_params(), use_tqdm=False)[0].outputs[0].token_ids == json_answer.token_ids
+    assert engine.num_steps_ahead > 0
+    regex = SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r" [A-Z]\w+, [A-Z]\w+\.")
+    )
+    choice = SamplingParams(
+        temperature=1.0,
+        seed=5,
+        n=3,
+        max_tokens=6,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe not"]),
+    )
+    for prompt, params in (("The capital of France is", regex), ("Is Paris in France? Answer:", choice)):
+        want = constrained_llm.generate(prompt, params, use_tqdm=False)[0].outputs
+        got = ahead.generate(prompt, params, use_tqdm=False)[0].outputs
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+            (o.token_ids, o.text, o.finish_reason) for o in want
+        ]
+        assert all(o.finish_reason == "stop" for o in got)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks

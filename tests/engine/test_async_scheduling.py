@@ -2,7 +2,7 @@
 each decode step is scheduled and launched before the previous step's tokens are read, its input
 ids taken from that step's draws on the device. Outputs must equal the in-order engine's token for
 token (greedy float32 against transformers too; seeded sampling; every kind of stop, aborts,
-arrivals, penalties, constraints that force in-order steps) and every block must be free afterwards."""
+arrivals, penalties, constraints) and every block must be free afterwards."""
 
 from __future__ import annotations
 
@@ -194,21 +194,46 @@ def test_penalties_run_ahead_and_count_the_token_in_flight(tiny):
     _all_free(ahead)
 
 
-def test_constraints_run_in_order(tiny):
-    """A request whose constraints read its own output on the host keeps the batch in order while
-    it runs; the outputs equal the in-order engine's."""
+def _two_token_word(tokenizer: Any, tokens: tuple[int, ...]) -> str | None:
+    """The text of two consecutive output tokens (after the first) that encodes back to them alone,
+    without spaces: a bad word whose ban depends on the token before."""
+    for k in range(1, len(tokens) - 1):
+        text = tokenizer.decode(tokens[k : k + 2])
+        if text.isprintable() and not any(ch.isspace() for ch in text):
+            if tokenizer.encode(text, add_special_tokens=False) == list(tokens[k : k + 2]):
+                return text
+    return None
+
+
+def test_constraints_run_ahead_and_read_the_token_in_flight(tiny):
+    """Constraints sample ahead too, reading the token in flight: a two-token bad word banned only
+    after its first token (drawn by the step before), logit_bias, allowed_token_ids, and min_tokens
+    beside them, greedy and seeded, give the in-order engine's outputs, edited on the host or as a
+    GPU does (one bitmask a step); every block free."""
     folder, _ = tiny
-    prompts = _prompts(3, 3)
-    params = [
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=["ab"]),
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={5: 3.0}),
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-    ]
-    want = _outputs(LLM(str(folder), **BASE), prompts, params)
-    ahead = LLM(str(folder), **BASE, async_scheduling=True)
-    assert _outputs(ahead, prompts, params) == want
-    assert ahead.llm_engine.num_steps_ahead == 0
-    _all_free(ahead)
+    prompts = _prompts(3, 8)
+    sync = LLM(str(folder), **BASE)
+    probe = _outputs(sync, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    tok = sync.get_tokenizer()
+    pairs = [(i, w) for i, (toks, *_) in enumerate(probe) if (w := _two_token_word(tok, toks)) is not None]
+    assert len(pairs) >= 2, probe
+    (a, word_a), (b, word_b) = pairs[:2]
+    allowed = sorted(set(probe[b][0]) | set(range(60, 90)))
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) for _ in prompts]
+    params[a] = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=[word_a], logprobs=1)
+    params[b] = SamplingParams(
+        temperature=0.9, seed=4, max_tokens=10, bad_words=[word_b], allowed_token_ids=allowed, min_tokens=6
+    )
+    other = next(i for i in range(len(prompts)) if i not in (a, b))
+    params[other] = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={probe[other][0][2]: -9.0})
+    want = _outputs(sync, prompts, params)
+    assert want[a][0] != probe[a][0]  # the ban, which needs the token in flight, changed it
+    for masks in (False, True):  # edited on the host, or through one bitmask as on a GPU
+        ahead = LLM(str(folder), **BASE, async_scheduling=True)
+        ahead.llm_engine.runner.constraint_masks = masks
+        assert _outputs(ahead, prompts, params) == want, masks
+        assert ahead.llm_engine.num_steps_ahead > 0
+        _all_free(ahead)
 
 
 def test_aborts_and_arrivals_between_steps(tiny):
