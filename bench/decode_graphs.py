@@ -6,7 +6,7 @@ process, the engines alternated round by round.
 
     python bench/decode_graphs.py [--device cuda] [--dtype bfloat16] [--batches 1,32,256]
         [--context 256] [--steps 24] [--rounds 2] [--model PATH] [--engines graphs,eager,inorder,unfused]
-        [--temperature 0.8 --top-p 0.9] [--repetition-penalty 1.1]
+        [--temperature 0.8 --top-p 0.9] [--repetition-penalty 1.1] [--regex '[a-z ]{200,}']
 
 Per batch B: B prompts of --context random tokens are prefilled (in chunks of the engine's token
 budget; sequences prefilled early decode meanwhile), then --steps engine steps in which every
@@ -14,7 +14,8 @@ sequence decodes one token (scheduling, the forward, sampling, outputs: what a u
 timed one by one; the median of every round's steps is printed per engine, with how many of
 those steps the graphs took, and whether each engine's tokens agreed with the first one's (greedy,
 or with --temperature drawn with a seed a request; a replayed sampled step draws in graphs too;
-with --repetition-penalty every row samples eagerly, and runs ahead where the engine schedules ahead)
+with --repetition-penalty or --regex (structured outputs; it must outlast the steps) every row
+samples eagerly, and runs ahead where the engine schedules ahead)
 (bfloat16: the eager path's attention is another kernel, so a difference is possible, not a failure;
 steps scheduled ahead compute the same steps, so in-order tokens must equal the graphs' own).
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.ceiling import decode_bytes, measure_cuda  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
+from prefixkv.sampling_params import StructuredOutputsParams  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -124,9 +126,13 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampled steps (default: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="(penalized rows sample eagerly)")
+    ap.add_argument("--regex", default=None, help="structured outputs: each output matches it (rows sample eagerly)")
     args = ap.parse_args()
     penalty = args.repetition_penalty
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, repetition_penalty=penalty)
+    structured = None if args.regex is None else StructuredOutputsParams(regex=args.regex)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, repetition_penalty=penalty, structured_outputs=structured
+    )
     print(describe(), flush=True)
     bandwidth = None
     if not args.no_ceiling and torch.device(args.device).type == "cuda":

@@ -28,7 +28,8 @@
 #                   sizes, time and memory in the log
 #   sampled         the same, sampled (temperature 0.8, top-p 0.9, a seed a request) at batch 1/32,
 #                   the default engine (draws in graphs: engine/graph_sampling.py) against eager;
-#                   then a repetition penalty at batch 1/32/256, scheduled ahead against in order
+#                   then a repetition penalty at batch 1/32/256, scheduled ahead against in order, then
+#                   structured outputs (a regex) the same way
 #   paged           bench/paged_attention.py: one layer's attention, Triton's kernels reading the
 #                   blocks in place against the gather path, decode and prefill after 1k/8k context
 #                   at batch 1/32/256 (bfloat16), the default model's heads, an 8B Llama's, and 32
@@ -75,7 +76,7 @@
 #   host_ab         host_overhead.py on the card, this tree against the commit in .device/base (prepare.sh
 #                   BASE=<commit>), runs alternated, paired ratios: what a change to the host's work
 #                   bought (the default model, batch 1 and 32; greedy, then sampled, then greedy with
-#                   5 top logprobs a row)
+#                   5 top logprobs a row, then structured outputs: a regex)
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
@@ -170,7 +171,11 @@ for step in $STEPS; do
         # penalized rows sample eagerly; scheduled ahead (graphs) against in order (what they ran before)
         bounded 90 sampled.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --context 256 --steps 24 --rounds 2 --engines graphs,inorder --no-ceiling \
-            --repetition-penalty 1.1 ;;
+            --repetition-penalty 1.1
+        # structured outputs: a grammar's mask a row a step on the host, one bitmask copied; ahead against in order
+        bounded 90 sampled.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
+            --batches 1,32,256 --context 256 --steps 24 --rounds 2 --engines graphs,inorder --no-ceiling \
+            --regex '[a-z ]{200,}' ;;
     large)
         big=/tmp/random-${SHAPE:-llama-1b}
         bounded 120 large.log python3 bench/device/random_checkpoint.py "$big" --shape "${SHAPE:-llama-1b}"
@@ -245,6 +250,8 @@ for step in $STEPS; do
                 --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --temperature 0.8 --top-p 0.9
             bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
                 --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --logprobs 5
+            bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
+                --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --regex '[a-z ]{200,}'
         else
             echo "host_ab: no .device/base (bench/device/prepare.sh BASE=<commit>)" | tee -a "$out/env.log"
         fi ;;

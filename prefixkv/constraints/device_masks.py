@@ -29,25 +29,27 @@ NOTHING_ALLOWED = (
 
 def apply_on_device(
     x: torch.Tensor,
-    constraints: list[RequestConstraints | None],
+    constraints: list[RequestConstraints | None] | None,
     output_ids: list[list[int]],
     eos_ids: list[set[int] | None] | None,
 ) -> None:
     """Constrain, in place, the rows of `x` [N, vocab] (contiguous float32) that have constraints
-    (their blocked EOS ids too). ValueError when a row allows no token."""
+    or blocked EOS ids (min_tokens not reached). ValueError when a row allows no token."""
     n, vocab = x.shape
-    rows = [r for r in range(n) if constraints[r] is not None]
+    rows = [r for r in range(n) if (constraints and constraints[r] is not None) or (eos_ids and eos_ids[r])]
     bits = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
     bias_at: list[torch.Tensor] = []
     bias_values: list[torch.Tensor] = []
     for i, r in enumerate(rows):
-        c = constraints[r]
-        assert c is not None
-        c.allowed_into(bits[i : i + 1], output_ids[r])
+        c = constraints[r] if constraints else None
+        if c is None:
+            bits[i].fill_(-1)
+        else:
+            c.allowed_into(bits[i : i + 1], output_ids[r])
         blocked = eos_ids[r] if eos_ids else None
-        if blocked:  # min_tokens not reached: EOS may not be drawn
+        if blocked:
             clear_bits(bits[i], sorted(blocked))
-        if c.bias_ids is not None:
+        if c is not None and c.bias_ids is not None:
             bias_at.append(c.bias_ids + r * vocab)
             bias_values.append(c.bias_values)  # type: ignore[arg-type]
     words = bits.numpy().view(np.uint32)

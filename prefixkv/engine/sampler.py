@@ -432,9 +432,9 @@ def sample(
     as_masks: bool | None = None,
 ) -> SampledTensors:
     """Sample one token per row of `logits` [N, vocab] (float32), the results left on the logits'
-    device until `.result()` reads them: nothing here waits for the device. Constraints edit the
-    rows on the host where the logits are there, and on their device through one bitmask
-    otherwise (`as_masks` forces either: constraints/device_masks.py); penalties take the tokens
+    device until `.result()` reads them: nothing here waits for the device. Constraints and blocked
+    EOS ids edit the rows on the host where the logits are there, and on their device through one
+    bitmask otherwise (`as_masks` forces either: constraints/device_masks.py); penalties take the tokens
     so far from `prompt_ids` and `output_ids` on the host. A row whose constraints leave it no
     token raises ValueError (the runner then finds it row by row)."""
     logits = logits.float()
@@ -451,11 +451,11 @@ def sample(
             x = logits.clone(memory_format=torch.contiguous_format)  # edited in place: never the caller's logits
         if penalized:
             _apply_penalties(x, penalized, params, prompt_ids, output_ids)
-        unmasked: Sequence[int] = range(n) if constraints or eos_ids else ()
-        if constraints and (x.device.type != "cpu" if as_masks is None else as_masks):
+        on_host = constraints or eos_ids
+        if on_host and (x.device.type != "cpu" if as_masks is None else as_masks):
             apply_on_device(x, constraints, output_ids, eos_ids)
-            unmasked = [row for row in range(n) if constraints[row] is None]
-        for row in unmasked:
+            on_host = None
+        for row in range(n) if on_host else ():
             c = constraints[row] if constraints else None
             blocked = eos_ids[row] if eos_ids else None
             xr = x[row]
