@@ -282,6 +282,8 @@ def main() -> None:
             def replay(kind: str, size: int) -> torch.Tensor:  # one launch, nothing for the host
                 if kind.startswith("decode") and size <= getattr(graphs, "tail_rows", 0):  # (an older tree: none)
                     graphs._tails[kind, size] = (tail[0][:size], tail[1][:size], tail[1][:size])
+                    if args.regex is not None:  # constraints edit the logits in place: the next step's are new
+                        graphs.logits[:size].zero_()
                 return stub[:size]
 
             graphs._forward = replay
@@ -289,6 +291,9 @@ def main() -> None:
             if sampling is not None:
 
                 def draws(logits: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Tensor]:  # one launch
+                    if args.regex is not None:  # a token the constraints allow (the logits edited in place)
+                        best = logits.argmax(dim=-1)
+                        return best, best
                     return tail[1][: logits.shape[0]], tail[1][: logits.shape[0]]
 
                 sampling.replay = draws

@@ -3,7 +3,8 @@ model's vocabulary (SmolLM2, 49,152 byte-level BPE tokens): for a JSON schema, a
 JSON object, walk a valid output token by token and time, per token, computing the allowed-token
 bitmask, applying it to a float32 logits row (prefixkv's own apply, the same for both), and
 advancing the matcher. Prints medians (and the
-one-off costs: tokenizer info, grammar compilation).
+one-off costs: tokenizer info, grammar compilation); then a step's masks for a batch of sequences,
+a row each against one batch call.
 
     .venv/bin/python bench/structured.py [--repeats 5]
 """
@@ -201,6 +202,42 @@ def main() -> None:
         print(
             f"apply a mask ({len(masks)} masks of a JSON walk), {name}: median {statistics.median(secs) * 1e6:.0f} us"
         )
+    batch_fills(tok, args.repeats)
+
+
+def batch_fills(tok: Tokenizer, repeats: int) -> None:
+    """A step's masks for a batch of JSON-schema sequences, each stopped at another point of the
+    walk: filled a row each (RequestGrammar.fill) against one batch call on the backend's threads
+    (grammar.fill_next, what a step does)."""
+    from prefixkv.constraints.grammar import GrammarEngine, fill_next, fill_threads
+    from prefixkv.sampling_params import StructuredOutputsParams
+
+    ids = tok.encode(SCHEMA_DOC)
+    for backend in ("xgrammar", "guidance"):
+        engine = GrammarEngine(tok, tok.vocab_size, sorted(tok.eos_token_ids), backend)
+        compiled = engine.compile(StructuredOutputsParams(json=SCHEMA))
+        for batch in (32, 256):
+            grammars = [engine.matcher(compiled) for _ in range(batch)]
+            for i, g in enumerate(grammars):
+                for t in ids[: (i * 7) % len(ids)]:
+                    g.accept(t)
+            masks = torch.zeros((batch, grammars[0].num_words), dtype=torch.int32)
+            rows = list(range(batch))
+            one_by_one, batched = [], []
+            for _ in range(repeats * 4):
+                t0 = time.perf_counter()
+                for i, g in enumerate(grammars):
+                    g.fill(masks[i : i + 1])
+                t1 = time.perf_counter()
+                fill_next(grammars, [()] * batch, masks, rows)
+                t2 = time.perf_counter()
+                one_by_one.append(t1 - t0)
+                batched.append(t2 - t1)
+            a, b = statistics.median(one_by_one) * 1e3, statistics.median(batched) * 1e3
+            print(
+                f"masks of a step, batch {batch}, {backend}: a row each {a:.2f} ms, one batch call "
+                f"({fill_threads()} threads) {b:.2f} ms ({a / b:.1f}x)"
+            )
 
 
 if __name__ == "__main__":

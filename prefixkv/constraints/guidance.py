@@ -43,12 +43,14 @@ def strict_schema(schema: Any) -> Any:
 class GuidanceBackend:
     name = "guidance"
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int) -> None:
         import llguidance
         import llguidance.torch
 
         self._llg = llguidance
         self._fill = llguidance.torch.fill_next_token_bitmask
+        self._fill_par = llguidance.torch.fill_next_token_bitmask_par
+        self._executor = llguidance.LLExecutor(num_threads=threads)
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(stop_token_ids)
         )
@@ -86,6 +88,10 @@ class GuidanceBackend:
             raise ValueError(f"invalid structured outputs grammar: {matcher.get_error()}")
         return GuidanceMatcher(matcher, self._fill, self._stop)
 
+    def fill_rows(self, matchers: list[GuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill row rows[i] of `bitmask` for matchers[i], in parallel on the executor's threads."""
+        self._fill_par(self._executor, [(m._matcher, row) for m, row in zip(matchers, rows)], bitmask)
+
 
 class GuidanceMatcher:
     """xgrammar's matcher interface over an llguidance one: terminated once a stop token is accepted."""
@@ -96,8 +102,8 @@ class GuidanceMatcher:
         self._stop = stop
         self._terminated = False
 
-    def fill_next_token_bitmask(self, bitmask: torch.Tensor) -> None:
-        self._fill(self._matcher, bitmask, 0)
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        self._fill(self._matcher, bitmask, index)
 
     def accept_token(self, token: int) -> bool:
         """False, the state unchanged, when the grammar does not take `token` (a failed consume

@@ -95,12 +95,12 @@ class StructuredOutputsParams:
         return 0
 
     def key(self) -> tuple[str, str, bool]:
-        """What identifies the compiled grammar: (kind, canonical text, free whitespace)."""
+        """What identifies the compiled grammar: (kind, canonical text, free whitespace). A schema's
+        keys keep their order: the grammar emits an object's properties in the order declared
+        (as vLLM does), so two orders are two grammars."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
-            if isinstance(self.json, str):
-                text = _json.dumps(_json.loads(text), sort_keys=True)
-            return ("json", text, not self.disable_any_whitespace)
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return ("json", _json.dumps(schema), not self.disable_any_whitespace)
         if self.regex is not None:
             return ("regex", self.regex, False)
         if self.choice is not None:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .grammar import apply_bitmask, fill_next
+
 if TYPE_CHECKING:
     from ..model import Tokenizer
     from .grammar import RequestGrammar
@@ -84,8 +86,10 @@ class RequestConstraints:
             return []
         return output_ids[self.grammar.num_accepted :]
 
-    def apply(self, logits: torch.Tensor, output_ids: list[int]) -> None:
-        """Constrain one row [vocab] in place (the sampler fails the row when nothing is left)."""
+    def apply(self, logits: torch.Tensor, output_ids: list[int], grammar_mask: torch.Tensor | None = None) -> None:
+        """Constrain one row [vocab] in place (the sampler fails the row when nothing is left);
+        `grammar_mask`: the grammar's allowed tokens for it (int32 [words]: `grammar_masks`; None:
+        no grammar, or one that the pending tokens end)."""
         if self.bias_ids is not None:
             logits.index_add_(0, self.bias_ids, self.bias_values)  # type: ignore[arg-type]
         if self.blocked is not None:
@@ -94,22 +98,20 @@ class RequestConstraints:
             logits[self.banned_always] = float("-inf")
         for token in self._banned_after(output_ids):
             logits[token] = float("-inf")
-        if self.grammar is not None:
-            self.grammar.apply(logits, self.pending(output_ids))
+        if grammar_mask is not None:
+            apply_bitmask(logits, grammar_mask, logits.shape[0])
 
-    def allowed_into(self, bitmask: torch.Tensor, output_ids: list[int]) -> None:
-        """Fill `bitmask` (int32 [1, words], bit i of the little-endian words = token i) with the
-        tokens `apply` leaves finite: every -inf it sets as a 0 bit (logit_bias, which only adds,
-        is `bias_ids`/`bias_values`). What a GPU step copies over to constrain rows there."""
-        if self.grammar is None or not self.grammar.fill(bitmask, self.pending(output_ids)):
-            bitmask.fill_(-1)
+    def narrow(self, words: torch.Tensor, output_ids: list[int]) -> None:
+        """Clear, in `words` (int32 [words], bit i of the little-endian words = token i), the bits
+        of every token `apply` sets to -inf but the grammar's: what a GPU step copies over, the
+        grammar's mask filled into it first (logit_bias, which only adds, is `bias_ids`)."""
         if self.blocked is not None:
             if self._allowed_words is None:
-                self._allowed_words = pack_bits(self.blocked.logical_not(), bitmask.shape[-1])
-            bitmask[0].bitwise_and_(self._allowed_words)
+                self._allowed_words = pack_bits(self.blocked.logical_not(), words.shape[-1])
+            words.bitwise_and_(self._allowed_words)
         banned = self._banned_after(output_ids)
         if self.banned_always.numel() or banned:
-            clear_bits(bitmask[0], [*self.banned_always.tolist(), *banned])
+            clear_bits(words, [*self.banned_always.tolist(), *banned])
 
     def _banned_after(self, output_ids: list[int]) -> list[int]:
         """The last tokens of the bad words whose other tokens end `output_ids`."""
@@ -132,3 +134,21 @@ def clear_bits(words: torch.Tensor, tokens: list[int]) -> None:
     """Clear, in place, the bits of `tokens` in int32 words [num_words]."""
     ids = np.asarray(tokens, dtype=np.int64)
     np.bitwise_and.at(words.numpy().view(np.uint32), ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+
+
+def grammar_masks(constraints: list[RequestConstraints | None], output_ids: list[list[int]]) -> dict[int, torch.Tensor]:
+    """A step's grammar masks (int32 [words]) by row, all filled in one batch call
+    (grammar.fill_next); a row whose pending tokens end its grammar has none."""
+    rows: list[int] = []
+    grammars: list[RequestGrammar] = []
+    pending: list[list[int]] = []
+    for r, c in enumerate(constraints):
+        if c is not None and c.grammar is not None:
+            rows.append(r)
+            grammars.append(c.grammar)
+            pending.append(c.pending(output_ids[r]))
+    if not rows:
+        return {}
+    masks = torch.empty((len(rows), grammars[0].num_words), dtype=torch.int32)
+    filled = fill_next(grammars, pending, masks, range(len(rows)))
+    return {r: masks[i] for i, r in enumerate(rows) if filled[i]}

@@ -8,8 +8,9 @@ sampler draws them); the graph computes `sampler.draw_fixed` over the shared log
 a buffer of tokens. Per decode size two graphs: one without the sort that top-k and top-p need
 (temperature, min-p, greedy rows), one with it; and a third replayed after either where a row asks
 for logprobs (`sampler.score_rows`: each drawn token's logprob and rank, and every row's top
-TOP_LOGPROBS, each row's list cut to its own count on the host). Rows with penalties,
-constraints, blocked EOS or more logprobs than that sample eagerly, as before.
+TOP_LOGPROBS, each row's list cut to its own count on the host). Constrained rows are drawn here
+too, their logits edited first (`RULED_OUT`) where none asks for logprobs; rows with penalties or
+more logprobs than that sample eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ import torch
 
 from ..sampling_params import SamplingParams
 from .sampler import SAMPLE_PARAMS, draw_fixed, fixed_params, score_rows, top_logprobs_k
+
+# What a token that constraints rule out holds in the logits a draws' graph reads (the runner
+# edits them in place: ModelRunner._constrain_in_graph). Finite, so `draw_fixed`'s check of the
+# row passes (-inf would fail it: the row drawn from zeros), and far below any logit: exp() of it
+# is 0 as of -inf, so the draws are `sample`'s over -inf, token for token (tests/engine/test_sampler.py).
+RULED_OUT = -1e30
 
 # a padding row's parameters, a column: greedy, nothing filtered (its draw is well-defined and unused)
 _PADDING = np.array([0.0, 1.0, -math.inf, 0.0, 1.0, 1.0])[:, None]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..constraints.device_masks import apply_on_device
 from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors
 from ..memory.kv_groups import KVCacheGroups
@@ -23,6 +24,7 @@ from ..model.host_copy import tensor_on, to_device
 from ..stage_outputs.specs import per_token_outputs
 from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
 from .block_table_tensor import padded_block_tables
+from .graph_sampling import RULED_OUT
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .pending_output import PendingOutput
 from .sampler import SampledTensors, SampleResult, plain_greedy, rows_finite, sample, score_tokens
@@ -341,6 +343,12 @@ class ModelRunner:
                 return
             logits = logits[torch.tensor(keep, device=logits.device)]
             argmax = in_graph = False  # fewer rows than the graph's
+        constrained = any(sr.constraints is not None or sr.block_eos for sr in reqs)
+        if in_graph and constrained:
+            assert tail is not None
+            in_graph = self._constrain_in_graph(tail.logits, reqs, previous)
+            if not in_graph and self.defer_reads and not greedy:
+                logits = torch.where(finite[:, None], logits, 0.0)  # as above, for the eager draws
         if argmax:
             assert tail is not None
             marked = tail.marked if pending.finite is not None else None
@@ -352,6 +360,8 @@ class ModelRunner:
             assert self.graphs is not None
             gens = [sr.generator or self.default_generator for sr in reqs]
             pending.sampled = self.graphs.draw([sr.sampling_params for sr in reqs], gens)
+            if constrained:  # the draws saw edited rows: the raw logits' check marks them when read
+                pending.sampled.marked = None
             pending.req_ids = [sr.req_id for sr in reqs]
             pending.start_reading()
             return
@@ -382,14 +392,47 @@ class ModelRunner:
 
     def _draws_in_graph(self, reqs: list[ScheduledRequest]) -> bool:
         """Whether the replayed decode step's graphs draw these rows' tokens (StepGraphs.draw; the
-        caller takes plain greedy rows from the tail's argmax first): no constraints or blocked
-        EOS, which edit rows eagerly."""
+        caller takes plain greedy rows from the tail's argmax first). Constraints and blocked EOS
+        ids edit the graph's logits first (`_constrain_in_graph`), where they are one bitmask and
+        no row asks for logprobs (scored from those logits, which must stay the raw ones)."""
         graphs = self.graphs
         if graphs is None:
             return False
-        if any(sr.constraints is not None or sr.block_eos for sr in reqs):
+        params = [sr.sampling_params for sr in reqs]
+        if any(sr.constraints is not None or sr.block_eos for sr in reqs) and (
+            not self._masks_on_device() or any(p.logprobs is not None for p in params)
+        ):
             return False
-        return graphs.samples([sr.sampling_params for sr in reqs])
+        return graphs.samples(params)
+
+    def _masks_on_device(self) -> bool:
+        """Whether constraints are one bitmask a step (constraints/device_masks.py): where asked,
+        else on a GPU."""
+        return self.device.type != "cpu" if self.constraint_masks is None else self.constraint_masks
+
+    def _constrain_in_graph(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], previous: PendingOutput | None
+    ) -> bool:
+        """Edit a replayed step's logits in place with its rows' constraints and blocked EOS ids,
+        for its draws' graph: every token ruled out set to RULED_OUT, which that graph draws as
+        `sample` draws -inf. False, nothing edited, where a row has nothing left (the eager path
+        then finds it)."""
+        outputs = self._outputs_so_far(reqs, previous)
+        eos = self.eos_token_ids
+        try:
+            apply_on_device(
+                logits,
+                [sr.constraints for sr in reqs],
+                [
+                    sr.output_token_ids if outputs is None else outputs.get(sr.req_id, sr.output_token_ids)
+                    for sr in reqs
+                ],
+                [eos if sr.block_eos else None for sr in reqs],
+                RULED_OUT,
+            )
+        except ValueError:
+            return False
+        return True
 
     @staticmethod
     def _takes_argmax(reqs: list[ScheduledRequest]) -> bool:
@@ -413,12 +456,10 @@ class ModelRunner:
             [sr.sampling_params for sr in reqs],
             gens,  # type: ignore[arg-type]
             [sr.prompt_token_ids for sr in reqs],
-            [sr.output_token_ids for sr in reqs]
-            if outputs is None
-            else [outputs.get(sr.req_id, sr.output_token_ids) for sr in reqs],
+            _outputs_of(reqs, outputs),
             eos_block if any(e is not None for e in eos_block) else None,
             constraints if any(c is not None for c in constraints) else None,
-            as_masks=self.constraint_masks,
+            as_masks=self._masks_on_device(),
         )
 
     def _sample_one_by_one(
@@ -505,3 +546,11 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: 
         base = table[pos // bs] * bs - (pos // bs) * bs
         slots.extend(range(base + pos, base + block_end))
         pos = block_end
+
+
+def _outputs_of(reqs: list[ScheduledRequest], outputs: dict[str, list[int]] | None) -> list[list[int]]:
+    """Each row's output so far, the token in flight included where `outputs` has it
+    (ModelRunner._outputs_so_far)."""
+    if outputs is None:
+        return [sr.output_token_ids for sr in reqs]
+    return [outputs.get(sr.req_id, sr.output_token_ids) for sr in reqs]

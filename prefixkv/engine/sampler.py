@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..constraints.device_masks import NOTHING_ALLOWED, apply_on_device
+from ..constraints.token_constraints import grammar_masks
 from ..model.host_copy import HostCopies, tensor_on, to_device
 from ..sampling_params import SamplingParams
 
@@ -455,12 +456,13 @@ def sample(
         if on_host and (x.device.type != "cpu" if as_masks is None else as_masks):
             apply_on_device(x, constraints, output_ids, eos_ids)
             on_host = None
+        grammars = grammar_masks(constraints, output_ids) if on_host and constraints else {}
         for row in range(n) if on_host else ():
             c = constraints[row] if constraints else None
             blocked = eos_ids[row] if eos_ids else None
             xr = x[row]
             if c is not None:
-                c.apply(xr, output_ids[row])
+                c.apply(xr, output_ids[row], grammars.get(row))
             if blocked:  # min_tokens not reached: EOS may not be drawn
                 xr[list(blocked)] = float("-inf")
             if c is not None and float(xr.max()) == float("-inf"):  # this row fails alone

@@ -157,3 +157,32 @@ def test_a_row_with_nothing_left_is_refused_on_both_paths(default_lm, as_masks):
     # EOS alone allowed and not blocked: drawn
     got = sample(logits, params, [None, None], [[1]] * 2, [[], []], None, [None, c], as_masks=as_masks).result()
     assert got.token_ids[1] == eos
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_batch_fill_equals_each_grammar_filled_alone(grammars, default_lm, seed):
+    """A step's grammar masks come from one batch call on the backend's threads (fill_next): the
+    same bits as each matcher filling its own row, pending tokens included."""
+    from prefixkv.constraints.grammar import fill_next
+
+    tok = default_lm.tokenizer
+    vocab = default_lm.config.vocab_size
+    rows = [
+        r for r in _batch(seed, grammars, tok, vocab) + _batch(seed + 10, grammars, tok, vocab) if r[0] and r[0].grammar
+    ]
+    assert len(rows) >= 3
+    words = (vocab + 31) // 32
+    pending = []
+    for c, *_ in rows:  # a token in flight for every other row: the first one its grammar allows
+        alone = torch.zeros((1, words), dtype=torch.int32)
+        c.grammar.fill(alone)
+        allowed = [t for t in range(vocab) if (int(alone[0, t >> 5]) >> (t & 31)) & 1 and t != tok.eos_token_id]
+        pending.append(allowed[:1] if len(pending) % 2 and allowed else [])
+    batch = torch.full((len(rows) + 2, words), 7, dtype=torch.int32)
+    at = [i + 2 for i in range(len(rows))][::-1]  # rows of the bitmask out of order
+    assert fill_next([c.grammar for c, *_ in rows], pending, batch, at) == [True] * len(rows)
+    for (c, *_), p, row in zip(rows, pending, at):
+        alone = torch.zeros((1, words), dtype=torch.int32)
+        assert c.grammar.fill(alone, p)
+        assert torch.equal(batch[row], alone[0])
+    assert (batch[:2] == 7).all()  # rows not named are left alone

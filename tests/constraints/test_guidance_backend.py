@@ -108,3 +108,27 @@ def test_backend_choice(monkeypatch, default_lm):
     config = EngineConfig(dtype="float32", device="cpu", num_blocks=8, structured_outputs_backend="xgrammar")
     with pytest.raises(ImportError, match=r"pip install 'prefixkv\[xgrammar\]'"):
         LLMEngine(config, loaded=default_lm)
+
+
+def test_properties_come_in_the_order_the_schema_declares(constrained_llm, guidance_llm):
+    """A schema's properties are emitted in its own order, not sorted (what a reasoning field
+    declared before its answer relies on), with both backends; the same schema in two orders is
+    two grammars, and one in two spellings of its text one."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "zone": {"type": "string", "enum": ["north", "south"]},
+            "answer": {"type": "string", "maxLength": 12},
+            "id": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["zone", "answer", "id"],
+    }
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
+    for out in _both(constrained_llm, guidance_llm, QUESTION, params, chat=True):
+        assert list(json.loads(out.text)) == ["zone", "answer", "id"], out.text
+    flipped = {**schema, "properties": dict(reversed(list(schema["properties"].items())))}
+    assert StructuredOutputsParams(json=flipped).key() != StructuredOutputsParams(json=schema).key()
+    assert (
+        StructuredOutputsParams(json=json.dumps(schema, indent=2)).key() == StructuredOutputsParams(json=schema).key()
+    )

@@ -159,6 +159,26 @@ def _scenarios() -> dict[str, tuple[dict[str, Any], list[tuple[list[int], Sampli
             (ps[2], SamplingParams(temperature=0, max_tokens=8, logprobs=1)),  # beside them, unconstrained
         ],
     )
+    # constraints without logprobs: drawn by the draws' graph from its logits edited in place
+    ps = _prompts("constrained", 4)
+    allowed = list(range(30, 140))
+    out["constrained"] = (
+        {},
+        [
+            (ps[0], SamplingParams(temperature=0, max_tokens=10, allowed_token_ids=allowed, min_tokens=4)),
+            (ps[1], SamplingParams(temperature=0.9, top_k=20, seed=8, max_tokens=10, logit_bias={40: 5.0, 41: -5.0})),
+            (ps[2], SamplingParams(temperature=0, max_tokens=10, bad_words=["a", "the"], ignore_eos=True)),
+            (
+                ps[3],
+                SamplingParams(
+                    temperature=0.7,
+                    seed=9,
+                    max_tokens=10,
+                    structured_outputs=StructuredOutputsParams(regex="[a-f ]{3,9}"),
+                ),
+            ),
+        ],
+    )
     ps = _prompts("tight", 6, shared=12)
     out["tight"] = (
         {"num_blocks": 14, "max_model_len": 48},
@@ -358,6 +378,7 @@ def main() -> int:
                     }
                 )
                 graphs = LLM(str(model), **kwargs, async_scheduling=True, **steps)
+                graphs.llm_engine.runner.constraint_masks = True  # as on a GPU: one bitmask a step
                 eager = LLM(str(model), **kwargs, enforce_eager=True, async_scheduling=False)
                 found = []
                 for rnd in range(2):  # the second round over what the first cached
@@ -369,6 +390,8 @@ def main() -> int:
                 g = graphs.llm_engine.runner.graphs
                 ran = "no graphs" if g is None else f"{g.replays} decode, {g.mixed_replays} mixed replays"
                 ran += f", {graphs.llm_engine.num_steps_ahead} steps ahead"
+                if g is not None and g.draws:
+                    ran += f", {g.draws} draws in graphs"
                 if g is not None and g.lora_replays:
                     ran += f", {g.lora_replays} with adapters"
                 if g is not None and g.image_rows is not None:

@@ -371,6 +371,66 @@ def test_a_non_finite_row_of_a_replayed_decode_fails_alone(tmp_path, monkeypatch
     assert broken["steps"] == 1
 
 
+def _constrained(prompts: list[list[int]], tok: Any, probe: list[tuple]) -> list[SamplingParams]:
+    """Constraints of every kind over `prompts` (whose greedy outputs are `probe`): a two-token bad
+    word, allowed_token_ids with min_tokens, logit_bias, each greedy or seeded."""
+    word = next(w for toks, *_ in probe if (w := _two_token_word(tok, toks)) is not None)
+    allowed = sorted(set(range(40, 120)) | {257})
+    return [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=8, allowed_token_ids=allowed, min_tokens=5),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=8, ignore_eos=True, logit_bias={65: 4.0}),
+        SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed, min_tokens=3),
+    ][: len(prompts)]
+
+
+def test_constrained_rows_draw_in_the_graphs(tmp_path, monkeypatch):
+    """Over the decode graphs' buffers, constrained rows (one bitmask a step, as on a GPU) are drawn
+    by the draws' graph from the logits edited in place: the in-order eager engine's outputs, the
+    draws taken by the graph, every block free. Then a row whose logits are not finite only at
+    tokens its constraints rule out (the edit hides that from the draws' graph, so the check is
+    the raw logits'): its request fails alone, as in the eager engine, the others unharmed."""
+    _over_graph_buffers(tmp_path, monkeypatch)
+    prompts = _prompts(8, 4)
+    sync = LLM(str(tmp_path), **BASE, enforce_eager=True)
+    probe = _outputs(sync, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    params = _constrained(prompts, sync.get_tokenizer(), probe)
+    want = _outputs(sync, prompts, params)
+    llm = LLM(str(tmp_path), **BASE, async_scheduling=True, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.tail_rows == 4
+    llm.llm_engine.runner.constraint_masks = True
+    assert _outputs(llm, prompts, params) == want
+    assert graphs.draws > 0 and llm.llm_engine.num_steps_ahead > 0
+    _all_free(llm)
+
+    params[0] = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=list(range(100)))
+    want = want[1:]
+    forward = graphs._forward
+    broken = {"steps": 0}
+
+    def nan_where_ruled_out(kind: str, size: int) -> torch.Tensor:
+        """A decode of the four whose LM head (in the graph) gave row 0 a NaN at token 200, which
+        row 0 may not draw: its row check in the graph says so."""
+        hidden = forward(kind, size)
+        if kind.startswith("decode") and size == 4 and broken["steps"] == 0:
+            broken["steps"] += 1
+            graphs.logits[0, 200] = float("nan")
+            graphs._tails[kind, size][0][0] = False
+        return hidden
+
+    graphs._forward = nan_where_ruled_out
+    draws = graphs.draws
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[0].error is not None and "non-finite" in outs[0].error
+    assert [
+        (tuple(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason, None)
+        for o in outs[1:]
+    ] == want
+    assert broken["steps"] == 1 and graphs.draws > draws
+    _all_free(llm)
+
+
 def test_off_where_blocks_hold_more_than_kv_rows(tiny, caplog):
     """The stage-output cache (a block's hidden states too) keeps every step in order, said once."""
     folder, _ = tiny

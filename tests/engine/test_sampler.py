@@ -319,6 +319,46 @@ def test_the_fixed_shape_draw_is_samples_token_for_token(vocab, case):
         assert draw_fixed(logits, torch.from_numpy(host).to(dev), True)[0][:n].tolist() == want
 
 
+@pytest.mark.parametrize("vocab", [300, 49152])
+@pytest.mark.parametrize("case", range(len(FIXED_CASES)))
+def test_the_fixed_shape_draw_of_constrained_rows_is_samples(vocab, case):
+    """Constrained rows drawn in a graph: their logits edited with RULED_OUT where `sample` sets
+    -inf (constraints/device_masks.py), `draw_fixed` draws `sample`'s tokens - allowed sets of one
+    token, of fewer than top_k, of most of the vocabulary, with logit_bias and blocked EOS."""
+    from prefixkv.constraints.device_masks import apply_on_device
+    from prefixkv.constraints.token_constraints import RequestConstraints
+    from prefixkv.engine.graph_sampling import RULED_OUT
+
+    gen = torch.Generator().manual_seed(7 * vocab + case)
+    rng = np.random.default_rng(case)
+    params = [SamplingParams(**kw) for kw in FIXED_CASES[case]]
+    n = len(params)
+    for trial in range(6):
+        logits = torch.randn(n, vocab, generator=gen) * (0.5, 1.0, 4.0)[trial % 3]
+        sizes = [1, 3, vocab // 2, vocab - 5]
+        constraints = [
+            RequestConstraints(
+                vocab,
+                logit_bias={int(t): float(rng.uniform(-5, 5)) for t in rng.choice(vocab, 4, replace=False)},
+                allowed_token_ids=rng.choice(vocab, sizes[(trial + row) % 4], replace=False).tolist(),
+            )
+            for row in range(n)
+        ]
+        eos = [{0, 1} if (trial + row) % 2 else None for row in range(n)]
+        if any(e and set(c.blocked.logical_not().nonzero().flatten().tolist()) <= e for c, e in zip(constraints, eos)):
+            continue  # nothing left in a row: refused on both paths (another test)
+        seeds = [100 * trial + i for i in range(n)]
+        eager = [torch.Generator().manual_seed(s) for s in seeds]
+        want = sample(logits, params, eager, [[1]] * n, [[2]] * n, eos, constraints, as_masks=False).result().token_ids
+        fixed = [torch.Generator().manual_seed(s) for s in seeds]
+        host = np.zeros((SAMPLE_PARAMS, n))
+        sort = fixed_params(params, vocab, fixed, host)
+        edited = logits.clone()
+        apply_on_device(edited, constraints, [[2]] * n, eos, RULED_OUT)
+        tokens, marked = draw_fixed(edited, torch.from_numpy(host), sort)
+        assert tokens.tolist() == want == marked.tolist(), (trial, tokens.tolist(), want)
+
+
 def test_the_fixed_shape_draw_applies_each_filter_only_where_asked():
     """At chosen uniforms (the last one just under 1: the row's lightest kept token) the fixed-shape
     draw picks what `filtered_weights` keeps, on rows built so that a filter applied where it
