@@ -14,8 +14,8 @@ sequence decodes one token (scheduling, the forward, sampling, outputs: what a u
 timed one by one; the median of every round's steps is printed per engine, with how many of
 those steps the graphs took, and whether each engine's tokens agreed with the first one's (greedy,
 or with --temperature drawn with a seed a request; a replayed sampled step draws in graphs too;
-with --repetition-penalty or --regex (structured outputs; it must outlast the steps) every row
-samples eagerly, and runs ahead where the engine schedules ahead)
+with --repetition-penalty or --regex (structured outputs; it must outlast the steps) the draws'
+graph reads logits edited in place first, and the rows run ahead where the engine schedules ahead)
 (bfloat16: the eager path's attention is another kernel, so a difference is possible, not a failure;
 steps scheduled ahead compute the same steps, so in-order tokens must equal the graphs' own).
 
@@ -125,8 +125,8 @@ def main() -> None:
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the card's memory bandwidth")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampled steps (default: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="(penalized rows sample eagerly)")
-    ap.add_argument("--regex", default=None, help="structured outputs: each output matches it (rows sample eagerly)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="(penalties edit the graph's logits)")
+    ap.add_argument("--regex", default=None, help="structured outputs: each output matches it (one bitmask a step)")
     args = ap.parse_args()
     penalty = args.repetition_penalty
     structured = None if args.regex is None else StructuredOutputsParams(regex=args.regex)

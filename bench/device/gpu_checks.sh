@@ -76,7 +76,7 @@
 #   host_ab         host_overhead.py on the card, this tree against the commit in .device/base (prepare.sh
 #                   BASE=<commit>), runs alternated, paired ratios: what a change to the host's work
 #                   bought (the default model, batch 1 and 32; greedy, then sampled, then greedy with
-#                   5 top logprobs a row, then structured outputs: a regex)
+#                   5 top logprobs a row, then structured outputs: a regex, then a repetition penalty)
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
@@ -168,7 +168,7 @@ for step in $STEPS; do
         bounded 90 sampled.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
             --batches 1,32 --context 256 --steps 24 --rounds 2 --engines graphs,eager --no-ceiling \
             --temperature 0.8 --top-p 0.9
-        # penalized rows sample eagerly; scheduled ahead (graphs) against in order (what they ran before)
+        # penalized rows: scheduled ahead, drawn in graphs (logits edited in place), against in order
         bounded 90 sampled.log python3 bench/decode_graphs.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --context 256 --steps 24 --rounds 2 --engines graphs,inorder --no-ceiling \
             --repetition-penalty 1.1
@@ -252,6 +252,8 @@ for step in $STEPS; do
                 --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --logprobs 5
             bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
                 --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --regex '[a-z ]{200,}'
+            bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
+                --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --repetition-penalty 1.1
         else
             echo "host_ab: no .device/base (bench/device/prepare.sh BASE=<commit>)" | tee -a "$out/env.log"
         fi ;;

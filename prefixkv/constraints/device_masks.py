@@ -10,6 +10,7 @@ it on the host (the logits are finite: the runner fails rows that are not before
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,18 +30,44 @@ NOTHING_ALLOWED = (
 )
 
 
-def apply_on_device(
-    x: torch.Tensor,
+@dataclass
+class StepMasks:
+    """A step's constraints ready to apply: the constrained rows, their allowed tokens as bits
+    (int32 [rows, words], on the host) and the logit_bias additions as flat indices into the
+    batch's logits with their values (None: no bias)."""
+
+    rows: list[int]
+    bits: torch.Tensor
+    bias: tuple[torch.Tensor, torch.Tensor] | None
+
+    def apply(self, x: torch.Tensor, masked: float = float("-inf")) -> None:
+        """Constrain the rows of `x` [N, vocab] (contiguous float32) in place, each token they
+        rule out set to `masked`; the bits and biases copied to x's device in stream order."""
+        if not self.rows:
+            return
+        vocab = x.shape[1]
+        dev = x.device
+        if self.bias is not None:
+            x.view(-1).index_add_(0, to_device(self.bias[0], dev), to_device(self.bias[1], dev))
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)
+        ruled_out = ((to_device(self.bits, dev)[:, :, None] >> shifts) & 1).view(len(self.rows), -1)[:, :vocab] == 0
+        if len(self.rows) == x.shape[0]:
+            x.masked_fill_(ruled_out, masked)
+        else:
+            at = tensor_on(self.rows, dev, torch.long)
+            x[at] = x[at].masked_fill(ruled_out, masked)
+
+
+def step_masks(
+    num_rows: int,
+    vocab: int,
     constraints: list[RequestConstraints | None] | None,
     output_ids: list[list[int]],
     eos_ids: list[set[int] | None] | None,
-    masked: float = float("-inf"),
-) -> None:
-    """Constrain, in place, the rows of `x` [N, vocab] (contiguous float32) that have constraints
-    or blocked EOS ids (min_tokens not reached), each token they rule out set to `masked`.
-    ValueError when a row allows no token, before anything is edited."""
-    n, vocab = x.shape
-    rows = [r for r in range(n) if (constraints and constraints[r] is not None) or (eos_ids and eos_ids[r])]
+) -> StepMasks:
+    """The masks of a step's rows that have constraints or blocked EOS ids (min_tokens not
+    reached), built on the host. ValueError when a row allows no token."""
+    rows = [r for r in range(num_rows) if (constraints and constraints[r] is not None) or (eos_ids and eos_ids[r])]
     row_constraints = [constraints[r] if constraints else None for r in rows]
     bits = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
     # the grammars' masks first, in one batch call; every other row starts with all allowed
@@ -72,13 +99,17 @@ def apply_on_device(
         words[:, -1] &= np.uint32((1 << (vocab % 32)) - 1)
     if not words.any(axis=1).all():
         raise ValueError(NOTHING_ALLOWED)
-    dev = x.device
-    if bias_at:
-        x.view(-1).index_add_(0, to_device(torch.cat(bias_at), dev), to_device(torch.cat(bias_values), dev))
-    shifts = torch.arange(32, dtype=torch.int32, device=dev)
-    blocked_tokens = ((to_device(bits, dev)[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab] == 0
-    if len(rows) == n:
-        x.masked_fill_(blocked_tokens, masked)
-    else:
-        at = tensor_on(rows, dev, torch.long)
-        x[at] = x[at].masked_fill(blocked_tokens, masked)
+    return StepMasks(rows, bits, (torch.cat(bias_at), torch.cat(bias_values)) if bias_at else None)
+
+
+def apply_on_device(
+    x: torch.Tensor,
+    constraints: list[RequestConstraints | None] | None,
+    output_ids: list[list[int]],
+    eos_ids: list[set[int] | None] | None,
+    masked: float = float("-inf"),
+) -> None:
+    """Constrain, in place, the rows of `x` [N, vocab] (contiguous float32) that have constraints
+    or blocked EOS ids, each token they rule out set to `masked`. ValueError when a row allows no
+    token, before anything is edited."""
+    step_masks(x.shape[0], x.shape[1], constraints, output_ids, eos_ids).apply(x, masked)

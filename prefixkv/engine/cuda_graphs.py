@@ -538,8 +538,8 @@ class StepGraphs:
 
     def samples(self, params: list[SamplingParams]) -> bool:
         """Whether the rows of the last step's DecodeTail (the caller holds it, for every row of
-        the step) draw their tokens in a graph (`draw`): none asks for penalties or more logprobs
-        than the graphs score (the caller knows of constraints and blocked EOS)."""
+        the step) draw their tokens in a graph (`draw`): none asks for more logprobs than the
+        graphs score (the caller edits the logits for penalties and constraints first)."""
         return self.sampling is not None and "sample" not in self.failed and self.sampling.takes(params)
 
     def draw(self, params: list[SamplingParams], generators: list[torch.Generator]) -> SampledTensors:

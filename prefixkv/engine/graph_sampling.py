@@ -8,9 +8,10 @@ sampler draws them); the graph computes `sampler.draw_fixed` over the shared log
 a buffer of tokens. Per decode size two graphs: one without the sort that top-k and top-p need
 (temperature, min-p, greedy rows), one with it; and a third replayed after either where a row asks
 for logprobs (`sampler.score_rows`: each drawn token's logprob and rank, and every row's top
-TOP_LOGPROBS, each row's list cut to its own count on the host). Constrained rows are drawn here
-too, their logits edited first (`RULED_OUT`) where none asks for logprobs; rows with penalties or
-more logprobs than that sample eagerly.
+TOP_LOGPROBS, each row's list cut to its own count on the host). Penalized and constrained rows
+are drawn here too, their logits edited in place first (penalties, then `RULED_OUT` where the
+constraints rule a token out: ModelRunner._edit_for_graph) where no row asks for logprobs; rows
+with more logprobs than that sample eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..sampling_params import SamplingParams
 from .sampler import SAMPLE_PARAMS, draw_fixed, fixed_params, score_rows, top_logprobs_k
 
 # What a token that constraints rule out holds in the logits a draws' graph reads (the runner
-# edits them in place: ModelRunner._constrain_in_graph). Finite, so `draw_fixed`'s check of the
+# edits them in place: ModelRunner._edit_for_graph). Finite, so `draw_fixed`'s check of the
 # row passes (-inf would fail it: the row drawn from zeros), and far below any logit: exp() of it
 # is 0 as of -inf, so the draws are `sample`'s over -inf, token for token (tests/engine/test_sampler.py).
 RULED_OUT = -1e30
@@ -57,10 +58,10 @@ class GraphSampling:
         self._copied: torch.cuda.Event | None = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
 
     def takes(self, params: Sequence[SamplingParams]) -> bool:
-        """Whether these rows' tokens are drawn here: no penalties, and no more logprobs than the
-        graphs score (the caller knows of constraints and blocked EOS)."""
+        """Whether these rows' tokens are drawn here: no more logprobs than the graphs score (the
+        caller edits the logits for penalties and constraints first, or draws eagerly)."""
         top_k = self.top_k
-        return all(not p.penalized and (p.logprobs is None or p.logprobs <= top_k) for p in params)
+        return all(p.logprobs is None or p.logprobs <= top_k for p in params)
 
     def fill(self, params: list[SamplingParams], generators: list[torch.Generator], size: int) -> bool:
         """The rows' parameters for a step of `size` rows, copied to the device in stream order;

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..constraints.device_masks import apply_on_device
+from ..constraints.device_masks import step_masks
 from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors
 from ..memory.kv_groups import KVCacheGroups
@@ -27,7 +27,15 @@ from .block_table_tensor import padded_block_tables
 from .graph_sampling import RULED_OUT
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .pending_output import PendingOutput
-from .sampler import SampledTensors, SampleResult, plain_greedy, rows_finite, sample, score_tokens
+from .sampler import (
+    SampledTensors,
+    SampleResult,
+    apply_penalties,
+    plain_greedy,
+    rows_finite,
+    sample,
+    score_tokens,
+)
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -343,10 +351,10 @@ class ModelRunner:
                 return
             logits = logits[torch.tensor(keep, device=logits.device)]
             argmax = in_graph = False  # fewer rows than the graph's
-        constrained = any(sr.constraints is not None or sr.block_eos for sr in reqs)
-        if in_graph and constrained:
+        edited = any(sr.constraints is not None or sr.block_eos or sr.sampling_params.penalized for sr in reqs)
+        if in_graph and edited:
             assert tail is not None
-            in_graph = self._constrain_in_graph(tail.logits, reqs, previous)
+            in_graph = self._edit_for_graph(tail.logits, reqs, previous)
             if not in_graph and self.defer_reads and not greedy:
                 logits = torch.where(finite[:, None], logits, 0.0)  # as above, for the eager draws
         if argmax:
@@ -360,7 +368,7 @@ class ModelRunner:
             assert self.graphs is not None
             gens = [sr.generator or self.default_generator for sr in reqs]
             pending.sampled = self.graphs.draw([sr.sampling_params for sr in reqs], gens)
-            if constrained:  # the draws saw edited rows: the raw logits' check marks them when read
+            if edited:  # the draws saw edited rows: the raw logits' check marks them when read
                 pending.sampled.marked = None
             pending.req_ids = [sr.req_id for sr in reqs]
             pending.start_reading()
@@ -392,17 +400,18 @@ class ModelRunner:
 
     def _draws_in_graph(self, reqs: list[ScheduledRequest]) -> bool:
         """Whether the replayed decode step's graphs draw these rows' tokens (StepGraphs.draw; the
-        caller takes plain greedy rows from the tail's argmax first). Constraints and blocked EOS
-        ids edit the graph's logits first (`_constrain_in_graph`), where they are one bitmask and
-        no row asks for logprobs (scored from those logits, which must stay the raw ones)."""
+        caller takes plain greedy rows from the tail's argmax first). Penalties, constraints and
+        blocked EOS ids edit the graph's logits first (`_edit_for_graph`): where no row asks for
+        logprobs (scored from those logits, which must stay the raw ones), and constraints where
+        they are one bitmask."""
         graphs = self.graphs
         if graphs is None:
             return False
         params = [sr.sampling_params for sr in reqs]
-        if any(sr.constraints is not None or sr.block_eos for sr in reqs) and (
-            not self._masks_on_device() or any(p.logprobs is not None for p in params)
-        ):
-            return False
+        constrained = any(sr.constraints is not None or sr.block_eos for sr in reqs)
+        if constrained or any(p.penalized for p in params):
+            if any(p.logprobs is not None for p in params) or (constrained and not self._masks_on_device()):
+                return False
         return graphs.samples(params)
 
     def _masks_on_device(self) -> bool:
@@ -410,28 +419,33 @@ class ModelRunner:
         else on a GPU."""
         return self.device.type != "cpu" if self.constraint_masks is None else self.constraint_masks
 
-    def _constrain_in_graph(
+    def _edit_for_graph(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest], previous: PendingOutput | None
     ) -> bool:
-        """Edit a replayed step's logits in place with its rows' constraints and blocked EOS ids,
-        for its draws' graph: every token ruled out set to RULED_OUT, which that graph draws as
-        `sample` draws -inf. False, nothing edited, where a row has nothing left (the eager path
-        then finds it)."""
-        outputs = self._outputs_so_far(reqs, previous)
-        eos = self.eos_token_ids
-        try:
-            apply_on_device(
-                logits,
-                [sr.constraints for sr in reqs],
-                [
-                    sr.output_token_ids if outputs is None else outputs.get(sr.req_id, sr.output_token_ids)
-                    for sr in reqs
-                ],
-                [eos if sr.block_eos else None for sr in reqs],
-                RULED_OUT,
-            )
-        except ValueError:
-            return False
+        """Edit a replayed step's logits in place for its draws' graph, as `sample` edits its copy:
+        the penalties, then the constraints and blocked EOS ids, every token ruled out set to
+        RULED_OUT, which that graph draws as `sample` draws -inf. False, nothing edited, where a
+        row has nothing left (the eager path then finds it)."""
+        outputs = _outputs_of(reqs, self._outputs_so_far(reqs, previous))
+        masks = None
+        if any(sr.constraints is not None or sr.block_eos for sr in reqs):
+            eos = self.eos_token_ids
+            try:
+                masks = step_masks(
+                    len(reqs),
+                    logits.shape[1],
+                    [sr.constraints for sr in reqs],
+                    outputs,
+                    [eos if sr.block_eos else None for sr in reqs],
+                )
+            except ValueError:
+                return False
+        params = [sr.sampling_params for sr in reqs]
+        penalized = [row for row, p in enumerate(params) if p.penalized]
+        if penalized:
+            apply_penalties(logits, penalized, params, [sr.prompt_token_ids for sr in reqs], outputs)
+        if masks is not None:
+            masks.apply(logits, RULED_OUT)
         return True
 
     @staticmethod

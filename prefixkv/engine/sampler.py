@@ -94,7 +94,7 @@ class SampledTensors:
         return SampleResult(tokens, read[1].tolist(), top, read[2].tolist())
 
 
-def _apply_penalties(
+def apply_penalties(
     x: torch.Tensor,
     rows: list[int],
     params: list[SamplingParams],
@@ -451,7 +451,7 @@ def sample(
         if penalized or constraints or eos_ids:
             x = logits.clone(memory_format=torch.contiguous_format)  # edited in place: never the caller's logits
         if penalized:
-            _apply_penalties(x, penalized, params, prompt_ids, output_ids)
+            apply_penalties(x, penalized, params, prompt_ids, output_ids)
         on_host = constraints or eos_ids
         if on_host and (x.device.type != "cpu" if as_masks is None else as_masks):
             apply_on_device(x, constraints, output_ids, eos_ids)

@@ -159,15 +159,30 @@ def _scenarios() -> dict[str, tuple[dict[str, Any], list[tuple[list[int], Sampli
             (ps[2], SamplingParams(temperature=0, max_tokens=8, logprobs=1)),  # beside them, unconstrained
         ],
     )
-    # constraints without logprobs: drawn by the draws' graph from its logits edited in place
+    # penalties and constraints without logprobs: drawn by the draws' graph from its logits edited in place
     ps = _prompts("constrained", 4)
     allowed = list(range(30, 140))
     out["constrained"] = (
         {},
         [
             (ps[0], SamplingParams(temperature=0, max_tokens=10, allowed_token_ids=allowed, min_tokens=4)),
-            (ps[1], SamplingParams(temperature=0.9, top_k=20, seed=8, max_tokens=10, logit_bias={40: 5.0, 41: -5.0})),
-            (ps[2], SamplingParams(temperature=0, max_tokens=10, bad_words=["a", "the"], ignore_eos=True)),
+            (
+                ps[1],
+                SamplingParams(
+                    temperature=0.9,
+                    top_k=20,
+                    seed=8,
+                    max_tokens=10,
+                    logit_bias={40: 5.0, 41: -5.0},
+                    frequency_penalty=1.0,
+                ),
+            ),
+            (
+                ps[2],
+                SamplingParams(
+                    temperature=0, max_tokens=10, bad_words=["a", "the"], ignore_eos=True, repetition_penalty=1.4
+                ),
+            ),
             (
                 ps[3],
                 SamplingParams(

@@ -372,24 +372,34 @@ def test_a_non_finite_row_of_a_replayed_decode_fails_alone(tmp_path, monkeypatch
 
 
 def _constrained(prompts: list[list[int]], tok: Any, probe: list[tuple]) -> list[SamplingParams]:
-    """Constraints of every kind over `prompts` (whose greedy outputs are `probe`): a two-token bad
-    word, allowed_token_ids with min_tokens, logit_bias, each greedy or seeded."""
+    """Constraints of every kind over `prompts` (whose greedy outputs are `probe`), some rows
+    penalized too: a two-token bad word, allowed_token_ids with min_tokens, logit_bias, each greedy
+    or seeded."""
     word = next(w for toks, *_ in probe if (w := _two_token_word(tok, toks)) is not None)
     allowed = sorted(set(range(40, 120)) | {257})
     return [
-        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word], repetition_penalty=1.5),
         SamplingParams(temperature=0.9, seed=3, max_tokens=8, allowed_token_ids=allowed, min_tokens=5),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=8, ignore_eos=True, logit_bias={65: 4.0}),
-        SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed, min_tokens=3),
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            seed=4,
+            max_tokens=8,
+            ignore_eos=True,
+            logit_bias={65: 4.0},
+            frequency_penalty=1.0,
+        ),
+        SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed, min_tokens=3, presence_penalty=1.5),
     ][: len(prompts)]
 
 
-def test_constrained_rows_draw_in_the_graphs(tmp_path, monkeypatch):
-    """Over the decode graphs' buffers, constrained rows (one bitmask a step, as on a GPU) are drawn
-    by the draws' graph from the logits edited in place: the in-order eager engine's outputs, the
-    draws taken by the graph, every block free. Then a row whose logits are not finite only at
-    tokens its constraints rule out (the edit hides that from the draws' graph, so the check is
-    the raw logits'): its request fails alone, as in the eager engine, the others unharmed."""
+def test_penalized_and_constrained_rows_draw_in_the_graphs(tmp_path, monkeypatch):
+    """Over the decode graphs' buffers, penalized and constrained rows (one bitmask a step, as on a
+    GPU) are drawn by the draws' graph from the logits edited in place: the in-order eager
+    engine's outputs, the draws taken by the graph, every block free; penalized rows alone too.
+    Then a row whose logits are not finite only at tokens its constraints rule out (the edit hides
+    that from the draws' graph, so the check is the raw logits'): its request fails alone, as in
+    the eager engine, the others unharmed."""
     _over_graph_buffers(tmp_path, monkeypatch)
     prompts = _prompts(8, 4)
     sync = LLM(str(tmp_path), **BASE, enforce_eager=True)
@@ -402,6 +412,16 @@ def test_constrained_rows_draw_in_the_graphs(tmp_path, monkeypatch):
     llm.llm_engine.runner.constraint_masks = True
     assert _outputs(llm, prompts, params) == want
     assert graphs.draws > 0 and llm.llm_engine.num_steps_ahead > 0
+    _all_free(llm)
+    penalized = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=2.0),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    ]
+    draws = graphs.draws
+    assert _outputs(llm, prompts, penalized) == _outputs(sync, prompts, penalized)
+    assert graphs.draws > draws
     _all_free(llm)
 
     params[0] = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=list(range(100)))

@@ -321,18 +321,23 @@ def test_the_fixed_shape_draw_is_samples_token_for_token(vocab, case):
 
 @pytest.mark.parametrize("vocab", [300, 49152])
 @pytest.mark.parametrize("case", range(len(FIXED_CASES)))
-def test_the_fixed_shape_draw_of_constrained_rows_is_samples(vocab, case):
-    """Constrained rows drawn in a graph: their logits edited with RULED_OUT where `sample` sets
-    -inf (constraints/device_masks.py), `draw_fixed` draws `sample`'s tokens - allowed sets of one
-    token, of fewer than top_k, of most of the vocabulary, with logit_bias and blocked EOS."""
-    from prefixkv.constraints.device_masks import apply_on_device
+def test_the_fixed_shape_draw_of_edited_rows_is_samples(vocab, case):
+    """Penalized and constrained rows drawn in a graph: their logits edited in place as the
+    runner edits them (ModelRunner._edit_for_graph: the penalties, then RULED_OUT where `sample`
+    sets -inf), `draw_fixed` draws `sample`'s tokens - allowed sets of one token, of fewer than
+    top_k, of most of the vocabulary, with logit_bias, blocked EOS and every penalty."""
+    from prefixkv.constraints.device_masks import step_masks
     from prefixkv.constraints.token_constraints import RequestConstraints
     from prefixkv.engine.graph_sampling import RULED_OUT
+    from prefixkv.engine.sampler import apply_penalties
 
     gen = torch.Generator().manual_seed(7 * vocab + case)
     rng = np.random.default_rng(case)
-    params = [SamplingParams(**kw) for kw in FIXED_CASES[case]]
+    penalties = [dict(repetition_penalty=1.4), dict(frequency_penalty=0.8, presence_penalty=0.5), {}]
+    params = [SamplingParams(**kw, **penalties[i % 3]) for i, kw in enumerate(FIXED_CASES[case])]
     n = len(params)
+    prompts = [rng.choice(vocab, 6).tolist() for _ in range(n)]
+    outputs = [rng.choice(vocab, 5).tolist() for _ in range(n)]
     for trial in range(6):
         logits = torch.randn(n, vocab, generator=gen) * (0.5, 1.0, 4.0)[trial % 3]
         sizes = [1, 3, vocab // 2, vocab - 5]
@@ -342,19 +347,26 @@ def test_the_fixed_shape_draw_of_constrained_rows_is_samples(vocab, case):
                 logit_bias={int(t): float(rng.uniform(-5, 5)) for t in rng.choice(vocab, 4, replace=False)},
                 allowed_token_ids=rng.choice(vocab, sizes[(trial + row) % 4], replace=False).tolist(),
             )
+            if (trial + row) % 3
+            else None
             for row in range(n)
         ]
         eos = [{0, 1} if (trial + row) % 2 else None for row in range(n)]
-        if any(e and set(c.blocked.logical_not().nonzero().flatten().tolist()) <= e for c, e in zip(constraints, eos)):
+        allowed = [
+            None if c is None else set(c.blocked.logical_not().nonzero().flatten().tolist()) for c in constraints
+        ]
+        if any(a is not None and e and a <= e for a, e in zip(allowed, eos)):
             continue  # nothing left in a row: refused on both paths (another test)
         seeds = [100 * trial + i for i in range(n)]
         eager = [torch.Generator().manual_seed(s) for s in seeds]
-        want = sample(logits, params, eager, [[1]] * n, [[2]] * n, eos, constraints, as_masks=False).result().token_ids
+        want = sample(logits, params, eager, prompts, outputs, eos, constraints, as_masks=False).result().token_ids
         fixed = [torch.Generator().manual_seed(s) for s in seeds]
         host = np.zeros((SAMPLE_PARAMS, n))
         sort = fixed_params(params, vocab, fixed, host)
         edited = logits.clone()
-        apply_on_device(edited, constraints, [[2]] * n, eos, RULED_OUT)
+        masks = step_masks(n, vocab, constraints, outputs, eos)
+        apply_penalties(edited, [r for r, p in enumerate(params) if p.penalized], params, prompts, outputs)
+        masks.apply(edited, RULED_OUT)
         tokens, marked = draw_fixed(edited, torch.from_numpy(host), sort)
         assert tokens.tolist() == want == marked.tolist(), (trial, tokens.tolist(), want)
 
