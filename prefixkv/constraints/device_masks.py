@@ -18,10 +18,9 @@ import torch
 
 from ..model.host_copy import tensor_on, to_device
 from .grammar import fill_next
-from .token_constraints import clear_bits
+from .token_constraints import clear_bits, grammar_rows
 
 if TYPE_CHECKING:
-    from .grammar import RequestGrammar
     from .token_constraints import RequestConstraints
 
 NOTHING_ALLOWED = (
@@ -71,14 +70,7 @@ def step_masks(
     row_constraints = [constraints[r] if constraints else None for r in rows]
     bits = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
     # the grammars' masks first, in one batch call; every other row starts with all allowed
-    with_grammar: list[int] = []
-    grammars: list[RequestGrammar] = []
-    pending: list[list[int]] = []
-    for i, c in enumerate(row_constraints):
-        if c is not None and c.grammar is not None:
-            with_grammar.append(i)
-            grammars.append(c.grammar)
-            pending.append(c.pending(output_ids[rows[i]]))
+    with_grammar, grammars, pending = grammar_rows(row_constraints, [output_ids[r] for r in rows])
     filled = fill_next(grammars, pending, bits, with_grammar)
     unfilled = set(range(len(rows))).difference(i for i, ok in zip(with_grammar, filled) if ok)
     bias_at: list[torch.Tensor] = []

@@ -136,9 +136,11 @@ def clear_bits(words: torch.Tensor, tokens: list[int]) -> None:
     np.bitwise_and.at(words.numpy().view(np.uint32), ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
 
 
-def grammar_masks(constraints: list[RequestConstraints | None], output_ids: list[list[int]]) -> dict[int, torch.Tensor]:
-    """A step's grammar masks (int32 [words]) by row, all filled in one batch call
-    (grammar.fill_next); a row whose pending tokens end its grammar has none."""
+def grammar_rows(
+    constraints: Sequence[RequestConstraints | None], output_ids: Sequence[list[int]]
+) -> tuple[list[int], list[RequestGrammar], list[list[int]]]:
+    """The positions in `constraints` that have a grammar, their grammars, and each one's tokens
+    pending (`output_ids` a list a position)."""
     rows: list[int] = []
     grammars: list[RequestGrammar] = []
     pending: list[list[int]] = []
@@ -147,6 +149,13 @@ def grammar_masks(constraints: list[RequestConstraints | None], output_ids: list
             rows.append(r)
             grammars.append(c.grammar)
             pending.append(c.pending(output_ids[r]))
+    return rows, grammars, pending
+
+
+def grammar_masks(constraints: list[RequestConstraints | None], output_ids: list[list[int]]) -> dict[int, torch.Tensor]:
+    """A step's grammar masks (int32 [words]) by row, all filled in one batch call
+    (grammar.fill_next); a row whose pending tokens end its grammar has none."""
+    rows, grammars, pending = grammar_rows(constraints, output_ids)
     if not rows:
         return {}
     masks = torch.empty((len(rows), grammars[0].num_words), dtype=torch.int32)
