@@ -63,7 +63,6 @@ class ModelRunner:
         kv_groups: KVCacheGroups | None = None,
         graphs: StepGraphs | None = None,
         defer_reads: bool = False,
-        constraint_masks: bool | None = None,
     ) -> None:
         """`kv_connector`: the worker half of the KV tiers (prefixkv/tiers); the null one without
         tiers, which no step asks for anything. `stage_outputs`: the scheduler's stage-output
@@ -73,9 +72,7 @@ class ModelRunner:
         `graphs`: steps over fixed buffers, captured as CUDA graphs (cuda_graphs.py), built
         over the same KV tensors; None: every step eager. `defer_reads`: a step's logits are checked
         for non-finite rows when its tokens are read, not before sampling (async scheduling: the
-        host must not wait for the device between launching a step and launching the next).
-        `constraint_masks`: constraints applied as one bitmask a step (constraints/device_masks.py)
-        or row by row on the host; None: the bitmask where the logits are on a GPU."""
+        host must not wait for the device between launching a step and launching the next)."""
         self.model = loaded.model
         if device.type == "cpu":
             self.model.pack_for_cpu()  # weights laid out once for the CPU's fastest matmuls
@@ -90,7 +87,10 @@ class ModelRunner:
         self.kv_caches = block_tensors.layer_caches(self.config, block_size, kv_groups)
         self.layer_groups = kv_groups.layer_group(self.config.num_hidden_layers) if kv_groups is not None else None
         self.device = device
-        self.constraint_masks = constraint_masks
+        # constraints as one bitmask a step (constraints/device_masks.py) or row by row on the
+        # host; None: the bitmask on a GPU (tests and bench/host_overhead.py --gpu-path set True
+        # to stand in for one on a CPU)
+        self.constraint_masks: bool | None = None
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.default_generator = default_generator or torch.Generator().manual_seed(0)
         self.stage_outputs = stage_outputs
@@ -351,8 +351,10 @@ class ModelRunner:
                 return
             logits = logits[torch.tensor(keep, device=logits.device)]
             argmax = in_graph = False  # fewer rows than the graph's
-        edited = any(sr.constraints is not None or sr.block_eos or sr.sampling_params.penalized for sr in reqs)
-        if in_graph and edited:
+        edited = in_graph and any(
+            sr.constraints is not None or sr.block_eos or sr.sampling_params.penalized for sr in reqs
+        )
+        if edited:
             assert tail is not None
             in_graph = self._edit_for_graph(tail.logits, reqs, previous)
             if not in_graph and self.defer_reads and not greedy:

@@ -178,8 +178,8 @@ class Scheduler:
         """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
         scheduling): every request it samples for computes, next, the token being sampled now,
         read by the runner from that step's draws. None when the next step needs what only the
-        tokens or the ordinary `schedule()` can give: a request whose constraints read its own
-        output, hidden states or prompt logprobs, a running request the step left out, blocks
+        tokens or the ordinary `schedule()` can give: a request needing hidden states or prompt
+        logprobs, a running request the step left out, blocks
         that would need a preemption, tier transfers. A prompt in chunks goes on with its next
         chunk (its tokens are known), given the budget in the running order as `schedule()` gives
         it; waiting requests are admitted behind as `schedule()` admits them (their prompts are
