@@ -76,7 +76,8 @@
 #   host_ab         host_overhead.py on the card, this tree against the commit in .device/base (prepare.sh
 #                   BASE=<commit>), runs alternated, paired ratios: what a change to the host's work
 #                   bought (the default model, batch 1 and 32; greedy, then sampled, then greedy with
-#                   5 top logprobs a row, then structured outputs: a regex, then a repetition penalty)
+#                   5 top logprobs a row, then structured outputs: a regex, then a repetition penalty,
+#                   then the penalty with 5 top logprobs a row)
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
@@ -254,6 +255,9 @@ for step in $STEPS; do
                 --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --regex '[a-z ]{200,}'
             bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
                 --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --repetition-penalty 1.1
+            bounded 120 host_ab.log python3 bench/host_overhead.py --device cuda --dtype bfloat16 --batches 1,32 \
+                --rounds 2 --steps 24 --model default --against .device/base --pairs 2 --repetition-penalty 1.1 \
+                --logprobs 5
         else
             echo "host_ab: no .device/base (bench/device/prepare.sh BASE=<commit>)" | tee -a "$out/env.log"
         fi ;;

@@ -539,16 +539,23 @@ class StepGraphs:
     def samples(self, params: list[SamplingParams]) -> bool:
         """Whether the rows of the last step's DecodeTail (the caller holds it, for every row of
         the step) draw their tokens in a graph (`draw`): none asks for more logprobs than the
-        graphs score (the caller edits the logits for penalties and constraints first)."""
+        graphs score (the caller edits the logits for penalties and constraints first, the raw
+        ones kept aside where rows are scored: `keep_raw`)."""
         return self.sampling is not None and "sample" not in self.failed and self.sampling.takes(params)
 
-    def draw(self, params: list[SamplingParams], generators: list[torch.Generator]) -> SampledTensors:
+    def draw(
+        self,
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+        raw: torch.Tensor | None = None,
+    ) -> SampledTensors:
         """What the last decode step's rows draw (`samples`), as the eager sampler draws it (each
         row's uniform from its generator): the tokens, the same tokens marked (-1 where a row's
         logits were not finite), and where a row asks for logprobs the tokens' logprobs and ranks
         and every row's top logprobs (GraphSampling.scores), each row's list cut to its count when
-        read; views of buffers the next draw rewrites. In inference mode (the buffers were made in
-        it)."""
+        read; views of buffers the next draw rewrites. `raw`: the rows' logits before the caller
+        edited them for the draws (`keep_raw`), put back before the scores. In inference mode (the
+        buffers were made in it)."""
         assert self.sampling is not None and self.logits is not None and self._last is not None
         size = self._last[1]
         sort = self.sampling.fill(params, generators, size)
@@ -558,10 +565,18 @@ class StepGraphs:
         n = len(params)
         drawn = SampledTensors(tokens[:n], n, marked=marked[:n])
         if any(p.logprobs is not None for p in params):
+            if raw is not None:
+                logits[: raw.shape[0]].copy_(raw)
             chosen, ranks, values, ids = self.sampling.scores(logits, tokens)
             drawn.chosen, drawn.ranks = chosen[:n], ranks[:n]
             drawn.tops = [(list(range(n)), [p.logprobs or 0 for p in params], values[:n], ids[:n])]
         return drawn
+
+    def keep_raw(self, rows: int) -> torch.Tensor:
+        """The last decode step's first `rows` logits, copied aside before they are edited in place
+        for the draws, for `draw` to score the raw ones (GraphSampling.keep_raw)."""
+        assert self.sampling is not None and self.logits is not None
+        return self.sampling.keep_raw(self.logits[:rows])
 
     def _replay(self, kind: str, size: int) -> torch.Tensor:
         self._last = (kind, size)

@@ -100,8 +100,8 @@ def cuda_kv_budget(
     `graph_rows`: the most rows a step captured as a CUDA graph has (a decode batch or a mixed
     step's tokens; 0: none). The graphs' memory pool is held beside the eager steps' activations;
     it is reserved as what one forward of that many tokens allocates at its peak, with the logits
-    of `graph_logits_rows` rows and their draws (the decode graphs' tail, cuda_graphs.tail_rows,
-    and the draws' graphs, graph_sampling.py; the capture logs the real figure) - for a recurrent
+    of `graph_logits_rows` rows, their draws and a copy of those logits (the decode graphs' tail,
+    cuda_graphs.tail_rows, and the draws' graphs, graph_sampling.py; the capture logs the real figure) - for a recurrent
     model over the most segments a replayed step computes, `max_rows` requests of two tokens
     (`profile_step`)."""
     device = model.device
@@ -109,6 +109,8 @@ def cuda_kv_budget(
     if graph_rows:
         seqs = max_rows if model.config.is_recurrent else 1
         activations += peak_step_activations(model, graph_rows, max(1, graph_logits_rows), block_size, seqs)
+        # the logits' raw copy, kept where edited rows are scored (GraphSampling.raw)
+        activations += graph_logits_rows * model.config.vocab_size * 4
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
     weights = torch.cuda.memory_allocated(device)  # all this process holds there now: its weights at least

@@ -10,8 +10,9 @@ a buffer of tokens. Per decode size two graphs: one without the sort that top-k 
 for logprobs (`sampler.score_rows`: each drawn token's logprob and rank, and every row's top
 TOP_LOGPROBS, each row's list cut to its own count on the host). Penalized and constrained rows
 are drawn here too, their logits edited in place first (penalties, then `RULED_OUT` where the
-constraints rule a token out: ModelRunner._edit_for_graph) where no row asks for logprobs; rows
-with more logprobs than that sample eagerly.
+constraints rule a token out: ModelRunner._edit_for_graph); where a row asks for logprobs, the raw
+rows are kept in `raw` before the edit and put back before the scores, which are the raw logits'
+as the eager sampler's are. Rows with more logprobs than that sample eagerly.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class GraphSampling:
         self.top_values = torch.zeros(rows, self.top_k, dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(rows, self.top_k, dtype=torch.long, device=device)
         self.score_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the raw logits of edited rows whose scores are asked (keep_raw), put back before scoring
+        self.raw = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
         # the page-locked parameters are rewritten only once the last copy from them is done
         self._copied: torch.cuda.Event | None = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
 
@@ -95,6 +98,13 @@ class GraphSampling:
         self.ranks[:size].copy_(ranks)
         self.top_values[:size].copy_(values)
         self.top_ids[:size].copy_(ids)
+
+    def keep_raw(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` (the first rows of the shared buffer, about to be edited in place for
+        the draws) in `raw`, for `scores` to read the raw logits: one copy on the device."""
+        raw = self.raw[: logits.shape[0]]
+        raw.copy_(logits)
+        return raw
 
     def scores(
         self, logits: torch.Tensor, tokens: torch.Tensor

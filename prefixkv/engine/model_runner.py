@@ -354,8 +354,11 @@ class ModelRunner:
         edited = in_graph and any(
             sr.constraints is not None or sr.block_eos or sr.sampling_params.penalized for sr in reqs
         )
+        raw = None  # the raw logits of edited rows, for their scores
         if edited:
-            assert tail is not None
+            assert tail is not None and self.graphs is not None
+            if any(sr.sampling_params.logprobs is not None for sr in reqs):
+                raw = self.graphs.keep_raw(len(reqs))
             in_graph = self._edit_for_graph(tail.logits, reqs, previous)
             if not in_graph and self.defer_reads and not greedy:
                 logits = torch.where(finite[:, None], logits, 0.0)  # as above, for the eager draws
@@ -369,7 +372,7 @@ class ModelRunner:
         if in_graph:
             assert self.graphs is not None
             gens = [sr.generator or self.default_generator for sr in reqs]
-            pending.sampled = self.graphs.draw([sr.sampling_params for sr in reqs], gens)
+            pending.sampled = self.graphs.draw([sr.sampling_params for sr in reqs], gens, raw)
             if edited:  # the draws saw edited rows: the raw logits' check marks them when read
                 pending.sampled.marked = None
             pending.req_ids = [sr.req_id for sr in reqs]
@@ -403,18 +406,14 @@ class ModelRunner:
     def _draws_in_graph(self, reqs: list[ScheduledRequest]) -> bool:
         """Whether the replayed decode step's graphs draw these rows' tokens (StepGraphs.draw; the
         caller takes plain greedy rows from the tail's argmax first). Penalties, constraints and
-        blocked EOS ids edit the graph's logits first (`_edit_for_graph`): where no row asks for
-        logprobs (scored from those logits, which must stay the raw ones), and constraints where
-        they are one bitmask."""
+        blocked EOS ids edit the graph's logits first (`_edit_for_graph`; the raw ones kept aside
+        where a row asks for logprobs, which are theirs): constraints where they are one bitmask."""
         graphs = self.graphs
         if graphs is None:
             return False
-        params = [sr.sampling_params for sr in reqs]
-        constrained = any(sr.constraints is not None or sr.block_eos for sr in reqs)
-        if constrained or any(p.penalized for p in params):
-            if any(p.logprobs is not None for p in params) or (constrained and not self._masks_on_device()):
-                return False
-        return graphs.samples(params)
+        if not self._masks_on_device() and any(sr.constraints is not None or sr.block_eos for sr in reqs):
+            return False
+        return graphs.samples([sr.sampling_params for sr in reqs])
 
     def _masks_on_device(self) -> bool:
         """Whether constraints are one bitmask a step (constraints/device_masks.py): where asked,

@@ -194,6 +194,12 @@ def _scenarios() -> dict[str, tuple[dict[str, Any], list[tuple[list[int], Sampli
             ),
         ],
     )
+    # the same with logprobs: the raw logits' scores (kept aside before the edit), the draws the edited logits'
+    settings, constrained = out["constrained"]
+    out["constrained_scored"] = (
+        settings,
+        [(p, params.clone(logprobs=k)) for (p, params), k in zip(constrained, (2, 0, 5, None))],
+    )
     ps = _prompts("tight", 6, shared=12)
     out["tight"] = (
         {"num_blocks": 14, "max_model_len": 48},

@@ -56,6 +56,21 @@ def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[S
     ]
 
 
+def _scored(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    """Each completion's tokens and, token by token, its logprob, rank and top logprobs (rounded)."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (
+            tuple(c.token_ids),
+            None
+            if c.logprobs is None
+            else [sorted((t, round(lp.logprob, 4), lp.rank) for t, lp in e.items()) for e in c.logprobs],
+        )
+        for o in outs
+        for c in o.outputs
+    ]
+
+
 def _first_fails_the_others_unharmed(llm: LLM, prompts: list[list[int]], params: SamplingParams, want: list) -> None:
     """The first prompt's request fails on its non-finite logits; the others give `want` (their
     outputs without it); every block is free after."""
@@ -421,6 +436,14 @@ def test_penalized_and_constrained_rows_draw_in_the_graphs(tmp_path, monkeypatch
     ]
     draws = graphs.draws
     assert _outputs(llm, prompts, penalized) == _outputs(sync, prompts, penalized)
+    assert graphs.draws > draws
+    _all_free(llm)
+    # logprobs beside the edits: the raw logits' (each token's, its rank, the top ones), as the
+    # eager sampler scores them, the tokens still drawn from the edited logits in the graph
+    scored = [p.clone(logprobs=k) for p, k in zip(params + penalized, (3, None, 0, 5, 2, 1, None, 4))]
+    draws = graphs.draws
+    for batch in (scored[:4], scored[4:]):
+        assert _scored(llm, prompts, batch) == _scored(sync, prompts, batch)
     assert graphs.draws > draws
     _all_free(llm)
 
