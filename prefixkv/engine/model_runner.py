@@ -20,13 +20,13 @@ from ..lora.manager import LoRAManager
 from ..memory.block_tensors import BlockTensors
 from ..memory.kv_groups import KVCacheGroups
 from ..model import AttentionMetadata, LoadedModel
-from ..model.host_copy import tensor_on, to_device
+from ..model.host_copy import HostCopies, tensor_on, to_device
 from ..stage_outputs.specs import per_token_outputs
 from ..tiers import NULL_WORKER_CONNECTOR, WorkerConnector
 from .block_table_tensor import padded_block_tables
 from .graph_sampling import RULED_OUT
-from .model_runner_output import ModelRunnerOutput, PromptLogprobs
-from .pending_output import PendingOutput
+from .model_runner_output import ModelRunnerOutput
+from .pending_output import PendingOutput, PromptScores
 from .sampler import (
     SampledTensors,
     SampleResult,
@@ -34,7 +34,7 @@ from .sampler import (
     plain_greedy,
     rows_finite,
     sample,
-    score_tokens,
+    score_rows,
 )
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -163,11 +163,12 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
             out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
-        if any(sr.want_hidden_states for sr in scheduled):  # read before a replay overwrites them
+        pending = PendingOutput(out)
+        if any(sr.want_hidden_states for sr in scheduled):  # computed before a replay overwrites them
             for i, sr in enumerate(scheduled):
                 if sr.want_hidden_states:
                     try:
-                        self._prompt_outputs(sr, hidden[starts[i] : starts[i + 1]], out)
+                        self._prompt_outputs(sr, hidden[starts[i] : starts[i + 1]], pending)
                     except Exception as e:  # noqa: BLE001 (this request fails alone)
                         what = (
                             "scoring prompt logprobs"
@@ -175,7 +176,6 @@ class ModelRunner:
                             else "hidden states"
                         )
                         out.errors[sr.req_id] = f"{what} failed: {e}"
-        pending = PendingOutput(out)
         errors = out.errors
         to_sample = [sr for sr in scheduled if sr.sample and sr.req_id not in errors]
         if to_sample:
@@ -510,10 +510,11 @@ class ModelRunner:
             ids.extend(sr.block_table[sr.start // bs : (sr.start + len(sr.token_ids)) // bs])
         return ids
 
-    def _prompt_outputs(self, sr: ScheduledRequest, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _prompt_outputs(self, sr: ScheduledRequest, hidden: torch.Tensor, pending: PendingOutput) -> None:
         """Prompt logprobs and hidden states of one chunk (the prompt's; with return_hidden_states
         the generated positions' too), preceded by the cached hidden states of the hit blocks in
-        `sr.stage_output_reads` (stage-output cache)."""
+        `sr.stage_output_reads` (stage-output cache). The logprobs are read with the step's tokens
+        (PromptScores): nothing here waits for the device."""
         start = sr.start
         if sr.stage_output_reads:
             if self.stage_outputs is None:
@@ -524,32 +525,32 @@ class ModelRunner:
         if sr.sampling_params.prompt_logprobs is not None:
             scored = self._score_prompt(sr, start, hidden)
             if scored is not None:
-                out.prompt_logprobs[sr.req_id] = scored
+                pending.prompt_scores[sr.req_id] = scored
         if sr.prompt_hidden_from is not None:
             a = max(sr.prompt_hidden_from, start)
             b = start + len(hidden)
             if not sr.sampling_params.return_hidden_states:
                 b = min(b, len(sr.prompt_token_ids))
             if a < b:
-                out.hidden_states[sr.req_id] = (a, hidden[a - start : b - start].to("cpu", copy=True))
+                pending.out.hidden_states[sr.req_id] = (a, hidden[a - start : b - start].to("cpu", copy=True))
 
-    def _score_prompt(self, sr: ScheduledRequest, start: int, hidden: torch.Tensor) -> PromptLogprobs | None:
+    def _score_prompt(self, sr: ScheduledRequest, start: int, hidden: torch.Tensor) -> PromptScores | None:
         """Row r of `hidden` (position start + r) predicts prompt token start + r + 1; rows
-        whose target was scored before (a preemption recomputes them) are skipped."""
+        whose target was scored before (a preemption recomputes them) are skipped. PROMPT_LOGITS_SLICE
+        rows' logits at a time, each slice's scores copied to the host as soon as computed."""
         prompt = sr.prompt_token_ids
         k = sr.sampling_params.prompt_logprobs or 0
         first = max(sr.prompt_logprobs_from - 1 - start, 0)  # first row not scored yet
         last = min(len(hidden), len(prompt) - 1 - start)  # rows that predict a prompt token
         if first >= last:
             return None
-        scored = PromptLogprobs(start + first + 1, [], [], [])
+        scores: list[torch.Tensor] = []
         for a in range(first, last, PROMPT_LOGITS_SLICE):
             b = min(last, a + PROMPT_LOGITS_SLICE)
-            lps, ranks, tops = score_tokens(self.compute_logits(hidden[a:b]), prompt[start + a + 1 : start + b + 1], k)
-            scored.logprobs.extend(lps)
-            scored.ranks.extend(ranks)
-            scored.top.extend(tops)
-        return scored
+            logits = self.model.compute_logits(hidden[a:b]).float()
+            targets = tensor_on(prompt[start + a + 1 : start + b + 1], logits.device, torch.long)
+            scores.extend(score_rows(logits, targets, k))
+        return PromptScores(start + first + 1, k, HostCopies(scores))
 
 
 def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: int) -> None:

@@ -13,13 +13,39 @@ from typing import Any
 import torch
 
 from ..model.host_copy import HostCopies, tensor_on
-from .model_runner_output import ModelRunnerOutput
+from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .sampler import SampledTensors, SampleResult
 
 
 @dataclass(slots=True)
+class PromptScores:
+    """One chunk's prompt logprobs as the device computed them (sampler.score_rows, in slices),
+    copied to the host in stream order: tokens `first`, `first + 1`, ... and the top `k` of each
+    position, read as PromptLogprobs when the step is (`PendingOutput.result`)."""
+
+    first: int
+    k: int
+    copies: HostCopies  # each slice's logprobs of its tokens, their ranks, top values, top ids
+
+    def read(self) -> PromptLogprobs:
+        tensors = self.copies.wait()
+        scored = PromptLogprobs(self.first, [], [], [])
+        for at in range(0, len(tensors), 4):
+            chosen, ranks, values, ids = tensors[at : at + 4]
+            scored.logprobs.extend(chosen.tolist())
+            scored.ranks.extend(ranks.tolist())
+            if self.k:
+                scored.top.extend(list(zip(t, v)) for t, v in zip(ids.tolist(), values.tolist()))
+            else:
+                scored.top.extend([] for _ in range(len(chosen)))
+        return scored
+
+
+@dataclass(slots=True)
 class PendingOutput:
-    out: ModelRunnerOutput  # all but the sampled rows: prompt logprobs, hidden states, errors, tier saves
+    out: ModelRunnerOutput  # all but the sampled rows and prompt scores: hidden states, errors, tier saves
+    # requests' prompt logprobs still on the device (PromptScores), into `out` when read
+    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
     req_ids: list[str] = field(default_factory=list)  # the sampled rows' requests, in row order
     sampled: SampledTensors | SampleResult | None = None
     # [rows] whether each row's logits were finite, checked when the tokens are read (None: checked
@@ -59,6 +85,8 @@ class PendingOutput:
         if self._result is not None:
             return self._result
         out = self.out
+        for req_id, scores in self.prompt_scores.items():
+            out.prompt_logprobs[req_id] = scores.read()
         sampled = self.sampled
         if sampled is not None:
             got = sampled.result() if isinstance(sampled, SampledTensors) else sampled

@@ -380,18 +380,6 @@ def draw_fixed(logits: torch.Tensor, params: torch.Tensor, sort: bool) -> tuple[
     return tokens, mark_unfinished(tokens, finite)
 
 
-def score_tokens(
-    logits: torch.Tensor, targets: list[int], k: int
-) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
-    """Log-probabilities of given next tokens under the raw distribution of each row of `logits`
-    [N, vocab]: each target's logprob and rank (1 = best), and the row's top `k` (token, logprob)."""
-    chosen, ranks, vals, idx = score_rows(logits.float(), torch.tensor(targets, device=logits.device), k)
-    top: list[list[tuple[int, float]]] = [[] for _ in targets]
-    if k:
-        top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-    return chosen.tolist(), ranks.tolist(), top
-
-
 # Top logprobs are computed this many a row (vLLM's default max_logprobs) for every row asking for
 # at most as many, and each row's list cut to its own count: a row's list (among equal logprobs,
 # which tokens) never depends on its batch, nor on whether the draws' graphs or the eager sampler

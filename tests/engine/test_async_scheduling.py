@@ -156,6 +156,77 @@ def test_every_stop_and_sampling_equal_the_in_order_engine(tiny):
     _all_free(sync)
 
 
+def test_prompt_logprobs_run_ahead(tiny):
+    """Prompt logprobs (read with the step's tokens) do not keep a step in order: prompts in chunks
+    scoring theirs, a whole prompt, max_tokens 1 (lm-eval's loglikelihood) and a prompt arriving
+    between steps beside plain decodes give the in-order engine's tokens, logprobs and prompt
+    logprobs (each position once, its rank and top ones), and the steps after theirs were
+    scheduled ahead, chunks included; every block free."""
+    folder, _ = tiny
+    prompts = _prompts(9, 5)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3, logprobs=1),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=8, prompt_logprobs=0),
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5),
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1, repetition_penalty=1.3),
+    ]
+
+    def run(llm: LLM) -> list[tuple]:
+        engine = llm.llm_engine
+        for i, (p, sp) in enumerate(zip(prompts[:3], params)):
+            engine.add_request(p, sp, request_id=str(i))
+        done: dict[str, Any] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            if steps == 3:  # arrivals between steps, one scoring its prompt
+                for i in (3, 4):
+                    engine.add_request(prompts[i], params[i], request_id=str(i))
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+        return [
+            (
+                tuple(o.outputs[0].token_ids),
+                o.outputs[0].finish_reason,
+                None
+                if o.outputs[0].logprobs is None
+                else [sorted((t, round(lp.logprob, 4), lp.rank) for t, lp in e.items()) for e in o.outputs[0].logprobs],
+                None
+                if o.prompt_logprobs is None
+                else [
+                    e and sorted((t, round(lp.logprob, 4), lp.rank) for t, lp in e.items()) for e in o.prompt_logprobs
+                ],
+            )
+            for _, o in sorted(done.items())
+        ]
+
+    kwargs = dict(max_num_batched_tokens=16)  # the shared-prefix prompts take two chunks
+    want = run(LLM(str(folder), **BASE, **kwargs))
+    assert all(
+        w[3] is not None and len(w[3]) == len(p)
+        for w, p, sp in zip(want, prompts, params)
+        if sp.prompt_logprobs is not None
+    )
+    llm = LLM(str(folder), **BASE, **kwargs, async_scheduling=True)
+    scheduler = llm.llm_engine.scheduler
+    ahead_of_scores = {"chunks": 0, "steps": 0}
+    schedule_ahead = scheduler.schedule_ahead
+
+    def counted(in_flight: Any, max_model_len: int) -> Any:
+        ahead = schedule_ahead(in_flight, max_model_len)
+        if ahead is not None and any(sr.want_hidden_states for sr in in_flight.scheduled):
+            ahead_of_scores["steps"] += 1
+            ahead_of_scores["chunks"] += any(sr.want_hidden_states for sr in ahead.scheduled)
+        return ahead
+
+    scheduler.schedule_ahead = counted
+    assert run(llm) == want
+    assert ahead_of_scores["steps"] > 0 and ahead_of_scores["chunks"] > 0, ahead_of_scores
+    _all_free(llm)
+
+
 def test_min_tokens_and_an_eos_drawn_ahead(tiny, tmp_path):
     """EOS ids that greedy decoding reaches (a second one in generation_config.json): a request
     under min_tokens must not draw them in a step scheduled ahead, one without stops on them a
