@@ -44,13 +44,13 @@ class PromptScores:
 @dataclass(slots=True)
 class PendingOutput:
     out: ModelRunnerOutput  # all but the sampled rows and prompt scores: hidden states, errors, tier saves
-    # requests' prompt logprobs still on the device (PromptScores), into `out` when read
-    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
     req_ids: list[str] = field(default_factory=list)  # the sampled rows' requests, in row order
     sampled: SampledTensors | SampleResult | None = None
     # [rows] whether each row's logits were finite, checked when the tokens are read (None: checked
     # before sampling); a row that was not is sampled from zeros and its token dropped here
     finite: torch.Tensor | None = None
+    # requests' prompt logprobs still on the device (PromptScores), into `out` when read
+    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
     _finite_host: HostCopies | None = None
     _finite_in_tokens: bool = False  # the copied tokens are -1 where a row was not finite
     _result: ModelRunnerOutput | None = None
