@@ -134,6 +134,7 @@ for step in $STEPS; do
             tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
             tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens \
             tests/engine/test_async_scheduling.py::test_a_non_finite_row_of_a_replayed_decode_fails_alone \
+            tests/engine/test_async_scheduling.py::test_prompt_outputs_of_replayed_steps_run_ahead \
             tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py \
             "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token"
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
@@ -148,6 +149,7 @@ for step in $STEPS; do
             tests/engine/test_recurrent_graphs.py \
             tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
             tests/engine/test_async_scheduling.py::test_a_non_finite_row_of_a_replayed_decode_fails_alone \
+            tests/engine/test_async_scheduling.py::test_prompt_outputs_of_replayed_steps_run_ahead \
             tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py \
             "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token" ;;
     sweep)

@@ -513,8 +513,8 @@ class ModelRunner:
     def _prompt_outputs(self, sr: ScheduledRequest, hidden: torch.Tensor, pending: PendingOutput) -> None:
         """Prompt logprobs and hidden states of one chunk (the prompt's; with return_hidden_states
         the generated positions' too), preceded by the cached hidden states of the hit blocks in
-        `sr.stage_output_reads` (stage-output cache). The logprobs are read with the step's tokens
-        (PromptScores): nothing here waits for the device."""
+        `sr.stage_output_reads` (stage-output cache). Both are read with the step's tokens
+        (PendingOutput.result): nothing here waits for the device."""
         start = sr.start
         if sr.stage_output_reads:
             if self.stage_outputs is None:
@@ -532,7 +532,9 @@ class ModelRunner:
             if not sr.sampling_params.return_hidden_states:
                 b = min(b, len(sr.prompt_token_ids))
             if a < b:
-                pending.out.hidden_states[sr.req_id] = (a, hidden[a - start : b - start].to("cpu", copy=True))
+                rows = hidden[a - start : b - start]
+                # copied in stream order on a GPU; on a CPU a copy, so that no later step can rewrite them
+                pending.hidden_states[sr.req_id] = (a, HostCopies([rows if rows.is_cuda else rows.clone()]))
 
     def _score_prompt(self, sr: ScheduledRequest, start: int, hidden: torch.Tensor) -> PromptScores | None:
         """Row r of `hidden` (position start + r) predicts prompt token start + r + 1; rows

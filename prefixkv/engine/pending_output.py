@@ -43,14 +43,16 @@ class PromptScores:
 
 @dataclass(slots=True)
 class PendingOutput:
-    out: ModelRunnerOutput  # all but the sampled rows and prompt scores: hidden states, errors, tier saves
+    out: ModelRunnerOutput  # all but the sampled rows, prompt scores and hidden states: errors, tier saves
     req_ids: list[str] = field(default_factory=list)  # the sampled rows' requests, in row order
     sampled: SampledTensors | SampleResult | None = None
     # [rows] whether each row's logits were finite, checked when the tokens are read (None: checked
     # before sampling); a row that was not is sampled from zeros and its token dropped here
     finite: torch.Tensor | None = None
-    # requests' prompt logprobs still on the device (PromptScores), into `out` when read
+    # requests' prompt logprobs and hidden states (first position, rows) still on the device,
+    # into `out` when read
     prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
+    hidden_states: dict[str, tuple[int, HostCopies]] = field(default_factory=dict)
     _finite_host: HostCopies | None = None
     _finite_in_tokens: bool = False  # the copied tokens are -1 where a row was not finite
     _result: ModelRunnerOutput | None = None
@@ -87,6 +89,8 @@ class PendingOutput:
         out = self.out
         for req_id, scores in self.prompt_scores.items():
             out.prompt_logprobs[req_id] = scores.read()
+        for req_id, (first, rows) in self.hidden_states.items():
+            out.hidden_states[req_id] = (first, rows.wait()[0])
         sampled = self.sampled
         if sampled is not None:
             got = sampled.result() if isinstance(sampled, SampledTensors) else sampled

@@ -156,74 +156,108 @@ def test_every_stop_and_sampling_equal_the_in_order_engine(tiny):
     _all_free(sync)
 
 
-def test_prompt_logprobs_run_ahead(tiny):
-    """Prompt logprobs (read with the step's tokens) do not keep a step in order: prompts in chunks
-    scoring theirs, a whole prompt, max_tokens 1 (lm-eval's loglikelihood) and a prompt arriving
-    between steps beside plain decodes give the in-order engine's tokens, logprobs and prompt
-    logprobs (each position once, its rank and top ones), and the steps after theirs were
-    scheduled ahead, chunks included; every block free."""
-    folder, _ = tiny
+# requests whose prompt's logprobs or hidden states are asked, beside plain ones (prompt index, params)
+_PROMPT_OUTPUT_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3, logprobs=1),
+    SamplingParams(temperature=0.8, seed=2, max_tokens=8, prompt_logprobs=0),
+    SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5),
+    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1, repetition_penalty=1.3),
+    SamplingParams(temperature=0, max_tokens=1),  # its prompt's hidden states from position 2
+]
+
+
+def _prompt_output_prompts() -> list[list[int]]:
     prompts = _prompts(9, 5)
-    params = [
-        SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3, logprobs=1),
-        SamplingParams(temperature=0.8, seed=2, max_tokens=8, prompt_logprobs=0),
-        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5),
-        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1, repetition_penalty=1.3),
+    return [*prompts, prompts[0][:4] + prompts[1][4:]]
+
+
+def _with_prompt_outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+    """_PROMPT_OUTPUT_PARAMS over `prompts`, the last three arriving between steps: each request's
+    tokens, finish reason, logprobs, prompt logprobs (rounded, with ranks) and hidden states."""
+
+    def entries(lps: list | None) -> list | None:
+        if lps is None:
+            return None
+        return [e and sorted((t, round(lp.logprob, 4), lp.rank) for t, lp in e.items()) for e in lps]
+
+    engine = llm.llm_engine
+    params = _PROMPT_OUTPUT_PARAMS
+    for i in range(3):
+        engine.add_request(prompts[i], params[i], request_id=str(i))
+    done: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps == 3:  # arrivals between steps: one scoring its prompt, one an embedding's
+            for i in (3, 4, 5):
+                hidden_from = 2 if i == 5 else None
+                engine.add_request(prompts[i], params[i], request_id=str(i), hidden_states_from=hidden_from)
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return [
+        (
+            tuple(o.outputs[0].token_ids),
+            o.outputs[0].finish_reason,
+            entries(o.outputs[0].logprobs),
+            entries(o.prompt_logprobs),
+            None if o.hidden_states is None else [[round(v, 5) for v in row] for row in o.hidden_states.tolist()],
+        )
+        for _, o in sorted(done.items())
     ]
 
-    def run(llm: LLM) -> list[tuple]:
-        engine = llm.llm_engine
-        for i, (p, sp) in enumerate(zip(prompts[:3], params)):
-            engine.add_request(p, sp, request_id=str(i))
-        done: dict[str, Any] = {}
-        steps = 0
-        while engine.has_unfinished_requests():
-            steps += 1
-            if steps == 3:  # arrivals between steps, one scoring its prompt
-                for i in (3, 4):
-                    engine.add_request(prompts[i], params[i], request_id=str(i))
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o
-        return [
-            (
-                tuple(o.outputs[0].token_ids),
-                o.outputs[0].finish_reason,
-                None
-                if o.outputs[0].logprobs is None
-                else [sorted((t, round(lp.logprob, 4), lp.rank) for t, lp in e.items()) for e in o.outputs[0].logprobs],
-                None
-                if o.prompt_logprobs is None
-                else [
-                    e and sorted((t, round(lp.logprob, 4), lp.rank) for t, lp in e.items()) for e in o.prompt_logprobs
-                ],
-            )
-            for _, o in sorted(done.items())
-        ]
 
+def test_prompt_logprobs_and_hidden_states_run_ahead(tiny):
+    """Prompt logprobs and a prompt's hidden states (read with the step's tokens) do not keep a
+    step in order: prompts in chunks scoring theirs, a whole prompt, max_tokens 1 (lm-eval's
+    loglikelihood; an embedding's hidden states) and prompts arriving between steps beside plain
+    decodes give the in-order engine's tokens, logprobs, prompt logprobs (each position once, its
+    rank and top ones) and hidden states, and the steps after theirs were scheduled ahead, chunks
+    included; every block free."""
+    folder, _ = tiny
+    prompts = _prompt_output_prompts()
     kwargs = dict(max_num_batched_tokens=16)  # the shared-prefix prompts take two chunks
-    want = run(LLM(str(folder), **BASE, **kwargs))
-    assert all(
-        w[3] is not None and len(w[3]) == len(p)
-        for w, p, sp in zip(want, prompts, params)
-        if sp.prompt_logprobs is not None
-    )
+    want = _with_prompt_outputs(LLM(str(folder), **BASE, **kwargs), prompts)
+    assert all(want[i][3] is not None and len(want[i][3]) == len(prompts[i]) for i in (0, 1, 2, 4))
+    assert want[5][4] is not None and len(want[5][4]) == len(prompts[5]) - 2
     llm = LLM(str(folder), **BASE, **kwargs, async_scheduling=True)
     scheduler = llm.llm_engine.scheduler
-    ahead_of_scores = {"chunks": 0, "steps": 0}
+    ahead_of = {"scores": 0, "hidden states": 0, "chunks": 0}
     schedule_ahead = scheduler.schedule_ahead
 
     def counted(in_flight: Any, max_model_len: int) -> Any:
         ahead = schedule_ahead(in_flight, max_model_len)
-        if ahead is not None and any(sr.want_hidden_states for sr in in_flight.scheduled):
-            ahead_of_scores["steps"] += 1
-            ahead_of_scores["chunks"] += any(sr.want_hidden_states for sr in ahead.scheduled)
+        if ahead is not None:
+            ahead_of["scores"] += any(sr.sampling_params.prompt_logprobs is not None for sr in in_flight.scheduled)
+            ahead_of["hidden states"] += any(sr.prompt_hidden_from is not None for sr in in_flight.scheduled)
+            ahead_of["chunks"] += any(sr.want_hidden_states and not sr.sample for sr in ahead.scheduled)
         return ahead
 
     scheduler.schedule_ahead = counted
-    assert run(llm) == want
-    assert ahead_of_scores["steps"] > 0 and ahead_of_scores["chunks"] > 0, ahead_of_scores
+    assert _with_prompt_outputs(llm, prompts) == want
+    assert all(ahead_of.values()), ahead_of
+    _all_free(llm)
+
+
+def test_prompt_outputs_of_replayed_steps_run_ahead(tmp_path, monkeypatch):
+    """The same over the graphs' buffers, every step replayed (cudagraph_mode FULL): a prompt's
+    logprobs and hidden states are taken from a replay's output before the step scheduled ahead
+    rewrites it, so they equal the in-order engine's over the same kernels (the tokens the eager
+    engine's too; its logprobs differ in the last bits)."""
+    _over_graph_buffers(tmp_path, monkeypatch)
+    prompts = _prompt_output_prompts()
+    config = dict(BASE, device=str(device()), max_num_batched_tokens=16)
+    graphs = {"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    want = _with_prompt_outputs(
+        LLM(str(tmp_path), **config, compilation_config=graphs, async_scheduling=False), prompts
+    )
+    eager = _with_prompt_outputs(LLM(str(tmp_path), **config, enforce_eager=True), prompts)
+    assert [w[:2] for w in want] == [e[:2] for e in eager]
+    llm = LLM(str(tmp_path), **config, compilation_config=graphs, async_scheduling=True)
+    assert _with_prompt_outputs(llm, prompts) == want
+    replayed = llm.llm_engine.runner.graphs
+    assert replayed is not None and replayed.mixed_replays > 0 and llm.llm_engine.num_steps_ahead > 0
     _all_free(llm)
 
 
