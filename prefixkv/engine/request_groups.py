@@ -76,7 +76,10 @@ class RequestGroups:
         """The output processor's half of the step: prompt logprobs, detokenized text, stop
         conditions (a stopped sequence is finished in the scheduler), failed groups."""
         for req_id, scored in runner_output.prompt_logprobs.items():
-            group = self.child_of[req_id][0]
+            child = self.child_of.get(req_id)
+            if child is None:  # it ended while the step ran (async scheduling: an abort)
+                continue
+            group = child[0]
             entries = group.prompt_logprobs
             if entries is None:  # only groups that asked are scored
                 continue
@@ -86,7 +89,8 @@ class RequestGroups:
             ):
                 entries.append(logprob_entry(self.tokenizer, prompt[pos], p_lp, p_rank, p_top))
         for req_id, (_, rows) in runner_output.hidden_states.items():
-            hidden = self.child_of[req_id][0].hidden_states
+            child = self.child_of.get(req_id)
+            hidden = None if child is None else child[0].hidden_states
             if hidden is not None:
                 hidden.append(rows)
         touched: dict[str, RequestGroup] = {}

@@ -402,6 +402,30 @@ def test_aborts_and_arrivals_between_steps(tiny):
     assert ahead._in_flight is None
     assert ahead.kv_cache_manager.num_free_blocks == ahead.num_blocks
 
+    def aborted_while_scored(engine: LLMEngine) -> dict[str, tuple[int, ...]]:
+        """A prompt in chunks scoring its logprobs and keeping its hidden states, aborted after
+        the first step (under async scheduling its next chunk is then in flight, and booked after)."""
+        scored = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+        engine.add_request(prompts[0], scored, request_id="scored", hidden_states_from=1)
+        engine.add_request(prompts[1], params, request_id="plain")
+        engine.step()
+        if engine.async_scheduling:
+            assert engine._in_flight is not None
+            assert any(sr.want_hidden_states for sr in engine._in_flight[0].scheduled)
+        engine.abort_request("scored")
+        done: dict[str, tuple[int, ...]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = tuple(out.outputs[0].token_ids)
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        return done
+
+    chunks = dict(BASE, max_num_batched_tokens=8)
+    want = aborted_while_scored(LLM(str(folder), **chunks).llm_engine)
+    assert aborted_while_scored(LLM(str(folder), **chunks, async_scheduling=True).llm_engine) == want
+    assert set(want) == {"plain"}
+
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("async_scheduling", [False, True])
