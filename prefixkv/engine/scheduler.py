@@ -178,8 +178,8 @@ class Scheduler:
         """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
         scheduling): every request it samples for computes, next, the token being sampled now,
         read by the runner from that step's draws. None when the next step needs what only the
-        tokens or the ordinary `schedule()` can give: a request returning its generated
-        positions' hidden states, a running request the step left out, blocks
+        tokens or the ordinary `schedule()` can give: a request reading cached stage outputs,
+        a running request the step left out, blocks
         that would need a preemption, tier transfers. A prompt in chunks goes on with its next
         chunk (its tokens are known), given the budget in the running order as `schedule()` gives
         it; waiting requests are admitted behind as `schedule()` admits them (their prompts are
@@ -487,9 +487,9 @@ class Scheduler:
 
 def _samples_ahead(sr: ScheduledRequest) -> bool:
     """Whether a request can be scheduled on before its previous token is known: it reads no
-    cached stage outputs and wants no generated position's hidden state (penalties and constraints
-    read its output so far, the token in flight taken from the previous step's copy:
-    ModelRunner._outputs_so_far). A prompt's logprobs and hidden states are no bar: they are read
-    with the step's tokens (PendingOutput.result), and a chunk scheduled ahead of their booking
-    computes them from its own start on (ModelRunner._prompt_outputs), as the booking would say."""
-    return not sr.sampling_params.return_hidden_states and not sr.stage_output_reads
+    cached stage outputs (penalties and constraints read its output so far, the token in flight
+    taken from the previous step's copy: ModelRunner._outputs_so_far). Prompt logprobs and hidden
+    states are no bar: they are read with the step's tokens (PendingOutput.result), and a step
+    scheduled ahead of their booking computes them from its own start on
+    (ModelRunner._prompt_outputs), as the booking would say."""
+    return not sr.stage_output_reads

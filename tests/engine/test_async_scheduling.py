@@ -164,17 +164,19 @@ _PROMPT_OUTPUT_PARAMS = [
     SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1, repetition_penalty=1.3),
     SamplingParams(temperature=0, max_tokens=1),  # its prompt's hidden states from position 2
+    # every position's hidden state, the generated ones too (a pipeline's thinker stage)
+    SamplingParams(temperature=0.7, seed=4, max_tokens=7, return_hidden_states=True),
 ]
 
 
 def _prompt_output_prompts() -> list[list[int]]:
     prompts = _prompts(9, 5)
-    return [*prompts, prompts[0][:4] + prompts[1][4:]]
+    return [*prompts, prompts[0][:4] + prompts[1][4:], prompts[2][:3] + prompts[0][3:]]
 
 
 def _with_prompt_outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
-    """_PROMPT_OUTPUT_PARAMS over `prompts`, the last three arriving between steps: each request's
-    tokens, finish reason, logprobs, prompt logprobs (rounded, with ranks) and hidden states."""
+    """_PROMPT_OUTPUT_PARAMS over `prompts`, all but the first three arriving between steps: each
+    request's tokens, finish reason, logprobs, prompt logprobs (rounded, with ranks) and hidden states."""
 
     def entries(lps: list | None) -> list | None:
         if lps is None:
@@ -190,7 +192,7 @@ def _with_prompt_outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     while engine.has_unfinished_requests():
         steps += 1
         if steps == 3:  # arrivals between steps: one scoring its prompt, one an embedding's
-            for i in (3, 4, 5):
+            for i in range(3, len(params)):
                 hidden_from = 2 if i == 5 else None
                 engine.add_request(prompts[i], params[i], request_id=str(i), hidden_states_from=hidden_from)
         for o in engine.step():
@@ -221,9 +223,10 @@ def test_prompt_logprobs_and_hidden_states_run_ahead(tiny):
     want = _with_prompt_outputs(LLM(str(folder), **BASE, **kwargs), prompts)
     assert all(want[i][3] is not None and len(want[i][3]) == len(prompts[i]) for i in (0, 1, 2, 4))
     assert want[5][4] is not None and len(want[5][4]) == len(prompts[5]) - 2
+    assert want[6][4] is not None and len(want[6][4]) == len(prompts[6]) + 7 - 1
     llm = LLM(str(folder), **BASE, **kwargs, async_scheduling=True)
     scheduler = llm.llm_engine.scheduler
-    ahead_of = {"scores": 0, "hidden states": 0, "chunks": 0}
+    ahead_of = {"scores": 0, "hidden states": 0, "chunks": 0, "decodes' hidden states": 0}
     schedule_ahead = scheduler.schedule_ahead
 
     def counted(in_flight: Any, max_model_len: int) -> Any:
@@ -231,6 +234,7 @@ def test_prompt_logprobs_and_hidden_states_run_ahead(tiny):
         if ahead is not None:
             ahead_of["scores"] += any(sr.sampling_params.prompt_logprobs is not None for sr in in_flight.scheduled)
             ahead_of["hidden states"] += any(sr.prompt_hidden_from is not None for sr in in_flight.scheduled)
+            ahead_of["decodes' hidden states"] += any(sr.want_hidden_states and sr.sample for sr in ahead.scheduled)
             ahead_of["chunks"] += any(sr.want_hidden_states and not sr.sample for sr in ahead.scheduled)
         return ahead
 

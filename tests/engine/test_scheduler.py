@@ -123,6 +123,13 @@ def test_a_decode_scheduled_ahead_carries_every_field_by_name():
     for name, value in expected.items():
         assert getattr(nxt, name) == value, name
     assert nxt.prompt_token_ids is prompt and nxt.output_token_ids is output  # the request's own lists
+    # with return_hidden_states each decode keeps its position's hidden state
+    given.update(sampling_params=SamplingParams(temperature=0.5, return_hidden_states=True))
+    nxt = ScheduledRequest(**given).next_decode(4, [5, 6], False, 3, [[7, 10]])  # type: ignore[arg-type]
+    assert (nxt.want_hidden_states, nxt.prompt_hidden_from) == (True, 4)
+    given.update(prompt_hidden_from=None)  # a sequence of n > 1 other than the first keeps none
+    nxt = ScheduledRequest(**given).next_decode(4, [5, 6], False, 3, [[7, 10]])  # type: ignore[arg-type]
+    assert (nxt.want_hidden_states, nxt.prompt_hidden_from) == (False, None)
 
 
 def test_steps_scheduled_ahead_equal_the_full_build():
