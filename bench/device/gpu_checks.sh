@@ -78,6 +78,8 @@
 #                   bought (the default model, batch 1 and 32; greedy, then sampled, then greedy with
 #                   5 top logprobs a row, then structured outputs: a regex, then a repetition penalty,
 #                   then the penalty with 5 top logprobs a row)
+#   ahead           bench/steps_ahead.py: loglikelihood requests (prompt logprobs), embeddings and a
+#                   pipeline's thinker (hidden states) arriving beside decodes, async against in order
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
@@ -91,12 +93,12 @@
 #                   against the base model, with CUDA graphs (adapter steps replay the LoRA graphs)
 #                   and with --enforce-eager
 #   issue40         the preset for issue 40's open rows, most wanted first: verify mixed lora families
-#                   host_profile host_ab sampled host_calls gemv serve large host model_speed shared_prefix compiled sweep (what
+#                   host_profile host_ab sampled ahead host_calls gemv serve large host model_speed shared_prefix compiled sweep (what
 #                   the budget leaves is skipped, and said so)
 set -u
 BUDGET=${BUDGET:-540}
 STEPS=${STEPS:-equality graphs model_speed shared_prefix suite model_speed_hf}
-STEPS=${STEPS/issue40/verify mixed lora families host_profile host_ab sampled host_calls gemv serve large host model_speed shared_prefix compiled sweep}
+STEPS=${STEPS/issue40/verify mixed lora families host_profile host_ab sampled ahead host_calls gemv serve large host model_speed shared_prefix compiled sweep}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -264,6 +266,8 @@ for step in $STEPS; do
             echo "host_ab: no .device/base (bench/device/prepare.sh BASE=<commit>)" | tee -a "$out/env.log"
         fi ;;
     host_calls) bounded 60 host_calls.log python3 bench/cuda_host_calls.py --batches 1,256 ;;
+    ahead)
+        bounded 90 ahead.log python3 bench/steps_ahead.py --device cuda --dtype bfloat16 --model default --rounds 3 ;;
     gemv) bounded 120 gemv.log python3 bench/fused_gemv.py --shapes llama-1b,smollm2 ;;
     threads)
         bounded 120 threads.log python3 -m pytest -q -p no:cacheprovider -rfEs \
