@@ -309,12 +309,6 @@ class ModelRunner:
         self.stage_outputs.write(per_token_outputs(hidden, hidden.shape[0]), slots)
         self.stage_outputs.commit(self._full_blocks(scheduled))
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits on the CPU for final hidden states."""
-        logits = self.model.compute_logits(hidden)
-        return logits.float().cpu() if logits.device.type != "cpu" else logits.float()
-
     # -- sampling ------------------------------------------------------------------------------
     def _sample(
         self,
@@ -551,7 +545,8 @@ class ModelRunner:
             b = min(last, a + PROMPT_LOGITS_SLICE)
             logits = self.model.compute_logits(hidden[a:b]).float()
             targets = tensor_on(prompt[start + a + 1 : start + b + 1], logits.device, torch.long)
-            scores.extend(score_rows(logits, targets, k))
+            chosen, ranks, values, ids = score_rows(logits, targets, k)
+            scores += [chosen, ranks, values, ids] if k else [chosen, ranks]
         return PromptScores(start + first + 1, k, HostCopies(scores))
 
 

@@ -25,16 +25,19 @@ class PromptScores:
 
     first: int
     k: int
-    copies: HostCopies  # each slice's logprobs of its tokens, their ranks, top values, top ids
+    # each slice's logprobs of its tokens and their ranks, then (k > 0) its top values and ids
+    copies: HostCopies
 
     def read(self) -> PromptLogprobs:
         tensors = self.copies.wait()
         scored = PromptLogprobs(self.first, [], [], [])
-        for at in range(0, len(tensors), 4):
-            chosen, ranks, values, ids = tensors[at : at + 4]
+        per_slice = 4 if self.k else 2
+        for at in range(0, len(tensors), per_slice):
+            chosen, ranks = tensors[at], tensors[at + 1]
             scored.logprobs.extend(chosen.tolist())
             scored.ranks.extend(ranks.tolist())
             if self.k:
+                values, ids = tensors[at + 2], tensors[at + 3]
                 scored.top.extend(list(zip(t, v)) for t, v in zip(ids.tolist(), values.tolist()))
             else:
                 scored.top.extend([] for _ in range(len(chosen)))
