@@ -1,5 +1,6 @@
-"""Random JSON bodies shaped like the request schema against a real server: never a 5xx, the
-server keeps serving, and no KV block is held afterwards."""
+"""Random JSON bodies shaped like the request schema against a real server, with its steps in
+order and scheduled ahead (a GPU's default): never a 5xx, the server keeps serving, and no KV
+block is held afterwards."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from .conftest import HTTP
 pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make test-fast
 
 
-@pytest.fixture(scope="module")
-def server(make_server):
-    return make_server("--max-n", "4", "--max-prompts-per-request", "3")
+@pytest.fixture(scope="module", params=["in order", "ahead"])
+def server(make_server, request):
+    """The server as a CPU runs it, and with async scheduling as a GPU does by default (steps
+    launched before the previous step's tokens are read)."""
+    ahead = ("--async-scheduling",) if request.param == "ahead" else ()
+    return make_server("--max-n", "4", "--max-prompts-per-request", "3", *ahead)
 
 
 scalars = st.one_of(
