@@ -79,7 +79,8 @@
 #                   5 top logprobs a row, then structured outputs: a regex, then a repetition penalty,
 #                   then the penalty with 5 top logprobs a row)
 #   ahead           bench/steps_ahead.py: loglikelihood requests (prompt logprobs), embeddings and a
-#                   pipeline's thinker (hidden states) arriving beside decodes, async against in order
+#                   pipeline's thinker (hidden states) arriving beside decodes, async against in order;
+#                   bench/loglikelihood.py: lm-eval's loglikelihood requests, against .device/base if there
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
 #                   locked staging against persistent buffers
@@ -267,7 +268,15 @@ for step in $STEPS; do
         fi ;;
     host_calls) bounded 60 host_calls.log python3 bench/cuda_host_calls.py --batches 1,256 ;;
     ahead)
-        bounded 90 ahead.log python3 bench/steps_ahead.py --device cuda --dtype bfloat16 --model default --rounds 3 ;;
+        bounded 90 ahead.log python3 bench/steps_ahead.py --device cuda --dtype bfloat16 --model default --rounds 3
+        # lm-eval's loglikelihood requests: prompts scored on the device now, on the host at the base commit
+        if [ -d .device/base ]; then
+            bounded 120 ahead.log python3 bench/loglikelihood.py --device cuda --dtype bfloat16 --model default \
+                --requests 32 --prompt 1024 --rounds 3 --against .device/base --pairs 2
+        else
+            bounded 60 ahead.log python3 bench/loglikelihood.py --device cuda --dtype bfloat16 --model default \
+                --requests 32 --prompt 1024 --rounds 3
+        fi ;;
     gemv) bounded 120 gemv.log python3 bench/fused_gemv.py --shapes llama-1b,smollm2 ;;
     threads)
         bounded 120 threads.log python3 -m pytest -q -p no:cacheprovider -rfEs \

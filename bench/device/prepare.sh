@@ -22,8 +22,8 @@ model=$(.venv/bin/python -c "from prefixkv.model import default_model_path; prin
 for i in 0 1; do mkdir -p ".device/model-$i"; done
 if [ -n "${BASE:-}" ]; then
     mkdir -p .device/base && git archive "$BASE" prefixkv bench | tar -x -C .device/base
-    # the same measuring script in both trees (it runs against older ones): only prefixkv differs
-    cp bench/host_overhead.py .device/base/bench/
+    # the same measuring scripts in both trees (they run against older ones): only prefixkv differs
+    cp bench/host_overhead.py bench/loglikelihood.py .device/base/bench/
 fi
 # quantized weights still compress by about a tenth: the headroom the two calls need
 xz -6 -T0 -c "$model" > .device/model.xz
