@@ -244,6 +244,32 @@ def test_prompt_logprobs_and_hidden_states_run_ahead(tiny):
     _all_free(llm)
 
 
+def test_hidden_states_of_sequences_that_stop_a_step_late(tiny):
+    """return_hidden_states with a stop on a token: scheduled ahead, the step after the stop is
+    computed too (the stop is seen when the tokens are read); its hidden row is dropped with its
+    token, so every output has the in-order engine's rows (prompt then output but its last token)."""
+    folder, _ = tiny
+    prompts = _prompts(3, 3)
+    sync = LLM(str(folder), **BASE)
+    probe = _outputs(sync, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[toks[3]], return_hidden_states=True)
+        for toks, *_ in probe
+    ]
+
+    def run(llm: LLM) -> list[tuple]:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(tuple(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.hidden_states.tolist()) for o in outs]
+
+    want = run(sync)
+    assert all(reason == "stop" for _, reason, _ in want)
+    assert [len(rows) for *_, rows in want] == [len(p) + len(toks) - 1 for p, (toks, *_) in zip(prompts, want)]
+    ahead = LLM(str(folder), **BASE, async_scheduling=True)
+    assert run(ahead) == want
+    assert ahead.llm_engine.num_steps_ahead > 0
+    _all_free(ahead)
+
+
 def test_prompt_outputs_of_replayed_steps_run_ahead(tmp_path, monkeypatch):
     """The same over the graphs' buffers, every step replayed (cudagraph_mode FULL): a prompt's
     logprobs and hidden states are taken from a replay's output before the step scheduled ahead
