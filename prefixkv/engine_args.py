@@ -269,8 +269,8 @@ class EngineArgs:
         "schedule each decode step while the previous one runs, as vLLM: its tokens go from one step to "
         "the next on the device and the host books a step while the device computes the next; a sequence "
         "that stops on a token has one more computed and dropped. Prompt logprobs, hidden states, "
-        "penalties and constraints (grammars included) run ahead; an engine "
-        "with KV tiers or the stage-output cache runs every step in order. Greedy and seeded "
+        "penalties and constraints (grammars included) run ahead, so do steps saving to or loading from "
+        "the KV tiers; an engine with the stage-output cache runs every step in order. Greedy and seeded "
         "outputs are the same either way (default: on a GPU, where it took 0.71-0.95x the in-order "
         "step's time on an H100; off on a CPU, which computes at launch and gains nothing)",
     )

@@ -161,7 +161,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
         encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
         embedder = MultiModalEmbedder(mm.encoder, encoder_cache)
-    async_scheduling = _async_scheduling(config, kv_connector.manager is not None, device)
+    async_scheduling = _async_scheduling(config, device)
     on_cpu = device.type == "cpu"
     layout = "laying the weights out for the CPU's kernels" if on_cpu else "building the model runner"
     with stages.stage("weight layout" if on_cpu else "runner", layout):
@@ -316,26 +316,25 @@ def _num_blocks(
     return num_blocks
 
 
-def _async_scheduling(config: EngineArgs, has_tiers: bool, device: torch.device) -> bool:
+def _async_scheduling(config: EngineArgs, device: torch.device) -> bool:
     """Whether steps may be scheduled ahead (async_scheduling; unset: on a GPU): not where a step's
-    blocks are more than K/V rows written in stream order - the stage-output cache, tier
-    transfers. (A recurrent layer's state is written in stream order too: the step a request
-    that stopped computes ahead overwrites the state of its last block, which no cache entry
-    names - blocks are entered only up to the tokens known - and which is freed with it. A block
-    that leaves a sliding window when a step is scheduled ahead may go to another request in
-    that step: the step in flight, which may still read it, runs first.) Said once when asked
-    for and off."""
+    blocks are more than K/V rows written in stream order - the stage-output cache. (The KV
+    tiers' transfers copy at launch, in stream order; a block completed before its last token was
+    known is keyed when its step is booked: tiers/scheduler_connector.py. A recurrent layer's
+    state is written in stream order too: the step a request that stopped computes ahead
+    overwrites the state of its last block, which no cache entry names - blocks are entered only
+    up to the tokens known - and which is freed with it. A block that leaves a sliding window
+    when a step is scheduled ahead may go to another request in that step: the step in flight,
+    which may still read it, runs first.) Said once when asked for and off."""
     asked = config.async_scheduling
     if not (asked or (asked is None and device.type == "cuda")):
         return False
-    for reason, off in (
-        ("the stage-output cache", config.enable_stage_output_cache),
-        ("the KV tiers", has_tiers),
-    ):
-        if off:
-            if asked:
-                logger.info("async_scheduling is off for %s: every step runs in order (outputs are the same)", reason)
-            return False
+    if config.enable_stage_output_cache:
+        if asked:
+            logger.info(
+                "async_scheduling is off for the stage-output cache: every step runs in order (outputs are the same)"
+            )
+        return False
     return True
 
 

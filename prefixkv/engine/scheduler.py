@@ -180,7 +180,7 @@ class Scheduler:
         read by the runner from that step's draws. None when the next step needs what only the
         tokens or the ordinary `schedule()` can give: a request reading cached stage outputs,
         a running request the step left out, blocks
-        that would need a preemption, tier transfers. A prompt in chunks goes on with its next
+        that would need a preemption. A prompt in chunks goes on with its next
         chunk (its tokens are known), given the budget in the running order as `schedule()` gives
         it; waiting requests are admitted behind as `schedule()` admits them (their prompts are
         known).
@@ -188,8 +188,6 @@ class Scheduler:
         A request that the count of its tokens ends after `in_flight` (max_tokens, the model's
         length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,
         and the token computed for it then is dropped (update_from_output skips ended requests)."""
-        if in_flight.kv_loads or in_flight.kv_saves:
-            return None
         stepping = {sr.req_id for sr in in_flight.scheduled}
         if any(r.request_id not in stepping for r in self.running):
             return None
@@ -421,7 +419,7 @@ class Scheduler:
         conditions are the engine's output processor's (they need the detokenized text)."""
         requests = self.requests
         if runner_output.kv_saved:  # the values of this step's saves, for the tiers to store
-            self.kv_connector.saved(runner_output.kv_saved)
+            self.kv_connector.saved(runner_output.kv_saved, self.requests, self.kv_cache_manager)
         for sr in scheduler_output.scheduled:
             req = requests.get(sr.req_id)
             if req is not None:

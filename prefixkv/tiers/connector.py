@@ -88,8 +88,9 @@ class SchedulerConnector(Protocol):
         """Fill the step's loads and saves once every request is scheduled."""
         ...
 
-    def saved(self, blocks: Sequence[SavedBlock]) -> None:
-        """The values the worker half made of the step's saves."""
+    def saved(self, blocks: Sequence[SavedBlock], requests: Mapping[str, TierRequest], kv: KVCacheManager) -> None:
+        """The values the worker half made of the step's saves (`requests` and `kv` key those
+        copied out before their last token was known: KVSave.owner)."""
         ...
 
     def request_finished(self, req_id: str) -> None: ...

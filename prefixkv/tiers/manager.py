@@ -31,7 +31,7 @@ from .plans import KVLoad, KVSave, SavedBlock
 from .stats import TierStats
 from .store import KVStore
 from .tier import EventSink, Tier
-from .value import encode_header
+from .value import encode_header, seal
 from .writer import DEFAULT_MAX_PENDING_BYTES, EXIT_FLUSH_S
 
 logger = logging.getLogger("prefixkv")
@@ -206,6 +206,23 @@ class TierManager:
             return None
         tokens = array("i", token_ids[: (index + 1) * block_size]).tobytes()
         return KVSave(block_id, key, encode_header(key, tokens, extras_bytes(extras, index)))
+
+    def sealed(
+        self,
+        kv_bytes: bytes,
+        block_id: int,
+        content_hash: bytes,
+        token_ids: Sequence[int],
+        extras: Sequence[Any] | None,
+        block_size: int,
+        index: int,
+    ) -> SavedBlock | None:
+        """The value of a block copied out before its hash was known (KVSave.owner), keyed and
+        sealed as the worker half seals the others; None when every tier has it already."""
+        save = self.plan_save(block_id, content_hash, token_ids, extras, block_size, index)
+        if save is None:
+            return None
+        return SavedBlock(save, seal(save.head, kv_bytes, save.key, self._secret))
 
     def store(self, saved: SavedBlock) -> None:
         """A block's value, sealed by the worker half: into every tier that lacks it."""

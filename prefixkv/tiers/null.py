@@ -31,7 +31,7 @@ class NullSchedulerConnector:
     def plan(self, step: StepPlan, requests: Mapping[str, TierRequest], kv: KVCacheManager) -> None:
         pass
 
-    def saved(self, blocks: Sequence[SavedBlock]) -> None:
+    def saved(self, blocks: Sequence[SavedBlock], requests: Mapping[str, TierRequest], kv: KVCacheManager) -> None:
         pass
 
     def request_finished(self, req_id: str) -> None:

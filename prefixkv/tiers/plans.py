@@ -26,12 +26,17 @@ class KVSave:
     key: bytes
     head: bytes  # value header (value.encode_header)
     event: BlockStored | None = None  # with KV events on: the block's event, published per tier once stored
+    # (request id, block index) of a block whose last token was still being sampled when the step
+    # was planned (async scheduling): no hash, so no key or header yet. The worker half returns
+    # its bytes unsealed, and the scheduler half keys and seals them when the step is booked
+    owner: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class SavedBlock:
     """What the worker half made of a KVSave: the whole value (header, KV bytes, checksum, MAC),
-    for the scheduler half to put in its tiers."""
+    for the scheduler half to put in its tiers; for a save with an `owner`, the block's KV bytes
+    alone."""
 
     save: KVSave
     value: bytes

@@ -12,7 +12,7 @@ from ..cache import BlockStored, KVCacheEvent, KVCacheManager
 from .connector import StepPlan, TierRequest
 from .lookup import TierFetch
 from .manager import TierManager
-from .plans import KVLoad, SavedBlock
+from .plans import KVLoad, KVSave, SavedBlock
 from .stats import TierStats
 
 
@@ -101,7 +101,9 @@ class TierSchedulerConnector:
     def plan(self, step: StepPlan, requests: Mapping[str, TierRequest], kv: KVCacheManager) -> None:
         """The loads of this step's admissions; and blocks this step's forward completes (never
         hits, never loaded ones) are copied out after it, write-through, unless every tier has
-        them already."""
+        them already. A block whose last token is still being sampled (a step scheduled ahead)
+        has no hash yet: it is copied out all the same, and keyed when the step is booked
+        (`saved`)."""
         if self._loads:
             step.kv_loads.extend(self._loads)
             self._loads.clear()
@@ -115,16 +117,41 @@ class TierSchedulerConnector:
             req = requests[sr.req_id]
             hashes = kv.get_block_hashes(req)
             extras = kv.get_block_chain(req).extras
-            for i in range(first, min(end, len(hashes))):
+            for i in range(first, end):
+                if i >= len(hashes):
+                    step.kv_saves.append(KVSave(sr.block_table[i], b"", b"", owner=(sr.req_id, i)))
+                    continue
                 save = tiers.plan_save(sr.block_table[i], hashes[i], req.all_token_ids, extras, bs, i)
                 if save is not None:
                     if tiers.events_enabled:  # each tier publishes it (its own medium) once stored
                         save.event = kv.describe_blocks(req, i, i + 1, "")
                     step.kv_saves.append(save)
 
-    def saved(self, blocks: Sequence[SavedBlock]) -> None:
+    def saved(self, blocks: Sequence[SavedBlock], requests: Mapping[str, TierRequest], kv: KVCacheManager) -> None:
+        """Store the values of the step's saves; a block copied out before its last token was
+        known is keyed now, from its request's tokens (those of a request that ended meanwhile
+        are dropped: it stopped before that token, so in order no step would have completed the
+        block)."""
+        tiers = self.manager
         for block in blocks:
-            self.manager.store(block)
+            owner = block.save.owner
+            if owner is not None:
+                req = requests.get(owner[0])
+                if req is None:
+                    continue
+                index = owner[1]
+                hashes = kv.get_block_hashes(req)
+                if index >= len(hashes):
+                    continue
+                extras = kv.get_block_chain(req).extras
+                args = (block.save.block_id, hashes[index], req.all_token_ids, extras, self.block_size, index)
+                keyed = tiers.sealed(block.value, *args)
+                if keyed is None:
+                    continue
+                if tiers.events_enabled:
+                    keyed.save.event = kv.describe_blocks(req, index, index + 1, "")
+                block = keyed
+            tiers.store(block)
 
     def request_finished(self, req_id: str) -> None:
         if self._lookup is not None and self._lookup[0] == req_id:

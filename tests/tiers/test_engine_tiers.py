@@ -15,7 +15,7 @@ import pytest
 from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
 
-from .conftest import all_free, engine, make_tiny, run, tier
+from .conftest import BLOCK, all_free, engine, make_tiny, run, tier
 
 N_PROMPT = 40  # 10 blocks of 4; (40 - 1) // 4 = 9 blocks may be hits
 
@@ -52,6 +52,39 @@ def test_cpu_tier_hit_after_the_pool_thrashed(tiny_model, tiny_loaded, cases):
     stats = eng.get_stats()
     assert stats.external_prefix_cache_hits == 36 and stats.external_prefix_cache_queries == 6 * N_PROMPT
     assert all_free(eng)
+
+
+@pytest.mark.parametrize("max_tokens", [6, 9])
+def test_steps_scheduled_ahead_save_and_load_as_steps_in_order(tiny_model, tiny_loaded, cases, max_tokens):
+    """Async scheduling (a GPU's default) with a CPU tier: a decode scheduled ahead completes a
+    block before its last token is known; the block is copied out after that step all the same
+    and keyed when the step is booked. Five requests at once (9 tokens: each one's last step
+    completes a block), then the pool thrashed and the first asked again: the same outputs, the
+    same blocks saved and the same hits as in order; steps ran ahead; every block free."""
+    ps, _ = cases
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def serve(async_scheduling: bool) -> tuple:
+        eng = engine(tiny_model, tiny_loaded, kv_offloading_size=0.01, async_scheduling=async_scheduling)
+        ids = [eng.add_request(p, greedy) for p in ps]
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        cpu = tier(eng, "cpu")
+        saved = (cpu.saves, cpu.bytes_saved, cpu.errors)
+        for p in ps[1:]:  # the pool thrashed: what comes back of the first prompt comes from the tier
+            run(eng, p)
+        again = run(eng, ps[0])
+        assert all_free(eng)
+        return [done[i] for i in ids], saved, again, eng.num_steps_ahead
+
+    want = serve(False)
+    got = serve(True)
+    assert got[:3] == want[:3]
+    assert want[1][0] == 5 * ((N_PROMPT + max_tokens - 1) // BLOCK)  # every completed block, once
+    assert got[2][1] == want[2][1] > 0 and got[3] > 0 and want[3] == 0
 
 
 def _probe(prompt):
