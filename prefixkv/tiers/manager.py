@@ -207,21 +207,9 @@ class TierManager:
         tokens = array("i", token_ids[: (index + 1) * block_size]).tobytes()
         return KVSave(block_id, key, encode_header(key, tokens, extras_bytes(extras, index)))
 
-    def sealed(
-        self,
-        kv_bytes: bytes,
-        block_id: int,
-        content_hash: bytes,
-        token_ids: Sequence[int],
-        extras: Sequence[Any] | None,
-        block_size: int,
-        index: int,
-    ) -> SavedBlock | None:
-        """The value of a block copied out before its hash was known (KVSave.owner), keyed and
-        sealed as the worker half seals the others; None when every tier has it already."""
-        save = self.plan_save(block_id, content_hash, token_ids, extras, block_size, index)
-        if save is None:
-            return None
+    def seal(self, save: KVSave, kv_bytes: bytes) -> SavedBlock:
+        """A block's value sealed here as the worker half seals the others: a block copied out
+        before its hash was known, planned (`plan_save`) once it is (KVSave.owner)."""
         return SavedBlock(save, seal(save.head, kv_bytes, save.key, self._secret))
 
     def store(self, saved: SavedBlock) -> None:

@@ -144,13 +144,14 @@ class TierSchedulerConnector:
                 if index >= len(hashes):
                     continue
                 extras = kv.get_block_chain(req).extras
-                args = (block.save.block_id, hashes[index], req.all_token_ids, extras, self.block_size, index)
-                keyed = tiers.sealed(block.value, *args)
-                if keyed is None:
+                save = tiers.plan_save(
+                    block.save.block_id, hashes[index], req.all_token_ids, extras, self.block_size, index
+                )
+                if save is None:  # every tier has it already
                     continue
                 if tiers.events_enabled:
-                    keyed.save.event = kv.describe_blocks(req, index, index + 1, "")
-                block = keyed
+                    save.event = kv.describe_blocks(req, index, index + 1, "")
+                block = tiers.seal(save, block.value)
             tiers.store(block)
 
     def request_finished(self, req_id: str) -> None:
