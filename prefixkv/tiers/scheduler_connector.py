@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
+from typing import Any
 
 from ..cache import BlockStored, KVCacheEvent, KVCacheManager
 from .connector import StepPlan, TierRequest
@@ -109,7 +110,7 @@ class TierSchedulerConnector:
             self._loads.clear()
         if not kv.enable_caching:
             return
-        tiers, bs = self.manager, self.block_size
+        bs = self.block_size
         for sr in step.scheduled:
             first, end = sr.start // bs, (sr.start + len(sr.token_ids)) // bs
             if first >= end:
@@ -121,10 +122,8 @@ class TierSchedulerConnector:
                 if i >= len(hashes):
                     step.kv_saves.append(KVSave(sr.block_table[i], b"", b"", owner=(sr.req_id, i)))
                     continue
-                save = tiers.plan_save(sr.block_table[i], hashes[i], req.all_token_ids, extras, bs, i)
+                save = self._save(req, sr.block_table[i], hashes[i], extras, i, kv)
                 if save is not None:
-                    if tiers.events_enabled:  # each tier publishes it (its own medium) once stored
-                        save.event = kv.describe_blocks(req, i, i + 1, "")
                     step.kv_saves.append(save)
 
     def saved(self, blocks: Sequence[SavedBlock], requests: Mapping[str, TierRequest], kv: KVCacheManager) -> None:
@@ -144,15 +143,28 @@ class TierSchedulerConnector:
                 if index >= len(hashes):
                     continue
                 extras = kv.get_block_chain(req).extras
-                save = tiers.plan_save(
-                    block.save.block_id, hashes[index], req.all_token_ids, extras, self.block_size, index
-                )
+                save = self._save(req, block.save.block_id, hashes[index], extras, index, kv)
                 if save is None:  # every tier has it already
                     continue
-                if tiers.events_enabled:
-                    save.event = kv.describe_blocks(req, index, index + 1, "")
                 block = tiers.seal(save, block.value)
             tiers.store(block)
+
+    def _save(
+        self,
+        req: TierRequest,
+        block_id: int,
+        content_hash: bytes,
+        extras: Sequence[Any] | None,
+        index: int,
+        kv: KVCacheManager,
+    ) -> KVSave | None:
+        """The save of the request's block `index` (TierManager.plan_save), with its KV event
+        where those are on (each tier publishes it, its own medium, once stored)."""
+        tiers = self.manager
+        save = tiers.plan_save(block_id, content_hash, req.all_token_ids, extras, self.block_size, index)
+        if save is not None and tiers.events_enabled:
+            save.event = kv.describe_blocks(req, index, index + 1, "")
+        return save
 
     def request_finished(self, req_id: str) -> None:
         if self._lookup is not None and self._lookup[0] == req_id:
