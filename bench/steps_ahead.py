@@ -5,14 +5,16 @@ thinker stage (return_hidden_states). A step in order makes a GPU wait for the h
 count is the same on any machine, so a CPU measures it.
 
     python bench/steps_ahead.py [--decodes 8] [--arrivals 40] [--model DIR | --model default]
-        [--device cuda --dtype bfloat16 --rounds 3]
+        [--device cuda --dtype bfloat16 --rounds 3] [--kv-offloading-size GIB]
 
 By default a random model of two layers 64 wide (bench/device/random_checkpoint.py --shape tiny
 --byte-tokenizer). `--decodes` requests decode throughout (2 x arrivals + 8 tokens each); one request of the kind
 arrives every second step until `--arrivals` have come. Prints per kind the steps, those launched ahead and their
 share. On a GPU (`--device cuda`) it also times each kind's run with async scheduling and in order
 (`--rounds` alternated rounds, medians): what the steps ahead buy there. A CPU computes a step when
-it is launched, so there the times would say nothing and are not taken.
+it is launched, so there the times would say nothing and are not taken. `--kv-offloading-size`: both
+engines save every completed block to a CPU tier, so that on a GPU the times say whether the tier's
+copies hold the host (tiers/transfer.py).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=3, help="on a GPU: timed rounds of each engine")
+    ap.add_argument("--kv-offloading-size", type=float, default=None, help="GiB of CPU tier under both engines")
     args = ap.parse_args()
     print(describe())
     model = args.model or tiny_checkpoint(tempfile.mkdtemp(prefix="steps-ahead-"))
@@ -84,6 +87,7 @@ def main() -> None:
             num_blocks=1024,
             block_size=16,
             async_scheduling=async_scheduling,
+            kv_offloading_size=args.kv_offloading_size,
         )
 
     ahead, in_order = engine(True), engine(False) if timed else None

@@ -225,7 +225,7 @@ def per_block(loaded, redis_url: str, repeats: int, cold_ttft: float) -> None:
             # the write-through cost on the engine thread: copy out + seal + put (CPU) or enqueue
             saves = [tiers.plan_save(b, bytes([b]) * 32, r["ids"], extras, eng.config.block_size, 0) for b in range(n)]
             t0 = time.perf_counter()
-            for saved in eng.runner.kv_connector.save([sv for sv in saves if sv is not None]):
+            for saved in eng.runner.kv_connector.save([sv for sv in saves if sv is not None]).result():
                 tiers.store(saved)
             save_s = (time.perf_counter() - t0) / n
             kv.free(req)

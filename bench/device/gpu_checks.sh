@@ -79,7 +79,8 @@
 #                   5 top logprobs a row, then structured outputs: a regex, then a repetition penalty,
 #                   then the penalty with 5 top logprobs a row)
 #   ahead           bench/steps_ahead.py: loglikelihood requests (prompt logprobs), embeddings and a
-#                   pipeline's thinker (hidden states) arriving beside decodes, async against in order;
+#                   pipeline's thinker (hidden states) arriving beside decodes, async against in order,
+#                   then again with every completed block saved to a CPU tier;
 #                   bench/loglikelihood.py: lm-eval's loglikelihood requests, against .device/base if there
 #   host_calls      bench/cuda_host_calls.py: the host's cost of each CUDA call a replayed step makes
 #                   (staging, copies, events, launches, a replay by its node count), per-step page-
@@ -138,7 +139,7 @@ for step in $STEPS; do
             tests/engine/test_async_scheduling.py::test_the_decode_buffers_take_the_carried_tokens \
             tests/engine/test_async_scheduling.py::test_a_non_finite_row_of_a_replayed_decode_fails_alone \
             tests/engine/test_async_scheduling.py::test_prompt_outputs_of_replayed_steps_run_ahead \
-            tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py \
+            tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py tests/tiers/test_transfer.py \
             "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token"
         bounded 90 equality.log env PREFIXKV_CUDA_ATTENTION=triton python3 -m pytest -q -p no:cacheprovider -rfE \
             tests/engine/test_cuda.py ;;
@@ -153,7 +154,7 @@ for step in $STEPS; do
             tests/multimodal/test_llava_model.py::test_steps_with_images_replay_over_fixed_buffers \
             tests/engine/test_async_scheduling.py::test_a_non_finite_row_of_a_replayed_decode_fails_alone \
             tests/engine/test_async_scheduling.py::test_prompt_outputs_of_replayed_steps_run_ahead \
-            tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py \
+            tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py tests/tiers/test_transfer.py \
             "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token" ;;
     sweep)
         bounded 180 sweep.log python3 -m tests.engine.sweep_graphs --families llama,gemma2,qwen3_moe,qwen3_next,lora,llava ;;
@@ -269,6 +270,9 @@ for step in $STEPS; do
     host_calls) bounded 60 host_calls.log python3 bench/cuda_host_calls.py --batches 1,256 ;;
     ahead)
         bounded 90 ahead.log python3 bench/steps_ahead.py --device cuda --dtype bfloat16 --model default --rounds 3
+        # every completed block saved to a CPU tier: its copies in stream order, sealed at booking
+        bounded 60 ahead.log python3 bench/steps_ahead.py --device cuda --dtype bfloat16 --model default --rounds 3 \
+            --decodes 32 --arrivals 16 --kv-offloading-size 2
         # lm-eval's loglikelihood requests: prompts scored on the device now, on the host at the base commit
         if [ -d .device/base ]; then
             bounded 120 ahead.log python3 bench/loglikelihood.py --device cuda --dtype bfloat16 --model default \

@@ -28,6 +28,7 @@ from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
 from ..progress import Stages
 from ..stage_outputs import stage_output_specs
 from ..tiers import TierManager, build_kv_connector
+from ..tiers.transfer import STAGE_BYTES
 from . import graph_check, mixed_graph_choice
 from .cpu_threads import AdaptiveCpuThreads, thread_counts_agree
 from .cuda_graphs import StepGraphs, capture_sizes, graph_mode, mixed_capture_sizes, tail_rows
@@ -307,6 +308,7 @@ def _num_blocks(
             bs,
             graph_rows,
             graph_logits_rows,
+            STAGE_BYTES if (config.kv_offloading_size or config.kv_tier) else 0,
         )
     else:
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES

@@ -95,6 +95,7 @@ def cuda_kv_budget(
     block_size: int,
     graph_rows: int,
     graph_logits_rows: int,
+    staging_bytes: int = 0,
 ) -> int:
     """The KV budget in bytes on the model's CUDA device for `gpu_memory_utilization`.
     `graph_rows`: the most rows a step captured as a CUDA graph has (a decode batch or a mixed
@@ -103,9 +104,9 @@ def cuda_kv_budget(
     of `graph_logits_rows` rows, their draws and a copy of those logits (the decode graphs' tail,
     cuda_graphs.tail_rows, and the draws' graphs, graph_sampling.py; the capture logs the real figure) - for a recurrent
     model over the most segments a replayed step computes, `max_rows` requests of two tokens
-    (`profile_step`)."""
+    (`profile_step`). `staging_bytes`: device buffers held beside them (the KV tiers' copies)."""
     device = model.device
-    activations = peak_step_activations(model, max_tokens, max_rows, block_size)
+    activations = peak_step_activations(model, max_tokens, max_rows, block_size) + staging_bytes
     if graph_rows:
         seqs = max_rows if model.config.is_recurrent else 1
         activations += peak_step_activations(model, graph_rows, max(1, graph_logits_rows), block_size, seqs)

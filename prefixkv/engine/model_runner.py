@@ -160,10 +160,10 @@ class ModelRunner:
         if self.stage_outputs is not None:
             self._keep_stage_outputs(hidden, slots, scheduled)
         starts = query_start_loc if query_start_loc is not None else range(len(scheduled) + 1)
-        out = ModelRunnerOutput()
+        pending = PendingOutput(ModelRunnerOutput())
+        out = pending.out
         if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
-            out.kv_saved = self.kv_connector.save(scheduler_output.kv_saves)
-        pending = PendingOutput(out)
+            pending.kv_saves = self.kv_connector.save(scheduler_output.kv_saves)
         if any(sr.want_hidden_states for sr in scheduled):  # computed before a replay overwrites them
             for i, sr in enumerate(scheduled):
                 if sr.want_hidden_states:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..model.host_copy import HostCopies, tensor_on
+from ..tiers.connector import PendingSaves
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .sampler import SampledTensors, SampleResult
 
@@ -46,7 +47,7 @@ class PromptScores:
 
 @dataclass(slots=True)
 class PendingOutput:
-    out: ModelRunnerOutput  # all but the sampled rows, prompt scores and hidden states: errors, tier saves
+    out: ModelRunnerOutput  # all but the sampled rows, prompt scores, hidden states and tier saves: errors
     req_ids: list[str] = field(default_factory=list)  # the sampled rows' requests, in row order
     sampled: SampledTensors | SampleResult | None = None
     # [rows] whether each row's logits were finite, checked when the tokens are read (None: checked
@@ -56,6 +57,7 @@ class PendingOutput:
     # into `out` when read
     prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
     hidden_states: dict[str, tuple[int, HostCopies]] = field(default_factory=dict)
+    kv_saves: PendingSaves | None = None  # the KV tiers' saves of the step, copied out in stream order
     _finite_host: HostCopies | None = None
     _finite_in_tokens: bool = False  # the copied tokens are -1 where a row was not finite
     _result: ModelRunnerOutput | None = None
@@ -90,6 +92,8 @@ class PendingOutput:
         if self._result is not None:
             return self._result
         out = self.out
+        if self.kv_saves is not None:
+            out.kv_saved = self.kv_saves.result()
         for req_id, scores in self.prompt_scores.items():
             out.prompt_logprobs[req_id] = scores.read()
         for req_id, (first, rows) in self.hidden_states.items():

@@ -104,11 +104,21 @@ class SchedulerConnector(Protocol):
     def stats(self) -> tuple[TierStats, ...]: ...
 
 
-class WorkerConnector(Protocol):
-    def load(self, loads: Sequence[KVLoad]) -> None:
-        """Copy the loads' bytes into their blocks (before the forward that reads them)."""
+class PendingSaves(Protocol):
+    """A step's saves, copied out in the device's order: their values are read with the step's
+    tokens, when it is booked."""
+
+    def result(self) -> list[SavedBlock]:
+        """The values, in the saves' order (waiting for the copies if they still run)."""
         ...
 
-    def save(self, saves: Sequence[KVSave]) -> list[SavedBlock]:
-        """Copy the saves' blocks out (after the forward that wrote them), sealed."""
+
+class WorkerConnector(Protocol):
+    def load(self, loads: Sequence[KVLoad]) -> None:
+        """Copy the loads' bytes into their blocks (before the forward that reads them, in the
+        device's order: the host need not wait)."""
+        ...
+
+    def save(self, saves: Sequence[KVSave]) -> PendingSaves:
+        """Copy the saves' blocks out (after the forward that wrote them), sealed when read."""
         ...

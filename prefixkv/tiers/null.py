@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..cache import KVCacheEvent, KVCacheManager
-from .connector import StepPlan, TierRequest
+from .connector import PendingSaves, StepPlan, TierRequest
 from .plans import KVLoad, KVSave, SavedBlock
 from .stats import TierStats
 
@@ -52,7 +52,7 @@ class NullWorkerConnector:
         if loads:
             raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")
 
-    def save(self, saves: Sequence[KVSave]) -> list[SavedBlock]:
+    def save(self, saves: Sequence[KVSave]) -> PendingSaves:
         raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")
 
 

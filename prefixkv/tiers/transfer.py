@@ -4,18 +4,32 @@ and bytes, and seals what it copies out into values (value.py) for the scheduler
 A block's bytes are, in order, each KV layer's `[2, block_size, kv_heads, head_dim]` slice (model
 dtype), then - with the stage-output cache on - the block's rows of every stage-output tensor
 (`[block_size, D]`: hidden states, ...), so a block's stage outputs travel with its KV into the
-tiers and back, under the same checks. One staging buffer (pinned when a tensor is on CUDA) is
-reused for every copy, so a transfer allocates only the value it produces.
+tiers and back, under the same checks.
+
+A step's blocks move together: one gather (saves) or scatter (loads) per tensor, whatever their
+number. On a CPU they gather straight into a reused host buffer of one row of bytes per block.
+On a GPU they go through a reused device buffer, laid out tensor by tensor, and page-locked host
+memory, and the copies take their place in the stream without the host waiting: loads land
+before the forward that reads them; saves are copied out after the forward that wrote them and
+sealed when the step is booked (`StagedSaves.result`). So a step with tier traffic does not hold
+the host until the step before it is done (async scheduling, engine/llm_engine.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..model.host_copy import tensor_on
 from .plans import KVLoad, KVSave, SavedBlock
 from .value import seal
+
+_ALIGN = 64  # bytes: each tensor's region of the staging buffer starts here, viewable in any dtype
+STAGE_BYTES = 16 << 20  # at most this much staged at once (more blocks: more copies; a GPU reserves it)
 
 
 def block_nbytes(parts: Sequence[tuple[torch.Tensor, int]]) -> int:
@@ -23,50 +37,224 @@ def block_nbytes(parts: Sequence[tuple[torch.Tensor, int]]) -> int:
     return sum(t.select(dim, 0).numel() * t.element_size() for t, dim in parts)
 
 
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One tensor's share of a block: at `offset` in the block's bytes, `outer` runs (the
+    product of the dimensions before the block axis) of `inner` bytes each."""
+
+    tensor: torch.Tensor
+    dim: int
+    offset: int
+    outer: int
+    inner: int
+
+    def staged_shape(self, n: int) -> tuple[int, ...]:
+        """The shape of `n` blocks gathered along the block axis."""
+        s = self.tensor.shape
+        return (*s[: self.dim], n, *s[self.dim + 1 :])
+
+
 class BlockTransfer:
-    def __init__(self, parts: Sequence[tuple[torch.Tensor, int]], secret: bytes | None = None) -> None:
-        """`parts`: (tensor, its block axis) of everything a block carries, in value order.
-        `secret`: the tier secret, whose MAC seals every value (never logged)."""
+    def __init__(
+        self,
+        parts: Sequence[tuple[torch.Tensor, int]],
+        secret: bytes | None = None,
+        *,
+        through_host: bool = False,
+        stage_bytes: int = STAGE_BYTES,
+    ) -> None:
+        """`parts`: (tensor, its block axis) of everything a block carries, in value order; all
+        on one device. `secret`: the tier secret, whose MAC seals every value (never logged).
+        `through_host`: stage the copies through a device buffer and host memory even on a CPU
+        (what they always do on a GPU), so that the GPU's path runs without one. `stage_bytes`: the
+        most one gather or scatter moves (more blocks: more of them)."""
         self.parts = list(parts)
         self._secret = secret
         self.nbytes = block_nbytes(self.parts)
-        self._stage = bytearray(self.nbytes)
-        if any(t.device.type == "cuda" for t, _ in self.parts):
-            self._pinned: torch.Tensor | None = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-            stage = self._pinned
-        else:
-            self._pinned = None
-            stage = torch.frombuffer(self._stage, dtype=torch.uint8)
-        # (tensor, block axis, this part's typed view of the staging buffer)
-        self._views: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._device = self.parts[0][0].device
+        self._pin = self._device.type == "cuda"
+        self._layout: list[_Part] = []
         offset = 0
         for t, dim in self.parts:
-            one = t.select(dim, 0)
-            n = one.numel() * t.element_size()
-            self._views.append((t, dim, stage[offset : offset + n].view(t.dtype).view(one.shape)))
-            offset += n
+            outer = math.prod(t.shape[:dim])
+            size = t.select(dim, 0).numel() * t.element_size()
+            self._layout.append(_Part(t, dim, offset, outer, size // outer))
+            offset += size
+        # the host rows are viewed in each tensor's dtype: its bytes must start on its elements
+        rows_fit = all(
+            p.offset % p.tensor.element_size() == 0 and offset % p.tensor.element_size() == 0 for p in self._layout
+        )
+        self._through_host = through_host or self._device.type != "cpu" or not rows_fit
+        self._per_copy = max(1, stage_bytes // self.nbytes)  # blocks moved by one gather or scatter
+        # Reused, grown on demand: the host's rows of one block's bytes each, the device's
+        # staging buffer (through the host), and per number of blocks the views each tensor's
+        # blocks are gathered into or scattered from (building them cost more than the copies of
+        # one block, timed on a CPU). Page-locked memory comes fresh from PyTorch's caching host
+        # allocator, which keeps it until the copies reading it are done
+        self._rows = torch.empty(0, dtype=torch.uint8)
+        self._stage = torch.empty(0, dtype=torch.uint8, device=self._device)
+        self._views: dict[int, list[torch.Tensor]] = {}
+
+    def _regions(self, n: int) -> tuple[list[int], int]:
+        """Where each tensor's `n` blocks start in a staging buffer, and its size."""
+        starts, at = [], 0
+        for part in self._layout:
+            starts.append(at)
+            at += -(-(n * part.outer * part.inner) // _ALIGN) * _ALIGN
+        return starts, at
+
+    def _rows_for(self, n: int) -> torch.Tensor:
+        """The reused host buffer as `n` rows of one block's bytes."""
+        if self._rows.numel() < n * self.nbytes:
+            self._rows = torch.empty(n * self.nbytes, dtype=torch.uint8)
+            if not self._through_host:
+                self._views.clear()  # they were views of the old buffer
+        return self._rows[: n * self.nbytes].view(n, self.nbytes)
+
+    def _gather_views(self, n: int) -> list[torch.Tensor]:
+        """Each tensor's `n` blocks (gathered along its block axis), as views of the host rows
+        (direct) or of the device staging buffer (through the host)."""
+        views = self._views.get(n)
+        if views is not None:
+            return views
+        views = []
+        if self._through_host:
+            starts, total = self._regions(n)
+            if self._stage.numel() < total:
+                self._stage = torch.empty(total, dtype=torch.uint8, device=self._device)
+                self._views.clear()
+            for part, start in zip(self._layout, starts):
+                region = self._stage[start : start + n * part.outer * part.inner]
+                views.append(region.view(part.tensor.dtype).view(part.staged_shape(n)))
+        else:
+            rows = self._rows_for(n)
+            for part in self._layout:
+                one = part.tensor.select(part.dim, 0)
+                own = rows[:, part.offset : part.offset + part.outer * part.inner].view(part.tensor.dtype)
+                views.append(own.view(n, *one.shape).movedim(0, part.dim))
+        self._views[n] = views
+        return views
 
     @torch.inference_mode()
     def load(self, loads: Sequence[KVLoad]) -> None:
         """Copy checked bytes into their blocks (before the forward that reads them)."""
-        for load in loads:
-            if self._pinned is not None:
-                self._pinned.numpy()[:] = memoryview(load.kv).cast("B")
-            else:
-                self._stage[:] = load.kv
-            for tensor, dim, src in self._views:
-                tensor.select(dim, load.block_id).copy_(src, non_blocking=False)
+        for at in range(0, len(loads), self._per_copy):
+            self._load(loads[at : at + self._per_copy])
+
+    def _load(self, loads: Sequence[KVLoad]) -> None:
+        n = len(loads)
+        rows = self._rows_for(n).numpy()
+        for i, load in enumerate(loads):
+            rows[i] = np.frombuffer(load.kv, dtype=np.uint8)
+        views = self._gather_views(n)
+        if self._through_host:
+            starts, total = self._regions(n)
+            host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+            self._by_tensor(host.numpy(), starts, rows)
+            self._stage[:total].copy_(host, non_blocking=self._pin)
+        ids = tensor_on([load.block_id for load in loads], self._device, torch.long)
+        for part, view in zip(self._layout, views):
+            part.tensor.index_copy_(part.dim, ids, view)
 
     @torch.inference_mode()
-    def save(self, saves: Sequence[KVSave]) -> list[SavedBlock]:
-        """Copy completed blocks out (after the forward that wrote them) and seal them."""
-        saved = []
-        for save in saves:
-            for tensor, dim, dst in self._views:
-                dst.copy_(tensor.select(dim, save.block_id))
-            data = self._pinned.numpy().data if self._pinned is not None else memoryview(self._stage)
+    def save(self, saves: Sequence[KVSave]) -> StagedSaves:
+        """Copy completed blocks out (after the forward that wrote them), sealed at once when
+        copied straight to the host, else when first read (when the step is booked)."""
+        staged = StagedSaves(self)
+        for at in range(0, len(saves), self._per_copy):
+            chunk = saves[at : at + self._per_copy]
+            copy = self._save(chunk)
+            staged.add(copy if copy is not None else self._seal(chunk, self._rows_for(len(chunk))))
+        return staged
+
+    def _save(self, saves: Sequence[KVSave]) -> _Copy | None:
+        """Gather the blocks; through the host, start copying them there (None: gathered into the
+        host rows, to be sealed before they are reused)."""
+        n = len(saves)
+        ids = tensor_on([save.block_id for save in saves], self._device, torch.long)
+        for part, view in zip(self._layout, self._gather_views(n)):
+            torch.index_select(part.tensor, part.dim, ids, out=view)
+        if not self._through_host:
+            return None
+        starts, total = self._regions(n)
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+        host.copy_(self._stage[:total], non_blocking=self._pin)
+        done = None
+        if self._pin:
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+        return _Copy(list(saves), host, starts, done)
+
+    def _by_tensor(self, staged: np.ndarray, starts: list[int], rows: np.ndarray) -> None:
+        """Reorder `rows` (one block's bytes each) into `staged` (each tensor's blocks together)."""
+        n = len(rows)
+        for part, start in zip(self._layout, starts):
+            size = n * part.outer * part.inner
+            blocks = rows[:, part.offset : part.offset + part.outer * part.inner]
+            staged[start : start + size].reshape(part.outer, n, part.inner)[:] = blocks.reshape(
+                n, part.outer, part.inner
+            ).transpose(1, 0, 2)
+
+    def _by_block(self, staged: np.ndarray, starts: list[int], rows: np.ndarray) -> None:
+        """The reverse of `_by_tensor`."""
+        n = len(rows)
+        for part, start in zip(self._layout, starts):
+            size = n * part.outer * part.inner
+            blocks = rows[:, part.offset : part.offset + part.outer * part.inner]
+            blocks.reshape(n, part.outer, part.inner)[:] = (
+                staged[start : start + size].reshape(part.outer, n, part.inner).transpose(1, 0, 2)
+            )
+
+    def finish(self, copy: _Copy) -> list[SavedBlock]:
+        """The values of a copy through the host, once it is done."""
+        if copy.done is not None:
+            copy.done.synchronize()
+        rows = self._rows_for(len(copy.saves))
+        self._by_block(copy.staged.numpy(), copy.starts, rows.numpy())
+        return self._seal(copy.saves, rows)
+
+    def _seal(self, saves: Sequence[KVSave], rows: torch.Tensor) -> list[SavedBlock]:
+        """Each block's value from its row of bytes (for a save with an `owner`, its KV bytes
+        alone: KVSave.owner)."""
+        values = []
+        for save, row in zip(saves, rows.numpy()):
+            data = row.data
             if save.owner is not None:  # keyed and sealed when its last token is known (KVSave.owner)
-                saved.append(SavedBlock(save, bytes(data)))
+                values.append(SavedBlock(save, bytes(data)))
             else:
-                saved.append(SavedBlock(save, seal(save.head, data, save.key, self._secret)))
-        return saved
+                values.append(SavedBlock(save, seal(save.head, data, save.key, self._secret)))
+        return values
+
+
+@dataclass(slots=True)
+class _Copy:
+    """Some of a step's saves on their way to host memory `staged` (in stream order), each
+    tensor's blocks from `starts` (BlockTransfer._regions); `done` is recorded after the copy
+    (None: done already)."""
+
+    saves: list[KVSave]
+    staged: torch.Tensor
+    starts: list[int]
+    done: torch.cuda.Event | None
+
+
+class StagedSaves:
+    """A step's saves copied out, sealed into values when first read (`result`)."""
+
+    __slots__ = ("_transfer", "_parts", "_values")
+
+    def __init__(self, transfer: BlockTransfer) -> None:
+        self._transfer = transfer
+        self._parts: list[_Copy | list[SavedBlock]] = []  # in the saves' order: copies, or sealed
+        self._values: list[SavedBlock] | None = None
+
+    def add(self, part: _Copy | list[SavedBlock]) -> None:
+        self._parts.append(part)
+
+    def result(self) -> list[SavedBlock]:
+        """The values, in the saves' order, waiting for the copies if they are still running."""
+        if self._values is None:
+            finish = self._transfer.finish
+            self._values = [v for p in self._parts for v in (p if isinstance(p, list) else finish(p))]
+            self._parts = []  # the page-locked memory goes back
+        return self._values

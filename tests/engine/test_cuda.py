@@ -175,3 +175,45 @@ def test_cuda_async_scheduling_equals_transformers_and_launches_without_waiting(
     assert engine.num_steps_ahead > steps_ahead
     assert not waits, waits[:3]
     assert run(in_order, prompts[0], params=penalized) == ahead
+
+
+def test_cuda_tier_copies_keep_outputs_and_make_the_host_wait_for_nothing(cuda_lm, prompts, expected, monkeypatch):
+    """A CPU tier on the GPU with async scheduling: blocks are copied out through page-locked
+    memory in stream order and sealed when their step is booked, and loaded back the same way
+    (tiers/transfer.py). Greedy float32 tokens equal transformers' when the blocks are saved and
+    when the pool has forgotten them and they come back from the tier; neither copy makes the host
+    wait (torch's sync debug mode reports every synchronizing call); every block free."""
+    import warnings
+
+    engine = cuda_engine(cuda_lm, async_scheduling=True, kv_offloading_size=0.05)
+    connector = engine.runner.kv_connector
+    waits: list[str] = []
+    copies = {"load": 0, "save": 0}
+
+    def watched(name):
+        copy = getattr(connector, name)
+
+        def run_copy(plans):
+            copies[name] += 1
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = copy(plans)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            waits.extend(f"{name}: {w.message}" for w in caught if "synchroniz" in str(w.message))
+            return got
+
+        return run_copy
+
+    monkeypatch.setattr(connector, "load", watched("load"))
+    monkeypatch.setattr(connector, "save", watched("save"))
+    _, shared = prompts
+    assert run(engine, shared) == expected[1]
+    saves = next(t for t in engine.get_stats().kv_tiers if t.tier == "cpu").saves
+    assert saves > 0 and copies["save"] > 0 and engine.num_steps_ahead > 0
+    assert engine.reset_prefix_cache()  # the pool forgets; the tier keeps them
+    assert run(engine, shared) == expected[1]
+    assert copies["load"] > 0 and next(t for t in engine.get_stats().kv_tiers if t.tier == "cpu").hits > 0
+    assert not waits, waits[:3]

@@ -4,6 +4,7 @@ after the requests finish."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -14,6 +15,8 @@ import pytest
 
 from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.tiers import build as tier_build
+from prefixkv.tiers.transfer import BlockTransfer
 
 from .conftest import BLOCK, all_free, engine, make_tiny, run, tier
 
@@ -54,18 +57,24 @@ def test_cpu_tier_hit_after_the_pool_thrashed(tiny_model, tiny_loaded, cases):
     assert all_free(eng)
 
 
-@pytest.mark.parametrize("max_tokens", [6, 9])
-def test_steps_scheduled_ahead_save_and_load_as_steps_in_order(tiny_model, tiny_loaded, cases, max_tokens):
+@pytest.mark.parametrize(("max_tokens", "through_host"), [(6, False), (9, False), (9, True)])
+def test_steps_scheduled_ahead_save_and_load_as_steps_in_order(
+    tiny_model, tiny_loaded, cases, max_tokens, through_host, monkeypatch
+):
     """Async scheduling (a GPU's default) with a CPU tier: a decode scheduled ahead completes a
     block before its last token is known; the block is copied out after that step all the same
     and keyed when the step is booked. Five requests at once (9 tokens: each one's last step
     completes a block), then the pool thrashed and the first asked again: the same outputs, the
-    same blocks saved and the same hits as in order; steps ran ahead; every block free."""
+    same blocks saved and the same hits as in order; steps ran ahead; every block free.
+    `through_host`: the copies take a GPU's path (sealed when the step is booked)."""
+    if through_host:
+        monkeypatch.setattr(tier_build, "BlockTransfer", functools.partial(BlockTransfer, through_host=True))
     ps, _ = cases
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     def serve(async_scheduling: bool) -> tuple:
         eng = engine(tiny_model, tiny_loaded, kv_offloading_size=0.01, async_scheduling=async_scheduling)
+        assert eng.runner.kv_connector._through_host == through_host
         ids = [eng.add_request(p, greedy) for p in ps]
         done = {}
         while eng.has_unfinished_requests():
