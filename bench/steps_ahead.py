@@ -5,7 +5,7 @@ thinker stage (return_hidden_states). A step in order makes a GPU wait for the h
 count is the same on any machine, so a CPU measures it.
 
     python bench/steps_ahead.py [--decodes 8] [--arrivals 40] [--model DIR | --model default]
-        [--device cuda --dtype bfloat16 --rounds 3] [--kv-offloading-size GIB]
+        [--device cuda --dtype bfloat16 --rounds 3] [--kv-offloading-size GIB] [--num-blocks N]
 
 By default a random model of two layers 64 wide (bench/device/random_checkpoint.py --shape tiny
 --byte-tokenizer). `--decodes` requests decode throughout (2 x arrivals + 8 tokens each); one request of the kind
@@ -14,7 +14,8 @@ share. On a GPU (`--device cuda`) it also times each kind's run with async sched
 (`--rounds` alternated rounds, medians): what the steps ahead buy there. A CPU computes a step when
 it is launched, so there the times would say nothing and are not taken. `--kv-offloading-size`: both
 engines save every completed block to a CPU tier, so that on a GPU the times say whether the tier's
-copies hold the host (tiers/transfer.py).
+copies hold the host (tiers/transfer.py). `--num-blocks`: a KV cache that small (default 1,024 blocks of
+16) makes the batch outgrow it, and steps scheduled ahead preempt; the preemptions are printed.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=3, help="on a GPU: timed rounds of each engine")
     ap.add_argument("--kv-offloading-size", type=float, default=None, help="GiB of CPU tier under both engines")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks of 16 tokens (small: preemptions)")
     args = ap.parse_args()
     print(describe())
     model = args.model or tiny_checkpoint(tempfile.mkdtemp(prefix="steps-ahead-"))
@@ -84,7 +86,7 @@ def main() -> None:
             None if model == "default" else model,
             dtype=args.dtype,
             device=args.device,
-            num_blocks=1024,
+            num_blocks=args.num_blocks,
             block_size=16,
             async_scheduling=async_scheduling,
             kv_offloading_size=args.kv_offloading_size,
@@ -92,8 +94,11 @@ def main() -> None:
 
     ahead, in_order = engine(True), engine(False) if timed else None
     for kind in KINDS:
+        preempted = ahead.llm_engine.scheduler.num_preemptions
         steps, launched, _ = share_ahead(ahead, kind, args.decodes, args.arrivals)
         line = f"{kind:14s} {steps:4d} steps, {launched:4d} launched ahead ({100 * launched / steps:.0f}%)"
+        if ahead.llm_engine.scheduler.num_preemptions > preempted:
+            line += f", {ahead.llm_engine.scheduler.num_preemptions - preempted} preemptions"
         if in_order is not None:
             share_ahead(in_order, kind, args.decodes, args.arrivals)  # warm, as the count's run warmed the other
             times: dict[str, list[float]] = {"ahead": [], "in order": []}

@@ -81,6 +81,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # preempted by schedule_ahead while their last step was in flight: that step's booking
+        # counts no computed tokens for them (their blocks are gone) but books their token
+        self._preempted_in_flight: set[str] = set()
         self._finished_ids: list[str] = []  # left since the last schedule()
         # the last booked step's inter-token latencies: for each sequence that got a token and had
         # one before, the seconds between the two bookings (vLLM's inter_token_latency)
@@ -120,6 +123,7 @@ class Scheduler:
         if self.requests.pop(req.request_id, None) is None:
             return
         self.kv_connector.request_finished(req.request_id)
+        self._preempted_in_flight.discard(req.request_id)
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -178,12 +182,15 @@ class Scheduler:
         """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
         scheduling): every request it samples for computes, next, the token being sampled now,
         read by the runner from that step's draws. None when the next step needs what only the
-        tokens or the ordinary `schedule()` can give: a request reading cached stage outputs,
-        a running request the step left out, blocks
-        that would need a preemption. A prompt in chunks goes on with its next
+        tokens or the ordinary `schedule()` can give: a request reading cached stage outputs, a
+        running request the step left out. A prompt in chunks goes on with its next
         chunk (its tokens are known), given the budget in the running order as `schedule()` gives
         it; waiting requests are admitted behind as `schedule()` admits them (their prompts are
-        known).
+        known), unless the step had to preempt. When the blocks run out, the newest request going
+        on (with the priority policy: the one of largest (priority, arrival)) is preempted, as
+        `schedule()` would after the booking: its blocks are freed now (the step in flight writes
+        them before anything launched later can), and that step's booking still gives it its
+        token, so it recomputes the same tokens as in order (`_preempted_in_flight`).
 
         A request that the count of its tokens ends after `in_flight` (max_tokens, the model's
         length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,
@@ -228,12 +235,23 @@ class Scheduler:
             held = kv.num_blocks_held(sr.req_id)
             going_on.append((req, sr, held, 0))
             num_new_blocks += max(0, -(-(num_tokens + 1) // bs) - held)
+        # a sliding group's releases, which come first, are not counted: the count errs high
+        preempted: list[str] = []
+        while going_on and num_new_blocks * self.num_kv_groups > kv.num_free_blocks:
+            at = len(going_on) - 1  # the newest: going_on is in the running order
+            if self.policy == "priority":
+                at = max(range(len(going_on)), key=lambda i: self._priority_key(going_on[i][0]))
+            victim, sr, held, num_new = going_on.pop(at)
+            end = sr.start + len(sr.token_ids) + num_new if num_new else victim.num_tokens + 1
+            num_new_blocks -= max(0, -(-end // bs) - held)
+            budget += num_new or 1
+            self.running.remove(victim)
+            self._preempt(victim)
+            self._preempted_in_flight.add(victim.request_id)
+            preempted.append(victim.request_id)
         if not going_on:
             return None
-        # a sliding group's releases, which come first, are not counted: the count errs high
-        if num_new_blocks * self.num_kv_groups > kv.num_free_blocks:
-            return None
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        out = SchedulerOutput(finished_req_ids=self._finished_ids, preempted_req_ids=preempted)
         self._finished_ids = []
         scheduled = out.scheduled
         for req, sr, held, num_new in going_on:
@@ -256,7 +274,8 @@ class Scheduler:
             # a hybrid's later groups: the manager's lists, new only where a block came or left
             groups = kv.get_group_block_ids(sr.req_id) if sr.group_block_tables else sr.group_block_tables
             scheduled.append(sr.next_decode(start, table, block_eos, req.prompt_logprobs_upto, groups))
-        budget = self._admit_waiting(out, budget, time.time())
+        if not preempted:
+            budget = self._admit_waiting(out, budget, time.time())
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.kv_connector.plan(out, self.requests, kv)
         return out
@@ -420,10 +439,15 @@ class Scheduler:
         requests = self.requests
         if runner_output.kv_saved:  # the values of this step's saves, for the tiers to store
             self.kv_connector.saved(runner_output.kv_saved, self.requests, self.kv_cache_manager)
+        preempted = self._preempted_in_flight
         for sr in scheduler_output.scheduled:
             req = requests.get(sr.req_id)
-            if req is not None:
-                req.num_computed_tokens += len(sr.token_ids)
+            if req is None:
+                continue
+            if sr.req_id in preempted:  # since this step was launched: it recomputes from the start
+                preempted.discard(sr.req_id)
+                continue
+            req.num_computed_tokens += len(sr.token_ids)
         for req_id, scored in runner_output.prompt_logprobs.items():
             req = requests.get(req_id)
             if req is not None:

@@ -156,6 +156,45 @@ def test_every_stop_and_sampling_equal_the_in_order_engine(tiny):
     _all_free(sync)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemptions_ahead_equal_the_in_order_engine(tiny, policy):
+    """A pool too small for the batch: steps scheduled ahead preempt (Scheduler.schedule_ahead)
+    instead of falling back to in order, and a preempted request's token in flight is still
+    booked. Greedy with a stop token, seeded sampling with logprobs, penalties, min_tokens and
+    n=2: the same tokens, text, finishes and logprobs as the in-order engine, and every block free."""
+    folder, _ = tiny
+    prompts = _prompts(5, 8)
+    small = {**BASE, "num_blocks": 14, "max_model_len": 48, "scheduling_policy": policy}
+    sync = LLM(str(folder), **small)
+    ahead = LLM(str(folder), **small, async_scheduling=True)
+    probe = _outputs(LLM(str(folder), **BASE), prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    params = [
+        SamplingParams(temperature=0, max_tokens=14, stop_token_ids=[probe[0][0][6]], ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=14, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=14, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, frequency_penalty=0.5, min_tokens=9),
+        SamplingParams(temperature=0.7, top_k=8, seed=5, max_tokens=11, n=2),
+    ]
+    params = [params[i % len(params)] for i in range(len(prompts))]
+    engine = ahead.llm_engine
+    schedule_ahead = engine.scheduler.schedule_ahead
+    preempted_ahead: list[str] = []
+
+    def counted(in_flight, max_model_len):
+        out = schedule_ahead(in_flight, max_model_len)
+        if out is not None:
+            preempted_ahead.extend(out.preempted_req_ids)
+        return out
+
+    engine.scheduler.schedule_ahead = counted  # type: ignore[method-assign]
+    want = _outputs(sync, prompts, params)
+    assert _outputs(ahead, prompts, params) == want
+    assert sync.llm_engine.scheduler.num_preemptions > 0 and preempted_ahead
+    assert engine.num_steps_ahead > 0.9 * engine.num_steps, (engine.num_steps_ahead, engine.num_steps)
+    _all_free(ahead)
+    _all_free(sync)
+
+
 # requests whose prompt's logprobs or hidden states are asked, beside plain ones (prompt index, params)
 _PROMPT_OUTPUT_PARAMS = [
     SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3, logprobs=1),

@@ -216,3 +216,43 @@ def test_prompts_in_chunks_go_on_ahead_as_schedule_would_split_them():
         step = ahead
     assert chunks >= 4
     assert not ahead_s.running and not in_order.running
+
+
+def test_blocks_running_out_ahead_preempt_the_newest_which_keeps_its_token_in_flight():
+    """schedule_ahead, out of blocks, preempts the newest request going on (the priority policy:
+    the one of largest (priority, arrival)) instead of putting the step in order: its blocks are
+    freed at once, the step in flight still books its token but no computed tokens (it recomputes
+    what no cache hit gives back), nothing waiting is admitted behind the preemption, and it comes back once
+    blocks are free."""
+    for policy, victim, queue in (("fcfs", "c", ["c", "d"]), ("priority", "a", ["d", "a"])):
+        s = Scheduler(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, policy=policy)
+        reqs = [req("a", 8), req("b", 8), req("c", 8)]
+        reqs[0].priority = 1  # served last under the priority policy
+        for r in reqs:
+            s.add_request(r)
+        step = s.schedule()  # 2 blocks each: 1 left
+        assert sorted(sr.req_id for sr in step.scheduled) == ["a", "b", "c"]
+        late = req("d", 3)
+        s.add_request(late)
+        ahead = s.schedule_ahead(step, max_model_len=64)  # each needs a third block: one is preempted
+        assert ahead is not None and ahead.preempted_req_ids == [victim]
+        assert victim not in {sr.req_id for sr in ahead.scheduled}
+        assert [r.request_id for r in s.waiting] == queue  # none admitted behind the preemption
+        victim_req = s.requests[victim]
+        assert victim_req.status is RequestStatus.PREEMPTED and s.num_preemptions == 1
+        assert s.kv_cache_manager.num_blocks_held(victim) == 0
+        s.update_from_output(step, ModelRunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[7, 8, 9]))
+        assert victim_req.output_token_ids == [{"a": 7, "b": 8, "c": 9}[victim]]
+        assert victim_req.num_computed_tokens == 0 and not s._preempted_in_flight
+        assert all(r.num_computed_tokens == 8 for r in reqs if r is not victim_req)
+        s.update_from_output(
+            ahead, ModelRunnerOutput(req_ids=[sr.req_id for sr in ahead.scheduled], sampled_token_ids=[1, 2])
+        )
+        for r in list(s.running):
+            s.finish_request(r, RequestStatus.FINISHED_LENGTH)
+        back = s.schedule()  # it recomputes what no cache hit gives back, up to the token booked late
+        again = next(sr for sr in back.scheduled if sr.req_id == victim)
+        assert again.start + len(again.token_ids) == 9 and again.token_ids[-1] == victim_req.output_token_ids[0]
+        for r in list(s.requests.values()):
+            s.finish_request(r, RequestStatus.FINISHED_ABORTED)
+        assert s.kv_cache_manager.num_free_blocks == 7
