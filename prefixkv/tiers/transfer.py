@@ -47,6 +47,7 @@ class _Part:
     offset: int
     outer: int
     inner: int
+    on_host: bool  # kept in host memory by an engine on another device (the stage-output cache's rows)
 
     def staged_shape(self, n: int) -> tuple[int, ...]:
         """The shape of `n` blocks gathered along the block axis."""
@@ -63,8 +64,8 @@ class BlockTransfer:
         through_host: bool = False,
         stage_bytes: int = STAGE_BYTES,
     ) -> None:
-        """`parts`: (tensor, its block axis) of everything a block carries, in value order; all
-        on one device. `secret`: the tier secret, whose MAC seals every value (never logged).
+        """`parts`: (tensor, its block axis) of everything a block carries, in value order: on the
+        first one's device, or in host memory. `secret`: the tier secret, whose MAC seals every value (never logged).
         `through_host`: stage the copies through a device buffer and host memory even on a CPU
         (what they always do on a GPU), so that the GPU's path runs without one. `stage_bytes`: the
         most one gather or scatter moves (more blocks: more of them)."""
@@ -78,7 +79,10 @@ class BlockTransfer:
         for t, dim in self.parts:
             outer = math.prod(t.shape[:dim])
             size = t.select(dim, 0).numel() * t.element_size()
-            self._layout.append(_Part(t, dim, offset, outer, size // outer))
+            on_host = t.device.type == "cpu" and self._device.type != "cpu"
+            if not on_host and t.device != self._device:
+                raise ValueError(f"a block's tensors on {t.device} and {self._device}")
+            self._layout.append(_Part(t, dim, offset, outer, size // outer, on_host))
             offset += size
         # the host rows are viewed in each tensor's dtype: its bytes must start on its elements
         rows_fit = all(
@@ -93,15 +97,27 @@ class BlockTransfer:
         # allocator, which keeps it until the copies reading it are done
         self._rows = torch.empty(0, dtype=torch.uint8)
         self._stage = torch.empty(0, dtype=torch.uint8, device=self._device)
-        self._views: dict[int, list[torch.Tensor]] = {}
+        self._views: dict[int, list[torch.Tensor | None]] = {}
 
-    def _regions(self, n: int) -> tuple[list[int], int]:
-        """Where each tensor's `n` blocks start in a staging buffer, and its size."""
-        starts, at = [], 0
-        for part in self._layout:
-            starts.append(at)
-            at += -(-(n * part.outer * part.inner) // _ALIGN) * _ALIGN
-        return starts, at
+    def _regions(self, n: int) -> tuple[list[int], int, int]:
+        """Where each tensor's `n` blocks start in a staging buffer (the device's tensors first,
+        then those in host memory), its size, and the size of the device's share."""
+        starts = [0] * len(self._layout)
+        at = device_total = 0
+        for on_host in (False, True):
+            for i, part in enumerate(self._layout):
+                if part.on_host == on_host:
+                    starts[i] = at
+                    at += -(-(n * part.outer * part.inner) // _ALIGN) * _ALIGN
+            if not on_host:
+                device_total = at
+        return starts, at, device_total
+
+    @staticmethod
+    def _staged(buffer: torch.Tensor, start: int, part: _Part, n: int) -> torch.Tensor:
+        """`n` blocks of `part` gathered along its block axis, in `buffer` from `start`."""
+        region = buffer[start : start + n * part.outer * part.inner]
+        return region.view(part.tensor.dtype).view(part.staged_shape(n))
 
     def _rows_for(self, n: int) -> torch.Tensor:
         """The reused host buffer as `n` rows of one block's bytes."""
@@ -111,21 +127,23 @@ class BlockTransfer:
                 self._views.clear()  # they were views of the old buffer
         return self._rows[: n * self.nbytes].view(n, self.nbytes)
 
-    def _gather_views(self, n: int) -> list[torch.Tensor]:
+    def _gather_views(self, n: int) -> list[torch.Tensor | None]:
         """Each tensor's `n` blocks (gathered along its block axis), as views of the host rows
-        (direct) or of the device staging buffer (through the host)."""
-        views = self._views.get(n)
-        if views is not None:
-            return views
-        views = []
+        (direct) or of the device staging buffer (through the host; a tensor in host memory has
+        none there, and is gathered into the host buffer itself)."""
+        cached = self._views.get(n)
+        if cached is not None:
+            return cached
+        views: list[torch.Tensor | None] = []
         if self._through_host:
-            starts, total = self._regions(n)
-            if self._stage.numel() < total:
-                self._stage = torch.empty(total, dtype=torch.uint8, device=self._device)
+            starts, _, device_total = self._regions(n)
+            if self._stage.numel() < device_total:
+                self._stage = torch.empty(device_total, dtype=torch.uint8, device=self._device)
                 self._views.clear()
-            for part, start in zip(self._layout, starts):
-                region = self._stage[start : start + n * part.outer * part.inner]
-                views.append(region.view(part.tensor.dtype).view(part.staged_shape(n)))
+            views = [
+                None if part.on_host else self._staged(self._stage, start, part, n)
+                for part, start in zip(self._layout, starts)
+            ]
         else:
             rows = self._rows_for(n)
             for part in self._layout:
@@ -147,14 +165,21 @@ class BlockTransfer:
         for i, load in enumerate(loads):
             rows[i] = np.frombuffer(load.kv, dtype=np.uint8)
         views = self._gather_views(n)
+        block_ids = [load.block_id for load in loads]
         if self._through_host:
-            starts, total = self._regions(n)
+            starts, total, device_total = self._regions(n)
             host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
             self._by_tensor(host.numpy(), starts, rows)
-            self._stage[:total].copy_(host, non_blocking=self._pin)
-        ids = tensor_on([load.block_id for load in loads], self._device, torch.long)
+            self._stage[:device_total].copy_(host[:device_total], non_blocking=self._pin)
+            views = [
+                self._staged(host, start, part, n) if part.on_host else view
+                for part, start, view in zip(self._layout, starts, views)
+            ]
+        ids = tensor_on(block_ids, self._device, torch.long)
+        host_ids = torch.tensor(block_ids) if ids.device.type != "cpu" else ids
         for part, view in zip(self._layout, views):
-            part.tensor.index_copy_(part.dim, ids, view)
+            assert view is not None
+            part.tensor.index_copy_(part.dim, host_ids if part.on_host else ids, view)
 
     @torch.inference_mode()
     def save(self, saves: Sequence[KVSave]) -> StagedSaves:
@@ -171,14 +196,24 @@ class BlockTransfer:
         """Gather the blocks; through the host, start copying them there (None: gathered into the
         host rows, to be sealed before they are reused)."""
         n = len(saves)
-        ids = tensor_on([save.block_id for save in saves], self._device, torch.long)
-        for part, view in zip(self._layout, self._gather_views(n)):
-            torch.index_select(part.tensor, part.dim, ids, out=view)
+        block_ids = [save.block_id for save in saves]
+        ids = tensor_on(block_ids, self._device, torch.long)
         if not self._through_host:
+            for part, view in zip(self._layout, self._gather_views(n)):
+                assert view is not None
+                torch.index_select(part.tensor, part.dim, ids, out=view)
             return None
-        starts, total = self._regions(n)
+        starts, total, device_total = self._regions(n)
         host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-        host.copy_(self._stage[:total], non_blocking=self._pin)
+        host_ids = None
+        for part, start, view in zip(self._layout, starts, self._gather_views(n)):
+            if part.on_host:
+                host_ids = torch.tensor(block_ids) if host_ids is None else host_ids
+                torch.index_select(part.tensor, part.dim, host_ids, out=self._staged(host, start, part, n))
+            else:
+                assert view is not None
+                torch.index_select(part.tensor, part.dim, ids, out=view)
+        host[:device_total].copy_(self._stage[:device_total], non_blocking=self._pin)
         done = None
         if self._pin:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -5,6 +5,8 @@ it was saved, however late the value is read; loads put back exactly those bytes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -82,3 +84,27 @@ def test_a_copy_through_the_host_is_sealed_when_read(device):
     want = direct.save(saves).result()
     parts[0][0].zero_()
     assert pending.result() == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_kept_in_host_memory_travel_with_the_device_s_blocks(device):
+    """An engine on a GPU keeps the stage-output cache's rows in host memory: its values carry
+    them beside the device's K/V, in value order, and loads put both back. (On a CPU the last
+    tensor is taken for one in host memory: the same path, every tensor on the CPU.)"""
+    parts = _parts(device=device)
+    if device == "cuda":
+        parts[-1] = (parts[-1][0].cpu().pin_memory(), parts[-1][1])
+        xfer = BlockTransfer(parts)
+    else:
+        xfer = BlockTransfer(parts, through_host=True)
+        xfer._layout[-1] = dataclasses.replace(xfer._layout[-1], on_host=True)
+    assert [p.on_host for p in xfer._layout] == [False, False, True]
+    blocks = [3, 8, 1]
+    saves = [KVSave(b, b"key%d" % b, b"head") for b in blocks]
+    want = [_block_bytes(parts, b) for b in blocks]
+    pending = xfer.save(saves)
+    for t, _ in parts:
+        t.fill_(5)
+    assert [v.value for v in pending.result()] == [seal(s.head, kv, s.key, None) for s, kv in zip(saves, want)]
+    xfer.load([KVLoad(b, memoryview(kv)) for b, kv in zip([0, 4, 11], want)])
+    assert [_block_bytes(parts, b) for b in (0, 4, 11)] == want
