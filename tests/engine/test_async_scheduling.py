@@ -19,6 +19,7 @@ from prefixkv.engine.llm_engine import LLMEngine
 from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _make, _write_tokenizer
 from ..model.triton_interpreter import device, kernels_module
+from . import fuzz_ahead
 
 BASE: dict[str, Any] = dict(dtype="float32", device="cpu", num_blocks=64, block_size=8, max_model_len=96)
 
@@ -193,6 +194,15 @@ def test_preemptions_ahead_equal_the_in_order_engine(tiny, policy):
     assert engine.num_steps_ahead > 0.9 * engine.num_steps, (engine.num_steps_ahead, engine.num_steps)
     _all_free(ahead)
     _all_free(sync)
+
+
+@pytest.mark.parametrize("seed", [8, 17, 33])
+def test_random_traffic_equals_the_in_order_engine(tiny, seed):
+    """Seeds of tests/engine/fuzz_ahead.py (random traffic and configuration, in order against
+    ahead) whose pools preempt: a CPU tier under the priority policy (8) and fcfs in chunks (17),
+    caching off (33)."""
+    differ, steps_ahead, preemptions = fuzz_ahead.differences(tiny[0], seed)
+    assert not differ and steps_ahead > 0 and preemptions > 0
 
 
 # requests whose prompt's logprobs or hidden states are asked, beside plain ones (prompt index, params)
