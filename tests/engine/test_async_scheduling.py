@@ -196,11 +196,11 @@ def test_preemptions_ahead_equal_the_in_order_engine(tiny, policy):
     _all_free(sync)
 
 
-@pytest.mark.parametrize("seed", [8, 17, 33])
+@pytest.mark.parametrize("seed", [8, 12, 17])
 def test_random_traffic_equals_the_in_order_engine(tiny, seed):
     """Seeds of tests/engine/fuzz_ahead.py (random traffic and configuration, in order against
-    ahead) whose pools preempt: a CPU tier under the priority policy (8) and fcfs in chunks (17),
-    caching off (33)."""
+    ahead) whose pools preempt: a CPU tier under the priority policy (8), caching off (12), a CPU
+    tier with prompts in chunks (17)."""
     differ, steps_ahead, preemptions = fuzz_ahead.differences(tiny[0], seed)
     assert not differ and steps_ahead > 0 and preemptions > 0
 
