@@ -15,12 +15,17 @@ from .conftest import HTTP
 pytestmark = pytest.mark.slow  # real server subprocesses: deselected by make test-fast
 
 
-@pytest.fixture(scope="module", params=["in order", "ahead"])
+@pytest.fixture(scope="module", params=["in order", "ahead", "ahead, tight, tiered"])
 def server(make_server, request):
     """The server as a CPU runs it, and with async scheduling as a GPU does by default (steps
-    launched before the previous step's tokens are read)."""
-    ahead = ("--async-scheduling",) if request.param == "ahead" else ()
-    return make_server("--max-n", "4", "--max-prompts-per-request", "3", *ahead)
+    launched before the previous step's tokens are read); then ahead over a KV cache of 40 blocks
+    (steps ahead preempt) with a CPU tier under it (every completed block copied out)."""
+    extra: tuple[str, ...] = ()
+    if request.param != "in order":
+        extra = ("--async-scheduling",)
+    if "tight" in request.param:
+        extra += ("--num-gpu-blocks-override", "40", "--max-model-len", "320", "--kv-offloading-size", "0.05")
+    return make_server("--max-n", "4", "--max-prompts-per-request", "3", *extra)
 
 
 scalars = st.one_of(
