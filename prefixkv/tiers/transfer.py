@@ -169,14 +169,14 @@ class BlockTransfer:
         if self._through_host:
             starts, total, device_total = self._regions(n)
             host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-            self._by_tensor(host.numpy(), starts, rows)
+            self._relayout(host.numpy(), starts, rows, into_rows=False)
             self._stage[:device_total].copy_(host[:device_total], non_blocking=self._pin)
             views = [
                 self._staged(host, start, part, n) if part.on_host else view
                 for part, start, view in zip(self._layout, starts, views)
             ]
         ids = tensor_on(block_ids, self._device, torch.long)
-        host_ids = torch.tensor(block_ids) if ids.device.type != "cpu" else ids
+        host_ids = torch.tensor(block_ids) if any(part.on_host for part in self._layout) else ids
         for part, view in zip(self._layout, views):
             assert view is not None
             part.tensor.index_copy_(part.dim, host_ids if part.on_host else ids, view)
@@ -187,14 +187,12 @@ class BlockTransfer:
         copied straight to the host, else when first read (when the step is booked)."""
         staged = StagedSaves(self)
         for at in range(0, len(saves), self._per_copy):
-            chunk = saves[at : at + self._per_copy]
-            copy = self._save(chunk)
-            staged.add(copy if copy is not None else self._seal(chunk, self._rows_for(len(chunk))))
+            staged.add(self._save(saves[at : at + self._per_copy]))
         return staged
 
-    def _save(self, saves: Sequence[KVSave]) -> _Copy | None:
-        """Gather the blocks; through the host, start copying them there (None: gathered into the
-        host rows, to be sealed before they are reused)."""
+    def _save(self, saves: Sequence[KVSave]) -> _Copy | list[SavedBlock]:
+        """Gather the blocks: straight into the host rows, sealed at once (before the rows are
+        reused); or through the host, the copy there started."""
         n = len(saves)
         block_ids = [save.block_id for save in saves]
         ids = tensor_on(block_ids, self._device, torch.long)
@@ -202,7 +200,7 @@ class BlockTransfer:
             for part, view in zip(self._layout, self._gather_views(n)):
                 assert view is not None
                 torch.index_select(part.tensor, part.dim, ids, out=view)
-            return None
+            return self._seal(saves, self._rows_for(n))
         starts, total, device_total = self._regions(n)
         host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
         host_ids = None
@@ -220,32 +218,24 @@ class BlockTransfer:
             done.record()
         return _Copy(list(saves), host, starts, done)
 
-    def _by_tensor(self, staged: np.ndarray, starts: list[int], rows: np.ndarray) -> None:
-        """Reorder `rows` (one block's bytes each) into `staged` (each tensor's blocks together)."""
+    def _relayout(self, staged: np.ndarray, starts: list[int], rows: np.ndarray, into_rows: bool) -> None:
+        """Copy between `rows` (one block's bytes each) and `staged` (each tensor's blocks
+        together, from `starts`), into the rows or out of them."""
         n = len(rows)
         for part, start in zip(self._layout, starts):
-            size = n * part.outer * part.inner
-            blocks = rows[:, part.offset : part.offset + part.outer * part.inner]
-            staged[start : start + size].reshape(part.outer, n, part.inner)[:] = blocks.reshape(
-                n, part.outer, part.inner
-            ).transpose(1, 0, 2)
-
-    def _by_block(self, staged: np.ndarray, starts: list[int], rows: np.ndarray) -> None:
-        """The reverse of `_by_tensor`."""
-        n = len(rows)
-        for part, start in zip(self._layout, starts):
-            size = n * part.outer * part.inner
-            blocks = rows[:, part.offset : part.offset + part.outer * part.inner]
-            blocks.reshape(n, part.outer, part.inner)[:] = (
-                staged[start : start + size].reshape(part.outer, n, part.inner).transpose(1, 0, 2)
-            )
+            by_block = rows[:, part.offset : part.offset + part.outer * part.inner].reshape(n, part.outer, part.inner)
+            by_tensor = staged[start : start + n * part.outer * part.inner].reshape(part.outer, n, part.inner)
+            if into_rows:
+                by_block[:] = by_tensor.transpose(1, 0, 2)
+            else:
+                by_tensor[:] = by_block.transpose(1, 0, 2)
 
     def finish(self, copy: _Copy) -> list[SavedBlock]:
         """The values of a copy through the host, once it is done."""
         if copy.done is not None:
             copy.done.synchronize()
         rows = self._rows_for(len(copy.saves))
-        self._by_block(copy.staged.numpy(), copy.starts, rows.numpy())
+        self._relayout(copy.staged.numpy(), copy.starts, rows.numpy(), into_rows=True)
         return self._seal(copy.saves, rows)
 
     def _seal(self, saves: Sequence[KVSave], rows: torch.Tensor) -> list[SavedBlock]:
