@@ -269,6 +269,17 @@ class KVCacheManager:
             self._cache_full_blocks(request, state, min(num_tokens_after, request.num_tokens) // bs)
         return new_blocks
 
+    def cache_full_blocks(self, request: CacheRequest, num_tokens: int) -> None:
+        """Enter in the cache table the request's blocks that its first `num_tokens` tokens fill,
+        where not entered yet. `allocate_slots` enters those a step will fill whose tokens are
+        known; a step scheduled before its last token was known leaves that block to a later
+        call - this one, or the next allocation."""
+        state = self._requests.get(request.request_id)
+        if state is None or not self.enable_caching:
+            return
+        num_tokens = min(num_tokens, request.num_tokens, len(state.blocks) * self.block_size)
+        self._cache_full_blocks(request, state, num_tokens // self.block_size)
+
     def _cache_full_blocks(self, request: CacheRequest, state: _RequestBlocks, num_full: int) -> None:
         start = state.num_cached_blocks
         if num_full <= start:

@@ -319,25 +319,19 @@ def _num_blocks(
 
 
 def _async_scheduling(config: EngineArgs, device: torch.device) -> bool:
-    """Whether steps may be scheduled ahead (async_scheduling; unset: on a GPU): not where a step's
-    blocks are more than K/V rows written in stream order - the stage-output cache. (The KV
-    tiers' transfers copy at launch, in stream order; a block completed before its last token was
-    known is keyed when its step is booked: tiers/scheduler_connector.py. A recurrent layer's
-    state is written in stream order too: the step a request that stopped computes ahead
-    overwrites the state of its last block, which no cache entry names - blocks are entered only
-    up to the tokens known - and which is freed with it. A block that leaves a sliding window
-    when a step is scheduled ahead may go to another request in that step: the step in flight,
-    which may still read it, runs first.) Said once when asked for and off."""
+    """Whether steps may be scheduled ahead (async_scheduling; unset: on a GPU). What a step
+    writes besides K/V rows keeps the order of an engine that waits for every step: the KV tiers'
+    transfers copy at launch, in stream order, and a block completed before its last token was
+    known is keyed when its step is booked (tiers/scheduler_connector.py); the stage-output
+    cache's rows, and the tiers' share of them, are written when a step is booked, and a step
+    reading them runs in order (stage_outputs/store.py); a recurrent layer's state is written in
+    stream order, and the step a request that stopped computes ahead overwrites the state of its
+    last block, which no cache entry names - blocks are entered only up to the tokens known - and
+    which is freed with it; a block that leaves a sliding window when a step is scheduled ahead
+    may go to another request in that step: the step in flight, which may still read it, runs
+    first."""
     asked = config.async_scheduling
-    if not (asked or (asked is None and device.type == "cuda")):
-        return False
-    if config.enable_stage_output_cache:
-        if asked:
-            logger.info(
-                "async_scheduling is off for the stage-output cache: every step runs in order (outputs are the same)"
-            )
-        return False
-    return True
+    return bool(asked or (asked is None and device.type == "cuda"))
 
 
 def _group_kind(model_config: ModelConfig) -> str:

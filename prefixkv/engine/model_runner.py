@@ -138,10 +138,17 @@ class ModelRunner:
         on the device."""
         scheduled = scheduler_output.scheduled
         dev = self.device
+        pending = PendingOutput(ModelRunnerOutput())
         if scheduler_output.kv_loads:  # blocks from the tiers, before the forward reads them
-            self.kv_connector.load(scheduler_output.kv_loads)
-            if self.stage_outputs is not None:  # their stage rows came too
-                self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
+            loads = self.kv_connector.load(scheduler_output.kv_loads)
+            if previous is None:  # every step before is booked: their stage rows go in now, readable
+                loads.finish()
+                if self.stage_outputs is not None:
+                    self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
+            else:  # after the rows of the steps booked before it (stage_outputs/store.py)
+                pending.kv_loads = loads
+        if previous is not None and self.stage_outputs is not None and any(sr.stage_output_reads for sr in scheduled):
+            raise RuntimeError("a step reading stage outputs was launched before the step before it was booked")
         carried = self._carried_inputs(scheduled, previous)
         # each request's first row (None: row i is request i's, a replayed decode)
         query_start_loc: list[int] | None
@@ -157,10 +164,9 @@ class ModelRunner:
             tail = self.graphs.decode_tail(hidden.shape[0]) if kind == "decode" else None
         else:
             hidden, query_start_loc, slots = self._forward(scheduled, carried)
-        if self.stage_outputs is not None:
-            self._keep_stage_outputs(hidden, slots, scheduled)
+        if self.stage_outputs is not None:  # every computed row, through the KV slot mapping
+            pending.stage_rows = self.stage_outputs.stage(per_token_outputs(hidden, hidden.shape[0]), slots)
         starts = query_start_loc if query_start_loc is not None else range(len(scheduled) + 1)
-        pending = PendingOutput(ModelRunnerOutput())
         out = pending.out
         if scheduler_output.kv_saves:  # completed blocks (and their stage rows), for the tiers
             pending.kv_saves = self.kv_connector.save(scheduler_output.kv_saves)
@@ -301,13 +307,6 @@ class ModelRunner:
         pos = tensor_on(positions, dev, torch.long)
         hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
         return hidden, query_start_loc, meta.slot_mapping
-
-    def _keep_stage_outputs(self, hidden: torch.Tensor, slots: torch.Tensor, scheduled: list[ScheduledRequest]) -> None:
-        """The stage-output cache keeps every computed row, through the KV slot mapping; the
-        blocks this step completed become readable."""
-        assert self.stage_outputs is not None
-        self.stage_outputs.write(per_token_outputs(hidden, hidden.shape[0]), slots)
-        self.stage_outputs.commit(self._full_blocks(scheduled))
 
     # -- sampling ------------------------------------------------------------------------------
     def _sample(
@@ -495,15 +494,6 @@ class ModelRunner:
         return merged
 
     # -- prompt outputs: logprobs and hidden states ----------------------------------------------
-    def _full_blocks(self, scheduled: list[ScheduledRequest]) -> list[int]:
-        """Blocks whose last row was computed in this step (every earlier row was computed by the
-        same request, in this step or before)."""
-        bs = self.block_size
-        ids: list[int] = []
-        for sr in scheduled:
-            ids.extend(sr.block_table[sr.start // bs : (sr.start + len(sr.token_ids)) // bs])
-        return ids
-
     def _prompt_outputs(self, sr: ScheduledRequest, hidden: torch.Tensor, pending: PendingOutput) -> None:
         """Prompt logprobs and hidden states of one chunk (the prompt's; with return_hidden_states
         the generated positions' too), preceded by the cached hidden states of the hit blocks in

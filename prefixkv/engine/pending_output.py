@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from ..model.host_copy import HostCopies, tensor_on
-from ..tiers.connector import PendingSaves
+from ..stage_outputs.store import StagedRows
+from ..tiers.connector import PendingLoads, PendingSaves
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
 from .sampler import SampledTensors, SampleResult
 
@@ -57,7 +58,13 @@ class PendingOutput:
     # into `out` when read
     prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
     hidden_states: dict[str, tuple[int, HostCopies]] = field(default_factory=dict)
-    kv_saves: PendingSaves | None = None  # the KV tiers' saves of the step, copied out in stream order
+    # Host memory's share of the step, done when it is booked, in this order (as a step in order
+    # does it): the tier loads' stage-output rows (None: none, or put in at launch), the step's
+    # own stage-output rows, then the tier saves (copied out in stream order; their stage-output
+    # rows gathered when sealed)
+    kv_loads: PendingLoads | None = None
+    stage_rows: StagedRows | None = None
+    kv_saves: PendingSaves | None = None
     _finite_host: HostCopies | None = None
     _finite_in_tokens: bool = False  # the copied tokens are -1 where a row was not finite
     _result: ModelRunnerOutput | None = None
@@ -92,6 +99,10 @@ class PendingOutput:
         if self._result is not None:
             return self._result
         out = self.out
+        if self.kv_loads is not None:
+            self.kv_loads.finish()
+        if self.stage_rows is not None:
+            self.stage_rows.write()
         if self.kv_saves is not None:
             out.kv_saved = self.kv_saves.result()
         for req_id, scores in self.prompt_scores.items():

@@ -194,10 +194,16 @@ class Scheduler:
 
         A request that the count of its tokens ends after `in_flight` (max_tokens, the model's
         length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,
-        and the token computed for it then is dropped (update_from_output skips ended requests)."""
+        and the token computed for it then is dropped (update_from_output skips ended requests).
+
+        Stage-output rows are written when a step is booked (stage_outputs/store.py), so a step
+        that reads them runs in order: while the first waiting request might read them, the next
+        step is None; a request behind it that might is not admitted ahead."""
         stepping = {sr.req_id for sr in in_flight.scheduled}
         if any(r.request_id not in stepping for r in self.running):
             return None
+        if self.waiting and self._may_read_stage_outputs(self.waiting[0]):
+            return None  # its admission may read rows the step in flight writes when booked
         kv = self.kv_cache_manager
         requests = self.requests
         bs = self.block_size
@@ -275,12 +281,12 @@ class Scheduler:
             groups = kv.get_group_block_ids(sr.req_id) if sr.group_block_tables else sr.group_block_tables
             scheduled.append(sr.next_decode(start, table, block_eos, req.prompt_logprobs_upto, groups))
         if not preempted:
-            budget = self._admit_waiting(out, budget, time.time())
+            budget = self._admit_waiting(out, budget, time.time(), ahead=True)
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.kv_connector.plan(out, self.requests, kv)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, ahead: bool = False) -> int:
         """Admit waiting requests into `out` in arrival order (priority order with that policy), each
         looked up in the prefix cache, until the token budget, the sequence limit or the blocks run
         out (nothing is preempted for them); returns the budget left."""
@@ -294,6 +300,8 @@ class Scheduler:
         lora_blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if ahead and self._may_read_stage_outputs(req):
+                break  # in order, after the step in flight is booked (schedule_ahead)
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not connector.load_ready(req.request_id):
                 skipped.append(self.waiting.popleft())  # its tier load is in flight: the others go on
                 continue
@@ -374,12 +382,14 @@ class Scheduler:
         # prompt positions; with return_hidden_states, generated ones too
         want_hidden = hidden_upto is not None and (hidden_upto < n_prompt or params.return_hidden_states)
         reads: tuple[int, ...] = ()
-        if req.reads_stage_outputs and start and (want_logprobs or want_hidden):
+        # (a chunk scheduled ahead reads none: the chunk in flight computes the rows before it)
+        if req.reads_stage_outputs and start and (want_logprobs or want_hidden) and start == req.num_computed_tokens:
             # cache hits hold positions this request still needs: their cached outputs are read back
-            need = min(
-                req.prompt_logprobs_upto - 1 if want_logprobs else n_prompt,
-                hidden_upto if hidden_upto is not None and want_hidden else n_prompt,
-            )
+            need = start  # the first position whose outputs it still needs (start: none before it)
+            if want_logprobs:  # position p's hidden state scores prompt token p + 1
+                need = min(need, req.prompt_logprobs_upto - 1)
+            if want_hidden and hidden_upto is not None:  # past the prompt with return_hidden_states
+                need = min(need, hidden_upto)
             bs = self.block_size
             if need < start and start % bs == 0:
                 reads = tuple(self.kv_cache_manager.get_block_ids(req.request_id)[need // bs : start // bs])
@@ -404,6 +414,44 @@ class Scheduler:
             lora_id=req.lora_id,
             mm_inputs=self._encoder_inputs(req, start, start + num_new) if req.mm_items else (),
         )
+
+    def _may_read_stage_outputs(self, req: Request) -> bool:
+        """Whether the request, admitted now, could read cached stage outputs: its prompt's
+        logprobs or hidden states over cache hits (`_scheduled`)."""
+        if self.stage_outputs is None or not req.reads_stage_outputs:
+            return False
+        n_prompt = req.num_prompt_tokens
+        params = req.sampling_params
+        if params.prompt_logprobs is not None and req.prompt_logprobs_upto < n_prompt:
+            return True
+        upto = req.prompt_hidden_upto
+        return upto is not None and (upto < n_prompt or params.return_hidden_states)
+
+    def _commit_stage_rows(self, step: SchedulerOutput) -> None:
+        """The booked step wrote its stage-output rows (ModelRunner.launch, PendingOutput.result):
+        the blocks it completed, and those it loaded from the tiers, are readable now - those still
+        held by a request of the step that was not preempted since (a block let go may have gone to
+        another request, whose rows are still to come)."""
+        cache = self.stage_outputs
+        assert cache is not None
+        requests, preempted, bs = self.requests, self._preempted_in_flight, self.block_size
+        kv = self.kv_cache_manager
+        done: list[int] = []
+        held: set[int] = set()
+        for sr in step.scheduled:
+            req = requests.get(sr.req_id)
+            if req is None or sr.req_id in preempted:
+                continue
+            # it holds them still (a request's first group's blocks go only with it); a block
+            # completed before its last token was known is entered in the cache now, to be readable
+            end = sr.start + len(sr.token_ids)
+            kv.cache_full_blocks(req, end)
+            table = sr.block_table
+            done.extend(table[sr.start // bs : end // bs])
+            if step.kv_loads:
+                held.update(table[: sr.start // bs])
+        done.extend(load.block_id for load in step.kv_loads if load.block_id in held)
+        cache.commit(done)
 
     @staticmethod
     def _encoder_inputs(req: Request, start: int, end: int) -> tuple[EncoderInput, ...]:
@@ -439,6 +487,8 @@ class Scheduler:
         requests = self.requests
         if runner_output.kv_saved:  # the values of this step's saves, for the tiers to store
             self.kv_connector.saved(runner_output.kv_saved, self.requests, self.kv_cache_manager)
+        if self.stage_outputs is not None:
+            self._commit_stage_rows(scheduler_output)
         preempted = self._preempted_in_flight
         for sr in scheduler_output.scheduled:
             req = requests.get(sr.req_id)

@@ -9,6 +9,14 @@ records the block's identity number (`uid`) at write time and compares it with t
 current one on every check. Eviction zeroes a block's uid and reuse gives it a new number (never
 handed out twice), so an evicted or reused block can never be read - no hook in the cache layer
 is needed, and `prefixkv/cache/` knows nothing of this cache.
+
+A step's rows are written when the step is booked (`stage` at launch, `StagedRows.write` at
+booking), not when it is launched: on a GPU they reach host memory in stream order, so the host
+never waits for the forward that computes them, and a step launched before the one before it is
+booked (async scheduling) does not hold the host. Steps are booked in the order they were
+launched, and the tiers move a block's rows at booking too (tiers/transfer.py), so the rows change
+in the order an engine that waits for every step would change them. Reads happen at launch, in
+steps that nothing launched earlier is still unbooked for (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from ..memory.block_tensors import BlockTensors
+from ..model.host_copy import HostCopies
 from .specs import HIDDEN_STATES, spec_name
 
 
@@ -78,6 +87,13 @@ class StageOutputCache:
             )
         return self.block_tensors.ensure(key)
 
+    def stage(self, outputs: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor) -> StagedRows:
+        """Row i of every output, for slot `slot_mapping[i]`, on its way to host memory (in stream
+        order on a GPU; a copy on a CPU, as later steps may reuse the buffers): written into the
+        cache by `StagedRows.write` when the step is booked."""
+        return StagedRows(self, outputs, slot_mapping)
+
+    @torch.inference_mode()
     def write(self, outputs: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor) -> None:
         """Row i of every output goes to slot `slot_mapping[i]`."""
         slots = slot_mapping.cpu()
@@ -97,3 +113,24 @@ class StageOutputCache:
         rows = cache[torch.tensor(list(block_ids), dtype=torch.long)]
         self.num_rows_read += rows.shape[0] * rows.shape[1]
         return rows.reshape(-1, *cache.shape[2:])
+
+
+class StagedRows:
+    """A step's per-token outputs and their KV slots, copied towards host memory when the step
+    was launched; `write` puts them in the cache (once the step is booked)."""
+
+    __slots__ = ("_cache", "_names", "_copies")
+
+    def __init__(
+        self, cache: StageOutputCache, outputs: Mapping[str, torch.Tensor], slot_mapping: torch.Tensor
+    ) -> None:
+        self._cache = cache
+        self._names = list(outputs)
+        tensors = [t.detach() for t in outputs.values()] + [slot_mapping]
+        if not tensors[0].is_cuda:
+            tensors = [t.clone() for t in tensors]
+        self._copies = HostCopies(tensors)
+
+    def write(self) -> None:
+        *rows, slots = self._copies.wait()
+        self._cache.write(dict(zip(self._names, rows)), slots)

@@ -17,7 +17,7 @@ from ..lazy_exports import lazy_exports
 
 # each backend registers itself when imported: a new one is one file and one line here
 from . import cpu, disk, redis  # noqa: F401
-from .connector import PendingSaves, SchedulerConnector, WorkerConnector
+from .connector import PendingLoads, PendingSaves, SchedulerConnector, WorkerConnector
 from .cpu import CPUStore
 from .disk import DiskStore
 from .manager import TierManager
@@ -41,6 +41,7 @@ __all__ = [
     "NULL_CONNECTOR",
     "NULL_SCHEDULER_CONNECTOR",
     "NULL_WORKER_CONNECTOR",
+    "PendingLoads",
     "PendingSaves",
     "SavedBlock",
     "SchedulerConnector",

@@ -86,9 +86,9 @@ def build_kv_connector(
     block_dim = next(s.block_dim for n, s in specs.items() if n.startswith(KV_PREFIX))
     parts = [(c, block_dim) for c in block_tensors.kv_caches]
     stage = options.enable_stage_output_cache
-    if stage:
-        stage_names = sorted(n for n in specs if n.startswith(STAGE_PREFIX))
-        parts += [(block_tensors.ensure(n), specs[n].block_dim) for n in stage_names]
+    stage_names = sorted(n for n in specs if n.startswith(STAGE_PREFIX)) if stage else []
+    # its rows are written when a step is booked (stage_outputs/store.py), and move then
+    parts += [(block_tensors.ensure(n), specs[n].block_dim) for n in stage_names]
     # the value layout (so whether stage outputs travel) is part of the cache identity
     layout = [(tuple(t.select(dim, 0).shape), str(t.dtype)) for t, dim in parts]
     mm = loaded.multimodal  # a vision-language model: its encoder and preprocessing decide image rows
@@ -119,5 +119,7 @@ def build_kv_connector(
         " (values authenticated: HMAC-SHA256 under the tier secret)" if secret is not None else "",
     )
     return KVConnector(
-        TierSchedulerConnector(manager, options.block_size), BlockTransfer(parts, secret=secret), manager
+        TierSchedulerConnector(manager, options.block_size),
+        BlockTransfer(parts, secret=secret, booked=len(stage_names)),
+        manager,
     )

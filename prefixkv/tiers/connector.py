@@ -113,10 +113,20 @@ class PendingSaves(Protocol):
         ...
 
 
+class PendingLoads(Protocol):
+    """A step's loads, copied in the device's order, but for the rows the engine writes when a
+    step is booked (the stage-output cache's)."""
+
+    def finish(self) -> None:
+        """Copy those rows in too (when the step is booked, or at once where no step before it
+        is still unbooked)."""
+        ...
+
+
 class WorkerConnector(Protocol):
-    def load(self, loads: Sequence[KVLoad]) -> None:
+    def load(self, loads: Sequence[KVLoad]) -> PendingLoads:
         """Copy the loads' bytes into their blocks (before the forward that reads them, in the
-        device's order: the host need not wait)."""
+        device's order: the host need not wait); the booked rows when `finish` is called."""
         ...
 
     def save(self, saves: Sequence[KVSave]) -> PendingSaves:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..cache import KVCacheEvent, KVCacheManager
-from .connector import PendingSaves, StepPlan, TierRequest
+from .connector import PendingLoads, PendingSaves, StepPlan, TierRequest
 from .plans import KVLoad, KVSave, SavedBlock
 from .stats import TierStats
 
@@ -48,9 +48,8 @@ class NullSchedulerConnector:
 
 
 class NullWorkerConnector:
-    def load(self, loads: Sequence[KVLoad]) -> None:
-        if loads:
-            raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")
+    def load(self, loads: Sequence[KVLoad]) -> PendingLoads:
+        raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")
 
     def save(self, saves: Sequence[KVSave]) -> PendingSaves:
         raise RuntimeError("KV tier transfers scheduled but the runner has no tiers")

@@ -13,6 +13,12 @@ memory, and the copies take their place in the stream without the host waiting: 
 before the forward that reads them; saves are copied out after the forward that wrote them and
 sealed when the step is booked (`StagedSaves.result`). So a step with tier traffic does not hold
 the host until the step before it is done (async scheduling, engine/llm_engine.py).
+
+The stage-output cache's rows are written into host memory when a step is booked, not when it is
+launched (stage_outputs/store.py), so their share of a block moves then too, on the host: a save
+gathers it when it is sealed, a load scatters it when `PendingLoads.finish` is called. Steps are
+booked in the order they were launched, so those rows change in the order an engine that waits
+for every step would change them.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ class _Part:
     offset: int
     outer: int
     inner: int
-    on_host: bool  # kept in host memory by an engine on another device (the stage-output cache's rows)
+    booked: bool  # rows in host memory that the engine writes when a step is booked (the stage-output cache's)
 
     def staged_shape(self, n: int) -> tuple[int, ...]:
         """The shape of `n` blocks gathered along the block axis."""
@@ -61,14 +67,17 @@ class BlockTransfer:
         parts: Sequence[tuple[torch.Tensor, int]],
         secret: bytes | None = None,
         *,
+        booked: int = 0,
         through_host: bool = False,
         stage_bytes: int = STAGE_BYTES,
     ) -> None:
-        """`parts`: (tensor, its block axis) of everything a block carries, in value order: on the
-        first one's device, or in host memory. `secret`: the tier secret, whose MAC seals every value (never logged).
-        `through_host`: stage the copies through a device buffer and host memory even on a CPU
-        (what they always do on a GPU), so that the GPU's path runs without one. `stage_bytes`: the
-        most one gather or scatter moves (more blocks: more of them)."""
+        """`parts`: (tensor, its block axis) of everything a block carries, in value order, on the
+        first one's device. `secret`: the tier secret, whose MAC seals every value (never logged).
+        `booked`: how many of the last parts are rows in host memory that the engine writes when
+        a step is booked (the stage-output cache's): saves gather them when sealed, loads scatter
+        them in `PendingLoads.finish`. `through_host`: stage the copies through a device buffer and
+        host memory even on a CPU (what they always do on a GPU), so that the GPU's path runs
+        without one. `stage_bytes`: the most one gather or scatter moves (more blocks: more of them)."""
         self.parts = list(parts)
         self._secret = secret
         self.nbytes = block_nbytes(self.parts)
@@ -76,19 +85,22 @@ class BlockTransfer:
         self._pin = self._device.type == "cuda"
         self._layout: list[_Part] = []
         offset = 0
-        for t, dim in self.parts:
+        for i, (t, dim) in enumerate(self.parts):
             outer = math.prod(t.shape[:dim])
             size = t.select(dim, 0).numel() * t.element_size()
-            on_host = t.device.type == "cpu" and self._device.type != "cpu"
-            if not on_host and t.device != self._device:
+            is_booked = i >= len(self.parts) - booked
+            if is_booked and t.device.type != "cpu":
+                raise ValueError(f"rows written when a step is booked must be in host memory, not on {t.device}")
+            if not is_booked and t.device != self._device:
                 raise ValueError(f"a block's tensors on {t.device} and {self._device}")
-            self._layout.append(_Part(t, dim, offset, outer, size // outer, on_host))
+            self._layout.append(_Part(t, dim, offset, outer, size // outer, is_booked))
             offset += size
         # the host rows are viewed in each tensor's dtype: its bytes must start on its elements
         rows_fit = all(
             p.offset % p.tensor.element_size() == 0 and offset % p.tensor.element_size() == 0 for p in self._layout
         )
-        self._through_host = through_host or self._device.type != "cpu" or not rows_fit
+        # a save sealed when booked keeps its own buffer until then: the direct path reuses one
+        self._through_host = through_host or self._device.type != "cpu" or not rows_fit or booked > 0
         self._per_copy = max(1, stage_bytes // self.nbytes)  # blocks moved by one gather or scatter
         # Reused, grown on demand: the host's rows of one block's bytes each, the device's
         # staging buffer (through the host), and per number of blocks the views each tensor's
@@ -101,15 +113,15 @@ class BlockTransfer:
 
     def _regions(self, n: int) -> tuple[list[int], int, int]:
         """Where each tensor's `n` blocks start in a staging buffer (the device's tensors first,
-        then those in host memory), its size, and the size of the device's share."""
+        then the booked rows), its size, and the size of the device's share."""
         starts = [0] * len(self._layout)
         at = device_total = 0
-        for on_host in (False, True):
+        for booked in (False, True):
             for i, part in enumerate(self._layout):
-                if part.on_host == on_host:
+                if part.booked == booked:
                     starts[i] = at
                     at += -(-(n * part.outer * part.inner) // _ALIGN) * _ALIGN
-            if not on_host:
+            if not booked:
                 device_total = at
         return starts, at, device_total
 
@@ -129,8 +141,8 @@ class BlockTransfer:
 
     def _gather_views(self, n: int) -> list[torch.Tensor | None]:
         """Each tensor's `n` blocks (gathered along its block axis), as views of the host rows
-        (direct) or of the device staging buffer (through the host; a tensor in host memory has
-        none there, and is gathered into the host buffer itself)."""
+        (direct) or of the device staging buffer (through the host; booked rows have none there,
+        and are gathered into the host buffer itself)."""
         cached = self._views.get(n)
         if cached is not None:
             return cached
@@ -141,7 +153,7 @@ class BlockTransfer:
                 self._stage = torch.empty(device_total, dtype=torch.uint8, device=self._device)
                 self._views.clear()
             views = [
-                None if part.on_host else self._staged(self._stage, start, part, n)
+                None if part.booked else self._staged(self._stage, start, part, n)
                 for part, start in zip(self._layout, starts)
             ]
         else:
@@ -154,12 +166,15 @@ class BlockTransfer:
         return views
 
     @torch.inference_mode()
-    def load(self, loads: Sequence[KVLoad]) -> None:
-        """Copy checked bytes into their blocks (before the forward that reads them)."""
+    def load(self, loads: Sequence[KVLoad]) -> PendingLoads:
+        """Copy checked bytes into their blocks, before the forward that reads them (in stream
+        order on a GPU); the booked rows when `finish` is called on what this returns."""
+        pending = PendingLoads()
         for at in range(0, len(loads), self._per_copy):
-            self._load(loads[at : at + self._per_copy])
+            self._load(loads[at : at + self._per_copy], pending)
+        return pending
 
-    def _load(self, loads: Sequence[KVLoad]) -> None:
+    def _load(self, loads: Sequence[KVLoad], pending: PendingLoads) -> None:
         n = len(loads)
         rows = self._rows_for(n).numpy()
         for i, load in enumerate(loads):
@@ -172,14 +187,18 @@ class BlockTransfer:
             self._relayout(host.numpy(), starts, rows, into_rows=False)
             self._stage[:device_total].copy_(host[:device_total], non_blocking=self._pin)
             views = [
-                self._staged(host, start, part, n) if part.on_host else view
+                self._staged(host, start, part, n) if part.booked else view
                 for part, start, view in zip(self._layout, starts, views)
             ]
         ids = tensor_on(block_ids, self._device, torch.long)
-        host_ids = torch.tensor(block_ids) if any(part.on_host for part in self._layout) else ids
+        host_ids = None
         for part, view in zip(self._layout, views):
             assert view is not None
-            part.tensor.index_copy_(part.dim, host_ids if part.on_host else ids, view)
+            if part.booked:  # a view of this call's own host buffer: kept until then
+                host_ids = torch.tensor(block_ids) if host_ids is None else host_ids
+                pending.rows.append((part, host_ids, view))
+            else:
+                part.tensor.index_copy_(part.dim, ids, view)
 
     @torch.inference_mode()
     def save(self, saves: Sequence[KVSave]) -> StagedSaves:
@@ -203,13 +222,8 @@ class BlockTransfer:
             return self._seal(saves, self._rows_for(n))
         starts, total, device_total = self._regions(n)
         host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-        host_ids = None
-        for part, start, view in zip(self._layout, starts, self._gather_views(n)):
-            if part.on_host:
-                host_ids = torch.tensor(block_ids) if host_ids is None else host_ids
-                torch.index_select(part.tensor, part.dim, host_ids, out=self._staged(host, start, part, n))
-            else:
-                assert view is not None
+        for part, view in zip(self._layout, self._gather_views(n)):
+            if view is not None:  # booked rows are gathered when sealed (finish)
                 torch.index_select(part.tensor, part.dim, ids, out=view)
         host[:device_total].copy_(self._stage[:device_total], non_blocking=self._pin)
         done = None
@@ -230,11 +244,19 @@ class BlockTransfer:
             else:
                 by_tensor[:] = by_block.transpose(1, 0, 2)
 
+    @torch.inference_mode()
     def finish(self, copy: _Copy) -> list[SavedBlock]:
-        """The values of a copy through the host, once it is done."""
+        """The values of a copy through the host, once it is done, with the booked rows as they
+        are now (the step that wrote them has been booked)."""
         if copy.done is not None:
             copy.done.synchronize()
-        rows = self._rows_for(len(copy.saves))
+        n = len(copy.saves)
+        host_ids = None
+        for part, start in zip(self._layout, copy.starts):
+            if part.booked:
+                host_ids = torch.tensor([s.block_id for s in copy.saves]) if host_ids is None else host_ids
+                torch.index_select(part.tensor, part.dim, host_ids, out=self._staged(copy.staged, start, part, n))
+        rows = self._rows_for(n)
         self._relayout(copy.staged.numpy(), copy.starts, rows.numpy(), into_rows=True)
         return self._seal(copy.saves, rows)
 
@@ -283,3 +305,21 @@ class StagedSaves:
             self._values = [v for p in self._parts for v in (p if isinstance(p, list) else finish(p))]
             self._parts = []  # the page-locked memory goes back
         return self._values
+
+
+class PendingLoads:
+    """A step's loads whose booked rows (the stage-output cache's) are still to go into their
+    blocks: `finish` puts them there, once (when the step is booked, or at once where nothing
+    launched before it is unbooked)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        # (a booked part, the blocks' ids, their rows in that part's layout)
+        self.rows: list[tuple[_Part, torch.Tensor, torch.Tensor]] = []
+
+    @torch.inference_mode()
+    def finish(self) -> None:
+        rows, self.rows = self.rows, []
+        for part, ids, view in rows:
+            part.tensor.index_copy_(part.dim, ids, view)

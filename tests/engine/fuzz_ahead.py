@@ -4,7 +4,7 @@ prefixes, greedy and seeded sampling (top-p, top-k, min-p), penalties, stop toke
 min_tokens, text stops, logit biases, allowed tokens, bad words, a regex grammar, n=2, logprobs,
 prompt logprobs, hidden states (return_hidden_states, an embedding's prompt). The configurations:
 block size, a pool small enough to preempt, chunked prefill, the sequence limit, caching on or
-off, the fcfs or priority policy with random priorities, a CPU tier. Each request's tokens, text,
+off, the fcfs or priority policy with random priorities, a CPU tier, the stage-output cache. Each request's tokens, text,
 finish and stop reasons, logprobs and hidden states (within 2e-3: batches differ, so do the last
 bits) must be equal, and every KV block free after both. Outside the suite (seconds a seed): run
 it after changing what steps ahead do, and turn what it finds into a test; the suite runs a few
@@ -131,6 +131,12 @@ def case(
     )
     if not cfg["enable_prefix_caching"]:
         cfg["kv_offloading_size"] = None  # tiers need it
+    # the stage-output cache, drawn apart (the other seeds' cases stay), with more requests reading it
+    stage = random.Random(f"stage-{seed}")
+    if cfg["enable_prefix_caching"] and stage.random() < 0.4:
+        cfg["enable_stage_output_cache"] = True
+    else:
+        stage = None
     if cfg["max_num_batched_tokens"] < cfg["max_model_len"]:
         cfg["enable_chunked_prefill"] = True  # (always on; False is refused)
     traffic = []
@@ -140,6 +146,11 @@ def case(
         params = _with_stops(model, prompt, _params(rng))
         # an embedding's prompt hidden states, from a position (not beside return_hidden_states)
         hidden_from = rng.randrange(len(prompt)) if not params.return_hidden_states and rng.random() < 0.1 else None
+        if stage is not None and stage.random() < 0.5:  # its prompt's outputs, over what others cached
+            if stage.random() < 0.5 and not params.return_hidden_states:
+                hidden_from = stage.randrange(len(prompt))
+            elif params.prompt_logprobs is None:
+                params = dataclasses.replace(params, prompt_logprobs=stage.choice([0, 3]))
         traffic.append((rng.randrange(12), f"r{i}", prompt, params, priority, hidden_from))
     traffic.sort(key=lambda t: t[0])
     return cfg, traffic

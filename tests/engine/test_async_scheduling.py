@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from prefixkv import LLM, SamplingParams
+from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 
 from ..conftest import hf_greedy
@@ -682,13 +683,90 @@ def test_penalized_and_constrained_rows_draw_in_the_graphs(tmp_path, monkeypatch
     _all_free(llm)
 
 
-def test_off_where_blocks_hold_more_than_kv_rows(tiny, caplog):
-    """The stage-output cache (a block's hidden states too) keeps every step in order, said once."""
+def _stage_traffic(folder: Path) -> tuple[list[tuple], dict[str, Any]]:
+    """Requests over one document for an engine with the stage-output cache and a CPU tier, in
+    order of arrival (step, id, prompt, params, hidden_states_from): two decode the document on,
+    others fill the pool so that its blocks go to the tier, then prompts that are the document
+    and its continuation ask for their hidden states or prompt logprobs - cache hits whose rows
+    are read back, some completed by decode steps, some loaded from the tier."""
+    rng = random.Random(5)
+    doc = [rng.randrange(256) for _ in range(20)]
+    greedy = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    cfg: dict[str, Any] = dict(
+        dtype="float32",
+        device="cpu",
+        block_size=8,
+        num_blocks=14,
+        max_model_len=48,
+        max_num_batched_tokens=32,
+        enable_stage_output_cache=True,
+        kv_offloading_size=0.01,
+    )
+    once = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu", max_model_len=48))
+    rid = once.add_request(doc, greedy)
+    cont: list[int] = []
+    while once.has_unfinished_requests():
+        cont = next((list(o.outputs[0].token_ids) for o in once.step() if o.request_id == rid), cont)
+    once.shutdown()
+    fill = [[rng.randrange(256) for _ in range(30)] for _ in range(3)]
+    traffic = [
+        (0, "doc", doc, greedy, None),
+        (0, "other", doc[:9] + [7, 8, 9], SamplingParams(temperature=0, max_tokens=6), None),
+        *[(16 + i, f"fill{i}", p, SamplingParams(temperature=0, max_tokens=4), None) for i, p in enumerate(fill)],
+        (30, "embed", doc + cont[:12], SamplingParams(temperature=0, max_tokens=1), 0),
+        (30, "scored", doc + cont[:12] + [3], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), None),
+        (31, "thinker", doc + cont[:5], SamplingParams(temperature=0, max_tokens=6, return_hidden_states=True), None),
+        (31, "after", doc + cont[:12] + [4, 4], SamplingParams(temperature=0, max_tokens=5), None),
+    ]
+    return traffic, cfg
+
+
+def _serve_stage(folder: Path, cfg: dict[str, Any], traffic: list[tuple], ahead: bool) -> tuple[dict, LLMEngine]:
+    engine = LLMEngine(EngineConfig(model=str(folder), **cfg, async_scheduling=ahead))
+    pending, done, step = list(traffic), {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params, hidden_from = pending.pop(0)
+            engine.add_request(prompt, params, request_id=rid, hidden_states_from=hidden_from)
+        for out in engine.step():
+            if out.finished:
+                c, hidden = out.outputs[0], out.hidden_states
+                done[out.request_id] = (
+                    tuple(c.token_ids),
+                    fuzz_ahead._scores(out.prompt_logprobs),
+                    None if hidden is None else hidden.double().sum(dim=1).tolist(),
+                    out.error,
+                )
+        step += 1
+    _all_free_engine(engine)
+    return done, engine
+
+
+def _all_free_engine(engine: LLMEngine) -> None:
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_the_stage_output_cache_runs_ahead(tiny):
+    """With the stage-output cache its rows are written when a step is booked, and the tiers' share
+    of them moves then (stage_outputs/store.py, tiers/transfer.py): steps run ahead, a step that
+    reads cached rows runs in order, and the outputs - hidden states and prompt logprobs read
+    back over cache hits, from blocks completed by steps scheduled ahead and loaded from a CPU
+    tier - equal the in-order engine's, with as many rows read."""
     folder, _ = tiny
-    with caplog.at_level("INFO", logger="prefixkv"):
-        llm = LLM(str(folder), **BASE, async_scheduling=True, enable_stage_output_cache=True)
-    assert llm.llm_engine.async_scheduling is False
-    assert "async_scheduling is off for the stage-output cache" in caplog.text
+    traffic, cfg = _stage_traffic(folder)
+    in_order, slow = _serve_stage(folder, cfg, traffic, False)
+    ahead, fast = _serve_stage(folder, cfg, traffic, True)
+    assert fast.async_scheduling and fast.num_steps_ahead > 5
+    assert set(in_order) == set(ahead) == {t[1] for t in traffic}
+    assert all(fuzz_ahead.close(in_order[r], ahead[r]) for r in in_order), [
+        r for r in in_order if not fuzz_ahead.close(in_order[r], ahead[r])
+    ]
+    assert all(out[3] is None for out in ahead.values())
+    for engine in (slow, fast):  # rows read back, some of them loaded from the tier
+        assert engine.scheduler.stage_outputs is not None
+        assert engine.scheduler.stage_outputs.num_rows_read >= 3 * 8
+        assert engine.get_stats().kv_tiers[0].hits > 0
+    assert fast.scheduler.stage_outputs.num_rows_read == slow.scheduler.stage_outputs.num_rows_read
 
 
 @pytest.mark.slow(seconds=15)

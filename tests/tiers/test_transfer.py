@@ -5,7 +5,6 @@ it was saved, however late the value is read; loads put back exactly those bytes
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -87,24 +86,40 @@ def test_a_copy_through_the_host_is_sealed_when_read(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rows_kept_in_host_memory_travel_with_the_device_s_blocks(device):
-    """An engine on a GPU keeps the stage-output cache's rows in host memory: its values carry
-    them beside the device's K/V, in value order, and loads put both back. (On a CPU the last
-    tensor is taken for one in host memory: the same path, every tensor on the CPU.)"""
+@pytest.mark.parametrize("per_copy", [1, NUM_BLOCKS])
+def test_booked_rows_move_when_the_step_is_booked(device, per_copy):
+    """The stage-output cache's rows (host memory, written when a step is booked) travel beside
+    the device's K/V, in value order. A save copies the K/V at once but gathers the rows when it
+    is sealed (the step's own rows are written at its booking, before); a load puts the K/V back
+    at once and the rows when `finish` is called (the steps before it booked)."""
     parts = _parts(device=device)
-    if device == "cuda":
-        parts[-1] = (parts[-1][0].cpu().pin_memory(), parts[-1][1])
-        xfer = BlockTransfer(parts)
-    else:
-        xfer = BlockTransfer(parts, through_host=True)
-        xfer._layout[-1] = dataclasses.replace(xfer._layout[-1], on_host=True)
-    assert [p.on_host for p in xfer._layout] == [False, False, True]
+    rows, dim = parts[-1]
+    parts[-1] = (rows.cpu().pin_memory() if device == "cuda" else rows, dim)
+    nbytes = len(_block_bytes(parts, 0))
+    xfer = BlockTransfer(parts, booked=1, stage_bytes=per_copy * nbytes)
+    assert [p.booked for p in xfer._layout] == [False, False, True] and xfer._through_host
     blocks = [3, 8, 1]
     saves = [KVSave(b, b"key%d" % b, b"head") for b in blocks]
-    want = [_block_bytes(parts, b) for b in blocks]
     pending = xfer.save(saves)
-    for t, _ in parts:
+    for t, _ in parts[:-1]:  # a later step's K/V: not in the values
         t.fill_(5)
+    kv_then = [_block_bytes(parts[:-1], b) for b in blocks]
+    parts[-1][0].fill_(7)  # the saving step's rows, written when it is booked: in them
+    want = [_block_bytes(_parts(device=device)[:-1], b) + _block_bytes(parts[-1:], b) for b in blocks]
+    assert all(w[: len(k)] != k for w, k in zip(want, kv_then))
     assert [v.value for v in pending.result()] == [seal(s.head, kv, s.key, None) for s, kv in zip(saves, want)]
-    xfer.load([KVLoad(b, memoryview(kv)) for b, kv in zip([0, 4, 11], want)])
-    assert [_block_bytes(parts, b) for b in (0, 4, 11)] == want
+
+    targets = [0, 4, 11]
+    loads = xfer.load([KVLoad(b, memoryview(kv)) for b, kv in zip(targets, want)])
+    assert [_block_bytes(parts[:-1], b) for b in targets] == [kv[: len(kv_then[0])] for kv in want]
+    assert all(_block_bytes(parts[-1:], b) == _block_bytes(parts[-1:], 5) for b in targets)  # the rows: not yet
+    loads.finish()
+    assert [_block_bytes(parts, b) for b in targets] == want
+    loads.finish()  # once
+    assert [_block_bytes(parts, b) for b in targets] == want
+
+
+def test_booked_rows_are_in_host_memory():
+    parts = _parts()
+    with pytest.raises(ValueError, match="host memory"):
+        BlockTransfer([(t.to("meta"), d) if i == 2 else (t, d) for i, (t, d) in enumerate(parts)], booked=1)
