@@ -4,9 +4,10 @@ prefixes, greedy and seeded sampling (top-p, top-k, min-p), penalties, stop toke
 min_tokens, text stops, logit biases, allowed tokens, bad words, a regex grammar, n=2, logprobs,
 prompt logprobs, hidden states (return_hidden_states, an embedding's prompt). The configurations:
 block size, a pool small enough to preempt, chunked prefill, the sequence limit, caching on or
-off, the fcfs or priority policy with random priorities, a CPU tier, the stage-output cache. Each request's tokens, text,
-finish and stop reasons, logprobs and hidden states (within 2e-3: batches differ, so do the last
-bits) must be equal, and every KV block free after both. Outside the suite (seconds a seed): run
+off, the fcfs or priority policy with random priorities, a CPU tier, the stage-output cache (more
+requests then read their prompt's outputs back). Each request's tokens, text, finish and stop
+reasons, logprobs and hidden states (within 2e-3: batches differ, so do the last bits) must be
+equal, and every KV block free after both. Outside the suite (seconds a seed): run
 it after changing what steps ahead do, and turn what it finds into a test; the suite runs a few
 seeds (tests/engine/test_async_scheduling.py).
 

@@ -197,13 +197,14 @@ def test_preemptions_ahead_equal_the_in_order_engine(tiny, policy):
     _all_free(sync)
 
 
-@pytest.mark.parametrize("seed", [8, 12, 17])
+@pytest.mark.parametrize("seed", [8, 12, 17, 101])
 def test_random_traffic_equals_the_in_order_engine(tiny, seed):
     """Seeds of tests/engine/fuzz_ahead.py (random traffic and configuration, in order against
-    ahead) whose pools preempt: a CPU tier under the priority policy (8), caching off (12), a CPU
-    tier with prompts in chunks (17)."""
+    ahead): pools that preempt - a CPU tier under the priority policy (8), caching off (12), a CPU
+    tier with prompts in chunks (17) - and the stage-output cache over a CPU tier, its rows read
+    back by prompts in chunks (101)."""
     differ, steps_ahead, preemptions = fuzz_ahead.differences(tiny[0], seed)
-    assert not differ and steps_ahead > 0 and preemptions > 0
+    assert not differ and steps_ahead > 0 and (preemptions > 0 or seed == 101)
 
 
 # requests whose prompt's logprobs or hidden states are asked, beside plain ones (prompt index, params)
@@ -683,12 +684,14 @@ def test_penalized_and_constrained_rows_draw_in_the_graphs(tmp_path, monkeypatch
     _all_free(llm)
 
 
-def _stage_traffic(folder: Path) -> tuple[list[tuple], dict[str, Any]]:
-    """Requests over one document for an engine with the stage-output cache and a CPU tier, in
-    order of arrival (step, id, prompt, params, hidden_states_from): two decode the document on,
-    others fill the pool so that its blocks go to the tier, then prompts that are the document
-    and its continuation ask for their hidden states or prompt logprobs - cache hits whose rows
-    are read back, some completed by decode steps, some loaded from the tier."""
+def _stage_traffic(folder: Path, tier: bool) -> tuple[list[tuple], dict[str, Any]]:
+    """Requests over one document for an engine with the stage-output cache, in order of arrival
+    (step, id, prompt, params, hidden_states_from): two decode the document on (its last block
+    completed by a step scheduled before its last token was known); with a CPU tier, others then
+    fill the pool so that its blocks go to the tier; then prompts that are the document and its
+    continuation ask for their hidden states or prompt logprobs, behind one that asks for
+    neither, beside one decoding - cache hits whose rows are read back (loaded from the tier, with
+    one)."""
     rng = random.Random(5)
     doc = [rng.randrange(256) for _ in range(20)]
     greedy = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
@@ -696,11 +699,11 @@ def _stage_traffic(folder: Path) -> tuple[list[tuple], dict[str, Any]]:
         dtype="float32",
         device="cpu",
         block_size=8,
-        num_blocks=14,
+        num_blocks=14 if tier else 64,
         max_model_len=48,
         max_num_batched_tokens=32,
         enable_stage_output_cache=True,
-        kv_offloading_size=0.01,
+        kv_offloading_size=0.01 if tier else None,
     )
     once = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu", max_model_len=48))
     rid = once.add_request(doc, greedy)
@@ -708,15 +711,17 @@ def _stage_traffic(folder: Path) -> tuple[list[tuple], dict[str, Any]]:
     while once.has_unfinished_requests():
         cont = next((list(o.outputs[0].token_ids) for o in once.step() if o.request_id == rid), cont)
     once.shutdown()
-    fill = [[rng.randrange(256) for _ in range(30)] for _ in range(3)]
+    fill = [[rng.randrange(256) for _ in range(30)] for _ in range(3)] if tier else []
     traffic = [
         (0, "doc", doc, greedy, None),
         (0, "other", doc[:9] + [7, 8, 9], SamplingParams(temperature=0, max_tokens=6), None),
         *[(16 + i, f"fill{i}", p, SamplingParams(temperature=0, max_tokens=4), None) for i, p in enumerate(fill)],
-        (30, "embed", doc + cont[:12], SamplingParams(temperature=0, max_tokens=1), 0),
+        (26, "running", [9] * 8, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), None),
+        (30, "plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3), None),
         (30, "scored", doc + cont[:12] + [3], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), None),
+        (30, "embed", doc + cont[:12], SamplingParams(temperature=0, max_tokens=1), 0),
         (31, "thinker", doc + cont[:5], SamplingParams(temperature=0, max_tokens=6, return_hidden_states=True), None),
-        (31, "after", doc + cont[:12] + [4, 4], SamplingParams(temperature=0, max_tokens=5), None),
+        (34, "after", doc + cont[:12] + [4, 4], SamplingParams(temperature=0, max_tokens=5), None),
     ]
     return traffic, cfg
 
@@ -738,34 +743,34 @@ def _serve_stage(folder: Path, cfg: dict[str, Any], traffic: list[tuple], ahead:
                     out.error,
                 )
         step += 1
-    _all_free_engine(engine)
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
     return done, engine
 
 
-def _all_free_engine(engine: LLMEngine) -> None:
-    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-
-
-def test_the_stage_output_cache_runs_ahead(tiny):
+@pytest.mark.parametrize("tier", [False, True])
+def test_the_stage_output_cache_runs_ahead(tiny, tier):
     """With the stage-output cache its rows are written when a step is booked, and the tiers' share
     of them moves then (stage_outputs/store.py, tiers/transfer.py): steps run ahead, a step that
     reads cached rows runs in order, and the outputs - hidden states and prompt logprobs read
-    back over cache hits, from blocks completed by steps scheduled ahead and loaded from a CPU
-    tier - equal the in-order engine's, with as many rows read."""
+    back over cache hits, from blocks completed by steps scheduled ahead or loaded from a CPU tier
+    - equal the in-order engine's, with as many rows read, and an engine's that caches nothing."""
     folder, _ = tiny
-    traffic, cfg = _stage_traffic(folder)
+    traffic, cfg = _stage_traffic(folder, tier)
     in_order, slow = _serve_stage(folder, cfg, traffic, False)
     ahead, fast = _serve_stage(folder, cfg, traffic, True)
+    uncached = dict(cfg, enable_prefix_caching=False, enable_stage_output_cache=False, kv_offloading_size=None)
+    computed, _ = _serve_stage(folder, uncached, traffic, False)
     assert fast.async_scheduling and fast.num_steps_ahead > 5
-    assert set(in_order) == set(ahead) == {t[1] for t in traffic}
-    assert all(fuzz_ahead.close(in_order[r], ahead[r]) for r in in_order), [
-        r for r in in_order if not fuzz_ahead.close(in_order[r], ahead[r])
-    ]
+    assert set(in_order) == set(ahead) == set(computed) == {t[1] for t in traffic}
+    for got in (in_order, ahead):
+        assert all(fuzz_ahead.close(computed[r], got[r]) for r in got), [
+            r for r in got if not fuzz_ahead.close(computed[r], got[r])
+        ]
     assert all(out[3] is None for out in ahead.values())
-    for engine in (slow, fast):  # rows read back, some of them loaded from the tier
+    for engine in (slow, fast):  # rows read back, with a tier some of them loaded from it
         assert engine.scheduler.stage_outputs is not None
         assert engine.scheduler.stage_outputs.num_rows_read >= 3 * 8
-        assert engine.get_stats().kv_tiers[0].hits > 0
+        assert not tier or engine.get_stats().kv_tiers[0].hits > 0
     assert fast.scheduler.stage_outputs.num_rows_read == slow.scheduler.stage_outputs.num_rows_read
 
 

@@ -613,12 +613,15 @@ def test_a_step_past_the_span_limit_copies_its_tables_apart(tmp_path, static_gra
 
 
 @pytest.mark.slow(seconds=8)
-def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_path, static_graphs):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_path, static_graphs, ahead):
     """Steps over the fixed buffers (cudagraph_mode FULL: the prompt's too) hand their final hidden
     states on as eager steps do: a request's returned hidden states and prompt logprobs equal an
     eager engine's; and with the stage-output cache a prompt that continues that request's output
     hits the blocks its replayed mixed and decode steps completed, its prompt logprobs read from
-    their stage rows equal to those of an engine that computes every position."""
+    their stage rows equal to those of an engine that computes every position. Scheduled ahead,
+    the rows of a step are written when it is booked, after the next step has replayed over the
+    same buffers: they were copied out first."""
     hf = _make("llama")
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)
@@ -632,8 +635,9 @@ def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_p
         max_model_len=64,
         compilation_config={"cudagraph_capture_sizes": [1, 16], "cudagraph_mode": "FULL"},
     )
-    llm = LLM(str(tmp_path), **base, enable_stage_output_cache=True)
+    llm = LLM(str(tmp_path), **base, enable_stage_output_cache=True, async_scheduling=ahead)
     eager = LLM(str(tmp_path), **base, enable_prefix_caching=False, enforce_eager=True)
+    assert llm.llm_engine.async_scheduling == ahead
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0, return_hidden_states=True)
     first, want_first = (e.generate([prompt], params, use_tqdm=False)[0] for e in (llm, eager))
     graphs = llm.llm_engine.runner.graphs
@@ -653,3 +657,4 @@ def test_replayed_steps_give_hidden_states_and_fill_the_stage_output_cache(tmp_p
     assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    assert (engine.num_steps_ahead > 0) == ahead

@@ -4,11 +4,14 @@ here - it is the typed contract itself, not a stand-in for the model."""
 
 from __future__ import annotations
 
+import torch
+
 from prefixkv.engine.model_runner_output import ModelRunnerOutput
 from prefixkv.engine.scheduler import Scheduler
 from prefixkv.memory.block_tensors import BlockTensors, BlockTensorSpec
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.stage_outputs.specs import HIDDEN_STATES, spec_name
 
 
 def make(num_blocks: int = 8, budget: int = 10) -> Scheduler:
@@ -71,7 +74,6 @@ def test_preemption_is_reported_and_the_victim_recomputes():
 
 
 def test_one_budget_counts_every_per_block_tensor():
-    import torch
 
     kv = BlockTensorSpec("kv.0", (2, 4, 1, 8), torch.float32, block_dim=1)
     extra = BlockTensorSpec("hidden.0", (4, 16), torch.float32)
@@ -216,6 +218,44 @@ def test_prompts_in_chunks_go_on_ahead_as_schedule_would_split_them():
         step = ahead
     assert chunks >= 4
     assert not ahead_s.running and not in_order.running
+
+
+def test_a_booked_step_makes_readable_the_stage_rows_of_the_blocks_it_completed():
+    """The stage-output cache's rows are written when a step is booked; then the blocks the step
+    completed become readable - a block completed before its last token was known is entered in
+    the cache then - but not those of a request preempted while the step ran (its blocks may be
+    another's by then: that one's rows come at its own booking)."""
+    spec = BlockTensorSpec(spec_name(HIDDEN_STATES, torch.float32), (4, 2), torch.float32, 0, "cpu", lazy=True)
+    tensors = BlockTensors([spec])
+    tensors.allocate(7, "cpu")
+    s = Scheduler(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, stage_output_tensors=tensors)
+    stage = s.stage_outputs
+    assert stage is not None
+    kv = s.kv_cache_manager
+    reqs = [req("a", 7, max_tokens=2), req("b", 7), req("c", 7)]
+    for r in reqs:
+        s.add_request(r)
+    step = s.schedule()  # 2 blocks each, the first full
+    assert not any(stage.is_valid(b) for b in range(7))  # nothing booked yet
+    ahead = s.schedule_ahead(step, max_model_len=64)  # each completes its second block with the token in flight
+    assert ahead is not None
+    s.update_from_output(step, ModelRunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[1, 2, 3]))
+    tables = {r.request_id: kv.get_block_ids(r.request_id) for r in reqs}
+    assert all(stage.is_valid(t[0]) and not stage.is_valid(t[1]) for t in tables.values())
+    # a's last token is in flight: left out; b needs a third block, 1 is free: c (newest) is preempted
+    late = s.schedule_ahead(ahead, max_model_len=64)
+    assert late is not None and late.preempted_req_ids == ["c"] and [sr.req_id for sr in late.scheduled] == ["b"]
+    a_last = kv.block_pool.blocks[tables["a"][1]]
+    assert a_last.uid == 0  # its last token came after the step was scheduled: not entered yet
+    # c's freed blocks go to another request, and one is entered in the cache before the booking
+    other = Request("e", [5, 6, 7, 8, 9])
+    assert kv.allocate_slots(other, 5) is not None
+    taken = kv.get_block_ids("e")
+    assert set(taken) & set(tables["c"]) and kv.block_pool.blocks[taken[0]].uid != 0
+    s.update_from_output(ahead, ModelRunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[4, 5, 6]))
+    assert a_last.uid != 0 and stage.is_valid(a_last.block_id)  # entered in the cache at the booking
+    assert stage.is_valid(tables["b"][1])
+    assert not any(stage.is_valid(b) for b in tables["c"]) and not stage.is_valid(taken[0])
 
 
 def test_blocks_running_out_ahead_preempt_the_newest_which_keeps_its_token_in_flight():

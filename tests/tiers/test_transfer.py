@@ -5,7 +5,6 @@ it was saved, however late the value is read; loads put back exactly those bytes
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
