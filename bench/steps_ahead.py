@@ -6,6 +6,7 @@ count is the same on any machine, so a CPU measures it.
 
     python bench/steps_ahead.py [--decodes 8] [--arrivals 40] [--model DIR | --model default]
         [--device cuda --dtype bfloat16 --rounds 3] [--kv-offloading-size GIB] [--num-blocks N]
+        [--enable-stage-output-cache]
 
 By default a random model of two layers 64 wide (bench/device/random_checkpoint.py --shape tiny
 --byte-tokenizer). `--decodes` requests decode throughout (2 x arrivals + 8 tokens each); one request of the kind
@@ -16,6 +17,8 @@ it is launched, so there the times would say nothing and are not taken. `--kv-of
 engines save every completed block to a CPU tier, so that on a GPU the times say whether the tier's
 copies hold the host (tiers/transfer.py). `--num-blocks`: a KV cache that small (default 1,024 blocks of
 16) makes the batch outgrow it, and steps scheduled ahead preempt; the preemptions are printed.
+`--enable-stage-output-cache`: both engines keep every step's hidden states per block, written when
+the step is booked; a step reading them back (a request of the kind over a cache hit) runs in order.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="on a GPU: timed rounds of each engine")
     ap.add_argument("--kv-offloading-size", type=float, default=None, help="GiB of CPU tier under both engines")
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks of 16 tokens (small: preemptions)")
+    ap.add_argument("--enable-stage-output-cache", action="store_true", help="hidden states kept per block")
     args = ap.parse_args()
     print(describe())
     model = args.model or tiny_checkpoint(tempfile.mkdtemp(prefix="steps-ahead-"))
@@ -90,6 +94,7 @@ def main() -> None:
             block_size=16,
             async_scheduling=async_scheduling,
             kv_offloading_size=args.kv_offloading_size,
+            enable_stage_output_cache=args.enable_stage_output_cache,
         )
 
     ahead, in_order = engine(True), engine(False) if timed else None

@@ -273,6 +273,9 @@ for step in $STEPS; do
         # every completed block saved to a CPU tier: its copies in stream order, sealed at booking
         bounded 60 ahead.log python3 bench/steps_ahead.py --device cuda --dtype bfloat16 --model default --rounds 3 \
             --decodes 32 --arrivals 16 --kv-offloading-size 2
+        # the stage-output cache: its rows written when a step is booked (ran every step in order before)
+        bounded 60 ahead.log python3 bench/steps_ahead.py --device cuda --dtype bfloat16 --model default --rounds 3 \
+            --decodes 32 --arrivals 16 --enable-stage-output-cache
         # lm-eval's loglikelihood requests: prompts scored on the device now, on the host at the base commit
         if [ -d .device/base ]; then
             bounded 120 ahead.log python3 bench/loglikelihood.py --device cuda --dtype bfloat16 --model default \

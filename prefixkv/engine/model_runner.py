@@ -147,8 +147,6 @@ class ModelRunner:
                     self.stage_outputs.commit([load.block_id for load in scheduler_output.kv_loads])
             else:  # after the rows of the steps booked before it (stage_outputs/store.py)
                 pending.kv_loads = loads
-        if previous is not None and self.stage_outputs is not None and any(sr.stage_output_reads for sr in scheduled):
-            raise RuntimeError("a step reading stage outputs was launched before the step before it was booked")
         carried = self._carried_inputs(scheduled, previous)
         # each request's first row (None: row i is request i's, a replayed decode)
         query_start_loc: list[int] | None

@@ -84,6 +84,8 @@ class Scheduler:
         # preempted by schedule_ahead while their last step was in flight: that step's booking
         # counts no computed tokens for them (their blocks are gone) but books their token
         self._preempted_in_flight: set[str] = set()
+        # a request that would read cached stage outputs waits for a step in order (schedule_ahead)
+        self._reader_waiting = False
         self._finished_ids: list[str] = []  # left since the last schedule()
         # the last booked step's inter-token latencies: for each sequence that got a token and had
         # one before, the seconds between the two bookings (vLLM's inter_token_latency)
@@ -182,8 +184,8 @@ class Scheduler:
         """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
         scheduling): every request it samples for computes, next, the token being sampled now,
         read by the runner from that step's draws. None when the next step needs what only the
-        tokens or the ordinary `schedule()` can give: a request reading cached stage outputs, a
-        running request the step left out. A prompt in chunks goes on with its next
+        tokens or the ordinary `schedule()` can give: a running request the step left out, a
+        request reading stage outputs loaded from the tiers (below). A prompt in chunks goes on with its next
         chunk (its tokens are known), given the budget in the running order as `schedule()` gives
         it; waiting requests are admitted behind as `schedule()` admits them (their prompts are
         known), unless the step had to preempt. When the blocks run out, the newest request going
@@ -196,14 +198,17 @@ class Scheduler:
         length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,
         and the token computed for it then is dropped (update_from_output skips ended requests).
 
-        Stage-output rows are written when a step is booked (stage_outputs/store.py), so a step
-        that reads them runs in order: while the first waiting request might read them, the next
-        step is None; a request behind it that might is not admitted ahead."""
+        Stage-output rows are written when a step is booked and made readable then (stage_outputs/
+        store.py): a request admitted ahead reads those of its hits, which were (a hit whose rows
+        the step in flight is writing waits for its booking, `_admit_waiting`). One that would read
+        rows loaded from the tiers in its own step - put in at that step's booking - is not
+        admitted ahead, nothing behind it either, and the next step is None."""
         stepping = {sr.req_id for sr in in_flight.scheduled}
         if any(r.request_id not in stepping for r in self.running):
             return None
-        if self.waiting and self._may_read_stage_outputs(self.waiting[0]):
-            return None  # its admission may read rows the step in flight writes when booked
+        if self._reader_waiting:  # a request that reads cached stage outputs is admitted in order
+            self._reader_waiting = False
+            return None
         kv = self.kv_cache_manager
         requests = self.requests
         bs = self.block_size
@@ -215,8 +220,6 @@ class Scheduler:
             req = requests.get(sr.req_id)
             if req is None:  # ended since it was launched
                 continue
-            if not _samples_ahead(sr):
-                return None
             if not sr.sample:
                 # a prompt in chunks: its next chunk is known, and takes the budget as schedule()
                 # gives it, in the running order
@@ -300,8 +303,6 @@ class Scheduler:
         lora_blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if ahead and self._may_read_stage_outputs(req):
-                break  # in order, after the step in flight is booked (schedule_ahead)
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not connector.load_ready(req.request_id):
                 skipped.append(self.waiting.popleft())  # its tier load is in flight: the others go on
                 continue
@@ -336,6 +337,10 @@ class Scheduler:
                 continue
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not connector.is_loading(req.request_id):
                 req.status = RequestStatus.WAITING  # back from its load, or the load is no longer needed
+            if ahead and num_loaded_blocks and self._may_read_stage_outputs(req):
+                # it would read rows its loads put in when the step in flight has been booked
+                self._reader_waiting = True
+                break
             num_loaded = num_loaded_blocks * self.block_size
             num_new = min(req.num_tokens - num_hit - num_loaded, budget)
             if kv.allocate_slots(req, num_loaded + num_new, hits) is None:
@@ -555,13 +560,3 @@ class Scheduler:
     @property
     def num_dropped_kv_events(self) -> int:
         return self.kv_cache_manager.num_dropped_kv_events
-
-
-def _samples_ahead(sr: ScheduledRequest) -> bool:
-    """Whether a request can be scheduled on before its previous token is known: it reads no
-    cached stage outputs (penalties and constraints read its output so far, the token in flight
-    taken from the previous step's copy: ModelRunner._outputs_so_far). Prompt logprobs and hidden
-    states are no bar: they are read with the step's tokens (PendingOutput.result), and a step
-    scheduled ahead of their booking computes them from its own start on
-    (ModelRunner._prompt_outputs), as the booking would say."""
-    return not sr.stage_output_reads

@@ -61,9 +61,9 @@ class ScheduledRequest:
     ) -> ScheduledRequest:
         """The same request's next step scheduled ahead (async scheduling): one token at `start`,
         the one this step samples (`input_from_previous`), sampled for in turn. What a request's
-        decode step changes is passed in; the rest is this step's - a request scheduled ahead
-        reads no stage outputs or images (scheduler._samples_ahead). With return_hidden_states
-        it keeps the hidden state of its position, as every step of it does.
+        decode step changes is passed in; the rest is this step's - a decode reads no stage
+        outputs or images (the step in flight computes the rows before it). With
+        return_hidden_states it keeps the hidden state of its position, as every step of it does.
 
         Built positionally: at batch 256 the keyword call took 1.5 us a request and this 0.6 (a
         2-vCPU AMD EPYC Zen 3); a test in tests/engine/test_scheduler.py holds the field order to it."""

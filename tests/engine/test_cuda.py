@@ -217,3 +217,41 @@ def test_cuda_tier_copies_keep_outputs_and_make_the_host_wait_for_nothing(cuda_l
     assert run(engine, shared) == expected[1]
     assert copies["load"] > 0 and next(t for t in engine.get_stats().kv_tiers if t.tier == "cpu").hits > 0
     assert not waits, waits[:3]
+
+
+def test_cuda_stage_output_cache_runs_ahead_over_a_tier(cuda_lm, prompts, expected, hf_ref_model, monkeypatch):
+    """The stage-output cache on the GPU, scheduled ahead, over a CPU tier: a step's rows reach
+    host memory in stream order and are written when it is booked (stage_outputs/store.py), so
+    staging them makes the host wait for nothing. Greedy float32 tokens equal transformers'; after
+    the pool forgets the blocks, prompt logprobs over the shared document - read back from the
+    stage rows loaded from the tier - equal transformers' too; every block free."""
+    import warnings
+
+    engine = cuda_engine(cuda_lm, kv_offloading_size=0.05, enable_stage_output_cache=True)
+    assert engine.async_scheduling
+    stage = engine.scheduler.stage_outputs
+    assert stage is not None
+    waits: list[str] = []
+    staged = stage.stage
+
+    def watched(outputs, slots):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = staged(outputs, slots)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        waits.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+        return got
+
+    monkeypatch.setattr(stage, "stage", watched)
+    _, shared = prompts
+    assert run(engine, shared) == expected[1]
+    assert engine.num_steps_ahead > 0 and stage.num_rows_written > 0
+    assert engine.reset_prefix_cache()  # the pool forgets; the tier keeps the blocks and their rows
+    outs = run_prompt_logprobs(engine, shared[:2], k=2)
+    for out, ids in zip(outs, shared[:2]):
+        check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 2)
+    assert stage.num_rows_read > 0 and next(t for t in engine.get_stats().kv_tiers if t.tier == "cpu").hits > 0
+    assert not waits, waits[:3]
