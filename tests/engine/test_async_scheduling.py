@@ -726,9 +726,13 @@ def _stage_traffic(folder: Path, tier: bool) -> tuple[list[tuple], dict[str, Any
     return traffic, cfg
 
 
-def _serve_stage(folder: Path, cfg: dict[str, Any], traffic: list[tuple], ahead: bool) -> tuple[dict, LLMEngine]:
+def _serve_stage(
+    folder: Path, cfg: dict[str, Any], traffic: list[tuple], ahead: bool
+) -> tuple[dict, LLMEngine, dict[str, int]]:
+    """Each request's outputs, the engine, and the step each request finished in."""
     engine = LLMEngine(EngineConfig(model=str(folder), **cfg, async_scheduling=ahead))
     pending, done, step = list(traffic), {}, 0
+    finished_at: dict[str, int] = {}
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:
             _, rid, prompt, params, hidden_from = pending.pop(0)
@@ -742,9 +746,10 @@ def _serve_stage(folder: Path, cfg: dict[str, Any], traffic: list[tuple], ahead:
                     None if hidden is None else hidden.double().sum(dim=1).tolist(),
                     out.error,
                 )
+                finished_at[out.request_id] = step
         step += 1
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
-    return done, engine
+    return done, engine, finished_at
 
 
 @pytest.mark.parametrize("tier", [False, True])
@@ -756,10 +761,13 @@ def test_the_stage_output_cache_runs_ahead(tiny, tier):
     - equal the in-order engine's, with as many rows read, and an engine's that caches nothing."""
     folder, _ = tiny
     traffic, cfg = _stage_traffic(folder, tier)
-    in_order, slow = _serve_stage(folder, cfg, traffic, False)
-    ahead, fast = _serve_stage(folder, cfg, traffic, True)
+    in_order, slow, in_order_at = _serve_stage(folder, cfg, traffic, False)
+    ahead, fast, ahead_at = _serve_stage(folder, cfg, traffic, True)
     uncached = dict(cfg, enable_prefix_caching=False, enable_stage_output_cache=False, kv_offloading_size=None)
-    computed, _ = _serve_stage(folder, uncached, traffic, False)
+    computed, _, _ = _serve_stage(folder, uncached, traffic, False)
+    # ahead, a step's outputs come with the next step; a request reading rows its own step loads
+    # from the tier waits one step more, for a step in order (not for the running request to end)
+    assert all(ahead_at[r] <= in_order_at[r] + 2 for r in in_order_at), (in_order_at, ahead_at)
     assert fast.async_scheduling and fast.num_steps_ahead > 5
     assert set(in_order) == set(ahead) == set(computed) == {t[1] for t in traffic}
     for got in (in_order, ahead):
