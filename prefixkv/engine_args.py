@@ -270,7 +270,7 @@ class EngineArgs:
         "the next on the device and the host books a step while the device computes the next; a sequence "
         "that stops on a token has one more computed and dropped. Prompt logprobs, hidden states, "
         "penalties and constraints (grammars included) run ahead, so do steps saving to or loading from "
-        "the KV tiers and with the stage-output cache (a step reading its rows back runs in order). Greedy and seeded "
+        "the KV tiers and with the stage-output cache (its rows written when a step is booked). Greedy and seeded "
         "outputs are the same either way (default: on a GPU, where it took 0.71-0.95x the in-order "
         "step's time on an H100; off on a CPU, which computes at launch and gains nothing)",
     )
