@@ -34,6 +34,7 @@ def free_port() -> int:
 class Server:
     def __init__(self, *extra: str, env: dict[str, str] | None = None, scheme: str = "http", verify=True) -> None:
         """`scheme` https with `verify` (the CA file to trust): a server started with TLS flags."""
+        self.args = extra  # the flags it was started with
         self.port = free_port()
         self.base = f"{scheme}://127.0.0.1:{self.port}"
         self.verify = verify

@@ -18,9 +18,12 @@ pytestmark = pytest.mark.slow  # a real server subprocess
 MEAN = '{"pooling_type": "MEAN"}'
 
 
-@pytest.fixture(scope="module")
-def server(make_server):
-    return make_server("--pooler-config", MEAN, "--enable-stage-output-cache")
+@pytest.fixture(scope="module", params=["in order", "ahead"])
+def server(make_server, request):
+    """Steps in order, and scheduled ahead (the stage-output cache's rows then written when a
+    step is booked: docs/design.md, "Engine")."""
+    ahead = ["--async-scheduling"] if request.param == "ahead" else []
+    return make_server("--pooler-config", MEAN, "--enable-stage-output-cache", *ahead)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +35,18 @@ def llm():
 
 
 def test_embeddings_equal_llm_embed(server, llm):
+    """(Beside a completion decoding on: scheduled ahead, the embeddings' steps go ahead with it.)"""
+    import threading
+
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
     docs = [long_text(31, 40) + " First question?", long_text(31, 40) + " Second question?", "Hello"]
+    decoding = threading.Thread(
+        target=client.completions.create,
+        kwargs=dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", prompt=docs[0], max_tokens=48, temperature=0),
+    )
+    decoding.start()
     res = client.embeddings.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", input=docs)  # base64 on the wire
+    decoding.join()
     got = torch.tensor([d.embedding for d in res.data])
     ref = torch.stack([torch.as_tensor(o.outputs.embedding) for o in llm.embed(docs)])
     assert got.shape == ref.shape and torch.allclose(got, ref.float(), atol=1e-4)
@@ -64,6 +76,9 @@ def test_embeddings_equal_llm_embed(server, llm):
     assert torch.allclose(rows, ref_rows.float(), atol=1e-4)
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the stage cache served the prefix
     server.wait_idle()
+    metrics = HTTP.get(server.base + "/metrics").text.splitlines()
+    ahead = [float(line.split()[-1]) for line in metrics if line.startswith("prefixkv:steps_scheduled_ahead_total")]
+    assert (sum(ahead) > 0) == ("--async-scheduling" in server.args), ahead
 
 
 def test_embedding_refusals(server):
