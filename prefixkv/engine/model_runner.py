@@ -501,9 +501,9 @@ class ModelRunner:
         if sr.stage_output_reads:
             if self.stage_outputs is None:
                 raise RuntimeError("stage-output reads scheduled but the stage-output cache is off")
-            cached = self.stage_outputs.read(sr.stage_output_reads, hidden.dtype)
+            cached = self.stage_outputs.read(sr.stage_output_reads, hidden.dtype, device=hidden.device)
             start -= len(cached)
-            hidden = torch.cat([cached.to(hidden.device), hidden])
+            hidden = torch.cat([cached, hidden])
         if sr.sampling_params.prompt_logprobs is not None:
             scored = self._score_prompt(sr, start, hidden)
             if scored is not None:

@@ -103,14 +103,28 @@ class StageOutputCache:
             flat.index_copy_(0, slots, rows.detach().to("cpu", non_blocking=False))
             self.num_rows_written += len(slots)
 
-    def read(self, block_ids: Sequence[int], dtype: torch.dtype, name: str = HIDDEN_STATES) -> torch.Tensor:
-        """The rows of whole blocks, `(len(block_ids) * block_size, D)` in order. Raises if any
-        block's rows are not valid now: a stale read is a bug, never a result."""
+    def read(
+        self,
+        block_ids: Sequence[int],
+        dtype: torch.dtype,
+        name: str = HIDDEN_STATES,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """The rows of whole blocks, `(len(block_ids) * block_size, D)` in order, on `device`
+        (default: the host). Raises if any block's rows are not valid now: a stale read is a bug,
+        never a result. To a GPU they go through page-locked memory in stream order, so the host
+        waits for nothing (a copy from ordinary memory would wait for the steps in flight)."""
         stale = [bid for bid in block_ids if not self.is_valid(bid)]
         if stale:
             raise RuntimeError(f"stage-output rows of blocks {stale[:5]} are not valid (evicted, reused or unwritten)")
         cache = self._tensor(name, dtype)
-        rows = cache[torch.tensor(list(block_ids), dtype=torch.long)]
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        if device is None or device.type == "cpu":
+            rows = cache[ids]
+        else:  # PyTorch's caching host allocator keeps the page-locked rows until the copy is done
+            rows = torch.empty((len(ids), *cache.shape[1:]), dtype=cache.dtype, pin_memory=True)
+            torch.index_select(cache, 0, ids, out=rows)
+            rows = rows.to(device, non_blocking=True)
         self.num_rows_read += rows.shape[0] * rows.shape[1]
         return rows.reshape(-1, *cache.shape[2:])
 

@@ -221,10 +221,11 @@ def test_cuda_tier_copies_keep_outputs_and_make_the_host_wait_for_nothing(cuda_l
 
 def test_cuda_stage_output_cache_runs_ahead_over_a_tier(cuda_lm, prompts, expected, hf_ref_model, monkeypatch):
     """The stage-output cache on the GPU, scheduled ahead, over a CPU tier: a step's rows reach
-    host memory in stream order and are written when it is booked (stage_outputs/store.py), so
-    staging them makes the host wait for nothing. Greedy float32 tokens equal transformers'; after
-    the pool forgets the blocks, prompt logprobs over the shared document - read back from the
-    stage rows loaded from the tier - equal transformers' too; every block free."""
+    host memory in stream order and are written when it is booked, and cached rows read back go
+    to the device in stream order (stage_outputs/store.py): neither makes the host wait. Greedy
+    float32 tokens equal transformers'; after the pool forgets the blocks, prompt logprobs over the
+    shared document - read back from the stage rows loaded from the tier - equal transformers' too;
+    every block free."""
     import warnings
 
     engine = cuda_engine(cuda_lm, kv_offloading_size=0.05, enable_stage_output_cache=True)
@@ -232,20 +233,25 @@ def test_cuda_stage_output_cache_runs_ahead_over_a_tier(cuda_lm, prompts, expect
     stage = engine.scheduler.stage_outputs
     assert stage is not None
     waits: list[str] = []
-    staged = stage.stage
 
-    def watched(outputs, slots):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                got = staged(outputs, slots)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        waits.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
-        return got
+    def watched(name):
+        call = getattr(stage, name)
 
-    monkeypatch.setattr(stage, "stage", watched)
+        def run_call(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = call(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            waits.extend(f"{name}: {w.message}" for w in caught if "synchroniz" in str(w.message))
+            return got
+
+        return run_call
+
+    monkeypatch.setattr(stage, "stage", watched("stage"))  # a step's rows, towards the host
+    monkeypatch.setattr(stage, "read", watched("read"))  # cached rows, to the device
     _, shared = prompts
     assert run(engine, shared) == expected[1]
     assert engine.num_steps_ahead > 0 and stage.num_rows_written > 0
