@@ -84,7 +84,8 @@ class Scheduler:
         # preempted by schedule_ahead while their last step was in flight: that step's booking
         # counts no computed tokens for them (their blocks are gone) but books their token
         self._preempted_in_flight: set[str] = set()
-        # a request that would read cached stage outputs waits for a step in order (schedule_ahead)
+        # a request that would read stage-output rows its own step loads from a tier waits for a
+        # step in order (schedule_ahead)
         self._reader_waiting = False
         self._finished_ids: list[str] = []  # left since the last schedule()
         # the last booked step's inter-token latencies: for each sequence that got a token and had
@@ -185,10 +186,11 @@ class Scheduler:
         scheduling): every request it samples for computes, next, the token being sampled now,
         read by the runner from that step's draws. None when the next step needs what only the
         tokens or the ordinary `schedule()` can give: a running request the step left out, a
-        request reading stage outputs loaded from the tiers (below). A prompt in chunks goes on with its next
-        chunk (its tokens are known), given the budget in the running order as `schedule()` gives
-        it; waiting requests are admitted behind as `schedule()` admits them (their prompts are
-        known), unless the step had to preempt. When the blocks run out, the newest request going
+        request reading stage outputs loaded from the tiers (below). A prompt in chunks goes on
+        with its next chunk (its tokens are known), given the budget in the running order as
+        `schedule()` gives it; waiting requests are admitted behind as `schedule()` admits them
+        (their prompts are known), unless the step had to preempt. When the blocks run out, the
+        newest request going
         on (with the priority policy: the one of largest (priority, arrival)) is preempted, as
         `schedule()` would after the booking: its blocks are freed now (the step in flight writes
         them before anything launched later can), and that step's booking still gives it its
@@ -206,7 +208,7 @@ class Scheduler:
         stepping = {sr.req_id for sr in in_flight.scheduled}
         if any(r.request_id not in stepping for r in self.running):
             return None
-        if self._reader_waiting:  # a request that reads cached stage outputs is admitted in order
+        if self._reader_waiting:  # admitted in order, its loads' rows put in at launch
             self._reader_waiting = False
             return None
         kv = self.kv_cache_manager
