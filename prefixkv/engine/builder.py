@@ -323,8 +323,8 @@ def _async_scheduling(config: EngineArgs, device: torch.device) -> bool:
     writes besides K/V rows keeps the order of an engine that waits for every step: the KV tiers'
     transfers copy at launch, in stream order, and a block completed before its last token was
     known is keyed when its step is booked (tiers/scheduler_connector.py); the stage-output
-    cache's rows, and the tiers' share of them, are written when a step is booked, and a step
-    reading them runs in order (stage_outputs/store.py); a recurrent layer's state is written in
+    cache's rows, and the tiers' share of them, are written when a step is booked and read only
+    once made readable there (stage_outputs/store.py); a recurrent layer's state is written in
     stream order, and the step a request that stopped computes ahead overwrites the state of its
     last block, which no cache entry names - blocks are entered only up to the tokens known - and
     which is freed with it; a block that leaves a sliding window when a step is scheduled ahead

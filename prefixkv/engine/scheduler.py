@@ -190,8 +190,8 @@ class Scheduler:
         with its next chunk (its tokens are known), given the budget in the running order as
         `schedule()` gives it; waiting requests are admitted behind as `schedule()` admits them
         (their prompts are known), unless the step had to preempt. When the blocks run out, the
-        newest request going
-        on (with the priority policy: the one of largest (priority, arrival)) is preempted, as
+        newest request going on (with the priority policy: the one of largest (priority,
+        arrival)) is preempted, as
         `schedule()` would after the booking: its blocks are freed now (the step in flight writes
         them before anything launched later can), and that step's booking still gives it its
         token, so it recomputes the same tokens as in order (`_preempted_in_flight`).

@@ -15,8 +15,8 @@ booking), not when it is launched: on a GPU they reach host memory in stream ord
 never waits for the forward that computes them, and a step launched before the one before it is
 booked (async scheduling) does not hold the host. Steps are booked in the order they were
 launched, and the tiers move a block's rows at booking too (tiers/transfer.py), so the rows change
-in the order an engine that waits for every step would change them. Reads happen at launch, in
-steps that nothing launched earlier is still unbooked for (engine/scheduler.py).
+in the order an engine that waits for every step would change them. Reads happen at launch, of
+blocks made readable at an earlier booking (`commit`; engine/scheduler.py says when).
 """
 
 from __future__ import annotations
