@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.arg_types import ints  # noqa: E402
 from bench.machine import describe  # noqa: E402
 
 
@@ -121,7 +122,7 @@ def batch_calls(b: int, width: int, vocab: int, reps: int, iters: int, dev: torc
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,256")
+    ap.add_argument("--batches", type=ints, default=[1, 256])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--vocab", type=int, default=49152, help="the logits' width for the sampling calls")
@@ -146,7 +147,7 @@ def main() -> None:
         graph = graph_of(kernels, x)
         host = timed(graph.replay, reps, 10)  # few: the device must not fall behind the launches
         print(f"  graph.replay(), {kernels:3d} kernels                 {host:8.1f}")
-    for b in [int(v) for v in args.batches.split(",")]:
+    for b in args.batches:
         batch_calls(b, args.width, args.vocab, reps, iters, dev)
 
 

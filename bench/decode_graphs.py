@@ -38,10 +38,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.arg_types import ints, names  # noqa: E402
 from bench.ceiling import decode_bytes, measure_cuda  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.sampling_params import StructuredOutputsParams  # noqa: E402
+
+# the engines --engines picks from, by what each changes from the default engine. "default" is
+# "graphs" under its CPU name: a CPU never captures, so there it is the eager engine; "unfused" is the
+# default engine with PyTorch's norms, rotary and SiLU (PREFIXKV_CUDA_KERNELS=0, set around its build)
+VARIANTS: dict[str, dict[str, object]] = {
+    "graphs": {},
+    "default": {},
+    "eager": {"enforce_eager": True},
+    "async": {"async_scheduling": True},
+    "inorder": {"async_scheduling": False},
+    "unfused": {},
+}
 
 
 @contextlib.contextmanager
@@ -108,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batches", default="1,32,256")
+    ap.add_argument("--batches", type=ints, default=[1, 32, 256])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
@@ -116,7 +129,8 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=4.0, help="each engine's KV cache (GiB)")
     ap.add_argument(
         "--engines",
-        default="graphs,eager,inorder,unfused",
+        type=names(VARIANTS),
+        default=["graphs", "eager", "inorder", "unfused"],
         help="graphs (the default engine; on a CPU call it default), eager (enforce_eager=True), "
         "inorder (async_scheduling=False), async (async_scheduling=True: on a GPU the default "
         "already), unfused (the default engine with "
@@ -139,7 +153,7 @@ def main() -> None:
         ceiling = measure_cuda((getattr(torch, args.dtype),), args.device)
         bandwidth = ceiling.bytes_per_s
         print("the card's ceiling, measured now (bench/ceiling.py): " + "; ".join(ceiling.lines()), flush=True)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     budget = 2048  # the engine's default token budget
     # room for the decode steps taken while the largest batch is still prefilling (decode_steps)
     prefill_steps = -(-max(batches) * args.context // budget)
@@ -152,21 +166,12 @@ def main() -> None:
         max_model_len=args.context + args.steps + prefill_steps + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep the steps alike
     )
-    # "default" is "graphs" under its CPU name: a CPU never captures, so there it is the eager engine
-    variants = {
-        "graphs": {},
-        "default": {},
-        "eager": {"enforce_eager": True},
-        "async": {"async_scheduling": True},
-        "inorder": {"async_scheduling": False},
-        "unfused": {},
-    }
-    envs = {name: {"PREFIXKV_CUDA_KERNELS": "0"} if name == "unfused" else {} for name in variants}
+    envs = {name: {"PREFIXKV_CUDA_KERNELS": "0"} if name == "unfused" else {} for name in VARIANTS}
     engines = {}
-    for name in args.engines.split(","):
+    for name in args.engines:
         t0 = time.perf_counter()
         with environment(envs[name]):  # a graph keeps the kernels it was captured with
-            engines[name] = LLM(args.model, **variants[name], **common)
+            engines[name] = LLM(args.model, **VARIANTS[name], **common)
         print(f"{name}: built in {time.perf_counter() - t0:.1f} s; {graphs_summary(engines[name])}", flush=True)
     first = next(iter(engines))
     vocab = engines[first].llm_engine.model_config.vocab_size

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.arg_types import names  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv.model.kernels import gpu_fused  # noqa: E402
 from prefixkv.model.kernels import triton_gemv as tg  # noqa: E402
@@ -137,7 +138,7 @@ def device_us(fn: Callable[[], object], reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shapes", default="llama-1b,smollm2", help=f"of: {', '.join(SHAPES)}")
+    ap.add_argument("--shapes", type=names(SHAPES), default=["llama-1b", "smollm2"], help=f"of: {', '.join(SHAPES)}")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     print(describe(), flush=True)
@@ -154,7 +155,7 @@ def main() -> None:
     eps = 1e-5
     if not cuda:
         gpu_fused.run_on_cpu = True  # the engine's kernels under the interpreter too
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         for name, n, k, before in SHAPES[shape]:
             x = torch.randn(1, 2 * k if before == "silu" else k, generator=g).to(dtype).to(dev)
             w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(dev)

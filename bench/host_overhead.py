@@ -58,6 +58,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
+from bench.arg_types import ints  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
@@ -204,7 +205,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--against", default=None, help="another checkout of prefixkv (a git worktree): compare with it")
     ap.add_argument("--pairs", type=int, default=4, help="with --against: pairs of alternated runs")
-    ap.add_argument("--batches", default="1,32,256")
+    ap.add_argument("--batches", type=ints, default=[1, 32, 256])
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
@@ -250,10 +251,9 @@ def main() -> None:
         if args.device != "cpu":
             raise SystemExit("--gpu-path stands in for a GPU on a CPU: not with --device")
         os.environ.update(TRITON_INTERPRET="1", PREFIXKV_CUDA_GRAPHS="static")
-        sizes = [int(b) for b in args.batches.split(",")]
-        gpu_path = dict(async_scheduling=True, compilation_config={"cudagraph_capture_sizes": sizes})
+        gpu_path = dict(async_scheduling=True, compilation_config={"cudagraph_capture_sizes": args.batches})
     print(describe(), flush=True)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     acc: dict[str, float] = collections.defaultdict(float)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model if args.model is not None else tiny_checkpoint(tmp)

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.arg_types import ints  # noqa: E402
 from bench.lora_workload import workload, write_random_adapter  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 from prefixkv.lora import LoRARequest  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--adapters", default="1,4,8")
+    ap.add_argument("--adapters", type=ints, default=[1, 4, 8])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default=None)
@@ -71,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    counts = [int(x) for x in args.adapters.split(",")]
+    counts = args.adapters
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     common = dict(
         dtype=args.dtype, device=args.device, kv_cache_memory_bytes=256 << 20, enforce_eager=args.enforce_eager

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.arg_types import ints, names  # noqa: E402
 from bench.decode_graphs import graphs_summary  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
@@ -87,20 +88,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--decodes", default="0,32,128", help="running decodes beside each prompt")
-    ap.add_argument("--prompts", default="16,128,1024", help="prompt lengths (tokens)")
+    ap.add_argument("--decodes", type=ints, default=[0, 32, 128], help="running decodes beside each prompt")
+    ap.add_argument("--prompts", type=ints, default=[16, 128, 1024], help="prompt lengths (tokens)")
     ap.add_argument("--context", type=int, default=256, help="the decodes' prompt length")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--model", default=None, help="a checkpoint folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--kv-gib", type=float, default=4.0, help="each engine's KV cache (GiB)")
-    ap.add_argument("--engines", default="default,full,decode-only", help=", ".join(VARIANTS))
+    ap.add_argument("--engines", type=names(VARIANTS), default=["default", "full", "decode-only"])
     args = ap.parse_args()
     print(describe(), flush=True)
     show_info_logs()  # each engine's start-up lines: the mixed steps' timings and choice among them
-    decodes = [int(b) for b in args.decodes.split(",")]
-    lengths = [int(p) for p in args.prompts.split(",")]
+    decodes, lengths = args.decodes, args.prompts
     common = dict(
         dtype=args.dtype,
         device=args.device,
@@ -111,7 +111,7 @@ def main() -> None:
         enable_prefix_caching=False,  # random prompts share nothing; keep the steps alike
     )
     engines = {}
-    for name in args.engines.split(","):
+    for name in args.engines:
         t0 = time.perf_counter()
         engines[name] = LLM(args.model, **VARIANTS[name], **common)
         print(f"{name}: built in {time.perf_counter() - t0:.1f} s; {graphs_summary(engines[name])}", flush=True)

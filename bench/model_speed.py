@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.arg_types import ints  # noqa: E402
 from bench.ceiling import decode_bytes, fraction, measure, measure_cuda, prefill_flops  # noqa: E402
 from bench.machine import describe  # noqa: E402
 
@@ -180,7 +181,7 @@ def main() -> None:
         help="CPU: time our model once per weight layout, alternated step by step in this process "
         f"(comma-separated, of: {', '.join(LAYOUTS)}; 'engine' = what pack_for_cpu picks)",
     )
-    ap.add_argument("--batches", default="1,8", help="decode batch sizes (comma-separated)")
+    ap.add_argument("--batches", type=ints, default=[1, 8], help="decode batch sizes (comma-separated)")
     ap.add_argument(
         "--torch-attention-too",
         action="store_true",
@@ -337,7 +338,7 @@ def main() -> None:
         print(line)
 
     # ------------------------------------------------------------ decode
-    for B in [int(b) for b in args.batches.split(",")]:
+    for B in args.batches:
         print(f"  ... decode, batch {B}: {args.steps} steps", flush=True)
         C = args.context
         prompts = torch.randint(100, vocab, (B, C), generator=g)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.arg_types import ints  # noqa: E402
 from prefixkv.model.attention import AttentionMetadata, paged_attention  # noqa: E402
 from prefixkv.model.attention_path import ENV  # noqa: E402
 
@@ -78,8 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batches", default="1,32,256")
-    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--batches", type=ints, default=[1, 32, 256])
+    ap.add_argument("--contexts", type=ints, default=[1024, 8192])
     ap.add_argument("--new", type=int, default=64, help="new tokens a sequence at prefill")
     ap.add_argument("--shared", type=int, default=0, help="leading context tokens every sequence shares")
     ap.add_argument("--kinds", default="decode,prefill")
@@ -100,8 +101,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for kind in args.kinds.split(","):
         new = 1 if kind == "decode" else args.new
-        for context in (int(x) for x in args.contexts.split(",")):
-            for batch in (int(x) for x in args.batches.split(",")):
+        for context in args.contexts:
+            for batch in args.batches:
                 try:
                     q, k, v, cache, meta = case(batch, context, new, args.shared, hq, hkv, args.head_dim, dtype, device)
                     ms, outs = {}, {}

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from bench.arg_types import names
 from prefixkv import LLM, SamplingParams
 from prefixkv.sampling_params import StructuredOutputsParams
 
@@ -361,7 +362,7 @@ def _free(llm: LLM) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", type=names(FAMILIES), default=FAMILIES)
     ap.add_argument("--scenarios", default=None, help="comma-separated (default: all)")
     ap.add_argument(
         "--ahead-only",
@@ -375,7 +376,7 @@ def main() -> int:
     logging.getLogger("prefixkv").setLevel(logging.ERROR)  # the thread policy's notice, once an engine
     problems: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family in args.families.split(","):
+        for family in args.families:
             folder = Path(tmp) / family
             scenarios, adapters = _checkpoint(family, folder)
             model = folder / "base" if family == "lora" else folder
