@@ -24,9 +24,19 @@ import argparse, json, runpy, sys, traceback
 class Parsed(Exception):
     pass
 
+depth = 0
+
 def stop_after(method):
+    # parse_args calls parse_known_args, then rejects what is left over: stop after the outer one
     def parse(self, *args, **kwargs):
-        method(self, *args, **kwargs)
+        global depth
+        depth += 1
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            depth -= 1
+        if depth:
+            return result
         raise Parsed
     return parse
 
