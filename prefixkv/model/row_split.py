@@ -30,6 +30,7 @@ import logging
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ _active = False
 _lock = threading.Lock()
 _loaded = False
 _op: Any = None  # torch.ops.prefixkv.row_split_linear once built and checked
+_built: Future[Path] | None = None  # its build, where start_build began it
 
 
 def set_active(on: bool) -> None:
@@ -73,7 +75,7 @@ def _build_flags() -> tuple[list[str], tuple[str, ...]]:
     return flags, (f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu")
 
 
-def _load() -> Any:
+def _build() -> Path:
     if not sys.platform.startswith("linux"):
         raise RuntimeError("only built on Linux")
     if not torch.backends.mkldnn.is_available():
@@ -81,7 +83,31 @@ def _load() -> Any:
     if not torch.backends.openmp.is_available():
         raise RuntimeError("this torch has no OpenMP runtime to share")
     flags, link = _build_flags()
-    path = build.build(build.compiler(), [SOURCE], [], flags, link, name="prefixkv-row-split")
+    return build.build(build.compiler(), [SOURCE], [], flags, link, name="prefixkv-row-split")
+
+
+def start_build() -> None:
+    """Start compiling the operator in a thread, beside other work (the kernels' compiler): the first
+    `available()` then loads and checks what it built, or reports what it raised. Nothing where it
+    was loaded, or its build started, before."""
+    global _built
+    with _lock:
+        if _built is not None or _loaded or not ops.enabled():
+            return
+        future: Future[Path] = Future()
+        _built = future
+
+    def run() -> None:
+        try:
+            future.set_result(_build())
+        except BaseException as e:  # handed to available(), which says why the products stay whole
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="prefixkv-row-split-build", daemon=True).start()
+
+
+def _load() -> Any:
+    path = _built.result() if _built is not None else _build()
     torch.ops.load_library(str(path))
     return torch.ops.prefixkv.row_split_linear
 

@@ -34,6 +34,8 @@ def prepare_cpu_kernels(row_split_too: bool = True) -> dict[str, bool]:
     when `row_split_too` (only the adaptive thread policy uses it). Returns which are usable; both
     False where the kernels are switched off (PREFIXKV_CPU_KERNELS=0) or cannot be built (the
     modules log why)."""
+    if row_split_too:  # its compiler beside the kernels': a core is free at the end of theirs
+        row_split.start_build()
     ready = {"kernels": ops.available()}
     if row_split_too:
         ready["row_split"] = row_split.available()

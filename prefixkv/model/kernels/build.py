@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -181,17 +182,46 @@ def build(
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run(
-            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            said = done.stderr.strip()[-500:]
-            raise RuntimeError(f"{compiler} failed with exit status {done.returncode}" + (f": {said}" if said else ""))
+        with tempfile.TemporaryDirectory(prefix=".objects-", dir=folder) as objects:
+            _compile_and_link(compiler, sources, flags, link, tmp, Path(objects))
         os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _compile_and_link(
+    compiler: str, sources: list[Path], flags: list[str], link: tuple[str, ...], out: str, objects: Path
+) -> None:
+    """Each source into an object file, as many at once as this process has cores, then one link.
+    One compiler call for every source compiles them one after another: on 2 cores that was about
+    twice the time (the slowest source alone is a third of the whole)."""
+    if len(sources) == 1:
+        _run([compiler, *flags, str(sources[0]), "-o", out, *link], compiler)
+        return
+    compile_flags = [f for f in flags if f != "-shared"]
+    paths = [objects / f"{i}-{source.stem}.o" for i, source in enumerate(sources)]
+    # the largest (the longest to compile) first, so that no core is left alone with a long one started last
+    order = sorted(range(len(sources)), key=lambda i: -sources[i].stat().st_size)
+    with ThreadPoolExecutor(min(len(sources), _cores())) as pool:
+        list(
+            pool.map(
+                lambda i: _run([compiler, *compile_flags, "-c", str(sources[i]), "-o", str(paths[i])], compiler), order
+            )
+        )
+    _run([compiler, *flags, *map(str, paths), "-o", out, *link], compiler)
+
+
+def _run(command: list[str], compiler: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        said = done.stderr.strip()[-500:]
+        raise RuntimeError(f"{compiler} failed with exit status {done.returncode}" + (f": {said}" if said else ""))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def compiler() -> str:

@@ -6,6 +6,7 @@ and a clean fallback where they cannot run."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import shutil
 
@@ -105,13 +106,17 @@ def test_default_model_steps_match_the_pytorch_path(dtype):
 def test_built_once_into_the_cache_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path))
     compiler = shutil.which("c++") or shutil.which("g++")
-    # one small source: the caching is the same for all of them (the whole library takes ~25 CPU-s)
-    sources = [path for path in build.SOURCES if path.name == "write_kv.cpp"]
+    # two small sources, compiled side by side and linked into one library: the caching is the
+    # same for all of them (the whole library takes ~12 CPU-s)
+    sources = [path for path in build.SOURCES if path.name in ("write_kv.cpp", "silu_and_mul.cpp")]
     headers = [path for path in build.HEADERS if path.name == "target.h"]
     first = build.build(compiler, sources, headers)
     assert first.parent == tmp_path / "kernels" and first.exists()
+    library = ctypes.CDLL(str(first))
+    assert library.prefixkv_write_kv and library.prefixkv_silu_and_mul  # both sources' entry points
     stamp = first.stat().st_mtime_ns
-    assert build.build(compiler, sources, headers) == first and first.stat().st_mtime_ns == stamp
+    assert build.build(compiler, sources, headers) == first
+    assert first.stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no build leftovers
 
 
@@ -144,6 +149,7 @@ def test_one_cause_one_log_line_for_the_kernels_and_the_row_split_products(tmp_p
     for module, loaded in ((ops, "_kernels"), (row_split, "_op")):
         monkeypatch.setattr(module, "_loaded", False)
         monkeypatch.setattr(module, loaded, None)
+    monkeypatch.setattr(row_split, "_built", None)  # built beside the kernels, by prepare_cpu_kernels
     monkeypatch.setattr(ops, "_load_failure", None)
     with caplog.at_level(logging.INFO, logger="prefixkv"):
         assert prepare_cpu_kernels() == {"kernels": False, "row_split": False}
