@@ -1,0 +1,213 @@
+"""A differential fuzz of prefix caching: random traffic through an engine with caching off and one
+with it on, the same settings otherwise, on a tiny random checkpoint of each family - plain
+attention, sliding windows beside full layers (Gemma 2 and 3), routed experts, recurrent state
+(Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores the state saved at a block's end).
+
+The traffic is what a cache must get right: a conversation's next turn (the earlier prompt, the
+model's own answer to it, new tokens), prompts repeated whole, prefixes ending anywhere in a
+block, the same prompt under two cache salts, preemption in a small pool, chunked prefill,
+arrivals between steps, each eviction policy. Greedy and seeded requests, logprobs, n=2, prompt
+logprobs. Each request's tokens, finish and logprobs (within 2e-3) must be equal, the cached
+engine must hit, and every KV block must be free after both. fuzz_ahead.py compares two
+schedules with the same caching, so a cache that is wrong the same way in both passes there.
+Outside the suite (seconds a seed); the suite runs a few seeds (test_prefix_cache_counts.py):
+
+    .venv/bin/python -m tests.engine.fuzz_caching [--families llama,qwen3_next] [--first 0] [--count 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+from bench.arg_types import names
+from prefixkv import SamplingParams
+from prefixkv.config import EngineConfig
+from prefixkv.engine.llm_engine import LLMEngine
+from prefixkv.engine_args import POLICIES
+
+from ..model.test_model_hf_folder import _write_tokenizer
+from .fuzz_ahead import close
+from .sweep_graphs import _family
+
+FAMILIES = ["llama", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next"]
+MAX_MODEL_LEN = 96
+MAX_STEPS = 5000  # a run longer than this hangs
+# (step it arrives before, id, prompt, params, cache salt)
+Arrival = tuple[int, str, list[int], SamplingParams, str | None]
+
+
+def checkpoint(family: str, folder: Path) -> Path:
+    """The family's tiny random checkpoint and a byte-level tokenizer, written in `folder`."""
+    _family(family)().save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    return folder
+
+
+def _params(rng: random.Random) -> SamplingParams:
+    most = rng.randrange(1, 13)
+    kind = rng.randrange(6)
+    if kind == 0:
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=rng.randrange(99), max_tokens=most, ignore_eos=True)
+    if kind == 1:
+        return SamplingParams(temperature=0, max_tokens=most, logprobs=2, ignore_eos=True)
+    if kind == 2:
+        return SamplingParams(temperature=0.9, seed=rng.randrange(99), n=2, max_tokens=most, ignore_eos=True)
+    if kind == 3:  # scores its prompt: reads no cached block, but its own are cached
+        return SamplingParams(temperature=0, max_tokens=most, prompt_logprobs=1, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=most, ignore_eos=True)
+
+
+def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
+    """Seed `seed`'s engine settings and traffic, in arrival order."""
+    rng = random.Random(seed)
+    bs, num_blocks = rng.choice([4, 8, 16]), rng.choice([14, 20, 32, 96])
+    max_len = min(MAX_MODEL_LEN, bs * num_blocks)  # a small pool preempts; one request always fits
+    cfg: dict[str, Any] = dict(
+        dtype="float32",
+        device="cpu",
+        block_size=bs,
+        num_blocks=num_blocks,
+        max_model_len=max_len,
+        max_num_batched_tokens=rng.choice([8, 16, 48, 256]),
+        max_num_seqs=rng.choice([1, 2, 4, 8]),
+        eviction_policy=rng.choice(list(POLICIES)),
+    )
+    if cfg["max_num_batched_tokens"] < max_len:
+        cfg["enable_chunked_prefill"] = True
+    shared = [rng.randrange(256) for _ in range(rng.randrange(2 * bs, 5 * bs))]
+    answers = _Answers(model)
+    traffic: list[Arrival] = []
+    prompts: list[list[int]] = []
+    for i in range(rng.randrange(3, 11)):
+        step = rng.randrange(16)
+        shape = rng.randrange(5)
+        if shape == 0 and prompts:  # a conversation's next turn: an earlier prompt, its answer, more
+            earlier = rng.choice(prompts)
+            prompt = earlier + answers.greedy(earlier, rng.randrange(1, 9)) + _tokens(rng, rng.randrange(1, 9))
+        elif shape == 1 and prompts:  # an earlier prompt again, whole
+            prompt = list(rng.choice(prompts))
+        elif shape == 2:  # the shared prefix cut anywhere, then its own tokens
+            prompt = shared[: rng.randrange(1, len(shared) + 1)] + _tokens(rng, rng.randrange(0, 6))
+        elif shape == 3:  # the shared prefix to a block's end exactly
+            prompt = shared[: max(bs, len(shared) // bs * bs)]
+        else:
+            prompt = _tokens(rng, rng.randrange(1, 30))
+        prompt = prompt[: max_len - 13] or [1]  # room for its 12 tokens at most
+        prompts.append(prompt)
+        salt = rng.choice([None, None, None, "tenant-a", "tenant-b"])
+        traffic.append((step, f"r{i}", prompt, _params(rng), salt))
+    traffic.sort(key=lambda t: t[0])
+    return cfg, traffic
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(n)]
+
+
+class _Answers:
+    """The model's greedy continuation of a prompt (a conversation's earlier answer), from an
+    engine with caching off."""
+
+    engines: dict[Path, LLMEngine] = {}
+
+    def __init__(self, model: Path) -> None:
+        engine = self.engines.get(model)
+        if engine is None:
+            config = EngineConfig(
+                model=str(model),
+                dtype="float32",
+                device="cpu",
+                max_model_len=MAX_MODEL_LEN,
+                enable_prefix_caching=False,
+            )
+            engine = self.engines[model] = LLMEngine(config)
+        self.engine = engine
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        rid = self.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        tokens: list[int] = []
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id == rid and out.finished:
+                    tokens = list(out.outputs[0].token_ids)
+        return tokens
+
+
+def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: bool) -> tuple[dict[str, Any], int]:
+    """Each request's outputs (every sequence's tokens, finish and logprobs; prompt logprobs;
+    error) and the prompt tokens the cache served; every block free after."""
+    engine = LLMEngine(EngineConfig(model=str(model), **cfg, enable_prefix_caching=caching))
+    pending = list(traffic)
+    done: dict[str, Any] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params, salt = pending.pop(0)
+            engine.add_request(prompt, params, request_id=rid, cache_salt=salt)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (
+                    [(tuple(c.token_ids), c.finish_reason, _scores(c.logprobs)) for c in out.outputs],
+                    _scores(out.prompt_logprobs),
+                    out.error,
+                )
+        step += 1
+        if step > MAX_STEPS:
+            raise RuntimeError(f"no end after {MAX_STEPS} steps")
+    held = engine.num_blocks - engine.kv_cache_manager.num_free_blocks
+    if held:
+        raise RuntimeError(f"{held} blocks held after every request ended (caching {caching})")
+    return done, engine.prefix_cache_stats.hits
+
+
+def _scores(entries: list | None) -> list | None:
+    if entries is None:
+        return None
+    return [e and sorted((t, lp.logprob) for t, lp in e.items()) for e in entries]
+
+
+def differences(model: Path, seed: int) -> tuple[list[str], int]:
+    """The requests of seed `seed` whose outputs differ with caching on; the cache's hits."""
+    cfg, traffic = case(seed, model)
+    off, _ = serve(model, cfg, traffic, caching=False)
+    on, hits = serve(model, cfg, traffic, caching=True)
+    differ = sorted(set(off) ^ set(on))
+    differ += [rid for rid in off if rid in on and not close(off[rid], on[rid])]
+    return differ, hits
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", type=names(FAMILIES), default=FAMILIES)
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--count", type=int, default=40)
+    args = ap.parse_args()
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families:
+            model = checkpoint(family, Path(tmp) / family)
+            hits_total = 0
+            for seed in range(args.first, args.first + args.count):
+                try:
+                    differ, hits = differences(model, seed)
+                except Exception:  # a crash is a finding too
+                    failures.append(f"{family} seed {seed}: {traceback.format_exc(limit=4)}")
+                    print(failures[-1], flush=True)
+                    continue
+                hits_total += hits
+                if differ:
+                    failures.append(f"{family} seed {seed}: {differ}")
+                    print(failures[-1], flush=True)
+            print(f"{family}: {args.count} seeds, {hits_total} hits", flush=True)
+    print(f"{len(failures)} failing seeds")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
