@@ -15,6 +15,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 
 from ..conftest import hf_greedy
+from . import fuzz_caching
 
 T = TypeVar("T")
 MAX_NEW = 12
@@ -220,3 +221,16 @@ def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, p
     out = run_prompt_logprobs(engine_for(default_lm), two[:1], k=1, n=2)[0]
     assert len(out.outputs) == 2
     check_prompt_logprobs(out, hf_logprobs(two[0]), 1)
+
+
+@pytest.mark.parametrize(("family", "seed"), [("llama", 18), ("gemma3", 22), ("mamba2", 6), ("qwen3_next", 18)])
+def test_random_traffic_with_caching_equals_without(tmp_path, family, seed):
+    """Seeds of tests/engine/fuzz_caching.py (random traffic, an engine with caching off against
+    one with it on): a conversation's next turns and repeated prompts beside preemption, for plain
+    attention, sliding windows in a second KV-cache group (Gemma 3: 22 preempts ten times), and
+    recurrent state restored from the cache (mamba2 6: two requests of one step, the second
+    continuing from a block the first computes in it)."""
+    model = fuzz_caching.checkpoint(family, tmp_path)
+    differ, hits, preemptions = fuzz_caching.differences(model, seed)
+    assert not differ and hits > 0
+    assert preemptions > 0 or family == "mamba2"
