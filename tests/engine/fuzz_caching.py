@@ -30,25 +30,34 @@ from prefixkv import SamplingParams
 from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine_args import POLICIES
+from prefixkv.lora import LoRARequest
 
 from ..model.test_model_hf_folder import _write_tokenizer
 from .fuzz_ahead import close
 from .sweep_graphs import _family
 
-FAMILIES = ["llama", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next"]
+FAMILIES = ["llama", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next", "lora"]
 KV_CACHE_GROUPS = {"gemma2": 2, "gemma3": 2}  # a checkpoint's folder is named by its family
+RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next"}  # no KV tier under them (refused)
+ADAPTERS = ("qv", "all")  # the lora family's, beside its base model (tests/lora/conftest.py)
 MAX_MODEL_LEN = 96
 MAX_STEPS = 5000  # a run longer than this hangs
-# (step it arrives before, id, prompt, params, cache salt)
-Arrival = tuple[int, str, list[int], SamplingParams, str | None]
+# (step it arrives before, id, prompt, params, cache salt, adapter folder or None)
+Arrival = tuple[int, str, list[int], SamplingParams, str | None, str | None]
 
 
 def checkpoint(family: str, parent: Path) -> Path:
     """The family's tiny random checkpoint and a byte-level tokenizer, in a folder of `parent`
     named by the family."""
     folder = parent / family
-    _family(family)().save_pretrained(folder, safe_serialization=True)
+    _family("llama" if family == "lora" else family)().save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder)
+    if family == "lora":  # two random adapters of the base, in folders beside it
+        from ..lora.conftest import ADAPTERS as KINDS
+        from ..lora.conftest import write_adapter
+
+        for i, name in enumerate(ADAPTERS):
+            write_adapter(folder, parent / f"lora-{name}", seed=100 + i, **KINDS[name])
     return folder
 
 
@@ -84,6 +93,15 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
     )
     if cfg["max_num_batched_tokens"] < max_len:
         cfg["enable_chunked_prefill"] = True
+    # drawn apart, so that the seeds drawn before keep their cases: a CPU tier under the cache (the
+    # engine with caching off has none), adapters whose blocks no other adapter may read
+    extra = random.Random(f"tier-{seed}")
+    if model.name not in RECURRENT and extra.random() < 0.4:
+        cfg["kv_offloading_size"] = 0.004  # GiB: a few hundred of the tiny models' blocks
+    adapters: list[str | None] = [None]
+    if model.name == "lora":
+        cfg.update(enable_lora=True, max_loras=2, max_lora_rank=8)
+        adapters += [str(model.parent / f"lora-{name}") for name in ADAPTERS]
     shared = [rng.randrange(256) for _ in range(rng.randrange(2 * bs, 5 * bs))]
     answers = _Answers(model)
     traffic: list[Arrival] = []
@@ -105,7 +123,7 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
         prompt = prompt[: max_len - 13] or [1]  # room for its 12 tokens at most
         prompts.append(prompt)
         salt = rng.choice([None, None, None, "tenant-a", "tenant-b"])
-        traffic.append((step, f"r{i}", prompt, _params(rng), salt))
+        traffic.append((step, f"r{i}", prompt, _params(rng), salt, extra.choice(adapters)))
     traffic.sort(key=lambda t: t[0])
     return cfg, traffic
 
@@ -148,19 +166,24 @@ class _Answers:
 def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: bool) -> tuple[dict[str, Any], int, int]:
     """Each request's outputs (every sequence's tokens, finish and logprobs; prompt logprobs;
     error), the prompt tokens the cache served and the preemptions; every block free after."""
-    engine = LLMEngine(EngineConfig(model=str(model), **cfg, enable_prefix_caching=caching))
+    settings = dict(cfg, enable_prefix_caching=caching)
+    if not caching:
+        settings.pop("kv_offloading_size", None)  # a tier holds cached blocks: none without the cache
+    engine = LLMEngine(EngineConfig(model=str(model), **settings))
     pending = list(traffic)
+    adapters = sorted({t[5] for t in traffic if t[5] is not None})
     # a seeded draw is compared by its lengths and finishes only: where the uniform falls within a
     # rounding of a token's edge, the last bits that a state restored from a block (or a scan in
     # other chunks) changes pick the neighbour token (mamba2 seed 22 of `case`: logprobs 2.4e-7
     # apart, then token 229 for 228); greedy requests are compared token for token
-    sampled_ids = {rid: params.temperature > 0 for _, rid, _, params, _ in traffic}
+    sampled_ids = {rid: params.temperature > 0 for _, rid, _, params, _, _ in traffic}
     done: dict[str, Any] = {}
     step = 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:
-            _, rid, prompt, params, salt = pending.pop(0)
-            engine.add_request(prompt, params, request_id=rid, cache_salt=salt)
+            _, rid, prompt, params, salt, adapter = pending.pop(0)
+            lora = None if adapter is None else LoRARequest(Path(adapter).name, 1 + adapters.index(adapter), adapter)
+            engine.add_request(prompt, params, request_id=rid, cache_salt=salt, lora_request=lora)
         for out in engine.step():
             if out.finished:
                 sampled = sampled_ids.get(out.request_id, False)
