@@ -7,8 +7,10 @@ The traffic is what a cache must get right: a conversation's next turn (the earl
 model's own answer to it, new tokens), prompts repeated whole, prefixes ending anywhere in a
 block, the same prompt under two cache salts, preemption in a small pool, chunked prefill,
 arrivals between steps, each eviction policy. Greedy and seeded requests, logprobs, n=2, prompt
-logprobs. Each greedy request's tokens, finish and logprobs (within 2e-3), and each seeded one's
-lengths and finishes, must be equal, and every KV block must be free after both. fuzz_ahead.py compares two
+logprobs, an embedding's prompt hidden states; a CPU tier and the stage-output cache under the
+cache. Each greedy request's tokens, finish and logprobs (within 2e-3), each seeded one's lengths
+and finishes, and prompt logprobs and hidden states (within 2e-3) must be equal, and every KV
+block must be free after both. fuzz_ahead.py compares two
 schedules with the same caching, so a cache that is wrong the same way in both passes there.
 Outside the suite (seconds a seed); the suite runs a few seeds (test_prefix_cache_counts.py):
 
@@ -42,8 +44,9 @@ RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next"}  # no KV tier under t
 ADAPTERS = ("qv", "all")  # the lora family's, beside its base model (tests/lora/conftest.py)
 MAX_MODEL_LEN = 96
 MAX_STEPS = 5000  # a run longer than this hangs
-# (step it arrives before, id, prompt, params, cache salt, adapter folder or None)
-Arrival = tuple[int, str, list[int], SamplingParams, str | None, str | None]
+# (step it arrives before, id, prompt, params, cache salt, adapter folder or None, the first
+# position whose prompt hidden states it asks for, an embedding's, or None)
+Arrival = tuple[int, str, list[int], SamplingParams, str | None, str | None, int | None]
 
 
 def checkpoint(family: str, parent: Path) -> Path:
@@ -70,7 +73,7 @@ def _params(rng: random.Random) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=most, logprobs=2, ignore_eos=True)
     if kind == 2:
         return SamplingParams(temperature=0.9, seed=rng.randrange(99), n=2, max_tokens=most, ignore_eos=True)
-    if kind == 3:  # scores its prompt: reads no cached block, but its own are cached
+    if kind == 3:  # scores its prompt: reads no cached block (but the stage-output cache's rows)
         return SamplingParams(temperature=0, max_tokens=most, prompt_logprobs=1, ignore_eos=True)
     return SamplingParams(temperature=0, max_tokens=most, ignore_eos=True)
 
@@ -98,6 +101,10 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
     extra = random.Random(f"tier-{seed}")
     if model.name not in RECURRENT and extra.random() < 0.4:
         cfg["kv_offloading_size"] = 0.004  # GiB: a few hundred of the tiny models' blocks
+    # the stage-output cache: cached blocks' hidden states, read back for prompt logprobs and an
+    # embedding's prompt hidden states (computed again with caching off)
+    if extra.random() < 0.4:
+        cfg["enable_stage_output_cache"] = True
     adapters: list[str | None] = [None]
     if model.name == "lora":
         cfg.update(enable_lora=True, max_loras=2, max_lora_rank=8)
@@ -123,7 +130,8 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
         prompt = prompt[: max_len - 13] or [1]  # room for its 12 tokens at most
         prompts.append(prompt)
         salt = rng.choice([None, None, None, "tenant-a", "tenant-b"])
-        traffic.append((step, f"r{i}", prompt, _params(rng), salt, extra.choice(adapters)))
+        hidden_from = extra.randrange(len(prompt)) if extra.random() < 0.2 else None
+        traffic.append((step, f"r{i}", prompt, _params(rng), salt, extra.choice(adapters), hidden_from))
     traffic.sort(key=lambda t: t[0])
     return cfg, traffic
 
@@ -168,7 +176,8 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
     error), the prompt tokens the cache served and the preemptions; every block free after."""
     settings = dict(cfg, enable_prefix_caching=caching)
     if not caching:
-        settings.pop("kv_offloading_size", None)  # a tier holds cached blocks: none without the cache
+        settings.pop("kv_offloading_size", None)  # a tier and the stage-output cache keep cached
+        settings.pop("enable_stage_output_cache", None)  # blocks' values: none without the cache
     engine = LLMEngine(EngineConfig(model=str(model), **settings))
     pending = list(traffic)
     adapters = sorted({t[5] for t in traffic if t[5] is not None})
@@ -176,14 +185,16 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
     # rounding of a token's edge, the last bits that a state restored from a block (or a scan in
     # other chunks) changes pick the neighbour token (mamba2 seed 22 of `case`: logprobs 2.4e-7
     # apart, then token 229 for 228); greedy requests are compared token for token
-    sampled_ids = {rid: params.temperature > 0 for _, rid, _, params, _, _ in traffic}
+    sampled_ids = {t[1]: t[3].temperature > 0 for t in traffic}
     done: dict[str, Any] = {}
     step = 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:
-            _, rid, prompt, params, salt, adapter = pending.pop(0)
+            _, rid, prompt, params, salt, adapter, hidden_from = pending.pop(0)
             lora = None if adapter is None else LoRARequest(Path(adapter).name, 1 + adapters.index(adapter), adapter)
-            engine.add_request(prompt, params, request_id=rid, cache_salt=salt, lora_request=lora)
+            engine.add_request(
+                prompt, params, request_id=rid, cache_salt=salt, lora_request=lora, hidden_states_from=hidden_from
+            )
         for out in engine.step():
             if out.finished:
                 sampled = sampled_ids.get(out.request_id, False)
@@ -195,6 +206,7 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
                         for c in out.outputs
                     ],
                     _scores(out.prompt_logprobs),
+                    None if out.hidden_states is None else out.hidden_states.double().sum(dim=1).tolist(),
                     out.error,
                 )
         step += 1
