@@ -38,21 +38,28 @@ from ..model.test_model_hf_folder import _write_tokenizer
 from .fuzz_ahead import close
 from .sweep_graphs import _family
 
-FAMILIES = ["llama", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next", "lora"]
+FAMILIES = ["llama", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next", "lora", "llava"]
 KV_CACHE_GROUPS = {"gemma2": 2, "gemma3": 2}  # a checkpoint's folder is named by its family
 RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next"}  # no KV tier under them (refused)
 ADAPTERS = ("qv", "all")  # the lora family's, beside its base model (tests/lora/conftest.py)
 MAX_MODEL_LEN = 96
 MAX_STEPS = 5000  # a run longer than this hangs
-# (step it arrives before, id, prompt, params, cache salt, adapter folder or None, the first
-# position whose prompt hidden states it asks for, an embedding's, or None)
-Arrival = tuple[int, str, list[int], SamplingParams, str | None, str | None, int | None]
+# (step it arrives before, id, prompt (token ids; llava's: its text and image seeds), params,
+# cache salt, adapter folder or None, the first position whose prompt hidden states it asks for, an
+# embedding's, or None)
+Arrival = tuple[int, str, Any, SamplingParams, str | None, str | None, int | None]
+LLAVA_WORDS = ("USER: ", "what is ", "this", " and ", "<image>", "<image>", "? ASSISTANT:", "\n")
 
 
 def checkpoint(family: str, parent: Path) -> Path:
     """The family's tiny random checkpoint and a byte-level tokenizer, in a folder of `parent`
     named by the family."""
     folder = parent / family
+    if family == "llava":  # a vision tower's 25 image tokens an image, its encoder cache, image hashes
+        from ..multimodal.llava_builder import build_llava
+
+        build_llava(folder)
+        return folder
     _family("llama" if family == "lora" else family)().save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder)
     if family == "lora":  # two random adapters of the base, in folders beside it
@@ -109,6 +116,9 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
     if model.name == "lora":
         cfg.update(enable_lora=True, max_loras=2, max_lora_rank=8)
         adapters += [str(model.parent / f"lora-{name}") for name in ADAPTERS]
+    if model.name == "llava":
+        cfg.update(num_blocks=96, max_model_len=min(MAX_MODEL_LEN * 2, bs * 96))
+        return cfg, _llava_traffic(rng, extra)
     shared = [rng.randrange(256) for _ in range(rng.randrange(2 * bs, 5 * bs))]
     answers = _Answers(model)
     traffic: list[Arrival] = []
@@ -134,6 +144,28 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
         traffic.append((step, f"r{i}", prompt, _params(rng), salt, extra.choice(adapters), hidden_from))
     traffic.sort(key=lambda t: t[0])
     return cfg, traffic
+
+
+def _llava_traffic(rng: random.Random, extra: random.Random) -> list[Arrival]:
+    """Prompts of words and images from a few seeds: the same image at other places and beside
+    other text, other images at the same place, prompts repeated whole, cut short, salted."""
+    shared = "".join(rng.choice(LLAVA_WORDS) for _ in range(rng.randrange(1, 5)))
+    traffic: list[Arrival] = []
+    prompts: list[str] = []
+    for i in range(rng.randrange(3, 10)):
+        if prompts and rng.random() < 0.3:
+            text = rng.choice(prompts)
+        else:
+            text = shared if rng.random() < 0.6 else ""
+            text += "".join(rng.choice(LLAVA_WORDS) for _ in range(rng.randrange(1, 5)))
+        while text.count("<image>") > 3:
+            text = text.replace("<image>", "", 1)
+        prompts.append(text)
+        images = [extra.randrange(4) for _ in range(text.count("<image>"))]
+        salt = rng.choice([None, None, "tenant-a"])
+        traffic.append((rng.randrange(8), f"r{i}", {"text": text, "images": images}, _params(rng), salt, None, None))
+    traffic.sort(key=lambda t: t[0])
+    return traffic
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -192,8 +224,20 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
         while pending and pending[0][0] <= step:
             _, rid, prompt, params, salt, adapter, hidden_from = pending.pop(0)
             lora = None if adapter is None else LoRARequest(Path(adapter).name, 1 + adapters.index(adapter), adapter)
+            images = None
+            if isinstance(prompt, dict):  # llava's: its text, and its images made from their seeds
+                from ..multimodal.conftest import make_image
+
+                images = {"image": [make_image(s) for s in prompt["images"]]} if prompt["images"] else None
+                prompt = prompt["text"]
             engine.add_request(
-                prompt, params, request_id=rid, cache_salt=salt, lora_request=lora, hidden_states_from=hidden_from
+                prompt,
+                params,
+                request_id=rid,
+                cache_salt=salt,
+                lora_request=lora,
+                hidden_states_from=hidden_from,
+                multi_modal_data=images,
             )
         for out in engine.step():
             if out.finished:

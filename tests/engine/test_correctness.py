@@ -225,7 +225,14 @@ def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, p
 
 @pytest.mark.parametrize(
     ("family", "seed", "preempts"),
-    [("llama", 18, True), ("gemma3", 22, True), ("mamba2", 6, False), ("qwen3_next", 18, True), ("lora", 5, False)],
+    [
+        ("llama", 18, True),
+        ("gemma3", 22, True),
+        ("mamba2", 6, False),
+        ("qwen3_next", 18, True),
+        ("lora", 5, False),
+        ("llava", 7, False),
+    ],
 )
 def test_random_traffic_with_caching_equals_without(tmp_path, family, seed, preempts):
     """Seeds of tests/engine/fuzz_caching.py (random traffic, an engine with caching off against
@@ -233,7 +240,8 @@ def test_random_traffic_with_caching_equals_without(tmp_path, family, seed, pree
     attention, sliding windows in a second KV-cache group (Gemma 3: 22 preempts ten times), and
     recurrent state restored from the cache (mamba2 6: two requests of one step, the second
     continuing from a block the first computes in it); the same prompts under two adapters and
-    none (lora 5: with the adapter out of the blocks' key, they read each other's KV)."""
+    none (lora 5: with the adapter out of the blocks' key, they read each other's KV); images at
+    the same places in the same words (llava 7: with the image's hash out of the key, likewise)."""
     model = fuzz_caching.checkpoint(family, tmp_path)
     differ, hits, preemptions = fuzz_caching.differences(model, seed)
     assert not differ and hits > 0
