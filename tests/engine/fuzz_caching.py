@@ -269,13 +269,21 @@ def _scores(entries: list | None) -> list | None:
 
 
 def differences(model: Path, seed: int) -> tuple[list[str], int, int]:
-    """The requests of seed `seed` whose outputs differ with caching on; the cache's hits and the
-    preemptions with caching on."""
+    """The requests of seed `seed` whose outputs differ with caching on, or whose greedy tokens
+    differ from the request's alone; the cache's hits and the preemptions with caching on."""
     cfg, traffic = case(seed, model)
     off, _, _ = serve(model, cfg, traffic, caching=False)
     on, hits, preemptions = serve(model, cfg, traffic, caching=True)
     differ = sorted(set(off) ^ set(on))
     differ += [rid for rid in off if rid in on and not close(off[rid], on[rid])]
+    # and each greedy request of the base model as it runs alone (one engine, caching off, the whole
+    # prompt in one step): neither the traffic around it, its chunks nor its preemptions change it
+    answers = _Answers(model) if model.name not in ("lora", "llava") else None
+    for _, rid, prompt, params, _, adapter, _ in traffic:
+        if answers is None or params.temperature > 0 or adapter is not None or off[rid][-1] is not None:
+            continue
+        if off[rid][0][0][0] != tuple(answers.greedy(prompt, params.max_tokens or 0)):
+            differ.append(f"{rid} (alone)")
     return differ, hits, preemptions
 
 
