@@ -1,18 +1,21 @@
 """A differential fuzz of prefix caching: random traffic through an engine with caching off and one
 with it on, the same settings otherwise, on a tiny random checkpoint of each family - plain
 attention, sliding windows beside full layers (Gemma 2 and 3), routed experts, recurrent state
-(Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores the state saved at a block's end).
+(Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores the state saved at a block's end), adapters
+beside their base model, LLaVA's images.
 
 The traffic is what a cache must get right: a conversation's next turn (the earlier prompt, the
 model's own answer to it, new tokens), prompts repeated whole, prefixes ending anywhere in a
-block, the same prompt under two cache salts, preemption in a small pool, chunked prefill,
-arrivals between steps, each eviction policy. Greedy and seeded requests, logprobs, n=2, prompt
-logprobs, an embedding's prompt hidden states; a CPU tier and the stage-output cache under the
-cache. Each greedy request's tokens, finish and logprobs (within 2e-3), each seeded one's lengths
-and finishes, and prompt logprobs and hidden states (within 2e-3) must be equal, and every KV
-block must be free after both. fuzz_ahead.py compares two
-schedules with the same caching, so a cache that is wrong the same way in both passes there.
-Outside the suite (seconds a seed); the suite runs a few seeds (test_prefix_cache_counts.py):
+block, the same prompt under two cache salts, the same words with other images or adapters,
+preemption in a small pool, chunked prefill, arrivals between steps, each eviction policy, a
+pinned prefix, a CPU tier and the stage-output cache under the cache. Greedy and seeded requests,
+logprobs, n=2, prompt logprobs, an embedding's prompt hidden states.
+
+Each greedy request's tokens, finish and logprobs, each seeded one's lengths and finishes, prompt
+logprobs and hidden states (floats within 2e-3) must be equal; each greedy request of the base
+model must also equal its tokens alone; every KV block must be free after both. fuzz_ahead.py
+compares two schedules with the same caching, so a cache wrong the same way in both passes there.
+Outside the suite (about a second a seed); the suite runs a few seeds (test_correctness.py):
 
     .venv/bin/python -m tests.engine.fuzz_caching [--families llama,qwen3_next] [--first 0] [--count 40]
 """
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.arg_types import names
-from prefixkv import SamplingParams
+from prefixkv import LLM, SamplingParams
 from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine_args import POLICIES
@@ -48,6 +51,7 @@ MAX_STEPS = 5000  # a run longer than this hangs
 # cache salt, adapter folder or None, the first position whose prompt hidden states it asks for, an
 # embedding's, or None)
 Arrival = tuple[int, str, Any, SamplingParams, str | None, str | None, int | None]
+PIN = "pin"  # a case's key for the token ids the engine with caching pins first (not an engine setting)
 LLAVA_WORDS = ("USER: ", "what is ", "this", " and ", "<image>", "<image>", "? ASSISTANT:", "\n")
 
 
@@ -120,6 +124,9 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
         cfg.update(num_blocks=96, max_model_len=min(MAX_MODEL_LEN * 2, bs * 96))
         return cfg, _llava_traffic(rng, extra)
     shared = [rng.randrange(256) for _ in range(rng.randrange(2 * bs, 5 * bs))]
+    pins = random.Random(f"pin-{seed}")
+    if pins.random() < 0.3:  # the shared prefix, some of it, pinned in the cache before the traffic
+        cfg[PIN] = shared[: pins.randrange(bs, len(shared) + 1)]
     answers = _Answers(model)
     traffic: list[Arrival] = []
     prompts: list[list[int]] = []
@@ -207,10 +214,16 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
     """Each request's outputs (every sequence's tokens, finish and logprobs; prompt logprobs;
     error), the prompt tokens the cache served and the preemptions; every block free after."""
     settings = dict(cfg, enable_prefix_caching=caching)
+    pin = settings.pop(PIN, None)
     if not caching:
         settings.pop("kv_offloading_size", None)  # a tier and the stage-output cache keep cached
         settings.pop("enable_stage_output_cache", None)  # blocks' values: none without the cache
     engine = LLMEngine(EngineConfig(model=str(model), **settings))
+    if caching and pin is not None:
+        try:
+            LLM.from_engine(engine).pin_prefix(pin)
+        except ValueError:  # past max_pinned_fraction of a small pool: refused, by name
+            pass
     pending = list(traffic)
     adapters = sorted({t[5] for t in traffic if t[5] is not None})
     # a seeded draw is compared by its lengths and finishes only: where the uniform falls within a
@@ -256,6 +269,8 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
         step += 1
         if step > MAX_STEPS:
             raise RuntimeError(f"no end after {MAX_STEPS} steps")
+    if caching and pin is not None:  # its blocks are held while pinned; free once unpinned
+        LLM.from_engine(engine).unpin_prefix(pin)
     held = engine.num_blocks - engine.kv_cache_manager.num_free_blocks
     if held:
         raise RuntimeError(f"{held} blocks held after every request ended (caching {caching})")
