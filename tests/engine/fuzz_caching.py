@@ -125,8 +125,11 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
         return cfg, _llava_traffic(rng, extra)
     shared = [rng.randrange(256) for _ in range(rng.randrange(2 * bs, 5 * bs))]
     pins = random.Random(f"pin-{seed}")
-    if pins.random() < 0.3:  # the shared prefix, some of it, pinned in the cache before the traffic
-        cfg[PIN] = shared[: pins.randrange(bs, len(shared) + 1)]
+    # the shared prefix, some of it, pinned in the cache before the traffic, where the pool still
+    # holds the longest request beside it (else that request is refused, by name, with caching only)
+    room = bs * num_blocks // KV_CACHE_GROUPS.get(model.name, 1) - max_len
+    if pins.random() < 0.3 and min(room, len(shared)) >= bs:
+        cfg[PIN] = shared[: pins.randrange(bs, min(room, len(shared)) + 1)]
     answers = _Answers(model)
     traffic: list[Arrival] = []
     prompts: list[list[int]] = []
