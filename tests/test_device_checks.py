@@ -145,8 +145,7 @@ def test_every_step_of_the_device_script_parses_its_flags_and_finds_its_tests(tm
 
     assert len(test_ids) > 10
     collected = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-        + sorted(test_ids),
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"] + sorted(test_ids),
         cwd=ROOT,
         capture_output=True,
         text=True,

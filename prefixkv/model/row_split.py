@@ -18,7 +18,8 @@ tests/model/test_model_row_split.py, so outputs never depend on whether a step s
 
 The operator calls a torch operator, so unlike cpu_kernels' plain-C kernels it is built against
 torch's headers (~7 s once per machine on the 2-vCPU Zen 4, mostly the headers) into the same
-cache folder (build.build), beside the kernels' own sources at a first start (`start_build`). Where anything is missing - no compiler or headers, no oneDNN, a failed build
+cache folder (build.build), beside the kernels' own sources at a first start (`start_build`).
+Where anything is missing - no compiler or headers, no oneDNN, a failed build
 or check, kernels switched off (PREFIXKV_CPU_KERNELS=0, `ops.disabled()`) - products stay
 whole, with one log line saying why (none of its own where the kernels' line gave the same cause:
 no compiler, or one that fails, says so once).
