@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "device" / "gpu_checks.sh"
 FIELD, RECORD = "\x1f", "\x1e"
@@ -94,6 +96,7 @@ def run_recorded(tmp_path: Path, steps: list[str]) -> tuple[list[list[str]], str
     return [record.split(FIELD)[:-1] for record in text.split(RECORD) if record], run.stdout + run.stderr
 
 
+@pytest.mark.slow(seconds=12)
 def test_every_step_of_the_device_script_parses_its_flags_and_finds_its_tests(tmp_path: Path) -> None:
     script = SCRIPT.read_text()
     steps = steps_of(script)
