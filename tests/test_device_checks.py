@@ -63,6 +63,24 @@ print(json.dumps(problems))
 """
 
 
+def parse_only(tmp_path: Path, commands: list[tuple[str, str, list[str]]]) -> tuple[list[str], str]:
+    """Each command's flags parsed by its own parser, in one process: what went wrong, by
+    command, and the process's stderr (argparse's messages)."""
+    listed = tmp_path / "commands.json"
+    listed.write_text(json.dumps(commands))
+    parsed = subprocess.run(
+        [sys.executable, "-c", PARSE_ONLY, str(listed)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert parsed.returncode == 0, parsed.stderr[-3000:]
+    return json.loads(parsed.stdout.strip().splitlines()[-1]), parsed.stderr
+
+
 def steps_of(script: str) -> list[str]:
     """The steps the script's `case` knows, in its order."""
     body = script[script.index("case $step in") :]
@@ -131,20 +149,8 @@ def test_every_step_of_the_device_script_parses_its_flags_and_finds_its_tests(tm
     assert any("--against" in args for _, target, args in commands if target == "bench/loglikelihood.py")
     assert "tests.engine.sweep_graphs" in scripts
 
-    listed = tmp_path / "commands.json"
-    listed.write_text(json.dumps(commands))
-    parsed = subprocess.run(
-        [sys.executable, "-c", PARSE_ONLY, str(listed)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert parsed.returncode == 0, parsed.stderr[-3000:]
-    problems = json.loads(parsed.stdout.strip().splitlines()[-1])
-    assert not problems, "\n".join(problems) + "\n" + parsed.stderr[-3000:]
+    problems, stderr = parse_only(tmp_path, commands)
+    assert not problems, "\n".join(problems) + "\n" + stderr[-3000:]
 
     assert len(test_ids) > 10
     collected = subprocess.run(
@@ -166,18 +172,7 @@ def test_a_misspelt_list_fails_when_the_flags_are_parsed(tmp_path: Path) -> None
         (["bench/mixed_steps.py", "--decodes", "1,3a"], "not a comma-separated list"),
         (["bench/fused_gemv.py", "--shapes", "llama-8b"], "llama-8b not of"),
     ]
-    listed = tmp_path / "commands.json"
-    listed.write_text(json.dumps([("path", argv[0], argv[1:]) for argv, _ in cases]))
-    parsed = subprocess.run(
-        [sys.executable, "-c", PARSE_ONLY, str(listed)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    problems = json.loads(parsed.stdout.strip().splitlines()[-1])
+    problems, stderr = parse_only(tmp_path, [("path", argv[0], argv[1:]) for argv, _ in cases])
     assert len(problems) == len(cases) and all("exit 2" in p for p in problems), problems
     for _, message in cases:
-        assert message in parsed.stderr
+        assert message in stderr
