@@ -120,8 +120,8 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
     if model.name == "lora":
         cfg.update(enable_lora=True, max_loras=2, max_lora_rank=8)
         adapters += [str(model.parent / f"lora-{name}") for name in ADAPTERS]
-    if model.name == "llava":
-        cfg.update(num_blocks=96, max_model_len=min(MAX_MODEL_LEN * 2, bs * 96))
+    if model.name == "llava":  # a pool of one longest request (images of 25 tokens, words of 1-12)
+        cfg.update(num_blocks=128 // bs, max_model_len=128)
         return cfg, _llava_traffic(rng, extra)
     shared = [rng.randrange(256) for _ in range(rng.randrange(2 * bs, 5 * bs))]
     pins = random.Random(f"pin-{seed}")
