@@ -166,7 +166,14 @@ def _with_stops(model: Path, prompt: list[int], params: SamplingParams) -> Sampl
     engine = _greedy_engines.get(model)
     if engine is None:
         engine = _greedy_engines[model] = LLMEngine(
-            EngineConfig(model=str(model), dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN)
+            EngineConfig(
+                model=str(model),
+                dtype="float32",
+                device="cpu",
+                max_model_len=MAX_MODEL_LEN,
+                num_blocks=16,  # a prompt at a time: not the default budget's GiB, kept for the session
+                block_size=16,
+            )
         )
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True))
     out = None
