@@ -281,9 +281,13 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
 
 
 def _scores(entries: list | None) -> list | None:
+    """Each position's logprobs, their values in order: which of two tokens within a rounding of
+    each other makes a top-k list is the last bits' choice (llama seed 232: 4.7e-7 apart, token 185
+    with caching, 299 without), while a wrong block moves values by far more than 2e-3. The
+    tokens drawn are compared on their own."""
     if entries is None:
         return None
-    return [e and sorted((t, lp.logprob) for t, lp in e.items()) for e in entries]
+    return [e and sorted((lp.logprob for lp in e.values()), reverse=True) for e in entries]
 
 
 def differences(model: Path, seed: int) -> tuple[list[str], int, int]:
