@@ -191,10 +191,10 @@ class Scheduler:
         `schedule()` gives it; waiting requests are admitted behind as `schedule()` admits them
         (their prompts are known), unless the step had to preempt. When the blocks run out, the
         newest request going on (with the priority policy: the one of largest (priority,
-        arrival)) is preempted, as
-        `schedule()` would after the booking: its blocks are freed now (the step in flight writes
-        them before anything launched later can), and that step's booking still gives it its
-        token, so it recomputes the same tokens as in order (`_preempted_in_flight`).
+        arrival)) is preempted, as `schedule()` would after the booking: its blocks are freed now
+        (the step in flight writes them before anything launched later can), and that step's
+        booking still gives it its token, so it recomputes the same tokens as in order
+        (`_preempted_in_flight`).
 
         A request that the count of its tokens ends after `in_flight` (max_tokens, the model's
         length) is left out; one that stops on a token (EOS, a stop string) is seen a step late,

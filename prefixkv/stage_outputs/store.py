@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from ..memory.block_tensors import BlockTensors
-from ..model.host_copy import HostCopies
+from ..model.host_copy import HostCopies, to_device
 from .specs import HIDDEN_STATES, spec_name
 
 
@@ -112,19 +112,16 @@ class StageOutputCache:
     ) -> torch.Tensor:
         """The rows of whole blocks, `(len(block_ids) * block_size, D)` in order, on `device`
         (default: the host). Raises if any block's rows are not valid now: a stale read is a bug,
-        never a result. To a GPU they go through page-locked memory in stream order, so the host
-        waits for nothing (a copy from ordinary memory would wait for the steps in flight)."""
+        never a result. To a GPU they go through page-locked memory in stream order (`to_device`),
+        so the host waits for nothing (a copy from ordinary memory would wait for the steps in
+        flight)."""
         stale = [bid for bid in block_ids if not self.is_valid(bid)]
         if stale:
             raise RuntimeError(f"stage-output rows of blocks {stale[:5]} are not valid (evicted, reused or unwritten)")
         cache = self._tensor(name, dtype)
-        ids = torch.tensor(list(block_ids), dtype=torch.long)
-        if device is None or device.type == "cpu":
-            rows = cache[ids]
-        else:  # PyTorch's caching host allocator keeps the page-locked rows until the copy is done
-            rows = torch.empty((len(ids), *cache.shape[1:]), dtype=cache.dtype, pin_memory=True)
-            torch.index_select(cache, 0, ids, out=rows)
-            rows = rows.to(device, non_blocking=True)
+        rows = cache[torch.tensor(list(block_ids), dtype=torch.long)]
+        if device is not None:
+            rows = to_device(rows, device)
         self.num_rows_read += rows.shape[0] * rows.shape[1]
         return rows.reshape(-1, *cache.shape[2:])
 

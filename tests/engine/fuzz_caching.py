@@ -38,7 +38,7 @@ from prefixkv.engine_args import POLICIES
 from prefixkv.lora import LoRARequest
 
 from ..model.test_model_hf_folder import _write_tokenizer
-from .fuzz_ahead import close
+from .fuzz_ahead import MAX_STEPS, close
 from .sweep_graphs import _family
 
 FAMILIES = ["llama", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next", "lora", "llava"]
@@ -46,7 +46,6 @@ KV_CACHE_GROUPS = {"gemma2": 2, "gemma3": 2}  # a checkpoint's folder is named b
 RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next"}  # no KV tier under them (refused)
 ADAPTERS = ("qv", "all")  # the lora family's, beside its base model (tests/lora/conftest.py)
 MAX_MODEL_LEN = 96
-MAX_STEPS = 5000  # a run longer than this hangs
 # (step it arrives before, id, prompt (token ids; llava's: its text and image seeds), params,
 # cache salt, adapter folder or None, the first position whose prompt hidden states it asks for, an
 # embedding's, or None)
@@ -94,7 +93,8 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
     rng = random.Random(seed)
     bs, num_blocks = rng.choice([4, 8, 16]), rng.choice([14, 20, 32, 96])
     # a small pool preempts; one request always fits (Gemma's windows: two KV-cache groups share it)
-    max_len = min(MAX_MODEL_LEN, bs * num_blocks // KV_CACHE_GROUPS.get(model.name, 1))
+    pool_tokens = bs * num_blocks // KV_CACHE_GROUPS.get(model.name, 1)
+    max_len = min(MAX_MODEL_LEN, pool_tokens)
     cfg: dict[str, Any] = dict(
         dtype="float32",
         device="cpu",
@@ -127,7 +127,7 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
     pins = random.Random(f"pin-{seed}")
     # the shared prefix, some of it, pinned in the cache before the traffic, where the pool still
     # holds the longest request beside it (else that request is refused, by name, with caching only)
-    room = bs * num_blocks // KV_CACHE_GROUPS.get(model.name, 1) - max_len
+    room = pool_tokens - max_len
     if pins.random() < 0.3 and min(room, len(shared)) >= bs:
         cfg[PIN] = shared[: pins.randrange(bs, min(room, len(shared)) + 1)]
     answers = _Answers(model)

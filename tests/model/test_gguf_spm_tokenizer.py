@@ -322,17 +322,19 @@ def test_no_byte_fallback_refused():
         Tokenizer.from_gguf_metadata(meta)
 
 
-def _byte_runs(sp: spm.SentencePieceProcessor, ids: list[int]) -> list[bytes]:
-    """The runs of consecutive byte pieces (<0xXX>) among `ids`, as bytes."""
-    runs: list[bytes] = []
+def _segments(sp: spm.SentencePieceProcessor, ids: list[int]) -> list[bytes | int]:
+    """`ids` with each run of consecutive byte pieces (<0xXX>) joined into its bytes."""
+    out: list[bytes | int] = []
     run = bytearray()
     for i in ids:
         if sp.is_byte(i):
             run.append(int(sp.id_to_piece(i)[3:5], 16))
-        elif run:
-            runs.append(bytes(run))
+            continue
+        if run:
+            out.append(bytes(run))
             run = bytearray()
-    return [*runs, bytes(run)] if run else runs
+        out.append(i)
+    return [*out, bytes(run)] if run else out
 
 
 def _valid_utf8(run: bytes) -> bool:
@@ -349,16 +351,11 @@ def byte_fallback_decode(sp: spm.SentencePieceProcessor, ids: list[int]) -> str:
     valid UTF-8 gives one U+FFFD per byte, where sentencepiece replaces only the invalid bytes
     (<0x95><0x3F>: "\ufffd\ufffd" against "\ufffd?")."""
     out: list[str] = []
-    run = bytearray()
-    for i in [*ids, None]:
-        if i is not None and sp.is_byte(i):
-            run.append(int(sp.id_to_piece(i)[3:5], 16))
-            continue
-        if run:
-            out.append(bytes(run).decode("utf-8") if _valid_utf8(bytes(run)) else "\ufffd" * len(run))
-            run = bytearray()
-        if i is not None and not sp.is_control(i):  # special tokens are skipped in outputs
-            out.append(sp.id_to_piece(i).replace("\u2581", " "))
+    for seg in _segments(sp, ids):
+        if isinstance(seg, bytes):
+            out.append(seg.decode("utf-8") if _valid_utf8(seg) else "\ufffd" * len(seg))
+        elif not sp.is_control(seg):  # special tokens are skipped in outputs
+            out.append(sp.id_to_piece(seg).replace("\u2581", " "))
     return "".join(out)
 
 
@@ -424,7 +421,7 @@ def test_gemma_gguf_with_sentencepiece_vocabulary_generates(tmp_path, monkeypatc
     assert result.prompt_token_ids == ids
     assert result.outputs[0].token_ids == expected
     assert result.outputs[0].text == byte_fallback_decode(sp, expected)
-    if all(_valid_utf8(run) for run in _byte_runs(sp, expected)):
+    if all(_valid_utf8(seg) for seg in _segments(sp, expected) if isinstance(seg, bytes)):
         assert result.outputs[0].text == sp.decode(expected)
     # a grammar over this vocabulary: pieces with U+2581 and byte tokens spell the choices
     choices = ["yes", "no", "maybe not", "日本"]

@@ -203,14 +203,14 @@ def _compile_and_link(
         return
     compile_flags = [f for f in flags if f != "-shared"]
     paths = [objects / f"{i}-{source.stem}.o" for i, source in enumerate(sources)]
+
+    def compile_one(i: int) -> None:
+        _run([compiler, *compile_flags, "-c", str(sources[i]), "-o", str(paths[i])], compiler)
+
     # the largest (the longest to compile) first: no core is left alone with a long one started last
     order = sorted(range(len(sources)), key=lambda i: -sources[i].stat().st_size)
     with ThreadPoolExecutor(min(len(sources), _cores())) as pool:
-        list(
-            pool.map(
-                lambda i: _run([compiler, *compile_flags, "-c", str(sources[i]), "-o", str(paths[i])], compiler), order
-            )
-        )
+        list(pool.map(compile_one, order))  # list(): each one's error raised here
     _run([compiler, *flags, *map(str, paths), "-o", out, *link], compiler)
 
 
