@@ -20,6 +20,7 @@ from typing import Any
 from .cache import HASH_ALGOS, POLICIES
 from .kv_events.config import KVEventsConfig
 from .sizes import parse_bytes
+from .speculative.config import SpeculativeConfig
 from .stage_outputs.pooling import parse_pooler_config
 
 logger = logging.getLogger("prefixkv")
@@ -274,6 +275,15 @@ class EngineArgs:
         "outputs are the same either way (default: on a GPU, where it took 0.71-0.95x the in-order "
         "step's time on an H100; off on a CPU, which computes at launch and gains nothing)",
     )
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = _opt(  # noqa: RUF009 (it returns a field)
+        None,
+        'speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\' proposes the tokens that followed the latest earlier occurrence of a '
+        "sequence's last n tokens (in its prompt or output), and one step verifies them; outputs are the same "
+        "as without (greedy and seeded ones token for token). Optional: disable_by_batch_size. Other methods "
+        "(draft models, EAGLE, MTP) are not implemented; recurrent models refuse it (default: off)",
+        type=parse_json_object,
+    )
     max_seq_len_to_capture: int = _opt(
         8192, "longest context a captured decode step reads; longer ones run eagerly (default: 8192)", type=int
     )
@@ -373,9 +383,6 @@ class EngineArgs:
     enable_chunked_prefill: bool | None = _compat(
         None, lambda v: v is None or v is True, "chunked prefill is always on (False is not implemented)"
     )
-    speculative_config: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
-        None, _is_default(None), "no speculative decoding", type=parse_json_object
-    )
     mm_processor_kwargs: dict[str, Any] | None = _compat(  # noqa: RUF009 (it returns a field)
         None, _is_default(None), "the checkpoint's own image processor settings are used", type=parse_json_object
     )
@@ -396,6 +403,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         self._check_compat()
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events:
             self.enable_kv_cache_events = True  # vLLM's switch lives in the config
         if self.max_num_batched_tokens is None:  # vLLM's None: the default

@@ -145,6 +145,15 @@ class Request:
             self.output_token_ids.append(tok)
             self._all_token_ids.append(tok)
 
+    def discard_output_tokens(self, n: int) -> None:
+        """Drop the last `n` output tokens: those a step gained after the one its sequence stopped
+        on (speculative decoding), before the request is finished. Only then: the cache keys
+        blocks from `all_token_ids` when steps are scheduled, never between a step's booking
+        and its outputs' processing, so no block identity has read them."""
+        if n > 0:
+            del self.output_token_ids[-n:]
+            del self._all_token_ids[-n:]
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -105,7 +105,8 @@ def test_vllm_flags_map_to_engine_args(argv, field, value):
         (["--load-format", "safetensors"], "load_format='safetensors' does not match"),
         (["--runner", "draft"], "runner='draft' is not supported"),
         (["--hf-overrides", '{"rope_theta": 1}'], "hf_overrides="),
-        (["--speculative-config", '{"method": "ngram"}'], "speculative_config="),
+        (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "method='eagle'"),
+        (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
     ],
 )
 def test_vllm_flags_that_would_change_output_are_refused(argv, message):

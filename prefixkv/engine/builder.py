@@ -26,6 +26,7 @@ from ..model.generation_config import sampling_defaults
 from ..model.tokenizer import Tokenizer
 from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
 from ..progress import Stages
+from ..speculative import NgramDrafter, SpeculativeConfig
 from ..stage_outputs import stage_output_specs
 from ..tiers import TierManager, build_kv_connector
 from ..tiers.transfer import STAGE_BYTES
@@ -82,6 +83,9 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     model_config = loaded.config
     if model_config.is_recurrent:
         _refuse_for_recurrent(config, model_config.architecture)
+    speculative = SpeculativeConfig.parse(config.speculative_config)
+    if speculative is not None:
+        _check_speculative(config, model_config)
     bs = config.block_size
     kv_groups = _kv_groups(config, model_config)
     block_tensors = BlockTensors(kv_cache_specs(model_config, bs, dtype, kv_groups))
@@ -147,6 +151,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         stage_output_tensors=block_tensors if config.enable_stage_output_cache else None,
         kv_group_windows=kv_groups.later_windows if kv_groups is not None else (),
         kv_group_kind=_group_kind(model_config),
+        drafter=NgramDrafter(speculative, max_model_len) if speculative is not None else None,
     )
     lora_manager = None
     if config.enable_lora:
@@ -162,7 +167,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         mm_processor = MultiModalInputProcessor(mm, config.mm_hash, limit)
         encoder_cache = EncoderCache(config.mm_encoder_cache_bytes if config.enable_mm_encoder_cache else 0)
         embedder = MultiModalEmbedder(mm.encoder, encoder_cache)
-    async_scheduling = _async_scheduling(config, device)
+    async_scheduling = _async_scheduling(config, device) and speculative is None
     on_cpu = device.type == "cpu"
     layout = "laying the weights out for the CPU's kernels" if on_cpu else "building the model runner"
     with stages.stage("weight layout" if on_cpu else "runner", layout):
@@ -215,6 +220,22 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     )
     logger.info("engine ready in %s", stages.summary())
     return parts
+
+
+def _check_speculative(config: EngineArgs, model_config: ModelConfig) -> None:
+    """Speculative decoding needs a model whose rejected drafts leave nothing behind: K/V rows are
+    rewritten by the next step, a recurrent layer's state would have moved on. Steps are scheduled
+    in order (a verifying step's gain is known when it is booked)."""
+    if model_config.is_recurrent:
+        raise ValueError(
+            f"speculative_config cannot be used with the recurrent {model_config.architecture}: its state "
+            "would have taken in the rejected drafts, and it is not rolled back"
+        )
+    if config.async_scheduling:
+        raise ValueError(
+            "speculative_config with async_scheduling=True is not implemented: how many tokens a step "
+            "verifying drafts gains is known only when it is read (leave async_scheduling unset)"
+        )
 
 
 def _refuse_for_recurrent(config: EngineArgs, architecture: str) -> None:

@@ -27,6 +27,20 @@ def feature_stats(parts: EngineParts) -> dict[str, Any]:
         **lora_stats(parts.lora_manager, parts.scheduler),
         **tier_stats(parts.tiers),
         **mm_stats(parts.encoder_cache),
+        **spec_decode_stats(parts.scheduler),
+    }
+
+
+def spec_decode_stats(scheduler: Scheduler) -> dict[str, Any]:
+    """Speculative decoding's counters (none when it is off)."""
+    if scheduler.drafter is None:
+        return {}
+    s = scheduler.spec_stats
+    return {
+        "spec_decode_num_drafts": s.num_drafts,
+        "spec_decode_num_draft_tokens": s.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+        "spec_decode_accepted_per_position": tuple(s.accepted_per_position),
     }
 
 

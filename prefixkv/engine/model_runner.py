@@ -10,6 +10,8 @@ as if it were not there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -186,8 +188,13 @@ class ModelRunner:
             if tail is not None and len(to_sample) == hidden.shape[0]:
                 self._sample(tail.logits, to_sample, pending, previous, tail)  # the graph ran the LM head
                 return pending
+            if scheduler_output.num_draft_tokens:  # a row after each draft too (prefixkv/speculative)
+                rows, to_sample = _verify_rows(scheduled, starts, errors)
+                hidden = hidden[tensor_on(rows, dev, torch.long)]
+                pending.drafts = {sr.req_id: sr.draft_token_ids for sr in scheduled if sr.draft_token_ids}
+                pending.generator_states = _seeded_states(scheduled)
             # every row sampled: the hidden states as they are, no gather
-            if len(to_sample) != hidden.shape[0]:
+            elif len(to_sample) != hidden.shape[0]:
                 rows = [starts[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in errors]
                 hidden = hidden[tensor_on(rows, dev, torch.long)]
             logits = self.model.compute_logits(hidden).float()  # sampled where it lies
@@ -547,6 +554,46 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: 
         base = table[pos // bs] * bs - (pos // bs) * bs
         slots.extend(range(base + pos, base + block_end))
         pos = block_end
+
+
+def _verify_rows(
+    scheduled: list[ScheduledRequest], starts: Sequence[int], errors: dict[str, str]
+) -> tuple[list[int], list[ScheduledRequest]]:
+    """The rows to sample of a step with drafts, and what each is sampled as: a request with k
+    drafts samples its last k + 1 rows, row j as the request with its first j drafts appended to
+    its output (what its penalties count, and whether min_tokens still blocks EOS there)."""
+    rows: list[int] = []
+    as_requests: list[ScheduledRequest] = []
+    for i, sr in enumerate(scheduled):
+        if not sr.sample or sr.req_id in errors:
+            continue
+        end = starts[i + 1]
+        drafts = sr.draft_token_ids
+        k = len(drafts)
+        rows.extend(range(end - 1 - k, end))
+        as_requests.append(sr)
+        if not k:
+            continue
+        params = sr.sampling_params
+        n_out = len(sr.output_token_ids)
+        for j in range(1, k + 1):
+            block_eos = n_out + j < params.min_tokens
+            if params.penalized or block_eos != sr.block_eos:
+                out = [*sr.output_token_ids, *drafts[:j]]
+                as_requests.append(replace(sr, output_token_ids=out, block_eos=block_eos))
+            else:  # its sampling reads nothing of the tokens before it
+                as_requests.append(sr)
+    return rows, as_requests
+
+
+def _seeded_states(scheduled: list[ScheduledRequest]) -> dict[str, tuple[torch.Generator, torch.Tensor]] | None:
+    """The state before the step of each drawing, drafting request's own generator (accept.py)."""
+    states = {
+        sr.req_id: (sr.generator, sr.generator.get_state())
+        for sr in scheduled
+        if sr.draft_token_ids and sr.generator is not None and not sr.sampling_params.greedy
+    }
+    return states or None
 
 
 def _outputs_of(reqs: list[ScheduledRequest], outputs: dict[str, list[int]] | None) -> list[list[int]]:

@@ -26,7 +26,8 @@ class PromptLogprobs:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Row i of the sampled lists belongs to request `req_ids[i]`; requests whose sampling failed
-    are in `errors` instead (they sampled nothing: the others of the batch are unharmed)."""
+    are in `errors` instead (they sampled nothing: the others of the batch are unharmed). A request
+    that verified drafts has a row per token it gained, one after another (prefixkv/speculative)."""
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
@@ -37,5 +38,7 @@ class ModelRunnerOutput:
     # prompt hidden states, for requests that asked: (first position, rows (n, D) on the CPU)
     hidden_states: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    # speculative decoding: per request that verified drafts, how many of them were kept
+    accepted_drafts: dict[str, int] = field(default_factory=dict)
     # KV tiers: the values the worker half made of the step's saves (a tuple: nothing allocated without)
     kv_saved: Sequence[SavedBlock] = ()

@@ -73,25 +73,29 @@ class OutputState:
         logprob: float | None = None,
         top: list[tuple[int, float]] | None = None,
         rank: int | None = None,
+        later: int = 0,
     ) -> bool:
-        """Account for the token just appended to `req`. Returns True when the sequence ends."""
+        """Account for the token appended to `req`, `later` tokens before its last (a step that
+        kept drafts appended several: each is accounted for in turn, as if it were the last).
+        Returns True when the sequence ends."""
         p = self.params
         if self.logprobs is not None and logprob is not None and rank is not None:
             self.logprobs.append(logprob_entry(self.tokenizer, token, logprob, rank, top or []))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob
-        n_out = req.num_output_tokens
+        n_out = req.num_output_tokens - later
+        outputs = req.output_token_ids[:n_out] if later else req.output_token_ids
         if self._stream is not None:  # one native decode call per token; incomplete characters wait
-            self.full_text += self._stream.step(req.output_token_ids)
+            self.full_text += self._stream.step(outputs)
         grammar = req.constraints.grammar if req.constraints is not None else None
         if grammar is not None:  # the grammar sees every accepted token; its end is the output's
             grammar.accept(token)
             if grammar.is_terminated:
-                return self._finish("stop", None, strip_last_token=token in eos_ids, req=req)
+                return self._finish("stop", None, strip_last_token=token in eos_ids, req=req, outputs=outputs)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in eos_ids:
-                return self._finish("stop", None, strip_last_token=True, req=req)
+                return self._finish("stop", None, strip_last_token=True, req=req, outputs=outputs)
             if token in (p.stop_token_ids or ()):
-                return self._finish("stop", token, strip_last_token=True, req=req)
+                return self._finish("stop", token, strip_last_token=True, req=req, outputs=outputs)
             if p.stop and p.detokenize:
                 start = max(0, len(self.text) - self._holdback - 1)
                 for stop in p.stop:
@@ -100,8 +104,8 @@ class OutputState:
                         end = at + len(stop) if p.include_stop_str_in_output else at
                         self.full_text = self.full_text[:end]
                         return self._finish("stop", stop)
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= max_model_len:
-            return self._finish("length", None, req=req)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens - later >= max_model_len:
+            return self._finish("length", None, req=req, outputs=outputs)
         stable = self.full_text
         if p.stop:
             stable = stable[: max(len(self.text), len(stable) - self._holdback)]
@@ -109,12 +113,18 @@ class OutputState:
         return False
 
     def _finish(
-        self, reason: str, stop_reason: int | str | None, strip_last_token: bool = False, req: Request | None = None
+        self,
+        reason: str,
+        stop_reason: int | str | None,
+        strip_last_token: bool = False,
+        req: Request | None = None,
+        outputs: Sequence[int] = (),
     ) -> bool:
+        """`outputs`: the request's output tokens up to the one it ends on."""
         if req is not None and self.params.detokenize:
             # the final text is one full decode: characters still held back are flushed, and an
             # EOS / stop token stays in token_ids (as in vLLM) but not in the text
-            ids = req.output_token_ids[:-1] if strip_last_token else req.output_token_ids
+            ids = outputs[:-1] if strip_last_token else outputs
             self.full_text = self.tokenizer.decode_after(self._context, ids, self.params.skip_special_tokens)
         self.text = self.full_text
         self.finish_reason = reason

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..model.host_copy import HostCopies, tensor_on
+from ..speculative import keep_accepted, rewind_generators
 from ..stage_outputs.store import StagedRows
 from ..tiers.connector import PendingLoads, PendingSaves
 from .model_runner_output import ModelRunnerOutput, PromptLogprobs
@@ -65,6 +66,10 @@ class PendingOutput:
     kv_loads: PendingLoads | None = None
     stage_rows: StagedRows | None = None
     kv_saves: PendingSaves | None = None
+    # speculative decoding: each verifying request's drafts (its rows are one after another), and
+    # its seeded generator with the state before the step, set back when the kept rows are known
+    drafts: dict[str, Any] | None = None
+    generator_states: dict[str, tuple[torch.Generator, torch.Tensor]] | None = None
     _finite_host: HostCopies | None = None
     _finite_in_tokens: bool = False  # the copied tokens are -1 where a row was not finite
     _result: ModelRunnerOutput | None = None
@@ -126,6 +131,14 @@ class PendingOutput:
             out.req_ids = [rid for rid, ok in zip(self.req_ids, keep or [True] * len(self.req_ids)) if ok]
             out.sampled_token_ids = got.token_ids
             out.logprobs, out.ranks, out.top_logprobs = got.logprobs, got.ranks, got.top_logprobs
+            if self.drafts:
+                columns = (out.logprobs, out.ranks, out.top_logprobs)
+                out.req_ids, out.sampled_token_ids, kept, out.accepted_drafts = keep_accepted(
+                    out.req_ids, out.sampled_token_ids, self.drafts, out.errors, columns
+                )
+                out.logprobs, out.ranks, out.top_logprobs = kept
+                if self.generator_states:
+                    rewind_generators(self.generator_states, out.accepted_drafts)
         self._result = out
         return out
 

@@ -101,23 +101,35 @@ class RequestGroups:
         if len(sampled) != len(runner_output.req_ids):  # rows of ended requests were skipped (async scheduling)
             row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
             sampled_rows = [row_of[req.request_id] for req in sampled]
-        self.num_generation_tokens += len(sampled)
+        # a request that kept drafts has a row per token, one after another: each row is taken
+        # as if its token were the last, and those after a stop are dropped
+        later = _rows_after(runner_output.req_ids) if runner_output.accepted_drafts else None
+        ended_rows: set[str] = set()
         for row, req in zip(sampled_rows, sampled):
+            if ended_rows and req.request_id in ended_rows:
+                continue
+            self.num_generation_tokens += 1
             group, idx = self.child_of[req.request_id]
             touched[group.request_id] = group
             token = runner_output.sampled_token_ids[row]
+            after = later[row] if later is not None else 0
             lp: float | None = None
             top: list[tuple[int, float]] | None = None
             rank: int | None = None
             if lps is not None and tops is not None and ranks is not None and req.sampling_params.logprobs is not None:
                 lp, top, rank = lps[row], tops[row], ranks[row]
             try:
-                done = group.states[idx].update(req, token, self.eos_ids, self.max_model_len, lp, top, rank)
+                done = group.states[idx].update(req, token, self.eos_ids, self.max_model_len, lp, top, rank, after)
             except Exception as e:  # noqa: BLE001 (e.g. detokenizing: this request fails alone)
                 req.error = f"processing the output failed: {type(e).__name__}: {e}"
                 failed.append(req)
+                if after:
+                    ended_rows.add(req.request_id)
                 continue
             if done:
+                if after:
+                    req.discard_output_tokens(after)
+                    ended_rows.add(req.request_id)
                 ended.add(group.request_id)
                 req.finished_time = now
                 self.scheduler.finish_request(req, status_for(group.states[idx].finish_reason or "stop"))
@@ -191,3 +203,13 @@ class RequestGroups:
         return list(seen.values())
 
     # -- KV events -----------------------------------------------------------------------------
+
+
+def _rows_after(req_ids: list[str]) -> list[int]:
+    """Per row, how many rows after it belong to the same request (a request's rows are one after
+    another)."""
+    after = [0] * len(req_ids)
+    for row in range(len(req_ids) - 2, -1, -1):
+        if req_ids[row] == req_ids[row + 1]:
+            after[row] = after[row + 1] + 1
+    return after

@@ -18,6 +18,7 @@ from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..memory.block_tensors import BlockTensors
 from ..multimodal.encoder_input import EncoderInput
 from ..request import Request, RequestStatus
+from ..speculative import NgramDrafter, SpecDecodeStats
 from ..stage_outputs import StageOutputCache
 from ..tiers import NULL_SCHEDULER_CONNECTOR, SchedulerConnector
 from .model_runner_output import ModelRunnerOutput
@@ -44,13 +45,15 @@ class Scheduler:
         stage_output_tensors: BlockTensors | None = None,
         kv_group_windows: Sequence[int | None] = (),
         kv_group_kind: str = "full_attention",
+        drafter: NgramDrafter | None = None,
     ) -> None:
         """`kv_connector`: the scheduler half of the KV tiers (prefixkv/tiers); the null one
         without tiers. `stage_output_tensors`: the block tensors holding the stage outputs, when
         the stage-output cache is on; its validity follows this scheduler's block pool.
         `kv_group_windows`: a hybrid model's KV-cache groups after the first (their windows,
         None: full attention; cache/sliding_window.py); `kv_group_kind`: what group 0's blocks hold
-        ("full_attention", or "mamba" for a recurrent model's state), as KV events name it."""
+        ("full_attention", or "mamba" for a recurrent model's state), as KV events name it.
+        `drafter`: speculative decoding's (prefixkv/speculative), None: off."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
         self.policy = policy
@@ -96,6 +99,8 @@ class Scheduler:
             blocks = self.kv_cache_manager.block_pool.blocks
             self.stage_outputs = StageOutputCache(stage_output_tensors, blocks, block_size)
         self.kv_connector = kv_connector
+        self.drafter = drafter
+        self.spec_stats = SpecDecodeStats(drafter.k if drafter is not None else 0)
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -136,6 +141,8 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv_cache_manager.free(req)
+        if self.drafter is not None:
+            self.drafter.forget(req.request_id)
         self._finished_ids.append(req.request_id)
 
     @property
@@ -155,10 +162,25 @@ class Scheduler:
         # the priority policy: the one of largest (priority, arrival) among those not yet
         # scheduled in this step - vLLM also looks at those already scheduled and undoes their
         # step; here that case falls back to the request itself, which keeps preemption cheap).
+        drafter = self.drafter
+        if drafter is not None and drafter.off_above is not None and len(self.running) > drafter.off_above:
+            drafter = None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if drafter is not None and num_new == 1 and budget > 1:
+                drafts = self._drafts(drafter, req, budget - 1)
+                # room for the drafts too, or none: drafts never preempt anyone
+                if drafts and kv.allocate_slots(req, 1 + len(drafts)) is not None:
+                    sr = self._scheduled(req, 1)
+                    sr.token_ids.extend(drafts)
+                    sr.draft_token_ids = drafts
+                    out.scheduled.append(sr)
+                    out.num_draft_tokens += len(drafts)
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while kv.allocate_slots(req, num_new) is None:
                 if self.policy == "priority":
                     victim = max(self.running[i:], key=self._priority_key)
@@ -180,6 +202,19 @@ class Scheduler:
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         connector.plan(out, self.requests, kv)
         return out
+
+    @staticmethod
+    def _drafts(drafter: NgramDrafter, req: Request, room: int) -> list[int]:
+        """Draft tokens for a decoding request, as many as fit its max_tokens, the model's length
+        and `room`; none where sampling reads what drafts would change (a grammar's state), or
+        where the hidden states of generated positions are returned."""
+        params = req.sampling_params
+        if req.constraints is not None or params.return_hidden_states:
+            return []
+        room = min(room, drafter.max_model_len - req.num_tokens - 1)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - req.num_output_tokens - 1)
+        return drafter.propose(req.request_id, req.all_token_ids, room)
 
     def schedule_ahead(self, in_flight: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
         """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
@@ -205,6 +240,8 @@ class Scheduler:
         the step in flight is writing waits for its booking, `_admit_waiting`). One that would read
         rows loaded from the tiers in its own step - put in at that step's booking - is not
         admitted ahead, nothing behind it either, and the next step is None."""
+        if in_flight.num_draft_tokens:  # how many tokens it gains is known when it is booked
+            return None
         stepping = {sr.req_id for sr in in_flight.scheduled}
         if any(r.request_id not in stepping for r in self.running):
             return None
@@ -434,11 +471,12 @@ class Scheduler:
         upto = req.prompt_hidden_upto
         return upto is not None and (upto < n_prompt or params.return_hidden_states)
 
-    def _commit_stage_rows(self, step: SchedulerOutput) -> None:
+    def _commit_stage_rows(self, step: SchedulerOutput, accepted: dict[str, int]) -> None:
         """The booked step wrote its stage-output rows (ModelRunner.launch, PendingOutput.result):
         the blocks it completed, and those it loaded from the tiers, are readable now - those still
         held by a request of the step that was not preempted since (a block let go may have gone to
-        another request, whose rows are still to come)."""
+        another request, whose rows are still to come). `accepted`: the drafts kept per request
+        (the rows of those rejected are not its)."""
         cache = self.stage_outputs
         assert cache is not None
         requests, preempted, bs = self.requests, self._preempted_in_flight, self.block_size
@@ -451,7 +489,7 @@ class Scheduler:
                 continue
             # it holds them still (a request's first group's blocks go only with it); a block
             # completed before its last token was known is entered in the cache now, to be readable
-            end = sr.start + len(sr.token_ids)
+            end = sr.start + len(sr.token_ids) - len(sr.draft_token_ids) + accepted.get(sr.req_id, 0)
             kv.cache_full_blocks(req, end)
             table = sr.block_table
             done.extend(table[sr.start // bs : end // bs])
@@ -494,8 +532,9 @@ class Scheduler:
         requests = self.requests
         if runner_output.kv_saved:  # the values of this step's saves, for the tiers to store
             self.kv_connector.saved(runner_output.kv_saved, self.requests, self.kv_cache_manager)
+        accepted = runner_output.accepted_drafts
         if self.stage_outputs is not None:
-            self._commit_stage_rows(scheduler_output)
+            self._commit_stage_rows(scheduler_output, accepted)
         preempted = self._preempted_in_flight
         for sr in scheduler_output.scheduled:
             req = requests.get(sr.req_id)
@@ -503,6 +542,11 @@ class Scheduler:
                 continue
             if sr.req_id in preempted:  # since this step was launched: it recomputes from the start
                 preempted.discard(sr.req_id)
+                continue
+            if sr.draft_token_ids:  # the K/V of rejected drafts is rewritten by the next steps
+                kept = accepted.get(sr.req_id, 0)
+                req.num_computed_tokens += len(sr.token_ids) - len(sr.draft_token_ids) + kept
+                self.spec_stats.record(len(sr.draft_token_ids), kept)
                 continue
             req.num_computed_tokens += len(sr.token_ids)
         for req_id, scored in runner_output.prompt_logprobs.items():
@@ -517,17 +561,21 @@ class Scheduler:
         now = time.time()
         latencies: list[float] = []
         self.last_inter_token_latencies = latencies
+        last_id = None
         for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = requests.get(req_id)
             if req is None:  # it ended while the step ran (async scheduling: a stop seen a step late, an abort)
                 continue
             req.append_output_token_ids(token)
+            sampled.append(req)
+            if req_id == last_id:  # a further token of a request that kept drafts: one latency a step
+                continue
+            last_id = req_id
             if req.first_token_time is None:
                 req.first_token_time = now
             else:
                 latencies.append(now - (req.last_token_time or now))
             req.last_token_time = now
-            sampled.append(req)
         failed: list[Request] = []
         for req_id, message in runner_output.errors.items():
             req = requests.get(req_id)

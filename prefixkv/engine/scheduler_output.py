@@ -3,6 +3,7 @@ the scheduler -> runner boundary)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,9 @@ class ScheduledRequest:
     # async scheduling: the one input token is the one the previous step is sampling for this
     # request (`token_ids` holds a stand-in); the runner takes it from that step's draws
     input_from_previous: bool = False
+    # speculative decoding: the last len(draft_token_ids) of `token_ids` are drafts; a row is
+    # sampled after each of them and after the token before them (prefixkv/speculative)
+    draft_token_ids: Sequence[int] = ()
 
     def next_decode(
         self,
@@ -104,6 +108,7 @@ class SchedulerOutput:
     # completed by this step's forward to copy out after it
     kv_loads: list[KVLoad] = field(default_factory=list)
     kv_saves: list[KVSave] = field(default_factory=list)
+    num_draft_tokens: int = 0  # speculative decoding: drafts among the scheduled tokens
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

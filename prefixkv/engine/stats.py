@@ -46,6 +46,12 @@ class EngineStats:
     cpu_steps_row_split: int = 0
     # async_scheduling: steps scheduled and launched before the previous step's tokens were read
     num_steps_ahead: int = 0
+    # speculative decoding (speculative_config): drafts verified, their tokens, those kept, and
+    # those kept per draft position (empty: off)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
     # LoRA (enable_lora): names of the adapters of running / waiting requests, and max_loras (0: off)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()

@@ -231,6 +231,21 @@ class _EngineCollector:
             yield counter("prefixkv:cpu_steps_probed", probed_doc, stats.cpu_steps_probed)
             split_doc = "Long steps beside a neighbour whose products handed their rows to threads as they came free."
             yield counter("prefixkv:cpu_steps_row_split", split_doc, stats.cpu_steps_row_split)
+        if stats.spec_decode_accepted_per_position:  # speculative_config (prefixkv/speculative)
+            drafts_doc = "Number of spec decoding drafts."
+            yield counter("vllm:spec_decode_num_drafts", drafts_doc, stats.spec_decode_num_drafts)
+            draft_doc = "Number of draft tokens."
+            yield counter("vllm:spec_decode_num_draft_tokens", draft_doc, stats.spec_decode_num_draft_tokens)
+            accepted_doc = "Number of accepted tokens."
+            yield counter("vllm:spec_decode_num_accepted_tokens", accepted_doc, stats.spec_decode_num_accepted_tokens)
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=[*names, "position"],
+            )
+            for pos, n in enumerate(stats.spec_decode_accepted_per_position):
+                per_pos.add_metric([*values, str(pos)], n)
+            yield per_pos
         if e.async_scheduling:
             ahead_doc = "Steps scheduled and launched before the previous step's tokens were read (--async-scheduling)."
             yield counter("prefixkv:steps_scheduled_ahead", ahead_doc, stats.num_steps_ahead)

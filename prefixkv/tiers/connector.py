@@ -46,6 +46,9 @@ class ScheduledChunk(Protocol):
     def token_ids(self) -> Sequence[int]: ...
 
     @property
+    def draft_token_ids(self) -> Sequence[int]: ...  # the last of token_ids that are drafts
+
+    @property
     def block_table(self) -> Sequence[int]: ...
 
 

@@ -104,7 +104,8 @@ class TierSchedulerConnector:
         hits, never loaded ones) are copied out after it, write-through, unless every tier has
         them already. A block whose last token is still being sampled (a step scheduled ahead)
         has no hash yet: it is copied out all the same, and keyed when the step is booked
-        (`saved`)."""
+        (`saved`). A block that drafts complete (speculative decoding) is not copied out: which
+        of its rows hold the request's tokens is known only when the step is booked."""
         if self._loads:
             step.kv_loads.extend(self._loads)
             self._loads.clear()
@@ -112,7 +113,7 @@ class TierSchedulerConnector:
             return
         bs = self.block_size
         for sr in step.scheduled:
-            first, end = sr.start // bs, (sr.start + len(sr.token_ids)) // bs
+            first, end = sr.start // bs, (sr.start + len(sr.token_ids) - len(sr.draft_token_ids)) // bs
             if first >= end:
                 continue
             req = requests[sr.req_id]

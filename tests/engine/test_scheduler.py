@@ -114,12 +114,13 @@ def test_a_decode_scheduled_ahead_carries_every_field_by_name():
         group_block_tables=[[7, 8]],
         stage_output_reads=(9,),
         input_from_previous=False,
+        draft_token_ids=(11, 12),
     )
     nxt = ScheduledRequest(**given).next_decode(4, [5, 6], False, 3, [[7, 10]])  # type: ignore[arg-type]
     changed = dict(token_ids=[0], start=4, block_table=[5, 6], sample=True, block_eos=False)
     changed.update(group_block_tables=[[7, 10]])
     changed.update(want_hidden_states=False, prompt_logprobs_from=3, prompt_hidden_from=None, mm_inputs=())
-    changed.update(stage_output_reads=(), input_from_previous=True)
+    changed.update(stage_output_reads=(), input_from_previous=True, draft_token_ids=())
     expected = {**given, **changed}
     assert {f.name for f in fields(ScheduledRequest)} == set(expected)
     for name, value in expected.items():

@@ -1,0 +1,100 @@
+"""`speculative_config` as vLLM spells it, checked once: the n-gram method (prompt lookup) is
+implemented; every other method, and any key that would change what runs, is refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# vLLM's other methods: each needs a draft model, heads or layers this engine does not load
+OTHER_METHODS = (
+    "eagle",
+    "eagle3",
+    "medusa",
+    "mlp_speculator",
+    "draft_model",
+    "mtp",
+    "deepseek_mtp",
+    "ernie_mtp",
+    "qwen3_next_mtp",
+    "mimo_mtp",
+    "longcat_flash_mtp",
+    "suffix",
+)
+# keys that change nothing here: accepted as vLLM accepts them
+NO_EFFECT_KEYS = ("enforce_eager",)
+KNOWN_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+    *NO_EFFECT_KEYS,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """N-gram speculation: the last `prompt_lookup_max` down to `prompt_lookup_min` tokens of a
+    sequence are looked up in its own earlier tokens (prompt and output), and the
+    `num_speculative_tokens` that followed the latest match are proposed. `disable_by_batch_size`:
+    no drafts while more requests than that are running (a full batch computes enough per step)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """vLLM's dict (or None: off); ValueError naming what is not implemented or not valid."""
+        if value is None:
+            return None
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(KNOWN_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config keys {unknown} are not implemented (known: {', '.join(KNOWN_KEYS)})")
+        method = value.get("method")
+        model = value.get("model")
+        if method is None and model in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older spelling: the method as the model
+        elif model is not None and model not in ("ngram", "[ngram]"):
+            raise ValueError(
+                f"speculative_config model={model!r}: draft models are not implemented (method 'ngram' needs none)"
+            )
+        if method == "[ngram]":
+            method = "ngram"
+        if method in OTHER_METHODS:
+            raise ValueError(f"speculative_config method={method!r} is not implemented (only 'ngram')")
+        if method != "ngram":
+            raise ValueError(f"speculative_config method={method!r} is unknown (implemented: 'ngram')")
+        k = value.get("num_speculative_tokens")
+        if not _positive_int(k):
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        # vLLM's defaults: 5 and 5, or the one given for both
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _positive_int(n):
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {n!r}")
+        assert isinstance(lo, int) and isinstance(hi, int) and isinstance(k, int)  # checked above
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+        off_at = value.get("disable_by_batch_size")
+        if off_at is not None and not _positive_int(off_at):
+            raise ValueError(f"speculative_config disable_by_batch_size must be an integer >= 1, got {off_at!r}")
+        return cls(k, lo, hi, off_at)
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
