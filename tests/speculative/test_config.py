@@ -1,0 +1,39 @@
+"""speculative_config: vLLM's spelling and defaults; everything not implemented refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixkv.speculative import SpeculativeConfig
+
+
+def test_vllm_defaults_for_the_lookup_sizes():
+    one = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (5, 5)
+    only_max = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    older = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 2})
+    assert (older.method, older.prompt_lookup_min, older.prompt_lookup_max) == ("ngram", 2, 2)
+    assert SpeculativeConfig.parse(None) is None
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle' is not implemented"),
+        ({"method": "suffix", "num_speculative_tokens": 2}, "method='suffix' is not implemented"),
+        ({"method": "nope", "num_speculative_tokens": 2}, "method='nope' is unknown"),
+        ({"model": "/models/draft", "num_speculative_tokens": 2}, "draft models are not implemented"),
+        ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "> prompt"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "not implemented"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}, "disable_by_batch_size"),
+        ("ngram", "must be a dict"),
+    ],
+)
+def test_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
