@@ -88,6 +88,9 @@ def test_stops_max_tokens_and_min_tokens_on_any_row(engines, doc_prompts):
         SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=m, stop_token_ids=[tokens[1]]) for m in range(0, 8)
     ]
     prompts = [prompt] * len(params)
+    # the model ends its answer to this one at once: min_tokens holds EOS back up to a row
+    params += [SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=m) for m in range(1, 12)]
+    prompts += [doc_prompts[1]] * 11
     base = [seen(o) for o in outputs(plain, prompts, params)]
     assert [seen(o) for o in outputs(spec, prompts, params)] == base
     assert len({b[0][0] for b in base}) > 10  # the stops cut the output in many places
@@ -95,13 +98,25 @@ def test_stops_max_tokens_and_min_tokens_on_any_row(engines, doc_prompts):
 
 def test_penalties_and_logprobs_equal_without_drafts(engines, doc_prompts):
     plain, spec = engines
+    """Row j of a verification counts the first j drafts as output (penalties read them); light
+    penalties still let the model repeat the text, so drafts are kept under them."""
+    plain, spec = engines
     params = [
         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, frequency_penalty=0.6, presence_penalty=0.3),
         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3),
     ]
-    base = [seen(o) for o in outputs(plain, doc_prompts, params)]
-    assert [seen(o) for o in outputs(spec, doc_prompts, params)] == base
+    params += [
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, frequency_penalty=f) for f in (0.1, 0.2)
+    ]
+    params += [
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, presence_penalty=p) for p in (0.2, 0.4)
+    ]
+    prompts = [*doc_prompts, *[doc_prompts[0]] * 4]
+    kept = spec.scheduler.spec_stats.num_accepted_tokens
+    base = [seen(o) for o in outputs(plain, prompts, params)]
+    assert [seen(o) for o in outputs(spec, prompts, params)] == base
+    assert spec.scheduler.spec_stats.num_accepted_tokens > kept
 
 
 def test_seeded_draws_equal_without_drafts(engines, doc_prompts):
@@ -170,3 +185,35 @@ def test_refused_where_a_rejected_draft_would_stay(tmp_path, default_lm):
         LLMEngine(EngineConfig(model=str(model), device="cpu", num_blocks=8, speculative_config=SPEC))
     with pytest.raises(ValueError, match="speculative_config with async_scheduling=True"):
         engine_for(default_lm, speculative_config=SPEC, async_scheduling=True)
+
+
+def test_each_verification_row_is_sampled_as_the_request_after_its_drafts():
+    """Row j counts drafts 1..j as output: penalties see them, and min_tokens lets EOS through from
+    the row where the output reaches it; rows whose sampling reads neither are the request itself."""
+    from prefixkv.engine.model_runner import _verify_rows
+    from prefixkv.engine.scheduler_output import ScheduledRequest
+
+    def scheduled(rid: str, params: SamplingParams, drafts: tuple[int, ...]) -> ScheduledRequest:
+        return ScheduledRequest(
+            req_id=rid,
+            token_ids=[9, *drafts],
+            start=10,
+            block_table=[0],
+            sample=True,
+            sampling_params=params,
+            generator=None,
+            prompt_token_ids=[1, 2],
+            output_token_ids=[7, 9],
+            block_eos=2 < params.min_tokens,
+            draft_token_ids=drafts,
+        )
+
+    penalized = scheduled("p", SamplingParams(temperature=0, frequency_penalty=0.5), (4, 5, 6))
+    held = scheduled("m", SamplingParams(temperature=0, min_tokens=4), (4, 5, 6))
+    plain = scheduled("g", SamplingParams(temperature=0), (3,))
+    prefill = ScheduledRequest("c", [1, 2, 3], 0, [1], False, plain.sampling_params, None, [1, 2, 3], [])
+    rows, as_requests = _verify_rows([prefill, penalized, held, plain], [0, 3, 7, 11, 13], {})
+    assert rows == [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert [r.output_token_ids for r in as_requests[:4]] == [[7, 9], [7, 9, 4], [7, 9, 4, 5], [7, 9, 4, 5, 6]]
+    assert [r.block_eos for r in as_requests[4:8]] == [True, True, False, False]  # outputs 2, 3, 4, 5
+    assert as_requests[8] is plain and as_requests[9] is plain
