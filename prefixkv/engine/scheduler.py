@@ -18,7 +18,7 @@ from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..memory.block_tensors import BlockTensors
 from ..multimodal.encoder_input import EncoderInput
 from ..request import Request, RequestStatus
-from ..speculative import NgramDrafter, SpecDecodeStats
+from ..speculative import Drafter, SpecDecodeStats
 from ..stage_outputs import StageOutputCache
 from ..tiers import NULL_SCHEDULER_CONNECTOR, SchedulerConnector
 from .model_runner_output import ModelRunnerOutput
@@ -45,7 +45,7 @@ class Scheduler:
         stage_output_tensors: BlockTensors | None = None,
         kv_group_windows: Sequence[int | None] = (),
         kv_group_kind: str = "full_attention",
-        drafter: NgramDrafter | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         """`kv_connector`: the scheduler half of the KV tiers (prefixkv/tiers); the null one
         without tiers. `stage_output_tensors`: the block tensors holding the stage outputs, when
@@ -204,7 +204,7 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _drafts(drafter: NgramDrafter, req: Request, room: int) -> list[int]:
+    def _drafts(drafter: Drafter, req: Request, room: int) -> list[int]:
         """Draft tokens for a decoding request, as many as fit its max_tokens, the model's length
         and `room`; none where sampling reads what drafts would change (a grammar's state), or
         where the hidden states of generated positions are returned."""

@@ -5,7 +5,17 @@ seeded ones too (each kept token was drawn from the uniform a step without draft
 
 from .accept import keep_accepted, rewind_generators
 from .config import SpeculativeConfig
+from .drafter import DRAFTERS, Drafter, build_drafter
 from .ngram import NgramDrafter
 from .stats import SpecDecodeStats
 
-__all__ = ["NgramDrafter", "SpecDecodeStats", "SpeculativeConfig", "keep_accepted", "rewind_generators"]
+__all__ = [
+    "DRAFTERS",
+    "Drafter",
+    "NgramDrafter",
+    "SpecDecodeStats",
+    "SpeculativeConfig",
+    "build_drafter",
+    "keep_accepted",
+    "rewind_generators",
+]

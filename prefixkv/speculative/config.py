@@ -1,5 +1,7 @@
 """`speculative_config` as vLLM spells it, checked once: the n-gram method (prompt lookup) is
-implemented; every other method, and any key that would change what runs, is refused by name."""
+implemented; every other method, and any key that would change what runs, is refused by name.
+(A new method: its drafter in drafter.py's DRAFTERS, its name out of OTHER_METHODS; its own
+keys in KNOWN_KEYS and fields here.)"""
 
 from __future__ import annotations
 
@@ -69,10 +71,13 @@ class SpeculativeConfig:
             )
         if method == "[ngram]":
             method = "ngram"
+        from .drafter import DRAFTERS  # (it imports this module)
+
+        implemented = ", ".join(repr(m) for m in DRAFTERS)
         if method in OTHER_METHODS:
-            raise ValueError(f"speculative_config method={method!r} is not implemented (only 'ngram')")
-        if method != "ngram":
-            raise ValueError(f"speculative_config method={method!r} is unknown (implemented: 'ngram')")
+            raise ValueError(f"speculative_config method={method!r} is not implemented (only {implemented})")
+        if method not in DRAFTERS:
+            raise ValueError(f"speculative_config method={method!r} is unknown (implemented: {implemented})")
         k = value.get("num_speculative_tokens")
         if not _positive_int(k):
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -93,7 +98,7 @@ class SpeculativeConfig:
         off_at = value.get("disable_by_batch_size")
         if off_at is not None and not _positive_int(off_at):
             raise ValueError(f"speculative_config disable_by_batch_size must be an integer >= 1, got {off_at!r}")
-        return cls(k, lo, hi, off_at)
+        return cls(k, lo, hi, off_at, method)
 
 
 def _positive_int(v: Any) -> bool:

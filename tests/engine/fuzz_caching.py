@@ -8,7 +8,8 @@ The traffic is what a cache must get right: a conversation's next turn (the earl
 model's own answer to it, new tokens), prompts repeated whole, prefixes ending anywhere in a
 block, the same prompt under two cache salts, the same words with other images or adapters,
 preemption in a small pool, chunked prefill, arrivals between steps, each eviction policy, a
-pinned prefix, a CPU tier and the stage-output cache under the cache. Greedy and seeded requests,
+pinned prefix, a CPU tier, the stage-output cache and speculative decoding's n-gram drafts (half
+the seeds of the families that take them) with the cache. Greedy and seeded requests,
 logprobs, n=2, prompt logprobs, an embedding's prompt hidden states.
 
 Each greedy request's tokens, finish and logprobs, each seeded one's lengths and finishes, prompt
@@ -50,6 +51,7 @@ MAX_MODEL_LEN = 96
 # cache salt, adapter folder or None, the first position whose prompt hidden states it asks for, an
 # embedding's, or None)
 Arrival = tuple[int, str, Any, SamplingParams, str | None, str | None, int | None]
+DRAFTS_KEPT = [0]  # speculative decoding's kept drafts over the engines served (main's report)
 PIN = "pin"  # a case's key for the token ids the engine with caching pins first (not an engine setting)
 LLAVA_WORDS = ("USER: ", "what is ", "this", " and ", "<image>", "<image>", "? ASSISTANT:", "\n")
 
@@ -116,6 +118,17 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
     # embedding's prompt hidden states (computed again with caching off)
     if extra.random() < 0.4:
         cfg["enable_stage_output_cache"] = True
+    # speculative decoding under the cache: n-gram drafts, verified in one step, whose K/V rows and
+    # stage outputs are the request's only up to the drafts kept (refused by recurrent models)
+    drafts = random.Random(f"spec-{seed}")
+    if model.name not in RECURRENT and drafts.random() < 0.5:
+        lookup = drafts.randrange(1, 4)
+        cfg["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": drafts.randrange(1, 6),
+            "prompt_lookup_min": drafts.randrange(1, lookup + 1),
+            "prompt_lookup_max": lookup,
+        }
     adapters: list[str | None] = [None]
     if model.name == "lora":
         cfg.update(enable_lora=True, max_loras=2, max_lora_rank=8)
@@ -221,6 +234,7 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
     if not caching:
         settings.pop("kv_offloading_size", None)  # a tier and the stage-output cache keep cached
         settings.pop("enable_stage_output_cache", None)  # blocks' values: none without the cache
+        settings.pop("speculative_config", None)  # the engine to equal decodes a token a step
     engine = LLMEngine(EngineConfig(model=str(model), **settings))
     if caching and pin is not None:
         try:
@@ -274,6 +288,7 @@ def serve(model: Path, cfg: dict[str, Any], traffic: list[Arrival], caching: boo
             raise RuntimeError(f"no end after {MAX_STEPS} steps")
     if caching and pin is not None:  # its blocks are held while pinned; free once unpinned
         LLM.from_engine(engine).unpin_prefix(pin)
+    DRAFTS_KEPT[0] += engine.scheduler.spec_stats.num_accepted_tokens
     held = engine.num_blocks - engine.kv_cache_manager.num_free_blocks
     if held:
         raise RuntimeError(f"{held} blocks held after every request ended (caching {caching})")
@@ -332,7 +347,11 @@ def main() -> int:
                 if differ:
                     failures.append(f"{family} seed {seed}: {differ}")
                     print(failures[-1], flush=True)
-            print(f"{family}: {args.count} seeds, {hits_total} hits, {preempted} seeds preempting", flush=True)
+            kept, DRAFTS_KEPT[0] = DRAFTS_KEPT[0], 0
+            print(
+                f"{family}: {args.count} seeds, {hits_total} hits, {preempted} seeds preempting, {kept} drafts kept",
+                flush=True,
+            )
     print(f"{len(failures)} failing seeds")
     return 1 if failures else 0
 
