@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import describe  # noqa: E402
+from bench.peer_runner import DEFAULT_VLLM_PYTHON, available, run_peer  # noqa: E402
 from prefixkv import LLM, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +92,37 @@ def decode_ms_per_token(llm: LLM, ids: list[int], params: SamplingParams, batch:
     return 1000 * (end - first) / max(n - 1, 1), list(outs[0].outputs[0].token_ids)
 
 
+def vllm_side(prompts: dict[str, list[int]], args: argparse.Namespace) -> dict[str, dict]:
+    """vLLM-CPU's runs of the same token ids, plain and with the same speculative_config, each
+    engine in a child process (bench/peers/vllm_spec_decode.py); {} where the peer is not set up."""
+    if args.dtype != "float32" or args.batch != 1:
+        print("vLLM's side runs float32 at batch 1 only: skipped", file=sys.stderr)
+        return {}
+    if not available(DEFAULT_VLLM_PYTHON):
+        print(f"no vLLM peer at {DEFAULT_VLLM_PYTHON} (bench/peers/README.md): skipped", file=sys.stderr)
+        return {}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    out: dict[str, dict] = {}
+    for mode in ("base", "spec"):
+        flags = [
+            "--prompts",
+            f.name,
+            "--mode",
+            mode,
+            "--rounds",
+            str(args.rounds),
+            "--max-tokens",
+            str(args.max_tokens),
+        ]
+        got = run_peer(DEFAULT_VLLM_PYTHON, "vllm_spec_decode.py", [*flags, "--spec", json.dumps(args.spec)])
+        if got is None:
+            return {}
+        out[mode] = got["prompts"]
+    os.unlink(f.name)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -129,7 +163,23 @@ def main() -> None:
                 if engine == "drafts":
                     kept[name] = (stats.num_accepted_tokens - before[0], stats.num_draft_tokens - before[1])
                 print(f"round {r + 1} {name:20s} {engine:6s} {ms:6.2f} ms/token, {len(out)} tokens", flush=True)
+    peer: dict[str, dict] = {}
+    if args.peer_vllm:
+        peer = vllm_side(prompts, args)
     print()
+    if peer:
+        print("| prompt | vLLM plain ms/token | vLLM drafts ms/token | vLLM speed-up | vLLM drafts kept | vLLM equal |")
+        print("|---|---:|---:|---:|---:|---|")
+        for name in prompts:
+            a, b = peer["base"][name], peer["spec"][name]
+            c = b["counters"]
+            kept_d = (
+                f"{c.get('vllm:spec_decode_num_accepted_tokens', 0)}/{c.get('vllm:spec_decode_num_draft_tokens', 0)}"
+            )
+            same = "yes" if a["tokens"] == b["tokens"] else "NO"
+            ratio = a["ms_per_token"] / b["ms_per_token"]
+            print(f"| {name} | {a['ms_per_token']:.2f} | {b['ms_per_token']:.2f} | {ratio:.2f}x | {kept_d} | {same} |")
+        print()
     print("| prompt | tokens | plain ms/token | drafts ms/token | speed-up | drafts kept | equal |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for name in prompts:
