@@ -217,3 +217,24 @@ def test_each_verification_row_is_sampled_as_the_request_after_its_drafts():
     assert [r.output_token_ids for r in as_requests[:4]] == [[7, 9], [7, 9, 4], [7, 9, 4, 5], [7, 9, 4, 5, 6]]
     assert [r.block_eos for r in as_requests[4:8]] == [True, True, False, False]  # outputs 2, 3, 4, 5
     assert as_requests[8] is plain and as_requests[9] is plain
+
+
+def test_streamed_deltas_carry_every_kept_token(engines, doc_prompts):
+    """A step that kept drafts streams all its tokens at once; the deltas add up to the output
+    a token at a time gives."""
+    from prefixkv.sampling_params import RequestOutputKind
+
+    plain, spec = engines
+    final = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    expected = outputs(plain, doc_prompts[:1], [final])[0].outputs[0]
+    delta = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    rid = spec.add_request(doc_prompts[0], delta)
+    text, tokens, sizes = "", [], []
+    while spec.has_unfinished_requests():
+        for out in spec.step():
+            if out.request_id == rid:
+                text += out.outputs[0].text
+                tokens += out.outputs[0].token_ids
+                sizes.append(len(out.outputs[0].token_ids))
+    assert (text, tokens) == (expected.text, list(expected.token_ids))
+    assert max(sizes) > 1
