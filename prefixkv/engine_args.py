@@ -280,8 +280,10 @@ class EngineArgs:
         'speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 2}\' proposes the tokens that followed the latest earlier occurrence of a '
         "sequence's last n tokens (in its prompt or output), and one step verifies them; outputs are the same "
-        "as without (greedy and seeded ones token for token). Optional: disable_by_batch_size. Other methods "
-        "(draft models, EAGLE, MTP) are not implemented; recurrent models refuse it (default: off)",
+        "as without (greedy and seeded ones token for token). A request gets the drafts that raise a step's "
+        "expected tokens per second, by the step times this machine measures and its share of drafts kept "
+        '("by_measured_cost": false proposes every draft, as vLLM). Optional: disable_by_batch_size. Other '
+        "methods (draft models, EAGLE, MTP) are not implemented; recurrent models refuse it (default: off)",
         type=parse_json_object,
     )
     max_seq_len_to_capture: int = _opt(

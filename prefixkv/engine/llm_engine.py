@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -219,9 +220,11 @@ class LLMEngine:
         # what this step books; nothing when it books nothing (a wait for a tier load, a failure)
         self.last_step_num_tokens = 0
         self.last_step_inter_token_latencies = []
+        launched_at = None
         if in_flight is None:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output:
+                launched_at = time.perf_counter()
                 in_flight = (scheduler_output, self._launch(scheduler_output, None))
             elif self.scheduler.num_loading:  # requests wait for slow-tier loads (tiers/): nap until one is done
                 self.scheduler.wait_for_tier_loads(TIER_LOAD_NAP_S)
@@ -236,6 +239,8 @@ class LLMEngine:
                     self._in_flight = (ahead, self._launch(ahead, launched))
             outputs = self._book(scheduler_output, launched)
             self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
+            if launched_at is not None and self._in_flight is None:  # launched and booked in this call
+                self.scheduler.record_step(scheduler_output, time.perf_counter() - launched_at)
         if self.lora_manager is not None and self.lora_manager.retired and any(o.finished for o in outputs):
             self._evict_retired_loras()  # held blocks of retired adapters may be free now
         if not self.has_unfinished_requests():

@@ -18,7 +18,7 @@ from ..cache import KVCacheBlock, KVCacheEvent, KVCacheManager, PrefixCacheStats
 from ..memory.block_tensors import BlockTensors
 from ..multimodal.encoder_input import EncoderInput
 from ..request import Request, RequestStatus
-from ..speculative import Drafter, SpecDecodeStats
+from ..speculative import DraftBudget, Drafter, SpecDecodeStats
 from ..stage_outputs import StageOutputCache
 from ..tiers import NULL_SCHEDULER_CONNECTOR, SchedulerConnector
 from .model_runner_output import ModelRunnerOutput
@@ -46,6 +46,7 @@ class Scheduler:
         kv_group_windows: Sequence[int | None] = (),
         kv_group_kind: str = "full_attention",
         drafter: Drafter | None = None,
+        draft_budget: DraftBudget | None = None,
     ) -> None:
         """`kv_connector`: the scheduler half of the KV tiers (prefixkv/tiers); the null one
         without tiers. `stage_output_tensors`: the block tensors holding the stage outputs, when
@@ -53,7 +54,8 @@ class Scheduler:
         `kv_group_windows`: a hybrid model's KV-cache groups after the first (their windows,
         None: full attention; cache/sliding_window.py); `kv_group_kind`: what group 0's blocks hold
         ("full_attention", or "mamba" for a recurrent model's state), as KV events name it.
-        `drafter`: speculative decoding's (prefixkv/speculative), None: off."""
+        `drafter`: speculative decoding's (prefixkv/speculative), None: off; `draft_budget`: how
+        many of its drafts a request gets (all: None)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
         self.policy = policy
@@ -100,6 +102,7 @@ class Scheduler:
             self.stage_outputs = StageOutputCache(stage_output_tensors, blocks, block_size)
         self.kv_connector = kv_connector
         self.drafter = drafter
+        self.draft_budget = draft_budget
         self.spec_stats = SpecDecodeStats(drafter.k if drafter is not None else 0)
 
     # -- requests in and out -------------------------------------------------------------------
@@ -143,6 +146,8 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         if self.drafter is not None:
             self.drafter.forget(req.request_id)
+            if self.draft_budget is not None:
+                self.draft_budget.forget(req.request_id)
         self._finished_ids.append(req.request_id)
 
     @property
@@ -165,6 +170,8 @@ class Scheduler:
         drafter = self.drafter
         if drafter is not None and drafter.off_above is not None and len(self.running) > drafter.off_above:
             drafter = None
+        if drafter is not None and self.draft_budget is not None:
+            self.draft_budget.start_step(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -203,8 +210,7 @@ class Scheduler:
         connector.plan(out, self.requests, kv)
         return out
 
-    @staticmethod
-    def _drafts(drafter: Drafter, req: Request, room: int) -> list[int]:
+    def _drafts(self, drafter: Drafter, req: Request, room: int) -> list[int]:
         """Draft tokens for a decoding request, as many as fit its max_tokens, the model's length
         and `room`; none where sampling reads what drafts would change (a grammar's state), or
         where the hidden states of generated positions are returned."""
@@ -214,7 +220,16 @@ class Scheduler:
         room = min(room, drafter.max_model_len - req.num_tokens - 1)
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - req.num_output_tokens - 1)
-        return drafter.propose(req.request_id, req.all_token_ids, room)
+        drafts = drafter.propose(req.request_id, req.all_token_ids, room)
+        if drafts and self.draft_budget is not None:
+            del drafts[self.draft_budget.length(req.request_id, len(drafts)) :]
+        return drafts
+
+    def record_step(self, step: SchedulerOutput, seconds: float) -> None:
+        """The engine timed a booked step (launch to booking): one of decodes alone - drafts
+        included, no prompt chunk - tells the draft budget what its rows cost."""
+        if self.draft_budget is not None and step.num_scheduled_tokens == len(step.scheduled) + step.num_draft_tokens:
+            self.draft_budget.record_step(step.num_scheduled_tokens, seconds)
 
     def schedule_ahead(self, in_flight: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
         """The step after `in_flight`, scheduled before its tokens are known (vLLM's async
@@ -547,6 +562,8 @@ class Scheduler:
                 kept = accepted.get(sr.req_id, 0)
                 req.num_computed_tokens += len(sr.token_ids) - len(sr.draft_token_ids) + kept
                 self.spec_stats.record(len(sr.draft_token_ids), kept)
+                if self.draft_budget is not None:
+                    self.draft_budget.record_verified(sr.req_id, len(sr.draft_token_ids), kept)
                 continue
             req.num_computed_tokens += len(sr.token_ids)
         for req_id, scored in runner_output.prompt_logprobs.items():

@@ -4,6 +4,7 @@ itself are kept (`accept.py`). Outputs are the same as without it: greedy ones t
 seeded ones too (each kept token was drawn from the uniform a step without drafts would use)."""
 
 from .accept import keep_accepted, rewind_generators
+from .budget import DraftBudget
 from .config import SpeculativeConfig
 from .drafter import DRAFTERS, Drafter, build_drafter
 from .ngram import NgramDrafter
@@ -11,6 +12,7 @@ from .stats import SpecDecodeStats
 
 __all__ = [
     "DRAFTERS",
+    "DraftBudget",
     "Drafter",
     "NgramDrafter",
     "SpecDecodeStats",

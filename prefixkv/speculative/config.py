@@ -32,6 +32,7 @@ KNOWN_KEYS = (
     "prompt_lookup_min",
     "prompt_lookup_max",
     "disable_by_batch_size",
+    "by_measured_cost",
     *NO_EFFECT_KEYS,
 )
 
@@ -48,6 +49,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     disable_by_batch_size: int | None = None
     method: str = "ngram"
+    # prefixkv's: a request gets the drafts that raise the step's expected tokens per second, by
+    # this machine's measured step times (budget.py); False: every draft proposed, as vLLM
+    by_measured_cost: bool = True
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -98,7 +102,10 @@ class SpeculativeConfig:
         off_at = value.get("disable_by_batch_size")
         if off_at is not None and not _positive_int(off_at):
             raise ValueError(f"speculative_config disable_by_batch_size must be an integer >= 1, got {off_at!r}")
-        return cls(k, lo, hi, off_at, method)
+        measured = value.get("by_measured_cost", True)
+        if not isinstance(measured, bool):
+            raise ValueError(f"speculative_config by_measured_cost must be true or false, got {measured!r}")
+        return cls(k, lo, hi, off_at, method, measured)
 
 
 def _positive_int(v: Any) -> bool:

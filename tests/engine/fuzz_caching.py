@@ -128,6 +128,7 @@ def case(seed: int, model: Path) -> tuple[dict[str, Any], list[Arrival]]:
             "num_speculative_tokens": drafts.randrange(1, 6),
             "prompt_lookup_min": drafts.randrange(1, lookup + 1),
             "prompt_lookup_max": lookup,
+            "by_measured_cost": False,  # every draft: a seed's steps do not hang on step times
         }
     adapters: list[str | None] = [None]
     if model.name == "lora":

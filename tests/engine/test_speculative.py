@@ -16,7 +16,14 @@ from prefixkv.server.metrics import ServerMetrics
 from ..conftest import hf_greedy
 from .test_correctness import DOC, engine_for, run
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# every draft proposed: what the tests see does not hang on the machine's step times
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "by_measured_cost": False,
+}
 MAX_NEW = 24
 
 
@@ -238,3 +245,17 @@ def test_streamed_deltas_carry_every_kept_token(engines, doc_prompts):
                 sizes.append(len(out.outputs[0].token_ids))
     assert (text, tokens) == (expected.text, list(expected.token_ids))
     assert max(sizes) > 1
+
+
+def test_drafts_by_measured_cost_change_no_output(default_lm, doc_prompts):
+    """The draft budget (on by default) gives drafts by the step times it measures: how many a
+    step verifies varies, the outputs do not."""
+    plain = engine_for(default_lm)
+    budgeted = engine_for(default_lm, speculative_config={**SPEC, "by_measured_cost": True})
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * 3
+    params.append(SamplingParams(temperature=0.6, seed=9, max_tokens=MAX_NEW, ignore_eos=True))
+    prompts = [*doc_prompts, doc_prompts[0]]
+    assert run(budgeted, prompts, params=params) == run(plain, prompts, params=params)
+    budget = budgeted.scheduler.draft_budget
+    assert budget is not None and budget._steps_timed > 0
+    assert engine_for(default_lm, speculative_config=SPEC).scheduler.draft_budget is None

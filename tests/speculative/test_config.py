@@ -15,6 +15,9 @@ def test_vllm_defaults_for_the_lookup_sizes():
     older = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 2})
     assert (older.method, older.prompt_lookup_min, older.prompt_lookup_max) == ("ngram", 2, 2)
     assert SpeculativeConfig.parse(None) is None
+    assert one.by_measured_cost  # prefixkv's budget, on unless turned off
+    vllm_like = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "by_measured_cost": False})
+    assert not vllm_like.by_measured_cost
 
 
 @pytest.mark.parametrize(
@@ -31,6 +34,7 @@ def test_vllm_defaults_for_the_lookup_sizes():
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "> prompt"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "not implemented"),
         ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}, "disable_by_batch_size"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "by_measured_cost": "yes"}, "by_measured_cost"),
         ("ngram", "must be a dict"),
     ],
 )
