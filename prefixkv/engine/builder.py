@@ -26,7 +26,7 @@ from ..model.generation_config import sampling_defaults
 from ..model.tokenizer import Tokenizer
 from ..model.warmup import KERNELS_BUILD, prepare_cpu_kernels
 from ..progress import Stages
-from ..speculative import DraftBudget, SpeculativeConfig, build_drafter
+from ..speculative import DraftBudget, SpeculativeConfig
 from ..stage_outputs import stage_output_specs
 from ..tiers import TierManager, build_kv_connector
 from ..tiers.transfer import STAGE_BYTES
@@ -151,7 +151,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
         stage_output_tensors=block_tensors if config.enable_stage_output_cache else None,
         kv_group_windows=kv_groups.later_windows if kv_groups is not None else (),
         kv_group_kind=_group_kind(model_config),
-        drafter=build_drafter(speculative, max_model_len) if speculative is not None else None,
+        drafter=speculative.drafter(max_model_len) if speculative is not None else None,
         draft_budget=DraftBudget() if speculative is not None and speculative.by_measured_cost else None,
     )
     lora_manager = None

@@ -6,7 +6,8 @@ seeded ones too (each kept token was drawn from the uniform a step without draft
 from .accept import keep_accepted, rewind_generators
 from .budget import DraftBudget
 from .config import SpeculativeConfig
-from .drafter import DRAFTERS, Drafter, build_drafter
+from .drafter import Drafter
+from .methods import DRAFTERS
 from .ngram import NgramDrafter
 from .stats import SpecDecodeStats
 
@@ -17,7 +18,6 @@ __all__ = [
     "NgramDrafter",
     "SpecDecodeStats",
     "SpeculativeConfig",
-    "build_drafter",
     "keep_accepted",
     "rewind_generators",
 ]

@@ -13,9 +13,10 @@ drafts would draw, once the generator is set back to have drawn one uniform per 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported when a step is verified, not with the engine's options
+    import torch
 
 
 def keep_accepted(
@@ -60,6 +61,8 @@ def rewind_generators(states: dict[str, tuple[torch.Generator, torch.Tensor]], a
     """Set each seeded generator back to its state before the step, then draw one uniform per row
     kept (sampler.uniforms draws one float64 per drawn row, serially): the next step draws what a
     step without drafts would. `states`: request -> (its generator, the state before the step)."""
+    import torch
+
     for rid, (gen, state) in states.items():
         gen.set_state(state)
         torch.rand(accepted.get(rid, 0) + 1, generator=gen, dtype=torch.float64)

@@ -1,12 +1,15 @@
 """`speculative_config` as vLLM spells it, checked once: the n-gram method (prompt lookup) is
 implemented; every other method, and any key that would change what runs, is refused by name.
-(A new method: its drafter in drafter.py's DRAFTERS, its name out of OTHER_METHODS; its own
+(A new method: its drafter in methods.py's DRAFTERS, its name out of OTHER_METHODS; its own
 keys in KNOWN_KEYS and fields here.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from .drafter import Drafter
+from .methods import DRAFTERS
 
 # vLLM's other methods: each needs a draft model, heads or layers this engine does not load
 OTHER_METHODS = (
@@ -53,6 +56,10 @@ class SpeculativeConfig:
     # this machine's measured step times (budget.py); False: every draft proposed, as vLLM
     by_measured_cost: bool = True
 
+    def drafter(self, max_model_len: int) -> Drafter:
+        """This method's drafter for a model of `max_model_len` tokens."""
+        return DRAFTERS[self.method](self, max_model_len)
+
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
         """vLLM's dict (or None: off); ValueError naming what is not implemented or not valid."""
@@ -75,8 +82,6 @@ class SpeculativeConfig:
             )
         if method == "[ngram]":
             method = "ngram"
-        from .drafter import DRAFTERS  # (it imports this module)
-
         implemented = ", ".join(repr(m) for m in DRAFTERS)
         if method in OTHER_METHODS:
             raise ValueError(f"speculative_config method={method!r} is not implemented (only {implemented})")

@@ -1,13 +1,9 @@
-"""What the scheduler asks of a drafter, and the drafters by method: a new method is a module
-beside ngram.py and one entry in DRAFTERS (its keys are the methods `SpeculativeConfig` accepts)."""
+"""What the scheduler asks of a drafter (one per method: methods.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
-
-from .config import SpeculativeConfig
-from .ngram import NgramDrafter
 
 
 class Drafter(Protocol):
@@ -22,10 +18,3 @@ class Drafter(Protocol):
     def forget(self, request_id: str) -> None:
         """The request ended."""
         ...
-
-
-DRAFTERS: dict[str, Callable[[SpeculativeConfig, int], Drafter]] = {"ngram": NgramDrafter}
-
-
-def build_drafter(config: SpeculativeConfig, max_model_len: int) -> Drafter:
-    return DRAFTERS[config.method](config, max_model_len)

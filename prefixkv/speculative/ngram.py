@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .config import SpeculativeConfig
-
 
 class _Index:
     __slots__ = ("after", "upto")
@@ -35,10 +33,10 @@ class _Index:
 class NgramDrafter:
     """Proposes up to `num_speculative_tokens` draft tokens per request and step (scheduler.py)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        self.k = config.num_speculative_tokens
-        self.sizes = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
-        self.off_above = config.disable_by_batch_size
+    def __init__(self, k: int, lookup_min: int, lookup_max: int, off_above: int | None, max_model_len: int) -> None:
+        self.k = k
+        self.sizes = range(lookup_min, lookup_max + 1)
+        self.off_above = off_above
         self.max_model_len = max_model_len
         self._indexes: dict[str, _Index] = {}
 

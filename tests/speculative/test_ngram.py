@@ -10,7 +10,9 @@ def drafter(k: int = 3, lo: int = 1, hi: int = 3) -> NgramDrafter:
         {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
     )
     assert config is not None
-    return NgramDrafter(config, max_model_len=1000)
+    made = config.drafter(max_model_len=1000)
+    assert isinstance(made, NgramDrafter)
+    return made
 
 
 def test_the_tokens_after_the_latest_longest_match():
