@@ -160,9 +160,10 @@ def hf_logprobs(hf_ref_model):
     return once_per_prompt(lambda ids: hf_prompt_logprobs(hf_ref_model, ids))
 
 
-def run_prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], k: int, n: int = 1, max_tokens: int = 2) -> list:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=k, n=n, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+def finished_outputs(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    """Every request to the end (params[i] for prompts[i]), its final RequestOutput; every block
+    free after."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -170,6 +171,11 @@ def run_prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], k: int, n: 
                 done[out.request_id] = out
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "blocks leaked"
     return [done[i] for i in ids]
+
+
+def run_prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], k: int, n: int = 1, max_tokens: int = 2) -> list:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=k, n=n, ignore_eos=True)
+    return finished_outputs(engine, prompts, [params] * len(prompts))
 
 
 def check_prompt_logprobs(out, ref: torch.Tensor, k: int) -> None:

@@ -261,3 +261,18 @@ def test_cuda_stage_output_cache_runs_ahead_over_a_tier(cuda_lm, prompts, expect
         check_prompt_logprobs(out, hf_prompt_logprobs(hf_ref_model, ids), 2)
     assert stage.num_rows_read > 0 and next(t for t in engine.get_stats().kv_tiers if t.tier == "cpu").hits > 0
     assert not waits, waits[:3]
+
+
+def test_cuda_speculative_decoding_equals_transformers_with_graphs_and_eager(cuda_lm, prompts, expected):
+    """n-gram drafts on a GPU: a verification step is a chunk there (a mixed step, replayed where
+    its graph was captured); greedy float32 outputs stay transformers', seeded ones plain
+    decoding's, and the async default turns off with drafts on."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    for eager in (False, True):
+        engine = cuda_engine(cuda_lm, speculative_config={**spec, "by_measured_cost": False}, enforce_eager=eager)
+        assert not engine.async_scheduling
+        assert run(engine, prompts[1]) == expected[1]
+        assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    seeded = [SamplingParams(temperature=0.7, seed=5, max_tokens=MAX_NEW, ignore_eos=True)]
+    plain = run(cuda_engine(cuda_lm), prompts[1], params=seeded)
+    assert run(cuda_engine(cuda_lm, speculative_config=spec), prompts[1], params=seeded) == plain

@@ -15,6 +15,7 @@ from prefixkv.server.metrics import ServerMetrics
 
 from ..conftest import hf_greedy
 from .test_correctness import DOC, engine_for, run
+from .test_correctness import finished_outputs as outputs
 
 # every draft proposed: what the tests see does not hang on the machine's step times
 SPEC = {
@@ -25,18 +26,6 @@ SPEC = {
     "by_measured_cost": False,
 }
 MAX_NEW = 24
-
-
-def outputs(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
-    """Every request to the end (params[i] for prompts[i]); every block free after."""
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "blocks leaked"
-    return [done[i] for i in ids]
 
 
 def seen(out: RequestOutput) -> list[tuple[Any, ...]]:
