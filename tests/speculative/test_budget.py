@@ -68,3 +68,18 @@ def test_a_time_not_measured_lately_is_measured_again():
         budget.record_step(1, 0.010)
     budget.start_step(1)
     assert budget.length("a", 1) == 1  # 2 rows are taken as costing 1 row's time until timed again
+
+
+def test_kept_drafts_come_in_runs():
+    """A request that keeps all four drafts or none, half the time each: its first draft is kept
+    half the time, and every later one whenever the one before it was."""
+    budget = DraftBudget()
+    for _ in range(20):
+        budget.record_verified("a", 4, 4)
+        budget.record_verified("a", 4, 0)
+    budget.record_verified("a", 4, 4)
+    chances = budget._kept_chances("a", 4)
+    assert 0.5 < chances[0] < 0.8
+    assert all(later > 0.97 * chances[0] for later in chances[1:])  # not 0.5^j
+    budget.record_verified("b", 3, 1)  # kept the first, not the second
+    assert budget._after[0] < 1.0 and budget._after[2] > 0.99  # position 4 was not offered
