@@ -90,12 +90,12 @@ class OutputState:
         if grammar is not None:  # the grammar sees every accepted token; its end is the output's
             grammar.accept(token)
             if grammar.is_terminated:
-                return self._finish("stop", None, strip_last_token=token in eos_ids, req=req, outputs=outputs)
+                return self._finish("stop", None, strip_last_token=token in eos_ids, outputs=outputs)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in eos_ids:
-                return self._finish("stop", None, strip_last_token=True, req=req, outputs=outputs)
+                return self._finish("stop", None, strip_last_token=True, outputs=outputs)
             if token in (p.stop_token_ids or ()):
-                return self._finish("stop", token, strip_last_token=True, req=req, outputs=outputs)
+                return self._finish("stop", token, strip_last_token=True, outputs=outputs)
             if p.stop and p.detokenize:
                 start = max(0, len(self.text) - self._holdback - 1)
                 for stop in p.stop:
@@ -105,7 +105,7 @@ class OutputState:
                         self.full_text = self.full_text[:end]
                         return self._finish("stop", stop)
         if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens - later >= max_model_len:
-            return self._finish("length", None, req=req, outputs=outputs)
+            return self._finish("length", None, outputs=outputs)
         stable = self.full_text
         if p.stop:
             stable = stable[: max(len(self.text), len(stable) - self._holdback)]
@@ -117,11 +117,11 @@ class OutputState:
         reason: str,
         stop_reason: int | str | None,
         strip_last_token: bool = False,
-        req: Request | None = None,
-        outputs: Sequence[int] = (),
+        outputs: Sequence[int] | None = None,
     ) -> bool:
-        """`outputs`: the request's output tokens up to the one it ends on."""
-        if req is not None and self.params.detokenize:
+        """`outputs`: the request's output tokens up to the one it ends on, decoded whole for the
+        final text (None: the text so far is final)."""
+        if outputs is not None and self.params.detokenize:
             # the final text is one full decode: characters still held back are flushed, and an
             # EOS / stop token stays in token_ids (as in vLLM) but not in the text
             ids = outputs[:-1] if strip_last_token else outputs

@@ -7,6 +7,7 @@ device, and the host books this step (`result()`) while the device computes the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,7 @@ class PendingOutput:
     kv_saves: PendingSaves | None = None
     # speculative decoding: each verifying request's drafts (its rows are one after another), and
     # its seeded generator with the state before the step, set back when the kept rows are known
-    drafts: dict[str, Any] | None = None
+    drafts: dict[str, Sequence[int]] | None = None
     generator_states: dict[str, tuple[torch.Generator, torch.Tensor]] | None = None
     _finite_host: HostCopies | None = None
     _finite_in_tokens: bool = False  # the copied tokens are -1 where a row was not finite

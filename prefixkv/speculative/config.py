@@ -5,6 +5,7 @@ keys in KNOWN_KEYS and fields here.)"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +27,11 @@ OTHER_METHODS = (
     "longcat_flash_mtp",
     "suffix",
 )
-# keys that change nothing here: accepted as vLLM accepts them
-NO_EFFECT_KEYS = ("enforce_eager",)
+logger = logging.getLogger("prefixkv")
+
+# keys that change nothing here: accepted as vLLM accepts them, and logged once
+NO_EFFECT_KEYS = {"enforce_eager": "the n-gram method runs no draft model to capture or not"}
+_logged: set[str] = set()
 KNOWN_KEYS = (
     "method",
     "model",
@@ -72,6 +76,9 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(KNOWN_KEYS))
         if unknown:
             raise ValueError(f"speculative_config keys {unknown} are not implemented (known: {', '.join(KNOWN_KEYS)})")
+        for key in sorted(set(value) & set(NO_EFFECT_KEYS) - _logged):
+            _logged.add(key)
+            logger.info("speculative_config %s changes nothing here: %s", key, NO_EFFECT_KEYS[key])
         method = value.get("method")
         model = value.get("model")
         if method is None and model in ("ngram", "[ngram]"):

@@ -41,3 +41,17 @@ def test_vllm_defaults_for_the_lookup_sizes():
 def test_refused_by_name(value, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(value)
+
+
+def test_a_key_without_effect_is_accepted_and_logged_once(caplog):
+    from prefixkv.speculative import config as module
+
+    module._logged.discard("enforce_eager")
+    value = {"method": "ngram", "num_speculative_tokens": 2, "enforce_eager": True}
+    with caplog.at_level("INFO", logger="prefixkv"):
+        assert SpeculativeConfig.parse(value) is not None
+        assert SpeculativeConfig.parse(value) is not None
+    said = [r.getMessage() for r in caplog.records if "enforce_eager" in r.getMessage()]
+    assert said == [
+        "speculative_config enforce_eager changes nothing here: the n-gram method runs no draft model to capture or not"
+    ]
