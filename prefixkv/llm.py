@@ -36,7 +36,6 @@ _UNSUPPORTED_CALL_ARGS = {
     "prompt_adapter_request": "prompt adapters are not implemented",
     "tokenization_kwargs": "tokenization options are not implemented",
     "truncate_prompt_tokens": "give it in SamplingParams(truncate_prompt_tokens=...)",
-    "tools": "tool calling is not implemented",
     "documents": "documents are not implemented",
     "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
 }
@@ -225,21 +224,28 @@ class LLM:
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[RequestOutput]:
         """Chat completion for one conversation or a batch, through the model's chat template (or
         `chat_template`); `continue_final_message` continues the last message instead of starting
-        a reply (then add_generation_prompt must be False, as vLLM); `chat_template_kwargs` are
-        passed to the template. Each output's `prompt` is the rendered text."""
+        a reply (then add_generation_prompt must be False, as vLLM); `tools` and
+        `chat_template_kwargs` are passed to the template (as in vLLM, the replies are not parsed
+        for tool calls: the server does that). Each output's `prompt` is the rendered text."""
         _refuse_call_args("chat", kwargs)
+        if tools is not None:
+            if chat_template_kwargs and "tools" in chat_template_kwargs:
+                raise ValueError("chat(tools=...) and chat_template_kwargs['tools'] are both given")
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         if continue_final_message and add_generation_prompt:
             raise ValueError("chat(continue_final_message=True) needs add_generation_prompt=False, as in vLLM")
         if chat_template_content_format not in ("auto", "string"):
@@ -276,12 +282,7 @@ class LLM:
                 text = render(conv)
                 prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
             texts.append(text)
-        outs = self.generate(
-            prompts,
-            sampling_params,
-            use_tqdm=use_tqdm,
-            lora_request=lora_request,
-        )
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request, priority=priority)
         for out, text in zip(outs, texts):
             out.prompt = text  # as vLLM: the rendered conversation
         return outs

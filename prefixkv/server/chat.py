@@ -87,11 +87,16 @@ class OpenAIServingChat(OpenAIServing):
                 )
         if plan is not None:
             kwargs["tools"] = plan.tools
+        for field in ("reasoning_effort", "documents"):  # request fields the template reads, as vLLM hands them
+            value = getattr(req, field, None)
+            if value is None:
+                continue
+            if field in kwargs and kwargs[field] != value:
+                raise APIError(f"{field} and chat_template_kwargs[{field!r}] disagree", 400, param=field)
+            kwargs[field] = value
         if getattr(req, "reasoning_effort", None) is not None:
-            if "reasoning_effort" in kwargs and kwargs["reasoning_effort"] != req.reasoning_effort:
-                why = "reasoning_effort and chat_template_kwargs['reasoning_effort'] disagree"
-                raise APIError(why, 400, param="reasoning_effort")
-            kwargs["reasoning_effort"] = req.reasoning_effort
+            # vLLM's opt-in for templates that think only when asked (Qwen 3, Gemma 4): unless given
+            kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
 
         def render(messages: list[dict]) -> str:
             return self.tokenizer.apply_chat_template(  # type: ignore[return-value]

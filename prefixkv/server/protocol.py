@@ -41,13 +41,12 @@ UNSUPPORTED_FIELDS = {
     "function_call": "function calling is not implemented yet",
     "prompt_embeds": "prompt embeddings are not supported",
     "lora_request": 'select a LoRA adapter with "model": its name (--lora-modules / /v1/load_lora_adapter)',
-    "mm_processor_kwargs": "multimodal inputs are not supported yet",
+    "mm_processor_kwargs": "the checkpoint's own image processor settings are used",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "verbosity": "no chat template of a model served here reads it; one that does takes it as "
     'chat_template_kwargs {"verbosity": ...}',
-    "documents": "documents for the chat template are not supported",
     "tool_call_id": "tool calling is not implemented yet",
 }
 
@@ -221,6 +220,9 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's, for reasoning models: handed to the chat template as `reasoning_effort` (as vLLM
     # does); a template that does not read it renders as without it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # vLLM's, for retrieval-augmented templates (Command R, Granite): handed to the chat template as
+    # `documents`; a template that does not read them renders as without them
+    documents: list[dict[str, str]] | None = None
 
     def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None

@@ -94,6 +94,27 @@ def test_chat_uses_the_template(llm):
     assert out.outputs[0].text
 
 
+def test_chat_hands_tools_to_the_template_and_priorities_to_the_requests(llm):
+    """vLLM's LLM.chat(tools=..., priority=...): the tools reach the template (the reply is not parsed
+    for calls offline, as in vLLM); priorities go with the requests (refused here as without priority
+    scheduling); sampling params may be one per conversation."""
+    tpl = "{% for t in tools or [] %}{{ t['function']['name'] }};{% endfor %}{{ messages[-1]['content'] }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    conv = [{"role": "user", "content": "Hi"}]
+    first, second = llm.chat(
+        [conv, conv], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 2)],
+        chat_template=tpl,
+        tools=tools,
+    )
+    assert first.prompt == second.prompt == "get_weather;Hi"
+    assert len(first.outputs[0].token_ids) == 3 and len(second.outputs[0].token_ids) == 2
+    assert llm.chat(conv, GREEDY, chat_template=tpl)[0].prompt == "Hi"
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat(conv, GREEDY, chat_template=tpl, tools=tools, chat_template_kwargs={"tools": []})
+    with pytest.raises(ValueError, match="priority 1"):
+        llm.chat(conv, GREEDY, priority=[1])
+
+
 def test_stop_strings_and_tokens(llm):
     prompt = "Count: 1, 2, 3,"
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]

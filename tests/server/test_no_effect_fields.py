@@ -1,7 +1,8 @@
 """Fields the openai SDK and agent frameworks send whose effect does not apply to a local engine
 (store, metadata, service_tier, safety_identifier, user, prompt_cache_key) are accepted - same
 output as without them - and logged once each; a wrong type is still a 400 naming the field;
-reasoning_effort reaches the chat template (as vLLM passes it); verbosity is refused by name."""
+reasoning_effort and documents reach the chat template (as vLLM passes them); verbosity is refused by
+name."""
 
 from __future__ import annotations
 
@@ -70,6 +71,39 @@ def test_reasoning_effort_reaches_the_template_and_verbosity_is_refused(server, 
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
     r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "verbosity": "low"})
     assert r.status_code == 400 and "verbosity" in r.json()["error"]["message"], r.text
+    server.wait_idle()
+
+
+def test_documents_and_the_thinking_switch_reach_the_template(server, client):
+    """vLLM hands `documents` to the template, and with reasoning_effort sets `enable_thinking`
+    (reasoning_effort != "none") unless chat_template_kwargs set it."""
+    msgs = [{"role": "user", "content": "Q"}]
+    tpl = (
+        "{{ enable_thinking if enable_thinking is defined else '-' }}|"
+        "{% for d in documents or [] %}{{ d['title'] }}:{{ d['text'] }};{% endfor %}|"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+
+    def rendered(**body) -> list[int]:
+        r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "chat_template": tpl, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"]
+
+    def tokens(text: str) -> list[int]:
+        return post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    docs = [{"title": "A", "text": "one"}, {"title": "B", "text": "two"}]
+    assert rendered(return_token_ids=True) == tokens("-||Q")
+    assert rendered(return_token_ids=True, documents=docs) == tokens("-|A:one;B:two;|Q")
+    assert rendered(return_token_ids=True, reasoning_effort="high") == tokens("True||Q")
+    assert rendered(return_token_ids=True, reasoning_effort="none") == tokens("False||Q")
+    kept = {"chat_template_kwargs": {"enable_thinking": True}}
+    assert rendered(return_token_ids=True, reasoning_effort="none", **kept) == tokens("True||Q")
+    clash = {"documents": docs, "chat_template_kwargs": {"documents": docs[:1]}}
+    r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "chat_template": tpl, **clash})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+    r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "documents": [{"title": 1}]})
+    assert r.status_code == 400 and "documents" in r.text, r.text
     server.wait_idle()
 
 
