@@ -102,7 +102,8 @@ def test_chat_hands_tools_to_the_template_and_priorities_to_the_requests(llm):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     conv = [{"role": "user", "content": "Hi"}]
     first, second = llm.chat(
-        [conv, conv], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 2)],
+        [conv, conv],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 2)],
         chat_template=tpl,
         tools=tools,
     )
