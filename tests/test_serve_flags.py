@@ -49,6 +49,7 @@ SERVER_ONLY = {
             "max_log_len",
             "enable_prompt_tokens_details",
             "response_role",
+            "return_tokens_as_token_ids",
             "root_path",
             "allowed_origins",
             "allowed_methods",

@@ -90,6 +90,7 @@ def create_app(
     response_role: str = "assistant",
     request_logger: RequestLogger | None = None,
     response_id_prefix: str = "resp",
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """Build the app around a loaded engine. With `engine_thread` the engine loop starts in a
     background thread with the app (lifespan); without, the caller runs
@@ -101,7 +102,8 @@ def create_app(
     /v1/load_lora_adapter and /v1/unload_lora_adapter; `lora_allowed_dir` (default:
     $PREFIXKV_LORA_ALLOWED_DIR) confines their loads to that folder. `root_path`: the prefix a
     proxy serves the app under (FastAPI's). `cors`: starlette's CORSMiddleware settings (None: no
-    CORS headers). `response_role`: the chat reply's role. `request_logger`: logs each request."""
+    CORS headers). `response_role`: the chat reply's role. `request_logger`: logs each request.
+    `return_tokens_as_token_ids`: logprobs name tokens `token_id:N` unless a request says otherwise."""
     if dev_mode is None:
         dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes")
     names = list(served_model_names or [model_root or DEFAULT_MODEL_NAME])
@@ -126,8 +128,9 @@ def create_app(
     def count_error(status: int) -> None:
         metrics.http_errors.labels(status=str(status), **metrics.labels).inc()
 
-    completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error)
-    chat = OpenAIServingChat(engine, async_engine, names, limits, count_error)
+    as_ids = return_tokens_as_token_ids  # logprobs' tokens as `token_id:N` unless a request says
+    completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error, as_ids)
+    chat = OpenAIServingChat(engine, async_engine, names, limits, count_error, as_ids)
     chat.tool_parser = tool_call_parser  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
     chat.response_role = response_role
     completions.request_logger = chat.request_logger = request_logger

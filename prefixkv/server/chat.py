@@ -235,7 +235,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionResponseChoice(
                     index=o.index,
                     message=ChatResponseMessage(role=self.role_for(req), content=content, tool_calls=calls or None),
-                    logprobs=chat_logprobs(o.logprobs, o.token_ids, k)
+                    logprobs=chat_logprobs(o.logprobs, o.token_ids, k, self.tokens_as_ids(req))
                     if req.logprobs and o.logprobs is not None
                     else None,
                     finish_reason=finish_for(plan, o.finish_reason, bool(calls)) if plan else o.finish_reason,
@@ -267,7 +267,9 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponseChoice(
                 index=j,
                 message=ChatResponseMessage(content=b.text),
-                logprobs=chat_logprobs(b.logprobs, b.token_ids, req.top_logprobs or 0) if req.logprobs else None,
+                logprobs=chat_logprobs(b.logprobs, b.token_ids, req.top_logprobs or 0, self.tokens_as_ids(req))
+                if req.logprobs
+                else None,
                 finish_reason=b.finish_reason,
                 stop_reason=b.stop_reason,
                 token_ids=b.token_ids if req.return_token_ids else None,
@@ -293,7 +295,7 @@ class OpenAIServingChat(OpenAIServing):
         def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
             lp = None
             if req.logprobs and d.logprobs is not None:
-                lp = chat_logprobs(d.logprobs, d.token_ids, k)
+                lp = chat_logprobs(d.logprobs, d.token_ids, k, self.tokens_as_ids(req))
             delta, finish = DeltaMessage(content=d.text), d.choice.finish_reason
             if tools is not None:  # content up to where a call may begin; the calls when the choice ends
                 content, calls, finish = tools.delta(d.index, d.choice.text, finish)

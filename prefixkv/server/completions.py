@@ -55,13 +55,14 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids: list[int],
         k: int,
         offset: int,
+        as_ids: bool,
     ) -> CompletionLogProbs:
         """Logprobs of generated tokens whose text starts at `offset` of the choice's text, with
         the echoed prompt's tokens first when `echo` is set (the prompt's text goes out with them)."""
         if not echo or out.prompt_logprobs is None:
-            return completion_logprobs(entries, token_ids, k, offset)
+            return completion_logprobs(entries, token_ids, k, offset, as_ids)
         first = self.tokenizer.decode(prompt_ids[:1])
-        return echoed_completion_logprobs(out.prompt_logprobs, first, prompt_ids, entries, token_ids, k)
+        return echoed_completion_logprobs(out.prompt_logprobs, first, prompt_ids, entries, token_ids, k, as_ids)
 
     async def create(self, req: CompletionRequest, raw: Request):
         model = self.check_model(req.model)
@@ -127,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 token_ids, entries = ([], []) if prompt_only else (list(o.token_ids), o.logprobs)
                 lp = None
                 if req.logprobs is not None and entries is not None:
-                    lp = self.logprobs(out, prompts[i], req.echo, entries, token_ids, k, 0)
+                    lp = self.logprobs(out, prompts[i], req.echo, entries, token_ids, k, 0, self.tokens_as_ids(req))
                 choices.append(
                     CompletionResponseChoice(
                         index=i * n + o.index,
@@ -191,7 +192,7 @@ class OpenAIServingCompletion(OpenAIServing):
             CompletionResponseChoice(
                 index=i * n + j,
                 text=b.text,
-                logprobs=completion_logprobs(b.logprobs, b.token_ids, req.logprobs, 0)
+                logprobs=completion_logprobs(b.logprobs, b.token_ids, req.logprobs, 0, self.tokens_as_ids(req))
                 if req.logprobs is not None
                 else None,
                 finish_reason=b.finish_reason,
@@ -217,7 +218,8 @@ class OpenAIServingCompletion(OpenAIServing):
             lp = None
             if req.logprobs is not None and entries is not None:
                 offset = d.text_start + (0 if d.first else len(echo[i]))
-                lp = self.logprobs(d.output, prompts[i], req.echo and d.first, entries, token_ids, k, offset)
+                as_ids = self.tokens_as_ids(req)
+                lp = self.logprobs(d.output, prompts[i], req.echo and d.first, entries, token_ids, k, offset, as_ids)
             want_prompt_lp = d.first and req.prompt_logprobs is not None
             chunk = CompletionResponse(
                 id=rid,

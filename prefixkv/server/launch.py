@@ -159,6 +159,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "(vLLM: used with add_generation_prompt) (default: assistant)",
     )
     g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name each token 'token_id:N' (a token that is part of a character is then still "
+        "named exactly); a request's return_tokens_as_token_ids overrides it (vLLM's)",
+    )
+    g.add_argument(
         "--root-path",
         default=None,
         help="the path prefix a proxy serves this server under (FastAPI's root_path), e.g. /llm: the OpenAPI "
@@ -384,6 +390,7 @@ def app_from_args(
         response_role=getattr(args, "response_role", "assistant"),
         request_logger=RequestLogger(args.max_log_len) if getattr(args, "enable_log_requests", False) else None,
         response_id_prefix=response_id_prefix,
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
     )
 
 

@@ -128,6 +128,8 @@ class _SamplingFields(BaseModel):
     priority: int = 0  # vLLM extra: with --scheduling-policy priority, lower is scheduled first
     truncate_prompt_tokens: int | None = None  # vLLM extra: keep the prompt's last k tokens (-1: the context)
     return_token_ids: bool | None = None  # vLLM extra: prompt_token_ids and each choice's token_ids
+    # vLLM extra: logprobs name each token `token_id:N` (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string key) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM extra
     bad_words: list[str] | None = None  # vLLM extra

@@ -45,8 +45,10 @@ class OpenAIServing:
         served_model_names: list[str],
         limits: RequestLimits,
         count_error: Callable[[int], Any],
+        tokens_as_ids: bool = False,
     ) -> None:
         self.engine = engine
+        self.tokens_as_ids_default = tokens_as_ids  # --return-tokens-as-token-ids
         self.async_engine = async_engine
         self.names = served_model_names
         self.limits = limits
@@ -60,6 +62,11 @@ class OpenAIServing:
         # cannot fit, so it is refused before it is tokenized (a 50 MB prompt costs nothing).
         vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
         self.max_chars_per_token = max((len(t) for t in vocab), default=1)
+
+    def tokens_as_ids(self, req: Any) -> bool:
+        """Whether the request's logprobs name tokens `token_id:N`: its own field, else the server's."""
+        own = getattr(req, "return_tokens_as_token_ids", None)
+        return self.tokens_as_ids_default if own is None else bool(own)
 
     # -- checks ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:

@@ -210,6 +210,17 @@ def test_sampling_extras_n_logprobs_stop(client):
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    by_id = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    ).model_dump()["choices"][0]
+    assert [c["token"] for c in by_id["logprobs"]["content"]] == [f"token_id:{t}" for t in by_id["token_ids"]]
+    assert [c["logprob"] for c in by_id["logprobs"]["content"]] == [c.logprob for c in content]
 
 
 def test_prompt_logprobs_and_echo_logprobs(client, server, llm):

@@ -1,10 +1,11 @@
 """vLLM's `serve` flags against a started server: TLS (a self-signed certificate made here),
---root-path, CORS, --response-role, request logging, and a --config YAML file whose flags the
-command line overrides. One server start for all of them."""
+--root-path, CORS, --response-role, --return-tokens-as-token-ids, request logging, and a --config
+YAML file whose flags the command line overrides. One server start for all of them."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import ssl
 
@@ -77,6 +78,7 @@ def server(tmp_path_factory):
         config,
         "--response-role",
         "narrator",
+        "--return-tokens-as-token-ids",
         "--root-path",
         "/llm",
         "--ssl-keyfile",
@@ -167,3 +169,43 @@ def test_response_role_and_request_log(server):
     assert len(chats) == 3
     assert all("prompt: '<|im_start|>'," in line for line in chats)  # the rendered ids, special tokens kept
     assert "--enable-prompt-tokens-details" in log  # accepted, and said so
+
+
+def test_logprobs_name_tokens_by_id_unless_a_request_says_otherwise(server):
+    """--return-tokens-as-token-ids: every token of the logprobs is `token_id:N` (a chosen chat
+    token keeps its text's bytes, as vLLM's); completions' offsets count those strings; a request's
+    return_tokens_as_token_ids false gives the texts back."""
+    chat = {
+        "model": "from-config",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_token_ids": True,
+    }
+    done = {"model": "from-config", "prompt": "One, two,", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    with _client(server) as c:
+        r = c.post("/v1/chat/completions", json=chat).json()
+        ids = r["choices"][0]["token_ids"]
+        content = r["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
+        assert all(x["token"].startswith("token_id:") for e in content for x in e["top_logprobs"])
+        assert content[0]["top_logprobs"][0]["token"] == content[0]["token"]  # greedy: the top one
+        as_text = c.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": False}).json()
+        texts = [e["token"] for e in as_text["choices"][0]["logprobs"]["content"]]
+        assert "".join(texts) == as_text["choices"][0]["message"]["content"]
+        assert [e["bytes"] for e in content] == [list(t.encode()) for t in texts]
+        with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        streamed = [
+            e["token"] for ch in chunks for x in ch["choices"] for e in (x.get("logprobs") or {}).get("content") or []
+        ]
+        assert streamed == [f"token_id:{t}" for t in ids]
+        r = c.post("/v1/completions", json={**done, "echo": True, "return_token_ids": True}).json()["choices"][0]
+        lp, prompt_ids = r["logprobs"], r["prompt_token_ids"]
+        assert lp["tokens"] == [f"token_id:{t}" for t in prompt_ids + r["token_ids"]]
+        assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+        assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+        plain = c.post("/v1/completions", json={**done, "return_tokens_as_token_ids": False}).json()["choices"][0]
+        assert "".join(plain["logprobs"]["tokens"]) == plain["text"]
