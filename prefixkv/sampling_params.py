@@ -217,12 +217,15 @@ def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
 SamplingParams.__init__ = _init  # type: ignore[method-assign]
 
 
-def truncate_prompt_tokens(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
-    """The prompt's last `k` tokens (-1: max_model_len; None: all of them), as vLLM's truncate_prompt_tokens."""
+def truncate_prompt_tokens(ids: list[int], k: int | None, max_model_len: int, side: str = "left") -> list[int]:
+    """The prompt's last `k` tokens (-1: max_model_len; None: all of them), as vLLM's
+    truncate_prompt_tokens; its first `k` with `side` "right" (vLLM's truncation_side)."""
     if k is None:
         return ids
     k = max_model_len if k == -1 else k
-    return ids[-k:] if len(ids) > k else ids
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if side == "right" else ids[-k:]
 
 
 LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # a sequence length to a larger power overflows a float

@@ -127,6 +127,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = None  # vLLM extra: top-k logprobs at every prompt position
     priority: int = 0  # vLLM extra: with --scheduling-policy priority, lower is scheduled first
     truncate_prompt_tokens: int | None = None  # vLLM extra: keep the prompt's last k tokens (-1: the context)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM extra: "right" keeps the first k instead
     return_token_ids: bool | None = None  # vLLM extra: prompt_token_ids and each choice's token_ids
     # vLLM extra: logprobs name each token `token_id:N` (None: the server's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None

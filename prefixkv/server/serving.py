@@ -207,7 +207,8 @@ class OpenAIServing:
             raise APIError(str(e), 400) from e
 
     def truncate(self, ids: list[int], req: Any) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length)."""
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length), or
+        its first k with truncation_side "right"."""
         k = getattr(req, "truncate_prompt_tokens", None)
         if k is None:
             return ids
@@ -215,7 +216,7 @@ class OpenAIServing:
             raise APIError(
                 f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}", 400, param="truncate_prompt_tokens"
             )
-        return truncate_prompt_tokens(ids, k, self.max_model_len)
+        return truncate_prompt_tokens(ids, k, self.max_model_len, getattr(req, "truncation_side", None) or "left")
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile (or find cached) the structured-outputs grammar in a worker thread, so the

@@ -126,6 +126,13 @@ def test_request_fields_for_effect(server, client):
     assert res.usage.prompt_tokens == 8 and choice["prompt_token_ids"] == full[-8:]  # the last 8 kept
     assert len(choice["token_ids"]) == 4
     assert post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    for side, kept in (("right", full[:8]), ("left", full[-8:])):  # vLLM's truncation_side
+        res = client.completions.create(
+            model=NAME, prompt=text, max_tokens=1, temperature=0, extra_body={**extra, "truncation_side": side}
+        )
+        assert res.model_dump()["choices"][0]["prompt_token_ids"] == kept, side
+    r = post(server, "/v1/completions", {"prompt": text, "max_tokens": 1, **extra, "truncation_side": "middle"})
+    assert r.status_code == 400 and "truncation_side" in r.text
 
     # chat: return_token_ids, streamed and not; the same greedy tokens
     msgs = [{"role": "user", "content": "Count to five."}]
