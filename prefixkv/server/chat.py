@@ -40,6 +40,14 @@ class OpenAIServingChat(OpenAIServing):
             return self.response_role
         return req.messages[-1].role if req.messages else self.response_role
 
+    def echoed(self, req: Any) -> str:
+        """vLLM's chat `echo`: the last message's text when it has the reply's role (a continued
+        final message), which the reply then starts with; else nothing."""
+        if not req.echo or not req.messages or req.messages[-1].role != self.role_for(req):
+            return ""
+        content = req.messages[-1].content
+        return self.message_text(content, f"messages[{len(req.messages) - 1}].content") if content else ""
+
     def message_text(self, content: object, at: str) -> str:
         """A message's content as text: a string, or a list of text parts (joined by newlines)."""
         if content is None:
@@ -229,8 +237,11 @@ class OpenAIServingChat(OpenAIServing):
         pinned = await self.pin_prompts([ids], req.cache_salt, lora) if req.pin else None
         out = finals[0]
         choices = []
+        echo = self.echoed(req)
         for o in out.outputs:
             content, calls = plan.parse(o.text) if plan is not None else (o.text, [])
+            if echo:
+                content = echo + (content or "")
             choices.append(
                 ChatCompletionResponseChoice(
                     index=o.index,
@@ -321,6 +332,12 @@ class OpenAIServingChat(OpenAIServing):
             )
             for i in range(n)
         ]
+        echo = self.echoed(req)
+        if echo:  # then the echoed text, a chunk per choice, as vLLM streams it
+            prelude += [
+                chunk_dict(response([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=echo))]))
+                for i in range(n)
+            ]
 
         def usage_chunk(state: StreamState) -> dict:
             return response([], self.usage(prompts, state.finals)).model_dump()

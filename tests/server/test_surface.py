@@ -160,6 +160,19 @@ def test_request_fields_for_effect(server, client):
     ).model_dump()
     said = post(server, "/detokenize", {"tokens": res["prompt_token_ids"]}).json()["prompt"]
     assert said.endswith("<|im_start|>assistant\nThe capital is")
+    # vLLM's chat echo: the continued message's text first, streamed in its own chunk after the role
+    go_on = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    body_echo = dict(model=NAME, messages=prefill, max_tokens=3, temperature=0, extra_body=go_on)
+    echoed = client.chat.completions.create(**body_echo).choices[0].message.content
+    assert echoed == "The capital is" + res["choices"][0]["message"]["content"]
+    chunks = [c.model_dump() for c in client.chat.completions.create(**body_echo, stream=True)]
+    texts = [ch["delta"].get("content") for c in chunks for ch in c["choices"]]
+    assert texts[:2] == ["", "The capital is"] and "".join(t or "" for t in texts) == echoed
+    fresh = client.chat.completions.create(model=NAME, messages=prefill[:1], max_tokens=2, temperature=0)
+    fresh_echo = client.chat.completions.create(
+        model=NAME, messages=prefill[:1], max_tokens=2, temperature=0, extra_body={"echo": True}
+    )
+    assert fresh_echo.choices[0].message.content == fresh.choices[0].message.content  # a user turn: nothing echoed
     both = post(
         server,
         "/v1/chat/completions",
