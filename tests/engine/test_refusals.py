@@ -106,7 +106,7 @@ def llm(default_lm):
         (lambda llm: llm.generate("x", GREEDY, lora_request=LoRARequest("a", 1, ".")), "enable_lora"),
         (lambda llm: llm.generate("x", GREEDY, guided_options_request={"guided_json": {}}), "guided"),
         (lambda llm: llm.generate("x", GREEDY, priority=[1]), "priority"),
-        (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, tools=[{"type": "function"}]), "tools"),
+        (lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, documents=[{"text": "a"}]), "documents"),
         (
             lambda llm: llm.chat([{"role": "user", "content": "x"}], GREEDY, continue_final_message=True),
             "add_generation_prompt",
