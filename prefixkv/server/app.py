@@ -128,9 +128,9 @@ def create_app(
     def count_error(status: int) -> None:
         metrics.http_errors.labels(status=str(status), **metrics.labels).inc()
 
-    as_ids = return_tokens_as_token_ids  # logprobs' tokens as `token_id:N` unless a request says
-    completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error, as_ids)
-    chat = OpenAIServingChat(engine, async_engine, names, limits, count_error, as_ids)
+    as_ids = return_tokens_as_token_ids
+    completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error, tokens_as_ids=as_ids)
+    chat = OpenAIServingChat(engine, async_engine, names, limits, count_error, tokens_as_ids=as_ids)
     chat.tool_parser = tool_call_parser  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
     chat.response_role = response_role
     completions.request_logger = chat.request_logger = request_logger

@@ -302,11 +302,12 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         tools = ToolStream(plan) if plan is not None else None
+        as_ids = self.tokens_as_ids(req)
 
         def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
             lp = None
             if req.logprobs and d.logprobs is not None:
-                lp = chat_logprobs(d.logprobs, d.token_ids, k, self.tokens_as_ids(req))
+                lp = chat_logprobs(d.logprobs, d.token_ids, k, as_ids)
             delta, finish = DeltaMessage(content=d.text), d.choice.finish_reason
             if tools is not None:  # content up to where a call may begin; the calls when the choice ends
                 content, calls, finish = tools.delta(d.index, d.choice.text, finish)

@@ -208,6 +208,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def stream(self, req, gens, prompts, echo, rid, created, model, n, k, prompt_only):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        as_ids = self.tokens_as_ids(req)
 
         def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
             i = d.prompt_index
@@ -218,7 +219,6 @@ class OpenAIServingCompletion(OpenAIServing):
             lp = None
             if req.logprobs is not None and entries is not None:
                 offset = d.text_start + (0 if d.first else len(echo[i]))
-                as_ids = self.tokens_as_ids(req)
                 lp = self.logprobs(d.output, prompts[i], req.echo and d.first, entries, token_ids, k, offset, as_ids)
             want_prompt_lp = d.first and req.prompt_logprobs is not None
             chunk = CompletionResponse(
