@@ -19,6 +19,7 @@ from typing import Any
 
 from .cache import HASH_ALGOS, POLICIES
 from .kv_events.config import KVEventsConfig
+from .reasoning import REASONING_PARSERS
 from .sizes import parse_bytes
 from .speculative.config import SpeculativeConfig
 from .stage_outputs.pooling import parse_pooler_config
@@ -325,6 +326,13 @@ class EngineArgs:
         "grammar engine of structured outputs: xgrammar (the xgrammar extra), guidance (llguidance, always "
         "installed) or auto (xgrammar when installed, else guidance) (default: auto)",
         choices=["auto", "xgrammar", "guidance"],
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "where a thinking model's reasoning ends (prefixkv/reasoning.py): chat replies carry it apart as "
+        "`reasoning`, and structured outputs constrain only the answer after it: deepseek_r1 (<think> ... "
+        "</think>) or qwen3 (the same, enable_thinking=False answers at once) (default: none)",
+        choices=sorted(REASONING_PARSERS),
     )
     # Multimodal (vision-language checkpoints; docs/multimodal.md)
     mm_hash: str = _opt(

@@ -19,7 +19,7 @@ The layers, bottom to top (a module may import its own layer and the layers belo
                    (the vision-language family's config, encoder, preprocessing and loader)
 3. memory          memory/: the per-block tensors and their one budget, huge pages
 4. features        constraints/, lora/, multimodal/, stage_outputs/, kv_events/, tiers/, router/,
-                   speculative/:
+                   speculative/, reasoning.py:
                    each plugs into the engine through types it defines itself
 5. requests        sampling_params.py, request.py, engine_args.py, config.py, inputs.py: what the
                    user asks and how the engine is configured, built from the features' types
@@ -45,7 +45,20 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("cache", "outputs", "progress", "sizes", "lazy_exports")),
     ("model", ("model",)),
     ("memory", ("memory",)),
-    ("features", ("constraints", "lora", "multimodal", "stage_outputs", "kv_events", "tiers", "router", "speculative")),
+    (
+        "features",
+        (
+            "constraints",
+            "lora",
+            "multimodal",
+            "stage_outputs",
+            "kv_events",
+            "tiers",
+            "router",
+            "speculative",
+            "reasoning",
+        ),
+    ),
     ("requests", ("sampling_params", "request", "engine_args", "config", "inputs")),
     ("engine", ("engine",)),
     ("API", ("", "llm", "server", "replicas", "pipeline", "replay")),  # "": the package root

@@ -10,7 +10,8 @@ emit them - only the stop tokens end a grammar). Grammars are compiled off the s
 request is added, or ahead of it by the server in a worker thread) and cached by their spec.
 `RequestGrammar` is one sequence's matcher, advanced on each booked token; `fill_next` fills a
 step's allowed-token masks, all its grammars in one batch call (after tokens drawn but not booked
-yet, under async scheduling).
+yet, under async scheduling). A `GrammarGate` lets the output run free until a token opens the
+grammar (a thinking model's answer is constrained, its reasoning is not).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -158,10 +160,10 @@ class GrammarEngine:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
 
-    def matcher(self, compiled: Any) -> RequestGrammar:
+    def matcher(self, compiled: Any, gate: GrammarGate | None = None) -> RequestGrammar:
         if self._guidance is not None:
-            return RequestGrammar(self._guidance.matcher(compiled), self.vocab_size, self._guidance.fill_rows)
-        return RequestGrammar(self._xgr.GrammarMatcher(compiled), self.vocab_size, self._fill_rows)
+            return RequestGrammar(self._guidance.matcher(compiled), self.vocab_size, self._guidance.fill_rows, gate)
+        return RequestGrammar(self._xgr.GrammarMatcher(compiled), self.vocab_size, self._fill_rows, gate)
 
     def _fill_rows(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
@@ -184,9 +186,16 @@ def fill_next(
     is drawn after them is dropped unread."""
     ok = [True] * len(grammars)
     taken = [0] * len(grammars)
+    closed: set[int] = set()  # gated grammars still closed after their pending tokens
     try:
         for i, (grammar, tokens) in enumerate(zip(grammars, pending)):
             m = grammar._matcher
+            if grammar.gate is not None and not grammar.opened:
+                at = grammar.gate.opening(tokens)
+                if at is None:
+                    closed.add(i)
+                    continue
+                tokens = tokens[at:]
             for token in tokens:
                 if not m.accept_token(token):
                     ok[i] = False
@@ -197,8 +206,10 @@ def fill_next(
                     break
         # one engine's grammars share one filler (bound methods of one object compare equal)
         by_filler: dict[Callable[[list[Any], torch.Tensor, list[int]], None], list[int]] = {}
+        for i in closed:  # free until the gate opens, but for openers the grammar would refuse
+            bitmask[rows[i]].copy_(grammars[i].closed_mask())
         for i, grammar in enumerate(grammars):
-            if ok[i]:
+            if ok[i] and i not in closed:
                 by_filler.setdefault(grammar._fill_rows, []).append(i)
         for members in by_filler.values():
             if len(members) == 1:
@@ -213,31 +224,87 @@ def fill_next(
     return ok
 
 
+@dataclass(frozen=True)
+class GrammarGate:
+    """Where a sequence's grammar begins: the output is free until one of `after` (a token the
+    grammar never sees: a thinking model's end of reasoning) or one of `at` (the grammar's first
+    token: an answer that begins without that end, as a Qwen 3 tool call may). vLLM's reasoning
+    gate of structured outputs."""
+
+    after: frozenset[int]
+    at: frozenset[int] = frozenset()
+
+    def opening(self, tokens: Sequence[int]) -> int | None:
+        """Where the grammar's tokens begin in `tokens` (drawn while closed); None: still closed."""
+        for j, token in enumerate(tokens):
+            if token in self.after:
+                return j + 1
+            if token in self.at:
+                return j
+        return None
+
+
 class RequestGrammar:
     """One sequence's grammar state: the tokens booked so far (`accept`). Preemption needs nothing
     here: prefixkv preempts by recompute and keeps the sampled tokens, so the matcher's state stays
     the tokens accepted.
 
     A step scheduled ahead (async scheduling) samples before the previous step's token is booked:
-    its mask takes that token as pending, accepted for the mask and rolled back after (`fill_next`)."""
+    its mask takes that token as pending, accepted for the mask and rolled back after (`fill_next`).
+
+    With a `gate`, the tokens before it opens are booked without reaching the matcher; meanwhile
+    a step's mask allows every token but an opener the grammar could not begin with."""
 
     def __init__(
-        self, matcher: Any, vocab_size: int, fill_rows: Callable[[list[Any], torch.Tensor, list[int]], None]
+        self,
+        matcher: Any,
+        vocab_size: int,
+        fill_rows: Callable[[list[Any], torch.Tensor, list[int]], None],
+        gate: GrammarGate | None = None,
     ) -> None:
         self._matcher = matcher
         self._fill_rows = fill_rows  # the engine's batch fill: (matchers, bitmask, rows)
         self.num_words = (vocab_size + 31) // 32
-        self.num_accepted = 0
+        self.num_accepted = 0  # tokens booked, those before the gate opened included
+        self.gate = gate
+        self.opened = gate is None
+        self._closed_mask: torch.Tensor | None = None
 
     def fill(self, bitmask: torch.Tensor, pending: Sequence[int] = ()) -> bool:
         """`fill_next` of this grammar alone, into row 0 of `bitmask`."""
         return fill_next([self], [pending], bitmask, [0])[0]
 
     def accept(self, token: int) -> None:
-        if not self._matcher.accept_token(token):
-            raise ValueError(f"token {token} does not continue the structured output's grammar")
         self.num_accepted += 1
+        if not self.opened:
+            assert self.gate is not None
+            if token in self.gate.after:
+                self.opened = True
+                return
+            if token not in self.gate.at:
+                return
+            self.opened = True
+        if not self._matcher.accept_token(token):
+            self.num_accepted -= 1
+            raise ValueError(f"token {token} does not continue the structured output's grammar")
 
     @property
     def is_terminated(self) -> bool:
-        return bool(self._matcher.is_terminated())
+        return self.opened and bool(self._matcher.is_terminated())
+
+    def closed_mask(self) -> torch.Tensor:
+        """The mask while the gate is closed (int32 [words]): every token, but the `at` openers
+        the grammar refuses as its first token (asked of the matcher itself, which has seen
+        nothing yet, and rolled back: llguidance's mask may show an added token its matcher then
+        refuses). Built once."""
+        if self._closed_mask is None:
+            assert self.gate is not None
+            mask = torch.full((self.num_words,), -1, dtype=torch.int32)
+            bits = mask.numpy().view(np.uint32)
+            for t in self.gate.at:
+                if self._matcher.accept_token(t):
+                    self._matcher.rollback(1)
+                else:
+                    bits[t >> 5] &= ~(np.uint32(1) << np.uint32(t & 31))
+            self._closed_mask = mask
+        return self._closed_mask

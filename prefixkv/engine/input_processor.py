@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ..constraints.grammar import GrammarEngine, choose_backend
+from ..constraints.grammar import GrammarEngine, GrammarGate, choose_backend
 from ..constraints.validation import check_vocab
 from ..engine_args import EngineArgs
 from ..lora.request import LoRARequest
 from ..model import ModelConfig
 from ..model.tokenizer import Tokenizer
+from ..reasoning import REASONING_PARSERS, ReasoningParser
 from ..request import MultiModalItem
 from ..sampling_params import SamplingParams, truncate_prompt_tokens
 
@@ -40,6 +41,7 @@ class EngineRequest:
     hidden_states_from: int | None  # the prompt position whose final hidden states are returned on
     grammar: Any  # the compiled grammar of params.structured_outputs, or None
     cache_priority: int | None = None  # eviction order of its blocks, when not its priority's
+    grammar_gate: GrammarGate | None = None  # the grammar starts after the reasoning (reasoning_parser)
 
 
 class InputProcessor:
@@ -67,6 +69,13 @@ class InputProcessor:
         choose_backend(config.structured_outputs_backend)  # refused at start: unknown, or xgrammar missing
         self._grammar_engine: GrammarEngine | None = None  # built on the first structured request
         self._grammar_lock = threading.Lock()
+        self.reasoning: ReasoningParser | None = None
+        if config.reasoning_parser is not None:
+            if config.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(
+                    f"unknown reasoning_parser {config.reasoning_parser!r}; choose one of {sorted(REASONING_PARSERS)}"
+                )
+            self.reasoning = REASONING_PARSERS[config.reasoning_parser](tokenizer)
 
     def process(
         self,
@@ -105,9 +114,12 @@ class InputProcessor:
         mm_items: Sequence[MultiModalItem] = (),
         hidden_states_from: int | None = None,
         cache_priority: int | None = None,
+        thinks: bool | None = None,
     ) -> EngineRequest:
         """Token ids already truncated, their images already expanded (`process_multimodal`, so
-        the caller knows the prompt's length first), admitted. ValueError as `process`."""
+        the caller knows the prompt's length first), admitted. ValueError as `process`.
+        `thinks`: whether the output starts in reasoning, as the caller decided it with this
+        engine's reasoning parser (None: read from the prompt)."""
         self.validate_params(params)
         if mm_items and self.mm_processor is None:
             raise ValueError("multimodal items were given but this model is text-only: it takes no images")
@@ -116,7 +128,9 @@ class InputProcessor:
             ids = list(prompt_token_ids)
         else:  # no images: a prompt that names one is refused
             ids, items = self.process_multimodal(prompt_token_ids, None)
-        req = self._request(ids, params, prompt_text, lora_request, cache_salt, priority, items, hidden_states_from)
+        req = self._request(
+            ids, params, prompt_text, lora_request, cache_salt, priority, items, hidden_states_from, thinks
+        )
         if cache_priority is not None:
             self.check_cache_priority(cache_priority)
             req = replace(req, cache_priority=cache_priority)
@@ -132,6 +146,7 @@ class InputProcessor:
         priority: int,
         mm_items: tuple[MultiModalItem, ...],
         hidden_states_from: int | None,
+        thinks: bool | None = None,
     ) -> EngineRequest:
         self.check_priority(priority)
         grammar = self.compile_grammar(params)
@@ -146,8 +161,21 @@ class InputProcessor:
             if not isinstance(hidden_states_from, int) or not -len(ids) <= hidden_states_from < len(ids):
                 raise ValueError(f"hidden_states_from={hidden_states_from!r} is not a position of the prompt")
             hidden_states_from %= len(ids)
+        gate = None
+        if grammar is not None and self.reasoning is not None:
+            if self.reasoning.thinks(ids) if thinks is None else thinks:
+                gate = self.reasoning.grammar_gate()
         return EngineRequest(
-            text, tuple(ids), params, lora_request, cache_salt, priority, mm_items, hidden_states_from, grammar
+            text,
+            tuple(ids),
+            params,
+            lora_request,
+            cache_salt,
+            priority,
+            mm_items,
+            hidden_states_from,
+            grammar,
+            grammar_gate=gate,
         )
 
     def check_cache_priority(self, cache_priority: int) -> None:

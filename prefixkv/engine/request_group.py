@@ -180,7 +180,7 @@ def make_group(
         child.lora_id = lora_id
         if req.grammar is not None:  # each sequence walks its own grammar
             assert grammar_engine is not None
-            grammar = grammar_engine.matcher(req.grammar)
+            grammar = grammar_engine.matcher(req.grammar, req.grammar_gate)
             child.constraints = (
                 constraints.shares_with(grammar)
                 if constraints is not None

@@ -250,6 +250,7 @@ class AsyncEngine:
         priority: int = 0,
         mm_items: tuple[MultiModalItem, ...] = (),
         cache_priority: int | None = None,
+        thinks: bool | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -269,6 +270,7 @@ class AsyncEngine:
             mm_items=mm_items,
             hidden_states_from=hidden_states_from,
             cache_priority=cache_priority,
+            thinks=thinks,
         )
 
         def add() -> None:

@@ -9,6 +9,8 @@ from typing import Any, cast
 from fastapi import Request
 
 from ..multimodal.chat import chat_prompt_with_images, has_image_parts
+from ..outputs import RequestOutput
+from ..reasoning import ReasoningSplit
 from ..sampling_params import SamplingParams
 from .beam_search import beam_search_params, beam_usage, check_beam_fields, run_beam_search
 from .errors import APIError
@@ -20,8 +22,10 @@ from .protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    CompletionTokensDetails,
     DeltaMessage,
     PromptLogprobs,
+    UsageInfo,
     random_id,
 )
 from .serving import OpenAIServing
@@ -74,6 +78,36 @@ class OpenAIServingChat(OpenAIServing):
             parts.append(text)
         return "\n".join(parts)
 
+    def template_options(self, req: Any) -> dict[str, Any]:
+        """The keyword arguments the chat template gets besides the messages (its tools aside):
+        `chat_template_kwargs` and the request fields templates read, checked."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message", "tokenize"):
+            if reserved in kwargs:
+                raise APIError(
+                    f"chat_template_kwargs must not set {reserved!r}: it is a request field of its own",
+                    400,
+                    param="chat_template_kwargs",
+                )
+        for field in ("reasoning_effort", "documents"):  # request fields the template reads, as vLLM hands them
+            value = getattr(req, field, None)
+            if value is None:
+                continue
+            if field in kwargs and kwargs[field] != value:
+                raise APIError(f"{field} and chat_template_kwargs[{field!r}] disagree", 400, param=field)
+            kwargs[field] = value
+        if getattr(req, "reasoning_effort", None) is not None:
+            # vLLM's opt-in for templates that think only when asked (Qwen 3, Gemma 4): unless given
+            kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+        return kwargs
+
+    def thinks(self, req: Any, prompt_ids: list[int]) -> bool | None:
+        """With --reasoning-parser: whether the reply starts in reasoning (its template options and
+        prompt say); None without a parser. The engine's grammar and the reply's split read this one
+        answer."""
+        parser = self.inputs.reasoning
+        return None if parser is None else parser.thinks(prompt_ids, self.template_options(req))
+
     def renderer(self, req: Any, plan: ToolPlan | None = None):
         """The request's messages -> prompt text: its template (the request's `chat_template`,
         else the model's) with its options, as vLLM renders them. Options are checked here."""
@@ -85,26 +119,9 @@ class OpenAIServingChat(OpenAIServing):
             )
         if req.chat_template is not None:
             self.check_text(req.chat_template, "chat_template")
-        kwargs = dict(req.chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message", "tokenize"):
-            if reserved in kwargs:
-                raise APIError(
-                    f"chat_template_kwargs must not set {reserved!r}: it is a request field of its own",
-                    400,
-                    param="chat_template_kwargs",
-                )
+        kwargs = self.template_options(req)
         if plan is not None:
             kwargs["tools"] = plan.tools
-        for field in ("reasoning_effort", "documents"):  # request fields the template reads, as vLLM hands them
-            value = getattr(req, field, None)
-            if value is None:
-                continue
-            if field in kwargs and kwargs[field] != value:
-                raise APIError(f"{field} and chat_template_kwargs[{field!r}] disagree", 400, param=field)
-            kwargs[field] = value
-        if getattr(req, "reasoning_effort", None) is not None:
-            # vLLM's opt-in for templates that think only when asked (Qwen 3, Gemma 4): unless given
-            kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
 
         def render(messages: list[dict]) -> str:
             return self.tokenizer.apply_chat_template(  # type: ignore[return-value]
@@ -179,6 +196,8 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = plan.structured_outputs
         if plan is not None and plan.parser is not None and plan.parser.keeps_special_tokens:
             params.skip_special_tokens = False  # the parser reads a special token (mistral's [TOOL_CALLS])
+        if self.inputs.reasoning is not None and self.inputs.reasoning.special:
+            params.skip_special_tokens = False  # the reasoning's markers are special tokens of this tokenizer
         await self.compile_grammar(params)
         return ids, mm_items, params, plan
 
@@ -219,6 +238,7 @@ class OpenAIServingChat(OpenAIServing):
         k = req.top_logprobs or 0
         await self.check_pin(req, [ids])
         lora = self.lora_for(req.model)
+        thinks = self.thinks(req, ids)
         gens = self.start(
             [ids],
             [None],
@@ -230,28 +250,33 @@ class OpenAIServingChat(OpenAIServing):
             mm_items=[mm_items],
             priority=req.priority,
             cache_priority=req.cache_priority,
+            thinks=thinks,
         )
         if req.stream:
-            return self.stream(req, gens, [ids], rid, created, model, params.n, k, plan)
+            return self.stream(req, gens, [ids], rid, created, model, params.n, k, plan, thinks)
         finals = await self.collect(raw, gens)
         pinned = await self.pin_prompts([ids], req.cache_salt, lora) if req.pin else None
         out = finals[0]
         choices = []
         echo = self.echoed(req)
+        shown = self.shows_tokens(req)  # hidden reasoning hides the tokens that spell it too
         for o in out.outputs:
-            content, calls = plan.parse(o.text) if plan is not None else (o.text, [])
+            reasoning, text = self.split(req, thinks, o.text, o.token_ids)
+            content, calls = plan.parse(text or "") if plan is not None else (text, [])
             if echo:
                 content = echo + (content or "")
             choices.append(
                 ChatCompletionResponseChoice(
                     index=o.index,
-                    message=ChatResponseMessage(role=self.role_for(req), content=content, tool_calls=calls or None),
+                    message=ChatResponseMessage(
+                        role=self.role_for(req), content=content, tool_calls=calls or None, reasoning=reasoning
+                    ),
                     logprobs=chat_logprobs(o.logprobs, o.token_ids, k, self.tokens_as_ids(req))
-                    if req.logprobs and o.logprobs is not None
+                    if req.logprobs and o.logprobs is not None and shown
                     else None,
                     finish_reason=finish_for(plan, o.finish_reason, bool(calls)) if plan else o.finish_reason,
                     stop_reason=o.stop_reason,
-                    token_ids=list(o.token_ids) if req.return_token_ids else None,
+                    token_ids=list(o.token_ids) if req.return_token_ids and shown else None,
                 )
             )
         return ChatCompletionResponse(
@@ -259,10 +284,33 @@ class OpenAIServingChat(OpenAIServing):
             created=created,
             model=model,
             choices=choices,
-            usage=self.usage([ids], finals, pinned),
+            usage=self.with_reasoning_tokens(self.usage([ids], finals, pinned), finals, thinks),
             prompt_logprobs=cast("PromptLogprobs", out.prompt_logprobs),
             prompt_token_ids=ids if req.return_token_ids else None,
         )
+
+    def split(self, req: Any, thinks: bool | None, text: str, token_ids: list[int]) -> tuple[str | None, str | None]:
+        """A finished reply's (reasoning, content): all content without --reasoning-parser;
+        reasoning None when empty or not asked for (`include_reasoning: false`)."""
+        parser = self.inputs.reasoning
+        if parser is None or thinks is None:
+            return None, text
+        reasoning, content = parser.split(thinks).update(text, token_ids)
+        return (reasoning or None) if req.include_reasoning else None, content or None
+
+    def shows_tokens(self, req: Any) -> bool:
+        """Whether logprobs and token ids may be returned: not where they would show a reasoning
+        the request asked to leave out (as vLLM)."""
+        return req.include_reasoning or self.inputs.reasoning is None
+
+    def with_reasoning_tokens(self, usage: UsageInfo, outs: dict[int, RequestOutput], thinks: bool | None) -> UsageInfo:
+        """vLLM's `completion_tokens_details.reasoning_tokens`, with --reasoning-parser."""
+        parser = self.inputs.reasoning
+        if parser is None or thinks is None:
+            return usage
+        count = sum(parser.reasoning_tokens(o.token_ids, thinks) for out in outs.values() for o in out.outputs)
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=count)
+        return usage
 
     async def beam_search(
         self, req: ChatCompletionRequest, raw: Request, ids: list[int], max_tokens: int, model: str
@@ -274,25 +322,28 @@ class OpenAIServingChat(OpenAIServing):
         beams, cached = await run_beam_search(
             self, raw, [ids], params, rid, req.cache_salt, lora, req.priority, req.skip_special_tokens
         )
-        choices = [
-            ChatCompletionResponseChoice(
-                index=j,
-                message=ChatResponseMessage(content=b.text),
-                logprobs=chat_logprobs(b.logprobs, b.token_ids, req.top_logprobs or 0, self.tokens_as_ids(req))
-                if req.logprobs
-                else None,
-                finish_reason=b.finish_reason,
-                stop_reason=b.stop_reason,
-                token_ids=b.token_ids if req.return_token_ids else None,
+        thinks, shown = self.thinks(req, ids), self.shows_tokens(req)
+        choices = []
+        for j, b in enumerate(beams[0]):
+            reasoning, content = self.split(req, thinks, b.text, b.token_ids)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=j,
+                    message=ChatResponseMessage(content=content, reasoning=reasoning),
+                    logprobs=chat_logprobs(b.logprobs, b.token_ids, req.top_logprobs or 0, self.tokens_as_ids(req))
+                    if req.logprobs and shown
+                    else None,
+                    finish_reason=b.finish_reason,
+                    stop_reason=b.stop_reason,
+                    token_ids=b.token_ids if req.return_token_ids and shown else None,
+                )
             )
-            for j, b in enumerate(beams[0])
-        ]
         usage = beam_usage([ids], beams, cached)
         return ChatCompletionResponse(
             id=rid, model=model, choices=choices, usage=usage, prompt_token_ids=ids if req.return_token_ids else None
         )
 
-    def stream(self, req, gens, prompts, rid, created, model, n, k, plan=None):
+    def stream(self, req, gens, prompts, rid, created, model, n, k, plan=None, thinks=None):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
@@ -303,24 +354,37 @@ class OpenAIServingChat(OpenAIServing):
 
         tools = ToolStream(plan) if plan is not None else None
         as_ids = self.tokens_as_ids(req)
+        parser, shown = self.inputs.reasoning, self.shows_tokens(req)
+        splits: dict[int, ReasoningSplit] = {}  # by choice: its reasoning and content so far
+        sent: dict[int, tuple[int, int]] = {}  # by choice: characters of each sent
 
         def make_chunk(d: ChoiceDelta, state: StreamState) -> dict:
             lp = None
-            if req.logprobs and d.logprobs is not None:
+            if req.logprobs and d.logprobs is not None and shown:
                 lp = chat_logprobs(d.logprobs, d.token_ids, k, as_ids)
-            delta, finish = DeltaMessage(content=d.text), d.choice.finish_reason
+            text, reasoning = d.choice.text, None
+            new: str | None = d.text
+            if parser is not None and thinks is not None:  # the same split as a whole reply's, as it grows
+                split = splits.get(d.index) or splits.setdefault(d.index, parser.split(thinks))
+                thought, text = split.update(d.choice.text, d.choice.token_ids)
+                sent_thought, sent_text = sent.get(d.index, (0, 0))
+                sent[d.index] = (len(thought), len(text))
+                reasoning = (thought[sent_thought:] or None) if req.include_reasoning else None
+                new = text[sent_text:] or None
+            delta, finish = DeltaMessage(content=new, reasoning=reasoning), d.choice.finish_reason
             if tools is not None:  # content up to where a call may begin; the calls when the choice ends
-                content, calls, finish = tools.delta(d.index, d.choice.text, finish)
-                delta = DeltaMessage(content=content, tool_calls=calls)
+                content, calls, finish = tools.delta(d.index, text, finish)
+                delta = DeltaMessage(content=content, tool_calls=calls, reasoning=reasoning)
             choice = ChatCompletionStreamChoice(
                 index=d.index,
                 delta=delta,
                 logprobs=lp,
                 finish_reason=finish,
                 stop_reason=d.choice.stop_reason,
-                token_ids=d.new_token_ids if req.return_token_ids else None,
+                token_ids=d.new_token_ids if req.return_token_ids and shown else None,
             )
-            return chunk_dict(response([choice], self.usage(prompts, state.latest) if continuous else None))
+            usage = self.with_reasoning_tokens(self.usage(prompts, state.latest), state.latest, thinks)
+            return chunk_dict(response([choice], usage if continuous else None))
 
         # the role comes first, one chunk per choice, as OpenAI streams it
         prelude = [
@@ -341,7 +405,9 @@ class OpenAIServingChat(OpenAIServing):
             ]
 
         def usage_chunk(state: StreamState) -> dict:
-            return response([], self.usage(prompts, state.finals)).model_dump()
+            return response(
+                [], self.with_reasoning_tokens(self.usage(prompts, state.finals), state.finals, thinks)
+            ).model_dump()
 
         return sse_stream(
             gens,

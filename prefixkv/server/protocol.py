@@ -228,6 +228,9 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's, for retrieval-augmented templates (Command R, Granite): handed to the chat template as
     # `documents`; a template that does not read them renders as without them
     documents: list[dict[str, str]] | None = None
+    # vLLM's: with --reasoning-parser, false leaves the reasoning out of the reply (and with it the
+    # logprobs and token ids, which would show it); without a parser there is none to leave out
+    include_reasoning: bool = True
 
     def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
@@ -283,11 +286,16 @@ class PromptTokensDetails(BaseModel):
     pinned_tokens: int | None = None  # prefixkv's `pin`: the prompt tokens now pinned (None: not asked)
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # with --reasoning-parser: the output tokens before the reasoning's end
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogProbs(BaseModel):
@@ -355,6 +363,7 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # vLLM's, with --reasoning-parser
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -381,6 +390,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None  # vLLM's, with --reasoning-parser
 
 
 class ChatCompletionStreamChoice(BaseModel):

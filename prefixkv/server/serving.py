@@ -263,6 +263,7 @@ class OpenAIServing:
         priority: int = 0,
         mm_items: list[tuple[MultiModalItem, ...]] | None = None,
         cache_priority: int | None = None,
+        thinks: bool | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per prompt. The engine's ids are the response id (the client's
         `request_id`, if it sent one, is only displayed) plus a random suffix, so no client can
@@ -291,6 +292,7 @@ class OpenAIServing:
                 priority=priority,
                 mm_items=mm_items[i] if mm_items else (),
                 cache_priority=cache_priority,
+                thinks=thinks,
             )
             for i, (p, t, rid) in enumerate(zip(prompts, texts, ids))
         ]

@@ -1,0 +1,155 @@
+"""Reasoning parsers (vLLM's `--reasoning-parser`): where a thinking model's reasoning ends and
+its answer begins.
+
+A parser names the tokens around the reasoning (`<think>` ... `</think>`). One object decides for
+both sides, so they agree by construction on where the reasoning ends:
+
+- the engine starts a request's grammar (structured outputs, a tool call's arguments) after the
+  end-of-reasoning token (`grammar_gate`): the reasoning runs free, the answer is constrained;
+- the server splits the output into `reasoning` and `content` (`ReasoningSplit`, fed the same
+  way streamed or not) and counts the reasoning tokens in the usage.
+
+Whether an output starts in reasoning is read from its prompt (`thinks`), as vLLM's
+`is_reasoning_end`: the last marker of the prompt's final turn (a template that turns thinking off
+ends the prompt with an empty `<think>\\n\\n</think>`), and for Qwen 3 also `enable_thinking=False`.
+An end counts only where its token was generated (text that spells "</think>" in pieces does not
+end anything), the same rule as the engine's.
+
+A new parser is one subclass (its markers) and one entry in `REASONING_PARSERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from .constraints.grammar import GrammarGate
+    from .model.tokenizer import Tokenizer
+
+
+class ReasoningParser:
+    name: ClassVar[str]
+    start: ClassVar[str] = "<think>"
+    end: ClassVar[str] = "</think>"
+    # tokens that end the reasoning without `end` and begin the answer (kept in the content)
+    implicit_ends: ClassVar[tuple[str, ...]] = ()
+    # tokens that begin or end a turn: the prompt's scan for a marker stops at them
+    turn_boundaries: ClassVar[tuple[str, ...]] = ()
+    # a chat-template option that, set to false, means the model answers without reasoning
+    thinking_option: ClassVar[str | None] = None
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        def token_id(text: str) -> int:
+            i = tokenizer.token_to_id(text)
+            if i is None:
+                raise ValueError(
+                    f"--reasoning-parser {self.name}: the tokenizer has no {text!r} token (this parser is for "
+                    f"models whose reasoning is delimited by {self.start!r} and {self.end!r})"
+                )
+            return i
+
+        self.start_id = token_id(self.start)
+        self.end_id = token_id(self.end)
+        found = [(t, tokenizer.token_to_id(t)) for t in self.implicit_ends]
+        self._implicit = [(t, i) for t, i in found if i is not None]  # those this tokenizer has
+        self._boundary_ids = frozenset(i for t in self.turn_boundaries if (i := tokenizer.token_to_id(t)) is not None)
+        self.special = any(
+            added.special and added.content in (self.start, self.end, *self.implicit_ends)
+            for added in tokenizer.backend.get_added_tokens_decoder().values()
+        )
+
+    def thinks(self, prompt_token_ids: Sequence[int], template_options: Mapping[str, Any] | None = None) -> bool:
+        """Whether the output starts in reasoning: not when the template was told not to think,
+        nor when the prompt's final turn already ended its reasoning."""
+        if (
+            self.thinking_option is not None
+            and template_options
+            and template_options.get(self.thinking_option) is False
+        ):
+            return False
+        for token in reversed(prompt_token_ids):
+            if token == self.end_id:
+                return False
+            if token == self.start_id or token in self._boundary_ids:
+                return True
+        return True
+
+    def grammar_gate(self) -> GrammarGate:
+        from .constraints.grammar import GrammarGate  # torch: imported when a grammar needs it
+
+        return GrammarGate(after=frozenset({self.end_id}), at=frozenset(i for _, i in self._implicit))
+
+    def split(self, thinking: bool) -> ReasoningSplit:
+        return ReasoningSplit(self, thinking)
+
+    def reasoning_tokens(self, token_ids: Sequence[int], thinking: bool) -> int:
+        """How many of the output's tokens are reasoning: those before its end, the markers not
+        counted."""
+        if not thinking:
+            return 0
+        implicit = {i for _, i in self._implicit}
+        count = 0
+        for token in token_ids:
+            if token == self.end_id or token in implicit:
+                break
+            count += token != self.start_id
+        return count
+
+
+class ReasoningSplit:
+    """One output's reasoning and content as it grows: `update(text, token_ids)` with the whole
+    text and tokens so far returns the whole reasoning and content so far. Each only grows, so a
+    stream sends what is new of each; a finished output is one call."""
+
+    def __init__(self, parser: ReasoningParser, thinking: bool) -> None:
+        self.parser = parser
+        self.thinking = thinking
+        self._seen = 0  # tokens looked at for an end
+        self._ends: list[tuple[str, bool]] = []  # ends generated: (text, explicit), looked for in the text
+        self._end: tuple[int, int] | None = None  # (where the reasoning ends, where the content begins) in the text
+
+    def update(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
+        if not self.thinking:
+            return "", text
+        p = self.parser
+        if self._end is None:
+            new = token_ids[self._seen :]
+            self._seen = len(token_ids)
+            if p.end_id in new:
+                self._ends.append((p.end, True))
+            self._ends += [(t, False) for t, i in p._implicit if i in new]
+            # an end's text may come a step after its token (characters held back until complete)
+            found = [(at, t, explicit) for t, explicit in self._ends if (at := text.find(t)) >= 0]
+            if found:
+                at, t, explicit = min(found)
+                self._end = (at, at + len(t) if explicit else at)
+        if self._end is None:
+            return self._without_start(text), ""
+        cut, content_at = self._end
+        return self._without_start(text[:cut]), text[content_at:]
+
+    def _without_start(self, reasoning: str) -> str:
+        at = reasoning.find(self.parser.start)
+        return reasoning if at < 0 else reasoning[:at] + reasoning[at + len(self.parser.start) :]
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """DeepSeek-R1 and its distills: `<think>` (often in the prompt already) ... `</think>`."""
+
+    name = "deepseek_r1"
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """Qwen 3: `<think>` ... `</think>`, `enable_thinking=False` answers at once, and a tool call
+    (`<tool_call>`) ends the reasoning where `</think>` was left out."""
+
+    name = "qwen3"
+    implicit_ends = ("<tool_call>",)
+    turn_boundaries = ("<|im_start|>", "<|im_end|>")
+    thinking_option = "enable_thinking"
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+}

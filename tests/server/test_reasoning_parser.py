@@ -1,0 +1,147 @@
+"""--reasoning-parser on a real server, driven by the openai SDK, over a tiny Qwen 3 checkpoint that
+thinks on cue (tests/scripted_thinker.py: greedy, it answers "<think>hm</think>OK"):
+
+- the reply carries `reasoning` apart from `content`, streamed or not, the same either way, and the
+  usage counts the reasoning tokens (vLLM's fields);
+- `include_reasoning: false` leaves the reasoning out, with the logprobs and token ids that spell it;
+- `enable_thinking: false` (and a prompt whose template closed the reasoning): all content;
+- a grammar (structured outputs, a required tool call) constrains the answer, not the reasoning;
+- auto tool calls are parsed from the answer, and a Qwen 3 call that skips "</think>" ends the
+  reasoning;
+- after it all, every KV block is free."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from ..scripted_thinker import write_scripted_thinker
+
+pytestmark = pytest.mark.slow(seconds=20)
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(make_server, tmp_path_factory):
+    folder = write_scripted_thinker(tmp_path_factory.mktemp("thinker") / "model")
+    return make_server(
+        "--model",
+        str(folder),
+        "--served-model-name",
+        "thinker",
+        "--reasoning-parser",
+        "qwen3",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+def chat(client, **fields):
+    return client.chat.completions.create(model="thinker", messages=fields.pop("messages", HI), temperature=0, **fields)
+
+
+def streamed(client, **fields) -> tuple[str, str, str | None, list]:
+    """(reasoning, content, finish_reason, tool call deltas) accumulated from a stream, and the
+    usage of its last chunk checked against the reasoning tokens."""
+    reasoning = content = ""
+    finish, calls, usage = None, [], None
+    for chunk in chat(client, stream=True, stream_options={"include_usage": True}, **fields):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning", None) or ""
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    return reasoning, content, finish, calls, usage
+
+
+def test_reasoning_comes_apart_from_the_answer_streamed_or_not(server, client):
+    res = chat(client, logprobs=True, extra_body={"return_token_ids": True})
+    msg, choice = res.choices[0].message, res.choices[0]
+    assert (msg.reasoning, msg.content, choice.finish_reason) == ("hm", "OK", "stop")
+    # <think> h m </think> O K and EOS: two of reasoning
+    assert res.usage.completion_tokens == 7 and res.usage.completion_tokens_details.reasoning_tokens == 2
+    assert len(choice.logprobs.content) == 7 and len(choice.model_extra["token_ids"]) == 7
+    reasoning, content, finish, _, usage = streamed(client)
+    assert (reasoning, content, finish) == ("hm", "OK", "stop")
+    assert usage.completion_tokens_details.reasoning_tokens == 2
+    server.wait_idle()
+
+
+def test_include_reasoning_false_leaves_it_out_with_what_would_spell_it(server, client):
+    res = chat(client, logprobs=True, extra_body={"include_reasoning": False, "return_token_ids": True})
+    choice = res.choices[0]
+    assert (choice.message.reasoning, choice.message.content) == (None, "OK")
+    assert choice.logprobs is None and choice.model_extra.get("token_ids") is None
+    reasoning, content, _, _, _ = streamed(client, logprobs=True, extra_body={"include_reasoning": False})
+    assert (reasoning, content) == ("", "OK")
+    server.wait_idle()
+
+
+def test_no_thinking_asked_is_all_answer(server, client):
+    """The template closes the reasoning in the prompt; this model writes its markers anyway,
+    and they are content."""
+    res = chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert (res.choices[0].message.reasoning, res.choices[0].message.content) == (None, "<think>hm</think>OK")
+    assert res.usage.completion_tokens_details.reasoning_tokens == 0
+    reasoning, content, _, _, _ = streamed(client, reasoning_effort="none")  # sets enable_thinking=False
+    assert (reasoning, content) == ("", "<think>hm</think>OK")
+
+
+def test_a_grammar_constrains_the_answer_not_the_reasoning(server, client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    res = chat(client, response_format=fmt, max_tokens=40)
+    assert res.choices[0].message.reasoning == "hm"  # free: the grammar would not allow "hm"
+    assert json.loads(res.choices[0].message.content).keys() == {"ok"}
+    reasoning, content, _, _, _ = streamed(client, response_format=fmt, max_tokens=40)
+    assert (reasoning, content) == ("hm", res.choices[0].message.content)
+    # not thinking: constrained from the first token
+    res = chat(client, response_format=fmt, max_tokens=40, reasoning_effort="none")
+    assert res.choices[0].message.reasoning is None and json.loads(res.choices[0].message.content).keys() == {"ok"}
+    server.wait_idle()
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tool_calls_come_from_the_answer(server, client):
+    required = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60)
+    (call,) = required.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and required.choices[0].message.reasoning == "hm"
+    assert required.choices[0].finish_reason == "tool_calls"
+    # auto: the answer forced into a hermes call; the reasoning stays reasoning
+    forced = {"structured_outputs": {"regex": r'<tool_call>\{"name": "get_time"\}</tool_call>'}}
+    auto = chat(client, tools=TOOLS, max_tokens=64, extra_body=forced)
+    msg = auto.choices[0].message
+    assert msg.reasoning == "hm" and [c.function.name for c in msg.tool_calls] == ["get_time"]
+    reasoning, content, finish, calls, _ = streamed(client, tools=TOOLS, max_tokens=64, extra_body=forced)
+    assert reasoning == "hm" and finish == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
+    server.wait_idle()
+
+
+def test_a_qwen3_call_without_the_end_ends_the_reasoning(server, client):
+    """Continuing a reply that ends in "?", this model writes "<tool_call>" at once: the call is
+    the answer's, not reasoning (Qwen 3's rule), and the grammar of a named call begins there."""
+    msgs = [*HI, {"role": "assistant", "content": "Hmm?"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    res = chat(client, messages=msgs, extra_body=extra, max_tokens=8)
+    assert (res.choices[0].message.reasoning, res.choices[0].message.content) == (None, "<tool_call>")
+    assert res.usage.completion_tokens_details.reasoning_tokens == 0
+    forced = {**extra, "structured_outputs": {"regex": "<tool_call>x"}}
+    res = chat(client, messages=msgs, extra_body=forced, max_tokens=8)
+    assert (res.choices[0].message.reasoning, res.choices[0].message.content) == (None, "<tool_call>x")
+    server.wait_idle()
+
+
+def test_a_model_without_the_markers_is_refused_at_start(make_server):
+    with pytest.raises(RuntimeError, match="the tokenizer has no '<think>' token"):
+        make_server("--reasoning-parser", "deepseek_r1")

@@ -1,0 +1,114 @@
+"""Reasoning parsers (prefixkv/reasoning.py) on a tokenizer with Qwen 3's markers: where an output
+starts in reasoning (its prompt, its template options), where the reasoning ends (a generated end
+token, or a Qwen 3 tool call), the split fed as a stream equal to the split of the whole, the
+reasoning tokens counted, and the grammar gate they hand the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixkv.model.tokenizer import Tokenizer
+from prefixkv.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+
+from .scripted_thinker import write_scripted_thinker
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_hf_folder(str(write_scripted_thinker(tmp_path_factory.mktemp("thinker"))))
+
+
+def ids(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text)
+
+
+def split_whole(parser, thinks: bool, text: str, token_ids: list[int]) -> tuple[str, str]:
+    return parser.split(thinks).update(text, token_ids)
+
+
+def split_streamed(tok, parser, thinks: bool, token_ids: list[int]) -> tuple[str, str]:
+    """Fed a token at a time, as a stream grows: what is sent of each is what it grew by, and
+    neither ever shrinks."""
+    s = parser.split(thinks)
+    reasoning = content = ""
+    for n in range(1, len(token_ids) + 1):
+        r, c = s.update(tok.decode(token_ids[:n]), token_ids[:n])
+        assert r.startswith(reasoning) and c.startswith(content), (r, c)
+        reasoning, content = r, c
+    return reasoning, content
+
+
+CASES = [
+    # (text, thinks, reasoning, content) for Qwen 3
+    ("<think>\nhm, Paris.\n</think>\n\nParis!", True, "\nhm, Paris.\n", "\n\nParis!"),
+    ("hm, Paris.</think>Paris!", True, "hm, Paris.", "Paris!"),  # <think> was in the prompt
+    ("<think>still thinking", True, "still thinking", ""),  # cut short: all reasoning
+    ("<think>hm</think>", True, "hm", ""),
+    ("Paris!", False, "", "Paris!"),  # enable_thinking=False: all content
+    ("<think>hm <tool_call>{}</tool_call>", True, "hm ", "<tool_call>{}</tool_call>"),  # a call ends it
+    ("<think>hm</think>a</think>b", True, "hm", "a</think>b"),  # only the first end counts
+]
+
+
+@pytest.mark.parametrize("text,thinks,reasoning,content", CASES)
+def test_qwen3_splits_whole_and_streamed_alike(tok, text, thinks, reasoning, content):
+    parser = Qwen3ReasoningParser(tok)
+    token_ids = ids(tok, text)
+    assert split_whole(parser, thinks, text, token_ids) == (reasoning, content)
+    assert split_streamed(tok, parser, thinks, token_ids) == (reasoning, content)
+
+
+def test_an_end_counts_only_where_its_token_was_generated(tok):
+    """Text that spells "</think>" in byte tokens ends nothing: the engine's gate, which reads
+    tokens, would not open there either."""
+    parser = DeepSeekR1ReasoningParser(tok)
+    spelled = [t for ch in "</think>" for t in ids(tok, ch)]
+    token_ids = ids(tok, "hm") + spelled + ids(tok, "ok")
+    text = tok.decode(token_ids)
+    assert text == "hm</think>ok" and parser.end_id not in token_ids
+    assert split_whole(parser, True, text, token_ids) == ("hm</think>ok", "")
+    # and a Qwen 3 tool call is no end for DeepSeek-R1
+    token_ids = ids(tok, "<think>hm <tool_call>x")
+    assert split_whole(parser, True, tok.decode(token_ids), token_ids) == ("hm <tool_call>x", "")
+
+
+def test_an_end_whose_text_comes_later_is_found_then(tok):
+    """The end token seen before its text (characters held back until complete): found at the
+    next update."""
+    parser = Qwen3ReasoningParser(tok)
+    s = parser.split(True)
+    token_ids = ids(tok, "<think>hm</think>OK")
+    assert s.update("<think>hm", token_ids) == ("hm", "")
+    assert s.update("<think>hm</think>OK", token_ids) == ("hm", "OK")
+
+
+def test_where_an_output_starts_in_reasoning(tok):
+    qwen3, r1 = Qwen3ReasoningParser(tok), DeepSeekR1ReasoningParser(tok)
+    turn = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    for parser in (qwen3, r1):
+        assert parser.thinks(ids(tok, turn))  # thinking models think unless told otherwise
+        assert parser.thinks(ids(tok, turn + "<think>\n"))
+        assert not parser.thinks(ids(tok, turn + "<think>\n\n</think>\n\n"))  # a template that turns it off
+    # an earlier turn's reasoning ended: Qwen 3 stops at the turn's start, DeepSeek-R1 reads on
+    earlier = "<|im_start|>assistant\n<think>a</think>b<|im_end|>\n" + turn
+    assert qwen3.thinks(ids(tok, earlier)) and not r1.thinks(ids(tok, earlier))
+    assert not qwen3.thinks(ids(tok, turn), {"enable_thinking": False})
+    assert qwen3.thinks(ids(tok, turn), {"enable_thinking": True}) and r1.thinks(ids(tok, turn), {"enable_thinking": False})
+
+
+def test_reasoning_tokens_and_the_grammar_gate(tok):
+    qwen3, r1 = Qwen3ReasoningParser(tok), DeepSeekR1ReasoningParser(tok)
+    token_ids = ids(tok, "<think>hm</think>OK")
+    assert qwen3.reasoning_tokens(token_ids, True) == 2 and qwen3.reasoning_tokens(token_ids, False) == 0
+    assert qwen3.reasoning_tokens(ids(tok, "hm<tool_call>OK"), True) == 2
+    assert r1.reasoning_tokens(ids(tok, "hm<tool_call>OK"), True) == 5  # no end: all of it
+    call = tok.token_to_id("<tool_call>")
+    assert qwen3.grammar_gate().after == {qwen3.end_id} and qwen3.grammar_gate().at == {call}
+    assert r1.grammar_gate().at == frozenset()
+    assert not qwen3.special  # Qwen 3's markers are ordinary added tokens: in the text
+
+
+def test_a_tokenizer_without_the_markers_is_refused_naming_them(default_lm):
+    for name, cls in REASONING_PARSERS.items():
+        with pytest.raises(ValueError, match=f"--reasoning-parser {name}: the tokenizer has no '<think>' token"):
+            cls(default_lm.tokenizer)
