@@ -31,9 +31,10 @@ TEMPLATE = (
 )
 
 
-def write_scripted_thinker(folder: Path) -> Path:
+def write_scripted_thinker(folder: Path, special_markers: bool = False) -> Path:
     """The checkpoint (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) in
-    `folder`; returns it."""
+    `folder`; returns it. `special_markers`: the markers are special tokens (as some thinking
+    models' are), which decoding skips by default."""
     import torch
     import transformers as tf
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -45,7 +46,7 @@ def write_scripted_thinker(folder: Path) -> Path:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])
+    tok.add_tokens([AddedToken(m, special=special_markers, normalized=False) for m in MARKERS])
     tok.add_special_tokens(SPECIALS)
     tok.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "chat_template": TEMPLATE}

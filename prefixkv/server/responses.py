@@ -135,6 +135,13 @@ class OpenAIServingResponses:
             others = f" (also: {', '.join(n for n, _ in refused[1:])})" if len(refused) > 1 else ""
             raise APIError(f"unsupported field {name!r}: {why}{others}", 400, param=name)
         model = self.chat.check_model(req.model)
+        if self.chat.inputs.reasoning is not None:
+            raise APIError(
+                f"/v1/responses does not make reasoning items: with --reasoning-parser "
+                f"{self.chat.inputs.reasoning.name} its reasoning would come as output text. "
+                "/v1/chat/completions returns it apart (`reasoning`)",
+                400,
+            )
         if req.max_output_tokens is not None and req.max_output_tokens < 1:
             raise APIError(
                 f"max_output_tokens must be an integer >= 1, got {req.max_output_tokens}",

@@ -8,6 +8,7 @@ thinks on cue (tests/scripted_thinker.py: greedy, it answers "<think>hm</think>O
 - a grammar (structured outputs, a required tool call) constrains the answer, not the reasoning;
 - auto tool calls are parsed from the answer, and a Qwen 3 call that skips "</think>" ends the
   reasoning;
+- /v1/responses is refused (it makes no reasoning items yet) rather than give reasoning as text;
 - after it all, every KV block is free."""
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def test_no_thinking_asked_is_all_answer(server, client):
     assert res.usage.completion_tokens_details.reasoning_tokens == 0
     reasoning, content, _, _, _ = streamed(client, reasoning_effort="none")  # sets enable_thinking=False
     assert (reasoning, content) == ("", "<think>hm</think>OK")
+    server.wait_idle()
 
 
 def test_a_grammar_constrains_the_answer_not_the_reasoning(server, client):
@@ -139,6 +141,24 @@ def test_a_qwen3_call_without_the_end_ends_the_reasoning(server, client):
     forced = {**extra, "structured_outputs": {"regex": "<tool_call>x"}}
     res = chat(client, messages=msgs, extra_body=forced, max_tokens=8)
     assert (res.choices[0].message.reasoning, res.choices[0].message.content) == (None, "<tool_call>x")
+    server.wait_idle()
+
+
+def test_responses_are_refused_rather_than_reasoning_given_as_text(server, client):
+    with pytest.raises(openai.BadRequestError, match="does not make reasoning items"):
+        client.responses.create(model="thinker", input="Hi", max_output_tokens=8)
+
+
+def test_markers_that_are_special_tokens_are_read_too(make_server, tmp_path):
+    """Decoding skips special tokens unless asked; with the parser on, the markers stay in the
+    text it splits (as a reply's content shows)."""
+    folder = write_scripted_thinker(tmp_path / "model", special_markers=True)
+    server = make_server("--model", str(folder), "--served-model-name", "thinker", "--reasoning-parser", "deepseek_r1")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
+    msg = chat(client).choices[0].message
+    assert (msg.reasoning, msg.content) == ("hm", "OK")
+    reasoning, content, _, _, usage = streamed(client)
+    assert (reasoning, content, usage.completion_tokens_details.reasoning_tokens) == ("hm", "OK", 2)
     server.wait_idle()
 
 
