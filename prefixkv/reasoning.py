@@ -38,6 +38,8 @@ class ReasoningParser:
     turn_boundaries: ClassVar[tuple[str, ...]] = ()
     # a chat-template option that, set to false, means the model answers without reasoning
     thinking_option: ClassVar[str | None] = None
+    # a further `end` in the answer is dropped (a model that closes its reasoning twice)
+    drops_later_ends: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         def token_id(text: str) -> int:
@@ -127,7 +129,10 @@ class ReasoningSplit:
         if self._end is None:
             return self._without_start(text), ""
         cut, content_at = self._end
-        return self._without_start(text[:cut]), text[content_at:]
+        content = text[content_at:]
+        if p.drops_later_ends:
+            content = content.replace(p.end, "")
+        return self._without_start(text[:cut]), content
 
     def _without_start(self, reasoning: str) -> str:
         at = reasoning.find(self.parser.start)
@@ -141,11 +146,13 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    """Qwen 3: `<think>` ... `</think>`, `enable_thinking=False` answers at once, and a tool call
-    (`<tool_call>`) ends the reasoning where `</think>` was left out."""
+    """Qwen 3: `<think>` ... `</think>`, `enable_thinking=False` answers at once, a tool call
+    (`<tool_call>`) ends the reasoning where `</think>` was left out, and a second `</think>` is
+    dropped."""
 
     name = "qwen3"
     implicit_ends = ("<tool_call>",)
+    drops_later_ends = True
     turn_boundaries = ("<|im_start|>", "<|im_end|>")
     thinking_option = "enable_thinking"
 
