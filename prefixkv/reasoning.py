@@ -104,7 +104,9 @@ class ReasoningSplit:
     text and tokens so far returns the whole reasoning and content so far. Each only grows, so a
     stream sends what is new of each; a finished output is one call."""
 
-    def __init__(self, parser: ReasoningParser, thinking: bool) -> None:
+    def __init__(self, parser: ReasoningParser | None, thinking: bool) -> None:
+        """`parser` None: no reasoning (`thinking` must be false), all answer."""
+        assert parser is not None or not thinking
         self.parser = parser
         self.thinking = thinking
         self._seen = 0  # tokens looked at for an end
@@ -112,9 +114,9 @@ class ReasoningSplit:
         self._end: tuple[int, int] | None = None  # (where the reasoning ends, where the content begins) in the text
 
     def update(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
-        if not self.thinking:
-            return "", text
         p = self.parser
+        if not self.thinking or p is None:
+            return "", text
         if self._end is None:
             new = token_ids[self._seen :]
             self._seen = len(token_ids)
@@ -135,8 +137,9 @@ class ReasoningSplit:
         return self._without_start(text[:cut]), content
 
     def _without_start(self, reasoning: str) -> str:
-        at = reasoning.find(self.parser.start)
-        return reasoning if at < 0 else reasoning[:at] + reasoning[at + len(self.parser.start) :]
+        start = self.parser.start if self.parser is not None else ""
+        at = reasoning.find(start) if start else -1
+        return reasoning if at < 0 else reasoning[:at] + reasoning[at + len(start) :]
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):

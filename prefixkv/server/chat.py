@@ -141,6 +141,8 @@ class OpenAIServingChat(OpenAIServing):
         raw = [m.model_dump(exclude_none=True) for m in req.messages]
         if not raw:
             raise APIError("messages must not be empty", 400, param="messages")
+        for i, d in enumerate(raw):
+            self.reasoning_of_message(d, i)
         render = self.renderer(req, plan)
 
         if has_image_parts(raw):
@@ -156,6 +158,20 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"chat template failed: {type(e).__name__}: {e}", 400, param=param) from e
         self.check_text(text, "messages")
         return await self.tokenize(text, req.add_special_tokens), ()
+
+    def reasoning_of_message(self, message: dict[str, Any], index: int) -> None:
+        """An assistant message's earlier reasoning (`reasoning`, or the older `reasoning_content`)
+        reaches the template under both names, as vLLM hands it (templates that interleave
+        thinking with tool calls read `reasoning_content`)."""
+        if message.get("role") != "assistant":
+            return
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
+        if reasoning is None:
+            return
+        if not isinstance(reasoning, str):
+            raise APIError(f"messages[{index}].reasoning must be a string", 400, param="messages")
+        self.check_text(reasoning, "messages")
+        message["reasoning"] = message["reasoning_content"] = reasoning
 
     async def prompt_with_images(
         self, req: ChatCompletionRequest, messages: list[dict], render

@@ -91,6 +91,8 @@ class OpenAIServingResponses:
             "response_format": chat_response_format(req.text),
             "logprobs": req.wants_logprobs,
             "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
+            "reasoning_effort": (req.reasoning or {}).get("effort"),
+            "include_reasoning": req.include_reasoning,
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -135,13 +137,6 @@ class OpenAIServingResponses:
             others = f" (also: {', '.join(n for n, _ in refused[1:])})" if len(refused) > 1 else ""
             raise APIError(f"unsupported field {name!r}: {why}{others}", 400, param=name)
         model = self.chat.check_model(req.model)
-        if self.chat.inputs.reasoning is not None:
-            raise APIError(
-                f"/v1/responses does not make reasoning items: with --reasoning-parser "
-                f"{self.chat.inputs.reasoning.name} its reasoning would come as output text. "
-                "/v1/chat/completions returns it apart (`reasoning`)",
-                400,
-            )
         if req.max_output_tokens is not None and req.max_output_tokens < 1:
             raise APIError(
                 f"max_output_tokens must be an integer >= 1, got {req.max_output_tokens}",
@@ -159,6 +154,8 @@ class OpenAIServingResponses:
                 raise
             conversation, (ids, mm_items, params, plan) = await self.admit_truncated(req, system, conversation)
         rid = hex_id(self.id_prefix)
+        parser = self.chat.inputs.reasoning
+        thinks = self.chat.thinks(self.chat_request(req, system + conversation), ids)
         gens = self.chat.start(
             [ids],
             [None],
@@ -169,16 +166,19 @@ class OpenAIServingResponses:
             stream=bool(req.stream),
             mm_items=[mm_items],
             priority=req.priority,
+            thinks=thinks,
         )
-        turn = ResponseTurn(self.store, self.chat.count_error, req, rid, model, params, ids, conversation)
+        reasoning = (parser, thinks) if parser is not None and thinks is not None else None
+        turn = ResponseTurn(self.store, self.chat.count_error, req, rid, model, params, ids, conversation, reasoning)
         if req.stream:
             return StreamingResponse(turn.events(gens, plan), media_type="text/event-stream")
         out = (await self.chat.collect(raw, gens))[0]
         o = out.outputs[0]
-        text, calls = plan.parse(o.text) if plan is not None else (o.text, [])
+        thought, answer = turn.split().update(o.text, o.token_ids)
+        text, calls = plan.parse(answer) if plan is not None else (answer, [])
         items = [call_item(hex_id("fc"), c.id, c.function.name, c.function.arguments) for c in calls]
         logprobs = turn.logprobs(o.logprobs, list(o.token_ids)) if o.logprobs is not None else []
-        return JSONResponse(turn.finish(out, text, items, logprobs))
+        return JSONResponse(turn.finish(out, text, items, logprobs, reasoning=thought))
 
     # -- stored responses --------------------------------------------------------------------
     def stored(self, response_id: str) -> StoredResponse:

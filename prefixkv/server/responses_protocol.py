@@ -4,7 +4,9 @@ the translation of its input items into chat messages.
 What is implemented: text (and image) input as a string or a list of items, `instructions`,
 `max_output_tokens`, `temperature`, `top_p`, `stream`, `previous_response_id`, `store`,
 `text.format` (structured outputs), function `tools` / `tool_choice` / `parallel_tool_calls`,
-`include: ["message.output_text.logprobs"]` with `top_logprobs`, `truncation`.
+`include: ["message.output_text.logprobs"]` with `top_logprobs`, `truncation`, `reasoning.effort`
+(to the chat template, as vLLM) and `include_reasoning`; `reasoning` input items (vLLM's rule:
+the reasoning of the assistant message they precede or follow).
 Fields that change nothing a local engine produces (`metadata`, `user`, `safety_identifier`,
 `prompt_cache_key`, `service_tier`) are accepted and echoed. Everything else is refused by name."""
 
@@ -19,7 +21,6 @@ from .errors import APIError
 # Known Responses fields that prefixkv does not implement, with why (400 naming the field).
 REFUSED = {
     "background": "background responses are not supported: wait for the response, or stream it",
-    "reasoning": "reasoning options are not supported (no reasoning items are produced)",
     "max_tool_calls": "max_tool_calls is not supported (tools run on the client: at most one turn of calls)",
     "conversation": "conversation objects are not supported: chain responses with previous_response_id",
     "prompt": "stored prompt templates are not supported",
@@ -70,6 +71,9 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
+    # {"effort": ...}: handed to the chat template as `reasoning_effort` (vLLM's); no summaries are made
+    reasoning: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, false leaves the reasoning item out
     # accepted, echoed: nothing a local engine produces depends on them
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -108,6 +112,9 @@ class ResponsesRequest(BaseModel):
         for key, value in (self.text or {}).items():
             if key != "format" and value is not None:
                 out.append((f"text.{key}", "only text.format is supported"))
+        for key, value in (self.reasoning or {}).items():
+            if key != "effort" and value is not None:
+                out.append((f"reasoning.{key}", "no reasoning summaries are made: only reasoning.effort is supported"))
         return out
 
 
@@ -152,9 +159,19 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 raise APIError(
                     f"{where}.role must be user, system, developer or assistant, got {role!r}", 400, param="input"
                 )
-            messages.append(
-                {"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), where)}
-            )
+            content = _text_of(item.get("content"), where)
+            last = messages[-1] if messages else None
+            if role == "assistant" and last is not None and last["role"] == "assistant" and last["content"] is None:
+                last["content"] = content  # the answer after its reasoning item: one message
+            else:
+                messages.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "reasoning":  # vLLM's: the reasoning of the assistant message beside it
+            reasoning = _reasoning_text(item, where)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("reasoning") is None:
+                last["reasoning"] = reasoning
+            else:
+                messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
         elif kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(call_id, str):
@@ -177,7 +194,24 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         else:
             raise APIError(f"{where}: input item type {kind!r} is not supported", 400, param="input")
+    for m in messages:
+        if m["content"] is None:  # a reasoning item with no answer after it
+            m["content"] = ""
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its content's first part, else its summary's (as vLLM)."""
+    if item.get("encrypted_content"):
+        raise APIError(f"{where}: encrypted reasoning content is not supported", 400, param="input")
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts:
+            text = parts[0].get("text") if isinstance(parts, list) and isinstance(parts[0], dict) else None
+            if not isinstance(text, str):
+                raise APIError(f"{where}.{key}[0].text must be a string", 400, param="input")
+            return text
+    return ""
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -220,9 +254,11 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def assistant_message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+def assistant_message(text: str, calls: list[dict[str, Any]], reasoning: str | None = None) -> dict[str, Any]:
     """A finished response's output as the assistant message its next turn renders."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning"] = reasoning
     if calls:
         message["tool_calls"] = [
             {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}

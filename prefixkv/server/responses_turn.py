@@ -1,6 +1,7 @@
-"""One response being made: the Responses API's output shapes (message and function-call
-items, usage), the finished body (stored when asked), and the streamed events - OpenAI's,
-numbered by `sequence_number` from 0."""
+"""One response being made: the Responses API's output shapes (reasoning, message and
+function-call items, usage), the finished body (stored when asked), and the streamed events -
+OpenAI's, numbered by `sequence_number` from 0. With --reasoning-parser a reasoning item comes
+first (vLLM's: `reasoning_text` content), split as chat splits it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, cast
 
 from ..outputs import Logprob, RequestOutput
+from ..reasoning import ReasoningParser, ReasoningSplit
 from ..sampling_params import SamplingParams
 from .errors import as_api_error
 from .logprobs import chat_logprobs
@@ -30,6 +32,18 @@ def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, 
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "reasoning_text", "text": text}
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": [part],
+        "encrypted_content": None,
+        "status": status,
+    }
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
     return {
         "id": item_id,
@@ -41,13 +55,13 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
     }
 
 
-def usage_of(prompt: list[int], out: RequestOutput) -> dict[str, Any]:
+def usage_of(prompt: list[int], out: RequestOutput, reasoning_tokens: int = 0) -> dict[str, Any]:
     generated = len(out.outputs[0].token_ids)
     return {
         "input_tokens": len(prompt),
         "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
         "output_tokens": generated,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": len(prompt) + generated,
     }
 
@@ -65,8 +79,11 @@ class ResponseTurn:
         params: SamplingParams,
         prompt: list[int],
         conversation: list[dict[str, Any]],
+        reasoning: tuple[ReasoningParser, bool] | None = None,
     ) -> None:
+        """`reasoning`: the server's reasoning parser, and whether this reply starts in reasoning."""
         self.store = store
+        self.reasoning = reasoning
         self.count_error = count_error
         self.req = req
         self.rid = rid
@@ -102,7 +119,7 @@ class ResponseTurn:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "prompt_cache_key": req.prompt_cache_key,
-            "reasoning": None,
+            "reasoning": {"effort": req.reasoning.get("effort"), "summary": None} if req.reasoning else None,
             "safety_identifier": req.safety_identifier,
             "service_tier": "default",
             "store": req.store is not False,
@@ -116,9 +133,19 @@ class ResponseTurn:
             "user": req.user,
         }
 
+    def split(self) -> ReasoningSplit:
+        """The reply's reasoning and answer as it grows (all answer without a parser)."""
+        parser, thinks = self.reasoning or (None, False)
+        return ReasoningSplit(parser, thinks)
+
+    @property
+    def shows_reasoning(self) -> bool:
+        """Whether the reasoning, and the logprobs that would spell it, are returned."""
+        return self.req.include_reasoning or self.reasoning is None
+
     def logprobs(self, entries: list[dict[int, Logprob]], token_ids: list[int]) -> list[dict[str, Any]]:
         """The tokens' logprobs in OpenAI's shape (chat's: token, logprob, bytes, top_logprobs)."""
-        if not self.req.wants_logprobs:
+        if not self.req.wants_logprobs or not self.shows_reasoning:
             return []
         content = chat_logprobs(entries, token_ids, self.req.top_logprobs or 0).content or []
         return [c.model_dump() for c in content]
@@ -130,15 +157,24 @@ class ResponseTurn:
         calls: list[dict[str, Any]],
         logprobs: list[dict[str, Any]],
         msg_id: str | None = None,
+        reasoning: str = "",
+        reasoning_id: str | None = None,
     ) -> dict[str, Any]:
-        """The finished response's body (stored when asked): a message item unless the output is
-        only calls, then the function calls."""
+        """The finished response's body (stored when asked): the reasoning item when there is
+        reasoning to show, then a message item unless the output is only calls, then the calls."""
         incomplete = out.outputs[0].finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
-        output = [] if text is None and calls else [message_item(msg_id or hex_id("msg"), text or "", status, logprobs)]
-        body = self.body(status, output + calls, usage_of(self.prompt, out), incomplete)
+        shown = reasoning if reasoning and self.shows_reasoning else None
+        output = [reasoning_item(reasoning_id or hex_id("rs"), shown, "completed")] if shown else []
+        if not (text is None and calls):
+            output.append(message_item(msg_id or hex_id("msg"), text or "", status, logprobs))
+        counted = 0
+        if self.reasoning is not None:
+            parser, thinks = self.reasoning
+            counted = parser.reasoning_tokens(out.outputs[0].token_ids, thinks)
+        body = self.body(status, output + calls, usage_of(self.prompt, out, counted), incomplete)
         if self.req.store is not False:  # null is the default: stored
-            turn = assistant_message(text or "", calls)
+            turn = assistant_message(text or "", calls, shown)
             self.store.put(self.rid, StoredResponse(body, [*self.conversation, turn], self.req.cache_salt))
         return body
 
@@ -155,11 +191,37 @@ class ResponseTurn:
         yield event("response.created", response=started)
         yield event("response.in_progress", response=started)
         tools = ToolStream(plan) if plan is not None else None
+        split = self.split()
+        thought, sent = "", 0  # the reasoning so far; the answer's characters sent
+        rs_id: str | None = None  # the reasoning item, once one is open
+        rs_open = False
         msg_id: str | None = None
+        at = 0  # the message's output index: 1 after a reasoning item
         text = ""
         calls: dict[int, dict[str, Any]] = {}  # by the call's index: id, name, arguments so far
         logprobs: list[dict[str, Any]] = []
         state = StreamState()
+
+        def open_reasoning() -> list[str]:
+            nonlocal rs_id, rs_open
+            rs_id, rs_open = hex_id("rs"), True
+            item = {**reasoning_item(rs_id, "", "in_progress"), "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+            return [
+                event("response.output_item.added", output_index=0, item=item),
+                event("response.content_part.added", item_id=rs_id, output_index=0, content_index=0, part=part),
+            ]
+
+        def close_reasoning() -> list[str]:
+            nonlocal rs_open, at
+            rs_open, at = False, 1
+            item = reasoning_item(rs_id or "", thought, "completed")
+            part = item["content"][0]
+            return [
+                event("response.reasoning_text.done", item_id=rs_id, output_index=0, content_index=0, text=thought),
+                event("response.content_part.done", item_id=rs_id, output_index=0, content_index=0, part=part),
+                event("response.output_item.done", output_index=0, item=item),
+            ]
 
         def open_message() -> list[str]:
             nonlocal msg_id
@@ -167,8 +229,8 @@ class ResponseTurn:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             item = {"id": msg_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
             return [
-                event("response.output_item.added", output_index=0, item=item),
-                event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part),
+                event("response.output_item.added", output_index=at, item=item),
+                event("response.content_part.added", item_id=msg_id, output_index=at, content_index=0, part=part),
             ]
 
         try:
@@ -176,9 +238,24 @@ class ResponseTurn:
             deltas = cast("AsyncGenerator[ChoiceDelta, None]", choice_deltas(gens, 1, state))
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
-                    content: str | None = d.text
+                    reasoning, answer = split.update(d.choice.text, d.choice.token_ids)
+                    new_thought = reasoning[len(thought) :] if self.shows_reasoning else ""
+                    thought = reasoning
+                    content: str | None = answer[sent:]
+                    sent = len(answer)
+                    if new_thought:
+                        if rs_id is None:
+                            for e in open_reasoning():
+                                yield e
+                        yield event(
+                            "response.reasoning_text.delta",
+                            item_id=rs_id,
+                            output_index=0,
+                            content_index=0,
+                            delta=new_thought,
+                        )
                     if tools is not None:
-                        content, call_deltas, _ = tools.delta(0, d.choice.text, d.choice.finish_reason)
+                        content, call_deltas, _ = tools.delta(0, answer, d.choice.finish_reason)
                         for c in call_deltas or ():
                             acc = calls.setdefault(c.index, {"id": c.id, "name": None, "arguments": ""})
                             if c.function is not None:
@@ -187,6 +264,10 @@ class ResponseTurn:
                     new_logprobs = self.logprobs(d.logprobs, d.token_ids) if d.logprobs is not None else []
                     logprobs += new_logprobs
                     # the end of text (EOS) has a logprob and no text: an empty delta carries it
+                    if content or (new_logprobs and tools is None) or calls:
+                        if rs_open:  # the answer begins: the reasoning item is done
+                            for e in close_reasoning():
+                                yield e
                     if content or (new_logprobs and tools is None):
                         if msg_id is None:
                             for e in open_message():
@@ -195,32 +276,36 @@ class ResponseTurn:
                         yield event(
                             "response.output_text.delta",
                             item_id=msg_id,
-                            output_index=0,
+                            output_index=at,
                             content_index=0,
                             delta=content or "",
                             logprobs=new_logprobs,
                         )
             out = state.finals[0]
+            if rs_open:
+                for e in close_reasoning():
+                    yield e
             if msg_id is None and not calls:
                 for e in open_message():
                     yield e
             items = [call_item(hex_id("fc"), c["id"], c["name"] or "", c["arguments"]) for c in calls.values()]
-            body = self.finish(out, text if msg_id is not None else None, items, logprobs, msg_id)
-            index = 0
+            shown = thought if self.shows_reasoning else ""
+            body = self.finish(out, text if msg_id is not None else None, items, logprobs, msg_id, shown, rs_id)
+            index = at
             if msg_id is not None:
-                message = body["output"][0]
+                message = body["output"][at]
                 part = message["content"][0]
                 yield event(
                     "response.output_text.done",
                     item_id=msg_id,
-                    output_index=0,
+                    output_index=at,
                     content_index=0,
                     text=text,
                     logprobs=logprobs,
                 )
-                yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
-                yield event("response.output_item.done", output_index=0, item=message)
-                index = 1
+                yield event("response.content_part.done", item_id=msg_id, output_index=at, content_index=0, part=part)
+                yield event("response.output_item.done", output_index=at, item=message)
+                index = at + 1
             for i, item in enumerate(items, start=index):
                 yield event(
                     "response.output_item.added",

@@ -8,7 +8,8 @@ thinks on cue (tests/scripted_thinker.py: greedy, it answers "<think>hm</think>O
 - a grammar (structured outputs, a required tool call) constrains the answer, not the reasoning;
 - auto tool calls are parsed from the answer, and a Qwen 3 call that skips "</think>" ends the
   reasoning;
-- /v1/responses is refused (it makes no reasoning items yet) rather than give reasoning as text;
+- /v1/responses makes a reasoning item before the message, streamed or not, and takes it back as
+  input (vLLM's shapes); an earlier reasoning reaches the chat template;
 - after it all, every KV block is free."""
 
 from __future__ import annotations
@@ -144,9 +145,55 @@ def test_a_qwen3_call_without_the_end_ends_the_reasoning(server, client):
     server.wait_idle()
 
 
-def test_responses_are_refused_rather_than_reasoning_given_as_text(server, client):
-    with pytest.raises(openai.BadRequestError, match="does not make reasoning items"):
-        client.responses.create(model="thinker", input="Hi", max_output_tokens=8)
+def test_responses_make_a_reasoning_item_streamed_or_not(server, client):
+    res = client.responses.create(model="thinker", input="Hi", max_output_tokens=8)
+    assert [i.type for i in res.output] == ["reasoning", "message"]
+    assert res.output[0].content[0].text == "hm" and res.output_text == "OK"
+    assert res.usage.output_tokens_details.reasoning_tokens == 2
+    kinds, thought, answer, done = [], "", "", None
+    with client.responses.stream(model="thinker", input="Hi", max_output_tokens=8) as stream:
+        for e in stream:
+            kinds.append(e.type)
+            thought += e.delta if e.type == "response.reasoning_text.delta" else ""
+            answer += e.delta if e.type == "response.output_text.delta" else ""
+        done = stream.get_final_response()
+    assert (thought, answer) == ("hm", "OK")
+    assert [i.type for i in done.output] == ["reasoning", "message"] and done.output[0].content[0].text == "hm"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    hidden = client.responses.create(
+        model="thinker", input="Hi", max_output_tokens=8, extra_body={"include_reasoning": False}
+    )
+    assert [i.type for i in hidden.output] == ["message"] and hidden.output_text == "OK"
+    # the next turn hands the reasoning back: as an item, or by previous_response_id
+    chained = client.responses.create(
+        model="thinker",
+        input=[{"role": "user", "content": "Hi"}, *res.output, {"role": "user", "content": "Again"}],
+        max_output_tokens=8,
+    )
+    again = client.responses.create(model="thinker", input="Again", previous_response_id=res.id, max_output_tokens=8)
+    assert chained.output_text == again.output_text == "OK"
+    assert chained.usage.input_tokens == again.usage.input_tokens
+    server.wait_idle()
+
+
+def test_an_earlier_reasoning_reaches_the_template_under_both_names(tmp_path, make_server):
+    """As vLLM: an assistant message's `reasoning` (or `reasoning_content`) is handed to the
+    template as both, for templates that interleave thinking with tool calls."""
+    folder = write_scripted_thinker(tmp_path / "model")
+    server = make_server("--model", str(folder), "--served-model-name", "thinker")
+    tpl = "{% for m in messages %}[{{ m.reasoning }}|{{ m.reasoning_content }}]{% endfor %}"
+    ids = {}
+    for key in ("reasoning", "reasoning_content"):
+        msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "OK", key: "hm"}]
+        r = server.http.post(
+            server.base + "/v1/chat/completions",
+            json={"messages": msgs, "chat_template": tpl, "max_tokens": 1, "return_token_ids": True},
+        )
+        assert r.status_code == 200, r.text
+        ids[key] = r.json()["prompt_token_ids"]
+    assert ids["reasoning"] == ids["reasoning_content"]
+    r = server.http.post(server.base + "/detokenize", json={"tokens": ids["reasoning"]})
+    assert r.json()["prompt"] == "[|][hm|hm]"
 
 
 def test_markers_that_are_special_tokens_are_read_too(make_server, tmp_path):

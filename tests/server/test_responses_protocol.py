@@ -39,11 +39,34 @@ def test_input_items_become_chat_messages():
     assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
 
 
+def test_reasoning_items_join_the_assistant_message_beside_them():
+    """vLLM's rule: a reasoning item is the reasoning of the assistant message it precedes (or
+    follows, when that has none yet); its content's text, else its summary's."""
+    think = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}
+    answer = {"role": "assistant", "content": [{"type": "output_text", "text": "OK"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    user = {"role": "user", "content": "Hi"}
+    assert input_messages([user, think, answer]) == [
+        user,
+        {"role": "assistant", "content": [{"type": "text", "text": "OK"}], "reasoning": "hm"},
+    ]
+    assert input_messages([user, think, call])[1] == {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "hm",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}]}
+    assert input_messages([user, answer, summary])[1]["reasoning"] == "short"  # after its answer
+    assert input_messages([user, think])[1] == {"role": "assistant", "content": "", "reasoning": "hm"}
+
+
 @pytest.mark.parametrize(
     "items",
     [
         [],
-        [{"type": "reasoning", "summary": []}],
+        [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}],
+        [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 3}]}],
         [{"type": "item_reference", "id": "msg_1"}],
         [{"role": "tool", "content": "x"}],
         [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}],
@@ -88,7 +111,8 @@ def test_refusals_name_the_field():
     assert names(top_logprobs=3) == ["top_logprobs"]
     assert names(include=["file_search_call.results"]) == ["include"]
     assert names(text={"format": {"type": "text"}, "verbosity": "low"}) == ["text.verbosity"]
-    assert names(reasoning={"effort": "low"}, frobnicate=1) == ["reasoning", "frobnicate"]
+    assert names(reasoning={"effort": "low", "summary": None}) == []  # effort goes to the template
+    assert names(reasoning={"effort": "low", "summary": "auto"}, frobnicate=1) == ["frobnicate", "reasoning.summary"]
     assert names(reasoning=None) == []  # null is not sent
 
 
