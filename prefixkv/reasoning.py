@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from .constraints.grammar import GrammarGate
+    from .constraints.token_constraints import ThinkingBudget
     from .model.tokenizer import Tokenizer
 
 
@@ -81,6 +82,14 @@ class ReasoningParser:
         from .constraints.grammar import GrammarGate  # torch: imported when a grammar needs it
 
         return GrammarGate(after=frozenset({self.end_id}), at=frozenset(i for _, i in self._implicit))
+
+    def thinking_budget(self, limit: int) -> ThinkingBudget:
+        """vLLM's `thinking_token_budget`: after `limit` reasoning tokens (counted as
+        `reasoning_tokens` counts them), the end token is forced."""
+        from .constraints.token_constraints import ThinkingBudget
+
+        ends = frozenset({self.end_id, *(i for _, i in self._implicit)})
+        return ThinkingBudget(limit=limit, end=self.end_id, ends=ends, start=self.start_id)
 
     def split(self, thinking: bool) -> ReasoningSplit:
         return ReasoningSplit(self, thinking)

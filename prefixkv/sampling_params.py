@@ -81,6 +81,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: with a reasoning parser, at most this many reasoning tokens, then its end is forced
+    # (-1: no limit)
+    thinking_token_budget: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM's free-form arguments for custom logits processors and plugins; nothing in prefixkv
     # reads them (as nothing in vLLM's own tree does): carried on the params, unchanged
@@ -97,6 +100,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.thinking_token_budget == -1 and _is_int(self.thinking_token_budget):
+            self.thinking_token_budget = None
         self.logit_bias = normalize_logit_bias(self.logit_bias)
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
@@ -131,6 +136,8 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+        if self.thinking_token_budget is not None:
+            _int("thinking_token_budget", self.thinking_token_budget, 0, what="a non-negative integer or -1 (no limit)")
         tpt = self.truncate_prompt_tokens
         if tpt is not None and (not _is_int(tpt) or (tpt < 1 and tpt != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an integer >= 1, got {tpt!r}")

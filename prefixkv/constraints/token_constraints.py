@@ -5,7 +5,9 @@ logits row at every sampling step (after the penalties, before temperature and t
 - `allowed_token_ids` (only these may be sampled),
 - `bad_words` (vLLM's: each word, with and without a leading space, is tokenized; its last token is
   banned whenever the sequence's output ends with the tokens before it),
-- the grammar of structured outputs (grammar.py), whose matcher is this sequence's own.
+- the grammar of structured outputs (grammar.py), whose matcher is this sequence's own,
+- a thinking budget (vLLM's `thinking_token_budget`): once so many reasoning tokens were drawn,
+  the end of reasoning is the only token allowed; its count is this sequence's own.
 
 Everything a step needs is built here once (index tensors, the allowed mask), so a step allocates
 only what masking a row needs.
@@ -14,6 +16,7 @@ only what masking a row needs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +42,42 @@ def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int
     return out
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `limit` tokens of reasoning, then `end` (the reasoning parser's) is forced unless one
+    of `ends` came first; `start` tokens are not counted (prefixkv/reasoning.py's count)."""
+
+    limit: int
+    end: int
+    ends: frozenset[int]
+    start: int
+
+
+class BudgetCount:
+    """One sequence's walk of its thinking budget, incremental over its output (drawn tokens
+    included: they only ever grow)."""
+
+    __slots__ = ("budget", "seen", "count", "ended")
+
+    def __init__(self, budget: ThinkingBudget) -> None:
+        self.budget = budget
+        self.seen = 0
+        self.count = 0
+        self.ended = False
+
+    def forced(self, output_ids: list[int]) -> int | None:
+        """The token the next draw must be, or None."""
+        b = self.budget
+        while not self.ended and self.seen < len(output_ids):
+            token = output_ids[self.seen]
+            self.seen += 1
+            if token in b.ends:
+                self.ended = True
+            elif token != b.start:
+                self.count += 1
+        return b.end if not self.ended and self.count >= b.limit else None
+
+
 class RequestConstraints:
     def __init__(
         self,
@@ -47,6 +86,7 @@ class RequestConstraints:
         allowed_token_ids: Sequence[int] | None = None,
         bad_words: list[list[int]] | None = None,
         grammar: RequestGrammar | None = None,
+        budget: ThinkingBudget | None = None,
     ) -> None:
         self.bias_ids = self.bias_values = None
         if logit_bias:
@@ -60,23 +100,31 @@ class RequestConstraints:
         self.banned_always = torch.tensor(sorted({w[0] for w in bad_words if len(w) == 1}), dtype=torch.long)
         self.bad_sequences = [w for w in bad_words if len(w) > 1]
         self.grammar = grammar
+        self.budget = BudgetCount(budget) if budget is not None else None
         self._allowed_words: torch.Tensor | None = None  # `blocked` packed as a bitmask, when first asked
 
     @classmethod
     def build(
-        cls, params: TokenConstraintFields, tokenizer: Tokenizer, vocab_size: int, grammar: RequestGrammar | None = None
+        cls,
+        params: TokenConstraintFields,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        grammar: RequestGrammar | None = None,
+        budget: ThinkingBudget | None = None,
     ) -> RequestConstraints | None:
         """None when the request constrains nothing (the sampler's fast path stays open)."""
-        if not params.logit_bias and not params.allowed_token_ids and not params.bad_words and grammar is None:
+        if not (params.logit_bias or params.allowed_token_ids or params.bad_words or grammar or budget):
             return None
         words = bad_words_token_ids(list(params.bad_words), tokenizer) if params.bad_words else None
-        return cls(vocab_size, params.logit_bias, params.allowed_token_ids, words, grammar)
+        return cls(vocab_size, params.logit_bias, params.allowed_token_ids, words, grammar, budget)
 
     def shares_with(self, grammar: RequestGrammar | None) -> RequestConstraints:
-        """The same token constraints with another grammar matcher (sibling sequences of n > 1)."""
+        """The same token constraints with another grammar matcher and a budget count of its own
+        (sibling sequences of n > 1)."""
         twin = object.__new__(RequestConstraints)
         twin.__dict__.update(self.__dict__)
         twin.grammar = grammar
+        twin.budget = BudgetCount(self.budget.budget) if self.budget is not None else None
         return twin
 
     def pending(self, output_ids: list[int]) -> list[int]:
@@ -100,6 +148,11 @@ class RequestConstraints:
             logits[token] = float("-inf")
         if grammar_mask is not None:
             apply_bitmask(logits, grammar_mask, logits.shape[0])
+        forced = self.budget.forced(output_ids) if self.budget is not None else None
+        if forced is not None:  # the budget is spent: the end of reasoning, whatever else allows
+            keep = logits[forced].clone()
+            logits.fill_(float("-inf"))
+            logits[forced] = keep if torch.isfinite(keep) else 0.0
 
     def narrow(self, words: torch.Tensor, output_ids: list[int]) -> None:
         """Clear, in `words` (int32 [words], bit i of the little-endian words = token i), the bits
@@ -112,6 +165,10 @@ class RequestConstraints:
         banned = self._banned_after(output_ids)
         if self.banned_always.numel() or banned:
             clear_bits(words, [*self.banned_always.tolist(), *banned])
+        forced = self.budget.forced(output_ids) if self.budget is not None else None
+        if forced is not None:  # the budget is spent: only the end of reasoning
+            words.zero_()
+            words.numpy().view(np.uint32)[forced >> 5] = np.uint32(1) << np.uint32(forced & 31)
 
     def _banned_after(self, output_ids: list[int]) -> list[int]:
         """The last tokens of the bad words whose other tokens end `output_ids`."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..constraints.grammar import GrammarEngine, GrammarGate, choose_backend
+from ..constraints.token_constraints import ThinkingBudget
 from ..constraints.validation import check_vocab
 from ..engine_args import EngineArgs
 from ..lora.request import LoRARequest
@@ -42,6 +43,7 @@ class EngineRequest:
     grammar: Any  # the compiled grammar of params.structured_outputs, or None
     cache_priority: int | None = None  # eviction order of its blocks, when not its priority's
     grammar_gate: GrammarGate | None = None  # the grammar starts after the reasoning (reasoning_parser)
+    thinking_budget: ThinkingBudget | None = None  # params.thinking_token_budget, where the output thinks
 
 
 class InputProcessor:
@@ -161,10 +163,17 @@ class InputProcessor:
             if not isinstance(hidden_states_from, int) or not -len(ids) <= hidden_states_from < len(ids):
                 raise ValueError(f"hidden_states_from={hidden_states_from!r} is not a position of the prompt")
             hidden_states_from %= len(ids)
-        gate = None
-        if grammar is not None and self.reasoning is not None:
+        gate = budget = None
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ValueError(
+                "thinking_token_budget needs a reasoning parser (--reasoning-parser / reasoning_parser=): "
+                "it says which tokens are reasoning and which token ends it"
+            )
+        if self.reasoning is not None and (grammar is not None or params.thinking_token_budget is not None):
             if self.reasoning.thinks(ids) if thinks is None else thinks:
-                gate = self.reasoning.grammar_gate()
+                gate = self.reasoning.grammar_gate() if grammar is not None else None
+                if params.thinking_token_budget is not None:
+                    budget = self.reasoning.thinking_budget(params.thinking_token_budget)
         return EngineRequest(
             text,
             tuple(ids),
@@ -176,6 +185,7 @@ class InputProcessor:
             hidden_states_from,
             grammar,
             grammar_gate=gate,
+            thinking_budget=budget,
         )
 
     def check_cache_priority(self, cache_priority: int) -> None:

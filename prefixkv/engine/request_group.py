@@ -160,7 +160,7 @@ def make_group(
     states need not skip the prefix cache."""
     params, ids = req.params, list(req.prompt_token_ids)
     children, states = [], []
-    constraints = RequestConstraints.build(params, tokenizer, vocab_size)
+    constraints = RequestConstraints.build(params, tokenizer, vocab_size, budget=req.thinking_budget)
     for i in range(params.n):
         # seed + i wraps modulo 2**64 (what torch takes): any valid seed works for any n
         gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else None
@@ -186,8 +186,8 @@ def make_group(
                 if constraints is not None
                 else RequestConstraints(vocab_size, grammar=grammar)
             )
-        else:
-            child.constraints = constraints
+        else:  # a budget's count is each sequence's own
+            child.constraints = constraints.shares_with(None) if constraints and constraints.budget else constraints
         children.append(child)
         states.append(OutputState(i, params, tokenizer, ids))
     group = RequestGroup(request_id, req.prompt, ids, children, states, arrival, lora_request=req.lora_request)

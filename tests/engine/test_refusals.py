@@ -112,6 +112,11 @@ def llm(default_lm):
             "add_generation_prompt",
         ),
         (lambda llm: llm.llm_engine.add_request("x", GREEDY, lora_request=LoRARequest("a", 1, ".")), "LoRA"),
+        # nothing says which tokens are reasoning without a reasoning parser
+        (
+            lambda llm: llm.generate("x", SamplingParams(thinking_token_budget=4)),
+            "thinking_token_budget needs a reasoning parser",
+        ),
     ],
 )
 def test_generate_refuses_unimplemented_inputs(llm, call, name):

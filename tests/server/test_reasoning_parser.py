@@ -4,6 +4,7 @@ thinks on cue (tests/scripted_thinker.py: greedy, it answers "<think>hm</think>O
 - the reply carries `reasoning` apart from `content`, streamed or not, the same either way, and the
   usage counts the reasoning tokens (vLLM's fields);
 - `include_reasoning: false` leaves the reasoning out, with the logprobs and token ids that spell it;
+- `thinking_token_budget` forces the end of reasoning after so many of its tokens;
 - `enable_thinking: false` (and a prompt whose template closed the reasoning): all content;
 - a grammar (structured outputs, a required tool call) constrains the answer, not the reasoning;
 - auto tool calls are parsed from the answer, and a Qwen 3 call that skips "</think>" ends the
@@ -99,9 +100,12 @@ def test_no_thinking_asked_is_all_answer(server, client):
     server.wait_idle()
 
 
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+JSON_OK = {"type": "json_schema", "json_schema": {"name": "r", "schema": OK_SCHEMA}}
+
+
 def test_a_grammar_constrains_the_answer_not_the_reasoning(server, client):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    fmt = JSON_OK
     res = chat(client, response_format=fmt, max_tokens=40)
     assert res.choices[0].message.reasoning == "hm"  # free: the grammar would not allow "hm"
     assert json.loads(res.choices[0].message.content).keys() == {"ok"}
@@ -142,6 +146,33 @@ def test_a_qwen3_call_without_the_end_ends_the_reasoning(server, client):
     forced = {**extra, "structured_outputs": {"regex": "<tool_call>x"}}
     res = chat(client, messages=msgs, extra_body=forced, max_tokens=8)
     assert (res.choices[0].message.reasoning, res.choices[0].message.content) == (None, "<tool_call>x")
+    server.wait_idle()
+
+
+def test_a_thinking_budget_forces_the_end_of_reasoning(server, client):
+    """vLLM's `thinking_token_budget`: after that many reasoning tokens the end is forced, and the
+    model answers from there; -1 is no limit. With n > 1 each sequence counts its own."""
+    for budget, reasoning, n in ((0, None, 1), (1, "h", 2), (2, "hm", 1), (-1, "hm", 1)):
+        res = chat(client, n=n, extra_body={"thinking_token_budget": budget})
+        for c in res.choices:
+            assert (c.message.reasoning, c.message.content) == (reasoning, "OK"), budget
+        assert res.usage.completion_tokens_details.reasoning_tokens == n * len(reasoning or "")
+    streamed_reasoning, content, _, _, _ = streamed(client, extra_body={"thinking_token_budget": 1})
+    assert (streamed_reasoning, content) == ("h", "OK")
+    # with a grammar after the reasoning, and on /v1/completions (the prompt says where it thinks)
+    res = chat(client, response_format=JSON_OK, max_tokens=40, extra_body={"thinking_token_budget": 1})
+    assert res.choices[0].message.reasoning == "h" and json.loads(res.choices[0].message.content).keys() == {"ok"}
+    done = client.completions.create(
+        model="thinker",
+        prompt="<|im_start|>assistant\n",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"thinking_token_budget": 0},
+    )
+    assert done.choices[0].text == "</think>OK"
+    for bad in (-2, 1.5, "3"):
+        with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+            chat(client, extra_body={"thinking_token_budget": bad})
     server.wait_idle()
 
 
