@@ -1,7 +1,7 @@
 """Constraints as one bitmask and one bias list (constraints/device_masks.py, how a GPU step
 applies them where its logits lie) draw what the rows edited on the host draw: the same tokens and
-logprobs for every mix of logit_bias, allowed_token_ids, bad words, blocked EOS and grammars of
-both backends, greedy and seeded, with a token drawn ahead and not booked yet; the same refusal of
+logprobs for every mix of logit_bias, allowed_token_ids, bad words, blocked EOS, thinking budgets
+and grammars of both backends, greedy and seeded, with a token drawn ahead and not booked yet; the same refusal of
 a row with nothing left. Run on the CPU: the device path is forced (`as_masks=True`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from prefixkv import SamplingParams
 from prefixkv.constraints.grammar import GrammarEngine
-from prefixkv.constraints.token_constraints import RequestConstraints, bad_words_token_ids
+from prefixkv.constraints.token_constraints import RequestConstraints, ThinkingBudget, bad_words_token_ids
 from prefixkv.engine.sampler import sample
 from prefixkv.sampling_params import StructuredOutputsParams
 
@@ -34,6 +34,7 @@ def _batch(seed: int, grammars: GrammarEngine, tok, vocab: int):
     """Rows of random constraints, some walked a few tokens into their grammar (booked), the
     last of them pending where `ahead`; with params, output ids and blocked EOS ids."""
     rng = random.Random(seed)
+    budgets = random.Random(seed + 1000)  # apart: the other rows stay what they were
     rows = []
     for _ in range(8):
         kind = rng.randrange(5)
@@ -60,6 +61,7 @@ def _batch(seed: int, grammars: GrammarEngine, tok, vocab: int):
             allowed_token_ids=rng.sample(range(vocab), 3000) if kind == 1 else None,
             bad_words=bad_words_token_ids(words, tok) if words else None,
             grammar=grammar,
+            budget=_budget(budgets, vocab, outputs),
         )
         greedy = rng.random() < 0.5
         params = SamplingParams(
@@ -71,6 +73,15 @@ def _batch(seed: int, grammars: GrammarEngine, tok, vocab: int):
         eos = {tok.eos_token_id} if rng.random() < 0.3 else None
         rows.append((c if kind else None, params, outputs, eos))
     return rows
+
+
+def _budget(rng: random.Random, vocab: int, outputs: list[int]) -> ThinkingBudget | None:
+    """A thinking budget for some rows: spent already, or about to be, or not yet; its start and
+    ends tokens of the output or not."""
+    if rng.random() < 0.5:
+        return None
+    pick = (lambda: rng.choice(outputs)) if outputs and rng.random() < 0.5 else (lambda: rng.randrange(vocab))
+    return ThinkingBudget(limit=rng.randrange(4), end=rng.randrange(vocab), ends=frozenset({pick()}), start=pick())
 
 
 def _draw(rows, logits, seed: int, as_masks: bool, pending: list[int | None]):
