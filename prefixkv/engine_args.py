@@ -327,6 +327,12 @@ class EngineArgs:
         "installed) or auto (xgrammar when installed, else guidance) (default: auto)",
         choices=["auto", "xgrammar", "guidance"],
     )
+    stream_interval: int = _opt(
+        1,
+        "tokens a streamed request gathers before its next output: the first and the last come at once "
+        "(vLLM's; a request's own stream_interval may raise it) (default: 1)",
+        type=int,
+    )
     reasoning_parser: str | None = _opt(
         None,
         "where a thinking model's reasoning ends (prefixkv/reasoning.py): chat replies carry it apart as "
@@ -447,6 +453,7 @@ class EngineArgs:
             ("max_loras", 1),
             ("max_lora_rank", 1),
             ("max_seq_len_to_capture", 1),
+            ("stream_interval", 1),
         ):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):

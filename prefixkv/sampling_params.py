@@ -84,6 +84,9 @@ class SamplingParams:
     # vLLM's: with a reasoning parser, at most this many reasoning tokens, then its end is forced
     # (-1: no limit)
     thinking_token_budget: int | None = None
+    # vLLM's: a streamed output comes every this many tokens (the first and last at once); the
+    # engine's stream_interval is the floor
+    stream_interval: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM's free-form arguments for custom logits processors and plugins; nothing in prefixkv
     # reads them (as nothing in vLLM's own tree does): carried on the params, unchanged
@@ -136,6 +139,8 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+        if self.stream_interval is not None:
+            _int("stream_interval", self.stream_interval, 1)
         if self.thinking_token_budget is not None:
             _int("thinking_token_budget", self.thinking_token_budget, 0, what="a non-negative integer or -1 (no limit)")
         tpt = self.truncate_prompt_tokens

@@ -56,7 +56,9 @@ class LLMEngine:
         self.stage_outputs = parts.scheduler.stage_outputs
         self.mm_processor, self.input_processor = parts.mm_processor, parts.input_processor
         self.eos_ids = self.input_processor.eos_ids
-        self.groups = RequestGroups(self.scheduler, self.tokenizer, self.eos_ids, self.max_model_len)
+        self.groups = RequestGroups(
+            self.scheduler, self.tokenizer, self.eos_ids, self.max_model_len, config.stream_interval
+        )
         self.async_scheduling = parts.async_scheduling
         # a step launched and not yet booked (async scheduling): its schedule, and its pending
         # tokens or the failure of its launch

@@ -48,6 +48,7 @@ class RequestGroup:
     # RequestOutputKind.DELTA: per sequence, what was already given out; None for the other kinds
     sent: list[GivenOut] | None = None
     lora_request: LoRARequest | None = None  # as the caller gave it (RequestOutput.lora_request)
+    streamed_tokens: int = -1  # output tokens of all its sequences when it last gave an output (-1: none yet)
 
     @property
     def finished(self) -> bool:

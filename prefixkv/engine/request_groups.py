@@ -27,8 +27,17 @@ logger = logging.getLogger("prefixkv")
 
 
 class RequestGroups:
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, eos_ids: set[int], max_model_len: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        eos_ids: set[int],
+        max_model_len: int,
+        stream_interval: int = 1,
+    ) -> None:
+        """`stream_interval`: the engine's floor of how many tokens a streamed output gathers."""
         self.scheduler = scheduler
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
@@ -147,10 +156,26 @@ class RequestGroups:
             finished = group.finished
             if not finished and final_only:
                 continue  # nothing is built for it until it ends
+            if not finished and not self.streams_now(group):
+                continue  # it gathers tokens for its next output
             outputs.append(group.output(finished, now))
             if finished:
                 self.forget(group)
         return outputs
+
+    def streams_now(self, group: RequestGroup) -> bool:
+        """vLLM's stream interval: a running group's first output at once, then one each time its
+        sequences gained the interval's count of tokens (the request's, at least the engine's)."""
+        interval = max(self.stream_interval, group.children[0].sampling_params.stream_interval or 1)
+        if interval == 1:
+            return True
+        total = 0
+        for child in group.children:
+            total += child.num_output_tokens
+        if group.streamed_tokens >= 0 and total - group.streamed_tokens < interval:
+            return False
+        group.streamed_tokens = total
+        return True
 
     def fail(self, group: RequestGroup, message: str) -> None:
         if group.error is None:

@@ -138,6 +138,8 @@ class _SamplingFields(BaseModel):
     structured_outputs: dict[str, Any] | None = None  # vLLM extra: StructuredOutputsParams' fields
     # vLLM extra: with --reasoning-parser, reasoning tokens at most (-1: no limit); "3" is no integer
     thinking_token_budget: int | None = Field(default=None, strict=True)
+    # vLLM extra: a stream's chunks gather this many tokens (at least the server's --stream-interval)
+    stream_interval: int | None = Field(default=None, strict=True)
     # vLLM extras: beam search with n beams (server/beam_search.py); early_stopping only False
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -179,6 +181,7 @@ class _SamplingFields(BaseModel):
             bad_words=self.bad_words,
             structured_outputs=structured_outputs_of(self.response_format, self.structured_outputs),
             thinking_token_budget=self.thinking_token_budget,
+            stream_interval=self.stream_interval,
         )
 
 

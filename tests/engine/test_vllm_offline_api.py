@@ -98,6 +98,37 @@ def test_output_kinds_at_the_engine(llm):
         assert all(c.token_ids or c.finish_reason for c in parts)  # nothing empty is sent
 
 
+def test_stream_interval_gathers_tokens_between_outputs(llm):
+    """vLLM's stream_interval: the first output at once, then one per `interval` new tokens (of
+    all n sequences together), the last at the end; the same text and tokens in the end, and the
+    deltas of DELTA add up to them. The engine's own interval is a floor a request may raise."""
+    engine = llm.llm_engine
+    final = _drive(engine, PROMPT, _params(RequestOutputKind.CUMULATIVE))[-1]
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        outs = _drive(engine, PROMPT, _params(kind, stream_interval=5))
+        # 2 sequences, a token each a step: 2 tokens at once, then every 3 steps (6 >= 5), then the end
+        assert [sum(len(o.token_ids) for o in out.outputs) for out in outs][:3] == (
+            [2, 8, 14] if kind is RequestOutputKind.CUMULATIVE else [2, 6, 6]
+        )
+        assert len(outs) == 5 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+        for want in final.outputs:
+            parts = [c for d in outs for c in d.outputs if c.index == want.index]
+            if kind is RequestOutputKind.DELTA:
+                assert [t for c in parts for t in c.token_ids] == want.token_ids
+                assert "".join(c.text for c in parts) == want.text
+            else:
+                assert (parts[-1].token_ids, parts[-1].text) == (want.token_ids, want.text)
+    engine.groups.stream_interval = 5  # the engine's floor (--stream-interval 5)
+    try:
+        assert len(_drive(engine, PROMPT, _params(RequestOutputKind.CUMULATIVE))) == 5
+        assert len(_drive(engine, PROMPT, _params(RequestOutputKind.CUMULATIVE, stream_interval=2))) == 5
+        assert len(_drive(engine, PROMPT, _params(RequestOutputKind.CUMULATIVE, stream_interval=12))) == 3
+    finally:
+        engine.groups.stream_interval = 1
+    with pytest.raises(ValueError, match="stream_interval"):
+        SamplingParams(stream_interval=0).verify()
+
+
 def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(llm):
     """FINAL_ONLY without stop strings skips the token-by-token detokenization (nobody reads the
     text before the end); its text is the same, also for a sequence cut short, and stop strings

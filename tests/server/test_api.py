@@ -108,6 +108,24 @@ def test_chat_stream(client):
     assert all(c.usage is None for c in plain)
 
 
+def test_stream_interval_gathers_tokens_per_chunk(client):
+    """vLLM's `stream_interval`: the first tokens at once, then a chunk per 4 tokens, the same text."""
+    messages = [{"role": "user", "content": "Count from one to twenty."}]
+    kw = dict(model=NAME, messages=messages, max_tokens=13, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    chunks = [
+        c
+        for c in client.chat.completions.create(
+            **{**kw, "extra_body": {"ignore_eos": True, "stream_interval": 4, "return_token_ids": True}}, stream=True
+        )
+        if c.choices and c.choices[0].model_extra.get("token_ids")
+    ]
+    assert [len(c.choices[0].model_extra["token_ids"]) for c in chunks] == [1, 4, 4, 4]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="stream_interval"):
+        client.chat.completions.create(**{**kw, "extra_body": {"stream_interval": 0}}, stream=True)
+
+
 def test_chat_default_max_tokens_is_rest_of_context(client):
     res = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "Count: 1 2 3"}], temperature=0, extra_body={"stop": ["4"]}
