@@ -44,6 +44,39 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = 2
 
 
+@dataclass
+class RepetitionDetectionParams:
+    """vLLM's: end a sequence whose output ends in a pattern of `min_pattern_size` to
+    `max_pattern_size` tokens repeated `min_count` times in a row (finish_reason "repetition",
+    stop_reason "repetition_detected"). `max_pattern_size` 0: off."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0  # 0: 1
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            _int(f"repetition_detection.{name}", getattr(self, name), 0)
+        if self.min_pattern_size > self.max_pattern_size:
+            raise ValueError(
+                "repetition_detection: max_pattern_size and min_pattern_size must be >= 0, with min_pattern_size "
+                "<= max_pattern_size (both 0: off)"
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError("repetition_detection.min_count must be >= 2 (or max_pattern_size 0: off)")
+
+    def repeats(self, token_ids: list[int]) -> bool:
+        """Whether the tokens end in a pattern repeated `min_count` times (vLLM's check, which
+        stops at the first length too long for the tokens there are)."""
+        count = self.min_count
+        for size in range(max(1, self.min_pattern_size), self.max_pattern_size + 1):
+            if size * count > len(token_ids):
+                return False
+            if all(token_ids[-(size * m + n)] == token_ids[-n] for n in range(1, size + 1) for m in range(1, count)):
+                return True
+        return False
+
+
 @functools.cache
 def _log_extra_args_once() -> None:
     """extra_args change nothing here (no custom logits processor reads them): said once, not silently."""
@@ -84,6 +117,8 @@ class SamplingParams:
     # vLLM's: with a reasoning parser, at most this many reasoning tokens, then its end is forced
     # (-1: no limit)
     thinking_token_budget: int | None = None
+    # vLLM's: end the output when its tail repeats a pattern (a dict of the same keys is taken)
+    repetition_detection: RepetitionDetectionParams | None = None
     # vLLM's: a streamed output comes every this many tokens (the first and last at once); the
     # engine's stream_interval is the floor
     stream_interval: int | None = None
@@ -103,6 +138,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.repetition_detection, dict):
+            try:
+                self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+            except TypeError as e:
+                raise ValueError(f"repetition_detection: {e}") from None
         if self.thinking_token_budget == -1 and _is_int(self.thinking_token_budget):
             self.thinking_token_budget = None
         self.logit_bias = normalize_logit_bias(self.logit_bias)
@@ -139,6 +179,10 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+        if self.repetition_detection is not None and not isinstance(
+            self.repetition_detection, RepetitionDetectionParams
+        ):
+            raise ValueError("repetition_detection must be a RepetitionDetectionParams or a dict of its fields")
         if self.stream_interval is not None:
             _int("stream_interval", self.stream_interval, 1)
         if self.thinking_token_budget is not None:

@@ -106,6 +106,9 @@ class OutputState:
                         return self._finish("stop", stop)
         if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens - later >= max_model_len:
             return self._finish("length", None, outputs=outputs)
+        rd = p.repetition_detection
+        if rd is not None and rd.max_pattern_size and n_out >= p.min_tokens and rd.repeats(outputs):
+            return self._finish("repetition", "repetition_detected", outputs=outputs)
         stable = self.full_text
         if p.stop:
             stable = stable[: max(len(self.text), len(stable) - self._holdback)]
@@ -157,5 +160,6 @@ def status_for(reason: str) -> RequestStatus:
     return {
         "stop": RequestStatus.FINISHED_STOPPED,
         "length": RequestStatus.FINISHED_LENGTH,
+        "repetition": RequestStatus.FINISHED_STOPPED,  # vLLM's own reason: a pattern repeated
         "abort": RequestStatus.FINISHED_ABORTED,
     }[reason]

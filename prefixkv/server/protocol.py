@@ -138,6 +138,8 @@ class _SamplingFields(BaseModel):
     structured_outputs: dict[str, Any] | None = None  # vLLM extra: StructuredOutputsParams' fields
     # vLLM extra: with --reasoning-parser, reasoning tokens at most (-1: no limit); "3" is no integer
     thinking_token_budget: int | None = Field(default=None, strict=True)
+    # vLLM extra: end the output when its tail repeats a pattern (max_pattern_size, min_pattern_size, min_count)
+    repetition_detection: dict[str, Any] | None = None
     # vLLM extra: a stream's chunks gather this many tokens (at least the server's --stream-interval)
     stream_interval: int | None = Field(default=None, strict=True)
     # vLLM extras: beam search with n beams (server/beam_search.py); early_stopping only False
@@ -182,6 +184,7 @@ class _SamplingFields(BaseModel):
             structured_outputs=structured_outputs_of(self.response_format, self.structured_outputs),
             thinking_token_budget=self.thinking_token_budget,
             stream_interval=self.stream_interval,
+            repetition_detection=self.repetition_detection,  # type: ignore[arg-type]  # a dict, checked there
         )
 
 

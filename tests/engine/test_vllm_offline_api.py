@@ -5,6 +5,7 @@ and SamplingParams.extra_args."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -12,6 +13,7 @@ from prefixkv import LLM, RequestOutputKind, SamplingParams, TextPrompt, TokensP
 from prefixkv.config import EngineConfig
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine_args import EngineArgs
+from prefixkv.sampling_params import RepetitionDetectionParams
 from prefixkv.server.async_engine import AsyncEngine
 
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
@@ -127,6 +129,60 @@ def test_stream_interval_gathers_tokens_between_outputs(llm):
         engine.groups.stream_interval = 1
     with pytest.raises(ValueError, match="stream_interval"):
         SamplingParams(stream_interval=0).verify()
+
+
+def _first_repeat(tokens: list[int], low: int, high: int, count: int) -> int | None:
+    """Brute force: the shortest prefix of `tokens` that ends in a pattern of `low`..`high` tokens
+    repeated `count` times in a row."""
+    for end in range(1, len(tokens) + 1):
+        head = tokens[:end]
+        for size in range(low, high + 1):
+            if size * count <= end and head[end - size * count :] == head[end - size :] * count:
+                return end
+    return None
+
+
+def test_repetition_detection_ends_a_looping_output_where_the_loop_shows(llm):
+    """vLLM's repetition_detection: the output ends (finish_reason "repetition", stop_reason
+    "repetition_detected") at the first token where its tail is a pattern repeated min_count
+    times; the tokens up to there are those of the run without it. min_tokens comes first."""
+    prompt = "one two one two one two one two one two one two"
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    for low, high, count in ((1, 4, 3), (2, 3, 2), (0, 6, 4)):
+        rd = {"max_pattern_size": high, "min_pattern_size": low, "min_count": count}
+        want = _first_repeat(plain.token_ids, max(low, 1), high, count)
+        assert want is not None and want < 40  # the model loops: the check has something to find
+        out = llm.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_detection=rd)
+        )
+        got = out[0].outputs[0]
+        assert (got.finish_reason, got.stop_reason) == ("repetition", "repetition_detected")
+        assert got.token_ids == plain.token_ids[:want]
+        later = SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, repetition_detection=rd, min_tokens=want + 1
+        )
+        assert len(llm.generate(prompt, later)[0].outputs[0].token_ids) > want
+    # the check alone, on random short-alphabet sequences, against the brute force at every length
+    rng = random.Random(0)
+    for _ in range(300):
+        low, count = rng.randint(0, 3), rng.randint(2, 4)
+        high = rng.randint(max(low, 1), 5)
+        params = RepetitionDetectionParams(max_pattern_size=high, min_pattern_size=low, min_count=count)
+        tokens = [rng.randrange(3) for _ in range(30)]
+        for n in range(1, 31):
+            head = tokens[:n]
+            ends_in_one = any(
+                size * count <= n and head[n - size * count :] == head[n - size :] * count
+                for size in range(max(low, 1), high + 1)
+            )
+            # vLLM's check stops at the first pattern length too long for the tokens: never a false
+            # hit, and none missed once every length fits
+            assert not params.repeats(head) or ends_in_one
+            if n >= high * count:
+                assert params.repeats(head) == ends_in_one
+    for bad in ({"max_pattern_size": 2, "min_count": 1}, {"max_pattern_size": 1, "min_pattern_size": 2}, {"size": 2}):
+        with pytest.raises(ValueError, match="repetition_detection"):
+            SamplingParams(repetition_detection=bad)
 
 
 def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(llm):

@@ -126,6 +126,22 @@ def test_stream_interval_gathers_tokens_per_chunk(client):
         client.chat.completions.create(**{**kw, "extra_body": {"stream_interval": 0}}, stream=True)
 
 
+def test_repetition_detection_ends_a_loop(client):
+    """vLLM's `repetition_detection`: finish_reason "repetition", stop_reason "repetition_detected"."""
+    prompt = "one two one two one two one two one two one two"
+    rd = {"max_pattern_size": 4, "min_count": 3}
+    kw = dict(model=NAME, prompt=prompt, max_tokens=40, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    cut = client.completions.create(
+        **kw, extra_body={"ignore_eos": True, "return_token_ids": True, "repetition_detection": rd}
+    ).choices[0]
+    assert (cut.finish_reason, cut.model_extra["stop_reason"]) == ("repetition", "repetition_detected")
+    ids = cut.model_extra["token_ids"]
+    assert len(ids) < 40 and plain.model_extra["token_ids"][: len(ids)] == ids and plain.text.startswith(cut.text)
+    with pytest.raises(openai.BadRequestError, match="min_count"):
+        client.completions.create(**kw, extra_body={"repetition_detection": {"max_pattern_size": 4, "min_count": 1}})
+
+
 def test_chat_default_max_tokens_is_rest_of_context(client):
     res = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "Count: 1 2 3"}], temperature=0, extra_body={"stop": ["4"]}
