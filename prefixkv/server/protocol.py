@@ -62,6 +62,8 @@ NO_EFFECT_FIELDS: dict[str, tuple[type, str]] = {
         str,
         "prefix caching is automatic and exact on one engine; with --replicas it is the routing key (docs/replicas.md)",
     ),
+    # vLLM's: read only by its /render endpoints; "ignored on regular generation endpoints" there too
+    "return_token_offsets": (bool, "vLLM reads it only on its /render endpoints, which generate nothing"),
 }
 
 

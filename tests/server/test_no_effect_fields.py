@@ -1,5 +1,6 @@
 """Fields the openai SDK and agent frameworks send whose effect does not apply to a local engine
-(store, metadata, service_tier, safety_identifier, user, prompt_cache_key) are accepted - same
+(store, metadata, service_tier, safety_identifier, user, prompt_cache_key; vLLM's return_token_offsets,
+which it reads only on /render endpoints) are accepted - same
 output as without them - and logged once each; a wrong type is still a 400 naming the field;
 reasoning_effort and documents reach the chat template (as vLLM passes them); verbosity is refused by
 name."""
@@ -56,6 +57,18 @@ def test_fields_without_effect_are_accepted_unchanged_and_logged_once(server, cl
         r = post(server, "/v1/chat/completions", {"model": NAME, "messages": msgs, "max_tokens": 1, name: bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
     server.wait_idle()
+
+
+def test_vllms_return_token_offsets_is_accepted_unchanged_and_logged_once(server, client):
+    """vLLM reads it only on its /render endpoints and ignores it on generation ones: so here."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    for _ in range(2):
+        r = post(server, "/v1/chat/completions", {**body, "return_token_offsets": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain
+    assert server.output().count("request field 'return_token_offsets' accepted") == 1
+    r = post(server, "/v1/chat/completions", {**body, "return_token_offsets": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_offsets"
 
 
 def test_reasoning_effort_reaches_the_template_and_verbosity_is_refused(server, client):
