@@ -37,10 +37,13 @@ class ReasoningParser:
     implicit_ends: ClassVar[tuple[str, ...]] = ()
     # tokens that begin or end a turn: the prompt's scan for a marker stops at them
     turn_boundaries: ClassVar[tuple[str, ...]] = ()
-    # a chat-template option that, set to false, means the model answers without reasoning
-    thinking_option: ClassVar[str | None] = None
+    # chat-template options that turn thinking off: where any is given and none of those given is
+    # true, the model answers without reasoning
+    thinking_options: ClassVar[tuple[str, ...]] = ()
     # a further `end` in the answer is dropped (a model that closes its reasoning twice)
     drops_later_ends: ClassVar[bool] = False
+    # the reasoning's trailing whitespace (before its end) is not part of it
+    strips_trailing_whitespace: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         def token_id(text: str) -> int:
@@ -65,11 +68,8 @@ class ReasoningParser:
     def thinks(self, prompt_token_ids: Sequence[int], template_options: Mapping[str, Any] | None = None) -> bool:
         """Whether the output starts in reasoning: not when the template was told not to think,
         nor when the prompt's final turn already ended its reasoning."""
-        if (
-            self.thinking_option is not None
-            and template_options
-            and template_options.get(self.thinking_option) is False
-        ):
+        given = [template_options[o] for o in self.thinking_options if template_options and o in template_options]
+        if given and not any(given):
             return False
         for token in reversed(prompt_token_ids):
             if token == self.end_id:
@@ -138,12 +138,18 @@ class ReasoningSplit:
                 at, t, explicit = min(found)
                 self._end = (at, at + len(t) if explicit else at)
         if self._end is None:
-            return self._without_start(text), ""
+            return self._reasoning(text), ""
         cut, content_at = self._end
         content = text[content_at:]
         if p.drops_later_ends:
             content = content.replace(p.end, "")
-        return self._without_start(text[:cut]), content
+        return self._reasoning(text[:cut]), content
+
+    def _reasoning(self, text: str) -> str:
+        """The reasoning part's text: without its start marker, and without trailing whitespace
+        where the parser says (each only ever grows: what is stripped is still the tail)."""
+        text = self._without_start(text)
+        return text.rstrip() if self.parser is not None and self.parser.strips_trailing_whitespace else text
 
     def _without_start(self, reasoning: str) -> str:
         start = self.parser.start if self.parser is not None else ""
@@ -166,9 +172,41 @@ class Qwen3ReasoningParser(ReasoningParser):
     implicit_ends = ("<tool_call>",)
     drops_later_ends = True
     turn_boundaries = ("<|im_start|>", "<|im_end|>")
-    thinking_option = "enable_thinking"
+    thinking_options = ("enable_thinking",)
+
+
+class Glm45ReasoningParser(ReasoningParser):
+    """GLM-4.5 to 4.7: `<think>` ... `</think>`, `enable_thinking` or `thinking` false answers at
+    once, a tool call (`<tool_call>`) ends the reasoning, a second `</think>` is dropped, and the
+    reasoning's trailing whitespace is not kept."""
+
+    name = "glm45"
+    implicit_ends = ("<tool_call>",)
+    thinking_options = ("enable_thinking", "thinking")
+    drops_later_ends = True
+    strips_trailing_whitespace = True
+
+
+class Glm47ReasoningParser(Glm45ReasoningParser):
+    name = "glm47"  # vLLM's second name of the same parser
+
+
+class MiniMaxM2ReasoningParser(ReasoningParser):
+    """MiniMax-M2: the reasoning comes first without `<think>` (in the prompt) and ends at
+    `</think>`; a second `</think>` is dropped, trailing whitespace not kept."""
+
+    name = "minimax_m2"
+    drops_later_ends = True
+    strips_trailing_whitespace = True
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    p.name: p
+    for p in (
+        DeepSeekR1ReasoningParser,
+        Qwen3ReasoningParser,
+        Glm45ReasoningParser,
+        Glm47ReasoningParser,
+        MiniMaxM2ReasoningParser,
+    )
 }

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 
 from prefixkv.model.tokenizer import Tokenizer
-from prefixkv.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from prefixkv.reasoning import (
+    REASONING_PARSERS,
+    DeepSeekR1ReasoningParser,
+    Glm45ReasoningParser,
+    MiniMaxM2ReasoningParser,
+    Qwen3ReasoningParser,
+)
 
 from .scripted_thinker import write_scripted_thinker
 
@@ -38,25 +44,68 @@ def split_streamed(tok, parser, thinks: bool, token_ids: list[int]) -> tuple[str
     return reasoning, content
 
 
-# (text, thinks, reasoning, content) for Qwen 3. Where thinking, vLLM 0.32's own qwen3 parser
-# (`extract_reasoning`, on this tokenizer) gives the same, with None for an empty content.
-CASES = [
-    ("<think>\nhm, Paris.\n</think>\n\nParis!", True, "\nhm, Paris.\n", "\n\nParis!"),
-    ("hm, Paris.</think>Paris!", True, "hm, Paris.", "Paris!"),  # <think> was in the prompt
-    ("<think>still thinking", True, "still thinking", ""),  # cut short: all reasoning
-    ("<think>hm</think>", True, "hm", ""),
-    ("Paris!", False, "", "Paris!"),  # enable_thinking=False: all content
-    ("<think>hm <tool_call>{}</tool_call>", True, "hm ", "<tool_call>{}</tool_call>"),  # a call ends it
-    ("<think>hm</think>a</think>b", True, "hm", "ab"),  # only the first end counts; a second is dropped
+TEXTS = [
+    "<think>\nhm, Paris.\n</think>\n\nParis!",
+    "hm, Paris.</think>Paris!",  # <think> was in the prompt
+    "<think>still thinking",  # cut short: all reasoning
+    "<think>hm</think>",
+    "<think>hm <tool_call>{}</tool_call>",  # a tool call without the end
+    "<think>hm</think>a</think>b",  # a second end
+    "Paris!",  # no marker: all reasoning while thinking
 ]
+# (reasoning, content) of each text, thinking: what vLLM 0.32's own parsers give on this tokenizer
+# (`extract_reasoning`, its None counted as ""), run side by side.
+SPLITS = {
+    "deepseek_r1": [
+        ("\nhm, Paris.\n", "\n\nParis!"),
+        ("hm, Paris.", "Paris!"),
+        ("still thinking", ""),
+        ("hm", ""),
+        ("hm <tool_call>{}</tool_call>", ""),
+        ("hm", "a</think>b"),
+        ("Paris!", ""),
+    ],
+    "qwen3": [
+        ("\nhm, Paris.\n", "\n\nParis!"),
+        ("hm, Paris.", "Paris!"),
+        ("still thinking", ""),
+        ("hm", ""),
+        ("hm ", "<tool_call>{}</tool_call>"),
+        ("hm", "ab"),
+        ("Paris!", ""),
+    ],
+    "glm45": [
+        ("\nhm, Paris.", "\n\nParis!"),
+        ("hm, Paris.", "Paris!"),
+        ("still thinking", ""),
+        ("hm", ""),
+        ("hm", "<tool_call>{}</tool_call>"),
+        ("hm", "ab"),
+        ("Paris!", ""),
+    ],
+    "minimax_m2": [
+        ("\nhm, Paris.", "\n\nParis!"),
+        ("hm, Paris.", "Paris!"),
+        ("still thinking", ""),
+        ("hm", ""),
+        ("hm <tool_call>{}</tool_call>", ""),
+        ("hm", "ab"),
+        ("Paris!", ""),
+    ],
+}
+SPLITS["glm47"] = SPLITS["glm45"]
 
 
-@pytest.mark.parametrize("text,thinks,reasoning,content", CASES)
-def test_qwen3_splits_whole_and_streamed_alike(tok, text, thinks, reasoning, content):
-    parser = Qwen3ReasoningParser(tok)
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("at", range(len(TEXTS)))
+def test_splits_whole_and_streamed_alike(tok, name, at):
+    parser = REASONING_PARSERS[name](tok)
+    text = TEXTS[at]
     token_ids = ids(tok, text)
-    assert split_whole(parser, thinks, text, token_ids) == (reasoning, content)
-    assert split_streamed(tok, parser, thinks, token_ids) == (reasoning, content)
+    want = SPLITS[name][at]
+    assert split_whole(parser, True, text, token_ids) == want
+    assert split_streamed(tok, parser, True, token_ids) == want
+    assert split_whole(parser, False, text, token_ids) == ("", text)  # not thinking: all answer
 
 
 def test_an_end_counts_only_where_its_token_was_generated(tok):
@@ -100,6 +149,14 @@ def test_where_an_output_starts_in_reasoning(tok):
     assert qwen3.thinks(ids(tok, turn), {"enable_thinking": True}) and r1.thinks(
         ids(tok, turn), {"enable_thinking": False}
     )
+    # GLM reads either option (any true one thinks); MiniMax-M2 reads none (as vLLM's parsers)
+    glm, minimax = Glm45ReasoningParser(tok), MiniMaxM2ReasoningParser(tok)
+    assert not glm.thinks(ids(tok, turn), {"thinking": False})
+    assert not glm.thinks(ids(tok, turn), {"enable_thinking": False})
+    assert glm.thinks(ids(tok, turn), {"thinking": False, "enable_thinking": True}) and glm.thinks(ids(tok, turn), {})
+    assert minimax.thinks(ids(tok, turn), {"enable_thinking": False})
+    # vLLM's scan for these two does not stop at a turn: an earlier turn's end counts
+    assert not glm.thinks(ids(tok, earlier)) and not minimax.thinks(ids(tok, earlier))
 
 
 def test_reasoning_tokens_and_the_grammar_gate(tok):
