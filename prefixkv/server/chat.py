@@ -399,8 +399,10 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=d.choice.stop_reason,
                 token_ids=d.new_token_ids if req.return_token_ids and shown else None,
             )
-            usage = self.with_reasoning_tokens(self.usage(prompts, state.latest), state.latest, thinks)
-            return chunk_dict(response([choice], usage if continuous else None))
+            usage = None
+            if continuous:
+                usage = self.with_reasoning_tokens(self.usage(prompts, state.latest), state.latest, thinks)
+            return chunk_dict(response([choice], usage))
 
         # the role comes first, one chunk per choice, as OpenAI streams it
         prelude = [
