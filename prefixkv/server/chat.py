@@ -28,7 +28,7 @@ from .protocol import (
     UsageInfo,
     random_id,
 )
-from .serving import OpenAIServing
+from .serving import OpenAIServing, log_no_effect_field_once
 from .streaming import ChoiceDelta, StreamState, chunk_dict, sse_stream
 from .tools import ToolPlan, ToolStream, finish_for, plan_tools
 
@@ -106,7 +106,11 @@ class OpenAIServingChat(OpenAIServing):
         prompt say); None without a parser. The engine's grammar and the reply's split read this one
         answer."""
         parser = self.inputs.reasoning
-        return None if parser is None else parser.thinks(prompt_ids, self.template_options(req))
+        if parser is None:
+            if getattr(req, "include_reasoning", True) is False:
+                log_no_effect_field_once("include_reasoning", "no --reasoning-parser: no reasoning to leave out")
+            return None
+        return parser.thinks(prompt_ids, self.template_options(req))
 
     def renderer(self, req: Any, plan: ToolPlan | None = None):
         """The request's messages -> prompt text: its template (the request's `chat_template`,

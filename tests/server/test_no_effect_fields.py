@@ -59,8 +59,9 @@ def test_fields_without_effect_are_accepted_unchanged_and_logged_once(server, cl
     server.wait_idle()
 
 
-def test_vllms_return_token_offsets_is_accepted_unchanged_and_logged_once(server, client):
-    """vLLM reads it only on its /render endpoints and ignores it on generation ones: so here."""
+def test_vllms_fields_without_effect_here_are_accepted_unchanged_and_logged_once(server, client):
+    """return_token_offsets: vLLM reads it only on its /render endpoints and ignores it on
+    generation ones; include_reasoning: false without a reasoning parser."""
     body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
     plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
     for _ in range(2):
@@ -69,6 +70,16 @@ def test_vllms_return_token_offsets_is_accepted_unchanged_and_logged_once(server
     assert server.output().count("request field 'return_token_offsets' accepted") == 1
     r = post(server, "/v1/chat/completions", {**body, "return_token_offsets": "yes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_offsets"
+    # without --reasoning-parser there is no reasoning for include_reasoning to leave out
+    for _ in range(2):
+        r = post(server, "/v1/chat/completions", {**body, "include_reasoning": False})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"] == {
+            "role": "assistant",
+            "content": plain,
+            "tool_calls": None,
+            "reasoning": None,
+        }
+    assert server.output().count("request field 'include_reasoning' accepted") == 1
 
 
 def test_reasoning_effort_reaches_the_template_and_verbosity_is_refused(server, client):
