@@ -22,8 +22,11 @@ SPECIALS = ["<|im_start|>", "<|im_end|>"]
 SCRIPT = [("\n", "<think>"), ("<think>", "h"), ("h", "m"), ("m", "</think>"), ("</think>", "O"), ("O", "K")]
 SCRIPT += [("K", "<|im_end|>"), ("?", "<tool_call>"), ("<tool_call>", "<|im_end|>")]
 
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+TEMPLATE = (  # Qwen 3's shape, short: tools, earlier reasoning and tool calls rendered
+    "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
     "{% if not (loop.last and m.role == 'assistant') %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"

@@ -24,6 +24,7 @@ from .. import __version__
 from ..engine.llm_engine import LLMEngine
 from ..lora.request import LoRARequest
 from ..model.default_model import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
+from .anthropic import add_anthropic_routes
 from .async_engine import AsyncEngine
 from .cache_control import add_cache_control_routes
 from .chat import OpenAIServingChat
@@ -200,6 +201,8 @@ def create_app(
     add_cache_control_routes(app, async_engine, adapter)
     # /v1/responses: chat admission and engine path, Responses shapes
     add_responses_routes(app, chat, id_prefix=response_id_prefix)
+    # /v1/messages: chat admission and engine path, Anthropic's shapes
+    add_anthropic_routes(app, chat)
 
     if allow_runtime_lora_updating is None:
         allow_runtime_lora_updating = runtime_lora_updating_from_env()

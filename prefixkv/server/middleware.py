@@ -30,7 +30,8 @@ def route_path(scope: Scope) -> str:
 
 class APIKeyMiddleware:
     """Require `Authorization: Bearer KEY` on every path but `open_paths` (default OPEN_PATHS);
-    any of several keys (`--api-key` given more than once, as vLLM) is accepted."""
+    any of several keys (`--api-key` given more than once, as vLLM) is accepted. `x-api-key: KEY`
+    (the header Anthropic's SDK sends) is taken as well."""
 
     def __init__(
         self,
@@ -42,17 +43,19 @@ class APIKeyMiddleware:
         self.app = app
         keys = [api_key] if isinstance(api_key, str) else list(api_key)
         self.expected = [f"Bearer {k}".encode() for k in keys if k]
+        self.expected_plain = [k.encode() for k in keys if k]
         self.on_reject = on_reject
         self.open_paths = open_paths
 
-    def _valid(self, header: bytes) -> bool:
+    def _valid(self, header: bytes, plain: bytes) -> bool:
         # every key is compared (no early exit), so timing tells nothing about which one is near
-        return sum(secrets.compare_digest(header, e) for e in self.expected) > 0
+        bearer = sum(secrets.compare_digest(header, e) for e in self.expected)
+        return bearer + sum(secrets.compare_digest(plain, e) for e in self.expected_plain) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and route_path(scope) not in self.open_paths:
-            header = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not self._valid(header):
+            headers = dict(scope.get("headers") or ())
+            if not self._valid(headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")):
                 if self.on_reject is not None:
                     self.on_reject()
                 resp = error_response(
