@@ -256,6 +256,32 @@ def test_malformed_text_is_a_400_not_a_500(server, victim_text):
             "request_id",
         ),
         ("/v1/responses", '{"input": "x", "max_output_tokens": 2, "metadata": {"k": "\\udfff"}}', "metadata.k"),
+        # Anthropic's Messages API: the same checks under its shapes (and its error body)
+        ("/v1/messages", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "Unicode"),
+        (
+            "/v1/messages",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], "max_tokens": 2}',
+            "text",
+        ),
+        (
+            "/v1/messages",
+            '{"messages": [{"role": "user", "content": [{"type": "tool_result"}]}], "max_tokens": 2}',
+            "tool_use_id",
+        ),
+        (
+            "/v1/messages",
+            '{"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", '
+            '"input": 3}]}], "max_tokens": 2}',
+            "input",
+        ),
+        (
+            "/v1/messages",
+            '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": true, "temperature": -1}',
+            "temperature",
+        ),
+        ("/v1/messages", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+        ("/v1/messages", '{"messages": "x", "max_tokens": 2}', "messages"),
+        ("/v1/messages", "not json", "json"),
     ]
     for path, body, needle in cases:
         r = post(server, path, body)
