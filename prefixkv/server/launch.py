@@ -124,7 +124,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="how tool calls are found in the model's text: hermes (<tool_call>{json}</tool_call>: "
-        "Qwen2.5/3, Hermes, SmolLM3 templates), llama3_json (Llama 3.1+) or mistral ([TOOL_CALLS] [...])",
+        "Qwen2.5/3, Hermes, SmolLM3 templates), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS] [...]) or "
+        "qwen3_coder / qwen3_xml (<tool_call><function=f><parameter=k>v</parameter>...: Qwen3-Coder)",
     )
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]

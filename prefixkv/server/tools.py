@@ -5,7 +5,9 @@
   --tool-call-parser NAME`: the model writes freely and the parser finds the calls in its text
   (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5/3,
   Hermes and SmolLM3 templates; `llama3_json`: `{"name": ..., "parameters": {...}}`, optionally
-  after `<|python_tag|>`, Llama 3.1+ templates; `mistral`: `[TOOL_CALLS] [{...}, ...]`).
+  after `<|python_tag|>`, Llama 3.1+ templates; `mistral`: `[TOOL_CALLS] [{...}, ...]`;
+  `qwen3_coder` / `qwen3_xml`: Qwen3-Coder's XML, `<function=NAME><parameter=KEY>VALUE</parameter>`,
+  each value typed by the tool's schema as vLLM types it).
 - `tool_choice="required"` and a named function are constrained by the grammar engine (no flags
   needed), so the call always parses: a named function's output is its arguments object (JSON
   schema: the function's `parameters`); `required` outputs a JSON array of
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -77,10 +80,15 @@ def _arguments(value: Any) -> str:
 
 # -- parsers of free text ("auto") ---------------------------------------------------------------
 class ToolParser:
-    """Finds tool calls in a model's text: (content before the calls or None, calls)."""
+    """Finds tool calls in a model's text: (content before the calls or None, calls). Built per
+    request with its tools (as chat's `tools`), for parsers that read their schemas."""
 
     marker = ""  # where the calls begin: a stream withholds text from here on
+    other_markers: tuple[str, ...] = ()  # further texts that may begin a call
     keeps_special_tokens = False  # the marker is a special token: the text must keep them
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
@@ -159,10 +167,146 @@ class MistralToolParser(ToolParser):
         return text[:at].strip() or None, calls
 
 
+class Qwen3XmlToolParser(ToolParser):
+    """Qwen3-Coder's (and later Qwen 3 templates') XML calls, as vLLM's `qwen3_coder` /
+    `qwen3_xml` parser reads them: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>
+    ...</function></tool_call>` (a `<function=` without `<tool_call>` too). A value loses one
+    wrapping newline each side and becomes the type its tool's schema says (`coerce`); a
+    parameter not closed is dropped."""
+
+    marker = "<tool_call>"
+    other_markers = ("<function=",)
+    _FUNCTION = re.compile(r"<function=([^>]*)>(.*?)(?:</function>|$)", re.DOTALL)
+    _PARAM = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        starts = [at for m in (self.marker, *self.other_markers) if (at := text.find(m)) >= 0]
+        if not starts:
+            return text, []
+        at = min(starts)
+        calls = []
+        for name, body in self._FUNCTION.findall(text[at:]):
+            properties = self._properties(name.strip())
+            args: dict[str, Any] = {}
+            for key, value in self._PARAM.findall(body):
+                value = value[1:] if value.startswith("\n") else value
+                value = value[:-1] if value.endswith("\n") else value
+                schema = properties.get(key) if isinstance(properties, dict) else None
+                args[key] = coerce(value, schema) if isinstance(schema, dict) else value
+            calls.append(
+                ToolCall(function=FunctionCall(name=name.strip(), arguments=json.dumps(args, ensure_ascii=False)))
+            )
+        if not calls:
+            return text, []
+        return text[:at].strip() or None, calls
+
+    def _properties(self, name: str) -> Any:
+        for tool in self.tools:
+            fn = tool.get("function") or {}
+            if fn.get("name") == name:
+                return (fn.get("parameters") or {}).get("properties") or {}
+        return {}
+
+
+_TYPE_ALIASES = {
+    **dict.fromkeys(("str", "text", "varchar", "char", "enum"), "string"),
+    **dict.fromkeys(("int", "int32", "int64", "uint", "uint32", "uint64", "long", "short", "unsigned"), "integer"),
+    **dict.fromkeys(("float", "float32", "float64", "double"), "number"),
+    "bool": "boolean",
+    "dict": "object",
+    **dict.fromkeys(("arr", "list", "sequence"), "array"),
+}
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array")):
+        if isinstance(value, kind):
+            return name
+    return "object"
+
+
+def schema_types(schema: Any) -> set[str]:
+    """The JSON types a schema allows: its `type`, its `enum` values' types, its alternatives'
+    (anyOf / oneOf / allOf); {"string"} when it says none (vLLM's rule)."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    types: set[str] = set()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        types.add(kind)
+    elif isinstance(kind, list):
+        types.update(t for t in kind if isinstance(t, str))
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        types.update(_json_type(v) for v in enum)
+    for key in ("anyOf", "oneOf", "allOf"):
+        choices = schema.get(key)
+        if isinstance(choices, list):
+            for choice in choices:
+                types |= schema_types(choice)
+    return types or {"string"}
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+def coerce(value: str, schema: dict[str, Any]) -> Any:
+    """A parameter's text as the type its schema says, tried in vLLM's order (null, integer,
+    number, boolean, object, array, string); else JSON if it parses, else the text."""
+    types = {_TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in schema_types(schema)}
+    for kind in ("null", "integer", "number", "boolean", "object", "array", "string"):
+        if kind not in types:
+            continue
+        if kind == "null" and value.lower() == "null":
+            return None
+        if kind == "string":
+            return value
+        if kind == "integer":
+            try:
+                return int(value)
+            except ValueError:
+                continue
+        if kind == "number":
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            if math.isfinite(number):
+                return number if number != int(number) else int(number)
+        if kind == "boolean":
+            if value.lower().strip() in ("true", "1"):
+                return True
+            if value.lower().strip() in ("false", "0"):
+                return False
+        if kind in ("object", "array"):
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                continue
+            if _finite(parsed):
+                return parsed
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return value
+    return parsed if _finite(parsed) else value
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "qwen3_coder": Qwen3XmlToolParser,
+    "qwen3_xml": Qwen3XmlToolParser,  # vLLM's second name of the same parser
 }
 
 
@@ -204,13 +348,17 @@ class ToolPlan:
             stripped, tag = text.lstrip(), Llama3JsonToolParser._TAG
             maybe_call = not stripped or stripped.startswith(("{", tag)) or tag.startswith(stripped)
             return 0 if maybe_call else len(text)
-        at = text.find(marker)
-        if at >= 0:
-            return at
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may begin the marker waits
-            if marker.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        end = len(text)
+        for marker in (self.parser.marker, *self.parser.other_markers):
+            at = text.find(marker)
+            if at >= 0:
+                end = min(end, at)
+                continue
+            for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may begin the marker waits
+                if marker.startswith(text[-k:]):
+                    end = min(end, len(text) - k)
+                    break
+        return end
 
 
 def _required_schema(tools: list[ChatTool]) -> dict[str, Any]:
@@ -251,7 +399,7 @@ def plan_tools(
                 400,
                 param="tool_choice",
             )
-        return ToolPlan("auto", as_dicts, parser=TOOL_PARSERS[parser_name]())
+        return ToolPlan("auto", as_dicts, parser=TOOL_PARSERS[parser_name](as_dicts))
     if choice == "required":
         schema = _required_schema(tools)
         if parallel_tool_calls is False:

@@ -11,7 +11,14 @@ import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
-from prefixkv.server.tools import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolPlan, ToolStream
+from prefixkv.server.tools import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    ToolPlan,
+    ToolStream,
+)
 
 WEATHER = {
     "type": "object",
@@ -123,6 +130,30 @@ def test_auto_parses_the_models_hermes_text(client):
     assert chat(client, tool_choice="none", max_tokens=2)["message"]["tool_calls"] is None
 
 
+def test_auto_parses_qwen3_xml_calls_with_typed_arguments(engine):
+    """--tool-call-parser qwen3_coder: the model's XML call (forced with a regex here) comes out as
+    a call whose arguments have the tool's types, streamed or not."""
+    from prefixkv.server.app import create_app
+
+    days = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": days}}]
+    text = (
+        "<tool_call>\n<function=forecast>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+    )
+    forced = {"regex": "Ok\\. " + text.replace("\n", "\\n") + "</function>\\n</tool_call>"}
+    with TestClient(create_app(engine, tool_call_parser="qwen3_coder")) as xml_client:
+        got = chat(xml_client, tools=tools, structured_outputs=forced, max_tokens=120)
+        assert got["finish_reason"] == "tool_calls" and got["message"]["content"] == "Ok."
+        (call,) = got["message"]["tool_calls"]
+        assert call["function"]["name"] == "forecast" and json.loads(call["function"]["arguments"]) == {
+            "city": "Paris",
+            "days": 3,
+        }
+        calls, finish, content = stream(xml_client, tools=tools, structured_outputs=forced, max_tokens=120)
+        assert content == "Ok. " and finish == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("forecast", {"city": "Paris", "days": 3})]
+
+
 def test_refusals_are_vllms(engine, client):
     from prefixkv.server.app import create_app
 
@@ -181,6 +212,84 @@ def test_parsers(parser, text, content, calls):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == calls
 
 
+WEATHER_PROPS = {
+    "city": {"type": "string"},
+    "days": {"type": "integer"},
+    "metric": {"type": "boolean"},
+    "tags": {"type": "array"},
+    "ratio": {"type": "number"},
+    "unit": {"enum": ["C", "F", 1]},
+    "maybe": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+    "opts": {"type": "object"},
+    "free": {},
+}
+
+
+def xml_call(params: list[tuple[str, str]], name: str = "get_weather", wrapped: bool = True) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    call = f"<function={name}>\n{body}</function>"
+    return f"<tool_call>\n{call}\n</tool_call>" if wrapped else call
+
+
+# (model text, content, [[name, arguments]]): what vLLM 0.32's own qwen3_coder parser answers for
+# these texts with a tool of WEATHER_PROPS (run side by side), arguments as it serializes them
+QWEN3_XML_CASES = [
+    (
+        "Sure.\n" + xml_call([("city", "Paris"), ("days", "3"), ("metric", "true"), ("tags", '["a", "b"]')]),
+        "Sure.",
+        [["get_weather", '{"city": "Paris", "days": 3, "metric": true, "tags": ["a", "b"]}']],
+    ),
+    (
+        xml_call([("city", "New York")]) + "\n" + xml_call([("city", "Rome")]),
+        None,
+        [["get_weather", '{"city": "New York"}'], ["get_weather", '{"city": "Rome"}']],
+    ),
+    ("No call here.", "No call here.", []),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis", None, [["get_weather", "{}"]]),
+    (xml_call([("city", "Paris")], wrapped=False), None, [["get_weather", '{"city": "Paris"}']]),
+    (
+        xml_call(
+            [("ratio", "1.5"), ("days", "x7"), ("metric", "0"), ("unit", "F"), ("maybe", "null")]
+            + [("opts", '{"a": 1}'), ("free", "42")]
+        ),
+        None,
+        [
+            [
+                "get_weather",
+                '{"ratio": 1.5, "days": "x7", "metric": false, "unit": "F", "maybe": null, '
+                '"opts": {"a": 1}, "free": "42"}',
+            ]
+        ],
+    ),
+    (
+        xml_call([("ratio", "2.0"), ("days", "007"), ("unit", "1"), ("maybe", "5"), ("free", "hello"), ("extra", "9")]),
+        None,
+        [["get_weather", '{"ratio": 2, "days": 7, "unit": 1, "maybe": 5, "free": "hello", "extra": "9"}']],
+    ),
+    (xml_call([("city", "Paris")], name="unknown_tool"), None, [["unknown_tool", '{"city": "Paris"}']]),
+    (
+        xml_call([("ratio", "inf"), ("tags", "[1e999]"), ("city", "multi\nline")]),
+        None,
+        [["get_weather", '{"ratio": "inf", "tags": "[1e999]", "city": "multi\\nline"}']],
+    ),
+    (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>Paris<parameter=days>4</function></tool_call>",
+        None,
+        [["get_weather", '{"city": "Paris"}']],
+    ),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", QWEN3_XML_CASES)
+def test_qwen3_xml_calls_read_as_vllm_reads_them(text, content, calls):
+    """Parameters become their schema's types (vLLM's order of tries), a parameter not closed is
+    dropped, `<function=` alone is a call, and an unknown tool's values stay text."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": WEATHER_PROPS}}}]
+    got_content, got = TOOL_PARSERS["qwen3_coder"](tools).extract(text)
+    assert got_content == content
+    assert [[c.function.name, c.function.arguments] for c in got] == calls
+
+
 def test_a_stream_withholds_what_may_begin_a_call():
     s = ToolStream(ToolPlan("auto", [], parser=HermesToolParser()))
     assert s.delta(0, "Hi <tool", None)[0] == "Hi "  # "<tool" may begin "<tool_call>": it waits
@@ -188,6 +297,12 @@ def test_a_stream_withholds_what_may_begin_a_call():
     assert s.delta(0, "Hi <toolbox " + HERMES_CALL[:20], None)[0] == " "
     content, calls, finish = s.delta(0, "Hi <toolbox " + HERMES_CALL, "stop")
     assert content is None and finish == "tool_calls" and calls[0].function.name == "get_weather"
+    # a parser with two ways to begin a call waits at either
+    xml = ToolStream(ToolPlan("auto", [], parser=TOOL_PARSERS["qwen3_xml"]()))
+    assert xml.delta(0, "Hi <func", None)[0] == "Hi "
+    assert xml.delta(0, "Hi <function=f>", None)[0] is None
+    content, calls, finish = xml.delta(0, "Hi <function=f>\n</function>", "stop")
+    assert content is None and finish == "tool_calls" and [c.function.name for c in calls] == ["f"]
 
 
 TOOLS_TEMPLATE = (  # the shape of Qwen2.5's: the tools as JSON in the system turn
