@@ -177,11 +177,12 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 class Glm45ReasoningParser(ReasoningParser):
     """GLM-4.5 to 4.7: `<think>` ... `</think>`, `enable_thinking` or `thinking` false answers at
-    once, a tool call (`<tool_call>`) ends the reasoning, a second `</think>` is dropped, and the
-    reasoning's trailing whitespace is not kept."""
+    once, a tool call (`<tool_call>`) ends the reasoning, a second `</think>` is dropped, the
+    reasoning's trailing whitespace is not kept, and the prompt's scan stops at GLM's turns."""
 
     name = "glm45"
     implicit_ends = ("<tool_call>",)
+    turn_boundaries = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
     thinking_options = ("enable_thinking", "thinking")
     drops_later_ends = True
     strips_trailing_whitespace = True
@@ -193,9 +194,11 @@ class Glm47ReasoningParser(Glm45ReasoningParser):
 
 class MiniMaxM2ReasoningParser(ReasoningParser):
     """MiniMax-M2: the reasoning comes first without `<think>` (in the prompt) and ends at
-    `</think>`; a second `</think>` is dropped, trailing whitespace not kept."""
+    `</think>` or a tool call (`<minimax:tool_call>`); a second `</think>` is dropped, trailing
+    whitespace not kept."""
 
     name = "minimax_m2"
+    implicit_ends = ("<minimax:tool_call>",)
     drops_later_ends = True
     strips_trailing_whitespace = True
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # added tokens, not special (as Qwen 3's)
-SPECIALS = ["<|im_start|>", "<|im_end|>"]
+# added tokens, not special (as Qwen 3's); MiniMax-M2's call markers too
+MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<minimax:tool_call>", "</minimax:tool_call>"]
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]  # + GLM's turns
 # A prompt's template ends with "\n" after "assistant": the reply is "<think>hm</think>OK", then EOS.
 # After "?" (a continued reply that ends with it): "<tool_call>" at once, without "</think>".
 SCRIPT = [("\n", "<think>"), ("<think>", "h"), ("h", "m"), ("m", "</think>"), ("</think>", "O"), ("O", "K")]

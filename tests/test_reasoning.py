@@ -52,48 +52,80 @@ TEXTS = [
     "<think>hm <tool_call>{}</tool_call>",  # a tool call without the end
     "<think>hm</think>a</think>b",  # a second end
     "Paris!",  # no marker: all reasoning while thinking
+    "<think>hm <minimax:tool_call>x</minimax:tool_call>",  # MiniMax-M2's call
 ]
-# (reasoning, content) of each text, thinking: what vLLM 0.32's own parsers give on this tokenizer
-# (`extract_reasoning`, its None counted as ""), run side by side.
-SPLITS = {
-    "deepseek_r1": [
-        ("\nhm, Paris.\n", "\n\nParis!"),
-        ("hm, Paris.", "Paris!"),
-        ("still thinking", ""),
-        ("hm", ""),
-        ("hm <tool_call>{}</tool_call>", ""),
-        ("hm", "a</think>b"),
-        ("Paris!", ""),
-    ],
-    "qwen3": [
-        ("\nhm, Paris.\n", "\n\nParis!"),
-        ("hm, Paris.", "Paris!"),
-        ("still thinking", ""),
-        ("hm", ""),
-        ("hm ", "<tool_call>{}</tool_call>"),
-        ("hm", "ab"),
-        ("Paris!", ""),
-    ],
-    "glm45": [
-        ("\nhm, Paris.", "\n\nParis!"),
-        ("hm, Paris.", "Paris!"),
-        ("still thinking", ""),
-        ("hm", ""),
-        ("hm", "<tool_call>{}</tool_call>"),
-        ("hm", "ab"),
-        ("Paris!", ""),
-    ],
-    "minimax_m2": [
-        ("\nhm, Paris.", "\n\nParis!"),
-        ("hm, Paris.", "Paris!"),
-        ("still thinking", ""),
-        ("hm", ""),
-        ("hm <tool_call>{}</tool_call>", ""),
-        ("hm", "ab"),
-        ("Paris!", ""),
-    ],
+PROMPTS = [  # Qwen 3's turns, then GLM's
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>assistant\n<think>\n",
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    "<|im_start|>assistant\n<think>a</think>b<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "<|assistant|><think>a</think>b<|user|>Hi<|assistant|>",
+    "<|user|>Hi<|assistant|><think></think>",
+]
+# What vLLM 0.32's own parsers answer on this tokenizer (run side by side): each text's
+# (reasoning, content) when thinking (`extract_reasoning`, its None as ""), and for each prompt
+# whether the reasoning already ended there (`is_reasoning_end`)
+VLLM = {
+    "deepseek_r1": {
+        "splits": [
+            ("\nhm, Paris.\n", "\n\nParis!"),
+            ("hm, Paris.", "Paris!"),
+            ("still thinking", ""),
+            ("hm", ""),
+            ("hm <tool_call>{}</tool_call>", ""),
+            ("hm", "a</think>b"),
+            ("Paris!", ""),
+            ("hm <minimax:tool_call>x</minimax:tool_call>", ""),
+        ],
+        "ended": [False, False, True, True, True, True],
+    },
+    "qwen3": {
+        "splits": [
+            ("\nhm, Paris.\n", "\n\nParis!"),
+            ("hm, Paris.", "Paris!"),
+            ("still thinking", ""),
+            ("hm", ""),
+            ("hm ", "<tool_call>{}</tool_call>"),
+            ("hm", "ab"),
+            ("Paris!", ""),
+            ("hm <minimax:tool_call>x</minimax:tool_call>", ""),
+        ],
+        "ended": [False, False, True, False, True, True],
+    },
+    "glm45": {
+        "splits": [
+            ("\nhm, Paris.", "\n\nParis!"),
+            ("hm, Paris.", "Paris!"),
+            ("still thinking", ""),
+            ("hm", ""),
+            ("hm", "<tool_call>{}</tool_call>"),
+            ("hm", "ab"),
+            ("Paris!", ""),
+            ("hm <minimax:tool_call>x</minimax:tool_call>", ""),
+        ],
+        "ended": [False, False, True, True, False, True],
+    },
+    "minimax_m2": {
+        "splits": [
+            ("\nhm, Paris.", "\n\nParis!"),
+            ("hm, Paris.", "Paris!"),
+            ("still thinking", ""),
+            ("hm", ""),
+            ("hm <tool_call>{}</tool_call>", ""),
+            ("hm", "ab"),
+            ("Paris!", ""),
+            ("hm", "<minimax:tool_call>x</minimax:tool_call>"),
+        ],
+        "ended": [False, False, True, True, True, True],
+    },
 }
-SPLITS["glm47"] = SPLITS["glm45"]
+VLLM["glm47"] = VLLM["glm45"]
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_where_a_reply_starts_in_reasoning_agrees_with_vllm(tok, name):
+    parser = REASONING_PARSERS[name](tok)
+    assert [not parser.thinks(ids(tok, p)) for p in PROMPTS] == VLLM[name]["ended"]
 
 
 @pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
@@ -102,7 +134,7 @@ def test_splits_whole_and_streamed_alike(tok, name, at):
     parser = REASONING_PARSERS[name](tok)
     text = TEXTS[at]
     token_ids = ids(tok, text)
-    want = SPLITS[name][at]
+    want = VLLM[name]["splits"][at]
     assert split_whole(parser, True, text, token_ids) == want
     assert split_streamed(tok, parser, True, token_ids) == want
     assert split_whole(parser, False, text, token_ids) == ("", text)  # not thinking: all answer
@@ -135,7 +167,7 @@ def test_an_end_whose_text_comes_later_is_found_then(tok):
     assert s.update("<think>hm</think>OK", token_ids) == ("hm", "OK")
 
 
-def test_where_an_output_starts_in_reasoning(tok):
+def test_where_an_output_starts_in_reasoning_and_the_template_options(tok):
     qwen3, r1 = Qwen3ReasoningParser(tok), DeepSeekR1ReasoningParser(tok)
     turn = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     for parser in (qwen3, r1):
@@ -155,7 +187,7 @@ def test_where_an_output_starts_in_reasoning(tok):
     assert not glm.thinks(ids(tok, turn), {"enable_thinking": False})
     assert glm.thinks(ids(tok, turn), {"thinking": False, "enable_thinking": True}) and glm.thinks(ids(tok, turn), {})
     assert minimax.thinks(ids(tok, turn), {"enable_thinking": False})
-    # vLLM's scan for these two does not stop at a turn: an earlier turn's end counts
+    # each parser's scan stops at its own family's turns only (GLM's are not Qwen's)
     assert not glm.thinks(ids(tok, earlier)) and not minimax.thinks(ids(tok, earlier))
 
 
