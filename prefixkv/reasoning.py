@@ -44,6 +44,8 @@ class ReasoningParser:
     drops_later_ends: ClassVar[bool] = False
     # the reasoning's trailing whitespace (before its end) is not part of it
     strips_trailing_whitespace: ClassVar[bool] = False
+    # a `start` generated in the answer begins reasoning again, until the next `end` (interleaved)
+    reenters: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         def token_id(text: str) -> int:
@@ -95,16 +97,18 @@ class ReasoningParser:
         return ReasoningSplit(self, thinking)
 
     def reasoning_tokens(self, token_ids: Sequence[int], thinking: bool) -> int:
-        """How many of the output's tokens are reasoning: those before its end, the markers not
-        counted."""
-        if not thinking:
-            return 0
-        implicit = {i for _, i in self._implicit}
-        count = 0
+        """How many of the output's tokens are reasoning: those before its end (and in later
+        spans, for parsers that re-enter), the markers not counted."""
+        ends = {self.end_id, *(i for _, i in self._implicit)}
+        count, inside = 0, thinking
         for token in token_ids:
-            if token == self.end_id or token in implicit:
-                break
-            count += token != self.start_id
+            if inside:
+                if token in ends:
+                    inside = False
+                else:
+                    count += token != self.start_id
+            elif self.reenters and token == self.start_id and thinking:
+                inside = True
         return count
 
 
@@ -121,6 +125,8 @@ class ReasoningSplit:
         self._seen = 0  # tokens looked at for an end
         self._ends: list[tuple[str, bool]] = []  # ends generated: (text, explicit), looked for in the text
         self._end: tuple[int, int] | None = None  # (where the reasoning ends, where the content begins) in the text
+        self._checked = 0  # tokens after the end looked at for a new start (parsers that re-enter)
+        self._reentered = False
 
     def update(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
         p = self.parser
@@ -137,18 +143,44 @@ class ReasoningSplit:
             if found:
                 at, t, explicit = min(found)
                 self._end = (at, at + len(t) if explicit else at)
+                ends = {p.end_id, *(i for _, i in p._implicit)}
+                self._checked = next(k for k, token in enumerate(token_ids) if token in ends) + 1
         if self._end is None:
-            return self._reasoning(text), ""
+            return self._reasoning(self._without_start(text)), ""
         cut, content_at = self._end
-        content = text[content_at:]
+        reasoning, content = self._without_start(text[:cut]), text[content_at:]
+        if p.reenters:
+            if not self._reentered:
+                self._reentered = p.start_id in token_ids[self._checked :]
+                self._checked = len(token_ids)
+            if self._reentered:
+                more, content = self._spans(content)
+                reasoning += more
         if p.drops_later_ends:
             content = content.replace(p.end, "")
-        return self._reasoning(text[:cut]), content
+        return self._reasoning(reasoning), content
+
+    def _spans(self, content: str) -> tuple[str, str]:
+        """(the reasoning of the answer's later `start` ... `end` spans, the answer without them);
+        a span not yet closed runs to the end."""
+        assert self.parser is not None
+        start, end = self.parser.start, self.parser.end
+        reasoning, answer = [], []
+        while (at := content.find(start)) >= 0:
+            answer.append(content[:at])
+            rest = content[at + len(start) :]
+            close = rest.find(end)
+            if close < 0:
+                reasoning.append(rest)
+                return "".join(reasoning), "".join(answer)
+            reasoning.append(rest[:close])
+            content = rest[close + len(end) :]
+        answer.append(content)
+        return "".join(reasoning), "".join(answer)
 
     def _reasoning(self, text: str) -> str:
-        """The reasoning part's text: without its start marker, and without trailing whitespace
-        where the parser says (each only ever grows: what is stripped is still the tail)."""
-        text = self._without_start(text)
+        """The reasoning's text, without trailing whitespace where the parser says (it only ever
+        grows: what is stripped is still the tail)."""
         return text.rstrip() if self.parser is not None and self.parser.strips_trailing_whitespace else text
 
     def _without_start(self, reasoning: str) -> str:
@@ -177,8 +209,9 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 class Glm45ReasoningParser(ReasoningParser):
     """GLM-4.5 to 4.7: `<think>` ... `</think>`, `enable_thinking` or `thinking` false answers at
-    once, a tool call (`<tool_call>`) ends the reasoning, a second `</think>` is dropped, the
-    reasoning's trailing whitespace is not kept, and the prompt's scan stops at GLM's turns."""
+    once, a tool call (`<tool_call>`) ends the reasoning, a `<think>` in the answer begins more
+    (interleaved), a stray `</think>` is dropped, the reasoning's trailing whitespace is not kept,
+    and the prompt's scan stops at GLM's turns."""
 
     name = "glm45"
     implicit_ends = ("<tool_call>",)
@@ -186,6 +219,7 @@ class Glm45ReasoningParser(ReasoningParser):
     thinking_options = ("enable_thinking", "thinking")
     drops_later_ends = True
     strips_trailing_whitespace = True
+    reenters = True
 
 
 class Glm47ReasoningParser(Glm45ReasoningParser):

@@ -53,6 +53,9 @@ TEXTS = [
     "<think>hm</think>a</think>b",  # a second end
     "Paris!",  # no marker: all reasoning while thinking
     "<think>hm <minimax:tool_call>x</minimax:tool_call>",  # MiniMax-M2's call
+    "<think>a</think>b<think>c</think>d",  # thinking again in the answer (GLM's interleaving)
+    "<think>a \n</think>b<think>c\n</think>d ",  # ... with whitespace
+    "<think>a</think>b<think>c",  # ... cut short
 ]
 PROMPTS = [  # Qwen 3's turns, then GLM's
     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
@@ -76,6 +79,9 @@ VLLM = {
             ("hm", "a</think>b"),
             ("Paris!", ""),
             ("hm <minimax:tool_call>x</minimax:tool_call>", ""),
+            ("a", "b<think>c</think>d"),
+            ("a \n", "b<think>c\n</think>d "),
+            ("a", "b<think>c"),
         ],
         "ended": [False, False, True, True, True, True],
     },
@@ -89,6 +95,9 @@ VLLM = {
             ("hm", "ab"),
             ("Paris!", ""),
             ("hm <minimax:tool_call>x</minimax:tool_call>", ""),
+            ("a", "b<think>cd"),
+            ("a \n", "b<think>c\nd "),
+            ("a", "b<think>c"),
         ],
         "ended": [False, False, True, False, True, True],
     },
@@ -102,6 +111,9 @@ VLLM = {
             ("hm", "ab"),
             ("Paris!", ""),
             ("hm <minimax:tool_call>x</minimax:tool_call>", ""),
+            ("ac", "bd"),
+            ("a \nc", "bd "),
+            ("ac", "b"),
         ],
         "ended": [False, False, True, True, False, True],
     },
@@ -115,6 +127,9 @@ VLLM = {
             ("hm", "ab"),
             ("Paris!", ""),
             ("hm", "<minimax:tool_call>x</minimax:tool_call>"),
+            ("a", "b<think>cd"),
+            ("a", "b<think>c\nd "),
+            ("a", "b<think>c"),
         ],
         "ended": [False, False, True, True, True, True],
     },
@@ -197,6 +212,12 @@ def test_reasoning_tokens_and_the_grammar_gate(tok):
     assert qwen3.reasoning_tokens(token_ids, True) == 2 and qwen3.reasoning_tokens(token_ids, False) == 0
     assert qwen3.reasoning_tokens(ids(tok, "hm<tool_call>OK"), True) == 2
     assert r1.reasoning_tokens(ids(tok, "hm<tool_call>OK"), True) == 5  # no end: all of it
+    interleaved = ids(tok, "<think>ab</think>c<think>de</think>f")
+    assert Glm45ReasoningParser(tok).reasoning_tokens(interleaved, True) == 4  # both spans
+    assert (
+        qwen3.reasoning_tokens(interleaved, True) == 2
+        and Glm45ReasoningParser(tok).reasoning_tokens(interleaved, False) == 0
+    )
     call = tok.token_to_id("<tool_call>")
     assert qwen3.grammar_gate().after == {qwen3.end_id} and qwen3.grammar_gate().at == {call}
     assert r1.grammar_gate().at == frozenset()

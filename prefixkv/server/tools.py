@@ -175,7 +175,7 @@ class Qwen3XmlToolParser(ToolParser):
     parameter not closed is dropped."""
 
     marker = "<tool_call>"
-    other_markers = ("<function=",)
+    other_markers: tuple[str, ...] = ("<function=",)
     _FUNCTION = re.compile(r"<function=([^>]*)>(.*?)(?:</function>|$)", re.DOTALL)
     _PARAM = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))", re.DOTALL)
 
@@ -206,6 +206,37 @@ class Qwen3XmlToolParser(ToolParser):
             if fn.get("name") == name:
                 return (fn.get("parameters") or {}).get("properties") or {}
         return {}
+
+
+class Glm45ToolParser(Qwen3XmlToolParser):
+    """GLM-4.5 to 4.7's calls, as vLLM's `glm45` / `glm47` parser reads them: `<tool_call>NAME
+    <arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`. Values are kept verbatim,
+    then typed by the tool's schema; a call not closed keeps no arguments. A call of a tool the
+    request did not declare is no call (vLLM's check of names): the text stays content."""
+
+    other_markers = ()
+    _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+    _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        declared = {(t.get("function") or {}).get("name") for t in self.tools}
+        calls = []
+        for body, closed in self._CALL.findall(text[at:]):
+            name = body.split("<arg_key>", 1)[0].strip()
+            if name not in declared:
+                continue
+            properties = self._properties(name)
+            args: dict[str, Any] = {}
+            for key, value in self._ARG.findall(body) if closed else ():
+                schema = properties.get(key.strip()) if isinstance(properties, dict) else None
+                args[key.strip()] = coerce(value, schema) if isinstance(schema, dict) else value
+            calls.append(ToolCall(function=FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))))
+        if not calls:
+            return text, []
+        return text[:at].strip() or None, calls
 
 
 _TYPE_ALIASES = {
@@ -307,6 +338,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser,
     "qwen3_coder": Qwen3XmlToolParser,
     "qwen3_xml": Qwen3XmlToolParser,  # vLLM's second name of the same parser
+    "glm45": Glm45ToolParser,
+    "glm47": Glm45ToolParser,  # vLLM's second name of the same parser
 }
 
 

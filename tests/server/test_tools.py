@@ -290,6 +290,53 @@ def test_qwen3_xml_calls_read_as_vllm_reads_them(text, content, calls):
     assert [[c.function.name, c.function.arguments] for c in got] == calls
 
 
+GLM_ARGS = "<arg_key>city</arg_key><arg_value>New York</arg_value>"
+# (model text, content, [[name, arguments]]): vLLM 0.32's own glm45 parser's answers (run side by
+# side, tool get_weather of WEATHER_PROPS), but for an undeclared tool's call: vLLM answers no
+# content and no call, the text is dropped; here the text stays content
+GLM_CASES = [
+    (
+        "Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+        "Sure.",
+        [["get_weather", '{"city": "Paris", "days": 3}']],
+    ),
+    (
+        f"<tool_call>get_weather{GLM_ARGS}</tool_call><tool_call>get_weather<arg_key>metric</arg_key>"
+        '<arg_value>true</arg_value><arg_key>tags</arg_key><arg_value>["x"]</arg_value></tool_call>',
+        None,
+        [["get_weather", '{"city": "New York"}'], ["get_weather", '{"metric": true, "tags": ["x"]}']],
+    ),
+    ("No call.", "No call.", []),
+    ("<tool_call>get_weather</tool_call>", None, [["get_weather", "{}"]]),
+    (
+        "<tool_call>unknown<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+        "<tool_call>unknown<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",  # vLLM: None
+        [],
+    ),
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris", None, [["get_weather", "{}"]]),
+    (
+        "<tool_call>get_weather\n<arg_key> city </arg_key>\n<arg_value>\nParis\n</arg_value>\n</tool_call>",
+        None,
+        [["get_weather", '{"city": "\\nParis\\n"}']],
+    ),
+    (
+        "text <tool_call>get_weather<arg_key>days</arg_key><arg_value>x</arg_value></tool_call> after",
+        "text",
+        [["get_weather", '{"days": "x"}']],
+    ),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", GLM_CASES)
+def test_glm_calls_read_as_vllm_reads_them(text, content, calls):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": WEATHER_PROPS}}}]
+    for name in ("glm45", "glm47"):
+        got_content, got = TOOL_PARSERS[name](tools).extract(text)
+        assert got_content == content
+        assert [[c.function.name, c.function.arguments] for c in got] == calls
+
+
 def test_a_stream_withholds_what_may_begin_a_call():
     s = ToolStream(ToolPlan("auto", [], parser=HermesToolParser()))
     assert s.delta(0, "Hi <tool", None)[0] == "Hi "  # "<tool" may begin "<tool_call>": it waits
