@@ -211,11 +211,11 @@ class Qwen3XmlToolParser(ToolParser):
 class Glm45ToolParser(Qwen3XmlToolParser):
     """GLM-4.5 to 4.7's calls, as vLLM's `glm45` / `glm47` parser reads them: `<tool_call>NAME
     <arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`. Values are kept verbatim,
-    then typed by the tool's schema; a call not closed keeps no arguments. A call of a tool the
+    then typed by the tool's schema; an argument not closed is dropped. A call of a tool the
     request did not declare is no call (vLLM's check of names): the text stays content."""
 
-    other_markers = ()
-    _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+    other_markers: tuple[str, ...] = ()
+    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
     _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -224,15 +224,56 @@ class Glm45ToolParser(Qwen3XmlToolParser):
             return text, []
         declared = {(t.get("function") or {}).get("name") for t in self.tools}
         calls = []
-        for body, closed in self._CALL.findall(text[at:]):
+        for body in self._CALL.findall(text[at:]):
             name = body.split("<arg_key>", 1)[0].strip()
             if name not in declared:
                 continue
             properties = self._properties(name)
             args: dict[str, Any] = {}
-            for key, value in self._ARG.findall(body) if closed else ():
+            for key, value in self._ARG.findall(body):
                 schema = properties.get(key.strip()) if isinstance(properties, dict) else None
                 args[key.strip()] = coerce(value, schema) if isinstance(schema, dict) else value
+            calls.append(ToolCall(function=FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))))
+        if not calls:
+            return text, []
+        return text[:at].strip() or None, calls
+
+
+class MiniMaxM2ToolParser(Glm45ToolParser):
+    """MiniMax-M2's calls, as vLLM's `minimax_m2` parser reads them: `<minimax:tool_call><invoke
+    name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke></minimax:tool_call>` (names
+    quoted either way or not at all; an `<invoke` without the wrapper too). Values verbatim, then
+    typed by the tool's schema; a parameter not closed is dropped; an undeclared tool's call is no
+    call."""
+
+    marker = "<minimax:tool_call>"
+    other_markers: tuple[str, ...] = ("<invoke name=",)
+    _NAME = r"(?:\"([^\"]*)\"|'([^']*)'|([^>\s]+))"
+    _INVOKE = re.compile(r"<invoke name=" + _NAME + r"\s*>(.*?)(?:</invoke>|$)", re.DOTALL)
+    _PARAM_NAMED = re.compile(
+        r"<\s*parameter\s+name\s*=\s*" + _NAME + r"\s*>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s+name\s*=))",
+        re.DOTALL,
+    )
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        starts = [at for m in (self.marker, *self.other_markers) if (at := text.find(m)) >= 0]
+        if not starts:
+            return text, []
+        at = min(starts)
+        declared = {(t.get("function") or {}).get("name") for t in self.tools}
+        calls = []
+        for dq, sq, bare, body in self._INVOKE.findall(text[at:]):
+            name = (dq or sq or bare).strip()
+            if name not in declared:
+                continue
+            properties = self._properties(name)
+            args: dict[str, Any] = {}
+            for pdq, psq, pbare, value in self._PARAM_NAMED.findall(body):
+                key = (pdq or psq or pbare).strip()
+                if not key:
+                    continue
+                schema = properties.get(key) if isinstance(properties, dict) else None
+                args[key] = coerce(value, schema) if isinstance(schema, dict) else value
             calls.append(ToolCall(function=FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))))
         if not calls:
             return text, []
@@ -340,6 +381,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_xml": Qwen3XmlToolParser,  # vLLM's second name of the same parser
     "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser,  # vLLM's second name of the same parser
+    "minimax_m2": MiniMaxM2ToolParser,
 }
 
 

@@ -328,6 +328,90 @@ GLM_CASES = [
 ]
 
 
+GLM_CASES.append(
+    (
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>4",
+        None,
+        [["get_weather", '{"city": "Paris"}']],  # a call not closed keeps its closed arguments
+    )
+)
+# the same for MiniMax-M2's parser (vLLM's answers, the undeclared tool's text kept here too)
+MINIMAX_CASES = [
+    (
+        (
+            'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name='
+            '"city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke'
+            ">\n</minimax:tool_call>"
+        ),
+        "Sure.",
+        [["get_weather", '{"city": "Paris", "days": 3}']],
+    ),
+    (
+        (
+            "<minimax:tool_call><invoke name='get_weather'><parameter name='metric'"
+            ">true</parameter></invoke><invoke name=get_weather><parameter name=tag"
+            's>["x"]</parameter></invoke></minimax:tool_call>'
+        ),
+        None,
+        [["get_weather", '{"metric": true}'], ["get_weather", '{"tags": ["x"]}']],
+    ),
+    (
+        "No call.",
+        "No call.",
+        [],
+    ),
+    (
+        (
+            '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city"'
+            '>Paris</parameter>\n<parameter name="days">4'
+        ),
+        None,
+        [["get_weather", '{"city": "Paris"}']],
+    ),
+    (
+        ('<invoke name="get_weather"><parameter name="city"> Paris </parameter></invoke>'),
+        None,
+        [["get_weather", '{"city": " Paris "}']],
+    ),
+    (
+        ('<minimax:tool_call><invoke name="unknown"><parameter name="a">1</parameter></invoke></minimax:tool_call>'),
+        (
+            '<minimax:tool_call><invoke name="unknown"><parameter name="a">1</parameter></invoke></minimax:tool_call>'
+        ),  # vLLM: None
+        [],
+    ),
+    (
+        (
+            'text <minimax:tool_call><invoke name="get_weather"><parameter name="da'
+            'ys">x</parameter></invoke></minimax:tool_call> after'
+        ),
+        "text",
+        [["get_weather", '{"days": "x"}']],
+    ),
+    (
+        ('<minimax:tool_call><invoke name="get_weather"></invoke></minimax:tool_call>'),
+        None,
+        [["get_weather", "{}"]],
+    ),
+    (
+        (
+            '<minimax:tool_call><invoke name="get_weather"><parameter name="city">A'
+            '<parameter name="days">5</parameter></invoke></minimax:tool_call>'
+        ),
+        None,
+        [["get_weather", '{"city": "A", "days": 5}']],
+    ),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", MINIMAX_CASES)
+def test_minimax_calls_read_as_vllm_reads_them(text, content, calls):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": WEATHER_PROPS}}}]
+    got_content, got = TOOL_PARSERS["minimax_m2"](tools).extract(text)
+    assert got_content == content
+    assert [[c.function.name, c.function.arguments] for c in got] == calls
+
+
 @pytest.mark.parametrize("text,content,calls", GLM_CASES)
 def test_glm_calls_read_as_vllm_reads_them(text, content, calls):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": WEATHER_PROPS}}}]
