@@ -11,7 +11,8 @@ both sides, so they agree by construction on where the reasoning ends:
 
 Whether an output starts in reasoning is read from its prompt (`thinks`), as vLLM's
 `is_reasoning_end`: the last marker of the prompt's final turn (a template that turns thinking off
-ends the prompt with an empty `<think>\\n\\n</think>`), and for Qwen 3 also `enable_thinking=False`.
+ends the prompt with an empty `<think>\\n\\n</think>`), and from the template options that turn
+thinking off (Qwen 3's `enable_thinking`, GLM's `thinking` too).
 An end counts only where its token was generated (text that spells "</think>" in pieces does not
 end anything), the same rule as the engine's.
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
 
 class ReasoningParser:
+    """A family's reasoning markers and rules, bound to a tokenizer's ids (the class attributes
+    below are what a subclass sets)."""
+
     name: ClassVar[str]
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
