@@ -44,6 +44,8 @@ class ReasoningParser:
     # chat-template options that turn thinking off: where any is given and none of those given is
     # true, the model answers without reasoning
     thinking_options: ClassVar[tuple[str, ...]] = ()
+    # False: the model thinks only where one of `thinking_options` is given and true
+    thinks_by_default: ClassVar[bool] = True
     # a further `end` in the answer is dropped (a model that closes its reasoning twice)
     drops_later_ends: ClassVar[bool] = False
     # the reasoning's trailing whitespace (before its end) is not part of it
@@ -75,7 +77,7 @@ class ReasoningParser:
         """Whether the output starts in reasoning: not when the template was told not to think,
         nor when the prompt's final turn already ended its reasoning."""
         given = [template_options[o] for o in self.thinking_options if template_options and o in template_options]
-        if given and not any(given):
+        if not any(given) and (given or not self.thinks_by_default):
             return False
         for token in reversed(prompt_token_ids):
             if token == self.end_id:
@@ -199,6 +201,15 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
 
 
+class DeepSeekV3ReasoningParser(ReasoningParser):
+    """DeepSeek-V3.1 and later hybrids: DeepSeek-R1's rules where the template is told to think
+    (`thinking` or `enable_thinking` true), else no reasoning at all."""
+
+    name = "deepseek_v3"
+    thinking_options = ("thinking", "enable_thinking")
+    thinks_by_default = False
+
+
 class Qwen3ReasoningParser(ReasoningParser):
     """Qwen 3: `<think>` ... `</think>`, `enable_thinking=False` answers at once, a tool call
     (`<tool_call>`) ends the reasoning where `</think>` was left out, and a second `</think>` is
@@ -245,6 +256,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p
     for p in (
         DeepSeekR1ReasoningParser,
+        DeepSeekV3ReasoningParser,
         Qwen3ReasoningParser,
         Glm45ReasoningParser,
         Glm47ReasoningParser,

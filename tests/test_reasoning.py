@@ -135,6 +135,9 @@ VLLM = {
     },
 }
 VLLM["glm47"] = VLLM["glm45"]
+# deepseek_v3 thinks only when told: told (`thinking: true`), vLLM's answers are deepseek_r1's;
+# untold, the reasoning has always ended (no reasoning)
+VLLM["deepseek_v3"] = {"splits": VLLM["deepseek_r1"]["splits"], "ended": [True] * len(PROMPTS)}
 
 
 @pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
@@ -202,6 +205,11 @@ def test_where_an_output_starts_in_reasoning_and_the_template_options(tok):
     assert not glm.thinks(ids(tok, turn), {"enable_thinking": False})
     assert glm.thinks(ids(tok, turn), {"thinking": False, "enable_thinking": True}) and glm.thinks(ids(tok, turn), {})
     assert minimax.thinks(ids(tok, turn), {"enable_thinking": False})
+    # DeepSeek-V3.1 thinks only when told, then by DeepSeek-R1's rules (as vLLM's, run side by side)
+    v3 = REASONING_PARSERS["deepseek_v3"](tok)
+    assert not v3.thinks(ids(tok, turn)) and not v3.thinks(ids(tok, turn), {"thinking": False})
+    for told in ({"thinking": True}, {"enable_thinking": True}, {"thinking": False, "enable_thinking": True}):
+        assert [not v3.thinks(ids(tok, p), told) for p in PROMPTS] == VLLM["deepseek_r1"]["ended"]
     # each parser's scan stops at its own family's turns only (GLM's are not Qwen's)
     assert not glm.thinks(ids(tok, earlier)) and not minimax.thinks(ids(tok, earlier))
 
