@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -280,6 +281,61 @@ class MiniMaxM2ToolParser(Glm45ToolParser):
         return text[:at].strip() or None, calls
 
 
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / 4's pythonic calls, as vLLM's `pythonic` parser reads them: the whole output is
+    a Python list of calls with keyword arguments, `[get_weather(city="Paris", days=3), ...]`,
+    or none is. Arguments are Python or JSON literals (None / null, True / true, tuples and sets
+    as lists, negative numbers). Read with Python's own parser (linear in the text, where vLLM's
+    pre-filter regex needs a timeout against backtracking)."""
+
+    marker = "["
+    _NAME = re.compile(r"[a-zA-Z]+\w*")
+    _LITERALS = {"null": None, "true": True, "false": False}
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if not text.startswith("["):
+            return text, []
+        try:
+            body = ast.parse(text).body
+            listed = getattr(body[0], "value", None) if body else None
+            if not isinstance(listed, ast.List) or not listed.elts:
+                return text, []
+            calls = []
+            for call in listed.elts:
+                if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+                    return text, []
+                name = call.func.id
+                if not self._NAME.fullmatch(name):
+                    return text, []
+                args = {}
+                for keyword in call.keywords:
+                    if keyword.arg is None or not self._NAME.fullmatch(keyword.arg):
+                        return text, []
+                    args[keyword.arg] = self._value(keyword.value)
+                calls.append(ToolCall(function=FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return text, []
+        return None, calls
+
+    def _value(self, node: ast.expr) -> Any:
+        """A literal argument's value (ValueError for anything else: the output is then text)."""
+        if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
+            return node.value
+        if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+            return {k.value: self._value(v) for k, v in zip(node.keys, node.values)}  # type: ignore[union-attr]
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            return [self._value(v) for v in node.elts]
+        if isinstance(node, ast.JoinedStr) and all(isinstance(p, ast.Constant) for p in node.values):
+            return "".join(str(p.value) for p in node.values)  # type: ignore[attr-defined]
+        if isinstance(node, ast.Name) and node.id in self._LITERALS:
+            return self._LITERALS[node.id]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            operand = self._value(node.operand)
+            if isinstance(operand, (int, float)) and not isinstance(operand, bool):
+                return -operand if isinstance(node.op, ast.USub) else operand
+        raise ValueError("a tool call's arguments must be literals")
+
+
 _TYPE_ALIASES = {
     **dict.fromkeys(("str", "text", "varchar", "char", "enum"), "string"),
     **dict.fromkeys(("int", "int32", "int64", "uint", "uint32", "uint64", "long", "short", "unsigned"), "integer"),
@@ -382,6 +438,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser,  # vLLM's second name of the same parser
     "minimax_m2": MiniMaxM2ToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 
@@ -419,6 +476,8 @@ class ToolPlan:
         if self.mode != "auto" or self.parser is None:
             return len(text)
         marker = self.parser.marker
+        if isinstance(self.parser, PythonicToolParser):  # the whole output is a call list, or none is
+            return 0 if text.startswith("[") or not text else len(text)
         if isinstance(self.parser, Llama3JsonToolParser):  # a call is the whole output, or none is
             stripped, tag = text.lstrip(), Llama3JsonToolParser._TAG
             maybe_call = not stripped or stripped.startswith(("{", tag)) or tag.startswith(stripped)

@@ -404,6 +404,53 @@ MINIMAX_CASES = [
 ]
 
 
+# and for the pythonic parser (Llama 3.2 / 4): vLLM 0.32's answers, all of them
+PYTHONIC_CASES = [
+    ('[get_weather(city="Paris", days=3)]', None, [["get_weather", '{"city": "Paris", "days": 3}']]),
+    (
+        "[get_weather(city=\"Paris\"), get_time(tz='UTC')]",
+        None,
+        [["get_weather", '{"city": "Paris"}'], ["get_time", '{"tz": "UTC"}']],
+    ),
+    ("No call.", "No call.", []),
+    (' [get_weather(city="Paris")]', ' [get_weather(city="Paris")]', []),
+    ("[get_weather(1)]", "[get_weather(1)]", []),
+    ("[get_weather()]", None, [["get_weather", "{}"]]),
+    ("[]", "[]", []),
+    (
+        '[get_weather(a=None, b=true, c=null, d=(1, 2), e={"k": [1, -2.5]}, f=-3, g=f"x")]',
+        None,
+        [["get_weather", '{"a": null, "b": true, "c": null, "d": [1, 2], "e": {"k": [1, -2.5]}, "f": -3, "g": "x"}']],
+    ),
+    ("[get_weather(a=x)]", "[get_weather(a=x)]", []),
+    ('[get_weather(city="Paris")] and more', '[get_weather(city="Paris")] and more', []),
+    ("[a.b(c=1)]", "[a.b(c=1)]", []),
+    ("[_f(x=1)]", "[_f(x=1)]", []),
+    ('[get_weather(city="Paris")]\n[other(x=1)]', None, [["get_weather", '{"city": "Paris"}']]),
+    ("[get_weather(_x=1)]", "[get_weather(_x=1)]", []),
+    ("[get_weather(**kw)]", "[get_weather(**kw)]", []),
+    ('[get_weather(a={"x"})]', None, [["get_weather", '{"a": ["x"]}']]),
+    ('[f(a=b"x")]', '[f(a=b"x")]', []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", PYTHONIC_CASES)
+def test_pythonic_calls_read_as_vllm_reads_them(text, content, calls):
+    got_content, got = TOOL_PARSERS["pythonic"]().extract(text)
+    assert got_content == content
+    assert [[c.function.name, c.function.arguments] for c in got] == calls
+
+
+def test_a_pythonic_stream_withholds_only_an_output_that_may_be_calls():
+    s = ToolStream(ToolPlan("auto", [], parser=TOOL_PARSERS["pythonic"]()))
+    assert s.delta(0, "[get_w", None)[0] is None
+    assert s.delta(1, "It is [1]", None)[0] == "It is [1]"
+    content, calls, finish = s.delta(0, '[get_weather(city="Paris")]', "stop")
+    assert content is None and finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    content, calls, finish = s.delta(2, "[not a call", "stop")  # withheld, then sent whole
+    assert content == "[not a call" and calls is None and finish == "stop"
+
+
 @pytest.mark.parametrize("text,content,calls", MINIMAX_CASES)
 def test_minimax_calls_read_as_vllm_reads_them(text, content, calls):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": WEATHER_PROPS}}}]
