@@ -127,8 +127,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "Qwen2.5/3, Hermes, SmolLM3 templates), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS] [...]) or "
         "qwen3_coder / qwen3_xml (<tool_call><function=f><parameter=k>v</parameter>...: Qwen3-Coder) or "
         "glm45 / glm47 (<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value>...: GLM-4.5 to 4.7) or "
-        'minimax_m2 (<minimax:tool_call><invoke name="f">...: MiniMax-M2) or pythonic ([f(a=1), ...]: '
-        "Llama 3.2 / 4)",
+        'minimax_m2 (<minimax:tool_call><invoke name="f">...: MiniMax-M2), pythonic ([f(a=1), ...]: '
+        "Llama 3.2 / 4) or llama4_pythonic (the same in <|python_start|> tags)",
     )
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]

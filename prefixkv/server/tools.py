@@ -289,6 +289,7 @@ class PythonicToolParser(ToolParser):
     pre-filter regex needs a timeout against backtracking)."""
 
     marker = "["
+    starts: tuple[str, ...] = ("[",)  # what an output that holds calls starts with
     _NAME = re.compile(r"[a-zA-Z]+\w*")
     _LITERALS = {"null": None, "true": True, "false": False}
 
@@ -334,6 +335,20 @@ class PythonicToolParser(ToolParser):
             if isinstance(operand, (int, float)) and not isinstance(operand, bool):
                 return -operand if isinstance(node.op, ast.USub) else operand
         raise ValueError("a tool call's arguments must be literals")
+
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    """Llama 4's: the pythonic list, which the model may wrap in `<|python_start|>` ...
+    `<|python_end|>` (special tokens: the request keeps them in its text), taken off first, as
+    vLLM's `llama4_pythonic` does."""
+
+    keeps_special_tokens = True
+    starts = ("[", "<|python_start|>")
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if text.startswith("<|python_start|>"):
+            text = text[len("<|python_start|>") :].replace("<|python_end|>", "")
+        return super().extract(text)
 
 
 _TYPE_ALIASES = {
@@ -439,6 +454,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm47": Glm45ToolParser,  # vLLM's second name of the same parser
     "minimax_m2": MiniMaxM2ToolParser,
     "pythonic": PythonicToolParser,
+    "llama4_pythonic": Llama4PythonicToolParser,
 }
 
 
@@ -477,7 +493,8 @@ class ToolPlan:
             return len(text)
         marker = self.parser.marker
         if isinstance(self.parser, PythonicToolParser):  # the whole output is a call list, or none is
-            return 0 if text.startswith("[") or not text else len(text)
+            starts = self.parser.starts
+            return 0 if text.startswith(starts) or any(s.startswith(text) for s in starts) else len(text)
         if isinstance(self.parser, Llama3JsonToolParser):  # a call is the whole output, or none is
             stripped, tag = text.lstrip(), Llama3JsonToolParser._TAG
             maybe_call = not stripped or stripped.startswith(("{", tag)) or tag.startswith(stripped)
@@ -584,8 +601,8 @@ class ToolStream:
             self.sent[index] = end
             return (text[sent:end] or None), None, None
         content, calls = self.plan.parse(text)
-        if not calls:
-            return (text[sent:] or None), None, finish_reason
+        if not calls:  # the parser's content: the text, or what it keeps of it (llama4's tags off)
+            return ((content or "")[sent:] or None), None, finish_reason
         rest = (content or "")[sent:] if content else ""
         deltas = [
             DeltaToolCall(

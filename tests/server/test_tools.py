@@ -441,6 +441,22 @@ def test_pythonic_calls_read_as_vllm_reads_them(text, content, calls):
     assert [[c.function.name, c.function.arguments] for c in got] == calls
 
 
+LLAMA4_CASES = [  # llama4_pythonic: vLLM 0.32's answers
+    ('<|python_start|>[get_weather(city="Paris")]<|python_end|>', None, [["get_weather", '{"city": "Paris"}']]),
+    ('[get_weather(city="Paris")]', None, [["get_weather", '{"city": "Paris"}']]),
+    ("<|python_start|>not a call<|python_end|>", "not a call", []),
+    ("Hi <|python_start|>[f(a=1)]<|python_end|>", "Hi <|python_start|>[f(a=1)]<|python_end|>", []),
+    ("<|python_start|>[f(a=1)]", None, [["f", '{"a": 1}']]),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", LLAMA4_CASES)
+def test_llama4_pythonic_calls_read_as_vllm_reads_them(text, content, calls):
+    got_content, got = TOOL_PARSERS["llama4_pythonic"]().extract(text)
+    assert got_content == content
+    assert [[c.function.name, c.function.arguments] for c in got] == calls
+
+
 def test_a_pythonic_stream_withholds_only_an_output_that_may_be_calls():
     s = ToolStream(ToolPlan("auto", [], parser=TOOL_PARSERS["pythonic"]()))
     assert s.delta(0, "[get_w", None)[0] is None
@@ -449,6 +465,10 @@ def test_a_pythonic_stream_withholds_only_an_output_that_may_be_calls():
     assert content is None and finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
     content, calls, finish = s.delta(2, "[not a call", "stop")  # withheld, then sent whole
     assert content == "[not a call" and calls is None and finish == "stop"
+    llama4 = ToolStream(ToolPlan("auto", [], parser=TOOL_PARSERS["llama4_pythonic"]()))
+    assert llama4.delta(0, "<|python_st", None)[0] is None
+    assert llama4.delta(0, "<|python_start|>not a call", None)[0] is None
+    assert llama4.delta(0, "<|python_start|>not a call<|python_end|>", "stop")[0] == "not a call"  # as unstreamed
 
 
 @pytest.mark.parametrize("text,content,calls", MINIMAX_CASES)
