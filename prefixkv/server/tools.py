@@ -177,8 +177,8 @@ class Qwen3XmlToolParser(ToolParser):
 
     marker = "<tool_call>"
     other_markers: tuple[str, ...] = ("<function=",)
-    _FUNCTION = re.compile(r"<function=([^>]*)>(.*?)(?:</function>|$)", re.DOTALL)
-    _PARAM = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))", re.DOTALL)
+    _PARAM_START = re.compile(r"<\s*parameter\s*=\s*")
+    _PARAM_END = re.compile(r"<\s*/\s*parameter\s*>|<\s*parameter\s*=")
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         starts = [at for m in (self.marker, *self.other_markers) if (at := text.find(m)) >= 0]
@@ -186,10 +186,10 @@ class Qwen3XmlToolParser(ToolParser):
             return text, []
         at = min(starts)
         calls = []
-        for name, body in self._FUNCTION.findall(text[at:]):
+        for name, body in self._functions(text[at:]):
             properties = self._properties(name.strip())
             args: dict[str, Any] = {}
-            for key, value in self._PARAM.findall(body):
+            for key, value in self._params(body):
                 value = value[1:] if value.startswith("\n") else value
                 value = value[:-1] if value.endswith("\n") else value
                 schema = properties.get(key) if isinstance(properties, dict) else None
@@ -200,6 +200,38 @@ class Qwen3XmlToolParser(ToolParser):
         if not calls:
             return text, []
         return text[:at].strip() or None, calls
+
+    @staticmethod
+    def _functions(text: str) -> list[tuple[str, str]]:
+        """(name, body) of each `<function=NAME>BODY</function>` (a body not closed runs to the
+        end): vLLM's pattern, found in one pass (a regex would rescan the text from every
+        `<function=` that has no `>` after it: quadratic on a long output)."""
+        out, pos = [], 0
+        while (start := text.find("<function=", pos)) >= 0:
+            close = text.find(">", start)
+            if close < 0:
+                break  # no later start has one either
+            end = text.find("</function>", close)
+            out.append((text[start + len("<function=") : close], text[close + 1 : end if end >= 0 else len(text)]))
+            if end < 0:
+                break
+            pos = end + len("</function>")
+        return out
+
+    def _params(self, body: str) -> list[tuple[str, str]]:
+        """(key, value) of each `<parameter=KEY>VALUE` closed by `</parameter>` or followed by the
+        next `<parameter=` (vLLM's pattern; spaces allowed in the tags), in one pass."""
+        out, pos = [], 0
+        while (start := self._PARAM_START.search(body, pos)) is not None:
+            close = body.find(">", start.end())
+            if close < 0:
+                break
+            end = self._PARAM_END.search(body, close + 1)
+            if end is None:
+                break  # not closed: dropped, and no later parameter is closed either
+            out.append((body[start.end() : close], body[close + 1 : end.start()]))
+            pos = end.end() if end.group().lstrip("<").lstrip().startswith("/") else end.start()
+        return out
 
     def _properties(self, name: str) -> Any:
         for tool in self.tools:
@@ -217,7 +249,7 @@ class Glm45ToolParser(Qwen3XmlToolParser):
 
     other_markers: tuple[str, ...] = ()
     _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-    _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    _VALUE_START = re.compile(r"\s*<arg_value>")
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         at = text.find(self.marker)
@@ -231,13 +263,33 @@ class Glm45ToolParser(Qwen3XmlToolParser):
                 continue
             properties = self._properties(name)
             args: dict[str, Any] = {}
-            for key, value in self._ARG.findall(body):
+            for key, value in self._args(body):
                 schema = properties.get(key.strip()) if isinstance(properties, dict) else None
                 args[key.strip()] = coerce(value, schema) if isinstance(schema, dict) else value
             calls.append(ToolCall(function=FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))))
         if not calls:
             return text, []
         return text[:at].strip() or None, calls
+
+    def _args(self, body: str) -> list[tuple[str, str]]:
+        """(key, value) of each `<arg_key>KEY</arg_key>` + whitespace + `<arg_value>VALUE</arg_value>`
+        (vLLM's pattern: a key runs to the first `</arg_key>` that a value follows), in one pass:
+        where a start finds no complete pair after it, no later start does."""
+        out, pos = [], 0
+        while (start := body.find("<arg_key>", pos)) >= 0:
+            end = body.find("</arg_key>", start + len("<arg_key>"))
+            while end >= 0 and not self._VALUE_START.match(body, end + len("</arg_key>")):
+                end = body.find("</arg_key>", end + 1)
+            if end < 0:
+                break
+            value_start = self._VALUE_START.match(body, end + len("</arg_key>"))
+            assert value_start is not None
+            value_end = body.find("</arg_value>", value_start.end())
+            if value_end < 0:
+                break
+            out.append((body[start + len("<arg_key>") : end], body[value_start.end() : value_end]))
+            pos = value_end + len("</arg_value>")
+        return out
 
 
 class MiniMaxM2ToolParser(Glm45ToolParser):
