@@ -121,7 +121,9 @@ class ReasoningParser:
 class ReasoningSplit:
     """One output's reasoning and content as it grows: `update(text, token_ids)` with the whole
     text and tokens so far returns the whole reasoning and content so far. Each only grows, so a
-    stream sends what is new of each; a finished output is one call."""
+    stream sends what is new of each; a finished output is one call. Each update looks at what
+    is new (tokens, the text's tail), not the whole output again: a long reply streams in linear
+    time."""
 
     def __init__(self, parser: ReasoningParser | None, thinking: bool) -> None:
         """`parser` None: no reasoning (`thinking` must be false), all answer."""
@@ -131,8 +133,13 @@ class ReasoningSplit:
         self._seen = 0  # tokens looked at for an end
         self._ends: list[tuple[str, bool]] = []  # ends generated: (text, explicit), looked for in the text
         self._end: tuple[int, int] | None = None  # (where the reasoning ends, where the content begins) in the text
+        self._start_at = -1  # where the start marker is in the text (-1: not up to _start_scanned)
+        self._start_scanned = 0
+        self._head: str | None = None  # the reasoning before its end, once the end is known
         self._checked = 0  # tokens after the end looked at for a new start (parsers that re-enter)
         self._reentered = False
+        self._late_scanned = 0  # content characters looked at for a second end (parsers that drop it)
+        self._late_end = False
 
     def update(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
         p = self.parser
@@ -154,7 +161,9 @@ class ReasoningSplit:
         if self._end is None:
             return self._reasoning(self._without_start(text)), ""
         cut, content_at = self._end
-        reasoning, content = self._without_start(text[:cut]), text[content_at:]
+        if self._head is None:
+            self._head = self._without_start(text[:cut])
+        reasoning, content = self._head, text[content_at:]
         if p.reenters:
             if not self._reentered:
                 self._reentered = p.start_id in token_ids[self._checked :]
@@ -163,7 +172,11 @@ class ReasoningSplit:
                 more, content = self._spans(content)
                 reasoning += more
         if p.drops_later_ends:
-            content = content.replace(p.end, "")
+            if not self._late_end:
+                self._late_end = p.end in content[max(0, self._late_scanned - len(p.end) + 1) :]
+                self._late_scanned = len(content)
+            if self._late_end:
+                content = content.replace(p.end, "")
         return self._reasoning(reasoning), content
 
     def _spans(self, content: str) -> tuple[str, str]:
@@ -189,10 +202,18 @@ class ReasoningSplit:
         grows: what is stripped is still the tail)."""
         return text.rstrip() if self.parser is not None and self.parser.strips_trailing_whitespace else text
 
-    def _without_start(self, reasoning: str) -> str:
-        start = self.parser.start if self.parser is not None else ""
-        at = reasoning.find(start) if start else -1
-        return reasoning if at < 0 else reasoning[:at] + reasoning[at + len(start) :]
+    def _without_start(self, text: str) -> str:
+        """`text` (a prefix of the output's) without its first start marker; the marker's place is
+        looked for in the text's new tail only."""
+        assert self.parser is not None
+        start = self.parser.start
+        if self._start_at < 0 and len(text) > self._start_scanned:
+            self._start_at = text.find(start, max(0, self._start_scanned - len(start) + 1))
+            self._start_scanned = len(text)
+        at = self._start_at
+        if at < 0 or at + len(start) > len(text):
+            return text
+        return text[:at] + text[at + len(start) :]
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
