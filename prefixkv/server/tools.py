@@ -91,6 +91,26 @@ class ToolParser:
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
 
+    def first_marker(self, text: str) -> int:
+        """Where the first of the markers is in `text` (-1: none is)."""
+        found = [at for m in (self.marker, *self.other_markers) if (at := text.find(m)) >= 0]
+        return min(found, default=-1)
+
+    def visible_end(self, text: str) -> int:
+        """How much of a running choice's text a stream may send as content: nothing from a
+        marker on, nor a tail that may begin one."""
+        end = len(text)
+        for marker in (self.marker, *self.other_markers):
+            at = text.find(marker)
+            if at >= 0:
+                end = min(end, at)
+                continue
+            for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may begin the marker waits
+                if marker.startswith(text[-k:]):
+                    end = min(end, len(text) - k)
+                    break
+        return end
+
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
 
@@ -119,6 +139,12 @@ class HermesToolParser(ToolParser):
 class Llama3JsonToolParser(ToolParser):
     marker = "{"
     _TAG = "<|python_tag|>"
+
+    def visible_end(self, text: str) -> int:
+        """A call is the whole output, or none is: all of it waits while it may be one."""
+        stripped = text.lstrip()
+        maybe_call = not stripped or stripped.startswith(("{", self._TAG)) or self._TAG.startswith(stripped)
+        return 0 if maybe_call else len(text)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip()
@@ -181,10 +207,9 @@ class Qwen3XmlToolParser(ToolParser):
     _PARAM_END = re.compile(r"<\s*/\s*parameter\s*>|<\s*parameter\s*=")
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        starts = [at for m in (self.marker, *self.other_markers) if (at := text.find(m)) >= 0]
-        if not starts:
+        at = self.first_marker(text)
+        if at < 0:
             return text, []
-        at = min(starts)
         calls = []
         for name, body in self._functions(text[at:]):
             properties = self._properties(name.strip())
@@ -309,10 +334,9 @@ class MiniMaxM2ToolParser(Glm45ToolParser):
     )
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        starts = [at for m in (self.marker, *self.other_markers) if (at := text.find(m)) >= 0]
-        if not starts:
+        at = self.first_marker(text)
+        if at < 0:
             return text, []
-        at = min(starts)
         declared = {(t.get("function") or {}).get("name") for t in self.tools}
         calls = []
         for dq, sq, bare, body in self._INVOKE.findall(text[at:]):
@@ -342,6 +366,12 @@ class PythonicToolParser(ToolParser):
 
     marker = "["
     starts: tuple[str, ...] = ("[",)  # what an output that holds calls starts with
+
+    def visible_end(self, text: str) -> int:
+        """The whole output is a call list, or none is: all of it waits while it may be one."""
+        maybe_call = text.startswith(self.starts) or any(s.startswith(text) for s in self.starts)
+        return 0 if maybe_call else len(text)
+
     _NAME = re.compile(r"[a-zA-Z]+\w*")
     _LITERALS = {"null": None, "true": True, "false": False}
 
@@ -543,25 +573,7 @@ class ToolPlan:
             return 0
         if self.mode != "auto" or self.parser is None:
             return len(text)
-        marker = self.parser.marker
-        if isinstance(self.parser, PythonicToolParser):  # the whole output is a call list, or none is
-            starts = self.parser.starts
-            return 0 if text.startswith(starts) or any(s.startswith(text) for s in starts) else len(text)
-        if isinstance(self.parser, Llama3JsonToolParser):  # a call is the whole output, or none is
-            stripped, tag = text.lstrip(), Llama3JsonToolParser._TAG
-            maybe_call = not stripped or stripped.startswith(("{", tag)) or tag.startswith(stripped)
-            return 0 if maybe_call else len(text)
-        end = len(text)
-        for marker in (self.parser.marker, *self.parser.other_markers):
-            at = text.find(marker)
-            if at >= 0:
-                end = min(end, at)
-                continue
-            for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may begin the marker waits
-                if marker.startswith(text[-k:]):
-                    end = min(end, len(text) - k)
-                    break
-        return end
+        return self.parser.visible_end(text)
 
 
 def _required_schema(tools: list[ChatTool]) -> dict[str, Any]:
