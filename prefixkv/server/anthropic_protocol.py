@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,7 +76,26 @@ class AnthropicMessagesRequest(BaseModel):
 
 
 class AnthropicCountTokensRequest(AnthropicMessagesRequest):
-    max_tokens: int = Field(default=1, strict=True, ge=1)  # not part of a count: any
+    """What `count_tokens` takes (Anthropic's: the prompt's parts); a generation field sent to it
+    changes no count, so it is refused by name rather than ignored."""
+
+    max_tokens: int = Field(default=1, strict=True, ge=1)  # not sent: the count needs none
+
+    _NOT_COUNTED = (
+        "max_tokens",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "metadata",
+        "service_tier",
+    )
+
+    def refusals(self) -> list[tuple[str, str]]:
+        why = "count_tokens counts the prompt: a generation field changes no count"
+        sent = [(name, why) for name in self._NOT_COUNTED if name in self.model_fields_set]
+        return super().refusals() + sent
 
 
 def _text(value: Any, where: str) -> str:

@@ -120,6 +120,13 @@ def test_a_tool_call_and_the_turn_after_it(server, client):
     plain = client.messages.count_tokens(model="thinker", messages=turn)
     with_tools = client.messages.count_tokens(model="thinker", messages=turn, tools=[TIME])
     assert 0 < plain.input_tokens < with_tools.input_tokens
+    # a generation field changes no count: refused by name, not ignored
+    r = httpx.post(
+        server.base + "/v1/messages/count_tokens",
+        json={"model": "thinker", "messages": turn, "temperature": 0.5},
+        headers={"x-api-key": KEY},
+    )
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
     # what the template got: the chat messages the blocks stand for (reasoning and a call on the
     # assistant turn, the result as a tool turn), by chat's own route
     fn = {"name": "get_time", "arguments": "{}"}
