@@ -81,7 +81,7 @@ class AnthropicCountTokensRequest(AnthropicMessagesRequest):
 
     max_tokens: int = Field(default=1, strict=True, ge=1)  # not sent: the count needs none
 
-    _NOT_COUNTED = (
+    _NOT_COUNTED: ClassVar[tuple[str, ...]] = (
         "max_tokens",
         "stop_sequences",
         "stream",
