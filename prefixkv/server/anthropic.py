@@ -31,7 +31,7 @@ from .anthropic_protocol import (
     usage,
 )
 from .chat import OpenAIServingChat
-from .errors import APIError, as_api_error
+from .errors import APIError, as_api_error, validation_message
 from .protocol import ChatCompletionRequest, ChatCompletionResponse
 from .serving import log_no_effect_field_once
 from .tools import plan_tools
@@ -68,8 +68,7 @@ class AnthropicServingMessages:
         try:
             return kind.model_validate(body)
         except ValidationError as e:
-            msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
-            raise APIError(msg, 400) from None
+            raise APIError(validation_message(e), 400) from None
 
     def chat_request(self, req: AnthropicMessagesRequest, stream: bool = False) -> ChatCompletionRequest:
         refused = req.refusals()
@@ -86,8 +85,7 @@ class AnthropicServingMessages:
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
-            msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
-            raise APIError(msg, 400) from None
+            raise APIError(validation_message(e), 400) from None
 
     async def create(self, raw: Request) -> JSONResponse | StreamingResponse:
         req = await self.parse(raw, AnthropicMessagesRequest)

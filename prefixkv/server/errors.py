@@ -11,7 +11,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("prefixkv.server")
@@ -60,6 +60,11 @@ def error_body(message: str, status: int, type_: str | None = None, param: str |
 
 def error_response(message: str, status: int, type_: str | None = None, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, type_, param), status_code=status)
+
+
+def validation_message(e: ValidationError) -> str:
+    """A request model's validation errors as one message: `field.path: why; ...`."""
+    return "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
 
 
 def as_api_error(exc: BaseException) -> APIError:

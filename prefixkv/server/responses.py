@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from ..sampling_params import SamplingParams
 from .chat import OpenAIServingChat
-from .errors import APIError
+from .errors import APIError, validation_message
 from .protocol import ChatCompletionRequest
 from .responses_protocol import (
     ResponsesRequest,
@@ -97,8 +97,7 @@ class OpenAIServingResponses:
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
-            msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
-            raise APIError(msg, 400) from None
+            raise APIError(validation_message(e), 400) from None
 
     async def admit(self, req: ResponsesRequest, messages: list[dict[str, Any]]) -> Admitted:
         try:
