@@ -30,6 +30,7 @@ NO_EFFECT = {
     "metadata": "Anthropic's request tags: nothing is stored here",
     "service_tier": "one processing tier here",
     "cache_control": "prefix caching is automatic and exact here: no breakpoints are needed",
+    "thinking.adaptive": "a model thinks as deep as it does without it: nothing here sets its depth",
 }
 # the tool types of Anthropic's own (server or client) tools: nothing here runs them
 _TOOL_TYPES = ("custom", None)
@@ -207,11 +208,18 @@ def chat_messages(req: AnthropicMessagesRequest, no_effect: set[str]) -> list[di
     return out
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def chat_tools(tools: list[dict[str, Any]] | None, no_effect: set[str]) -> list[dict[str, Any]] | None:
+    """Custom tools as chat's function tools; a tool's `cache_control` goes to `no_effect`, a key
+    of its own that nothing here reads is refused by name."""
     if not tools:
         return None
     out = []
     for i, tool in enumerate(tools):
+        for key, value in tool.items():
+            if key == "cache_control" and value is not None:
+                no_effect.add("cache_control")
+            elif key not in ("type", "name", "description", "input_schema", "strict", "cache_control"):
+                raise APIError(f"tools[{i}].{key} is not supported", 400, param="tools")
         if tool.get("type") not in _TOOL_TYPES:
             raise APIError(
                 f"tools[{i}]: tool type {tool.get('type')!r} is not supported (Anthropic's own tools run on its "
@@ -222,7 +230,12 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise APIError(f"tools[{i}].input_schema must be a JSON schema object", 400, param="tools")
-        function = {"name": tool.get("name"), "description": tool.get("description"), "parameters": schema}
+        function = {
+            "name": tool.get("name"),
+            "description": tool.get("description"),
+            "parameters": schema,
+            "strict": tool.get("strict"),  # as chat's
+        }
         out.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
     return out
 
@@ -248,7 +261,7 @@ def chat_request_body(req: AnthropicMessagesRequest, no_effect: set[str]) -> dic
     """The chat request's fields (vLLM's translation): thinking enabled sets a thinking budget,
     disabled turns the template's thinking off; output_config.format is a JSON schema."""
     choice, parallel = chat_tool_choice(req.tool_choice)
-    tools = chat_tools(req.tools)
+    tools = chat_tools(req.tools, no_effect)
     body: dict[str, Any] = {
         "model": req.model,
         "messages": chat_messages(req, no_effect),
@@ -265,6 +278,11 @@ def chat_request_body(req: AnthropicMessagesRequest, no_effect: set[str]) -> dic
     }
     thinking = req.thinking or {}
     kind = thinking.get("type")
+    for key, value in thinking.items():
+        if key not in ("type", "budget_tokens") and value is not None:
+            raise APIError(f"thinking.{key} is not supported (type, budget_tokens)", 400, param="thinking")
+    if kind == "adaptive":  # the model's own depth: what it does here anyway
+        no_effect.add("thinking.adaptive")
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:

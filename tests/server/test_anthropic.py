@@ -174,5 +174,15 @@ def test_refusals_and_errors_have_anthropics_shape(server, client):
     assert server.output().count("request field 'metadata' accepted") == 1
     system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
     assert blocks(create(client, system=system)) == blocks(create(client, system="Be brief."))
+    cached_tool = {**TIME, "cache_control": {"type": "ephemeral"}}
+    assert create(client, tools=[cached_tool], tool_choice={"type": "none"}).stop_reason == "end_turn"
     assert server.output().count("request field 'cache_control' accepted") == 1
+    assert blocks(create(client, thinking={"type": "adaptive"})) == [("thinking", "hm"), ("text", "OK")]
+    assert server.output().count("request field 'thinking.adaptive' accepted") == 1
+    for fields, match in (
+        ({"tools": [{**TIME, "defer_loading": True}]}, "defer_loading"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 8, "display": "omitted"}}, "display"),
+    ):
+        with pytest.raises(anthropic.BadRequestError, match=match):
+            create(client, **fields)
     server.wait_idle()
