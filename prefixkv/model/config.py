@@ -22,7 +22,9 @@ from .layer_kinds import (
     SLIDING_ATTENTION,
 )
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_ORIGINAL_CONTEXT = "original_max_position_embeddings"
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", _ORIGINAL_CONTEXT)
 
 
 @dataclass
@@ -39,7 +41,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # None / {"rope_type": "default"} / {"rope_type": "linear", "factor": f} /
     # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    #  "original_max_position_embeddings"}
+    #  "original_max_position_embeddings"} /
+    # {"rope_type": "yarn", "factor", "original_max_position_embeddings", optional "beta_fast",
+    #  "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"}
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -173,6 +177,10 @@ class ModelConfig:
             rtype = rs.get("rope_type", rs.get("type", "default"))
             if rtype not in _SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"Unsupported rope scaling type {rtype!r}; supported: {_SUPPORTED_ROPE_TYPES}")
+            needed = {"linear": ("factor",), "llama3": _LLAMA3_FIELDS, "yarn": ("factor", _ORIGINAL_CONTEXT)}
+            missing = [k for k in needed.get(rtype, ()) if rs.get(k) is None]
+            if missing:
+                raise ValueError(f"rope scaling {rtype!r} needs {', '.join(missing)}")
             if rtype == "default":
                 self.rope_scaling = None
             else:

@@ -47,7 +47,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in float32, with optional linear / llama3 scaling."""
+    """Inverse frequencies [head_dim/2] in float32, with optional linear / llama3 / YaRN scaling
+    (transformers' modeling_rope_utils, step for step)."""
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = config.rope_scaling
@@ -69,7 +70,52 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, inv_l)
+    if rtype == "yarn":
+        return _yarn_inv_freq(config, rs, factor)
     raise ValueError(f"Unsupported rope type {rtype!r}")
+
+
+def _yarn_inv_freq(config: ModelConfig, rs: dict, factor: float) -> torch.Tensor:
+    """YaRN: each frequency interpolated (divided by `factor`), kept, or blended between the two
+    by a linear ramp over the dimensions whose wavelengths lie between `beta_fast` and
+    `beta_slow` rotations of the original context."""
+    d, base = config.head_dim, config.rope_theta
+    old_ctx = float(rs["original_max_position_embeddings"])
+    beta_fast = float(rs.get("beta_fast") or 32)
+    beta_slow = float(rs.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, d, 2).float() / d)
+    extrapolation = 1 - ramp  # the share of each frequency kept as it is
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (given, or 0.1 ln(factor) + 1,
+    or DeepSeek's ratio of two such with mscale / mscale_all_dim); 1 for every other rotary."""
+    rs = config.rope_scaling
+    if rs is None or rs["rope_type"] != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    factor = float(rs["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, float(m)) / mscale(factor, float(m_all)))
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,6 +129,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = config.head_dim
         self.max_positions = max(config.max_position_embeddings, 1)
         self.inv_freq = rope_inv_freq(config)
+        self.attention_factor = rope_attention_factor(config)
         self._dtype = dtype
         self._build(self.max_positions, device)
 
@@ -90,6 +137,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(n, dtype=torch.int64).float()
         freqs = torch.outer(t, self.inv_freq)  # [n, d/2] float32
         cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         # computed in float32 and cast, like transformers; full width, the sine signed for
         # rotate_half (see apply), so that a rotation is four whole-row operations
         full_cos = torch.cat((cos, cos), dim=-1)

@@ -72,6 +72,10 @@ def _make(kind, **extra):
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**_common(head_dim=24))
         cls = tf.Qwen3ForCausalLM
+    elif kind == "qwen3-yarn":  # YaRN past a 16-token original context, its ramp untruncated
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+        cfg = tf.Qwen3Config(**_common(head_dim=24, rope_parameters=dict(yarn, truncate=False, beta_fast=16.0)))
+        cls = tf.Qwen3ForCausalLM
     else:
         raise AssertionError(kind)
     torch.manual_seed(0)
@@ -85,7 +89,9 @@ def _make(kind, **extra):
     return m
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3-rope-tied", "mistral", "mistral-swa", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "llama3-rope-tied", "mistral", "mistral-swa", "qwen2", "qwen3", "qwen3-yarn"]
+)
 def test_hf_folder_matches_transformers(tmp_path, kind):
     hf = _make(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True, **({"max_shard_size": "60KB"} if kind == "llama" else {}))
@@ -96,7 +102,9 @@ def test_hf_folder_matches_transformers(tmp_path, kind):
     cfg = lm.config
     if kind == "qwen2":
         assert cfg.attention_bias and hf.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
-    if kind == "qwen3":
+    if kind == "qwen3-yarn":
+        assert cfg.rope_scaling["rope_type"] == "yarn" and lm.model.rotary.attention_factor > 1
+    if kind.startswith("qwen3"):
         assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 24
     if kind == "llama3-rope-tied":
         assert cfg.tie_word_embeddings and cfg.rope_scaling["rope_type"] == "llama3"
@@ -254,9 +262,42 @@ def test_config_old_style_rope_and_eos_list():
                 "num_hidden_layers": 1,
                 "num_attention_heads": 2,
                 "intermediate_size": 16,
-                "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+                "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
             }
         )
+
+
+def test_yarn_rotary_matches_transformers():
+    """YaRN's frequencies and attention factor as transformers computes them: the original context
+    from the scaling or the config's top level, a null factor from the two lengths (DeepSeek-V3),
+    mscale / mscale_all_dim, a given attention factor, a truncated or untruncated ramp."""
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from prefixkv.model.layers import rope_attention_factor, rope_inv_freq
+
+    base = {"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 32}
+    cases = [
+        ({"factor": 4.0, "original_max_position_embeddings": 4096}, {"max_position_embeddings": 16384}),
+        ({"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}, {"max_position_embeddings": 4096}),
+        ({"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707}, {"original_max_position_embeddings": 4096}),
+        ({"factor": None, "original_max_position_embeddings": 4096}, {"max_position_embeddings": 163840}),
+        ({"factor": 2.0, "attention_factor": 1.25, "original_max_position_embeddings": 100}, {}),
+    ]
+    for scaling, top in cases:
+        params = {"rope_type": "yarn", "rope_theta": 50000.0, **scaling}
+        hf_cfg = tf.Qwen3Config(**base, intermediate_size=16, rope_parameters=dict(params), **top)
+        want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+        d = {"architectures": ["Qwen3ForCausalLM"], **base, "intermediate_size": 16, "rope_parameters": params, **top}
+        cfg = ModelConfig.from_hf_dict(d)
+        torch.testing.assert_close(rope_inv_freq(cfg), want_freq, rtol=1e-6, atol=0)
+        assert rope_attention_factor(cfg) == pytest.approx(want_factor, rel=1e-12), scaling
+    with pytest.raises(ValueError, match="needs original_max_position_embeddings"):
+        ModelConfig(
+            architecture="LlamaForCausalLM", vocab_size=10, hidden_size=8, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, intermediate_size=16,
+            rope_scaling={"rope_type": "yarn", "factor": 2.0},
+        )  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

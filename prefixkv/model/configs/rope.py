@@ -22,6 +22,24 @@ def rope_settings(
     scaling = d.get("rope_scaling")
     if scaling is None and rope_params:
         scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
         scaling = None
+    elif kind in ("yarn", "llama3") and scaling is not None:
+        scaling = _with_original_context(scaling, d)
     return float(rope_theta), scaling, local
+
+
+def _with_original_context(scaling: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
+    """A scaling with `original_max_position_embeddings` where transformers supplies it (the
+    config's top-level field, else max_position_embeddings), and YaRN's `factor`, where it is
+    null, as the ratio of the two context lengths (DeepSeek-V3's configs)."""
+    scaling = dict(scaling)
+    key = "original_max_position_embeddings"
+    if d.get(key) is not None:  # the top-level field wins (Phi-3 keeps its value there)
+        scaling[key] = d[key]
+    elif scaling.get(key) is None and d.get("max_position_embeddings") is not None:
+        scaling[key] = d["max_position_embeddings"]
+    if scaling.get("factor") is None and scaling.get(key) and d.get("max_position_embeddings") is not None:
+        scaling["factor"] = d["max_position_embeddings"] / scaling[key]
+    return scaling
