@@ -1,12 +1,12 @@
 """One soft-capped attention layer (Gemma 2) on the CPU: `paged_attention(softcap=...)` by chunks
-of queries (model/softcap_attention.py) against the unchunked explicit softmax (every query of a
+of queries (model/explicit_attention.py) against the unchunked explicit softmax (every query of a
 sequence against its whole context under an [n, L] mask: n x L scores a head), for a fresh prompt
 of --tokens tokens, with and without a sliding window. Each case runs in its own process, --rounds
 times, the cases alternated: ms is the median over rounds of the fastest of --reps calls after one
 warm-up; peak MiB the memory the first call adds at most (the process's high-water RSS after it,
 less before; large allocations mapped and unmapped one by one, MALLOC_MMAP_THRESHOLD_).
 
-    python3 bench/softcap_attention.py [--tokens 512,2048,8192] [--dtypes float32,bfloat16]
+    python3 bench/explicit_attention.py [--tokens 512,2048,8192] [--dtypes float32,bfloat16]
         [--windows none,4096] [--chunks 256,1024:19] [--threads 1] [--reps 3] [--rounds 3]
         [--no-plain]
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from prefixkv.model import softcap_attention  # noqa: E402
+from prefixkv.model import explicit_attention  # noqa: E402
 from prefixkv.model.attention import AttentionMetadata, paged_attention  # noqa: E402
 
 BLOCK = 16
@@ -83,9 +83,9 @@ def one(args: argparse.Namespace) -> dict:
             return unchunked(q, k_flat, v_flat, n, table, window, scale)
     else:
         rows, _, budget = args.path.partition(":")
-        softcap_attention.QUERY_CHUNK = int(rows)
+        explicit_attention.QUERY_CHUNK = int(rows)
         if budget:
-            softcap_attention.MAX_CHUNK_SCORES = 1 << int(budget)
+            explicit_attention.MAX_CHUNK_SCORES = 1 << int(budget)
         meta = AttentionMetadata(slots, [0, n], [n], table[None])
 
         def call() -> torch.Tensor:

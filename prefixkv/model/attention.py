@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from .attention_path import triton_kernels, uses_triton
+from .explicit_attention import ExplicitPlan, explicit_attention
 from .host_copy import tensor_on
 from .kernels import gpu_fused, ops
-from .softcap_attention import SoftcapPlan, softcapped_attention
 
 if TYPE_CHECKING:
     from .static_decode import StaticDecodeView
@@ -118,12 +118,12 @@ class AttentionMetadata:
             p = self._plans[key] = _Plan(self, block_size, device, window, dtype)
         return p
 
-    def softcap_plan(self, block_size: int, device: torch.device, window: int | None) -> SoftcapPlan:
-        """What the soft-capped layers read (built once per step and window)."""
-        key = ("softcap", block_size, device, window)
+    def explicit_plan(self, block_size: int, device: torch.device, window: int | None) -> ExplicitPlan:
+        """What the explicit-softmax layers read (built once per step and window)."""
+        key = ("explicit", block_size, device, window)
         p = self._plans.get(key)
         if p is None:
-            p = self._plans[key] = SoftcapPlan(
+            p = self._plans[key] = ExplicitPlan(
                 self.query_start_loc, self.seq_lens, self.block_tables, block_size, device, window
             )
         return p
@@ -620,6 +620,7 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     kv_written: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens, already rotated).
 
@@ -627,26 +628,30 @@ def paged_attention(
     `rotate_and_write_kv`) and returns attention output
     [T, Hq, D] with causal masking over each sequence's full (cached + new) context - or, with
     a sliding `window`, over its last `window` positions up to each query (Mistral's rule).
-    With `softcap`, the scores are soft-capped first (Gemma 2), by chunks of queries in PyTorch
-    (softcap_attention.py; a static step's by Triton's kernels).
+    With `softcap`, the scores are soft-capped first (Gemma 2); with `sinks` [Hq], each head's
+    sink logit joins the softmax (gpt-oss): both by chunks of queries in PyTorch
+    (explicit_attention.py; a static step's soft cap by Triton's kernels).
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     block_size = kv_cache.shape[2]
     if meta.static is not None:  # Triton's kernels over the buffers (a soft cap theirs too)
+        if sinks is not None:
+            raise ValueError("attention sinks have no static step (the model refuses one)")
         scale = D**-0.5 if scale is None else scale
         return _static_step(q, k, v, kv_cache, meta.static, scale, window, kv_written, softcap)
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         if kv_written:
-            raise ValueError("a soft-capped layer writes its own K/V")
+            raise ValueError("an explicit-softmax layer writes its own K/V")
         k_flat = kv_cache[0].view(-1, Hkv, D)
         v_flat = kv_cache[1].view(-1, Hkv, D)
         slots = meta.slot_mapping.to(device=q.device, dtype=torch.long)
         if T:
             k_flat.index_copy_(0, slots, k.to(kv_cache.dtype))
             v_flat.index_copy_(0, slots, v.to(kv_cache.dtype))
-        plan_capped = meta.softcap_plan(block_size, q.device, window)
-        return softcapped_attention(q, k, v, k_flat, v_flat, plan_capped, D**-0.5 if scale is None else scale, softcap)
+        plan_explicit = meta.explicit_plan(block_size, q.device, window)
+        scale = D**-0.5 if scale is None else scale
+        return explicit_attention(q, k, v, k_flat, v_flat, plan_explicit, scale, softcap, sinks)
     plan = meta.plan(block_size, q.device, window, q.dtype)
     k_flat = kv_cache[0].view(-1, Hkv, D)
     v_flat = kv_cache[1].view(-1, Hkv, D)

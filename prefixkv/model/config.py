@@ -47,7 +47,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections with biases
+    attention_output_bias: bool = False  # the output projection with a bias (Llama / Qwen3 with attention_bias)
+    attention_sinks: bool = False  # a learned sink logit per query head joins each softmax (gpt-oss)
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -67,6 +69,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each routed expert's intermediate size
     norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to one
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one, gated)
+    # gpt-oss's experts (model/gpt_oss.py): gate clamped above and up on both sides at the limit,
+    # out = (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     decoder_sparse_step: int = 1  # layer i is sparse where (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     # Mamba2's state-space mixer (model/mamba2.py); ssm_state_size 0: no recurrent layer. Its heads

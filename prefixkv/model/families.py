@@ -8,6 +8,7 @@ import torch
 from .config import ModelConfig
 from .falcon_h1 import FalconH1Model
 from .gemma import GemmaModel
+from .gpt_oss import GptOssModel
 from .hybrid import HybridModel
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
@@ -28,6 +29,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "BambaForCausalLM": HybridModel,
     "FalconH1ForCausalLM": FalconH1Model,
     "Qwen3NextForCausalLM": Qwen3NextModel,
+    "GptOssForCausalLM": GptOssModel,
 }
 
 

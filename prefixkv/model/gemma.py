@@ -12,32 +12,20 @@ from collections.abc import Iterable, Iterator
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from .attention import AttentionMetadata
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import Float32RMSNorm, GatedMLP, RMSNorm, RotaryEmbedding, keep_float32_norms
 from .llama import CUDA_ATTENTION_BACKENDS, Attention, LlamaModel
 
 
-class GemmaRMSNorm(RMSNorm):
+class GemmaRMSNorm(Float32RMSNorm):
     """Gemma's norm, x / rms(x) * (1 + w). The parameter holds 1 + w (added once at load, as
     llama.cpp's GGUF files store it) and stays float32 in every model dtype: transformers adds
     the 1 and scales in float32 before casting back, and 1 + w rounded to bfloat16 would lose w's
     low bits. In float32 it is the Llama norm (native kernel included)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:
-            return super().forward(x)
-        return F.rms_norm(x.float(), (self.dim,), self.weight, self.eps).to(x.dtype)
-
-    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if h.dtype == self.weight.dtype:
-            return super().add_and_norm(h, delta)
-        h = h + delta
-        return h, self(h)
 
 
 class GemmaAttention(Attention):
@@ -79,9 +67,7 @@ class GemmaModel(LlamaModel):
         if not config.is_gemma:
             raise ValueError(f"GemmaModel does not build {config.architecture}")
         super().__init__(config, dtype=dtype, device=device)
-        for m in self.modules():
-            if isinstance(m, GemmaRMSNorm):
-                m.weight.data = m.weight.data.float()
+        keep_float32_norms(self)
         # transformers multiplies by sqrt(hidden_size) rounded to the embedding's dtype
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
         self.local_rotary: RotaryEmbedding | None = None

@@ -46,6 +46,31 @@ class RMSNorm(nn.Module):
         return h, self(h)
 
 
+class Float32RMSNorm(RMSNorm):
+    """An RMSNorm whose weight stays float32 in every model dtype and scales in float32 before the
+    cast back, as transformers' Gemma and gpt-oss norms compute (the model keeps the weight
+    float32 after its cast: `keep_float32_norms`). In float32 it is RMSNorm, native kernel
+    included."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return F.rms_norm(x.float(), (self.dim,), self.weight, self.eps).to(x.dtype)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if h.dtype == self.weight.dtype:
+            return super().add_and_norm(h, delta)
+        h = h + delta
+        return h, self(h)
+
+
+def keep_float32_norms(model: nn.Module) -> None:
+    """Every Float32RMSNorm's weight of `model` back in float32 (after the model's cast)."""
+    for m in model.modules():
+        if isinstance(m, Float32RMSNorm):
+            m.weight.data = m.weight.data.float()
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in float32, with optional linear / llama3 / YaRN scaling
     (transformers' modeling_rope_utils, step for step)."""

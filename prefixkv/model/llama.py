@@ -58,7 +58,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
@@ -66,6 +66,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.window = config.layer_windows[layer_idx]
         self.softcap: float | None = None  # attention logit soft-capping (Gemma 2)
+        # each query head's sink logit (gpt-oss), kept in float32 as the softmax takes it
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
     def qk_norm_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """The q/k norms' weights and eps where they norm as RMSNorm does in `dtype` (a weight of
@@ -92,6 +94,7 @@ class Attention(nn.Module):
         # on a GPU one kernel norms (q/k norms) and rotates q and k in place and writes k, v to the cache
         written = (
             self.softcap is None
+            and self.sinks is None
             and gpu_fused.runs_on(qkv)
             and rotate_and_write_kv(q, k, v, cos, sin, kv_cache, meta, self.window, self.qk_norm_weights(qkv.dtype))
         )
@@ -102,18 +105,23 @@ class Attention(nn.Module):
             qk = RotaryEmbedding.apply_(qkv[:, :k_end].view(T, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = paged_attention(
-            q, k, v, kv_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap, kv_written=written
+            q, k, v, kv_cache, meta, self.scale, self.window, self.softcap, kv_written=written, sinks=self.sinks
         )
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+    """Attention and MLP, each after an RMSNorm (of class `norm`), each added to the residual
+    stream; the MLP dense or routed experts by the config (moe.py), or a family's own (`mlp`)."""
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int = 0, norm: type[RMSNorm] = RMSNorm, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = build_mlp(config, layer_idx)  # dense, or routed experts (moe.py)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = build_mlp(config, layer_idx) if mlp is None else mlp
 
     def forward(self, h, x, cos, sin, kv_cache, meta, next_norm: RMSNorm):
         """h: the residual stream, x: this layer's normed input (input_layernorm(h), computed by
@@ -317,6 +325,8 @@ class LlamaModel(nn.Module):
                 return f"{type(mlp).__name__} MLPs"
             if attn.softcap is not None:
                 return "soft-capped attention scores"
+            if attn.sinks is not None:
+                return "attention sinks"
             for proj in (attn.qkv_proj, mlp.gate_up_proj, mlp.down_proj):
                 if type(proj) is not nn.Linear or proj.bias is not None:
                     return f"a {type(proj).__name__} projection" + (" with a bias" if proj.bias is not None else "")
@@ -380,6 +390,8 @@ class LlamaModel(nn.Module):
         this)."""
         if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
             return f"{type(layer).__name__} layers"
+        if layer.self_attn.sinks is not None:
+            return "attention sinks (no Triton kernel takes them)"
         return static_mlp_unsupported(layer.mlp, self.dtype)
 
     @torch.inference_mode()
@@ -610,7 +622,9 @@ class _DecodeLayers:
         cfg = model.config
         if not len(model.layers) or not ops.decode_layers_available(model.dtype):
             return None
-        if not model.fused_decode_layout or cfg.qk_norm or cfg.any_sliding or cfg.head_dim not in ops.HEAD_DIMS:
+        if not model.fused_decode_layout or cfg.qk_norm or cfg.any_sliding or cfg.attention_sinks:
+            return None
+        if cfg.head_dim not in ops.HEAD_DIMS:
             return None
         Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         if Hq % Hkv or Hq // Hkv > ops.MAX_GROUP:

@@ -28,15 +28,16 @@ from .layers import GatedMLP
 
 
 class Projection(nn.Module):
-    """x @ weight.T on a plain parameter: a small matrix (a router) that `pack_linears` leaves in
-    F.linear's hands, as transformers computes it."""
+    """x @ weight.T (+ bias) on plain parameters: a small matrix (a router) that `pack_linears`
+    leaves in F.linear's hands, as transformers computes it."""
 
-    def __init__(self, out_features: int, in_features: int) -> None:
+    def __init__(self, out_features: int, in_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 # run the device's routing (`Experts.grouped`) on CPU tensors too: how the CPU tests check it

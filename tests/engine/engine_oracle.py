@@ -18,7 +18,11 @@ from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _write_tokenizer
 
 
-def assert_engine_matches_transformers(folder: Path, hf: Any, seed: str, max_new: int) -> None:
+def assert_engine_matches_transformers(
+    folder: Path, hf: Any, seed: str, max_new: int, preempting_blocks: int = 12
+) -> None:
+    """Greedy tokens equal transformers' with caching off, on, under chunked prefill, and with
+    `preempting_blocks` blocks (few enough that requests are preempted)."""
     hf.save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder)
     rng = random.Random(seed)
@@ -31,12 +35,12 @@ def assert_engine_matches_transformers(folder: Path, hf: Any, seed: str, max_new
         dict(enable_prefix_caching=False),
         dict(enable_prefix_caching=True),
         dict(max_num_batched_tokens=9),
-        dict(num_blocks=12, block_size=8, max_model_len=96),
+        dict(num_blocks=preempting_blocks, block_size=8, max_model_len=96),
     ]
     for kwargs in settings:
         kwargs = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": 8, "max_model_len": 96, **kwargs}
         engine = serve_and_compare(folder, prompts, params, expected, kwargs).llm_engine
-        if kwargs["num_blocks"] == 12:
+        if kwargs["num_blocks"] == preempting_blocks:
             assert engine.scheduler.num_preemptions > 0
 
 

@@ -13,7 +13,7 @@ import torch
 
 from prefixkv import LLM, SamplingParams
 from prefixkv.memory.kv_groups import plan_kv_groups
-from prefixkv.model import ModelConfig, softcap_attention
+from prefixkv.model import ModelConfig, explicit_attention
 
 from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _common, _write_tokenizer
@@ -77,7 +77,7 @@ def _make(kind: str, **extra):
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen2"])
 def test_hybrid_attention_matches_transformers(tmp_path, monkeypatch, kind):
     # Gemma 2's capped attention by query chunks shorter than the prompts and the prefill chunks
-    monkeypatch.setattr(softcap_attention, "QUERY_CHUNK", 4)
+    monkeypatch.setattr(explicit_attention, "QUERY_CHUNK", 4)
     hf = _make(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _write_tokenizer(tmp_path)

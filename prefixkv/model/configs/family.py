@@ -24,6 +24,8 @@ class ConfigFamily:
     gguf_fields: GgufReader | None = None
     # near misses of this family refused with a reason of their own: architecture -> reason
     refused: Mapping[str, str] = field(default_factory=dict)
+    # config.json's `quantization_config.quant_method`s its loader reads (others are refused)
+    quantizations: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         named = set(self.model_types.values()) | set(self.gguf_architectures.values())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import bamba, falcon_h1, gemma, llama, mamba2, moe, qwen3_next
+from . import bamba, falcon_h1, gemma, gpt_oss, llama, mamba2, moe, qwen3_next
 from .common import gguf_common_fields, join_fields
 from .family import ConfigFamily
 
@@ -18,6 +18,7 @@ FAMILIES: tuple[ConfigFamily, ...] = (
     bamba.FAMILY,
     falcon_h1.FAMILY,
     qwen3_next.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 
@@ -60,7 +61,17 @@ def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
         mt: Any = d.get("model_type")  # whatever config.json holds, named in the error
         archs = [_MODEL_TYPES.get(mt, f"<model_type {mt!r}>")]
     arch = check_architecture(archs[0])
-    return _BY_ARCHITECTURE[arch].hf_fields(d, arch)
+    family = _BY_ARCHITECTURE[arch]
+    quantization = d.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        if method not in family.quantizations:
+            reads = f" (it reads {', '.join(family.quantizations)})" if family.quantizations else ""
+            raise ValueError(
+                f"quantization_config with quant_method {method!r} is not supported for {arch}{reads}: "
+                "prefixkv loads unquantized checkpoints (float32, bfloat16, float16) and GGUF files"
+            )
+    return family.hf_fields(d, arch)
 
 
 def gguf_fields(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Soft-capped attention by chunks of queries (model/softcap_attention.py) equals the explicit
-softmax of every query over its whole context (transformers' order: scale, cap, mask, softmax),
+"""Soft-capped attention and attention with sinks, by chunks of queries
+(model/explicit_attention.py), equal the explicit softmax of every query over its whole context
+(transformers' order: scale, cap, mask, sink column, softmax, sink dropped),
 through paged_attention: fresh prompts, chunks after cached context and decodes in one step, with
 and without a sliding window, at lengths around the chunk edges and with the score budget
 binding (fewer rows a chunk)."""
@@ -9,30 +10,41 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixkv.model import softcap_attention
+from prefixkv.model import explicit_attention
 from prefixkv.model.attention import AttentionMetadata, paged_attention
 
 HQ, HKV, D, BS = 4, 2, 16, 4
 SCALE, CAP = 0.3, 2.0
 
 
-def dense(q, k, v, first, window, cap=CAP):
+def dense(q, k, v, first, window, cap=CAP, sinks=None):
     """Rows of queries at positions first.. against keys 0..: float64, every score computed."""
     q, k, v = q.double(), k.double(), v.double()
     G = HQ // HKV
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     qpos = first + torch.arange(q.shape[0])[:, None]
     kpos = torch.arange(k.shape[0])[None, :]
     hidden = kpos > qpos
     if window is not None:
         hidden |= qpos - kpos >= window
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).float()
+    if sinks is not None:
+        sink = sinks.double().view(HQ, 1, 1).expand(HQ, q.shape[0], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).float()
 
 
-def run_steps(lengths, steps, window, dtype=torch.float32):
+# each variant: (soft cap, sink logits per query head)
+SINKS = torch.tensor([0.5, -1.0, 2.5, 0.0])
+VARIANTS = {"softcap": (CAP, None), "sinks": (None, SINKS), "both": (CAP, SINKS)}
+
+
+def run_steps(lengths, steps, window, dtype=torch.float32, variant="softcap"):
     """Sequences of `lengths` tokens fed `steps` tokens a step each (0: none that step); each
     step's outputs against the dense attention of the same rows. Blocks are handed out in
     reverse, so that no context lies in order in the cache."""
@@ -61,12 +73,13 @@ def run_steps(lengths, steps, window, dtype=torch.float32):
         q = torch.cat([seqs[i][0][a:b] for i, a, b in rows]).to(dtype)
         k = torch.cat([seqs[i][1][a:b] for i, a, b in rows]).to(dtype)
         v = torch.cat([seqs[i][2][a:b] for i, a, b in rows]).to(dtype)
-        out = paged_attention(q, k, v, cache, meta, scale=SCALE, window=window, softcap=CAP)
+        cap, sinks = VARIANTS[variant]
+        out = paged_attention(q, k, v, cache, meta, scale=SCALE, window=window, softcap=cap, sinks=sinks)
         for (i, a, b), r0 in zip(rows, qsl):
             if b == a:
                 continue
             sq, sk, sv = seqs[i]
-            want = dense(sq[a:b].to(dtype), sk[:b].to(dtype), sv[:b].to(dtype), a, window)
+            want = dense(sq[a:b].to(dtype), sk[:b].to(dtype), sv[:b].to(dtype), a, window, cap, sinks)
             tol = 1e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(out[r0 : r0 + b - a].float(), want, atol=tol, rtol=tol)
         done = seq_lens
@@ -74,31 +87,34 @@ def run_steps(lengths, steps, window, dtype=torch.float32):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(softcap_attention, "QUERY_CHUNK", 8)
+    monkeypatch.setattr(explicit_attention, "QUERY_CHUNK", 8)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("window", [None, 5, 12])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 30])
-def test_fresh_prompts(small_chunks, n, window):
-    run_steps([n, 3], [[n, 3]], window)
+def test_fresh_prompts(small_chunks, n, window, variant):
+    run_steps([n, 3], [[n, 3]], window, variant=variant)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("window", [None, 6])
-def test_chunks_after_cached_context_and_decodes(small_chunks, window):
+def test_chunks_after_cached_context_and_decodes(small_chunks, window, variant):
     # a prompt, then chunks (one longer than a query chunk) beside a fresh prompt, then decodes
-    run_steps([40, 31, 12], [[9, 0, 0], [13, 20, 0], [1, 11, 12], [1, 0, 0], [1, 0, 0]], window)
+    run_steps([40, 31, 12], [[9, 0, 0], [13, 20, 0], [1, 11, 12], [1, 0, 0], [1, 0, 0]], window, variant=variant)
 
 
 def test_score_budget_takes_fewer_rows(monkeypatch):
-    monkeypatch.setattr(softcap_attention, "QUERY_CHUNK", 64)
-    monkeypatch.setattr(softcap_attention, "MAX_CHUNK_SCORES", HQ * 3 * 50)  # 3 rows at 50 keys
+    monkeypatch.setattr(explicit_attention, "QUERY_CHUNK", 64)
+    monkeypatch.setattr(explicit_attention, "MAX_CHUNK_SCORES", HQ * 3 * 50)  # 3 rows at 50 keys
     run_steps([50, 20], [[20, 20], [30, 0]], None)
     run_steps([50, 20], [[20, 20], [30, 0]], 9)
 
 
+@pytest.mark.parametrize("variant", ["softcap", "sinks"])
 @pytest.mark.parametrize("window", [None, 10])
-def test_bfloat16(small_chunks, window):
-    run_steps([37, 5], [[30, 5], [7, 0]], window, torch.bfloat16)
+def test_bfloat16(small_chunks, window, variant):
+    run_steps([37, 5], [[30, 5], [7, 0]], window, torch.bfloat16, variant)
 
 
 def test_cap_and_window_change_the_output(small_chunks):
@@ -108,3 +124,4 @@ def test_cap_and_window_change_the_output(small_chunks):
     capped = dense(q, k, v, 0, 6)
     assert (capped - dense(q, k, v, 0, 7)).abs().max() > 0.1
     assert (capped - dense(q, k, v, 0, 6, cap=1e6)).abs().max() > 0.1
+    assert (capped - dense(q, k, v, 0, 6, sinks=SINKS)).abs().max() > 0.1

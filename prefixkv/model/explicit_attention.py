@@ -1,11 +1,12 @@
-"""Soft-capped attention (Gemma 2): the scores become cap * tanh(scores / cap) before the mask and
-the softmax, as transformers' eager attention computes them. No fused kernel (SDPA, the native
-ones) takes a cap, so this is the explicit softmax - in bounded memory: each sequence's new tokens
-go by chunks of query rows, and a chunk scores only the keys its rows can see (up to its last
-row's position; with a sliding window, from its first row's window start). At most
-[Hq, chunk, keys] scores live at once, never the [n, n] of a whole prompt; the causal and window
-masks are built from positions, for the few columns of a chunk that need one. A decode reads its
-context (or its window) whole and needs no mask."""
+"""Attention with an explicit softmax, for what no fused kernel (SDPA, the native ones) takes:
+soft-capped scores (Gemma 2: cap * tanh(scores / cap) before the mask and the softmax) and
+attention sinks (gpt-oss: a learned logit per query head that joins every softmax's denominator
+and adds no value), as transformers' eager attention computes them. In bounded memory: each
+sequence's new tokens go by chunks of query rows, and a chunk scores only the keys its rows can
+see (up to its last row's position; with a sliding window, from its first row's window start).
+At most [Hq, chunk, keys] scores live at once, never the [n, n] of a whole prompt; the causal and
+window masks are built from positions, for the few columns of a chunk that need one. A decode
+reads its context (or its window) whole and needs no mask."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ class _Sequence(NamedTuple):
     slots: torch.Tensor | None  # cache slots of positions first_key..; None: a fresh prompt, keys of the step
 
 
-class SoftcapPlan:
-    """What a step's soft-capped layers of one kind (window or none) read, built once per step:
+class ExplicitPlan:
+    """What a step's explicit-softmax layers of one kind (window or none) read, built once per step:
     each sequence's rows, the positions of its queries and keys, and where its cached keys lie.
     A prompt without cached context reads the step's own keys (the same values the cache holds)."""
 
@@ -86,18 +87,20 @@ class SoftcapPlan:
         return m
 
 
-def softcapped_attention(
+def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_flat: torch.Tensor,
     v_flat: torch.Tensor,
-    plan: SoftcapPlan,
+    plan: ExplicitPlan,
     scale: float,
-    softcap: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], the step's k, v [T, Hkv, D], a layer's cache k_flat, v_flat [slots, Hkv, D]
-    (the step's K/V written already) -> [T, Hq, D]."""
+    (the step's K/V written already) -> [T, Hq, D]; `softcap`: the scores' cap, `sinks` [Hq]:
+    each query head's sink logit (float32)."""
     Hq = q.shape[1]
     out = torch.empty_like(q)
     W = plan.window
@@ -120,17 +123,17 @@ def softcapped_attention(
             hi = first_query + c1  # past the last key its last query sees
             out[a + c0 : a + c1] = _chunk(
                 q[a + c0 : a + c1], kc[:, lo - first_key : hi - first_key], vc[:, lo - first_key : hi - first_key],
-                p0 - lo, plan, scale, softcap,
+                p0 - lo, plan, scale, softcap, sinks,
             )  # fmt: skip
     return out
 
 
-def _gather(flat: torch.Tensor, slots: torch.Tensor, plan: SoftcapPlan, name: str) -> torch.Tensor:
+def _gather(flat: torch.Tensor, slots: torch.Tensor, plan: ExplicitPlan, name: str) -> torch.Tensor:
     """flat[slots] [L, Hkv, D] into the step's buffer."""
     return torch.index_select(flat, 0, slots, out=plan.scratch(name, (slots.numel(), *flat.shape[1:]), flat.dtype))
 
 
-def _per_head(x: torch.Tensor, plan: SoftcapPlan, name: str) -> torch.Tensor:
+def _per_head(x: torch.Tensor, plan: ExplicitPlan, name: str) -> torch.Tensor:
     """[L, Hkv, D] -> [Hkv, L, D]. float32 as a strided view: BLAS reads it as it is, and the
     copy cost a float32 decode 1.5-1.8x its time; bfloat16's products ran 4-6x slower on the
     strided view, so it is copied per head (into the step's buffer)."""
@@ -141,7 +144,14 @@ def _per_head(x: torch.Tensor, plan: SoftcapPlan, name: str) -> torch.Tensor:
 
 
 def _chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, plan: SoftcapPlan, scale: float, softcap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offset: int,
+    plan: ExplicitPlan,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """q [c, Hq, D] at key positions offset.. of k, v [Hkv, L, D] (the chunk's last query sees the
     last key) -> [c, Hq, D]."""
@@ -149,16 +159,22 @@ def _chunk(
     Hkv, L = k.shape[0], k.shape[1]
     G = Hq // Hkv
     # GQA without expanding K/V: a KV head's G query heads are G x c rows of one product
-    # the queries scaled by scale / cap first: one pass over c x D values, not over c x L scores
-    qh = (q * (scale / softcap)).view(c, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c, D)
-    scores = torch.bmm(qh, k.transpose(1, 2))  # [Hkv, G * c, L]
-    scores.tanh_().mul_(softcap)
+    # the queries scaled by scale (/ cap) first: one pass over c x D values, not over c x L scores
+    qh = (q * (scale if softcap is None else scale / softcap)).view(c, Hkv, G, D).permute(1, 2, 0, 3)
+    scores = torch.bmm(qh.reshape(Hkv, G * c, D), k.transpose(1, 2))  # [Hkv, G * c, L]
+    if softcap is not None:
+        scores.tanh_().mul_(softcap)
     s4 = scores.view(Hkv, G, c, L)
     if c > 1:  # the last c - 1 keys lie past the chunk's first queries
         s4[..., L - c + 1 :].masked_fill_(plan.mask(c, offset - (L - c + 1), c - 1, None), float("-inf"))
     W = plan.window
     if W is not None and L - W > 0:  # the first keys lie before the window of the chunk's last queries
         s4[..., : L - W].masked_fill_(plan.mask(c, offset, L - W, W), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # the sink is one more column of the softmax, dropped after it
+        sink = sinks.to(torch.float32).view(Hkv, G, 1, 1).expand(Hkv, G, c, 1)
+        joined = torch.cat((s4.float(), sink), dim=-1)
+        probs = torch.softmax(joined, dim=-1)[..., :L].to(q.dtype).reshape(Hkv, G * c, L)
     o = torch.bmm(probs, v)  # [Hkv, G * c, D]
     return o.view(Hkv, G, c, D).permute(2, 0, 1, 3).reshape(c, Hq, D)
