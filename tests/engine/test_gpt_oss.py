@@ -18,3 +18,29 @@ def test_gpt_oss_engine_matches_transformers(tmp_path):
 
 def test_gpt_oss_with_a_disk_tier_and_the_stage_output_cache(tmp_path):
     assert_disk_tier_and_stage_outputs(tmp_path, make_gpt_oss(seed=1), 8, MAX_NEW)
+
+
+def test_lora_on_gpt_oss_attention(tmp_path):
+    """An adapter on gpt-oss's attention projections (the output one has a bias) equals PEFT's
+    greedy tokens; every block free after."""
+    import random
+
+    from prefixkv import LLM, SamplingParams
+    from prefixkv.lora import LoRARequest
+
+    from ..lora.conftest import peft_greedy, write_adapter
+    from ..model.test_model_hf_folder import _write_tokenizer
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    make_gpt_oss(seed=2).save_pretrained(base, safe_serialization=True)
+    _write_tokenizer(base)
+    write_adapter(base, adapter, seed=5, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 19)]
+    llm = LLM(str(base), dtype="float32", device="cpu", num_blocks=48, block_size=8, max_model_len=64, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(prompts, params, lora_request=LoRARequest("attn", 1, str(adapter)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == peft_greedy(base, adapter, prompts, 6)
+    assert [o.outputs[0].token_ids for o in out] != peft_greedy(base, None, prompts, 6)
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
