@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from . import harmony
+
 if TYPE_CHECKING:
     from .constraints.grammar import GrammarGate
     from .constraints.token_constraints import ThinkingBudget
@@ -141,7 +143,9 @@ class ReasoningSplit:
         self._late_scanned = 0  # content characters looked at for a second end (parsers that drop it)
         self._late_end = False
 
-    def update(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
+    def update(self, text: str, token_ids: Sequence[int], finished: bool = False) -> tuple[str, str]:
+        """`finished`: the output ends here (a format that reads an unended part differently at
+        the end says so; these markers do not)."""
         p = self.parser
         if not self.thinking or p is None:
             return "", text
@@ -273,6 +277,84 @@ class MiniMaxM2ReasoningParser(ReasoningParser):
     strips_trailing_whitespace = True
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss (vLLM's `openai_gptoss`): OpenAI's harmony format (harmony.py), whose reply is a run
+    of messages on channels - the analysis channel's are the reasoning, the final channel's (and
+    commentary without a recipient) the answer, and commentary to a function a tool call, kept in
+    the content as its harmony text for the `openai` tool parser. There is no one end token: a
+    grammar (structured outputs, required tool calls) and `thinking_token_budget` are refused by
+    name with it rather than started at a wrong token."""
+
+    name = "openai_gptoss"
+    start = harmony.CHANNEL
+    end = harmony.MESSAGE
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        ids = {}
+        for marker in harmony.MARKERS:
+            i = tokenizer.token_to_id(marker)
+            if i is None:
+                raise ValueError(
+                    f"--reasoning-parser {self.name}: the tokenizer has no {marker!r} token (this parser is for "
+                    "gpt-oss's harmony format)"
+                )
+            ids[marker] = i
+        self.start_id, self.end_id = ids[harmony.CHANNEL], ids[harmony.MESSAGE]
+        self._implicit, self._boundary_ids = [], frozenset()
+        self.special = True  # the text keeps the markers: the split reads them
+        self._specials = frozenset(ids.values())
+        self._tokenizer = tokenizer
+
+    def thinks(self, prompt_token_ids: Sequence[int], template_options: Mapping[str, Any] | None = None) -> bool:
+        return True  # every reply begins with a header; its channel says what the message is
+
+    def grammar_gate(self) -> GrammarGate:
+        raise ValueError(
+            "structured outputs (response_format, guided decoding, tool_choice 'required' or a named function) "
+            f"are not supported with --reasoning-parser {self.name}: harmony's answer begins after a channel "
+            "header, not at one token"
+        )
+
+    def thinking_budget(self, limit: int) -> ThinkingBudget:
+        raise ValueError(f"thinking_token_budget is not supported with --reasoning-parser {self.name}")
+
+    def split(self, thinking: bool) -> ReasoningSplit:
+        return HarmonySplit(self)
+
+    def reasoning_tokens(self, token_ids: Sequence[int], thinking: bool) -> int:
+        def decode(ids: Sequence[int]) -> str:
+            return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+        return harmony.reasoning_token_count(token_ids, decode, self._specials, self.end_id)
+
+
+class HarmonySplit(ReasoningSplit):
+    """A harmony reply's (reasoning, content) as it grows, each only growing: the messages' texts
+    joined by newlines (vLLM's joining; empty ones left out), tool calls' messages in the content
+    as harmony text (`harmony.tool_call_text`), builtin tools' left out. A reply that ends inside
+    a header gives that header's text as content (vLLM's recovery of a reply that is not harmony)."""
+
+    def __init__(self, parser: GptOssReasoningParser) -> None:
+        super().__init__(parser, True)
+        self._reply = harmony.HarmonyReply()
+
+    def update(self, text: str, token_ids: Sequence[int], finished: bool = False) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content, visible = "", False  # visible: some answer text is in the content
+        for m in self._reply.update(text):
+            kind = m.kind
+            if kind == "reasoning" and m.text:
+                reasoning.append(m.text)
+            elif kind == "content" and m.text:
+                content += ("\n" if visible else "") + m.text
+                visible = True
+            elif kind == "tool":
+                content += harmony.tool_call_text(m)
+        if finished and self._reply.unparsed:
+            content += ("\n" if visible else "") + self._reply.unparsed
+        return "\n".join(reasoning), content
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p
     for p in (
@@ -282,5 +364,6 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
         Glm45ReasoningParser,
         Glm47ReasoningParser,
         MiniMaxM2ReasoningParser,
+        GptOssReasoningParser,
     )
 }

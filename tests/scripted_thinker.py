@@ -39,6 +39,22 @@ def write_scripted_thinker(folder: Path, special_markers: bool = False) -> Path:
     """The checkpoint (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) in
     `folder`; returns it. `special_markers`: the markers are special tokens (as some thinking
     models' are), which decoding skips by default."""
+    return write_scripted_model(folder, MARKERS, SPECIALS, SCRIPT, TEMPLATE, ["<|im_end|>"], special_markers)
+
+
+def write_scripted_model(
+    folder: Path,
+    markers: list[str],
+    specials: list[str],
+    script: list[tuple[str, str]],
+    template: str,
+    eos: list[str],
+    special_markers: bool = False,
+) -> Path:
+    """A bigram checkpoint that writes `script` (pairs: a token, the token greedy decoding writes
+    after it), its vocabulary the 256 bytes, `markers` (added tokens, special where
+    `special_markers`) and `specials` (special tokens); `eos` end a reply (the first is the
+    tokenizer's)."""
     import torch
     import transformers as tf
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -50,10 +66,10 @@ def write_scripted_thinker(folder: Path, special_markers: bool = False) -> Path:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_tokens([AddedToken(m, special=special_markers, normalized=False) for m in MARKERS])
-    tok.add_special_tokens(SPECIALS)
+    tok.add_tokens([AddedToken(m, special=special_markers, normalized=False) for m in markers])
+    tok.add_special_tokens(specials)
     tok.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "chat_template": TEMPLATE}
+    config = {"eos_token": eos[0], "pad_token": eos[0], "chat_template": template}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
     def tid(text: str) -> int:
@@ -74,12 +90,12 @@ def write_scripted_thinker(folder: Path, special_markers: bool = False) -> Path:
         head_dim=32,
         max_position_embeddings=512,
         tie_word_embeddings=False,
-        eos_token_id=tid("<|im_end|>"),
+        eos_token_id=[tid(e) for e in eos] if len(eos) > 1 else tid(eos[0]),
         bos_token_id=None,
     )
     torch.manual_seed(0)
     model = tf.Qwen3ForCausalLM(cfg).eval()
-    scripted = sorted({tid(a) for a, _ in SCRIPT} | {tid(b) for _, b in SCRIPT})
+    scripted = sorted({tid(a) for a, _ in script} | {tid(b) for _, b in script})
     assert len(scripted) <= hidden
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -93,7 +109,7 @@ def write_scripted_thinker(folder: Path, special_markers: bool = False) -> Path:
         basis = torch.eye(hidden)
         for k, t in enumerate(scripted):
             emb[t] = basis[k] * 0.5
-        for a, b in SCRIPT:
+        for a, b in script:
             model.lm_head.weight[tid(b)] += emb[tid(a)] * 10.0
     model.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "router",
             "speculative",
             "reasoning",
+            "harmony",
         ),
     ),
     ("requests", ("sampling_params", "request", "engine_args", "config", "inputs")),

@@ -24,6 +24,7 @@ from .. import __version__
 from ..engine.llm_engine import LLMEngine
 from ..lora.request import LoRARequest
 from ..model.default_model import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
+from ..reasoning import GptOssReasoningParser
 from .anthropic import add_anthropic_routes
 from .async_engine import AsyncEngine
 from .cache_control import add_cache_control_routes
@@ -133,6 +134,8 @@ def create_app(
     completions = OpenAIServingCompletion(engine, async_engine, names, limits, count_error, tokens_as_ids=as_ids)
     chat = OpenAIServingChat(engine, async_engine, names, limits, count_error, tokens_as_ids=as_ids)
     chat.tool_parser = tool_call_parser  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
+    if tool_call_parser == "openai" and not isinstance(chat.inputs.reasoning, GptOssReasoningParser):
+        raise ValueError("tool_call_parser 'openai' needs reasoning_parser 'openai_gptoss' (gpt-oss's harmony format)")
     chat.response_role = response_role
     completions.request_logger = chat.request_logger = request_logger
     embeddings = OpenAIServingEmbedding(engine, async_engine, names, limits, count_error)

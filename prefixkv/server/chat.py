@@ -315,7 +315,7 @@ class OpenAIServingChat(OpenAIServing):
         parser = self.inputs.reasoning
         if parser is None or thinks is None:
             return None, text
-        reasoning, content = parser.split(thinks).update(text, token_ids)
+        reasoning, content = parser.split(thinks).update(text, token_ids, finished=True)
         return (reasoning or None) if req.include_reasoning else None, content or None
 
     def shows_tokens(self, req: Any) -> bool:
@@ -386,7 +386,7 @@ class OpenAIServingChat(OpenAIServing):
             new: str | None = d.text
             if parser is not None and thinks is not None:  # the same split as a whole reply's, as it grows
                 split = splits.get(d.index) or splits.setdefault(d.index, parser.split(thinks))
-                thought, text = split.update(d.choice.text, d.choice.token_ids)
+                thought, text = split.update(d.choice.text, d.choice.token_ids, d.choice.finish_reason is not None)
                 sent_thought, sent_text = sent.get(d.index, (0, 0))
                 sent[d.index] = (len(thought), len(text))
                 reasoning = (thought[sent_thought:] or None) if req.include_reasoning else None

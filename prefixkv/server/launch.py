@@ -251,6 +251,10 @@ def check_server_args(args: argparse.Namespace) -> None:
     """Flag combinations refused before the model loads (vLLM's messages)."""
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise SystemExit("error: When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
+    harmony_tools = getattr(args, "tool_call_parser", None) == "openai"
+    if harmony_tools and getattr(args, "reasoning_parser", None) != "openai_gptoss":
+        # harmony's tool calls are messages of their own: the reasoning parser's split reads them
+        raise SystemExit("error: --tool-call-parser openai needs --reasoning-parser openai_gptoss (gpt-oss's harmony)")
     # the runtime LoRA flags change nothing on their own: refused by name rather than ignored
     from .lora import runtime_lora_updating_from_env
 

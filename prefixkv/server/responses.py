@@ -173,7 +173,7 @@ class OpenAIServingResponses:
             return StreamingResponse(turn.events(gens, plan), media_type="text/event-stream")
         out = (await self.chat.collect(raw, gens))[0]
         o = out.outputs[0]
-        thought, answer = turn.split().update(o.text, o.token_ids)
+        thought, answer = turn.split().update(o.text, o.token_ids, finished=True)
         text, calls = plan.parse(answer) if plan is not None else (answer, [])
         items = [call_item(hex_id("fc"), c.id, c.function.name, c.function.arguments) for c in calls]
         logprobs = turn.logprobs(o.logprobs, list(o.token_ids)) if o.logprobs is not None else []

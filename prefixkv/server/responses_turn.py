@@ -135,8 +135,10 @@ class ResponseTurn:
 
     def split(self) -> ReasoningSplit:
         """The reply's reasoning and answer as it grows (all answer without a parser)."""
-        parser, thinks = self.reasoning or (None, False)
-        return ReasoningSplit(parser, thinks)
+        if self.reasoning is None:
+            return ReasoningSplit(None, False)
+        parser, thinks = self.reasoning
+        return parser.split(thinks)
 
     @property
     def shows_reasoning(self) -> bool:
@@ -238,7 +240,8 @@ class ResponseTurn:
             deltas = cast("AsyncGenerator[ChoiceDelta, None]", choice_deltas(gens, 1, state))
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
-                    reasoning, answer = split.update(d.choice.text, d.choice.token_ids)
+                    finished = d.choice.finish_reason is not None
+                    reasoning, answer = split.update(d.choice.text, d.choice.token_ids, finished)
                     new_thought = reasoning[len(thought) :] if self.shows_reasoning else ""
                     thought = reasoning
                     content: str | None = answer[sent:]

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from .. import harmony
 from ..constraints import StructuredOutputsParams
 from .errors import APIError
 
@@ -526,6 +527,21 @@ def coerce(value: str, schema: dict[str, Any]) -> Any:
     return parsed if _finite(parsed) else value
 
 
+class OpenAIToolParser(ToolParser):
+    """gpt-oss (vLLM's `openai`): harmony's tool calls, messages on the commentary channel to
+    `functions.NAME`, which the `openai_gptoss` reasoning parser's split keeps in the content as
+    their harmony text (the server refuses this parser without it). Arguments as vLLM returns
+    them: JSON re-serialised, other content types as written."""
+
+    marker = harmony.TOOL_CALL_START
+    keeps_special_tokens = True
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        rest, messages = harmony.split_tool_calls(text)
+        calls = [ToolCall(function=FunctionCall(name=m.function, arguments=m.arguments())) for m in messages]
+        return rest or None, calls
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
@@ -537,6 +553,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "minimax_m2": MiniMaxM2ToolParser,
     "pythonic": PythonicToolParser,
     "llama4_pythonic": Llama4PythonicToolParser,
+    "openai": OpenAIToolParser,
 }
 
 

@@ -1,0 +1,35 @@
+"""A tiny checkpoint that answers in OpenAI's harmony format (gpt-oss's), greedy, by script
+(tests/scripted_thinker.py's bigram construction): without tools in the prompt it thinks "hm" on
+the analysis channel and answers "OK" on the final one; with tools it thinks "Need weather." and
+calls get_weather with {"city":"Paris"}. Harmony's markers are special tokens of its vocabulary,
+as in gpt-oss's. A bigram model writes each token after one token only, so the headers that repeat
+a marker are single added tokens of their whole text (the text a reply reads is the same)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefixkv import harmony
+
+from .scripted_thinker import write_scripted_model
+
+ANALYSIS = "<|channel|>analysis<|message|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>"
+THOUGHT = "<|channel|>analysis<|message|>Need weather.<|end|>"
+CALL_HEADER = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+ARGUMENTS = '{"city":"Paris"}'
+MARKERS = ["assistant", "Assistant", ANALYSIS, FINAL, THOUGHT, CALL_HEADER, ARGUMENTS]
+SCRIPT = [("assistant", ANALYSIS), (ANALYSIS, "h"), ("h", "m"), ("m", "<|end|>"), ("<|end|>", FINAL)]
+SCRIPT += [(FINAL, "O"), ("O", "K"), ("K", "<|return|>")]
+SCRIPT += [("Assistant", THOUGHT), (THOUGHT, CALL_HEADER), (CALL_HEADER, ARGUMENTS), (ARGUMENTS, "<|call|>")]
+
+TEMPLATE = (  # harmony's turns, short; the generation prompt ends in "Assistant" where tools are given
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>{% if tools %}Assistant{% else %}assistant{% endif %}{% endif %}"
+)
+
+
+def write_scripted_harmony(folder: Path) -> Path:
+    return write_scripted_model(
+        folder, MARKERS, list(harmony.MARKERS), SCRIPT, TEMPLATE, [harmony.RETURN, harmony.CALL]
+    )
