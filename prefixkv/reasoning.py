@@ -54,6 +54,10 @@ class ReasoningParser:
     strips_trailing_whitespace: ClassVar[bool] = False
     # a `start` generated in the answer begins reasoning again, until the next `end` (interleaved)
     reenters: ClassVar[bool] = False
+    # further names under which the family's chat template reads an earlier turn's reasoning
+    template_reasoning_names: ClassVar[tuple[str, ...]] = ()
+    # tokens that end a served reply whatever the checkpoint's EOS says (set by the parser's init)
+    reply_stop_ids: frozenset[int] = frozenset()
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         def token_id(text: str) -> int:
@@ -288,6 +292,7 @@ class GptOssReasoningParser(ReasoningParser):
     name = "openai_gptoss"
     start = harmony.CHANNEL
     end = harmony.MESSAGE
+    template_reasoning_names = ("thinking",)  # gpt-oss's template renders a tool call's analysis from it
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         ids = {}
@@ -302,6 +307,9 @@ class GptOssReasoningParser(ReasoningParser):
         self.start_id, self.end_id = ids[harmony.CHANNEL], ids[harmony.MESSAGE]
         self._implicit, self._boundary_ids = [], frozenset()
         self.special = True  # the text keeps the markers: the split reads them
+        # a tool call ends the reply at <|call|>, which gpt-oss's generation_config.json does not
+        # list as an EOS (vLLM adds harmony's stop tokens likewise)
+        self.reply_stop_ids = frozenset({ids[harmony.CALL], ids[harmony.RETURN]})
         self._specials = frozenset(ids.values())
         self._tokenizer = tokenizer
 

@@ -22,14 +22,16 @@ MARKERS = ["assistant", "Assistant", ANALYSIS, FINAL, THOUGHT, CALL_HEADER, ARGU
 SCRIPT = [("assistant", ANALYSIS), (ANALYSIS, "h"), ("h", "m"), ("m", "<|end|>"), ("<|end|>", FINAL)]
 SCRIPT += [(FINAL, "O"), ("O", "K"), ("K", "<|return|>")]
 SCRIPT += [("Assistant", THOUGHT), (THOUGHT, CALL_HEADER), (CALL_HEADER, ARGUMENTS), (ARGUMENTS, "<|call|>")]
+# <|call|> is no EOS of the checkpoint (as gpt-oss's generation_config.json): the server stops there
+SCRIPT += [("<|call|>", "Z")]
 
 TEMPLATE = (  # harmony's turns, short; the generation prompt ends in "Assistant" where tools are given
-    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% for m in messages %}<|start|>{{ m.role }}"
+    "{% if m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>{{ m.role }}{% endif %}"
+    "<|message|>{{ m.content }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>{% if tools %}Assistant{% else %}assistant{% endif %}{% endif %}"
 )
 
 
 def write_scripted_harmony(folder: Path) -> Path:
-    return write_scripted_model(
-        folder, MARKERS, list(harmony.MARKERS), SCRIPT, TEMPLATE, [harmony.RETURN, harmony.CALL]
-    )
+    return write_scripted_model(folder, MARKERS, list(harmony.MARKERS), SCRIPT, TEMPLATE, [harmony.RETURN])

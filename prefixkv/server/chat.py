@@ -166,7 +166,8 @@ class OpenAIServingChat(OpenAIServing):
     def reasoning_of_message(self, message: dict[str, Any], index: int) -> None:
         """An assistant message's earlier reasoning (`reasoning`, or the older `reasoning_content`)
         reaches the template under both names, as vLLM hands it (templates that interleave
-        thinking with tool calls read `reasoning_content`)."""
+        thinking with tool calls read `reasoning_content`), and under the names the reasoning
+        parser's family reads (gpt-oss's `thinking`)."""
         if message.get("role") != "assistant":
             return
         reasoning = message.get("reasoning", message.get("reasoning_content"))
@@ -176,6 +177,9 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"messages[{index}].reasoning must be a string", 400, param="messages")
         self.check_text(reasoning, "messages")
         message["reasoning"] = message["reasoning_content"] = reasoning
+        parser = self.inputs.reasoning
+        for name in parser.template_reasoning_names if parser is not None else ():
+            message.setdefault(name, reasoning)
 
     async def prompt_with_images(
         self, req: ChatCompletionRequest, messages: list[dict], render
@@ -218,6 +222,8 @@ class OpenAIServingChat(OpenAIServing):
             params.skip_special_tokens = False  # the parser reads a special token (mistral's [TOOL_CALLS])
         if self.inputs.reasoning is not None and self.inputs.reasoning.special:
             params.skip_special_tokens = False  # the reasoning's markers are special tokens of this tokenizer
+        if self.inputs.reasoning is not None and self.inputs.reasoning.reply_stop_ids:
+            params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | self.inputs.reasoning.reply_stop_ids)
         await self.compile_grammar(params)
         return ids, mm_items, params, plan
 

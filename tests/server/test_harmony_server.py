@@ -100,3 +100,15 @@ def test_what_harmony_cannot_take_is_refused_by_name(server, client):
     with pytest.raises(SystemExit, match="--reasoning-parser openai_gptoss"):
         check_server_args(args)
     server.wait_idle()
+
+
+def test_an_earlier_turns_reasoning_reaches_the_template_as_thinking(server):
+    """gpt-oss's template renders a tool-call turn's analysis from `thinking`: a client's
+    `reasoning` gets there."""
+    import httpx
+
+    messages = [*HI, {"role": "assistant", "content": "OK", "reasoning": "pondered"}, *HI]
+    body = {"model": "oss", "messages": messages}
+    res = httpx.post(server.base + "/tokenize", json=body, timeout=30).json()
+    text = httpx.post(server.base + "/detokenize", json={"model": "oss", "tokens": res["tokens"]}, timeout=30).json()
+    assert "<|channel|>analysis<|message|>pondered<|end|>" in text["prompt"]
