@@ -285,9 +285,9 @@ class GptOssReasoningParser(ReasoningParser):
     """gpt-oss (vLLM's `openai_gptoss`): OpenAI's harmony format (harmony.py), whose reply is a run
     of messages on channels - the analysis channel's are the reasoning, the final channel's (and
     commentary without a recipient) the answer, and commentary to a function a tool call, kept in
-    the content as its harmony text for the `openai` tool parser. There is no one end token: a
-    grammar (structured outputs, required tool calls) and `thinking_token_budget` are refused by
-    name with it rather than started at a wrong token."""
+    the content as its harmony text for the `openai` tool parser. A grammar (structured outputs,
+    required tool calls) constrains the final channel's body; `thinking_token_budget`, which would
+    have to force a whole header, is refused by name."""
 
     name = "openai_gptoss"
     start = harmony.CHANNEL
@@ -312,16 +312,18 @@ class GptOssReasoningParser(ReasoningParser):
         self.reply_stop_ids = frozenset({ids[harmony.CALL], ids[harmony.RETURN]})
         self._specials = frozenset(ids.values())
         self._tokenizer = tokenizer
+        final = tokenizer.encode("final", add_special_tokens=False)
+        self._final_header = (ids[harmony.CHANNEL], *final, ids[harmony.MESSAGE])
 
     def thinks(self, prompt_token_ids: Sequence[int], template_options: Mapping[str, Any] | None = None) -> bool:
         return True  # every reply begins with a header; its channel says what the message is
 
     def grammar_gate(self) -> GrammarGate:
-        raise ValueError(
-            "structured outputs (response_format, guided decoding, tool_choice 'required' or a named function) "
-            f"are not supported with --reasoning-parser {self.name}: harmony's answer begins after a channel "
-            "header, not at one token"
-        )
+        """The grammar starts with the final channel's body: after `<|channel|>final<|message|>`
+        in a row (as the tokenizer spells "final"); analysis runs free, a tool call never opens it."""
+        from .constraints.grammar import GrammarGate
+
+        return GrammarGate(after=frozenset(), after_run=self._final_header)
 
     def thinking_budget(self, limit: int) -> ThinkingBudget:
         raise ValueError(f"thinking_token_budget is not supported with --reasoning-parser {self.name}")

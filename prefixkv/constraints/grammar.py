@@ -191,7 +191,7 @@ def fill_next(
         for i, (grammar, tokens) in enumerate(zip(grammars, pending)):
             m = grammar._matcher
             if grammar.gate is not None and not grammar.opened:
-                at = grammar.gate.opening(tokens)
+                at = grammar.gate.opening(tokens, grammar.closed_tail)
                 if at is None:
                     closed.add(i)
                     continue
@@ -227,21 +227,33 @@ def fill_next(
 @dataclass(frozen=True)
 class GrammarGate:
     """Where a sequence's grammar begins: the output is free until one of `after` (a token the
-    grammar never sees: a thinking model's end of reasoning) or one of `at` (the grammar's first
-    token: an answer that begins without that end, as a Qwen 3 tool call may). vLLM's reasoning
-    gate of structured outputs."""
+    grammar never sees: a thinking model's end of reasoning), one of `at` (the grammar's first
+    token: an answer that begins without that end, as a Qwen 3 tool call may), or the tokens of
+    `after_run` in a row (a header that begins the answer: gpt-oss's `<|channel|>final<|message|>`).
+    vLLM's reasoning gate of structured outputs."""
 
     after: frozenset[int]
     at: frozenset[int] = frozenset()
+    after_run: tuple[int, ...] = ()
 
-    def opening(self, tokens: Sequence[int]) -> int | None:
-        """Where the grammar's tokens begin in `tokens` (drawn while closed); None: still closed."""
+    def opening(self, tokens: Sequence[int], before: Sequence[int] = ()) -> int | None:
+        """Where the grammar's tokens begin in `tokens` (drawn while closed, after the closed
+        tokens `before`: their tail, which a run may begin in); None: still closed."""
+        run = self.after_run
         for j, token in enumerate(tokens):
             if token in self.after:
                 return j + 1
             if token in self.at:
                 return j
+            if run and token == run[-1] and self.ends_run(before, tokens[: j + 1]):
+                return j + 1
         return None
+
+    def ends_run(self, before: Sequence[int], tokens: Sequence[int]) -> bool:
+        """Whether `before` then `tokens` end with `after_run`."""
+        n = len(self.after_run)
+        tail = list(before[-n:]) + list(tokens[-n:])
+        return n > 0 and tuple(tail[-n:]) == self.after_run
 
 
 class RequestGrammar:
@@ -268,6 +280,7 @@ class RequestGrammar:
         self.num_accepted = 0  # tokens booked, those before the gate opened included
         self.gate = gate
         self.opened = gate is None
+        self.closed_tail: list[int] = []  # the last tokens booked while closed (a gate's `after_run`)
         self._closed_mask: torch.Tensor | None = None
 
     def fill(self, bitmask: torch.Tensor, pending: Sequence[int] = ()) -> bool:
@@ -281,6 +294,12 @@ class RequestGrammar:
             if token in self.gate.after:
                 self.opened = True
                 return
+            run = self.gate.after_run
+            if run:
+                if self.gate.ends_run(self.closed_tail, [token]):
+                    self.opened = True
+                    return
+                self.closed_tail = [*self.closed_tail, token][1 - len(run) :] if len(run) > 1 else []
             if token not in self.gate.at:
                 return
             self.opened = True

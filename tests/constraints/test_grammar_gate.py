@@ -80,3 +80,26 @@ def test_an_at_opener_is_the_grammars_first_token(tok, grammars):
     assert gated.opened and allowed(gated) == allowed(plain)
     with pytest.raises(ValueError, match="does not continue"):
         gated.accept(tok.encode("x")[0])
+
+
+def test_a_run_of_tokens_opens_it_booked_or_pending(tok, grammars):
+    """A gate that opens after a run of tokens (gpt-oss's `<|channel|>final<|message|>`): the run
+    booked across steps, or partly booked and the rest drawn ahead, opens it; the same tokens
+    apart, or the run cut short, do not."""
+    compiled = grammars.compile(StructuredOutputsParams(regex="Yes|No"))
+    a, b, c = (tok.encode(ch)[0] for ch in "abc")
+    gate = GrammarGate(after=frozenset(), after_run=(a, b, c))
+    everything = set(range(tok.vocab_size)) | set(range(grammars.matcher(compiled).num_words * 32))
+    plain = grammars.matcher(compiled)
+    n = tok.encode("N")
+    for booked, pending in (([a, b], [c, *n]), ([a], [b, c, *n]), ([], [a, b, c, *n]), ([a, b, c], n)):
+        gated = grammars.matcher(compiled, gate)
+        for t in booked:
+            gated.accept(t)
+        assert gated.opened == (len(booked) == 3)
+        assert allowed(gated, pending) == allowed(plain, n)
+    gated = grammars.matcher(compiled, gate)
+    for t in [a, b, b, c, a, c]:  # never a, b, c in a row
+        gated.accept(t)
+    assert not gated.opened and allowed(gated, [b, *n]) == everything
+    assert allowed(gated, [a, b, *n]) == everything  # cut short before c
