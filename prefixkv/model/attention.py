@@ -128,6 +128,28 @@ class AttentionMetadata:
             )
         return p
 
+    def whole_contexts(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence of the step with new tokens, for the native prefill kernel over its
+        whole context: (seqs [S, 4] int64 - first row, new tokens, keys, where its slots start -
+        and the cache slot of each of its positions), built once per step."""
+        key = ("whole", block_size)
+        batch = self._plans.get(key)
+        if batch is None:
+            tables = self.block_tables.to(device="cpu", dtype=torch.long)
+            rows, slots, at = [], [], 0
+            for i, s in enumerate(self.seq_lens):
+                a, b = self.query_start_loc[i], self.query_start_loc[i + 1]
+                if b == a:
+                    continue
+                pos = torch.arange(s)
+                slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
+                rows.append([a, b - a, s, at])
+                at += s
+            seqs = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+            flat = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+            batch = self._plans[key] = (seqs, flat.contiguous())
+        return batch
+
 
 class _Plan:
     def __init__(
@@ -649,8 +671,14 @@ def paged_attention(
         if T:
             k_flat.index_copy_(0, slots, k.to(kv_cache.dtype))
             v_flat.index_copy_(0, slots, v.to(kv_cache.dtype))
-        plan_explicit = meta.explicit_plan(block_size, q.device, window)
         scale = D**-0.5 if scale is None else scale
+        # the native prefill kernel where some sequence brings more than one token (a decode-only
+        # step ran 2-2.5x faster on the explicit softmax: the kernel is built for query tiles)
+        if sinks is not None and softcap is None and window is None and T > len(meta.seq_lens):
+            out = _with_sinks_natively(q, k_flat, v_flat, meta, block_size, scale, sinks)
+            if out is not None:
+                return out
+        plan_explicit = meta.explicit_plan(block_size, q.device, window)
         return explicit_attention(q, k, v, k_flat, v_flat, plan_explicit, scale, softcap, sinks)
     plan = meta.plan(block_size, q.device, window, q.dtype)
     k_flat = kv_cache[0].view(-1, Hkv, D)
@@ -715,6 +743,32 @@ def paged_attention(
     if plan.decode_rows is not None:
         out[plan.decode_rows] = _decode(q, k_flat, v_flat, plan, scale)
     return out
+
+
+def _with_sinks_natively(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor | None:
+    """Full-context attention with sinks on the native prefill kernel (CPU): a sink adds
+    exp(sink) to the softmax's denominator, so each row's output is the kernel's times
+    sigmoid(lse - sink), from the log-sum-exp it returns. None where the kernel does not take
+    the step (the explicit softmax then runs): 3.3x faster at a 2,048-token prompt of gpt-oss's
+    heads (64 / 8, head 64) on a 2-vCPU AMD EPYC Zen 2 (docs/design.md, gpt-oss)."""
+    T, Hq, _ = q.shape
+    seqs, slots = meta.whole_contexts(block_size)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)
+    if not ops.prefill_attention(q, k_flat, v_flat, seqs, slots, scale, out, lse):
+        return None
+    keep = torch.sigmoid(lse.sub_(sinks.to(torch.float32))).unsqueeze(-1)
+    if out.dtype == torch.float32:
+        return out.mul_(keep)
+    return (out.float() * keep).to(out.dtype)
 
 
 def static_meta(view: StaticDecodeView | StaticMixedView) -> AttentionMetadata:
