@@ -125,3 +125,25 @@ def test_cap_and_window_change_the_output(small_chunks):
     assert (capped - dense(q, k, v, 0, 7)).abs().max() > 0.1
     assert (capped - dense(q, k, v, 0, 6, cap=1e6)).abs().max() > 0.1
     assert (capped - dense(q, k, v, 0, 6, sinks=SINKS)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_on_the_native_prefill_kernel(monkeypatch, dtype):
+    """Full layers with sinks, a step with a prompt or chunk: the native prefill kernel's output
+    scaled by sigmoid(lse - sink) (a head size it takes), equal to the dense reference; a
+    decode-only step keeps the explicit softmax."""
+    import sys
+
+    from prefixkv.model import attention
+    from prefixkv.model.kernels import ops
+
+    monkeypatch.setattr(sys.modules[__name__], "D", 32)
+    calls, kernel = [], ops.prefill_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention.ops, "prefill_attention", counted)
+    run_steps([40, 31, 12], [[9, 0, 0], [13, 20, 0], [1, 11, 12], [1, 0, 0]], None, dtype, "sinks")
+    assert calls == [9, 33, 24]  # the three steps with more tokens than sequences, every row of each

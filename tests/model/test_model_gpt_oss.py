@@ -33,7 +33,7 @@ def make_gpt_oss(swiglu_limit: float = 0.6, seed: int = 0):
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,  # a head size the native prefill kernel takes (full layers' sinks run on it)
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=7,
