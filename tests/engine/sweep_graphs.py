@@ -70,6 +70,10 @@ def _family(name: str) -> Callable[[], Any]:
         from .test_qwen3_next import make_qwen3_next
 
         return lambda: make_qwen3_next(mlp_only_layers=[0, 1, 2, 3])
+    if name == "gpt_oss":  # (no graphs: its sinks run eager; the caching fuzz takes it)
+        from ..model.test_model_gpt_oss import make_gpt_oss
+
+        return make_gpt_oss
     raise SystemExit(f"unknown family {name!r}")
 
 

@@ -234,6 +234,7 @@ def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, p
     [
         ("llama", 18, True),
         ("gemma3", 22, True),
+        ("gpt_oss", 22, True),
         ("mamba2", 6, False),
         ("qwen3_next", 18, True),
         ("lora", 5, False),
@@ -243,7 +244,8 @@ def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, p
 def test_random_traffic_with_caching_equals_without(tmp_path, family, seed, preempts):
     """Seeds of tests/engine/fuzz_caching.py (random traffic, an engine with caching off against
     one with it on): a conversation's next turns and repeated prompts beside preemption, for plain
-    attention, sliding windows in a second KV-cache group (Gemma 3: 22 preempts ten times), and
+    attention, sliding windows in a second KV-cache group (Gemma 3: 22 preempts ten times; gpt-oss's
+    sinks beside them: six), and
     recurrent state restored from the cache (mamba2 6: two requests of one step, the second
     continuing from a block the first computes in it); the same prompts under two adapters and
     none (lora 5: with the adapter out of the blocks' key, they read each other's KV); images at
