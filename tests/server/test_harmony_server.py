@@ -83,11 +83,15 @@ def test_a_commentary_message_to_a_function_is_a_tool_call(server, client):
     server.wait_idle()
 
 
-def test_responses_make_a_reasoning_item(server, client):
+def test_responses_make_a_reasoning_item_and_function_calls(server, client):
     res = client.responses.create(model="oss", input="Hi", temperature=0)
     kinds = [item.type for item in res.output]
     assert kinds == ["reasoning", "message"] and res.output_text == "OK"
     assert res.output[0].content[0].text == "hm"
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    res = client.responses.create(model="oss", input="Weather?", temperature=0, tools=[tool])
+    assert [item.type for item in res.output] == ["reasoning", "function_call"]
+    assert (res.output[1].name, res.output[1].arguments) == ("get_weather", '{"city": "Paris"}')
     server.wait_idle()
 
 
