@@ -50,6 +50,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections with biases
     attention_output_bias: bool = False  # the output projection with a bias (Llama / Qwen3 with attention_bias)
     attention_sinks: bool = False  # a learned sink logit per query head joins each softmax (gpt-oss)
+    nope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary embedding (SmolLM3's NoPE)
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -104,6 +105,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
         self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers)
+        self.nope_layers = tuple(int(i) for i in self.nope_layers)
+        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {self.nope_layers} names layers past the {self.num_hidden_layers} there are")
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(

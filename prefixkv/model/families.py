@@ -19,6 +19,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "MistralForCausalLM": LlamaModel,
     "Qwen2ForCausalLM": LlamaModel,
     "Qwen3ForCausalLM": LlamaModel,
+    "SmolLM3ForCausalLM": LlamaModel,  # with layers that have no rotary (ModelConfig.nope_layers)
     "Gemma2ForCausalLM": GemmaModel,
     "Gemma3ForCausalLM": GemmaModel,
     # the Llama decoder with model/moe.py's MLP

@@ -65,6 +65,7 @@ class Attention(nn.Module):
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.window = config.layer_windows[layer_idx]
+        self.rotary = layer_idx not in config.nope_layers  # SmolLM3's NoPE layers have none
         self.softcap: float | None = None  # attention logit soft-capping (Gemma 2)
         # each query head's sink logit (gpt-oss), kept in float32 as the softmax takes it
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
@@ -95,10 +96,14 @@ class Attention(nn.Module):
         written = (
             self.softcap is None
             and self.sinks is None
+            and self.rotary
             and gpu_fused.runs_on(qkv)
             and rotate_and_write_kv(q, k, v, cos, sin, kv_cache, meta, self.window, self.qk_norm_weights(qkv.dtype))
         )
-        if not written and self.qk_norm:  # the norms' outputs are this layer's own: rotated in place
+        if not written and not self.rotary:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+        elif not written and self.qk_norm:  # the norms' outputs are this layer's own: rotated in place
             q = RotaryEmbedding.apply_(self.q_norm(q), cos, sin)
             k = RotaryEmbedding.apply_(self.k_norm(k), cos, sin)
         elif not written:  # q and k side by side in each row of qkv: one rotation (in place on CPU)
@@ -622,7 +627,7 @@ class _DecodeLayers:
         cfg = model.config
         if not len(model.layers) or not ops.decode_layers_available(model.dtype):
             return None
-        if not model.fused_decode_layout or cfg.qk_norm or cfg.any_sliding or cfg.attention_sinks:
+        if not model.fused_decode_layout or cfg.qk_norm or cfg.any_sliding or cfg.attention_sinks or cfg.nope_layers:
             return None
         if cfg.head_dim not in ops.HEAD_DIMS:
             return None

@@ -72,6 +72,14 @@ def _make(kind, **extra):
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**_common(head_dim=24))
         cls = tf.Qwen3ForCausalLM
+    elif kind == "smollm3":  # NoPE every 2nd layer (no rotary there), tied embeddings
+        cfg = tf.SmolLM3Config(
+            **_common(no_rope_layer_interval=2, num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=None)
+        )
+        cls = tf.SmolLM3ForCausalLM
+    elif kind == "llama-bias":  # attention_bias: q/k/v and the output projection
+        cfg = tf.LlamaConfig(**_common(attention_bias=True))
+        cls = tf.LlamaForCausalLM
     elif kind == "qwen3-yarn":  # YaRN past a 16-token original context, its ramp untruncated
         yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
         cfg = tf.Qwen3Config(**_common(head_dim=24, rope_parameters=dict(yarn, truncate=False, beta_fast=16.0)))
@@ -90,7 +98,8 @@ def _make(kind, **extra):
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama", "llama3-rope-tied", "mistral", "mistral-swa", "qwen2", "qwen3", "qwen3-yarn"]
+    "kind",
+    ["llama", "llama3-rope-tied", "llama-bias", "mistral", "mistral-swa", "qwen2", "qwen3", "qwen3-yarn", "smollm3"],
 )
 def test_hf_folder_matches_transformers(tmp_path, kind):
     hf = _make(kind)
@@ -104,6 +113,10 @@ def test_hf_folder_matches_transformers(tmp_path, kind):
         assert cfg.attention_bias and hf.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
     if kind == "qwen3-yarn":
         assert cfg.rope_scaling["rope_type"] == "yarn" and lm.model.rotary.attention_factor > 1
+    if kind == "smollm3":
+        assert cfg.nope_layers == (1, 3) and cfg.tie_word_embeddings
+    if kind == "llama-bias":
+        assert cfg.attention_output_bias and hf.model.layers[0].self_attn.o_proj.bias is not None
     if kind.startswith("qwen3"):
         assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 24
     if kind == "llama3-rope-tied":

@@ -1,5 +1,5 @@
-"""The Llama decoder's dense architectures (Llama, Mistral, Qwen2, Qwen3): their config.json and
-GGUF readers."""
+"""The Llama decoder's dense architectures (Llama, Mistral, Qwen2, Qwen3, SmolLM3): their
+config.json and GGUF readers."""
 
 from __future__ import annotations
 
@@ -14,13 +14,36 @@ from .rope import rope_settings
 
 
 def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
-    rope_theta, scaling, _ = rope_settings(d)
+    smollm3 = arch == "SmolLM3ForCausalLM"
+    rope_theta, scaling, _ = rope_settings(d, 2_000_000.0 if smollm3 else 10000.0)
     window, layer_types = _attention_layers(d, arch)
     attention_bias = True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias", False))
     check_silu(d, arch)
-    return hf_decoder_fields(
-        d, arch, rope_theta, scaling, window, layer_types, attention_bias, qk_norm=arch == "Qwen3ForCausalLM"
-    )
+    if d.get("mlp_bias"):
+        raise ValueError(f"{arch} with mlp_bias=true is not supported")
+    fields = hf_decoder_fields(
+        d, arch, rope_theta, scaling, window, layer_types, attention_bias, qk_norm=arch == "Qwen3ForCausalLM",
+        tie_by_default=smollm3,
+    )  # fmt: skip
+    # transformers' Llama, Qwen3 and SmolLM3 give the output projection a bias with the others'
+    # (Qwen2's and Mistral's never have one)
+    fields["attention_output_bias"] = attention_bias and arch not in ("Qwen2ForCausalLM", "MistralForCausalLM")
+    if smollm3:
+        fields["nope_layers"] = _nope_layers(d)
+    return fields
+
+
+def _nope_layers(d: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary: `no_rope_layers` holds 1 where a layer rotates, else
+    every `no_rope_layer_interval`-th layer (4th by default) has none."""
+    n = d["num_hidden_layers"]
+    uses_rope = d.get("no_rope_layers")
+    if uses_rope is None:
+        interval = int(d.get("no_rope_layer_interval", 4))
+        uses_rope = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(uses_rope) != n:
+        raise ValueError(f"no_rope_layers has {len(uses_rope)} entries for {n} hidden layers")
+    return tuple(i for i, rotates in enumerate(uses_rope) if not rotates)
 
 
 def _attention_layers(d: dict[str, Any], arch: str) -> tuple[int | None, list[str]]:
@@ -31,6 +54,12 @@ def _attention_layers(d: dict[str, Any], arch: str) -> tuple[int | None, list[st
         return every_layer_slides(d, arch)
     n = d["num_hidden_layers"]
     layer_types = list(d.get("layer_types") or [])
+    if arch == "SmolLM3ForCausalLM":  # its window (where used) is on the layers without rotary
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        if not layer_types:
+            nope = set(_nope_layers(d))
+            layer_types = [SLIDING_ATTENTION if window is not None and i in nope else FULL_ATTENTION for i in range(n)]
+        return window_if_sliding(window, layer_types)
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         window = d.get("sliding_window") if d.get("use_sliding_window") else None
         if not layer_types:
@@ -50,13 +79,20 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
 
 
 FAMILY = ConfigFamily(
-    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    architectures=(
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "SmolLM3ForCausalLM",
+    ),  # fmt: skip
     hf_fields=_hf_fields,
     model_types={
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "smollm3": "SmolLM3ForCausalLM",
     },
     gguf_architectures={
         "llama": "LlamaForCausalLM",
