@@ -51,6 +51,12 @@ class ModelConfig:
     attention_output_bias: bool = False  # the output projection with a bias (Llama / Qwen3 with attention_bias)
     attention_sinks: bool = False  # a learned sink logit per query head joins each softmax (gpt-oss)
     nope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary embedding (SmolLM3's NoPE)
+    # Granite's multipliers (model/granite.py): embeddings, each sublayer's output before the
+    # residual add, the attention scale (None: head_dim ** -0.5), the logits' divisor
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)

@@ -9,6 +9,7 @@ from .config import ModelConfig
 from .falcon_h1 import FalconH1Model
 from .gemma import GemmaModel
 from .gpt_oss import GptOssModel
+from .granite import GraniteModel
 from .hybrid import HybridModel
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
@@ -20,6 +21,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Qwen2ForCausalLM": LlamaModel,
     "Qwen3ForCausalLM": LlamaModel,
     "SmolLM3ForCausalLM": LlamaModel,  # with layers that have no rotary (ModelConfig.nope_layers)
+    "GraniteForCausalLM": GraniteModel,
     "Gemma2ForCausalLM": GemmaModel,
     "Gemma3ForCausalLM": GemmaModel,
     # the Llama decoder with model/moe.py's MLP

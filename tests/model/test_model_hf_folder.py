@@ -77,6 +77,14 @@ def _make(kind, **extra):
             **_common(no_rope_layer_interval=2, num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=None)
         )
         cls = tf.SmolLM3ForCausalLM
+    elif kind == "granite":  # its four multipliers, tied embeddings, biases on the attention projections
+        cfg = tf.GraniteConfig(
+            **_common(
+                embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=2.5,
+                tie_word_embeddings=True, attention_bias=True,
+            )
+        )  # fmt: skip
+        cls = tf.GraniteForCausalLM
     elif kind == "llama-bias":  # attention_bias: q/k/v and the output projection
         cfg = tf.LlamaConfig(**_common(attention_bias=True))
         cls = tf.LlamaForCausalLM
@@ -99,7 +107,18 @@ def _make(kind, **extra):
 
 @pytest.mark.parametrize(
     "kind",
-    ["llama", "llama3-rope-tied", "llama-bias", "mistral", "mistral-swa", "qwen2", "qwen3", "qwen3-yarn", "smollm3"],
+    [
+        "llama",
+        "llama3-rope-tied",
+        "llama-bias",
+        "mistral",
+        "mistral-swa",
+        "qwen2",
+        "qwen3",
+        "qwen3-yarn",
+        "smollm3",
+        "granite",
+    ],
 )
 def test_hf_folder_matches_transformers(tmp_path, kind):
     hf = _make(kind)

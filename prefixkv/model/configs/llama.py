@@ -1,5 +1,5 @@
-"""The Llama decoder's dense architectures (Llama, Mistral, Qwen2, Qwen3, SmolLM3): their
-config.json and GGUF readers."""
+"""The Llama decoder's dense architectures (Llama, Mistral, Qwen2, Qwen3, SmolLM3, and Granite 3
+with its multipliers: model/granite.py): their config.json and GGUF readers."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     fields["attention_output_bias"] = attention_bias and arch not in ("Qwen2ForCausalLM", "MistralForCausalLM")
     if smollm3:
         fields["nope_layers"] = _nope_layers(d)
+    if arch == "GraniteForCausalLM":
+        fields.update(
+            embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+            attention_multiplier=float(d.get("attention_multiplier", 1.0)),
+            logits_scaling=float(d.get("logits_scaling", 1.0)),
+        )
     return fields
 
 
@@ -85,7 +92,8 @@ FAMILY = ConfigFamily(
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "SmolLM3ForCausalLM",
-    ),  # fmt: skip
+        "GraniteForCausalLM",
+    ),
     hf_fields=_hf_fields,
     model_types={
         "llama": "LlamaForCausalLM",
@@ -93,6 +101,7 @@ FAMILY = ConfigFamily(
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM",
+        "granite": "GraniteForCausalLM",
     },
     gguf_architectures={
         "llama": "LlamaForCausalLM",

@@ -1,0 +1,38 @@
+"""The Llama decoder's other dense families as tiny random checkpoints through the whole engine:
+SmolLM3 (layers without rotary every few layers, tied embeddings) and Granite 3 (its four
+multipliers). Greedy tokens equal to transformers' with caching off, on, chunked and preempted,
+every KV block free afterwards; a LoRA adapter on Granite's projections equal to PEFT's (the
+residual multiplier scales the adapter's delta too: it is not folded into the weights)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ..model.test_model_hf_folder import _make, _write_tokenizer
+from .engine_oracle import assert_engine_matches_transformers
+
+
+@pytest.mark.parametrize("kind", ["smollm3", "granite"])
+def test_engine_matches_transformers(tmp_path, kind):
+    assert_engine_matches_transformers(tmp_path, _make(kind), kind, 8)
+
+
+def test_lora_on_granite_equals_peft(tmp_path):
+    from prefixkv import LLM, SamplingParams
+    from prefixkv.lora import LoRARequest
+
+    from ..lora.conftest import peft_greedy, write_adapter
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    _make("granite").save_pretrained(base, safe_serialization=True)
+    _write_tokenizer(base)
+    write_adapter(base, adapter, seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "down_proj"])
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (6, 17)]
+    llm = LLM(str(base), dtype="float32", device="cpu", num_blocks=48, block_size=8, max_model_len=64, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == peft_greedy(base, adapter, prompts, 6)
+    assert [o.outputs[0].token_ids for o in out] != peft_greedy(base, None, prompts, 6)
