@@ -13,6 +13,7 @@ from .granite import GraniteModel
 from .hybrid import HybridModel
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
+from .olmo2 import Olmo2Model
 from .qwen3_next import Qwen3NextModel
 
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {
@@ -33,6 +34,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "FalconH1ForCausalLM": FalconH1Model,
     "Qwen3NextForCausalLM": Qwen3NextModel,
     "GptOssForCausalLM": GptOssModel,
+    "Olmo2ForCausalLM": Olmo2Model,
 }
 
 

@@ -1,8 +1,9 @@
 """The Llama decoder's other dense families as tiny random checkpoints through the whole engine:
-SmolLM3 (layers without rotary every few layers, tied embeddings) and Granite 3 (its four
-multipliers). Greedy tokens equal to transformers' with caching off, on, chunked and preempted,
-every KV block free afterwards; a LoRA adapter on Granite's projections equal to PEFT's (the
-residual multiplier scales the adapter's delta too: it is not folded into the weights)."""
+SmolLM3 (layers without rotary every few layers, tied embeddings), Granite 3 (its four
+multipliers) and OLMo 2 (post-norm blocks, q/k normed over whole projections). Greedy tokens
+equal to transformers' with caching off, on, chunked and preempted, every KV block free
+afterwards; a LoRA adapter on Granite's projections equal to PEFT's (the residual multiplier
+scales the adapter's delta too: it is not folded into the weights)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..model.test_model_hf_folder import _make, _write_tokenizer
 from .engine_oracle import assert_engine_matches_transformers
 
 
-@pytest.mark.parametrize("kind", ["smollm3", "granite"])
+@pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2"])
 def test_engine_matches_transformers(tmp_path, kind):
     assert_engine_matches_transformers(tmp_path, _make(kind), kind, 8)
 

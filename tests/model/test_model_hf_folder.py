@@ -85,6 +85,9 @@ def _make(kind, **extra):
             )
         )  # fmt: skip
         cls = tf.GraniteForCausalLM
+    elif kind == "olmo2":  # post-norm blocks, q/k normed over their whole projections
+        cfg = tf.Olmo2Config(**_common(pad_token_id=None))
+        cls = tf.Olmo2ForCausalLM
     elif kind == "llama-bias":  # attention_bias: q/k/v and the output projection
         cfg = tf.LlamaConfig(**_common(attention_bias=True))
         cls = tf.LlamaForCausalLM
@@ -118,6 +121,7 @@ def _make(kind, **extra):
         "qwen3-yarn",
         "smollm3",
         "granite",
+        "olmo2",
     ],
 )
 def test_hf_folder_matches_transformers(tmp_path, kind):

@@ -1,0 +1,92 @@
+"""OLMo 2 (AI2's fully open decoder): the Llama decoder's attention and MLP in a block of its own -
+no norm before a sublayer, an RMSNorm on each sublayer's output before the residual add
+(post-norm), q and k normed over their whole projection (all heads at once, before the split
+into heads) - with transformers' float32-scaled norms."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.nn.attention import sdpa_kernel
+
+from .attention import AttentionMetadata
+from .config import ModelConfig
+from .layers import Float32RMSNorm, RMSNorm, keep_float32_norms
+from .llama import CUDA_ATTENTION_BACKENDS, Attention, LlamaModel
+from .moe import build_mlp
+
+
+class Olmo2Attention(Attention):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.q_norm = Float32RMSNorm(self.q_size, config.rms_norm_eps)
+        self.k_norm = Float32RMSNorm(self.kv_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        qkv = self.qkv_proj(x)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        qkv = torch.cat((self.q_norm(qkv[:, :q_end]), self.k_norm(qkv[:, q_end:k_end]), qkv[:, k_end:]), dim=-1)
+        return self.attend(qkv, cos, sin, kv_cache, meta)
+
+
+class Olmo2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Olmo2Attention(config, layer_idx)
+        self.post_attention_layernorm = Float32RMSNorm(H, eps)
+        self.mlp = build_mlp(config, layer_idx)
+        self.post_feedforward_layernorm = Float32RMSNorm(H, eps)
+
+    def forward(self, h, cos, sin, kv_cache, meta):
+        """h: the residual stream (updated in place)."""
+        h = h.add_(self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta)))
+        return h.add_(self.post_feedforward_layernorm(self.mlp(h)))
+
+
+class Olmo2Model(LlamaModel):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, H]."""
+
+    fused_decode_layout = False  # the fused decode kernel computes pre-norm blocks
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        if config.architecture != "Olmo2ForCausalLM":
+            raise ValueError(f"Olmo2Model does not build {config.architecture}")
+        super().__init__(config, dtype=dtype, device=device)
+        keep_float32_norms(self)
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return Olmo2DecoderLayer(config, layer_idx)
+
+    def make_norm(self, dim: int, eps: float) -> RMSNorm:
+        return Float32RMSNorm(dim, eps)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        lora_mapping: object | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As LlamaModel.forward."""
+        input_ids, positions = self.begin_step(input_ids, positions, kv_caches, meta, lora_mapping)
+        cos, sin = self.rotary.cos_sin(positions, max(meta.seq_lens, default=0))
+        if inputs_embeds is None:
+            h = self.embed_tokens(input_ids)
+        else:  # the residual stream is updated in place: never the caller's tensor
+            h = inputs_embeds.to(self.device, copy=True)
+        dev = self.device
+        with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+                h = layer(h, cos, sin, cache, meta.for_layer(i))
+        return self.norm(h)
+
+    def static_layer_unsupported(self, layer: nn.Module) -> str | None:
+        return "OLMo 2's post-norm block (its own forward)"
