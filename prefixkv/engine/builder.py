@@ -114,7 +114,7 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     num_blocks = _num_blocks(config, device, loaded, block_tensors, graph_rows, graph_logits_rows)
     if mode and config.num_blocks is None and num_blocks > 1:
         num_blocks -= 1  # the graphs' null block comes out of a byte budget (a given count stays the pool's)
-    max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks, kv_groups)
+    max_model_len = _max_model_len(config, model_config, num_blocks, kv_groups)
     with stages.stage("KV cache", f"allocating the KV cache ({num_blocks} blocks)"):
         # with graphs, one more block than the scheduler's: where padding rows write (never read)
         block_tensors.allocate(num_blocks + (1 if mode else 0), device)
@@ -396,14 +396,30 @@ def _kv_groups(config: EngineArgs, model_config: ModelConfig) -> KVCacheGroups |
 
 
 def _max_model_len(
-    config: EngineArgs, max_position_embeddings: int, num_blocks: int, kv_groups: KVCacheGroups | None = None
+    config: EngineArgs, model_config: ModelConfig, num_blocks: int, kv_groups: KVCacheGroups | None = None
 ) -> int:
     bs = config.block_size
     capacity = num_blocks * bs
     if kv_groups is not None:  # a request holds a block table per group
         capacity = kv_groups.max_tokens(num_blocks, config.max_num_batched_tokens, bs)
+    exact = model_config.exact_context
+    if exact is not None and (config.max_model_len or 0) > exact:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} is past this model's LongRoPE original context ({exact} "
+            "tokens): its long factors, which transformers switches every position to for a longer sequence, "
+            f"are not built; use max_model_len <= {exact}"
+        )
     if config.max_model_len is None:
-        return min(max_position_embeddings, capacity)
+        longest = model_config.max_position_embeddings
+        if exact is not None and exact < longest:
+            logger.info(
+                "max_model_len %d: this model's LongRoPE original context (its long factors are not built; "
+                "max_position_embeddings says %d)",
+                exact,
+                longest,
+            )
+            longest = exact
+        return min(longest, capacity)
     if config.max_model_len > capacity:
         held = f"{num_blocks} blocks x {bs} = {capacity} tokens"
         if kv_groups is not None:

@@ -22,7 +22,7 @@ from .layer_kinds import (
     SLIDING_ATTENTION,
 )
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ORIGINAL_CONTEXT = "original_max_position_embeddings"
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", _ORIGINAL_CONTEXT)
 
@@ -43,7 +43,9 @@ class ModelConfig:
     # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     #  "original_max_position_embeddings"} /
     # {"rope_type": "yarn", "factor", "original_max_position_embeddings", optional "beta_fast",
-    #  "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"}
+    #  "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"} /
+    # {"rope_type": "longrope", "short_factor", "long_factor", "original_max_position_embeddings",
+    #  optional "factor", "attention_factor"} (Phi-3: its short factors; `exact_context` below)
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -193,7 +195,12 @@ class ModelConfig:
             rtype = rs.get("rope_type", rs.get("type", "default"))
             if rtype not in _SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"Unsupported rope scaling type {rtype!r}; supported: {_SUPPORTED_ROPE_TYPES}")
-            needed = {"linear": ("factor",), "llama3": _LLAMA3_FIELDS, "yarn": ("factor", _ORIGINAL_CONTEXT)}
+            needed = {
+                "linear": ("factor",),
+                "llama3": _LLAMA3_FIELDS,
+                "yarn": ("factor", _ORIGINAL_CONTEXT),
+                "longrope": ("short_factor", "long_factor", _ORIGINAL_CONTEXT),
+            }
             missing = [k for k in needed.get(rtype, ()) if rs.get(k) is None]
             if missing:
                 raise ValueError(f"rope scaling {rtype!r} needs {', '.join(missing)}")
@@ -201,6 +208,17 @@ class ModelConfig:
                 self.rope_scaling = None
             else:
                 self.rope_scaling = dict(rs, rope_type=rtype)
+
+    @property
+    def exact_context(self) -> int | None:
+        """The longest context whose outputs are the reference's, where a model has one: LongRoPE
+        rotates by its short factors up to `original_max_position_embeddings` and, in
+        transformers, by its long ones for every position once a sequence is longer - which would
+        change the rotation of keys already cached; prefixkv builds the short ones only."""
+        rs = self.rope_scaling
+        if rs is not None and rs["rope_type"] == "longrope":
+            return int(rs["original_max_position_embeddings"])
+        return None
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -14,6 +14,7 @@ from .hybrid import HybridModel
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
 from .olmo2 import Olmo2Model
+from .phi3 import Phi3Model
 from .qwen3_next import Qwen3NextModel
 
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {
@@ -35,6 +36,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Qwen3NextForCausalLM": Qwen3NextModel,
     "GptOssForCausalLM": GptOssModel,
     "Olmo2ForCausalLM": Olmo2Model,
+    "Phi3ForCausalLM": Phi3Model,
 }
 
 

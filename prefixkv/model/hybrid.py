@@ -18,32 +18,11 @@ from typing import cast
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import GatedMLP, RMSNorm
 from .llama import Attention, LlamaModel, static_mlp_unsupported
 from .mamba2 import Mamba2Mixer, RecurrentState
-
-
-class PartialRotaryAttention(Attention):
-    """Llama's attention, rotary applied to the first `config.rotary_dim` dimensions of each q and
-    k head only (cos / sin come that wide)."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        self.rotary_dim = config.rotary_dim
-
-    def forward(self, x, cos, sin, kv_cache, meta):
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
-        k_end = self.q_size + self.kv_size
-        qk = qkv[:, :k_end].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        rot = qk[..., : self.rotary_dim]
-        rot.copy_(RotaryEmbedding.apply(rot, cos, sin))  # in place: qkv is this layer's own temporary
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, window=self.window)
-        return self.o_proj(o.reshape(T, self.q_size))
 
 
 class HybridDecoderLayer(nn.Module):
@@ -56,8 +35,7 @@ class HybridDecoderLayer(nn.Module):
         self.mamba = Mamba2Mixer(config) if config.is_recurrent_layer(layer_idx) else None
         self.self_attn: Attention | None = None
         if config.is_attention_layer(layer_idx):
-            partial = config.rotary_dim < config.head_dim
-            self.self_attn = (PartialRotaryAttention if partial else Attention)(config, layer_idx)
+            self.self_attn = Attention(config, layer_idx)  # rotary over the first rotary_dim dimensions
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
@@ -109,7 +87,7 @@ class HybridModel(LlamaModel):
         if type(layer) is not HybridDecoderLayer:
             return f"{type(layer).__name__} layers"
         attn = layer.self_attn
-        if attn is not None and type(attn) not in (Attention, PartialRotaryAttention):
+        if attn is not None and type(attn) is not Attention:
             return f"{type(attn).__name__} attention"
         return static_mlp_unsupported(layer.mlp, self.dtype)
 

@@ -72,15 +72,15 @@ def keep_float32_norms(model: nn.Module) -> None:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in float32, with optional linear / llama3 / YaRN scaling
-    (transformers' modeling_rope_utils, step for step)."""
+    """Inverse frequencies [head_dim/2] in float32, with optional linear / llama3 / YaRN / LongRoPE
+    (its short factors) scaling (transformers' modeling_rope_utils, step for step)."""
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = config.rope_scaling
     if rs is None:
         return inv_freq
     rtype = rs["rope_type"]
-    factor = float(rs["factor"])
+    factor = float(rs.get("factor") or 1.0)
     if rtype == "linear":
         return inv_freq / factor
     if rtype == "llama3":
@@ -97,6 +97,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return torch.where(is_medium, smoothed, inv_l)
     if rtype == "yarn":
         return _yarn_inv_freq(config, rs, factor)
+    if rtype == "longrope":  # the short factors (ModelConfig.exact_context)
+        short = torch.tensor(rs["short_factor"], dtype=torch.float32)
+        if short.shape != inv_freq.shape:
+            raise ValueError(f"longrope short_factor has {short.numel()} entries for {inv_freq.numel()} frequencies")
+        return 1.0 / (short * config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     raise ValueError(f"Unsupported rope type {rtype!r}")
 
 
@@ -126,13 +131,17 @@ def _yarn_inv_freq(config: ModelConfig, rs: dict, factor: float) -> torch.Tensor
 
 def rope_attention_factor(config: ModelConfig) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor (given, or 0.1 ln(factor) + 1,
-    or DeepSeek's ratio of two such with mscale / mscale_all_dim); 1 for every other rotary."""
+    or DeepSeek's ratio of two such with mscale / mscale_all_dim), LongRoPE's (given, or
+    sqrt(1 + ln(factor) / ln(original context))); 1 for every other rotary."""
     rs = config.rope_scaling
-    if rs is None or rs["rope_type"] != "yarn":
+    if rs is None or rs["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if rs.get("attention_factor") is not None:
         return float(rs["attention_factor"])
     factor = float(rs["factor"])
+    if rs["rope_type"] == "longrope":
+        original = float(rs["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

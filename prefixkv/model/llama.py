@@ -66,6 +66,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.window = config.layer_windows[layer_idx]
         self.rotary = layer_idx not in config.nope_layers  # SmolLM3's NoPE layers have none
+        self.rotary_dim = config.rotary_dim  # the first dimensions of each head rotate (Phi-3: 3/4)
         self.softcap: float | None = None  # attention logit soft-capping (Gemma 2)
         # each query head's sink logit (gpt-oss), kept in float32 as the softmax takes it
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
@@ -93,16 +94,27 @@ class Attention(nn.Module):
         q = qkv[:, :q_end].view(T, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(T, self.num_kv_heads, self.head_dim)
         # on a GPU one kernel norms (q/k norms) and rotates q and k in place and writes k, v to the cache
+        partial = self.rotary_dim < self.head_dim
         written = (
             self.softcap is None
             and self.sinks is None
             and self.rotary
+            and not partial
             and gpu_fused.runs_on(qkv)
             and rotate_and_write_kv(q, k, v, cos, sin, kv_cache, meta, self.window, self.qk_norm_weights(qkv.dtype))
         )
         if not written and not self.rotary:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
+        elif not written and partial:  # the rotating dimensions in place in qkv (this layer's own)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+                qk = torch.cat((q, k), dim=1)
+            else:
+                qk = qkv[:, :k_end].view(T, -1, self.head_dim)
+            rot = qk[..., : self.rotary_dim]
+            rot.copy_(RotaryEmbedding.apply(rot, cos, sin))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         elif not written and self.qk_norm:  # the norms' outputs are this layer's own: rotated in place
             q = RotaryEmbedding.apply_(self.q_norm(q), cos, sin)
             k = RotaryEmbedding.apply_(self.k_norm(k), cos, sin)
@@ -628,6 +640,8 @@ class _DecodeLayers:
         if not len(model.layers) or not ops.decode_layers_available(model.dtype):
             return None
         if not model.fused_decode_layout or cfg.qk_norm or cfg.any_sliding or cfg.attention_sinks or cfg.nope_layers:
+            return None
+        if cfg.rotary_dim != cfg.head_dim:  # the kernel rotates whole heads
             return None
         if cfg.head_dim not in ops.HEAD_DIMS:
             return None

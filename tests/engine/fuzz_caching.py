@@ -1,9 +1,9 @@
 """A differential fuzz of prefix caching: random traffic through an engine with caching off and one
 with it on, the same settings otherwise, on a tiny random checkpoint of each family - plain
 attention (SmolLM3's with layers that have no rotary, Granite's multipliers, OLMo 2's post-norm
-blocks), sliding windows beside full layers (Gemma 2 and 3, gpt-oss with its sinks), routed
-experts, recurrent state (Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores the state saved at
-a block's end), adapters beside their base model, LLaVA's images.
+blocks, Phi-3's partial rotary), sliding windows beside full layers (Gemma 2 and 3, gpt-oss with
+its sinks), routed experts, recurrent state (Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores
+the state saved at a block's end), adapters beside their base model, LLaVA's images.
 
 The traffic is what a cache must get right: a conversation's next turn (the earlier prompt, the
 model's own answer to it, new tokens), prompts repeated whole, prefixes ending anywhere in a
@@ -44,8 +44,8 @@ from .fuzz_ahead import MAX_STEPS, close
 from .sweep_graphs import _family
 
 FAMILIES = [
-    "llama", "smollm3", "granite", "olmo2", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mamba2", "falcon_h1",
-    "bamba", "qwen3_next", "lora", "llava",
+    "llama", "smollm3", "granite", "olmo2", "phi3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mamba2",
+    "falcon_h1", "bamba", "qwen3_next", "lora", "llava",
 ]  # fmt: skip
 KV_CACHE_GROUPS = {"gemma2": 2, "gemma3": 2, "gpt_oss": 2}  # a checkpoint's folder is named by its family
 RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next"}  # no KV tier under them (refused)

@@ -88,6 +88,21 @@ def _make(kind, **extra):
     elif kind == "olmo2":  # post-norm blocks, q/k normed over their whole projections
         cfg = tf.Olmo2Config(**_common(pad_token_id=None))
         cls = tf.Olmo2ForCausalLM
+    elif kind == "phi3":  # fused q/k/v and gate/up, rotary over 3/4 of each head, LongRoPE (short factors)
+        rotary_half = int(32 * 0.75) // 2
+        longrope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.3 * i for i in range(rotary_half)],
+            "long_factor": [2.0 + i for i in range(rotary_half)],
+        }
+        cfg = tf.Phi3Config(  # head size hidden / heads = 32 (Phi-3 reads no head_dim)
+            **_common(num_attention_heads=2, num_key_value_heads=1, pad_token_id=None, max_position_embeddings=256),
+            original_max_position_embeddings=96,
+            rope_parameters=longrope,
+        )
+        cls = tf.Phi3ForCausalLM
     elif kind == "llama-bias":  # attention_bias: q/k/v and the output projection
         cfg = tf.LlamaConfig(**_common(attention_bias=True))
         cls = tf.LlamaForCausalLM
@@ -122,6 +137,7 @@ def _make(kind, **extra):
         "smollm3",
         "granite",
         "olmo2",
+        "phi3",
     ],
 )
 def test_hf_folder_matches_transformers(tmp_path, kind):

@@ -25,15 +25,15 @@ def rope_settings(
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         scaling = None
-    elif kind in ("yarn", "llama3") and scaling is not None:
+    elif kind in ("yarn", "llama3", "longrope") and scaling is not None:
         scaling = _with_original_context(scaling, d)
     return float(rope_theta), scaling, local
 
 
 def _with_original_context(scaling: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     """A scaling with `original_max_position_embeddings` where transformers supplies it (the
-    config's top-level field, else max_position_embeddings), and YaRN's `factor`, where it is
-    null, as the ratio of the two context lengths (DeepSeek-V3's configs)."""
+    config's top-level field, else max_position_embeddings), and YaRN's or LongRoPE's `factor`,
+    where it is null, as the ratio of the two context lengths (DeepSeek-V3's and Phi-3's configs)."""
     scaling = dict(scaling)
     key = "original_max_position_embeddings"
     if d.get(key) is not None:  # the top-level field wins (Phi-3 keeps its value there)
