@@ -23,7 +23,7 @@ from torch import nn
 from .config import ModelConfig
 from .layers import Float32RMSNorm, RMSNorm, keep_float32_norms
 from .llama import DecoderLayer, LlamaModel
-from .moe import Projection
+from .moe import Projection, route
 
 # MXFP4's 4-bit values (e2m1), by code: the sign in the top bit
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -45,28 +45,12 @@ class GptOssExperts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(E, H))
 
     def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
-        """x [T, H], top_index / top_weight [T, k] -> [T, H]: the (token, expert) pairs sorted by
-        expert, each active expert's rows in two products (moe.Experts' routing, with biases)."""
-        T, k = top_index.shape
-        flat = top_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read a layer
-        tokens = order // k
-        rows = x.index_select(0, tokens)
-        weights = top_weight.reshape(-1, 1).index_select(0, order)
-        out_rows = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            end = start + n
-            gate_up = F.linear(rows[start:end], self.gate_up_weight[e], self.gate_up_bias[e])
-            act = self.activation(gate_up)
-            torch.mul(
-                F.linear(act, self.down_weight[e], self.down_bias[e]), weights[start:end], out=out_rows[start:end]
-            )
-            start = end
-        return torch.zeros_like(x).index_add_(0, tokens, out_rows)
+        """x [T, H], top_index / top_weight [T, k] -> [T, H] (moe.route: the pairs sorted by expert)."""
+        return route(x, top_index, top_weight, self.num_experts, self._one)
+
+    def _one(self, rows: torch.Tensor, e: int) -> torch.Tensor:
+        gate_up = F.linear(rows, self.gate_up_weight[e], self.gate_up_bias[e])
+        return F.linear(self.activation(gate_up), self.down_weight[e], self.down_bias[e])
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU over [rows, 2I] (gate columns first) -> [rows, I], in transformers'

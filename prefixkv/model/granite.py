@@ -7,22 +7,17 @@ which a LoRA adapter's delta on them would then miss), attention scaled by
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
-from torch.nn.attention import sdpa_kernel
 
-from .attention import AttentionMetadata
 from .config import ModelConfig
 from .layers import RMSNorm
-from .llama import CUDA_ATTENTION_BACKENDS, DecoderLayer, LlamaModel
+from .llama import DecoderLayer, LlamaModel
 
 
 class GraniteDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        self.self_attn.scale = config.attention_multiplier
+        super().__init__(config, layer_idx)  # (its attention takes the config's attention_multiplier)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(self, h, x, cos, sin, kv_cache, meta, next_norm: RMSNorm):
@@ -47,34 +42,11 @@ class GraniteModel(LlamaModel):
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return GraniteDecoderLayer(config, layer_idx)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        lora_mapping: object | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As LlamaModel.forward; `inputs_embeds` are taken as they are (already multiplied)."""
-        input_ids, positions = self.begin_step(input_ids, positions, kv_caches, meta, lora_mapping)
-        cos, sin = self.rotary.cos_sin(positions, max(meta.seq_lens, default=0))
-        if inputs_embeds is None:
-            h = self.embed_tokens(input_ids).mul_(self.config.embedding_multiplier)
-        else:  # the residual stream is updated in place: never the caller's tensor
-            h = inputs_embeds.to(self.device, copy=True)
-        layers = self.decoder_layers()
-        x = layers[0].input_layernorm(h) if layers else self.norm(h)
-        dev = self.device
-        with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
-            for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
-                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-                h, x = layer(h, x, cos, sin, cache, meta.for_layer(i), next_norm)
-        return x
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids).mul_(self.config.embedding_multiplier)
 
     def static_layer_unsupported(self, layer: nn.Module) -> str | None:
-        return "Granite's multipliers (its own forward)"
+        return "Granite's multiplied residual adds (its own layers)"
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
-        self.scale = self.head_dim**-0.5
+        # Granite's attention_multiplier replaces the usual scale
+        self.scale = self.head_dim**-0.5 if config.attention_multiplier is None else config.attention_multiplier
         self.window = config.layer_windows[layer_idx]
         self.rotary = layer_idx not in config.nope_layers  # SmolLM3's NoPE layers have none
         self.rotary_dim = config.rotary_dim  # the first dimensions of each head rotate (Phi-3: 3/4)
@@ -250,6 +251,11 @@ class LlamaModel(nn.Module):
         """The final norm (a family with another norm overrides this)."""
         return RMSNorm(dim, eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: the tokens' embeddings (a family that scales them
+        overrides this; the stream is updated in place, so a new tensor)."""
+        return self.embed_tokens(input_ids)
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
@@ -296,7 +302,7 @@ class LlamaModel(nn.Module):
         # positions are < the longest context of the step (no device sync needed)
         cos, sin = self.rotary.cos_sin(positions, max(meta.seq_lens, default=0))
         if inputs_embeds is None:
-            h = self.embed_tokens(input_ids)
+            h = self.embed(input_ids)
         else:  # the residual stream is updated in place: never the caller's tensor
             h = inputs_embeds.to(dev, copy=True)
         layers = self.layers

@@ -18,6 +18,7 @@ the model's dtype.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,27 +62,7 @@ class Experts(nn.Module):
         weight * expert(x) [T, H]."""
         if (x.device.type != "cpu" or GROUPED_ON_CPU) and self.grouped_works():
             return self.grouped(x, top_index, top_weight)
-        T, k = top_index.shape
-        flat = top_index.reshape(-1)
-        # pairs sorted by expert (stable: a token's experts keep transformers' summation order)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read a layer
-        tokens = order // k
-        rows = x.index_select(0, tokens)
-        weights = top_weight.reshape(-1, 1).index_select(0, order)
-        out_rows = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            end = start + n
-            # torch's SiLU, not the native kernel: at an expert's few rows of a decode step its
-            # start-up cost more than it saved (bench/moe.py: 1 row, 4.4 -> 3.4 ms a layer)
-            g, u = F.linear(rows[start:end], self.gate_up_proj[e]).split(self.intermediate, dim=-1)
-            act = F.silu(g) * u
-            torch.mul(F.linear(act, self.down_proj[e]), weights[start:end], out=out_rows[start:end])
-            start = end
-        return torch.zeros_like(x).index_add_(0, tokens, out_rows)
+        return route(x, top_index, top_weight, self.num_experts, self._one)
 
     def grouped(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
         """`forward` without a host read: the pairs sorted by expert as there, each expert's count
@@ -126,8 +107,39 @@ class Experts(nn.Module):
         return works
 
     def _one(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e on rows x. torch's SiLU, not the native kernel: at an expert's few rows of a
+        decode step its start-up cost more than it saved (bench/moe.py: 1 row, 4.4 -> 3.4 ms a layer)."""
         g, u = F.linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
         return F.linear(F.silu(g) * u, self.down_proj[e])
+
+
+def route(
+    x: torch.Tensor,
+    top_index: torch.Tensor,
+    top_weight: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """x [T, H], top_index / top_weight [T, k] -> sum over each token's k experts of
+    weight * expert(rows, e) [T, H], without a loop over tokens: the (token, expert) pairs sorted
+    by expert (stable: a token's experts keep transformers' summation order), each active expert
+    fed its contiguous slice of gathered rows, one index_add putting the weighted rows back."""
+    T, k = top_index.shape
+    flat = top_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host read a layer
+    tokens = order // k
+    rows = x.index_select(0, tokens)
+    weights = top_weight.reshape(-1, 1).index_select(0, order)
+    out_rows = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        end = start + n
+        torch.mul(expert(rows[start:end], e), weights[start:end], out=out_rows[start:end])
+        start = end
+    return torch.zeros_like(x).index_add_(0, tokens, out_rows)
 
 
 class SparseMoeBlock(nn.Module):
