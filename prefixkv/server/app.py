@@ -136,6 +136,12 @@ def create_app(
     chat.tool_parser = tool_call_parser  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
     if tool_call_parser == "openai" and not isinstance(chat.inputs.reasoning, GptOssReasoningParser):
         raise ValueError("tool_call_parser 'openai' needs reasoning_parser 'openai_gptoss' (gpt-oss's harmony format)")
+    if engine.model_config.architecture == "GptOssForCausalLM" and chat.inputs.reasoning is None:
+        logging.getLogger("prefixkv.server").warning(
+            "gpt-oss answers in harmony's channels: without --reasoning-parser openai_gptoss a chat reply's "
+            "content is the whole reply, its analysis included (as vLLM's); add it, and for tools "
+            "--enable-auto-tool-choice --tool-call-parser openai"
+        )
     chat.response_role = response_role
     completions.request_logger = chat.request_logger = request_logger
     embeddings = OpenAIServingEmbedding(engine, async_engine, names, limits, count_error)

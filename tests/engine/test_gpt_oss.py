@@ -44,3 +44,24 @@ def test_lora_on_gpt_oss_attention(tmp_path):
     assert [o.outputs[0].token_ids for o in out] != peft_greedy(base, None, prompts, 6)
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_serving_gpt_oss_without_the_harmony_parser_says_how(tmp_path, caplog):
+    """Without --reasoning-parser openai_gptoss a reply's content is the whole harmony text (as
+    vLLM's): the server says so at start, naming the flags."""
+    import logging
+
+    from prefixkv.config import EngineConfig
+    from prefixkv.engine.llm_engine import LLMEngine
+    from prefixkv.model import load_model
+    from prefixkv.server.app import create_app
+
+    from ..model.test_model_hf_folder import _write_tokenizer
+
+    make_gpt_oss().save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    loaded = load_model(str(tmp_path))
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=32, max_model_len=64), loaded=loaded)
+    with caplog.at_level(logging.WARNING, logger="prefixkv.server"):
+        create_app(engine, engine_thread=False)
+    assert "--reasoning-parser openai_gptoss" in caplog.text and "--tool-call-parser openai" in caplog.text
