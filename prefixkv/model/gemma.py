@@ -7,7 +7,6 @@ soft-capping (Gemma 2: scores in attention and the final logits)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import cast
 
@@ -17,7 +16,7 @@ from torch.nn.attention import sdpa_kernel
 
 from .attention import AttentionMetadata
 from .config import ModelConfig
-from .layers import Float32RMSNorm, GatedMLP, RMSNorm, RotaryEmbedding, keep_float32_norms
+from .layers import Float32RMSNorm, GatedMLP, RMSNorm, keep_float32_norms
 from .llama import CUDA_ATTENTION_BACKENDS, Attention, LlamaModel
 
 
@@ -70,10 +69,6 @@ class GemmaModel(LlamaModel):
         keep_float32_norms(self)
         # transformers multiplies by sqrt(hidden_size) rounded to the embedding's dtype
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
-        self.local_rotary: RotaryEmbedding | None = None
-        if config.rope_local_theta is not None and config.any_sliding:
-            local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
-            self.local_rotary = RotaryEmbedding(local, dtype, device)
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return GemmaDecoderLayer(config, layer_idx)
@@ -112,13 +107,6 @@ class GemmaModel(LlamaModel):
                 c, s = local if layer.sliding else (cos, sin)
                 h, x = layer(h, x, c, s, cache, meta.for_layer(i), next_norm)
         return x
-
-    def reserve_positions(self, n: int) -> None:
-        """Both rotary tables (Gemma 3's sliding layers have their own) built up to `n`."""
-        super().reserve_positions(n)
-        local = self.local_rotary
-        if local is not None and n > local.max_positions:
-            local.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), n - 1)
 
     def static_decode_unsupported(self) -> str | None:
         """Gemma's block over fixed buffers: every layer Gemma's (Gemma 2's soft-capped scores

@@ -223,6 +223,15 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         self.rotary = self.make_rotary(config, dtype, device)
+        # the sliding layers' own rotary where the config gives them a base (Gemma 3, OLMo 3): unscaled
+        self.local_rotary: RotaryEmbedding | None = None
+        if config.rope_local_theta is not None and config.any_sliding:
+            local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+            self.local_rotary = self.make_rotary(local, dtype, device)
+            if type(self).forward is LlamaModel.forward:  # (which rotates every layer by one table)
+                raise ValueError(
+                    f"{type(self).__name__} does not give {config.architecture}'s sliding layers their rotary"
+                )
         self.dtype = dtype
         self.packed_head: PackedLinear | TransposedLinear | DualLayoutLinear | NativeLinear | None = (
             None  # set by pack_for_cpu
@@ -390,10 +399,12 @@ class LlamaModel(nn.Module):
         return self.norm.add_and_norm(h, delta)[1]
 
     def reserve_positions(self, n: int) -> None:
-        """Build the rotary tables for positions below `n` now: a captured step keeps reading the
-        tables it was recorded with, so no later step may replace them by growing them."""
-        if n > self.rotary.max_positions:
-            self.rotary.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), n - 1)
+        """Build the rotary tables (the sliding layers' own too) for positions below `n` now: a
+        captured step keeps reading the tables it was recorded with, so no later step may replace
+        them by growing them."""
+        for table in (self.rotary, self.local_rotary):
+            if table is not None and n > table.max_positions:
+                table.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), n - 1)
 
     def static_decode_unsupported(self) -> str | None:
         """Why a step of this model cannot run over fixed buffers (static_decode.py,
