@@ -36,6 +36,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Qwen3NextForCausalLM": Qwen3NextModel,
     "GptOssForCausalLM": GptOssModel,
     "Olmo2ForCausalLM": Olmo2Model,
+    "Olmo3ForCausalLM": Olmo2Model,  # with sliding layers (and their own rotary where the full ones' is scaled)
     "Phi3ForCausalLM": Phi3Model,
 }
 

@@ -1,7 +1,8 @@
-"""OLMo 2 (AI2's fully open decoder): the Llama decoder's attention and MLP in a block of its own -
-no norm before a sublayer, an RMSNorm on each sublayer's output before the residual add
-(post-norm), q and k normed over their whole projection (all heads at once, before the split
-into heads) - with transformers' float32-scaled norms."""
+"""OLMo 2 and OLMo 3 (AI2's fully open decoders): the Llama decoder's attention and MLP in a block
+of its own - no norm before a sublayer, an RMSNorm on each sublayer's output before the residual
+add (post-norm), q and k normed over their whole projection (all heads at once, before the split
+into heads) - with transformers' float32-scaled norms. OLMo 3 interleaves sliding and full
+layers, the sliding ones on their own unscaled rotary where the full ones' is scaled."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class Olmo2Model(LlamaModel):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
     ) -> None:
-        if config.architecture != "Olmo2ForCausalLM":
+        if config.architecture not in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
             raise ValueError(f"Olmo2Model does not build {config.architecture}")
         super().__init__(config, dtype=dtype, device=device)
         keep_float32_norms(self)
@@ -77,16 +78,20 @@ class Olmo2Model(LlamaModel):
     ) -> torch.Tensor:
         """As LlamaModel.forward."""
         input_ids, positions = self.begin_step(input_ids, positions, kv_caches, meta, lora_mapping)
-        cos, sin = self.rotary.cos_sin(positions, max(meta.seq_lens, default=0))
+        top = max(meta.seq_lens, default=0)
+        cos, sin = self.rotary.cos_sin(positions, top)
+        local = (cos, sin) if self.local_rotary is None else self.local_rotary.cos_sin(positions, top)
         if inputs_embeds is None:
-            h = self.embed_tokens(input_ids)
+            h = self.embed(input_ids)
         else:  # the residual stream is updated in place: never the caller's tensor
             h = inputs_embeds.to(self.device, copy=True)
         dev = self.device
+        windows = self.config.layer_windows
         with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
             for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-                h = layer(h, cos, sin, cache, meta.for_layer(i))
+                c, s = local if windows[i] is not None else (cos, sin)
+                h = layer(h, c, s, cache, meta.for_layer(i))
         return self.norm(h)
 
     def static_layer_unsupported(self, layer: nn.Module) -> str | None:
-        return "OLMo 2's post-norm block (its own forward)"
+        return "OLMo's post-norm block (its own forward)"

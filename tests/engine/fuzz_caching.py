@@ -2,7 +2,7 @@
 with it on, the same settings otherwise, on a tiny random checkpoint of each family - plain
 attention (SmolLM3's with layers that have no rotary, Granite's multipliers, OLMo 2's post-norm
 blocks, Phi-3's partial rotary), sliding windows beside full layers (Gemma 2 and 3, gpt-oss with
-its sinks), routed experts, recurrent state (Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores
+its sinks, OLMo 3), routed experts, recurrent state (Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores
 the state saved at a block's end), adapters beside their base model, LLaVA's images.
 
 The traffic is what a cache must get right: a conversation's next turn (the earlier prompt, the
@@ -44,10 +44,10 @@ from .fuzz_ahead import MAX_STEPS, close
 from .sweep_graphs import _family
 
 FAMILIES = [
-    "llama", "smollm3", "granite", "olmo2", "phi3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mamba2",
+    "llama", "smollm3", "granite", "olmo2", "phi3", "olmo3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mamba2",
     "falcon_h1", "bamba", "qwen3_next", "lora", "llava",
 ]  # fmt: skip
-KV_CACHE_GROUPS = {"gemma2": 2, "gemma3": 2, "gpt_oss": 2}  # a checkpoint's folder is named by its family
+KV_CACHE_GROUPS = {"gemma2": 2, "gemma3": 2, "gpt_oss": 2, "olmo3": 2}  # a checkpoint's folder is named by its family
 RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next"}  # no KV tier under them (refused)
 ADAPTERS = ("qv", "all")  # the lora family's, beside its base model (tests/lora/conftest.py)
 MAX_MODEL_LEN = 96

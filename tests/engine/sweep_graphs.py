@@ -44,7 +44,7 @@ BLOCK = 8
 
 
 def _family(name: str) -> Callable[[], Any]:
-    if name in ("llama", "qwen3", "qwen2", "mistral", "smollm3", "granite", "olmo2", "phi3"):
+    if name in ("llama", "qwen3", "qwen2", "mistral", "smollm3", "granite", "olmo2", "olmo3", "phi3"):
         return lambda: make_dense(name)
     if name in ("gemma2", "gemma3"):
         from .test_hybrid_attention import _make as make_hybrid

@@ -1,6 +1,7 @@
 """The Llama decoder's other dense families as tiny random checkpoints through the whole engine:
 SmolLM3 (layers without rotary every few layers, tied embeddings), Granite 3 (its four
-multipliers), OLMo 2 (post-norm blocks, q/k normed over whole projections) and Phi-3 (fused
+multipliers), OLMo 2 (post-norm blocks, q/k normed over whole projections), OLMo 3 (its
+sliding and full layers, the sliding ones on their own rotary) and Phi-3 (fused
 checkpoint projections, partial rotary, LongRoPE). Greedy tokens equal to transformers' with
 caching off, on, chunked and preempted, every KV block free afterwards; a LoRA adapter on
 Granite's projections equal to PEFT's (the residual multiplier scales the adapter's delta too: it
@@ -16,9 +17,10 @@ from ..model.test_model_hf_folder import _make, _write_tokenizer
 from .engine_oracle import assert_engine_matches_transformers
 
 
-@pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "phi3"])
+@pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "olmo3", "phi3"])
 def test_engine_matches_transformers(tmp_path, kind):
-    assert_engine_matches_transformers(tmp_path, _make(kind), kind, 8)
+    # OLMo 3's sliding and full layers are two KV-cache groups: more blocks hold a request
+    assert_engine_matches_transformers(tmp_path, _make(kind), kind, 8, preempting_blocks=24 if kind == "olmo3" else 12)
 
 
 def test_lora_on_granite_equals_peft(tmp_path):

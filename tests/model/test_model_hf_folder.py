@@ -103,6 +103,13 @@ def _make(kind, **extra):
             rope_parameters=longrope,
         )
         cls = tf.Phi3ForCausalLM
+    elif kind == "olmo3":  # OLMo 2's block, sliding (window 24) and full layers in turn, the full ones on YaRN
+        kinds = ["sliding_attention", "full_attention"] * 2  # (two of each: two KV-cache groups)
+        cfg = tf.Olmo3Config(
+            **_common(pad_token_id=None, num_hidden_layers=4, sliding_window=24, layer_types=kinds),
+            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16},
+        )
+        cls = tf.Olmo3ForCausalLM
     elif kind == "llama-bias":  # attention_bias: q/k/v and the output projection
         cfg = tf.LlamaConfig(**_common(attention_bias=True))
         cls = tf.LlamaForCausalLM
@@ -137,6 +144,7 @@ def _make(kind, **extra):
         "smollm3",
         "granite",
         "olmo2",
+        "olmo3",
         "phi3",
     ],
 )
@@ -152,6 +160,9 @@ def test_hf_folder_matches_transformers(tmp_path, kind):
         assert cfg.attention_bias and hf.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
     if kind == "qwen3-yarn":
         assert cfg.rope_scaling["rope_type"] == "yarn" and lm.model.rotary.attention_factor > 1
+    if kind == "olmo3":
+        assert cfg.layer_windows == [24, None, 24, None] and cfg.rope_scaling["rope_type"] == "yarn"
+        assert lm.model.local_rotary is not None
     if kind == "smollm3":
         assert cfg.nope_layers == (1, 3) and cfg.tie_word_embeddings
     if kind == "llama-bias":
@@ -160,7 +171,7 @@ def test_hf_folder_matches_transformers(tmp_path, kind):
         assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 24
     if kind == "llama3-rope-tied":
         assert cfg.tie_word_embeddings and cfg.rope_scaling["rope_type"] == "llama3"
-    assert cfg.sliding_window == (7 if kind == "mistral-swa" else None)
+    assert cfg.sliding_window == {"mistral-swa": 7, "olmo3": 24}.get(kind)
     assert cfg.eos_token_id == [257] and lm.tokenizer.eos_token_ids == {257}
 
     g = torch.Generator().manual_seed(1)
