@@ -87,6 +87,32 @@ def release_memory_between_modules():
     gc.freeze()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def thread_check_off_the_interpreter():
+    """An engine's start on a CPU checks once per machine and model shape that its outputs do not
+    depend on the thread count (engine/cpu_threads.py: a 448-token prompt on each count, the answer
+    kept on disk under a key of the model code, so every change to prefixkv/model measures again).
+    Tests that put the GPU's fused Triton steps on CPU tensors (gpu_fused.run_on_cpu, under
+    Triton's interpreter) would measure through the interpreter: 30-40 s an engine, where the
+    engine on a CPU - and the answer kept for every later test - runs them as PyTorch or native
+    operators. Measured that way here, whichever test builds the first engine of a shape."""
+    from prefixkv.engine import cpu_threads
+    from prefixkv.model.kernels import gpu_fused
+
+    real = cpu_threads._measure_agreement
+
+    def measure(model, configured):  # type: ignore[no-untyped-def]
+        on_cpu, gpu_fused.run_on_cpu = gpu_fused.run_on_cpu, False
+        try:
+            return real(model, configured)
+        finally:
+            gpu_fused.run_on_cpu = on_cpu
+
+    cpu_threads._measure_agreement = measure
+    yield
+    cpu_threads._measure_agreement = real
+
+
 @pytest.fixture
 def every_native_kernel(monkeypatch):
     """Every native kernel where it applies, the many-row linear included

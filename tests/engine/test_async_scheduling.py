@@ -328,7 +328,8 @@ def test_prompt_outputs_of_replayed_steps_run_ahead(tmp_path, monkeypatch):
     engine's too; its logprobs differ in the last bits)."""
     _over_graph_buffers(tmp_path, monkeypatch)
     prompts = _prompt_output_prompts()
-    config = dict(BASE, device=str(device()), max_num_batched_tokens=16)
+    # (the seven requests fit 8 rows: the start-up check replays 7 decodes, not 15)
+    config = dict(BASE, device=str(device()), max_num_batched_tokens=16, max_num_seqs=8)
     graphs = {"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
     want = _with_prompt_outputs(
         LLM(str(tmp_path), **config, compilation_config=graphs, async_scheduling=False), prompts
@@ -574,7 +575,8 @@ def test_a_non_finite_row_of_a_replayed_decode_fails_alone(tmp_path, monkeypatch
     _over_graph_buffers(tmp_path, monkeypatch)
     prompts = _prompts(6, 3)
     config = dict(BASE, device=str(device()), compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
-    params = SamplingParams(temperature=temperature, seed=7, max_tokens=8, ignore_eos=True)
+    # (four tokens: three decode steps, the first of the three rows broken, two after it without)
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=4, ignore_eos=True)
     want = _outputs(LLM(str(tmp_path), **config), prompts[1:], params)
     llm = LLM(str(tmp_path), **config, async_scheduling=async_scheduling)
     graphs = llm.llm_engine.runner.graphs

@@ -58,7 +58,8 @@ def test_no_step_over_the_buffers_reads_values_on_the_host(tmp_path, monkeypatch
         **{"dtype": "float32", "device": "cpu", "num_blocks": 64, "block_size": BLOCK, "max_model_len": 64,
            "max_num_seqs": 8, **settings},
         async_scheduling=True,
-        compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]},
+        # (three sizes: each is set up by a forward under Triton's interpreter)
+        compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 4, 16]},
     )  # fmt: skip
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None

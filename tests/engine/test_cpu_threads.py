@@ -237,7 +237,7 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype):
         # bfloat16 is emulated on CPUs without its arithmetic (6x float32's time on AVX2): the same
         # batch shape, shorter. The long prompt's decode still reads 256+ keys (kMinKeysPerPart 128
         # in csrc/decode_attention.cpp: two parts at the least), so its steps still split their keys.
-        prompts, max_tokens = [text(270, 1), "Tell me a story.", text(30, 2), text(70, 3)], 8
+        prompts, max_tokens = [text(270, 1), "Tell me a story.", text(12, 2), text(30, 3)], 4
 
     def both() -> tuple[list, list]:
         """The batch computed whole, then the long prompt alone - one sequence: the fewest tasks, the

@@ -483,19 +483,19 @@ def test_sampled_decode_steps_draw_in_their_graphs_as_eager_steps_draw(tmp_path,
     prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6], [11, 12], [40, 41, 42]]
     mixes = [
         [
-            SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=1.3, min_p=0.1, max_tokens=9, ignore_eos=True),
+            SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=1.3, min_p=0.1, max_tokens=4, ignore_eos=True),  # ends first: 4 rows
         ],
-        SamplingParams(temperature=0.9, min_p=0.02, max_tokens=10, ignore_eos=True),  # no sort
+        SamplingParams(temperature=0.9, min_p=0.02, max_tokens=5, ignore_eos=True),  # no sort
         [
-            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
-            SamplingParams(temperature=0.8, top_p=0.95, seed=4, max_tokens=12, ignore_eos=True, logprobs=0),
-            SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=0.7, seed=9, max_tokens=12, ignore_eos=True, logprobs=20),
-            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0.8, top_p=0.95, seed=4, max_tokens=6, ignore_eos=True, logprobs=0),
+            SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=0.7, seed=9, max_tokens=6, ignore_eos=True, logprobs=20),
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
         ],
     ]
     graphs = llm.llm_engine.runner.graphs
@@ -513,7 +513,7 @@ def test_sampled_decode_steps_draw_in_their_graphs_as_eager_steps_draw(tmp_path,
         got, want, same_logits = (e.generate(prompts, params, use_tqdm=False) for e in (llm, eager, eager_draws))
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert [_logprobs(o) for o in got] == [_logprobs(o) for o in same_logits]
-        assert len(variants) >= 8 and set(variants) == {sort}  # the decode steps drew in the graphs
+        assert len(variants) >= 4 and set(variants) == {sort}  # the decode steps drew in the graphs
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
 

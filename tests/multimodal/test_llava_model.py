@@ -177,11 +177,14 @@ def test_steps_with_images_replay_over_fixed_buffers(llava, hf_processor, monkey
     kernels_module()
     monkeypatch.setenv("PREFIXKV_CUDA_GRAPHS", "static" if device().type == "cpu" else "capture")
     folder, hf = llava
+    # three tokens a request: two decode steps over the buffers after the prompt's (each step of
+    # Triton's interpreter costs ~1 s here)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts, expected = [], []
     for text, seeds in PROMPTS[:3]:  # one image, two, and an image alone
         images = [make_image(s) for s in seeds]
         ref = hf_processor(text=text, images=images, return_tensors="pt")
-        expected.append(hf_llava_greedy(hf, [256] + ref["input_ids"][0].tolist(), ref["pixel_values"], MAX_NEW))
+        expected.append(hf_llava_greedy(hf, [256] + ref["input_ids"][0].tolist(), ref["pixel_values"], 3))
         prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
     llm = LLM(
         folder,
@@ -196,11 +199,11 @@ def test_steps_with_images_replay_over_fixed_buffers(llava, hf_processor, monkey
     engine = llm.llm_engine
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.image_rows is not None
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert graphs.replays > 0 and graphs.image_rows.steps > 0
     image_steps = graphs.image_rows.steps
-    again = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)  # over the first round's blocks
+    again = llm.generate(prompts[::-1], greedy, use_tqdm=False)  # over the first round's blocks
     assert [o.outputs[0].token_ids for o in again] == expected[::-1]
     assert all(o.num_cached_tokens > 0 for o in again)
     assert graphs.image_rows.steps > image_steps
