@@ -6,7 +6,7 @@ times, the cases alternated: ms is the median over rounds of the fastest of --re
 warm-up; peak MiB the memory the first call adds at most (the process's high-water RSS after it,
 less before; large allocations mapped and unmapped one by one, MALLOC_MMAP_THRESHOLD_).
 
-    python3 bench/explicit_attention.py [--tokens 512,2048,8192] [--dtypes float32,bfloat16]
+    python3 bench/softcap_attention.py [--tokens 512,2048,8192] [--dtypes float32,bfloat16]
         [--windows none,4096] [--chunks 256,1024:19] [--threads 1] [--reps 3] [--rounds 3]
         [--no-plain]
 

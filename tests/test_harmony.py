@@ -223,9 +223,12 @@ def test_reasoning_tokens_are_the_analysis_and_call_bodies(parser):
         assert p.reasoning_tokens(ids, True) == sum(len(tokenizer.encode(b, add_special_tokens=False)) for b in bodies)
 
 
-def test_the_parser_refuses_what_harmony_cannot_take(parser):
-    p, _ = parser
-    with pytest.raises(ValueError, match="openai_gptoss"):
-        p.grammar_gate()
+def test_the_grammar_waits_for_the_final_channel_and_the_budget_is_refused(parser):
+    """A grammar opens after `<|channel|>final<|message|>` (as the tokenizer spells it);
+    thinking_token_budget, whose end would be a whole header, is refused by name."""
+    p, tokenizer = parser
+    gate = p.grammar_gate()
+    assert gate.after_run == tuple(tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False))
+    assert not gate.after and not gate.at
     with pytest.raises(ValueError, match="thinking_token_budget"):
         p.thinking_budget(8)
