@@ -73,6 +73,9 @@ class GemmaModel(LlamaModel):
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return GemmaDecoderLayer(config, layer_idx)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids).mul_(self.embed_scale)
+
     def make_norm(self, dim: int, eps: float) -> RMSNorm:
         return GemmaRMSNorm(dim, eps)
 
@@ -90,22 +93,15 @@ class GemmaModel(LlamaModel):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As LlamaModel.forward; `inputs_embeds` are taken as they are (already scaled)."""
-        input_ids, positions = self.begin_step(input_ids, positions, kv_caches, meta, lora_mapping)
-        top = max(meta.seq_lens, default=0)
-        cos, sin = self.rotary.cos_sin(positions, top)
-        local = (cos, sin) if self.local_rotary is None else self.local_rotary.cos_sin(positions, top)
-        if inputs_embeds is None:
-            h = self.embed_tokens(input_ids).mul_(self.embed_scale)
-        else:  # the residual stream is updated in place: never the caller's tensor
-            h = inputs_embeds.to(self.device, copy=True)
+        h, full, local = self.begin_layers(input_ids, positions, kv_caches, meta, lora_mapping, inputs_embeds)
         layers = self.gemma_layers()
         x = layers[0].input_layernorm(h) if layers else self.norm(h)
         dev = self.device
         with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
             for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
                 next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-                c, s = local if layer.sliding else (cos, sin)
-                h, x = layer(h, x, c, s, cache, meta.for_layer(i), next_norm)
+                cos, sin = local if layer.sliding else full
+                h, x = layer(h, x, cos, sin, cache, meta.for_layer(i), next_norm)
         return x
 
     def static_decode_unsupported(self) -> str | None:

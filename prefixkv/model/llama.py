@@ -293,6 +293,26 @@ class LlamaModel(nn.Module):
             raise ValueError("a LoRA mapping was passed but no LoRA is attached to this model")
         return input_ids.to(self.device), positions.to(self.device)
 
+    def begin_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        lora_mapping: object | None,
+        inputs_embeds: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """For a family with its own forward: `begin_step`, then the residual stream's start
+        (`embed`, or a copy of `inputs_embeds`, taken as they are), the step's cos / sin for the
+        full layers and for the sliding ones (their own table where the config names one)."""
+        input_ids, positions = self.begin_step(input_ids, positions, kv_caches, meta, lora_mapping)
+        top = max(meta.seq_lens, default=0)  # positions are below it: no device sync
+        full = self.rotary.cos_sin(positions, top)
+        local = full if self.local_rotary is None else self.local_rotary.cos_sin(positions, top)
+        # the residual stream is updated in place: never the caller's tensor
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.device, copy=True)
+        return h, full, local
+
     @torch.inference_mode()
     def forward(
         self,

@@ -77,20 +77,13 @@ class Olmo2Model(LlamaModel):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As LlamaModel.forward."""
-        input_ids, positions = self.begin_step(input_ids, positions, kv_caches, meta, lora_mapping)
-        top = max(meta.seq_lens, default=0)
-        cos, sin = self.rotary.cos_sin(positions, top)
-        local = (cos, sin) if self.local_rotary is None else self.local_rotary.cos_sin(positions, top)
-        if inputs_embeds is None:
-            h = self.embed(input_ids)
-        else:  # the residual stream is updated in place: never the caller's tensor
-            h = inputs_embeds.to(self.device, copy=True)
+        h, full, local = self.begin_layers(input_ids, positions, kv_caches, meta, lora_mapping, inputs_embeds)
         dev = self.device
         windows = self.config.layer_windows
         with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
             for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-                c, s = local if windows[i] is not None else (cos, sin)
-                h = layer(h, c, s, cache, meta.for_layer(i))
+                cos, sin = local if windows[i] is not None else full
+                h = layer(h, cos, sin, cache, meta.for_layer(i))
         return self.norm(h)
 
     def static_layer_unsupported(self, layer: nn.Module) -> str | None:
