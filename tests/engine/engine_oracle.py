@@ -188,3 +188,26 @@ def replay_against_eager(
     assert engine.num_steps_ahead > 0
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
     return llm
+
+
+def assert_adapter_equals_peft(tmp_path: Path, hf: Any, targets: list[str], seed: int) -> None:
+    """A random LoRA adapter of `hf` on `targets`: the engine's greedy tokens with it equal PEFT's
+    (and differ from the base model's), every block free after."""
+    from prefixkv.lora import LoRARequest
+
+    from ..lora.conftest import peft_greedy, write_adapter
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    hf.save_pretrained(base, safe_serialization=True)
+    _write_tokenizer(base)
+    write_adapter(base, adapter, seed=seed, r=4, lora_alpha=8, target_modules=targets)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 19)]
+    llm = LLM(str(base), dtype="float32", device="cpu", num_blocks=48, block_size=8, max_model_len=64, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in out]
+    assert got == peft_greedy(base, adapter, prompts, 6)
+    assert got != peft_greedy(base, None, prompts, 6)
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks

@@ -9,12 +9,10 @@ is not folded into the weights); LongRoPE's context held to its original length.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from ..model.test_model_hf_folder import _make, _write_tokenizer
-from .engine_oracle import assert_engine_matches_transformers
+from .engine_oracle import assert_adapter_equals_peft, assert_engine_matches_transformers
 
 
 @pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "olmo3", "phi3"])
@@ -24,22 +22,7 @@ def test_engine_matches_transformers(tmp_path, kind):
 
 
 def test_lora_on_granite_equals_peft(tmp_path):
-    from prefixkv import LLM, SamplingParams
-    from prefixkv.lora import LoRARequest
-
-    from ..lora.conftest import peft_greedy, write_adapter
-
-    base, adapter = tmp_path / "base", tmp_path / "adapter"
-    _make("granite").save_pretrained(base, safe_serialization=True)
-    _write_tokenizer(base)
-    write_adapter(base, adapter, seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "down_proj"])
-    rng = random.Random(5)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (6, 17)]
-    llm = LLM(str(base), dtype="float32", device="cpu", num_blocks=48, block_size=8, max_model_len=64, enable_lora=True)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    out = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == peft_greedy(base, adapter, prompts, 6)
-    assert [o.outputs[0].token_ids for o in out] != peft_greedy(base, None, prompts, 6)
+    assert_adapter_equals_peft(tmp_path, _make("granite"), ["q_proj", "o_proj", "down_proj"], seed=3)
 
 
 def test_longrope_holds_the_context_to_its_original_length(tmp_path, caplog):

@@ -6,7 +6,11 @@ disk tier and the stage-output cache serve it as any attention model."""
 from __future__ import annotations
 
 from ..model.test_model_gpt_oss import make_gpt_oss
-from .engine_oracle import assert_disk_tier_and_stage_outputs, assert_engine_matches_transformers
+from .engine_oracle import (
+    assert_adapter_equals_peft,
+    assert_disk_tier_and_stage_outputs,
+    assert_engine_matches_transformers,
+)
 
 MAX_NEW = 8
 
@@ -23,27 +27,7 @@ def test_gpt_oss_with_a_disk_tier_and_the_stage_output_cache(tmp_path):
 def test_lora_on_gpt_oss_attention(tmp_path):
     """An adapter on gpt-oss's attention projections (the output one has a bias) equals PEFT's
     greedy tokens; every block free after."""
-    import random
-
-    from prefixkv import LLM, SamplingParams
-    from prefixkv.lora import LoRARequest
-
-    from ..lora.conftest import peft_greedy, write_adapter
-    from ..model.test_model_hf_folder import _write_tokenizer
-
-    base, adapter = tmp_path / "base", tmp_path / "adapter"
-    make_gpt_oss(seed=2).save_pretrained(base, safe_serialization=True)
-    _write_tokenizer(base)
-    write_adapter(base, adapter, seed=5, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
-    rng = random.Random(7)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 19)]
-    llm = LLM(str(base), dtype="float32", device="cpu", num_blocks=48, block_size=8, max_model_len=64, enable_lora=True)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    out = llm.generate(prompts, params, lora_request=LoRARequest("attn", 1, str(adapter)), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == peft_greedy(base, adapter, prompts, 6)
-    assert [o.outputs[0].token_ids for o in out] != peft_greedy(base, None, prompts, 6)
-    engine = llm.llm_engine
-    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    assert_adapter_equals_peft(tmp_path, make_gpt_oss(seed=2), ["q_proj", "v_proj", "o_proj"], seed=5)
 
 
 def test_serving_gpt_oss_without_the_harmony_parser_says_how(tmp_path, caplog):
