@@ -338,7 +338,7 @@ class EngineArgs:
         "where a thinking model's reasoning ends (prefixkv/reasoning.py): chat replies carry it apart as "
         "`reasoning`, and structured outputs constrain only the answer after it: deepseek_r1 (<think> ... "
         "</think>), deepseek_v3 (the same, only when the template is told to think), qwen3 (enable_thinking=False "
-        "answers at once), glm45 / glm47, minimax_m2 (default: none)",
+        "answers at once), glm45 / glm47, minimax_m2, openai_gptoss (gpt-oss's harmony channels) (default: none)",
         choices=sorted(REASONING_PARSERS),
     )
     # Multimodal (vision-language checkpoints; docs/multimodal.md)

@@ -105,7 +105,6 @@ class HarmonyReply:
         self._done = 0  # characters of the text in ended messages
         self._ended: list[HarmonyMessage] = []
         self.unparsed = ""
-        self.first = True
 
     def update(self, text: str) -> list[HarmonyMessage]:
         at = self._done

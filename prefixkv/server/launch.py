@@ -128,7 +128,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "qwen3_coder / qwen3_xml (<tool_call><function=f><parameter=k>v</parameter>...: Qwen3-Coder) or "
         "glm45 / glm47 (<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value>...: GLM-4.5 to 4.7) or "
         'minimax_m2 (<minimax:tool_call><invoke name="f">...: MiniMax-M2), pythonic ([f(a=1), ...]: '
-        "Llama 3.2 / 4) or llama4_pythonic (the same in <|python_start|> tags)",
+        "Llama 3.2 / 4), llama4_pythonic (the same in <|python_start|> tags) or openai (gpt-oss's harmony "
+        "commentary to functions.f; with --reasoning-parser openai_gptoss)",
     )
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
