@@ -47,4 +47,41 @@ def kernels_module(module: str = MODULE) -> ModuleType:
         for name in stale:
             if not name.startswith("triton._C"):
                 del sys.modules[name]
+    _interpreter_without_repeated_work()
     return importlib.import_module(module)
+
+
+def _interpreter_without_repeated_work() -> None:
+    """Two things Triton's interpreter redoes in Python that a compiled kernel never does, skipped
+    (each was about a sixth of the time of a test running the attention kernels):
+
+    - it checks every 32-bit integer add, sub and mul for overflow. A GPU build compiles those
+      checks only with `debug`, which prefixkv never sets, and the tests' caches are far too small
+      to overflow;
+    - at every call of a device function (`@triton.jit` called inside a kernel: prefixkv's helpers,
+      `tl.cdiv`) it walks `triton.language` with `inspect.getmembers` to swap its builtins for
+      interpreted ones, which it never swaps back: after a function's first call the walk finds
+      nothing left to swap (the kernel's own launch swaps and restores what it needs)."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    call = interpreter.InterpretedFunction.__call__
+    if getattr(call, "patched_once", False):
+        return
+    patched: set[object] = set()
+
+    def device_call(self, *args, **kwargs):  # InterpretedFunction.__call__, the walk once per function
+        if self.fn not in patched:
+            interpreter._patch_lang(self.fn)
+            patched.add(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    device_call.patched_once = True  # type: ignore[attr-defined]
+    interpreter.InterpretedFunction.__call__ = device_call
