@@ -15,6 +15,7 @@ from .llama import LlamaModel
 from .mamba2 import Mamba2Model
 from .olmo2 import Olmo2Model
 from .phi3 import Phi3Model
+from .qwen3_5 import Qwen3_5Model
 from .qwen3_next import Qwen3NextModel
 
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {
@@ -34,6 +35,10 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "BambaForCausalLM": HybridModel,
     "FalconH1ForCausalLM": FalconH1Model,
     "Qwen3NextForCausalLM": Qwen3NextModel,
+    "Qwen3_5ForCausalLM": Qwen3_5Model,  # Qwen3-Next's decoder, its delta nets' projections split
+    "Qwen3_5MoeForCausalLM": Qwen3_5Model,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5Model,  # its language model alone: served text-only
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5Model,
     "GptOssForCausalLM": GptOssModel,
     "Olmo2ForCausalLM": Olmo2Model,
     "Olmo3ForCausalLM": Olmo2Model,  # with sliding layers (and their own rotary where the full ones' is scaled)

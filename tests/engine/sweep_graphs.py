@@ -70,6 +70,10 @@ def _family(name: str) -> Callable[[], Any]:
         from .test_qwen3_next import make_qwen3_next
 
         return lambda: make_qwen3_next(mlp_only_layers=[0, 1, 2, 3])
+    if name == "qwen3_5":  # the released layout: its language model under a vision encoder
+        from .test_qwen3_5 import make
+
+        return lambda: make("vl")
     if name == "gpt_oss":  # (no graphs: its sinks run eager; the caching fuzz takes it)
         from ..model.test_model_gpt_oss import make_gpt_oss
 

@@ -1,5 +1,6 @@
-"""Qwen3-Next (model/qwen3_next.py: gated delta net layers and gated full attention, MoE MLPs):
-its config.json reader."""
+"""Qwen3-Next (model/qwen3_next.py: gated delta net layers and gated full attention, MoE MLPs) and
+Qwen3.5 (model/qwen3_5.py: the same decoder; dense MLPs, or routed experts in every layer): their
+config.json reader."""
 
 from __future__ import annotations
 
@@ -10,7 +11,23 @@ from .family import ConfigFamily
 from .rope import rope_settings
 
 
+# Qwen3.5's released checkpoints: the language model under a vision encoder, served text-only here
+VISION_LANGUAGE = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+
 def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    if arch in VISION_LANGUAGE:
+        text = dict(d.get("text_config") or {})
+        if "tie_word_embeddings" in d:  # the outer config's, as transformers ties them
+            text["tie_word_embeddings"] = d["tie_word_embeddings"]
+        return {**_text_fields(text, VISION_LANGUAGE[arch]), "architecture": arch}
+    return _text_fields(d, arch)
+
+
+def _text_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     """A Qwen3-Next config.json (transformers' Qwen3NextConfig names and defaults) as ModelConfig
     fields: gated delta net layers and gated full attention layers (q/k norm, rotary over the first
     quarter of each head), a mixture-of-experts MLP with a gated shared expert where
@@ -34,7 +51,11 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     rope_params = d.get("rope_parameters") or {}
     # transformers' Qwen3NextConfig takes 0.25 where neither place says
     partial = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
-    num_experts = int(d.get("num_experts", 512))
+    # Qwen3.5's dense config has no experts, its MoE one every layer routed (no sparse step, no
+    # dense layers, top-k weights always renormalised: transformers' Qwen3_5Moe router)
+    num_experts = int(d.get("num_experts", 0 if arch == "Qwen3_5ForCausalLM" else 512))
+    if arch == "Qwen3_5MoeForCausalLM":
+        d = {**d, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     return dict(
         architecture=arch,
         vocab_size=int(d.get("vocab_size", 151936)),
@@ -69,7 +90,13 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 FAMILY = ConfigFamily(
-    architectures=("Qwen3NextForCausalLM",),
+    architectures=("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *VISION_LANGUAGE),
     hf_fields=_hf_fields,
-    model_types={"qwen3_next": "Qwen3NextForCausalLM"},
+    model_types={
+        "qwen3_next": "Qwen3NextForCausalLM",
+        "qwen3_5_text": "Qwen3_5ForCausalLM",
+        "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    },
 )
