@@ -13,8 +13,8 @@ language model (model.language_model.*) is loaded and served text-only; the visi
 
 from __future__ import annotations
 
-import re
 import logging
+import re
 from collections.abc import Iterable, Iterator
 
 import torch

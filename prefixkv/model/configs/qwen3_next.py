@@ -10,7 +10,6 @@ from ..layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION
 from .family import ConfigFamily
 from .rope import rope_settings
 
-
 # Qwen3.5's released checkpoints: the language model under a vision encoder, served text-only here
 VISION_LANGUAGE = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
