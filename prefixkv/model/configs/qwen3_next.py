@@ -34,7 +34,8 @@ def _text_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     hidden = int(d.get("hidden_size", 2048))
     n_layers = int(d.get("num_hidden_layers", 48))
     n_heads = int(d.get("num_attention_heads", 16))
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False)):
+    # Qwen3.5's configs say attn_output_gate (true in every release); the gate is always applied here
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("attn_output_gate", True)):
         if d.get(key, supported) != supported:
             raise ValueError(f"{arch} with {key}={d.get(key)!r} is not supported ({supported!r} only)")
     layer_types = list(d.get("layer_types") or [])
