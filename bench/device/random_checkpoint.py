@@ -6,8 +6,8 @@ they load any checkpoint.
 
     python3 bench/device/random_checkpoint.py OUT [--shape SHAPE] [--device cuda] [--layers N] [--byte-tokenizer]
 
-SHAPE: llama-1b (default), llama-3b, llama-8b, qwen2.5-0.5b, gemma3-1b, falcon-h1-0.5b, qwen3-next-small
-or tiny.
+SHAPE: llama-1b (default), llama-3b, llama-8b, qwen2.5-0.5b, gemma3-1b, falcon-h1-0.5b, qwen3-next-small,
+gpt-oss-20b or tiny.
 
 The weights are drawn on --device (a GPU draws a 1B model's in well under a second) in bfloat16;
 --layers overrides the shape's depth (a CPU smoke with --layers 1).
@@ -120,6 +120,21 @@ SHAPES: dict[str, dict[str, object]] = {
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
     ),
+    # gpt-oss-20b's layer (sliding and full layers in turn, sinks, 32 experts top 4); --layers 2
+    # keeps one of each on a CPU (~1.9B parameters with SmolLM2's vocabulary)
+    "gpt-oss-20b": dict(
+        family="gpt_oss",
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        tie_word_embeddings=False,
+    ),
     "llama-8b": dict(
         hidden_size=4096,
         intermediate_size=14336,
@@ -174,6 +189,7 @@ def main() -> None:
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM),
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }[str(family)]
     # the rotary base where the family takes it so (the others keep their config's default)
     settings: dict[str, object] = dict(rope_theta=500000.0) if family in ("llama", "qwen2") else {}
