@@ -13,6 +13,7 @@ does). Either is laid out once here as [E, 2I, H] (gate rows first) and [E, H, I
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 
@@ -21,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Float32RMSNorm, RMSNorm, keep_float32_norms
+from .layers import Float32RMSNorm, LinearKind, RMSNorm, keep_float32_norms
 from .llama import DecoderLayer, LlamaModel
 from .moe import Projection, route
+from .packed_experts import PackedExperts, parameter_digests
 
 # MXFP4's 4-bit values (e2m1), by code: the sign in the top bit
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -53,12 +55,26 @@ class GptOssExperts(nn.Module):
         return F.linear(self.activation(gate_up), self.down_weight[e], self.down_bias[e])
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The clamped SwiGLU over [rows, 2I] (gate columns first) -> [rows, I], in transformers'
-        order of operations."""
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return clamped_swiglu(gate_up, self.intermediate, self.limit, self.alpha)
+
+    def packed_for_cpu(self, kind: LinearKind) -> nn.Module:
+        """These experts with each expert's products in `kind`'s layout (model/packed_experts.py)."""
+        activation = functools.partial(
+            clamped_swiglu, intermediate=self.intermediate, limit=self.limit, alpha=self.alpha
+        )
+        return PackedExperts(
+            self.gate_up_weight, self.down_weight, self.gate_up_bias, self.down_bias, activation,
+            kind, parameter_digests(self),
+        )  # fmt: skip
+
+
+def clamped_swiglu(gate_up: torch.Tensor, intermediate: int, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU over [rows, 2I] (gate columns first) -> [rows, I], in transformers'
+    order of operations."""
+    gate, up = gate_up.split(intermediate, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class GptOssMoe(nn.Module):

@@ -17,6 +17,7 @@ the model's dtype.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import GatedMLP
+from .layers import GatedMLP, LinearKind
 
 
 class Projection(nn.Module):
@@ -107,10 +108,24 @@ class Experts(nn.Module):
         return works
 
     def _one(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """Expert e on rows x. torch's SiLU, not the native kernel: at an expert's few rows of a
-        decode step its start-up cost more than it saved (bench/moe.py: 1 row, 4.4 -> 3.4 ms a layer)."""
-        g, u = F.linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(g) * u, self.down_proj[e])
+        """Expert e on rows x."""
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj[e]), self.intermediate), self.down_proj[e])
+
+    def packed_for_cpu(self, kind: LinearKind) -> nn.Module:
+        """These experts with each expert's products in `kind`'s layout (model/packed_experts.py)."""
+        from .packed_experts import PackedExperts, parameter_digests
+
+        activation = functools.partial(silu_and_mul, intermediate=self.intermediate)
+        digests = parameter_digests(self)
+        return PackedExperts(self.gate_up_proj, self.down_proj, None, None, activation, kind, digests)
+
+
+def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """[rows, 2I] (gate columns first) -> silu(gate) * up [rows, I]. torch's SiLU, not the native
+    kernel: at an expert's few rows of a decode step its start-up cost more than it saved
+    (bench/moe.py: 1 row, 4.4 -> 3.4 ms a layer)."""
+    g, u = gate_up.split(intermediate, dim=-1)
+    return F.silu(g) * u
 
 
 def route(

@@ -1,0 +1,89 @@
+"""A layer's routed experts with every expert's two products laid out for the CPU's kernels, as the
+dense layers' are (LlamaModel.pack_for_cpu chooses the layout, by timing, for the model's products:
+oneDNN-packed, two layouts with the native small-batch kernel for a decode step's rows, or the
+native layout alone). Kept as 3-D parameters, each expert's product went through F.linear on a
+slice of them: at gpt-oss-20b's width on an AVX2 CPU a decode step's one-row products read the
+experts at about half the bandwidth the native kernel reaches on the dense layers.
+
+One copy replaces the parameters (their memory is given back); `source_digests` stands for them
+where the model's weights are identified, under the experts module's own names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from . import moe
+from .layers import LinearKind, tensor_digest
+from .moe import route
+
+
+class PackedExperts(nn.Module):
+    """forward(x [T, H], top_index / top_weight [T, k]) -> [T, H], as the experts it was made from."""
+
+    source_digests: dict[str, str]
+
+    def __init__(
+        self,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        gate_up_bias: torch.Tensor | None,
+        down_bias: torch.Tensor | None,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+        kind: LinearKind,
+        digests: dict[str, str],
+    ) -> None:
+        """gate_up [E, 2I, H], down [E, H, I] (biases [E, 2I], [E, H] or None); `activation` maps
+        an expert's [rows, 2I] to [rows, I] and holds no weight."""
+        super().__init__()
+        E = gate_up.shape[0]
+        self.num_experts = E
+        self.gate_up = nn.ModuleList(
+            kind(gate_up[e], None if gate_up_bias is None else gate_up_bias[e]) for e in range(E)
+        )
+        self.down = nn.ModuleList(kind(down[e], None if down_bias is None else down_bias[e]) for e in range(E))
+        self.activation = activation
+        self.source_digests = digests
+
+    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
+        return route(x, top_index, top_weight, self.num_experts, self._one)
+
+    def _one(self, rows: torch.Tensor, e: int) -> torch.Tensor:
+        return self.down[e](self.activation(self.gate_up[e](rows)))
+
+
+def parameter_digests(module: nn.Module) -> dict[str, str]:
+    """The digests of `module`'s own parameters, by name (what PackedExperts stands for)."""
+    with torch.no_grad():
+        return {name: tensor_digest(p) for name, p in module.named_parameters(recurse=False)}
+
+
+def expert_bytes(module: nn.Module) -> int:
+    """The bytes of every experts module's parameters below `module` (what packing them lays out)."""
+    return sum(
+        p.numel() * p.element_size()
+        for m in module.modules()
+        if hasattr(m, "packed_for_cpu")
+        for p in m.parameters(recurse=False)
+    )
+
+
+def pack_experts(module: nn.Module, kind: LinearKind) -> int:
+    """Replace every experts module below `module` (one with a `packed_for_cpu(kind)` method:
+    moe.Experts, gpt_oss.GptOssExperts) by its PackedExperts; returns how many. None where the
+    device's routing runs on CPU tensors (moe.GROUPED_ON_CPU: its grouped products read the 3-D
+    parameters)."""
+    if moe.GROUPED_ON_CPU:
+        return 0
+    places = [
+        (parent, name, child)
+        for parent in list(module.modules())
+        for name, child in list(parent.named_children())
+        if hasattr(child, "packed_for_cpu")
+    ]
+    for parent, name, child in places:
+        setattr(parent, name, cast(Any, child).packed_for_cpu(kind))
+    return len(places)

@@ -1,0 +1,74 @@
+"""Routed experts laid out for the CPU's kernels (model/packed_experts.py): after
+LlamaModel.pack_for_cpu every experts module (Qwen3-MoE's, gpt-oss's biased and clamped ones) is a
+PackedExperts of the layout the dense layers got - or oneDNN's alone where a second copy of the
+experts would not fit - its 3-D parameters gone, the model's weight digest unchanged, and its
+logits those of the plain experts within float32's rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixkv.memory.block_tensors import allocate_kv_cache
+from prefixkv.model import load_model
+from prefixkv.model.kernels import ops
+from prefixkv.model.layers import DualLayoutLinear, PackedLinear, packed_linear_works
+from prefixkv.model.packed_experts import PackedExperts
+from prefixkv.tiers.namespace import weights_digest
+
+from .model_helpers import run_logits
+from .test_model_gpt_oss import make_gpt_oss
+from .test_model_hf_folder import _write_tokenizer
+from .test_model_moe import make_moe
+
+
+def _folder(kind: str, tmp_path) -> str:
+    hf = make_gpt_oss() if kind == "gpt_oss" else make_moe("qwen3_moe")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.skipif(not packed_linear_works(torch.float32), reason="oneDNN's packed layout is not in this torch")
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("experts_fit", [True, False])
+def test_packed_experts_equal_the_plain_ones(tmp_path, monkeypatch, kind, experts_fit):
+    from prefixkv.model import llama
+
+    folder = _folder(kind, tmp_path)
+    plain, packed = load_model(folder), load_model(folder)
+    digest = weights_digest(packed.model)
+    if not experts_fit:  # the dense layers' second copy fits, the experts' does not
+        dense = sum(m.weight.numel() * 4 for m in packed.model.layers.modules() if isinstance(m, torch.nn.Linear))
+        monkeypatch.setattr(llama, "keeps_two_layouts", lambda size, native: size <= dense)
+    assert packed.model.pack_for_cpu()
+    experts = [layer.mlp.experts for layer in packed.model.layers]
+    assert all(isinstance(e, PackedExperts) for e in experts)
+    assert not any(p.dim() == 3 for p in packed.model.parameters())  # the 3-D parameters given back
+    assert weights_digest(packed.model) == digest
+    dual = isinstance(packed.model.layers[0].self_attn.qkv_proj, DualLayoutLinear)
+    want = DualLayoutLinear if dual and experts_fit else PackedLinear
+    assert all(isinstance(m, want) for e in experts for m in (*e.gate_up, *e.down))
+    ids = list(range(40, 60))
+    out = []
+    for lm in (plain, packed):
+        caches = allocate_kv_cache(lm.config, 8, 8)
+        steps = [(18, 0), (19, 18), (20, 18)]  # (tokens so far, of which cached): a prefill, decodes
+        out.append(torch.cat([run_logits(lm.model, caches, [(ids[:n], [3, 1, 6], c)], 8)[0] for n, c in steps]))
+    torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=1e-4)
+
+
+def test_native_kernels_off_still_run_the_packed_experts(tmp_path):
+    """With the native kernels switched off after packing (ops.disabled), the experts' products
+    fall back as the dense layers' do."""
+    folder = _folder("qwen3_moe", tmp_path)
+    plain, packed = load_model(folder), load_model(folder)
+    if not packed.model.pack_for_cpu():
+        pytest.skip("nothing to lay out on this CPU")
+    ids = list(range(40, 58))
+    out = []
+    for lm in (plain, packed):
+        caches = allocate_kv_cache(lm.config, 8, 8)
+        with ops.disabled():
+            out.append(run_logits(lm.model, caches, [(ids, [3, 1, 6], 0)], 8)[0])
+    torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=1e-4)
