@@ -57,15 +57,15 @@ class GptOssExperts(nn.Module):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         return clamped_swiglu(gate_up, self.intermediate, self.limit, self.alpha)
 
-    def packed_for_cpu(self, kind: LinearKind) -> nn.Module:
-        """These experts with each expert's products in `kind`'s layout (model/packed_experts.py)."""
+    def packed_for_cpu(self, kind: LinearKind, count: int | None = None) -> nn.Module:
+        """These experts (the first `count` alone: a candidate to time) with each expert's products
+        in `kind`'s layout (model/packed_experts.py)."""
         activation = functools.partial(
             clamped_swiglu, intermediate=self.intermediate, limit=self.limit, alpha=self.alpha
         )
-        return PackedExperts(
-            self.gate_up_weight, self.down_weight, self.gate_up_bias, self.down_bias, activation,
-            kind, parameter_digests(self),
-        )  # fmt: skip
+        gate_up, down = self.gate_up_weight[:count], self.down_weight[:count]
+        biases = self.gate_up_bias[:count], self.down_bias[:count]
+        return PackedExperts(gate_up, down, *biases, activation, kind, parameter_digests(self))
 
 
 def clamped_swiglu(gate_up: torch.Tensor, intermediate: int, limit: float, alpha: float) -> torch.Tensor:

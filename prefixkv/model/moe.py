@@ -111,13 +111,15 @@ class Experts(nn.Module):
         """Expert e on rows x."""
         return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj[e]), self.intermediate), self.down_proj[e])
 
-    def packed_for_cpu(self, kind: LinearKind) -> nn.Module:
-        """These experts with each expert's products in `kind`'s layout (model/packed_experts.py)."""
+    def packed_for_cpu(self, kind: LinearKind, count: int | None = None) -> nn.Module:
+        """These experts (the first `count` alone: a candidate to time) with each expert's products
+        in `kind`'s layout (model/packed_experts.py)."""
         from .packed_experts import PackedExperts, parameter_digests
 
         activation = functools.partial(silu_and_mul, intermediate=self.intermediate)
         digests = parameter_digests(self)
-        return PackedExperts(self.gate_up_proj, self.down_proj, None, None, activation, kind, digests)
+        gate_up, down = self.gate_up_proj[:count], self.down_proj[:count]
+        return PackedExperts(gate_up, down, None, None, activation, kind, digests)
 
 
 def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:

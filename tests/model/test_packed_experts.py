@@ -33,8 +33,9 @@ def _folder(kind: str, tmp_path) -> str:
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("experts_fit", [True, False])
 def test_packed_experts_equal_the_plain_ones(tmp_path, monkeypatch, kind, experts_fit):
-    from prefixkv.model import llama
+    from prefixkv.model import llama, packed_experts
 
+    monkeypatch.setattr(packed_experts, "time_one_expert", lambda experts, kind: (1.0, 0.5))  # the layout pays
     folder = _folder(kind, tmp_path)
     plain, packed = load_model(folder), load_model(folder)
     digest = weights_digest(packed.model)
@@ -58,9 +59,12 @@ def test_packed_experts_equal_the_plain_ones(tmp_path, monkeypatch, kind, expert
     torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=1e-4)
 
 
-def test_native_kernels_off_still_run_the_packed_experts(tmp_path):
+def test_native_kernels_off_still_run_the_packed_experts(tmp_path, monkeypatch):
     """With the native kernels switched off after packing (ops.disabled), the experts' products
     fall back as the dense layers' do."""
+    from prefixkv.model import packed_experts
+
+    monkeypatch.setattr(packed_experts, "time_one_expert", lambda experts, kind: (1.0, 0.5))
     folder = _folder("qwen3_moe", tmp_path)
     plain, packed = load_model(folder), load_model(folder)
     if not packed.model.pack_for_cpu():
@@ -72,3 +76,30 @@ def test_native_kernels_off_still_run_the_packed_experts(tmp_path):
         with ops.disabled():
             out.append(run_logits(lm.model, caches, [(ids, [3, 1, 6], 0)], 8)[0])
     torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not packed_linear_works(torch.float32), reason="oneDNN's packed layout is not in this torch")
+def test_experts_stay_plain_where_their_layout_times_slower(tmp_path, monkeypatch, caplog):
+    """The layout is kept only where one expert's products ran faster in it here (timed against
+    F.linear on the plain parameters, whose candidate gives the same products); else the experts
+    stay as they are, said once."""
+    import logging
+
+    from prefixkv.model import packed_experts
+    from prefixkv.model.moe import Experts
+
+    folder = _folder("qwen3_moe", tmp_path)
+    lm = load_model(folder)
+    experts = lm.model.layers[0].mlp.experts
+    plain_ms, packed_ms = packed_experts.time_one_expert(experts, PackedLinear)
+    assert plain_ms > 0 and packed_ms > 0
+    candidate = experts.packed_for_cpu(PackedLinear, count=1)
+    assert candidate.num_experts == 1
+    x = torch.randn(5, lm.config.hidden_size)
+    torch.testing.assert_close(candidate._one(x, 0), experts._one(x, 0), atol=1e-5, rtol=1e-4)
+    monkeypatch.setattr(packed_experts, "time_one_expert", lambda experts, kind: (0.5, 1.0))
+    with caplog.at_level(logging.INFO, logger="prefixkv.model.packed_experts"):
+        assert lm.model.pack_for_cpu()
+    assert all(isinstance(layer.mlp.experts, Experts) for layer in lm.model.layers)
+    said = [r.getMessage() for r in caplog.records if r.name == "prefixkv.model.packed_experts"]
+    assert len(said) == 1 and "kept as plain parameters" in said[0]
