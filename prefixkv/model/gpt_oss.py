@@ -22,10 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Float32RMSNorm, LinearKind, RMSNorm, keep_float32_norms
+from .layers import Float32RMSNorm, RMSNorm, keep_float32_norms
 from .llama import DecoderLayer, LlamaModel
-from .moe import Projection, route
-from .packed_experts import PackedExperts, parameter_digests
+from .moe import ExpertProducts, Projection, route
 
 # MXFP4's 4-bit values (e2m1), by code: the sign in the top bit
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -57,15 +56,16 @@ class GptOssExperts(nn.Module):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         return clamped_swiglu(gate_up, self.intermediate, self.limit, self.alpha)
 
-    def packed_for_cpu(self, kind: LinearKind, count: int | None = None) -> nn.Module:
-        """These experts (the first `count` alone: a candidate to time) with each expert's products
-        in `kind`'s layout (model/packed_experts.py)."""
+    def expert_products(self, count: int | None = None) -> ExpertProducts:
+        """What each expert computes (the first `count` alone), for a layout of its own
+        (model/packed_experts.py)."""
         activation = functools.partial(
             clamped_swiglu, intermediate=self.intermediate, limit=self.limit, alpha=self.alpha
         )
-        gate_up, down = self.gate_up_weight[:count], self.down_weight[:count]
-        biases = self.gate_up_bias[:count], self.down_bias[:count]
-        return PackedExperts(gate_up, down, *biases, activation, kind, parameter_digests(self))
+        return ExpertProducts(
+            self.gate_up_weight[:count], self.down_weight[:count], self.gate_up_bias[:count],
+            self.down_bias[:count], activation,
+        )  # fmt: skip
 
 
 def clamped_swiglu(gate_up: torch.Tensor, intermediate: int, limit: float, alpha: float) -> torch.Tensor:

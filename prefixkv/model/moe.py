@@ -20,13 +20,14 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import GatedMLP, LinearKind
+from .layers import GatedMLP
 
 
 class Projection(nn.Module):
@@ -111,15 +112,23 @@ class Experts(nn.Module):
         """Expert e on rows x."""
         return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj[e]), self.intermediate), self.down_proj[e])
 
-    def packed_for_cpu(self, kind: LinearKind, count: int | None = None) -> nn.Module:
-        """These experts (the first `count` alone: a candidate to time) with each expert's products
-        in `kind`'s layout (model/packed_experts.py)."""
-        from .packed_experts import PackedExperts, parameter_digests
-
+    def expert_products(self, count: int | None = None) -> ExpertProducts:
+        """What each expert computes (the first `count` alone), for a layout of its own
+        (model/packed_experts.py)."""
         activation = functools.partial(silu_and_mul, intermediate=self.intermediate)
-        digests = parameter_digests(self)
-        gate_up, down = self.gate_up_proj[:count], self.down_proj[:count]
-        return PackedExperts(gate_up, down, None, None, activation, kind, digests)
+        return ExpertProducts(self.gate_up_proj[:count], self.down_proj[:count], None, None, activation)
+
+
+class ExpertProducts(NamedTuple):
+    """A layer's experts as two products and an activation between them: gate_up [E, 2I, H],
+    down [E, H, I], their biases ([E, 2I], [E, H]) or None, and the activation, [rows, 2I] ->
+    [rows, I], which holds no weight."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    activation: Callable[[torch.Tensor], torch.Tensor]
 
 
 def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 
 from . import moe
 from .layers import LinearKind, tensor_digest
-from .moe import route
+from .moe import ExpertProducts, route
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +29,9 @@ class PackedExperts(nn.Module):
 
     source_digests: dict[str, str]
 
-    def __init__(
-        self,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        gate_up_bias: torch.Tensor | None,
-        down_bias: torch.Tensor | None,
-        activation: Callable[[torch.Tensor], torch.Tensor],
-        kind: LinearKind,
-        digests: dict[str, str],
-    ) -> None:
-        """gate_up [E, 2I, H], down [E, H, I] (biases [E, 2I], [E, H] or None); `activation` maps
-        an expert's [rows, 2I] to [rows, I] and holds no weight."""
+    def __init__(self, products: ExpertProducts, kind: LinearKind, digests: dict[str, str]) -> None:
         super().__init__()
+        gate_up, down, gate_up_bias, down_bias, activation = products
         E = gate_up.shape[0]
         self.num_experts = E
         self.gate_up = nn.ModuleList(
@@ -70,7 +59,7 @@ def time_one_expert(experts: nn.Module, kind: LinearKind, reps: int = 5) -> tupl
     outweighed the gain (bench/hybrid.py, Zen 2: a cached question 14.5-17.8 ms plain against
     16.3-24.0 packed), at gpt-oss-20b's width it won at every row count."""
     owner = cast(Any, experts)
-    candidate = owner.packed_for_cpu(kind, count=1)
+    candidate = PackedExperts(owner.expert_products(count=1), kind, {})
     hidden = next(experts.parameters()).shape[-1]
     dtype = next(experts.parameters()).dtype
     runs = (owner._one, candidate._one)
@@ -103,14 +92,14 @@ def expert_bytes(module: nn.Module) -> int:
     return sum(
         p.numel() * p.element_size()
         for m in module.modules()
-        if hasattr(m, "packed_for_cpu")
+        if hasattr(m, "expert_products")
         for p in m.parameters(recurse=False)
     )
 
 
 def pack_experts(module: nn.Module, kind: LinearKind) -> int:
-    """Replace every experts module below `module` (one with a `packed_for_cpu(kind)` method:
-    moe.Experts, gpt_oss.GptOssExperts) by its PackedExperts; returns how many. None where the
+    """Replace every experts module below `module` (one with an `expert_products()` method:
+    moe.Experts, gpt_oss.GptOssExperts) by its PackedExperts in `kind`'s layout; returns how many. None where the
     device's routing runs on CPU tensors (moe.GROUPED_ON_CPU: its grouped products read the 3-D
     parameters)."""
     if moe.GROUPED_ON_CPU:
@@ -119,7 +108,7 @@ def pack_experts(module: nn.Module, kind: LinearKind) -> int:
         (parent, name, child)
         for parent in list(module.modules())
         for name, child in list(parent.named_children())
-        if hasattr(child, "packed_for_cpu")
+        if hasattr(child, "expert_products")
     ]
     if not places:
         return 0
@@ -132,5 +121,5 @@ def pack_experts(module: nn.Module, kind: LinearKind) -> int:
         )  # fmt: skip
         return 0
     for parent, name, child in places:
-        setattr(parent, name, cast(Any, child).packed_for_cpu(kind))
+        setattr(parent, name, PackedExperts(cast(Any, child).expert_products(), kind, parameter_digests(child)))
     return len(places)

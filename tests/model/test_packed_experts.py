@@ -93,7 +93,7 @@ def test_experts_stay_plain_where_their_layout_times_slower(tmp_path, monkeypatc
     experts = lm.model.layers[0].mlp.experts
     plain_ms, packed_ms = packed_experts.time_one_expert(experts, PackedLinear)
     assert plain_ms > 0 and packed_ms > 0
-    candidate = experts.packed_for_cpu(PackedLinear, count=1)
+    candidate = packed_experts.PackedExperts(experts.expert_products(count=1), PackedLinear, {})
     assert candidate.num_experts == 1
     x = torch.randn(5, lm.config.hidden_size)
     torch.testing.assert_close(candidate._one(x, 0), experts._one(x, 0), atol=1e-5, rtol=1e-4)
