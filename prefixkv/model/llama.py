@@ -483,10 +483,9 @@ class LlamaModel(nn.Module):
         layer_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
         native_kernel = ops.small_linear_available(self.dtype)
         dual = dual_layout_works(self.dtype) and keeps_two_layouts(layer_bytes, native_kernel)
-        # routed experts (packed_experts.py) keep a second copy only where the dense layers' and
-        # theirs both fit; else oneDNN's layout alone, which beat F.linear on their plain weights at
-        # every row count (gpt-oss-20b's gate/up, float32, Zen 2: 3.3 against 4.2 ms at one row,
-        # 15.7 against 26.3 at 60)
+        # routed experts (packed_experts.py, where their layout times faster) keep a second copy
+        # only where the dense layers' and theirs both fit; else oneDNN's layout alone (gpt-oss-20b's
+        # gate/up, float32, Zen 2: 3.3 against F.linear's 4.2 ms at one row, 15.7 against 26.3 at 60)
         experts = expert_bytes(self.layers)
         experts_dual = dual and keeps_two_layouts(layer_bytes + experts, native_kernel)
         if experts and dual and not experts_dual:

@@ -125,7 +125,6 @@ def vision_language(tmp_path_factory):
     return hf, _save(hf, tmp_path_factory.mktemp("qwen3_5_vl"))
 
 
-@pytest.mark.slow(seconds=15)
 @pytest.mark.parametrize("kind", ["moe", "vl"])
 def test_qwen3_5_engine_matches_transformers(tmp_path, vision_language, kind):
     hf, folder = vision_language if kind == "vl" else (make(kind), None)

@@ -69,6 +69,7 @@ def test_native_kernels_off_still_run_the_packed_experts(tmp_path, monkeypatch):
     plain, packed = load_model(folder), load_model(folder)
     if not packed.model.pack_for_cpu():
         pytest.skip("nothing to lay out on this CPU")
+    assert all(isinstance(layer.mlp.experts, PackedExperts) for layer in packed.model.layers)
     ids = list(range(40, 58))
     out = []
     for lm in (plain, packed):
