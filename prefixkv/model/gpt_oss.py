@@ -122,6 +122,8 @@ class GptOssModel(LlamaModel):
 
 # ------------------------------------------------------------------ checkpoint layouts
 _EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+# a GGUF file's gate and up matrices (or biases) apart, [E, I, ...] each (loader.gguf_to_hf_name)
+_GATE_OR_UP = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate|up)_(weight|bias)$")
 
 
 def expert_tensors(
@@ -129,12 +131,22 @@ def expert_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each expert tensor in GptOssExperts' layout and name: MXFP4
     blocks and scales (held until both of a matrix are read) dequantized, transformers' [E, H, 2I]
-    and [E, I, H] transposed, gate and up de-interleaved. Every other tensor passes as it is."""
+    and [E, I, H] transposed, gate and up de-interleaved, a GGUF file's separate gate and up (held
+    until both are read) joined. Every other tensor passes as it is."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in weights:
         m = _EXPERT_TENSOR.match(name)
         if m is None:
-            yield name, t
+            halves = _GATE_OR_UP.match(name)
+            if halves is None:
+                yield name, t
+                continue
+            prefix, half, kind = halves.groups()
+            parts = pending.setdefault(prefix + "gate_up_" + kind, {})
+            parts[half] = t
+            if len(parts) == 2:
+                del pending[prefix + "gate_up_" + kind]
+                yield prefix + "gate_up_" + kind, torch.cat((parts["gate"], parts["up"]), dim=1)
             continue
         prefix, matrix, suffix = m.group(1), m.group(2), m.group(3) or ""
         if suffix in ("_blocks", "_scales"):
@@ -154,7 +166,7 @@ def expert_tensors(
             w = _gate_rows_first(w, intermediate)
         yield prefix + matrix.replace("_proj", "_weight"), w
     if pending:
-        raise ValueError(f"MXFP4 expert tensors without their blocks or scales: {sorted(pending)}")
+        raise ValueError(f"expert tensors without their other half (blocks or scales, gate or up): {sorted(pending)}")
 
 
 def _gate_rows_first(t: torch.Tensor, intermediate: int) -> torch.Tensor:

@@ -202,6 +202,27 @@ _GGUF_MAMBA2_GLOBAL_MAP = {
     "output_norm.weight": "backbone.norm_f.weight",
     "output.weight": "lm_head.weight",
 }
+# gpt-oss (convert_hf_to_gguf.py GptOssModel): the norm before the experts is post_attention_norm;
+# each expert matrix stacked [E, out, in] with its bias [E, out], gate and up apart or (a converter
+# option) as one gate-then-up tensor; model/gpt_oss.py's expert_tensors joins gate and up
+_GGUF_GPT_OSS_LAYER_MAP = {
+    **{k: v for k, v in _GGUF_LAYER_MAP.items() if not k.startswith("ffn_")},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    **{
+        f"ffn_{matrix}_exps.{kind}": f"mlp.experts.{matrix}_{kind}"
+        for matrix in ("gate", "up", "gate_up", "down")
+        for kind in ("weight", "bias")
+    },
+}
+_GGUF_LAYER_MAPS = {
+    "gemma2": _GGUF_GEMMA_LAYER_MAP,
+    "gemma3": _GGUF_GEMMA_LAYER_MAP,
+    "gpt-oss": _GGUF_GPT_OSS_LAYER_MAP,
+}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -217,7 +238,7 @@ def gguf_to_hf_name(name: str, g_arch: str = "llama") -> str | None:
         raise ValueError(f"unsupported GGUF tensor {name!r} in a mamba2 file")
     if name in _GGUF_GLOBAL_MAP:
         return _GGUF_GLOBAL_MAP[name]
-    layer_map = _GGUF_GEMMA_LAYER_MAP if g_arch in ("gemma2", "gemma3") else _GGUF_LAYER_MAP
+    layer_map = _GGUF_LAYER_MAPS.get(g_arch, _GGUF_LAYER_MAP)
     if m and m.group(2) in layer_map:
         return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     one = _GGUF_ONE_EXPERT_RE.match(m.group(2)) if m else None

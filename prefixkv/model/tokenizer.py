@@ -36,6 +36,12 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-4o, gpt-oss): a word's capitals stay with its lower-case letters, contractions join the word
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,9 @@ _DIGITS_THEN_GPT2 = GGUFPreTokenizer((_DIGIT_SPLIT, _GPT2_SPLIT))
 _LLAMA3 = GGUFPreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
 _LLAMA3_SPLIT_ONLY = GGUFPreTokenizer((_LLAMA3_SPLIT,))
 _QWEN2 = GGUFPreTokenizer((_QWEN2_SPLIT,))
+_O200K = GGUFPreTokenizer((_O200K_SPLIT,))
 
-# The llama.cpp names implemented here. Others (deepseek-*, falcon, tekken, gpt-4o / llama4, bloom,
+# The llama.cpp names implemented here. Others (deepseek-*, falcon, tekken, llama4, bloom,
 # chameleon, glm4, kimi-k2, ... and names llama.cpp does not know) are refused: llama.cpp itself
 # falls back to "default" for an unknown name, which tokenizes such a model wrongly.
 GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
@@ -86,6 +93,7 @@ GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
     ),
     **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_SPLIT_ONLY),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"), _QWEN2),
+    **dict.fromkeys(("gpt-4o", "minimax-m2"), _O200K),
 }
 
 

@@ -1,10 +1,13 @@
-"""A transformers Gemma 2 / Gemma 3 / Mamba2 model written to GGUF by the rules of llama.cpp's
-convert_hf_to_gguf.py (classes Gemma2Model, Gemma3Model, Mamba2Model and TextModel's
-set_gguf_parameters): the metadata keys each writes, the tensor names of gguf-py's own
+"""A transformers Gemma 2 / Gemma 3 / Mamba2 / gpt-oss model written to GGUF by the rules of
+llama.cpp's convert_hf_to_gguf.py (classes Gemma2Model, Gemma3Model, Mamba2Model, GptOssModel and
+TextModel's set_gguf_parameters): the metadata keys each writes, the tensor names of gguf-py's own
 TensorNameMap, and each class's changes to the tensors - Gemma's norm weights stored as 1 + w;
 Mamba2's A_log stored as A = -exp(A_log), A and D as [heads, 1], the conv weight squeezed to
 [channels, kernel], the gated norm's weight as [groups, inner / groups], dt_bias named
-dt_proj.bias. Tied output weights are left out, as the converter reads them from safetensors
+dt_proj.bias; gpt-oss's experts transposed to [E, out, in], gate and up de-interleaved into two
+tensors (or, the converter's fused option, one gate-then-up tensor), OpenAI's MXFP4 blocks
+repacked into ggml's MXFP4 blocks (a scale byte, then the low nibbles holding values 0-15 and the
+high ones 16-31). Tied output weights are left out, as the converter reads them from safetensors
 (where transformers does not write them). The vocabulary is a byte-level BPE ("gpt2") one, what
 the converter writes for a tokenizer.json (Gemma 2's converter writes SentencePiece): the
 tokenizer is not what these files test."""
@@ -18,7 +21,12 @@ import numpy as np
 
 from prefixkv.model.tokenizer import _bytes_to_unicode
 
-GGUF_ARCH = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Mamba2ForCausalLM": "mamba2"}
+GGUF_ARCH = {
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Mamba2ForCausalLM": "mamba2",
+    "GptOssForCausalLM": "gpt-oss",
+}
 
 
 def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
@@ -49,6 +57,19 @@ def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
     w.add_layer_norm_rms_eps(d["rms_norm_eps"])
     w.add_key_length(d["head_dim"])
     w.add_value_length(d["head_dim"])
+    if g_arch == "gpt-oss":  # TextModel (experts, YaRN), then GptOssModel
+        rope = d["rope_parameters"]
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_expert_count(d["num_local_experts"])
+        w.add_expert_used_count(d["num_experts_per_tok"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_sliding_window(d["sliding_window"])
+        w.add_expert_feed_forward_length(d["intermediate_size"])
+        return
     if g_arch == "gemma2":  # Gemma2Model: no rope keys (llama.cpp's default base, 10,000)
         w.add_attn_logit_softcapping(d["attn_logit_softcapping"])
         w.add_final_logit_softcapping(d["final_logit_softcapping"])
@@ -106,9 +127,66 @@ def _quantizable(gguf_name: str, a: np.ndarray) -> bool:
     return a.shape[-1] % 32 == 0
 
 
-def write_gguf(path: Path, hf: Any, quantize: bool = False) -> None:
-    """`hf` (a transformers Gemma2/Gemma3/Mamba2ForCausalLM, float32) as a GGUF file at `path`,
-    float32, or Q8_0 matrices where `quantize`."""
+def _gpt_oss_experts(
+    layer: int, name: str, a: np.ndarray, fused: bool, mxfp4: dict[str, tuple[np.ndarray, np.ndarray]] | None
+) -> list[tuple[str, np.ndarray, Any]]:
+    """GptOssModel's expert tensors for one transformers expert tensor: (GGUF name, data, raw
+    dtype or None). `mxfp4` holds OpenAI's (blocks, scales) of the matrices that were MXFP4."""
+    import gguf
+
+    p = f"blk.{layer}.ffn_"
+    matrix = name.rpartition(".")[2]  # gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias
+    if matrix.endswith("_bias"):
+        if matrix == "down_proj_bias":
+            return [(p + "down_exps.bias", a, None)]
+        gate, up = a[..., 0::2], a[..., 1::2]
+        if fused:
+            return [(p + "gate_up_exps.bias", np.concatenate((gate, up), axis=-1), None)]
+        return [(p + "gate_exps.bias", gate, None), (p + "up_exps.bias", up, None)]
+    if mxfp4 is not None and name in mxfp4:
+        blocks, scales = mxfp4[name]  # [E, rows, G, 16], [E, rows, G]
+        if matrix == "down_proj":
+            return [(p + "down_exps.weight", _ggml_mxfp4(blocks, scales), gguf.GGMLQuantizationType.MXFP4)]
+        halves = [(blocks[:, 0::2], scales[:, 0::2]), (blocks[:, 1::2], scales[:, 1::2])]
+        if fused:
+            packed = np.concatenate([_ggml_mxfp4(b, s) for b, s in halves], axis=1)
+            return [(p + "gate_up_exps.weight", packed, gguf.GGMLQuantizationType.MXFP4)]
+        return [
+            (p + f"{half}_exps.weight", _ggml_mxfp4(b, s), gguf.GGMLQuantizationType.MXFP4)
+            for half, (b, s) in zip(("gate", "up"), halves)
+        ]
+    a = np.ascontiguousarray(np.swapaxes(a, -1, -2))  # [E, out, in]
+    if matrix == "down_proj":
+        return [(p + "down_exps.weight", a, None)]
+    gate, up = a[:, 0::2], a[:, 1::2]
+    if fused:
+        return [(p + "gate_up_exps.weight", np.concatenate((gate, up), axis=1), None)]
+    return [(p + f"{half}_exps.weight", np.ascontiguousarray(x), None) for half, x in (("gate", gate), ("up", up))]
+
+
+def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's MXFP4 (blocks [..., G, 16]: value 2j in byte j's low nibble, 2j + 1 in its high
+    one) as ggml's block_mxfp4 bytes [..., G * 17]: the scale, then value j in byte j's low nibble
+    and value j + 16 in its high one."""
+    codes = np.empty((*blocks.shape[:-1], 32), dtype=np.uint8)
+    codes[..., 0::2] = blocks & 0x0F
+    codes[..., 1::2] = blocks >> 4
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    packed = np.concatenate((scales[..., None], qs), axis=-1)  # [..., G, 17]
+    return np.ascontiguousarray(packed.reshape(*packed.shape[:-2], -1))
+
+
+def write_gguf(
+    path: Path,
+    hf: Any,
+    quantize: bool = False,
+    fused_gate_up: bool = False,
+    mxfp4: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+) -> None:
+    """`hf` (a transformers Gemma2/Gemma3/Mamba2/GptOssForCausalLM, float32) as a GGUF file at
+    `path`, float32, or Q8_0 matrices where `quantize`; gpt-oss's experts with gate and up in one
+    tensor where `fused_gate_up`, and the ones named in `mxfp4` (transformers' name -> OpenAI's
+    blocks and scales, which `hf` holds dequantized) as ggml MXFP4."""
     import gguf
 
     cfg = hf.config
@@ -121,6 +199,15 @@ def write_gguf(path: Path, hf: Any, quantize: bool = False) -> None:
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # not in the safetensors the converter reads
+        if g_arch == "gpt-oss":
+            layer, _, rest = name.removeprefix("model.layers.").partition(".")
+            if rest.startswith("mlp.experts."):
+                for new_name, data, raw in _gpt_oss_experts(int(layer), name, t.float().numpy(), fused_gate_up, mxfp4):
+                    w.add_tensor(new_name, data if raw else data.astype(np.float32), raw_dtype=raw)
+                continue
+            if rest == "self_attn.sinks":  # GptOssModel.filter_tensors names it sinks.weight
+                w.add_tensor(f"blk.{layer}.attn_sinks.weight", t.float().numpy())
+                continue
         src = name.rpartition(".dt_bias")[0] + ".dt_proj.bias" if name.endswith(".dt_bias") else name
         new = names.get_name(src, try_suffixes=(".weight", ".bias"))
         assert new is not None, name

@@ -60,6 +60,16 @@ def test_default_is_not_the_gpt2_split() -> None:
     assert gpt2 == ["f", "(", "x", ")", "Ġ=", "Ġ1234567"]
 
 
+def test_gpt_4o_keeps_contractions_and_splits_at_capitals() -> None:
+    """o200k (gpt-oss's "gpt-4o"): a capital starts a new word, a contraction stays with its
+    word, and digits go in threes, unlike Llama 3's split of the same text."""
+    text = "HelloWorld I'M here: 12345 don't"
+    o200k = [p for p, _ in GGUF_PRE_TOKENIZERS["gpt-4o"].build().pre_tokenize_str(text)]
+    llama3 = [p for p, _ in GGUF_PRE_TOKENIZERS["llama3"].build().pre_tokenize_str(text)]
+    assert o200k == ["Hello", "World", "ĠI'M", "Ġhere", ":", "Ġ", "123", "45", "Ġdon't"]
+    assert llama3 == ["HelloWorld", "ĠI", "'M", "Ġhere", ":", "Ġ", "123", "45", "Ġdon", "'t"]
+
+
 def _meta(pre: str | None, **extra: object) -> dict[str, object]:
     tokens = sorted(_bytes_to_unicode().values()) + ["ab", "abc", "<s>"]
     meta: dict[str, object] = {
@@ -83,7 +93,7 @@ def test_missing_key_reads_as_default() -> None:
     assert [missing.id_to_token(i) for i in missing.encode("(12345)")] == ["(", "1", "2", "3", "4", "5", ")"]
 
 
-@pytest.mark.parametrize("name", ["nonsense", "gpt2", "tekken", "deepseek-llm", "gpt-4o", "minerva"])
+@pytest.mark.parametrize("name", ["nonsense", "gpt2", "tekken", "deepseek-llm", "llama4", "minerva"])
 def test_unknown_or_unimplemented_name_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=rf"tokenizer\.ggml\.pre='{name}'.*Supported: .*smollm"):
         Tokenizer.from_gguf_metadata(_meta(name))

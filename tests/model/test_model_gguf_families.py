@@ -220,7 +220,7 @@ def test_gemma_metadata_read_as_llama_cpp_reads_it():
             "gemma2.attention.layer_norm_rms_epsilon",
         ),
         (_gemma_meta("gemma2", **{"attention.value_length": 32}), set(), "value_length"),
-        (_gemma_meta("gemma2", **{"rope.scaling.type": "yarn"}), set(), "rope scaling type 'yarn'"),
+        (_gemma_meta("gemma2", **{"rope.scaling.type": "longrope"}), set(), "rope scaling type 'longrope'"),
         (_gemma_meta("gemma2", **{"rope.dimension_count": 8}), set(), "partial rotary"),
     ],
 )

@@ -84,12 +84,7 @@ def gguf_decoder_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: st
             f"GGUF {p}rope.dimension_count ({rope_dims}) != the head dimension ({head_dim}): partial "
             "rotary embeddings are not supported"
         )
-    scaling = None
-    stype = meta.get(p + "rope.scaling.type")
-    if stype == "linear":
-        scaling = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
-    elif stype not in (None, "none"):
-        raise ValueError(f"Unsupported GGUF rope scaling type {stype!r}")
+    scaling = gguf_rope_scaling(meta, p)
     return dict(
         architecture=arch,
         hidden_size=hidden,
@@ -104,3 +99,36 @@ def gguf_decoder_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: st
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
+
+
+def gguf_rope_scaling(meta: dict[str, Any], p: str) -> dict[str, Any] | None:
+    """The rotary scaling of a GGUF file's metadata in transformers' terms: linear, or YaRN with
+    its factor, original context and betas (llama.cpp rounds YaRN's correction range outward, as
+    transformers' default `truncate` does). YaRN's attention or extrapolation factors and log
+    multiplier are refused: llama.cpp multiplies its own mscale by them, where transformers'
+    `attention_factor` replaces it, so no reading of them is safe."""
+    stype = meta.get(p + "rope.scaling.type")
+    if stype in (None, "none"):
+        return None
+    if stype == "linear":
+        return {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+    if stype != "yarn":
+        raise ValueError(f"Unsupported GGUF rope scaling type {stype!r}")
+    for key in ("rope.scaling.attn_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_log_multiplier"):
+        if meta.get(p + key) is not None:
+            raise ValueError(f"GGUF {p}{key} (YaRN's attention scale) is not supported")
+    ext = meta.get(p + "rope.scaling.yarn_ext_factor")
+    if ext is not None and float(ext) != 1.0:
+        raise ValueError(f"GGUF {p}rope.scaling.yarn_ext_factor={ext} is not supported (1.0 only)")
+    for key in ("rope.scaling.factor", "rope.scaling.original_context_length"):
+        if meta.get(p + key) is None:
+            raise ValueError(f"GGUF YaRN scaling without {p}{key}")
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(meta[p + "rope.scaling.factor"]),
+        "original_max_position_embeddings": int(meta[p + "rope.scaling.original_context_length"]),
+    }
+    for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+        if meta.get(p + key) is not None:
+            scaling[name] = float(meta[p + key])
+    return scaling

@@ -1,12 +1,12 @@
 """gpt-oss (model/gpt_oss.py: sinks, biased projections, clamped-SwiGLU experts): its config.json
-reader, with transformers' GptOssConfig defaults."""
+reader, with transformers' GptOssConfig defaults, and its GGUF reader (llama.cpp's "gpt-oss")."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION
-from .decoder import check_silu, hf_decoder_fields, window_if_sliding
+from .decoder import check_silu, gguf_decoder_fields, hf_decoder_fields, window_if_sliding
 from .family import ConfigFamily
 from .rope import rope_settings
 
@@ -31,8 +31,8 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     check_silu(d, arch)
     n = d["num_hidden_layers"]
     layer_types = list(d.get("layer_types") or [])
-    if not layer_types:  # the even layers slide
-        layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n)]
+    if not layer_types:
+        layer_types = _even_layers_slide(n)
     window, layer_types = window_if_sliding(d.get("sliding_window", 128), layer_types)
     fields = hf_decoder_fields(
         d, arch, rope_theta, scaling, window, layer_types, bool(d.get("attention_bias", True)), qk_norm=False
@@ -51,9 +51,48 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
+def _even_layers_slide(n: int) -> list[str]:
+    return [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(n)]
+
+
+def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+    """A gpt-oss GGUF file as llama.cpp's converter writes it (GptOssModel) and llama.cpp reads it:
+    the even layers slide, the experts' clamped SwiGLU has gpt-oss's fixed limit and alpha, the
+    router's top-k logits are softmaxed. YaRN keeps OpenAI's unrounded correction range
+    (`truncate` false, as the released config.json says and vLLM and SGLang do); llama.cpp rounds
+    it, which moves a few rotary frequencies slightly."""
+    p = g_arch + "."
+    fields = gguf_decoder_fields(meta, tensor_names, g_arch, arch)
+    if fields["rope_scaling"] is not None and fields["rope_scaling"]["rope_type"] == "yarn":
+        fields["rope_scaling"]["truncate"] = False
+    missing = [t for t in ("blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.weight") if t not in tensor_names]
+    if missing:
+        raise ValueError(f"GGUF gpt-oss file without {', '.join(missing)}: not a gpt-oss checkpoint")
+    if not meta.get(p + "expert_count") or not meta.get(p + "expert_used_count"):
+        raise ValueError(f"GGUF gpt-oss file without {p}expert_count / {p}expert_used_count")
+    window = meta.get(p + "attention.sliding_window")
+    window, layer_types = window_if_sliding(
+        int(window) if window else None, _even_layers_slide(int(meta[p + "block_count"]))
+    )
+    fields.update(
+        sliding_window=window,
+        layer_types=layer_types if window else [],
+        attention_output_bias=fields["attention_bias"],
+        attention_sinks=True,
+        num_experts=int(meta[p + "expert_count"]),
+        num_experts_per_tok=int(meta[p + "expert_used_count"]),
+        moe_intermediate_size=int(meta.get(p + "expert_feed_forward_length") or meta[p + "feed_forward_length"]),
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+    )
+    return fields
+
+
 FAMILY = ConfigFamily(
     architectures=("GptOssForCausalLM",),
     hf_fields=_hf_fields,
     model_types={"gpt_oss": "GptOssForCausalLM"},
     quantizations=("mxfp4",),
+    gguf_architectures={"gpt-oss": "GptOssForCausalLM"},
+    gguf_fields=_gguf_fields,
 )
