@@ -121,8 +121,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if os.path.isdir(path):
         config = ModelConfig.from_hf_folder(path)
     else:  # a GGUF: its header only, no weights
-        reader = loader._open_gguf(path)
-        config = ModelConfig.from_gguf_metadata(reader.metadata, {t.name for t in reader.tensors})
+        config = loader.gguf_config(loader._open_gguf(path))
     dtype = getattr(torch, args.dtype)
     print(f"CPU: {build.cpu_model() or 'unknown'}; build target {build.arch()}")
     if not ops.available():

@@ -21,6 +21,7 @@ import torch
 
 from . import weight_cache
 from .config import ModelConfig
+from .configs.phi3 import GGUF_LONG_FACTOR, GGUF_SHORT_FACTOR
 from .default_model import default_model_path as default_model_path  # the model= None default
 from .families import model_class
 from .llama import LlamaModel
@@ -154,6 +155,7 @@ _GGUF_LAYER_MAP = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -208,7 +210,6 @@ _GGUF_MAMBA2_GLOBAL_MAP = {
 _GGUF_GPT_OSS_LAYER_MAP = {
     **{k: v for k, v in _GGUF_LAYER_MAP.items() if not k.startswith("ffn_")},
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_sinks.weight": "self_attn.sinks",
     "ffn_gate_inp.weight": "mlp.router.weight",
     "ffn_gate_inp.bias": "mlp.router.bias",
@@ -222,6 +223,18 @@ _GGUF_LAYER_MAPS = {
     "gemma2": _GGUF_GEMMA_LAYER_MAP,
     "gemma3": _GGUF_GEMMA_LAYER_MAP,
     "gpt-oss": _GGUF_GPT_OSS_LAYER_MAP,
+    # Phi-3 keeps transformers' fused q/k/v and gate/up (model/phi3.py splits them)
+    "phi3": {
+        **_GGUF_LAYER_MAP,
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
+    # OLMo 2: norms after attention and after the MLP, none before
+    "olmo2": {
+        **_GGUF_LAYER_MAP,
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
 }
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -244,7 +257,7 @@ def gguf_to_hf_name(name: str, g_arch: str = "llama") -> str | None:
     one = _GGUF_ONE_EXPERT_RE.match(m.group(2)) if m else None
     if m and one:
         return f"model.layers.{m.group(1)}.mlp.experts.{one.group(2)}.{one.group(1)}_proj.weight"
-    if name == "rope_freqs.weight":
+    if name == "rope_freqs.weight" or name in _ROPE_FACTOR_TENSORS:  # read into the config
         return None
     raise ValueError(f"unsupported GGUF tensor {name!r}")
 
@@ -285,14 +298,31 @@ def dequantize_gguf_tensor(t) -> np.ndarray:
     return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
 
 
+# LongRoPE's factors, which llama.cpp keeps as tensors: their values read into the metadata the
+# config reader sees, under configs/phi3.py's keys
+_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": GGUF_LONG_FACTOR, "rope_factors_short.weight": GGUF_SHORT_FACTOR}
+# the architectures whose converter (LlamaModel's subclasses) permutes Q and K, weights and biases
+_PERMUTED_QK = ("llama", "granite", "smollm3")
+
+
+def gguf_config(reader: Any) -> ModelConfig:
+    """The model config of an opened GGUF file (its metadata, its tensor names, and the values of
+    LongRoPE's factor tensors)."""
+    meta = dict(reader.metadata)
+    g_arch = meta.get("general.architecture")
+    for t in reader.tensors:
+        if t.name in _ROPE_FACTOR_TENSORS:
+            meta[f"{g_arch}.{_ROPE_FACTOR_TENSORS[t.name]}"] = dequantize_gguf_tensor(t).reshape(-1).tolist()
+    return ModelConfig.from_gguf_metadata(meta, {t.name for t in reader.tensors})
+
+
 def _load_gguf(path: str, dtype, device) -> LoadedModel:
     reader = _open_gguf(path)
     meta = reader.metadata
-    names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(meta, names)
+    config = gguf_config(reader)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     g_arch = str(meta.get("general.architecture"))
-    permute = g_arch == "llama"  # llama.cpp permutes Q/K for llama only
+    permute = g_arch in _PERMUTED_QK
     model = model_class(config)(config, dtype=dtype, device=device)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -301,9 +331,9 @@ def _load_gguf(path: str, dtype, device) -> LoadedModel:
             if hf is None:
                 continue
             w = dequantize_gguf_tensor(t)
-            if permute and t.name.endswith("attn_q.weight"):
+            if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
                 w = reverse_llama_permute(w, config.num_attention_heads)
-            elif permute and t.name.endswith("attn_k.weight"):
+            elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                 w = reverse_llama_permute(w, config.num_key_value_heads)
             elif g_arch == "mamba2":
                 w = mamba2_from_gguf(t.name, w)

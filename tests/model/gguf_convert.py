@@ -1,19 +1,25 @@
-"""A transformers Gemma 2 / Gemma 3 / Mamba2 / gpt-oss model written to GGUF by the rules of
-llama.cpp's convert_hf_to_gguf.py (classes Gemma2Model, Gemma3Model, Mamba2Model, GptOssModel and
-TextModel's set_gguf_parameters): the metadata keys each writes, the tensor names of gguf-py's own
-TensorNameMap, and each class's changes to the tensors - Gemma's norm weights stored as 1 + w;
-Mamba2's A_log stored as A = -exp(A_log), A and D as [heads, 1], the conv weight squeezed to
-[channels, kernel], the gated norm's weight as [groups, inner / groups], dt_bias named
-dt_proj.bias; gpt-oss's experts transposed to [E, out, in], gate and up de-interleaved into two
-tensors (or, the converter's fused option, one gate-then-up tensor), OpenAI's MXFP4 blocks
-repacked into ggml's MXFP4 blocks (a scale byte, then the low nibbles holding values 0-15 and the
-high ones 16-31). Tied output weights are left out, as the converter reads them from safetensors
-(where transformers does not write them). The vocabulary is a byte-level BPE ("gpt2") one, what
-the converter writes for a tokenizer.json (Gemma 2's converter writes SentencePiece): the
-tokenizer is not what these files test."""
+"""A transformers model written to GGUF by the rules of llama.cpp's convert_hf_to_gguf.py: Gemma 2,
+Gemma 3, Mamba2, gpt-oss, Phi-3, OLMo 2, Granite and SmolLM3 (classes Gemma2Model, Gemma3Model,
+Mamba2Model, GptOssModel, Phi3MiniModel, Olmo2Model, GraniteModel, SmolLM3Model, LlamaModel and
+TextModel). It writes the metadata keys each class writes, the tensor names of gguf-py's own
+TensorNameMap, and each class's changes to the tensors:
+- Gemma's norm weights stored as 1 + w;
+- Mamba2's A_log stored as A = -exp(A_log), A and D as [heads, 1], the conv weight squeezed to
+  [channels, kernel], the gated norm's weight as [groups, inner / groups], dt_bias named
+  dt_proj.bias;
+- gpt-oss's experts transposed to [E, out, in], gate and up de-interleaved into two tensors (or,
+  the converter's fused option, one gate-then-up tensor), OpenAI's MXFP4 blocks repacked into
+  ggml's (a scale byte, then the low nibbles holding values 0-15 and the high ones 16-31);
+- Llama's and its subclasses' (Granite, SmolLM3) Q and K rows permuted, biases too;
+- Phi-3's LongRoPE factors as tensors.
+Tied output weights are left out, as the converter reads them from safetensors (where transformers
+does not write them). The vocabulary is a byte-level BPE ("gpt2") one, what the converter writes
+for a tokenizer.json (Gemma 2's converter writes SentencePiece): the tokenizer is not what these
+files test."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,14 @@ GGUF_ARCH = {
     "Gemma3ForCausalLM": "gemma3",
     "Mamba2ForCausalLM": "mamba2",
     "GptOssForCausalLM": "gpt-oss",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
+    "LlamaForCausalLM": "llama",
 }
+# LlamaModel and its subclasses: Q and K (weights and biases) permuted for llama.cpp's rotary
+_PERMUTED = ("llama", "granite", "smollm3")
 
 
 def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
@@ -48,6 +61,9 @@ def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
         w.add_ssm_time_step_rank(d_inner // (d.get("head_dim") or 64))
         w.add_ssm_group_count(d.get("n_groups") or 1)
         w.add_layer_norm_rms_eps(d.get("layer_norm_epsilon") or 1e-5)
+        return
+    if g_arch in ("phi3", "olmo2", "granite", "smollm3", "llama"):
+        _dense_metadata(w, d, g_arch)
         return
     w.add_context_length(d["max_position_embeddings"])
     w.add_embedding_length(d["hidden_size"])
@@ -91,6 +107,48 @@ def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
         w.add_sliding_window(d["sliding_window"])
 
 
+def _dense_metadata(w: Any, d: dict[str, Any], g_arch: str) -> None:
+    """TextModel's keys, then LlamaModel's (granite, smollm3: vocabulary size, rotary dimensions),
+    GraniteModel's scales, or Phi3MiniModel's own set (no head size: hidden / heads; rotary over a
+    share of it; LongRoPE's attention factor, its factors being tensors)."""
+    rope = d.get("rope_parameters") or {}
+    heads = d["num_attention_heads"]
+    w.add_context_length(d["max_position_embeddings"])
+    w.add_embedding_length(d["hidden_size"])
+    w.add_feed_forward_length(d["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(d["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(d["rms_norm_eps"])
+    w.add_rope_freq_base(rope.get("rope_theta", d.get("rope_theta")))
+    head = d["hidden_size"] // heads
+    if g_arch == "phi3":
+        original = d["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * d["hidden_size"]) // heads)
+        w.add_sliding_window(d.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":
+            scale = d["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        return
+    if d.get("head_dim"):
+        w.add_key_length(d["head_dim"])
+        w.add_value_length(d["head_dim"])
+        head = d["head_dim"]
+    if g_arch in _PERMUTED:
+        w.add_vocab_size(d["vocab_size"])
+        w.add_rope_dimension_count(head)
+    if g_arch == "granite":
+        w.add_attention_scale(d["attention_multiplier"])
+        w.add_embedding_scale(d["embedding_multiplier"])
+        w.add_residual_scale(d["residual_multiplier"])
+        w.add_logit_scale(d["logits_scaling"])
+
+
+def _llama_permute(a: np.ndarray, n_head: int) -> np.ndarray:
+    """LlamaModel.permute: each head's rotary halves interleaved."""
+    return a.reshape(n_head, 2, a.shape[0] // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
 def _vocabulary(w: Any, vocab: int, bos: int, eos: int) -> None:
     toks = sorted(_bytes_to_unicode().values()) + ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(vocab - 258)]
     w.add_tokenizer_model("gpt2")
@@ -105,6 +163,10 @@ def _vocabulary(w: Any, vocab: int, bos: int, eos: int) -> None:
 
 def _tensor(name: str, a: np.ndarray, g_arch: str, cfg: Any) -> np.ndarray:
     """One tensor as the architecture's modify_tensors changes it (`name`: transformers')."""
+    if g_arch in _PERMUTED and ".self_attn.q_proj." in name:
+        return _llama_permute(a, cfg.num_attention_heads)
+    if g_arch in _PERMUTED and ".self_attn.k_proj." in name:
+        return _llama_permute(a, cfg.num_key_value_heads)
     if g_arch in ("gemma2", "gemma3"):
         return a + 1 if name.endswith("norm.weight") else a
     if name.endswith(".A_log"):
@@ -218,6 +280,10 @@ def write_gguf(
             )
         else:
             w.add_tensor(new, a)
+    rope = cfg.to_dict().get("rope_parameters") or {}
+    if g_arch == "phi3" and rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

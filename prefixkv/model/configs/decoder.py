@@ -65,9 +65,12 @@ def window_if_sliding(window: int | None, layer_types: list[str]) -> tuple[int |
     return (window if SLIDING_ATTENTION in layer_types else None), layer_types
 
 
-def gguf_decoder_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+def gguf_decoder_fields(
+    meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str, partial_rotary: bool = False
+) -> dict[str, Any]:
     """The sizes, norms, rotary and attention of a GGUF file's metadata, as llama.cpp reads them;
-    a value head size other than the key's and partial rotary are refused."""
+    a value head size other than the key's is refused, and so is partial rotary unless the family
+    reads it (`partial_rotary`)."""
     p = g_arch + "."
     hidden = int(meta[p + "embedding_length"])
     n_heads = int(meta[p + "attention.head_count"])
@@ -79,7 +82,7 @@ def gguf_decoder_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: st
             f"GGUF {p}attention.value_length ({value_length}) != {p}attention.key_length ({head_dim}) is not supported"
         )
     rope_dims = meta.get(p + "rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    if rope_dims is not None and int(rope_dims) != head_dim and not partial_rotary:
         raise ValueError(
             f"GGUF {p}rope.dimension_count ({rope_dims}) != the head dimension ({head_dim}): partial "
             "rotary embeddings are not supported"
@@ -97,6 +100,7 @@ def gguf_decoder_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: st
         rope_scaling=scaling,
         max_position_embeddings=int(meta.get(p + "context_length", 2048)),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_output_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 

@@ -82,7 +82,18 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
     experts = gguf_moe_fields(g_arch, meta, tensor_names)
     if g_arch == "llama" and experts:
         arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as "llama" with expert tensors
-    return join_fields(gguf_decoder_fields(meta, tensor_names, g_arch, arch), experts)
+    fields = join_fields(gguf_decoder_fields(meta, tensor_names, g_arch, arch), experts)
+    p = g_arch + "."
+    if g_arch == "smollm3":  # llama.cpp's fixed step: no rotary on every 4th layer (no key says)
+        fields["nope_layers"] = tuple(i for i in range(int(meta[p + "block_count"])) if (i + 1) % 4 == 0)
+    elif g_arch == "granite":  # llama.cpp's defaults where a key is missing (the scale: 1 / sqrt(head))
+        fields.update(
+            embedding_multiplier=float(meta.get(p + "embedding_scale") or 1.0),
+            residual_multiplier=float(meta.get(p + "residual_scale") or 1.0),
+            attention_multiplier=float(meta.get(p + "attention.scale") or fields["head_dim"] ** -0.5),
+            logits_scaling=float(meta.get(p + "logit_scale") or 1.0),
+        )
+    return fields
 
 
 FAMILY = ConfigFamily(
@@ -108,6 +119,8 @@ FAMILY = ConfigFamily(
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "smollm3": "SmolLM3ForCausalLM",
+        "granite": "GraniteForCausalLM",
     },
     gguf_fields=_gguf_fields,
 )
