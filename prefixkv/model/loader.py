@@ -24,7 +24,9 @@ from .config import ModelConfig
 from .configs.phi3 import GGUF_LONG_FACTOR, GGUF_SHORT_FACTOR
 from .default_model import default_model_path as default_model_path  # the model= None default
 from .families import model_class
+from .gguf_delta_net import DELTA_NET_ARCHITECTURES, delta_net_tensors_from_gguf
 from .llama import LlamaModel
+from .qwen3_5 import fused_delta_net_tensors
 from .tokenizer import Tokenizer
 from .tokenizer_loader import load_tokenizer as load_tokenizer  # the tokenizer alone, without torch
 from .tokenizer_loader import looks_like_hub_id as _looks_like_hub_id
@@ -326,6 +328,11 @@ def _load_gguf(path: str, dtype, device) -> LoadedModel:
     model = model_class(config)(config, dtype=dtype, device=device)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        if g_arch in DELTA_NET_ARCHITECTURES:
+            arrays = ((t.name, dequantize_gguf_tensor(t)) for t in reader.tensors)
+            named = delta_net_tensors_from_gguf(arrays, g_arch, config)
+            yield from fused_delta_net_tensors(((n, torch.from_numpy(w)) for n, w in named), config)
+            return
         for t in reader.tensors:
             hf = gguf_to_hf_name(t.name, g_arch)
             if hf is None:

@@ -36,6 +36,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: Qwen2's split with combining marks kept in words
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # o200k (gpt-4o, gpt-oss): a word's capitals stay with its lower-case letters, contractions join the word
 _O200K_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -75,6 +80,7 @@ _LLAMA3 = GGUFPreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
 _LLAMA3_SPLIT_ONLY = GGUFPreTokenizer((_LLAMA3_SPLIT,))
 _QWEN2 = GGUFPreTokenizer((_QWEN2_SPLIT,))
 _O200K = GGUFPreTokenizer((_O200K_SPLIT,))
+_QWEN35 = GGUFPreTokenizer((_QWEN35_SPLIT,))
 
 # The llama.cpp names implemented here. Others (deepseek-*, falcon, tekken, llama4, bloom,
 # chameleon, glm4, kimi-k2, ... and names llama.cpp does not know) are refused: llama.cpp itself
@@ -94,6 +100,7 @@ GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
     **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_SPLIT_ONLY),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"), _QWEN2),
     **dict.fromkeys(("gpt-4o", "minimax-m2"), _O200K),
+    "qwen35": _QWEN35,
 }
 
 

@@ -37,6 +37,9 @@ GGUF_ARCH = {
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "LlamaForCausalLM": "llama",
+    "Qwen3NextForCausalLM": "qwen3next",
+    "Qwen3_5ForCausalLM": "qwen35",
+    "Qwen3_5MoeForCausalLM": "qwen35moe",
 }
 # LlamaModel and its subclasses: Q and K (weights and biases) permuted for llama.cpp's rotary
 _PERMUTED = ("llama", "granite", "smollm3")
@@ -236,6 +239,143 @@ def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     qs = codes[..., :16] | (codes[..., 16:] << 4)
     packed = np.concatenate((scales[..., None], qs), axis=-1)  # [..., G, 17]
     return np.ascontiguousarray(packed.reshape(*packed.shape[:-2], -1))
+
+
+def write_delta_net_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
+    """A transformers Qwen3NextForCausalLM / Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (float32)
+    as a GGUF file by Qwen3NextModel's rules (Qwen3.5: _LinearAttentionVReorderBase's, then those),
+    with `mtp_blocks` stand-in multi-token-prediction blocks appended (their tensors' names, as
+    _Qwen35MtpMixin writes them)."""
+    import gguf
+
+    cfg = hf.config
+    d = cfg.to_dict()
+    g_arch = GGUF_ARCH[type(hf).__name__]
+    n = cfg.num_hidden_layers
+    Hk, Hv = d["linear_num_key_heads"], d["linear_num_value_heads"]
+    dk, dv, r = d["linear_key_head_dim"], d["linear_value_head_dim"], Hv // Hk
+    w = gguf.GGUFWriter(str(path), g_arch)
+    w.add_block_count(n + mtp_blocks)
+    w.add_context_length(d["max_position_embeddings"])
+    w.add_embedding_length(d["hidden_size"])
+    w.add_feed_forward_length(d.get("intermediate_size") or 0)
+    w.add_head_count(d["num_attention_heads"])
+    w.add_head_count_kv(d["num_key_value_heads"])
+    w.add_rope_freq_base((d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(d["rms_norm_eps"])
+    w.add_key_length(d["head_dim"])
+    w.add_value_length(d["head_dim"])
+    if d.get("num_experts"):  # Qwen2MoeModel
+        w.add_expert_count(d["num_experts"])
+        w.add_expert_used_count(d["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(d["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(d["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(d["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(Hk)
+    w.add_ssm_time_step_rank(Hv)
+    w.add_ssm_inner_size(dv * Hv)
+    kinds = d["layer_types"]
+    w.add_full_attention_interval(next(i + 1 for i, k in enumerate(kinds) if k == "full_attention"))
+    partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    w.add_rope_dimension_count(int(d["head_dim"] * partial))
+    if g_arch != "qwen3next":
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+        if mtp_blocks:
+            w.add_nextn_predict_layers(mtp_blocks)
+    _vocabulary(w, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    tiled = g_arch != "qwen3next" and r > 1
+
+    def tile(a: np.ndarray, axis: int, head: int) -> np.ndarray:  # _reorder_v_heads: grouped -> tiled
+        shape = a.shape
+        grouped = a.reshape(*shape[:axis], Hk, r, head, *shape[axis + 1 :])
+        return np.ascontiguousarray(np.swapaxes(grouped, axis, axis + 1)).reshape(shape)
+
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+        "linear_attn.in_proj_z.weight": "attn_gate.weight",
+        "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+        "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+        "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+        "linear_attn.A_log": "ssm_a",
+        "linear_attn.dt_bias": "ssm_dt.bias",
+        "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+        "linear_attn.norm.weight": "ssm_norm.weight",
+        "linear_attn.out_proj.weight": "ssm_out.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.experts.down_proj": "ffn_down_exps.weight",
+        "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    }
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        if name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                w.add_tensor("output.weight", a)
+            continue
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+            continue
+        if name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a + 1)
+            continue
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        p = f"blk.{layer}."
+        if rest == "linear_attn.in_proj_qkvz.weight":  # Qwen3-Next: [q, k, v, z] per q/k head
+            groups = a.reshape(Hk, 2 * dk + 2 * r * dv, -1)
+            q, k, v, z = np.split(groups, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            qkv = np.concatenate([x.reshape(-1, a.shape[1]) for x in (q, k, v)])
+            w.add_tensor(p + "attn_qkv.weight", qkv)
+            w.add_tensor(p + "attn_gate.weight", np.ascontiguousarray(z.reshape(-1, a.shape[1])))
+            continue
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H], gate rows first
+            gate, up = np.split(a, 2, axis=1)
+            w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if tiled:
+            if rest == "linear_attn.in_proj_qkv.weight":
+                a = np.concatenate((a[: 2 * Hk * dk], tile(a[2 * Hk * dk :], 0, dv)))
+            elif rest == "linear_attn.in_proj_z.weight":
+                a = tile(a, 0, dv)
+            elif rest in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"):
+                a = tile(a, 0, 1)
+            elif rest in ("linear_attn.A_log", "linear_attn.dt_bias"):
+                a = tile(a, 0, 1)
+            elif rest == "linear_attn.conv1d.weight":
+                a = a.squeeze()
+                a = np.concatenate((a[: 2 * Hk * dk], tile(a[2 * Hk * dk :], 0, dv)))
+            elif rest == "linear_attn.out_proj.weight":
+                a = tile(a, 1, dv)
+        if rest == "linear_attn.A_log":
+            a = -np.exp(a)
+        elif rest == "linear_attn.conv1d.weight":
+            a = a.squeeze()
+        elif rest.endswith("norm.weight") and rest != "linear_attn.norm.weight":
+            a = a + 1
+        elif rest == "mlp.shared_expert_gate.weight":
+            a = a.reshape(-1)
+        w.add_tensor(p + names[rest], np.ascontiguousarray(a, dtype=np.float32))
+    for b in range(n, n + mtp_blocks):  # stand-ins for the prediction head's tensors
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
+        w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def write_gguf(

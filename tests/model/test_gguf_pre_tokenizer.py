@@ -70,6 +70,14 @@ def test_gpt_4o_keeps_contractions_and_splits_at_capitals() -> None:
     assert llama3 == ["HelloWorld", "ĠI", "'M", "Ġhere", ":", "Ġ", "123", "45", "Ġdon", "'t"]
 
 
+def test_qwen35_keeps_combining_marks_in_words() -> None:
+    """Qwen3.5's split: a decomposed accent stays in its word, where Qwen2's cuts it out."""
+    text = "cafe\u0301 nai\u0308ve"
+    qwen35 = [p for p, _ in GGUF_PRE_TOKENIZERS["qwen35"].build().pre_tokenize_str(text)]
+    qwen2 = [p for p, _ in GGUF_PRE_TOKENIZERS["qwen2"].build().pre_tokenize_str(text)]
+    assert qwen35 == ["cafeÌģ", "ĠnaiÌĪve"] and qwen2 == ["cafe", "Ìģ", "Ġnai", "ÌĪve"]
+
+
 def _meta(pre: str | None, **extra: object) -> dict[str, object]:
     tokens = sorted(_bytes_to_unicode().values()) + ["ab", "abc", "<s>"]
     meta: dict[str, object] = {

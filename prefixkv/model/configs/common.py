@@ -7,8 +7,10 @@ from typing import Any
 
 
 def gguf_common_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str) -> dict[str, Any]:
-    """The vocabulary size (`<arch>.vocab_size`, else the token list's length), the layer count,
-    tied embeddings (no `output.weight`) and the BOS / EOS ids of a GGUF file."""
+    """The vocabulary size (`<arch>.vocab_size`, else the token list's length), the layer count
+    (multi-token-prediction blocks, the last `nextn_predict_layers`, not counted: llama.cpp counts
+    them in `block_count`), tied embeddings (no `output.weight`) and the BOS / EOS ids of a GGUF
+    file."""
     p = g_arch + "."
     vocab = meta.get(p + "vocab_size")
     if vocab is None:
@@ -18,7 +20,7 @@ def gguf_common_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return dict(
         vocab_size=int(vocab),
-        num_hidden_layers=int(meta[p + "block_count"]),
+        num_hidden_layers=int(meta[p + "block_count"]) - int(meta.get(p + "nextn_predict_layers") or 0),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=[] if eos is None else [int(eos)],

@@ -64,7 +64,7 @@ def gguf_moe_fields(g_arch: str, meta: dict[str, Any], tensor_names: set[str]) -
     p = g_arch + "."
     experts = int(meta.get(p + "expert_count", 0) or 0)
     if not experts:
-        if g_arch in ("qwen2moe", "qwen3moe"):
+        if g_arch in ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe"):
             raise ValueError(f"GGUF architecture {g_arch!r} without {p}expert_count")
         return {}
     norm = meta.get(p + "expert_weights_norm")
@@ -83,7 +83,7 @@ def gguf_moe_fields(g_arch: str, meta: dict[str, Any], tensor_names: set[str]) -
     blocks = int(meta[p + "block_count"])
     dense = tuple(i for i in range(blocks) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
     fields["mlp_only_layers"] = dense
-    if g_arch == "qwen2moe":
+    if g_arch in ("qwen2moe", "qwen3next", "qwen35moe"):
         fields["shared_expert_intermediate_size"] = int(meta.get(p + "expert_shared_feed_forward_length", 0))
     return fields
 

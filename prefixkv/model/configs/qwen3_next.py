@@ -1,13 +1,17 @@
 """Qwen3-Next (model/qwen3_next.py: gated delta net layers and gated full attention, MoE MLPs) and
 Qwen3.5 (model/qwen3_5.py: the same decoder; dense MLPs, or routed experts in every layer): their
-config.json reader."""
+config.json and GGUF readers (llama.cpp's qwen3next, qwen35, qwen35moe; the tensors:
+model/gguf_delta_net.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION
+from .common import join_fields
+from .decoder import gguf_decoder_fields
 from .family import ConfigFamily
+from .moe import gguf_moe_fields
 from .rope import rope_settings
 
 # Qwen3.5's released checkpoints: the language model under a vision encoder, served text-only here
@@ -89,6 +93,38 @@ def _text_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     )
 
 
+def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+    """A Qwen3-Next / Qwen3.5 GGUF file as llama.cpp reads it: a full attention layer every
+    `full_attention_interval`-th, rotary over `rope.dimension_count` of each head (Qwen3.5's
+    multimodal sections are the plain rotary over text), the delta nets' sizes in the `ssm.*`
+    keys, the top-k expert weights renormalised, and the last `nextn_predict_layers` blocks (the
+    multi-token-prediction head) not counted."""
+    p = g_arch + "."
+    blocks = int(meta[p + "block_count"]) - int(meta.get(p + "nextn_predict_layers") or 0)
+    fields = gguf_decoder_fields(meta, tensor_names, g_arch, arch, partial_rotary=True)
+    if fields["rope_scaling"] is not None:
+        raise ValueError(f"{arch} with rope scaling {fields['rope_scaling']!r} is not supported")
+    if fields["attention_bias"]:
+        raise ValueError(f"{arch} with attention biases is not supported")
+    interval = int(meta.get(p + "full_attention_interval") or 4)
+    v_heads = int(meta[p + "ssm.time_step_rank"])
+    experts = gguf_moe_fields(g_arch, meta, tensor_names)
+    if experts:
+        experts["norm_topk_prob"] = True  # llama.cpp renormalises Qwen3-Next's and Qwen3.5's top k
+        experts["decoder_sparse_step"] = 1
+    fields.update(
+        partial_rotary_factor=int(meta.get(p + "rope.dimension_count") or fields["head_dim"]) / fields["head_dim"],
+        qk_norm=True,
+        layer_types=[LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(blocks)],
+        linear_num_key_heads=int(meta[p + "ssm.group_count"]),
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=int(meta[p + "ssm.state_size"]),
+        linear_value_head_dim=int(meta[p + "ssm.inner_size"]) // v_heads,
+        linear_conv_kernel=int(meta.get(p + "ssm.conv_kernel") or 4),
+    )
+    return join_fields(fields, experts)
+
+
 FAMILY = ConfigFamily(
     architectures=("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *VISION_LANGUAGE),
     hf_fields=_hf_fields,
@@ -99,4 +135,10 @@ FAMILY = ConfigFamily(
         "qwen3_5": "Qwen3_5ForConditionalGeneration",
         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     },
+    gguf_architectures={
+        "qwen3next": "Qwen3NextForCausalLM",
+        "qwen35": "Qwen3_5ForCausalLM",
+        "qwen35moe": "Qwen3_5MoeForCausalLM",
+    },
+    gguf_fields=_gguf_fields,
 )
