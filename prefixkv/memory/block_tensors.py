@@ -17,7 +17,7 @@ import torch
 
 from ..model import ModelConfig, kv_cache_block_shape
 from ..model.gated_delta import gated_delta_state_shapes
-from ..model.layer_kinds import LINEAR_ATTENTION
+from ..model.layer_kinds import LINEAR_ATTENTION, SHORT_CONV
 from ..model.mamba2 import RecurrentState, recurrent_state_shapes
 from . import huge_pages
 from .kv_groups import KVCacheGroups
@@ -126,8 +126,8 @@ class BlockTensors:
             kv = self.tensors[f"{KV_PREFIX}{i}"] if config.is_attention_layer(i) else None
             state = None
             if config.is_recurrent_layer(i):
-                ssm, conv = self.tensors[f"{STATE_PREFIX}{i}.ssm"], self.tensors[f"{STATE_PREFIX}{i}.conv"]
-                state = RecurrentState(ssm, conv, block_size)
+                ssm = self.tensors.get(f"{STATE_PREFIX}{i}.ssm")  # none for a short convolution
+                state = RecurrentState(ssm, self.tensors[f"{STATE_PREFIX}{i}.conv"], block_size)
             caches.append(state if kv is None else kv if state is None else (kv, state))
         return caches
 
@@ -138,13 +138,14 @@ STATE_PREFIX = "state."
 
 
 def recurrent_state_specs(config: ModelConfig, layer: int, dtype: torch.dtype) -> list[BlockTensorSpec]:
-    """A recurrent layer's SSM (or delta rule) state and conv state, one slot per block."""
-    linear = config.layer_types[layer] == LINEAR_ATTENTION
-    ssm, conv = gated_delta_state_shapes(config) if linear else recurrent_state_shapes(config)
-    return [
-        BlockTensorSpec(f"{STATE_PREFIX}{layer}.ssm", ssm, dtype),
-        BlockTensorSpec(f"{STATE_PREFIX}{layer}.conv", conv, dtype),
-    ]
+    """A recurrent layer's SSM (or delta rule) state and conv state, one slot per block; a short
+    convolution's conv state alone."""
+    kind = config.layer_types[layer]
+    conv_spec = f"{STATE_PREFIX}{layer}.conv"
+    if kind == SHORT_CONV:
+        return [BlockTensorSpec(conv_spec, (config.hidden_size, config.short_conv_kernel - 1), dtype)]
+    ssm, conv = gated_delta_state_shapes(config) if kind == LINEAR_ATTENTION else recurrent_state_shapes(config)
+    return [BlockTensorSpec(f"{STATE_PREFIX}{layer}.ssm", ssm, dtype), BlockTensorSpec(conv_spec, conv, dtype)]
 
 
 def kv_cache_specs(

@@ -19,6 +19,7 @@ from .layer_kinds import (
     LINEAR_ATTENTION,
     MAMBA,
     RECURRENT_KINDS,
+    SHORT_CONV,
     SLIDING_ATTENTION,
 )
 
@@ -109,6 +110,10 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
+    # the gated short convolution of SHORT_CONV layers (model/lfm2.py): its kernel's length, and
+    # whether its projections and convolution have biases
+    short_conv_kernel: int = 0
+    short_conv_bias: bool = False
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -149,6 +154,8 @@ class ModelConfig:
             raise ValueError("layer_types names mamba or hybrid layers exactly when ssm_state_size is set")
         if (LINEAR_ATTENTION in self.layer_types) != (self.linear_num_value_heads > 0):
             raise ValueError("layer_types names linear_attention layers exactly when linear_num_value_heads is set")
+        if (SHORT_CONV in self.layer_types) != (self.short_conv_kernel > 0):
+            raise ValueError("layer_types names conv layers exactly when short_conv_kernel is set")
         if self.linear_num_value_heads and (
             not self.linear_num_key_heads or self.linear_num_value_heads % self.linear_num_key_heads
         ):
@@ -241,16 +248,18 @@ class ModelConfig:
     @property
     def is_recurrent(self) -> bool:
         """Whether some layer keeps a recurrent state per block instead of K/V rows (every layer of
-        Mamba2, the Mamba layers of a hybrid, Qwen3-Next's linear attention layers)."""
-        return self.ssm_state_size > 0 or self.linear_num_value_heads > 0
+        Mamba2, the Mamba layers of a hybrid, Qwen3-Next's linear attention layers, LFM2's
+        convolutions)."""
+        return self.ssm_state_size > 0 or self.linear_num_value_heads > 0 or self.short_conv_kernel > 0
 
     def is_recurrent_layer(self, i: int) -> bool:
-        """Whether decoder layer i has a Mamba2 mixer or a gated delta net (a state per block)."""
+        """Whether decoder layer i has a Mamba2 mixer, a gated delta net or a short convolution (a
+        state per block)."""
         return self.layer_types[i] in RECURRENT_KINDS
 
     def is_attention_layer(self, i: int) -> bool:
         """Whether decoder layer i has attention (K/V rows per block)."""
-        return self.layer_types[i] not in (MAMBA, LINEAR_ATTENTION)
+        return self.layer_types[i] not in (MAMBA, LINEAR_ATTENTION, SHORT_CONV)
 
     @property
     def rotary_dim(self) -> int:

@@ -11,6 +11,7 @@ from .gemma import GemmaModel
 from .gpt_oss import GptOssModel
 from .granite import GraniteModel
 from .hybrid import HybridModel
+from .lfm2 import Lfm2Model
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
 from .olmo2 import Olmo2Model
@@ -43,6 +44,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Olmo2ForCausalLM": Olmo2Model,
     "Olmo3ForCausalLM": Olmo2Model,  # with sliding layers (and their own rotary where the full ones' is scaled)
     "Phi3ForCausalLM": Phi3Model,
+    "Lfm2ForCausalLM": Lfm2Model,  # gated short convolutions (a conv state per block) and attention
 }
 
 

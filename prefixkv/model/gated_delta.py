@@ -91,6 +91,7 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.float().view(T, self.k_heads, self.dk)).repeat_interleave(r, dim=1) * self.dk**-0.5
         k = l2norm(k.float().view(T, self.k_heads, self.dk)).repeat_interleave(r, dim=1)
         v = v.float().view(T, self.v_heads, self.dv)
+        assert state.ssm is not None  # a delta net's state has both parts
         if plan.decode_only:
             y = self._decode(q, k, v, g, beta, state.ssm, plan)
         else:

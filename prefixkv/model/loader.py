@@ -222,6 +222,15 @@ _GGUF_GPT_OSS_LAYER_MAP = {
     },
 }
 _GGUF_LAYER_MAPS = {
+    # LFM2: the gated short convolution's three tensors, attention's output projection o_proj
+    "lfm2": {
+        **_GGUF_LAYER_MAP,
+        **{
+            f"shortconv.{m}.{kind}": f"conv.{m}.{kind}"
+            for m in ("conv", "in_proj", "out_proj")
+            for kind in ("weight", "bias")
+        },
+    },
     "gemma2": _GGUF_GEMMA_LAYER_MAP,
     "gemma3": _GGUF_GEMMA_LAYER_MAP,
     "gpt-oss": _GGUF_GPT_OSS_LAYER_MAP,
@@ -253,6 +262,8 @@ def gguf_to_hf_name(name: str, g_arch: str = "llama") -> str | None:
         raise ValueError(f"unsupported GGUF tensor {name!r} in a mamba2 file")
     if name in _GGUF_GLOBAL_MAP:
         return _GGUF_GLOBAL_MAP[name]
+    if g_arch == "lfm2" and name == "token_embd_norm.weight":  # LFM2's final norm, despite its name
+        return "model.norm.weight"
     layer_map = _GGUF_LAYER_MAPS.get(g_arch, _GGUF_LAYER_MAP)
     if m and m.group(2) in layer_map:
         return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
@@ -344,6 +355,8 @@ def _load_gguf(path: str, dtype, device) -> LoadedModel:
                 w = reverse_llama_permute(w, config.num_key_value_heads)
             elif g_arch == "mamba2":
                 w = mamba2_from_gguf(t.name, w)
+            elif g_arch == "lfm2" and t.name.endswith("shortconv.conv.weight"):  # squeezed to [channels, kernel]
+                w = w.reshape(w.shape[0], 1, w.shape[-1])
             yield hf, torch.from_numpy(w)
 
     entry = _weight_cache_entry(path, dtype)

@@ -37,10 +37,10 @@ from .static_mixed import StaticMixedView
 @dataclass
 class RecurrentState:
     """One Mamba layer's per-block state tensors, as the model's forward takes them in place of a
-    K/V cache: `ssm` [num_blocks, heads, head_dim, state_size], `conv` [num_blocks, conv_dim,
-    conv_kernel - 1]."""
+    K/V cache: `ssm` [num_blocks, heads, head_dim, state_size] (None for a short convolution,
+    whose state is its conv's alone), `conv` [num_blocks, conv_dim, conv_kernel - 1]."""
 
-    ssm: torch.Tensor
+    ssm: torch.Tensor | None
     conv: torch.Tensor
     block_size: int
 
@@ -187,10 +187,13 @@ def _static_plan(meta: AttentionMetadata) -> _Plan:
     )
 
 
-def block_causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """The causal depthwise conv (+ silu) of every request's rows x [T, channels], continuing from
-    the conv state of the block before its chunk; the state after each touched block's last row
-    written back (conv_state [num_blocks, channels, kernel - 1])."""
+def block_causal_conv(
+    conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor, plan: _Plan, silu: bool = True
+) -> torch.Tensor:
+    """The causal depthwise conv (+ silu where `silu`) of every request's rows x [T, channels],
+    continuing from the conv state of the block before its chunk; the state after each touched
+    block's last row written back (conv_state [num_blocks, channels, kernel - 1])."""
+    act = F.silu if silu else _identity
     w, channels = conv1d.weight, x.shape[1]
     kernel = w.shape[-1]
     if plan.decode_only:  # every request at once: its row after its block's last K - 1 inputs
@@ -199,7 +202,7 @@ def block_causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tens
         seq = torch.cat([prev, x[:, :, None].to(prev.dtype)], dim=2)  # [R, channels, K]
         conv_state[plan.seg_blocks] = seq[:, :, 1:]
         out = F.conv1d(seq.to(w.dtype), w, conv1d.bias, groups=channels)[:, :, 0]
-        return F.silu(out.to(x.dtype))
+        return act(out.to(x.dtype))
     if plan.conv_rows is not None and plan.conv_ends is not None:  # a mixed step over fixed buffers
         prev = conv_state.index_select(0, plan.read_blocks)  # [R, channels, K - 1], all reads first
         prev = torch.where(plan.has_prev[:, None, None], prev, torch.zeros_like(prev))
@@ -208,7 +211,7 @@ def block_causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tens
         conv_state[plan.seg_blocks] = table[plan.conv_ends].transpose(1, 2)
         windows = table[plan.conv_rows].transpose(1, 2)  # [T, channels, K]: each row's inputs
         out = F.conv1d(windows.to(w.dtype), w, conv1d.bias, groups=channels)[:, :, 0]
-        return F.silu(out.to(x.dtype))
+        return act(out.to(x.dtype))
     zeros = conv_state.new_zeros(conv_state.shape[1:])
     out = torch.empty_like(x)
     # request by request in batch order: a block a request reads was written by itself or by an
@@ -219,7 +222,11 @@ def block_causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tens
         out[q0:q1] = F.conv1d(seq[None].to(w.dtype), w, conv1d.bias, groups=channels)[0].t()
         for local_end, block in writes:
             conv_state[block] = seq[:, local_end : local_end + kernel - 1]
-    return F.silu(out)
+    return act(out)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class GatedRMSNorm(nn.Module):
@@ -299,6 +306,7 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.heads], dim=-1)
         xbc = self._conv(xbc, state.conv, plan)
         xs, B, C = xbc.split([self.intermediate, self.groups * self.state_size, self.groups * self.state_size], -1)
+        assert state.ssm is not None  # a Mamba layer's state has both parts
         y = self._scan(xs, B, C, dt, state.ssm, plan)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 

@@ -74,6 +74,10 @@ def _family(name: str) -> Callable[[], Any]:
         from .test_qwen3_5 import make
 
         return lambda: make("vl")
+    if name == "lfm2":
+        from .test_lfm2 import make_lfm2
+
+        return make_lfm2
     if name == "gpt_oss":  # (no graphs: its sinks run eager; the caching fuzz takes it)
         from ..model.test_model_gpt_oss import make_gpt_oss
 

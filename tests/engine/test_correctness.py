@@ -237,6 +237,7 @@ def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, p
         ("gpt_oss", 22, True),
         ("mamba2", 6, False),
         ("qwen3_next", 18, True),
+        ("lfm2", 18, True),
         ("lora", 5, False),
         ("llava", 0, True),
     ],
@@ -247,7 +248,8 @@ def test_random_traffic_with_caching_equals_without(tmp_path, family, seed, pree
     attention, sliding windows in a second KV-cache group (Gemma 3: 22 preempts ten times; gpt-oss's
     sinks beside them: six), and
     recurrent state restored from the cache (mamba2 6: two requests of one step, the second
-    continuing from a block the first computes in it); the same prompts under two adapters and
+    continuing from a block the first computes in it; LFM2's convolutions beside attention,
+    preempted); the same prompts under two adapters and
     none (lora 5: with the adapter out of the blocks' key, they read each other's KV); images at
     the same places in the same words (llava 0: with the image's hash out of the key, likewise)."""
     model = fuzz_caching.checkpoint(family, tmp_path)

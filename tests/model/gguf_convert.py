@@ -1,7 +1,7 @@
 """A transformers model written to GGUF by the rules of llama.cpp's convert_hf_to_gguf.py: Gemma 2,
-Gemma 3, Mamba2, gpt-oss, Phi-3, OLMo 2, Granite and SmolLM3 (classes Gemma2Model, Gemma3Model,
-Mamba2Model, GptOssModel, Phi3MiniModel, Olmo2Model, GraniteModel, SmolLM3Model, LlamaModel and
-TextModel). It writes the metadata keys each class writes, the tensor names of gguf-py's own
+Gemma 3, Mamba2, gpt-oss, Phi-3, OLMo 2, Granite, SmolLM3 and LFM2 (classes Gemma2Model,
+Gemma3Model, Mamba2Model, GptOssModel, Phi3MiniModel, Olmo2Model, GraniteModel, SmolLM3Model,
+LFM2Model, LlamaModel and TextModel). It writes the metadata keys each class writes, the tensor names of gguf-py's own
 TensorNameMap, and each class's changes to the tensors:
 - Gemma's norm weights stored as 1 + w;
 - Mamba2's A_log stored as A = -exp(A_log), A and D as [heads, 1], the conv weight squeezed to
@@ -37,6 +37,7 @@ GGUF_ARCH = {
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "LlamaForCausalLM": "llama",
+    "Lfm2ForCausalLM": "lfm2",
     "Qwen3NextForCausalLM": "qwen3next",
     "Qwen3_5ForCausalLM": "qwen35",
     "Qwen3_5MoeForCausalLM": "qwen35moe",
@@ -67,6 +68,19 @@ def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
         return
     if g_arch in ("phi3", "olmo2", "granite", "smollm3", "llama"):
         _dense_metadata(w, d, g_arch)
+        return
+    if g_arch == "lfm2":  # TextModel, then LFM2Model: K/V heads per layer (0: a convolution)
+        from prefixkv.model.configs.lfm2 import mlp_width
+
+        w.add_context_length(d["max_position_embeddings"])
+        w.add_embedding_length(d["hidden_size"])
+        w.add_head_count(d["num_attention_heads"])
+        w.add_head_count_kv([d["num_key_value_heads"] if k != "conv" else 0 for k in d["layer_types"]])
+        w.add_rope_freq_base(d["rope_parameters"]["rope_theta"])
+        w.add_vocab_size(d["vocab_size"])
+        w.add_shortconv_l_cache(d["conv_L_cache"])
+        w.add_layer_norm_rms_eps(d["norm_eps"])
+        w.add_feed_forward_length(mlp_width(d))
         return
     w.add_context_length(d["max_position_embeddings"])
     w.add_embedding_length(d["hidden_size"])
@@ -172,6 +186,8 @@ def _tensor(name: str, a: np.ndarray, g_arch: str, cfg: Any) -> np.ndarray:
         return _llama_permute(a, cfg.num_key_value_heads)
     if g_arch in ("gemma2", "gemma3"):
         return a + 1 if name.endswith("norm.weight") else a
+    if g_arch == "lfm2" and name.endswith("conv.conv.weight"):
+        return a.squeeze(1)
     if name.endswith(".A_log"):
         a = -np.exp(a)
     if name.endswith("conv1d.weight"):

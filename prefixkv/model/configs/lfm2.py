@@ -1,0 +1,87 @@
+"""LFM2 (model/lfm2.py: gated short convolutions and GQA attention layers): its config.json
+reader, with transformers' Lfm2Config defaults (the MLP's width adjusted as its
+`block_auto_adjust_ff_dim` says), and its GGUF reader (llama.cpp's "lfm2")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..layer_kinds import FULL_ATTENTION, SHORT_CONV
+from .decoder import gguf_decoder_fields, hf_decoder_fields
+from .family import ConfigFamily
+from .rope import rope_settings
+
+
+def mlp_width(d: dict[str, Any]) -> int:
+    """transformers' Lfm2MLP width: 2/3 of `intermediate_size` (`block_ff_dim`), times
+    `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`, where `block_auto_adjust_ff_dim`."""
+    width = int(d.get("intermediate_size") or d.get("block_ff_dim") or 12288)
+    if not d.get("block_auto_adjust_ff_dim", True):
+        return width
+    width = int(2 * width / 3)
+    multiplier = d.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is not None:
+        multiple = int(d.get("block_multiple_of", 256))
+        width = int(multiplier * width)
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
+def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    d = dict(d)
+    n = int(d["num_hidden_layers"])
+    layer_types = list(d.get("layer_types") or [])
+    if not layer_types:
+        full = d.get("full_attn_idxs")
+        full = set(range(n)) if full is None else {int(i) for i in full}
+        layer_types = [FULL_ATTENTION if i in full else SHORT_CONV for i in range(n)]
+    unknown = sorted(set(layer_types) - {FULL_ATTENTION, SHORT_CONV})
+    if unknown:
+        raise ValueError(f"{arch} with layer type(s) {unknown} is not supported (conv, full_attention)")
+    rope_theta, scaling, _ = rope_settings(d, default_theta=1000000.0)
+    d.setdefault("tie_word_embeddings", d.get("tie_embedding", True))
+    d["intermediate_size"] = mlp_width(d)
+    d["rms_norm_eps"] = float(d.get("norm_eps", 1e-5))
+    fields = hf_decoder_fields(d, arch, rope_theta, scaling, None, layer_types, attention_bias=False, qk_norm=True)
+    fields.update(
+        tie_word_embeddings=bool(d["tie_word_embeddings"]),
+        short_conv_kernel=int(d.get("conv_L_cache", 3)) if SHORT_CONV in layer_types else 0,
+        short_conv_bias=bool(d.get("conv_bias", False)),
+    )
+    return fields
+
+
+def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+    """An LFM2 GGUF file (convert_hf_to_gguf.py LFM2Model): `attention.head_count_kv` per layer,
+    0 on a convolution layer; the convolution's length `shortconv.l_cache`; the MLP's width
+    already adjusted."""
+    p = g_arch + "."
+    n = int(meta[p + "block_count"])
+    per_layer = meta.get(p + "attention.head_count_kv")
+    kv = list(per_layer) if isinstance(per_layer, (list, tuple)) else [per_layer] * n
+    attention_kv = {int(k) for k in kv if k}
+    if len(kv) != n or len(attention_kv) != 1:
+        raise ValueError(
+            f"GGUF {p}attention.head_count_kv={per_layer!r}: expected one count per layer, one nonzero value"
+        )
+    fields = gguf_decoder_fields(
+        {**meta, p + "attention.head_count_kv": attention_kv.pop()}, tensor_names, g_arch, arch
+    )
+    layer_types = [FULL_ATTENTION if k else SHORT_CONV for k in kv]
+    conv_layer = layer_types.index(SHORT_CONV) if SHORT_CONV in layer_types else 0
+    fields.update(
+        layer_types=layer_types,
+        qk_norm=True,
+        short_conv_kernel=int(meta[p + "shortconv.l_cache"]) if SHORT_CONV in layer_types else 0,
+        short_conv_bias=f"blk.{conv_layer}.shortconv.in_proj.bias" in tensor_names,
+    )
+    return fields
+
+
+FAMILY = ConfigFamily(
+    architectures=("Lfm2ForCausalLM",),
+    hf_fields=_hf_fields,
+    model_types={"lfm2": "Lfm2ForCausalLM"},
+    gguf_architectures={"lfm2": "Lfm2ForCausalLM"},
+    gguf_fields=_gguf_fields,
+)
