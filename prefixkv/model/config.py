@@ -79,6 +79,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each routed expert's intermediate size
     norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to one
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one, gated)
+    shared_expert_gated: bool = True  # its output times sigmoid(gate(x)) (Qwen2-MoE), or as it is (Granite 4)
     # gpt-oss's experts (model/gpt_oss.py): gate clamped above and up on both sides at the limit,
     # out = (up + 1) * gate * sigmoid(alpha * gate)
     swiglu_limit: float = 7.0

@@ -10,6 +10,7 @@ from .falcon_h1 import FalconH1Model
 from .gemma import GemmaModel
 from .gpt_oss import GptOssModel
 from .granite import GraniteModel
+from .granite_hybrid import GraniteHybridModel
 from .hybrid import HybridModel
 from .lfm2 import Lfm2Model
 from .llama import LlamaModel
@@ -45,6 +46,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Olmo3ForCausalLM": Olmo2Model,  # with sliding layers (and their own rotary where the full ones' is scaled)
     "Phi3ForCausalLM": Phi3Model,
     "Lfm2ForCausalLM": Lfm2Model,  # gated short convolutions (a conv state per block) and attention
+    "GraniteMoeHybridForCausalLM": GraniteHybridModel,  # Bamba's layers, Granite's multipliers, a shared MLP
 }
 
 

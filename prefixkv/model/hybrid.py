@@ -29,7 +29,7 @@ class HybridDecoderLayer(nn.Module):
     """norm -> Mamba2 mixer and/or attention (summed) -> residual add; norm -> SwiGLU MLP ->
     residual add."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mamba = Mamba2Mixer(config) if config.is_recurrent_layer(layer_idx) else None
@@ -37,7 +37,7 @@ class HybridDecoderLayer(nn.Module):
         if config.is_attention_layer(layer_idx):
             self.self_attn = Attention(config, layer_idx)  # rotary over the first rotary_dim dimensions
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size) if mlp is None else mlp
 
     def forward(self, h, x, cos, sin, cache, meta: AttentionMetadata, next_norm: RMSNorm):
         """As the Llama DecoderLayer: h the residual stream, x this layer's normed input; returns

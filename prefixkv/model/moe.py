@@ -181,7 +181,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: Projection | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = Projection(1, config.hidden_size)
+            if config.shared_expert_gated:
+                self.shared_expert_gate = Projection(1, config.hidden_size)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] in x's dtype."""
@@ -194,8 +195,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_index, top_weight = self.route(x)
         y = self.experts(x, top_index, top_weight)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            y = y + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return y
 
 

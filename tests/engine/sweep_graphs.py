@@ -74,6 +74,10 @@ def _family(name: str) -> Callable[[], Any]:
         from .test_qwen3_5 import make
 
         return lambda: make("vl")
+    if name == "granite_hybrid":
+        from .test_granite_hybrid import make_granite_hybrid
+
+        return make_granite_hybrid
     if name == "lfm2":
         from .test_lfm2 import make_lfm2
 

@@ -238,6 +238,7 @@ def test_prompt_logprobs_survive_preemption_and_n_greater_than_one(default_lm, p
         ("mamba2", 6, False),
         ("qwen3_next", 18, True),
         ("lfm2", 18, True),
+        ("granite_hybrid", 22, True),
         ("lora", 5, False),
         ("llava", 0, True),
     ],
@@ -249,7 +250,7 @@ def test_random_traffic_with_caching_equals_without(tmp_path, family, seed, pree
     sinks beside them: six), and
     recurrent state restored from the cache (mamba2 6: two requests of one step, the second
     continuing from a block the first computes in it; LFM2's convolutions beside attention,
-    preempted); the same prompts under two adapters and
+    preempted; Granite 4's mixers beside NoPE attention and experts, preempted); the same prompts under two adapters and
     none (lora 5: with the adapter out of the blocks' key, they read each other's KV); images at
     the same places in the same words (llava 0: with the image's hash out of the key, likewise)."""
     model = fuzz_caching.checkpoint(family, tmp_path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import bamba, falcon_h1, gemma, gpt_oss, lfm2, llama, mamba2, moe, olmo2, phi3, qwen3_next
+from . import bamba, falcon_h1, gemma, gpt_oss, granite_hybrid, lfm2, llama, mamba2, moe, olmo2, phi3, qwen3_next
 from .common import gguf_common_fields, join_fields
 from .family import ConfigFamily
 
@@ -22,6 +22,7 @@ FAMILIES: tuple[ConfigFamily, ...] = (
     olmo2.FAMILY,
     phi3.FAMILY,
     lfm2.FAMILY,
+    granite_hybrid.FAMILY,
 )
 
 
