@@ -48,7 +48,8 @@ FAMILIES = [
     "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "granite_hybrid", "lora", "llava",
 ]  # fmt: skip
 KV_CACHE_GROUPS = {"gemma2": 2, "gemma3": 2, "gpt_oss": 2, "olmo3": 2}  # a checkpoint's folder is named by its family
-RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "granite_hybrid"}  # no KV tier under them (refused)
+# no KV tier under them (refused)
+RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "granite_hybrid"}
 ADAPTERS = ("qv", "all")  # the lora family's, beside its base model (tests/lora/conftest.py)
 MAX_MODEL_LEN = 96
 # (step it arrives before, id, prompt (token ids; llava's: its text and image seeds), params,
