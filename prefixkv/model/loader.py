@@ -222,6 +222,11 @@ _GGUF_GPT_OSS_LAYER_MAP = {
     },
 }
 _GGUF_LAYER_MAPS = {
+    # Granite 4: Bamba's layers (the mixers under mamba.), routed experts and the shared MLP
+    "granitehybrid": {
+        **_GGUF_LAYER_MAP,
+        **{k: "mamba." + v.removeprefix("mixer.") for k, v in _GGUF_MAMBA2_LAYER_MAP.items() if k.startswith("ssm_")},
+    },
     # LFM2: the gated short convolution's three tensors, attention's output projection o_proj
     "lfm2": {
         **_GGUF_LAYER_MAP,
@@ -315,7 +320,7 @@ def dequantize_gguf_tensor(t) -> np.ndarray:
 # config reader sees, under configs/phi3.py's keys
 _ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": GGUF_LONG_FACTOR, "rope_factors_short.weight": GGUF_SHORT_FACTOR}
 # the architectures whose converter (LlamaModel's subclasses) permutes Q and K, weights and biases
-_PERMUTED_QK = ("llama", "granite", "smollm3")
+_PERMUTED_QK = ("llama", "granite", "smollm3", "granitehybrid")
 
 
 def gguf_config(reader: Any) -> ModelConfig:
@@ -353,7 +358,7 @@ def _load_gguf(path: str, dtype, device) -> LoadedModel:
                 w = reverse_llama_permute(w, config.num_attention_heads)
             elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                 w = reverse_llama_permute(w, config.num_key_value_heads)
-            elif g_arch == "mamba2":
+            elif g_arch in ("mamba2", "granitehybrid"):
                 w = mamba2_from_gguf(t.name, w)
             elif g_arch == "lfm2" and t.name.endswith("shortconv.conv.weight"):  # squeezed to [channels, kernel]
                 w = w.reshape(w.shape[0], 1, w.shape[-1])

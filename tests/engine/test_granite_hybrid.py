@@ -19,12 +19,12 @@ from .test_qwen3_5 import _chunked_logits
 MAX_NEW = 8
 
 
-def make_granite_hybrid(experts: int = 4, position: str | None = None, seed: int = 0):
+def make_granite_hybrid(experts: int = 4, position: str | None = None, seed: int = 0, vocab: int = 258):
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     torch.manual_seed(seed)
     config = GraniteMoeHybridConfig(
-        vocab_size=258,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=32,
         shared_intermediate_size=48,
@@ -93,3 +93,23 @@ def test_refused_by_name():
         ModelConfig.from_hf_dict({**base, "position_embedding_type": "alibi", "mamba_n_heads": 4})
     with pytest.raises(ValueError, match="layer_types"):
         ModelConfig.from_hf_dict({**base, "layer_types": ["mamba", "cross"], "mamba_n_heads": 4})
+
+
+@pytest.mark.parametrize("experts", [4, 0])
+def test_gguf_matches_transformers(tmp_path, experts):
+    """A GGUF file by llama.cpp's converter rules (GraniteHybridModel): logits, and the engine's
+    tokens with experts."""
+    from ..model.gguf_convert import write_granite_hybrid_gguf
+
+    hf = make_granite_hybrid(experts=experts, vocab=264)  # the converter pads the vocabulary to a multiple of 8
+    path = str(tmp_path / "granite4.gguf")
+    write_granite_hybrid_gguf(tmp_path / "granite4.gguf", hf)
+    config = load_model(path).config
+    assert config.layer_types == ["mamba", "full_attention", "mamba", "full_attention"]
+    assert config.nope_layers == (1, 3) and config.num_experts == experts and not config.shared_expert_gated
+    ids = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(_chunked_logits(path, ids), ref, atol=1e-4, rtol=1e-4)
+    if experts:
+        assert_recurrent_engine_matches_transformers(path, hf, MAX_NEW)

@@ -394,6 +394,99 @@ def write_delta_net_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
     w.close()
 
 
+def write_granite_hybrid_gguf(path: Path, hf: Any) -> None:
+    """A transformers GraniteMoeHybridForCausalLM (float32) as a GGUF file by GraniteHybridModel's
+    rules: GraniteMoeModel's and Mamba2Model's keys, K/V heads per layer (0 on a Mamba2 layer),
+    `rope.scaling.finetuned` for rotary, Q and K permuted (LlamaModel: invisible without rotary,
+    as the same permutation of q's and k's head dimensions leaves their products), the mixers'
+    tensors as Mamba2Model writes them, the experts' and the shared MLP's fused gate/up split."""
+    import gguf
+
+    cfg = hf.config
+    d = cfg.to_dict()
+    n, heads, hidden = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.hidden_size
+    attention = [i for i, k in enumerate(cfg.layer_types) if k != "linear_attention"]
+    # the converter's rule: rotary for Bamba or a model without Mamba2 layers, whatever the config says
+    use_rope = "BambaForCausalLM" in (cfg.architectures or []) or len(attention) == n
+    experts = d.get("num_local_experts") or 0
+    w = gguf.GGUFWriter(str(path), "granitehybrid")
+    w.add_block_count(n)
+    w.add_context_length(d["max_position_embeddings"] if use_rope else 2**20)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(d["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv([d["num_key_value_heads"] if i in attention else 0 for i in range(n)])
+    w.add_rope_freq_base((d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(d["rms_norm_eps"])
+    w.add_vocab_size(d["vocab_size"])
+    w.add_rope_dimension_count(hidden // heads)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(d["num_experts_per_tok"])
+    w.add_attention_scale(d["attention_multiplier"])
+    w.add_embedding_scale(d["embedding_multiplier"])
+    w.add_residual_scale(d["residual_multiplier"])
+    w.add_logit_scale(d["logits_scaling"])
+    w.add_expert_shared_feed_forward_length(d["shared_intermediate_size"])
+    inner = d["mamba_expand"] * hidden
+    w.add_ssm_conv_kernel(d["mamba_d_conv"])
+    w.add_ssm_state_size(d["mamba_d_state"])
+    w.add_ssm_group_count(d["mamba_n_groups"])
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(d["mamba_n_heads"])
+    w.add_rope_scaling_finetuned(use_rope)
+    _vocabulary(w, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    shexp = "_shexp" if experts else ""
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mamba.in_proj.weight": "ssm_in.weight",
+        "mamba.conv1d.bias": "ssm_conv1d.bias",
+        "mamba.dt_bias": "ssm_dt.bias",
+        "mamba.out_proj.weight": "ssm_out.weight",
+        "block_sparse_moe.router.weight": "ffn_gate_inp.weight",
+        "block_sparse_moe.experts.down_proj": "ffn_down_exps.weight",
+        "shared_mlp.output_linear.weight": f"ffn_down{shexp}.weight",
+    }
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        if name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                w.add_tensor("output.weight", a)
+            continue
+        if name in ("model.embed_tokens.weight", "model.norm.weight"):
+            w.add_tensor("token_embd.weight" if "embed" in name else "output_norm.weight", a)
+            continue
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        p = f"blk.{layer}."
+        if rest in ("block_sparse_moe.experts.gate_up_proj", "shared_mlp.input_linear.weight"):
+            gate, up = np.split(a, 2, axis=-2)
+            kind = "_exps" if "experts" in rest else shexp
+            w.add_tensor(p + f"ffn_gate{kind}.weight", np.ascontiguousarray(gate))
+            w.add_tensor(p + f"ffn_up{kind}.weight", np.ascontiguousarray(up))
+            continue
+        if rest == "self_attn.q_proj.weight":
+            w.add_tensor(p + "attn_q.weight", _llama_permute(a, heads))
+        elif rest == "self_attn.k_proj.weight":
+            w.add_tensor(p + "attn_k.weight", _llama_permute(a, cfg.num_key_value_heads))
+        elif rest == "mamba.conv1d.weight":
+            w.add_tensor(p + "ssm_conv1d.weight", np.ascontiguousarray(a.squeeze(1)))
+        elif rest == "mamba.A_log":
+            w.add_tensor(p + "ssm_a", (-np.exp(a)).reshape(-1, 1))
+        elif rest == "mamba.D":
+            w.add_tensor(p + "ssm_d", a.reshape(-1, 1))
+        elif rest == "mamba.norm.weight":
+            w.add_tensor(p + "ssm_norm.weight", a.reshape(d["mamba_n_groups"], -1))
+        else:
+            w.add_tensor(p + names[rest], a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf(
     path: Path,
     hf: Any,

@@ -1,12 +1,13 @@
 """Granite 4 (model/granite_hybrid.py: Bamba's Mamba2 and attention layers, Granite's
 multipliers, a shared MLP beside optional routed experts): its config.json reader, with
-transformers' GraniteMoeHybridConfig defaults."""
+transformers' GraniteMoeHybridConfig defaults, and its GGUF reader (llama.cpp's "granitehybrid")."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..layer_kinds import FULL_ATTENTION, MAMBA
+from .decoder import gguf_decoder_fields
 from .family import ConfigFamily
 from .mamba2 import hf_hybrid_fields
 
@@ -53,8 +54,62 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
+def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+    """A Granite 4 GGUF file (convert_hf_to_gguf.py GraniteHybridModel) as llama.cpp reads it:
+    `attention.head_count_kv` per layer, 0 on a Mamba2 layer; the mixers' sizes in `ssm.*`; rotary
+    only where `rope.scaling.finetuned` says (the released checkpoints: NoPE); Granite's scales,
+    llama.cpp's defaults where one is missing; routed experts and the ungated shared MLP
+    (`expert_shared_feed_forward_length`), or that MLP alone without experts."""
+    p = g_arch + "."
+    n = int(meta[p + "block_count"])
+    per_layer = meta.get(p + "attention.head_count_kv")
+    kv = list(per_layer) if isinstance(per_layer, (list, tuple)) else [per_layer] * n
+    attention_kv = {int(k) for k in kv if k}
+    if len(kv) != n or len(attention_kv) > 1:
+        raise ValueError(f"GGUF {p}attention.head_count_kv={per_layer!r}: expected a count per layer, one nonzero")
+    layer_types = [FULL_ATTENTION if k else MAMBA for k in kv]
+    scalar = {**meta, p + "attention.head_count_kv": attention_kv.pop() if attention_kv else 1}
+    fields = gguf_decoder_fields(scalar, tensor_names, g_arch, arch)
+    mamba = [i for i, k in enumerate(layer_types) if k == MAMBA]
+    if mamba:
+        heads, inner = int(meta[p + "ssm.time_step_rank"]), int(meta[p + "ssm.inner_size"])
+        fields.update(
+            ssm_state_size=int(meta[p + "ssm.state_size"]),
+            ssm_num_heads=heads,
+            ssm_head_dim=inner // heads,
+            ssm_intermediate_size=inner,
+            ssm_n_groups=int(meta.get(p + "ssm.group_count") or 1),
+            ssm_conv_kernel=int(meta.get(p + "ssm.conv_kernel") or 4),
+            ssm_use_conv_bias=f"blk.{mamba[0]}.ssm_conv1d.bias" in tensor_names,
+            ssm_use_bias=f"blk.{mamba[0]}.ssm_in.bias" in tensor_names,
+        )
+    experts = int(meta.get(p + "expert_count") or 0)
+    shared = int(meta.get(p + "expert_shared_feed_forward_length") or 0)
+    if not experts and not shared:
+        raise ValueError(f"GGUF {p} file without {p}expert_shared_feed_forward_length (its MLP's width)")
+    rope = bool(meta.get(p + "rope.scaling.finetuned", False))
+    fields.update(
+        layer_types=layer_types,
+        nope_layers=() if rope else tuple(i for i, k in enumerate(layer_types) if k == FULL_ATTENTION),
+        embedding_multiplier=float(meta.get(p + "embedding_scale") or 1.0),
+        residual_multiplier=float(meta.get(p + "residual_scale") or 1.0),
+        attention_multiplier=float(meta.get(p + "attention.scale") or fields["head_dim"] ** -0.5),
+        logits_scaling=float(meta.get(p + "logit_scale") or 1.0),
+        intermediate_size=shared if not experts else fields["intermediate_size"],
+        num_experts=experts,
+        num_experts_per_tok=int(meta.get(p + "expert_used_count") or 0) if experts else 0,
+        moe_intermediate_size=fields["intermediate_size"] if experts else 0,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=shared if experts else 0,
+        shared_expert_gated=False,
+    )
+    return fields
+
+
 FAMILY = ConfigFamily(
     architectures=("GraniteMoeHybridForCausalLM",),
     hf_fields=_hf_fields,
     model_types={"granitemoehybrid": "GraniteMoeHybridForCausalLM"},
+    gguf_architectures={"granitehybrid": "GraniteMoeHybridForCausalLM"},
+    gguf_fields=_gguf_fields,
 )
