@@ -6,8 +6,10 @@ attention at layers 2 and 5, the rest Mamba2 mixers with 8 heads of 64 and state
 Falcon-H1: 4 layers, hidden 256, each with attention and such a mixer side by side; a random
 Qwen3-Next: 4 layers, hidden 256, three gated delta nets and one full attention layer, 8 experts
 top 2), gpt-oss (a random GptOss: 4 layers, hidden 256, sliding (window 128) and full layers
-interleaved, attention sinks, 8 experts top 2, YaRN) and LFM2 (a random Lfm2: 6 layers, hidden
-256, gated short convolutions with attention at layers 2 and 5). Per family
+interleaved, attention sinks, 8 experts top 2, YaRN), LFM2 (a random Lfm2: 6 layers, hidden
+256, gated short convolutions with attention at layers 2 and 5) and Granite 4 (a random
+GraniteMoeHybrid: 6 layers, hidden 256, Mamba2 mixers as Bamba's with NoPE attention at layers 2
+and 5, 8 experts top 2 beside a shared MLP). Per family
 a shared 1,000-token prefix and 16 questions of 20-40 tokens, each sent alone after the one
 before finished (so a question's time to first token is its own prefill): prefix-cache hit rate
 and median TTFT with caching on vs off, and for the sliding-window family the KV memory a
@@ -15,7 +17,7 @@ question holds at its peak with a KV-cache group per layer kind (the sliding lay
 of the window freed while it runs, docs/design.md "KV-cache groups") against every layer in one
 block (--disable-hybrid-kv-cache-manager).
 
-    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next qwen3_5 gptoss lfm2]
+    .venv/bin/python bench/hybrid.py [--family gemma3 qwen3moe bamba falconh1 qwen3next qwen3_5 gptoss lfm2 granite4]
         [--questions 16]
         [--prefix 1000] [--dtype float32|bfloat16] [--peer-vllm]
 
@@ -45,7 +47,7 @@ from prefixkv import LLM, SamplingParams  # noqa: E402
 VOCAB = 300
 BLOCK_SIZE = 16
 BAMBA_ATTENTION = [2, 5]
-FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next", "qwen3_5", "gptoss", "lfm2")
+FAMILIES = ("gemma3", "qwen3moe", "bamba", "falconh1", "qwen3next", "qwen3_5", "gptoss", "lfm2", "granite4")
 
 
 def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
@@ -143,6 +145,34 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
         torch.manual_seed(0)
         model_class = tf.Qwen3NextForCausalLM if family == "qwen3next" else tf.Qwen3_5MoeForCausalLM
         model = model_class(cfg).eval()
+    elif family == "granite4":
+        cfg = tf.GraniteMoeHybridConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=256,
+            shared_intermediate_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            layer_types=["attention" if i in BAMBA_ATTENTION else "mamba" for i in range(6)],
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=64,
+            mamba_expand=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.0078125,
+            logits_scaling=4.0,
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+        torch.manual_seed(0)
+        model = tf.GraniteMoeHybridForCausalLM(cfg).eval()
     elif family == "lfm2":
         cfg = tf.Lfm2Config(
             vocab_size=VOCAB,
@@ -290,6 +320,12 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
             print(
                 f"model: random {name}, hidden 256, 4 layers (gated delta nets: 4 value heads "
                 f"of 64; full attention at layer 3), 8 experts top 2 and a shared expert, {args.dtype}"
+            )
+        elif family == "granite4":
+            print(
+                f"model: random GraniteMoeHybridForCausalLM, hidden 256, 6 layers (NoPE attention at "
+                f"{BAMBA_ATTENTION}, the rest Mamba2: 8 heads x 64, state 64), 8 experts top 2 and a shared MLP, "
+                f"{args.dtype}"
             )
         elif family == "lfm2":
             print(

@@ -78,6 +78,14 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each routed expert's intermediate size
     norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to one
+    # the router: each expert's score a softmax over the logits (Qwen, Mixtral) or its sigmoid
+    # (LFM2-MoE); the top k chosen by score plus a learned per-expert bias where
+    # `router_selection_bias` (the weights stay the scores); the renormalised weights' sum plus
+    # `router_norm_epsilon`, and the weights times `routed_scaling_factor`
+    router_scoring: str = "softmax"
+    router_selection_bias: bool = False
+    router_norm_epsilon: float = 0.0
+    routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one, gated)
     shared_expert_gated: bool = True  # its output times sigmoid(gate(x)) (Qwen2-MoE), or as it is (Granite 4)
     # gpt-oss's experts (model/gpt_oss.py): gate clamped above and up on both sides at the limit,
@@ -164,6 +172,8 @@ class ModelConfig:
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                 f"linear_num_key_heads ({self.linear_num_key_heads})"
             )
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router_scoring must be softmax or sigmoid, got {self.router_scoring!r}")
         if self.ssm_norm not in SSM_NORMS:
             raise ValueError(f"ssm_norm must be one of {SSM_NORMS}, got {self.ssm_norm!r}")
         if self.ssm_state_size:

@@ -46,6 +46,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Olmo3ForCausalLM": Olmo2Model,  # with sliding layers (and their own rotary where the full ones' is scaled)
     "Phi3ForCausalLM": Phi3Model,
     "Lfm2ForCausalLM": Lfm2Model,  # gated short convolutions (a conv state per block) and attention
+    "Lfm2MoeForCausalLM": Lfm2Model,  # and routed experts
     "GraniteMoeHybridForCausalLM": GraniteHybridModel,  # Bamba's layers, Granite's multipliers, a shared MLP
 }
 

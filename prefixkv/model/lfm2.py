@@ -1,6 +1,8 @@
 """LFM2 (transformers' Lfm2ForCausalLM, Liquid AI's hybrid for devices): most layers a gated short
 convolution, a few GQA attention layers (q/k normed per head, rotary over each whole head), each
-followed by a SwiGLU MLP, pre-norm with residuals around both.
+followed by a SwiGLU MLP, pre-norm with residuals around both. LFM2-MoE (Lfm2MoeForCausalLM): the
+same layers, the MLP routed experts after the first `num_dense_layers` (moe.py's block with a
+sigmoid router whose top k is chosen with a learned per-expert bias).
 
 The short convolution: in_proj gives B, C and x; the depthwise causal conv (kernel
 `short_conv_kernel`, no activation) runs over B * x; the output is C times it, through out_proj.
@@ -18,9 +20,10 @@ from torch import nn
 
 from .attention import AttentionMetadata
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm
+from .layers import RMSNorm
 from .llama import Attention, LlamaModel, static_mlp_unsupported
 from .mamba2 import RecurrentState, _plan, block_causal_conv
+from .moe import SparseMoeBlock, build_mlp
 
 
 class ShortConv(nn.Module):
@@ -51,7 +54,7 @@ class Lfm2DecoderLayer(nn.Module):
         self.conv = ShortConv(config) if recurrent else None
         self.self_attn = None if recurrent else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(H, eps)
-        self.mlp = GatedMLP(H, config.intermediate_size)
+        self.mlp = build_mlp(config, layer_idx)
 
     def forward(self, h, x, cos, sin, cache, meta: AttentionMetadata, next_norm: RMSNorm):
         """As the Llama DecoderLayer: h the residual stream, x this layer's normed input; returns
@@ -78,6 +81,7 @@ _RENAMES = (
     (re.compile(r"^(model\.layers\.\d+)\.feed_forward\.w1\."), r"\1.mlp.gate_proj."),
     (re.compile(r"^(model\.layers\.\d+)\.feed_forward\.w3\."), r"\1.mlp.up_proj."),
     (re.compile(r"^(model\.layers\.\d+)\.feed_forward\.w2\."), r"\1.mlp.down_proj."),
+    (re.compile(r"^(model\.layers\.\d+)\.feed_forward\."), r"\1.mlp."),  # LFM2-MoE's router, experts, bias
     (re.compile(r"^(model\.layers\.\d+)\.self_attn\.out_proj\."), r"\1.self_attn.o_proj."),
     (re.compile(r"^(model\.layers\.\d+)\.self_attn\.q_layernorm\."), r"\1.self_attn.q_norm."),
     (re.compile(r"^(model\.layers\.\d+)\.self_attn\.k_layernorm\."), r"\1.self_attn.k_norm."),
@@ -90,6 +94,14 @@ class Lfm2Model(LlamaModel):
 
     fused_decode_layout = False  # the native decode kernel computes Llama layers only
 
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__(config, dtype, device)
+        for m in self.modules():
+            if isinstance(m, SparseMoeBlock) and m.expert_bias is not None:
+                m.expert_bias.data = m.expert_bias.data.float()  # as transformers keeps it
+
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return Lfm2DecoderLayer(config, layer_idx)
 
@@ -101,9 +113,10 @@ class Lfm2Model(LlamaModel):
         return static_mlp_unsupported(layer.mlp, self.dtype)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """transformers' names (model.layers.N.{conv.*, self_attn.*, feed_forward.*,
-        operator_norm, ffn_norm}, model.embedding_norm, lm_head); ValueError on an unknown name,
-        a wrong shape or a missing one."""
+        """transformers' names (model.layers.N.{conv.*, self_attn.*, feed_forward.{w1,w2,w3} or
+        LFM2-MoE's feed_forward.{gate, experts.E.w1..., expert_bias}, operator_norm, ffn_norm},
+        model.embedding_norm, lm_head); ValueError on an unknown name, a wrong shape or a missing
+        one."""
 
         def renamed() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:

@@ -175,7 +175,14 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.sigmoid = config.router_scoring == "sigmoid"
+        self.norm_epsilon = config.router_norm_epsilon
+        self.scaling = config.routed_scaling_factor
         self.gate = Projection(config.num_experts, config.hidden_size)  # the router
+        # added to the scores for choosing the top k only (float32, as transformers keeps it)
+        self.expert_bias: nn.Parameter | None = None
+        if config.router_selection_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Projection | None = None
@@ -186,10 +193,20 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] in x's dtype."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        top_weight, top_index = torch.topk(probs, self.top_k, dim=-1)
+        logits = self.gate(x)
+        if self.sigmoid:  # in the logits' dtype, as transformers' LFM2-MoE router
+            scores = logits.sigmoid()
+        else:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.expert_bias is not None:
+            top_index = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+            top_weight = scores.gather(1, top_index)
+        else:
+            top_weight, top_index = torch.topk(scores, self.top_k, dim=-1)
         if self.norm_topk_prob:
-            top_weight /= top_weight.sum(dim=-1, keepdim=True)
+            top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + self.norm_epsilon)
+        if self.scaling != 1.0:
+            top_weight = top_weight * self.scaling
         return top_index, top_weight.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

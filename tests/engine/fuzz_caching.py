@@ -45,11 +45,12 @@ from .sweep_graphs import _family
 
 FAMILIES = [
     "llama", "smollm3", "granite", "olmo2", "phi3", "olmo3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mamba2",
-    "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "granite_hybrid", "lora", "llava",
+    "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "granite_hybrid", "lora",
+    "llava",
 ]  # fmt: skip
 KV_CACHE_GROUPS = {"gemma2": 2, "gemma3": 2, "gpt_oss": 2, "olmo3": 2}  # a checkpoint's folder is named by its family
 # no KV tier under them (refused)
-RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "granite_hybrid"}
+RECURRENT = {"mamba2", "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "granite_hybrid"}
 ADAPTERS = ("qv", "all")  # the lora family's, beside its base model (tests/lora/conftest.py)
 MAX_MODEL_LEN = 96
 # (step it arrives before, id, prompt (token ids; llava's: its text and image seeds), params,

@@ -78,10 +78,10 @@ def _family(name: str) -> Callable[[], Any]:
         from .test_granite_hybrid import make_granite_hybrid
 
         return make_granite_hybrid
-    if name == "lfm2":
-        from .test_lfm2 import make_lfm2
+    if name in ("lfm2", "lfm2_moe"):
+        from .test_lfm2 import make_lfm2, make_lfm2_moe
 
-        return make_lfm2
+        return make_lfm2 if name == "lfm2" else make_lfm2_moe
     if name == "gpt_oss":  # (no graphs: its sinks run eager; the caching fuzz takes it)
         from ..model.test_model_gpt_oss import make_gpt_oss
 

@@ -117,3 +117,61 @@ def test_gguf_matches_transformers(tmp_path, checkpoint):
         ref = hf(input_ids=ids[None]).logits[0]
     torch.testing.assert_close(_chunked_logits(path, ids), ref, atol=1e-4, rtol=1e-4)
     assert_recurrent_engine_matches_transformers(path, hf, MAX_NEW)
+
+
+def make_lfm2_moe(seed: int = 0):
+    """LFM2-MoE: a dense first layer, then 8 experts top 2 with a sigmoid router whose selection
+    bias (randomised, so that it changes which experts are chosen) and scaling matter."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Lfm2MoeConfig(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_dense_layers=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        routed_scaling_factor=1.5,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        max_position_embeddings=256,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=257,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    model = Lfm2MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.1)
+            elif "conv" in name or "q_proj" in name or "k_proj" in name or ".gate." in name:
+                p.normal_(0, 0.3)
+            else:
+                p.normal_(0, 0.1)
+        for layer in model.model.layers[1:]:
+            layer.feed_forward.expert_bias.normal_(0, 0.3)
+    return model
+
+
+def test_moe_logits_and_engine_match_transformers(tmp_path):
+    from prefixkv.model.moe import SparseMoeBlock
+
+    hf = make_lfm2_moe()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    config = ModelConfig.from_hf_folder(str(tmp_path))
+    assert config.router_scoring == "sigmoid" and config.router_selection_bias and config.mlp_only_layers == (0,)
+    model = load_model(str(tmp_path)).model
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, True, True]
+    assert model.layers[1].mlp.expert_bias.dtype == torch.float32
+    ids = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(_chunked_logits(str(tmp_path), ids), ref, atol=1e-4, rtol=1e-4)
+    assert_recurrent_engine_matches_transformers(str(tmp_path), hf, MAX_NEW)

@@ -1,5 +1,5 @@
-"""LFM2 (model/lfm2.py: gated short convolutions and GQA attention layers): its config.json
-reader, with transformers' Lfm2Config defaults (the MLP's width adjusted as its
+"""LFM2 and LFM2-MoE (model/lfm2.py: gated short convolutions and GQA attention layers; routed
+experts): their config.json reader, with transformers' Lfm2Config defaults (the MLP's width adjusted as its
 `block_auto_adjust_ff_dim` says), and its GGUF reader (llama.cpp's "lfm2")."""
 
 from __future__ import annotations
@@ -78,10 +78,36 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
     return fields
 
 
+def _moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """LFM2-MoE (transformers' Lfm2MoeConfig names and defaults): LFM2's layers, the first
+    `num_dense_layers` with a dense MLP of `intermediate_size` (not adjusted), the rest routed
+    experts: a sigmoid router, the top k chosen with the per-expert bias, weights renormalised
+    (+ 1e-6) and scaled."""
+    d = {"intermediate_size": 7168, "block_auto_adjust_ff_dim": False, "num_hidden_layers": 32, **d}
+    fields = _hf_fields(d, arch)
+    experts = int(d.get("num_experts", 32))
+    fields.update(
+        num_experts=experts,
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 4)),
+        moe_intermediate_size=int(d.get("moe_intermediate_size", 1792)),
+        mlp_only_layers=tuple(range(int(d.get("num_dense_layers", 2)))),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        router_scoring="sigmoid",
+        router_selection_bias=bool(d.get("use_expert_bias", True)),
+        router_norm_epsilon=1e-6,
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+    )
+    return fields
+
+
+def _fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    return _moe_fields(d, arch) if arch == "Lfm2MoeForCausalLM" else _hf_fields(d, arch)
+
+
 FAMILY = ConfigFamily(
-    architectures=("Lfm2ForCausalLM",),
-    hf_fields=_hf_fields,
-    model_types={"lfm2": "Lfm2ForCausalLM"},
+    architectures=("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"),
+    hf_fields=_fields,
+    model_types={"lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM"},
     gguf_architectures={"lfm2": "Lfm2ForCausalLM"},
     gguf_fields=_gguf_fields,
 )
