@@ -402,22 +402,16 @@ def _max_model_len(
     capacity = num_blocks * bs
     if kv_groups is not None:  # a request holds a block table per group
         capacity = kv_groups.max_tokens(num_blocks, config.max_num_batched_tokens, bs)
-    exact = model_config.exact_context
+    exact, why = model_config.exact_context, model_config.exact_context_reason
     if exact is not None and (config.max_model_len or 0) > exact:
         raise ValueError(
-            f"max_model_len={config.max_model_len} is past this model's LongRoPE original context ({exact} "
-            "tokens): its long factors, which transformers switches every position to for a longer sequence, "
-            f"are not built; use max_model_len <= {exact}"
+            f"max_model_len={config.max_model_len} is past this model's {why.split(':')[0]} ({exact} tokens): "
+            f"{why.split(': ', 1)[1]}; use max_model_len <= {exact}"
         )
     if config.max_model_len is None:
         longest = model_config.max_position_embeddings
         if exact is not None and exact < longest:
-            logger.info(
-                "max_model_len %d: this model's LongRoPE original context (its long factors are not built; "
-                "max_position_embeddings says %d)",
-                exact,
-                longest,
-            )
+            logger.info("max_model_len %d: this model's %s (max_position_embeddings says %d)", exact, why, longest)
             longest = exact
         return min(longest, capacity)
     if config.max_model_len > capacity:

@@ -48,6 +48,9 @@ class ModelConfig:
     # {"rope_type": "longrope", "short_factor", "long_factor", "original_max_position_embeddings",
     #  optional "factor", "attention_factor"} (Phi-3: its short factors; `exact_context` below)
     rope_scaling: dict[str, Any] | None = None
+    # Llama 4's attention temperature (Ministral 3): queries times 1 + beta ln(1 + floor(position /
+    # length)), which is 1 below `length`; not built, so the context stays below it (exact_context)
+    query_temperature_length: int = 0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections with biases
@@ -232,11 +235,27 @@ class ModelConfig:
         """The longest context whose outputs are the reference's, where a model has one: LongRoPE
         rotates by its short factors up to `original_max_position_embeddings` and, in
         transformers, by its long ones for every position once a sequence is longer - which would
-        change the rotation of keys already cached; prefixkv builds the short ones only."""
+        change the rotation of keys already cached; prefixkv builds the short ones only. Llama 4's
+        query temperature is 1 below its length, and is not built."""
+        return self._exact_context()[0]
+
+    @property
+    def exact_context_reason(self) -> str:
+        """Why `exact_context` bounds the context, for messages."""
+        return self._exact_context()[1]
+
+    def _exact_context(self) -> tuple[int | None, str]:
         rs = self.rope_scaling
         if rs is not None and rs["rope_type"] == "longrope":
-            return int(rs["original_max_position_embeddings"])
-        return None
+            return int(rs["original_max_position_embeddings"]), (
+                "LongRoPE original context: its long factors, which transformers switches every position to "
+                "for a longer sequence, are not built"
+            )
+        if self.query_temperature_length:
+            return self.query_temperature_length, (
+                "attention temperature's length: Llama 4's query scaling, 1 below it, is not built"
+            )
+        return None, ""
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -15,6 +15,7 @@ from .hybrid import HybridModel
 from .lfm2 import Lfm2Model
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
+from .mistral3 import Mistral3TextModel
 from .olmo2 import Olmo2Model
 from .phi3 import Phi3Model
 from .qwen3_5 import Qwen3_5Model
@@ -23,6 +24,8 @@ from .qwen3_next import Qwen3NextModel
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": LlamaModel,
     "MistralForCausalLM": LlamaModel,
+    "Ministral3ForCausalLM": LlamaModel,  # Mistral's decoder (YaRN; its query temperature not built)
+    "Mistral3ForConditionalGeneration": Mistral3TextModel,  # its language model alone: served text-only
     "Qwen2ForCausalLM": LlamaModel,
     "Qwen3ForCausalLM": LlamaModel,
     "SmolLM3ForCausalLM": LlamaModel,  # with layers that have no rotary (ModelConfig.nope_layers)

@@ -13,7 +13,7 @@ from .moe import gguf_moe_fields
 from .rope import rope_settings
 
 
-def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+def hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     smollm3 = arch == "SmolLM3ForCausalLM"
     rope_theta, scaling, _ = rope_settings(d, 2_000_000.0 if smollm3 else 10000.0)
     window, layer_types = _attention_layers(d, arch)
@@ -105,7 +105,7 @@ FAMILY = ConfigFamily(
         "SmolLM3ForCausalLM",
         "GraniteForCausalLM",
     ),
-    hf_fields=_hf_fields,
+    hf_fields=hf_fields,
     model_types={
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",

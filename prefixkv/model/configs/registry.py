@@ -6,7 +6,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import bamba, falcon_h1, gemma, gpt_oss, granite_hybrid, lfm2, llama, mamba2, moe, olmo2, phi3, qwen3_next
+from . import (
+    bamba,
+    falcon_h1,
+    gemma,
+    gpt_oss,
+    granite_hybrid,
+    lfm2,
+    llama,
+    mamba2,
+    mistral3,
+    moe,
+    olmo2,
+    phi3,
+    qwen3_next,
+)
 from .common import gguf_common_fields, join_fields
 from .family import ConfigFamily
 
@@ -23,6 +37,7 @@ FAMILIES: tuple[ConfigFamily, ...] = (
     phi3.FAMILY,
     lfm2.FAMILY,
     granite_hybrid.FAMILY,
+    mistral3.FAMILY,
 )
 
 

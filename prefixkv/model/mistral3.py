@@ -1,0 +1,48 @@
+"""Mistral 3's vision-language checkpoints (transformers' Mistral3ForConditionalGeneration) served
+text-only: the Llama decoder over its language model (the checkpoints' language_model.model.* and
+language_model.lm_head, or transformers 5's model.language_model.* and lm_head); the Pixtral
+encoder and its projector (vision_tower.*, multi_modal_projector.*, under model. or not) are not
+loaded, and a request with images is refused (the engine's text-only path)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_LANGUAGE = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+
+
+class Mistral3TextModel(LlamaModel):
+    """LlamaModel, loading a vision-language checkpoint's language model."""
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_hf_weights(self._language_model(weights))
+
+    def _language_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        skipped = 0
+        for name, t in weights:
+            if name.startswith(_VISION):
+                skipped += 1
+                continue
+            for old, new in _LANGUAGE:
+                if name.startswith(old):
+                    name = new + name[len(old) :]
+                    break
+            yield name, t
+        if skipped:
+            logger.info(
+                "%s: its language model is served text-only; the vision encoder and projector (%d tensors) are "
+                "not loaded, and requests with images are refused",
+                self.config.architecture,
+                skipped,
+            )
