@@ -269,7 +269,7 @@ class StepGraphs:
             heads = model.config.num_attention_heads // model.config.num_key_value_heads
             tile_tokens = triton_kernels().prefill_tile_tokens(model.dtype, device.type == "cuda", heads)
             top = self.mixed_sizes[-1]
-            conv_kernel = model.config.ssm_conv_kernel if recurrent else None
+            conv_kernel = model.config.recurrent_conv_kernel if recurrent else None
             self.mixed = StaticMixedInputs(
                 top, min(max_seqs, top), max_blocks, block_size, tile_tokens, device, conv_kernel=conv_kernel
             )

@@ -282,6 +282,21 @@ class ModelConfig:
         convolutions)."""
         return self.ssm_state_size > 0 or self.linear_num_value_heads > 0 or self.short_conv_kernel > 0
 
+    @property
+    def recurrent_conv_kernel(self) -> int:
+        """The length of the causal conv kernel every recurrent layer runs (Mamba2's, the gated
+        delta net's or the short convolution's), which a step's fixed conv windows are sized by
+        (static_scan.py); 0 without recurrent layers."""
+        kernels = {
+            self.ssm_conv_kernel if kind in (MAMBA, HYBRID) else self.linear_conv_kernel if kind == LINEAR_ATTENTION
+            else self.short_conv_kernel
+            for kind in self.layer_types
+            if kind in RECURRENT_KINDS
+        }  # fmt: skip
+        if len(kernels) > 1:
+            raise ValueError(f"recurrent layers with conv kernels of {sorted(kernels)}: one length is supported")
+        return kernels.pop() if kernels else 0
+
     def is_recurrent_layer(self, i: int) -> bool:
         """Whether decoder layer i has a Mamba2 mixer, a gated delta net or a short convolution (a
         state per block)."""

@@ -90,7 +90,8 @@ def _family(name: str) -> Callable[[], Any]:
 
 
 FAMILIES = [
-    "llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next", "lora", "llava",
+    "llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next", "lfm2", "lfm2_moe",
+    "lora", "llava",
 ]  # fmt: skip
 # a request: (the prompt as generate takes it, its params, its adapter's name or None)
 Request = tuple[Any, SamplingParams, str | None]

@@ -4,7 +4,9 @@ shape follows the values (capture_safety.py) - what would make a capture fail, o
 the capture's values. Mixed steps replay by default wherever a card times them faster
 (engine/mixed_graph_choice.py), and none has been captured on a card yet: this is the check a CPU
 can make. One family a kind of layer: dense attention, KV-cache groups, routed experts, Mamba2
-beside attention, the gated delta net, LoRA rows and image rows; decode and mixed steps each."""
+beside attention, the gated delta net, the short convolution (a conv kernel of 3, where the
+others' is 4: the fixed conv windows take the model's), LoRA rows and image rows; decode and mixed
+steps each."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from ..model.triton_interpreter import device, kernels_module
 from .capture_safety import HostReads
 from .sweep_graphs import BLOCK, _checkpoint, _run
 
-FAMILIES = ["llama", "gemma3", "qwen3_moe", "falcon_h1", "qwen3_next", "lora", "llava"]
+FAMILIES = ["llama", "gemma3", "qwen3_moe", "falcon_h1", "qwen3_next", "lfm2", "lora", "llava"]
 
 
 def _triton_depth(monkeypatch: pytest.MonkeyPatch) -> list[int]:

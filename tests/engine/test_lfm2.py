@@ -175,3 +175,16 @@ def test_moe_logits_and_engine_match_transformers(tmp_path):
         ref = hf(input_ids=ids[None]).logits[0]
     torch.testing.assert_close(_chunked_logits(str(tmp_path), ids), ref, atol=1e-4, rtol=1e-4)
     assert_recurrent_engine_matches_transformers(str(tmp_path), hf, MAX_NEW)
+
+
+def test_recurrent_conv_kernel_is_the_layers_own():
+    """The fixed buffers' conv windows are sized by the model's recurrent conv kernel (LFM2: 3,
+    Mamba2 and the delta net: 4 by default); mixed lengths are refused."""
+    base = dict(architecture="Lfm2ForCausalLM", vocab_size=8, hidden_size=8, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, intermediate_size=8)  # fmt: skip
+    assert ModelConfig(**base, layer_types=["conv", "full_attention"], short_conv_kernel=3).recurrent_conv_kernel == 3
+    assert ModelConfig(**base).recurrent_conv_kernel == 0
+    mixed = ModelConfig(**{**base, "architecture": "BambaForCausalLM"}, layer_types=["mamba", "conv"],
+                        ssm_state_size=4, short_conv_kernel=3)  # fmt: skip
+    with pytest.raises(ValueError, match="conv kernels of \\[3, 4\\]"):
+        assert mixed.recurrent_conv_kernel
