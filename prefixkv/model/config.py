@@ -48,6 +48,10 @@ class ModelConfig:
     # {"rope_type": "longrope", "short_factor", "long_factor", "original_max_position_embeddings",
     #  optional "factor", "attention_factor"} (Phi-3: its short factors; `exact_context` below)
     rope_scaling: dict[str, Any] | None = None
+    # the rotary pairs each head's dimensions 2i and 2i + 1 (GPT-J's, GLM's, Ernie 4.5's), where
+    # transformers' Llama pairs i and i + rotary_dim / 2: q and k rows are reordered at load
+    # (LlamaModel.load_hf_weights) so that the one rotation serves both
+    rope_interleaved: bool = False
     # Llama 4's attention temperature (Ministral 3): queries times 1 + beta ln(1 + floor(position /
     # length)), which is 1 below `length`; not built, so the context stays below it (exact_context)
     query_temperature_length: int = 0

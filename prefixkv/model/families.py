@@ -8,6 +8,7 @@ import torch
 from .config import ModelConfig
 from .falcon_h1 import FalconH1Model
 from .gemma import GemmaModel
+from .glm4 import Glm4Model
 from .gpt_oss import GptOssModel
 from .granite import GraniteModel
 from .granite_hybrid import GraniteHybridModel
@@ -30,6 +31,8 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Qwen3ForCausalLM": LlamaModel,
     "SmolLM3ForCausalLM": LlamaModel,  # with layers that have no rotary (ModelConfig.nope_layers)
     "GraniteForCausalLM": GraniteModel,
+    "Ernie4_5ForCausalLM": LlamaModel,  # its interleaved rotary's q/k rows reordered at load
+    "Glm4ForCausalLM": Glm4Model,  # sandwich norms; likewise an interleaved rotary
     "Gemma2ForCausalLM": GemmaModel,
     "Gemma3ForCausalLM": GemmaModel,
     # the Llama decoder with model/moe.py's MLP

@@ -612,6 +612,8 @@ class LlamaModel(nn.Module):
                     put(pre + target, piece, rows, name)
                 continue
             kind = rest.rsplit(".", 1)[-1]  # weight / bias
+            if cfg.rope_interleaved and rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
+                t = pairs_to_halves(t, cfg.head_dim, cfg.rotary_dim)
             if rest.startswith("self_attn.q_proj."):
                 put(pre + "self_attn.qkv_proj." + kind, t, (0, q), name)
             elif rest.startswith("self_attn.k_proj."):
@@ -639,6 +641,18 @@ class LlamaModel(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def pairs_to_halves(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """q or k projection rows (or biases) [heads * head_dim, ...] with each head's rotating rows
+    reordered from pairs (2i, 2i + 1: an interleaved rotary's) to halves (i, i + rotary_dim / 2:
+    the rotary computed here). Attention reads q . k, which the same reordering of both leaves as
+    it was (up to the order of the sum), and v is not reordered."""
+    heads = t.shape[0] // head_dim
+    rows = t.reshape(heads, head_dim, *t.shape[1:])
+    rotating = rows[:, :rotary_dim]
+    reordered = torch.cat((rotating[:, 0::2], rotating[:, 1::2], rows[:, rotary_dim:]), dim=1)
+    return reordered.reshape(t.shape)
 
 
 class _DecodeLayers:

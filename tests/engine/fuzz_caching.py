@@ -44,7 +44,8 @@ from .fuzz_ahead import MAX_STEPS, close
 from .sweep_graphs import _family
 
 FAMILIES = [
-    "llama", "smollm3", "granite", "olmo2", "phi3", "olmo3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mamba2",
+    "llama", "smollm3", "granite", "olmo2", "phi3", "olmo3", "ernie4_5", "glm4", "gemma2", "gemma3", "qwen3_moe",
+    "gpt_oss", "mamba2",
     "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "granite_hybrid", "lora",
     "llava",
 ]  # fmt: skip

@@ -43,8 +43,11 @@ from ..model.triton_interpreter import device, kernels_module
 BLOCK = 8
 
 
+DENSE = ("llama", "qwen3", "qwen2", "mistral", "smollm3", "granite", "olmo2", "olmo3", "phi3", "ernie4_5", "glm4")
+
+
 def _family(name: str) -> Callable[[], Any]:
-    if name in ("llama", "qwen3", "qwen2", "mistral", "smollm3", "granite", "olmo2", "olmo3", "phi3"):
+    if name in DENSE:
         return lambda: make_dense(name)
     if name in ("gemma2", "gemma3"):
         from .test_hybrid_attention import _make as make_hybrid
@@ -90,8 +93,8 @@ def _family(name: str) -> Callable[[], Any]:
 
 
 FAMILIES = [
-    "llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next", "lfm2", "lfm2_moe",
-    "lora", "llava",
+    "llama", "qwen3", "ernie4_5", "glm4", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next",
+    "lfm2", "lfm2_moe", "lora", "llava",
 ]  # fmt: skip
 # a request: (the prompt as generate takes it, its params, its adapter's name or None)
 Request = tuple[Any, SamplingParams, str | None]

@@ -110,6 +110,12 @@ def _make(kind, **extra):
             rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16},
         )
         cls = tf.Olmo3ForCausalLM
+    elif kind == "ernie4_5":  # the interleaved rotary (pairs 2i, 2i + 1), tied embeddings
+        cfg = tf.Ernie4_5Config(**_common(head_dim=32, tie_word_embeddings=True, pad_token_id=None))
+        cls = tf.Ernie4_5ForCausalLM
+    elif kind == "glm4":  # sandwich norms, q/k/v biases, the interleaved rotary over half of each head
+        cfg = tf.Glm4Config(**_common(head_dim=32, pad_token_id=None))
+        cls = tf.Glm4ForCausalLM
     elif kind == "llama-bias":  # attention_bias: q/k/v and the output projection
         cfg = tf.LlamaConfig(**_common(attention_bias=True))
         cls = tf.LlamaForCausalLM
@@ -146,6 +152,8 @@ def _make(kind, **extra):
         "olmo2",
         "olmo3",
         "phi3",
+        "ernie4_5",
+        "glm4",
     ],
 )
 def test_hf_folder_matches_transformers(tmp_path, kind):
@@ -165,6 +173,10 @@ def test_hf_folder_matches_transformers(tmp_path, kind):
         assert lm.model.local_rotary is not None
     if kind == "smollm3":
         assert cfg.nope_layers == (1, 3) and cfg.tie_word_embeddings
+    if kind == "ernie4_5":
+        assert cfg.rope_interleaved and cfg.tie_word_embeddings
+    if kind == "glm4":
+        assert cfg.rope_interleaved and cfg.rotary_dim == 16 and cfg.attention_bias
     if kind == "llama-bias":
         assert cfg.attention_output_bias and hf.model.layers[0].self_attn.o_proj.bias is not None
     if kind.startswith("qwen3"):

@@ -14,6 +14,8 @@ from .rope import rope_settings
 
 
 def hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    if arch == "Ernie4_5ForCausalLM":
+        return _ernie_fields(d, arch)
     smollm3 = arch == "SmolLM3ForCausalLM"
     rope_theta, scaling, _ = rope_settings(d, 2_000_000.0 if smollm3 else 10000.0)
     window, layer_types = _attention_layers(d, arch)
@@ -37,6 +39,22 @@ def hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
             attention_multiplier=float(d.get("attention_multiplier", 1.0)),
             logits_scaling=float(d.get("logits_scaling", 1.0)),
         )
+    return fields
+
+
+def _ernie_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Ernie 4.5 (dense): the Llama decoder with GLM's interleaved rotary over each whole head
+    (computed in float32, as transformers does), biases on every projection or none (`use_bias`),
+    tied embeddings by default."""
+    d = {"head_dim": 128, "rms_norm_eps": 1e-5, **d}
+    if d.get("use_bias"):
+        raise ValueError(f"{arch} with use_bias=true is not supported")
+    rope_theta, scaling, _ = rope_settings(d, 500000.0)
+    check_silu(d, arch)
+    fields = hf_decoder_fields(
+        d, arch, rope_theta, scaling, None, [], attention_bias=False, qk_norm=False, tie_by_default=True
+    )
+    fields["rope_interleaved"] = True
     return fields
 
 
@@ -104,6 +122,7 @@ FAMILY = ConfigFamily(
         "Qwen3ForCausalLM",
         "SmolLM3ForCausalLM",
         "GraniteForCausalLM",
+        "Ernie4_5ForCausalLM",
     ),
     hf_fields=hf_fields,
     model_types={
@@ -113,6 +132,7 @@ FAMILY = ConfigFamily(
         "qwen3": "Qwen3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM",
         "granite": "GraniteForCausalLM",
+        "ernie4_5": "Ernie4_5ForCausalLM",
     },
     gguf_architectures={
         "llama": "LlamaForCausalLM",

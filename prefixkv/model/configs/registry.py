@@ -10,6 +10,7 @@ from . import (
     bamba,
     falcon_h1,
     gemma,
+    glm4,
     gpt_oss,
     granite_hybrid,
     lfm2,
@@ -38,6 +39,7 @@ FAMILIES: tuple[ConfigFamily, ...] = (
     lfm2.FAMILY,
     granite_hybrid.FAMILY,
     mistral3.FAMILY,
+    glm4.FAMILY,
 )
 
 
