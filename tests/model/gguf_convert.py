@@ -37,6 +37,7 @@ GGUF_ARCH = {
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "LlamaForCausalLM": "llama",
+    "Ernie4_5ForCausalLM": "ernie4_5",
     "Lfm2ForCausalLM": "lfm2",
     "Qwen3NextForCausalLM": "qwen3next",
     "Qwen3_5ForCausalLM": "qwen35",
@@ -66,7 +67,7 @@ def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
         w.add_ssm_group_count(d.get("n_groups") or 1)
         w.add_layer_norm_rms_eps(d.get("layer_norm_epsilon") or 1e-5)
         return
-    if g_arch in ("phi3", "olmo2", "granite", "smollm3", "llama"):
+    if g_arch in ("phi3", "olmo2", "granite", "smollm3", "llama", "ernie4_5"):
         _dense_metadata(w, d, g_arch)
         return
     if g_arch == "lfm2":  # TextModel, then LFM2Model: K/V heads per layer (0: a convolution)

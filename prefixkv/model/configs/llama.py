@@ -102,7 +102,9 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
         arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as "llama" with expert tensors
     fields = join_fields(gguf_decoder_fields(meta, tensor_names, g_arch, arch), experts)
     p = g_arch + "."
-    if g_arch == "smollm3":  # llama.cpp's fixed step: no rotary on every 4th layer (no key says)
+    if g_arch == "ernie4_5":  # its interleaved rotary (llama.cpp's NORM mode, the rows as transformers has them)
+        fields["rope_interleaved"] = True
+    elif g_arch == "smollm3":  # llama.cpp's fixed step: no rotary on every 4th layer (no key says)
         fields["nope_layers"] = tuple(i for i in range(int(meta[p + "block_count"])) if (i + 1) % 4 == 0)
     elif g_arch == "granite":  # llama.cpp's defaults where a key is missing (the scale: 1 / sqrt(head))
         fields.update(
@@ -141,6 +143,7 @@ FAMILY = ConfigFamily(
         "qwen3": "Qwen3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM",
         "granite": "GraniteForCausalLM",
+        "ernie4_5": "Ernie4_5ForCausalLM",
     },
     gguf_fields=_gguf_fields,
 )
