@@ -245,6 +245,13 @@ _GGUF_LAYER_MAPS = {
         "attn_qkv.weight": "self_attn.qkv_proj.weight",
         "ffn_up.weight": "mlp.gate_up_proj.weight",
     },
+    # GLM-4: a norm on each sublayer's output too; the MLP's gate and up in one tensor
+    "glm4": {
+        **_GGUF_LAYER_MAP,
+        "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+        "post_ffw_norm.weight": "post_mlp_layernorm.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
     # OLMo 2: norms after attention and after the MLP, none before
     "olmo2": {
         **_GGUF_LAYER_MAP,

@@ -83,7 +83,7 @@ _O200K = GGUFPreTokenizer((_O200K_SPLIT,))
 _QWEN35 = GGUFPreTokenizer((_QWEN35_SPLIT,))
 
 # The llama.cpp names implemented here. Others (deepseek-*, falcon, tekken, llama4, bloom,
-# chameleon, glm4, kimi-k2, ... and names llama.cpp does not know) are refused: llama.cpp itself
+# chameleon, kimi-k2, ... and names llama.cpp does not know) are refused: llama.cpp itself
 # falls back to "default" for an unknown name, which tokenizes such a model wrongly.
 GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
     "default": _DEFAULT,
@@ -97,7 +97,7 @@ GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
     **dict.fromkeys(
         ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"), _LLAMA3
     ),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_SPLIT_ONLY),
+    **dict.fromkeys(("dbrx", "smaug-bpe", "glm4", "chatglm-bpe"), _LLAMA3_SPLIT_ONLY),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"), _QWEN2),
     **dict.fromkeys(("gpt-4o", "minimax-m2"), _O200K),
     "qwen35": _QWEN35,

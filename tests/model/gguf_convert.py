@@ -38,6 +38,7 @@ GGUF_ARCH = {
     "SmolLM3ForCausalLM": "smollm3",
     "LlamaForCausalLM": "llama",
     "Ernie4_5ForCausalLM": "ernie4_5",
+    "Glm4ForCausalLM": "glm4",
     "Lfm2ForCausalLM": "lfm2",
     "Qwen3NextForCausalLM": "qwen3next",
     "Qwen3_5ForCausalLM": "qwen35",
@@ -67,7 +68,7 @@ def _metadata(w: Any, cfg: Any, g_arch: str) -> None:
         w.add_ssm_group_count(d.get("n_groups") or 1)
         w.add_layer_norm_rms_eps(d.get("layer_norm_epsilon") or 1e-5)
         return
-    if g_arch in ("phi3", "olmo2", "granite", "smollm3", "llama", "ernie4_5"):
+    if g_arch in ("phi3", "olmo2", "granite", "smollm3", "llama", "ernie4_5", "glm4"):
         _dense_metadata(w, d, g_arch)
         return
     if g_arch == "lfm2":  # TextModel, then LFM2Model: K/V heads per layer (0: a convolution)
@@ -155,6 +156,8 @@ def _dense_metadata(w: Any, d: dict[str, Any], g_arch: str) -> None:
     if g_arch in _PERMUTED:
         w.add_vocab_size(d["vocab_size"])
         w.add_rope_dimension_count(head)
+    if g_arch == "glm4":  # Glm4Model: rotary over a share of each head
+        w.add_rope_dimension_count(int(head * rope.get("partial_rotary_factor", 0.5)))
     if g_arch == "granite":
         w.add_attention_scale(d["attention_multiplier"])
         w.add_embedding_scale(d["embedding_multiplier"])

@@ -1,4 +1,4 @@
-"""GGUF files of Phi-3, OLMo 2, Granite, SmolLM3, Ernie 4.5 and Llama with attention biases, written from tiny
+"""GGUF files of Phi-3, OLMo 2, Granite, SmolLM3, Ernie 4.5, GLM-4 and Llama with attention biases, written from tiny
 random transformers checkpoints by llama.cpp's converter rules (gguf_convert.py): the config read
 back as llama.cpp reads it (Phi-3's partial rotary and LongRoPE factors, Granite's scales,
 SmolLM3's fixed NoPE step, OLMo 2's whole-projection q/k norms), logits over chunks and decodes
@@ -40,7 +40,7 @@ def make(kind: str):
     return m
 
 
-@pytest.mark.parametrize("kind", ["phi3", "olmo2", "granite", "smollm3", "llama-bias", "ernie4_5"])
+@pytest.mark.parametrize("kind", ["phi3", "olmo2", "granite", "smollm3", "llama-bias", "ernie4_5", "glm4"])
 def test_gguf_matches_transformers(tmp_path, kind):
     hf = make(kind)
     path = tmp_path / f"{kind}.gguf"
@@ -62,6 +62,8 @@ def test_gguf_matches_transformers(tmp_path, kind):
         assert not cfg.qk_norm
     if kind == "ernie4_5":  # its rows unpermuted in the file, reordered at load as from an HF folder
         assert cfg.rope_interleaved and cfg.tie_word_embeddings
+    if kind == "glm4":
+        assert cfg.rope_interleaved and cfg.rotary_dim == 16 and cfg.attention_bias
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (45,), generator=g).tolist()
     with torch.no_grad():
