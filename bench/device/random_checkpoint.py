@@ -7,7 +7,7 @@ they load any checkpoint.
     python3 bench/device/random_checkpoint.py OUT [--shape SHAPE] [--device cuda] [--layers N] [--byte-tokenizer]
 
 SHAPE: llama-1b (default), llama-3b, llama-8b, qwen2.5-0.5b, gemma3-1b, falcon-h1-0.5b, qwen3-next-small,
-gpt-oss-20b or tiny.
+gpt-oss-20b, lfm2-1.2b or tiny.
 
 The weights are drawn on --device (a GPU draws a 1B model's in well under a second) in bfloat16;
 --layers overrides the shape's depth (a CPU smoke with --layers 1).
@@ -135,6 +135,18 @@ SHAPES: dict[str, dict[str, object]] = {
         sliding_window=128,
         tie_word_embeddings=False,
     ),
+    # LFM2-1.2B: gated short convolutions, attention at six of sixteen layers, the MLP's width
+    # after LFM2's adjustment (12,288 -> 8,192)
+    "lfm2-1.2b": dict(
+        family="lfm2",
+        hidden_size=2048,
+        intermediate_size=12288,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        tie_word_embeddings=True,
+    ),
     "llama-8b": dict(
         hidden_size=4096,
         intermediate_size=14336,
@@ -190,10 +202,11 @@ def main() -> None:
         "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM),
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
     }[str(family)]
     # the rotary base where the family takes it so (the others keep their config's default)
     settings: dict[str, object] = dict(rope_theta=500000.0) if family in ("llama", "qwen2") else {}
-    settings["rms_norm_eps"] = 1e-5
+    settings["norm_eps" if family == "lfm2" else "rms_norm_eps"] = 1e-5
     settings.update(shape)
     config = config_class(
         vocab_size=vocab,
