@@ -25,18 +25,15 @@ from collections.abc import Iterator
 import numpy as np
 
 from .config import ModelConfig
+from .gguf_names import GGUF_GLOBAL_MAP, GGUF_LAYER_MAP
 
 DELTA_NET_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 
+# the Llama decoder's names (attention, MLPs, routed and shared experts), then the delta nets'
 _LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
+    **GGUF_LAYER_MAP,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",  # each head's query, then its gate
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
     "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_beta.weight": "linear_attn.in_proj_b.weight",
@@ -46,23 +43,6 @@ _LAYER = {
     "ssm_conv1d.weight": "linear_attn.conv1d.weight",
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
-    "ffn_up_exps.weight": "mlp.experts.up_proj",
-    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
-    "ffn_down_exps.weight": "mlp.experts.down_proj",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-}
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
 }
 _CENTRED = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -77,8 +57,8 @@ def delta_net_tensors_from_gguf(
     Hk, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
     r = config.linear_num_value_heads // Hk if Hk else 1
     for name, w in tensors:
-        if name in _GLOBAL:
-            yield _GLOBAL[name], (w - 1 if name == "output_norm.weight" else w)
+        if name in GGUF_GLOBAL_MAP:
+            yield GGUF_GLOBAL_MAP[name], (w - 1 if name == "output_norm.weight" else w)
             continue
         m = _BLOCK.match(name)
         if m is None:

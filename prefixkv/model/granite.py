@@ -27,20 +27,12 @@ class GraniteDecoderLayer(DecoderLayer):
         return next_norm.add_and_norm(h, self.mlp(x).mul_(m))
 
 
-class GraniteModel(LlamaModel):
-    """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, H]."""
+class GraniteScaling(LlamaModel):
+    """The embeddings times `embedding_multiplier` and the logits divided by `logits_scaling`, for
+    Granite 3 and (beside Bamba's layers) Granite 4; their layers' multiplied residual adds run
+    eager."""
 
     fused_decode_layout = False  # the fused decode kernel has no multipliers
-
-    def __init__(
-        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-    ) -> None:
-        if config.architecture != "GraniteForCausalLM":
-            raise ValueError(f"GraniteModel does not build {config.architecture}")
-        super().__init__(config, dtype=dtype, device=device)
-
-    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
-        return GraniteDecoderLayer(config, layer_idx)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids).mul_(self.config.embedding_multiplier)
@@ -51,3 +43,17 @@ class GraniteModel(LlamaModel):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.config.logits_scaling
+
+
+class GraniteModel(GraniteScaling):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, H]."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        if config.architecture != "GraniteForCausalLM":
+            raise ValueError(f"GraniteModel does not build {config.architecture}")
+        super().__init__(config, dtype=dtype, device=device)
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return GraniteDecoderLayer(config, layer_idx)

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .hybrid import HybridDecoderLayer, HybridModel, _state
+from .granite import GraniteScaling
+from .hybrid import HybridDecoderLayer, HybridModel
 from .layers import RMSNorm
+from .mamba2 import as_kv, as_state
 from .moe import build_mlp
 
 
@@ -30,10 +32,10 @@ class GraniteHybridDecoderLayer(HybridDecoderLayer):
     def forward(self, h, x, cos, sin, cache, meta, next_norm: RMSNorm):
         m = self.residual_multiplier
         if self.mamba is not None:
-            out = self.mamba(x, _state(cache), meta)
+            out = self.mamba(x, as_state(cache), meta)
         else:
             assert self.self_attn is not None
-            out = self.self_attn(x, cos, sin, cache, meta)
+            out = self.self_attn(x, cos, sin, as_kv(cache), meta)
         h, x = self.post_attention_layernorm.add_and_norm(h, out.mul_(m))
         return next_norm.add_and_norm(h, self.mlp(x).mul_(m))
 
@@ -51,7 +53,7 @@ _RENAMES = (
 _SHARED = re.compile(_LAYER + r"shared_mlp\.(input_linear|output_linear)\.weight$")
 
 
-class GraniteHybridModel(HybridModel):
+class GraniteHybridModel(GraniteScaling, HybridModel):
     """forward(input_ids [T], positions [T], caches, meta) -> final-normed hidden [T, H]."""
 
     def __init__(
@@ -63,16 +65,6 @@ class GraniteHybridModel(HybridModel):
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return GraniteHybridDecoderLayer(config, layer_idx)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().embed(input_ids).mul_(self.config.embedding_multiplier)
-
-    def static_layer_unsupported(self, layer: nn.Module) -> str | None:
-        return "Granite's multiplied residual adds (its own layers)"
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().compute_logits(hidden) / self.config.logits_scaling
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's names: the Mamba and attention layers as Bamba's, the router

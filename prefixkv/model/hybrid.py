@@ -12,7 +12,7 @@ state at the end of block k - 1 and attention's K/V of blocks 0..k-1 together.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -21,8 +21,8 @@ from torch import nn
 from .attention import AttentionMetadata
 from .config import ModelConfig
 from .layers import GatedMLP, RMSNorm
-from .llama import Attention, LlamaModel, static_mlp_unsupported
-from .mamba2 import Mamba2Mixer, RecurrentState
+from .llama import Attention, LlamaModel, renamed, static_mlp_unsupported
+from .mamba2 import Mamba2Mixer, as_kv, as_state
 
 
 class HybridDecoderLayer(nn.Module):
@@ -45,23 +45,15 @@ class HybridDecoderLayer(nn.Module):
         K/V tensor for an attention layer, the pair (K/V, RecurrentState) for a layer with both."""
         if self.mamba is not None and self.self_attn is not None:
             kv, state = cache
-            out = self.mamba(x, _state(state), meta)
-            out += self.self_attn(x, cos, sin, kv, meta)
+            out = self.mamba(x, as_state(state), meta)
+            out += self.self_attn(x, cos, sin, as_kv(kv), meta)
         elif self.mamba is not None:
-            out = self.mamba(x, _state(cache), meta)
+            out = self.mamba(x, as_state(cache), meta)
         else:
             assert self.self_attn is not None
-            if not isinstance(cache, torch.Tensor):
-                raise TypeError(f"an attention layer takes a K/V cache, not a {type(cache).__name__}")
-            out = self.self_attn(x, cos, sin, cache, meta)
+            out = self.self_attn(x, cos, sin, as_kv(cache), meta)
         h, x = self.post_attention_layernorm.add_and_norm(h, out)
         return next_norm.add_and_norm(h, self.mlp(x))
-
-
-def _state(cache: object) -> RecurrentState:
-    if not isinstance(cache, RecurrentState):
-        raise TypeError("a Mamba2 mixer takes a RecurrentState (per-block SSM and conv state), not a K/V cache")
-    return cache
 
 
 # transformers' Bamba names -> the Llama decoder's, whose loader fuses q/k/v and gate/up
@@ -104,11 +96,4 @@ class HybridModel(LlamaModel):
         """transformers' names (model.layers.N.{mamba.*, self_attn.*, feed_forward.*,
         input_layernorm, pre_ff_layernorm}, model.final_layernorm, lm_head); ValueError on an
         unknown name, a wrong shape or a missing one."""
-
-        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for pattern, to in _RENAMES:
-                    name = pattern.sub(to, name)
-                yield name, tensor
-
-        super().load_hf_weights(renamed())
+        super().load_hf_weights(renamed(weights, _RENAMES))

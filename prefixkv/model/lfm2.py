@@ -13,7 +13,7 @@ model/mamba2.py keeps Mamba2's, so a prefix hit of k blocks restores it at the e
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -21,8 +21,8 @@ from torch import nn
 from .attention import AttentionMetadata
 from .config import ModelConfig
 from .layers import RMSNorm
-from .llama import Attention, LlamaModel, static_mlp_unsupported
-from .mamba2 import RecurrentState, _plan, block_causal_conv
+from .llama import Attention, LlamaModel, renamed, static_mlp_unsupported
+from .mamba2 import RecurrentState, _plan, as_kv, as_state, block_causal_conv
 from .moe import SparseMoeBlock, build_mlp
 
 
@@ -61,14 +61,10 @@ class Lfm2DecoderLayer(nn.Module):
         the new stream and `next_norm` of it. `cache`: a RecurrentState for a convolution layer,
         the K/V tensor for an attention layer."""
         if self.conv is not None:
-            if not isinstance(cache, RecurrentState):
-                raise TypeError("a short convolution takes a RecurrentState (its conv state), not a K/V cache")
-            out = self.conv(x, cache, meta)
+            out = self.conv(x, as_state(cache), meta)
         else:
             assert self.self_attn is not None
-            if not isinstance(cache, torch.Tensor):
-                raise TypeError(f"an attention layer takes a K/V cache, not a {type(cache).__name__}")
-            out = self.self_attn(x, cos, sin, cache, meta)
+            out = self.self_attn(x, cos, sin, as_kv(cache), meta)
         h, x = self.post_attention_layernorm.add_and_norm(h, out)
         return next_norm.add_and_norm(h, self.mlp(x))
 
@@ -117,11 +113,4 @@ class Lfm2Model(LlamaModel):
         LFM2-MoE's feed_forward.{gate, experts.E.w1..., expert_bias}, operator_norm, ffn_norm},
         model.embedding_norm, lm_head); ValueError on an unknown name, a wrong shape or a missing
         one."""
-
-        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for pattern, to in _RENAMES:
-                    name = pattern.sub(to, name)
-                yield name, tensor
-
-        super().load_hf_weights(renamed())
+        super().load_hf_weights(renamed(weights, _RENAMES))

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -641,6 +641,18 @@ class LlamaModel(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def renamed(
+    weights: Iterable[tuple[str, torch.Tensor]], renames: Iterable[tuple[re.Pattern[str], str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under a family's names for them: each (pattern, replacement) of
+    `renames` applied to every name in turn."""
+    renames = tuple(renames)
+    for name, tensor in weights:
+        for pattern, to in renames:
+            name = pattern.sub(to, name)
+        yield name, tensor
 
 
 def pairs_to_halves(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:

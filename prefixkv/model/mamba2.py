@@ -45,6 +45,20 @@ class RecurrentState:
     block_size: int
 
 
+def as_state(cache: object) -> RecurrentState:
+    """A recurrent layer's cache as it must be: its per-block state, not a K/V tensor."""
+    if not isinstance(cache, RecurrentState):
+        raise TypeError(f"a recurrent layer takes a RecurrentState (its state per block), not a {type(cache).__name__}")
+    return cache
+
+
+def as_kv(cache: object) -> torch.Tensor:
+    """An attention layer's cache as it must be: its K/V tensor."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"an attention layer takes a K/V cache, not a {type(cache).__name__}")
+    return cache
+
+
 def recurrent_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per block and layer: the SSM state's shape and the conv state's."""
     conv_dim = config.ssm_intermediate_size + 2 * config.ssm_n_groups * config.ssm_state_size

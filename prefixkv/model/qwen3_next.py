@@ -22,7 +22,7 @@ from .gemma import GemmaRMSNorm
 from .layer_kinds import LINEAR_ATTENTION
 from .layers import RMSNorm, RotaryEmbedding
 from .llama import LlamaModel, static_mlp_unsupported
-from .mamba2 import RecurrentState
+from .mamba2 import as_kv, as_state
 from .moe import build_mlp
 
 
@@ -81,14 +81,10 @@ class Qwen3NextDecoderLayer(nn.Module):
         the new stream and `next_norm` of it. `cache`: a RecurrentState for a delta net layer, the
         K/V tensor for an attention layer."""
         if self.linear_attn is not None:
-            if not isinstance(cache, RecurrentState):
-                raise TypeError("a gated delta net layer takes a RecurrentState (per-block state), not a K/V cache")
-            out = self.linear_attn(x, cache, meta)
+            out = self.linear_attn(x, as_state(cache), meta)
         else:
             assert self.self_attn is not None
-            if not isinstance(cache, torch.Tensor):
-                raise TypeError(f"an attention layer takes a K/V cache, not a {type(cache).__name__}")
-            out = self.self_attn(x, cos, sin, cache, meta)
+            out = self.self_attn(x, cos, sin, as_kv(cache), meta)
         h, x = self.post_attention_layernorm.add_and_norm(h, out)
         return next_norm.add_and_norm(h, self.mlp(x))
 
