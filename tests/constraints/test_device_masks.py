@@ -30,6 +30,13 @@ def grammars(request, default_lm):
     return GrammarEngine(tok, default_lm.config.vocab_size, [tok.eos_token_id], request.param)
 
 
+def _allowed(mask: torch.Tensor, vocab: int) -> list[int]:
+    """The token ids a one-row bitmask allows (token t: bit t & 31 of word t >> 5), ascending; read
+    in one vectorised pass (a Python loop over the 49,152 ids took ~0.2 s a call)."""
+    ids = torch.arange(vocab)
+    return ids[((mask[0, ids >> 5] >> (ids & 31)) & 1).bool()].tolist()
+
+
 def _batch(seed: int, grammars: GrammarEngine, tok, vocab: int):
     """Rows of random constraints, some walked a few tokens into their grammar (booked), the
     last of them pending where `ahead`; with params, output ids and blocked EOS ids."""
@@ -46,7 +53,7 @@ def _batch(seed: int, grammars: GrammarEngine, tok, vocab: int):
             mask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
             for _ in range(rng.randrange(4)):
                 grammar.fill(mask)
-                allowed = [t for t in range(vocab) if (int(mask[0, t >> 5]) >> (t & 31)) & 1]
+                allowed = _allowed(mask, vocab)
                 token = rng.choice(allowed)
                 if token == tok.eos_token_id:
                     break
@@ -117,7 +124,7 @@ def test_masks_draw_what_host_edits_draw(grammars, default_lm, seed):
             continue
         mask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
         c.grammar.fill(mask)
-        allowed = [t for t in range(vocab) if (int(mask[0, t >> 5]) >> (t & 31)) & 1]
+        allowed = _allowed(mask, vocab)
         going_on = [t for t in allowed if t != tok.eos_token_id]  # a grammar ended draws nothing more
         pending.append(random.Random(seed).choice(going_on) if going_on else None)
     want = _draw(rows, logits, seed, False, pending)
@@ -187,7 +194,7 @@ def test_one_batch_fill_equals_each_grammar_filled_alone(grammars, default_lm, s
     for c, *_ in rows:  # a token in flight for every other row: the first one its grammar allows
         alone = torch.zeros((1, words), dtype=torch.int32)
         c.grammar.fill(alone)
-        allowed = [t for t in range(vocab) if (int(alone[0, t >> 5]) >> (t & 31)) & 1 and t != tok.eos_token_id]
+        allowed = [t for t in _allowed(alone, vocab) if t != tok.eos_token_id]
         pending.append(allowed[:1] if len(pending) % 2 and allowed else [])
     batch = torch.full((len(rows) + 2, words), 7, dtype=torch.int32)
     at = [i + 2 for i in range(len(rows))][::-1]  # rows of the bitmask out of order

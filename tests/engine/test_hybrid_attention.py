@@ -278,7 +278,7 @@ def test_kv_cache_groups_free_out_of_window_blocks_and_keep_every_output(tmp_pat
     assert held[False] == 11 * 6 and held[True] <= 11 + 5 * 3
 
 
-@pytest.mark.slow(seconds=10)
+@pytest.mark.slow(seconds=5)
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen2"])
 def test_hybrid_decode_steps_replay_over_fixed_buffers(tmp_path, monkeypatch, kind):
     """Decode steps (and for Gemma 3 mixed steps: prompt chunks beside decodes, cudagraph_mode FULL)

@@ -28,7 +28,7 @@ def llama_adapters(tmp_path_factory):
     return Fixture("llama", tmp_path_factory.mktemp("lora-graphs"))
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=12)
 def test_adapters_in_replayed_steps_match_peft(llama_adapters, static_graphs):
     fx = llama_adapters
     llm = LLM(

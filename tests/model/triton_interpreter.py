@@ -85,3 +85,85 @@ def _interpreter_without_repeated_work() -> None:
 
     device_call.patched_once = True  # type: ignore[attr-defined]
     interpreter.InterpretedFunction.__call__ = device_call
+    _shapes_built_once()
+
+
+def _shapes_built_once() -> None:
+    """What Triton's front end builds anew at every operation of an interpreted kernel - where a
+    compiled kernel builds it once, at compile time - built once per shape (a third of the time of
+    a test running the attention kernels went to it):
+
+    - a block type's shape, element count and name (`block_type.__init__`: the shape is made a
+      `triton.language.tuple`, which types each of its elements);
+    - a tensor's shape as a tuple of `constexpr`s and its element count (`tensor.__init__`);
+    - the NumPy type of a Triton type (the interpreter's `_get_np_dtype` builds its whole table).
+
+    The same objects as before, shared between the types and tensors of one shape (the front end
+    never changes a shape in place); types whose element type is not hashable (nested pointers)
+    are built as before."""
+    import builtins
+    import math
+
+    from triton.language import core
+
+    if getattr(core.block_type.__init__, "built_once", False):
+        return
+    block_init = core.block_type.__init__
+    blocks: dict[object, tuple[object, int, str]] = {}
+
+    def element_key(ty: object) -> object:
+        if isinstance(ty, core.pointer_type):  # equal by value, but not hashable
+            return ("ptr", element_key(ty.element_ty), ty.address_space, ty.const)
+        hash(ty)
+        return ty
+
+    def block_type_init(self, element_ty, shape):  # type: ignore[no-untyped-def]
+        try:
+            # each dimension with its type: a dimension Triton would refuse is never taken from the cache
+            dims = builtins.tuple(
+                (type(s), s) for s in (d.value if isinstance(d, core.constexpr) else d for d in shape)
+            )
+            key = (element_key(element_ty), dims)
+        except TypeError:
+            block_init(self, element_ty, shape)
+            return
+        built = blocks.get(key)
+        if built is None:
+            block_init(self, element_ty, shape)
+            blocks[key] = (self.shape, self.numel, self.name)
+        else:
+            self.element_ty = element_ty
+            self.shape, self.numel, self.name = built
+
+    shapes: dict[builtins.tuple[int, ...], tuple[object, object]] = {}
+
+    def tensor_init(self, handle, type):  # type: ignore[no-untyped-def]
+        # tensor.__init__ of Triton 3.x with the shape's constexpr tuple and count built once per shape
+        self.handle = handle
+        dims = builtins.tuple(type.shape) if type.is_block() else ()
+        built = shapes.get(dims)
+        if built is None:
+            built = shapes[dims] = (core.tuple([core.constexpr(s) for s in dims]), core.constexpr(math.prod(dims)))
+        self.shape, self.numel = built
+        self.type = type
+        self.dtype = type.scalar
+
+    from triton.runtime import interpreter
+
+    np_dtype = interpreter._get_np_dtype  # builds its table of types at every call
+    np_dtypes: dict[object, object] = {}
+
+    def get_np_dtype(tt_dtype):  # type: ignore[no-untyped-def]
+        if isinstance(tt_dtype, core.block_type):  # its elements' type (not hashable itself)
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, core.pointer_type):
+            return np_dtype(tt_dtype)
+        found = np_dtypes.get(tt_dtype)
+        if found is None:
+            found = np_dtypes[tt_dtype] = np_dtype(tt_dtype)
+        return found
+
+    block_type_init.built_once = True  # type: ignore[attr-defined]
+    core.block_type.__init__ = block_type_init
+    core.tensor.__init__ = tensor_init
+    interpreter._get_np_dtype = get_np_dtype

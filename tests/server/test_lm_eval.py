@@ -78,6 +78,9 @@ def test_lm_eval_local_completions_equals_hf_backend(make_server, hf_folder, mon
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.chdir(ROOT)
+    # each evaluation's environment report (torch's collect_env: a `pip list` process, ~1 CPU-s
+    # apiece) is read by nothing here
+    monkeypatch.setattr("lm_eval.evaluator.add_env_info", lambda results: None)
     # the stage-output cache lets the scoring requests read the shared few-shot prefix back
     server = make_server("--served-model-name", MODEL, "--enable-stage-output-cache")
     client = {
