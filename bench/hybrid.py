@@ -232,6 +232,13 @@ def write_checkpoint(folder: Path, window: int, family: str = "gemma3") -> dict:
         for name, p in model.named_parameters():
             p.copy_((0.1 if "norm" in name else 0.05) * torch.randn_like(p))
     model.save_pretrained(folder, safe_serialization=True)
+    if family == "lfm2":  # the released configs' keys that transformers 5 no longer writes and vLLM reads
+        d = json.loads((folder / "config.json").read_text())
+        d.update(
+            conv_dim=d["hidden_size"], conv_dim_out=d["hidden_size"], block_dim=d["hidden_size"],
+            block_ff_dim=d["intermediate_size"], full_attn_idxs=BAMBA_ATTENTION, rope_theta=1000000.0,
+        )  # fmt: skip
+        (folder / "config.json").write_text(json.dumps(d))
     vocab = {ch: i for i, ch in enumerate(sorted(_bytes_to_unicode().values()))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -225,6 +225,11 @@ def main() -> None:
         torch.set_default_dtype(default_dtype)
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out, safe_serialization=True)
+    if family == "lfm2":  # the released configs' keys that transformers 5 no longer writes and vLLM reads
+        d = json.loads((out / "config.json").read_text())
+        d.update(conv_dim=d["hidden_size"], conv_dim_out=d["hidden_size"], block_dim=d["hidden_size"])
+        d["block_ff_dim"] = d["intermediate_size"]
+        (out / "config.json").write_text(json.dumps(d, indent=2))
     print(
         f"{args.shape}{f' ({args.layers} layers)' if args.layers else ''}: {params / 1e9:.2f}B parameters, "
         f"bfloat16, written to {out} in {time.perf_counter() - start:.1f} s",
