@@ -108,9 +108,9 @@ def gguf_decoder_fields(
 def gguf_rope_scaling(meta: dict[str, Any], p: str) -> dict[str, Any] | None:
     """The rotary scaling of a GGUF file's metadata in transformers' terms: linear, or YaRN with
     its factor, original context and betas (llama.cpp rounds YaRN's correction range outward, as
-    transformers' default `truncate` does). YaRN's attention or extrapolation factors and log
-    multiplier are refused: llama.cpp multiplies its own mscale by them, where transformers'
-    `attention_factor` replaces it, so no reading of them is safe."""
+    transformers' default `truncate` does). YaRN's attention factor and log multiplier are refused
+    (llama.cpp multiplies its own mscale by them, where transformers' `attention_factor` replaces
+    it, so no reading of them is safe), and so is an extrapolation factor other than 1."""
     stype = meta.get(p + "rope.scaling.type")
     if stype in (None, "none"):
         return None
