@@ -5,9 +5,6 @@ before each sublayer and another on its output before the residual add."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
-import torch
 from torch import nn
 
 from .config import ModelConfig
@@ -47,19 +44,3 @@ class Glm4Model(LlamaModel):
         if type(layer) is not Glm4DecoderLayer:
             return f"{type(layer).__name__} layers"
         return static_mlp_unsupported(layer.mlp, self.dtype)
-
-    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """transformers' names, the MLP's fused gate_up_proj (gate rows first) split into the two
-        pieces the loader places."""
-        I = self.config.intermediate_size
-
-        def split() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in weights:
-                if name.endswith(".mlp.gate_up_proj.weight"):
-                    stem = name[: -len("gate_up_proj.weight")]
-                    yield stem + "gate_proj.weight", t[:I]
-                    yield stem + "up_proj.weight", t[I:]
-                else:
-                    yield name, t
-
-        super().load_hf_weights(split())

@@ -8,7 +8,7 @@ expert ungated). Attention has no rotary where `position_embedding_type` is not 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .granite import GraniteScaling
 from .hybrid import HybridDecoderLayer, HybridModel
 from .layers import RMSNorm
+from .llama import renamed
 from .mamba2 import as_kv, as_state
 from .moe import build_mlp
 
@@ -41,7 +42,7 @@ class GraniteHybridDecoderLayer(HybridDecoderLayer):
 
 
 _LAYER = r"^(model\.layers\.\d+)\."
-# transformers' names -> the Llama decoder's (the shared MLP's fused gate/up is split below)
+# transformers' names -> the Llama decoder's (the shared MLP's, which depend on the experts, below)
 # (the checkpoints' names - router.layer, input_linear [E, 2I, H] gate rows first, output_linear -
 # and transformers 5's in memory)
 _RENAMES = (
@@ -50,7 +51,6 @@ _RENAMES = (
     (re.compile(_LAYER + r"block_sparse_moe\.output_linear\.weight$"), r"\1.mlp.experts.down_proj"),
     (re.compile(_LAYER + r"block_sparse_moe\.experts\."), r"\1.mlp.experts."),
 )
-_SHARED = re.compile(_LAYER + r"shared_mlp\.(input_linear|output_linear)\.weight$")
 
 
 class GraniteHybridModel(GraniteScaling, HybridModel):
@@ -72,22 +72,10 @@ class GraniteHybridModel(GraniteScaling, HybridModel):
         [E, 2I, H], gate rows first, and output_linear) and the shared MLP
         (shared_mlp.input_linear, gate rows then up rows, and output_linear): the shared expert
         beside routed experts, the layer's dense MLP without them."""
-        shared = "mlp.shared_expert." if self.config.num_experts else "mlp."
-
-        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                m = _SHARED.match(name)
-                if m is not None:
-                    prefix = f"{m.group(1)}.{shared}"
-                    if m.group(2) == "output_linear":
-                        yield prefix + "down_proj.weight", tensor
-                    else:
-                        gate, up = tensor.chunk(2)
-                        yield prefix + "gate_proj.weight", gate
-                        yield prefix + "up_proj.weight", up
-                    continue
-                for pattern, to in _RENAMES:
-                    name = pattern.sub(to, name)
-                yield name, tensor
-
-        super().load_hf_weights(renamed())
+        shared = "mlp.shared_expert" if self.config.num_experts else "mlp"
+        renames = (
+            *_RENAMES,
+            (re.compile(_LAYER + r"shared_mlp\.input_linear\."), rf"\1.{shared}.gate_up_proj."),
+            (re.compile(_LAYER + r"shared_mlp\.output_linear\."), rf"\1.{shared}.down_proj."),
+        )
+        super().load_hf_weights(renamed(weights, renames))

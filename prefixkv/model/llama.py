@@ -556,9 +556,9 @@ class LlamaModel(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing
-        q/k/v and gate/up. Raises ValueError on unknown names, shape mismatches or
-        missing tensors."""
+        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and
+        gate/up (a checkpoint's own fused gate_up_proj, gate rows first, is taken whole). Raises
+        ValueError on unknown names, shape mismatches or missing tensors."""
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         I = cfg.intermediate_size
@@ -624,6 +624,10 @@ class LlamaModel(nn.Module):
                 put(pre + "mlp.gate_up_proj.weight", t, (0, I), name)
             elif rest == "mlp.up_proj.weight":
                 put(pre + "mlp.gate_up_proj.weight", t, (I, 2 * I), name)
+            elif rest.endswith("gate_up_proj.weight"):  # fused as this model holds it: gate rows, then up
+                half = t.shape[0] // 2
+                put(pre + rest, t[:half], (0, half), name)
+                put(pre + rest, t[half:], (half, 2 * half), name)
             else:
                 put(pre + rest, t, src=name)
 

@@ -11,7 +11,7 @@ import torch
 
 from .llama import LlamaModel
 
-_FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.)self_attn\.qkv_proj\.weight$")
 
 
 class Phi3Model(LlamaModel):
@@ -28,15 +28,7 @@ class Phi3Model(LlamaModel):
             if m is None:
                 yield name, t
                 continue
-            prefix, kind = m.group(1), m.group(2)
-            if kind == "self_attn.qkv_proj":
-                if t.shape[0] != q + 2 * kv:
-                    raise ValueError(f"{name}: {t.shape[0]} rows, expected {q + 2 * kv} (q, k, v)")
-                for part, rows in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
-                    yield f"{prefix}self_attn.{part}.weight", rows
-            else:
-                if t.shape[0] != 2 * cfg.intermediate_size:
-                    raise ValueError(f"{name}: {t.shape[0]} rows, expected {2 * cfg.intermediate_size} (gate, up)")
-                gate, up = t.chunk(2)
-                yield f"{prefix}mlp.gate_proj.weight", gate
-                yield f"{prefix}mlp.up_proj.weight", up
+            if t.shape[0] != q + 2 * kv:
+                raise ValueError(f"{name}: {t.shape[0]} rows, expected {q + 2 * kv} (q, k, v)")
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
+                yield f"{m.group(1)}self_attn.{part}.weight", rows
