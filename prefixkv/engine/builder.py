@@ -402,17 +402,17 @@ def _max_model_len(
     capacity = num_blocks * bs
     if kv_groups is not None:  # a request holds a block table per group
         capacity = kv_groups.max_tokens(num_blocks, config.max_num_batched_tokens, bs)
-    exact, why = model_config.exact_context, model_config.exact_context_reason
-    if exact is not None and (config.max_model_len or 0) > exact:
+    bound = model_config.exact_context_bound
+    if bound is not None and (config.max_model_len or 0) > bound[0]:
         raise ValueError(
-            f"max_model_len={config.max_model_len} is past this model's {why.split(':')[0]} ({exact} tokens): "
-            f"{why.split(': ', 1)[1]}; use max_model_len <= {exact}"
+            f"max_model_len={config.max_model_len} is past this model's {bound[1]} ({bound[0]} tokens): "
+            f"{bound[2]}; use max_model_len <= {bound[0]}"
         )
     if config.max_model_len is None:
         longest = model_config.max_position_embeddings
-        if exact is not None and exact < longest:
-            logger.info("max_model_len %d: this model's %s (max_position_embeddings says %d)", exact, why, longest)
-            longest = exact
+        if bound is not None and bound[0] < longest:
+            logger.info("max_model_len %d: this model's %s (%s; max_position_embeddings says %d)", *bound, longest)
+            longest = bound[0]
         return min(longest, capacity)
     if config.max_model_len > capacity:
         held = f"{num_blocks} blocks x {bs} = {capacity} tokens"

@@ -236,30 +236,32 @@ class ModelConfig:
 
     @property
     def exact_context(self) -> int | None:
-        """The longest context whose outputs are the reference's, where a model has one: LongRoPE
-        rotates by its short factors up to `original_max_position_embeddings` and, in
-        transformers, by its long ones for every position once a sequence is longer - which would
-        change the rotation of keys already cached; prefixkv builds the short ones only. Llama 4's
-        query temperature is 1 below its length, and is not built."""
-        return self._exact_context()[0]
+        """The longest context whose outputs are the reference's, where a model has one
+        (`exact_context_bound`)."""
+        bound = self.exact_context_bound
+        return None if bound is None else bound[0]
 
     @property
-    def exact_context_reason(self) -> str:
-        """Why `exact_context` bounds the context, for messages."""
-        return self._exact_context()[1]
-
-    def _exact_context(self) -> tuple[int | None, str]:
+    def exact_context_bound(self) -> tuple[int, str, str] | None:
+        """(length, what bounds it, why), where a model's outputs are the reference's only below a
+        length: LongRoPE rotates by its short factors up to `original_max_position_embeddings` and,
+        in transformers, by its long ones for every position once a sequence is longer - which
+        would change the rotation of keys already cached; prefixkv builds the short ones only.
+        Llama 4's query temperature is 1 below its length, and is not built."""
         rs = self.rope_scaling
         if rs is not None and rs["rope_type"] == "longrope":
-            return int(rs["original_max_position_embeddings"]), (
-                "LongRoPE original context: its long factors, which transformers switches every position to "
-                "for a longer sequence, are not built"
+            return (
+                int(rs["original_max_position_embeddings"]),
+                "LongRoPE original context",
+                "its long factors, which transformers switches every position to for a longer sequence, are not built",
             )
         if self.query_temperature_length:
-            return self.query_temperature_length, (
-                "attention temperature's length: Llama 4's query scaling, 1 below it, is not built"
+            return (
+                self.query_temperature_length,
+                "attention temperature's length",
+                "Llama 4's query scaling, 1 below it, is not built",
             )
-        return None, ""
+        return None
 
     @property
     def num_queries_per_kv(self) -> int:
