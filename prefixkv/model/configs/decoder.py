@@ -136,3 +136,29 @@ def gguf_rope_scaling(meta: dict[str, Any], p: str) -> dict[str, Any] | None:
         if meta.get(p + key) is not None:
             scaling[name] = float(meta[p + key])
     return scaling
+
+
+def gguf_layers_with_attention(meta: dict[str, Any], g_arch: str) -> tuple[dict[str, Any], list[bool]]:
+    """A hybrid's GGUF metadata with its per-layer `attention.head_count_kv` (0 on a layer without
+    attention: LFM2's convolutions, Granite 4's mixers) as the one count of its attention layers,
+    and which layers have attention; ValueError for counts that differ between layers."""
+    p = g_arch + "."
+    n = int(meta[p + "block_count"])
+    per_layer = meta.get(p + "attention.head_count_kv")
+    kv = list(per_layer) if isinstance(per_layer, (list, tuple)) else [per_layer] * n
+    counts = {int(k) for k in kv if k}
+    if len(kv) != n or len(counts) > 1:
+        raise ValueError(f"GGUF {p}attention.head_count_kv={per_layer!r}: expected a count per layer, one nonzero")
+    return {**meta, p + "attention.head_count_kv": counts.pop() if counts else 1}, [bool(k) for k in kv]
+
+
+def gguf_granite_scales(meta: dict[str, Any], g_arch: str, head_dim: int) -> dict[str, float]:
+    """Granite's four multipliers from a GGUF file's scales (Granite 3 and 4), llama.cpp's defaults
+    where a key is missing (the attention's: 1 / sqrt(head))."""
+    p = g_arch + "."
+    return dict(
+        embedding_multiplier=float(meta.get(p + "embedding_scale") or 1.0),
+        residual_multiplier=float(meta.get(p + "residual_scale") or 1.0),
+        attention_multiplier=float(meta.get(p + "attention.scale") or head_dim**-0.5),
+        logits_scaling=float(meta.get(p + "logit_scale") or 1.0),
+    )

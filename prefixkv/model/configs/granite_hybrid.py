@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..layer_kinds import FULL_ATTENTION, MAMBA
-from .decoder import gguf_decoder_fields
+from .decoder import gguf_decoder_fields, gguf_granite_scales, gguf_layers_with_attention
 from .family import ConfigFamily
 from .mamba2 import hf_hybrid_fields
 
@@ -61,14 +61,8 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
     llama.cpp's defaults where one is missing; routed experts and the ungated shared MLP
     (`expert_shared_feed_forward_length`), or that MLP alone without experts."""
     p = g_arch + "."
-    n = int(meta[p + "block_count"])
-    per_layer = meta.get(p + "attention.head_count_kv")
-    kv = list(per_layer) if isinstance(per_layer, (list, tuple)) else [per_layer] * n
-    attention_kv = {int(k) for k in kv if k}
-    if len(kv) != n or len(attention_kv) > 1:
-        raise ValueError(f"GGUF {p}attention.head_count_kv={per_layer!r}: expected a count per layer, one nonzero")
-    layer_types = [FULL_ATTENTION if k else MAMBA for k in kv]
-    scalar = {**meta, p + "attention.head_count_kv": attention_kv.pop() if attention_kv else 1}
+    scalar, attention = gguf_layers_with_attention(meta, g_arch)
+    layer_types = [FULL_ATTENTION if a else MAMBA for a in attention]
     fields = gguf_decoder_fields(scalar, tensor_names, g_arch, arch)
     mamba = [i for i, k in enumerate(layer_types) if k == MAMBA]
     if mamba:
@@ -91,10 +85,7 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
     fields.update(
         layer_types=layer_types,
         nope_layers=() if rope else tuple(i for i, k in enumerate(layer_types) if k == FULL_ATTENTION),
-        embedding_multiplier=float(meta.get(p + "embedding_scale") or 1.0),
-        residual_multiplier=float(meta.get(p + "residual_scale") or 1.0),
-        attention_multiplier=float(meta.get(p + "attention.scale") or fields["head_dim"] ** -0.5),
-        logits_scaling=float(meta.get(p + "logit_scale") or 1.0),
+        **gguf_granite_scales(meta, g_arch, fields["head_dim"]),
         intermediate_size=shared if not experts else fields["intermediate_size"],
         num_experts=experts,
         num_experts_per_tok=int(meta.get(p + "expert_used_count") or 0) if experts else 0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..layer_kinds import FULL_ATTENTION, SHORT_CONV
-from .decoder import gguf_decoder_fields, hf_decoder_fields
+from .decoder import gguf_decoder_fields, gguf_layers_with_attention, hf_decoder_fields
 from .family import ConfigFamily
 from .rope import rope_settings
 
@@ -56,18 +56,11 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
     0 on a convolution layer; the convolution's length `shortconv.l_cache`; the MLP's width
     already adjusted."""
     p = g_arch + "."
-    n = int(meta[p + "block_count"])
-    per_layer = meta.get(p + "attention.head_count_kv")
-    kv = list(per_layer) if isinstance(per_layer, (list, tuple)) else [per_layer] * n
-    attention_kv = {int(k) for k in kv if k}
-    if len(kv) != n or len(attention_kv) != 1:
-        raise ValueError(
-            f"GGUF {p}attention.head_count_kv={per_layer!r}: expected one count per layer, one nonzero value"
-        )
-    fields = gguf_decoder_fields(
-        {**meta, p + "attention.head_count_kv": attention_kv.pop()}, tensor_names, g_arch, arch
-    )
-    layer_types = [FULL_ATTENTION if k else SHORT_CONV for k in kv]
+    scalar, attention = gguf_layers_with_attention(meta, g_arch)
+    if not any(attention):
+        raise ValueError(f"GGUF {p}attention.head_count_kv: no attention layer")
+    fields = gguf_decoder_fields(scalar, tensor_names, g_arch, arch)
+    layer_types = [FULL_ATTENTION if a else SHORT_CONV for a in attention]
     conv_layer = layer_types.index(SHORT_CONV) if SHORT_CONV in layer_types else 0
     fields.update(
         layer_types=layer_types,

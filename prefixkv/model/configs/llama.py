@@ -7,7 +7,14 @@ from typing import Any
 
 from ..layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION
 from .common import join_fields
-from .decoder import check_silu, every_layer_slides, gguf_decoder_fields, hf_decoder_fields, window_if_sliding
+from .decoder import (
+    check_silu,
+    every_layer_slides,
+    gguf_decoder_fields,
+    gguf_granite_scales,
+    hf_decoder_fields,
+    window_if_sliding,
+)
 from .family import ConfigFamily
 from .moe import gguf_moe_fields
 from .rope import rope_settings
@@ -106,13 +113,8 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
         fields["rope_interleaved"] = True
     elif g_arch == "smollm3":  # llama.cpp's fixed step: no rotary on every 4th layer (no key says)
         fields["nope_layers"] = tuple(i for i in range(int(meta[p + "block_count"])) if (i + 1) % 4 == 0)
-    elif g_arch == "granite":  # llama.cpp's defaults where a key is missing (the scale: 1 / sqrt(head))
-        fields.update(
-            embedding_multiplier=float(meta.get(p + "embedding_scale") or 1.0),
-            residual_multiplier=float(meta.get(p + "residual_scale") or 1.0),
-            attention_multiplier=float(meta.get(p + "attention.scale") or fields["head_dim"] ** -0.5),
-            logits_scaling=float(meta.get(p + "logit_scale") or 1.0),
-        )
+    elif g_arch == "granite":
+        fields.update(gguf_granite_scales(meta, g_arch, fields["head_dim"]))
     return fields
 
 
