@@ -19,13 +19,12 @@ What llama.cpp's converter (Qwen3NextModel and its Qwen3.5 subclasses) changed, 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import numpy as np
 
 from .config import ModelConfig
-from .gguf_names import GGUF_GLOBAL_MAP, GGUF_LAYER_MAP
+from .gguf_names import BLOCK_TENSOR, GGUF_GLOBAL_MAP, GGUF_LAYER_MAP
 
 DELTA_NET_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 
@@ -45,7 +44,6 @@ _LAYER = {
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
 _CENTRED = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def delta_net_tensors_from_gguf(
@@ -60,7 +58,7 @@ def delta_net_tensors_from_gguf(
         if name in GGUF_GLOBAL_MAP:
             yield GGUF_GLOBAL_MAP[name], (w - 1 if name == "output_norm.weight" else w)
             continue
-        m = _BLOCK.match(name)
+        m = BLOCK_TENSOR.match(name)
         if m is None:
             raise ValueError(f"unsupported GGUF tensor {name!r} in a {g_arch} file")
         layer, rest = int(m.group(1)), m.group(2)

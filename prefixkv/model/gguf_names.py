@@ -126,13 +126,13 @@ GGUF_LAYER_MAPS = {
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
 }
-_BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def gguf_to_hf_name(name: str, g_arch: str = "llama") -> str | None:
     """The transformers name of GGUF tensor `name` in a file of `general.architecture` `g_arch`;
     None for a tensor the model does not read; ValueError for one it cannot place."""
-    m = _BLK_RE.match(name)
+    m = BLOCK_TENSOR.match(name)
     if g_arch == "mamba2":
         if name in _GGUF_MAMBA2_GLOBAL_MAP:
             return _GGUF_MAMBA2_GLOBAL_MAP[name]
