@@ -86,11 +86,19 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each routed expert's intermediate size
     norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to one
     # the router: each expert's score a softmax over the logits (Qwen, Mixtral) or its sigmoid
-    # (LFM2-MoE); the top k chosen by score plus a learned per-expert bias where
-    # `router_selection_bias` (the weights stay the scores); the renormalised weights' sum plus
-    # `router_norm_epsilon`, and the weights times `routed_scaling_factor`
+    # (LFM2-MoE, GLM-4.5, MiniMax-M2); the top k chosen by score plus a learned per-expert bias where
+    # `router_selection_bias` (the weights stay the scores), among the experts of the
+    # `router_topk_groups` best of `router_num_groups` equal groups (a group's worth: its two best
+    # scores; GLM-4.5's and DeepSeek-V3's group-limited choice); the renormalised weights' sum plus
+    # `router_norm_epsilon`, and the weights times `routed_scaling_factor`. The logits in float32
+    # (x and the router's weight cast: GLM-4.5) or the model's dtype; a sigmoid's scores in
+    # float32 (MiniMax-M2, GLM-4.5) or the logits' dtype (LFM2-MoE); a softmax's always in float32
     router_scoring: str = "softmax"
     router_selection_bias: bool = False
+    router_num_groups: int = 1
+    router_topk_groups: int = 1
+    router_logits_float32: bool = False
+    router_scores_float32: bool = False
     router_norm_epsilon: float = 0.0
     routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one, gated)
@@ -181,6 +189,18 @@ class ModelConfig:
             )
         if self.router_scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"router_scoring must be softmax or sigmoid, got {self.router_scoring!r}")
+        if self.num_experts and (
+            self.router_num_groups < 1
+            or self.num_experts % self.router_num_groups
+            or not 1 <= self.router_topk_groups <= self.router_num_groups
+            or self.num_experts // self.router_num_groups * self.router_topk_groups < self.num_experts_per_tok
+            or (self.router_num_groups > 1 and self.num_experts // self.router_num_groups < 2)
+        ):
+            raise ValueError(
+                f"router groups: {self.num_experts} experts in {self.router_num_groups} groups (n_group), the best "
+                f"{self.router_topk_groups} of them (topk_group) holding {self.num_experts_per_tok} chosen experts: "
+                "the groups must divide the experts, hold at least two each and, those chosen, at least top k"
+            )
         if self.ssm_norm not in SSM_NORMS:
             raise ValueError(f"ssm_norm must be one of {SSM_NORMS}, got {self.ssm_norm!r}")
         if self.ssm_state_size:

@@ -9,6 +9,7 @@ from .config import ModelConfig
 from .falcon_h1 import FalconH1Model
 from .gemma import GemmaModel
 from .glm4 import Glm4Model
+from .glm4_moe import Glm4MoeModel
 from .gpt_oss import GptOssModel
 from .granite import GraniteModel
 from .granite_hybrid import GraniteHybridModel
@@ -16,6 +17,7 @@ from .hybrid import HybridModel
 from .lfm2 import Lfm2Model
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
+from .minimax_m2 import MiniMaxM2Model
 from .mistral3 import Mistral3TextModel
 from .olmo2 import Olmo2Model
 from .phi3 import Phi3Model
@@ -39,6 +41,8 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "MixtralForCausalLM": LlamaModel,
     "Qwen2MoeForCausalLM": LlamaModel,
     "Qwen3MoeForCausalLM": LlamaModel,
+    "Glm4MoeForCausalLM": Glm4MoeModel,  # GLM-4.5 to 4.7: a float32 sigmoid router, groups, a shared expert
+    "MiniMaxM2ForCausalLM": MiniMaxM2Model,  # q/k normed over the whole projection, a sigmoid router
     "Mamba2ForCausalLM": Mamba2Model,
     "BambaForCausalLM": HybridModel,
     "FalconH1ForCausalLM": FalconH1Model,

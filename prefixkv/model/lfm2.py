@@ -23,7 +23,7 @@ from .config import ModelConfig
 from .layers import RMSNorm
 from .llama import Attention, LlamaModel, renamed, static_mlp_unsupported
 from .mamba2 import RecurrentState, _plan, as_kv, as_state, block_causal_conv
-from .moe import SparseMoeBlock, build_mlp
+from .moe import build_mlp
 
 
 class ShortConv(nn.Module):
@@ -89,14 +89,6 @@ class Lfm2Model(LlamaModel):
     meta) -> final-normed hidden [T, H]: the Llama decoder's loop with LFM2's layers."""
 
     fused_decode_layout = False  # the native decode kernel computes Llama layers only
-
-    def __init__(
-        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-    ) -> None:
-        super().__init__(config, dtype, device)
-        for m in self.modules():
-            if isinstance(m, SparseMoeBlock) and m.expert_bias is not None:
-                m.expert_bias.data = m.expert_bias.data.float()  # as transformers keeps it
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return Lfm2DecoderLayer(config, layer_idx)

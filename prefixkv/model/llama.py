@@ -129,16 +129,38 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
 
+class ProjectionNormedAttention(Attention):
+    """Attention with q and k each normed over its whole projection, every head at once before the
+    split into heads (OLMo 2, MiniMax-M2), by norms of class `norm`."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, norm: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__(config, layer_idx)
+        if config.qk_norm:
+            raise ValueError(f"{config.architecture}: q/k norms per head and over the whole projection both")
+        self.q_norm = norm(self.q_size, config.rms_norm_eps)
+        self.k_norm = norm(self.kv_size, config.rms_norm_eps)
+
+    def attend(self, qkv, cos, sin, kv_cache, meta):
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        qkv = torch.cat((self.q_norm(qkv[:, :q_end]), self.k_norm(qkv[:, q_end:k_end]), qkv[:, k_end:]), dim=-1)
+        return super().attend(qkv, cos, sin, kv_cache, meta)
+
+
 class DecoderLayer(nn.Module):
     """Attention and MLP, each after an RMSNorm (of class `norm`), each added to the residual
     stream; the MLP dense or routed experts by the config (moe.py), or a family's own (`mlp`)."""
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int = 0, norm: type[RMSNorm] = RMSNorm, mlp: nn.Module | None = None
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        norm: type[RMSNorm] = RMSNorm,
+        mlp: nn.Module | None = None,
+        attention: type[Attention] = Attention,
     ) -> None:
         super().__init__()
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = attention(config, layer_idx)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_mlp(config, layer_idx) if mlp is None else mlp
 
@@ -221,6 +243,9 @@ class LlamaModel(nn.Module):
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         materialize(self, device, dtype)
         self.to(dtype)
+        for m in self.modules():  # a router's selection bias stays float32, as transformers keeps it
+            if isinstance(m, SparseMoeBlock) and m.expert_bias is not None:
+                m.expert_bias.data = m.expert_bias.data.float()
         if config.tie_word_embeddings:
             self.lm_head = None
         self.rotary = self.make_rotary(config, dtype, device)
@@ -657,6 +682,16 @@ def renamed(
         for pattern, to in renames:
             name = pattern.sub(to, name)
         yield name, tensor
+
+
+def below_layer(weights: Iterable[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors less those of layers `n` and on: a family's multi-token-prediction
+    blocks, which its checkpoints append after the last decoder layer (GLM-4.5, MiniMax-M2) and
+    which are not the model's (transformers and vLLM leave them out too)."""
+    for name, tensor in weights:
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) < n:
+            yield name, tensor
 
 
 def pairs_to_halves(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:

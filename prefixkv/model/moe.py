@@ -1,6 +1,6 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a softmax router picks each token's
-top-k experts, each a gated MLP of its own, and the token's output is their weighted sum (plus, for
-Qwen2-MoE, a shared expert scaled by a sigmoid gate).
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, MiniMax-M2, ...): a router picks
+each token's top-k experts, each a gated MLP of its own, and the token's output is their weighted
+sum (plus, for Qwen2-MoE and GLM-4.5, a shared expert: scaled by a sigmoid gate, or not).
 
 Routed on the CPU without a Python loop over tokens: the (token, expert) pairs are sorted by
 expert, each active expert multiplies its contiguous slice of gathered rows in two matmuls, and
@@ -176,6 +176,10 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.sigmoid = config.router_scoring == "sigmoid"
+        self.logits_float32 = config.router_logits_float32
+        self.scores_float32 = config.router_scores_float32
+        self.num_groups = config.router_num_groups
+        self.topk_groups = config.router_topk_groups
         self.norm_epsilon = config.router_norm_epsilon
         self.scaling = config.routed_scaling_factor
         self.gate = Projection(config.num_experts, config.hidden_size)  # the router
@@ -193,13 +197,19 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] in x's dtype."""
-        logits = self.gate(x)
-        if self.sigmoid:  # in the logits' dtype, as transformers' LFM2-MoE router
-            scores = logits.sigmoid()
+        if self.logits_float32:
+            logits = F.linear(x.float(), self.gate.weight.float())
+        else:
+            logits = self.gate(x)
+        if self.sigmoid:
+            scores = (logits.float() if self.scores_float32 else logits).sigmoid()
         else:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        if self.expert_bias is not None:
-            top_index = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        if self.expert_bias is not None or self.num_groups > 1:
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+            if self.num_groups > 1:
+                choice = self._within_best_groups(choice)
+            top_index = torch.topk(choice, self.top_k, dim=-1).indices
             top_weight = scores.gather(1, top_index)
         else:
             top_weight, top_index = torch.topk(scores, self.top_k, dim=-1)
@@ -208,6 +218,16 @@ class SparseMoeBlock(nn.Module):
         if self.scaling != 1.0:
             top_weight = top_weight * self.scaling
         return top_index, top_weight.to(x.dtype)
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The choice scores [T, E] with every expert outside each token's `topk_groups` best
+        groups at -inf: a group's worth is the sum of its two best scores (DeepSeek-V3's rule)."""
+        T = choice.shape[0]
+        grouped = choice.view(T, self.num_groups, -1)
+        worth = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = worth.topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_index, top_weight = self.route(x)

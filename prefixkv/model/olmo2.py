@@ -15,28 +15,15 @@ from torch.nn.attention import sdpa_kernel
 from .attention import AttentionMetadata
 from .config import ModelConfig
 from .layers import Float32RMSNorm, RMSNorm, keep_float32_norms
-from .llama import CUDA_ATTENTION_BACKENDS, Attention, LlamaModel
+from .llama import CUDA_ATTENTION_BACKENDS, LlamaModel, ProjectionNormedAttention
 from .moe import build_mlp
-
-
-class Olmo2Attention(Attention):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        self.q_norm = Float32RMSNorm(self.q_size, config.rms_norm_eps)
-        self.k_norm = Float32RMSNorm(self.kv_size, config.rms_norm_eps)
-
-    def forward(self, x, cos, sin, kv_cache, meta):
-        qkv = self.qkv_proj(x)
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        qkv = torch.cat((self.q_norm(qkv[:, :q_end]), self.k_norm(qkv[:, q_end:k_end]), qkv[:, k_end:]), dim=-1)
-        return self.attend(qkv, cos, sin, kv_cache, meta)
 
 
 class Olmo2DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Olmo2Attention(config, layer_idx)
+        self.self_attn = ProjectionNormedAttention(config, layer_idx, Float32RMSNorm)
         self.post_attention_layernorm = Float32RMSNorm(H, eps)
         self.mlp = build_mlp(config, layer_idx)
         self.post_feedforward_layernorm = Float32RMSNorm(H, eps)

@@ -11,11 +11,13 @@ from . import (
     falcon_h1,
     gemma,
     glm4,
+    glm4_moe,
     gpt_oss,
     granite_hybrid,
     lfm2,
     llama,
     mamba2,
+    minimax_m2,
     mistral3,
     moe,
     olmo2,
@@ -40,6 +42,8 @@ FAMILIES: tuple[ConfigFamily, ...] = (
     granite_hybrid.FAMILY,
     mistral3.FAMILY,
     glm4.FAMILY,
+    glm4_moe.FAMILY,
+    minimax_m2.FAMILY,
 )
 
 

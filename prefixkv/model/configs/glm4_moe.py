@@ -1,0 +1,59 @@
+"""GLM-4.5 to GLM-4.7 (transformers' Glm4MoeForCausalLM, model/glm4_moe.py): the Llama decoder with
+rotary over half of each head (in halves, not GLM-4's pairs), q/k/v biases, q/k norms where
+`use_qk_norm`, and from layer `first_k_dense_replace` on routed experts beside an ungated shared
+one, chosen by a float32 sigmoid router with a selection bias and group-limited top k. Its
+config.json reader, with transformers' Glm4MoeConfig defaults; the multi-token-prediction layers
+after the last (`num_nextn_predict_layers`) are not the model's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .decoder import check_silu, hf_decoder_fields
+from .family import ConfigFamily
+from .rope import rope_settings
+
+
+def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    d = {"rms_norm_eps": 1e-5, "intermediate_size": 10944, **d}
+    rope_theta, scaling, _ = rope_settings(d)
+    check_silu(d, arch)
+    rope = d.get("rope_parameters") or {}
+    fields = hf_decoder_fields(
+        d,
+        arch,
+        rope_theta,
+        scaling,
+        None,
+        [],
+        attention_bias=bool(d.get("attention_bias", False)),
+        qk_norm=bool(d.get("use_qk_norm", False)),
+    )
+    experts = int(d.get("n_routed_experts") or d.get("num_local_experts") or 128)
+    moe_width = int(d.get("moe_intermediate_size", 1408))
+    fields.update(
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5))),
+        num_experts=experts,
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=moe_width,
+        mlp_only_layers=tuple(range(int(d.get("first_k_dense_replace", 1)))),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        router_scoring="sigmoid",
+        router_selection_bias=True,
+        router_num_groups=int(d.get("n_group") or 1),
+        router_topk_groups=int(d.get("topk_group") or 1),
+        router_logits_float32=True,
+        router_scores_float32=True,
+        router_norm_epsilon=1e-20,
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        shared_expert_intermediate_size=moe_width * int(d.get("n_shared_experts", 1)),
+        shared_expert_gated=False,
+    )
+    return fields
+
+
+FAMILY = ConfigFamily(
+    architectures=("Glm4MoeForCausalLM",),
+    hf_fields=_hf_fields,
+    model_types={"glm4_moe": "Glm4MoeForCausalLM"},
+)
