@@ -40,6 +40,7 @@ GGUF_LAYER_MAP = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "exp_probs_b.bias": "mlp.expert_bias",  # a sigmoid router's selection bias (GLM-4.5, MiniMax-M2)
 }
 # older Mixtral GGUFs: one tensor per expert, blk.N.ffn_gate.E.weight
 _GGUF_ONE_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
@@ -119,6 +120,8 @@ GGUF_LAYER_MAPS = {
         "post_ffw_norm.weight": "post_mlp_layernorm.weight",
         "ffn_up.weight": "mlp.gate_up_proj.weight",
     },
+    # GLM-4.5: the norm before the MLP named as a norm after attention
+    "glm4moe": {**GGUF_LAYER_MAP, "post_attention_norm.weight": "post_attention_layernorm.weight"},
     # OLMo 2: norms after attention and after the MLP, none before
     "olmo2": {
         **GGUF_LAYER_MAP,
@@ -146,6 +149,8 @@ def gguf_to_hf_name(name: str, g_arch: str = "llama") -> str | None:
     layer_map = GGUF_LAYER_MAPS.get(g_arch, GGUF_LAYER_MAP)
     if m and m.group(2) in layer_map:
         return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
+    if m and m.group(2).startswith("nextn."):  # a multi-token-prediction block's own (GLM-4.5): not read
+        return None
     one = _GGUF_ONE_EXPERT_RE.match(m.group(2)) if m else None
     if m and one:
         return f"model.layers.{m.group(1)}.mlp.experts.{one.group(2)}.{one.group(1)}_proj.weight"

@@ -43,6 +43,8 @@ GGUF_ARCH = {
     "Qwen3NextForCausalLM": "qwen3next",
     "Qwen3_5ForCausalLM": "qwen35",
     "Qwen3_5MoeForCausalLM": "qwen35moe",
+    "Glm4MoeForCausalLM": "glm4moe",
+    "MiniMaxM2ForCausalLM": "minimax-m2",
 }
 # LlamaModel and its subclasses: Q and K (weights and biases) permuted for llama.cpp's rotary
 _PERMUTED = ("llama", "granite", "smollm3")
@@ -537,6 +539,95 @@ def write_gguf(
     if g_arch == "phi3" and rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_sigmoid_moe_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
+    """A transformers Glm4MoeForCausalLM or MiniMaxM2ForCausalLM (float32) as a GGUF file by
+    Glm4MoeModel's or MiniMaxM2Model's rules: TextModel's keys, then the class's own (GLM-4.5:
+    rotary dimensions, expert width, shared expert count, leading dense blocks, sigmoid gating,
+    the weights' scale and norm, prediction layers; MiniMax-M2: expert width, rotary dimensions),
+    the experts stacked [E, out, in] per matrix, the selection bias as exp_probs_b.bias; with
+    `mtp_blocks` stand-in prediction blocks appended (GLM-4.5)."""
+    import gguf
+
+    cfg = hf.config
+    d = cfg.to_dict()
+    g_arch = GGUF_ARCH[type(hf).__name__]
+    n = cfg.num_hidden_layers
+    glm = g_arch == "glm4moe"
+    w = gguf.GGUFWriter(str(path), g_arch)
+    w.add_block_count(n + mtp_blocks)
+    w.add_context_length(d["max_position_embeddings"])
+    w.add_embedding_length(d["hidden_size"])
+    w.add_feed_forward_length(d["intermediate_size"])
+    w.add_head_count(d["num_attention_heads"])
+    w.add_head_count_kv(d["num_key_value_heads"])
+    w.add_rope_freq_base(d["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(d["rms_norm_eps"])
+    w.add_key_length(d["head_dim"])
+    w.add_value_length(d["head_dim"])
+    w.add_expert_used_count(d["num_experts_per_tok"])
+    rotary = int(d["head_dim"] * d["rope_parameters"]["partial_rotary_factor"])
+    if glm:
+        w.add_rope_dimension_count(rotary)
+        w.add_expert_count(d["n_routed_experts"])
+        w.add_expert_feed_forward_length(d["moe_intermediate_size"])
+        w.add_expert_shared_count(d["n_shared_experts"])
+        w.add_leading_dense_block_count(d["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(d["routed_scaling_factor"])
+        w.add_expert_weights_norm(d["norm_topk_prob"])
+        if mtp_blocks:
+            w.add_nextn_predict_layers(mtp_blocks)
+    else:
+        w.add_expert_count(d["num_local_experts"])
+        w.add_expert_feed_forward_length(d["intermediate_size"])
+        w.add_rope_dimension_count(rotary)
+    _vocabulary(w, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight" if glm else "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.experts.down_proj": "ffn_down_exps.weight",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    }
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        if name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+            w.add_tensor({"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight"}.get(
+                name, "output_norm.weight"), a)  # fmt: skip
+            continue
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        p = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H], gate rows first
+            gate, up = np.split(a, 2, axis=1)
+            w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        w.add_tensor(p + names[rest], a)
+    for b in range(n, n + mtp_blocks):  # stand-ins for the prediction layer's tensors
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
+        w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -310,10 +310,12 @@ def test_gguf_other_gating_refused():
         "qwen3moe.vocab_size": 300,
         "qwen3moe.expert_count": 8,
         "qwen3moe.expert_used_count": 2,
-        "qwen3moe.expert_gating_func": 2,
+        "qwen3moe.expert_gating_func": 3,  # llama.cpp's softmax over the chosen weights: not built
     }
     with pytest.raises(ValueError, match="expert_gating_func"):
         ModelConfig.from_gguf_metadata(meta, {"blk.0.ffn_gate_inp.weight"})
+    sigmoid = ModelConfig.from_gguf_metadata({**meta, "qwen3moe.expert_gating_func": 2}, {"blk.0.ffn_gate_inp.weight"})
+    assert sigmoid.router_scoring == "sigmoid" and not sigmoid.router_selection_bias
 
 
 # ------------------------------------------------------------------------------------------ LoRA

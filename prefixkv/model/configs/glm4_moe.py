@@ -2,15 +2,18 @@
 rotary over half of each head (in halves, not GLM-4's pairs), q/k/v biases, q/k norms where
 `use_qk_norm`, and from layer `first_k_dense_replace` on routed experts beside an ungated shared
 one, chosen by a float32 sigmoid router with a selection bias and group-limited top k. Its
-config.json reader, with transformers' Glm4MoeConfig defaults; the multi-token-prediction layers
-after the last (`num_nextn_predict_layers`) are not the model's."""
+config.json reader, with transformers' Glm4MoeConfig defaults, and its GGUF reader (llama.cpp's
+"glm4moe"); the multi-token-prediction layers after the last (`num_nextn_predict_layers`) are not
+the model's."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .decoder import check_silu, hf_decoder_fields
+from .common import join_fields
+from .decoder import check_silu, gguf_decoder_fields, hf_decoder_fields
 from .family import ConfigFamily
+from .moe import GGUF_SIGMOID_GATING, gguf_moe_fields
 from .rope import rope_settings
 
 
@@ -52,8 +55,21 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
+def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+    """A GLM-4.5 GGUF file (convert_hf_to_gguf.py Glm4MoeModel): q/k rows as transformers has them,
+    rotary over `rope.dimension_count` of each head, the sigmoid router's keys, the shared experts
+    as `expert_shared_count` experts' width, the prediction layers counted in `block_count`."""
+    p = g_arch + "."
+    fields = gguf_decoder_fields(meta, tensor_names, g_arch, arch, partial_rotary=True)
+    rope_dims = int(meta.get(p + "rope.dimension_count") or fields["head_dim"])
+    fields["partial_rotary_factor"] = rope_dims / fields["head_dim"]
+    return join_fields(fields, gguf_moe_fields(g_arch, meta, tensor_names, GGUF_SIGMOID_GATING))
+
+
 FAMILY = ConfigFamily(
     architectures=("Glm4MoeForCausalLM",),
     hf_fields=_hf_fields,
     model_types={"glm4_moe": "Glm4MoeForCausalLM"},
+    gguf_architectures={"glm4moe": "Glm4MoeForCausalLM"},
+    gguf_fields=_gguf_fields,
 )

@@ -1,16 +1,19 @@
 """MiniMax-M2 (transformers' MiniMaxM2ForCausalLM, model/minimax_m2.py): the Llama decoder with q and
 k normed over their whole projections, rotary over the first `rotary_dim` of each head, and routed
 experts in every layer, chosen by a sigmoid router with a selection bias. Its config.json reader,
-with transformers' MiniMaxM2Config defaults; the multi-token-prediction modules after the last
-layer (`num_mtp_modules`) are not the model's, and what the released configs could set otherwise
-(linear attention layers, another scoring, a shared expert) is refused by name."""
+with transformers' MiniMaxM2Config defaults, and its GGUF reader (llama.cpp's "minimax-m2"); the
+multi-token-prediction modules after the last layer (`num_mtp_modules`) are not the model's, and
+what the released configs could set otherwise (linear attention layers, another scoring, a shared
+expert) is refused by name."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .decoder import check_silu, hf_decoder_fields
+from .common import join_fields
+from .decoder import check_silu, gguf_decoder_fields, hf_decoder_fields
 from .family import ConfigFamily
+from .moe import GGUF_SIGMOID_GATING, gguf_moe_fields
 from .rope import rope_settings
 
 
@@ -52,8 +55,23 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
+def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+    """A MiniMax-M2 GGUF file (convert_hf_to_gguf.py MiniMaxM2Model): rotary over
+    `rope.dimension_count` of each head, q/k norms over the whole projection (their tensors'
+    widths), a sigmoid router unless the file says otherwise (llama.cpp's own default for it)."""
+    p = g_arch + "."
+    fields = gguf_decoder_fields(meta, tensor_names, g_arch, arch, partial_rotary=True)
+    rope_dims = int(meta.get(p + "rope.dimension_count") or fields["head_dim"])
+    fields.update(partial_rotary_factor=rope_dims / fields["head_dim"], qk_norm=False)
+    experts = gguf_moe_fields(g_arch, meta, tensor_names, GGUF_SIGMOID_GATING)
+    experts.update(router_logits_float32=False)  # transformers' router: logits in the model's dtype
+    return join_fields(fields, experts)
+
+
 FAMILY = ConfigFamily(
     architectures=("MiniMaxM2ForCausalLM",),
     hf_fields=_hf_fields,
     model_types={"minimax_m2": "MiniMaxM2ForCausalLM"},
+    gguf_architectures={"minimax-m2": "MiniMaxM2ForCausalLM"},
+    gguf_fields=_gguf_fields,
 )

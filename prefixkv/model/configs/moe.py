@@ -57,34 +57,59 @@ def _hf_moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
-def gguf_moe_fields(g_arch: str, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX and _SIGMOID
+GGUF_SOFTMAX_GATING, GGUF_SIGMOID_GATING = 1, 2
+
+
+def gguf_moe_fields(
+    g_arch: str, meta: dict[str, Any], tensor_names: set[str], gating_by_default: int = GGUF_SOFTMAX_GATING
+) -> dict[str, Any]:
     """The mixture-of-experts fields of a GGUF file's metadata ({} without experts), as llama.cpp
     reads them: the top-k weights renormalised for Mixtral ("llama") and Qwen3-MoE, not for
-    Qwen2-MoE, unless the file says (`expert_weights_norm`)."""
+    Qwen2-MoE, unless the file says (`expert_weights_norm`); a softmax router, or a sigmoid one
+    (`expert_gating_func`, else the architecture's `gating_by_default`) scoring in float32, with
+    the selection bias where the file has it (`exp_probs_b`), its groups (`expert_group_count`,
+    `expert_group_used_count`) and scale (`expert_weights_scale`); a shared expert of its own width
+    (`expert_shared_feed_forward_length`) or `expert_shared_count` experts' width, gated where the
+    file has the shared expert's gate."""
     p = g_arch + "."
     experts = int(meta.get(p + "expert_count", 0) or 0)
     if not experts:
-        if g_arch in ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe"):
+        if g_arch in ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe", "glm4moe", "minimax-m2"):
             raise ValueError(f"GGUF architecture {g_arch!r} without {p}expert_count")
         return {}
     norm = meta.get(p + "expert_weights_norm")
     if norm is None:
         norm = g_arch != "qwen2moe"
     gating = meta.get(p + "expert_gating_func")
-    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise ValueError(f"GGUF {p}expert_gating_func={gating!r} is not supported (only softmax routing)")
+    gating = gating_by_default if gating is None else int(gating)
+    if gating not in (GGUF_SOFTMAX_GATING, GGUF_SIGMOID_GATING):
+        raise ValueError(f"GGUF {p}expert_gating_func={gating!r} is not supported (softmax or sigmoid routing)")
+    width = int(meta.get(p + "expert_feed_forward_length") or meta[p + "feed_forward_length"])
     fields: dict[str, Any] = {
         "num_experts": experts,
         "num_experts_per_tok": int(meta.get(p + "expert_used_count", 0)),
-        "moe_intermediate_size": int(meta.get(p + "expert_feed_forward_length") or meta[p + "feed_forward_length"]),
+        "moe_intermediate_size": width,
         "norm_topk_prob": bool(norm),
+        "routed_scaling_factor": float(meta.get(p + "expert_weights_scale") or 1.0),
+        "router_num_groups": int(meta.get(p + "expert_group_count") or 1),
+        "router_topk_groups": int(meta.get(p + "expert_group_used_count") or 1),
     }
     # which layers are dense: those without a router tensor
-    blocks = int(meta[p + "block_count"])
+    blocks = int(meta[p + "block_count"]) - int(meta.get(p + "nextn_predict_layers") or 0)
     dense = tuple(i for i in range(blocks) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
     fields["mlp_only_layers"] = dense
+    sparse = next((i for i in range(blocks) if i not in dense), 0)
+    if gating == GGUF_SIGMOID_GATING:
+        fields.update(router_scoring="sigmoid", router_logits_float32=True, router_scores_float32=True)
+    if f"blk.{sparse}.exp_probs_b.bias" in tensor_names:
+        fields["router_selection_bias"] = True
     if g_arch in ("qwen2moe", "qwen3next", "qwen35moe"):
         fields["shared_expert_intermediate_size"] = int(meta.get(p + "expert_shared_feed_forward_length", 0))
+    elif meta.get(p + "expert_shared_count"):
+        fields["shared_expert_intermediate_size"] = width * int(meta[p + "expert_shared_count"])
+    if "shared_expert_intermediate_size" in fields:
+        fields["shared_expert_gated"] = f"blk.{sparse}.ffn_gate_inp_shexp.weight" in tensor_names
     return fields
 
 
