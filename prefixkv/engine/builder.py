@@ -83,6 +83,11 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
     model_config = loaded.config
     if model_config.is_recurrent:
         _refuse_for_recurrent(config, model_config.architecture)
+    if model_config.is_mla and config.enable_lora:
+        raise ValueError(
+            f"enable_lora cannot be used with {model_config.architecture}: LoRA adapts the q/k/v and output "
+            "projections, and multi-head latent attention has none of them (its latent projections are not adapted)"
+        )
     speculative = SpeculativeConfig.parse(config.speculative_config)
     if speculative is not None:
         _check_speculative(config, model_config)

@@ -138,6 +138,17 @@ class ModelConfig:
     # whether its projections and convolution have biases
     short_conv_kernel: int = 0
     short_conv_bias: bool = False
+    # multi-head latent attention (DeepSeek-V3, model/deepseek.py); mla_kv_lora_rank 0: none. Each
+    # token's keys and values come from one latent of mla_kv_lora_rank and one rotary key of
+    # mla_qk_rope_head_dim shared by every head; a head's query and key have mla_qk_nope_head_dim +
+    # mla_qk_rope_head_dim dimensions, its value mla_v_head_dim; the query goes through a rank of
+    # mla_q_lora_rank (0: one projection). The cache holds the latent and the rotary key as one
+    # head: head_dim is their sum and num_key_value_heads 1.
+    mla_kv_lora_rank: int = 0
+    mla_q_lora_rank: int = 0
+    mla_qk_nope_head_dim: int = 0
+    mla_qk_rope_head_dim: int = 0
+    mla_v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -212,6 +223,19 @@ class ModelConfig:
                     f"the Mamba2 mixer's heads x head_dim ({self.ssm_num_heads} x {self.ssm_head_dim}) must equal "
                     f"its intermediate size ({self.ssm_intermediate_size})"
                 )
+        if self.mla_kv_lora_rank and (
+            self.head_dim != self.mla_kv_lora_rank + self.mla_qk_rope_head_dim
+            or self.num_key_value_heads != 1
+            or min(self.mla_qk_rope_head_dim, self.mla_qk_nope_head_dim, self.mla_v_head_dim) < 1
+            or self.mla_qk_rope_head_dim % 2
+        ):
+            raise ValueError(
+                "multi-head latent attention caches one head of the latent and the rotary key: head_dim must be "
+                f"kv_lora_rank + qk_rope_head_dim ({self.mla_kv_lora_rank} + {self.mla_qk_rope_head_dim}), got "
+                f"{self.head_dim}, num_key_value_heads 1, got {self.num_key_value_heads}, and the head sizes "
+                f"positive (qk_nope_head_dim {self.mla_qk_nope_head_dim}, v_head_dim {self.mla_v_head_dim}; "
+                "qk_rope_head_dim even)"
+            )
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
         if self.hidden_activation not in ("silu", "gelu_pytorch_tanh"):
@@ -331,6 +355,11 @@ class ModelConfig:
     def is_attention_layer(self, i: int) -> bool:
         """Whether decoder layer i has attention (K/V rows per block)."""
         return self.layer_types[i] not in (MAMBA, LINEAR_ATTENTION, SHORT_CONV)
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (its cache: one latent head a token)."""
+        return self.mla_kv_lora_rank > 0
 
     @property
     def rotary_dim(self) -> int:

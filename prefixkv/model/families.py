@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .deepseek import DeepseekV3Model
 from .falcon_h1 import FalconH1Model
 from .gemma import GemmaModel
 from .glm4 import Glm4Model
@@ -43,6 +44,8 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Qwen3MoeForCausalLM": LlamaModel,
     "Glm4MoeForCausalLM": Glm4MoeModel,  # GLM-4.5 to 4.7: a float32 sigmoid router, groups, a shared expert
     "MiniMaxM2ForCausalLM": MiniMaxM2Model,  # q/k normed over the whole projection, a sigmoid router
+    "DeepseekV3ForCausalLM": DeepseekV3Model,  # multi-head latent attention (Kimi K2 too), GLM-4.5's router
+    "Glm4MoeLiteForCausalLM": DeepseekV3Model,  # GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's experts
     "Mamba2ForCausalLM": Mamba2Model,
     "BambaForCausalLM": HybridModel,
     "FalconH1ForCausalLM": FalconH1Model,

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -156,7 +156,7 @@ class DecoderLayer(nn.Module):
         layer_idx: int = 0,
         norm: type[RMSNorm] = RMSNorm,
         mlp: nn.Module | None = None,
-        attention: type[Attention] = Attention,
+        attention: Callable[[ModelConfig, int], nn.Module] = Attention,
     ) -> None:
         super().__init__()
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)

@@ -8,6 +8,7 @@ from typing import Any
 
 from . import (
     bamba,
+    deepseek,
     falcon_h1,
     gemma,
     glm4,
@@ -44,6 +45,7 @@ FAMILIES: tuple[ConfigFamily, ...] = (
     glm4.FAMILY,
     glm4_moe.FAMILY,
     minimax_m2.FAMILY,
+    deepseek.FAMILY,
 )
 
 

@@ -1,0 +1,95 @@
+"""DeepSeek-V3 / R1 / V3.1 and Kimi K2 (transformers' DeepseekV3ForCausalLM) and GLM-4.7-Flash
+(Glm4MoeLiteForCausalLM): multi-head latent attention (model/deepseek.py) and GLM-4.5's experts -
+a float32 sigmoid router with a selection bias and group-limited top k, an ungated shared expert -
+after the first dense layers. Their config.json reader, with transformers' defaults; the
+multi-token-prediction layers after the last are not the model's, and DeepSeek-V2's routing
+(softmax scores, `topk_method` greedy) is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .decoder import check_silu, hf_decoder_fields
+from .family import ConfigFamily
+from .rope import rope_settings
+
+_V3_DEFAULTS: dict[str, Any] = {
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "rms_norm_eps": 1e-6, "rope_interleave": True,
+}  # fmt: skip
+_GLM_LITE_DEFAULTS: dict[str, Any] = {
+    "intermediate_size": 10240, "moe_intermediate_size": 1536, "n_shared_experts": 1, "n_routed_experts": 64,
+    "routed_scaling_factor": 1.8, "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256,
+    "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4, "rms_norm_eps": 1e-5,
+    "rope_interleave": True,
+}  # fmt: skip
+
+
+def _dense_layers(d: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """The layers with the dense MLP: GLM-4.7-Flash's `mlp_layer_types` ("dense" / "sparse"), else
+    the first `first_k_dense_replace` (every layer after them sparse: `moe_layer_freq` 1)."""
+    n = int(d["num_hidden_layers"])
+    kinds = d.get("mlp_layer_types")
+    if kinds:
+        if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
+            raise ValueError(f"{arch} mlp_layer_types must name dense or sparse for each of {n} layers, got {kinds}")
+        return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    if int(d.get("moe_layer_freq", 1)) != 1:
+        raise ValueError(
+            f"{arch} with moe_layer_freq={d['moe_layer_freq']!r} is not supported (1: every layer after the dense ones)"
+        )
+    return tuple(range(min(n, int(d.get("first_k_dense_replace", 1)))))
+
+
+def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    defaults = _GLM_LITE_DEFAULTS if arch == "Glm4MoeLiteForCausalLM" else _V3_DEFAULTS
+    d = {**defaults, **d}  # (a null q_lora_rank: no query rank)
+    for name, built in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if d.get(name, built) != built:
+            raise ValueError(f"{arch} with {name}={d[name]!r} is not supported ({built} only: DeepSeek-V3's routing)")
+    check_silu(d, arch)
+    rope_theta, scaling, _ = rope_settings(d)
+    rank, rope = int(d["kv_lora_rank"]), int(d["qk_rope_head_dim"])
+    # the cache's one head: the latent and the rotary key (model/deepseek.py)
+    latent = {**d, "head_dim": rank + rope, "num_key_value_heads": 1}
+    fields = hf_decoder_fields(
+        latent, arch, rope_theta, scaling, None, [], attention_bias=bool(d.get("attention_bias", False)), qk_norm=False
+    )
+    moe_width = int(d["moe_intermediate_size"])
+    fields.update(
+        rope_interleaved=bool(d["rope_interleave"]),
+        mla_kv_lora_rank=rank,
+        mla_q_lora_rank=int(d.get("q_lora_rank") or 0),
+        mla_qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+        mla_qk_rope_head_dim=rope,
+        mla_v_head_dim=int(d["v_head_dim"]),
+        num_experts=int(d["n_routed_experts"]),
+        num_experts_per_tok=int(d["num_experts_per_tok"]),
+        moe_intermediate_size=moe_width,
+        mlp_only_layers=_dense_layers(d, arch),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        router_scoring="sigmoid",
+        router_selection_bias=True,
+        router_num_groups=int(d["n_group"] or 1),
+        router_topk_groups=int(d["topk_group"] or 1),
+        router_logits_float32=True,
+        router_scores_float32=True,
+        router_norm_epsilon=1e-20,
+        routed_scaling_factor=float(d["routed_scaling_factor"]),
+        shared_expert_intermediate_size=moe_width * int(d["n_shared_experts"] or 0),
+        shared_expert_gated=False,
+    )
+    return fields
+
+
+FAMILY = ConfigFamily(
+    architectures=("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"),
+    hf_fields=_hf_fields,
+    model_types={
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+        "kimi_k2": "DeepseekV3ForCausalLM",
+        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    },
+)

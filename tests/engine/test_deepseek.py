@@ -1,0 +1,103 @@
+"""DeepSeek-V3 (transformers' DeepseekV3ForCausalLM: Kimi K2's architecture too) and GLM-4.7-Flash
+(Glm4MoeLiteForCausalLM) through the model and the whole engine, against transformers on tiny
+random checkpoints: multi-head latent attention with its expansion folded into the query and
+the output (one cached head of the latent and the rotary key), with and without the query's
+rank, the interleaved rotary and not, YaRN with DeepSeek's softmax-scale correction; the
+group-limited sigmoid router with a random selection bias, a shared expert, dense first layers.
+Logits over chunks split mid-block and a decode equal; greedy tokens equal with caching off and
+on, under chunked prefill and preemption, every block free afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixkv.memory.block_tensors import kv_cache_specs
+from prefixkv.model import ModelConfig, load_model
+from prefixkv.model.moe import SparseMoeBlock
+
+from .engine_oracle import assert_engine_matches_transformers
+from .test_glm4_moe import _randomise, _save_with_prediction_layer
+from .test_qwen3_5 import _chunked_logits
+
+MAX_NEW = 8
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
+
+
+def make_deepseek(kind: str = "v3", seed: int = 0):
+    """kind: "v3" (a query rank, the interleaved rotary, YaRN), "plain" (no query rank, the
+    rotary in halves, no scaling) or "glm_lite" (GLM-4.7-Flash: per-layer MLP kinds)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    sizes = dict(
+        vocab_size=258, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, n_shared_experts=1,
+        routed_scaling_factor=2.5, max_position_embeddings=256, bos_token_id=256, eos_token_id=257,
+        pad_token_id=257, attn_implementation="eager",
+    )  # fmt: skip
+    if kind == "glm_lite":
+        sizes.update(mlp_layer_types=["dense", "sparse", "sparse"], n_group=1, topk_group=1, v_head_dim=16)
+        model = tf.Glm4MoeLiteForCausalLM(tf.Glm4MoeLiteConfig(**sizes))
+    elif kind == "v3":
+        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**sizes, first_k_dense_replace=1, rope_parameters=YARN))
+    else:
+        sizes.update(q_lora_rank=None, rope_interleave=False)
+        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**sizes, first_k_dense_replace=1))
+    model.eval()
+    _randomise(model, "e_score_correction_bias")
+    with torch.no_grad():  # latents that matter: the kv_b products at the init's scale fade
+        for name, p in model.named_parameters():
+            if "kv_b_proj" in name or "kv_a_proj" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["v3", "plain", "glm_lite"])
+def test_logits_match_transformers(tmp_path, kind):
+    """One prefill in two chunks (the second starting mid-block), then a decode step."""
+    hf = make_deepseek(kind)
+    folder = _save_with_prediction_layer(hf, tmp_path)
+    config = ModelConfig.from_hf_folder(folder)
+    assert config.is_mla and config.head_dim == 40 and config.num_key_value_heads == 1
+    assert config.rope_interleaved == (kind != "plain") and config.mla_q_lora_rank == (0 if kind == "plain" else 24)
+    assert config.mlp_only_layers == (0,) and config.shared_expert_intermediate_size == 32
+    specs = {s.name: s.shape_per_block for s in kv_cache_specs(config, 8, torch.float32)}
+    assert specs["kv.0"] == (2, 8, 1, 40)  # one latent head a token: 32 + 8
+    model = load_model(folder).model
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, True]
+    if kind == "v3":
+        assert model.layers[0].self_attn.scale > (16 + 8) ** -0.5  # YaRN's correction, squared
+    ids = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(_chunked_logits(folder, ids), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["v3", "glm_lite"])
+def test_engine_matches_transformers(tmp_path, kind):
+    assert_engine_matches_transformers(tmp_path, make_deepseek(kind), kind, MAX_NEW)
+
+
+@pytest.mark.parametrize(
+    "setting, name",
+    [(dict(scoring_func="softmax"), "scoring_func"), (dict(topk_method="greedy"), "topk_method"),
+     (dict(moe_layer_freq=2), "moe_layer_freq"), (dict(hidden_act="gelu"), "hidden_act")],
+)  # fmt: skip
+def test_routing_not_built_is_refused(setting, name):
+    d = make_deepseek("plain").config.to_dict()
+    d.update(architectures=["DeepseekV3ForCausalLM"], **setting)
+    with pytest.raises(ValueError, match=name):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_lora_is_refused_by_name(tmp_path):
+    """LoRA adapts q/k/v and o projections: latent attention has none, so an adapter has nothing
+    it could be applied to as trained."""
+    from prefixkv import LLM
+
+    folder = _save_with_prediction_layer(make_deepseek("plain"), tmp_path)
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(folder, enable_lora=True, num_blocks=16, block_size=8, max_model_len=64, dtype="float32")
