@@ -33,9 +33,9 @@ def make_deepseek(kind: str = "v3", seed: int = 0):
     torch.manual_seed(seed)
     sizes = dict(
         vocab_size=258, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, n_shared_experts=1,
-        routed_scaling_factor=2.5, max_position_embeddings=256, bos_token_id=256, eos_token_id=257,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+        n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256, bos_token_id=256, eos_token_id=257,
         pad_token_id=257, attn_implementation="eager",
     )  # fmt: skip
     if kind == "glm_lite":
