@@ -425,7 +425,8 @@ class LlamaModel(nn.Module):
             return None
         delta: torch.Tensor | None = None  # what the residual stream takes before the next norm
         for i, (layer, cache) in enumerate(zip(self.decoder_layers(), kv_caches)):
-            attn, mlp = layer.self_attn, cast(GatedMLP, layer.mlp)
+            # (one_row_products_unsupported checked every layer's attention and MLP kinds)
+            attn, mlp = cast(Attention, layer.self_attn), cast(GatedMLP, layer.mlp)
             norm = layer.input_layernorm
             fused = gpu_fused.norm_linear(h, delta, norm.weight, norm.eps, attn.qkv_proj.weight)
             if fused is None:  # the first layer decides: its shapes are every layer's
@@ -764,7 +765,10 @@ class _DecodeLayers:
         for layer in model.decoder_layers():
             if not isinstance(layer.mlp, GatedMLP):  # routed experts: layer by layer (moe.py)
                 return None
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            attn = layer.self_attn
+            if type(attn) is not Attention:  # a family's own attention (latent attention)
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if not all(isinstance(m, (DualLayoutLinear, NativeLinear)) and m.small is not None for m in linears):
                 return None
             if any(m.bias is not None for m in linears[1:]):
