@@ -25,7 +25,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding
-from .llama import DecoderLayer, LlamaModel, below_layer, renamed
+from .llama import DecoderLayer, LlamaModel, below_layer, renamed, static_mlp_unsupported
 from .moe import Projection
 
 # DeepSeek's latent norms keep their class's default epsilon, not the config's rms_norm_eps
@@ -125,7 +125,11 @@ class DeepseekV3Model(LlamaModel):
         return RotaryEmbedding(plain, dtype, device)
 
     def static_layer_unsupported(self, layer: nn.Module) -> str | None:
-        return "multi-head latent attention (no static step yet)"
+        """A layer runs over fixed buffers: its attention is one paged head under every query head,
+        its folded products plain ops."""
+        if type(layer) is not DecoderLayer or type(layer.self_attn) is not LatentAttention:
+            return f"{type(layer).__name__} layers"
+        return static_mlp_unsupported(layer.mlp, self.dtype)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """transformers' names (self_attn.{q_a_proj, q_a_layernorm, q_b_proj or q_proj,
