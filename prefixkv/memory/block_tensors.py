@@ -158,7 +158,7 @@ def kv_cache_specs(
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim)
+    shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim, config.is_mla)
     if groups is not None:
         return [BlockTensorSpec(f"{KV_PREFIX}{j}", shape, dtype, block_dim) for j in range(groups.group_size)]
     specs: list[BlockTensorSpec] = []

@@ -27,11 +27,16 @@ if TYPE_CHECKING:
     from .static_mixed import StaticMixedView
 
 
-def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], int]:
+def kv_cache_block_shape(
+    block_size: int, num_kv_heads: int, head_dim: int, value_is_key: bool = False
+) -> tuple[tuple[int, ...], int]:
     """The layout `paged_attention` reads: a layer's cache is ``[2, num_blocks, block_size,
-    num_kv_heads, head_dim]``. Returns the shape without the block axis, and where that axis goes
-    (the engine's per-block tensor registry sizes and allocates the caches)."""
-    return (2, block_size, num_kv_heads, head_dim), 1
+    num_kv_heads, head_dim]``, keys then values; where each token's value is its key
+    (`value_is_key`: multi-head latent attention, model/deepseek.py) ``[1, ...]``, which the layer
+    hands over as that one tensor seen twice (`expand`). Returns the shape without the block axis,
+    and where that axis goes (the engine's per-block tensor registry sizes and allocates the
+    caches)."""
+    return (1 if value_is_key else 2, block_size, num_kv_heads, head_dim), 1
 
 
 @dataclass

@@ -8,9 +8,10 @@ value W_UV c before attending. Here the expansion is folded into the query and t
 vLLM does ("absorbed"): head h's score q_h . [W_UK_h c, k_r] is [q_nope_h W_UK_h, q_rot_h] .
 [c, k_r], and its output sum_j p_j W_UV_h c_j is W_UV_h (sum_j p_j c_j). So attention runs as one
 K/V head of [c, k_r] (its value the same row: the rotary part of the output is dropped) under
-every query head, and the paged cache holds kv_lora_rank + qk_rope_head_dim numbers a token and
-layer (576 for DeepSeek-V3, where the expanded keys and values would be 40,960). The products
-are the same as transformers' up to the order of their sums."""
+every query head, and the paged cache holds that row once (attention.kv_cache_block_shape's
+`value_is_key`): kv_lora_rank + qk_rope_head_dim numbers a token and layer (576 for DeepSeek-V3,
+where the expanded keys and values would be 40,960). The products are the same as transformers'
+up to the order of their sums."""
 
 from __future__ import annotations
 
@@ -93,7 +94,9 @@ class LatentAttention(nn.Module):
         # head h's query in the latent's space: q_nope_h W_UK_h [T, H, rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope]).transpose(0, 1)
         query = torch.cat((q_latent, RotaryEmbedding.apply(q_rot, cos, sin)), dim=-1)
-        o = paged_attention(query, latent, latent, kv_cache, meta, self.scale)  # [T, H, rank + rope]
+        # the cache holds each latent once, seen as both keys and values (kv_cache_block_shape)
+        both = kv_cache.expand(2, *kv_cache.shape[1:]) if kv_cache.shape[0] == 1 else kv_cache
+        o = paged_attention(query, latent, latent, both, meta, self.scale)  # [T, H, rank + rope]
         # each head's value: W_UV_h (sum_j p_j c_j) [T, H * v_dim]
         v = torch.bmm(o[..., : self.rank].transpose(0, 1), w[:, self.nope :].transpose(1, 2))
         return self.o_proj(v.transpose(0, 1).reshape(T, H * self.v_dim))
@@ -139,7 +142,31 @@ class DeepseekV3Model(LlamaModel):
         rotary row pair (2i, 2i + 1) of the query's and the rotary key's rows reordered into halves,
         as `pairs_to_halves` does for other families."""
         own = below_layer(weights, self.config.num_hidden_layers)
-        super().load_hf_weights(renamed(self._rotary_in_halves(own), _RENAMES))
+        super().load_hf_weights(renamed(self._rotary_in_halves(self._joined_kv_b(own)), _RENAMES))
+
+    def _joined_kv_b(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """kv_b_proj from the two halves llama.cpp's converter splits it into: k_b_proj, each
+        head's W_UK transposed [H, rank, nope], and v_b_proj, each head's W_UV [H, v, rank]."""
+        cfg = self.config
+        halves: dict[tuple[str, str], torch.Tensor] = {}
+        for name, t in weights:
+            m = re.match(r"^(model\.layers\.\d+\.self_attn\.)(k|v)_b_proj\.weight$", name)
+            if m is None:
+                yield name, t
+                continue
+            halves[(m.group(1), m.group(2))] = t
+            k, v = halves.get((m.group(1), "k")), halves.get((m.group(1), "v"))
+            if k is not None and v is not None:
+                H, rank = cfg.num_attention_heads, cfg.mla_kv_lora_rank
+                if k.shape != (H, rank, cfg.mla_qk_nope_head_dim) or v.shape != (H, cfg.mla_v_head_dim, rank):
+                    raise ValueError(
+                        f"{m.group(1)}k_b_proj / v_b_proj: shapes {tuple(k.shape)} / {tuple(v.shape)}, expected "
+                        f"{(H, rank, cfg.mla_qk_nope_head_dim)} / {(H, cfg.mla_v_head_dim, rank)}"
+                    )
+                yield m.group(1) + "kv_b_proj.weight", torch.cat((k.transpose(1, 2), v), dim=1).reshape(-1, rank)
+                del halves[(m.group(1), "k")], halves[(m.group(1), "v")]
+        if halves:
+            raise ValueError(f"k_b_proj / v_b_proj without their other half: {sorted(n + h for n, h in halves)}")
 
     def _rotary_in_halves(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config

@@ -120,6 +120,21 @@ GGUF_LAYER_MAPS = {
         "post_ffw_norm.weight": "post_mlp_layernorm.weight",
         "ffn_up.weight": "mlp.gate_up_proj.weight",
     },
+    # DeepSeek-V3 / GLM-4.7-Flash: latent attention's projections; its kv_b_proj as one tensor
+    # (older files) or split into each head's W_UK transposed and W_UV (model/deepseek.py joins them)
+    "deepseek2": {
+        **GGUF_LAYER_MAP,
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_q_a.weight": "self_attn.q_a_proj.weight",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_mqa.bias": "self_attn.kv_a_proj_with_mqa.bias",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+        "attn_k_b.weight": "self_attn.k_b_proj.weight",
+        "attn_v_b.weight": "self_attn.v_b_proj.weight",
+    },
     # GLM-4.5: the norm before the MLP named as a norm after attention
     "glm4moe": {**GGUF_LAYER_MAP, "post_attention_norm.weight": "post_attention_layernorm.weight"},
     # OLMo 2: norms after attention and after the MLP, none before

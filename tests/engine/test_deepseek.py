@@ -65,7 +65,7 @@ def test_logits_match_transformers(tmp_path, kind):
     assert config.rope_interleaved == (kind != "plain") and config.mla_q_lora_rank == (0 if kind == "plain" else 24)
     assert config.mlp_only_layers == (0,) and config.shared_expert_intermediate_size == 32
     specs = {s.name: s.shape_per_block for s in kv_cache_specs(config, 8, torch.float32)}
-    assert specs["kv.0"] == (2, 8, 1, 40)  # one latent head a token: 32 + 8
+    assert specs["kv.0"] == (1, 8, 1, 40)  # one latent head a token (32 + 8), once: key and value
     model = load_model(folder).model
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, True]
     if kind == "v3":
@@ -101,3 +101,45 @@ def test_lora_is_refused_by_name(tmp_path):
     folder = _save_with_prediction_layer(make_deepseek("plain"), tmp_path)
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(folder, enable_lora=True, num_blocks=16, block_size=8, max_model_len=64, dtype="float32")
+
+
+def test_disk_tier_and_stage_outputs(tmp_path):
+    """The latent rows move through a disk tier as any K/V block does (a new engine served them:
+    same tokens), and pooled hidden states over a hit equal transformers'."""
+    from .engine_oracle import assert_disk_tier_and_stage_outputs
+
+    assert_disk_tier_and_stage_outputs(tmp_path, make_deepseek("v3"), 8, MAX_NEW)
+
+
+@pytest.mark.parametrize("kind, split_kv_b", [("v3", True), ("v3", False), ("plain", True), ("glm_lite", True)])
+def test_gguf_matches_transformers(tmp_path, kind, split_kv_b):
+    """A GGUF file by llama.cpp's converter rules ("deepseek2": one K/V head of the latent and the
+    rotary key, the per-head sizes in key_length_mla / value_length_mla, kv_b_proj split into
+    each head's W_UK transposed and W_UV, or whole in an older file; YaRN's correction as its log
+    multiplier; a prediction layer counted in block_count): the config read as from config.json,
+    then logits and the engine's greedy tokens against transformers. llama.cpp rotates deepseek2
+    in pairs: the file of a checkpoint whose rotary is in halves ("plain") is served in pairs, as
+    llama.cpp serves it, so its logits are not that checkpoint's."""
+    from ..model.gguf_convert import write_deepseek_gguf
+    from .engine_oracle import assert_recurrent_engine_matches_transformers
+
+    hf = make_deepseek(kind)
+    folder = tmp_path / "hf"
+    _save_with_prediction_layer(hf, folder)
+    path = tmp_path / f"{kind}.gguf"
+    write_deepseek_gguf(path, hf, split_kv_b=split_kv_b, mtp_blocks=1)
+    from_json, from_gguf = ModelConfig.from_hf_folder(str(folder)), load_model(str(path)).config
+    fields = ("num_hidden_layers", "head_dim", "num_key_value_heads", "mla_kv_lora_rank", "mla_q_lora_rank",
+              "mla_qk_nope_head_dim", "mla_qk_rope_head_dim", "mla_v_head_dim", "num_experts", "mlp_only_layers",
+              "router_scoring", "router_selection_bias", "routed_scaling_factor", "shared_expert_intermediate_size",
+              "shared_expert_gated", "router_logits_float32", "router_num_groups", "router_topk_groups",
+              "rope_scaling")  # fmt: skip
+    assert [getattr(from_gguf, f) for f in fields] == [getattr(from_json, f) for f in fields]
+    assert from_gguf.rope_interleaved
+    if kind == "plain":
+        return
+    ids = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(_chunked_logits(str(path), ids), ref, atol=1e-4, rtol=1e-4)
+    assert_recurrent_engine_matches_transformers(str(path), hf, MAX_NEW)

@@ -581,6 +581,8 @@ def write_sigmoid_moe_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(d["routed_scaling_factor"])
         w.add_expert_weights_norm(d["norm_topk_prob"])
+        w.add_expert_group_count(d["n_group"])  # (TextModel's, from n_group / topk_group)
+        w.add_expert_group_used_count(d["topk_group"])
         if mtp_blocks:
             w.add_nextn_predict_layers(mtp_blocks)
     else:
@@ -623,6 +625,114 @@ def write_sigmoid_moe_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
             gate, up = np.split(a, 2, axis=1)
             w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
             w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        w.add_tensor(p + names[rest], a)
+    for b in range(n, n + mtp_blocks):  # stand-ins for the prediction layer's tensors
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
+        w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_deepseek_gguf(path: Path, hf: Any, split_kv_b: bool = True, mtp_blocks: int = 0) -> None:
+    """A transformers DeepseekV3ForCausalLM or Glm4MoeLiteForCausalLM (float32) as a GGUF file by
+    DeepseekV2Model's rules ("deepseek2"): one K/V head (key_length kv_lora_rank + rotary
+    dimensions, value_length kv_lora_rank, the per-head sizes in key_length_mla /
+    value_length_mla), the query's rank, the expert keys (TextModel's groups and sigmoid gating,
+    from n_group / topk_group and scoring_func), YaRN with its log multiplier 0.1 mscale_all_dim; kv_b_proj
+    split into k_b (each head's W_UK transposed) and v_b where `split_kv_b` (the converter's since
+    2025), else whole (files before it, whose key_length / value_length are the per-head sizes);
+    the rows as transformers has them; `mtp_blocks` stand-in prediction blocks appended."""
+    import gguf
+
+    cfg = hf.config
+    d = cfg.to_dict()
+    n, H = cfg.num_hidden_layers, cfg.num_attention_heads
+    rank, rope, nope, vdim = d["kv_lora_rank"], d["qk_rope_head_dim"], d["qk_nope_head_dim"], d["v_head_dim"]
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(n + mtp_blocks)
+    w.add_context_length(d["max_position_embeddings"])
+    w.add_embedding_length(d["hidden_size"])
+    w.add_feed_forward_length(d["intermediate_size"])
+    w.add_head_count(H)
+    w.add_head_count_kv(1)
+    params = d.get("rope_parameters") or {}
+    w.add_rope_freq_base(params.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(d["rms_norm_eps"])
+    w.add_expert_used_count(d["num_experts_per_tok"])
+    w.add_expert_group_count(d["n_group"])
+    w.add_expert_group_used_count(d["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # (TextModel's, from scoring_func)
+    if params.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(params["factor"])
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(params["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(params["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
+    kinds = d.get("mlp_layer_types")
+    w.add_leading_dense_block_count(kinds.index("sparse") if kinds else d["first_k_dense_replace"])
+    w.add_vocab_size(d["vocab_size"])
+    if d.get("q_lora_rank"):
+        w.add_q_lora_rank(d["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    if split_kv_b:
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(vdim)
+    else:
+        w.add_key_length(nope + rope)
+        w.add_value_length(vdim)
+    w.add_expert_feed_forward_length(d["moe_intermediate_size"])
+    w.add_expert_count(d["n_routed_experts"])
+    w.add_expert_shared_count(d["n_shared_experts"])
+    w.add_expert_weights_scale(d["routed_scaling_factor"])
+    w.add_expert_weights_norm(d["norm_topk_prob"])
+    w.add_rope_dimension_count(rope)
+    if mtp_blocks:
+        w.add_nextn_predict_layers(mtp_blocks)
+    _vocabulary(w, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.experts.down_proj": "ffn_down_exps.weight",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    }
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        if name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+            w.add_tensor({"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight"}.get(
+                name, "output_norm.weight"), a)  # fmt: skip
+            continue
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        p = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H], gate rows first
+            gate, up = np.split(a, 2, axis=1)
+            w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if rest == "self_attn.kv_b_proj.weight" and split_kv_b:
+            k_b, v_b = np.split(a.reshape(H, nope + vdim, rank), [nope], axis=1)
+            w.add_tensor(p + "attn_k_b.weight", np.ascontiguousarray(np.swapaxes(k_b, 1, 2)))
+            w.add_tensor(p + "attn_v_b.weight", np.ascontiguousarray(v_b))
             continue
         w.add_tensor(p + names[rest], a)
     for b in range(n, n + mtp_blocks):  # stand-ins for the prediction layer's tensors

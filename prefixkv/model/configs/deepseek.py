@@ -3,14 +3,17 @@
 a float32 sigmoid router with a selection bias and group-limited top k, an ungated shared expert -
 after the first dense layers. Their config.json reader, with transformers' defaults; the
 multi-token-prediction layers after the last are not the model's, and DeepSeek-V2's routing
-(softmax scores, `topk_method` greedy) is refused by name."""
+(softmax scores, `topk_method` greedy) is refused by name. Their GGUF files (llama.cpp's
+"deepseek2", which GLM-4.7-Flash's converter writes too) have a reader of their own here."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .decoder import check_silu, hf_decoder_fields
+from .common import join_fields
+from .decoder import check_silu, gguf_rope_scaling, hf_decoder_fields
 from .family import ConfigFamily
+from .moe import gguf_moe_fields
 from .rope import rope_settings
 
 _V3_DEFAULTS: dict[str, Any] = {
@@ -84,6 +87,62 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
+def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
+    """A DeepSeek-V3 or GLM-4.7-Flash GGUF file (convert_hf_to_gguf.py DeepseekV2Model): one K/V
+    head of `key_length` = kv_lora_rank + the rotary dimensions (`value_length` = kv_lora_rank),
+    the per-head sizes in `key_length_mla` / `value_length_mla` (a file from before them: in
+    `key_length` / `value_length`), the query's rank where there is one, the rotary interleaved
+    (llama.cpp rotates deepseek2 in pairs; the converter keeps the rows as they are), YaRN's
+    softmax-scale correction as `yarn_log_multiplier` = 0.1 mscale_all_dim (its mscale taken
+    equal, as in DeepSeek's releases), the experts by gguf_moe_fields: DeepSeek-V2's softmax
+    routing (no `expert_gating_func`, llama.cpp's default for it) is refused by name."""
+    p = g_arch + "."
+    rank = int(meta[p + "attention.kv_lora_rank"])
+    rope = int(meta[p + "rope.dimension_count"])
+    key, value = int(meta[p + "attention.key_length"]), int(meta[p + "attention.value_length"])
+    if p + "attention.key_length_mla" in meta:
+        if (key, value) != (rank + rope, rank):
+            raise ValueError(
+                f"GGUF {p}attention.key_length / value_length ({key} / {value}): expected kv_lora_rank + rotary "
+                f"dimensions / kv_lora_rank ({rank + rope} / {rank})"
+            )
+        key, value = int(meta[p + "attention.key_length_mla"]), int(meta[p + "attention.value_length_mla"])
+    log_mul = meta.get(p + "rope.scaling.yarn_log_multiplier")
+    scaling = gguf_rope_scaling({k: v for k, v in meta.items() if not k.endswith("yarn_log_multiplier")}, p)
+    if log_mul is not None:
+        if scaling is None or scaling["rope_type"] != "yarn":
+            raise ValueError(f"GGUF {p}rope.scaling.yarn_log_multiplier without YaRN scaling")
+        m_all = float(f"{float(log_mul) / 0.1:.7g}")  # to the float32 metadata's 7 significant digits
+        scaling.update(mscale=m_all, mscale_all_dim=m_all)
+    fields = dict(
+        architecture=arch,
+        hidden_size=int(meta[p + "embedding_length"]),
+        num_attention_heads=int(meta[p + "attention.head_count"]),
+        num_key_value_heads=1,
+        head_dim=rank + rope,
+        intermediate_size=int(meta[p + "feed_forward_length"]),
+        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(meta.get(p + "context_length", 2048)),
+        attention_bias="blk.0.attn_kv_a_mqa.bias" in tensor_names,
+        attention_output_bias="blk.0.attn_output.bias" in tensor_names,
+        rope_interleaved=True,
+        mla_kv_lora_rank=rank,
+        mla_q_lora_rank=int(meta.get(p + "attention.q_lora_rank") or 0),
+        mla_qk_nope_head_dim=key - rope,
+        mla_qk_rope_head_dim=rope,
+        mla_v_head_dim=value,
+    )
+    experts = gguf_moe_fields(g_arch, meta, tensor_names)
+    if experts.get("router_scoring") != "sigmoid" or not experts.get("router_selection_bias"):
+        raise ValueError(
+            f"GGUF {p}expert_gating_func={meta.get(p + 'expert_gating_func')!r} without a selection bias "
+            "(exp_probs_b): DeepSeek-V2's routing is not supported (DeepSeek-V3's sigmoid routing only)"
+        )
+    return join_fields(fields, experts, {"router_norm_epsilon": 1e-20})
+
+
 FAMILY = ConfigFamily(
     architectures=("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"),
     hf_fields=_hf_fields,
@@ -92,4 +151,6 @@ FAMILY = ConfigFamily(
         "kimi_k2": "DeepseekV3ForCausalLM",
         "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     },
+    gguf_architectures={"deepseek2": "DeepseekV3ForCausalLM"},
+    gguf_fields=_gguf_fields,
 )
