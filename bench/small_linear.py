@@ -10,6 +10,7 @@ weight bytes / time. `--emulate avx2`: as on an AVX2-only CPU (bench/machine.py)
 
     .venv/bin/python bench/small_linear.py --rows 1,2,4,8,16 [--dtype float32]
     .venv/bin/python bench/small_linear.py --dtype float32 --emulate avx2 --threads 1 --fastest --reps 15
+    .venv/bin/python bench/small_linear.py --dtype float32 --sizes 22528x2048,2816x2048 --rows 1,2,8
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def main() -> None:
     )
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="which of the model's products")
     ap.add_argument("--emulate", choices=sorted(EMULATIONS), help="as on a CPU with only these instructions")
+    ap.add_argument(
+        "--sizes",
+        default="",
+        help="out x in products of your own instead (22528x2048,2816x2048: a 1B dense gate/up, a MoE expert's)",
+    )
     args = ap.parse_args()
     emulate(args.emulate)
     print(describe(), flush=True)
@@ -53,7 +59,10 @@ def main() -> None:
         sys.exit(f"the native small-batch kernel does not run {args.dtype} here (no AVX-512 / AVX512-BF16, or off)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     g = torch.Generator().manual_seed(0)
-    for name, N, K in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
+    products = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    if args.sizes:
+        products = [(size, *map(int, size.split("x"))) for size in args.sizes.split(",")]
+    for name, N, K in products:
         copies = [torch.randn(N, K, generator=g).to(dtype) for _ in range(4 if N > 10_000 else 30)]
         onednn = [PackedLinear(w) for w in copies]
         native = [ops.small_linear_weight(w) for w in copies]

@@ -147,6 +147,31 @@ SHAPES: dict[str, dict[str, object]] = {
         full_attn_idxs=[2, 5, 8, 10, 12, 14],
         tie_word_embeddings=True,
     ),
+    # Moonlight-16B-A3B (Kimi's DeepseekV3ForCausalLM): multi-head latent attention without a
+    # query rank, 64 experts top 6 beside two shared ones after a dense first layer; --layers 2
+    # keeps one of each on a CPU (~0.9B parameters with SmolLM2's vocabulary)
+    "moonlight-16b": dict(
+        family="deepseek_v3",
+        hidden_size=2048,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.446,
+        tie_word_embeddings=False,
+    ),
     "llama-8b": dict(
         hidden_size=4096,
         intermediate_size=14336,
@@ -203,6 +228,7 @@ def main() -> None:
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
     }[str(family)]
     # the rotary base where the family takes it so (the others keep their config's default)
     settings: dict[str, object] = dict(rope_theta=500000.0) if family in ("llama", "qwen2") else {}
@@ -229,6 +255,10 @@ def main() -> None:
         d = json.loads((out / "config.json").read_text())
         d.update(conv_dim=d["hidden_size"], conv_dim_out=d["hidden_size"], block_dim=d["hidden_size"])
         d["block_ff_dim"] = d["intermediate_size"]
+        (out / "config.json").write_text(json.dumps(d, indent=2))
+    if family == "deepseek_v3":  # the released configs' routing keys, which vLLM reads (transformers 5 writes none)
+        d = json.loads((out / "config.json").read_text())
+        d.update(topk_method="noaux_tc", scoring_func="sigmoid")
         (out / "config.json").write_text(json.dumps(d, indent=2))
     print(
         f"{args.shape}{f' ({args.layers} layers)' if args.layers else ''}: {params / 1e9:.2f}B parameters, "

@@ -25,7 +25,12 @@ Each comparison runs on one thread, both paths alternated, and keeps each path's
 neighbour (or one of our OpenMP threads descheduled at a barrier, which a multi-threaded call then
 waits a whole time slice for) only ever adds time, and on a busy 2-vCPU machine it did so to every
 repetition of a two-thread call, deciding comparisons at random; on one thread the fastest of a few
-is the code's own speed. Both paths split their work over threads alike (heads, rows, column slabs).
+is the code's own speed. Both paths split their work over threads alike (heads, rows, column
+slabs) - but for the small-batch linear, timed at the engine's thread count: F.linear (MKL) runs
+a product of one or two rows on one thread whatever the count. On an AMD Zen 2 with two threads
+(2,048 -> 22,528, float32) MKL took 9.3 ms at one row and 18.2 at two against the native kernel's
+6.7 and 7.1, where on one thread MKL's 10.3 ms beat the native 11.0 at one row, which had switched
+the native kernel off for every row count (bench/small_linear.py).
 
 The answer is kept on disk (`cache_dir()/kernel-choice`, JSON) keyed by the kernel library (its
 name covers source, flags, compiler, torch and the CPU's flags), the CPU's model name, the shapes
@@ -77,7 +82,7 @@ SMALL_LINEAR_ROWS = (1, 2, 4, 8, 16)
 # machine move a few percent run to run, and the native paths also save allocations and copies
 # the isolated timing does not see
 TOLERANCE = 1.05
-FORMAT_VERSION = 3  # 2: blocked_linear, 3: blocked_linear_faster
+FORMAT_VERSION = 4  # 2: blocked_linear, 3: blocked_linear_faster, 4: small_linear at the engine's threads
 
 
 @dataclass(frozen=True)
@@ -307,7 +312,11 @@ def measure(shapes: KernelShapes) -> tuple[ops.KernelChoice, list[str]]:
             timed["prefill"] = [_prefill(shapes, dtype, n, g) for n in PREFILL_LENGTHS]
             timed["decode_attention"] = [_decode_attention(shapes, dtype, b, g) for b in (1, 8)]
         if ops.small_linear_available(dtype):
-            timed["small_linear"] = [_small_linear(shapes, dtype, m, g) for m in SMALL_LINEAR_ROWS]
+            torch.set_num_threads(threads)  # (see the module's docstring: MKL's few-row product runs on one)
+            try:
+                timed["small_linear"] = [_small_linear(shapes, dtype, m, g) for m in SMALL_LINEAR_ROWS]
+            finally:
+                torch.set_num_threads(1)
         if ops.blocked_linear_available(dtype):
             timed["blocked_linear"] = [_blocked_linear(shapes, dtype, product, g) for product in ("gate_up", "down")]
         timed["add_rms_norm"] = [_norm(shapes, dtype, rows, g) for rows in (1, 256)]
