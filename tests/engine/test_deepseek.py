@@ -18,7 +18,7 @@ from prefixkv.model.moe import SparseMoeBlock
 
 from .engine_oracle import assert_engine_matches_transformers
 from .test_glm4_moe import _randomise, _save_with_prediction_layer
-from .test_qwen3_5 import _chunked_logits
+from .test_qwen3_5 import assert_chunked_logits_match
 
 MAX_NEW = 8
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -70,10 +70,7 @@ def test_logits_match_transformers(tmp_path, kind):
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, True]
     if kind == "v3":
         assert model.layers[0].self_attn.scale > (16 + 8) ** -0.5  # YaRN's correction, squared
-    ids = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(input_ids=ids[None]).logits[0]
-    torch.testing.assert_close(_chunked_logits(folder, ids), ref, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_match(folder, hf)
 
 
 @pytest.mark.parametrize("kind", ["v3", "glm_lite"])
@@ -138,8 +135,5 @@ def test_gguf_matches_transformers(tmp_path, kind, split_kv_b):
     assert from_gguf.rope_interleaved
     if kind == "plain":
         return
-    ids = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(input_ids=ids[None]).logits[0]
-    torch.testing.assert_close(_chunked_logits(str(path), ids), ref, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_match(str(path), hf)
     assert_recurrent_engine_matches_transformers(str(path), hf, MAX_NEW)

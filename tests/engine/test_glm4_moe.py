@@ -21,7 +21,7 @@ from prefixkv.model.moe import SparseMoeBlock
 
 from ..model.test_model_hf_folder import _write_tokenizer
 from .engine_oracle import assert_engine_matches_transformers
-from .test_qwen3_5 import _chunked_logits
+from .test_qwen3_5 import assert_chunked_logits_match
 
 MAX_NEW = 8
 
@@ -107,10 +107,7 @@ def test_logits_match_transformers(tmp_path, family):
         assert not config.qk_norm and config.num_experts == 8 and config.moe_intermediate_size == 32
         assert all(type(layer.self_attn) is ProjectionNormedAttention for layer in model.layers)
     assert model.layers[1].mlp.expert_bias.dtype == torch.float32
-    ids = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(input_ids=ids[None]).logits[0]
-    torch.testing.assert_close(_chunked_logits(folder, ids), ref, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_match(folder, hf)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2"])
@@ -164,8 +161,5 @@ def test_gguf_matches_transformers(tmp_path, family):
     assert [getattr(from_gguf, f) for f in fields] == [getattr(from_json, f) for f in fields]
     if family == "glm4_moe":
         assert not from_gguf.shared_expert_gated and from_gguf.router_logits_float32
-    ids = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(input_ids=ids[None]).logits[0]
-    torch.testing.assert_close(_chunked_logits(str(path), ids), ref, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_match(str(path), hf)
     assert_recurrent_engine_matches_transformers(str(path), hf, MAX_NEW)

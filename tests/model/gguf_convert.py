@@ -20,6 +20,7 @@ files test."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -591,7 +592,7 @@ def write_sigmoid_moe_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
         w.add_rope_dimension_count(rotary)
     _vocabulary(w, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     names = {
-        "input_layernorm.weight": "attn_norm.weight",
+        **_ROUTED_NAMES,
         "post_attention_layernorm.weight": "post_attention_norm.weight" if glm else "ffn_norm.weight",
         "self_attn.q_proj.weight": "attn_q.weight",
         "self_attn.k_proj.weight": "attn_k.weight",
@@ -599,20 +600,40 @@ def write_sigmoid_moe_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
         "self_attn.q_proj.bias": "attn_q.bias",
         "self_attn.k_proj.bias": "attn_k.bias",
         "self_attn.v_proj.bias": "attn_v.bias",
-        "self_attn.o_proj.weight": "attn_output.weight",
         "self_attn.q_norm.weight": "attn_q_norm.weight",
         "self_attn.k_norm.weight": "attn_k_norm.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-        "mlp.gate.weight": "ffn_gate_inp.weight",
-        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
         "mlp.e_score_correction_bias": "exp_probs_b.bias",
-        "mlp.experts.down_proj": "ffn_down_exps.weight",
-        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     }
+    _write_routed_tensors(w, hf, names, mtp_blocks)
+
+
+# transformers' names -> GGUF's of what GLM-4.5, MiniMax-M2 and DeepSeek-V3 share
+_ROUTED_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def _write_routed_tensors(
+    w: Any,
+    hf: Any,
+    names: dict[str, str],
+    mtp_blocks: int,
+    own: Callable[[str, str, np.ndarray], bool] | None = None,
+) -> None:
+    """Each tensor of `hf` under its GGUF name (`names`, below blk.N.), the routed experts' fused
+    gate/up [E, 2I, H] split into gate and up; `own(prefix, name, array)` writes a tensor itself
+    where it returns True; then `mtp_blocks` stand-in prediction blocks, and the file."""
+    cfg = hf.config
     for name, t in hf.state_dict().items():
         a = t.float().numpy()
         if name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
@@ -621,12 +642,13 @@ def write_sigmoid_moe_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
             continue
         layer, _, rest = name.removeprefix("model.layers.").partition(".")
         p = f"blk.{layer}."
-        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H], gate rows first
+        if rest == "mlp.experts.gate_up_proj":  # gate rows first
             gate, up = np.split(a, 2, axis=1)
             w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
             w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(up))
-            continue
-        w.add_tensor(p + names[rest], a)
+        elif own is None or not own(p, rest, a):
+            w.add_tensor(p + names[rest], a)
+    n = cfg.num_hidden_layers
     for b in range(n, n + mtp_blocks):  # stand-ins for the prediction layer's tensors
         w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
         w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
@@ -696,7 +718,7 @@ def write_deepseek_gguf(path: Path, hf: Any, split_kv_b: bool = True, mtp_blocks
         w.add_nextn_predict_layers(mtp_blocks)
     _vocabulary(w, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     names = {
-        "input_layernorm.weight": "attn_norm.weight",
+        **_ROUTED_NAMES,
         "post_attention_layernorm.weight": "ffn_norm.weight",
         "self_attn.q_proj.weight": "attn_q.weight",
         "self_attn.q_a_proj.weight": "attn_q_a.weight",
@@ -705,40 +727,14 @@ def write_deepseek_gguf(path: Path, hf: Any, split_kv_b: bool = True, mtp_blocks
         "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
         "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
         "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-        "mlp.gate.weight": "ffn_gate_inp.weight",
-        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-        "mlp.experts.down_proj": "ffn_down_exps.weight",
-        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     }
-    for name, t in hf.state_dict().items():
-        a = t.float().numpy()
-        if name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
-            w.add_tensor({"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight"}.get(
-                name, "output_norm.weight"), a)  # fmt: skip
-            continue
-        layer, _, rest = name.removeprefix("model.layers.").partition(".")
-        p = f"blk.{layer}."
-        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H], gate rows first
-            gate, up = np.split(a, 2, axis=1)
-            w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
-            w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(up))
-            continue
-        if rest == "self_attn.kv_b_proj.weight" and split_kv_b:
-            k_b, v_b = np.split(a.reshape(H, nope + vdim, rank), [nope], axis=1)
-            w.add_tensor(p + "attn_k_b.weight", np.ascontiguousarray(np.swapaxes(k_b, 1, 2)))
-            w.add_tensor(p + "attn_v_b.weight", np.ascontiguousarray(v_b))
-            continue
-        w.add_tensor(p + names[rest], a)
-    for b in range(n, n + mtp_blocks):  # stand-ins for the prediction layer's tensors
-        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
-        w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def kv_b_split(p: str, rest: str, a: np.ndarray) -> bool:  # each head's W_UK transposed, and W_UV
+        if rest != "self_attn.kv_b_proj.weight" or not split_kv_b:
+            return False
+        k_b, v_b = np.split(a.reshape(H, nope + vdim, rank), [nope], axis=1)
+        w.add_tensor(p + "attn_k_b.weight", np.ascontiguousarray(np.swapaxes(k_b, 1, 2)))
+        w.add_tensor(p + "attn_v_b.weight", np.ascontiguousarray(v_b))
+        return True
+
+    _write_routed_tensors(w, hf, names, mtp_blocks, kv_b_split)

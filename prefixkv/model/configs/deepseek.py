@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import join_fields
-from .decoder import check_silu, gguf_rope_scaling, hf_decoder_fields
+from .decoder import check_silu, gguf_decoder_fields, hf_decoder_fields
 from .family import ConfigFamily
 from .moe import gguf_moe_fields
 from .rope import rope_settings
@@ -107,26 +107,13 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
                 f"dimensions / kv_lora_rank ({rank + rope} / {rank})"
             )
         key, value = int(meta[p + "attention.key_length_mla"]), int(meta[p + "attention.value_length_mla"])
-    log_mul = meta.get(p + "rope.scaling.yarn_log_multiplier")
-    scaling = gguf_rope_scaling({k: v for k, v in meta.items() if not k.endswith("yarn_log_multiplier")}, p)
-    if log_mul is not None:
-        if scaling is None or scaling["rope_type"] != "yarn":
-            raise ValueError(f"GGUF {p}rope.scaling.yarn_log_multiplier without YaRN scaling")
-        m_all = float(f"{float(log_mul) / 0.1:.7g}")  # to the float32 metadata's 7 significant digits
-        scaling.update(mscale=m_all, mscale_all_dim=m_all)
-    fields = dict(
-        architecture=arch,
-        hidden_size=int(meta[p + "embedding_length"]),
-        num_attention_heads=int(meta[p + "attention.head_count"]),
-        num_key_value_heads=1,
-        head_dim=rank + rope,
-        intermediate_size=int(meta[p + "feed_forward_length"]),
-        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(meta.get(p + "context_length", 2048)),
+    # the decoder's fields as for one K/V head of the latent and the rotary key (what it caches)
+    plain = {k: v for k, v in meta.items() if not k.endswith(("attention.value_length", "yarn_log_multiplier"))}
+    plain.update({p + "attention.head_count_kv": 1, p + "attention.key_length": rank + rope})
+    fields = gguf_decoder_fields(plain, tensor_names, g_arch, arch, partial_rotary=True)
+    fields.update(
         attention_bias="blk.0.attn_kv_a_mqa.bias" in tensor_names,
-        attention_output_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm=False,
         rope_interleaved=True,
         mla_kv_lora_rank=rank,
         mla_q_lora_rank=int(meta.get(p + "attention.q_lora_rank") or 0),
@@ -134,6 +121,13 @@ def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch
         mla_qk_rope_head_dim=rope,
         mla_v_head_dim=value,
     )
+    log_mul = meta.get(p + "rope.scaling.yarn_log_multiplier")
+    if log_mul is not None:
+        scaling = fields["rope_scaling"]
+        if scaling is None or scaling["rope_type"] != "yarn":
+            raise ValueError(f"GGUF {p}rope.scaling.yarn_log_multiplier without YaRN scaling")
+        m_all = float(f"{float(log_mul) / 0.1:.7g}")  # to the float32 metadata's 7 significant digits
+        scaling.update(mscale=m_all, mscale_all_dim=m_all)
     experts = gguf_moe_fields(g_arch, meta, tensor_names)
     if experts.get("router_scoring") != "sigmoid" or not experts.get("router_selection_bias"):
         raise ValueError(
