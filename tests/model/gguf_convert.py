@@ -392,13 +392,7 @@ def write_delta_net_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
         elif rest == "mlp.shared_expert_gate.weight":
             a = a.reshape(-1)
         w.add_tensor(p + names[rest], np.ascontiguousarray(a, dtype=np.float32))
-    for b in range(n, n + mtp_blocks):  # stand-ins for the prediction head's tensors
-        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
-        w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _prediction_blocks_and_file(w, cfg, mtp_blocks)
 
 
 def write_granite_hybrid_gguf(path: Path, hf: Any) -> None:
@@ -648,8 +642,14 @@ def _write_routed_tensors(
             w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(up))
         elif own is None or not own(p, rest, a):
             w.add_tensor(p + names[rest], a)
+    _prediction_blocks_and_file(w, cfg, mtp_blocks)
+
+
+def _prediction_blocks_and_file(w: Any, cfg: Any, mtp_blocks: int) -> None:
+    """`mtp_blocks` stand-in multi-token-prediction blocks after the last layer (a norm and the
+    nextn projection, as the converters write them), then the file."""
     n = cfg.num_hidden_layers
-    for b in range(n, n + mtp_blocks):  # stand-ins for the prediction layer's tensors
+    for b in range(n, n + mtp_blocks):
         w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
         w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
     w.write_header_to_file()
