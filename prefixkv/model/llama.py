@@ -243,9 +243,12 @@ class LlamaModel(nn.Module):
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         materialize(self, device, dtype)
         self.to(dtype)
-        for m in self.modules():  # a router's selection bias stays float32, as transformers keeps it
-            if isinstance(m, SparseMoeBlock) and m.expert_bias is not None:
-                m.expert_bias.data = m.expert_bias.data.float()
+        for m in self.modules():  # a router's selection bias stays float32, as transformers keeps it,
+            if isinstance(m, SparseMoeBlock):  # and so does a float32 router's weight (no copy a step)
+                if m.expert_bias is not None:
+                    m.expert_bias.data = m.expert_bias.data.float()
+                if m.logits_float32:
+                    m.gate.weight.data = m.gate.weight.data.float()
         if config.tie_word_embeddings:
             self.lm_head = None
         self.rotary = self.make_rotary(config, dtype, device)

@@ -197,7 +197,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] in x's dtype."""
-        if self.logits_float32:
+        if self.logits_float32:  # (the model keeps this router's weight in float32)
             logits = F.linear(x.float(), self.gate.weight.float())
         else:
             logits = self.gate(x)
