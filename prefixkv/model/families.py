@@ -19,17 +19,18 @@ from .lfm2 import Lfm2Model
 from .llama import LlamaModel
 from .mamba2 import Mamba2Model
 from .minimax_m2 import MiniMaxM2Model
-from .mistral3 import Mistral3TextModel
 from .olmo2 import Olmo2Model
 from .phi3 import Phi3Model
 from .qwen3_5 import Qwen3_5Model
 from .qwen3_next import Qwen3NextModel
+from .vision_language_text import VisionLanguageTextModel
 
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": LlamaModel,
     "MistralForCausalLM": LlamaModel,
     "Ministral3ForCausalLM": LlamaModel,  # Mistral's decoder (YaRN; its query temperature not built)
-    "Mistral3ForConditionalGeneration": Mistral3TextModel,  # its language model alone: served text-only
+    "Mistral3ForConditionalGeneration": VisionLanguageTextModel,  # its language model alone: served text-only
+    "Qwen3VLForConditionalGeneration": VisionLanguageTextModel,  # likewise: Qwen3's decoder (M-RoPE over text: plain)
     "Qwen2ForCausalLM": LlamaModel,
     "Qwen3ForCausalLM": LlamaModel,
     "SmolLM3ForCausalLM": LlamaModel,  # with layers that have no rotary (ModelConfig.nope_layers)

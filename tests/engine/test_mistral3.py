@@ -94,10 +94,10 @@ def test_logits_match_transformers(tmp_path, kind, caplog):
     ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
-    with caplog.at_level(logging.INFO, logger="prefixkv.model.mistral3"):
+    with caplog.at_level(logging.INFO, logger="prefixkv.model.vision_language_text"):
         got = _logits(str(tmp_path), ids)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    said = [r.getMessage() for r in caplog.records if r.name == "prefixkv.model.mistral3"]
+    said = [r.getMessage() for r in caplog.records if r.name == "prefixkv.model.vision_language_text"]
     assert len(said) == (1 if kind.startswith("vl") else 0) and all("text-only" in m for m in said)
 
 

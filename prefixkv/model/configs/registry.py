@@ -24,6 +24,7 @@ from . import (
     olmo2,
     phi3,
     qwen3_next,
+    qwen3_vl,
 )
 from .common import gguf_common_fields, join_fields
 from .family import ConfigFamily
@@ -46,6 +47,7 @@ FAMILIES: tuple[ConfigFamily, ...] = (
     glm4_moe.FAMILY,
     minimax_m2.FAMILY,
     deepseek.FAMILY,
+    qwen3_vl.FAMILY,
 )
 
 

@@ -1,8 +1,8 @@
-"""Mistral 3's vision-language checkpoints (transformers' Mistral3ForConditionalGeneration) served
-text-only: the Llama decoder over its language model (the checkpoints' language_model.model.* and
-language_model.lm_head, or transformers 5's model.language_model.* and lm_head); the Pixtral
-encoder and its projector (vision_tower.*, multi_modal_projector.*, under model. or not) are not
-loaded, and a request with images is refused (the engine's text-only path)."""
+"""Vision-language checkpoints served text-only: the Llama decoder over their language model
+(Mistral 3's checkpoints' language_model.model.* and language_model.lm_head, or transformers 5's
+model.language_model.* and lm_head: Mistral 3, Qwen3-VL); the vision encoder and its projector
+(Pixtral's vision_tower.* and multi_modal_projector.*, Qwen3-VL's visual.*, under model. or not)
+are not loaded, and a request with images is refused (the engine's text-only path)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import torch
 from .llama import LlamaModel
 
 logger = logging.getLogger(__name__)
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION = tuple(
+    prefix + part for prefix in ("", "model.") for part in ("vision_tower.", "multi_modal_projector.", "visual.")
+)
 _LANGUAGE = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
@@ -22,7 +24,7 @@ _LANGUAGE = (
 )
 
 
-class Mistral3TextModel(LlamaModel):
+class VisionLanguageTextModel(LlamaModel):
     """LlamaModel, loading a vision-language checkpoint's language model."""
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
