@@ -23,7 +23,7 @@ from .olmo2 import Olmo2Model
 from .phi3 import Phi3Model
 from .qwen3_5 import Qwen3_5Model
 from .qwen3_next import Qwen3NextModel
-from .vision_language_text import VisionLanguageTextModel
+from .vision_language_text import Qwen3VLMoeTextModel, VisionLanguageTextModel
 
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": LlamaModel,
@@ -31,6 +31,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Ministral3ForCausalLM": LlamaModel,  # Mistral's decoder (YaRN; its query temperature not built)
     "Mistral3ForConditionalGeneration": VisionLanguageTextModel,  # its language model alone: served text-only
     "Qwen3VLForConditionalGeneration": VisionLanguageTextModel,  # likewise: Qwen3's decoder (M-RoPE over text: plain)
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeTextModel,  # and Qwen3-MoE's, its experts transposed
     "Qwen2ForCausalLM": LlamaModel,
     "Qwen3ForCausalLM": LlamaModel,
     "SmolLM3ForCausalLM": LlamaModel,  # with layers that have no rotary (ModelConfig.nope_layers)

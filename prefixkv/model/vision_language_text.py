@@ -27,8 +27,28 @@ _LANGUAGE = (
 class VisionLanguageTextModel(LlamaModel):
     """LlamaModel, loading a vision-language checkpoint's language model."""
 
+    # the routed experts stacked as [E, in, out] (Qwen3-VL-MoE's released layout, which transformers
+    # transposes at load), not transformers' [E, out, in]
+    experts_transposed = False
+
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_hf_weights(self._language_model(weights))
+        language = self._language_model(weights)
+        super().load_hf_weights(self._experts_as_transformers(language) if self.experts_transposed else language)
+
+    def _experts_as_transformers(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stacked experts [E, H, 2I] / [E, I, H] as [E, 2I, H] / [E, H, I]; one already so
+        (a width where the two read alike: H = 2I, or H = I, is taken as the release's) is left."""
+        cfg = self.config
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        for name, t in weights:
+            if t.dim() == 3 and (
+                (name.endswith("mlp.experts.gate_up_proj") and t.shape[1:] == (H, 2 * I))
+                or (name.endswith("mlp.experts.down_proj") and t.shape[1:] == (I, H))
+            ):
+                t = t.transpose(1, 2)
+            yield name, t
 
     def _language_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         skipped = 0
@@ -48,3 +68,9 @@ class VisionLanguageTextModel(LlamaModel):
                 self.config.architecture,
                 skipped,
             )
+
+
+class Qwen3VLMoeTextModel(VisionLanguageTextModel):
+    """Qwen3-VL-MoE's language model (Qwen3-MoE's decoder), its experts in the release's layout."""
+
+    experts_transposed = True
