@@ -18,7 +18,8 @@
 #                   Qwen2's sliding layers), routed experts)
 #   sweep           tests/engine/sweep_graphs.py: the same requests through captured graphs (FULL,
 #                   scheduled ahead) and an eager in-order engine, float32, across families (Llama,
-#                   Gemma 2, Qwen3-MoE, Qwen3-Next, LoRA, LLaVA's image steps; the CPU runs more) and
+#                   Gemma 2, Qwen3-MoE, Qwen3-Next, DeepSeek-V3's 576-wide latent head, LoRA, LLaVA's
+#                   image steps; the CPU runs more) and
 #                   features (logprobs, prompt logprobs, seeded sampling with n=2, stops, penalties,
 #                   structured outputs, preemption): tokens, finishes, cached tokens and logprobs equal
 #   graphs          bench/decode_graphs.py: decode ms/step through the engine at batch 1/32/256
@@ -157,7 +158,7 @@ for step in $STEPS; do
             tests/engine/test_decode_host_inputs.py tests/model/test_triton_gemv.py tests/tiers/test_transfer.py \
             "tests/engine/test_sampler.py::test_the_fixed_shape_draw_is_samples_token_for_token" ;;
     sweep)
-        bounded 180 sweep.log python3 -m tests.engine.sweep_graphs --families llama,gemma2,qwen3_moe,qwen3_next,lora,llava ;;
+        bounded 180 sweep.log python3 -m tests.engine.sweep_graphs --families llama,gemma2,qwen3_moe,qwen3_next,deepseek_v3_wide,lora,llava ;;
     paged)
         bounded 100 paged.log python3 bench/paged_attention.py --device cuda --dtype bfloat16 \
             --batches 1,32,256 --contexts 1024,8192 --new 64

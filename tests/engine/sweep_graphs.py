@@ -89,10 +89,10 @@ def _family(name: str) -> Callable[[], Any]:
         from .test_glm4_moe import make_glm4_moe, make_minimax_m2
 
         return make_glm4_moe if name == "glm4_moe" else make_minimax_m2
-    if name in ("deepseek_v3", "glm4_moe_lite"):
+    if name in ("deepseek_v3", "deepseek_v3_wide", "glm4_moe_lite"):  # (wide: the released 576-wide latent head)
         from .test_deepseek import make_deepseek
 
-        return lambda: make_deepseek("v3" if name == "deepseek_v3" else "glm_lite")
+        return lambda: make_deepseek("glm_lite" if name == "glm4_moe_lite" else "v3", wide_latent=name.endswith("wide"))
     if name == "gpt_oss":  # (no graphs: its sinks run eager; the caching fuzz takes it)
         from ..model.test_model_gpt_oss import make_gpt_oss
 
@@ -102,7 +102,8 @@ def _family(name: str) -> Callable[[], Any]:
 
 FAMILIES = [
     "llama", "qwen3", "ernie4_5", "glm4", "gemma2", "gemma3", "qwen3_moe", "mamba2", "falcon_h1", "bamba", "qwen3_next",
-    "lfm2", "lfm2_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "lora", "llava",
+    "lfm2", "lfm2_moe", "glm4_moe", "minimax_m2", "deepseek_v3",
+    "deepseek_v3_wide", "glm4_moe_lite", "lora", "llava",
 ]  # fmt: skip
 # a request: (the prompt as generate takes it, its params, its adapter's name or None)
 Request = tuple[Any, SamplingParams, str | None]

@@ -25,9 +25,11 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
 
 
-def make_deepseek(kind: str = "v3", seed: int = 0):
+def make_deepseek(kind: str = "v3", seed: int = 0, wide_latent: bool = False):
     """kind: "v3" (a query rank, the interleaved rotary, YaRN), "plain" (no query rank, the
-    rotary in halves, no scaling) or "glm_lite" (GLM-4.7-Flash: per-layer MLP kinds)."""
+    rotary in halves, no scaling) or "glm_lite" (GLM-4.7-Flash: per-layer MLP kinds);
+    `wide_latent`: the released latent and rotary key (512 + 64: a cached head of 576, what a GPU's
+    attention kernels must take), the rest as tiny."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -38,6 +40,8 @@ def make_deepseek(kind: str = "v3", seed: int = 0):
         n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256, bos_token_id=256, eos_token_id=257,
         pad_token_id=257, attn_implementation="eager",
     )  # fmt: skip
+    if wide_latent:
+        sizes.update(kv_lora_rank=512, qk_rope_head_dim=64)
     if kind == "glm_lite":
         sizes.update(mlp_layer_types=["dense", "sparse", "sparse"], n_group=1, topk_group=1, v_head_dim=16)
         model = tf.Glm4MoeLiteForCausalLM(tf.Glm4MoeLiteConfig(**sizes))
