@@ -13,6 +13,7 @@ from typing import Any
 from .common import join_fields
 from .decoder import check_silu, gguf_decoder_fields, hf_decoder_fields
 from .family import ConfigFamily
+from .glm4_moe import routed_experts_fields
 from .moe import gguf_moe_fields
 from .rope import rope_settings
 
@@ -60,7 +61,6 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     fields = hf_decoder_fields(
         latent, arch, rope_theta, scaling, None, [], attention_bias=bool(d.get("attention_bias", False)), qk_norm=False
     )
-    moe_width = int(d["moe_intermediate_size"])
     fields.update(
         rope_interleaved=bool(d["rope_interleave"]),
         mla_kv_lora_rank=rank,
@@ -68,23 +68,8 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
         mla_qk_nope_head_dim=int(d["qk_nope_head_dim"]),
         mla_qk_rope_head_dim=rope,
         mla_v_head_dim=int(d["v_head_dim"]),
-        num_experts=int(d["n_routed_experts"]),
-        num_experts_per_tok=int(d["num_experts_per_tok"]),
-        moe_intermediate_size=moe_width,
-        mlp_only_layers=_dense_layers(d, arch),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        router_scoring="sigmoid",
-        router_selection_bias=True,
-        router_num_groups=int(d["n_group"] or 1),
-        router_topk_groups=int(d["topk_group"] or 1),
-        router_logits_float32=True,
-        router_scores_float32=True,
-        router_norm_epsilon=1e-20,
-        routed_scaling_factor=float(d["routed_scaling_factor"]),
-        shared_expert_intermediate_size=moe_width * int(d["n_shared_experts"] or 0),
-        shared_expert_gated=False,
     )
-    return fields
+    return join_fields(fields, routed_experts_fields(d, _dense_layers(d, arch)))
 
 
 def _gguf_fields(meta: dict[str, Any], tensor_names: set[str], g_arch: str, arch: str) -> dict[str, Any]:
