@@ -16,7 +16,6 @@ up to the order of their sums."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Iterable, Iterator
 
@@ -25,17 +24,13 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding
+from .glm4_moe import ROUTED_EXPERT_RENAMES
+from .layers import RMSNorm, RotaryEmbedding, yarn_mscale
 from .llama import DecoderLayer, LlamaModel, below_layer, renamed, static_mlp_unsupported
 from .moe import Projection
 
 # DeepSeek's latent norms keep their class's default epsilon, not the config's rms_norm_eps
 LATENT_NORM_EPS = 1e-6
-
-
-def yarn_mscale(scale: float, m: float) -> float:
-    """YaRN's magnitude correction 0.1 m ln(scale) + 1 (1 at scale <= 1)."""
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
 class LatentAttention(nn.Module):
@@ -95,7 +90,7 @@ class LatentAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope]).transpose(0, 1)
         query = torch.cat((q_latent, RotaryEmbedding.apply(q_rot, cos, sin)), dim=-1)
         # the cache holds each latent once, seen as both keys and values (kv_cache_block_shape)
-        both = kv_cache.expand(2, *kv_cache.shape[1:]) if kv_cache.shape[0] == 1 else kv_cache
+        both = kv_cache.expand(2, *kv_cache.shape[1:])
         o = paged_attention(query, latent, latent, both, meta, self.scale)  # [T, H, rank + rope]
         # each head's value: W_UV_h (sum_j p_j c_j) [T, H * v_dim]
         v = torch.bmm(o[..., : self.rank].transpose(0, 1), w[:, self.nope :].transpose(1, 2))
@@ -103,12 +98,8 @@ class LatentAttention(nn.Module):
 
 
 # transformers' names -> this model's: a query without a rank (the Llama loader would take q_proj
-# into q/k/v), the shared experts (one MLP of their summed width), the router's selection bias
-_RENAMES = (
-    (re.compile(r"\.self_attn\.q_proj\."), ".self_attn.query_proj."),
-    (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),
-    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.expert_bias"),
-)
+# into q/k/v), and GLM-4.5's experts' names
+_RENAMES = ((re.compile(r"\.self_attn\.q_proj\."), ".self_attn.query_proj."), *ROUTED_EXPERT_RENAMES)
 
 
 class DeepseekV3Model(LlamaModel):

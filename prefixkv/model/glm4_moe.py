@@ -13,8 +13,8 @@ import torch
 from .llama import LlamaModel, below_layer, renamed
 
 # transformers' names -> this model's: the shared experts (one MLP of their summed width) and the
-# router's selection bias
-_RENAMES = (
+# router's selection bias (DeepSeek-V3's too)
+ROUTED_EXPERT_RENAMES = (
     (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),
     (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.expert_bias"),
 )
@@ -27,4 +27,4 @@ class Glm4MoeModel(LlamaModel):
         """transformers' names (mlp.gate.weight, mlp.gate.e_score_correction_bias,
         mlp.experts.E.{gate,up,down}_proj or the stacked experts, mlp.shared_experts.*); the
         multi-token-prediction layers after the last are left out."""
-        super().load_hf_weights(renamed(below_layer(weights, self.config.num_hidden_layers), _RENAMES))
+        super().load_hf_weights(renamed(below_layer(weights, self.config.num_hidden_layers), ROUTED_EXPERT_RENAMES))

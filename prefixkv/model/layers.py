@@ -129,6 +129,11 @@ def _yarn_inv_freq(config: ModelConfig, rs: dict, factor: float) -> torch.Tensor
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(scale) + 1 (1 at scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def rope_attention_factor(config: ModelConfig) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor (given, or 0.1 ln(factor) + 1,
     or DeepSeek's ratio of two such with mscale / mscale_all_dim), LongRoPE's (given, or
@@ -142,14 +147,10 @@ def rope_attention_factor(config: ModelConfig) -> float:
     if rs["rope_type"] == "longrope":
         original = float(rs["original_max_position_embeddings"])
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
     if m and m_all:
-        return float(mscale(factor, float(m)) / mscale(factor, float(m_all)))
-    return mscale(factor)
+        return float(yarn_mscale(factor, float(m)) / yarn_mscale(factor, float(m_all)))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
