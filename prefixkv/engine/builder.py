@@ -88,6 +88,11 @@ def build_engine(config: EngineArgs, loaded: LoadedModel | None = None) -> Engin
             f"enable_lora cannot be used with {model_config.architecture}: LoRA adapts the q/k/v and output "
             "projections, and multi-head latent attention has none of them (its latent projections are not adapted)"
         )
+    if config.enable_lora and (model_config.per_layer_input_size or not model_config.uniform_kv_layers):
+        raise ValueError(
+            f"enable_lora cannot be used with {model_config.architecture}: adapters are built for one q/k/v shape "
+            "in every layer, and its layers have two head sizes, no K/V projections or per-layer inputs"
+        )
     speculative = SpeculativeConfig.parse(config.speculative_config)
     if speculative is not None:
         _check_speculative(config, model_config)

@@ -113,14 +113,16 @@ class BlockTensors:
 
     def layer_caches(self, config: ModelConfig, block_size: int, groups: KVCacheGroups | None = None) -> list[Any]:
         """What the model's forward takes per layer: its K/V tensor (with KV-cache `groups`, the
-        tensor its group shares, kv_groups.py), or for a recurrent layer (every layer of Mamba2,
-        the Mamba layers of a hybrid) a `RecurrentState` (SSM and conv state per block), or for a
-        layer with both (Falcon-H1) the pair (K/V tensor, RecurrentState)."""
+        tensor its group shares, kv_groups.py; a KV-shared layer its source layer's), or for a
+        recurrent layer (every layer of Mamba2, the Mamba layers of a hybrid) a `RecurrentState`
+        (SSM and conv state per block), or for a layer with both (Falcon-H1) the pair (K/V
+        tensor, RecurrentState)."""
         if groups is not None:
             shared = self.kv_caches
             return [shared[j] for j in groups.layer_tensor(config.num_hidden_layers)]
-        if not config.is_recurrent:
-            return self.kv_caches
+        if not config.is_recurrent:  # a KV-shared layer (Gemma 4) gets its source layer's tensor
+            sources = (config.kv_source_layer(i) for i in range(config.num_hidden_layers))
+            return [self.tensors[f"{KV_PREFIX}{j}"] for j in sources]
         caches: list[Any] = []
         for i in range(config.num_hidden_layers):
             kv = self.tensors[f"{KV_PREFIX}{i}"] if config.is_attention_layer(i) else None
@@ -151,20 +153,25 @@ def recurrent_state_specs(config: ModelConfig, layer: int, dtype: torch.dtype) -
 def kv_cache_specs(
     config: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVCacheGroups | None = None
 ) -> list[BlockTensorSpec]:
-    """Per layer, in layer order: attention's K/V, in the layout the model's paged attention reads,
+    """Per layer, in layer order: attention's K/V in the layout the model's paged attention reads
+    (each layer its own heads and head size; none for a KV-shared layer, which reads another's),
     and/or a Mamba mixer's per-block state (one block id names all, so a block's bytes count
     all). With KV-cache `groups` (attention only), one K/V spec per layer of a group: every
     group's layers share them (kv_groups.py)."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    shape, block_dim = kv_cache_block_shape(block_size, config.num_key_value_heads, head_dim, config.is_mla)
-    if groups is not None:
-        return [BlockTensorSpec(f"{KV_PREFIX}{j}", shape, dtype, block_dim) for j in range(groups.group_size)]
+
+    def kv_spec(name: str, layer: int) -> BlockTensorSpec:
+        heads, head_dim = config.layer_num_kv_heads(layer), config.layer_head_dim(layer)
+        shape, block_dim = kv_cache_block_shape(block_size, heads, head_dim, config.is_mla)
+        return BlockTensorSpec(name, shape, dtype, block_dim)
+
+    if groups is not None:  # (groups are planned for uniform layers only: layer 0's shape is every one's)
+        return [kv_spec(f"{KV_PREFIX}{j}", 0) for j in range(groups.group_size)]
     specs: list[BlockTensorSpec] = []
     for layer in range(config.num_hidden_layers):
-        if config.is_attention_layer(layer):
-            specs.append(BlockTensorSpec(f"{KV_PREFIX}{layer}", shape, dtype, block_dim))
+        if config.is_attention_layer(layer) and config.kv_source_layer(layer) == layer:
+            specs.append(kv_spec(f"{KV_PREFIX}{layer}", layer))
         if config.is_recurrent_layer(layer):
             specs.extend(recurrent_state_specs(config, layer, dtype))
     return specs

@@ -78,7 +78,7 @@ def plan_kv_groups(config: ModelConfig) -> KVCacheGroups | None:
     """The groups of a model with both full-attention and sliding-window layers; None for any
     other (one group: every block holds every layer). The group size is the smaller kind's
     count, as vLLM chooses it, so neither kind pads much."""
-    if config.is_recurrent:
+    if config.is_recurrent or not config.uniform_kv_layers:  # (a group's tensors hold one shape)
         return None
     windows = config.layer_windows
     full = [i for i, w in enumerate(windows) if w is None]

@@ -23,7 +23,7 @@ from .layer_kinds import (
     SLIDING_ATTENTION,
 )
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 _ORIGINAL_CONTEXT = "original_max_position_embeddings"
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", _ORIGINAL_CONTEXT)
 
@@ -46,7 +46,9 @@ class ModelConfig:
     # {"rope_type": "yarn", "factor", "original_max_position_embeddings", optional "beta_fast",
     #  "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"} /
     # {"rope_type": "longrope", "short_factor", "long_factor", "original_max_position_embeddings",
-    #  optional "factor", "attention_factor"} (Phi-3: its short factors; `exact_context` below)
+    #  optional "factor", "attention_factor"} (Phi-3: its short factors; `exact_context` below) /
+    # {"rope_type": "proportional", "partial_rotary_factor", optional "factor"} (Gemma 4's full
+    #  layers: the first share of the frequencies over the whole head, the rest zero)
     rope_scaling: dict[str, Any] | None = None
     # the rotary pairs each head's dimensions 2i and 2i + 1 (GPT-J's, GLM's, Ernie 4.5's), where
     # transformers' Llama pairs i and i + rotary_dim / 2: q and k rows are reordered at load
@@ -149,6 +151,21 @@ class ModelConfig:
     mla_qk_nope_head_dim: int = 0
     mla_qk_rope_head_dim: int = 0
     mla_v_head_dim: int = 0
+    # Gemma 4 (model/gemma4.py). Its full-attention layers have heads of global_head_dim and
+    # global_num_key_value_heads K/V heads (0: head_dim, num_key_value_heads), and where
+    # global_values_are_keys no value projection: each value is the key's projection before the
+    # key's norm and rotary. The last num_kv_shared_layers layers project no K/V and cache none:
+    # each attends over the K/V of the last earlier layer of its kind (kv_source_layer), and its
+    # MLP is twice as wide where double_wide_shared_mlp. Per-layer inputs (per_layer_input_size
+    # per layer, 0: none) come from an embedding of per_layer_input_vocab_size tokens and a
+    # projection of the token's embedding.
+    global_head_dim: int = 0
+    global_num_key_value_heads: int = 0
+    global_values_are_keys: bool = False
+    num_kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_input_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -248,6 +265,9 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive or None, got {value!r}")
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        self.global_head_dim = self.global_head_dim or self.head_dim
+        self.global_num_key_value_heads = self.global_num_key_value_heads or self.num_key_value_heads
+        self._check_kv_sharing()
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -277,6 +297,50 @@ class ModelConfig:
                 self.rope_scaling = None
             else:
                 self.rope_scaling = dict(rs, rope_type=rtype)
+
+    def _check_kv_sharing(self) -> None:
+        n, shared = self.num_hidden_layers, self.num_kv_shared_layers
+        if not 0 <= shared < n:
+            raise ValueError(f"num_kv_shared_layers must be in [0, {n}), got {shared}")
+        if shared and (self.is_recurrent or self.is_mla):
+            raise ValueError("num_kv_shared_layers is a Gemma 4 trait: not with recurrent or latent attention layers")
+        kinds = set(self.layer_types[n - shared :]) - set(self.layer_types[: n - shared])
+        if kinds:
+            raise ValueError(f"KV-shared layers of kind {sorted(kinds)} have no earlier layer of that kind to read")
+        if self.num_attention_heads % self.global_num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"global_num_key_value_heads ({self.global_num_key_value_heads})"
+            )
+        if self.per_layer_input_size and not 0 < self.per_layer_input_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"per_layer_input_vocab_size must be in [1, vocab_size ({self.vocab_size})], "
+                f"got {self.per_layer_input_vocab_size}"
+            )
+
+    def layer_head_dim(self, i: int) -> int:
+        """The head size of layer i's attention (Gemma 4's full layers: global_head_dim)."""
+        return self.global_head_dim if self.layer_types[i] == FULL_ATTENTION else self.head_dim
+
+    def layer_num_kv_heads(self, i: int) -> int:
+        """The K/V heads of layer i's attention (Gemma 4's full layers: global_num_key_value_heads)."""
+        return self.global_num_key_value_heads if self.layer_types[i] == FULL_ATTENTION else self.num_key_value_heads
+
+    def kv_source_layer(self, i: int) -> int:
+        """The layer whose K/V layer i attends over: its own, or for one of the last
+        num_kv_shared_layers the last layer of its kind before them (transformers' Gemma 4)."""
+        first_shared = self.num_hidden_layers - self.num_kv_shared_layers
+        if i < first_shared:
+            return i
+        return max(j for j in range(first_shared) if self.layer_types[j] == self.layer_types[i])
+
+    @property
+    def uniform_kv_layers(self) -> bool:
+        """Whether every attention layer caches its own K/V, all in one shape (what KV-cache groups
+        and the fused decode kernel take)."""
+        n = self.num_hidden_layers
+        shapes = {(self.layer_head_dim(i), self.layer_num_kv_heads(i)) for i in range(n) if self.is_attention_layer(i)}
+        return not self.num_kv_shared_layers and len(shapes) <= 1
 
     @property
     def exact_context(self) -> int | None:

@@ -9,6 +9,7 @@ from .config import ModelConfig
 from .deepseek import DeepseekV3Model
 from .falcon_h1 import FalconH1Model
 from .gemma import GemmaModel
+from .gemma4 import Gemma4Model
 from .glm4 import Glm4Model
 from .glm4_moe import Glm4MoeModel
 from .gpt_oss import GptOssModel
@@ -40,6 +41,8 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Glm4ForCausalLM": Glm4Model,  # sandwich norms; likewise an interleaved rotary
     "Gemma2ForCausalLM": GemmaModel,
     "Gemma3ForCausalLM": GemmaModel,
+    "Gemma4ForCausalLM": Gemma4Model,  # per-layer inputs, layers reading earlier layers' K/V, two head sizes
+    "Gemma4ForConditionalGeneration": Gemma4Model,  # its language model alone: served text-only
     # the Llama decoder with model/moe.py's MLP
     "MixtralForCausalLM": LlamaModel,
     "Qwen2MoeForCausalLM": LlamaModel,

@@ -115,14 +115,6 @@ class GemmaModel(LlamaModel):
                 return f"{type(layer.mlp).__name__} MLPs"
         return None
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
-        cap = self.config.final_logit_softcapping
-        if cap is not None:  # in transformers' order: divide, tanh, multiply
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As LlamaModel's, with every norm weight w stored as 1 + w (in float32; GemmaRMSNorm)."""
 

@@ -73,7 +73,7 @@ def keep_float32_norms(model: nn.Module) -> None:
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in float32, with optional linear / llama3 / YaRN / LongRoPE
-    (its short factors) scaling (transformers' modeling_rope_utils, step for step)."""
+    (its short factors) / proportional scaling (transformers' modeling_rope_utils, step for step)."""
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = config.rope_scaling
@@ -97,6 +97,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return torch.where(is_medium, smoothed, inv_l)
     if rtype == "yarn":
         return _yarn_inv_freq(config, rs, factor)
+    if rtype == "proportional":  # Gemma 4: the first share of the angles rotate, the others are 0
+        angles = int(float(rs.get("partial_rotary_factor", 1.0)) * d // 2)
+        inv_freq[angles:] = 0.0
+        return inv_freq / factor
     if rtype == "longrope":  # the short factors (ModelConfig.exact_context)
         short = torch.tensor(rs["short_factor"], dtype=torch.float32)
         if short.shape != inv_freq.shape:

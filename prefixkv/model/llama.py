@@ -480,10 +480,15 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of final-normed `hidden`, soft-capped where the config says (Gemma 2, Gemma 4)."""
         if self.packed_head is not None:
-            return self.packed_head(hidden)
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w)
+            logits = self.packed_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in transformers' order: divide, tanh, multiply
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def kernel_shapes(self) -> KernelShapes:
         """What of this model decides the native kernels' speed (kernel_choice)."""
@@ -589,8 +594,6 @@ class LlamaModel(nn.Module):
         gate/up (a checkpoint's own fused gate_up_proj, gate rows first, is taken whole). Raises
         ValueError on unknown names, shape mismatches or missing tensors."""
         cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        I = cfg.intermediate_size
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
@@ -618,7 +621,7 @@ class LlamaModel(nn.Module):
         for name, t in weights:
             if name.startswith("model.") and not name.startswith("model.layers."):
                 sub = name[len("model.") :]
-                if sub in ("embed_tokens.weight", "norm.weight"):
+                if sub in params:  # the embedding, the final norm, a family's own (Gemma 4's per-layer inputs)
                     put(sub, t, src=name)
                     continue
             if name == "lm_head.weight":
@@ -643,16 +646,13 @@ class LlamaModel(nn.Module):
             kind = rest.rsplit(".", 1)[-1]  # weight / bias
             if cfg.rope_interleaved and rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
                 t = pairs_to_halves(t, cfg.head_dim, cfg.rotary_dim)
-            if rest.startswith("self_attn.q_proj."):
-                put(pre + "self_attn.qkv_proj." + kind, t, (0, q), name)
-            elif rest.startswith("self_attn.k_proj."):
-                put(pre + "self_attn.qkv_proj." + kind, t, (q, q + kv), name)
-            elif rest.startswith("self_attn.v_proj."):
-                put(pre + "self_attn.qkv_proj." + kind, t, (q + kv, q + 2 * kv), name)
-            elif rest == "mlp.gate_proj.weight":
-                put(pre + "mlp.gate_up_proj.weight", t, (0, I), name)
-            elif rest == "mlp.up_proj.weight":
-                put(pre + "mlp.gate_up_proj.weight", t, (I, 2 * I), name)
+            projection = rest.split(".")[1] if rest.startswith("self_attn.") else ""
+            qkv_rows = self._qkv_rows(int(i))
+            if projection in qkv_rows:
+                put(pre + "self_attn.qkv_proj." + kind, t, qkv_rows[projection], name)
+            elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+                I = self._dense_intermediate(int(i))
+                put(pre + "mlp.gate_up_proj.weight", t, (0, I) if "gate" in rest else (I, 2 * I), name)
             elif rest.endswith("gate_up_proj.weight"):  # fused as this model holds it: gate rows, then up
                 half = t.shape[0] // 2
                 put(pre + rest, t[:half], (0, half), name)
@@ -663,7 +663,7 @@ class LlamaModel(nn.Module):
         expected: set[str] = set()
         for n in params:
             if n.endswith("qkv_proj.weight") or n.endswith("qkv_proj.bias"):
-                expected |= {f"{n}[{r}]" for r in [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]}
+                expected |= {f"{n}[{r}]" for r in self._qkv_rows(int(n.split(".")[1])).values()}
             elif n.endswith("gate_up_proj.weight"):
                 half = params[n].shape[0] // 2  # the dense MLP's or a shared expert's
                 expected |= {f"{n}[{r}]" for r in [(0, half), (half, 2 * half)]}
@@ -674,6 +674,22 @@ class LlamaModel(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _qkv_rows(self, layer: int) -> dict[str, tuple[int, int]]:
+        """Where each of layer `layer`'s q/k/v projections goes in its fused qkv_proj: its
+        attention's own rows (`projection_rows`), or the config's q, k, v sizes."""
+        attention = getattr(self.layers[layer], "self_attn", None)
+        rows = getattr(attention, "projection_rows", None)
+        if rows is not None:
+            return rows()
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        return {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+
+    def _dense_intermediate(self, layer: int) -> int:
+        """Layer `layer`'s dense MLP width (Gemma 4's KV-shared layers may have twice the config's)."""
+        mlp = getattr(self.layers[layer], "mlp", None)
+        return mlp.intermediate if isinstance(mlp, GatedMLP) else self.config.intermediate_size
 
 
 def renamed(

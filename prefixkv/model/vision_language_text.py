@@ -1,8 +1,9 @@
 """Vision-language checkpoints served text-only: the Llama decoder over their language model
 (Mistral 3's checkpoints' language_model.model.* and language_model.lm_head, or transformers 5's
 model.language_model.* and lm_head: Mistral 3, Qwen3-VL); the vision encoder and its projector
-(Pixtral's vision_tower.* and multi_modal_projector.*, Qwen3-VL's visual.*, under model. or not)
-are not loaded, and a request with images is refused (the engine's text-only path)."""
+(Pixtral's vision_tower.* and multi_modal_projector.*, Qwen3-VL's visual.*, under model. or not;
+Gemma 4's, its audio encoder too: `language_model_tensors`) are not loaded, and a request with
+images is refused (the engine's text-only path)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch
 from .llama import LlamaModel
 
 logger = logging.getLogger(__name__)
-_VISION = tuple(
-    prefix + part for prefix in ("", "model.") for part in ("vision_tower.", "multi_modal_projector.", "visual.")
-)
+# Pixtral's, Qwen3-VL's and Gemma 4's (with its audio encoder) encoders and projectors
+_ENCODER_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.", "embed_vision.", "embed_audio.")
+_ENCODERS = tuple(prefix + part for prefix in ("", "model.") for part in _ENCODER_PARTS)
 _LANGUAGE = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
@@ -51,23 +52,31 @@ class VisionLanguageTextModel(LlamaModel):
             yield name, t
 
     def _language_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        skipped = 0
-        for name, t in weights:
-            if name.startswith(_VISION):
-                skipped += 1
-                continue
-            for old, new in _LANGUAGE:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-                    break
-            yield name, t
-        if skipped:
-            logger.info(
-                "%s: its language model is served text-only; the vision encoder and projector (%d tensors) are "
-                "not loaded, and requests with images are refused",
-                self.config.architecture,
-                skipped,
-            )
+        return language_model_tensors(weights, self.config.architecture)
+
+
+def language_model_tensors(
+    weights: Iterable[tuple[str, torch.Tensor]], architecture: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A multimodal checkpoint's language-model tensors under the decoder's names; its encoders
+    and projectors skipped (said once in the log)."""
+    skipped = 0
+    for name, t in weights:
+        if name.startswith(_ENCODERS):
+            skipped += 1
+            continue
+        for old, new in _LANGUAGE:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, t
+    if skipped:
+        logger.info(
+            "%s: its language model is served text-only; the vision (and audio) encoders and projectors (%d "
+            "tensors) are not loaded, and requests with images are refused",
+            architecture,
+            skipped,
+        )
 
 
 class Qwen3VLMoeTextModel(VisionLanguageTextModel):

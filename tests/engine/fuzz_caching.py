@@ -2,7 +2,8 @@
 with it on, the same settings otherwise, on a tiny random checkpoint of each family - plain
 attention (SmolLM3's with layers that have no rotary, Granite's multipliers, OLMo 2's post-norm
 blocks, Phi-3's partial rotary), sliding windows beside full layers (Gemma 2 and 3, gpt-oss with
-its sinks, OLMo 3), routed experts, recurrent state (Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores
+its sinks, OLMo 3; Gemma 4's with two head sizes, per-layer inputs and layers reading earlier
+layers' K/V), routed experts, recurrent state (Mamba2, Falcon-H1, Bamba, Qwen3-Next: a hit restores
 the state saved at a block's end), adapters beside their base model, LLaVA's images.
 
 The traffic is what a cache must get right: a conversation's next turn (the earlier prompt, the
@@ -44,7 +45,8 @@ from .fuzz_ahead import MAX_STEPS, close
 from .sweep_graphs import _family
 
 FAMILIES = [
-    "llama", "smollm3", "granite", "olmo2", "phi3", "olmo3", "ernie4_5", "glm4", "gemma2", "gemma3", "qwen3_moe",
+    "llama", "smollm3", "granite", "olmo2", "phi3", "olmo3", "ernie4_5", "glm4", "gemma2", "gemma3", "gemma4",
+    "qwen3_moe",
     "glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "mamba2",
     "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "granite_hybrid", "lora",
     "llava",

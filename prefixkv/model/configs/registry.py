@@ -11,6 +11,7 @@ from . import (
     deepseek,
     falcon_h1,
     gemma,
+    gemma4,
     glm4,
     glm4_moe,
     gpt_oss,
@@ -32,6 +33,7 @@ from .family import ConfigFamily
 FAMILIES: tuple[ConfigFamily, ...] = (
     llama.FAMILY,
     gemma.FAMILY,
+    gemma4.FAMILY,
     moe.FAMILY,
     mamba2.FAMILY,
     bamba.FAMILY,

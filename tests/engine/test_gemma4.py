@@ -1,0 +1,153 @@
+"""Gemma 4 (transformers' Gemma4ForCausalLM, and Gemma4ForConditionalGeneration served text-only)
+against transformers on tiny random checkpoints of its three shapes: the small ones' (per-layer
+inputs, KV-shared layers reading earlier layers' K/V, their MLPs twice as wide), the large ones'
+(full layers whose values are their keys, with fewer K/V heads) and the multimodal release's
+layout. Logits over chunks and decodes, greedy tokens through the engine with caching off and on,
+chunked and preempted, every block free; the cache's per-layer tensors; a disk tier and the
+stage-output cache; the settings that are not built, refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from prefixkv import LLM
+from prefixkv.memory.block_tensors import KV_PREFIX, BlockTensors, kv_cache_specs
+from prefixkv.memory.kv_groups import plan_kv_groups
+from prefixkv.model import ModelConfig
+
+from ..model.test_model_hf_folder import _write_tokenizer
+from .engine_oracle import assert_disk_tier_and_stage_outputs, assert_engine_matches_transformers
+from .test_mistral3 import _logits
+
+S, F = "sliding_attention", "full_attention"
+TEXT = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, global_head_dim=32, max_position_embeddings=256, bos_token_id=256,
+    eos_token_id=257, pad_token_id=0, sliding_window=8, layer_types=[S, S, F, S, S, F],
+    final_logit_softcapping=30.0,
+)  # fmt: skip
+SMALL = dict(  # E2B / E4B: per-layer inputs, the last two layers reading layers 3 (sliding) and 2 (full)
+    TEXT, vocab_size_per_layer_input=300, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+)  # fmt: skip
+LARGE = dict(TEXT, hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1)  # 31B
+KINDS = {"small": SMALL, "large": LARGE, "multimodal": SMALL}
+
+
+def make_gemma4(kind: str = "small"):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if kind == "multimodal":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16)  # fmt: skip
+        audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32)
+        config = tf.Gemma4Config(text_config=KINDS[kind], vision_config=vision, audio_config=audio)
+        model = tf.Gemma4ForConditionalGeneration(config).eval()
+    else:
+        model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**KINDS[kind])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name or kind != "multimodal":
+                p.copy_((1.0 if "norm" in name else 0.0) + (0.1 if "norm" in name else 0.08) * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["small", "large", "multimodal"])
+def test_logits_match_transformers(tmp_path, kind):
+    hf = make_gemma4(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    config = ModelConfig.from_hf_folder(str(tmp_path))
+    assert (config.head_dim, config.global_head_dim) == (16, 32)
+    assert config.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    small = kind != "large"
+    assert config.per_layer_input_size == (8 if small else 0) and config.num_kv_shared_layers == (2 if small else 0)
+    assert config.global_num_key_value_heads == (2 if small else 1) and config.global_values_are_keys == (not small)
+    assert [config.kv_source_layer(i) for i in range(6)] == ([0, 1, 2, 3, 3, 2] if small else list(range(6)))
+    ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(str(tmp_path), ids), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["small", "large"])
+def test_engine_matches_transformers(tmp_path, kind):
+    assert_engine_matches_transformers(tmp_path, make_gemma4(kind), f"gemma4-{kind}", 8)
+
+
+def test_cache_holds_each_layer_in_its_own_shape(tmp_path):
+    """A KV-shared layer has no tensor of its own (its source's is handed to it); full layers hold
+    their own heads and head size; no KV-cache groups (a group's tensors hold one shape)."""
+    hf = make_gemma4("small")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    config = ModelConfig.from_hf_folder(str(tmp_path))
+    specs = {s.name: s.shape_per_block for s in kv_cache_specs(config, 8, torch.float32)}
+    sliding, full = (2, 8, 2, 16), (2, 8, 2, 32)
+    assert specs == {f"{KV_PREFIX}{i}": full if i == 2 else sliding for i in range(4)}
+    assert not config.uniform_kv_layers and plan_kv_groups(config) is None
+    tensors = BlockTensors(kv_cache_specs(config, 8, torch.float32))
+    tensors.allocate(4, "cpu")
+    caches = tensors.layer_caches(config, 8)
+    assert [c.data_ptr() for c in caches] == [tensors.tensors[f"{KV_PREFIX}{j}"].data_ptr() for j in (0, 1, 2, 3, 3, 2)]
+    assert tensors.bytes_per_block == 4 * 8 * 2 * (3 * 16 + 32) * 2
+
+
+def test_released_form_of_the_config_and_checkpoint(tmp_path):
+    """The released config.json names the full layers' shape with global_head_dim and
+    num_global_key_value_heads (not transformers 5's per_layer_config), and the checkpoints keep
+    K/V projections and norms for the KV-shared layers, which are not used: the same logits."""
+    hf = make_gemma4("small")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    saved_form = ModelConfig.from_hf_folder(str(tmp_path))
+    path = tmp_path / "config.json"
+    d = json.loads(path.read_text())
+    del d["per_layer_config"]
+    d.update(global_head_dim=32, num_global_key_value_heads=1)  # unused: attention_k_eq_v is false
+    path.write_text(json.dumps(d))
+    assert ModelConfig.from_hf_folder(str(tmp_path)) == saved_form
+    weights = load_file(tmp_path / "model.safetensors")
+    for layer, head in ((4, 16), (5, 32)):  # a sliding and a full layer
+        for name, shape in (("k_proj", (2 * head, 64)), ("v_proj", (2 * head, 64)), ("k_norm", (head,))):
+            weights[f"model.layers.{layer}.self_attn.{name}.weight"] = torch.randn(shape)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(str(tmp_path), ids), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_disk_tier_and_stage_outputs(tmp_path):
+    assert_disk_tier_and_stage_outputs(tmp_path, make_gemma4("small"), 8, 4)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16), "enable_moe_block"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    ],
+)
+def test_unbuilt_settings_are_refused_by_name(tmp_path, change, name):
+    (tmp_path / "config.json").write_text(
+        json.dumps({**SMALL, **change, "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text"})
+    )
+    with pytest.raises(ValueError, match=name):
+        ModelConfig.from_hf_folder(str(tmp_path))
+
+
+def test_lora_is_refused_by_name(tmp_path):
+    hf = make_gemma4("small")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", num_blocks=16, block_size=8, enable_lora=True)
