@@ -166,7 +166,8 @@ class ModelRunner:
         else:
             # on a CPU a verifying request's positions run as decodes of their own (`_as_decode_rows`)
             as_decodes = bool(scheduler_output.num_draft_tokens) and dev.type == "cpu"
-            hidden, query_start_loc, slots = self._forward(scheduled, carried, as_decodes)
+            output_rows = self._output_rows(scheduler_output)
+            hidden, query_start_loc, slots = self._forward(scheduled, carried, as_decodes, output_rows)
         if self.stage_outputs is not None:  # every computed row, through the KV slot mapping
             pending.stage_rows = self.stage_outputs.stage(per_token_outputs(hidden, hidden.shape[0]), slots)
         starts = query_start_loc if query_start_loc is not None else range(len(scheduled) + 1)
@@ -196,7 +197,8 @@ class ModelRunner:
                 hidden = hidden[tensor_on(rows, dev, torch.long)]
                 pending.drafts = {sr.req_id: sr.draft_token_ids for sr in scheduled if sr.draft_token_ids}
                 pending.generator_states = _seeded_states(scheduled)
-            # every row sampled: the hidden states as they are, no gather
+            # every row sampled (or the model returned the sampled rows alone: `_output_rows`):
+            # the hidden states as they are, no gather
             elif len(to_sample) != hidden.shape[0]:
                 rows = [starts[i + 1] - 1 for i, sr in enumerate(scheduled) if sr.sample and sr.req_id not in errors]
                 hidden = hidden[tensor_on(rows, dev, torch.long)]
@@ -257,15 +259,32 @@ class ModelRunner:
         is compared and timed against: graph_check.py, mixed_graph_choice.py)."""
         return self._forward(scheduled)[0]
 
+    def _output_rows(self, scheduler_output: SchedulerOutput) -> list[int] | None:
+        """The rows whose final hidden states a step reads, where those are the sampled requests'
+        last rows alone (AttentionMetadata.output_rows): None where every row is read (the
+        stage-output cache stores each, prompt logprobs and hidden states score each, drafts are
+        verified at each)."""
+        scheduled = scheduler_output.scheduled
+        if (
+            self.stage_outputs is not None
+            or scheduler_output.num_draft_tokens
+            or any(sr.want_hidden_states for sr in scheduled)
+        ):
+            return None
+        ends = itertools.accumulate(len(sr.token_ids) for sr in scheduled)
+        return [end - 1 for sr, end in zip(scheduled, ends) if sr.sample]
+
     def _forward(
         self,
         scheduled: list[ScheduledRequest],
         carried: tuple[list[int], torch.Tensor] | None = None,
         as_decodes: bool = False,
+        output_rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """The eager forward of any step: its final hidden states, each request's first row and its
-        rows' KV slots. `carried`: rows whose one input token is on the device already
-        (`_carried_inputs`). `as_decodes`: requests with drafts attend as one decode a position."""
+        """The eager forward of any step: its final hidden states (every row's, or where the model
+        takes `output_rows`, those rows' alone), each request's first row and its rows' KV slots.
+        `carried`: rows whose one input token is on the device already (`_carried_inputs`).
+        `as_decodes`: requests with drafts attend as one decode a position."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -293,6 +312,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=to_device(tables, dev),
             host_block_tables=tables if dev.type != "cpu" else None,
+            output_rows=output_rows,
         )
         if self.layer_groups is not None:  # the later KV-cache groups' own blocks
             for g in range(len(scheduled[0].group_block_tables)):

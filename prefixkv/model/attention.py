@@ -55,6 +55,10 @@ class AttentionMetadata:
                      decode (static_decode.py) or any mix (static_mixed.py); attention reads
                      the view's tensors only (`static_meta`: each row its own sequence here,
                      its `seq_lens` an upper bound, its block tables the view's).
+    output_rows:     the rows whose final hidden states the step reads, each the last of its
+                     sequence (None: every row). A model whose later layers write no K/V (Gemma
+                     4's KV-shared layers) runs them for these rows alone and returns their
+                     hidden states alone, in this order; any other model returns every row's.
 
     Build a new object per step: index tensors derived from it are computed once (on the
     first layer) and reused by all layers, so do not mutate it after the first forward.
@@ -70,6 +74,7 @@ class AttentionMetadata:
     # `block_tables` on the host too, where they live on a GPU: the cascade is decided from them
     # without waiting for the device
     host_block_tables: torch.Tensor | None = None
+    output_rows: list[int] | None = None
     # built once per step for each (block size, device, window, dtype) the layers ask for: layers
     # with and without a window alternate in one forward (Gemma), each kind keeps its own plan
     _plans: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -106,6 +111,27 @@ class AttentionMetadata:
             slots, tables = self.group_tables[groups[layer] - 1]
             view = self._plans[key] = AttentionMetadata(slots, self.query_start_loc, self.seq_lens, tables)
         return view
+
+    def of_output_rows(self) -> AttentionMetadata:
+        """The step as `output_rows` alone see it: one query a sequence that has one (its last
+        position) over the same context, writing nothing (what layers that read K/V written by
+        earlier layers of the step attend with)."""
+        rows = self.output_rows
+        if rows is None or self.layer_groups is not None or self.static is not None:
+            raise ValueError("a step's output rows alone: set output_rows, without KV-cache groups or fixed buffers")
+        last_row = {end - 1: i for i, end in enumerate(self.query_start_loc[1:]) if end > self.query_start_loc[i]}
+        if any(r not in last_row for r in rows):
+            raise ValueError(f"output_rows {rows} are not each the last row of a sequence")
+        seqs = [last_row[r] for r in rows]
+        picked = torch.tensor(seqs, dtype=torch.long, device=self.block_tables.device)
+        host = self.host_block_tables
+        return AttentionMetadata(
+            self.slot_mapping[torch.tensor(rows, dtype=torch.long, device=self.slot_mapping.device)],
+            list(range(len(rows) + 1)),
+            [self.seq_lens[i] for i in seqs],
+            self.block_tables[picked],
+            host_block_tables=None if host is None else host[torch.tensor(seqs, dtype=torch.long)],
+        )
 
     def set_layer_group(self, group: int, meta: AttentionMetadata) -> None:
         """What `for_layer` gives group `group`'s layers (a step over fixed buffers: the group's

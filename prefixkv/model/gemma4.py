@@ -190,16 +190,26 @@ class Gemma4Model(LlamaModel):
         lora_mapping: object | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As LlamaModel.forward; `inputs_embeds` are refused where the model has per-layer inputs,
-        which are looked up by token."""
+        """As LlamaModel.forward, the KV-shared layers over `meta.output_rows` alone where the
+        step names them (then those rows' hidden states alone are returned); `inputs_embeds` are
+        refused where the model has per-layer inputs, which are looked up by token."""
         if inputs_embeds is not None and self.per_layer_embed is not None:
             raise ValueError(f"{self.config.architecture} with per-layer inputs takes token ids, not embeddings")
         h, full, local = self.begin_layers(input_ids, positions, kv_caches, meta, lora_mapping, inputs_embeds)
         per_layer = self.per_layer_inputs(input_ids.to(self.device), h)
         shared: SharedKV = {}
         dev = self.device
+        first_shared = self.config.num_hidden_layers - self.config.num_kv_shared_layers
         with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
             for i, (layer, cache) in enumerate(zip(self.gemma4_layers(), kv_caches)):
+                if i == first_shared and meta.output_rows is not None and len(meta.output_rows) < h.shape[0]:
+                    # the KV-shared layers write no K/V: no other row of the step needs them
+                    if not meta.output_rows:  # (a step of prompt chunks alone)
+                        return h[:0]
+                    rows = torch.tensor(meta.output_rows, dtype=torch.long, device=dev)
+                    h, per_layer, meta = h[rows], None if per_layer is None else per_layer[rows], meta.of_output_rows()
+                    full, local = (full[0][rows], full[1][rows]), (local[0][rows], local[1][rows])
+                    shared = {j: (k[rows], v[rows]) for j, (k, v) in shared.items()}
                 cos, sin = local if layer.sliding else full
                 layer_input = None if per_layer is None else per_layer[:, i]
                 h = layer(h, cos, sin, cache, meta.for_layer(i), shared, layer_input)

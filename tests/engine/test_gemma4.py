@@ -14,11 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from prefixkv import LLM
+from prefixkv import LLM, SamplingParams
 from prefixkv.memory.block_tensors import KV_PREFIX, BlockTensors, kv_cache_specs
 from prefixkv.memory.kv_groups import plan_kv_groups
 from prefixkv.model import ModelConfig
 
+from ..conftest import hf_greedy
 from ..model.test_model_hf_folder import _write_tokenizer
 from .engine_oracle import assert_disk_tier_and_stage_outputs, assert_engine_matches_transformers
 from .test_mistral3 import _logits
@@ -81,6 +82,32 @@ def test_logits_match_transformers(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["small", "large"])
 def test_engine_matches_transformers(tmp_path, kind):
     assert_engine_matches_transformers(tmp_path, make_gemma4(kind), f"gemma4-{kind}", 8)
+
+
+def test_kv_shared_layers_run_the_sampled_rows_alone(tmp_path):
+    """The KV-shared layers write no K/V, so a prefill runs them for each sampled request's last
+    row alone (AttentionMetadata.output_rows) - a prompt chunk that samples nothing for no row -
+    with the tokens transformers gives; where every row is read (prompt logprobs) for every row."""
+    hf = make_gemma4("small")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", num_blocks=32, block_size=8, max_num_batched_tokens=24)
+    rows: dict[int, list[int]] = {3: [], 4: []}
+    model = llm.llm_engine.runner.model
+    for i in rows:
+        model.layers[i].register_forward_pre_hook(lambda _, args, i=i: rows[i].append(args[0].shape[0]))
+    prompts = [list(range(5, 25)), list(range(40, 53))]  # 20 + 13 tokens: a chunk of 24, then the rest
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [hf_greedy(hf, p, 3) for p in prompts]
+    # the first step: 20 + 4 prompt rows, the first prompt's last sampled; then the second's 9 beside
+    # a decode of the first, both sampled; then decodes
+    assert rows[3] == [24, 10, 2, 1] and rows[4] == [1, 2, 2, 1]
+    rows[3].clear(), rows[4].clear()
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+    llm.generate([list(range(60, 75))], scored, use_tqdm=False)
+    assert rows[4] == rows[3] == [15]
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_blocks
 
 
 def test_cache_holds_each_layer_in_its_own_shape(tmp_path):
