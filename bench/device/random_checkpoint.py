@@ -7,7 +7,7 @@ they load any checkpoint.
     python3 bench/device/random_checkpoint.py OUT [--shape SHAPE] [--device cuda] [--layers N] [--byte-tokenizer]
 
 SHAPE: llama-1b (default), llama-3b, llama-8b, qwen2.5-0.5b, gemma3-1b, falcon-h1-0.5b, qwen3-next-small,
-gpt-oss-20b, lfm2-1.2b or tiny.
+gpt-oss-20b, lfm2-1.2b, moonlight-16b, gemma4-e2b or tiny.
 
 The weights are drawn on --device (a GPU draws a 1B model's in well under a second) in bfloat16;
 --layers overrides the shape's depth (a CPU smoke with --layers 1).
@@ -172,6 +172,25 @@ SHAPES: dict[str, dict[str, object]] = {
         routed_scaling_factor=2.446,
         tie_word_embeddings=False,
     ),
+    # Gemma 4 E2B: sliding layers of 256-wide heads beside every sixth full one of 512, one K/V
+    # head, per-layer inputs of 256, the last 20 of 35 layers reading earlier layers' K/V with
+    # MLPs twice as wide; --layers N keeps the share of KV-shared layers (20 / 35 of N)
+    "gemma4-e2b": dict(
+        family="gemma4",
+        hidden_size=1536,
+        intermediate_size=6144,
+        num_hidden_layers=35,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        sliding_window=512,
+        hidden_size_per_layer_input=256,
+        num_kv_shared_layers=20,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    ),
     "llama-8b": dict(
         hidden_size=4096,
         intermediate_size=14336,
@@ -218,8 +237,13 @@ def main() -> None:
     vocab = write_byte_tokenizer(out) if args.byte_tokenizer else write_tokenizer(out)  # bench/byte_tokenizer.py
     shape = dict(SHAPES[args.shape])
     if args.layers:
+        shared, depth = shape.get("num_kv_shared_layers"), shape["num_hidden_layers"]
+        if isinstance(shared, int) and isinstance(depth, int):
+            shape["num_kv_shared_layers"] = shared * args.layers // depth
         shape["num_hidden_layers"] = args.layers
     family = shape.pop("family", "llama")
+    if family == "gemma4":
+        shape["vocab_size_per_layer_input"] = vocab
     config_class, model_class = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
@@ -229,6 +253,7 @@ def main() -> None:
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM),
     }[str(family)]
     # the rotary base where the family takes it so (the others keep their config's default)
     settings: dict[str, object] = dict(rope_theta=500000.0) if family in ("llama", "qwen2") else {}

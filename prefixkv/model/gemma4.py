@@ -11,7 +11,9 @@
   says so;
 - per-layer inputs: an embedding of each token per layer plus a projection of its embedding,
   gated into the residual stream after each layer's MLP;
-- each layer's output scaled by its `layer_scalar`, and the logits soft-capped.
+- each layer's output scaled by its `layer_scalar`, and the logits soft-capped;
+- in the mixture-of-experts release (26B-A4B), routed experts beside every layer's dense MLP,
+  each normed apart and their outputs added (Gemma4MoeMLP, Gemma4Router).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .empty_weights import materialize
 from .layer_kinds import FULL_ATTENTION
 from .layers import Float32RMSNorm, GatedMLP, RMSNorm, RotaryEmbedding, keep_float32_norms
 from .llama import CUDA_ATTENTION_BACKENDS, LlamaModel
+from .moe import Experts, Projection
 from .vision_language_text import language_model_tensors
 
 # this step's rotated K and normed V of each layer another layer reads (kv_source_layer)
@@ -93,6 +96,44 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
 
+class Gemma4Router(nn.Module):
+    """Each token's top k experts and their weights: a softmax in float32 over the logits of the
+    unweighted-normed stream times `scale` / sqrt(hidden), the top k renormalised, each times its
+    expert's `per_expert_scale` (transformers' Gemma4TextRouter)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        H, E = config.hidden_size, config.num_experts
+        self.proj = Projection(E, H)  # kept out of the packed layouts: the top k sees transformers' numbers
+        self.scale = nn.Parameter(torch.ones(H))
+        self.per_expert_scale = nn.Parameter(torch.ones(E))
+        self.eps, self.top_k, self.root = config.rms_norm_eps, config.num_experts_per_tok, H**-0.5
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = unweighted_rms_norm(h, self.eps) * self.scale * self.root
+        probs = F.softmax(self.proj(x), dim=-1, dtype=torch.float32)
+        weight, index = torch.topk(probs, self.top_k, dim=-1)
+        weight = weight / weight.sum(dim=-1, keepdim=True) * self.per_expert_scale[index]
+        return index, weight.to(h.dtype)
+
+
+class Gemma4MoeMLP(GatedMLP):
+    """A mixture-of-experts layer's MLP: the dense GeGLU (`forward`) and, beside it, routed experts
+    of their own width (`routed`), which the layer norms and adds (Gemma4DecoderLayer)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_activation)
+        self.router = Gemma4Router(config)
+        self.experts = Experts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_activation
+        )
+
+    def routed(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The experts on `x`, routed by the stream `h` before the MLP's norm."""
+        index, weight = self.router(h)
+        return self.experts(x, index, weight)
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -103,7 +144,14 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_attention_layernorm = Float32RMSNorm(H, eps)
         self.pre_feedforward_layernorm = Float32RMSNorm(H, eps)
         wide = config.double_wide_shared_mlp and config.kv_source_layer(layer_idx) != layer_idx
-        self.mlp = GatedMLP(H, config.intermediate_size * (2 if wide else 1), config.hidden_activation)
+        self.moe = config.is_moe_layer(layer_idx)
+        if self.moe:
+            self.mlp: GatedMLP = Gemma4MoeMLP(config)
+            self.post_feedforward_layernorm_1 = Float32RMSNorm(H, eps)  # the dense MLP's output
+            self.pre_feedforward_layernorm_2 = Float32RMSNorm(H, eps)  # the experts' input
+            self.post_feedforward_layernorm_2 = Float32RMSNorm(H, eps)  # their output
+        else:
+            self.mlp = GatedMLP(H, config.intermediate_size * (2 if wide else 1), config.hidden_activation)
         self.post_feedforward_layernorm = Float32RMSNorm(H, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
         P = config.per_layer_input_size
@@ -116,7 +164,11 @@ class Gemma4DecoderLayer(nn.Module):
         """h: the residual stream (the model's own tensor: updated in place); returns the next."""
         attn = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, shared))
         h, x = self.pre_feedforward_layernorm.add_and_norm(h, attn)
-        h = h + self.post_feedforward_layernorm(self.mlp(x))
+        mlp = self.mlp(x)
+        if self.moe:
+            experts = cast(Gemma4MoeMLP, self.mlp).routed(h, self.pre_feedforward_layernorm_2(h))
+            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(experts)
+        h = h + self.post_feedforward_layernorm(mlp)
         if per_layer_input is not None:
             gate = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
@@ -226,14 +278,11 @@ class Gemma4Model(LlamaModel):
         def used() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in language_model_tensors(weights, cfg.architecture):
                 parts = name.split(".")
-                if (
-                    len(parts) > 4
-                    and parts[:2] == ["model", "layers"]
-                    and int(parts[2]) >= first_shared
-                    and parts[3] == "self_attn"
-                    and parts[4] in unused
-                ):
-                    continue
+                if len(parts) > 4 and parts[:2] == ["model", "layers"]:
+                    if int(parts[2]) >= first_shared and parts[3] == "self_attn" and parts[4] in unused:
+                        continue
+                    if parts[3] in ("experts", "router"):  # the layer's, held by its MLP (Gemma4MoeMLP)
+                        name = ".".join([*parts[:3], "mlp", *parts[3:]])
                 yield name, t
 
         super().load_hf_weights(used())

@@ -49,12 +49,16 @@ GROUPED_ON_CPU = False
 
 class Experts(nn.Module):
     """The routed experts' weights as 3-D parameters (transformers 5's layout): `gate_up_proj`
-    [E, 2I, H] (gate rows first) and `down_proj` [E, H, I]."""
+    [E, 2I, H] (gate rows first) and `down_proj` [E, H, I]; the gate's `activation` SiLU, or
+    GELU's tanh approximation ("gelu_pytorch_tanh": Gemma 4)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported expert activation {activation!r}")
         self.num_experts = num_experts
         self.intermediate = intermediate
+        self.gelu = activation == "gelu_pytorch_tanh"
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self._grouped_works: dict[tuple[torch.device, torch.dtype], bool] = {}
@@ -81,8 +85,8 @@ class Experts(nn.Module):
         tokens = order // k
         rows = x.index_select(0, tokens)
         weights = top_weight.reshape(-1, 1).index_select(0, order)
-        g, u = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).split(self.intermediate, -1)
-        out = torch._grouped_mm(F.silu(g) * u, self.down_proj.transpose(1, 2), offs=offsets)
+        gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets)
+        out = torch._grouped_mm(self.activation(gate_up), self.down_proj.transpose(1, 2), offs=offsets)
         pairs = torch.empty_like(out).index_copy_(0, order, out.mul_(weights))  # back in (token, k) order
         return pairs.view(T, k, -1).sum(dim=1)
 
@@ -108,14 +112,21 @@ class Experts(nn.Module):
             self._grouped_works[key] = works
         return works
 
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2I] -> act(gate) * up [rows, I]."""
+        if self.gelu:
+            return gelu_and_mul(gate_up, self.intermediate)
+        return silu_and_mul(gate_up, self.intermediate)
+
     def _one(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Expert e on rows x."""
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj[e]), self.intermediate), self.down_proj[e])
+        return F.linear(self.activation(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
 
     def expert_products(self, count: int | None = None) -> ExpertProducts:
         """What each expert computes (the first `count` alone), for a layout of its own
         (model/packed_experts.py)."""
-        activation = functools.partial(silu_and_mul, intermediate=self.intermediate)
+        act = gelu_and_mul if self.gelu else silu_and_mul
+        activation = functools.partial(act, intermediate=self.intermediate)
         return ExpertProducts(self.gate_up_proj[:count], self.down_proj[:count], None, None, activation)
 
 
@@ -137,6 +148,12 @@ def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     (bench/moe.py: 1 row, 4.4 -> 3.4 ms a layer)."""
     g, u = gate_up.split(intermediate, dim=-1)
     return F.silu(g) * u
+
+
+def gelu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """[rows, 2I] (gate columns first) -> gelu_tanh(gate) * up [rows, I] (GeGLU)."""
+    g, u = gate_up.split(intermediate, dim=-1)
+    return F.gelu(g, approximate="tanh") * u
 
 
 def route(

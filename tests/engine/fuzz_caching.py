@@ -46,7 +46,7 @@ from .sweep_graphs import _family
 
 FAMILIES = [
     "llama", "smollm3", "granite", "olmo2", "phi3", "olmo3", "ernie4_5", "glm4", "gemma2", "gemma3", "gemma4",
-    "qwen3_moe",
+    "gemma4_moe", "qwen3_moe",
     "glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "mamba2",
     "falcon_h1", "bamba", "qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "granite_hybrid", "lora",
     "llava",

@@ -93,10 +93,10 @@ def _family(name: str) -> Callable[[], Any]:
         from .test_deepseek import make_deepseek
 
         return lambda: make_deepseek("glm_lite" if name == "glm4_moe_lite" else "v3", wide_latent=name.endswith("wide"))
-    if name == "gemma4":  # (no graphs: its layers run eager; the caching fuzz takes it)
+    if name in ("gemma4", "gemma4_moe"):  # (no graphs: its layers run eager; the caching fuzz takes it)
         from .test_gemma4 import make_gemma4
 
-        return make_gemma4
+        return lambda: make_gemma4("moe" if name == "gemma4_moe" else "small")
     if name == "gpt_oss":  # (no graphs: its sinks run eager; the caching fuzz takes it)
         from ..model.test_model_gpt_oss import make_gpt_oss
 

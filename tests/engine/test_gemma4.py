@@ -1,8 +1,8 @@
 """Gemma 4 (transformers' Gemma4ForCausalLM, and Gemma4ForConditionalGeneration served text-only)
-against transformers on tiny random checkpoints of its three shapes: the small ones' (per-layer
-inputs, KV-shared layers reading earlier layers' K/V, their MLPs twice as wide), the large ones'
-(full layers whose values are their keys, with fewer K/V heads) and the multimodal release's
-layout. Logits over chunks and decodes, greedy tokens through the engine with caching off and on,
+against transformers on tiny random checkpoints of its shapes: the small ones' (per-layer inputs,
+KV-shared layers reading earlier layers' K/V, their MLPs twice as wide), the large ones' (full
+layers whose values are their keys, with fewer K/V heads), the mixture of experts' (routed experts
+beside each dense MLP) and the multimodal release's layout. Logits over chunks and decodes, greedy tokens through the engine with caching off and on,
 chunked and preempted, every block free; the cache's per-layer tensors; a disk tier and the
 stage-output cache; the settings that are not built, refused by name."""
 
@@ -36,7 +36,9 @@ SMALL = dict(  # E2B / E4B: per-layer inputs, the last two layers reading layers
     use_double_wide_mlp=True,
 )  # fmt: skip
 LARGE = dict(TEXT, hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1)  # 31B
-KINDS = {"small": SMALL, "large": LARGE, "multimodal": SMALL}
+# 26B-A4B: 8 experts top 2 of width 24 beside every layer's dense MLP
+MOE = dict(LARGE, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
+KINDS = {"small": SMALL, "large": LARGE, "moe": MOE, "multimodal": SMALL}
 
 
 def make_gemma4(kind: str = "small"):
@@ -54,14 +56,15 @@ def make_gemma4(kind: str = "small"):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "language_model" in name or kind != "multimodal":
-                p.copy_((1.0 if "norm" in name else 0.0) + (0.1 if "norm" in name else 0.08) * torch.randn_like(p))
+                around_one = "norm" in name or "scale" in name  # norms, the router's scales
+                p.copy_((1.0 if around_one else 0.0) + (0.1 if around_one else 0.08) * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand_like(b))
     return model
 
 
-@pytest.mark.parametrize("kind", ["small", "large", "multimodal"])
+@pytest.mark.parametrize("kind", ["small", "large", "moe", "multimodal"])
 def test_logits_match_transformers(tmp_path, kind):
     hf = make_gemma4(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True)
@@ -69,17 +72,18 @@ def test_logits_match_transformers(tmp_path, kind):
     config = ModelConfig.from_hf_folder(str(tmp_path))
     assert (config.head_dim, config.global_head_dim) == (16, 32)
     assert config.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
-    small = kind != "large"
+    small = kind in ("small", "multimodal")
     assert config.per_layer_input_size == (8 if small else 0) and config.num_kv_shared_layers == (2 if small else 0)
     assert config.global_num_key_value_heads == (2 if small else 1) and config.global_values_are_keys == (not small)
     assert [config.kv_source_layer(i) for i in range(6)] == ([0, 1, 2, 3, 3, 2] if small else list(range(6)))
+    assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if kind == "moe" else (0, 0))
     ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(str(tmp_path), ids), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["small", "large"])
+@pytest.mark.parametrize("kind", ["small", "large", "moe"])
 def test_engine_matches_transformers(tmp_path, kind):
     assert_engine_matches_transformers(tmp_path, make_gemma4(kind), f"gemma4-{kind}", 8)
 
@@ -159,7 +163,6 @@ def test_disk_tier_and_stage_outputs(tmp_path):
 @pytest.mark.parametrize(
     "change, name",
     [
-        (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16), "enable_moe_block"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     ],

@@ -66,12 +66,17 @@ def _hf_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
         per_layer_input_size=int(per_layer),
         per_layer_input_vocab_size=int(text.get("vocab_size_per_layer_input", 262_144)) if per_layer else 0,
     )
+    if text.get("enable_moe_block"):  # routed experts beside every layer's dense MLP (model/gemma4.py)
+        gemma4.update(
+            num_experts=int(text["num_experts"]),
+            num_experts_per_tok=int(text["top_k_experts"]),
+            moe_intermediate_size=int(text["moe_intermediate_size"]),
+            norm_topk_prob=True,
+        )
     return join_fields(fields, gemma4)
 
 
 def _refuse_unbuilt(text: dict[str, Any], arch: str) -> None:
-    if text.get("enable_moe_block"):
-        raise ValueError(f"{arch} with enable_moe_block=true (Gemma 4's mixture of experts) is not supported")
     if text.get("attention_bias"):
         raise ValueError(f"{arch} with attention_bias=true is not supported")
     if text.get("use_bidirectional_attention") == "all":
