@@ -2,8 +2,9 @@
 against transformers on tiny random checkpoints of its shapes: the small ones' (per-layer inputs,
 KV-shared layers reading earlier layers' K/V, their MLPs twice as wide), the large ones' (full
 layers whose values are their keys, with fewer K/V heads), the mixture of experts' (routed experts
-beside each dense MLP) and the multimodal release's layout. Logits over chunks and decodes, greedy tokens through the engine with caching off and on,
-chunked and preempted, every block free; the cache's per-layer tensors; a disk tier and the
+beside each dense MLP) and the multimodal release's layout. Logits over chunks and decodes, greedy
+tokens through the engine with caching off and on, chunked and preempted, every block free; the
+KV-shared layers over the sampled rows alone; the cache's per-layer tensors; a disk tier and the
 stage-output cache; the settings that are not built, refused by name."""
 
 from __future__ import annotations
