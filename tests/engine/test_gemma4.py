@@ -146,6 +146,14 @@ def test_released_form_of_the_config_and_checkpoint(tmp_path):
     d.update(global_head_dim=32, num_global_key_value_heads=1)  # unused: attention_k_eq_v is false
     path.write_text(json.dumps(d))
     assert ModelConfig.from_hf_folder(str(tmp_path)) == saved_form
+    # transformers pads the layer indices it keys per_layer_config by ("05" among ten or more layers)
+    padded = dict(d, per_layer_config={"02": {"head_dim": 32}, "05": {"head_dim": 32}})
+    path.write_text(json.dumps(padded))
+    assert ModelConfig.from_hf_folder(str(tmp_path)) == saved_form
+    path.write_text(json.dumps(dict(d, per_layer_config={"02": {"head_dim": 32}})))  # layer 5 left at 16
+    with pytest.raises(ValueError, match="per_layer_config"):
+        ModelConfig.from_hf_folder(str(tmp_path))
+    path.write_text(json.dumps(d))
     weights = load_file(tmp_path / "model.safetensors")
     for layer, head in ((4, 16), (5, 32)):  # a sliding and a full layer
         for name, shape in (("k_proj", (2 * head, 64)), ("v_proj", (2 * head, 64)), ("k_norm", (head,))):

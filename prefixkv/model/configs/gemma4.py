@@ -90,10 +90,14 @@ def _full_layer_shape(text: dict[str, Any], layer_types: list[str], head_dim: in
     if overrides is None:
         global_kv = text.get("num_global_key_value_heads") if text.get("attention_k_eq_v", False) else None
         return int(text.get("global_head_dim", 512)), int(global_kv or kv_heads)
+    try:  # keyed by layer index, as text ("5", or "05" in a model of ten layers or more)
+        by_layer = {int(k): v for k, v in overrides.items()}
+    except ValueError:
+        raise ValueError(f"per_layer_config keys {sorted(overrides)} are not layer indices") from None
     shapes: dict[str, set[tuple[int, int]]] = {FULL_ATTENTION: set(), SLIDING_ATTENTION: set()}
     allowed = {"head_dim", "num_key_value_heads"}
     for i, kind in enumerate(layer_types):
-        override = overrides.get(str(i), overrides.get(i)) or {}
+        override = by_layer.get(i) or {}
         if set(override) - allowed:
             unknown = sorted(set(override) - allowed)
             raise ValueError(f"per_layer_config overrides {unknown} of layer {i}: not supported")
