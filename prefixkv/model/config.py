@@ -312,10 +312,10 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"global_num_key_value_heads ({self.global_num_key_value_heads})"
             )
-        if self.per_layer_input_size and not 0 < self.per_layer_input_vocab_size <= self.vocab_size:
+        if self.per_layer_input_size and self.per_layer_input_vocab_size < self.vocab_size:
             raise ValueError(
-                f"per_layer_input_vocab_size must be in [1, vocab_size ({self.vocab_size})], "
-                f"got {self.per_layer_input_vocab_size}"
+                f"per_layer_input_vocab_size ({self.per_layer_input_vocab_size}) below vocab_size ({self.vocab_size}) "
+                "is not supported: every token needs a per-layer embedding"
             )
 
     def layer_head_dim(self, i: int) -> int:

@@ -89,6 +89,29 @@ _GGUF_GPT_OSS_LAYER_MAP = {
         for kind in ("weight", "bias")
     },
 }
+# Gemma 4 (convert_hf_to_gguf.py Gemma4Model): Gemma's sandwich norms, the MoE layers' second
+# norms, the router's scale and each expert's (on the router here: Gemma4Router), the layer's
+# output scale and its per-layer input's gate, projection and norm
+_GGUF_GEMMA4_LAYER_MAP = {
+    **_GGUF_GEMMA_LAYER_MAP,
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+}
+_GGUF_GEMMA4_GLOBAL_MAP = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
 GGUF_LAYER_MAPS = {
     # Granite 4: Bamba's layers (the mixers under mamba.), routed experts and the shared MLP
     "granitehybrid": {
@@ -106,6 +129,7 @@ GGUF_LAYER_MAPS = {
     },
     "gemma2": _GGUF_GEMMA_LAYER_MAP,
     "gemma3": _GGUF_GEMMA_LAYER_MAP,
+    "gemma4": _GGUF_GEMMA4_LAYER_MAP,
     "gpt-oss": _GGUF_GPT_OSS_LAYER_MAP,
     # Phi-3 keeps transformers' fused q/k/v and gate/up (model/phi3.py splits them)
     "phi3": {
@@ -159,6 +183,8 @@ def gguf_to_hf_name(name: str, g_arch: str = "llama") -> str | None:
         raise ValueError(f"unsupported GGUF tensor {name!r} in a mamba2 file")
     if name in GGUF_GLOBAL_MAP:
         return GGUF_GLOBAL_MAP[name]
+    if g_arch == "gemma4" and name in _GGUF_GEMMA4_GLOBAL_MAP:
+        return _GGUF_GEMMA4_GLOBAL_MAP[name]
     if g_arch == "lfm2" and name == "token_embd_norm.weight":  # LFM2's final norm, despite its name
         return "model.norm.weight"
     layer_map = GGUF_LAYER_MAPS.get(g_arch, GGUF_LAYER_MAP)

@@ -133,6 +133,13 @@ def build_spm_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     if add_space_prefix:  # the prefix added in front of the text is not part of it
         steps.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(steps)
+    add_typed_tokens(tok, tokens, types)
+    return tok
+
+
+def add_typed_tokens(tok: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    """Cut control and unknown tokens (special) and user-defined ones out of the raw text before
+    the model sees it, as llama.cpp's tokenizer_st_partition does."""
     special = [
         AddedToken(t, normalized=False, special=True)
         for t, ty in zip(tokens, types)
@@ -145,4 +152,3 @@ def build_spm_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     ]
     if user:
         tok.add_tokens(user)
-    return tok

@@ -20,6 +20,7 @@ import torch
 
 from . import weight_cache
 from .config import ModelConfig
+from .configs.gemma4 import GGUF_PER_LAYER_ROWS, GGUF_ROPE_FREQS
 from .default_model import default_model_path as default_model_path  # the model= None default
 from .families import model_class
 from .gguf_delta_net import DELTA_NET_ARCHITECTURES, delta_net_tensors_from_gguf
@@ -167,12 +168,16 @@ _PERMUTED_QK = ("llama", "granite", "smollm3", "granitehybrid")
 
 def gguf_config(reader: Any) -> ModelConfig:
     """The model config of an opened GGUF file (its metadata, its tensor names, and the values of
-    LongRoPE's factor tensors)."""
+    LongRoPE's factor tensors; Gemma 4's rotary divisors and per-layer embedding rows)."""
     meta = dict(reader.metadata)
     g_arch = meta.get("general.architecture")
     for t in reader.tensors:
         if t.name in ROPE_FACTOR_TENSORS:
             meta[f"{g_arch}.{ROPE_FACTOR_TENSORS[t.name]}"] = dequantize_gguf_tensor(t).reshape(-1).tolist()
+        elif g_arch == "gemma4" and t.name == "rope_freqs.weight":
+            meta[f"{g_arch}.{GGUF_ROPE_FREQS}"] = dequantize_gguf_tensor(t).reshape(-1).tolist()
+        elif g_arch == "gemma4" and t.name == "per_layer_token_embd.weight":
+            meta[f"{g_arch}.{GGUF_PER_LAYER_ROWS}"] = int(t.shape[-1])  # (ggml's order: columns first)
     return ModelConfig.from_gguf_metadata(meta, {t.name for t in reader.tensors})
 
 

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from .chat_template import compile_chat_template
+from .gguf_gemma4_vocab import GEMMA4_END_TEXTS, build_gemma4_tokenizer
 from .gguf_sentencepiece import EOT_TEXTS, SPM_DEFAULT_IDS, build_spm_tokenizer
 
 if TYPE_CHECKING:
@@ -396,10 +397,12 @@ class Tokenizer:
         model_type = meta.get("tokenizer.ggml.model")
         if model_type == "llama":
             return cls._from_gguf_sentencepiece(meta)
+        if model_type == "gemma4":
+            return cls._from_gguf_gemma4(meta)
         if model_type != "gpt2":
             raise ValueError(
                 f"Unsupported GGUF tokenizer model tokenizer.ggml.model={model_type!r}: its tokenization is not "
-                "implemented here. Supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
+                "implemented here. Supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece), 'gemma4'"
             )
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -446,6 +449,27 @@ class Tokenizer:
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             pad_token_id=None if pad is None else int(pad),
+        )
+
+    @classmethod
+    def _from_gguf_gemma4(cls, meta: dict[str, Any]) -> Tokenizer:
+        """Gemma 4's vocabulary (gguf_gemma4_vocab.py); BOS always added and the tokens llama.cpp
+        ends generation at (<eos>, <turn|>, <|tool_response>) beside the file's EOS."""
+        tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
+
+        def special_id(key: str) -> int | None:
+            value = meta.get(f"tokenizer.ggml.{key}_token_id")
+            return None if value is None or not 0 <= int(value) < len(tokens) else int(value)
+
+        ends = [special_id("eos"), special_id("eot"), *(i for i, t in enumerate(tokens) if t in GEMMA4_END_TEXTS)]
+        return cls(
+            build_gemma4_tokenizer(meta),
+            bos_token_id=special_id("bos"),
+            eos_token_ids=list(dict.fromkeys(x for x in ends if x is not None)),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=True,
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            pad_token_id=special_id("padding"),
         )
 
     @classmethod

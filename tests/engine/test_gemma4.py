@@ -18,11 +18,12 @@ from safetensors.torch import load_file, save_file
 from prefixkv import LLM, SamplingParams
 from prefixkv.memory.block_tensors import KV_PREFIX, BlockTensors, kv_cache_specs
 from prefixkv.memory.kv_groups import plan_kv_groups
-from prefixkv.model import ModelConfig
+from prefixkv.model import ModelConfig, load_model
 
 from ..conftest import hf_greedy
+from ..model.gguf_convert import write_gemma4_gguf
 from ..model.test_model_hf_folder import _write_tokenizer
-from .engine_oracle import assert_disk_tier_and_stage_outputs, assert_engine_matches_transformers
+from .engine_oracle import assert_disk_tier_and_stage_outputs, assert_engine_matches_transformers, serve_and_compare
 from .test_mistral3 import _logits
 
 S, F = "sliding_attention", "full_attention"
@@ -163,6 +164,34 @@ def test_released_form_of_the_config_and_checkpoint(tmp_path):
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(str(tmp_path), ids), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["small", "large", "moe"])
+def test_gguf_files_match_transformers(tmp_path, kind):
+    """GGUF files written by llama.cpp's converter rules (gguf_convert.write_gemma4_gguf): the
+    config read back as llama.cpp reads it, logits equal transformers', greedy tokens through the
+    engine with caching off and on."""
+    hf = make_gemma4(kind)
+    path = tmp_path / f"gemma4-{kind}.gguf"
+    write_gemma4_gguf(path, hf)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    _write_tokenizer(tmp_path / "hf")
+    want = ModelConfig.from_hf_folder(str(tmp_path / "hf"))
+    got = load_model(str(path)).config
+    for field in ("layer_types", "global_head_dim", "global_num_key_value_heads", "global_values_are_keys",
+                  "num_kv_shared_layers", "double_wide_shared_mlp", "per_layer_input_size", "rope_scaling",
+                  "rope_local_theta", "num_experts", "final_logit_softcapping", "sliding_window"):  # fmt: skip
+        assert getattr(got, field) == getattr(want, field), field
+    ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(str(path), ids), ref, atol=1e-4, rtol=1e-4)
+    prompts = [ids[:30], ids[:30] + [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 5) for p in prompts]
+    for caching in (False, True):
+        kwargs = dict(dtype="float32", device="cpu", num_blocks=32, block_size=8, enable_prefix_caching=caching)
+        serve_and_compare(path, prompts, params, expected, kwargs)
 
 
 def test_disk_tier_and_stage_outputs(tmp_path):

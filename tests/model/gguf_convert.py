@@ -738,3 +738,105 @@ def write_deepseek_gguf(path: Path, hf: Any, split_kv_b: bool = True, mtp_blocks
         return True
 
     _write_routed_tensors(w, hf, names, mtp_blocks, kv_b_split)
+
+
+# transformers' names (below model.layers.N.) -> GGUF's of Gemma 4 (Gemma4Model's tensor map)
+_GEMMA4_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+    "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+}
+_GEMMA4_GLOBAL = {
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+
+
+def write_gemma4_gguf(path: Path, hf: Any) -> None:
+    """A transformers Gemma4ForCausalLM (float32) as a GGUF file by Gemma4Model's rules: the full
+    layers' head size in key_length and the sliding ones' in key_length_swa, K/V heads one per layer
+    where the full layers have their own, MLP widths one per layer where the KV-shared layers' are
+    doubled, the sliding pattern as booleans, the proportional rotary as `rope_freqs` divisors (1,
+    then 1e30), norms as they are (no 1 added), the router's and experts' scales beside their
+    tensors, the vocabulary gguf_convert's byte-level one."""
+    import gguf
+
+    cfg = hf.config
+    d = cfg.to_dict()
+    n, shared = cfg.num_hidden_layers, d.get("num_kv_shared_layers") or 0
+    kinds = list(d["layer_types"])
+    full = kinds.index("full_attention")
+    attn = hf.model.layers[full].self_attn
+    global_head, head = attn.head_dim, d["head_dim"]
+    global_kv = attn.k_proj.out_features // global_head
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_block_count(n)
+    w.add_context_length(d["max_position_embeddings"])
+    w.add_embedding_length(d["hidden_size"])
+    ff = d["intermediate_size"]
+    w.add_feed_forward_length([ff if i < n - shared else 2 * ff for i in range(n)] if d["use_double_wide_mlp"] else ff)
+    w.add_head_count(d["num_attention_heads"])
+    kv = d["num_key_value_heads"]
+    w.add_head_count_kv([global_kv if k == "full_attention" else kv for k in kinds] if global_kv != kv else kv)
+    w.add_key_length(global_head)
+    w.add_value_length(global_head)
+    w.add_key_length_swa(head)
+    w.add_value_length_swa(head)
+    w.add_sliding_window(d["sliding_window"])
+    w.add_sliding_window_pattern([k == "sliding_attention" for k in kinds])
+    w.add_shared_kv_layers(shared)
+    w.add_layer_norm_rms_eps(d["rms_norm_eps"])
+    w.add_embedding_length_per_layer_input(d.get("hidden_size_per_layer_input") or 0)
+    rope = d["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_rope_dimension_count(global_head)
+    w.add_rope_dimension_count_swa(head)
+    if d.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(d["final_logit_softcapping"])
+    if d.get("enable_moe_block"):
+        w.add_expert_count(d["num_experts"])
+        w.add_expert_used_count(d["top_k_experts"])
+        w.add_expert_feed_forward_length(d["moe_intermediate_size"])
+    _vocabulary(w, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    rotating = int(global_head * rope["full_attention"].get("partial_rotary_factor", 1.0) / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotating + [1e30] * (global_head // 2 - rotating), np.float32))
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" or "rotary_emb" in name or name.endswith("embed_scale"):
+            continue  # tied; buffers the converter does not write
+        a = np.ascontiguousarray(t.float().numpy())
+        rest = name.removeprefix("model.")
+        if rest in _GEMMA4_GLOBAL:
+            w.add_tensor(_GEMMA4_GLOBAL[rest], a)
+            continue
+        layer, _, rest = rest.removeprefix("layers.").partition(".")
+        w.add_tensor(f"blk.{layer}.{_GEMMA4_NAMES[rest]}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
