@@ -66,6 +66,15 @@ def make_gemma4(kind: str = "small"):
     return model
 
 
+def assert_logits_match(hf, model: str, seed: int) -> None:
+    """The engine's model at `model` (an HF folder or a GGUF file) gives transformers' logits over
+    chunks split mid-block and decodes."""
+    ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["small", "large", "moe", "multimodal"])
 def test_logits_match_transformers(tmp_path, kind):
     hf = make_gemma4(kind)
@@ -79,10 +88,7 @@ def test_logits_match_transformers(tmp_path, kind):
     assert config.global_num_key_value_heads == (2 if small else 1) and config.global_values_are_keys == (not small)
     assert [config.kv_source_layer(i) for i in range(6)] == ([0, 1, 2, 3, 3, 2] if small else list(range(6)))
     assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if kind == "moe" else (0, 0))
-    ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(str(tmp_path), ids), ref, atol=1e-4, rtol=1e-4)
+    assert_logits_match(hf, str(tmp_path), 2)
 
 
 @pytest.mark.parametrize("kind", ["small", "large", "moe"])
@@ -160,10 +166,7 @@ def test_released_form_of_the_config_and_checkpoint(tmp_path):
         for name, shape in (("k_proj", (2 * head, 64)), ("v_proj", (2 * head, 64)), ("k_norm", (head,))):
             weights[f"model.layers.{layer}.self_attn.{name}.weight"] = torch.randn(shape)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(str(tmp_path), ids), ref, atol=1e-4, rtol=1e-4)
+    assert_logits_match(hf, str(tmp_path), 3)
 
 
 @pytest.mark.parametrize("kind", ["small", "large", "moe"])
@@ -182,11 +185,8 @@ def test_gguf_files_match_transformers(tmp_path, kind):
                   "num_kv_shared_layers", "double_wide_shared_mlp", "per_layer_input_size", "rope_scaling",
                   "rope_local_theta", "num_experts", "final_logit_softcapping", "sliding_window"):  # fmt: skip
         assert getattr(got, field) == getattr(want, field), field
-    ids = torch.randint(0, 250, (45,), generator=torch.Generator().manual_seed(4)).tolist()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(str(path), ids), ref, atol=1e-4, rtol=1e-4)
-    prompts = [ids[:30], ids[:30] + [7, 8, 9]]
+    assert_logits_match(hf, str(path), 4)
+    prompts = [list(range(30, 60)), list(range(30, 60)) + [7, 8, 9]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     expected = [hf_greedy(hf, p, 5) for p in prompts]
     for caching in (False, True):

@@ -2,8 +2,8 @@
 on a GPU compiled, on a CPU under Triton's interpreter (tests/model/triton_interpreter.py), the
 model's CUDA wiring end to end. Tiny random checkpoints; greedy float32 tokens equal transformers'
 with caching off and on (a prefix shared past the cascade's threshold, so decodes and chunks after it
-attend to it once and to their own suffix in place), a small chunk budget, a sliding window; every
-block free after."""
+attend to it once and to their own suffix in place), a small chunk budget, a sliding window, Gemma
+4's two head sizes and KV-shared layers; every block free after."""
 
 from __future__ import annotations
 
@@ -58,3 +58,22 @@ def test_engine_on_triton_kernels_matches_transformers(tmp_path, triton_calls, k
     assert triton_calls["paged_decode", False] and triton_calls["paged_prefill", False]
     if kind == "llama":  # the shared prefix attended to once (the cascade), each suffix in place
         assert triton_calls["paged_decode", True] and triton_calls["paged_prefill", True]
+
+
+def test_gemma4_on_triton_kernels_matches_transformers(tmp_path, triton_calls):
+    """Gemma 4's two head sizes (16 and 32 here; 256 and 512 released) and its KV-shared layers,
+    which attend over earlier layers' blocks as a decode does, on Triton's kernels."""
+    from .test_gemma4 import make_gemma4
+
+    hf = make_gemma4("small")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    rng = random.Random("gemma4")
+    shared = [rng.randrange(256) for _ in range(CASCADE_MIN_TOKENS + 8)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 10))] for _ in range(3)]
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    base = dict(dtype="float32", device=str(device()), num_blocks=64, block_size=8, max_model_len=96)
+    for kwargs in (dict(enable_prefix_caching=False), dict(enable_prefix_caching=True), dict(max_num_batched_tokens=9)):
+        serve_and_compare(tmp_path, prompts, params, expected, {**base, **kwargs})
+    assert triton_calls["paged_decode", False] and triton_calls["paged_prefill", False]

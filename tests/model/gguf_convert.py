@@ -264,6 +264,17 @@ def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(packed.reshape(*packed.shape[:-2], -1))
 
 
+# transformers' attention names (below model.layers.N.) -> GGUF's
+_ATTENTION_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+
+
 def write_delta_net_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
     """A transformers Qwen3NextForCausalLM / Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (float32)
     as a GGUF file by Qwen3NextModel's rules (Qwen3.5: _LinearAttentionVReorderBase's, then those),
@@ -317,12 +328,7 @@ def write_delta_net_gguf(path: Path, hf: Any, mtp_blocks: int = 0) -> None:
     names = {
         "input_layernorm.weight": "attn_norm.weight",
         "post_attention_layernorm.weight": "post_attention_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.q_norm.weight": "attn_q_norm.weight",
-        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        **_ATTENTION_NAMES,
         "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
         "linear_attn.in_proj_z.weight": "attn_gate.weight",
         "linear_attn.in_proj_b.weight": "ssm_beta.weight",
@@ -749,12 +755,7 @@ _GEMMA4_NAMES = {
     "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
     "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
     "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **_ATTENTION_NAMES,
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
