@@ -406,6 +406,9 @@ class EngineArgs:
     disable_sliding_window: bool = _compat(
         False, _is_default(False), "sliding windows are applied as the model config says"
     )
+    kv_sharing_fast_prefill: bool = _compat(
+        False, _anything, "layers that read earlier layers' K/V (Gemma 4) always run the sampled rows alone (exact)"
+    )
     task: str = _compat(
         "auto",
         lambda v: v in TASKS,

@@ -58,6 +58,7 @@ def test_arguments_that_change_nothing_are_accepted():
         disable_log_stats=True,
         enable_chunked_prefill=True,
         tensor_parallel_size=1,
+        kv_sharing_fast_prefill=True,  # (always on for the models it concerns: exact here)
         seed=3,
     )
     assert args.enable_chunked_prefill is True and args.seed == 3
