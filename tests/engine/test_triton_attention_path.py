@@ -41,12 +41,13 @@ def triton_calls(monkeypatch) -> Counter:
     return calls
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral-swa"])
-def test_engine_on_triton_kernels_matches_transformers(tmp_path, triton_calls, kind):
-    hf = _make(kind)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
-    rng = random.Random(kind)
+def serve_on_triton(folder, hf, seed: str) -> None:
+    """`hf` saved at `folder` served on Triton's kernels: greedy tokens equal transformers' with
+    caching off and on and a small chunk budget, for prompts sharing a prefix past the cascade's
+    threshold and one apart."""
+    hf.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    rng = random.Random(seed)
     shared = [rng.randrange(256) for _ in range(CASCADE_MIN_TOKENS + 8)]
     prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 10))] for _ in range(3)]
     prompts.append([rng.randrange(256) for _ in range(7)])
@@ -54,7 +55,12 @@ def test_engine_on_triton_kernels_matches_transformers(tmp_path, triton_calls, k
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     base = dict(dtype="float32", device=str(device()), num_blocks=64, block_size=8, max_model_len=96)
     for kwargs in (dict(enable_prefix_caching=False), dict(enable_prefix_caching=True), dict(max_num_batched_tokens=9)):
-        serve_and_compare(tmp_path, prompts, params, expected, {**base, **kwargs})
+        serve_and_compare(folder, prompts, params, expected, {**base, **kwargs})
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral-swa"])
+def test_engine_on_triton_kernels_matches_transformers(tmp_path, triton_calls, kind):
+    serve_on_triton(tmp_path, _make(kind), kind)
     assert triton_calls["paged_decode", False] and triton_calls["paged_prefill", False]
     if kind == "llama":  # the shared prefix attended to once (the cascade), each suffix in place
         assert triton_calls["paged_decode", True] and triton_calls["paged_prefill", True]
@@ -65,15 +71,5 @@ def test_gemma4_on_triton_kernels_matches_transformers(tmp_path, triton_calls):
     which attend over earlier layers' blocks as a decode does, on Triton's kernels."""
     from .test_gemma4 import make_gemma4
 
-    hf = make_gemma4("small")
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
-    rng = random.Random("gemma4")
-    shared = [rng.randrange(256) for _ in range(CASCADE_MIN_TOKENS + 8)]
-    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 10))] for _ in range(3)]
-    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    base = dict(dtype="float32", device=str(device()), num_blocks=64, block_size=8, max_model_len=96)
-    for kwargs in (dict(enable_prefix_caching=False), dict(enable_prefix_caching=True), dict(max_num_batched_tokens=9)):
-        serve_and_compare(tmp_path, prompts, params, expected, {**base, **kwargs})
+    serve_on_triton(tmp_path, make_gemma4("small"), "gemma4")
     assert triton_calls["paged_decode", False] and triton_calls["paged_prefill", False]
