@@ -266,7 +266,8 @@ class ModelRunner:
         verified at each)."""
         scheduled = scheduler_output.scheduled
         if (
-            self.stage_outputs is not None
+            not self.model.reads_output_rows
+            or self.stage_outputs is not None
             or scheduler_output.num_draft_tokens
             or any(sr.want_hidden_states for sr in scheduled)
         ):

@@ -186,8 +186,8 @@ class Gemma4Model(LlamaModel):
         if config.architecture not in GEMMA4_ARCHITECTURES:
             raise ValueError(f"Gemma4Model does not build {config.architecture}")
         super().__init__(config, dtype=dtype, device=device)
+        self.reads_output_rows = config.num_kv_shared_layers > 0
         H, L, P = config.hidden_size, config.num_hidden_layers, config.per_layer_input_size
-        self.per_layer_embed: nn.Embedding | None = None
         if P:
             with torch.device("meta"):
                 rows = config.per_layer_input_vocab_size
@@ -195,7 +195,6 @@ class Gemma4Model(LlamaModel):
                 self.per_layer_model_projection = nn.Linear(H, L * P, bias=False)
                 self.per_layer_projection_norm = Float32RMSNorm(P, config.rms_norm_eps)
             materialize(self, device, dtype)
-            self.per_layer_embed = self.embed_tokens_per_layer
             # transformers scales by the square roots rounded to the weights' dtype
             self.per_layer_embed_scale = torch.tensor(P**0.5).to(dtype)
         keep_float32_norms(self)
@@ -223,13 +222,13 @@ class Gemma4Model(LlamaModel):
     def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
         """[T, layers, per_layer_input_size]: each token's per-layer embedding plus the normed
         projection of its embedding `h`, over sqrt(2) (transformers' order)."""
-        if self.per_layer_embed is None:
-            return None
         cfg = self.config
+        if not cfg.per_layer_input_size:
+            return None
         T, L, P = h.shape[0], cfg.num_hidden_layers, cfg.per_layer_input_size
         projected = self.per_layer_model_projection(h) * cfg.hidden_size**-0.5
         projected = self.per_layer_projection_norm(projected.view(T, L, P))
-        embedded = self.per_layer_embed(input_ids).mul_(self.per_layer_embed_scale).view(T, L, P)
+        embedded = self.embed_tokens_per_layer(input_ids).mul_(self.per_layer_embed_scale).view(T, L, P)
         return (projected + embedded) * 2**-0.5
 
     @torch.inference_mode()
@@ -245,7 +244,7 @@ class Gemma4Model(LlamaModel):
         """As LlamaModel.forward, the KV-shared layers over `meta.output_rows` alone where the
         step names them (then those rows' hidden states alone are returned); `inputs_embeds` are
         refused where the model has per-layer inputs, which are looked up by token."""
-        if inputs_embeds is not None and self.per_layer_embed is not None:
+        if inputs_embeds is not None and self.config.per_layer_input_size:
             raise ValueError(f"{self.config.architecture} with per-layer inputs takes token ids, not embeddings")
         h, full, local = self.begin_layers(input_ids, positions, kv_caches, meta, lora_mapping, inputs_embeds)
         per_layer = self.per_layer_inputs(input_ids.to(self.device), h)

@@ -225,6 +225,9 @@ class LlamaModel(nn.Module):
     lm_head: nn.Linear | None  # None: tied to the embedding, or laid out in packed_head
     # whether the layers are DecoderLayer's, which the fused decode kernel computes (_DecodeLayers)
     fused_decode_layout = True
+    # whether the forward runs some layers for `AttentionMetadata.output_rows` alone (Gemma 4's
+    # KV-shared layers): the runner names those rows only for such a model
+    reads_output_rows = False
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
