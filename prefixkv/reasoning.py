@@ -54,6 +54,9 @@ class ReasoningParser:
     strips_trailing_whitespace: ClassVar[bool] = False
     # a `start` generated in the answer begins reasoning again, until the next `end` (interleaved)
     reenters: ClassVar[bool] = False
+    # the model opens its reasoning itself, mid-reply: a thinking budget, counted from the reply's
+    # start, applies only where the prompt opened it (thinks)
+    opens_in_reply: ClassVar[bool] = False
     # further names under which the family's chat template reads an earlier turn's reasoning
     template_reasoning_names: ClassVar[tuple[str, ...]] = ()
     # tokens that end a served reply whatever the checkpoint's EOS says (set by the parser's init)
@@ -338,6 +341,134 @@ class GptOssReasoningParser(ReasoningParser):
         return harmony.reasoning_token_count(token_ids, decode, self._specials, self.end_id)
 
 
+class Gemma4ReasoningParser(ReasoningParser):
+    """Gemma 4 (vLLM's `gemma4`): reasoning is a channel, `<|channel>thought\n` ... `<channel|>`,
+    that the model opens itself. A reply starts in the answer unless its prompt ends inside an
+    open channel (a continued turn), and each generated `<|channel>` begins reasoning again. A tool
+    call (`<|tool_call>`) ends the reasoning and stays in the content for the `gemma4` tool
+    parser; a `<channel|>` in the answer is dropped; the channel's `thought\n` label is not part
+    of the reasoning, and a reply that begins with that label (its opener left out) is reasoning.
+
+    Template options are not read: with `enable_thinking` the model opens the channel itself, so a
+    grammar (structured outputs) applies from the reply's first token, where vLLM's waits for a
+    channel to close; `thinking_token_budget` is refused unless the prompt opened the channel."""
+
+    name = "gemma4"
+    start = "<|channel>"
+    end = "<channel|>"
+    implicit_ends = ("<|tool_call>",)
+    turn_boundaries = ("<|turn>", "<|tool_response>")
+    drops_later_ends = True
+    reenters = True
+    opens_in_reply = True
+    label = "thought\n"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.call_id = self._implicit[0][1] if self._implicit else None
+        self._label_ids = tuple(tokenizer.encode(self.label))
+
+    def thinks(self, prompt_token_ids: Sequence[int], template_options: Mapping[str, Any] | None = None) -> bool:
+        """Whether the prompt ends inside an open channel: its last marker, in its final turn, is
+        `<|channel>`."""
+        stops = {self.end_id, *self._boundary_ids, *(i for _, i in self._implicit)}
+        for token in reversed(prompt_token_ids):
+            if token == self.start_id:
+                return True
+            if token in stops:
+                return False
+        return False
+
+    def split(self, thinking: bool) -> ReasoningSplit:
+        return ChannelSplit(self, thinking)
+
+    def reasoning_tokens(self, token_ids: Sequence[int], thinking: bool) -> int:
+        """Tokens inside a channel (a reply that begins with the label: from its start), the
+        markers not counted."""
+        inside = thinking or tuple(token_ids[: len(self._label_ids)]) == self._label_ids
+        count = 0
+        for token in token_ids:
+            if token == self.start_id:
+                inside = True
+            elif token == self.end_id or token == self.call_id:
+                inside = False
+            elif inside:
+                count += 1
+        return count
+
+
+class ChannelSplit(ReasoningSplit):
+    """Gemma 4's reply as reasoning and content (Gemma4ReasoningParser's rules): a walk over the
+    text from marker to marker, each marker taken where its token was generated (its text found
+    after the last one taken); what follows the last marker is the open span's, so each part only
+    grows."""
+
+    def __init__(self, parser: Gemma4ReasoningParser, thinking: bool) -> None:
+        super().__init__(parser, thinking)
+        self.gemma = parser
+        self._inside = thinking
+        self._decided = thinking  # whether a leading label has been looked for
+        self._pos = 0  # text walked: the markers before it taken
+        self._parts = {True: "", False: ""}  # reasoning (True) and content (False) before _pos
+        markers = [parser.start, parser.end] + [t for t, _ in parser._implicit]
+        self._ids = {parser.start_id: parser.start, parser.end_id: parser.end, **{i: t for t, i in parser._implicit}}
+        self._pending = dict.fromkeys(markers, 0)  # tokens generated whose text is not yet taken
+        self._scanned = dict.fromkeys(markers, 0)  # no marker's text begins before its entry
+
+    def update(self, text: str, token_ids: Sequence[int], finished: bool = False) -> tuple[str, str]:
+        p = self.gemma
+        for token in token_ids[self._seen :]:
+            if token in self._ids:
+                self._pending[self._ids[token]] += 1
+        self._seen = len(token_ids)
+        if not self._decided:  # a reply that begins with the channel's label is reasoning
+            if text.startswith(p.label):
+                self._inside = self._decided = True
+            elif p.label.startswith(text) and not finished:
+                return "", ""
+            else:
+                self._decided = True
+        while found := self._next_marker(text):
+            at, marker = found
+            self._parts[self._inside] += text[self._pos : at]
+            self._pos = at + len(marker)
+            self._pending[marker] -= 1
+            if marker == p.start:
+                self._inside = True
+            elif marker == p.end:
+                self._inside = False  # (a stray one in the answer is dropped)
+            else:  # a tool call: the answer's, marker and all
+                self._inside = False
+                self._parts[False] += marker
+        reasoning, content = self._parts[True], self._parts[False]
+        if self._inside:
+            reasoning += text[self._pos :]
+        else:
+            content += text[self._pos :]
+        return self._without_label(reasoning, finished), content
+
+    def _next_marker(self, text: str) -> tuple[int, str] | None:
+        """The first marker after the walk whose token was generated, or None. Each marker's
+        search resumes where its last one left off: a stream is walked in linear time."""
+        best: tuple[int, str] | None = None
+        for marker, pending in self._pending.items():
+            if pending <= 0:
+                continue
+            at = text.find(marker, max(self._pos, self._scanned[marker]))
+            self._scanned[marker] = at if at >= 0 else max(0, len(text) - len(marker) + 1)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, marker)
+        return best
+
+    def _without_label(self, reasoning: str, finished: bool) -> str:
+        label = self.gemma.label
+        if reasoning.startswith(label):
+            return reasoning[len(label) :]
+        if label.startswith(reasoning) and (not finished or reasoning == label.rstrip()):
+            return ""  # may yet be the label: held back
+        return reasoning
+
+
 class HarmonySplit(ReasoningSplit):
     """A harmony reply's (reasoning, content) as it grows, each only growing: the messages' texts
     joined by newlines (vLLM's joining; empty ones left out), tool calls' messages in the content
@@ -375,5 +506,6 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
         Glm47ReasoningParser,
         MiniMaxM2ReasoningParser,
         GptOssReasoningParser,
+        Gemma4ReasoningParser,
     )
 }

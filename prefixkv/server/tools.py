@@ -542,6 +542,140 @@ class OpenAIToolParser(ToolParser):
         return rest or None, calls
 
 
+class Gemma4ToolParser(ToolParser):
+    """Gemma 4's calls, as vLLM's `gemma4` parser reads them: `<|tool_call>call:NAME{KEY:VALUE,...}
+    <tool_call|>`, a string between `<|"|>` delimiters, a number or boolean bare, objects `{...}`
+    and arrays `[...]` nested (a bare `:NAME{...}` too). Values are typed by the tool's schema,
+    nested ones by their `properties` and `items`; without a schema a bare value stays text (as
+    vLLM's). A call not closed runs to the end of the text; one without a name is no call; the text
+    around the calls is the content."""
+
+    marker = "<|tool_call>"
+    keeps_special_tokens = True
+    END = "<tool_call|>"
+    QUOTE = '<|"|>'
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        calls, outside, pos = [], [], 0
+        while (start := text.find(self.marker, pos)) >= 0:
+            outside.append(text[pos:start])
+            body_at = start + len(self.marker)
+            end = text.find(self.END, body_at)
+            call = self._call(text[body_at : end if end >= 0 else len(text)])
+            if call is not None:
+                calls.append(call)
+            pos = len(text) if end < 0 else end + len(self.END)
+        if not calls:
+            return text, []
+        outside.append(text[pos:])
+        return "".join(outside).strip() or None, calls
+
+    def _call(self, body: str) -> ToolCall | None:
+        body = body.strip()
+        body = body[len("call:") :] if body.startswith("call:") else body[1:] if body.startswith(":") else body
+        opens = [i for i in (body.find("{"), body.find("(")) if i >= 0]
+        name = body[: min(opens)].strip() if opens else body.strip()
+        if not name:
+            return None
+        args: dict[str, Any] = {}
+        if opens:
+            inner = body[min(opens) + 1 :].rstrip()
+            inner = inner[:-1] if inner.endswith(("}", ")")) else inner
+            args = self._object(inner)
+        schema = next(
+            (
+                (t.get("function") or {}).get("parameters")
+                for t in self.tools
+                if (t.get("function") or {}).get("name") == name
+            ),
+            None,
+        )
+        typed = self._typed(args, schema) if isinstance(schema, dict) else args
+        return ToolCall(function=FunctionCall(name=name, arguments=json.dumps(typed, ensure_ascii=False)))
+
+    def _typed(self, value: Any, schema: dict[str, Any]) -> Any:
+        if isinstance(value, str):
+            return coerce(value, schema)
+        if isinstance(value, dict):
+            properties = schema.get("properties")
+            if not isinstance(properties, dict):
+                return value
+            return {
+                k: self._typed(v, properties[k]) if isinstance(properties.get(k), dict) else v for k, v in value.items()
+            }
+        items = schema.get("items")
+        return [self._typed(v, items) for v in value] if isinstance(items, dict) else value
+
+    def _object(self, text: str) -> dict[str, Any]:
+        """`KEY:VALUE,...` as a dict (keys may be quoted too)."""
+        out: dict[str, Any] = {}
+        i, n = 0, len(text)
+        while i < n:
+            while i < n and text[i] in " ,\n\t":
+                i += 1
+            colon = text.find(":", i)
+            if i >= n or colon < 0:
+                break
+            key = text[i:colon].strip()
+            if key.startswith(self.QUOTE) and key.endswith(self.QUOTE) and len(key) >= 2 * len(self.QUOTE):
+                key = key[len(self.QUOTE) : -len(self.QUOTE)]
+            i = colon + 1
+            while i < n and text[i] in " \n\t":
+                i += 1
+            value, i = self._value(text, i, ",}]")
+            if value is not None:
+                out[key] = value
+        return out
+
+    def _array(self, text: str) -> list[Any]:
+        out: list[Any] = []
+        i, n = 0, len(text)
+        while i < n:
+            while i < n and text[i] in " ,\n\t":
+                i += 1
+            if i >= n:
+                break
+            value, i = self._value(text, i, ",]")
+            if value is None:
+                break
+            out.append(value)
+        return out
+
+    def _value(self, text: str, i: int, stops: str) -> tuple[Any, int]:
+        """The value at `i` and where it ends: a delimited string, a nested object or array (to its
+        matching bracket, delimited strings skipped), or bare text up to one of `stops`; None
+        where there is none."""
+        n = len(text)
+        if i >= n:
+            return "", n
+        if text.startswith(self.QUOTE, i):
+            close = text.find(self.QUOTE, i + len(self.QUOTE))
+            if close < 0:
+                return text[i + len(self.QUOTE) :], n
+            return text[i + len(self.QUOTE) : close], close + len(self.QUOTE)
+        if text[i] in "{[":
+            opener, closer = text[i], "}" if text[i] == "{" else "]"
+            depth, j = 1, i + 1
+            while j < n and depth:
+                if text.startswith(self.QUOTE, j):
+                    close = text.find(self.QUOTE, j + len(self.QUOTE))
+                    j = n if close < 0 else close + len(self.QUOTE)
+                    continue
+                depth += (text[j] == opener) - (text[j] == closer)
+                j += 1
+            inner = text[i + 1 : j - 1 if depth == 0 else j]
+            return (self._object(inner) if opener == "{" else self._array(inner)), j
+        j = i
+        while j < n and text[j] not in stops:
+            j += 1
+        if j == i:
+            return None, j + 1  # no value here: step past the stray character
+        return text[i:j].strip(), j
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
@@ -554,6 +688,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "pythonic": PythonicToolParser,
     "llama4_pythonic": Llama4PythonicToolParser,
     "openai": OpenAIToolParser,
+    "gemma4": Gemma4ToolParser,
 }
 
 

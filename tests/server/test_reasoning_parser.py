@@ -11,6 +11,7 @@ thinks on cue (tests/scripted_thinker.py: greedy, it answers "<think>hm</think>O
   reasoning;
 - /v1/responses makes a reasoning item before the message, streamed or not, and takes it back as
   input (vLLM's shapes); an earlier reasoning reaches the chat template;
+- Gemma 4's channel and its calls through the `gemma4` parsers (tests/scripted_gemma4.py);
 - after it all, every KV block is free."""
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import json
 import openai
 import pytest
 
+from ..scripted_gemma4 import write_scripted_gemma4
 from ..scripted_thinker import write_scripted_thinker
+from . import gemma4_parser_cases as gemma4
 
 pytestmark = pytest.mark.slow(seconds=20)
 HI = [{"role": "user", "content": "Hi"}]
@@ -243,3 +246,42 @@ def test_markers_that_are_special_tokens_are_read_too(make_server, tmp_path):
 def test_a_model_without_the_markers_is_refused_at_start(make_server):
     with pytest.raises(RuntimeError, match="the tokenizer has no '<think>' token"):
         make_server("--reasoning-parser", "deepseek_r1")
+
+
+def test_gemma4_reasons_in_a_channel_and_calls_a_tool(make_server, tmp_path):
+    """Gemma 4's markers (special tokens) through both of its parsers: the reply opens its own
+    channel ("<|channel>thought\\nhm<channel|>"), then calls get_weather with days 42, typed by
+    the tool's schema; streamed or not alike; a thinking budget is refused by name, since this
+    model opens its reasoning mid-reply."""
+    folder = write_scripted_gemma4(tmp_path / "model")
+    server = make_server(
+        "--model",
+        str(folder),
+        "--served-model-name",
+        "thinker",
+        "--reasoning-parser",
+        "gemma4",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "gemma4",
+    )
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
+    res = chat(client, tools=gemma4.TOOLS, max_tokens=32)
+    msg, choice = res.choices[0].message, res.choices[0]
+    assert (msg.reasoning, msg.content, choice.finish_reason) == ("hm", None, "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("get_weather", {"days": 42})
+    ]
+    # <|channel> thought\n h m <channel|> <|tool_call> call:get_weather{days: 4 2 } <tool_call|> <turn|>
+    assert res.usage.completion_tokens == 12 and res.usage.completion_tokens_details.reasoning_tokens == 3
+    reasoning, content, finish, calls, usage = streamed(client, tools=gemma4.TOOLS, max_tokens=32)
+    assert (reasoning, content, finish) == ("hm", "", "tool_calls")
+    assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
+    assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"days": 42}
+    assert usage.completion_tokens_details.reasoning_tokens == 3
+    # without tools the call is the answer's text
+    plain = chat(client, max_tokens=32).choices[0].message
+    assert (plain.reasoning, plain.content) == ("hm", "<|tool_call>call:get_weather{days:42}<tool_call|>")
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        chat(client, max_tokens=8, extra_body={"thinking_token_budget": 2})
+    server.wait_idle()

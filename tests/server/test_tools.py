@@ -20,6 +20,8 @@ from prefixkv.server.tools import (
     ToolStream,
 )
 
+from . import gemma4_parser_cases as gemma4
+
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
@@ -486,6 +488,44 @@ def test_glm_calls_read_as_vllm_reads_them(text, content, calls):
         got_content, got = TOOL_PARSERS[name](tools).extract(text)
         assert got_content == content
         assert [[c.function.name, c.function.arguments] for c in got] == calls
+
+
+# vLLM 0.32's `gemma4` parser on gemma4.CALLS with gemma4.TOOLS (`extract_tool_calls`): content, calls
+GEMMA4_VLLM = [
+    (None, [["get_weather", '{"location": "Tokyo", "days": 3}']]),
+    ("Let me check.", [["get_weather", '{"location": "San Francisco, CA"}'], ["get_time", '{"zone": "UTC"}']]),
+    (
+        None,
+        [
+            [
+                "search",
+                '{"query": "a {b} [c]", "filters": {"lang": "en", "max": 5}, "tags": ["x", "y"], "exact": true}',
+            ]
+        ],
+    ),
+    ("No call here.", []),
+    (None, [["get_weather", '{"location": "Paris"}']]),
+    (None, [["get_time", "{}"]]),
+    (None, [["get_weather", '{"days": 7, "ratio": "0.5", "flag": false}']]),
+    (None, [["unknown_tool", '{"a": "1", "b": ["1", "2"]}']]),
+    ("and more", [["get_weather", '{"location": "Oslo"}']]),
+]
+
+
+@pytest.mark.parametrize("at", range(len(gemma4.CALLS)))
+def test_gemma4_calls_read_as_vllm_reads_them(at):
+    text, (content, calls) = gemma4.CALLS[at], GEMMA4_VLLM[at]
+    got_content, got = TOOL_PARSERS["gemma4"](gemma4.TOOLS).extract(text)
+    assert (got_content if got else text) == (content if calls else text)
+    assert [[c.function.name, c.function.arguments] for c in got] == calls
+
+
+def test_gemma4_calls_without_a_name_or_a_schema():
+    parser = TOOL_PARSERS["gemma4"]()
+    assert parser.extract("Hi <|tool_call>call:{a:1}<tool_call|>") == ("Hi <|tool_call>call:{a:1}<tool_call|>", [])
+    _, (call,) = parser.extract('<|tool_call>call:f{s:<|"|>a:b,c<|"|>,n:-1.5e3,o:{}}<tool_call|>')
+    assert json.loads(call.function.arguments) == {"s": "a:b,c", "n": "-1.5e3", "o": {}}
+    assert parser.keeps_special_tokens  # its markers are special tokens: the text must keep them
 
 
 def test_a_stream_withholds_what_may_begin_a_call():
