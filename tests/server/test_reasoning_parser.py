@@ -284,4 +284,10 @@ def test_gemma4_reasons_in_a_channel_and_calls_a_tool(make_server, tmp_path):
     assert (plain.reasoning, plain.content) == ("hm", "<|tool_call>call:get_weather{days:42}<tool_call|>")
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         chat(client, max_tokens=8, extra_body={"thinking_token_budget": 2})
+    # /v1/responses: a reasoning item, then the call as a function_call item
+    tools = [{"type": "function", **t["function"]} for t in gemma4.TOOLS]
+    res = client.responses.create(model="thinker", input="Hi", tools=tools, max_output_tokens=32)
+    assert [i.type for i in res.output] == ["reasoning", "function_call"]
+    assert res.output[0].content[0].text == "hm" and res.output[1].name == "get_weather"
+    assert json.loads(res.output[1].arguments) == {"days": 42}
     server.wait_idle()
