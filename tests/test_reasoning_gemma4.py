@@ -117,3 +117,20 @@ def test_reasoning_tokens(tok, parser):
     assert count(ids(tok, "Paris"), False) == 0 and count(ids(tok, "hm<channel|>OK"), True) == 2
     assert count(ids(tok, "<|channel>a<channel|>b<|channel>cd<|tool_call>e"), False) == 3
     assert count(ids(tok, "thought\nhm<channel|>x"), False) == 3  # a reply that begins with the label
+
+
+def test_any_reply_splits_the_same_streamed_or_whole(tok, parser):
+    """Random replies of markers and text, from either start: the stream's parts only grow and
+    end where the whole reply's split does; nothing is lost but markers and the label."""
+    import random
+
+    pieces = ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "thought\n", "thought", "h", "m", "\n"]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 12)))
+        token_ids = ids(tok, text)
+        for thinking in (False, True):
+            whole = parser.split(thinking).update(text, token_ids, finished=True)
+            assert split_streamed(tok, parser, thinking, token_ids) == whole, (text, thinking)
+            kept = text.replace("<|channel>", "").replace("<channel|>", "").replace("thought", "").replace("\n", "")
+            assert sorted(kept) == sorted("".join(whole).replace("thought", "").replace("\n", "")), (text, whole)

@@ -584,7 +584,10 @@ class Gemma4ToolParser(ToolParser):
         if opens:
             inner = body[min(opens) + 1 :].rstrip()
             inner = inner[:-1] if inner.endswith(("}", ")")) else inner
-            args = self._object(inner)
+            try:
+                args = self._object(inner)
+            except RecursionError:  # nested past Python's stack: no call, the text stays content
+                return None
         schema = next(
             (
                 (t.get("function") or {}).get("parameters")

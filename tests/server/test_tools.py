@@ -528,6 +528,24 @@ def test_gemma4_calls_without_a_name_or_a_schema():
     assert parser.keeps_special_tokens  # its markers are special tokens: the text must keep them
 
 
+def test_gemma4_calls_of_any_text_never_raise():
+    """Whatever a model writes after the marker: a call or the text back, never an exception
+    (nesting past Python's stack included)."""
+    import random
+
+    parser = TOOL_PARSERS["gemma4"](gemma4.TOOLS)
+    deep = "<|tool_call>call:f{a:" + "[" * 5000 + "]" * 5000 + "}<tool_call|>"
+    assert parser.extract(deep) == (deep, [])
+    pieces = ["{", "}", "[", "]", ":", ",", '<|"|>', "a", "1", " ", "call:", "get_weather", "<tool_call|>"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "<|tool_call>" + "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 30)))
+        content, calls = parser.extract(text)
+        assert calls or content == text
+        for c in calls:
+            json.loads(c.function.arguments)
+
+
 def test_a_stream_withholds_what_may_begin_a_call():
     s = ToolStream(ToolPlan("auto", [], parser=HermesToolParser()))
     assert s.delta(0, "Hi <tool", None)[0] == "Hi "  # "<tool" may begin "<tool_call>": it waits
