@@ -95,10 +95,15 @@ class ReasoningParser:
                 return True
         return True
 
-    def grammar_gate(self) -> GrammarGate:
+    def grammar_gate(self, thinking: bool = True) -> GrammarGate | None:
+        """Where a grammar opens in a reply that starts in reasoning (`thinking`), or in one that
+        does not (None: at its first token, unless the model opens its reasoning itself)."""
         from .constraints.grammar import GrammarGate  # torch: imported when a grammar needs it
 
-        return GrammarGate(after=frozenset({self.end_id}), at=frozenset(i for _, i in self._implicit))
+        after, at = frozenset({self.end_id}), frozenset(i for _, i in self._implicit)
+        if thinking:
+            return GrammarGate(after=after, at=at)
+        return GrammarGate(after=after, at=at, first_unless=frozenset({self.start_id})) if self.opens_in_reply else None
 
     def thinking_budget(self, limit: int) -> ThinkingBudget:
         """vLLM's `thinking_token_budget`: after `limit` reasoning tokens (counted as
@@ -321,9 +326,10 @@ class GptOssReasoningParser(ReasoningParser):
     def thinks(self, prompt_token_ids: Sequence[int], template_options: Mapping[str, Any] | None = None) -> bool:
         return True  # every reply begins with a header; its channel says what the message is
 
-    def grammar_gate(self) -> GrammarGate:
+    def grammar_gate(self, thinking: bool = True) -> GrammarGate:
         """The grammar starts with the final channel's body: after `<|channel|>final<|message|>`
-        in a row (as the tokenizer spells "final"); analysis runs free, a tool call never opens it."""
+        in a row (as the tokenizer spells "final"); analysis runs free, a tool call never opens it.
+        (Every reply thinks: `thinks`.)"""
         from .constraints.grammar import GrammarGate
 
         return GrammarGate(after=frozenset(), after_run=self._final_header)
@@ -349,9 +355,10 @@ class Gemma4ReasoningParser(ReasoningParser):
     parser; a `<channel|>` in the answer is dropped; the channel's `thought\n` label is not part
     of the reasoning, and a reply that begins with that label (its opener left out) is reasoning.
 
-    Template options are not read: with `enable_thinking` the model opens the channel itself, so a
-    grammar (structured outputs) applies from the reply's first token, where vLLM's waits for a
-    channel to close; `thinking_token_budget` is refused unless the prompt opened the channel."""
+    Template options are not read: with `enable_thinking` the model opens the channel itself. A
+    grammar (structured outputs) constrains the answer alone: it opens at the reply's first token
+    unless that token opens a channel, then where the channel ends (`grammar_gate`).
+    `thinking_token_budget` is refused unless the prompt opened the channel."""
 
     name = "gemma4"
     start = "<|channel>"

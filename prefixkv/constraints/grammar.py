@@ -187,11 +187,16 @@ def fill_next(
     ok = [True] * len(grammars)
     taken = [0] * len(grammars)
     closed: set[int] = set()  # gated grammars still closed after their pending tokens
+    first: list[int] = []  # gated grammars whose next token is the reply's first (GrammarGate.first_unless)
     try:
         for i, (grammar, tokens) in enumerate(zip(grammars, pending)):
             m = grammar._matcher
             if grammar.gate is not None and not grammar.opened:
-                at = grammar.gate.opening(tokens, grammar.closed_tail)
+                at_start = grammar.num_accepted == 0
+                at = grammar.gate.opening(tokens, grammar.closed_tail, at_start)
+                if at is None and at_start and not tokens and grammar.gate.first_unless:
+                    first.append(i)  # the grammar's first tokens, and the openers added below
+                    continue
                 if at is None:
                     closed.add(i)
                     continue
@@ -217,6 +222,12 @@ def fill_next(
             else:
                 fill_rows = grammars[members[0]]._fill_rows
                 fill_rows([grammars[i]._matcher for i in members], bitmask, [rows[i] for i in members])
+        for i in first:
+            gate = grammars[i].gate
+            assert gate is not None
+            bits = bitmask[rows[i]].numpy().view(np.uint32)
+            for t in gate.first_unless:
+                bits[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
     finally:
         for grammar, n in zip(grammars, taken):
             if n:
@@ -235,10 +246,16 @@ class GrammarGate:
     after: frozenset[int]
     at: frozenset[int] = frozenset()
     after_run: tuple[int, ...] = ()
+    # the grammar opens at the reply's first token unless it is one of these (a model that opens
+    # its reasoning itself, Gemma 4's `<|channel>`): that first token is the grammar's or one of them
+    first_unless: frozenset[int] = frozenset()
 
-    def opening(self, tokens: Sequence[int], before: Sequence[int] = ()) -> int | None:
+    def opening(self, tokens: Sequence[int], before: Sequence[int] = (), at_start: bool = False) -> int | None:
         """Where the grammar's tokens begin in `tokens` (drawn while closed, after the closed
-        tokens `before`: their tail, which a run may begin in); None: still closed."""
+        tokens `before`: their tail, which a run may begin in; `at_start`: the first of them is the
+        reply's first); None: still closed."""
+        if at_start and self.first_unless and tokens and tokens[0] not in self.first_unless:
+            return 0
         run = self.after_run
         for j, token in enumerate(tokens):
             if token in self.after:
@@ -290,18 +307,21 @@ class RequestGrammar:
     def accept(self, token: int) -> None:
         self.num_accepted += 1
         if not self.opened:
-            assert self.gate is not None
-            if token in self.gate.after:
-                self.opened = True
-                return
-            run = self.gate.after_run
-            if run:
-                if self.gate.ends_run(self.closed_tail, [token]):
+            gate = self.gate
+            assert gate is not None
+            # the reply's first token is the grammar's unless it opens reasoning (first_unless)
+            if not (self.num_accepted == 1 and gate.first_unless and token not in gate.first_unless):
+                if token in gate.after:
                     self.opened = True
                     return
-                self.closed_tail = [*self.closed_tail, token][1 - len(run) :] if len(run) > 1 else []
-            if token not in self.gate.at:
-                return
+                run = gate.after_run
+                if run:
+                    if gate.ends_run(self.closed_tail, [token]):
+                        self.opened = True
+                        return
+                    self.closed_tail = [*self.closed_tail, token][1 - len(run) :] if len(run) > 1 else []
+                if token not in gate.at:
+                    return
             self.opened = True
         if not self._matcher.accept_token(token):
             self.num_accepted -= 1

@@ -174,7 +174,9 @@ class InputProcessor:
                 gate = self.reasoning.grammar_gate() if grammar is not None else None
                 if params.thinking_token_budget is not None:
                     budget = self.reasoning.thinking_budget(params.thinking_token_budget)
-            elif params.thinking_token_budget is not None and self.reasoning.opens_in_reply:
+            elif params.thinking_token_budget is None:
+                gate = self.reasoning.grammar_gate(thinking=False)  # a model that opens its reasoning itself
+            elif self.reasoning.opens_in_reply:
                 raise ValueError(
                     f"thinking_token_budget with --reasoning-parser {self.reasoning.name}: the model opens its "
                     f"reasoning ({self.reasoning.start}) itself, and the budget is counted only where the prompt "

@@ -103,3 +103,30 @@ def test_a_run_of_tokens_opens_it_booked_or_pending(tok, grammars):
         gated.accept(t)
     assert not gated.opened and allowed(gated, [b, *n]) == everything
     assert allowed(gated, [a, b, *n]) == everything  # cut short before c
+
+
+def test_a_reply_that_may_open_its_reasoning_itself(tok, grammars):
+    """`first_unless` (Gemma 4, which opens its channel mid-reply): the reply's first token is the
+    grammar's or the opener; answered at once, the grammar runs from the first token; opened,
+    the reasoning runs free until its end, as with a reply that starts in reasoning."""
+    compiled = grammars.compile(StructuredOutputsParams(regex="Yes|No"))
+    start, end, call = (tok.token_to_id(t) for t in ("<think>", "</think>", "<tool_call>"))
+    gate = GrammarGate(after=frozenset({end}), at=frozenset({call}), first_unless=frozenset({start}))
+    everything = set(range(grammars.matcher(compiled).num_words * 32))
+    n = tok.encode("N")
+    # the first token: the grammar's first tokens or the opener; drawn ahead, the grammar's
+    gated, plain = grammars.matcher(compiled, gate), grammars.matcher(compiled)
+    assert allowed(gated) == allowed(plain) | {start} and start not in allowed(plain)
+    assert allowed(gated, n) == allowed(plain, n)
+    assert allowed(gated, [start, *tok.encode("h")]) == everything - {call}  # opened reasoning: closed
+    # answered at once: the grammar's from the first token on
+    gated.accept(n[0])
+    plain.accept(n[0])
+    assert gated.opened and allowed(gated) == allowed(plain)
+    # reasoning first: free (but for a call the grammar could not begin with) until its end
+    thinking, fresh = grammars.matcher(compiled, gate), grammars.matcher(compiled)
+    for t in [start, *tok.encode("Hmm")]:
+        thinking.accept(t)
+        assert not thinking.opened and allowed(thinking) == everything - {call}
+    thinking.accept(end)
+    assert thinking.opened and allowed(thinking) == allowed(fresh)

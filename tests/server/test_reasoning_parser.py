@@ -251,8 +251,8 @@ def test_a_model_without_the_markers_is_refused_at_start(make_server):
 def test_gemma4_reasons_in_a_channel_and_calls_a_tool(make_server, tmp_path):
     """Gemma 4's markers (special tokens) through both of its parsers: the reply opens its own
     channel ("<|channel>thought\\nhm<channel|>"), then calls get_weather with days 42, typed by
-    the tool's schema; streamed or not alike; a thinking budget is refused by name, since this
-    model opens its reasoning mid-reply."""
+    the tool's schema; streamed or not alike; a grammar constrains the answer after the channel;
+    a thinking budget is refused by name, since this model opens its reasoning mid-reply."""
     folder = write_scripted_gemma4(tmp_path / "model")
     server = make_server(
         "--model",
@@ -284,6 +284,9 @@ def test_gemma4_reasons_in_a_channel_and_calls_a_tool(make_server, tmp_path):
     assert (plain.reasoning, plain.content) == ("hm", "<|tool_call>call:get_weather{days:42}<tool_call|>")
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         chat(client, max_tokens=8, extra_body={"thinking_token_budget": 2})
+    # a grammar constrains the answer alone: the channel runs free, then "ab" where the call was
+    forced = chat(client, max_tokens=16, extra_body={"structured_outputs": {"regex": "ab"}})
+    assert (forced.choices[0].message.reasoning, forced.choices[0].message.content) == ("hm", "ab")
     # /v1/responses: a reasoning item, then the call as a function_call item
     tools = [{"type": "function", **t["function"]} for t in gemma4.TOOLS]
     res = client.responses.create(model="thinker", input="Hi", tools=tools, max_output_tokens=32)
