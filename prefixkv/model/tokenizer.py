@@ -209,6 +209,13 @@ class TextStream:
         return ""
 
 
+def _gguf_special_id(meta: dict[str, Any], key: str, num_tokens: int, default: int | None = None) -> int | None:
+    """`tokenizer.ggml.{key}_token_id` of GGUF metadata (`default` where absent), None where it is
+    no token of the vocabulary."""
+    value = meta.get(f"tokenizer.ggml.{key}_token_id", default)
+    return None if value is None or not 0 <= int(value) < num_tokens else int(value)
+
+
 class Tokenizer:
     """Text <-> token ids, chat template rendering and streaming detokenization."""
 
@@ -456,20 +463,16 @@ class Tokenizer:
         """Gemma 4's vocabulary (gguf_gemma4_vocab.py); BOS always added and the tokens llama.cpp
         ends generation at (<eos>, <turn|>, <|tool_response>) beside the file's EOS."""
         tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
-
-        def special_id(key: str) -> int | None:
-            value = meta.get(f"tokenizer.ggml.{key}_token_id")
-            return None if value is None or not 0 <= int(value) < len(tokens) else int(value)
-
-        ends = [special_id("eos"), special_id("eot"), *(i for i, t in enumerate(tokens) if t in GEMMA4_END_TEXTS)]
+        eos, eot = _gguf_special_id(meta, "eos", len(tokens)), _gguf_special_id(meta, "eot", len(tokens))
+        ends = [eos, eot, *(i for i, t in enumerate(tokens) if t in GEMMA4_END_TEXTS)]
         return cls(
             build_gemma4_tokenizer(meta),
-            bos_token_id=special_id("bos"),
+            bos_token_id=_gguf_special_id(meta, "bos", len(tokens)),
             eos_token_ids=list(dict.fromkeys(x for x in ends if x is not None)),
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=True,
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            pad_token_id=special_id("padding"),
+            pad_token_id=_gguf_special_id(meta, "padding", len(tokens)),
         )
 
     @classmethod
@@ -479,22 +482,18 @@ class Tokenizer:
         recognizes by its text (Gemma's <end_of_turn>) ends generation where no eot_token_id is given."""
         tok = build_spm_tokenizer(meta)
         tokens = list(meta["tokenizer.ggml.tokens"])
-
-        def special_id(key: str, default: int | None) -> int | None:
-            value = meta.get(f"tokenizer.ggml.{key}_token_id", default)
-            return None if value is None or not 0 <= int(value) < len(tokens) else int(value)
-
-        eos = special_id("eos", SPM_DEFAULT_IDS["eos"])
-        eot = special_id("eot", None)
+        n = len(tokens)
+        eos = _gguf_special_id(meta, "eos", n, SPM_DEFAULT_IDS["eos"])
+        eot = _gguf_special_id(meta, "eot", n)
         if eot is None:
             eot = next((i for i, t in enumerate(tokens) if t in EOT_TEXTS), None)
         eos_ids = [x for x in (eos, eot) if x is not None]
         return cls(
             tok,
-            bos_token_id=special_id("bos", SPM_DEFAULT_IDS["bos"]),
+            bos_token_id=_gguf_special_id(meta, "bos", n, SPM_DEFAULT_IDS["bos"]),
             eos_token_ids=list(dict.fromkeys(eos_ids)),
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            pad_token_id=special_id("padding", None),
+            pad_token_id=_gguf_special_id(meta, "padding", n),
         )

@@ -115,6 +115,14 @@ class ToolParser:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
 
+    def parameters(self, name: str) -> Any:
+        """The JSON schema of the request's tool `name`'s parameters (None: no such tool, or none)."""
+        for tool in self.tools:
+            fn = tool.get("function") or {}
+            if fn.get("name") == name:
+                return fn.get("parameters")
+        return None
+
 
 class HermesToolParser(ToolParser):
     marker = "<tool_call>"
@@ -260,11 +268,7 @@ class Qwen3XmlToolParser(ToolParser):
         return out
 
     def _properties(self, name: str) -> Any:
-        for tool in self.tools:
-            fn = tool.get("function") or {}
-            if fn.get("name") == name:
-                return (fn.get("parameters") or {}).get("properties") or {}
-        return {}
+        return (self.parameters(name) or {}).get("properties") or {}
 
 
 class Glm45ToolParser(Qwen3XmlToolParser):
@@ -588,14 +592,7 @@ class Gemma4ToolParser(ToolParser):
                 args = self._object(inner)
             except RecursionError:  # nested past Python's stack: no call, the text stays content
                 return None
-        schema = next(
-            (
-                (t.get("function") or {}).get("parameters")
-                for t in self.tools
-                if (t.get("function") or {}).get("name") == name
-            ),
-            None,
-        )
+        schema = self.parameters(name)
         typed = self._typed(args, schema) if isinstance(schema, dict) else args
         return ToolCall(function=FunctionCall(name=name, arguments=json.dumps(typed, ensure_ascii=False)))
 
