@@ -53,46 +53,59 @@ constexpr int kRowTile = 8;     // rows per pass over a slab: 8 x 2 accumulators
 static_assert(kGroup % kPair == 0, "a task takes whole pairs");
 
 #ifdef PREFIXKV_SMALL_LINEAR_AVX2
-// MT rows (<= 3) times the two blocks of pair q. A 16-column block is two 8-lane registers, so 3
-// rows x 4 accumulators and a broadcast fill the 16 AVX2 registers (the weights of a step come in
-// partly as memory operands). Every output lane sums its products over K in the same order as the
-// AVX-512 tile, so the two builds give the same bits. The accumulators are indexed by constants
-// only (the epilogue copies them out first): an array indexed at run time stays in memory, and GCC
-// then stores all twelve to the stack at every step: 1.5-1.8x slower at 8-16 rows.
-template <int MT>
-inline void tile8(const float* x, int64_t ldx, const float* wp, int64_t steps, int64_t q, int64_t N,
-                  const float* bias, float* y, int64_t ldy) {
+// AVX2 (16 registers): one row at a time over both pairs of a task, the two pairs' weights read
+// side by side - two streams from memory in flight, not one. On an AMD Zen 2 a pair's weights
+// streamed alone (up to 3 rows in registers, the next rows from L2) read 19-27 GB/s; two streams
+// read 28-38 (gpt-oss-20b's 5,760 x 2,880 expert product, 2 threads, bench/small_linear.py). Two
+// streams for 2-3 rows at once would need 16-24 accumulators: more than the registers.
+// So K goes in chunks of kChunk steps: the first row reads a chunk from memory, every other row
+// reads it again from L1 (2 pairs x 128 steps x 128 bytes = 32 KB), and each row's accumulators
+// wait in `park` between chunks. Every output lane still sums its products over K in order, with
+// the same instructions as the AVX-512 tile and the blocked kernel: the same bits.
+constexpr int64_t kChunk = 128;
+constexpr int kTaskFloats = kGroup * kBlock;  // one row's outputs of a task: 64 columns
+
+// one row, NP pairs (pair_floats apart) from `w`, steps [p0, p1), accumulators from and to park
+template <int NP>
+inline void row_chunk(const float* x, const float* w, int64_t pair_floats, int64_t p0, int64_t p1, float* park) {
     constexpr int kStep = kPair * kBlock;  // floats of one step of a pair
-    constexpr int kVectors = kStep / 8;
-    __m256 acc[MT][kVectors];
-#pragma GCC unroll 3
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 4
-        for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm256_setzero_ps();
-    const float* w = wp + q * steps * kStep;
-    for (int64_t p = 0; p < steps; ++p, w += kStep) {
-        __m256 wv[kVectors];
-#pragma GCC unroll 4
-        for (int j = 0; j < kVectors; ++j) wv[j] = _mm256_loadu_ps(w + 8 * j);
-#pragma GCC unroll 3
-        for (int m = 0; m < MT; ++m) {
-            const __m256 xm = _mm256_broadcast_ss(x + m * ldx + p);
-#pragma GCC unroll 4
-            for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm256_fmadd_ps(wv[j], xm, acc[m][j]);
+    constexpr int kVectors = NP * kStep / 8;
+    __m256 acc[kVectors];
+#pragma GCC unroll 8
+    for (int j = 0; j < kVectors; ++j) acc[j] = _mm256_load_ps(park + 8 * j);
+    w += p0 * kStep;
+    for (int64_t p = p0; p < p1; ++p, w += kStep) {
+        const __m256 xp = _mm256_broadcast_ss(x + p);
+#pragma GCC unroll 8
+        for (int j = 0; j < kVectors; ++j) {
+            const float* wj = w + (j / 4) * pair_floats + 8 * (j % 4);
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wj), xp, acc[j]);
         }
     }
-    alignas(32) float out[MT][kStep];
-#pragma GCC unroll 3
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 4
-        for (int j = 0; j < kVectors; ++j) _mm256_store_ps(out[m] + 8 * j, acc[m][j]);
-    for (int b = 0; b < kPair; ++b) {
-        const int64_t col = (q * kPair + b) * kBlock;
+#pragma GCC unroll 8
+    for (int j = 0; j < kVectors; ++j) _mm256_store_ps(park + 8 * j, acc[j]);
+}
+
+// one task (the pairs [q0, q0 + NP)) for MT rows, K in chunks
+template <int NP>
+inline void task_rows(const float* x, int64_t ldx, const float* wp, int64_t steps, int64_t q0, int64_t mt, int64_t N,
+                      const float* bias, float* y, int64_t ldy) {
+    alignas(32) float park[kRowTile][kTaskFloats];
+    memset(park, 0, sizeof park);
+    constexpr int kStep = kPair * kBlock;
+    const int64_t pair_floats = steps * kStep;
+    const float* w = wp + q0 * pair_floats;
+    for (int64_t p0 = 0; p0 < steps; p0 += kChunk) {
+        const int64_t p1 = steps - p0 < kChunk ? steps : p0 + kChunk;
+        for (int64_t m = 0; m < mt; ++m) row_chunk<NP>(x + m * ldx, w, pair_floats, p0, p1, park[m]);
+    }
+    for (int b = 0; b < NP * kPair; ++b) {
+        const int64_t col = (q0 * kPair + b) * kBlock;
         if (col >= N) break;  // the zero block padding the last pair
         const int valid = N - col < kBlock ? static_cast<int>(N - col) : kBlock;
-        for (int m = 0; m < MT; ++m) {
+        for (int64_t m = 0; m < mt; ++m) {
             float* dst = y + m * ldy + col;
-            const float* src = out[m] + b * kBlock;
+            const float* src = park[m] + b * kBlock;
             if (bias == nullptr)
                 memcpy(dst, src, valid * sizeof(float));
             else
@@ -101,26 +114,17 @@ inline void tile8(const float* x, int64_t ldx, const float* wp, int64_t steps, i
     }
 }
 
-// MT rows of pair q, three at a time at most: each tile reads the pair's weights as one stream
-// (K x 128 bytes, from L2 again for the next rows). Tiles of one block (6 rows x 2 vectors, fewer
-// weight loads per multiply-add) read every other cache line a pass, and were slower at 3-8 rows
-// with the weights streaming from memory as in a model.
-template <int MT>
-inline void pair_rows(const float* x, int64_t ldx, const float* wp, int64_t steps, int64_t q, int64_t N,
-                      const float* bias, float* y, int64_t ldy) {
-    constexpr int kFirst = MT <= 3 ? MT : MT == 4 ? 2 : 3;  // 4 rows: 2 + 2, not 3 + 1
-    tile8<kFirst>(x, ldx, wp, steps, q, N, bias, y, ldy);
-    if constexpr (MT > kFirst)
-        pair_rows<MT - kFirst>(x + kFirst * ldx, ldx, wp, steps, q, N, bias, y + kFirst * ldy, ldy);
-}
-
-// one task: the pairs of blocks [b0, b0 + kGroup) for MT rows
+// one task: the pairs of blocks [b0, b0 + kGroup), both at once where the task has both
 template <typename T, int MT>
 inline void slab(const T* x, int64_t ldx, const T* wp, int64_t steps, int64_t b0, int64_t blocks, int64_t N,
                  const float* bias, T* y, int64_t ldy) {
     constexpr int kTaskPairs = kGroup / kPair;
+    static_assert(kTaskPairs == 2, "a task is two pairs: two streams");
     const int64_t q0 = b0 / kPair, pairs = (blocks + kPair - 1) / kPair;
-    for (int64_t q = q0; q < q0 + kTaskPairs && q < pairs; ++q) pair_rows<MT>(x, ldx, wp, steps, q, N, bias, y, ldy);
+    if (q0 + kTaskPairs <= pairs)
+        task_rows<2>(x, ldx, wp, steps, q0, MT, N, bias, y, ldy);
+    else
+        task_rows<1>(x, ldx, wp, steps, q0, MT, N, bias, y, ldy);
 }
 #else
 // MT rows (<= kRowTile) times the blocks of NP pairs from pair q on: MT x 2NP accumulators in
