@@ -14,10 +14,11 @@ The layers, bottom to top (a module may import its own layer and the layers belo
 
 1. foundation      cache/ (block identity, pool, eviction; imports nothing else of prefixkv),
                    outputs.py (RequestOutput and friends), progress.py (start-up stages), sizes.py (byte sizes),
-                   lazy_exports.py (a package's names imported on first use)
+                   lazy_exports.py (a package's names imported on first use), huge_pages.py (large
+                   CPU tensors on 2 MiB pages: the K/V caches, the weights' layouts)
 2. model           model/: configs, tokenizer, loader, decoders, kernels, and model/llava/
                    (the vision-language family's config, encoder, preprocessing and loader)
-3. memory          memory/: the per-block tensors and their one budget, huge pages
+3. memory          memory/: the per-block tensors and their one budget
 4. features        constraints/, lora/, multimodal/, stage_outputs/, kv_events/, tiers/, router/,
                    speculative/, reasoning.py:
                    each plugs into the engine through types it defines itself
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "prefixkv"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("cache", "outputs", "progress", "sizes", "lazy_exports")),
+    ("foundation", ("cache", "outputs", "progress", "sizes", "lazy_exports", "huge_pages")),
     ("model", ("model",)),
     ("memory", ("memory",)),
     (

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from .. import huge_pages
 from ..model import ModelConfig, kv_cache_block_shape
 from ..model.gated_delta import gated_delta_state_shapes
 from ..model.layer_kinds import LINEAR_ATTENTION, SHORT_CONV
 from ..model.mamba2 import RecurrentState, recurrent_state_shapes
-from . import huge_pages
 from .kv_groups import KVCacheGroups
 
 

@@ -8,6 +8,8 @@ import ctypes
 
 import torch
 
+from ... import huge_pages
+
 HEAD_DIMS = (32, 64, 128)
 MAX_GROUP = 16  # query heads per KV head the kernel takes (kMaxGroup in the source)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -165,7 +167,8 @@ def small_linear_layout(weight: torch.Tensor) -> torch.Tensor:
     pairs, block, pair = small_linear_pairs(N), SMALL_LINEAR_BLOCK, SMALL_LINEAR_PAIR
     columns, whole = block * pair, N // (block * pair)
     f32 = weight.dtype == torch.float32
-    out = torch.empty((pairs, K, pair, block) if f32 else (pairs, K // 2, pair, block, 2), dtype=weight.dtype)
+    # on huge pages where Linux offers them: a decode step streams every weight once (huge_pages.py)
+    out = huge_pages.empty((pairs, K, pair, block) if f32 else (pairs, K // 2, pair, block, 2), weight.dtype)
 
     def arranged(rows: torch.Tensor, count: int) -> torch.Tensor:
         if f32:

@@ -1,4 +1,4 @@
-"""The K/V caches on 2 MiB pages where Linux offers them (prefixkv/memory/huge_pages.py)."""
+"""The K/V caches on 2 MiB pages where Linux offers them (prefixkv/huge_pages.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixkv.memory import huge_pages
+from prefixkv import huge_pages
 from prefixkv.memory.block_tensors import BlockTensors, BlockTensorSpec
+from prefixkv.model.kernels import ops
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -87,3 +88,26 @@ def test_background_faulting_never_changes_what_is_written():
     rest[::7] = False
     assert torch.count_nonzero(t[rest]) == 0
     assert huge_bytes_at(t.data_ptr() + t.numel() * 2) >= 64 * huge_pages.HUGE_PAGE_BYTES
+
+
+def test_empty_below_a_huge_page_is_torch_empty():
+    t = huge_pages.empty((3, 5), torch.float32)
+    assert t.shape == (3, 5) and t.dtype == torch.float32 and t.is_contiguous()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always"), reason="no THP")
+def test_a_large_weights_layout_lies_on_huge_pages_and_multiplies_the_same():
+    """The native kernels' layout of a weight (what a decode step streams) is written into memory
+    advised before its first touch: huge pages, and the product of a copy on ordinary pages."""
+    if not ops.small_linear_available(torch.float32):
+        pytest.skip("no native float32 linear on this CPU")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(2080, 2048, generator=g)  # 17 MiB: 8 aligned huge pages inside, 65 pairs
+    packed = ops.small_linear_weight(weight)
+    assert packed is not None
+    assert huge_bytes_at(packed.data_ptr() + packed.numel() * 2) >= 4 * huge_pages.HUGE_PAGE_BYTES
+    plain = packed.clone()  # torch's own memory
+    x = torch.randn(3, 2048, generator=g)
+    assert torch.equal(ops.small_linear(x, packed, 2080), ops.small_linear(x, plain, 2080))
+    want = torch.nn.functional.linear(x, weight)  # the same products, summed in another order
+    torch.testing.assert_close(ops.small_linear(x, packed, 2080), want, rtol=1e-5, atol=1e-3)
