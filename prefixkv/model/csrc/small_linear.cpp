@@ -54,10 +54,11 @@ static_assert(kGroup % kPair == 0, "a task takes whole pairs");
 
 #ifdef PREFIXKV_SMALL_LINEAR_AVX2
 // AVX2 (16 registers): one row at a time over both pairs of a task, the two pairs' weights read
-// side by side - two streams from memory in flight, not one. On an AMD Zen 2 a pair's weights
-// streamed alone (up to 3 rows in registers, the next rows from L2) read 19-27 GB/s; two streams
-// read 28-38 (gpt-oss-20b's 5,760 x 2,880 expert product, 2 threads, bench/small_linear.py). Two
-// streams for 2-3 rows at once would need 16-24 accumulators: more than the registers.
+// side by side - two streams from memory in flight, not one. On an AMD Zen 2 (2 threads) one pair
+// streamed at a time (up to 3 rows in registers, the next rows from L2) read gpt-oss-20b's 5,760 x
+// 2,880 expert product at 21-31 GB/s with one row, two streams at 28-38; the default model's
+// products 1.3-1.6x faster at 1-8 rows (bench/small_linear.py, docs/benchmarks.md). Two streams
+// for 2-3 rows at once would need 16-24 accumulators: more than the registers.
 // So K goes in chunks of kChunk steps: the first row reads a chunk from memory, every other row
 // reads it again from L1 (2 pairs x 128 steps x 128 bytes = 32 KB), and each row's accumulators
 // wait in `park` between chunks. Every output lane still sums its products over K in order, with
