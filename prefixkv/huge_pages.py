@@ -111,8 +111,10 @@ def _advised_mapping(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.
     nbytes = numel * dtype.itemsize
     if _madvise is None or nbytes < HUGE_PAGE_BYTES:
         return None
-    # private: a shared anonymous mapping is shmem, whose huge pages follow another setting
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)  # anonymous, zero-filled
+    try:  # private: a shared anonymous mapping is shmem, whose huge pages follow another setting
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)  # anonymous, zero-filled
+    except OSError:  # out of mappings (vm.max_map_count) or of address space: malloc's memory then
+        return None
     probe = ctypes.c_char.from_buffer(region)
     base = ctypes.addressof(probe)
     del probe  # a live export would keep the region from ever being unmapped

@@ -111,3 +111,17 @@ def test_a_large_weights_layout_lies_on_huge_pages_and_multiplies_the_same():
     assert torch.equal(ops.small_linear(x, packed, 2080), ops.small_linear(x, plain, 2080))
     want = torch.nn.functional.linear(x, weight)  # the same products, summed in another order
     torch.testing.assert_close(ops.small_linear(x, packed, 2080), want, rtol=1e-5, atol=1e-3)
+
+
+def test_without_a_mapping_the_tensors_are_ordinary_ones(monkeypatch):
+    """Where the process may not map more (vm.max_map_count, address space), large tensors come
+    from malloc as before: the advice is speed, never a failure."""
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    t = huge_pages.zeros((4, 1 << 20), torch.float32)
+    assert t.shape == (4, 1 << 20) and torch.count_nonzero(t) == 0
+    e = huge_pages.empty((4, 1 << 20), torch.float32)
+    assert e.shape == (4, 1 << 20) and e.is_contiguous()
