@@ -86,11 +86,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: str = "now") -> 
     `populate`: "now" faults every page in before returning (no fault mid-step); "background"
     leaves that to a thread where the kernel can do it without writes (MADV_POPULATE_WRITE), else
     does it now (see the module doc)."""
-    mapped = _advised_mapping(shape, dtype)
-    if mapped is None:
+    tensor = _advised_mapping(shape, dtype)
+    if tensor is None:
         return torch.zeros(shape, dtype=dtype)
-    tensor, address = mapped
-    if populate == "background" and _populate_in_background(address, tensor.numel() * dtype.itemsize, tensor):
+    if populate == "background" and _populate_in_background(tensor.data_ptr(), tensor.numel() * dtype.itemsize, tensor):
         return tensor
     return tensor.zero_()  # the first touch: the advised region faults in as huge pages now, not mid-step
 
@@ -99,14 +98,14 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor for the caller to write in full (a weight's layout), on huge pages where the
     system allows: a mapping of its own as in `zeros`, its pages faulted in by that first write.
     Below a huge page, or where Linux offers none, torch.empty's."""
-    mapped = _advised_mapping(shape, dtype)
-    return torch.empty(shape, dtype=dtype) if mapped is None else mapped[0]
+    tensor = _advised_mapping(shape, dtype)
+    return torch.empty(shape, dtype=dtype) if tensor is None else tensor
 
 
-def _advised_mapping(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
+def _advised_mapping(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """A tensor on an anonymous mapping of its own, starting on a huge page boundary, advised and
-    untouched (zero when read), and its address; None below a huge page or where there is no
-    madvise."""
+    untouched (zero when read); None below a huge page, where there is no madvise, or where the
+    mapping is refused."""
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if _madvise is None or nbytes < HUGE_PAGE_BYTES:
@@ -121,7 +120,7 @@ def _advised_mapping(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.
     offset = -base % HUGE_PAGE_BYTES
     tensor = torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
     advise_huge_pages(tensor)
-    return tensor, base + offset
+    return tensor
 
 
 def _populate_write(address: int, nbytes: int) -> bool:
