@@ -102,9 +102,7 @@ def sampling_text(fields: dict[str, float | int]) -> str:
 # A decode step is timed as (time of 33 output tokens - time of 17) / 16, past every prompt's
 # prefill, not against one output token: a scheduler that prefills in chunks (vLLM: 4,096 tokens a
 # step on a CPU) runs the first sequences' decode steps inside the later prompts' prefill steps,
-# and those steps then cost nothing in the difference. With 8 x 2,000-token prompts (AMD EPYC Zen
-# 3, one round each) vLLM's step came out at 48.6 ms that way, under its own 104 ms for 256-token
-# prompts, and 372 ms this way; prefixkv's at 151 and 107 ms.
+# and those steps then cost nothing in the difference (docs/benchmarks.md, "Zen 3 again").
 DECODE_STEPS = 16
 
 KERNELS_OFF = "prefixkv, kernels off"
